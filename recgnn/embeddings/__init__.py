@@ -1,0 +1,34 @@
+"""Embedding backends. `base` holds the specs, the contract and the plan; each other module
+is one backend, registered by its module name."""
+
+from recgnn.embeddings.base import (
+  PAD,
+  Backend,
+  MemoryReport,
+  OptimizerSpec,
+  PlanDoesNotFit,
+  TableSpec,
+  available_backends,
+  check_memory,
+  format_plan,
+  make_backend,
+  parse_backend,
+  pool,
+  resolve_plan,
+)
+
+__all__ = [
+  "PAD",
+  "Backend",
+  "MemoryReport",
+  "OptimizerSpec",
+  "PlanDoesNotFit",
+  "TableSpec",
+  "available_backends",
+  "check_memory",
+  "format_plan",
+  "make_backend",
+  "parse_backend",
+  "pool",
+  "resolve_plan",
+]

@@ -1,0 +1,80 @@
+"""What the shared trainer needs from a problem (CTR prediction, node classification, ...).
+
+The trainer (`recgnn.train.loop`) owns the embedding backends, the optax optimizer of the
+dense params, the jitted steps, checkpoints, profiling and logging. A task owns its data,
+model, loss and metrics. A task never sees a backend: it receives pooled embeddings.
+
+A batch is a dict of numpy arrays with static shapes (pad the last batch and mark the padding
+with a zero in "weight") and one reserved key:
+  batch["ids"] = {table_name: int32[B, L]}   ids of each table's bags, -1 = padding
+The trainer turns those into pooled embeddings {table_name: float32[B, D]} (pooling from the
+table's spec) and passes them to `loss` / `predict`; everything else in the batch is the
+task's own.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from recgnn.embeddings import TableSpec
+
+Batch = dict[str, Any]
+PyTree = Any
+
+
+class Task(abc.ABC):
+  """One learning problem. Constructed with the experiment's whole (locked) config."""
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    self.config = config
+
+  @abc.abstractmethod
+  def tables(self) -> list[TableSpec]:
+    """The embedding tables (may be empty). Their names are the keys of batch['ids']."""
+
+  @abc.abstractmethod
+  def init_params(self, key: jax.Array, batch: Batch, embeddings: dict[str, jax.Array]) -> PyTree:
+    """Dense (non-embedding) params, from one example batch."""
+
+  @abc.abstractmethod
+  def loss(
+    self,
+    params: PyTree,
+    batch: Batch,
+    embeddings: dict[str, jax.Array],
+    key: jax.Array,
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Training loss (a scalar; mean over the batch's weighted examples) and scalar aux
+    metrics. Pure and jit-able; `key` for dropout."""
+
+  @abc.abstractmethod
+  def predict(self, params: PyTree, batch: Batch, embeddings: dict[str, jax.Array]) -> PyTree:
+    """Eval outputs for one batch (a dict of arrays, e.g. scores, labels, weight). Jit-able."""
+
+  @abc.abstractmethod
+  def metrics(self, outputs: list[dict[str, np.ndarray]]) -> dict[str, float]:
+    """Host side: the eval metrics from every eval batch's `predict` outputs."""
+
+  @abc.abstractmethod
+  def train_batches(self, start_step: int = 0) -> Iterator[Batch]:
+    """Training batches from step `start_step` on, deterministic given the config's seed,
+    so that a resumed run sees exactly the batches an uninterrupted one would."""
+
+  @abc.abstractmethod
+  def eval_batches(self, split: str) -> Iterable[Batch]:
+    """Eval batches of `split` ('valid' or 'test')."""
+
+  def describe(self) -> str:
+    """Lines printed before training (dataset, sizes, baselines)."""
+    return ""
+
+  def final_report(self, results: dict[str, float]) -> dict[str, float]:
+    """Extra numbers to report beside the final metrics (e.g. oracle AUC). Host side."""
+    del results
+    return {}
