@@ -22,6 +22,4 @@ def make_mesh(data: int = 1, table: int | None = None) -> jax.sharding.Mesh:
   if data * table > n:
     raise ValueError(f"mesh {data}x{table} needs {data * table} devices; {n} available")
   devices = np.asarray(jax.devices()[: data * table]).reshape(data, table)
-  return jax.sharding.Mesh(
-    devices, (DATA, TABLE), axis_types=(jax.sharding.AxisType.Auto,) * 2
-  )
+  return jax.sharding.Mesh(devices, (DATA, TABLE), axis_types=(jax.sharding.AxisType.Auto,) * 2)

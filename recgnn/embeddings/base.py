@@ -367,9 +367,7 @@ def available_backends() -> list[str]:
   """Backend names: the modules of this package that export BACKEND."""
   import recgnn.embeddings as pkg
 
-  return sorted(
-    m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name not in _NOT_BACKENDS
-  )
+  return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name not in _NOT_BACKENDS)
 
 
 def parse_backend(text: str) -> tuple[str, dict[str, Any]]:
