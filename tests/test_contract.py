@@ -59,9 +59,9 @@ def test_dense_matches_numpy_reference():
       np.testing.assert_allclose(trace.lookups[step], rows, rtol=1e-5, atol=1e-6)
       g = np.asarray(testing.grads_for(step, jax.numpy.asarray(rows, np.float32)), np.float64)
       g_row = np.zeros_like(table)
-      for (b, l), i in np.ndenumerate(ids):
+      for (b, slot), i in np.ndenumerate(ids):
         if i >= 0:
-          g_row[i] += g[b, l]
+          g_row[i] += g[b, slot]
       touched = np.unique(ids[ids >= 0])
       if opt.name == "sgd":
         table[touched] -= opt.learning_rate * g_row[touched]
