@@ -11,7 +11,9 @@ The contract, for one table (`Backend`):
   lookup(state, prepared)      jit-able: -> float32[B, L, D]; padded positions are 0
   update(state, prepared, g)   jit-able: g = d loss / d lookup, float32[B, L, D] -> new state;
                                sparse (cost O(B * L * D), never O(rows)), state donated
-  sync(state)                  write caches back; afterwards `state` alone describes the table
+  sync(state)                  write caches back; afterwards `state` alone describes the table.
+                               Batches already prepared (the input thread runs up to
+                               testing.PREFETCH batches ahead of the step) must stay valid
   state_sharding(mesh)         shardings of `state` for jit and checkpoints (None: default)
   memory()                     bytes on device / host, known before anything is allocated
   table(state)                 the logical float32[N, D] table (tests, export; O(N), never

@@ -7,6 +7,7 @@ jitted update with the state donated, sync at the end) and compare with the refe
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 
@@ -15,6 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from recgnn.embeddings import base
+
+# Batches the trainer's input thread prepares ahead of the step (recgnn.train.loop uses it).
+PREFETCH = 2
 
 
 def zipf_ids(
@@ -70,8 +74,10 @@ def run(
   batches: Sequence[np.ndarray],
   key: jax.Array | None = None,
   mesh=None,
+  prefetch: int = PREFETCH,
 ) -> Trace:
-  """Train one table for len(batches) steps the way the trainer does."""
+  """Train one table for len(batches) steps the way the trainer does, including the input
+  thread running `prefetch` batches ahead (prepare of batch k + prefetch before update k)."""
   backend = base.make_backend(backend_text, spec)
   key = jax.random.key(0) if key is None else key
   state = backend.init(key, mesh)
@@ -79,9 +85,16 @@ def run(
   update = jax.jit(backend.update, donate_argnums=0)
   grads = jax.jit(grads_for, static_argnums=0)
   lookups = []
-  for step, ids in enumerate(batches):
-    upcoming = list(batches[step + 1 : step + 1 + backend.lookahead])
-    prepared = backend.prepare(ids, upcoming)
+  # The trainer's input thread prepares up to PREFETCH batches ahead of the step, so
+  # prepare(k + PREFETCH) may run before update(k): replay exactly that interleaving.
+  queue = collections.deque()
+  ahead = 0
+  for step in range(len(batches)):
+    while ahead < len(batches) and ahead <= step + prefetch:
+      upcoming = list(batches[ahead + 1 : ahead + 1 + backend.lookahead])
+      queue.append(backend.prepare(batches[ahead], upcoming))
+      ahead += 1
+    prepared = queue.popleft()
     rows = lookup(state, prepared)
     lookups.append(np.asarray(rows))
     state = update(state, prepared, grads(step, rows))
