@@ -1,0 +1,67 @@
+"""DLRM, reference Kaggle config (dim 16, MLPs 13-512-256-64-16 / 367-512-256-1), every table dense.
+
+With no --config.data.path, trains on the embedded synthetic Criteo-format dataset (planted
+model, known oracle AUC). With --config.data.path=/path/to/train.txt, on the real Kaggle data
+(converted once to a binary cache under data.cache_dir; the reference 7-day split).
+"""
+
+import ml_collections
+
+from recgnn.data import criteo
+
+
+def get_config(arg=None):
+  del arg
+  c = ml_collections.ConfigDict()
+  c.task = "ctr"
+  c.seed = 0
+
+  c.data = ml_collections.ConfigDict()
+  c.data.path = ""  # train.txt, or comma-separated day_N files (then split=last_file)
+  c.data.split = "kaggle"
+  c.data.cache_dir = "~/.cache/recgnn"
+  c.data.categorical = "frequency"  # or "hash" (then hash_sizes)
+  c.data.min_count = 1
+  c.data.hash_sizes = (40_000_000,)  # one size for all tables, or 26
+  c.data.max_bad_lines = 100
+  c.data.max_bad_fraction = 0.0
+  c.data.synthetic = ml_collections.ConfigDict()
+  c.data.synthetic.rows = 7_000_000
+  c.data.synthetic.scale = 0.002  # Kaggle cardinalities x scale
+  c.data.synthetic.seed = 0
+
+  c.model = ml_collections.ConfigDict()
+  c.model.bottom = (512, 256, 64, 16)
+  c.model.top = (512, 256, 1)
+
+  c.embeddings = ml_collections.ConfigDict()
+  c.embeddings.dim = 16
+  c.embeddings.initializer = "uniform"
+  c.embeddings.optimizer = ml_collections.ConfigDict(
+    {"name": "rowwise_adagrad", "learning_rate": 0.05, "eps": 1e-8, "initial_accumulator": 0.0}
+  )
+  # (regex over table names, backend); first match wins.
+  c.embeddings.plan = [(".*", "dense")]
+
+  c.optimizer = ml_collections.ConfigDict(
+    {"name": "adam", "learning_rate": 1e-3, "weight_decay": 0.0, "warmup_steps": 0}
+  )
+
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 2048
+  c.train.eval_batch_size = 16384
+  c.train.shuffle = True
+  c.train.steps = 2000
+  c.train.log_every = 100
+  c.train.eval_every = 0  # 0: evaluate only at the end
+  c.train.eval_split = "valid"
+  c.train.final_eval_splits = ("valid", "test")
+  c.train.checkpoint_every = 1000
+  c.train.keep_checkpoints = 2
+
+  c.device_memory_budget = ""  # e.g. "2G": refuse plans that need more device memory
+  return c
+
+
+# Real Kaggle table sizes, for memory plans and compression ratios without the data.
+KAGGLE_CARDINALITIES = criteo.KAGGLE_CARDINALITIES

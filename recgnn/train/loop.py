@@ -1,0 +1,363 @@
+"""The trainer: one loop for every task and every embedding backend.
+
+  input thread:  task batches (+ eval batches at their steps) -> backend.prepare per table
+                 (dedup, cache planning, prefetch; sees `lookahead` upcoming batches)
+                 -> device_put -> a bounded queue (testing.PREFETCH deep)
+  main thread:   jitted train step (state donated) ... metrics read only every log_every steps;
+                 eval, checkpoints (backends synced first), profiler trace, TensorBoard.
+
+Every `prepare` call happens on the input thread, in stream order, eval batches included,
+so stateful backends (device caches) see one consistent sequence of batches.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+import json
+import os
+import pkgutil
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from recgnn.embeddings import base, testing
+from recgnn.tasks.base import Task
+from recgnn.train import checkpoint as ckpt_lib
+from recgnn.train import step as step_lib
+
+
+def log(msg: str) -> None:
+  print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def available_tasks() -> list[str]:
+  import recgnn.tasks as pkg
+
+  return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name != "base")
+
+
+def load_task(config: ml_collections.ConfigDict) -> Task:
+  """Instantiate `recgnn.tasks.<config.task>.TASK(config)`."""
+  names = available_tasks()
+  if config.task not in names:
+    raise ValueError(f"Unknown task {config.task!r}; available: {', '.join(names)}")
+  module = importlib.import_module(f"recgnn.tasks.{config.task}")
+  return module.TASK(config)
+
+
+def parse_steps(text: str | None) -> tuple[int, int] | None:
+  """'100:120' -> (100, 120): profile steps [100, 120)."""
+  if not text:
+    return None
+  try:
+    a, b = (int(x) for x in text.split(":"))
+  except ValueError:
+    raise ValueError(f"--profile_steps must look like START:STOP, got {text!r}") from None
+  if not 0 <= a < b:
+    raise ValueError(f"--profile_steps {text!r}: need 0 <= START < STOP")
+  return a, b
+
+
+def parse_bytes(text: str | None) -> int | None:
+  """'512M', '2G', '1.5GiB', '1000000' -> bytes."""
+  if text in (None, ""):
+    return None
+  t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+  mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+  if t and t[-1] in mult:
+    return int(float(t[:-1]) * mult[t[-1]])
+  return int(float(t))
+
+
+# ----------------------------------------------------------------------------- input thread
+
+
+@dataclasses.dataclass
+class Item:
+  kind: str  # "train" | "eval" | "eval_end"
+  split: str | None
+  batch: Any
+  prepared: Any
+
+
+def _stream(task: Task, start: int, total: int, eval_every: int, eval_split: str, final):
+  """Train batches with eval passes inserted after their steps; then the final evals."""
+  train = task.train_batches(start)
+  for s in range(start, total):
+    try:
+      batch = next(train)
+    except StopIteration:
+      raise RuntimeError(f"{type(task).__name__}.train_batches ended at step {s}; "
+                         "it must cycle over epochs") from None
+    yield "train", None, batch
+    if eval_every and (s + 1) % eval_every == 0 and s + 1 < total:
+      for b in task.eval_batches(eval_split):
+        yield "eval", eval_split, b
+      yield "eval_end", eval_split, None
+  for split in final:
+    for b in task.eval_batches(split):
+      yield "eval", split, b
+    yield "eval_end", split, None
+
+
+class InputThread:
+  """Runs backend.prepare and device_put ahead of the step on a background thread."""
+
+  def __init__(self, stream: Iterator, backends: dict[str, base.Backend], depth: int):
+    self._backends = backends
+    self._lookahead = max([b.lookahead for b in backends.values()] + [0])
+    self._queue: queue.Queue = queue.Queue(maxsize=depth)
+    self._stop = threading.Event()
+    self.busy_seconds = 0.0
+    self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
+    self._thread.start()
+
+  def _run(self, stream):
+    try:
+      window: collections.deque = collections.deque()
+      it = iter(stream)
+      exhausted = False
+
+      def refill():
+        nonlocal exhausted
+        while not exhausted and len(window) < self._lookahead + 1:
+          try:
+            window.append(next(it))
+          except StopIteration:
+            exhausted = True
+
+      refill()
+      while window and not self._stop.is_set():
+        kind, split, batch = window.popleft()
+        refill()
+        t0 = time.perf_counter()
+        prepared = None
+        if batch is not None:
+          upcoming = [w[2]["ids"] for w in window if w[2] is not None]
+          prepared = {
+            n: b.prepare(batch["ids"][n], [u[n] for u in upcoming[: b.lookahead]])
+            for n, b in self._backends.items()
+          }
+          prepared, batch = jax.device_put((prepared, batch))
+        self.busy_seconds += time.perf_counter() - t0
+        self._put(Item(kind, split, batch, prepared))
+      self._put(None)
+    except BaseException as e:  # forwarded to the main thread, which re-raises
+      self._put(e)
+
+  def _put(self, item):
+    while not self._stop.is_set():
+      try:
+        self._queue.put(item, timeout=0.1)
+        return
+      except queue.Full:
+        continue
+
+  def get(self) -> Item | None:
+    item = self._queue.get()
+    if isinstance(item, BaseException):
+      raise item
+    return item
+
+  def close(self):
+    self._stop.set()
+    self._thread.join(timeout=5)
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+class _Sigterm:
+  """Turns SIGTERM into a flag the loop checks after each step (checkpoint, then exit)."""
+
+  def __init__(self):
+    self.received = False
+    self._old = None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._old = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.received = True
+
+  def __exit__(self, *exc):
+    if self._old is not None:
+      signal.signal(signal.SIGTERM, self._old)
+
+
+def _summary_writer(workdir: str):
+  try:
+    from tensorboardX import SummaryWriter
+  except ImportError:  # scalars still go to metrics.jsonl
+    return None
+  return SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+
+def _sync_all(backends, state: step_lib.TrainState) -> step_lib.TrainState:
+  return state.replace(emb={n: b.sync(state.emb[n]) for n, b in backends.items()})
+
+
+def train(
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  *,
+  resume: bool = False,
+  profile_steps: tuple[int, int] | None = None,
+  device_memory_budget: int | None = None,
+  stop_after: int | None = None,
+) -> Result:
+  """Train `config` in `workdir`; returns the final metrics (also in workdir/results.json).
+
+  stop_after: stop (with a checkpoint) after this many steps of this call, as if killed;
+  used to test that resuming reproduces an uninterrupted run.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  tcfg = config.train
+  task = load_task(config)
+  log(task.describe())
+  specs = task.tables()
+  backends = base.resolve_plan(list(map(tuple, config.embeddings.plan)), specs, log=False)
+  log("Embedding plan (bytes before allocation):\n" + base.format_plan(backends))
+  if device_memory_budget is None and config.get("device_memory_budget"):
+    device_memory_budget = parse_bytes(config.device_memory_budget)
+  base.check_memory(backends, device_memory_budget)
+
+  tx = step_lib.make_optimizer(config.optimizer)
+  key = jax.random.key(config.seed)
+  example = next(iter(task.eval_batches("valid")))
+  state = step_lib.init_state(task, backends, tx, key, example)
+  n_params = sum(x.size for x in jax.tree.leaves(state.params))
+  log(f"Dense params: {n_params:,}")
+
+  ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=tcfg.get("keep_checkpoints", 2))
+  start = 0
+  if resume and ckpt.latest_step() is not None:
+    state = ckpt.restore(state)
+    state = state.replace(emb={n: b.restore(state.emb[n]) for n, b in backends.items()})
+    start = int(state.step)
+    log(f"Resumed from checkpoint at step {start} in {ckpt.directory}")
+  elif resume:
+    log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
+
+  total = tcfg.steps
+  train_step = step_lib.jit_train_step(task, backends, tx)
+  eval_step = step_lib.jit_eval_step(task, backends)
+  final_splits = tuple(tcfg.get("final_eval_splits", ("valid", "test")))
+  end = total if stop_after is None else min(total, start + stop_after)
+  stream = _stream(
+    task, start, end, tcfg.eval_every, tcfg.get("eval_split", "valid"),
+    final_splits if end == total else (),
+  )
+  inputs = InputThread(stream, backends, depth=testing.PREFETCH)
+  writer = _summary_writer(workdir)
+  metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+
+  def write_scalars(step: int, scalars: dict[str, float]):
+    metrics_file.write(json.dumps({"step": step, **scalars}) + "\n")
+    metrics_file.flush()
+    if writer is not None:
+      for k, v in scalars.items():
+        writer.add_scalar(k, v, step)
+
+  results: dict[str, Any] = {}
+  pending: list = []  # device metrics since the last log; read only at log time
+  eval_outputs: list = []
+  step = start
+  t_last, step_last = time.perf_counter(), start
+  batch_size = None
+  profiling = False
+  interrupted = False
+  try:
+    with _Sigterm() as sigterm:
+      while True:
+        item = inputs.get()
+        if item is None:
+          break
+        if item.kind == "train":
+          if profile_steps and step == profile_steps[0]:
+            jax.profiler.start_trace(os.path.join(workdir, "profile"))
+            profiling = True
+          with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            state, m = train_step(state, item.prepared, item.batch)
+          pending.append(m)
+          step += 1
+          if batch_size is None:
+            batch_size = int(jax.tree.leaves(item.batch)[0].shape[0])
+          if profiling and step >= profile_steps[1]:
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+            profiling = False
+            log(f"Profile of steps {profile_steps[0]}:{profile_steps[1]} written to "
+                f"{os.path.join(workdir, 'profile')} (open with TensorBoard or Perfetto)")
+          if step % tcfg.log_every == 0 or step == end:
+            host = jax.device_get(pending)  # the loop's only regular host sync
+            pending = []
+            now = time.perf_counter()
+            scalars = {k: float(np.mean([h[k] for h in host])) for k in host[0]}
+            rate = (step - step_last) * batch_size / max(now - t_last, 1e-9)
+            scalars["samples_per_second"] = rate
+            for n, b in backends.items():
+              scalars.update({f"{n}/{k}": v for k, v in b.stats().items()})
+            write_scalars(step, scalars)
+            log(f"step {step:>7}/{total}  loss {scalars['loss']:.5f}  {rate:,.0f} samples/s")
+            t_last, step_last = now, step
+          if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < end:
+            state = _sync_all(backends, state)
+            ckpt.save(state, step)
+          if sigterm.received:
+            log(f"SIGTERM at step {step}: saving a checkpoint and stopping")
+            interrupted = True
+            break
+        elif item.kind == "eval":
+          eval_outputs.append(eval_step(state, item.prepared, item.batch))
+        else:  # eval_end
+          res = task.metrics(jax.device_get(eval_outputs))
+          eval_outputs = []
+          write_scalars(step, {f"{item.split}/{k}": v for k, v in res.items()})
+          log(f"eval {item.split} @ step {step}: "
+              + "  ".join(f"{k} {v:.5f}" for k, v in res.items()))
+          results.update({f"{item.split}/{k}": v for k, v in res.items()})
+  finally:
+    inputs.close()
+    if profiling:
+      jax.profiler.stop_trace()
+    state = _sync_all(backends, state)
+    if step > start or interrupted:
+      ckpt.save(state, step)
+    ckpt.close()
+    metrics_file.close()
+    if writer is not None:
+      writer.close()
+
+  results["step"] = step
+  results["input_thread_seconds"] = inputs.busy_seconds
+  if step == total:
+    results.update(task.final_report(results))
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+      json.dump(results, f, indent=2, sort_keys=True)
+  return Result(metrics=results, state=state, backends=backends)
+
+
+@dataclasses.dataclass
+class Result:
+  """What `train` returns: final metrics (also in results.json), the synced state, backends."""
+
+  metrics: dict[str, Any]
+  state: step_lib.TrainState
+  backends: dict[str, base.Backend]
+

@@ -1,0 +1,131 @@
+"""recgnn entry point.
+
+  python run.py --experiment=dlrm_kaggle [--workdir=DIR] [--config.train.steps=100] ...
+  python run.py --list
+
+--experiment=NAME loads experiments/NAME.py:get_config() (NAME:ARG passes ARG to it). The
+config is locked: a misspelt --config.x.y override fails at once, listing the valid keys.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+import pkgutil
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+import experiments
+
+_EXPERIMENT = flags.DEFINE_string("experiment", None, "Experiment name (see --list).")
+_LIST = flags.DEFINE_bool("list", False, "List the experiments and exit.")
+_WORKDIR = flags.DEFINE_string(
+  "workdir", None, "Checkpoints, TensorBoard scalars, traces, results.json (default: workdir/NAME)."
+)
+_RESUME = flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --workdir.")
+_PROFILE = flags.DEFINE_string(
+  "profile_steps", None, "START:STOP: write an XLA profiler trace of these train steps."
+)
+_BUDGET = flags.DEFINE_string(
+  "device_memory_budget", None, "Refuse embedding plans needing more device memory (e.g. 2G)."
+)
+
+
+def available_experiments() -> dict[str, str]:
+  """name -> first line of the experiment module's docstring."""
+  out = {}
+  for m in sorted(pkgutil.iter_modules(experiments.__path__), key=lambda m: m.name):
+    if m.name.startswith("_"):
+      continue
+    module = importlib.import_module(f"experiments.{m.name}")
+    out[m.name] = (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
+  return out
+
+
+def load_config(spec: str):
+  """'NAME' or 'NAME:ARG' -> experiments/NAME.py:get_config(ARG)."""
+  name, _, arg = spec.partition(":")
+  names = available_experiments()
+  if name not in names:
+    close = difflib.get_close_matches(name, names, n=3)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    raise SystemExit(
+      f"Unknown experiment {name!r}.{hint} Available: {', '.join(names)} (python run.py --list)"
+    )
+  module = importlib.import_module(f"experiments.{name}")
+  return module.get_config(arg or None)
+
+
+def _check_overrides(config, argv: list[str]) -> None:
+  """Fail before anything runs when an override names a key the config lacks."""
+  for arg in argv:
+    if not arg.startswith("--config."):
+      continue
+    path = arg[len("--config.") :].split("=", 1)[0].split(".")
+    node = config
+    for i, key in enumerate(path):
+      if not hasattr(node, "keys") or key not in node:
+        where = ".".join(["config", *path[:i]])
+        valid = sorted(node.keys()) if hasattr(node, "keys") else []
+        close = difflib.get_close_matches(key, valid, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise SystemExit(
+          f"Unknown config key {'.'.join(['config', *path])!r}.{hint} "
+          f"Keys of {where}: {', '.join(valid)}"
+        )
+      node = node[key]
+
+
+def main(argv):
+  del argv
+  from recgnn.train import loop
+
+  config = flags.FLAGS.config
+  name = _EXPERIMENT.value.partition(":")[0]
+  workdir = _WORKDIR.value or os.path.join("workdir", name)
+  loop.log(f"Experiment {_EXPERIMENT.value}; workdir {os.path.abspath(workdir)}")
+  loop.log(str(config))
+  result = loop.train(
+    config,
+    workdir,
+    resume=_RESUME.value,
+    profile_steps=loop.parse_steps(_PROFILE.value),
+    device_memory_budget=loop.parse_bytes(_BUDGET.value),
+  )
+  metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
+  loop.log("Final: " + "  ".join(f"{k} {v:.5g}" for k, v in sorted(metrics.items())))
+
+
+def _peek(argv: list[str], flag: str) -> str | None:
+  for i, a in enumerate(argv):
+    if a.startswith(f"--{flag}="):
+      return a.split("=", 1)[1]
+    if a == f"--{flag}" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def cli(argv: list[str] | None = None) -> None:
+  argv = list(sys.argv if argv is None else argv)
+  if "--list" in argv:
+    for name, doc in available_experiments().items():
+      print(f"{name:<20} {doc}")
+    return
+  spec = _peek(argv, "experiment")
+  if spec is None:
+    raise SystemExit(
+      "Give --experiment=NAME (python run.py --list shows them: "
+      + ", ".join(available_experiments())
+      + ")"
+    )
+  config = load_config(spec)
+  _check_overrides(config, argv[1:])
+  config_flags.DEFINE_config_dict("config", config, lock_config=True)
+  app.run(main, argv=argv)
+
+
+if __name__ == "__main__":
+  cli()
