@@ -25,7 +25,10 @@ def auc(labels: np.ndarray, scores: np.ndarray, weights: np.ndarray | None = Non
 
 def logloss(labels, probs, weights=None, eps: float = 1e-7) -> float:
   """Mean binary cross-entropy of probabilities (clipped to [eps, 1 - eps])."""
-  labels, probs = np.asarray(labels, np.float64), np.clip(np.asarray(probs, np.float64), eps, 1 - eps)
+  labels, probs = (
+    np.asarray(labels, np.float64),
+    np.clip(np.asarray(probs, np.float64), eps, 1 - eps),
+  )
   w = np.ones_like(labels) if weights is None else np.asarray(weights, np.float64)
   ll = -(labels * np.log(probs) + (1 - labels) * np.log(1 - probs))
   return float((ll * w).sum() / w.sum())

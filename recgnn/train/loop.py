@@ -99,8 +99,9 @@ def _stream(task: Task, start: int, total: int, eval_every: int, eval_split: str
     try:
       batch = next(train)
     except StopIteration:
-      raise RuntimeError(f"{type(task).__name__}.train_batches ended at step {s}; "
-                         "it must cycle over epochs") from None
+      raise RuntimeError(
+        f"{type(task).__name__}.train_batches ended at step {s}; it must cycle over epochs"
+      ) from None
     yield "train", None, batch
     if eval_every and (s + 1) % eval_every == 0 and s + 1 < total:
       for b in task.eval_batches(eval_split):
@@ -260,12 +261,16 @@ def train(
   final_splits = tuple(tcfg.get("final_eval_splits", ("valid", "test")))
   end = total if stop_after is None else min(total, start + stop_after)
   stream = _stream(
-    task, start, end, tcfg.eval_every, tcfg.get("eval_split", "valid"),
+    task,
+    start,
+    end,
+    tcfg.eval_every,
+    tcfg.get("eval_split", "valid"),
     final_splits if end == total else (),
   )
   inputs = InputThread(stream, backends, depth=testing.PREFETCH)
   writer = _summary_writer(workdir)
-  metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+  metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115 (closed below)
 
   def write_scalars(step: int, scalars: dict[str, float]):
     metrics_file.write(json.dumps({"step": step, **scalars}) + "\n")
@@ -277,6 +282,7 @@ def train(
   results: dict[str, Any] = {}
   pending: list = []  # device metrics since the last log; read only at log time
   eval_outputs: list = []
+  t_eval = 0.0
   step = start
   t_last, step_last = time.perf_counter(), start
   batch_size = None
@@ -302,8 +308,10 @@ def train(
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
             profiling = False
-            log(f"Profile of steps {profile_steps[0]}:{profile_steps[1]} written to "
-                f"{os.path.join(workdir, 'profile')} (open with TensorBoard or Perfetto)")
+            log(
+              f"Profile of steps {profile_steps[0]}:{profile_steps[1]} written to "
+              f"{os.path.join(workdir, 'profile')} (open with TensorBoard or Perfetto)"
+            )
           if step % tcfg.log_every == 0 or step == end:
             host = jax.device_get(pending)  # the loop's only regular host sync
             pending = []
@@ -317,20 +325,26 @@ def train(
             log(f"step {step:>7}/{total}  loss {scalars['loss']:.5f}  {rate:,.0f} samples/s")
             t_last, step_last = now, step
           if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < end:
+            t0 = time.perf_counter()
             state = _sync_all(backends, state)
             ckpt.save(state, step)
+            t_last += time.perf_counter() - t0  # keep samples/s a measure of training only
           if sigterm.received:
             log(f"SIGTERM at step {step}: saving a checkpoint and stopping")
             interrupted = True
             break
         elif item.kind == "eval":
+          if not eval_outputs:
+            t_eval = time.perf_counter()
           eval_outputs.append(eval_step(state, item.prepared, item.batch))
         else:  # eval_end
           res = task.metrics(jax.device_get(eval_outputs))
+          t_last += time.perf_counter() - t_eval
           eval_outputs = []
           write_scalars(step, {f"{item.split}/{k}": v for k, v in res.items()})
-          log(f"eval {item.split} @ step {step}: "
-              + "  ".join(f"{k} {v:.5f}" for k, v in res.items()))
+          log(
+            f"eval {item.split} @ step {step}: " + "  ".join(f"{k} {v:.5f}" for k, v in res.items())
+          )
           results.update({f"{item.split}/{k}": v for k, v in res.items()})
   finally:
     inputs.close()
@@ -360,4 +374,3 @@ class Result:
   metrics: dict[str, Any]
   state: step_lib.TrainState
   backends: dict[str, base.Backend]
-

@@ -116,9 +116,7 @@ def init_state(
 ) -> TrainState:
   """Allocate every table (placement decided by its backend) and the dense params."""
   k_emb, k_params, k_run = jax.random.split(key, 3)
-  emb = {
-    n: b.init(jax.random.fold_in(k_emb, i), mesh) for i, (n, b) in enumerate(backends.items())
-  }
+  emb = {n: b.init(jax.random.fold_in(k_emb, i), mesh) for i, (n, b) in enumerate(backends.items())}
   zeros = {
     n: jnp.zeros(example_batch["ids"][n].shape[:1] + (b.spec.dim,), jnp.float32)
     for n, b in backends.items()
