@@ -10,7 +10,15 @@ import pytest
 from recgnn.embeddings import base, testing
 
 # Plan strings that must reproduce `dense` bit for bit.
-EXACT = ["dense", "dense(shard=rows)"]
+EXACT = [
+  "dense",
+  "dense(shard=rows)",
+  # Tables of 1000 rows, batches touching ~100 distinct rows: a 10% cache evicts every step.
+  "offload(cache_rows=100, policy=lru, lookahead=2)",
+  "offload(cache_rows=100, policy=lfu, lookahead=1)",
+  "offload(cache_rows=100, policy=lookahead, lookahead=4)",
+  "offload(cache_rows=100, policy=lru, lookahead=0)",
+]
 
 OPTIMIZERS = [
   base.OptimizerSpec(name="sgd", learning_rate=0.1),

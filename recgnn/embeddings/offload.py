@@ -1,0 +1,623 @@
+"""`offload`: cDLRM. The table and its optimizer state in host memory, a device cache of C rows.
+
+Plan string: `offload(cache_rows=200_000, policy=lru, lookahead=8)`; see `Offload` for options.
+
+How a batch flows (cDLRM, Balasubramanian et al., RecSys'21):
+
+  input thread, prepare(k)   the planner (numpy, host) admits batch k+1 into the cache: picks
+                             victim slots (LRU / LFU / look-ahead-aware), lists the dirty
+                             victims to write back and the missing rows to load, and remaps
+                             batch k's ids to cache slots. It runs ahead of the step.
+  step k, lookup             gather from the cache (rows of batch k are resident).
+  step k, update             row-wise optimizer on the cache slots of batch k; then the
+                             exchange for batch k+1: evicted rows -> host table (D2H, scatter
+                             on the host), missing rows <- host table (gather on the host,
+                             H2D) -> their cache slots.
+
+So the rows a step needs were copied in by the previous step, after its optimizer: the copy
+for k+1 overlaps nothing on XLA:CPU but is independent of step k+1's compute, and XLA on an
+accelerator runs the host gather and the copies on their own streams. Only a batch the
+planner did not see coming (the first, one after an eval pass, or `lookahead=0`) is loaded
+on demand inside its own step ("now" exchange: lookup reads those rows straight from the
+host table, update inserts them first).
+
+Where the state lives, and why (measured on this CPU, jax 0.10; see tests/test_offload.py):
+the host table is a `pinned_host` jax.Array *inside* the state, not a numpy array owned by
+the backend. The step's outputs reach the host only through the state: the contract gives
+`prepare` no handle on step k's evicted rows, so a numpy table on the input thread could not
+receive write-backs without a host callback (a host sync in the step). In the state, the
+write-back is an in-place scatter on the donated pinned_host buffer under
+`compute_on("device_host")`: no copy of the table (the exchange is ordered read-cache ->
+write-host -> read-host -> write-cache so XLA inserts no defensive table copy; reading and
+writing a buffer in unrelated order made XLA copy the whole table, 25 ms for 1M x 16), the
+state alone is checkpointable with Orbax, and after `sync` describes the whole table. Index
+arrays for host gathers/scatters are put in pinned_host by `prepare` (input thread).
+
+State:
+  host:      {"table": float32[N, D], "accum": float32[N] (row-wise Adagrad)}  pinned_host
+  cache:     {"table": float32[C, D], "accum": float32[C]}                      device
+  slot_rows: int32[C], the row in each slot (N = empty)                          device
+  version:   int32[], train batches applied; stale: int32[], updates that ran with a plan
+             made for another cache layout (checked by `sync`, which raises).
+
+Eval batches: the trainer runs `lookup` without `update` for them, so a plan that moves rows
+would never execute. `prepare(ids, upcoming, train=False)` plans read-only (resident rows from
+the cache, the others straight from the host table). If an update ever runs with a plan made
+for another layout, `stale` counts it and `sync` raises (never a silent wrong table).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from jax import lax
+from jax.experimental.compute_on import compute_on
+
+from recgnn.embeddings import base
+
+POLICIES = ("lru", "lfu", "lookahead")
+HOST_MEMORIES = ("pinned_host", "unpinned_host", "device")
+_PROTECTED = np.iinfo(np.int64).max
+_NEEDED = np.int64(1) << 62  # look-ahead keys: rows needed within the window sort after others
+_FAR = np.int64(1) << 40
+
+
+def _bucket(n: int) -> int:
+  """Padded length of an exchange list: 0, or a power of two >= 16 (bounds recompiles to a
+  few shapes; padding rows are dropped by the scatters and never counted as moved)."""
+  return 0 if n == 0 else max(16, 1 << (n - 1).bit_length())
+
+
+def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
+  out = np.full(size, fill, np.int32)
+  out[: a.shape[0]] = a
+  return out
+
+
+def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x[idx] for in-range idx, as a bare XLA gather (jnp's index normalisation would add
+  device-memory constants, which `compute_on("device_host")` rejects)."""
+  dn = lax.GatherDimensionNumbers(
+    offset_dims=tuple(range(1, x.ndim)), collapsed_slice_dims=(0,), start_index_map=(0,)
+  )
+  return lax.gather(x, idx[:, None], dn, (1,) + x.shape[1:], mode=lax.GatherScatterMode.CLIP)
+
+
+def _scatter_rows(x: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
+  """x.at[idx].set(rows); out-of-range idx (padding) are dropped natively by XLA."""
+  dn = lax.ScatterDimensionNumbers(
+    update_window_dims=tuple(range(1, x.ndim)),
+    inserted_window_dims=(0,),
+    scatter_dims_to_operand_dims=(0,),
+  )
+  return lax.scatter(
+    x, idx[:, None], rows, dn, mode=lax.GatherScatterMode.FILL_OR_DROP, unique_indices=True
+  )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Exchange:
+  """One cache exchange, host-planned: write back dirty victims, then load missing rows.
+
+  Attributes:
+    evict_slots: int32[E], cache slots whose (dirty) rows go back to the host.
+    evict_rows: int32[E], the rows they hold.
+    load_rows: int32[M], rows to copy host -> cache.
+    load_slots: int32[M], their slots.
+    hits: distinct rows of the admitted batch already resident.
+  """
+
+  evict_slots: np.ndarray
+  evict_rows: np.ndarray
+  load_rows: np.ndarray
+  load_slots: np.ndarray
+  hits: int = 0
+
+  @staticmethod
+  def empty() -> Exchange:
+    z = np.zeros(0, np.int32)
+    return Exchange(evict_slots=z, evict_rows=z, load_rows=z, load_slots=z)
+
+
+class Planner:
+  """Host-side cache bookkeeping of one table: which row sits in which slot, and victims.
+
+  Time is counted in train batches (`version`). Costs O(C) numpy work per admission (victim
+  selection by argpartition over the slots' keys), never O(N).
+  """
+
+  def __init__(self, num_rows: int, cache_rows: int, policy: str):
+    self.num_rows, self.cache_rows, self.policy = num_rows, cache_rows, policy
+    self.row_slot = np.full(num_rows, -1, np.int32)
+    self.slot_row = np.full(cache_rows, -1, np.int64)
+    self.last_used = np.zeros(cache_rows, np.int64)
+    # A row is dirty once a train batch touched it since it was loaded; only dirty victims
+    # are written back. `sync` does not clean rows: batches prepared ahead of it still hold
+    # plans that touch them.
+    self.dirty = np.zeros(cache_rows, bool)
+    self.freq = np.zeros(num_rows, np.int32) if policy == "lfu" else None
+    self.version = 0
+    self.admitted: np.ndarray | None = None  # ids of the batch admitted ahead
+
+  @classmethod
+  def from_slots(cls, slot_rows: np.ndarray, num_rows: int, policy: str, version: int):
+    """Rebuild bookkeeping from a state's slot map (after a restore). History is lost:
+    LRU/LFU start fresh, which changes hit rates, never values."""
+    p = cls(num_rows, slot_rows.shape[0], policy)
+    resident = slot_rows < num_rows
+    p.slot_row[resident] = slot_rows[resident]
+    p.row_slot[slot_rows[resident]] = np.flatnonzero(resident)
+    p.version = version
+    return p
+
+  def check_fits(self, n: int, table: str) -> None:
+    if n > self.cache_rows:
+      raise ValueError(
+        f"offload: a batch touches {n} distinct rows of table {table!r} but its device cache "
+        f"holds {self.cache_rows}. Use offload(cache_rows>={n}, ...) (or a smaller batch)."
+      )
+
+  def _keys(self, window: Sequence[np.ndarray]) -> np.ndarray:
+    """Eviction order of every slot: smaller keys go first."""
+    rows = self.slot_row
+    if self.policy == "lru":
+      return self.last_used.copy()
+    if self.policy == "lfu":
+      f = self.freq[np.maximum(rows, 0)].astype(np.int64)
+      return (f << 32) | self.last_used
+    # lookahead: rows not needed within the window go first (least recently used first);
+    # only if the window does not fit, needed rows go, farthest next use first (Belady).
+    keys = self.last_used.copy()
+    if window:
+      w = np.concatenate(window)
+      t = np.concatenate([np.full(u.shape[0], j, np.int64) for j, u in enumerate(window)])
+      uniq, first = np.unique(w, return_index=True)  # first occurrence = nearest batch
+      pos = np.minimum(np.searchsorted(uniq, rows), uniq.shape[0] - 1)
+      needed = (uniq[pos] == rows) & (rows >= 0)
+      keys[needed] = _NEEDED + (_FAR - t[first[pos[needed]]])
+    return keys
+
+  def admit(self, rows: np.ndarray, t: int, window: Sequence[np.ndarray]) -> Exchange:
+    """Make the distinct rows `rows` (sorted) resident for the batch at time t.
+
+    window: distinct rows of the batches after it (look-ahead policy only).
+    """
+    slots = self.row_slot[rows]
+    hit = slots >= 0
+    self.last_used[slots[hit]] = t
+    miss = rows[~hit]
+    m = miss.shape[0]
+    if m == 0:
+      return dataclasses.replace(Exchange.empty(), hits=int(hit.sum()))
+    keys = self._keys(window)
+    keys[self.slot_row < 0] = -1  # free slots first
+    keys[slots[hit]] = _PROTECTED
+    victims = np.sort(np.argpartition(keys, m - 1)[:m] if m < keys.shape[0] else np.arange(m))
+    old = self.slot_row[victims]
+    valid = old >= 0
+    back = valid & self.dirty[victims]
+    self.row_slot[old[valid]] = -1
+    self.slot_row[victims] = miss
+    self.row_slot[miss] = victims
+    self.last_used[victims] = t
+    self.dirty[victims] = False
+    return Exchange(
+      evict_slots=victims[back].astype(np.int32),
+      evict_rows=old[back].astype(np.int32),
+      load_rows=miss.astype(np.int32),
+      load_slots=victims.astype(np.int32),
+      hits=int(hit.sum()),
+    )
+
+
+class Offload(base.Backend):
+  """Table in host memory, a C-row device cache filled ahead of the step (cDLRM).
+
+  Options (plan string):
+    cache_rows: device cache size in rows (capped at the table's rows), or
+    cache_fraction: the cache as a fraction of the rows, at least `min_cache_rows`.
+    policy: `lru`, `lfu` (per-row access counts since init/restore, ties by recency) or
+      `lookahead` (never evicts a row needed within the look-ahead window while the cache
+      can hold the window; then farthest next use first).
+    lookahead: upcoming batches `prepare` wants (the trainer passes them). >= 1 prefetches
+      batch k+1 inside step k; 0 loads every batch on demand inside its own step.
+    host_memory: `pinned_host` (default; falls back to `device` where the platform has no
+      host memory space), `unpinned_host`, or `device` (no offload: debugging, benchmarks).
+
+  A batch touching more distinct rows than the cache holds is an error at plan time that
+  names the size needed (no micro-batching: exactness vs dense needs the whole batch's update
+  at once).
+  """
+
+  name = "offload"
+
+  def __init__(
+    self,
+    spec: base.TableSpec,
+    cache_rows: int | None = None,
+    cache_fraction: float | None = None,
+    min_cache_rows: int = 0,
+    policy: str = "lru",
+    lookahead: int = 8,
+    host_memory: str = "pinned_host",
+  ):
+    super().__init__(spec)
+    if (cache_rows is None) == (cache_fraction is None):
+      raise ValueError(
+        f"offload (table {spec.name!r}): give exactly one of cache_rows=ROWS or "
+        "cache_fraction=F, e.g. offload(cache_rows=200_000)"
+      )
+    if cache_rows is not None:
+      if int(cache_rows) <= 0:
+        raise ValueError(f"offload: cache_rows must be > 0, got {cache_rows}")
+      rows = int(cache_rows)
+    else:
+      if not 0 < cache_fraction <= 1:
+        raise ValueError(f"offload: cache_fraction must be in (0, 1], got {cache_fraction}")
+      rows = max(math.ceil(cache_fraction * spec.num_rows), int(min_cache_rows))
+    if policy not in POLICIES:
+      raise ValueError(f"offload: unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+    if int(lookahead) < 0:
+      raise ValueError(f"offload: lookahead must be >= 0, got {lookahead}")
+    if policy == "lookahead" and int(lookahead) < 1:
+      raise ValueError("offload: policy=lookahead needs lookahead>=1 (its window)")
+    if host_memory not in HOST_MEMORIES:
+      raise ValueError(
+        f"offload: unknown host_memory {host_memory!r}; available: {', '.join(HOST_MEMORIES)}"
+      )
+    self.cache_rows = min(rows, spec.num_rows)
+    self._options = dict(
+      cache_rows=cache_rows, cache_fraction=cache_fraction, min_cache_rows=min_cache_rows
+    )
+    self.policy = policy
+    self.lookahead = int(lookahead)
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    if host_memory != "device" and host_memory not in kinds:
+      logging.warning(
+        "offload: %s memory unavailable on %s (has %s); keeping table %s in device memory",
+        host_memory,
+        jax.devices()[0].platform,
+        sorted(kinds),
+        spec.name,
+      )
+      host_memory = "device"
+    self.host_memory = host_memory
+    self._planner = Planner(spec.num_rows, self.cache_rows, policy)
+    self._host_sharding = self._dev_sharding = None
+    self._lock = threading.Lock()
+    self._counters: dict[str, float] = {}
+    self._window_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+  def describe(self) -> str:
+    size = (
+      f"cache_rows={self._options['cache_rows']}"
+      if self._options["cache_rows"] is not None
+      else f"cache_fraction={self._options['cache_fraction']}"
+      + (
+        f", min_cache_rows={self._options['min_cache_rows']}"
+        if self._options["min_cache_rows"]
+        else ""
+      )
+    )
+    return f"offload({size}, policy={self.policy}, lookahead={self.lookahead})"
+
+  @property
+  def offloaded(self) -> bool:
+    return self.host_memory != "device"
+
+  # --------------------------------------------------------------------------- placement
+
+  def state_sharding(self, mesh):
+    """Host arrays in `host_memory`, the cache in device memory. On a mesh everything is
+    replicated (one host copy per device: offload is meant for one accelerator, as in
+    cDLRM; use hot_cold or sharded to split a table over several)."""
+    if mesh is None:
+      dev = jax.devices()[0]
+      mk = lambda kind: jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)  # noqa: E731
+    else:
+      mk = lambda kind: jax.sharding.NamedSharding(  # noqa: E731
+        mesh, jax.sharding.PartitionSpec(), memory_kind=kind
+      )
+    host, dev = mk(self.host_memory if self.offloaded else "device"), mk("device")
+    slots = self.spec.optimizer.slot_names()
+    return {
+      "host": {"table": host, **{s: host for s in slots}},
+      "cache": {"table": dev, **{s: dev for s in slots}},
+      "slot_rows": dev,
+      "version": dev,
+      "stale": dev,
+    }
+
+  def init(self, key, mesh=None):
+    spec, c = self.spec, self.cache_rows
+    sh = self.state_sharding(mesh)
+    self._host_sharding, self._dev_sharding = sh["host"]["table"], sh["cache"]["table"]
+    self._planner = Planner(spec.num_rows, c, self.policy)
+    opt = spec.optimizer
+    host = {"table": base.init_table(key, spec)}
+    host.update(
+      {s: np.full(spec.num_rows, opt.initial_accumulator, np.float32) for s in opt.slot_names()}
+    )
+    cache = {"table": np.zeros((c, spec.dim), np.float32)}
+    cache.update({s: np.full(c, opt.initial_accumulator, np.float32) for s in opt.slot_names()})
+    state = {
+      "host": host,
+      "cache": cache,
+      "slot_rows": np.full(c, spec.num_rows, np.int32),
+      "version": np.zeros((), np.int32),
+      "stale": np.zeros((), np.int32),
+    }
+    return jax.device_put(state, sh)
+
+  def memory(self):
+    spec, c = self.spec, self.cache_rows
+    device = c * spec.row_bytes + c * 4  # cache rows + optimizer state, slot map
+    planner = spec.num_rows * 4 * (2 if self.policy == "lfu" else 1)  # row->slot (+ counts)
+    host = spec.table_bytes + planner
+    if not self.offloaded:
+      device, host = device + spec.table_bytes, planner
+    where = self.host_memory if self.offloaded else "device (no offload)"
+    return base.MemoryReport(device, host, f"{where} + {c}-row device cache ({self.policy})")
+
+  # --------------------------------------------------------------------------- host side
+
+  def _unique(self, ids: np.ndarray) -> np.ndarray:
+    """Sorted distinct non-padding ids, memoised for the arrays of the look-ahead window
+    (each batch is seen up to `lookahead` + 1 times)."""
+    hit = self._window_cache.get(id(ids))
+    if hit is not None and hit[0] is ids:
+      return hit[1]
+    ids = np.asarray(ids)
+    u = np.unique(ids[ids >= 0]).astype(np.int64)
+    if len(self._window_cache) > 4 * (self.lookahead + 2):
+      self._window_cache.clear()
+    self._window_cache[id(ids)] = (ids, u)
+    return u
+
+  def _host_ids(self, a: np.ndarray):
+    # Indices of host gathers/scatters go to host memory here, on the input thread, so the
+    # step never copies them device -> host.
+    return jax.device_put(a, self._host_sharding) if self.offloaded and a.size else a
+
+  def _pack(self, ex: Exchange) -> dict:
+    n, c = self.spec.num_rows, self.cache_rows
+    e, m = _bucket(ex.evict_slots.shape[0]), _bucket(ex.load_rows.shape[0])
+    return {
+      "evict_slots": _pad(ex.evict_slots, e, c),
+      "evict_rows": self._host_ids(_pad(ex.evict_rows, e, n)),
+      # Padding loads gather row 0 on the host (in range) and are dropped at slot C.
+      "load_rows": self._host_ids(_pad(ex.load_rows, m, 0)),
+      "load_slots": _pad(ex.load_slots, m, c),
+    }
+
+  def _count(self, **kv):
+    with self._lock:
+      for k, v in kv.items():
+        self._counters[k] = self._counters.get(k, 0) + v
+
+  def prepare(self, ids, upcoming=(), *, train: bool = True):
+    """Plan one batch: ids int[B, L] (PAD = -1); upcoming: the next batches' ids.
+
+    train=False (eval batches, whose update never runs) plans read-only: nothing moves.
+    Returns {"ids": int32[B, L] cache slots (C = padding), "unique"/"inverse" (Adagrad),
+    "now": Exchange arrays run before this step, "now_pos": int32[B, L] index into
+    now["load_rows"] (M = cached), "next": Exchange arrays run after this step's update,
+    "version": int32[] (-1: read-only)}.
+    """
+    if self._host_sharding is None:
+      raise RuntimeError("offload: call init (or restore) before prepare")
+    t0 = time.perf_counter()
+    ids = np.asarray(ids)
+    p = self._planner
+    rows = self._unique(ids)
+    p.check_fits(rows.shape[0], self.spec.name)
+    upcoming = list(upcoming)[: self.lookahead]
+    if not train:
+      return self._prepare_read_only(ids, rows, t0)
+    t = p.version
+    if p.admitted is not None and p.admitted.shape == ids.shape and np.array_equal(p.admitted, ids):
+      now = Exchange.empty()  # admitted by the previous step's update
+    else:
+      now = p.admit(rows, t, [self._unique(u) for u in upcoming])
+      self._count(hits=now.hits, misses=now.load_rows.shape[0])
+    slots = np.where(ids >= 0, p.row_slot[np.maximum(ids, 0)], -1)
+    p.dirty[slots[slots >= 0]] = True
+    if p.freq is not None:
+      p.freq[rows] += 1
+    if upcoming:
+      ahead = self._unique(upcoming[0])
+      p.check_fits(ahead.shape[0], self.spec.name)
+      window = [self._unique(u) for u in upcoming[1:]] if self.policy == "lookahead" else []
+      nxt = p.admit(ahead, t + 1, window)
+      self._count(hits=nxt.hits, misses=nxt.load_rows.shape[0])
+      p.admitted = np.array(upcoming[0], copy=True)
+    else:
+      nxt = Exchange.empty()
+      p.admitted = None
+    p.version += 1
+    out = self._prepared(ids, slots, now, nxt, t)
+    self._count(
+      steps=1,
+      rows_h2d=now.load_rows.shape[0] + nxt.load_rows.shape[0],
+      rows_h2d_on_demand=now.load_rows.shape[0],
+      rows_d2h=now.evict_rows.shape[0] + nxt.evict_rows.shape[0],
+      padded_rows_h2d=out["now"]["load_rows"].shape[0] + out["next"]["load_rows"].shape[0],
+      plan_seconds=time.perf_counter() - t0,
+    )
+    return out
+
+  def _prepare_read_only(self, ids, rows, t0):
+    p = self._planner
+    resident = p.row_slot[rows] >= 0
+    cold = rows[~resident].astype(np.int32)
+    slots = np.where(ids >= 0, p.row_slot[np.maximum(ids, 0)], -1)
+    # Slots C: should an update ever run with this plan, its scatters drop these rows.
+    ex = dataclasses.replace(
+      Exchange.empty(), load_rows=cold, load_slots=np.full_like(cold, self.cache_rows)
+    )
+    self._count(eval_hits=int(resident.sum()), eval_misses=cold.shape[0])
+    self._count(plan_seconds=time.perf_counter() - t0)
+    return self._prepared(ids, slots, ex, Exchange.empty(), -1)
+
+  def _prepared(self, ids, slots, now: Exchange, nxt: Exchange, version: int) -> dict:
+    c = self.cache_rows
+    out = {"ids": np.where(slots >= 0, slots, c).astype(np.int32)}
+    if self.spec.optimizer.needs_unique:
+      out["unique"], out["inverse"] = base.dedup(slots, c)
+    out["now"], out["next"] = self._pack(now), self._pack(nxt)
+    m = out["now"]["load_rows"].shape[0]
+    now_pos = np.full(ids.shape, m, np.int32)
+    if now.load_rows.shape[0]:
+      # Rows loaded on demand are read from the host table by lookup (the cache gets them
+      # only in update); `now.load_rows` is sorted.
+      pos = np.searchsorted(now.load_rows, ids)
+      pos = np.minimum(pos, now.load_rows.shape[0] - 1)
+      found = (ids >= 0) & (now.load_rows[pos] == ids)
+      now_pos[found] = pos[found]
+    out["now_pos"] = now_pos
+    out["version"] = np.asarray(version, np.int32)
+    return out
+
+  def stats(self) -> dict[str, float]:
+    """Since the last call: hit_rate (distinct rows of admitted batches already resident),
+    rows/bytes host->device and device->host per step, the share of loads prefetched one
+    step ahead (off the step's critical path), and host planning ms per step (input
+    thread). Eval batches are counted separately (eval_hit_rate)."""
+    with self._lock:
+      c, self._counters = self._counters, {}
+    steps = max(c.get("steps", 0), 1)
+    looked = c.get("hits", 0) + c.get("misses", 0)
+    row_bytes = self.spec.row_bytes
+    out = {
+      "hit_rate": c.get("hits", 0) / looked if looked else float("nan"),
+      "h2d_rows_per_step": c.get("rows_h2d", 0) / steps,
+      "d2h_rows_per_step": c.get("rows_d2h", 0) / steps,
+      "h2d_bytes_per_step": c.get("rows_h2d", 0) * row_bytes / steps,
+      "d2h_bytes_per_step": c.get("rows_d2h", 0) * row_bytes / steps,
+      "h2d_padded_bytes_per_step": c.get("padded_rows_h2d", 0) * row_bytes / steps,
+      "h2d_prefetched_fraction": (
+        1 - c.get("rows_h2d_on_demand", 0) / c["rows_h2d"] if c.get("rows_h2d") else 1.0
+      ),
+      "plan_ms_per_step": 1e3 * c.get("plan_seconds", 0.0) / steps,
+      "steps": c.get("steps", 0),
+    }
+    ev = c.get("eval_hits", 0) + c.get("eval_misses", 0)
+    if ev:
+      out["eval_hit_rate"] = c.get("eval_hits", 0) / ev
+    return out
+
+  # --------------------------------------------------------------------------- device side
+
+  def _to_host(self, x):
+    return jax.device_put(x, jax.memory.Space.Host) if self.offloaded else x
+
+  def _to_device(self, x):
+    return jax.device_put(x, jax.memory.Space.Device) if self.offloaded else x
+
+  def _on_host(self):
+    return compute_on("device_host") if self.offloaded else contextlib.nullcontext()
+
+  def _exchange(self, state: dict, ex: dict) -> dict:
+    """Write back the dirty victims, then load the missing rows into their slots.
+
+    Per array the order is read cache -> write host -> read host -> write cache: a data
+    chain, so XLA updates both donated buffers in place (unordered reads and writes of one
+    buffer make it copy the whole table).
+    """
+    if ex["evict_slots"].shape[0] == 0 and ex["load_rows"].shape[0] == 0:
+      return state
+    host, cache = dict(state["host"]), dict(state["cache"])
+    evict_rows, load_rows = self._to_host(ex["evict_rows"]), self._to_host(ex["load_rows"])
+    for k in cache:
+      out = self._to_host(cache[k].at[ex["evict_slots"]].get(mode="fill", fill_value=0.0))
+      with self._on_host():
+        host[k] = _scatter_rows(host[k], evict_rows, out)
+        loaded = _gather_rows(host[k], load_rows)
+      cache[k] = cache[k].at[ex["load_slots"]].set(self._to_device(loaded), mode="drop")
+    slot_rows = state["slot_rows"].at[ex["load_slots"]].set(self._to_device(load_rows), mode="drop")
+    return {**state, "host": host, "cache": cache, "slot_rows": slot_rows}
+
+  def lookup(self, state, prepared):
+    rows = state["cache"]["table"].at[prepared["ids"]].get(mode="fill", fill_value=0.0)
+    load_rows = prepared["now"]["load_rows"]
+    m = load_rows.shape[0]
+    if m == 0:
+      return rows
+    with self._on_host():
+      fresh = _gather_rows(state["host"]["table"], self._to_host(load_rows))
+    fresh = self._to_device(fresh)
+    pos = prepared["now_pos"]
+    return jnp.where((pos < m)[..., None], fresh.at[pos].get(mode="fill", fill_value=0.0), rows)
+
+  def update(self, state, prepared, grads):
+    state = self._exchange(state, prepared["now"])
+    cache = state["cache"]
+    slots = {k: cache[k] for k in self.spec.optimizer.slot_names()}
+    table, slots = base.sparse_sgd_or_adagrad(self.spec, cache["table"], slots, prepared, grads)
+    state = {**state, "cache": {"table": table, **slots}}
+    state = self._exchange(state, prepared["next"])
+    ok = state["version"] == prepared["version"]
+    return {
+      **state,
+      "version": prepared["version"] + 1,
+      "stale": state["stale"] + jnp.where(ok, 0, 1).astype(jnp.int32),
+    }
+
+  def _flush(self, state):
+    host = dict(state["host"])
+    rows = self._to_host(state["slot_rows"])  # N (empty) is dropped
+    for k, v in state["cache"].items():
+      with self._on_host():
+        host[k] = _scatter_rows(host[k], rows, self._to_host(v))
+    return {**state, "host": host}
+
+  def _check_stale(self, state):
+    stale = int(jax.device_get(state["stale"]))
+    if stale:
+      raise RuntimeError(
+        f"offload (table {self.spec.name!r}): {stale} update(s) ran with a plan made for "
+        "another cache layout: a prepared batch was skipped or ran out of order. Batches "
+        "that only run lookup (eval) must be prepared with prepare(ids, upcoming, "
+        "train=False)."
+      )
+
+  def sync(self, state):
+    """Write every resident cache row back to the host table (O(C)); the cache stays."""
+    self._check_stale(state)
+    if not hasattr(self, "_flush_jit"):
+      self._flush_jit = jax.jit(self._flush, donate_argnums=0)
+    return self._flush_jit(state)
+
+  def restore(self, state):
+    """Reset host bookkeeping to a restored state's cache (history of LRU/LFU is lost)."""
+    self._check_stale(state)
+    sh = jax.tree.map(lambda x: x.sharding, state)
+    self._host_sharding, self._dev_sharding = sh["host"]["table"], sh["cache"]["table"]
+    self._planner = Planner.from_slots(
+      np.asarray(jax.device_get(state["slot_rows"])),
+      self.spec.num_rows,
+      self.policy,
+      int(jax.device_get(state["version"])),
+    )
+    self._window_cache.clear()
+    return state
+
+  def table(self, state):
+    out = np.array(jax.device_get(state["host"]["table"]))
+    slot_rows = np.asarray(jax.device_get(state["slot_rows"]))
+    cache = np.asarray(jax.device_get(state["cache"]["table"]))
+    resident = slot_rows < self.spec.num_rows
+    out[slot_rows[resident]] = cache[resident]
+    return out
+
+
+BACKEND = Offload
