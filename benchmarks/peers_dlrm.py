@@ -315,6 +315,26 @@ def time_steps(
   }
 
 
+def runner(name: str, cfg: DlrmConfig, batches: Sequence[Batch], seed: int = 0):
+  """Builds peer `name` on `batches` (converted to torch once, here) -> run(k) -> last loss.
+
+  run(k) trains k steps, cycling over the batches; for callers that interleave peers' timed
+  repetitions with other contestants (benchmarks/dlrm_throughput.py).
+  """
+  _, to_inputs, step = build(name, cfg, seed)
+  inputs = [to_inputs(b) for b in batches]
+  pos = [0]
+
+  def run(k: int) -> float:
+    loss = None
+    for _ in range(k):
+      loss = step(inputs[pos[0] % len(inputs)])
+      pos[0] += 1
+    return float(loss.item()) if loss is not None else float("nan")
+
+  return run
+
+
 def train_throughput(
   name: str,
   cfg: DlrmConfig,

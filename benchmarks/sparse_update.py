@@ -1,0 +1,348 @@
+"""Train-step time vs table size: the `dense` backend's sparse update against a naive step.
+
+The rule this checks (DESIGN.md): no step costs O(rows in a table). Both steps look up the
+same batch of ids in one table, take a tiny loss and update the table with SGD:
+
+  dense   recgnn's `dense` backend: lookup -> loss -> grad w.r.t. the looked-up rows ->
+          `backend.update` (a scatter-add of the B * L row gradients), state donated.
+  naive   the table is a param: jax.grad of the loss w.r.t. the whole table (a table-sized
+          cotangent) and optax.sgd over all of it, params and optimizer state donated.
+
+One table, `--lookups` one-hot ids per example all into it (default 2048 x 26 = 53,248 ids
+per step, the id count of a DLRM Kaggle batch), ids uniform over the rows. Reports the median
+step time per size and step(largest) / step(smallest) per variant; the target for `dense` is
+<= 1.3, the naive step grows with the table.
+
+  python benchmarks/sparse_update.py            # 10K, 1M, 10M rows (~2 minutes)
+  python benchmarks/sparse_update.py --quick    # 10K, 100K, 1M rows, fewer repetitions
+Writes benchmarks/results/sparse_update.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+# Runnable as `python benchmarks/sparse_update.py` from a checkout without installing recgnn.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from recgnn.embeddings import base  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+TARGET_RATIO = 1.3
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def machine_info() -> dict:
+  """What the numbers were measured on (the machine is shared: load average included)."""
+  return {
+    "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "host": platform.node(),
+    "python": platform.python_version(),
+    "jax": jax.__version__,
+    "jax_backend": jax.default_backend(),
+    "jax_devices": [str(d) for d in jax.devices()],
+    "cpus": len(os.sched_getaffinity(0)),
+    "load_avg_at_start": os.getloadavg(),
+    "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+  }
+
+
+def write_results(name: str, payload: dict, markdown: str, out_dir: pathlib.Path = RESULTS):
+  """results/<name>.json (payload) and results/<name>.md (markdown); prints the markdown."""
+  out_dir.mkdir(parents=True, exist_ok=True)
+  (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+  (out_dir / f"{name}.md").write_text(markdown)
+  print(markdown)
+  print(f"wrote {out_dir / name}.json and .md")
+
+
+def jitted_runner(fn, state, inputs):
+  """run(k): k steps of `state = fn(state, inputs[i])` (state donated), then block on it.
+
+  Blocking at the end of each run puts asynchronous dispatch inside the measurement.
+  """
+  box = {"state": state, "i": 0}
+
+  def run(k: int):
+    st = box["state"]
+    for _ in range(k):
+      st = fn(st, inputs[box["i"] % len(inputs)])
+      box["i"] += 1
+    box["state"] = jax.block_until_ready(st)
+    return box["state"]
+
+  run.box = box
+  return run
+
+
+def interleaved_timing(
+  runners: dict[str, Callable[[int], Any]],
+  warmup: int,
+  reps: int,
+  steps_per_rep: dict[str, int] | int,
+) -> dict[str, dict]:
+  """Times several contestants in round-robin: rep r of each before rep r + 1 of any.
+
+  The machine is shared; interleaving exposes every contestant to the same load, so their
+  ratios are fair even when the absolute numbers drift. Returns, per name,
+  {"step_ms": median over reps of the mean step time, "per_rep_ms": [...]}.
+  """
+  if isinstance(steps_per_rep, int):
+    steps_per_rep = dict.fromkeys(runners, steps_per_rep)
+  for run in runners.values():
+    run(warmup)
+  per = {n: [] for n in runners}
+  for _ in range(reps):
+    for n, run in runners.items():
+      k = steps_per_rep[n]
+      t0 = time.perf_counter()
+      run(k)
+      per[n].append((time.perf_counter() - t0) / k)
+  return {
+    n: {"step_ms": 1e3 * statistics.median(v), "per_rep_ms": [1e3 * x for x in v]}
+    for n, v in per.items()
+  }
+
+
+def zipf_ids(rng: np.random.Generator, num_rows: int, shape, exponent: float) -> np.ndarray:
+  """Ids with P(rank r) ~ r^-exponent over [0, num_rows), ranks scattered by a permutation.
+
+  A bounded Zipf (numpy's is unbounded); hot rows land anywhere in the table, as with hashed
+  categorical features.
+  """
+  w = np.arange(1, num_rows + 1, dtype=np.float64) ** -exponent
+  cdf = np.cumsum(w)
+  cdf /= cdf[-1]
+  ranks = np.minimum(np.searchsorted(cdf, rng.random(shape)), num_rows - 1)
+  return rng.permutation(num_rows)[ranks].astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- the two steps
+
+
+def _loss_of_rows(rows: jax.Array, target: jax.Array) -> jax.Array:
+  """A tiny loss over looked-up rows float32[B, L, D]: squared error of the pooled sum."""
+  return jnp.mean((jnp.sum(rows, axis=1) - target) ** 2)
+
+
+def make_dense_step(backend: base.Backend):
+  """(state, (prepared, target)) -> state: recgnn's sparse path, jitted with state donated."""
+
+  def step(state, inputs):
+    prepared, target = inputs
+    rows = backend.lookup(state, prepared)
+    g_rows = jax.grad(_loss_of_rows)(rows, target)
+    return backend.update(state, prepared, g_rows)
+
+  return jax.jit(step, donate_argnums=0)
+
+
+def make_naive_step(tx: optax.GradientTransformation):
+  """(state, (ids, target)) -> state, state = (table, opt_state): autodiff through the gather."""
+
+  def step(state, inputs):
+    table, opt_state = state
+    ids, target = inputs
+    g = jax.grad(lambda t: _loss_of_rows(jnp.take(t, ids, axis=0), target))(table)
+    updates, opt_state = tx.update(g, opt_state, table)
+    return optax.apply_updates(table, updates), opt_state
+
+  return jax.jit(step, donate_argnums=0)
+
+
+def make_ids(args, rng, num_rows: int) -> np.ndarray:
+  shape = (args.batch, args.lookups)
+  if args.ids == "zipf":
+    return zipf_ids(rng, num_rows, shape, args.zipf_exponent)
+  return rng.integers(0, num_rows, shape, dtype=np.int64)
+
+
+def build_runners(num_rows: int, args, rng: np.random.Generator) -> dict[str, Callable]:
+  """The dense and (up to --naive-max-rows) naive steps on one table of `num_rows` rows."""
+  spec = base.TableSpec(
+    name="t",
+    num_rows=num_rows,
+    dim=args.dim,
+    optimizer=base.OptimizerSpec(name="sgd", learning_rate=args.lr),
+  )
+  backend = base.make_backend("dense", spec)
+  ids = [make_ids(args, rng, num_rows) for _ in range(args.num_batches)]
+  targets = [
+    jax.device_put(rng.normal(size=(args.batch, args.dim)).astype(np.float32)) for _ in ids
+  ]
+  # Host-side `prepare` is off the step's path (the input pipeline does it); transfers done.
+  prepared = [jax.device_put(backend.prepare(i)) for i in ids]
+  runners = {
+    "dense": jitted_runner(
+      make_dense_step(backend), backend.init(jax.random.key(0)), list(zip(prepared, targets))
+    )
+  }
+  if num_rows <= args.naive_max_rows:
+    tx = optax.sgd(args.lr)
+    table = jnp.asarray(base.init_table(jax.random.key(0), spec))
+    runners["naive"] = jitted_runner(
+      make_naive_step(tx),
+      (table, tx.init(table)),
+      [(jax.device_put(i.astype(np.int32)), t) for i, t in zip(ids, targets)],
+    )
+  return runners
+
+
+def check_same_update(args) -> float:
+  """Both steps are the same SGD: max |dense - naive| table difference after 3 steps (small)."""
+  n = 1000
+  spec = base.TableSpec(
+    name="t", num_rows=n, dim=args.dim, optimizer=base.OptimizerSpec(learning_rate=args.lr)
+  )
+  backend = base.make_backend("dense", spec)
+  rng = np.random.default_rng(1)
+  tx = optax.sgd(args.lr)
+  dstep, nstep = make_dense_step(backend), make_naive_step(tx)
+  state = backend.init(jax.random.key(0))
+  table = jnp.asarray(base.init_table(jax.random.key(0), spec))
+  nstate = (table, tx.init(table))
+  for _ in range(3):
+    ids = rng.integers(0, n, (64, args.lookups))
+    target = jnp.asarray(rng.normal(size=(64, args.dim)).astype(np.float32))
+    state = dstep(state, (backend.prepare(ids), target))
+    nstate = nstep(nstate, (jnp.asarray(ids, jnp.int32), target))
+  return float(jnp.max(jnp.abs(state["table"] - nstate[0])))
+
+
+def markdown(payload: dict) -> str:
+  a, m, s = payload["config"], payload["machine"], payload["summary"]
+  rows = payload["results"]
+  dist = "uniform" if a["ids"] == "uniform" else f"Zipf (exponent {a['zipf_exponent']})"
+  lines = [
+    "# Sparse update: train-step time vs table size",
+    "",
+    f"One table, dim {a['dim']}, batch {a['batch']} x {a['lookups']} one-hot lookups "
+    f"({a['batch'] * a['lookups']:,} ids/step, {dist}), SGD lr {a['lr']}. Median over "
+    f"{a['reps']} repetitions ({a['steps_per_rep']} steps each for dense, "
+    f"{a['naive_steps_per_rep']} for naive) after {a['warmup']} warmup steps, every size and "
+    f"variant timed in round-robin. {m['jax_backend']}, {m['cpus']} CPUs, load average "
+    f"{m['load_avg_at_start'][0]:.1f} at start, {m['date_utc']}.",
+    "",
+    "| rows | table | dense backend ms/step | naive (table grad + optax) ms/step | naive / dense |",
+    "|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    d = r["dense"]["step_ms"]
+    nv = r.get("naive", {}).get("step_ms")
+    lines.append(
+      f"| {r['num_rows']:,} | {r['table_mib']:,.1f} MiB | {d:.2f} | "
+      + (f"{nv:.2f} | {nv / d:.1f}x |" if nv is not None else "not run | |")
+    )
+  big, small = f"{rows[-1]['num_rows']:,}", f"{rows[0]['num_rows']:,}"
+  naive = s.get("naive_ratio")
+  lines += [
+    "",
+    f"step({big}) / step({small}):",
+    f"- dense backend: **{s['dense_ratio']:.2f}** (target <= {TARGET_RATIO}: "
+    f"{'met' if s['dense_target_met'] else 'NOT met'})",
+    f"- naive: **{naive:.1f}**" if naive is not None else "- naive: not run at every size",
+  ]
+  if s.get("dense_ratio_top_two") is not None:
+    prev = f"{rows[-2]['num_rows']:,}"
+    nv2 = s.get("naive_ratio_top_two")
+    lines += [
+      "",
+      f"step({big}) / step({prev}), the two largest sizes: dense "
+      f"{s['dense_ratio_top_two']:.2f}" + (f", naive {nv2:.1f}" if nv2 is not None else ""),
+    ]
+  lines += [
+    "",
+    f"Dense and naive apply the same SGD: max |table difference| after 3 steps = "
+    f"{payload['same_update_max_abs_diff']:.2e}.",
+    "",
+  ]
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--rows", default="10000,1000000,10000000", help="table sizes, comma-separated")
+  p.add_argument("--dim", type=int, default=16)
+  p.add_argument("--batch", type=int, default=2048)
+  p.add_argument("--lookups", type=int, default=26, help="one-hot ids per example")
+  p.add_argument("--ids", choices=("uniform", "zipf"), default="uniform", help="id distribution")
+  p.add_argument("--zipf-exponent", type=float, default=1.05)
+  p.add_argument("--lr", type=float, default=0.1)
+  p.add_argument("--num-batches", type=int, default=4, help="distinct id batches cycled over")
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--reps", type=int, default=7)
+  p.add_argument("--steps-per-rep", type=int, default=20)
+  p.add_argument("--naive-steps-per-rep", type=int, default=2)
+  p.add_argument("--naive-max-rows", type=int, default=10_000_000, help="skip naive above this")
+  p.add_argument("--quick", action="store_true", help="10K/100K/1M rows, 3 reps")
+  p.add_argument("--name", default="", help="results file stem (default sparse_update[_zipf])")
+  args = p.parse_args(argv)
+  if args.quick:
+    args.rows, args.reps, args.steps_per_rep, args.warmup = "10000,100000,1000000", 3, 5, 2
+  args.name = args.name or ("sparse_update" if args.ids == "uniform" else "sparse_update_zipf")
+  sizes = sorted(int(float(s)) for s in args.rows.split(","))
+
+  rng = np.random.default_rng(0)
+  machine = machine_info()
+  runners, steps = {}, {}
+  for n in sizes:
+    for variant, run in build_runners(n, args, rng).items():
+      runners[(n, variant)] = run
+      steps[(n, variant)] = args.naive_steps_per_rep if variant == "naive" else args.steps_per_rep
+  # All sizes and both variants are timed in round-robin, so load changes hit them alike.
+  timing = interleaved_timing(runners, args.warmup, args.reps, steps)
+  results = []
+  for n in sizes:
+    r = {"num_rows": n, "table_mib": n * args.dim * 4 / 2**20}
+    for variant in ("dense", "naive"):
+      if (n, variant) in timing:
+        r[variant] = timing[(n, variant)]
+    results.append(r)
+  del runners
+
+  def ratio(variant, a, b):
+    if variant in a and variant in b:
+      return a[variant]["step_ms"] / b[variant]["step_ms"]
+    return None
+
+  first, last = results[0], results[-1]
+  summary = {
+    "dense_ratio": ratio("dense", last, first),
+    "naive_ratio": ratio("naive", last, first),
+  }
+  if len(results) >= 3:
+    # Between the two largest sizes (by default both far beyond the caches) an O(rows) term
+    # would show undiluted by cache effects.
+    summary["dense_ratio_top_two"] = ratio("dense", last, results[-2])
+    summary["naive_ratio_top_two"] = ratio("naive", last, results[-2])
+  summary["dense_target_met"] = summary["dense_ratio"] <= TARGET_RATIO
+  payload = {
+    "benchmark": "sparse_update",
+    "config": dict(vars(args)),
+    "machine": machine,
+    "results": results,
+    "summary": summary,
+    "same_update_max_abs_diff": check_same_update(args),
+  }
+  write_results(args.name, payload, markdown(payload))
+  return payload
+
+
+if __name__ == "__main__":
+  main()
