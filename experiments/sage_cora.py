@@ -1,0 +1,54 @@
+"""GraphSAGE-mean on Cora: node features, the standard Planetoid split, fanouts [25, 10]."""
+
+import ml_collections
+
+
+def get_config(arg=None):
+  del arg
+  c = ml_collections.ConfigDict()
+  c.task = "node_classification"
+  c.seed = 0
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = "planetoid"
+  c.data.name = "cora"
+  c.data.path = ""  # "" = the bundled third_party/cora
+
+  c.model = ml_collections.ConfigDict()
+  c.model.inputs = "features"  # features | embeddings | both
+  c.model.hidden = 64
+  c.model.dropout = 0.5
+
+  c.sampler = ml_collections.ConfigDict()
+  c.sampler.kind = "node"  # node (GraphSAGE) | ladies
+  c.sampler.fanouts = (25, 10)
+  c.sampler.layer_sizes = (512, 512)  # ladies only
+  c.sampler.batch_size = 140  # the whole training set per step
+  c.sampler.bulk = 8  # mini-batches per sparse product
+  c.sampler.capacities = "auto"  # auto | worst | (n_1, ..., n_L)
+  c.sampler.eval_fanouts = (-1, -1)  # every neighbour: deterministic eval
+  c.sampler.eval_batch_size = 500
+
+  # Unused unless model.inputs includes embeddings.
+  c.embeddings = ml_collections.ConfigDict()
+  c.embeddings.dim = 64
+  c.embeddings.initializer = "normal"
+  c.embeddings.optimizer = ml_collections.ConfigDict({"name": "sgd", "learning_rate": 0.1})
+  c.embeddings.plan = [(".*", "dense")]
+
+  # Adam with L2 5e-4, as the published GCN / GraphSAGE Cora setups.
+  c.optimizer = ml_collections.ConfigDict(
+    {"name": "adam", "learning_rate": 0.01, "weight_decay": 5e-4, "warmup_steps": 0}
+  )
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 200
+  c.train.log_every = 50
+  c.train.eval_every = 50
+  c.train.eval_split = "valid"
+  c.train.final_eval_splits = ("valid", "test")
+  c.train.checkpoint_every = 0
+  c.train.keep_checkpoints = 1
+
+  c.device_memory_budget = ""
+  return c

@@ -1,0 +1,281 @@
+"""Node classification with GraphSAGE over bulk-sampled mini-batches.
+
+Config (the experiment's ConfigDict; see experiments/sage_*.py):
+  data.source          planetoid | synthetic | ogb
+  data.name            planetoid graph name (cora)
+  data.path            ogb: the unpacked dataset folder; planetoid: root (None = bundled)
+  data.split           ogb: split scheme folder (None = the only one)
+  data.synthetic       synthetic: fields of `recgnn.graphs.synthetic.SyntheticSpec`
+  model.inputs         features | embeddings | both (learnable node embeddings: table `node`)
+  model.hidden, model.dropout (L2: the trainer's optimizer.weight_decay)
+  sampler.kind         node (GraphSAGE fanouts) | ladies (layer-wise)
+  sampler.fanouts      node: per layer, seeds outward (-1 = all neighbours)
+  sampler.layer_sizes  ladies: nodes drawn per layer
+  sampler.batch_size   seeds per mini-batch
+  sampler.bulk         k, mini-batches sampled per sparse product
+  sampler.capacities   auto (estimated from a trial sample) | worst | list of frontier sizes
+  sampler.eval_fanouts node: eval fanouts (None = fanouts)
+  sampler.eval_batch_size
+  embeddings.dim, embeddings.optimizer (name, learning_rate), embeddings.initializer
+  seed                 shuffling, sampling (train batches are a function of seed and step)
+
+Batches: the model's inputs are the rows of the deepest sampled frontier (n_L nodes, padded
+with -1), so a learnable-embedding batch is `ids["node"] = int32[n_L, 1]`: one bag per
+frontier node, pooled by the trainer to float32[n_L, D]. The n_L rows are not the seeds: the
+seeds are frontier 0, and `labels` / `weight` are float32[batch_size] for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from recgnn.embeddings import OptimizerSpec, TableSpec
+from recgnn.graphs import sampling, store
+from recgnn.models import graphsage
+from recgnn.tasks import base
+
+TABLE = "node"
+INPUTS = ("features", "embeddings", "both")
+SAMPLERS = ("node", "ladies")
+
+
+def load_graph(data: ml_collections.ConfigDict) -> store.Graph:
+  """The graph named by config.data."""
+  if data.source == "planetoid":
+    from recgnn.data import planetoid
+
+    return planetoid.load(data.get("name", "cora"), data.get("path", None) or None)
+  if data.source == "ogb":
+    from recgnn.data import ogb
+
+    if not data.get("path", None):
+      raise ValueError("data.source=ogb needs --config.data.path=<unpacked OGB dataset folder>")
+    return ogb.load(data.path, split=data.get("split", None))
+  if data.source == "synthetic":
+    from recgnn.graphs import synthetic
+
+    fields = dict(data.synthetic)
+    if "split" in fields:
+      fields["split"] = tuple(fields["split"])
+    return synthetic.generate(synthetic.SyntheticSpec(**fields))
+  raise ValueError(f"Unknown data.source {data.source!r}; available: planetoid, synthetic, ogb")
+
+
+class NodeClassification(base.Task):
+  """GraphSAGE node classification on features and / or learnable node embeddings."""
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    super().__init__(config)
+    # Bulk samples allocate large short-lived buffers; see sampling.retain_freed_memory.
+    sampling.retain_freed_memory()
+    self.graph = load_graph(config.data)
+    self.inputs = config.model.inputs
+    if self.inputs not in INPUTS:
+      raise ValueError(f"Unknown model.inputs {self.inputs!r}; available: {', '.join(INPUTS)}")
+    if self.inputs != "embeddings" and self.graph.features is None:
+      raise ValueError(
+        f"Graph {self.graph.name} has no node features; set --config.model.inputs=embeddings"
+      )
+    s = config.sampler
+    if s.kind not in SAMPLERS:
+      raise ValueError(f"Unknown sampler.kind {s.kind!r}; available: {', '.join(SAMPLERS)}")
+    self.batch_size = int(s.batch_size)
+    self.bulk = int(s.get("bulk", 1))
+    self.seed = int(config.get("seed", 0))
+    self.train_nodes = self._labelled("train")
+    self.sampler = self._make_sampler(s.get("fanouts", None), self.batch_size, s.capacities)
+    eval_fanouts = s.get("eval_fanouts", None) or s.get("fanouts", None)
+    self.eval_batch_size = int(s.get("eval_batch_size", None) or self.batch_size)
+    self.eval_sampler = self._make_sampler(eval_fanouts, self.eval_batch_size, "worst")
+    self.model = graphsage.GraphSAGE(
+      sizes=tuple(self.sampler.sizes),
+      hidden=int(config.model.hidden),
+      num_classes=self.graph.num_classes,
+      dropout=float(config.model.dropout),
+    )
+
+  # --------------------------------------------------------------------------- setup
+
+  def _labelled(self, split: str) -> np.ndarray:
+    ids = self.graph.splits[split]
+    return ids[self.graph.labels[ids] >= 0]
+
+  def _make_sampler(self, fanouts, batch_size: int, capacities):
+    s = self.config.sampler
+    adj = self.graph.adj
+    if s.kind == "ladies":
+      return sampling.LadiesSampler(adj, layer_sizes=list(s.layer_sizes), batch_size=batch_size)
+    sampler = sampling.NeighborSampler(adj, fanouts=list(fanouts), batch_size=batch_size)
+    if capacities == "worst" or capacities is None:
+      return sampler
+    if capacities == "auto":
+      rng = np.random.default_rng([self.seed, 7])
+      trial = rng.choice(
+        self.train_nodes, (4, batch_size), replace=len(self.train_nodes) < 4 * batch_size
+      )
+      capacities = sampling.estimate_capacities(sampler, trial, rng)
+    return sampling.NeighborSampler(
+      adj, fanouts=list(fanouts), batch_size=batch_size, capacities=list(capacities)
+    )
+
+  def tables(self) -> list[TableSpec]:
+    if self.inputs == "features":
+      return []
+    emb = self.config.embeddings
+    return [
+      TableSpec(
+        name=TABLE,
+        num_rows=self.graph.num_nodes,
+        dim=int(emb.dim),
+        optimizer=OptimizerSpec(**dict(emb.optimizer)),
+        initializer=emb.get("initializer", "normal"),
+        pooling="sum",
+      )
+    ]
+
+  def describe(self) -> str:
+    lines = [self.graph.describe()]
+    lines.append(
+      f"sampler {self.config.sampler.kind}: frontier sizes {self.sampler.sizes}, "
+      f"{self.bulk} mini-batches per product; inputs: {self.inputs}"
+    )
+    lines.append(f"chance accuracy (majority class of test): {self.chance_accuracy():.4f}")
+    return "\n".join(lines)
+
+  def chance_accuracy(self) -> float:
+    test = self._labelled("test")
+    return float(np.bincount(self.graph.labels[test]).max() / max(test.size, 1))
+
+  def final_report(self, results):
+    return {"chance_accuracy": self.chance_accuracy()}
+
+  # --------------------------------------------------------------------------- batches
+
+  def _make_batch(self, nodes: np.ndarray, layers, seeds: np.ndarray) -> base.Batch:
+    # "ids" always present (empty without tables): the trainer's input thread reads it.
+    batch: base.Batch = {"ids": {}}
+    valid = nodes >= 0
+    if self.inputs != "embeddings":
+      x = self.graph.features[np.where(valid, nodes, 0)]
+      x[~valid] = 0.0
+      batch["x"] = x
+    if self.inputs != "features":
+      batch["ids"] = {TABLE: nodes[:, None].astype(np.int32)}
+    for depth, layer in enumerate(layers):
+      for key, v in layer.items():
+        batch[f"{key}{depth}"] = v
+    labels = np.where(seeds >= 0, self.graph.labels[np.maximum(seeds, 0)], -1)
+    batch["labels"] = np.maximum(labels, 0).astype(np.int32)
+    batch["weight"] = (labels >= 0).astype(np.float32)
+    return batch
+
+  def _steps_per_epoch(self) -> int:
+    return -(-self.train_nodes.size // self.batch_size)
+
+  def train_batches(self, start_step: int = 0) -> Iterator[base.Batch]:
+    spe, k, bsz = self._steps_per_epoch(), self.bulk, self.batch_size
+    step = start_step
+    while True:
+      epoch, within = divmod(step, spe)
+      group = within // k
+      perm = np.random.default_rng([self.seed, epoch]).permutation(self.train_nodes)
+      first = group * k
+      count = min(k, spe - first)
+      seeds = np.full((count, bsz), -1, np.int64)
+      flat = perm[first * bsz : (first + count) * bsz]
+      seeds.reshape(-1)[: flat.size] = flat
+      # Seeded per (epoch, group): a resumed run draws exactly the same neighbours.
+      rng = np.random.default_rng([self.seed, epoch, group, 1])
+      blocks = self.sampler.sample(seeds, rng)
+      for i in range(within - first, count):
+        nodes, layers = blocks.batch(i)
+        yield self._make_batch(nodes, layers, seeds[i])
+        step += 1
+
+  def eval_batches(self, split: str):
+    ids = self._labelled(split)
+    bsz, k = self.eval_batch_size, self.bulk
+    n = -(-ids.size // bsz)
+    seeds = np.full((n, bsz), -1, np.int64)
+    seeds.reshape(-1)[: ids.size] = ids
+    rng = np.random.default_rng([self.seed, 12345])  # the same eval neighbourhoods every time
+    for start in range(0, n, k):
+      blocks = self.eval_sampler.sample(seeds[start : start + k], rng)
+      for i in range(blocks.k):
+        nodes, layers = blocks.batch(i)
+        yield self._make_batch(nodes, layers, seeds[start + i])
+
+  # --------------------------------------------------------------------------- model
+
+  def _inputs(self, batch, embeddings) -> jax.Array:
+    parts = []
+    if self.inputs != "embeddings":
+      parts.append(batch["x"])
+    if self.inputs != "features":
+      parts.append(embeddings[TABLE])
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+  def _layers(self, batch) -> list[dict[str, jax.Array]]:
+    keys = ("nbr", "mask") if self.config.sampler.kind == "node" else ("src", "dst", "weight")
+    n = len(self.sampler.sizes) - 1
+    return [{key: batch[f"{key}{d}"] for key in keys} for d in range(n)]
+
+  def _model_for(self, batch) -> graphsage.GraphSAGE:
+    """The model for this batch's static frontier sizes (train and eval samplers may differ;
+    the params are the same)."""
+    n0 = batch["labels"].shape[0]
+    rows = batch["x"].shape[0] if "x" in batch else batch["ids"][TABLE].shape[0]
+    num_layers = len(self.sampler.sizes) - 1
+    if self.config.sampler.kind == "node":
+      mid = tuple(batch[f"nbr{d}"].shape[0] for d in range(1, num_layers))
+    else:
+      mid = tuple(
+        sampling.LadiesSampler.frontier_sizes(
+          n0, self.config.sampler.layer_sizes, self.graph.num_nodes
+        )[1:-1]
+      )
+    return self.model.clone(sizes=(n0, *mid, rows))
+
+  def init_params(self, key, batch, embeddings):
+    x = self._inputs(batch, embeddings)
+    return self._model_for(batch).init(key, x, self._layers(batch), train=False)["params"]
+
+  def loss(self, params, batch, embeddings, key):
+    logits = self._model_for(batch).apply(
+      {"params": params},
+      self._inputs(batch, embeddings),
+      self._layers(batch),
+      train=True,
+      rngs={"dropout": key},
+    )
+    w = batch["weight"]
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    denom = jnp.maximum(w.sum(), 1.0)
+    loss = jnp.sum(ce * w) / denom
+    acc = jnp.sum((jnp.argmax(logits, -1) == batch["labels"]) * w) / denom
+    return loss, {"accuracy": acc}
+
+  def predict(self, params, batch, embeddings):
+    logits = self._model_for(batch).apply(
+      {"params": params}, self._inputs(batch, embeddings), self._layers(batch), train=False
+    )
+    return {
+      "pred": jnp.argmax(logits, -1).astype(jnp.int32),
+      "labels": batch["labels"],
+      "weight": batch["weight"],
+    }
+
+  def metrics(self, outputs):
+    pred = np.concatenate([np.asarray(o["pred"]) for o in outputs])
+    labels = np.concatenate([np.asarray(o["labels"]) for o in outputs])
+    w = np.concatenate([np.asarray(o["weight"]) for o in outputs])
+    return {"accuracy": float(np.sum((pred == labels) * w) / max(w.sum(), 1.0))}
+
+
+TASK = NodeClassification

@@ -1,0 +1,208 @@
+"""Matrix-based bulk samplers: validity, shapes, the product formulation, distributions."""
+
+import itertools
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from scipy import stats
+
+from recgnn.graphs import sampling, store, synthetic
+
+
+@pytest.fixture(scope="module")
+def graph():
+  return synthetic.generate(
+    synthetic.SyntheticSpec(num_nodes=3000, num_edges=30_000, num_classes=4, seed=5)
+  )
+
+
+def star(degree: int) -> sp.csr_matrix:
+  """Node 0 linked to nodes 1..degree."""
+  leaves = np.arange(1, degree + 1)
+  return store.csr_from_edges(np.zeros(degree, np.int64), leaves, degree + 1)
+
+
+def check_node_blocks(adj, sampler, blocks, seeds):
+  """Every sampled edge is an edge of adj; fanouts, padding and frontier layout hold."""
+  adj = sp.csr_matrix(adj)
+  deg = np.diff(adj.indptr)
+  assert blocks.nodes.shape == (seeds.shape[0], sampler.sizes[-1])
+  for b in range(blocks.k):
+    nodes = blocks.nodes[b]
+    np.testing.assert_array_equal(nodes[: seeds.shape[1]], seeds[b])
+    for d, layer in enumerate(blocks.layers):
+      n_dst, f = sampler.sizes[d], sampler.fanouts[d]
+      nbr, mask = layer["nbr"][b], layer["mask"][b]
+      assert nbr.shape == (n_dst, f) and mask.shape == (n_dst, f) and nbr.dtype == np.int32
+      dst = nodes[:n_dst]
+      frontier = nodes[: sampler.sizes[d + 1]]
+      valid_nodes = frontier[frontier >= 0]
+      assert np.unique(valid_nodes).size == valid_nodes.size  # deduplicated
+      # Padding rows sample nothing; padded slots point at 0.
+      assert not mask[dst < 0].any() and (nbr[~mask] == 0).all()
+      if blocks.dropped == 0:
+        expect = np.where(dst >= 0, np.minimum(deg[np.maximum(dst, 0)], f), 0)
+        np.testing.assert_array_equal(mask.sum(1), expect)
+      r, c = np.nonzero(mask)
+      u, v = dst[r], frontier[nbr[r, c]]
+      assert (u >= 0).all() and (v >= 0).all()
+      assert np.all(np.asarray(adj[u, v]).ravel() > 0), "sampled a non-neighbour"
+      # Without replacement: no neighbour twice in a row.
+      pairs = u.astype(np.int64) * adj.shape[0] + v
+      assert np.unique(pairs).size == pairs.size
+    assert blocks.num_edges[b].tolist() == [lay["mask"][b].sum() for lay in blocks.layers]
+
+
+def test_node_sampler_blocks_are_valid(graph):
+  rng = np.random.default_rng(0)
+  s = sampling.NeighborSampler(graph.adj, fanouts=[6, 3, 2], batch_size=50)
+  seeds = rng.permutation(graph.num_nodes)[:150].reshape(3, 50)
+  seeds[2, 40:] = -1  # a last, partial batch
+  blocks = s.sample(seeds, rng)
+  assert blocks.k == 3 and blocks.dropped == 0
+  assert s.sizes == (50, 350, 350 + 350 * 3, 350 + 350 * 3 + (350 + 1050) * 2)
+  check_node_blocks(graph.adj, s, blocks, seeds)
+
+
+def test_capacities_drop_and_count(graph):
+  rng = np.random.default_rng(1)
+  seeds = rng.permutation(graph.num_nodes)[:128].reshape(2, 64)
+  full = sampling.NeighborSampler(graph.adj, fanouts=[8, 4], batch_size=64)
+  caps = sampling.estimate_capacities(full, seeds, np.random.default_rng(2), margin=1.2)
+  assert caps[0] < full.sizes[1] and caps[1] < full.sizes[2]
+  roomy = sampling.NeighborSampler(graph.adj, fanouts=[8, 4], batch_size=64, capacities=caps)
+  check_node_blocks(graph.adj, roomy, roomy.sample(seeds, rng), seeds)
+  tight = sampling.NeighborSampler(graph.adj, fanouts=[8, 4], batch_size=64, capacities=[100, 150])
+  blocks = tight.sample(seeds, rng)
+  assert tight.sizes == (64, 100, 150) and blocks.dropped > 0
+  check_node_blocks(graph.adj, tight, blocks, seeds)
+
+
+def test_materialized_product_gives_the_same_sample(graph):
+  """Reading P = Q @ A's rows from A's CSR is the product: same draws, same sample."""
+  seeds = np.random.default_rng(3).permutation(graph.num_nodes)[:160].reshape(4, 40)
+  kw = dict(fanouts=[5, 4], batch_size=40)
+  fast = sampling.NeighborSampler(graph.adj, **kw).sample(seeds, np.random.default_rng(9))
+  prod = sampling.NeighborSampler(graph.adj, materialize=True, **kw)
+  ref = prod.sample(seeds, np.random.default_rng(9))
+  np.testing.assert_array_equal(fast.nodes, ref.nodes)
+  for a, b in zip(fast.layers, ref.layers):
+    np.testing.assert_array_equal(a["nbr"], b["nbr"])
+    np.testing.assert_array_equal(a["mask"], b["mask"])
+  rows = seeds[0]
+  p = sampling.selection_matrix(rows, graph.num_nodes) @ graph.adj
+  assert (p != graph.adj[rows]).nnz == 0
+
+
+def test_fanout_all_takes_every_neighbour(graph):
+  s = sampling.NeighborSampler(graph.adj, fanouts=[-1], batch_size=10)
+  seeds = np.arange(10)[None]
+  blocks = s.sample(seeds, np.random.default_rng(0))
+  got = blocks.nodes[0][blocks.layers[0]["nbr"][0]]
+  for i in range(10):
+    row = np.sort(got[i][blocks.layers[0]["mask"][0][i]])
+    np.testing.assert_array_equal(
+      row, graph.adj.indices[graph.adj.indptr[i] : graph.adj.indptr[i + 1]]
+    )
+  hub = star(5000)
+  with pytest.raises(ValueError, match="finite fanout"):
+    sampling.NeighborSampler(hub, fanouts=[-1], batch_size=1)
+
+
+def uniform_subsets_pvalue(draw_subsets, degree: int, fanout: int) -> float:
+  """Chi-square p-value of subset counts against 'every fanout-subset equally likely'."""
+  subsets = draw_subsets()
+  index = {c: i for i, c in enumerate(itertools.combinations(range(degree), fanout))}
+  counts = np.bincount([index[tuple(sorted(r))] for r in subsets.tolist()], minlength=len(index))
+  return stats.chisquare(counts).pvalue
+
+
+def test_draw_offsets_is_uniform_over_subsets():
+  deg, f, n = 6, 3, 20_000  # 20 subsets, 1000 expected each
+  rng = np.random.default_rng(11)
+  draws = lambda: sampling.draw_offsets(np.full(n, deg), f, rng)[0]
+  assert uniform_subsets_pvalue(draws, deg, f) > 1e-3
+  # The same test has power: distinct subsets from weighted keys (neighbours 0 and 1 a
+  # little likelier) are rejected.
+  weights = np.array([1.3, 1.3, 1, 1, 1, 1])
+  biased_distinct = lambda: np.argsort(rng.random((n, deg)) / weights, 1)[:, :f]
+  assert uniform_subsets_pvalue(biased_distinct, deg, f) < 1e-6
+
+
+def test_node_sampler_is_uniform_over_neighbours():
+  """Through the whole sampler: a degree-40 node, fanout 5, many rows in one bulk product."""
+  deg, f = 40, 5
+  adj = star(deg)
+  s = sampling.NeighborSampler(adj, fanouts=[f], batch_size=500)
+  blocks = s.sample(np.zeros((8, 500), np.int64), np.random.default_rng(4))
+  counts = np.zeros(deg + 1)
+  for b in range(blocks.k):
+    picked = blocks.nodes[b][blocks.layers[0]["nbr"][b]]
+    assert blocks.layers[0]["mask"][b].all()
+    np.add.at(counts, picked.ravel(), 1)
+  assert counts[0] == 0 and counts.sum() == 8 * 500 * f
+  # Each of the 4000 rows includes each neighbour with probability f / deg.
+  assert stats.chisquare(counts[1:]).pvalue > 1e-3
+
+
+def test_ladies_probabilities_are_column_norms(graph):
+  s = sampling.LadiesSampler(graph.adj, layer_sizes=[64], batch_size=20)
+  frontier = np.random.default_rng(6).permutation(graph.num_nodes)[:60].reshape(3, 20)
+  frontier[1, 15:] = -1
+  prob = s.probabilities(frontier).toarray()
+  lap = s.lap.toarray()
+  for b in range(3):
+    rows = frontier[b][frontier[b] >= 0]
+    ref = (lap[rows] ** 2).sum(0)
+    np.testing.assert_allclose(prob[b], ref / ref.sum(), rtol=1e-10, atol=1e-15)
+  np.testing.assert_allclose(lap.sum(1), 1.0)  # row-normalised A + I
+  assert np.all(np.diag(lap) > 0)
+
+
+def test_weighted_draw_follows_probabilities():
+  rng = np.random.default_rng(7)
+  p = np.array([0.05, 0.1, 0.15, 0.3, 0.4])
+  k = 20_000
+  prob = sp.csr_matrix(np.tile(p, (k, 1)))
+  rows, cols = sampling.weighted_draw(prob, 1, rng)
+  np.testing.assert_array_equal(rows, np.arange(k))
+  assert stats.chisquare(np.bincount(cols, minlength=5), p * k).pvalue > 1e-3
+  assert stats.chisquare(np.bincount(cols, minlength=5), np.full(5, k / 5)).pvalue < 1e-6
+  rows, cols = sampling.weighted_draw(prob[:50], 3, rng)
+  assert np.all(np.bincount(rows) == 3)
+  assert all(np.unique(cols[rows == r]).size == 3 for r in range(50))
+
+
+def test_ladies_blocks(graph):
+  rng = np.random.default_rng(8)
+  s = sampling.LadiesSampler(graph.adj, layer_sizes=[100, 200], batch_size=32)
+  seeds = rng.permutation(graph.num_nodes)[:96].reshape(3, 32)
+  blocks = s.sample(seeds, rng)
+  assert s.sizes == (32, 132, 332)
+  lap = s.lap
+  for b in range(3):
+    nodes = blocks.nodes[b]
+    np.testing.assert_array_equal(nodes[:32], seeds[b])
+    for d, layer in enumerate(blocks.layers):
+      src, dst, w = layer["src"][b], layer["dst"][b], layer["weight"][b]
+      live = w > 0
+      assert live.sum() == blocks.num_edges[b, d] > 0
+      u, v = nodes[dst[live]], nodes[src[live]]
+      assert (u >= 0).all() and (v >= 0).all()
+      assert np.all(np.asarray(lap[u, v]).ravel() > 0), "edge not in A + I"
+      assert (src[live] < s.sizes[d + 1]).all() and (dst[live] < s.sizes[d]).all()
+      # Row-normalised: every destination with an edge sums to 1.
+      sums = np.bincount(dst[live], weights=w[live], minlength=s.sizes[d])
+      np.testing.assert_allclose(sums[np.unique(dst[live])], 1.0, rtol=1e-5)
+      # New nodes per layer are at most layer_sizes[d].
+      new = nodes[s.sizes[d] : s.sizes[d + 1]]
+      assert (new >= 0).sum() <= s.layer_sizes[d]
+
+
+def test_seeds_shape_error(graph):
+  s = sampling.NeighborSampler(graph.adj, fanouts=[2], batch_size=8)
+  with pytest.raises(ValueError, match="seeds must be"):
+    s.sample(np.zeros((2, 7), np.int64), np.random.default_rng(0))
+  with pytest.raises(ValueError, match="fanouts"):
+    sampling.NeighborSampler(graph.adj, fanouts=[0], batch_size=8)
