@@ -419,10 +419,10 @@ class Offload(base.Backend):
     ids = np.asarray(ids)
     p = self._planner
     rows = self._unique(ids)
+    if not train:  # read-only: rows need not fit, cold ones are read from the host table
+      return self._prepare_read_only(ids, rows, t0)
     p.check_fits(rows.shape[0], self.spec.name)
     upcoming = list(upcoming)[: self.lookahead]
-    if not train:
-      return self._prepare_read_only(ids, rows, t0)
     t = p.version
     if p.admitted is not None and p.admitted.shape == ids.shape and np.array_equal(p.admitted, ids):
       now = Exchange.empty()  # admitted by the previous step's update
@@ -499,6 +499,7 @@ class Offload(base.Backend):
     row_bytes = self.spec.row_bytes
     out = {
       "hit_rate": c.get("hits", 0) / looked if looked else float("nan"),
+      "misses_per_step": c.get("misses", 0) / steps,
       "h2d_rows_per_step": c.get("rows_h2d", 0) / steps,
       "d2h_rows_per_step": c.get("rows_d2h", 0) / steps,
       "h2d_bytes_per_step": c.get("rows_h2d", 0) * row_bytes / steps,
@@ -600,6 +601,16 @@ class Offload(base.Backend):
   def restore(self, state):
     """Reset host bookkeeping to a restored state's cache (history of LRU/LFU is lost)."""
     self._check_stale(state)
+    if self.offloaded:
+      # Orbax (0.11, jax 0.10) restores host arrays whose sharding says pinned_host but whose
+      # type is in device memory, which compute_on rejects: re-place them (once, O(N)).
+      host = {
+        k: v
+        if jax.typeof(v).memory_space == jax.memory.Space.Host
+        else jax.device_put(np.asarray(v), v.sharding)
+        for k, v in state["host"].items()
+      }
+      state = {**state, "host": host}
     sh = jax.tree.map(lambda x: x.sharding, state)
     self._host_sharding, self._dev_sharding = sh["host"]["table"], sh["cache"]["table"]
     self._planner = Planner.from_slots(

@@ -1,0 +1,371 @@
+"""The offload backend (cDLRM) beyond the shared contract (tests/test_contract.py has it in EXACT).
+
+Checked against references: the dense backend (bit-identical tables and lookups, also across a
+checkpoint and resume), an independent replay of the planner's exchange lists (rows moved
+host->device are exactly the misses), hand-worked eviction orders, compile-time memory.
+"""
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+
+from recgnn.embeddings import base, offload, testing
+
+# The contract driver jits grads_for; eager op-by-op evaluation differs in the last bit.
+GRADS = jax.jit(testing.grads_for, static_argnums=0)
+SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
+ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
+OPTIMIZERS = [SGD, ADAGRAD]
+POLICY_STRINGS = [
+  "offload(cache_rows=60, policy=lru, lookahead=2)",
+  "offload(cache_rows=60, policy=lfu, lookahead=2)",
+  "offload(cache_rows=60, policy=lookahead, lookahead=3)",
+]
+
+
+def _spec(opt, num_rows=1000, dim=4):
+  return base.TableSpec(name="t", num_rows=num_rows, dim=dim, optimizer=opt)
+
+
+def _batches(num_batches=12, batch=32, bag=2, num_rows=1000, seed=5):
+  return testing.zipf_ids(seed, num_batches, batch, bag, num_rows)
+
+
+def _drive(backend, state, batches, start=0, stop=None, prefetch=testing.PREFETCH, record=None):
+  """testing.run's loop from batch `start` to `stop` (run-ahead included, a fresh input
+  pipeline: batches prepared beyond `stop` are dropped, as when the trainer stops)."""
+  stop = len(batches) if stop is None else stop
+  lookup = jax.jit(backend.lookup)
+  update = jax.jit(backend.update, donate_argnums=0)
+  queue, ahead, lookups = collections.deque(), start, []
+  for step in range(start, stop):
+    while ahead < len(batches) and ahead <= step + prefetch:
+      upcoming = list(batches[ahead + 1 : ahead + 1 + backend.lookahead])
+      queue.append(backend.prepare(batches[ahead], upcoming))
+      if record is not None:
+        record.append(queue[-1])
+      ahead += 1
+    prepared = queue.popleft()
+    rows = lookup(state, prepared)
+    lookups.append(np.asarray(rows))
+    state = update(state, prepared, GRADS(step, rows))
+  return state, lookups
+
+
+def _assert_same_run(lookups, table, ref: testing.Trace, what):
+  for step, (a, b) in enumerate(zip(lookups, ref.lookups)):
+    np.testing.assert_array_equal(a, b, err_msg=f"{what}: lookup differs at step {step}")
+  np.testing.assert_array_equal(table, ref.table, err_msg=f"{what}: final table differs")
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("text", POLICY_STRINGS)
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_exact_with_6_percent_cache(text, opt):
+  """12 steps, a cache of 6% of the rows (batches touch ~45 distinct rows): equal to dense."""
+  batches = _batches()
+  trace = testing.assert_matches_dense(text, _spec(opt), batches)
+  s = trace.backend.stats()
+  assert s["d2h_rows_per_step"] > 0, "the cache never evicted a dirty row: test too easy"
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_checkpoint_and_resume_match_uninterrupted_dense(opt, tmp_path):
+  """Sync at step 5 and keep going (the prepared-ahead batches stay valid), save with Orbax,
+  restore into a fresh backend and resume from step 5: both equal an uninterrupted dense run."""
+  from recgnn.train import checkpoint
+
+  spec, batches, k = _spec(opt), _batches(), 5
+  text = "offload(cache_rows=60, policy=lookahead, lookahead=3)"
+  ref = testing.run("dense", spec, batches)
+
+  # Run A: sync mid-run while batches k..k+PREFETCH are already prepared, then continue.
+  a = base.make_backend(text, spec)
+  state = a.init(jax.random.key(0))
+  lookup = jax.jit(a.lookup)
+  update = jax.jit(a.update, donate_argnums=0)
+  prepared = collections.deque()
+  lookups = []
+  for step in range(len(batches)):
+    while len(prepared) + step < min(len(batches), step + testing.PREFETCH + 1):
+      i = step + len(prepared)
+      prepared.append(a.prepare(batches[i], list(batches[i + 1 : i + 1 + a.lookahead])))
+    p = prepared.popleft()
+    rows = lookup(state, p)
+    lookups.append(np.asarray(rows))
+    state = update(state, p, GRADS(step, rows))
+    if step + 1 == k:
+      state = a.sync(state)
+      # After sync the state alone describes the table.
+      np.testing.assert_array_equal(
+        np.asarray(state["host"]["table"]), testing.run("dense", spec, batches[:k]).table
+      )
+      ckpt = checkpoint.Checkpointer(str(tmp_path))
+      ckpt.save(state, k)
+  state = a.sync(state)
+  _assert_same_run(lookups, a.table(state), ref, "sync mid-run")
+
+  # Run B: a fresh process restores the checkpoint and resumes at step k.
+  b = base.make_backend(text, spec)
+  abstract = b.init(jax.random.key(123))  # structure and shardings only
+  restored = b.restore(ckpt.restore(abstract, k))
+  assert restored["host"]["table"].sharding.memory_kind == b.host_memory
+  state_b, lookups_b = _drive(b, restored, batches, start=k)
+  state_b = b.sync(state_b)
+  _assert_same_run(lookups[:k] + lookups_b, b.table(state_b), ref, "resume")
+  ckpt.close()
+
+
+# ----------------------------------------------------------------------------- data movement
+
+
+def _replay(prepared_list, batches, cache_rows, num_rows):
+  """Independent replay of the exchange lists: checks every load is a miss (not resident,
+  no duplicate), every write-back is a dirty resident row, and each batch's ids point at
+  the slots holding them. Returns the rows loaded per prepare."""
+  slot_row = {}  # slot -> row
+  dirty = set()  # rows a train batch touched since they were loaded
+  loaded_per_step = []
+  for ids, p in zip(batches, prepared_list):
+    loaded = 0
+    for phase in ("now", "next"):
+      ex = p[phase]
+      es, er = np.asarray(ex["evict_slots"]), np.asarray(ex["evict_rows"])
+      ls, lr = np.asarray(ex["load_slots"]), np.asarray(ex["load_rows"])
+      real_e, real_l = es < cache_rows, ls < cache_rows
+      assert np.all(er[~real_e] == num_rows), "padding write-backs must target no row"
+      for s, r in zip(es[real_e], er[real_e]):
+        assert slot_row.get(s) == r, f"write-back of row {r} from slot {s}, which holds another"
+        assert r in dirty, f"row {r} written back although no batch updated it"
+      resident = set(slot_row.values())
+      rows = lr[real_l]
+      assert len(set(rows.tolist())) == rows.shape[0], "a row loaded twice in one exchange"
+      assert not resident & set(rows.tolist()), "a resident row was copied again"
+      for s, r in zip(ls[real_l], rows):
+        old = slot_row.get(s)
+        if old is not None:
+          assert old not in dirty or (s in es[real_e]), f"dirty row {old} dropped unsaved"
+          dirty.discard(old)
+        slot_row[s] = r
+      loaded += rows.shape[0]
+      if phase == "now":
+        slots = np.asarray(p["ids"])
+        valid = ids >= 0
+        held = np.array([slot_row.get(s, -1) for s in slots[valid]])
+        np.testing.assert_array_equal(held, ids[valid], err_msg="ids remapped to wrong slots")
+        dirty |= set(ids[valid].tolist())
+    loaded_per_step.append(loaded)
+  return loaded_per_step
+
+
+@pytest.mark.parametrize("text", POLICY_STRINGS)
+def test_rows_moved_equal_misses(text):
+  batches = _batches(num_batches=10)
+  spec = _spec(ADAGRAD)
+  backend = base.make_backend(text, spec)
+  record = []
+  state = backend.init(jax.random.key(0))
+  state, _ = _drive(backend, state, batches, record=record)
+  loaded = _replay(record, batches, backend.cache_rows, spec.num_rows)
+  s = backend.stats()
+  assert 0 < s["hit_rate"] < 1
+  assert sum(loaded) == s["h2d_rows_per_step"] * s["steps"] == s["misses_per_step"] * s["steps"]
+  # The device agrees with the host bookkeeping about which row sits in which slot.
+  slot_rows = np.asarray(state["slot_rows"])
+  planner = backend._planner
+  np.testing.assert_array_equal(
+    slot_rows, np.where(planner.slot_row >= 0, planner.slot_row, spec.num_rows)
+  )
+
+
+def test_large_cache_loads_each_row_once():
+  """With a cache as large as the table, the only misses are first touches: the rows moved
+  host->device at each step are exactly the rows no earlier batch touched."""
+  batches = _batches(num_batches=8)
+  spec = _spec(SGD)
+  backend = base.make_backend("offload(cache_rows=1000, lookahead=1)", spec)
+  record = []
+  _drive(backend, backend.init(jax.random.key(0)), batches, record=record)
+  loaded = _replay(record, batches, backend.cache_rows, spec.num_rows)
+  # prepare(j) loads batch j+1's new rows (batch 0's are loaded on demand by prepare 0).
+  seen, expected = set(), []
+  for j, ids in enumerate(batches):
+    new = set(ids[ids >= 0].tolist()) - seen
+    seen |= new
+    if j == 0:
+      expected.append(len(new))
+    else:
+      expected[-1] += len(new)
+      expected.append(0)
+  assert loaded == expected
+  assert backend.stats()["d2h_rows_per_step"] == 0
+
+
+def test_write_back_is_what_makes_it_exact(monkeypatch):
+  """Mutation check: dropping write-backs must break exactness (the contract check can fail)."""
+  admit = offload.Planner.admit
+
+  def no_write_back(self, *a, **kw):
+    ex = admit(self, *a, **kw)
+    z = np.zeros(0, np.int32)
+    return offload.Exchange(
+      evict_slots=z, evict_rows=z, load_rows=ex.load_rows, load_slots=ex.load_slots
+    )
+
+  monkeypatch.setattr(offload.Planner, "admit", no_write_back)
+  with pytest.raises(AssertionError):
+    testing.assert_matches_dense(POLICY_STRINGS[0], _spec(SGD), _batches(num_batches=8))
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+def _planner(policy):
+  p = offload.Planner(num_rows=10, cache_rows=3, policy=policy)
+  for t, rows in enumerate([[0, 1, 2], [0], [1]]):
+    p.admit(np.array(rows), t, [])
+  return p  # last use: row 2 at t=0, row 0 at t=1, row 1 at t=2
+
+
+def test_lru_evicts_least_recently_used():
+  ex = _planner("lru").admit(np.array([5]), 3, [])
+  assert ex.load_rows.tolist() == [5] and ex.hits == 0
+  p = _planner("lru")
+  p.dirty[:] = True
+  ex = p.admit(np.array([5]), 3, [])
+  assert ex.evict_rows.tolist() == [2]
+
+
+def test_lfu_evicts_least_frequent():
+  p = _planner("lfu")
+  p.dirty[:] = True
+  p.freq[[0, 1, 2]] = [1, 3, 5]
+  assert p.admit(np.array([5]), 3, []).evict_rows.tolist() == [0]
+
+
+def test_lookahead_keeps_rows_needed_in_window():
+  p = _planner("lookahead")
+  p.dirty[:] = True
+  # LRU would evict row 2; it is needed in two batches, so row 0 (not needed) goes.
+  assert p.admit(np.array([5]), 3, [np.array([7]), np.array([2])]).evict_rows.tolist() == [0]
+  # Every resident row is needed: the one needed farthest ahead goes (Belady).
+  p = _planner("lookahead")
+  p.dirty[:] = True
+  window = [np.array([1]), np.array([2]), np.array([0])]
+  assert p.admit(np.array([5]), 3, window).evict_rows.tolist() == [0]
+
+
+def test_batch_larger_than_cache_names_the_size():
+  backend = base.make_backend("offload(cache_rows=10)", _spec(SGD))
+  backend.init(jax.random.key(0))
+  ids = np.arange(24, dtype=np.int32).reshape(12, 2)
+  with pytest.raises(ValueError, match=r"touches 24 distinct rows.*cache_rows>=24"):
+    backend.prepare(ids, [])
+
+
+@pytest.mark.parametrize(
+  "text, match",
+  [
+    ("offload", "exactly one of cache_rows"),
+    ("offload(cache_rows=10, policy=fifo)", "unknown policy 'fifo'"),
+    ("offload(cache_rows=10, policy=lookahead, lookahead=0)", "needs lookahead>=1"),
+  ],
+)
+def test_bad_options_name_the_fix(text, match):
+  with pytest.raises(ValueError, match=match):
+    base.make_backend(text, _spec(SGD))
+
+
+# ----------------------------------------------------------------------------- eval batches
+
+
+def test_eval_batches_read_only_and_stale_plans_detected():
+  spec, batches = _spec(ADAGRAD), _batches(num_batches=6)
+  evalb = _batches(num_batches=1, batch=64, seed=9)[0]
+  text = "offload(cache_rows=60, policy=lru, lookahead=1)"
+  ref = testing.run("dense", spec, batches)
+
+  # Eval batch prepared with train=False between train steps: lookups equal the table, and
+  # training continues exactly (run-ahead off: the trainer prepares in stream order).
+  b = base.make_backend(text, spec)
+  state = b.init(jax.random.key(0))
+  lookup, update = jax.jit(b.lookup), jax.jit(b.update, donate_argnums=0)
+  for step, ids in enumerate(batches):
+    p = b.prepare(ids, batches[step + 1 : step + 2])
+    rows = lookup(state, p)
+    state = update(state, p, GRADS(step, rows))
+    if step == 2:
+      pe = b.prepare(evalb, [batches[3]], train=False)
+      state = b.sync(state)
+      testing.assert_lookups_equal_table(np.asarray(lookup(state, pe)), b.table(state), evalb)
+  np.testing.assert_array_equal(b.table(b.sync(state)), ref.table)
+  assert 0 <= b.stats()["eval_hit_rate"] < 1
+
+  # The same eval batch prepared as a train batch and never updated: sync refuses.
+  b = base.make_backend(text, spec)
+  state = b.init(jax.random.key(0))
+  update = jax.jit(b.update, donate_argnums=0)
+  for step, ids in enumerate(batches):
+    p = b.prepare(ids, batches[step + 1 : step + 2])
+    state = update(state, p, GRADS(step, jax.jit(b.lookup)(state, p)))
+    if step == 2:
+      b.prepare(evalb[:20], [batches[3]])  # its update never runs
+  with pytest.raises(RuntimeError, match="train=False"):
+    b.sync(state)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_placement_and_memory_report():
+  spec = _spec(ADAGRAD, num_rows=100_000, dim=16)
+  b = base.make_backend("offload(cache_fraction=0.01)", spec)
+  assert b.cache_rows == 1000
+  state = b.init(jax.random.key(0))
+  m = b.memory()
+  assert m.device_bytes == 1000 * spec.row_bytes + 1000 * 4
+  assert m.host_bytes >= spec.table_bytes
+  device_bytes = sum(x.nbytes for x in jax.tree.leaves(state["cache"])) + state["slot_rows"].nbytes
+  assert device_bytes == m.device_bytes
+  kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+  if "pinned_host" in kinds:
+    assert state["host"]["table"].sharding.memory_kind == "pinned_host"
+    assert state["cache"]["table"].sharding.memory_kind == "device"
+    # Placement survives a step (no silent move of the table to device memory).
+    ids = _batches(num_batches=2, num_rows=spec.num_rows)
+    p = b.prepare(ids[0], [ids[1]])
+    new = jax.jit(b.update, donate_argnums=0)(state, p, np.ones(ids[0].shape + (16,), np.float32))
+    assert new["host"]["table"].sharding.memory_kind == "pinned_host"
+  # A budget a tenth of the table: dense is refused, offload fits.
+  budget = spec.table_bytes // 10
+  with pytest.raises(base.PlanDoesNotFit):
+    base.check_memory({"t": base.make_backend("dense", spec)}, budget)
+  assert base.check_memory({"t": b}, budget) == m.device_bytes
+
+
+def test_update_never_copies_the_table():
+  """The step's scratch memory is O(batch), and the donated host table and cache are updated
+  in place (aliased), not copied: XLA copies them if reads and writes are unordered."""
+  spec = _spec(ADAGRAD, num_rows=200_000, dim=16)
+  text = "offload(cache_rows=4000, lookahead=1)"
+  batches = testing.zipf_ids(0, 2, 256, 2, spec.num_rows)
+  testing.assert_update_is_sparse(text, spec, batches[0])
+  b = base.make_backend(text, spec)
+  state = b.init(jax.random.key(0))
+  b.prepare(batches[0], [batches[1]])  # batch 1 is admitted by the next update
+  p = b.prepare(batches[1], [batches[0][::-1]])  # evicts nothing yet, loads: exchange present
+  p0 = b.prepare(batches[0][::-1], [batches[1][:, ::-1]])
+  grads = np.ones(batches[0].shape + (16,), np.float32)
+  for prepared in (p, p0):
+    compiled = jax.jit(b.update, donate_argnums=0).lower(state, prepared, grads).compile()
+    ma = compiled.memory_analysis()
+    big = spec.num_rows * spec.dim * 4
+    assert ma.temp_size_in_bytes < big / 4
+    assert ma.alias_size_in_bytes >= big, "the host table is not updated in place"
+    assert f"f32[{spec.num_rows},16]{{1,0}} copy(" not in compiled.as_text().replace(":S(5)", ""), (
+      "XLA copies the table"
+    )
