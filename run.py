@@ -81,13 +81,20 @@ def _check_overrides(config, argv: list[str]) -> None:
 
 def main(argv):
   del argv
+  from absl import logging
+
   from recgnn.train import loop
 
+  # Our progress goes to stdout; keep library INFO chatter (Orbax) out of it.
+  logging.set_verbosity(logging.WARNING)
   config = flags.FLAGS.config
   name = _EXPERIMENT.value.partition(":")[0]
   workdir = _WORKDIR.value or os.path.join("workdir", name)
   loop.log(f"Experiment {_EXPERIMENT.value}; workdir {os.path.abspath(workdir)}")
-  loop.log(str(config))
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  loop.log(f"Config written to {os.path.join(workdir, 'config.json')}")
   result = loop.train(
     config,
     workdir,

@@ -26,8 +26,8 @@ def get_config(arg=None):
   c.data.max_bad_lines = 100
   c.data.max_bad_fraction = 0.0
   c.data.synthetic = ml_collections.ConfigDict()
-  c.data.synthetic.rows = 7_000_000
-  c.data.synthetic.scale = 0.002  # Kaggle cardinalities x scale
+  c.data.synthetic.rows = 4_000_000
+  c.data.synthetic.scale = 0.01  # Kaggle cardinalities x scale
   c.data.synthetic.seed = 0
 
   c.model = ml_collections.ConfigDict()

@@ -45,13 +45,19 @@ def open_dataset(data) -> tuple[criteo.CriteoDataset, dict | None]:
     f"seed {data.synthetic.seed}; labels from a planted model with a known oracle AUC).",
     flush=True,
   )
-  return criteo_synthetic.default_dataset(
+  syn = criteo_synthetic.default_synthetic_dataset(
     cache_dir,
     num_rows=data.synthetic.rows,
     scale=data.synthetic.scale,
     seed=data.synthetic.seed,
     reader=reader,
   )
+  oracle = {
+    "oracle_auc_test": syn.oracle_auc["test"],
+    "oracle_auc_valid": syn.oracle_auc["valid"],
+    "dense_only_auc_test": criteo_synthetic.dense_only_baseline_auc(syn.dataset),
+  }
+  return syn.dataset, oracle
 
 
 class CTR(Task):

@@ -1,0 +1,148 @@
+"""The trainer end to end on a tiny synthetic Criteo dataset: resume, SIGTERM, plans, CLI."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+import sklearn.metrics
+
+import run as run_lib
+from experiments import smoke
+from recgnn import metrics
+from recgnn.embeddings import base
+from recgnn.train import loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("criteo_cache"))
+
+
+def _config(cache_dir, **train):
+  c = smoke.get_config()
+  c.data.cache_dir = cache_dir
+  c.data.synthetic.rows = 20_000
+  c.train.steps = 12
+  c.train.log_every = 4
+  c.train.eval_every = 0
+  c.train.checkpoint_every = 6
+  c.train.final_eval_splits = ("test",)
+  for k, v in train.items():
+    c.train[k] = v
+  return c
+
+
+def _leaves(state):
+  state = state.replace(key=jax.random.key_data(state.key))
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
+
+
+def test_resume_gives_identical_parameters(cache_dir, tmp_path):
+  config = _config(cache_dir)
+  full = loop.train(config, str(tmp_path / "full"))
+  # Interrupted after 5 steps (not on a checkpoint boundary), then resumed to the end.
+  part = loop.train(config, str(tmp_path / "part"), stop_after=5)
+  assert part.metrics["step"] == 5
+  resumed = loop.train(config, str(tmp_path / "part"), resume=True)
+  assert resumed.metrics["step"] == config.train.steps
+  a, b = _leaves(full.state), _leaves(resumed.state)
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)
+  assert resumed.metrics["test/auc"] == full.metrics["test/auc"]
+  # And training changed something (the comparison above is not vacuous).
+  fresh = loop.train(config.copy_and_resolve_references(), str(tmp_path / "x"), stop_after=1)
+  assert any(not np.array_equal(x, y) for x, y in zip(_leaves(fresh.state), a))
+
+
+def test_results_and_scalars_written(cache_dir, tmp_path):
+  config = _config(cache_dir)
+  res = loop.train(config, str(tmp_path))
+  saved = json.load(open(tmp_path / "results.json"))
+  assert saved["test/auc"] == pytest.approx(res.metrics["test/auc"])
+  assert 0.0 < saved["test/oracle_auc"] <= 1.0
+  lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+  assert [x["step"] for x in lines if "loss" in x] == [4, 8, 12]
+  assert os.listdir(tmp_path / "tensorboard")
+
+
+def test_memory_budget_refuses_before_allocating(cache_dir, tmp_path):
+  config = _config(cache_dir)
+  with pytest.raises(base.PlanDoesNotFit, match="budget"):
+    loop.train(config, str(tmp_path), device_memory_budget=1000)
+  assert not os.path.exists(tmp_path / "checkpoints" / "0")
+
+
+def test_unknown_backend_in_plan_lists_available(cache_dir, tmp_path):
+  config = _config(cache_dir)
+  config.embeddings.plan = [(".*", "dense2")]
+  with pytest.raises(ValueError, match="available: .*dense"):
+    loop.train(config, str(tmp_path))
+
+
+def test_profile_trace_written(cache_dir, tmp_path):
+  config = _config(cache_dir, steps=6, checkpoint_every=0)
+  loop.train(config, str(tmp_path), profile_steps=(2, 4))
+  found = [f for _, _, fs in os.walk(tmp_path / "profile") for f in fs]
+  assert any(f.endswith(".xplane.pb") for f in found), found
+
+
+def test_auc_matches_sklearn():
+  rng = np.random.default_rng(0)
+  y = rng.random(5000) < 0.3
+  s = np.round(rng.random(5000) + 0.4 * y, 2)  # rounding makes ties
+  w = (rng.random(5000) < 0.9).astype(np.float32)
+  assert metrics.auc(y, s) == pytest.approx(sklearn.metrics.roc_auc_score(y, s), abs=1e-12)
+  keep = w > 0
+  assert metrics.auc(y, s, w) == pytest.approx(
+    sklearn.metrics.roc_auc_score(y[keep], s[keep]), abs=1e-12
+  )
+  p = np.clip(s / 1.5, 0.01, 0.99)
+  assert metrics.logloss(y, p) == pytest.approx(sklearn.metrics.log_loss(y, p), rel=1e-9)
+
+
+def test_unknown_experiment_lists_valid_ones():
+  with pytest.raises(SystemExit, match="Available: .*dlrm_kaggle.*smoke"):
+    run_lib.load_config("dlrm_kagle")
+
+
+def test_unknown_override_key_fails_with_keys():
+  config = run_lib.load_config("smoke")
+  with pytest.raises(SystemExit, match="Did you mean steps"):
+    run_lib._check_overrides(config, ["--config.train.stepz=3"])
+  run_lib._check_overrides(config, ["--config.train.steps=3"])  # valid: no error
+
+
+def test_cli_list_and_sigterm_checkpoint(cache_dir, tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run(
+    [sys.executable, "run.py", "--list"], cwd=ROOT, env=env, capture_output=True, text=True
+  )
+  assert out.returncode == 0 and "dlrm_kaggle" in out.stdout and "smoke" in out.stdout
+  workdir = str(tmp_path / "wd")
+  cmd = [
+    sys.executable, "run.py", "--experiment=smoke", f"--workdir={workdir}",
+    f"--config.data.cache_dir={cache_dir}", "--config.data.synthetic.rows=20000",
+    "--config.train.steps=100000", "--config.train.log_every=5",
+    "--config.train.checkpoint_every=0",
+  ]  # fmt: skip
+  proc = subprocess.Popen(
+    cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
+  deadline = time.time() + 240
+  for line in proc.stdout:
+    if line.startswith("step") or time.time() > deadline:
+      break
+  proc.send_signal(signal.SIGTERM)
+  rest = proc.communicate(timeout=120)[0]
+  assert "SIGTERM" in rest, rest[-2000:]
+  steps = [int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit()]
+  assert steps and max(steps) >= 5
