@@ -163,6 +163,21 @@ def test_error_budget(small_tsv, tmp_path):
     criteo.open_criteo(path, str(tmp_path), reader=reader, progress=quiet)
 
 
+def test_worker_processes_match_in_process(small_tsv, tmp_path):
+  path, _ = small_tsv
+  kw = dict(categorical="frequency", max_bad_lines=8, block_bytes=1 << 16)
+  one = criteo.open_criteo(
+    path, str(tmp_path / "a"), reader=criteo.ReaderConfig(**kw), progress=quiet
+  )
+  two = criteo.open_criteo(
+    path, str(tmp_path / "b"), reader=criteo.ReaderConfig(num_workers=2, **kw), progress=quiet
+  )
+  for name in ("labels", "dense", "sparse"):
+    np.testing.assert_array_equal(getattr(one, name), getattr(two, name))
+  assert one.cardinalities == two.cardinalities
+  assert one.manifest["bad_lines"] == two.manifest["bad_lines"]
+
+
 # ----------------------------------------------------------------------------- splits
 
 

@@ -176,7 +176,7 @@ def test_synthetic_graph_properties():
   rows = np.repeat(np.arange(g.num_nodes), deg)
   same = np.mean(g.labels[rows] == g.labels[g.adj.indices])
   assert abs(same - (0.7 + 0.3 / 5)) < 0.03
-  assert g.features.shape == (20_000, 8)
+  assert g.features.shape == (20_000, 8) and g.features.dtype == np.float32
   # Features carry the label: nearest centroid recovers it well above chance.
   cent = np.stack([g.features[g.labels == c].mean(0) for c in range(5)])
   pred = np.argmin(((g.features[:, None] - cent[None]) ** 2).sum(-1), 1)

@@ -6,7 +6,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from experiments import sage_cora, sage_synthetic
+from experiments import sage_cora, sage_ogb, sage_synthetic
 from recgnn.graphs import sampling, synthetic
 from recgnn.models import graphsage
 from recgnn.tasks import node_classification as nc
@@ -34,11 +34,7 @@ def numpy_sage(params, x, layers, sizes):
       agg = np.zeros((sizes[d], h.shape[1]))
       np.add.at(agg, lay["dst"], h[lay["src"]] * lay["weight"][:, None])
     p_l, p_r = params[f"lin_l{i}"], params[f"lin_r{i}"]
-    h = (
-      agg @ np.asarray(p_l["kernel"])
-      + np.asarray(p_l["bias"])
-      + h[: sizes[d]] @ np.asarray(p_r["kernel"])
-    )
+    h = agg @ np.asarray(p_l["kernel"]) + h[: sizes[d]] @ np.asarray(p_r["kernel"]) + p_r["bias"]
     if i < num - 1:
       h = np.maximum(h, 0)
   return h
@@ -53,9 +49,9 @@ def test_model_matches_numpy_reference(small_graph, kind):
   else:
     s = sampling.LadiesSampler(small_graph.adj, layer_sizes=[64, 64], batch_size=32)
   nodes, layers = s.sample(seeds, rng).batch(0)
-  x = rng.standard_normal((small_graph.num_nodes, 6)).astype(np.float32)[np.maximum(nodes, 0)]
+  x = rng.standard_normal((small_graph.num_nodes, 12)).astype(np.float32)[np.maximum(nodes, 0)]
   x[nodes < 0] = 0
-  model = graphsage.GraphSAGE(sizes=s.sizes, hidden=8, num_classes=3, dropout=0.5)
+  model = graphsage.GraphSAGE(sizes=s.sizes, hidden=16, num_classes=3, dropout=0.5)
   params = model.init(jax.random.key(0), x, layers, train=False)["params"]
   got = jax.jit(lambda p, x, ls: model.apply({"params": p}, x, ls, train=False))(params, x, layers)
   assert got.shape == (32, 3)
@@ -165,3 +161,29 @@ def test_aggregate_mean_handles_empty_rows():
   h = jnp.arange(12.0).reshape(4, 3)
   layer = {"nbr": jnp.array([[1, 2], [0, 0]]), "mask": jnp.array([[True, True], [False, False]])}
   np.testing.assert_allclose(graphsage.aggregate(h, layer, 2), [[4.5, 5.5, 6.5], [0, 0, 0]])
+
+
+def test_ladies_trains_through_the_trainer(tmp_path):
+  c = small_config("features", 60)
+  c.sampler.kind = "ladies"
+  c.sampler.layer_sizes = (256, 256)
+  res = loop.train(c, str(tmp_path)).metrics
+  assert res["test/accuracy"] > res["chance_accuracy"] + 0.3, res
+
+
+def test_ogb_experiment_through_the_trainer(tmp_path):
+  from test_graphs import _ogb_fixture
+
+  root = str(tmp_path / "ogbn_tiny")
+  _ogb_fixture(root)
+  c = sage_ogb.get_config()
+  c.data.path = root
+  c.model.hidden = 8
+  c.sampler.fanouts = c.sampler.eval_fanouts = (3, 3)
+  c.sampler.batch_size, c.sampler.eval_batch_size = 8, 16
+  c.train.steps, c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 6, 3, 0, 0
+  res = loop.train(c, str(tmp_path / "wd")).metrics
+  assert res["step"] == 6 and 0.0 <= res["test/accuracy"] <= 1.0
+  c.data.path = ""
+  with pytest.raises(ValueError, match="config.data.path"):
+    nc.TASK(c)

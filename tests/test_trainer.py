@@ -66,10 +66,10 @@ def test_resume_gives_identical_parameters(cache_dir, tmp_path):
 def test_results_and_scalars_written(cache_dir, tmp_path):
   config = _config(cache_dir)
   res = loop.train(config, str(tmp_path))
-  saved = json.load(open(tmp_path / "results.json"))
+  saved = json.loads((tmp_path / "results.json").read_text())
   assert saved["test/auc"] == pytest.approx(res.metrics["test/auc"])
   assert 0.0 < saved["test/oracle_auc"] <= 1.0
-  lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+  lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [x["step"] for x in lines if "loss" in x] == [4, 8, 12]
   assert os.listdir(tmp_path / "tensorboard")
 

@@ -18,7 +18,8 @@ Preprocessing follows the DLRM reference (facebookresearch/dlrm `data_utils.py`)
   In both modes an empty field gets MISSING_ID = 0.
 
 Conversion streams the files in blocks (`block_bytes`, default 8 MiB) and parses each block
-with numpy on its bytes (no per-line Python), writing .npy files under a cache directory:
+with numpy on its bytes (no per-line Python; optionally in `num_workers` processes), writing
+.npy files under a cache directory:
   labels.npy int8[N]   dense.npy float32[N, 13]   sparse.npy int32[N, 26]   manifest.json
 The manifest records the sources' sizes and mtimes: a changed source rebuilds the cache, an
 unchanged one is opened as read-only memmaps (no copy). Malformed lines are skipped, counted
@@ -38,9 +39,11 @@ dataset use `recgnn.data.criteo_synthetic`, which writes the same TSV format.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -94,7 +97,9 @@ class ReaderConfig:
     max_bad_fraction: malformed lines tolerated per line read; the budget is
       max(max_bad_lines, max_bad_fraction * lines read so far), checked after every block.
     block_bytes: bytes parsed at a time (small blocks keep the temporaries in cache; memory
-      peaks at about 12x this).
+      peaks at about 12x this per process).
+    num_workers: processes parsing blocks in parallel (0: parse in this process). Each costs
+      a Python start-up (~0.5 s) and ~12 * block_bytes of memory.
   """
 
   categorical: str = "frequency"
@@ -103,6 +108,7 @@ class ReaderConfig:
   max_bad_lines: int = 100
   max_bad_fraction: float = 0.0
   block_bytes: int = 8 << 20
+  num_workers: int = 0
 
   def __post_init__(self):
     if self.categorical not in CATEGORICAL_MODES:
@@ -114,6 +120,8 @@ class ReaderConfig:
     sizes = self.table_sizes() if self.categorical == "hash" else ()
     if any(s < FIRST_ID + 1 for s in sizes):
       raise ValueError(f"hash_sizes must be >= {FIRST_ID + 1} (ids 0..{FIRST_ID - 1} reserved)")
+    if self.num_workers < 0:
+      raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
     if self.block_bytes < 1 << 16:
       raise ValueError(f"block_bytes must be >= 65536, got {self.block_bytes}")
 
@@ -300,40 +308,64 @@ def _line_text(buf: np.ndarray, size: int, index: int, limit: int = 80) -> str:
   return text if len(text) <= limit else text[:limit] + "..."
 
 
-def iter_blocks(path: str, block_bytes: int) -> Iterator[tuple[np.ndarray, int, int]]:
-  """Read a file in blocks of whole lines: yields (buf, size, bytes read so far).
+def block_ranges(path: str, block_bytes: int) -> Iterator[tuple[int, int]]:
+  """Byte ranges [start, stop) of about `block_bytes` each, cut after a newline.
 
-  `buf` is reused: consume a block before asking for the next. A last line without its newline
-  gets one; a line longer than `block_bytes` is an error (not a Criteo TSV file).
+  A line longer than `block_bytes` is an error (not a Criteo TSV file, or raise block_bytes).
   """
-  buf = np.zeros(_PAD + 2 * block_bytes + _PAD, np.uint8)
-  carry = 0
-  done = 0
+  size = os.path.getsize(path)
   with open(path, "rb") as f:
-    while True:
-      got = f.readinto(memoryview(buf)[_PAD + carry : _PAD + carry + block_bytes])
-      done += got
-      size = carry + got
-      if got == 0:
-        if carry:
-          buf[_PAD + carry] = 10
-          yield buf, carry + 1, done
+    start = 0
+    while start < size:
+      stop = start + block_bytes
+      if stop >= size:
+        yield start, size
         return
-      body = buf[_PAD : _PAD + size]
-      tail = max(0, size - block_bytes)  # only the new bytes can hold the last newline
-      found = np.flatnonzero(body[tail:] == 10)
-      if found.size == 0:
-        if size >= block_bytes:
+      f.seek(stop)
+      scanned = 0
+      while True:  # to the end of the line that holds byte stop - 1
+        piece = f.read(1 << 16)
+        found = piece.find(b"\n")
+        if found >= 0:
+          stop += scanned + found + 1
+          break
+        scanned += len(piece)
+        if not piece or scanned > block_bytes:
+          if not piece:  # the last line has no newline: it ends the file
+            stop = size
+            break
           raise MalformedDataError(
-            f"{path}: no newline in {size} bytes at byte {done - size}: not a Criteo TSV file "
-            f"(or a line longer than block_bytes={block_bytes}; raise ReaderConfig.block_bytes)"
+            f"{path}: no newline in {scanned:,} bytes after byte {stop:,}: not a Criteo TSV "
+            f"file (or a line longer than block_bytes={block_bytes}; raise "
+            "ReaderConfig.block_bytes)"
           )
-        carry = size
-        continue
-      end = tail + int(found[-1]) + 1
-      yield buf, end, done
-      carry = size - end
-      buf[_PAD : _PAD + carry] = buf[_PAD + end : _PAD + size].copy()
+      yield start, stop
+      start = stop
+
+
+def read_range(path: str, start: int, stop: int) -> tuple[np.ndarray, int]:
+  """Bytes [start, stop) of a file as a padded block for `parse_block`: (buf, size).
+
+  A last line without its newline gets one.
+  """
+  n = stop - start
+  buf = np.zeros(_PAD + n + 1 + _PAD, np.uint8)
+  with open(path, "rb") as f:
+    f.seek(start)
+    got = f.readinto(memoryview(buf)[_PAD : _PAD + n])
+  if got != n:
+    raise OSError(f"{path}: read {got} bytes at {start}, expected {n} (file changed?)")
+  if n and buf[_PAD + n - 1] != 10:
+    buf[_PAD + n] = 10
+    n += 1
+  return buf, n
+
+
+def iter_blocks(path: str, block_bytes: int) -> Iterator[tuple[np.ndarray, int, int]]:
+  """Read a file in blocks of whole lines: yields (buf, size, end offset) for `parse_block`."""
+  for start, stop in block_ranges(path, block_bytes):
+    buf, size = read_range(path, start, stop)
+    yield buf, size, stop
 
 
 # ----------------------------------------------------------------------------- cache files
@@ -387,15 +419,16 @@ class _BadLines:
     self.reader = reader
     self.files: dict[str, dict[str, Any]] = {}
 
-  def add(self, path, buf, size, block: ParsedBlock, first_line: int, lines_read: int):
-    rec = self.files.setdefault(path, {"count": 0, "by_reason": {}, "examples": []})
-    for index, reason in block.bad:
-      rec["count"] += 1
-      rec["by_reason"][reason] = rec["by_reason"].get(reason, 0) + 1
-      if len(rec["examples"]) < _MAX_EXAMPLES:
-        rec["examples"].append(
-          {"line": first_line + index, "reason": reason, "text": _line_text(buf, size, index)}
-        )
+  def add(self, path: str, result: dict[str, Any], first_line: int, lines_read: int):
+    """Record one block's malformed lines (`_work`'s result) and enforce the budget."""
+    if result["bad"]:
+      rec = self.files.setdefault(path, {"count": 0, "by_reason": {}, "examples": []})
+      for _, reason in result["bad"]:
+        rec["count"] += 1
+        rec["by_reason"][reason] = rec["by_reason"].get(reason, 0) + 1
+      for index, reason, text in result["examples"]:
+        if len(rec["examples"]) < _MAX_EXAMPLES:
+          rec["examples"].append({"line": first_line + index, "reason": reason, "text": text})
     self.check(path, lines_read)
 
   def check(self, path: str, lines_read: int):
@@ -439,24 +472,89 @@ def _progress_printer(progress: Callable[[str], None] | None, label: str):
   return report
 
 
-def _stream(paths, reader: ReaderConfig, bad: _BadLines, label: str, progress):
-  """Yields (file index, ParsedBlock) over all files, enforcing the error budget."""
+# What a worker needs besides its task (hash sizes or vocabularies), set once per process.
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(state: dict[str, Any]):
+  _WORKER.clear()
+  _WORKER.update(state)
+
+
+def _work(task: tuple[str, int, int, str]) -> dict[str, Any]:
+  """Parse one byte range and do the pass's per-block work. Runs in a worker process (or
+  in-process with num_workers=0); returns only numpy arrays and small lists."""
+  path, start, stop, what = task
+  buf, size = read_range(path, start, stop)
+  block = parse_block(buf, size)
+  out: dict[str, Any] = {
+    "num_lines": block.num_lines,
+    "bad": block.bad,
+    "examples": [(i, r, _line_text(buf, size, i)) for i, r in block.bad[:_MAX_EXAMPLES]],
+    "rows": block.labels.shape[0],
+    "stop": stop,
+  }
+  if what == "count":
+    out["counts"] = [
+      np.unique(block.raw[:, t][~block.missing[:, t]], return_counts=True)
+      for t in range(NUM_SPARSE)
+    ]
+    return out
+  vocab = _WORKER.get("vocab")
+  ids = _hash_ids(block, _WORKER["sizes"]) if vocab is None else _vocab_ids(block, vocab)
+  out.update(labels=block.labels, dense=block.dense, ids=ids)
+  return out
+
+
+def _stream(paths, what: str, reader: ReaderConfig, bad: _BadLines, label: str, progress, state):
+  """Yields (file index, `_work` result) over all blocks of all files in order, enforcing the
+  error budget; with reader.num_workers > 0 the blocks are parsed in worker processes, at
+  most 2 per worker in flight so memory stays bounded."""
   total_bytes = sum(os.path.getsize(p) for p in paths)
   report = _progress_printer(progress, label)
-  rows, base = 0, 0
-  for fi, path in enumerate(paths):
-    path = os.path.abspath(path)
-    line = 1
-    for buf, size, done in iter_blocks(path, reader.block_bytes):
-      block = parse_block(buf, size)
-      if block.bad:
-        bad.add(path, buf, size, block, line, line - 1 + block.num_lines)
-      line += block.num_lines
-      rows += block.labels.shape[0]
-      yield fi, block
-      report(rows, base + done, total_bytes)
-    base += os.path.getsize(path)
-  report(rows, total_bytes, total_bytes, final=True)
+  tasks = (
+    (fi, (os.path.abspath(p), start, stop, what))
+    for fi, p in enumerate(paths)
+    for start, stop in block_ranges(p, reader.block_bytes)
+  )
+  base = np.cumsum([0] + [os.path.getsize(p) for p in paths])
+  pool = None
+  if reader.num_workers > 0:
+    # spawn, not fork: the parent may run JAX threads, and forking those can deadlock.
+    ctx = multiprocessing.get_context("spawn")
+    pool = ctx.Pool(reader.num_workers, initializer=_init_worker, initargs=(state,))
+    results = _bounded_imap(pool, tasks, 2 * reader.num_workers)
+  else:
+    _init_worker(state)
+    results = ((fi, _work(task)) for fi, task in tasks)
+  try:
+    rows, line, current = 0, 1, -1
+    for fi, result in results:
+      if fi != current:
+        current, line = fi, 1
+      bad.add(os.path.abspath(paths[fi]), result, line, line - 1 + result["num_lines"])
+      line += result["num_lines"]
+      rows += result["rows"]
+      yield fi, result
+      report(rows, int(base[fi]) + result["stop"], total_bytes)
+    report(rows, total_bytes, total_bytes, final=True)
+  finally:
+    if pool is not None:
+      pool.terminate()
+    _WORKER.clear()
+
+
+def _bounded_imap(pool, tasks, window: int):
+  """Ordered results of `_work` over (key, task) pairs, at most `window` submitted ahead."""
+  pending: collections.deque = collections.deque()
+  for key, task in tasks:
+    pending.append((key, pool.apply_async(_work, (task,))))
+    if len(pending) >= window:
+      k, r = pending.popleft()
+      yield k, r.get()
+  while pending:
+    k, r = pending.popleft()
+    yield k, r.get()
 
 
 class _Counter:
@@ -468,10 +566,8 @@ class _Counter:
     self.pending: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(NUM_SPARSE)]
     self.pending_size = [0] * NUM_SPARSE
 
-  def add(self, block: ParsedBlock):
-    for t in range(NUM_SPARSE):
-      col = block.raw[:, t][~block.missing[:, t]]
-      u, c = np.unique(col, return_counts=True)
+  def add(self, counts: list[tuple[np.ndarray, np.ndarray]]):
+    for t, (u, c) in enumerate(counts):
       self.pending[t].append((u, c))
       self.pending_size[t] += u.size
       if self.pending_size[t] > max(self.values[t].size, 1 << 20):
@@ -481,8 +577,8 @@ class _Counter:
     vals = np.concatenate([self.values[t]] + [u for u, _ in self.pending[t]])
     cnts = np.concatenate([self.counts[t]] + [c for _, c in self.pending[t]])
     u, inv = np.unique(vals, return_inverse=True)
-    self.values[t], self.counts[t] = u, np.bincount(inv, weights=cnts, minlength=u.size)
-    self.counts[t] = self.counts[t].astype(np.int64)
+    self.values[t] = u
+    self.counts[t] = np.bincount(inv, weights=cnts, minlength=u.size).astype(np.int64)
     self.pending[t], self.pending_size[t] = [], 0
 
   def vocabularies(self, min_count: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -533,33 +629,37 @@ def convert(
   tmp = f"{out_dir}.tmp-{os.getpid()}"
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
-  vocab = None
-  if reader.categorical == "frequency":
-    counter = _Counter()
-    for _, block in _stream(paths, reader, _BadLines(reader), "counting pass", progress):
-      counter.add(block)
-    vocab = counter.vocabularies(reader.min_count)
-    cardinalities = [FIRST_ID + v.size for v, _ in vocab]
-  else:
-    cardinalities = list(reader.table_sizes())
-  sizes = np.asarray(cardinalities, np.uint32)
-  bad = _BadLines(reader)
-  writers = {
-    "labels": _NpyWriter(os.path.join(tmp, "labels.npy"), np.int8, ()),
-    "dense": _NpyWriter(os.path.join(tmp, "dense.npy"), np.float32, (NUM_DENSE,)),
-    "sparse": _NpyWriter(os.path.join(tmp, "sparse.npy"), np.int32, (NUM_SPARSE,)),
-  }
-  file_rows = [0] * len(paths)
-  positives = 0
-  for fi, block in _stream(paths, reader, bad, "conversion", progress):
-    ids = _hash_ids(block, sizes) if vocab is None else _vocab_ids(block, vocab)
-    writers["labels"].append(block.labels)
-    writers["dense"].append(block.dense)
-    writers["sparse"].append(ids)
-    file_rows[fi] += block.labels.shape[0]
-    positives += int(block.labels.sum(dtype=np.int64))
-  for w in writers.values():
-    w.close()
+  try:
+    state: dict[str, Any] = {}
+    if reader.categorical == "frequency":
+      counter = _Counter()
+      bad = _BadLines(reader)
+      for _, result in _stream(paths, "count", reader, bad, "counting pass", progress, {}):
+        counter.add(result["counts"])
+      state["vocab"] = counter.vocabularies(reader.min_count)
+      cardinalities = [FIRST_ID + v.size for v, _ in state["vocab"]]
+    else:
+      cardinalities = list(reader.table_sizes())
+    state["sizes"] = np.asarray(cardinalities, np.uint32)
+    bad = _BadLines(reader)
+    writers = {
+      "labels": _NpyWriter(os.path.join(tmp, "labels.npy"), np.int8, ()),
+      "dense": _NpyWriter(os.path.join(tmp, "dense.npy"), np.float32, (NUM_DENSE,)),
+      "sparse": _NpyWriter(os.path.join(tmp, "sparse.npy"), np.int32, (NUM_SPARSE,)),
+    }
+    file_rows = [0] * len(paths)
+    positives = 0
+    for fi, result in _stream(paths, "convert", reader, bad, "conversion", progress, state):
+      writers["labels"].append(result["labels"])
+      writers["dense"].append(result["dense"])
+      writers["sparse"].append(result["ids"])
+      file_rows[fi] += result["rows"]
+      positives += int(result["labels"].sum(dtype=np.int64))
+    for w in writers.values():
+      w.close()
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
   seconds = time.perf_counter() - t0
   num_rows = sum(file_rows)
   manifest = {
@@ -576,6 +676,7 @@ def convert(
     "num_bad_lines": bad.total(),
     "conversion_seconds": seconds,
     "rows_per_second": num_rows / max(seconds, 1e-9),
+    "num_workers": reader.num_workers,
   }
   with open(os.path.join(tmp, "manifest.json"), "w") as f:
     json.dump(manifest, f, indent=1)

@@ -14,11 +14,11 @@ Labels: y ~ Bernoulli(sigmoid(logit)), with the hidden planted model
                       + sum_k beta_k * log(max(x_k, 0) + 1))         weak dense term
 Every table has one factor matrix F_t shared by all its pairs: exactly the form DLRM's dot
 interaction of per-table embeddings represents. Effects shrink with popularity rank,
-amp(r) = (1 + r / head)^-1/2, so what matters sits in the Zipf head, seen often enough to be
-learned from a few million rows; missing fields have no effect. The three parts are scaled to
-the variance shares in `SyntheticConfig`, then `s` and `bias` are calibrated on a held-out
-sample so the oracle AUC (the AUC of the true probabilities) is `target_auc` and the mean
-click probability is `ctr`. The realised oracle AUC of the generated eval splits and the
+amp(r) = (1 + r / head)^-effect_decay, so what matters sits in the Zipf head, seen often
+enough to be learned from a few million rows; missing fields have no effect. The three parts
+are scaled to the variance shares in `SyntheticConfig`, then `s` and `bias` are calibrated
+on a held-out sample so the oracle AUC (the AUC of the true probabilities) is `target_auc` and
+the mean click probability is `ctr`. The realised oracle AUC of the generated eval splits and the
 per-row true probabilities are saved beside the TSV.
 """
 
@@ -66,7 +66,8 @@ class SyntheticConfig:
     min_rows: smallest table.
     seed: everything drawn derives from it.
     zipf_exponent: id popularity P(rank r) ~ (r + 1)^-zipf_exponent.
-    head: rank scale of effect shrinkage amp(r) = (1 + r / head)^-1/2.
+    head, effect_decay: effects shrink with rank as amp(r) = (1 + r / head)^-effect_decay,
+      so the ids that matter are the frequent ones (a learnable number of parameters).
     rank: width of the hidden per-table factors (<= 8).
     num_pairs: table pairs with a hidden interaction.
     first_order_share, pair_share, dense_share: variance shares of the logit's three parts.
@@ -79,7 +80,8 @@ class SyntheticConfig:
   min_rows: int = 4
   seed: int = 0
   zipf_exponent: float = 1.1
-  head: float = 100.0
+  head: float = 20.0
+  effect_decay: float = 1.0
   rank: int = 4
   num_pairs: int = 16
   first_order_share: float = 0.45
@@ -139,8 +141,8 @@ class PlantedModel:
     return self.bias + self.parts(ranks, missing, dense_log) @ self.scales
 
 
-def _amp(card: int, head: float) -> np.ndarray:
-  return (1.0 + np.arange(card) / head) ** -0.5
+def _amp(card: int, head: float, decay: float) -> np.ndarray:
+  return (1.0 + np.arange(card) / head) ** -decay
 
 
 def _draw_model(cfg: SyntheticConfig) -> PlantedModel:
@@ -148,7 +150,7 @@ def _draw_model(cfg: SyntheticConfig) -> PlantedModel:
   cards = cfg.cardinalities()
   first, factors = [], []
   for c in cards:
-    amp = _amp(c, cfg.head)
+    amp = _amp(c, cfg.head, cfg.effect_decay)
     first.append((rng.uniform(0.3, 1.0) * amp * rng.standard_normal(c)).astype(np.float32))
     f = rng.standard_normal((c, cfg.rank)) * (amp / np.sqrt(cfg.rank))[:, None]
     factors.append(f.astype(np.float32))
@@ -411,7 +413,7 @@ def roc_auc(scores: np.ndarray, labels: np.ndarray, weights: np.ndarray | None =
 def dense_only_baseline_auc(
   dataset: criteo.CriteoDataset,
   *,
-  max_train_rows: int = 1_000_000,
+  max_train_rows: int = 300_000,
   eval_split: str = "test",
   seed: int = 0,
 ) -> float:

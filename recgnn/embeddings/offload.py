@@ -72,8 +72,7 @@ _FAR = np.int64(1) << 40
 
 
 def _bucket(n: int) -> int:
-  """Padded length of an exchange list: 0, or a power of two >= 16 (bounds recompiles to a
-  few shapes; padding rows are dropped by the scatters and never counted as moved)."""
+  """Padded length of an exchange list under `exchange=pow2`: 0, or a power of two >= 16."""
   return 0 if n == 0 else max(16, 1 << (n - 1).bit_length())
 
 
@@ -230,6 +229,12 @@ class Offload(base.Backend):
       can hold the window; then farthest next use first).
     lookahead: upcoming batches `prepare` wants (the trainer passes them). >= 1 prefetches
       batch k+1 inside step k; 0 loads every batch on demand inside its own step.
+    exchange: shapes of the exchange lists, which are jit arguments. `fixed` (default): every
+      list holds min(ids per batch, C) entries, padded, so a step compiles once however the
+      misses vary (a trainer step holds every table's lists: per-table size buckets would
+      multiply into a recompile almost every step). `pow2`: the next power of two >= the
+      entries (less padding moved, a few shapes per table). Padding gathers row 0 on the
+      host and is dropped on the device; stats count real rows and padded bytes apart.
     host_memory: `pinned_host` (default; falls back to `device` where the platform has no
       host memory space), `unpinned_host`, or `device` (no offload: debugging, benchmarks).
 
@@ -248,6 +253,7 @@ class Offload(base.Backend):
     min_cache_rows: int = 0,
     policy: str = "lru",
     lookahead: int = 8,
+    exchange: str = "fixed",
     host_memory: str = "pinned_host",
   ):
     super().__init__(spec)
@@ -291,6 +297,9 @@ class Offload(base.Backend):
       )
       host_memory = "device"
     self.host_memory = host_memory
+    if exchange not in ("fixed", "pow2"):
+      raise ValueError(f"offload: exchange must be 'fixed' or 'pow2', got {exchange!r}")
+    self.exchange = exchange
     self._planner = Planner(spec.num_rows, self.cache_rows, policy)
     self._host_sharding = self._dev_sharding = None
     self._lock = threading.Lock()
@@ -388,9 +397,13 @@ class Offload(base.Backend):
     # step never copies them device -> host.
     return jax.device_put(a, self._host_sharding) if self.offloaded and a.size else a
 
-  def _pack(self, ex: Exchange) -> dict:
+  def _pack(self, ex: Exchange, capacity: int) -> dict:
     n, c = self.spec.num_rows, self.cache_rows
-    e, m = _bucket(ex.evict_slots.shape[0]), _bucket(ex.load_rows.shape[0])
+    if self.exchange == "pow2":
+      e, m = _bucket(ex.evict_slots.shape[0]), _bucket(ex.load_rows.shape[0])
+    else:
+      # An exchange moves at most min(ids of its batch, C) rows (read-only: all its ids).
+      e = m = capacity
     return {
       "evict_slots": _pad(ex.evict_slots, e, c),
       "evict_rows": self._host_ids(_pad(ex.evict_rows, e, n)),
@@ -424,18 +437,24 @@ class Offload(base.Backend):
     p.check_fits(rows.shape[0], self.spec.name)
     upcoming = list(upcoming)[: self.lookahead]
     t = p.version
+    now_cap = 0
     if p.admitted is not None and p.admitted.shape == ids.shape and np.array_equal(p.admitted, ids):
       now = Exchange.empty()  # admitted by the previous step's update
     else:
-      now = p.admit(rows, t, [self._unique(u) for u in upcoming])
+      window = [self._unique(u) for u in upcoming] if self.policy == "lookahead" else []
+      now = p.admit(rows, t, window)
+      now_cap = min(ids.size, self.cache_rows)
       self._count(hits=now.hits, misses=now.load_rows.shape[0])
     slots = np.where(ids >= 0, p.row_slot[np.maximum(ids, 0)], -1)
     p.dirty[slots[slots >= 0]] = True
     if p.freq is not None:
       p.freq[rows] += 1
-    if upcoming:
-      ahead = self._unique(upcoming[0])
-      p.check_fits(ahead.shape[0], self.spec.name)
+    ahead = self._unique(upcoming[0]) if upcoming else None
+    next_cap = 0
+    if ahead is not None and ahead.shape[0] <= self.cache_rows:
+      # (A batch that does not fit is not admitted ahead: an eval batch need not fit, a
+      # train batch fails at its own prepare.)
+      next_cap = min(np.asarray(upcoming[0]).size, self.cache_rows)
       window = [self._unique(u) for u in upcoming[1:]] if self.policy == "lookahead" else []
       nxt = p.admit(ahead, t + 1, window)
       self._count(hits=nxt.hits, misses=nxt.load_rows.shape[0])
@@ -444,7 +463,7 @@ class Offload(base.Backend):
       nxt = Exchange.empty()
       p.admitted = None
     p.version += 1
-    out = self._prepared(ids, slots, now, nxt, t)
+    out = self._prepared(ids, slots, now, nxt, t, now_cap, next_cap)
     self._count(
       steps=1,
       rows_h2d=now.load_rows.shape[0] + nxt.load_rows.shape[0],
@@ -466,14 +485,16 @@ class Offload(base.Backend):
     )
     self._count(eval_hits=int(resident.sum()), eval_misses=cold.shape[0])
     self._count(plan_seconds=time.perf_counter() - t0)
-    return self._prepared(ids, slots, ex, Exchange.empty(), -1)
+    return self._prepared(ids, slots, ex, Exchange.empty(), -1, ids.size, 0)
 
-  def _prepared(self, ids, slots, now: Exchange, nxt: Exchange, version: int) -> dict:
+  def _prepared(self, ids, slots, now, nxt, version: int, now_cap: int, next_cap: int):
+    """now_cap / next_cap: list lengths under exchange=fixed, 0 where no exchange is planned
+    (so a step's shapes change only at the first batch and after an unforeseen one)."""
     c = self.cache_rows
     out = {"ids": np.where(slots >= 0, slots, c).astype(np.int32)}
     if self.spec.optimizer.needs_unique:
       out["unique"], out["inverse"] = base.dedup(slots, c)
-    out["now"], out["next"] = self._pack(now), self._pack(nxt)
+    out["now"], out["next"] = self._pack(now, now_cap), self._pack(nxt, next_cap)
     m = out["now"]["load_rows"].shape[0]
     now_pos = np.full(ids.shape, m, np.int32)
     if now.load_rows.shape[0]:

@@ -94,7 +94,8 @@ def generate(spec: SyntheticSpec) -> store.Graph:
     centroids = rng.standard_normal((c, spec.num_features)).astype(np.float32)
     centroids /= np.linalg.norm(centroids, axis=1, keepdims=True)
     noise = rng.standard_normal((n, spec.num_features), dtype=np.float32)
-    features = centroids[labels] + spec.feature_noise / np.sqrt(spec.num_features) * noise
+    noise *= np.float32(spec.feature_noise / np.sqrt(spec.num_features))
+    features = centroids[labels] + noise
   return store.Graph(
     name=f"synthetic-{n}",
     adj=adj,

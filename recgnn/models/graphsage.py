@@ -6,8 +6,9 @@ sampling: every row has `fanout` slots, aggregated by a masked mean, no scatter)
 weighted edge list (LADIES: aggregated by segment_sum). Because frontier l is the prefix of
 frontier l+1, a destination's own representation is `h[:n_l]`.
 
-Layer (SAGEConv, as PyG's): h_v' = W_l mean_{u in N(v)} h_u + W_r h_v (+ bias), ReLU and
-dropout between layers; the last layer outputs class logits.
+Layer (SAGEConv, as PyG's): h_v' = W_l mean_{u in N(v)} h_u + W_r h_v + b, ReLU and
+dropout between layers; the last layer outputs class logits. When the input is wider than
+the output, W_l is applied before the mean (the same function, a much smaller gather).
 """
 
 from __future__ import annotations
@@ -73,10 +74,14 @@ class GraphSAGE(nn.Module):
       last = i == num_layers - 1
       width = self.num_classes if last else self.hidden
       h = nn.Dropout(self.dropout, deterministic=not train)(h)
-      agg = aggregate(h, layers[layer], n_dst)
-      h = nn.Dense(width, name=f"lin_l{i}")(agg) + nn.Dense(
-        width, use_bias=False, name=f"lin_r{i}"
-      )(h[:n_dst])
+      lin_l = nn.Dense(width, use_bias=False, name=f"lin_l{i}")
+      if h.shape[-1] > width:
+        # The mean is linear: project first, so the gather moves `width` floats per sampled
+        # edge, not the input width (Cora: 1433 -> 64; 22x fewer bytes gathered).
+        agg = aggregate(lin_l(h), layers[layer], n_dst)
+      else:
+        agg = lin_l(aggregate(h, layers[layer], n_dst))
+      h = agg + nn.Dense(width, name=f"lin_r{i}")(h[:n_dst])
       if not last:
         h = nn.relu(h)
     return h

@@ -56,7 +56,7 @@ def load_graph(data: ml_collections.ConfigDict) -> store.Graph:
 
     if not data.get("path", None):
       raise ValueError("data.source=ogb needs --config.data.path=<unpacked OGB dataset folder>")
-    return ogb.load(data.path, split=data.get("split", None))
+    return ogb.load(data.path, split=data.get("split", None) or None)
   if data.source == "synthetic":
     from recgnn.graphs import synthetic
 
