@@ -78,6 +78,7 @@ _PAD = 8  # bytes of slack before and after a block, so 8-byte loads never leave
 _ZEROS = np.uint64(0x3030303030303030)  # eight ASCII '0'
 _MAX_EXAMPLES = 10  # malformed lines quoted in reports
 _INT_RE = re.compile(rb"-?[0-9]+")
+_SORTED_LOOKUP = 1 << 16  # vocabularies larger than this are searched with sorted queries
 
 Batch = dict[str, Any]
 
@@ -606,9 +607,17 @@ def _vocab_ids(block: ParsedBlock, vocab) -> np.ndarray:
     col = block.raw[:, t]
     if vals.size == 0:
       out[:, t] = UNKNOWN_ID
+      continue
+    if vals.size > _SORTED_LOOKUP:
+      # numpy's binary search starts from the previous key's bounds: sorted queries walk a
+      # big vocabulary in order instead of missing the cache at every level (~5x here).
+      order = np.argsort(col)
+      pos = np.empty(col.size, np.int64)
+      pos[order] = np.searchsorted(vals, col[order])
     else:
-      pos = np.minimum(np.searchsorted(vals, col), vals.size - 1)
-      out[:, t] = np.where(vals[pos] == col, ids[pos], UNKNOWN_ID)
+      pos = np.searchsorted(vals, col)
+    pos = np.minimum(pos, vals.size - 1)
+    out[:, t] = np.where(vals[pos] == col, ids[pos], UNKNOWN_ID)
   out[block.missing] = MISSING_ID
   return out
 
