@@ -1,0 +1,598 @@
+"""`tt`: the table as tensor-train cores (TT-Rec, Yin et al., MLSys'21).
+
+An N x D table is stored as K cores G_k of shape [n_k, r_{k-1}, d_k, r_k] with
+prod(n_k) >= N, prod(d_k) = D and r_0 = r_K = 1. Row i, written in mixed radix as
+(i_1, ..., i_K) (i_K fastest), is the product of one slice per core:
+
+  row(i) = reshape(G_1[i_1] @ G_2[i_2] @ ... @ G_K[i_K], [D])   (contracting the rank axes)
+
+A 10M x 16 table at rank 32 is ~0.5M floats instead of 160M. The cores are small dense
+params owned by this backend (not optax): `update` takes the vjp of the lookup w.r.t. the
+core slices the batch touched and applies the table's optimizer to those slices only.
+
+Optimizer semantics on cores (one "row" = one core slice G_k[i], a [r_{k-1}, d_k, r_k] block):
+  sgd              G_k[i] -= lr * dL/dG_k[i]  (the exact gradient of the loss w.r.t. the core)
+  rowwise_adagrad  one accumulator per core slice: acc_k[i] += mean(g_k[i]**2);
+                   G_k[i] -= lr * g_k[i] / (sqrt(acc_k[i]) + eps), g_k[i] summed over the batch
+Slices a batch does not touch have a zero gradient, so the sparse update equals the dense
+optimizer step on the whole core.
+
+Kernels (`kernel=`), all computing the same rows (benchmarks/tt.py measures them):
+  naive   per bag slot: gather one slice per core on the device, contract; the vjp is taken
+          w.r.t. the whole cores (a core-sized dense gradient each step). The reference.
+  unique  host dedups the batch's rows; one chain of slice products per distinct row; the
+          update touches only the distinct slices of each core.
+  prefix  TT-Rec's kernel: rows sharing an index prefix (i_1..i_k) share the partial product
+          G_1[i_1] @ ... @ G_k[i_k]. The host builds the prefix tree of the batch's distinct
+          rows (`prepare`); the device computes each distinct prefix once, level by level,
+          as batched matrix products. Default (fastest measured, benchmarks/results/tt.md).
+
+Cache (`cache_rows=C`, TT-Rec's cache of hot uncompressed rows): the host counts accesses over
+the first `cache_warmup` batches, then fixes the C most frequent rows as the hot set (LFU over
+the warm-up, as TT-Rec). Hot rows are served and trained as plain rows of a float32[C, D] cache
+(with their own row-wise optimizer state); the cores no longer see them. The cache is filled
+from the TT reconstruction of the current cores by the first update that sees the hot set, so
+the logical table is continuous. `table(state)` is the TT reconstruction overridden by the
+cache; `sync` has nothing to write back (the cache is part of the state).
+
+Shapes are static per bucket: `prepare` pads the distinct-row and prefix counts to grow-only
+capacities (rounded up to 1/8 of a power of two), so a jitted step retraces only while the
+capacities grow during the first batches. `pad=full` pads to the batch size instead (one
+shape, more padded work).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from recgnn.embeddings import base
+
+KERNELS = ("naive", "unique", "prefix")
+INITS = ("sampled_gaussian", "uniform", "orthogonal")
+PADS = ("grow", "full")
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+def balanced_row_factors(num_rows: int, cores: int) -> tuple[int, ...]:
+  """K factors n_k, as equal as possible, with prod(n_k) >= num_rows (smallest first).
+
+  10131227, 3 -> (217, 217, 216): each factor is the ceil of the K-th root of what is left.
+  """
+  if cores < 1:
+    raise ValueError(f"tt: cores must be >= 1, got {cores}")
+  out, left = [], num_rows
+  for k in range(cores, 0, -1):
+    n = max(1, math.ceil(left ** (1.0 / k) - 1e-9))
+    while n > 1 and (n - 1) ** k >= left:  # guard against float roots rounding up
+      n -= 1
+    out.append(n)
+    left = -(-left // n)
+  return tuple(sorted(out))
+
+
+def balanced_dim_factors(dim: int, cores: int) -> tuple[int, ...]:
+  """K factors d_k with prod(d_k) == dim, balanced, largest last.
+
+  Largest last because the lookup contracts left to right: the widest intermediate is
+  [d_1...d_{K-1}, r], so the biggest d belongs to the last core. 16, 3 -> (2, 2, 4).
+  """
+  primes, n, p = [], dim, 2
+  while n > 1:
+    while n % p == 0:
+      primes.append(p)
+      n //= p
+    p += 1
+  out = [1] * cores
+  for q in sorted(primes, reverse=True):
+    out[int(np.argmin(out))] *= q
+  return tuple(sorted(out))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TTShape:
+  """The factorization of one table.
+
+  Attributes:
+    row_factors: (n_1, ..., n_K), prod >= num_rows.
+    dim_factors: (d_1, ..., d_K), prod == dim.
+    ranks: (r_0, ..., r_K) with r_0 = r_K = 1.
+  """
+
+  row_factors: tuple[int, ...]
+  dim_factors: tuple[int, ...]
+  ranks: tuple[int, ...]
+
+  @property
+  def num_cores(self) -> int:
+    return len(self.row_factors)
+
+  def core_shapes(self) -> list[tuple[int, int, int, int]]:
+    """[(n_k, r_{k-1}, d_k, r_k)] for k = 1..K."""
+    r, n, d = self.ranks, self.row_factors, self.dim_factors
+    return [(n[k], r[k], d[k], r[k + 1]) for k in range(self.num_cores)]
+
+  @property
+  def num_params(self) -> int:
+    return sum(math.prod(s) for s in self.core_shapes())
+
+  @property
+  def strides(self) -> tuple[int, ...]:
+    """Row-id stride of each core's index: i_k = (row // strides[k]) % n_k."""
+    n = self.row_factors
+    return tuple(math.prod(n[k + 1 :]) for k in range(len(n)))
+
+  def describe(self) -> str:
+    n, d = "x".join(map(str, self.row_factors)), "x".join(map(str, self.dim_factors))
+    return f"rows {n}, dim {d}, ranks {self.ranks}"
+
+
+def tt_shape(
+  num_rows: int,
+  dim: int,
+  rank: int | Sequence[int] = 32,
+  cores: int = 3,
+  row_factors: Sequence[int] | None = None,
+  dim_factors: Sequence[int] | None = None,
+) -> TTShape:
+  """The TT factorization of a num_rows x dim table (nothing allocated).
+
+  Inner ranks are capped at what the unfolding can use, min(prod_{j<=k} n_j d_j,
+  prod_{j>k} n_j d_j): a larger rank adds parameters without adding expressiveness (it
+  matters for small tables only).
+  """
+  n = tuple(row_factors) if row_factors is not None else balanced_row_factors(num_rows, cores)
+  d = tuple(dim_factors) if dim_factors is not None else balanced_dim_factors(dim, len(n))
+  k = len(n)
+  if len(d) != k:
+    raise ValueError(f"tt: row_factors {n} and dim_factors {d} need the same number of cores")
+  if math.prod(n) < num_rows:
+    raise ValueError(f"tt: row_factors {n} cover {math.prod(n)} < {num_rows} rows")
+  if math.prod(d) != dim:
+    raise ValueError(f"tt: dim_factors {d} multiply to {math.prod(d)}, not dim {dim}")
+  inner = [rank] * (k - 1) if isinstance(rank, int) else list(rank)
+  if len(inner) != k - 1:
+    raise ValueError(f"tt: rank needs {k - 1} inner ranks for {k} cores, got {rank}")
+  if any(r < 1 for r in inner):
+    raise ValueError(f"tt: ranks must be >= 1, got {rank}")
+  sizes = [a * b for a, b in zip(n, d)]
+  capped = [
+    min(r, math.prod(sizes[: j + 1]), math.prod(sizes[j + 1 :])) for j, r in enumerate(inner)
+  ]
+  return TTShape(row_factors=n, dim_factors=d, ranks=(1, *capped, 1))
+
+
+def target_variance(spec: base.TableSpec) -> float:
+  """Variance of one entry of the table's dense initializer (base.TableSpec.initializer)."""
+  if spec.initializer == "uniform":
+    return 1.0 / (3.0 * spec.num_rows)  # U(-a, a) has variance a**2 / 3, a = 1/sqrt(N)
+  if spec.initializer == "normal":
+    return 1.0 / spec.dim
+  raise ValueError(
+    f"tt (table {spec.name!r}): cannot start from initializer {spec.initializer!r}: all-zero "
+    "cores have zero gradients and never train. Use initializer='uniform' or 'normal'."
+  )
+
+
+def core_std(shape: TTShape, variance: float) -> float:
+  """Std of each core entry so that a reconstructed entry has the target `variance`.
+
+  An entry is a sum over prod(r_1..r_{K-1}) products of K independent zero-mean entries,
+  one per core: Var = prod(r_k) * s**(2K). Equal std in every core solves it.
+  """
+  paths = math.prod(shape.ranks[1:-1])
+  return (variance / paths) ** (1.0 / (2 * shape.num_cores))
+
+
+def init_cores(key: jax.Array, shape: TTShape, variance: float, init: str) -> list[jax.Array]:
+  """Cores whose reconstructed entries have mean 0 and the target variance.
+
+  sampled_gaussian (TT-Rec): every core entry ~ N(0, s^2), s from `core_std`.
+  uniform: U(-sqrt(3) s, sqrt(3) s) (same variance).
+  orthogonal: each slice, unfolded to [r_{k-1} d_k, r_k], a random orthogonal matrix (Haar,
+    by QR of a Gaussian) scaled so its entries have variance s^2: an orthogonal m x n matrix
+    has entry variance 1 / max(m, n). Sign symmetry keeps cross terms at zero mean, so the
+    reconstructed variance is the same as for independent entries.
+  """
+  s = core_std(shape, variance)
+  keys = jax.random.split(key, shape.num_cores)
+  cores = []
+  for k, (n, r0, d, r1) in enumerate(shape.core_shapes()):
+    if init == "sampled_gaussian":
+      g = s * jax.random.normal(keys[k], (n, r0, d, r1), jnp.float32)
+    elif init == "uniform":
+      a = math.sqrt(3.0) * s
+      g = jax.random.uniform(keys[k], (n, r0, d, r1), jnp.float32, -a, a)
+    elif init == "orthogonal":
+      m, c = r0 * d, r1
+      q = jax.random.orthogonal(keys[k], max(m, c), shape=(n,))[:, :m, :c]
+      g = (s * math.sqrt(max(m, c)) * q).reshape(n, r0, d, r1).astype(jnp.float32)
+    else:
+      raise ValueError(f"tt: unknown init {init!r}; available: {', '.join(INITS)}")
+    cores.append(g)
+  return cores
+
+
+def reconstruct(cores: Sequence[jax.Array], num_rows: int) -> jax.Array:
+  """The dense table float32[num_rows, D] from the cores (O(N): tests and export only)."""
+  out = cores[0][:, 0]  # [n_1, d_1, r_1]
+  for g in cores[1:]:
+    # [P, a, r] x [n, r, b, s] -> [P, n, a, b, s] -> [P * n, a * b, s]
+    out = jnp.einsum("par,nrbs->pnabs", out, g)
+    p, n, a, b, s = out.shape
+    out = out.reshape(p * n, a * b, s)
+  return out[:num_rows, :, 0]
+
+
+def _round_up(n: int) -> int:
+  """n rounded up to a multiple of 1/8 of its power of two (<= 12.5% padding), min 8."""
+  if n <= 8:
+    return 8
+  step = max(1, 1 << max(0, n.bit_length() - 4))
+  return -(-n // step) * step
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+class TT(base.Backend):
+  """Tensor-train table. See the module docstring.
+
+  Options (plan string), e.g. `tt(rank=16, cores=3, init=sampled_gaussian, cache_rows=10000,
+  kernel=prefix)`:
+    rank: inner TT rank (int, or a tuple of K-1 ranks). Default 32.
+    cores: number of cores K (balanced factorization of rows and dim). Default 3.
+    row_factors, dim_factors: explicit factorizations (tuples) instead of the balanced ones.
+    init: sampled_gaussian (default) | uniform | orthogonal; all match the variance of the
+      table's dense initializer (`target_variance`).
+    kernel: prefix (default) | unique | naive.
+    cache_rows: rows of the uncompressed hot-row cache (0 = none, default).
+    cache_warmup: batches counted before the hot set is fixed. Default 50.
+    pad: grow (default) | full; see the module docstring.
+  """
+
+  name = "tt"
+
+  def __init__(
+    self,
+    spec: base.TableSpec,
+    rank: int | Sequence[int] = 32,
+    cores: int = 3,
+    row_factors: Sequence[int] | None = None,
+    dim_factors: Sequence[int] | None = None,
+    init: str = "sampled_gaussian",
+    kernel: str = "prefix",
+    cache_rows: int = 0,
+    cache_warmup: int = 50,
+    pad: str = "grow",
+  ):
+    super().__init__(spec)
+    if init not in INITS:
+      raise ValueError(f"tt: unknown init {init!r}; available: {', '.join(INITS)}")
+    if kernel not in KERNELS:
+      raise ValueError(f"tt: unknown kernel {kernel!r}; available: {', '.join(KERNELS)}")
+    if pad not in PADS:
+      raise ValueError(f"tt: unknown pad {pad!r}; available: {', '.join(PADS)}")
+    if cache_rows < 0 or cache_warmup < 1:
+      raise ValueError(
+        f"tt: need cache_rows >= 0 and cache_warmup >= 1, got {cache_rows}, {cache_warmup}"
+      )
+    target_variance(spec)  # fail at plan time for a zeros initializer
+    self.shape = tt_shape(spec.num_rows, spec.dim, rank, cores, row_factors, dim_factors)
+    self.rank, self.init_name, self.kernel, self.pad = rank, init, kernel, pad
+    self.cache_rows = min(cache_rows, spec.num_rows)
+    self.cache_warmup = cache_warmup
+    self._caps: dict[str, int] = {}
+    self._warm: list[np.ndarray] = []  # ids seen during the warm-up
+    self._hot: np.ndarray | None = None  # sorted hot row ids, fixed after the warm-up
+
+  def describe(self) -> str:
+    opts = [f"rank={self.rank}"]
+    if self.shape.num_cores != 3:
+      opts.append(f"cores={self.shape.num_cores}")
+    if self.init_name != "sampled_gaussian":
+      opts.append(f"init={self.init_name}")
+    if self.kernel != "prefix":
+      opts.append(f"kernel={self.kernel}")
+    if self.cache_rows:
+      opts.append(f"cache_rows={self.cache_rows}")
+    if self.pad != "grow":
+      opts.append(f"pad={self.pad}")
+    return f"tt({', '.join(opts)})"
+
+  # --------------------------------------------------------------------------- state
+
+  def init(self, key, mesh=None):
+    del mesh  # the cores are small: replicated (default placement)
+    spec, opt = self.spec, self.spec.optimizer
+    cores = init_cores(key, self.shape, target_variance(spec), self.init_name)
+    state = {"cores": cores}
+    if opt.needs_unique:
+      state["accum"] = [opt.init_slots(s[0])["accum"] for s in self.shape.core_shapes()]
+    if self.cache_rows:
+      c = self.cache_rows
+      state["cache"] = jnp.zeros((c, spec.dim), jnp.float32)
+      # num_rows marks an empty slot; the first update that sees the hot set fills the cache.
+      state["cache_ids"] = jnp.full((c,), spec.num_rows, jnp.int32)
+      state.update({f"cache_{s}": v for s, v in opt.init_slots(c).items()})
+    return state
+
+  def num_params(self) -> int:
+    """Floats of the cores (what TT-Rec's compression ratio counts)."""
+    return self.shape.num_params
+
+  def memory(self):
+    slots = len(self.spec.optimizer.slot_names())
+    b = 4 * self.shape.num_params + 4 * slots * sum(self.shape.row_factors)
+    b += self.cache_rows * (4 * self.spec.dim + 4 * slots + 4)
+    where = "device" + (f" + {self.cache_rows}-row cache" if self.cache_rows else "")
+    return base.MemoryReport(b, 0, where)
+
+  def table(self, state):
+    rows = np.array(reconstruct(state["cores"], self.spec.num_rows))
+    if self.cache_rows:
+      ids = np.asarray(state["cache_ids"])
+      ok = ids < self.spec.num_rows
+      rows[ids[ok]] = np.asarray(state["cache"])[ok]
+    return rows
+
+  def restore(self, state):
+    # The hot set lives in the state; a checkpoint taken during the warm-up restarts it.
+    self._caps, self._warm, self._hot = {}, [], None
+    if self.cache_rows:
+      ids = np.asarray(state["cache_ids"])
+      if (ids < self.spec.num_rows).any():
+        self._hot = np.sort(ids[ids < self.spec.num_rows])
+    return state
+
+  def stats(self):
+    return {f"cap_{k}": float(v) for k, v in self._caps.items()}
+
+  # --------------------------------------------------------------------------- host
+
+  def _cap(self, name: str, n: int, limit: int) -> int:
+    """Static size of a padded array holding n entries (grow-only; see module docstring)."""
+    if self.pad == "full":
+      return limit
+    # Keyed by the batch shape too: eval batches (often larger) must not pad train batches.
+    key = f"{name}@{self._batch_size}"
+    cap = max(self._caps.get(key, 0), min(_round_up(n), limit))
+    self._caps[key] = cap
+    return cap
+
+  def _cache_plan(self, ids: np.ndarray) -> tuple[dict, np.ndarray]:
+    """Cache slots of this batch and the ids left for the cores (hits -> PAD)."""
+    n, c = self.spec.num_rows, self.cache_rows
+    out = {}
+    if self._hot is None:
+      self._warm.append(ids[ids >= 0])
+      if len(self._warm) >= self.cache_warmup:
+        # LFU over the warm-up; ties go to the smaller id.
+        seen, counts = np.unique(np.concatenate(self._warm), return_counts=True)
+        top = np.lexsort((seen, -counts))[:c]
+        self._hot, self._warm = np.sort(seen[top]), []
+    hot_ids = np.full(c, n, np.int32)
+    slot = np.full(ids.shape, c, np.int32)
+    if self._hot is not None and self._hot.size:
+      hot_ids[: self._hot.size] = self._hot
+      pos = np.searchsorted(self._hot, ids)
+      pos = np.minimum(pos, self._hot.size - 1)
+      hit = (ids >= 0) & (self._hot[pos] == ids)
+      slot = np.where(hit, pos, c).astype(np.int32)
+      ids = np.where(hit, base.PAD, ids)
+    out["cache_ids"] = hot_ids
+    out["cache_slot"] = slot
+    if self.spec.optimizer.needs_unique:
+      out["cache_unique"], out["cache_inverse"] = base.dedup(np.where(slot < c, slot, -1), c)
+    return out, ids
+
+  def prepare(self, ids, upcoming=()):
+    del upcoming
+    ids = np.asarray(ids).astype(np.int64)
+    n_rows = self.spec.num_rows
+    out = {}
+    if self.cache_rows:
+      cache, ids = self._cache_plan(ids)
+      out.update(cache)
+    out["ids"] = np.where(ids < 0, n_rows, ids).astype(np.int32)
+    if self.kernel == "naive":
+      return out
+    shape, total = self.shape, ids.size
+    self._batch_size = total
+    valid = ids.reshape(-1) >= 0
+    rows, inverse = np.unique(ids.reshape(-1)[valid], return_inverse=True)
+    u_cap = self._cap("rows", rows.size, total)
+    inv = np.full(total, u_cap, np.int32)
+    inv[valid] = inverse
+    out["inverse"] = inv.reshape(ids.shape)
+    # The prefix tree: level k holds the distinct prefixes (i_1..i_k) of the batch's rows
+    # ('unique': every row its own chain), each with its parent at level k-1 and its slice.
+    prev_keys = None
+    for k in range(shape.num_cores):
+      keys = rows // shape.strides[k]
+      last = k == shape.num_cores - 1
+      if self.kernel == "prefix" and not last:
+        keys = np.unique(keys)
+      n_k = shape.row_factors[k]
+      digit = keys % n_k
+      slices, slice_idx = np.unique(digit, return_inverse=True)
+      p_cap = u_cap if (last or self.kernel == "unique") else self._cap(f"p{k}", keys.size, total)
+      s_cap = self._cap(f"s{k}", slices.size, min(total, n_k))
+      sl = np.full(s_cap, n_k, np.int32)  # n_k: gathers fill 0, scatters drop
+      sl[: slices.size] = slices
+      si = np.full(p_cap, s_cap, np.int32)  # s_cap: a zero slice, so padded prefixes are 0
+      si[: keys.size] = slice_idx
+      out[f"slices{k}"], out[f"slice_of{k}"] = sl, si
+      if k > 0:
+        parent = np.zeros(p_cap, np.int32)
+        if self.kernel == "prefix":
+          parent[: keys.size] = np.searchsorted(prev_keys, keys // n_k)
+        else:
+          parent[: keys.size] = np.arange(keys.size)
+        out[f"parent{k}"] = parent
+      prev_keys = keys
+    return out
+
+  # --------------------------------------------------------------------------- device
+
+  def _tree_rows(self, slices: Sequence[jax.Array], prepared) -> jax.Array:
+    """Distinct rows float32[U, D] from the gathered slices of each core (prefix tree)."""
+    k_cores = self.shape.num_cores
+    pre = None
+    for k in range(k_cores):
+      s = slices[k].at[prepared[f"slice_of{k}"]].get(mode="fill", fill_value=0.0)
+      if k == 0:
+        pre = s[:, 0]  # [P, d_1, r_1]
+        continue
+      parent = pre[prepared[f"parent{k}"]]  # [P, a, r]
+      p, a, r = parent.shape
+      # One batched matmul per level: [P, a, r] @ [P, r, d_k * r_k].
+      out = jnp.matmul(parent, s.reshape(p, r, -1))
+      pre = out.reshape(p, a * s.shape[2], s.shape[3])
+    return pre.reshape(pre.shape[0], self.spec.dim)
+
+  def _gather_slices(self, state, prepared) -> list[jax.Array]:
+    return [
+      g.at[prepared[f"slices{k}"]].get(mode="fill", fill_value=0.0)
+      for k, g in enumerate(state["cores"])
+    ]
+
+  def _naive_rows(self, cores: Sequence[jax.Array], ids: jax.Array) -> jax.Array:
+    """Rows float32[..., D] of ids (N = padding -> 0), one slice per core per id."""
+    shape = self.shape
+    flat = ids.reshape(-1)
+    pre = None
+    for k, g in enumerate(cores):
+      digit = (flat // shape.strides[k]) % shape.row_factors[k]
+      s = g[digit]  # [M, r, d, s]
+      if k == 0:
+        pre = s[:, 0]
+        continue
+      m, a, r = pre.shape
+      pre = jnp.matmul(pre, s.reshape(m, r, -1)).reshape(m, a * s.shape[2], s.shape[3])
+    rows = pre.reshape(flat.shape[0], self.spec.dim)
+    rows = jnp.where((flat < self.spec.num_rows)[:, None], rows, 0.0)
+    return rows.reshape(ids.shape + (self.spec.dim,))
+
+  def _tt_lookup(self, state, prepared) -> jax.Array:
+    """The cores' part of the lookup: float32[B, L, D], 0 at padding and cache hits."""
+    if self.kernel == "naive":
+      return self._naive_rows(state["cores"], prepared["ids"])
+    rows = self._tree_rows(self._gather_slices(state, prepared), prepared)
+    return rows.at[prepared["inverse"]].get(mode="fill", fill_value=0.0)
+
+  def _cache_filled(self, state, prepared) -> jax.Array:
+    return jnp.all(state["cache_ids"] == prepared["cache_ids"])
+
+  def lookup(self, state, prepared):
+    out = self._tt_lookup(state, prepared)
+    if not self.cache_rows:
+      return out
+    slot = prepared["cache_slot"]
+    hit = slot < self.cache_rows
+    # Until an update has filled the cache for this hot set (the first batch after the
+    # warm-up, or a batch looked up but never updated, e.g. eval), hot rows come from the
+    # cores, which is what the fill will copy: the logical table stays continuous.
+    cached = jax.lax.cond(
+      self._cache_filled(state, prepared),
+      lambda: state["cache"].at[slot].get(mode="fill", fill_value=0.0),
+      lambda: self._naive_rows(
+        state["cores"],
+        jnp.where(
+          hit,
+          jnp.asarray(prepared["cache_ids"]).at[slot].get(mode="fill", fill_value=0),
+          self.spec.num_rows,
+        ),
+      ),
+    )
+    return jnp.where(hit[..., None], cached, out)
+
+  def core_grads(self, state, prepared, grads) -> list[jax.Array]:
+    """d loss / d cores (dense, core-shaped) given grads float32[B, L, D] of the lookup.
+
+    Only the cores' part: cache hits contribute nothing. For tests; `update` stays sparse.
+    """
+    if self.kernel == "naive":
+      _, vjp = jax.vjp(lambda c: self._naive_rows(c, prepared["ids"]), list(state["cores"]))
+      return vjp(grads)[0]
+    slices = self._gather_slices(state, prepared)
+    _, vjp = jax.vjp(lambda s: self._tt_rows_from(s, prepared), slices)
+    g = vjp(grads)[0]
+    return [
+      jnp.zeros_like(c).at[prepared[f"slices{k}"]].add(g[k], mode="drop")
+      for k, c in enumerate(state["cores"])
+    ]
+
+  def _tt_rows_from(self, slices, prepared):
+    rows = self._tree_rows(slices, prepared)
+    return rows.at[prepared["inverse"]].get(mode="fill", fill_value=0.0)
+
+  def update(self, state, prepared, grads):
+    opt = self.spec.optimizer
+    state = dict(state)
+    if self.cache_rows:
+      # Fill before anything trains: the rows this batch looked up were the cores' rows.
+      state = jax.lax.cond(
+        self._cache_filled(state, prepared),
+        lambda s: s,
+        lambda s: self._fill(s, prepared),
+        state,
+      )
+      slots = {k: state[f"cache_{k}"] for k in opt.slot_names()}
+      cprep = {"ids": prepared["cache_slot"]}
+      if opt.needs_unique:
+        cprep["unique"], cprep["inverse"] = prepared["cache_unique"], prepared["cache_inverse"]
+      hit = (prepared["cache_slot"] < self.cache_rows)[..., None]
+      cache, slots = base.sparse_sgd_or_adagrad(
+        self.spec, state["cache"], slots, cprep, jnp.where(hit, grads, 0.0)
+      )
+      state["cache"] = cache
+      state.update({f"cache_{k}": v for k, v in slots.items()})
+      grads = jnp.where(hit, 0.0, grads)
+    if self.kernel == "naive":
+      g = self.core_grads(state, prepared, grads)
+      cores, accum = [], []
+      for k, c in enumerate(state["cores"]):
+        flat = c.reshape(c.shape[0], -1)
+        acc = {"accum": state["accum"][k]} if opt.needs_unique else {}
+        new, acc = opt.apply(flat, acc, g[k].reshape(flat.shape))
+        cores.append(new.reshape(c.shape))
+        accum.extend(acc.values())
+    else:
+      slices = self._gather_slices(state, prepared)
+      _, vjp = jax.vjp(lambda s: self._tt_rows_from(s, prepared), slices)
+      g = vjp(grads)[0]  # summed per distinct slice: the gather's transpose adds repeats
+      cores, accum = [], []
+      for k, c in enumerate(state["cores"]):
+        idx = prepared[f"slices{k}"]
+        flat, gk = slices[k].reshape(idx.shape[0], -1), g[k].reshape(idx.shape[0], -1)
+        acc = {}
+        if opt.needs_unique:
+          acc = {"accum": state["accum"][k].at[idx].get(mode="fill", fill_value=0.0)}
+        new, acc = opt.apply(flat, acc, gk)
+        cores.append(c.at[idx].set(new.reshape(slices[k].shape), mode="drop"))
+        if opt.needs_unique:
+          accum.append(state["accum"][k].at[idx].set(acc["accum"], mode="drop"))
+    state["cores"] = cores
+    if opt.needs_unique:
+      state["accum"] = accum
+    return state
+
+  def _fill(self, state, prepared):
+    ids = prepared["cache_ids"]
+    state = dict(state)
+    state["cache"] = self._naive_rows(state["cores"], ids)
+    state["cache_ids"] = ids
+    for k, v in self.spec.optimizer.init_slots(self.cache_rows).items():
+      state[f"cache_{k}"] = v
+    return state
+
+
+BACKEND = TT

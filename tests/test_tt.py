@@ -1,0 +1,302 @@
+"""The `tt` backend against its own reference: the dense reconstruction of its cores.
+
+TT cannot match `dense` (it is a compressed table), so tests/test_contract.py's EXACT list does
+not apply; instead, at every step of a run driven like the trainer's (prepare running ahead),
+lookups must equal the reconstructed table, core gradients must equal jax.grad of a naive
+reference, and the optimizer must act on core slices as documented in recgnn/embeddings/tt.py.
+"""
+
+import collections
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from recgnn.embeddings import base, testing, tt
+
+SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
+ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
+OPTIMIZERS = [SGD, ADAGRAD]
+TOL = {"rtol": 2e-4, "atol": 2e-6}
+
+
+def _spec(opt=SGD, num_rows=1000, dim=8, **kw):
+  return base.TableSpec(name="t", num_rows=num_rows, dim=dim, optimizer=opt, **kw)
+
+
+def _batches(num_rows=1000, n=6, seed=1, batch=64, bag=3):
+  return testing.zipf_ids(seed=seed, num_batches=n, batch=batch, bag=bag, num_rows=num_rows)
+
+
+def _numpy_rows(cores, ids, num_rows):
+  """Reference: each row as the chain product of one slice per core, in float64 numpy."""
+  cores = [np.asarray(c, np.float64) for c in cores]
+  n = [c.shape[0] for c in cores]
+  out = np.zeros(ids.shape + (math.prod(c.shape[2] for c in cores),))
+  for pos, i in np.ndenumerate(ids):
+    if not 0 <= i < num_rows:
+      continue
+    digits = np.unravel_index(i, n)
+    m = cores[0][digits[0]][0]  # [d_1, r_1]
+    for c, d in zip(cores[1:], digits[1:]):
+      m = np.einsum("ar,rbs->abs", m, c[d]).reshape(-1, c.shape[3])
+    out[pos] = m[:, 0]
+  return out
+
+
+def _drive(backend_text, spec, batches, prefetch=testing.PREFETCH, eval_at=()):
+  """testing.run with a check at every step: lookup == table(state)[ids] before the update.
+
+  `eval_at`: steps before which an extra batch is prepared and looked up but never updated
+  (an eval batch in the trainer's stream).
+  """
+  backend = base.make_backend(backend_text, spec)
+  state = backend.init(jax.random.key(0))
+  lookup = jax.jit(backend.lookup)
+  update = jax.jit(backend.update, donate_argnums=0)
+  queue, ahead, lookups = collections.deque(), 0, []
+  for step in range(len(batches)):
+    while ahead < len(batches) and ahead <= step + prefetch:
+      if ahead in eval_at:
+        queue.append(("eval", batches[ahead][::-1], backend.prepare(batches[ahead][::-1])))
+      queue.append(("train", batches[ahead], backend.prepare(batches[ahead])))
+      ahead += 1
+    kind, ids, prepared = queue.popleft()
+    if kind == "eval":
+      rows = np.asarray(lookup(state, prepared))
+      testing.assert_lookups_equal_table(rows, backend.table(state), ids, **TOL)
+      kind, ids, prepared = queue.popleft()
+    rows = lookup(state, prepared)
+    table = backend.table(state)
+    testing.assert_lookups_equal_table(np.asarray(rows), table, ids, **TOL)
+    lookups.append(np.asarray(rows))
+    state = update(state, prepared, testing.grads_for(step, rows))
+  state = backend.sync(state)
+  return testing.Trace(lookups, backend.table(state), backend, state)
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+def test_factorizations():
+  assert tt.balanced_row_factors(10_131_227, 3) == (216, 217, 217)
+  assert tt.balanced_dim_factors(16, 3) == (2, 2, 4)
+  assert tt.balanced_dim_factors(13, 3) == (1, 1, 13)
+  for n in [1, 2, 7, 1000, 1001, 99_999, 10_131_227, 2**20 + 1]:
+    for k in [1, 2, 3, 4]:
+      f = tt.balanced_row_factors(n, k)
+      assert len(f) == k and math.prod(f) >= n, (n, k, f)
+      # Balanced: no factor can shrink by one and still cover n.
+      assert max(f) - min(f) <= 1 or math.prod(f) // max(f) * (max(f) - 1) < n, (n, k, f)
+  for d in [1, 4, 8, 12, 16, 64, 128]:
+    assert math.prod(tt.balanced_dim_factors(d, 3)) == d
+
+
+def test_shape_ranks_are_capped_and_counted():
+  s = tt.tt_shape(10_131_227, 16, rank=32)
+  assert s.ranks == (1, 32, 32, 1)
+  assert s.core_shapes() == [(216, 1, 2, 32), (217, 32, 2, 32), (217, 32, 4, 1)]
+  assert s.num_params == 216 * 64 + 217 * 2048 + 217 * 128
+  # 3 x 8 table as 3 x 1 x 2 x 4: rank above min(n_1 d_1, ...) adds nothing, so it is capped.
+  small = tt.tt_shape(3, 8, rank=32, cores=2)
+  assert small.ranks[1] <= min(small.row_factors[0] * small.dim_factors[0], 2 * 4)
+  with pytest.raises(ValueError, match="row_factors"):
+    tt.tt_shape(1000, 8, row_factors=(9, 9, 9))
+  with pytest.raises(ValueError, match="dim_factors"):
+    tt.tt_shape(1000, 8, dim_factors=(2, 2, 3))
+
+
+def test_plan_string_options():
+  spec = _spec(num_rows=50_000, dim=16)
+  b = base.make_backend(
+    "tt(rank=16, cores=3, init=sampled_gaussian, cache_rows=10000, kernel=prefix)", spec
+  )
+  assert b.shape.ranks == (1, 16, 16, 1) and b.cache_rows == 10000 and b.kernel == "prefix"
+  assert base.make_backend(b.describe(), spec).describe() == b.describe()
+  b4 = base.make_backend("tt(rank=(4, 8, 4), cores=4, init=orthogonal, kernel=naive)", spec)
+  assert b4.shape.ranks == (1, 4, 8, 4, 1) and b4.init_name == "orthogonal"
+  for bad, msg in [
+    ("tt(kernel=fast)", "available: naive, unique, prefix"),
+    ("tt(init=xavier)", "available: sampled_gaussian"),
+    ("tt(rnak=4)", "Bad options"),
+  ]:
+    with pytest.raises(ValueError, match=msg):
+      base.make_backend(bad, spec)
+  with pytest.raises(ValueError, match="initializer='uniform'"):
+    base.make_backend("tt", _spec(initializer="zeros"))
+
+
+def test_memory_matches_allocation():
+  for text, opt in [("tt(rank=8)", SGD), ("tt(rank=8, cache_rows=100)", ADAGRAD)]:
+    b = base.make_backend(text, _spec(opt, num_rows=5000, dim=16))
+    state = b.init(jax.random.key(0))
+    assert b.memory().device_bytes == sum(x.nbytes for x in jax.tree.leaves(state))
+
+
+# ----------------------------------------------------------------------------- init
+
+
+@pytest.mark.parametrize("init", tt.INITS)
+@pytest.mark.parametrize("initializer,num_rows", [("uniform", 20_000), ("normal", 3000)])
+def test_init_variance_matches_dense_initializer(init, initializer, num_rows):
+  spec = _spec(num_rows=num_rows, dim=16, initializer=initializer)
+  target = 1 / (3 * num_rows) if initializer == "uniform" else 1 / 16
+  assert tt.target_variance(spec) == pytest.approx(target)
+  b = base.make_backend(f"tt(rank=16, init={init})", spec)
+  tables = [b.table(b.init(jax.random.key(s))) for s in range(6)]
+  var = np.mean([np.var(t) for t in tables])
+  assert abs(np.mean([t.mean() for t in tables])) < 0.1 * math.sqrt(target)
+  assert var == pytest.approx(target, rel=0.08), f"{init}: variance {var:.3g}, target {target:.3g}"
+
+
+def test_reconstruct_matches_numpy_chain_product():
+  spec = _spec(num_rows=700, dim=12)
+  for text in ["tt(rank=5)", "tt(rank=(3, 4, 2), cores=4)", "tt(rank=6, cores=2)"]:
+    b = base.make_backend(text, spec)
+    state = b.init(jax.random.key(3))
+    ids = np.random.default_rng(0).integers(0, spec.num_rows, 100)
+    ref = _numpy_rows(state["cores"], ids, spec.num_rows)
+    np.testing.assert_allclose(b.table(state)[ids], ref, rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- lookup, grads
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_lookups_equal_reconstruction_every_step_and_kernels_agree(opt):
+  batches = _batches()
+  traces = {k: _drive(f"tt(rank=4, kernel={k})", _spec(opt), batches) for k in tt.KERNELS}
+  for k, tr in traces.items():
+    testing.assert_padding_is_zero(tr, batches)
+    assert not np.allclose(tr.lookups[0], tr.lookups[-1])  # it trained
+    for step, (a, b) in enumerate(zip(tr.lookups, traces["naive"].lookups)):
+      np.testing.assert_allclose(a, b, **TOL, err_msg=f"{k} vs naive, step {step}")
+    np.testing.assert_allclose(tr.table, traces["naive"].table, **TOL, err_msg=k)
+
+
+def _reference_loss(cores, ids, g, num_rows):
+  """sum(rows * g) with rows from the dense reconstruction: the naive reference."""
+  table = tt.reconstruct(cores, num_rows)
+  rows = jnp.where((ids >= 0)[..., None], table[jnp.maximum(ids, 0)], 0.0)
+  return jnp.sum(rows * g)
+
+
+@pytest.mark.parametrize("kernel", tt.KERNELS)
+def test_core_grads_match_jax_grad_of_reconstruction(kernel):
+  spec = _spec(num_rows=1000, dim=8)
+  ids = _batches(n=1)[0]
+  b = base.make_backend(f"tt(rank=4, kernel={kernel})", spec)
+  state = b.init(jax.random.key(1))
+  g = jax.random.normal(jax.random.key(2), ids.shape + (spec.dim,))
+  ref = jax.grad(_reference_loss)(state["cores"], jnp.asarray(ids), g, spec.num_rows)
+  got = b.core_grads(state, b.prepare(ids), g)
+  for k, (a, r) in enumerate(zip(got, ref)):
+    assert float(jnp.abs(r).max()) > 0
+    np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-6, err_msg=f"core {k}")
+
+
+@pytest.mark.parametrize("kernel", tt.KERNELS)
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_update_applies_rowwise_optimizer_to_core_slices(kernel, opt):
+  """SGD: cores -= lr * grad. Adagrad: one accumulator per slice G_k[i], as documented."""
+  spec = _spec(opt, num_rows=1000, dim=8)
+  ids = np.array([[3, 17, -1], [512, 3, 998]])  # repeats, padding, and untouched slices
+  b = base.make_backend(f"tt(rank=4, kernel={kernel})", spec)
+  state = b.init(jax.random.key(1))
+  g = jax.random.normal(jax.random.key(2), ids.shape + (spec.dim,))
+  ref = jax.grad(_reference_loss)(state["cores"], jnp.asarray(ids), g, spec.num_rows)
+  old = jax.tree.map(np.asarray, state)
+  new = jax.jit(b.update)(state, b.prepare(ids), g)
+  for k, (c0, c1, gk) in enumerate(zip(old["cores"], new["cores"], ref)):
+    c0, gk = c0.astype(np.float64), np.asarray(gk, np.float64)
+    flat = gk.reshape(gk.shape[0], -1)
+    if opt.name == "sgd":
+      want = c0 - opt.learning_rate * gk
+    else:
+      acc = old["accum"][k] + np.mean(flat**2, axis=1)
+      np.testing.assert_allclose(new["accum"][k], acc, rtol=1e-4, atol=1e-7)
+      want = c0 - opt.learning_rate * gk / (np.sqrt(acc) + opt.eps)[:, None, None, None]
+    np.testing.assert_allclose(c1, want, rtol=1e-4, atol=1e-6, err_msg=f"core {k}")
+    touched = np.abs(flat).max(axis=1) > 0
+    assert touched.any() and not touched.all()  # untouched slices exist and stay put
+    np.testing.assert_array_equal(np.asarray(c1)[~touched], old["cores"][k][~touched])
+
+
+@pytest.mark.parametrize("kernel", ["naive", "prefix"])
+def test_update_is_sparse(kernel):
+  spec = _spec(ADAGRAD, num_rows=200_000, dim=16)
+  batch = _batches(num_rows=spec.num_rows, n=1, batch=256, bag=2)[0]
+  testing.assert_update_is_sparse(f"tt(rank=16, kernel={kernel})", spec, batch)
+
+
+def test_prefix_kernel_shares_prefixes():
+  """Rows of one (i_1, i_2) block share a prefix: the tree has fewer level-2 nodes than rows."""
+  spec = _spec(num_rows=1000, dim=8)
+  b = base.make_backend("tt(rank=4, pad=full)", spec)
+  ids = np.array([[0, 1, 2, 3, 10, 11, 999, -1]])  # n = (10, 10, 10): prefixes 00, 01, 99
+  p = b.prepare(ids)
+  assert (p["parent2"][:7] == [0, 0, 0, 0, 1, 1, 2]).all()
+  assert (p["slice_of1"][:3] == [0, 1, 2]).all() and p["slice_of1"][3:].min() == p["slices1"].size
+  assert p["inverse"][0, -1] == p["slice_of2"].size  # padding -> the zero row
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+@pytest.mark.parametrize("kernel", ["prefix", "naive"])
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_cache_lookups_equal_table_and_hot_set_is_lfu(kernel, opt):
+  batches = _batches(n=7)
+  spec = _spec(opt)
+  text = f"tt(rank=4, kernel={kernel}, cache_rows=40, cache_warmup=3)"
+  trace = _drive(text, spec, batches, eval_at=(4,))
+  testing.assert_padding_is_zero(trace, batches)
+  ids, counts = np.unique(np.concatenate([b[b >= 0] for b in batches[:3]]), return_counts=True)
+  want = np.sort(ids[np.lexsort((ids, -counts))[:40]])
+  np.testing.assert_array_equal(np.asarray(trace.state["cache_ids"]), want)
+  # Hot rows are served by the cache, not by the cores, once it is filled.
+  recon = np.asarray(tt.reconstruct(trace.state["cores"], spec.num_rows))
+  assert np.abs(trace.table[want] - recon[want]).max() > 1e-3
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_cached_rows_train_like_dense_rows(opt):
+  """From the fill on, a hot row follows the dense backend's row-wise optimizer exactly,
+  starting from the cores' reconstruction and fresh optimizer state."""
+  spec = _spec(opt)
+  batches = _batches(n=6)
+  b = base.make_backend("tt(rank=4, cache_rows=1000, cache_warmup=2)", spec)
+  dense = base.make_backend("dense", spec)
+  hot = np.unique(np.concatenate([x[x >= 0] for x in batches[:2]]))  # every row seen is hot
+  state, ref = b.init(jax.random.key(0)), None
+  for step, ids in enumerate(batches):
+    prepared = b.prepare(ids)
+    rows = b.lookup(state, prepared)
+    g = testing.grads_for(step, rows)
+    if step == 1:  # the warm-up ends with batch 1: its update fills the cache first
+      ref = {"table": jnp.asarray(b.table(state)), **opt.init_slots(spec.num_rows)}
+    state = b.update(state, prepared, g)
+    if ref is not None:
+      ref = dense.update(ref, dense.prepare(ids), g)
+      np.testing.assert_allclose(b.table(state)[hot], np.asarray(ref["table"])[hot], **TOL)
+  np.testing.assert_array_equal(np.asarray(state["cache_ids"])[: hot.size], hot)
+
+
+def test_restore_rebuilds_hot_set():
+  spec = _spec(ADAGRAD)
+  batches = _batches(n=6)
+  text = "tt(rank=4, cache_rows=30, cache_warmup=2)"
+  a = base.make_backend(text, spec)
+  state = a.init(jax.random.key(0))
+  for step, ids in enumerate(batches[:4]):
+    p = a.prepare(ids)
+    state = a.update(state, p, testing.grads_for(step, a.lookup(state, p)))
+  state = a.sync(state)
+  b = base.make_backend(text, spec)
+  state_b = b.restore(jax.tree.map(jnp.array, state))
+  for ids in batches[4:]:
+    pa, pb = a.prepare(ids), b.prepare(ids)
+    np.testing.assert_array_equal(pa["cache_slot"], pb["cache_slot"])
+    np.testing.assert_allclose(b.lookup(state_b, pb), a.lookup(state, pa), **TOL)
