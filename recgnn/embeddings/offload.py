@@ -197,10 +197,17 @@ class Planner:
     m = miss.shape[0]
     if m == 0:
       return dataclasses.replace(Exchange.empty(), hits=int(hit.sum()))
-    keys = self._keys(window)
-    keys[self.slot_row < 0] = -1  # free slots first
-    keys[slots[hit]] = _PROTECTED
-    victims = np.sort(np.argpartition(keys, m - 1)[:m] if m < keys.shape[0] else np.arange(m))
+    # Free slots first, taken directly (argpartition over many equal keys is slow: 9 ms for
+    # 125k slots, 69k of them free); then the policy's order over the occupied ones.
+    free = np.flatnonzero(self.slot_row < 0)
+    if free.shape[0] >= m:
+      victims = free[:m]
+    else:
+      keys = self._keys(window)
+      keys[free] = _PROTECTED  # already taken
+      keys[slots[hit]] = _PROTECTED
+      k = m - free.shape[0]
+      victims = np.sort(np.concatenate([free, np.argpartition(keys, k - 1)[:k]]))
     old = self.slot_row[victims]
     valid = old >= 0
     back = valid & self.dirty[victims]
