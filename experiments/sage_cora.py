@@ -26,6 +26,7 @@ def get_config(arg=None):
   c.sampler.batch_size = 140  # the whole training set per step
   c.sampler.bulk = 8  # mini-batches per sparse product
   c.sampler.capacities = "auto"  # auto | worst | (n_1, ..., n_L)
+  c.sampler.eval_capacities = "worst"  # every frontier fits: nothing dropped in eval
   c.sampler.eval_fanouts = (-1, -1)  # every neighbour: deterministic eval
   c.sampler.eval_batch_size = 500
 

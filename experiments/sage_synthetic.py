@@ -31,6 +31,7 @@ def get_config(arg=None):
   c.sampler.batch_size = 1024
   c.sampler.bulk = 16
   c.sampler.capacities = "auto"
+  c.sampler.eval_capacities = "auto"
   c.sampler.eval_fanouts = (10, 5)
   c.sampler.eval_batch_size = 2048
 

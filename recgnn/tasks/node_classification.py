@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from absl import logging
 
 from recgnn.embeddings import OptimizerSpec, TableSpec
 from recgnn.graphs import sampling, store
@@ -89,10 +90,16 @@ class NodeClassification(base.Task):
     self.bulk = int(s.get("bulk", 1))
     self.seed = int(config.get("seed", 0))
     self.train_nodes = self._labelled("train")
-    self.sampler = self._make_sampler(s.get("fanouts", None), self.batch_size, s.capacities)
+    self.dropped = 0
+    self.sampler = self._make_sampler(
+      s.get("fanouts", None), self.batch_size, s.capacities, self.train_nodes
+    )
     eval_fanouts = s.get("eval_fanouts", None) or s.get("fanouts", None)
     self.eval_batch_size = int(s.get("eval_batch_size", None) or self.batch_size)
-    self.eval_sampler = self._make_sampler(eval_fanouts, self.eval_batch_size, "worst")
+    eval_nodes = np.concatenate([self._labelled("valid"), self._labelled("test")])
+    self.eval_sampler = self._make_sampler(
+      eval_fanouts, self.eval_batch_size, s.get("eval_capacities", "worst"), eval_nodes
+    )
     self.model = graphsage.GraphSAGE(
       sizes=tuple(self.sampler.sizes),
       hidden=int(config.model.hidden),
@@ -106,7 +113,7 @@ class NodeClassification(base.Task):
     ids = self.graph.splits[split]
     return ids[self.graph.labels[ids] >= 0]
 
-  def _make_sampler(self, fanouts, batch_size: int, capacities):
+  def _make_sampler(self, fanouts, batch_size: int, capacities, trial_nodes: np.ndarray):
     s = self.config.sampler
     adj = self.graph.adj
     if s.kind == "ladies":
@@ -116,9 +123,8 @@ class NodeClassification(base.Task):
       return sampler
     if capacities == "auto":
       rng = np.random.default_rng([self.seed, 7])
-      trial = rng.choice(
-        self.train_nodes, (4, batch_size), replace=len(self.train_nodes) < 4 * batch_size
-      )
+      few = len(trial_nodes) < 4 * batch_size
+      trial = rng.choice(trial_nodes, (4, batch_size), replace=few)
       capacities = sampling.estimate_capacities(sampler, trial, rng)
     return sampling.NeighborSampler(
       adj, fanouts=list(fanouts), batch_size=batch_size, capacities=list(capacities)
@@ -152,9 +158,6 @@ class NodeClassification(base.Task):
     test = self._labelled("test")
     return float(np.bincount(self.graph.labels[test]).max() / max(test.size, 1))
 
-  def final_report(self, results):
-    return {"chance_accuracy": self.chance_accuracy()}
-
   # --------------------------------------------------------------------------- batches
 
   def _make_batch(self, nodes: np.ndarray, layers, seeds: np.ndarray) -> base.Batch:
@@ -175,6 +178,20 @@ class NodeClassification(base.Task):
     batch["weight"] = (labels >= 0).astype(np.float32)
     return batch
 
+  def _count_drops(self, blocks: sampling.Blocks) -> sampling.Blocks:
+    if blocks.dropped and not self.dropped:
+      logging.warning(
+        "Sampled neighbours dropped for lack of frontier capacity (%d in %d mini-batches); "
+        "raise --config.sampler.capacities / eval_capacities or set them to 'worst'.",
+        blocks.dropped,
+        blocks.k,
+      )
+    self.dropped += blocks.dropped
+    return blocks
+
+  def final_report(self, results):
+    return {"chance_accuracy": self.chance_accuracy(), "dropped_neighbours": float(self.dropped)}
+
   def _steps_per_epoch(self) -> int:
     return -(-self.train_nodes.size // self.batch_size)
 
@@ -192,7 +209,7 @@ class NodeClassification(base.Task):
       seeds.reshape(-1)[: flat.size] = flat
       # Seeded per (epoch, group): a resumed run draws exactly the same neighbours.
       rng = np.random.default_rng([self.seed, epoch, group, 1])
-      blocks = self.sampler.sample(seeds, rng)
+      blocks = self._count_drops(self.sampler.sample(seeds, rng))
       for i in range(within - first, count):
         nodes, layers = blocks.batch(i)
         yield self._make_batch(nodes, layers, seeds[i])
@@ -206,7 +223,7 @@ class NodeClassification(base.Task):
     seeds.reshape(-1)[: ids.size] = ids
     rng = np.random.default_rng([self.seed, 12345])  # the same eval neighbourhoods every time
     for start in range(0, n, k):
-      blocks = self.eval_sampler.sample(seeds[start : start + k], rng)
+      blocks = self._count_drops(self.eval_sampler.sample(seeds[start : start + k], rng))
       for i in range(blocks.k):
         nodes, layers = blocks.batch(i)
         yield self._make_batch(nodes, layers, seeds[start + i])
