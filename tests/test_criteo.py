@@ -73,7 +73,9 @@ def small_tsv(tmp_path_factory):
   """3000 generated lines with malformed lines of every kind mixed in."""
   root = tmp_path_factory.mktemp("small")
   path = str(root / "train.txt")
-  cs.generate_tsv(path, cs.SyntheticConfig(num_rows=3000, scale=1e-3, seed=3), quiet)
+  cs.generate_tsv(
+    path, cs.SyntheticConfig(num_rows=3000, scale=1e-3, seed=3, calibration_rows=10_000), quiet
+  )
   lines = read(path).splitlines(keepends=True)
   good = lines[10]
   cols = good.rstrip("\n").split("\t")
@@ -208,6 +210,28 @@ def test_kaggle_split_matches_reference(n):
     assert got[name] == (ref[0], ref[-1] + 1), name
 
 
+def test_terabyte_days_last_file_split(small_tsv, tmp_path):
+  path, bad_lines = small_tsv
+  lines = read(path).splitlines(keepends=True)
+  days = [lines[:600], lines[600:1500], lines[1500:]]
+  paths = [write(tmp_path / f"day_{d}", "".join(part)) for d, part in enumerate(days)]
+  reader = criteo.ReaderConfig(categorical="hash", hash_sizes=1000, max_bad_lines=8)
+  ds = criteo.open_criteo(paths, str(tmp_path / "c"), reader=reader, split="last_file")
+  one = criteo.open_criteo(path, str(tmp_path / "c"), reader=reader)
+  np.testing.assert_array_equal(ds.sparse, one.sparse)
+  assert sorted(bad_lines) == [6, 101, 201, 301, 401, 501, 601, 701]
+  assert ds.manifest["file_rows"] == [600 - 6, 900 - 2, 1500]
+  last = 594 + 898
+  assert ds.splits == {
+    "train": (0, last),
+    "test": (last, last + 750),
+    "valid": (last + 750, last + 1500),
+  }
+  # Line numbers restart in each file.
+  day1 = ds.manifest["bad_lines"][os.path.abspath(paths[1])]
+  assert {e["line"] for e in day1["examples"]} == {1, 101}
+
+
 # ----------------------------------------------------------------------------- ids
 
 
@@ -270,7 +294,7 @@ def test_vocab_lookup_sorted_path(monkeypatch):
 
 
 def test_cache_reuse_and_invalidation(tmp_path):
-  cfg = cs.SyntheticConfig(num_rows=700, scale=1e-4, seed=1)
+  cfg = cs.SyntheticConfig(num_rows=700, scale=1e-4, seed=1, calibration_rows=10_000)
   path = str(tmp_path / "train.txt")
   cs.generate_tsv(path, cfg, quiet)
   cache = str(tmp_path / "cache")
@@ -301,7 +325,8 @@ def test_cache_reuse_and_invalidation(tmp_path):
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
   root = str(tmp_path_factory.mktemp("synthetic"))
-  return cs.default_synthetic_dataset(root, num_rows=120_000, scale=1e-3, seed=0, progress=quiet)
+  cfg = cs.SyntheticConfig(num_rows=120_000, scale=1e-3, seed=0, calibration_rows=50_000)
+  return cs.default_synthetic_dataset(root, config=cfg, progress=quiet)
 
 
 def same_batch(a, b):
@@ -357,13 +382,15 @@ def test_eval_batches_padded(synthetic):
 
 
 def test_generator_deterministic(tmp_path):
-  cfg = cs.SyntheticConfig(num_rows=500, scale=1e-4, seed=5)
+  cfg = cs.SyntheticConfig(num_rows=500, scale=1e-4, seed=5, calibration_rows=10_000)
   a, b = str(tmp_path / "a.txt"), str(tmp_path / "b.txt")
   cs.generate_tsv(a, cfg, quiet)
   cs.generate_tsv(b, cfg, quiet)
   assert read(a, "rb") == read(b, "rb")
   c = str(tmp_path / "c.txt")
-  cs.generate_tsv(c, cs.SyntheticConfig(num_rows=500, scale=1e-4, seed=6), quiet)
+  cs.generate_tsv(
+    c, cs.SyntheticConfig(num_rows=500, scale=1e-4, seed=6, calibration_rows=10_000), quiet
+  )
   assert read(a, "rb") != read(c, "rb")
 
 

@@ -128,8 +128,8 @@ class ReaderConfig:
 
   def table_sizes(self) -> tuple[int, ...]:
     """The 26 hash sizes."""
-    if isinstance(self.hash_sizes, int):
-      return (self.hash_sizes,) * NUM_SPARSE
+    if np.ndim(self.hash_sizes) == 0:
+      return (int(self.hash_sizes),) * NUM_SPARSE
     if len(self.hash_sizes) != NUM_SPARSE:
       raise ValueError(f"hash_sizes needs {NUM_SPARSE} entries, got {len(self.hash_sizes)}")
     return tuple(int(s) for s in self.hash_sizes)

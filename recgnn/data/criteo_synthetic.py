@@ -50,7 +50,6 @@ DENSE_LOGNORMAL = (
   (2.5, 1.2), (3.5, 1.5), (0.0, 0.8), (1.0, 1.0), (0.0, 1.2), (1.5, 1.2),
 )  # fmt: skip
 _ROWS_PER_CHUNK = 1 << 18  # fixed: the rows drawn depend on the seed only, never on memory
-_CALIBRATION_ROWS = 200_000
 _SIDE_JSON = ".synthetic.json"
 _SIDE_PROBS = ".oracle.npy"
 _GENERATOR_VERSION = 1
@@ -73,6 +72,7 @@ class SyntheticConfig:
     first_order_share, pair_share, dense_share: variance shares of the logit's three parts.
     target_auc: oracle AUC the calibration aims at.
     ctr: mean click probability.
+    calibration_rows: sample the calibration solves on (its error: ~1/sqrt of this).
   """
 
   num_rows: int = 4_000_000
@@ -89,6 +89,7 @@ class SyntheticConfig:
   dense_share: float = 0.10
   target_auc: float = 0.80
   ctr: float = 0.256
+  calibration_rows: int = 200_000
 
   def __post_init__(self):
     if not 1 <= self.rank <= 8:
@@ -218,7 +219,7 @@ def _calibrate(cfg: SyntheticConfig, model: PlantedModel) -> PlantedModel:
   """Scale the parts to their variance shares, then solve the global scale for `target_auc`
   and the bias for `ctr`, on a sample drawn apart from the rows."""
   rng = np.random.default_rng([cfg.seed, 1])
-  ranks, missing, dense, dmiss = _draw_rows(cfg, model, rng, _CALIBRATION_ROWS)
+  ranks, missing, dense, dmiss = _draw_rows(cfg, model, rng, cfg.calibration_rows)
   parts = model.parts(ranks, missing, _dense_log(dense, dmiss))
   shares = np.array([cfg.first_order_share, cfg.pair_share, cfg.dense_share])
   unit = np.sqrt(shares / np.maximum(parts.var(axis=0), 1e-12))
@@ -440,16 +441,17 @@ def dense_only_baseline_auc(
   x = (x - mean) / std
   w = np.zeros(x.shape[1])
   for _ in range(25):  # Newton / IRLS with a little ridge for constant columns
-    p = scipy.special.expit(x @ w)
-    g = x.T @ (p - y) + 1e-6 * w
-    h = (x * (p * (1 - p))[:, None]).T @ x + 1e-6 * np.eye(x.shape[1])
+    # einsum, not BLAS: multi-threaded BLAS crawls on a shared, oversubscribed CPU.
+    p = scipy.special.expit(np.einsum("nf,f->n", x, w))
+    g = np.einsum("nf,n->f", x, p - y) + 1e-6 * w
+    h = np.einsum("nf,ng->fg", x * (p * (1 - p))[:, None], x) + 1e-6 * np.eye(x.shape[1])
     step = np.linalg.solve(h, g)
     w -= step
     if np.abs(step).max() < 1e-7:
       break
   lo, hi = dataset.splits[eval_split]
   xe = (features(dataset.dense[lo:hi]) - mean) / std
-  return roc_auc(xe @ w, dataset.labels[lo:hi])
+  return roc_auc(np.einsum("nf,f->n", xe, w), dataset.labels[lo:hi])
 
 
 # ----------------------------------------------------------------------------- default
