@@ -65,7 +65,7 @@ from jax.experimental.compute_on import compute_on
 from recgnn.embeddings import base
 
 POLICIES = ("lru", "lfu", "lookahead")
-HOST_MEMORIES = ("pinned_host", "unpinned_host", "device")
+HOST_MEMORIES = ("pinned_host", "device")
 _PROTECTED = np.iinfo(np.int64).max
 _NEEDED = np.int64(1) << 62  # look-ahead keys: rows needed within the window sort after others
 _FAR = np.int64(1) << 40
@@ -243,7 +243,7 @@ class Offload(base.Backend):
       entries (less padding moved, a few shapes per table). Padding gathers row 0 on the
       host and is dropped on the device; stats count real rows and padded bytes apart.
     host_memory: `pinned_host` (default; falls back to `device` where the platform has no
-      host memory space), `unpinned_host`, or `device` (no offload: debugging, benchmarks).
+      host memory space) or `device` (no offload: debugging, benchmarks).
 
   A batch touching more distinct rows than the cache holds is an error at plan time that
   names the size needed (no micro-batching: exactness vs dense needs the whole batch's update
@@ -307,7 +307,7 @@ class Offload(base.Backend):
     if exchange not in ("fixed", "pow2"):
       raise ValueError(f"offload: exchange must be 'fixed' or 'pow2', got {exchange!r}")
     self.exchange = exchange
-    self._planner = Planner(spec.num_rows, self.cache_rows, policy)
+    self._planner: Planner | None = None  # O(N) host bookkeeping: allocated by init
     self._host_sharding = self._dev_sharding = None
     self._lock = threading.Lock()
     self._counters: dict[str, float] = {}
@@ -324,7 +324,9 @@ class Offload(base.Backend):
         else ""
       )
     )
-    return f"offload({size}, policy={self.policy}, lookahead={self.lookahead})"
+    extra = "" if self.exchange == "fixed" else f", exchange={self.exchange}"
+    extra += "" if self.host_memory == "pinned_host" else f", host_memory={self.host_memory}"
+    return f"offload({size}, policy={self.policy}, lookahead={self.lookahead}{extra})"
 
   @property
   def offloaded(self) -> bool:
@@ -526,7 +528,6 @@ class Offload(base.Backend):
     looked = c.get("hits", 0) + c.get("misses", 0)
     row_bytes = self.spec.row_bytes
     out = {
-      "hit_rate": c.get("hits", 0) / looked if looked else float("nan"),
       "misses_per_step": c.get("misses", 0) / steps,
       "h2d_rows_per_step": c.get("rows_h2d", 0) / steps,
       "d2h_rows_per_step": c.get("rows_d2h", 0) / steps,
@@ -539,6 +540,8 @@ class Offload(base.Backend):
       "plan_ms_per_step": 1e3 * c.get("plan_seconds", 0.0) / steps,
       "steps": c.get("steps", 0),
     }
+    if looked:  # (absent rather than NaN when nothing was admitted: metrics stay valid JSON)
+      out["hit_rate"] = c.get("hits", 0) / looked
     ev = c.get("eval_hits", 0) + c.get("eval_misses", 0)
     if ev:
       out["eval_hit_rate"] = c.get("eval_hits", 0) / ev
