@@ -275,13 +275,16 @@ class Backend(abc.ABC):
   def init(self, key: jax.Array, mesh: jax.sharding.Mesh | None = None) -> PyTree:
     """Allocate and initialise the state (placement decided here)."""
 
-  def prepare(self, ids: np.ndarray, upcoming: Sequence[np.ndarray] = ()) -> PyTree:
+  def prepare(
+    self, ids: np.ndarray, upcoming: Sequence[np.ndarray] = (), *, train: bool = True
+  ) -> PyTree:
     """Host-side work for one batch: ids int[B, L] (PAD = -1) -> pytree of numpy arrays.
 
     `upcoming` holds the ids of up to `lookahead` following batches. Called once per batch,
     in order, on the input thread; stateful backends (caches) may keep host state here.
+    `train=False` marks an eval batch: only `lookup` will run on it, never `update`.
     """
-    del upcoming
+    del upcoming, train
     ids = np.asarray(ids)
     out = {"ids": np.where(ids < 0, self.spec.num_rows, ids).astype(np.int32)}
     if self.spec.optimizer.needs_unique:

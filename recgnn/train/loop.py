@@ -88,8 +88,8 @@ def parse_bytes(text: str | None) -> int | None:
 class Item:
   kind: str  # "train" | "eval" | "eval_end"
   split: str | None
-  batch: Any
-  prepared: Any
+  batch_size: int
+  prepared: Any  # (device buffers, layout) of (prepared ids, batch): see step.pack
 
 
 def _stream(task: Task, start: int, total: int, eval_every: int, eval_split: str, final):
@@ -147,13 +147,16 @@ class InputThread:
         prepared = None
         if batch is not None:
           upcoming = [w[2]["ids"] for w in window if w[2] is not None]
+          train = kind == "train"
           prepared = {
-            n: b.prepare(batch["ids"][n], [u[n] for u in upcoming[: b.lookahead]])
+            n: b.prepare(batch["ids"][n], [u[n] for u in upcoming[: b.lookahead]], train=train)
             for n, b in self._backends.items()
           }
-          prepared, batch = jax.device_put((prepared, batch))
+          buffers, layout = step_lib.pack((prepared, batch))
+          prepared = (jax.device_put(buffers), layout)
         self.busy_seconds += time.perf_counter() - t0
-        self._put(Item(kind, split, batch, prepared))
+        size = int(jax.tree.leaves(batch)[0].shape[0]) if batch is not None else 0
+        self._put(Item(kind, split, size, prepared))
       self._put(None)
     except BaseException as e:  # forwarded to the main thread, which re-raises
       self._put(e)
@@ -256,8 +259,8 @@ def train(
     log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
 
   total = tcfg.steps
-  train_step = step_lib.jit_train_step(task, backends, tx)
-  eval_step = step_lib.jit_eval_step(task, backends)
+  train_step = step_lib.jit_packed(step_lib.make_train_step(task, backends, tx), True)
+  eval_step = step_lib.jit_packed(step_lib.make_eval_step(task, backends), False)
   final_splits = tuple(tcfg.get("final_eval_splits", ("valid", "test")))
   end = total if stop_after is None else min(total, start + stop_after)
   stream = _stream(
@@ -299,11 +302,11 @@ def train(
             jax.profiler.start_trace(os.path.join(workdir, "profile"))
             profiling = True
           with jax.profiler.StepTraceAnnotation("train", step_num=step):
-            state, m = train_step(state, item.prepared, item.batch)
+            state, m = train_step(state, *item.prepared)
           pending.append(m)
           step += 1
           if batch_size is None:
-            batch_size = int(jax.tree.leaves(item.batch)[0].shape[0])
+            batch_size = int(item.batch_size)
           if profiling and step >= profile_steps[1]:
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
@@ -336,7 +339,7 @@ def train(
         elif item.kind == "eval":
           if not eval_outputs:
             t_eval = time.perf_counter()
-          eval_outputs.append(eval_step(state, item.prepared, item.batch))
+          eval_outputs.append(eval_step(state, *item.prepared))
         else:  # eval_end
           res = task.metrics(jax.device_get(eval_outputs))
           t_last += time.perf_counter() - t_eval

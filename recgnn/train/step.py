@@ -16,6 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from recgnn.embeddings import base
@@ -104,6 +105,48 @@ def jit_train_step(task, backends, tx):
 
 def jit_eval_step(task, backends):
   return jax.jit(make_eval_step(task, backends))
+
+
+# A batch and its prepared ids are ~100 small arrays; one device_put each costs more than the
+# step itself on CPU (measured: 25 ms for a 26-table Criteo batch). So the input thread packs
+# them into one flat buffer per dtype and the jitted step slices them apart (free in XLA).
+
+
+def pack(tree) -> tuple[list[np.ndarray], tuple]:
+  """A pytree of numpy arrays -> (one flat buffer per dtype, static layout for `unpack`)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  dtypes = sorted({np.dtype(x.dtype).str for x in leaves})
+  parts: dict[str, list] = {d: [] for d in dtypes}
+  offsets = dict.fromkeys(dtypes, 0)
+  where = []
+  for x in leaves:
+    x = np.asarray(x)
+    d = x.dtype.str
+    where.append((dtypes.index(d), offsets[d], x.shape))
+    parts[d].append(x.reshape(-1))
+    offsets[d] += x.size
+  buffers = [np.concatenate(parts[d]) if parts[d] else np.zeros(0, d) for d in dtypes]
+  return buffers, (treedef, tuple(where))
+
+
+def unpack(buffers, layout):
+  """Inverse of `pack`, inside jit: static slices of the buffers."""
+  treedef, where = layout
+  leaves = [
+    jax.lax.slice(buffers[i], (off,), (off + int(np.prod(shape)),)).reshape(shape)
+    for i, off, shape in where
+  ]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def jit_packed(step_fn, donate_state: bool):
+  """step_fn(state, prepared, batch) -> jitted f(state, buffers, layout) over `pack` output."""
+
+  def packed(state, buffers, layout):
+    prepared, batch = unpack(buffers, layout)
+    return step_fn(state, prepared, batch)
+
+  return jax.jit(packed, static_argnums=2, donate_argnums=0 if donate_state else ())
 
 
 def init_state(
