@@ -35,10 +35,11 @@ from the TT reconstruction of the current cores by the first update that sees th
 the logical table is continuous. `table(state)` is the TT reconstruction overridden by the
 cache; `sync` has nothing to write back (the cache is part of the state).
 
-Shapes are static per bucket: `prepare` pads the distinct-row and prefix counts to grow-only
-capacities (rounded up to 1/8 of a power of two), so a jitted step retraces only while the
-capacities grow during the first batches. `pad=full` pads to the batch size instead (one
-shape, more padded work).
+Shapes are static per bucket: `prepare` pads the distinct-row, prefix and slice counts to
+grow-only capacities (1.25x the count, rounded to 4 sizes per octave), so a jitted step
+retraces only the few times a capacity grows, mostly in the first batches (and once when the
+cache's hot set is fixed). `pad=full` pads to the batch size instead: one shape, no retrace,
+more padded work (benchmarks/tt.py measures both).
 """
 
 from __future__ import annotations
@@ -231,11 +232,17 @@ def reconstruct(cores: Sequence[jax.Array], num_rows: int) -> jax.Array:
   return out[:num_rows, :, 0]
 
 
+HEADROOM = 1.25  # capacity / count when a capacity grows: batch-to-batch noise stays inside
+
+
 def _round_up(n: int) -> int:
-  """n rounded up to a multiple of 1/8 of its power of two (<= 12.5% padding), min 8."""
-  if n <= 8:
-    return 8
-  step = max(1, 1 << max(0, n.bit_length() - 4))
+  """HEADROOM * n rounded up to one of 4 sizes per octave (2^k * {1, 1.25, 1.5, 1.75}), min 8.
+
+  Coarse on purpose: every new size recompiles the train step, so a capacity should grow a
+  few times in a run, not whenever a batch has a few more distinct rows than the last.
+  """
+  n = max(8, math.ceil(HEADROOM * n))
+  step = 1 << max(0, n.bit_length() - 3)
   return -(-n // step) * step
 
 
@@ -378,6 +385,8 @@ class TT(base.Backend):
         seen, counts = np.unique(np.concatenate(self._warm), return_counts=True)
         top = np.lexsort((seen, -counts))[:c]
         self._hot, self._warm = np.sort(seen[top]), []
+        # The cores now see fewer distinct rows: let the capacities shrink (one recompile).
+        self._caps = {}
     hot_ids = np.full(c, n, np.int32)
     slot = np.full(ids.shape, c, np.int32)
     if self._hot is not None and self._hot.size:
@@ -423,7 +432,8 @@ class TT(base.Backend):
       n_k = shape.row_factors[k]
       digit = keys % n_k
       slices, slice_idx = np.unique(digit, return_inverse=True)
-      p_cap = u_cap if (last or self.kernel == "unique") else self._cap(f"p{k}", keys.size, total)
+      limit = min(total, math.prod(shape.row_factors[: k + 1]))
+      p_cap = u_cap if (last or self.kernel == "unique") else self._cap(f"p{k}", keys.size, limit)
       s_cap = self._cap(f"s{k}", slices.size, min(total, n_k))
       sl = np.full(s_cap, n_k, np.int32)  # n_k: gathers fill 0, scatters drop
       sl[: slices.size] = slices
