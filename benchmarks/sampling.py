@@ -248,7 +248,7 @@ def markdown(p: dict[str, Any]) -> str:
     "|---|---:|---:|---:|---:|",
   ]
   for name, m in s.items():
-    k = name.split("k=")[1].split()[0] if "k=" in name else str(a["pyg_batches"])
+    k = name.split("k=")[1].split()[0].rstrip(",") if "k=" in name else str(a["pyg_batches"])
     lines.append(
       f"| {name} | {k} | {m['edges_per_batch']:,.0f} | {m['edges_per_second'] / 1e6:.2f}M | "
       f"{m['seeds_per_second']:,.0f} |"

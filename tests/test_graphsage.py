@@ -187,3 +187,13 @@ def test_ogb_experiment_through_the_trainer(tmp_path):
   c.data.path = ""
   with pytest.raises(ValueError, match="config.data.path"):
     nc.TASK(c)
+
+
+def test_auto_capacities_drop_nothing_on_cora():
+  """Cora's 140 training seeds are one batch: the trial must not shrink frontiers by repeats."""
+  task = nc.TASK(sage_cora.get_config())
+  assert task.sampler.sizes[-1] < task.eval_sampler.sizes[-1]  # fitted, not worst case
+  it = task.train_batches(0)
+  for _ in range(30):
+    next(it)
+  assert task.dropped == 0

@@ -200,6 +200,25 @@ def test_ladies_blocks(graph):
       assert (new >= 0).sum() <= s.layer_sizes[d]
 
 
+def test_chunked_dedup_gives_the_same_sample(graph, monkeypatch):
+  seeds = np.random.default_rng(12).permutation(graph.num_nodes)[:320].reshape(8, 40)
+  s = sampling.NeighborSampler(graph.adj, fanouts=[5, 3], batch_size=40)
+  whole = s.sample(seeds, np.random.default_rng(1))
+  monkeypatch.setattr(sampling, "DEDUP_CHUNK", 500)  # 8 batches -> several groups
+  parts = s.sample(seeds, np.random.default_rng(1))
+  np.testing.assert_array_equal(whole.nodes, parts.nodes)
+  for a, b in zip(whole.layers, parts.layers):
+    np.testing.assert_array_equal(a["nbr"], b["nbr"])
+    np.testing.assert_array_equal(a["mask"], b["mask"])
+
+
+def test_all_padding_batches(graph):
+  s = sampling.NeighborSampler(graph.adj, fanouts=[3, 2], batch_size=4)
+  blocks = s.sample(np.full((2, 4), -1), np.random.default_rng(0))
+  assert (blocks.nodes == -1).all() and blocks.num_edges.sum() == 0
+  assert not any(layer["mask"].any() for layer in blocks.layers)
+
+
 def test_seeds_shape_error(graph):
   s = sampling.NeighborSampler(graph.adj, fanouts=[2], batch_size=8)
   with pytest.raises(ValueError, match="seeds must be"):

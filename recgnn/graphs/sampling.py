@@ -44,6 +44,7 @@ import scipy.sparse as sp
 
 ALL = -1  # fanout meaning "every neighbour" (padded to the graph's largest degree)
 MAX_ALL_DEGREE = 4096  # beyond this, fanout=-1 pads every row to a huge width: refuse
+DEDUP_CHUNK = 4_000_000  # elements per frontier dedup sort (see `_extend`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,6 +129,40 @@ def _extend(
   n_next: int,
   num_nodes: int,
 ) -> tuple[np.ndarray, np.ndarray, int]:
+  """`_extend_group` over groups of batches of about DEDUP_CHUNK elements each.
+
+  The dedup's gathers and scatters are random accesses over its arrays; past a few million
+  elements those leave the cache and cost several times more per element (k = 64 at
+  fanouts [15, 10, 5] was 3x slower per edge than k = 16 in one piece). cand_batch must be
+  ascending (candidates grouped by batch), as both samplers produce them.
+  """
+  k = frontier.shape[0]
+  total = int(np.count_nonzero(frontier >= 0)) + cand_node.size
+  groups = max(1, min(k, -(-total // DEDUP_CHUNK)))
+  if groups == 1:
+    return _extend_group(frontier, cand_batch, cand_node, n_next, num_nodes)
+  bounds = np.linspace(0, k, groups + 1).astype(np.int64)
+  cut = np.searchsorted(cand_batch, bounds)
+  nxt, pos, dropped = [], [], 0
+  for g in range(groups):
+    lo, hi = bounds[g], bounds[g + 1]
+    part = slice(cut[g], cut[g + 1])
+    x, p, d = _extend_group(
+      frontier[lo:hi], cand_batch[part] - lo, cand_node[part], n_next, num_nodes
+    )
+    nxt.append(x)
+    pos.append(p)
+    dropped += d
+  return np.concatenate(nxt), np.concatenate(pos), dropped
+
+
+def _extend_group(
+  frontier: np.ndarray,
+  cand_batch: np.ndarray,
+  cand_node: np.ndarray,
+  n_next: int,
+  num_nodes: int,
+) -> tuple[np.ndarray, np.ndarray, int]:
   """The next frontier of each batch: its current frontier, then its new candidates.
 
   Deduplicates all k batches together with one sort of packed integers
@@ -171,7 +206,8 @@ def _extend(
   rank = np.cumsum(new) - 1 - np.concatenate([[0], np.cumsum(new_per_batch)[:-1]])[batch]
   room = n_next - n
   fits = rank < room
-  lead_pos = np.where(is_cand == 1, np.where(fits, n + rank, -1), fp[np.minimum(elem, nf - 1)])
+  fpos = fp if nf else np.zeros(1, fp.dtype)  # every batch empty: no frontier to look up
+  lead_pos = np.where(is_cand == 1, np.where(fits, n + rank, -1), fpos[np.minimum(elem, nf - 1)])
   group = np.cumsum(first) - 1
   pos_sorted = lead_pos[first][group]
   pos = np.empty(m, np.int32)

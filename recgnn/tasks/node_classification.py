@@ -123,8 +123,9 @@ class NodeClassification(base.Task):
       return sampler
     if capacities == "auto":
       rng = np.random.default_rng([self.seed, 7])
-      few = len(trial_nodes) < 4 * batch_size
-      trial = rng.choice(trial_nodes, (4, batch_size), replace=few)
+      # Four batches of distinct seeds (repeats would shrink the frontiers measured).
+      few = len(trial_nodes) < batch_size
+      trial = np.stack([rng.choice(trial_nodes, batch_size, replace=few) for _ in range(4)])
       capacities = sampling.estimate_capacities(sampler, trial, rng)
     return sampling.NeighborSampler(
       adj, fanouts=list(fanouts), batch_size=batch_size, capacities=list(capacities)
