@@ -270,6 +270,8 @@ def test_frequency_and_hash_ids(small_tsv, tmp_path):
     assert hashed.cardinalities[t] == size
     assert hashed.sparse[:, t].max() < size and freq.sparse[:, t].max() < freq.cardinalities[t]
   assert (freq.sparse == criteo.UNKNOWN_ID).any() and (freq.sparse == criteo.MISSING_ID).any()
+  files = ["dense.npy", "labels.npy", "manifest.json", "sparse.npy"]
+  assert sorted(os.listdir(freq.path)) == files  # the raw-value temporaries are gone
 
 
 def test_vocab_lookup_sorted_path(monkeypatch):
@@ -277,17 +279,17 @@ def test_vocab_lookup_sorted_path(monkeypatch):
   vals = np.unique(rng.integers(0, 2**32, 5000, dtype=np.uint64).astype(np.uint32))
   ids = rng.permutation(vals.size).astype(np.int32) + criteo.FIRST_ID
   raw = np.where(rng.random((3000, 26)) < 0.5, vals[rng.integers(0, vals.size, (3000, 26))], 7)
-  block = criteo.ParsedBlock(
-    labels=None, dense=None, raw=raw.astype(np.uint32), missing=rng.random((3000, 26)) < 0.1,
-    bad=[], num_lines=3000,
-  )  # fmt: skip
+  raw = raw.astype(np.uint32)
+  missing = rng.random((3000, 26)) < 0.1
   vocab = [(vals, ids)] * 26
-  plain = criteo._vocab_ids(block, vocab)
+  plain = criteo._vocab_ids(raw, missing, vocab)
   monkeypatch.setattr(criteo, "_SORTED_LOOKUP", 0)
-  np.testing.assert_array_equal(criteo._vocab_ids(block, vocab), plain)
+  np.testing.assert_array_equal(criteo._vocab_ids(raw, missing, vocab), plain)
+  monkeypatch.setattr(criteo, "_SORTED_LOOKUP", 1 << 30)
+  np.testing.assert_array_equal(criteo._vocab_ids(raw, missing, vocab), plain)
   lookup = dict(zip(vals.tolist(), ids.tolist()))
   expect = [[lookup.get(int(v), criteo.UNKNOWN_ID) for v in row] for row in raw]
-  np.testing.assert_array_equal(plain, np.where(block.missing, criteo.MISSING_ID, expect))
+  np.testing.assert_array_equal(plain, np.where(missing, criteo.MISSING_ID, expect))
 
 
 # ----------------------------------------------------------------------------- cache

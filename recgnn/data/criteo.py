@@ -78,7 +78,7 @@ _PAD = 8  # bytes of slack before and after a block, so 8-byte loads never leave
 _ZEROS = np.uint64(0x3030303030303030)  # eight ASCII '0'
 _MAX_EXAMPLES = 10  # malformed lines quoted in reports
 _INT_RE = re.compile(rb"-?[0-9]+")
-_SORTED_LOOKUP = 1 << 16  # vocabularies larger than this are searched with sorted queries
+_SORTED_LOOKUP = 512  # vocabularies larger than this are searched with sorted queries
 
 Batch = dict[str, Any]
 
@@ -473,7 +473,7 @@ def _progress_printer(progress: Callable[[str], None] | None, label: str):
   return report
 
 
-# What a worker needs besides its task (hash sizes or vocabularies), set once per process.
+# What a worker needs besides its task (the hash sizes), set once per process.
 _WORKER: dict[str, Any] = {}
 
 
@@ -495,16 +495,27 @@ def _work(task: tuple[str, int, int, str]) -> dict[str, Any]:
     "rows": block.labels.shape[0],
     "stop": stop,
   }
-  if what == "count":
+  out.update(labels=block.labels, dense=block.dense)
+  if what == "parse":  # "frequency" mode's first pass: ids need the counts of every block
     out["counts"] = [
       np.unique(block.raw[:, t][~block.missing[:, t]], return_counts=True)
       for t in range(NUM_SPARSE)
     ]
-    return out
-  vocab = _WORKER.get("vocab")
-  ids = _hash_ids(block, _WORKER["sizes"]) if vocab is None else _vocab_ids(block, vocab)
-  out.update(labels=block.labels, dense=block.dense, ids=ids)
+    out.update(raw=block.raw, missing=_pack_bits(block.missing))
+  else:
+    out["ids"] = _hash_ids(block, _WORKER["sizes"])
   return out
+
+
+def _pack_bits(missing: np.ndarray) -> np.ndarray:
+  """bool[n, 26] -> uint32[n], bit t = column t."""
+  return (missing.astype(np.uint32) << np.arange(NUM_SPARSE, dtype=np.uint32)).sum(
+    axis=1, dtype=np.uint32
+  )
+
+
+def _unpack_bits(bits: np.ndarray) -> np.ndarray:
+  return ((bits[:, None] >> np.arange(NUM_SPARSE, dtype=np.uint32)) & 1).astype(bool)
 
 
 def _stream(paths, what: str, reader: ReaderConfig, bad: _BadLines, label: str, progress, state):
@@ -601,10 +612,11 @@ def _hash_ids(block: ParsedBlock, sizes: np.ndarray) -> np.ndarray:
   return np.where(block.missing, MISSING_ID, ids).astype(np.int32)
 
 
-def _vocab_ids(block: ParsedBlock, vocab) -> np.ndarray:
-  out = np.empty(block.raw.shape, np.int32)
+def _vocab_ids(raw: np.ndarray, missing: np.ndarray, vocab) -> np.ndarray:
+  """uint32[n, 26] raw values, bool[n, 26] missing -> int32[n, 26] frequency ids."""
+  out = np.empty(raw.shape, np.int32)
   for t, (vals, ids) in enumerate(vocab):
-    col = block.raw[:, t]
+    col = raw[:, t]
     if vals.size == 0:
       out[:, t] = UNKNOWN_ID
       continue
@@ -618,8 +630,26 @@ def _vocab_ids(block: ParsedBlock, vocab) -> np.ndarray:
       pos = np.searchsorted(vals, col)
     pos = np.minimum(pos, vals.size - 1)
     out[:, t] = np.where(vals[pos] == col, ids[pos], UNKNOWN_ID)
-  out[block.missing] = MISSING_ID
+  out[missing] = MISSING_ID
   return out
+
+
+def _remap(tmp: str, vocab, progress, chunk: int = 1 << 16):
+  """raw.tmp + missing.tmp -> sparse.npy through the vocabularies; removes the temporaries."""
+  raw = np.load(os.path.join(tmp, "raw.tmp"), mmap_mode="r")
+  bits = np.load(os.path.join(tmp, "missing.tmp"), mmap_mode="r")
+  out = _NpyWriter(os.path.join(tmp, "sparse.npy"), np.int32, (NUM_SPARSE,))
+  report = _progress_printer(progress, "frequency ids")
+  n = raw.shape[0]
+  for lo in range(0, n, chunk):
+    hi = min(lo + chunk, n)
+    out.append(_vocab_ids(np.asarray(raw[lo:hi]), _unpack_bits(np.asarray(bits[lo:hi])), vocab))
+    report(hi, hi * 108, n * 108)  # 108 bytes of temporaries per row
+  out.close()
+  report(n, n * 108, n * 108, final=True)
+  del raw, bits
+  os.remove(os.path.join(tmp, "raw.tmp"))
+  os.remove(os.path.join(tmp, "missing.tmp"))
 
 
 def convert(
@@ -638,34 +668,44 @@ def convert(
   tmp = f"{out_dir}.tmp-{os.getpid()}"
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
+  frequency = reader.categorical == "frequency"
   try:
-    state: dict[str, Any] = {}
-    if reader.categorical == "frequency":
-      counter = _Counter()
-      bad = _BadLines(reader)
-      for _, result in _stream(paths, "count", reader, bad, "counting pass", progress, {}):
-        counter.add(result["counts"])
-      state["vocab"] = counter.vocabularies(reader.min_count)
-      cardinalities = [FIRST_ID + v.size for v, _ in state["vocab"]]
-    else:
-      cardinalities = list(reader.table_sizes())
-    state["sizes"] = np.asarray(cardinalities, np.uint32)
-    bad = _BadLines(reader)
     writers = {
       "labels": _NpyWriter(os.path.join(tmp, "labels.npy"), np.int8, ()),
       "dense": _NpyWriter(os.path.join(tmp, "dense.npy"), np.float32, (NUM_DENSE,)),
-      "sparse": _NpyWriter(os.path.join(tmp, "sparse.npy"), np.int32, (NUM_SPARSE,)),
     }
+    if frequency:
+      # Ids need every value's count first: the raw values wait on disk (108 bytes/row),
+      # which is cheaper than parsing the text twice.
+      writers["raw"] = _NpyWriter(os.path.join(tmp, "raw.tmp"), np.uint32, (NUM_SPARSE,))
+      writers["missing"] = _NpyWriter(os.path.join(tmp, "missing.tmp"), np.uint32, ())
+      counter = _Counter()
+      state = {}
+    else:
+      cardinalities = list(reader.table_sizes())
+      writers["sparse"] = _NpyWriter(os.path.join(tmp, "sparse.npy"), np.int32, (NUM_SPARSE,))
+      state = {"sizes": np.asarray(cardinalities, np.uint32)}
+    bad = _BadLines(reader)
     file_rows = [0] * len(paths)
     positives = 0
-    for fi, result in _stream(paths, "convert", reader, bad, "conversion", progress, state):
+    what = "parse" if frequency else "convert"
+    for fi, result in _stream(paths, what, reader, bad, "conversion", progress, state):
       writers["labels"].append(result["labels"])
       writers["dense"].append(result["dense"])
-      writers["sparse"].append(result["ids"])
+      if frequency:
+        counter.add(result["counts"])
+        writers["raw"].append(result["raw"])
+        writers["missing"].append(result["missing"])
+      else:
+        writers["sparse"].append(result["ids"])
       file_rows[fi] += result["rows"]
       positives += int(result["labels"].sum(dtype=np.int64))
     for w in writers.values():
       w.close()
+    if frequency:
+      vocab = counter.vocabularies(reader.min_count)
+      cardinalities = [FIRST_ID + v.size for v, _ in vocab]
+      _remap(tmp, vocab, progress)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
