@@ -324,11 +324,13 @@ def test_cache_reuse_and_invalidation(tmp_path):
 # ----------------------------------------------------------------------------- batches
 
 
+SYNTHETIC = cs.SyntheticConfig(num_rows=120_000, scale=1e-3, seed=0, calibration_rows=50_000)
+
+
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
   root = str(tmp_path_factory.mktemp("synthetic"))
-  cfg = cs.SyntheticConfig(num_rows=120_000, scale=1e-3, seed=0, calibration_rows=50_000)
-  return cs.default_synthetic_dataset(root, config=cfg, progress=quiet)
+  return cs.default_synthetic_dataset(root, config=SYNTHETIC, progress=quiet)
 
 
 def same_batch(a, b):
@@ -407,6 +409,15 @@ def test_oracle_auc_matches_sklearn(synthetic):
   # The labels are drawn from the stored probabilities.
   assert abs(ds.labels[:].mean() - probs.mean()) < 0.01
   assert 0.75 < synthetic.oracle_auc["test"] < 0.85
+
+
+def test_default_dataset_reused(synthetic):
+  stamp = os.stat(synthetic.tsv_path).st_mtime_ns
+  root = os.path.dirname(os.path.dirname(synthetic.tsv_path))
+  again = cs.default_synthetic_dataset(root, config=SYNTHETIC, progress=quiet)
+  assert again.dataset.reused_cache and again.oracle_auc == synthetic.oracle_auc
+  assert os.stat(again.tsv_path).st_mtime_ns == stamp  # not regenerated
+  assert again.dataset.cardinalities == synthetic.dataset.cardinalities
 
 
 def test_dense_only_baseline_below_oracle(synthetic):

@@ -11,9 +11,12 @@ separated by tabs:
 Preprocessing follows the DLRM reference (facebookresearch/dlrm `data_utils.py`):
   dense  = log(max(x, 0) + 1) as float32; empty -> 0 (so log(1) = 0).
   sparse = one int32 id per table, by `ReaderConfig.categorical`:
-    "frequency": a first pass counts every raw value; values seen >= `min_count` times get ids
+    "frequency": every raw value is counted first; values seen >= `min_count` times get ids
                  FIRST_ID, FIRST_ID + 1, ... in order of decreasing count (ties by value), so
-                 id order is popularity order; rarer values share UNKNOWN_ID.
+                 id order is popularity order; rarer values share UNKNOWN_ID. Vocabularies
+                 are counted over all rows (train, valid and test), as the DLRM reference
+                 does. The text is parsed once: the raw values wait in a temporary file
+                 (108 bytes/row) until the counts are complete, then are remapped.
     "hash":      id = FIRST_ID + raw % (size - FIRST_ID), size from `hash_sizes`.
   In both modes an empty field gets MISSING_ID = 0.
 
