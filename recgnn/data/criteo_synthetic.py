@@ -52,7 +52,7 @@ DENSE_LOGNORMAL = (
 _ROWS_PER_CHUNK = 1 << 18  # fixed: the rows drawn depend on the seed only, never on memory
 _SIDE_JSON = ".synthetic.json"
 _SIDE_PROBS = ".oracle.npy"
-_GENERATOR_VERSION = 1
+_GENERATOR_VERSION = 2  # bump when the same config would draw different data
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,6 +96,8 @@ class SyntheticConfig:
       raise ValueError(f"rank must be in [1, 8], got {self.rank}")
     if self.num_rows < criteo.KAGGLE_DAYS * 2:
       raise ValueError(f"num_rows must be >= {criteo.KAGGLE_DAYS * 2}, got {self.num_rows}")
+    if not 0 <= self.num_pairs <= criteo.NUM_SPARSE * (criteo.NUM_SPARSE - 1) // 2:
+      raise ValueError(f"num_pairs must be in [0, 325], got {self.num_pairs}")
     if not 0.5 < self.target_auc < 0.99:
       raise ValueError(f"target_auc must be in (0.5, 0.99), got {self.target_auc}")
 
@@ -135,11 +137,11 @@ class PlantedModel:
       fi = self.factors[i][ranks[:, i]] * present[:, i, None]
       fj = self.factors[j][ranks[:, j]] * present[:, j, None]
       out[:, 1] += np.einsum("nk,nk->n", fi, fj)
-    out[:, 2] = dense_log @ self.dense_beta
+    out[:, 2] = np.einsum("nk,k->n", dense_log, self.dense_beta)  # no BLAS threads
     return out
 
   def logits(self, ranks, missing, dense_log) -> np.ndarray:
-    return self.bias + self.parts(ranks, missing, dense_log) @ self.scales
+    return self.bias + np.einsum("np,p->n", self.parts(ranks, missing, dense_log), self.scales)
 
 
 def _amp(card: int, head: float, decay: float) -> np.ndarray:
@@ -155,7 +157,9 @@ def _draw_model(cfg: SyntheticConfig) -> PlantedModel:
     first.append((rng.uniform(0.3, 1.0) * amp * rng.standard_normal(c)).astype(np.float32))
     f = rng.standard_normal((c, cfg.rank)) * (amp / np.sqrt(cfg.rank))[:, None]
     factors.append(f.astype(np.float32))
-  all_pairs = np.array([(i, j) for i in range(criteo.NUM_SPARSE) for j in range(i + 1, 26)])
+  all_pairs = np.array(
+    [(i, j) for i in range(criteo.NUM_SPARSE) for j in range(i + 1, criteo.NUM_SPARSE)]
+  )
   pairs = all_pairs[np.sort(rng.choice(len(all_pairs), cfg.num_pairs, replace=False))]
   beta = rng.standard_normal(criteo.NUM_DENSE) * (rng.random(criteo.NUM_DENSE) < 0.5)
   multipliers = (rng.integers(0, 2**31, criteo.NUM_SPARSE, dtype=np.uint64) * 2 + 1).astype(
@@ -223,7 +227,7 @@ def _calibrate(cfg: SyntheticConfig, model: PlantedModel) -> PlantedModel:
   parts = model.parts(ranks, missing, _dense_log(dense, dmiss))
   shares = np.array([cfg.first_order_share, cfg.pair_share, cfg.dense_share])
   unit = np.sqrt(shares / np.maximum(parts.var(axis=0), 1e-12))
-  base = parts @ unit
+  base = np.einsum("np,p->n", parts, unit)
   # The AUC of a score does not change under increasing maps: sort once for every s.
   base = np.sort(base)
 
