@@ -401,10 +401,19 @@ class Offload(base.Backend):
     self._window_cache[id(ids)] = (ids, u)
     return u
 
-  def _host_ids(self, a: np.ndarray):
-    # Indices of host gathers/scatters go to host memory here, on the input thread, so the
-    # step never copies them device -> host.
-    return jax.device_put(a, self._host_sharding) if self.offloaded and a.size else a
+  def _put_host_ids(self, out: dict) -> dict:
+    """Indices of host gathers/scatters go to host memory here, on the input thread, so the
+    step never copies them device -> host; one batched device_put (each call costs ~0.1 ms
+    of Python, and the input thread prepares every table)."""
+    if not self.offloaded:
+      return out
+    keys = [(ph, k) for ph in ("now", "next") for k in ("evict_rows", "load_rows")]
+    keys = [pk for pk in keys if out[pk[0]][pk[1]].size]
+    if keys:
+      put = jax.device_put([out[ph][k] for ph, k in keys], self._host_sharding)
+      for (ph, k), v in zip(keys, put):
+        out[ph] = {**out[ph], k: v}
+    return out
 
   def _pack(self, ex: Exchange, capacity: int) -> dict:
     n, c = self.spec.num_rows, self.cache_rows
@@ -415,9 +424,9 @@ class Offload(base.Backend):
       e = m = capacity
     return {
       "evict_slots": _pad(ex.evict_slots, e, c),
-      "evict_rows": self._host_ids(_pad(ex.evict_rows, e, n)),
+      "evict_rows": _pad(ex.evict_rows, e, n),
       # Padding loads gather row 0 on the host (in range) and are dropped at slot C.
-      "load_rows": self._host_ids(_pad(ex.load_rows, m, 0)),
+      "load_rows": _pad(ex.load_rows, m, 0),
       "load_slots": _pad(ex.load_slots, m, c),
     }
 
@@ -515,7 +524,7 @@ class Offload(base.Backend):
       now_pos[found] = pos[found]
     out["now_pos"] = now_pos
     out["version"] = np.asarray(version, np.int32)
-    return out
+    return self._put_host_ids(out)
 
   def stats(self) -> dict[str, float]:
     """Since the last call: hit_rate (distinct rows of admitted batches already resident),
