@@ -424,16 +424,18 @@ class LadiesSampler:
       sizes.append(sizes[-1] + min(int(s), num_nodes))
     return tuple(sizes)
 
-  def probabilities(self, frontier: np.ndarray) -> sp.csr_matrix:
+  def probabilities(self, frontier: np.ndarray, p: sp.csr_matrix | None = None) -> sp.csr_matrix:
     """LADIES' column-norm probabilities of k batches: frontier int[k, n] -> CSR [k, N].
 
     Row b holds p_b over the columns its rows of P = Q @ Ahat touch, summing to 1.
+    p: that product, when the caller has it (rows = the valid frontier entries, row-major).
     """
     k = frontier.shape[0]
     valid = frontier >= 0
     rows = frontier[valid]
     batch_of_row = np.nonzero(valid)[0]
-    p = selection_matrix(rows, self.num_nodes) @ self.lap
+    if p is None:
+      p = selection_matrix(rows, self.num_nodes) @ self.lap
     bmat = sp.csr_matrix(
       (np.ones(rows.size), (batch_of_row, np.arange(rows.size))), shape=(k, rows.size)
     )
@@ -451,7 +453,11 @@ class LadiesSampler:
     layers, edges, dropped = [], [], 0
     for layer, s in enumerate(self.layer_sizes):
       n = frontier.shape[1]
-      prob = self.probabilities(frontier)
+      valid = frontier >= 0
+      rows = frontier[valid]
+      row_batch, row_pos = np.nonzero(valid)
+      p = selection_matrix(rows, self.num_nodes) @ self.lap  # one product per layer
+      prob = self.probabilities(frontier, p)
       counts = np.diff(prob.indptr)
       chosen_batch, chosen_node = weighted_draw(prob, s, rng)
       frontier_next, _, drop = _extend(
@@ -460,11 +466,6 @@ class LadiesSampler:
       dropped += drop
 
       # Edges: P's entries from the frontier rows to the next frontier's columns.
-      valid = frontier >= 0
-      rows = frontier[valid]
-      row_batch = np.nonzero(valid)[0]
-      row_pos = np.nonzero(valid)[1]
-      p = selection_matrix(rows, self.num_nodes) @ self.lap
       e_row = np.repeat(np.arange(rows.size), np.diff(p.indptr))
       e_batch = row_batch[e_row]
       # Membership of (batch, column) in the next frontier by a sorted key lookup.
