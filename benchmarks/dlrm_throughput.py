@@ -53,8 +53,23 @@ from recgnn.train import step as step_lib  # noqa: E402
 # XLA:CPU allocates a step's temporaries (44 MiB for this DLRM) with malloc on every
 # execution; above glibc's mmap threshold (at most 32 MiB) that is a fresh mmap, so every step
 # page-faults the whole buffer in again (~11k minor faults and ~18 ms of kernel time per step,
-# measured). With mmap disabled and trimming off, freed memory is reused and the faults vanish.
-MALLOC_KEEP = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295"
+# measured). With mmap off and trimming off, freed memory is reused and the faults vanish.
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory() -> str:
+  """Make glibc's malloc keep and reuse freed memory (no mmap, no trim) for this process.
+
+  Applies to everything allocated afterwards, torch's tensors included. Returns a note.
+  """
+  import ctypes
+
+  libc = ctypes.CDLL("libc.so.6")
+  ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+  if not ok:
+    raise RuntimeError("mallopt failed; --malloc keep needs glibc")
+  return "mallopt(M_MMAP_MAX=0, M_TRIM_THRESHOLD=2**31-1)"
+
 
 # ----------------------------------------------------------------------------- data
 
@@ -266,7 +281,14 @@ def profile_pieces(rec: Recgnn, args) -> dict:
   for n in runners:
     steps[n] = args.steps_per_rep
   timing = sparse_update.interleaved_timing(runners, args.warmup, args.reps, steps)
-  out = {n: t["step_ms"] for n, t in timing.items()}
+  out = {
+    n: {
+      "wall_ms": t["step_ms"],
+      "cpu_ms": t["cpu_user_ms_per_step"] + t["cpu_system_ms_per_step"],
+      "minor_faults": t["minor_faults_per_step"],
+    }
+    for n, t in timing.items()
+  }
   out["one_gather_max_abs_diff_vs_step"] = one.check_against(rec)
   ref = dlrm_lib.dot_interaction(data["feats"])
   for idea, fn in INTERACTIONS.items():
@@ -398,7 +420,7 @@ def markdown(payload: dict) -> str:
     f"repetitions x {a['steps_per_rep']} steps after {a['warmup']} warmup steps, contestants "
     f"in round-robin. {m['cpus']} CPUs (torch threads {payload['torch_threads']}), load "
     f"average {m['load_avg_at_start'][0]:.1f} at start and {payload['load_avg_at_end'][0]:.1f} "
-    f"at end, {m['date_utc']}. Environment: {m['env'] or 'nothing set'}.",
+    f"at end, {m['date_utc']}. malloc: {payload['malloc']}. Environment: {m['env'] or 'none'}.",
     "",
     "| contestant | samples/s | ms/step | CPU user / system ms per step | page faults per step "
     "| loss after timing |",
@@ -426,14 +448,19 @@ def markdown(payload: dict) -> str:
       "",
       "## Where recgnn's step time goes",
       "",
-      "Each piece jitted alone on the same batch, timed in round-robin with the full step.",
+      "Each piece jitted alone on the same batch, timed in round-robin with the full step. "
+      "CPU ms = user + system time of all threads per step (robust to the machine's load).",
       "",
-      "| piece | ms | % of full step |",
-      "|---|---:|---:|",
+      "| piece | wall ms | % of full step | CPU ms | % of full step | page faults |",
+      "|---|---:|---:|---:|---:|---:|",
     ]
     for k, v in prof.items():
       if "diff" not in k:
-        lines.append(f"| {k} | {v:.2f} | {100 * v / full:.0f}% |")
+        lines.append(
+          f"| {k} | {v['wall_ms']:.2f} | {100 * v['wall_ms'] / full['wall_ms']:.0f}% | "
+          f"{v['cpu_ms']:.2f} | {100 * v['cpu_ms'] / full['cpu_ms']:.0f}% | "
+          f"{v['minor_faults']:,.0f} |"
+        )
     lines += [
       "",
       "Ideas (`idea:` rows are full train steps with one change; `interaction[...]` rows the "
@@ -469,7 +496,7 @@ def main(argv=None):
     "--malloc",
     choices=("default", "keep"),
     default="default",
-    help="keep: re-run under GLIBC_TUNABLES that keep freed memory (see MALLOC_KEEP)",
+    help="keep: glibc malloc keeps freed memory (see keep_freed_memory)",
   )
   p.add_argument(
     "--omp-wait-policy",
@@ -480,18 +507,16 @@ def main(argv=None):
   p.add_argument("--profile", action="store_true", help="also time recgnn's pieces and ideas")
   p.add_argument("--quick", action="store_true", help="3 reps x 3 steps, 4 batches")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--name", default="dlrm_throughput", help="results file stem")
+  p.add_argument("--name", default="", help="results file stem (default from the options)")
   args = p.parse_args(argv)
   if args.quick:
     args.reps, args.steps_per_rep, args.num_batches, args.warmup = 3, 3, 4, 2
-  if args.malloc == "keep" and os.environ.get("GLIBC_TUNABLES") != MALLOC_KEEP:
-    # glibc reads its tunables at process start: run this script again under them.
-    env = {**os.environ, "GLIBC_TUNABLES": MALLOC_KEEP}
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+  malloc_note = keep_freed_memory() if args.malloc == "keep" else "glibc default"
   if args.omp_wait_policy:
     os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # before torch loads libgomp
-  if args.name == "dlrm_throughput" and args.malloc == "keep":
-    args.name = "dlrm_throughput_malloc_keep"
+  if not args.name:
+    args.name = "dlrm_throughput" + ("_malloc_keep" if args.malloc == "keep" else "")
+    args.name += f"_omp_{args.omp_wait_policy}" if args.omp_wait_policy else ""
 
   cfg = peers_dlrm.DlrmConfig(
     num_rows=args.rows, num_tables=args.tables, dim=args.dim, learning_rate=args.lr
@@ -528,10 +553,18 @@ def main(argv=None):
     if name != "recgnn":
       results[name]["final_loss"] = runners[name](1)
   ratios = {}
+
+  def cpu_ms(x):
+    return x["cpu_user_ms_per_step"] + x["cpu_system_ms_per_step"]
+
   for name in peers_dlrm.PEERS:
     if name in timing:
       ratios[f"recgnn / {name} (samples/s)"] = (
         results["recgnn"]["samples_per_s"] / results[name]["samples_per_s"]
+      )
+      # Load-robust, but counts OpenMP spin-waiting as work (see --omp-wait-policy).
+      ratios[f"{name} / recgnn (CPU ms per step)"] = cpu_ms(results[name]) / cpu_ms(
+        results["recgnn"]
       )
   del runners
 
@@ -546,6 +579,7 @@ def main(argv=None):
     "machine": machine,
     "peer_versions": peers_dlrm.versions(),
     "torch_threads": torch_threads,
+    "malloc": malloc_note,
     "recgnn_plan": {n: b.describe() for n, b in rec.backends.items()},
     "timed_seconds": elapsed,
     "load_avg_at_end": os.getloadavg(),
