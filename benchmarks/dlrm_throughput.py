@@ -18,10 +18,15 @@ machine's load hits them alike; reported: median samples/s and recgnn / TorchRec
 `--profile` also times recgnn's pieces (MLPs, interaction, embedding lookups + updates) and
 the ideas listed in `IDEAS`, each as its own jitted function on the same batches.
 
-  python benchmarks/dlrm_throughput.py               # ~3 minutes
+Beside wall time, each contestant's CPU time (user + system, all threads) and minor page
+faults per step are reported: on a loaded machine they say what the wall time cannot.
+
+  python benchmarks/dlrm_throughput.py               # 1-3 minutes
   python benchmarks/dlrm_throughput.py --quick       # ~1 minute
   python benchmarks/dlrm_throughput.py --profile     # + where recgnn's step time goes
-Writes benchmarks/results/dlrm_throughput.{json,md}.
+  --omp-wait-policy passive   torch's idle threads sleep (fairer to torch under heavy load)
+  --malloc keep               glibc keeps freed memory (no per-step page faults for XLA)
+Writes benchmarks/results/dlrm_throughput[_malloc_keep][_omp_passive].{json,md}.
 """
 
 from __future__ import annotations
@@ -184,8 +189,12 @@ def profile_pieces(rec: Recgnn, args) -> dict:
     interaction     stack + pairwise dots + lower-triangle gather, forward + backward
     top_mlp         367-512-256-1 + BCE, forward + backward + SGD
     embeddings      26 lookups + 26 sparse updates with a fixed gradient
-  Ideas (each a full step, same math; see IDEAS):
-    one_gather      the 26 tables as one [26 * rows, D] array: one gather, one scatter-add
+  Ideas (each a full step with one change, same math; see IDEAS):
+    one_gather               the 26 tables as one [26 * rows, D] array: one gather, one
+                             scatter-add
+    interaction=slices       the interaction's lower triangle as static slices + concat
+    interaction=take_unique  ... as a flat take with unique, sorted indices
+  and `interaction[...]`: those two interactions alone, beside `interaction`.
   """
   cfg = rec.cfg
   names = rec.task.names
