@@ -374,11 +374,15 @@ class TT(base.Backend):
     self._caps[key] = cap
     return cap
 
-  def _cache_plan(self, ids: np.ndarray) -> tuple[dict, np.ndarray]:
-    """Cache slots of this batch and the ids left for the cores (hits -> PAD)."""
+  def _cache_plan(self, ids: np.ndarray, count: bool) -> tuple[dict, np.ndarray]:
+    """Cache slots of this batch and the ids left for the cores (hits -> PAD).
+
+    count: whether the batch counts toward the warm-up (train batches; eval batches only
+    read the table, so they neither decide the hot set nor end the warm-up).
+    """
     n, c = self.spec.num_rows, self.cache_rows
     out = {}
-    if self._hot is None:
+    if self._hot is None and count:
       self._warm.append(ids[ids >= 0])
       if len(self._warm) >= self.cache_warmup:
         # LFU over the warm-up; ties go to the smaller id.
@@ -402,13 +406,13 @@ class TT(base.Backend):
       out["cache_unique"], out["cache_inverse"] = base.dedup(np.where(slot < c, slot, -1), c)
     return out, ids
 
-  def prepare(self, ids, upcoming=()):
+  def prepare(self, ids, upcoming=(), *, train=True):
     del upcoming
     ids = np.asarray(ids).astype(np.int64)
     n_rows = self.spec.num_rows
     out = {}
     if self.cache_rows:
-      cache, ids = self._cache_plan(ids)
+      cache, ids = self._cache_plan(ids, count=train)
       out.update(cache)
     out["ids"] = np.where(ids < 0, n_rows, ids).astype(np.int32)
     if self.kernel == "naive":
