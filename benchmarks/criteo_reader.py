@@ -6,7 +6,8 @@ with `recgnn.data.criteo.convert` into a fresh cache directory, `--reps` times p
 
   parse       the vectorized parser alone over the file (no ids, no writes)
   hash        one pass: parse, hash ids, write labels/dense/sparse .npy
-  frequency   two passes: parse + count every value, then parse + remap + write
+  frequency   parse + count every value + write labels/dense/raw values, then remap the raw
+              values to frequency ids (the text is parsed once)
   hash_2_workers   `hash` with the blocks parsed in 2 worker processes (num_workers=2)
 
 Reports the median wall-clock rows/s and the CPU rows/s (rows / CPU seconds of this process
@@ -136,7 +137,7 @@ def main(argv=None):
   what = {
     "parse": "parse only (no ids, no writes)",
     "hash": "convert, hashed ids (1 pass)",
-    "frequency": "convert, frequency ids (count pass + convert pass)",
+    "frequency": "convert, frequency ids (parse + count, then remap)",
     "hash_2_workers": "convert, hashed ids, 2 worker processes",
   }
   lines = [
