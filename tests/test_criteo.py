@@ -135,6 +135,13 @@ def test_long_and_odd_integers(tmp_path):
   np.testing.assert_allclose(dense[0, :3], np.log1p(np.float32([123456789012, 0, 0])))
 
 
+def test_not_a_tsv_file(tmp_path):
+  path = write(tmp_path / "blob", "x" * 300_000)  # no newline at all
+  with pytest.raises(criteo.MalformedDataError, match="no newline.*block_bytes"):
+    parse_file(path, block_bytes=1 << 16)
+  assert parse_file(path, block_bytes=1 << 20)[4] == [(1, "columns")]  # one long bad line
+
+
 # ----------------------------------------------------------------------------- malformed
 
 
