@@ -30,8 +30,10 @@ write-back is an in-place scatter on the donated pinned_host buffer under
 `compute_on("device_host")`: no copy of the table (the exchange is ordered read-cache ->
 write-host -> read-host -> write-cache so XLA inserts no defensive table copy; reading and
 writing a buffer in unrelated order made XLA copy the whole table, 25 ms for 1M x 16), the
-state alone is checkpointable with Orbax, and after `sync` describes the whole table. Index
-arrays for host gathers/scatters are put in pinned_host by `prepare` (input thread).
+state alone is checkpointable with Orbax, and after `sync` describes the whole table.
+`prepare` returns numpy only: the row indices of host gathers/scatters reach host memory by
+a `device_put` inside the step (small int arrays), because a device_put per table on the
+input thread cost ~0.8 ms of Python each (26 tables: the input thread fell behind the step).
 
 State:
   host:      {"table": float32[N, D], "accum": float32[N] (row-wise Adagrad)}  pinned_host
@@ -401,20 +403,6 @@ class Offload(base.Backend):
     self._window_cache[id(ids)] = (ids, u)
     return u
 
-  def _put_host_ids(self, out: dict) -> dict:
-    """Indices of host gathers/scatters go to host memory here, on the input thread, so the
-    step never copies them device -> host; one batched device_put (each call costs ~0.1 ms
-    of Python, and the input thread prepares every table)."""
-    if not self.offloaded:
-      return out
-    keys = [(ph, k) for ph in ("now", "next") for k in ("evict_rows", "load_rows")]
-    keys = [pk for pk in keys if out[pk[0]][pk[1]].size]
-    if keys:
-      put = jax.device_put([out[ph][k] for ph, k in keys], self._host_sharding)
-      for (ph, k), v in zip(keys, put):
-        out[ph] = {**out[ph], k: v}
-    return out
-
   def _pack(self, ex: Exchange, capacity: int) -> dict:
     n, c = self.spec.num_rows, self.cache_rows
     if self.exchange == "pow2":
@@ -464,7 +452,8 @@ class Offload(base.Backend):
       now_cap = min(ids.size, self.cache_rows)
       self._count(hits=now.hits, misses=now.load_rows.shape[0])
     slots = np.where(ids >= 0, p.row_slot[np.maximum(ids, 0)], -1)
-    p.dirty[slots[slots >= 0]] = True
+    row_slots = p.row_slot[rows]  # before admitting the next batch, which may evict them
+    p.dirty[row_slots] = True
     if p.freq is not None:
       p.freq[rows] += 1
     ahead = self._unique(upcoming[0]) if upcoming else None
@@ -481,7 +470,7 @@ class Offload(base.Backend):
       nxt = Exchange.empty()
       p.admitted = None
     p.version += 1
-    out = self._prepared(ids, slots, now, nxt, t, now_cap, next_cap)
+    out = self._prepared(ids, (rows, row_slots), slots, now, nxt, t, now_cap, next_cap)
     self._count(
       steps=1,
       rows_h2d=now.load_rows.shape[0] + nxt.load_rows.shape[0],
@@ -503,15 +492,28 @@ class Offload(base.Backend):
     )
     self._count(eval_hits=int(resident.sum()), eval_misses=cold.shape[0])
     self._count(plan_seconds=time.perf_counter() - t0)
-    return self._prepared(ids, slots, ex, Exchange.empty(), -1, ids.size, 0)
+    return self._prepared(ids, None, slots, ex, Exchange.empty(), -1, ids.size, 0)
 
-  def _prepared(self, ids, slots, now, nxt, version: int, now_cap: int, next_cap: int):
-    """now_cap / next_cap: list lengths under exchange=fixed, 0 where no exchange is planned
+  def _prepared(self, ids, rows, slots, now, nxt, version: int, now_cap: int, next_cap: int):
+    """rows: (sorted distinct rows, their slots) of a train batch, None when read-only.
+    now_cap / next_cap: list lengths under exchange=fixed, 0 where no exchange is planned
     (so a step's shapes change only at the first batch and after an unforeseen one)."""
     c = self.cache_rows
     out = {"ids": np.where(slots >= 0, slots, c).astype(np.int32)}
     if self.spec.optimizer.needs_unique:
-      out["unique"], out["inverse"] = base.dedup(slots, c)
+      # base.dedup's contract from the distinct rows already at hand (a second np.unique
+      # per table per step is the input thread's largest cost): distinct rows sit in
+      # distinct slots, each id's position among the sorted rows indexes them, padding
+      # points past them at a filler slot C. The order of `unique` does not change any
+      # row's summed gradient (segment_sum adds a row's occurrences in position order).
+      if rows is not None:
+        rows, row_slots = rows
+        unique = np.full(ids.size, c, np.int32)
+        unique[: rows.shape[0]] = row_slots
+        inverse = np.where(ids >= 0, np.searchsorted(rows, ids), rows.shape[0])
+        out["unique"], out["inverse"] = unique, inverse.astype(np.int32)
+      else:  # read-only: update never runs with it (placeholders of the right shapes)
+        out["unique"], out["inverse"] = base.dedup(slots, c)
     out["now"], out["next"] = self._pack(now, now_cap), self._pack(nxt, next_cap)
     m = out["now"]["load_rows"].shape[0]
     now_pos = np.full(ids.shape, m, np.int32)
@@ -524,7 +526,7 @@ class Offload(base.Backend):
       now_pos[found] = pos[found]
     out["now_pos"] = now_pos
     out["version"] = np.asarray(version, np.int32)
-    return self._put_host_ids(out)
+    return out
 
   def stats(self) -> dict[str, float]:
     """Since the last call: hit_rate (distinct rows of admitted batches already resident),
