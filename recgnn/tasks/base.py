@@ -70,6 +70,14 @@ class Task(abc.ABC):
   def eval_batches(self, split: str) -> Iterable[Batch]:
     """Eval batches of `split` ('valid' or 'test')."""
 
+  def num_examples(self, batch: Batch) -> int:
+    """Examples in a batch, for samples/s: by default the length of batch["weight"]."""
+    if "weight" in batch:
+      return int(np.shape(batch["weight"])[0])
+    raise NotImplementedError(
+      f"{type(self).__name__}: give batches a 'weight' or override num_examples"
+    )
+
   def describe(self) -> str:
     """Lines printed before training (dataset, sizes, baselines)."""
     return ""

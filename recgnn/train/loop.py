@@ -116,8 +116,9 @@ def _stream(task: Task, start: int, total: int, eval_every: int, eval_split: str
 class InputThread:
   """Runs backend.prepare and device_put ahead of the step on a background thread."""
 
-  def __init__(self, stream: Iterator, backends: dict[str, base.Backend], depth: int):
+  def __init__(self, stream: Iterator, backends: dict[str, base.Backend], depth: int, task: Task):
     self._backends = backends
+    self._task = task
     self._lookahead = max([b.lookahead for b in backends.values()] + [0])
     self._queue: queue.Queue = queue.Queue(maxsize=depth)
     self._stop = threading.Event()
@@ -146,7 +147,7 @@ class InputThread:
         t0 = time.perf_counter()
         prepared = None
         if batch is not None:
-          upcoming = [w[2]["ids"] for w in window if w[2] is not None]
+          upcoming = [w[2].get("ids", {}) for w in window if w[2] is not None]
           train = kind == "train"
           prepared = {
             n: b.prepare(batch["ids"][n], [u[n] for u in upcoming[: b.lookahead]], train=train)
@@ -155,7 +156,7 @@ class InputThread:
           buffers, layout = step_lib.pack((prepared, batch))
           prepared = (jax.device_put(buffers), layout)
         self.busy_seconds += time.perf_counter() - t0
-        size = int(jax.tree.leaves(batch)[0].shape[0]) if batch is not None else 0
+        size = self._task.num_examples(batch) if batch is not None else 0
         self._put(Item(kind, split, size, prepared))
       self._put(None)
     except BaseException as e:  # forwarded to the main thread, which re-raises
@@ -271,7 +272,7 @@ def train(
     tcfg.get("eval_split", "valid"),
     final_splits if end == total else (),
   )
-  inputs = InputThread(stream, backends, depth=testing.PREFETCH)
+  inputs = InputThread(stream, backends, depth=testing.PREFETCH, task=task)
   writer = _summary_writer(workdir)
   metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115 (closed below)
 
