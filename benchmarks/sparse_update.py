@@ -222,7 +222,42 @@ def build_runners(num_rows: int, args, rng: np.random.Generator) -> dict[str, Ca
       (table, tx.init(table)),
       [(jax.device_put(i.astype(np.int32)), t) for i, t in zip(ids, targets)],
     )
+  if args.torch:
+    runners["torch"] = torch_runner(num_rows, args, ids, [np.asarray(t) for t in targets])
   return runners
+
+
+def torch_available() -> bool:
+  try:
+    import torch  # noqa: F401
+  except Exception:
+    return False
+  return True
+
+
+def torch_runner(num_rows: int, args, ids, targets) -> Callable[[int], Any]:
+  """Reference: the same step in PyTorch, nn.EmbeddingBag(sum, sparse=True) + torch.optim.SGD.
+
+  Each example's L ids are one bag, so the bag's sum is the pooled sum of the tiny loss.
+  """
+  import torch
+
+  torch.manual_seed(0)
+  emb = torch.nn.EmbeddingBag(num_rows, args.dim, mode="sum", sparse=True)
+  opt = torch.optim.SGD(emb.parameters(), lr=args.lr)
+  inputs = [(torch.from_numpy(i), torch.from_numpy(t)) for i, t in zip(ids, targets)]
+  pos = [0]
+
+  def run(k: int):
+    for _ in range(k):
+      i, t = inputs[pos[0] % len(inputs)]
+      pos[0] += 1
+      opt.zero_grad(set_to_none=True)
+      loss = ((emb(i) - t) ** 2).mean()
+      loss.backward()
+      opt.step()
+
+  return run
 
 
 def check_same_update(args) -> float:
@@ -283,6 +318,20 @@ def markdown(payload: dict) -> str:
     else:
       cells += ["not run", "", "", ""]
     lines.append("| " + " | ".join(cells) + " |")
+  if any("torch" in r for r in rows):
+    lines += [
+      "",
+      "Reference, the same step in PyTorch (nn.EmbeddingBag(sum, sparse=True) + "
+      "torch.optim.SGD), timed in the same round-robin:",
+      "",
+      "| rows | wall ms/step | CPU ms/step | faults/step |",
+      "|---:|---:|---:|---:|",
+      *[
+        f"| {r['num_rows']:,} | " + " | ".join(_cells(r["torch"])) + " |"
+        for r in rows
+        if "torch" in r
+      ],
+    ]
   big, small = f"{rows[-1]['num_rows']:,}", f"{rows[0]['num_rows']:,}"
   naive = s.get("naive_ratio")
   lines += [
@@ -294,13 +343,19 @@ def markdown(payload: dict) -> str:
     if naive is not None
     else "- naive: not run at every size",
   ]
+  if s.get("torch_ratio") is not None:
+    lines.append(
+      f"- PyTorch EmbeddingBag(sparse=True) + SGD, for reference: {s['torch_ratio']:.2f} "
+      f"({s['torch_cpu_ratio']:.2f})"
+    )
   if s.get("dense_ratio_top_two") is not None:
     prev = f"{rows[-2]['num_rows']:,}"
     nv2 = s.get("naive_ratio_top_two")
     lines += [
       "",
       f"step({big}) / step({prev}), the two largest sizes: dense "
-      f"{s['dense_ratio_top_two']:.2f}" + (f", naive {nv2:.1f}" if nv2 is not None else ""),
+      f"{s['dense_ratio_top_two']:.2f} ({s['dense_cpu_ratio_top_two']:.2f})"
+      + (f", naive {nv2:.1f}" if nv2 is not None else ""),
     ]
   lines += [
     "",
@@ -326,12 +381,24 @@ def main(argv=None):
   p.add_argument("--steps-per-rep", type=int, default=20)
   p.add_argument("--naive-steps-per-rep", type=int, default=2)
   p.add_argument("--naive-max-rows", type=int, default=10_000_000, help="skip naive above this")
+  p.add_argument(
+    "--torch",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="also time PyTorch's EmbeddingBag(sparse=True) + SGD (default: if torch imports)",
+  )
   p.add_argument("--quick", action="store_true", help="10K/100K/1M rows, 3 reps")
   p.add_argument("--name", default="", help="results file stem (default sparse_update[_zipf])")
   args = p.parse_args(argv)
   if args.quick:
     args.rows, args.reps, args.steps_per_rep, args.warmup = "10000,100000,1000000", 3, 5, 2
   args.name = args.name or ("sparse_update" if args.ids == "uniform" else "sparse_update_zipf")
+  if args.torch is None:
+    args.torch = torch_available()
+  if args.torch:
+    import torch
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
   sizes = sorted(int(float(s)) for s in args.rows.split(","))
 
   rng = np.random.default_rng(0)
@@ -346,7 +413,7 @@ def main(argv=None):
   results = []
   for n in sizes:
     r = {"num_rows": n, "table_mib": n * args.dim * 4 / 2**20}
-    for variant in ("dense", "naive"):
+    for variant in ("dense", "naive", "torch"):
       if (n, variant) in timing:
         r[variant] = timing[(n, variant)]
     results.append(r)
@@ -365,12 +432,15 @@ def main(argv=None):
     "naive_ratio": ratio("naive", last, first),
     "dense_cpu_ratio": ratio("dense", last, first, "cpu"),
     "naive_cpu_ratio": ratio("naive", last, first, "cpu"),
+    "torch_ratio": ratio("torch", last, first),
+    "torch_cpu_ratio": ratio("torch", last, first, "cpu"),
   }
   if len(results) >= 3:
     # Between the two largest sizes (by default both far beyond the caches) an O(rows) term
     # would show undiluted by cache effects.
     summary["dense_ratio_top_two"] = ratio("dense", last, results[-2])
     summary["naive_ratio_top_two"] = ratio("naive", last, results[-2])
+    summary["dense_cpu_ratio_top_two"] = ratio("dense", last, results[-2], "cpu")
   summary["dense_target_met"] = summary["dense_ratio"] <= TARGET_RATIO
   payload = {
     "benchmark": "sparse_update",
