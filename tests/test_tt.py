@@ -302,3 +302,42 @@ def test_restore_rebuilds_hot_set():
     pa, pb = a.prepare(ids), b.prepare(ids)
     np.testing.assert_array_equal(pa["cache_slot"], pb["cache_slot"])
     np.testing.assert_allclose(b.lookup(state_b, pb), a.lookup(state, pa), **TOL)
+
+
+# ----------------------------------------------------------------------------- experiment
+
+
+def test_ttrec_kaggle_plan_and_compression(capsys):
+  import re
+
+  from experiments import dlrm_kaggle, ttrec_kaggle
+
+  config = ttrec_kaggle.get_config()
+  printed = capsys.readouterr().out
+  assert "Kaggle (real cardinalities)" in printed and "x smaller" in printed
+  base_config = dlrm_kaggle.get_config()
+  # Derived from dlrm_kaggle: only the plan differs.
+  assert config.embeddings.plan != base_config.embeddings.plan
+  config.embeddings.plan = base_config.embeddings.plan
+  assert config.to_dict() == base_config.to_dict()
+  plan = ttrec_kaggle.make_plan(ttrec_kaggle.parse_arg(None))
+  cards = ttrec_kaggle.KAGGLE_CARDINALITIES
+  rx = re.compile(plan[0][0])
+  tt_tables = [f"C{i + 1}" for i in range(26) if rx.fullmatch(f"C{i + 1}")]
+  assert sorted(tt_tables) == sorted(f"C{i + 1}" for i in np.argsort(cards)[-7:])
+  rep = ttrec_kaggle.compression_report(cards, plan)
+  assert rep["all_dense_params"] == sum(cards) * 16
+  want_tt = sum(tt.tt_shape(cards[int(n[1:]) - 1], 16, rank=32).num_params for n in tt_tables)
+  assert rep["tt_params"] == want_tt
+  assert rep["ratio"] >= 100, f"default rank compresses only {rep['ratio']:.1f}x"
+  ratios = [
+    ttrec_kaggle.compression_report(cards, ttrec_kaggle.make_plan({"rank": r, "tables": 7}))[
+      "ratio"
+    ]
+    for r in (8, 16, 32, 64)
+  ]
+  assert ratios == sorted(ratios, reverse=True)
+  with pytest.raises(ValueError, match="tables"):
+    ttrec_kaggle.parse_arg("tables=30")
+  with pytest.raises(ValueError, match="available"):
+    ttrec_kaggle.get_config("kernel=fastest")
