@@ -49,6 +49,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import peers_dlrm  # noqa: E402
 import sparse_update  # noqa: E402  (shared timing and results helpers)
 
+from recgnn import hostmem  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402
 from recgnn.models import dlrm as dlrm_lib  # noqa: E402
 from recgnn.tasks import ctr  # noqa: E402
@@ -59,21 +60,13 @@ from recgnn.train import step as step_lib  # noqa: E402
 # execution; above glibc's mmap threshold (at most 32 MiB) that is a fresh mmap, so every step
 # page-faults the whole buffer in again (~11k minor faults and ~18 ms of kernel time per step,
 # measured). With mmap off and trimming off, freed memory is reused and the faults vanish.
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 
 def keep_freed_memory() -> str:
-  """Make glibc's malloc keep and reuse freed memory (no mmap, no trim) for this process.
-
-  Applies to everything allocated afterwards, torch's tensors included. Returns a note.
-  """
-  import ctypes
-
-  libc = ctypes.CDLL("libc.so.6")
-  ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
-  if not ok:
+  """recgnn.hostmem.keep_freed_memory for this process (torch's tensors included)."""
+  if not hostmem.keep_freed_memory():
     raise RuntimeError("mallopt failed; --malloc keep needs glibc")
-  return "mallopt(M_MMAP_MAX=0, M_TRIM_THRESHOLD=2**31-1)"
+  return "recgnn.hostmem.keep_freed_memory() (glibc mallopt: no trim, mmap only above 1 GiB)"
 
 
 # ----------------------------------------------------------------------------- data

@@ -41,6 +41,7 @@ import numpy as np
 
 # Runnable as `python benchmarks/sampling.py` from a checkout without installing recgnn.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from recgnn import hostmem  # noqa: E402
 from recgnn.graphs import sampling, synthetic  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -312,7 +313,7 @@ def main():
     args.ks = [1, 16]
 
   load = os.getloadavg()[0]
-  retained = sampling.retain_freed_memory()
+  retained = hostmem.keep_freed_memory()
   spec = synthetic.SyntheticSpec(num_nodes=args.nodes, num_edges=args.edges, num_classes=10, seed=0)
   t0 = time.perf_counter()
   graph = synthetic.generate(spec)

@@ -539,24 +539,3 @@ def estimate_capacities(
     prev = min(need, prev + (hi - lo))
     caps.append(prev)
   return tuple(caps)
-
-
-def retain_freed_memory(limit_bytes: int = 1 << 30) -> bool:
-  """Keep freed large arrays in the malloc heap instead of returning them to the OS.
-
-  glibc returns freed blocks above 32 MB to the OS, so every bulk sample page-faults its
-  buffers in afresh; here a fault costs ~20 us per 4 KiB page, which made k=16 bulk
-  sampling 3x slower than k=4 per edge. Process-wide; returns False where not glibc.
-  """
-  import ctypes
-  import ctypes.util
-
-  name = ctypes.util.find_library("c")
-  try:
-    libc = ctypes.CDLL(name)
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(
-      libc.mallopt(m_mmap_threshold, limit_bytes) and libc.mallopt(m_trim_threshold, 2**31 - 1)
-    )
-  except (OSError, AttributeError):
-    return False

@@ -36,6 +36,7 @@ import numpy as np
 import optax
 from absl import logging
 
+from recgnn import hostmem
 from recgnn.embeddings import OptimizerSpec, TableSpec
 from recgnn.graphs import sampling, store
 from recgnn.models import graphsage
@@ -73,8 +74,8 @@ class NodeClassification(base.Task):
 
   def __init__(self, config: ml_collections.ConfigDict):
     super().__init__(config)
-    # Bulk samples allocate large short-lived buffers; see sampling.retain_freed_memory.
-    sampling.retain_freed_memory()
+    # Bulk samples allocate large short-lived buffers; see recgnn.hostmem.
+    hostmem.keep_freed_memory()
     self.graph = load_graph(config.data)
     self.inputs = config.model.inputs
     if self.inputs not in INPUTS:

@@ -29,6 +29,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from recgnn import hostmem
 from recgnn.embeddings import base, testing
 from recgnn.tasks.base import Task
 from recgnn.train import checkpoint as ckpt_lib
@@ -232,6 +233,7 @@ def train(
   used to test that resuming reproduces an uninterrupted run.
   """
   os.makedirs(workdir, exist_ok=True)
+  hostmem.keep_freed_memory()  # reuse per-step temporaries instead of page-faulting them in
   tcfg = config.train
   task = load_task(config)
   log(task.describe())
