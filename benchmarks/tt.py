@@ -15,9 +15,15 @@ Sections (`--sections`, default all):
   quality      test AUC of ttrec_kaggle and dlrm_kaggle trained on the same synthetic data for
                the same steps, per seed, beside the synthetic data's oracle AUC.
 
-  python benchmarks/tt.py --quick                 # seconds per section
-  python benchmarks/tt.py --sections=kernels       # one section
-Writes benchmarks/results/tt.{json,md} (one file per section run: tt_<section>.{json,md}).
+  python benchmarks/tt.py --quick                  # seconds per section
+  python benchmarks/tt.py --sections=kernels --name=tt_kernels
+Writes benchmarks/results/<name>.{json,md} (--name, default tt). The committed results:
+  tt_compression  python benchmarks/tt.py --sections=compression --name=tt_compression
+  tt_kernels      python benchmarks/tt.py --sections=kernels --name=tt_kernels
+  tt_train_step   python benchmarks/tt.py --sections=train_step --step_batches=8 --reps=5 \
+                    --name=tt_train_step
+  tt_quality      python benchmarks/tt.py --sections=quality --seeds=0,1,2 --quality_steps=1000 \
+                    --name=tt_quality
 The machine is shared and noisy: compare numbers within one run (ratios), never across runs.
 """
 
@@ -402,6 +408,7 @@ def main(argv=None):
   args.seeds = [int(x) for x in args.seeds.split(",")]
   if args.quick:
     args.rows, args.batches, args.reps, args.steps = 1_000_000, 4, 3, 5
+    args.step_batches, args.seeds, args.quality_steps = 3, [0], 50
   payload = {"machine": sparse_update.machine_info(), "args": vars(args)}
   md = [f"## TT-Rec benchmarks\n\n`{payload['machine']['command']}`\n"]
   for s in args.sections.split(","):

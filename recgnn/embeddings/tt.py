@@ -25,7 +25,8 @@ Kernels (`kernel=`), all computing the same rows (benchmarks/tt.py measures them
   prefix  TT-Rec's kernel: rows sharing an index prefix (i_1..i_k) share the partial product
           G_1[i_1] @ ... @ G_k[i_k]. The host builds the prefix tree of the batch's distinct
           rows (`prepare`); the device computes each distinct prefix once, level by level,
-          as batched matrix products. Default (fastest measured, benchmarks/results/tt.md).
+          as batched matrix products. The default: the fastest measured
+          (benchmarks/results/tt_kernels.md).
 
 Cache (`cache_rows=C`, TT-Rec's cache of hot uncompressed rows): the host counts accesses over
 the first `cache_warmup` batches, then fixes the C most frequent rows as the hot set (LFU over
