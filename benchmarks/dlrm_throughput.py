@@ -25,8 +25,8 @@ faults per step are reported: on a loaded machine they say what the wall time ca
   python benchmarks/dlrm_throughput.py --quick       # ~1 minute
   python benchmarks/dlrm_throughput.py --profile     # + where recgnn's step time goes
   --omp-wait-policy passive   torch's idle threads sleep (fairer to torch under heavy load)
-  --malloc keep               glibc keeps freed memory (no per-step page faults for XLA)
-Writes benchmarks/results/dlrm_throughput[_malloc_keep][_omp_passive].{json,md}.
+  --malloc default            glibc's default malloc (the trainer uses recgnn.hostmem's)
+Writes benchmarks/results/dlrm_throughput[_malloc_default][_omp_passive].{json,md}.
 """
 
 from __future__ import annotations
@@ -497,8 +497,8 @@ def main(argv=None):
   p.add_argument(
     "--malloc",
     choices=("default", "keep"),
-    default="default",
-    help="keep: glibc malloc keeps freed memory (see keep_freed_memory)",
+    default="keep",
+    help="keep (what recgnn's trainer does): glibc malloc keeps freed memory; default: glibc's",
   )
   p.add_argument(
     "--omp-wait-policy",
@@ -517,7 +517,7 @@ def main(argv=None):
   if args.omp_wait_policy:
     os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # before torch loads libgomp
   if not args.name:
-    args.name = "dlrm_throughput" + ("_malloc_keep" if args.malloc == "keep" else "")
+    args.name = "dlrm_throughput" + ("_malloc_default" if args.malloc == "default" else "")
     args.name += f"_omp_{args.omp_wait_policy}" if args.omp_wait_policy else ""
 
   cfg = peers_dlrm.DlrmConfig(
