@@ -389,8 +389,9 @@ def test_trainer_offload_equals_dense_and_resumes(tmp_path):
     c.data.synthetic.rows = 20_000
     c.data.synthetic.scale = 0.002  # largest table ~20k rows: caches of 3% evict
     c.train.steps, c.train.log_every, c.train.checkpoint_every = 8, 4, 4
-    # Eval batches only run lookup; the trainer must prepare them with train=False first.
-    c.train.eval_every, c.train.final_eval_splits = 0, ()
+    # Eval passes mid-run and at the end: lookup-only batches, prepared with train=False,
+    # interleaved with the train batches the planner prefetches for.
+    c.train.eval_every, c.train.final_eval_splits = 2, ("test",)
     c.embeddings.plan = [(".*", plan)]
     return c
 
@@ -409,3 +410,5 @@ def test_trainer_offload_equals_dense_and_resumes(tmp_path):
     )
   for x, y in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(dense.state.params)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert resumed.metrics["test/auc"] == dense.metrics["test/auc"]
+  assert resumed.metrics["valid/auc"] == dense.metrics["valid/auc"]

@@ -148,7 +148,8 @@ class InputThread:
         t0 = time.perf_counter()
         prepared = None
         if batch is not None:
-          upcoming = [w[2].get("ids", {}) for w in window if w[2] is not None]
+          # Only train batches change a cache, so the look-ahead window skips eval batches.
+          upcoming = [w[2].get("ids", {}) for w in window if w[0] == "train"]
           train = kind == "train"
           prepared = {
             n: b.prepare(batch["ids"][n], [u[n] for u in upcoming[: b.lookahead]], train=train)
