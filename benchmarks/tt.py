@@ -346,6 +346,7 @@ def quality(args) -> dict:
   gap = summary[names[1]]["mean_test_auc"] - summary[names[0]]["mean_test_auc"]
   return {
     "runs": out,
+    "seeds": list(args.seeds),
     "summary": summary,
     "tt_minus_dense": gap,
     "oracle_auc": out[0]["oracle_auc"],
