@@ -118,6 +118,14 @@ def test_plan_string_options():
   assert base.make_backend(b.describe(), spec).describe() == b.describe()
   b4 = base.make_backend("tt(rank=(4, 8, 4), cores=4, init=orthogonal, kernel=naive)", spec)
   assert b4.shape.ranks == (1, 4, 8, 4, 1) and b4.init_name == "orthogonal"
+  for text in [
+    b4.describe(),
+    "tt(rank=8, row_factors=(50, 40, 30), dim_factors=(4, 2, 2), cache_rows=5, cache_warmup=7)",
+  ]:
+    again = base.make_backend(base.make_backend(text, spec).describe(), spec)
+    assert again.describe() == base.make_backend(text, spec).describe()
+    assert again.shape == base.make_backend(text, spec).shape
+  assert "cache_warmup=7" in again.describe() and again.shape.dim_factors == (4, 2, 2)
   for bad, msg in [
     ("tt(kernel=fast)", "available: naive, unique, prefix"),
     ("tt(init=xavier)", "available: sampled_gaussian"),

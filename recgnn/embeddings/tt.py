@@ -295,6 +295,7 @@ class TT(base.Backend):
     target_variance(spec)  # fail at plan time for a zeros initializer
     self.shape = tt_shape(spec.num_rows, spec.dim, rank, cores, row_factors, dim_factors)
     self.rank, self.init_name, self.kernel, self.pad = rank, init, kernel, pad
+    self._explicit_factors = row_factors is not None or dim_factors is not None
     self.cache_rows = min(cache_rows, spec.num_rows)
     self.cache_warmup = cache_warmup
     self._caps: dict[str, int] = {}
@@ -309,8 +310,13 @@ class TT(base.Backend):
       opts.append(f"init={self.init_name}")
     if self.kernel != "prefix":
       opts.append(f"kernel={self.kernel}")
+    if self._explicit_factors:
+      opts.append(f"row_factors={self.shape.row_factors}")
+      opts.append(f"dim_factors={self.shape.dim_factors}")
     if self.cache_rows:
       opts.append(f"cache_rows={self.cache_rows}")
+      if self.cache_warmup != 50:
+        opts.append(f"cache_warmup={self.cache_warmup}")
     if self.pad != "grow":
       opts.append(f"pad={self.pad}")
     return f"tt({', '.join(opts)})"
