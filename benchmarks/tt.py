@@ -24,6 +24,9 @@ Writes benchmarks/results/<name>.{json,md} (--name, default tt). The committed r
                     --name=tt_train_step
   tt_quality      python benchmarks/tt.py --sections=quality --seeds=0,1,2 --quality_steps=1000 \
                     --name=tt_quality
+  tt_train_step_cache  python benchmarks/tt.py --sections=train_step --ranks=32 --step_batches=8
+                    --reps=5 --name=tt_train_step_cache
+                    --step_variants='cache_rows=2000,cache_warmup=2;cache_rows=10000,cache_warmup=2'
 The machine is shared and noisy: compare numbers within one run (ratios), never across runs.
 """
 
@@ -416,7 +419,11 @@ def main(argv=None):
   p.add_argument("--name", default="tt")
   p.add_argument("--step_batch", type=int, default=2048)
   p.add_argument("--step_batches", type=int, default=8)
-  p.add_argument("--step_variants", default="pad=full,kernel=unique")
+  p.add_argument(
+    "--step_variants",
+    default="pad=full;kernel=unique",
+    help="';'-separated ttrec_kaggle args, e.g. 'cache_rows=2000,cache_warmup=2;pad=full'",
+  )
   p.add_argument("--data_rows", type=int, default=0, help="synthetic rows (0: the default)")
   p.add_argument("--seeds", default="0,1,2")
   p.add_argument("--quality_steps", type=int, default=1000)
@@ -425,7 +432,7 @@ def main(argv=None):
   args.ranks = [int(x) for x in args.ranks.split(",")]
   args.kernels = args.kernels.split(",")
   args.orders = args.orders.split(",")
-  args.step_variants = [v for v in args.step_variants.split(",") if v]
+  args.step_variants = [v for v in args.step_variants.split(";") if v]
   args.seeds = [int(x) for x in args.seeds.split(",")]
   if args.quick:
     args.rows, args.batches, args.reps, args.steps = 1_000_000, 4, 3, 5
