@@ -308,6 +308,10 @@ class Backend(abc.ABC):
     del mesh
     return None
 
+  def num_params(self) -> int:
+    """Trainable floats of the table (rows x dim; fewer for compressed backends)."""
+    return self.spec.num_rows * self.spec.dim
+
   @abc.abstractmethod
   def memory(self) -> MemoryReport:
     """Bytes this table will occupy, without allocating."""
@@ -449,6 +453,12 @@ def format_plan(backends: dict[str, Backend]) -> str:
       f"{_mib(m.device_bytes):>10} {_mib(m.host_bytes):>10}"
     )
   lines.append(f"{'total':<12} {'':>12} {'':>4} {'':<36} {_mib(dev):>10} {_mib(host):>10}")
+  params = sum(b.num_params() for b in backends.values())
+  dense = sum(b.spec.num_rows * b.spec.dim for b in backends.values())
+  if params:
+    lines.append(
+      f"embedding parameters: {params:,} ({dense / params:,.1f}x fewer than all-dense {dense:,})"
+    )
   return "\n".join(lines)
 
 
