@@ -50,8 +50,8 @@ def load_config(spec: str):
   name, _, arg = spec.partition(":")
   names = available_experiments()
   if name not in names:
-    close = difflib.get_close_matches(name, names, n=3)
-    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    close = [n for n in names if n.startswith(name)] or difflib.get_close_matches(name, names, n=3)
+    hint = f" Did you mean {', '.join(close[:3])}?" if close else ""
     raise SystemExit(
       f"Unknown experiment {name!r}.{hint} Available: {', '.join(names)} (python run.py --list)"
     )
