@@ -13,7 +13,7 @@ The contract, for one table (`Backend`):
                                sparse (cost O(B * L * D), never O(rows)), state donated
   sync(state)                  write caches back; afterwards `state` alone describes the table.
                                Batches already prepared (the input thread runs up to
-                               testing.PREFETCH batches ahead of the step) must stay valid
+                               PREFETCH batches ahead of the step) must stay valid
   state_sharding(mesh)         shardings of `state` for jit and checkpoints (None: default)
   memory()                     bytes on device / host, known before anything is allocated
   table(state)                 the logical float32[N, D] table (tests, export; O(N), never
@@ -44,6 +44,9 @@ from absl import logging
 
 PyTree = Any
 PAD = -1  # id value that marks an empty slot of a multi-hot bag
+# Batches the trainer's input thread prepares ahead of the step: prepare(k + PREFETCH) may run
+# before update(k), and backends must give the same results under that interleaving.
+PREFETCH = 2
 INIT_CHUNK = 1 << 16  # rows per deterministic init chunk (see `init_rows`)
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad")

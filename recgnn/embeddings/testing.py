@@ -17,8 +17,7 @@ import numpy as np
 
 from recgnn.embeddings import base
 
-# Batches the trainer's input thread prepares ahead of the step (recgnn.train.loop uses it).
-PREFETCH = 2
+PREFETCH = base.PREFETCH
 
 
 def zipf_ids(

@@ -2,7 +2,7 @@
 
   input thread:  task batches (+ eval batches at their steps) -> backend.prepare per table
                  (dedup, cache planning, prefetch; sees `lookahead` upcoming batches)
-                 -> device_put -> a bounded queue (testing.PREFETCH deep)
+                 -> device_put -> a bounded queue (base.PREFETCH deep)
   main thread:   jitted train step (state donated) ... metrics read only every log_every steps;
                  eval, checkpoints (backends synced first), profiler trace, TensorBoard.
 
@@ -30,7 +30,7 @@ import ml_collections
 import numpy as np
 
 from recgnn import hostmem
-from recgnn.embeddings import base, testing
+from recgnn.embeddings import base
 from recgnn.tasks.base import Task
 from recgnn.train import checkpoint as ckpt_lib
 from recgnn.train import step as step_lib
@@ -275,7 +275,7 @@ def train(
     tcfg.get("eval_split", "valid"),
     final_splits if end == total else (),
   )
-  inputs = InputThread(stream, backends, depth=testing.PREFETCH, task=task)
+  inputs = InputThread(stream, backends, depth=base.PREFETCH, task=task)
   writer = _summary_writer(workdir)
   metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115 (closed below)
 

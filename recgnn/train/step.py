@@ -100,11 +100,8 @@ def make_eval_step(task: Task, backends: Mapping[str, base.Backend]):
 
 
 def jit_train_step(task, backends, tx):
+  """The train step jitted over unpacked inputs (benchmarks; the trainer uses jit_packed)."""
   return jax.jit(make_train_step(task, backends, tx), donate_argnums=0)
-
-
-def jit_eval_step(task, backends):
-  return jax.jit(make_eval_step(task, backends))
 
 
 # A batch and its prepared ids are ~100 small arrays; one device_put each costs more than the
