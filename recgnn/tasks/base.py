@@ -78,6 +78,14 @@ class Task(abc.ABC):
       f"{type(self).__name__}: give batches a 'weight' or override num_examples"
     )
 
+  #: What one example is called in throughput logs ("samples", "edges", "nodes").
+  example_unit: str = "samples"
+
+  def example_batch(self) -> Batch:
+    """One batch with the shapes of eval batches, used to initialise the dense params.
+    By default the first 'valid' batch; override for tasks without a 'valid' split."""
+    return next(iter(self.eval_batches("valid")))
+
   def describe(self) -> str:
     """Lines printed before training (dataset, sizes, baselines)."""
     return ""

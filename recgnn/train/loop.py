@@ -247,7 +247,7 @@ def train(
 
   tx = step_lib.make_optimizer(config.optimizer)
   key = jax.random.key(config.seed)
-  example = next(iter(task.eval_batches("valid")))
+  example = task.example_batch()
   state = step_lib.init_state(task, backends, tx, key, example)
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   log(f"Dense params: {n_params:,}")
@@ -329,7 +329,7 @@ def train(
             for n, b in backends.items():
               scalars.update({f"{n}/{k}": v for k, v in b.stats().items()})
             write_scalars(step, scalars)
-            log(f"step {step:>7}/{total}  loss {scalars['loss']:.5f}  {rate:,.0f} samples/s")
+            log(f"step {step:>7}/{total}  loss {scalars['loss']:.5f}  {rate:,.0f} {task.example_unit}/s")
             t_last, step_last = now, step
           if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < end:
             t0 = time.perf_counter()
