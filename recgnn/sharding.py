@@ -1,25 +1,88 @@
-"""Mesh axis names and mesh construction. Use these constants, never string literals."""
+"""Mesh axis names, mesh construction and batch placement. Use these constants, never strings.
+
+The mesh is (DATA, MODEL). The batch is split over BOTH axes (every device gets B / n
+examples); dense params are replicated; a model-parallel table is split over MODEL and
+replicated over DATA (TorchRec's 2D parallelism). 1 x 1 is the single-device case.
+"""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-DATA = "data"  # batch (data-parallel) axis
-TABLE = "table"  # model-parallel axis embedding tables are split over
+P = PartitionSpec
+DATA = "data"  # data-parallel axis: replicas of the model-parallel tables
+MODEL = "model"  # model-parallel axis: tables (or their rows) are split over it
+BATCH = (DATA, MODEL)  # the batch axis spans every device of the mesh
+BATCH_SPEC = P(BATCH)  # a batch-major array: axis 0 split over every device
+REPLICATED = P()
 
 
-def make_mesh(data: int = 1, table: int | None = None) -> jax.sharding.Mesh:
-  """A (DATA, TABLE) mesh over the local devices, with Auto axes.
+def make_mesh(data: int = 1, model: int | None = None, devices=None) -> jax.sharding.Mesh:
+  """A (DATA, MODEL) mesh with Auto axes over the first data * model devices.
 
   Auto axes let XLA partition a gather on a row-sharded table (with Explicit axes, the
   default of jax.make_mesh, `jnp.take` then needs an out_sharding; DESIGN.md).
-  `table=None` uses every device not taken by `data`.
+  `model=None` puts every device not taken by `data` on MODEL.
   """
-  n = jax.device_count()
-  if table is None:
-    table = n // data
-  if data * table > n:
-    raise ValueError(f"mesh {data}x{table} needs {data * table} devices; {n} available")
-  devices = np.asarray(jax.devices()[: data * table]).reshape(data, table)
-  return jax.sharding.Mesh(devices, (DATA, TABLE), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  devices = jax.devices() if devices is None else list(devices)
+  n = len(devices)
+  if data < 1 or (model is not None and model < 1):
+    raise ValueError(f"mesh axes must be >= 1, got data={data} model={model}")
+  if model is None:
+    if n % data:
+      raise ValueError(f"mesh data={data} does not divide the {n} devices; set mesh.model too")
+    model = n // data
+  if data * model > n:
+    raise ValueError(
+      f"mesh {data}x{model} (data x model) needs {data * model} devices; {n} available "
+      f"({jax.default_backend()}). On CPU, simulate more with "
+      "XLA_FLAGS=--xla_force_host_platform_device_count=N set before jax is imported."
+    )
+  grid = np.asarray(devices[: data * model], dtype=object).reshape(data, model)
+  return jax.sharding.Mesh(grid, (DATA, MODEL), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def mesh_from_config(cfg) -> jax.sharding.Mesh:
+  """config.mesh {data, model}: 0 (the default for data) means every device not on MODEL."""
+  model = int(cfg.get("model", 1) or 1)
+  data = int(cfg.get("data", 0) or 0)
+  if data == 0:
+    n = jax.device_count()
+    if n % model:
+      raise ValueError(f"mesh.model={model} does not divide the {n} devices")
+    data = n // model
+  return make_mesh(data, model)
+
+
+def mesh_shape(mesh: jax.sharding.Mesh) -> tuple[int, int]:
+  return mesh.shape[DATA], mesh.shape[MODEL]
+
+
+def describe(mesh: jax.sharding.Mesh) -> str:
+  d, m = mesh_shape(mesh)
+  kinds = sorted({dev.device_kind for dev in mesh.devices.flat})
+  return f"{d}x{m} (data x model) over {mesh.size} {'/'.join(kinds)} device(s)"
+
+
+def named(mesh: jax.sharding.Mesh, spec: PartitionSpec, memory_kind: str | None = None):
+  return NamedSharding(mesh, spec, memory_kind=memory_kind)
+
+
+def replicate(x, mesh: jax.sharding.Mesh):
+  """Inside jit: constrain a pytree to be replicated on every device (an all-gather where
+  it was split). Used to gather a batch's (ids, pooled grads) for a replicated table."""
+  sh = NamedSharding(mesh, REPLICATED)
+  return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sh), x)
+
+
+def check_batch(batch_size: int, mesh: jax.sharding.Mesh, what: str = "batch") -> None:
+  """A batch is split evenly over every device: refuse sizes that do not divide."""
+  if batch_size % mesh.size:
+    lo = batch_size // mesh.size * mesh.size
+    raise ValueError(
+      f"{what} size {batch_size} does not divide over the {mesh.size} devices of the mesh "
+      f"{describe(mesh)}; use a multiple of {mesh.size} (e.g. {max(lo, mesh.size)} or "
+      f"{lo + mesh.size})."
+    )

@@ -1,24 +1,33 @@
-"""The backend contract: every backend against the dense reference.
+"""The backend contract: every backend, on meshes 1x1, 8x1 and 2x4 (data x model), against
+single-device `dense`, under the trainer's run-ahead of `prepare`.
 
 A new backend adds its plan strings to EXACT (bit-identical to dense) or to its own test
 with a tolerance (compression) or its own reference (tt).
 """
 
+import jax
 import numpy as np
 import pytest
 
-from recgnn.embeddings import base, testing
+import contract_lib as contract
+from recgnn import sharding
+from recgnn.embeddings import base
 
 # Plan strings that must reproduce `dense` bit for bit.
 EXACT = [
   "dense",
-  "dense(shard=rows)",
   # Tables of 1000 rows, batches touching ~100 distinct rows: a 10% cache evicts every step.
   "offload(cache_rows=100, policy=lru, lookahead=2)",
   "offload(cache_rows=100, policy=lfu, lookahead=1)",
   "offload(cache_rows=100, policy=lookahead, lookahead=4)",
   "offload(cache_rows=100, policy=lru, lookahead=0)",
 ]
+# Plan strings equal to `dense` up to float summation order: a row-sharded table pools each
+# bag's rows per owner and adds the partial sums across MODEL (psum_scatter of [B, D], not
+# [B, L, D]: L times fewer bytes), so a bag whose ids live on different shards is summed in
+# another order.
+ROUNDING = {"dense(shard=rows)": dict(rtol=1e-5, atol=1e-7)}
+MESHES = [(1, 1), (8, 1), (2, 4)]
 
 OPTIMIZERS = [
   base.OptimizerSpec(name="sgd", learning_rate=0.1),
@@ -30,46 +39,68 @@ def _spec(opt, num_rows=1000, dim=8, pooling="sum"):
   return base.TableSpec(name="t", num_rows=num_rows, dim=dim, optimizer=opt, pooling=pooling)
 
 
-@pytest.mark.parametrize("backend", EXACT)
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
+@pytest.mark.parametrize("backend", EXACT + list(ROUNDING))
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
-def test_matches_dense(backend, opt):
-  batches = testing.zipf_ids(seed=1, num_batches=6, batch=64, bag=3, num_rows=1000)
-  mesh = None
-  if "shard" in backend:
-    from recgnn import sharding
-
-    mesh = sharding.make_mesh(data=1, table=8)
-  trace = testing.assert_matches_dense(backend, _spec(opt), batches, mesh=mesh)
-  testing.assert_lookups_equal_table(
-    trace.lookups[0], testing.run("dense", _spec(opt), []).table, batches[0]
+def test_matches_dense(backend, opt, mesh_shape):
+  batches = contract.zipf_ids(seed=1, num_batches=6, batch=64, bag=3, num_rows=1000)
+  mesh = sharding.make_mesh(*mesh_shape)
+  tol = ROUNDING.get(backend, {})
+  trace = contract.assert_matches_dense(backend, _spec(opt), batches, mesh=mesh, **tol)
+  contract.assert_lookups_equal_table(
+    trace.lookups[0], contract.run("dense", _spec(opt), []).table, batches[0], atol=1e-7
   )
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1), (2, 4)], ids=lambda m: f"{m[0]}x{m[1]}")
+@pytest.mark.parametrize("backend", ["dense", "dense(shard=rows)"])
+def test_mean_pooling_on_mesh(backend, mesh_shape):
+  """Mean pooling (divide by the bag's non-padded ids) and its gradient, on a mesh."""
+  spec = _spec(OPTIMIZERS[1], num_rows=997, pooling="mean")  # rows do not divide over 4
+  batches = contract.zipf_ids(seed=2, num_batches=4, batch=32, bag=4, num_rows=997)
+  mesh = sharding.make_mesh(*mesh_shape)
+  contract.assert_matches_dense(backend, spec, batches, mesh=mesh, **ROUNDING.get(backend, {}))
+
+
+def test_row_sharded_state_is_split():
+  """dense(shard=rows) really splits the rows over MODEL: each device holds 1/4 of them."""
+  mesh = sharding.make_mesh(2, 4)
+  group = base.make_backend("dense(shard=rows)", _spec(OPTIMIZERS[1]), mesh)
+  state = group.init(jax.random.key(0))
+  table = state["t"]["table"]
+  assert table.sharding.spec == sharding.P(sharding.MODEL, None)
+  assert {s.data.shape for s in table.addressable_shards} == {(250, 8)}
+  assert group.memory()["t"].device_bytes == 250 * (8 * 4 + 4)
+
+
+def test_batch_that_does_not_divide_is_refused():
+  with pytest.raises(ValueError, match="does not divide over the 8 devices"):
+    sharding.check_batch(100, sharding.make_mesh(8, 1))
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
 def test_dense_update_is_sparse(opt):
   spec = _spec(opt, num_rows=200_000, dim=16)
-  batch = testing.zipf_ids(seed=0, num_batches=1, batch=256, bag=2, num_rows=spec.num_rows)[0]
-  testing.assert_update_is_sparse("dense", spec, batch)
+  batch = contract.zipf_ids(seed=0, num_batches=1, batch=256, bag=2, num_rows=spec.num_rows)[0]
+  contract.assert_update_is_sparse("dense", spec, batch)
 
 
 def test_dense_matches_numpy_reference():
   """Row-wise Adagrad and SGD against a loop-per-row numpy implementation."""
   for opt in OPTIMIZERS:
     spec = _spec(opt, num_rows=50, dim=4)
-    batches = testing.zipf_ids(seed=3, num_batches=4, batch=16, bag=3, num_rows=50)
-    trace = testing.run("dense", spec, batches)
-    import jax
-
-    table = base.init_table(jax.random.key(0), spec).astype(np.float64)
+    batches = contract.zipf_ids(seed=3, num_batches=4, batch=16, bag=3, num_rows=50)
+    trace = contract.run("dense", spec, batches)
+    table = base.init_table(base.table_key(jax.random.key(0), "t"), spec).astype(np.float64)
     accum = np.full(50, opt.initial_accumulator)
     for step, ids in enumerate(batches):
-      rows = np.where((ids >= 0)[..., None], table[np.maximum(ids, 0)], 0.0)
-      np.testing.assert_allclose(trace.lookups[step], rows, rtol=1e-5, atol=1e-6)
-      g = np.asarray(testing.grads_for(step, jax.numpy.asarray(rows, np.float32)), np.float64)
+      pooled = contract.pooled_reference(table, ids)
+      np.testing.assert_allclose(trace.lookups[step], pooled, rtol=1e-5, atol=1e-6)
+      g = np.asarray(contract.grads_for(step, jax.numpy.asarray(pooled, np.float32)), np.float64)
       g_row = np.zeros_like(table)
       for (b, slot), i in np.ndenumerate(ids):
         if i >= 0:
-          g_row[i] += g[b, slot]
+          g_row[i] += g[b]
       touched = np.unique(ids[ids >= 0])
       if opt.name == "sgd":
         table[touched] -= opt.learning_rate * g_row[touched]

@@ -2,27 +2,31 @@
 
 An embedding table is not a Flax param. Autodiff through a gather builds a table-sized
 cotangent (a 10M x 16 table costs ~90x more per step that way, DESIGN.md), so every backend
-owns its table's state and applies a sparse row-wise optimizer to the rows a batch touched.
+owns its tables' state and applies a sparse row-wise optimizer to the rows a batch touched.
 
-The contract, for one table (`Backend`):
+The contract (v2, `Backend`) is per GROUP of tables on a device mesh: every table the plan
+gives the same backend string is one instance, constructed with the mesh:
 
-  prepare(ids, upcoming)       host, off the step's path: int[B, L] ids (-1 = padding) ->
-                               a pytree of numpy arrays (dedup, slot remapping, prefetch plans)
-  lookup(state, prepared)      jit-able: -> float32[B, L, D]; padded positions are 0
-  update(state, prepared, g)   jit-able: g = d loss / d lookup, float32[B, L, D] -> new state;
-                               sparse (cost O(B * L * D), never O(rows)), state donated
-  sync(state)                  write caches back; afterwards `state` alone describes the table.
-                               Batches already prepared (the input thread runs up to
-                               PREFETCH batches ahead of the step) must stay valid
-  state_sharding(mesh)         shardings of `state` for jit and checkpoints (None: default)
-  memory()                     bytes on device / host, known before anything is allocated
-  table(state)                 the logical float32[N, D] table (tests, export; O(N), never
-                               called by the trainer)
+  prepare(ids, upcoming)       host, off the step's path: {table: int[B, L]} (-1 = padding)
+                               -> numpy pytree (dedup, cache plans); `prepared_spec` says
+                               which leaves are batch-major (split over the devices)
+  lookup(state, prepared)      jit-able: -> {table: f32[B, D]} POOLED
+  update(state, prepared, g)   jit-able: g = d loss / d pooled, {table: f32[B, D]}; sparse
+                               (O(B * L * D), never O(rows)), state donated
+  state_sharding / memory (per device) / sync / restore / stats / tables(state)
+
+Pooled in, pooled out: a model-parallel backend moves [B, D] blocks, never [B, L, D]. The
+lookup sits outside `value_and_grad`; `update` gets d loss / d pooled, so a backward
+all-to-all (and a codec on it) lives in `update`, with no custom_vjp.
+
+Backends whose tables are independent (dense, tt, offload) implement the per-table
+`TableBackend` (unpooled rows, their row-update code unchanged) and are grouped by
+`TableGroup`, which pools, `unpool`s the gradient, and places each table on the mesh.
 
 Backends are chosen per table by a plan: regex rules over table names, first match wins:
   [("C(3|4|10)", "tt(rank=32)"), (".*", "dense")]
 The backend string's name is the module name in `recgnn.embeddings`, so adding a backend is
-one new file exporting `BACKEND = TheClass`.
+one new file exporting `BACKEND` (a `Backend` or a `TableBackend` subclass).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import functools
 import importlib
 import pkgutil
 import re
+import zlib
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -41,6 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+
+from recgnn import sharding
 
 PyTree = Any
 PAD = -1  # id value that marks an empty slot of a multi-hot bag
@@ -167,8 +174,8 @@ class TableSpec:
 class MemoryReport:
   """What a backend will allocate for one table, computed before allocating."""
 
-  device_bytes: int
-  host_bytes: int
+  device_bytes: int  # on EACH device of the mesh (the most any one device holds)
+  host_bytes: int  # host memory in all
   placement: str  # human-readable, e.g. "device", "host + 200000-row device cache"
 
 
@@ -231,15 +238,6 @@ def dedup(ids: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
   return unique, inverse.reshape(ids.shape).astype(np.int32)
 
 
-def pool(rows: jax.Array, ids: jax.Array, mode: str) -> jax.Array:
-  """Reduce bags: rows float32[B, L, D] (0 at padding), ids int[B, L] -> float32[B, D]."""
-  summed = jnp.sum(rows, axis=1)
-  if mode == "sum":
-    return summed
-  count = jnp.sum(ids >= 0, axis=1, keepdims=True).astype(rows.dtype)
-  return summed / jnp.maximum(count, 1.0)
-
-
 def segment_rows(grads: jax.Array, inverse: jax.Array, num_unique: int) -> jax.Array:
   """Sum grads float32[B, L, D] per distinct row: -> float32[num_unique, D]."""
   d = grads.shape[-1]
@@ -249,16 +247,132 @@ def segment_rows(grads: jax.Array, inverse: jax.Array, num_unique: int) -> jax.A
 # ----------------------------------------------------------------------------- contract
 
 
-class Backend(abc.ABC):
-  """Storage and update rule of one embedding table. See the module docstring.
+def table_key(key: jax.Array, name: str) -> jax.Array:
+  """A table's init key: depends on its name only, so a table starts from the same values
+  whatever backend, group or position in the plan it has."""
+  return jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
 
-  Subclasses set `name`, accept their plan-string options as keyword arguments, and export
-  themselves from their module as `BACKEND`.
+
+def unpool(g: jax.Array, count: jax.Array | None, bag: int) -> jax.Array:
+  """d loss / d pooled f32[B, D] -> d loss / d rows f32[B, L, D].
+
+  `count`: int32[B] non-padded ids per bag for mean pooling, None for sum pooling. Padded
+  positions get a gradient too (as autodiff through `pool` gives them); every backend's
+  update drops padded positions, so their value does not matter.
+  """
+  if count is not None:
+    g = g / jnp.maximum(count, 1).astype(g.dtype)[:, None]
+  return jnp.broadcast_to(g[:, None, :], (g.shape[0], bag, g.shape[1]))
+
+
+class Backend(abc.ABC):
+  """Contract v2: the storage and update rule of a GROUP of tables on a device mesh.
+
+  A group is every table the plan gives the same backend string. A backend that fuses its
+  tables (one all-to-all for all of them; a popular / non-popular split over all of an
+  example's ids) implements this class directly; a backend whose tables are independent
+  implements `TableBackend` and is grouped by `TableGroup`.
+
+  Shapes: B = the global batch (split over every device of the mesh when the task shards
+  batches), L = bag length, D = the table's dim.
   """
 
   name: ClassVar[str] = ""
   #: How many upcoming batches `prepare` wants to see (cDLRM's look-ahead window).
   lookahead: int = 0
+
+  def __init__(self, specs: Sequence[TableSpec], mesh: jax.sharding.Mesh, text: str = ""):
+    self.specs = {s.name: s for s in specs}
+    self.mesh = mesh
+    self.text = text or self.name
+    #: False while the task's batches are replicated (not split over devices); set by the
+    #: trainer before the first `prepare`.
+    self.shard_batch = True
+
+  def __repr__(self):
+    return f"{type(self).__name__}({', '.join(self.specs)}: {self.describe()})"
+
+  def describe(self, table: str | None = None) -> str:
+    """The backend and its options, as a plan string (per table where they differ)."""
+    del table
+    return self.text
+
+  @abc.abstractmethod
+  def init(self, key: jax.Array) -> PyTree:
+    """Allocate and initialise the state, placed as `state_sharding()` says. Each table
+    starts from `init_rows(table_key(key, name), spec, ...)`."""
+
+  @abc.abstractmethod
+  def state_sharding(self) -> PyTree:
+    """NamedShardings of the state (jit in/out shardings, checkpoint restore target)."""
+
+  @abc.abstractmethod
+  def prepare(
+    self, ids: dict[str, np.ndarray], upcoming: Sequence[dict[str, np.ndarray]] = (), *, train=True
+  ) -> PyTree:
+    """Host side, on the input thread, once per batch in stream order: ids {table: int[B, L]}
+    (PAD = -1) -> a pytree of numpy arrays. `upcoming`: up to `lookahead` next batches' ids.
+    `train=False`: an eval batch (only `lookup` runs on it)."""
+
+  @abc.abstractmethod
+  def prepared_spec(self, prepared: PyTree) -> PyTree:
+    """PartitionSpec of each prepared leaf: sharding.BATCH_SPEC for batch-major leaves (axis 0
+    split over every device with the batch), sharding.REPLICATED for global ones."""
+
+  @abc.abstractmethod
+  def lookup(self, state: PyTree, prepared: PyTree) -> dict[str, jax.Array]:
+    """-> {table: f32[B, D]} pooled with each table's pooling. Jit-able."""
+
+  @abc.abstractmethod
+  def update(self, state: PyTree, prepared: PyTree, grads: dict[str, jax.Array]) -> PyTree:
+    """grads {table: d loss / d pooled, f32[B, D]} -> new state. Jit-able, sparse (cost
+    O(B * L * D), never O(rows)), state donated."""
+
+  @abc.abstractmethod
+  def memory(self) -> dict[str, MemoryReport]:
+    """Per table: bytes PER DEVICE and on the host, known before anything is allocated."""
+
+  @abc.abstractmethod
+  def tables(self, state: PyTree) -> dict[str, np.ndarray]:
+    """The logical f32[N, D] tables (tests and export; O(N), never called by the trainer)."""
+
+  def num_params(self) -> dict[str, int]:
+    """Trainable floats per table (rows x dim; fewer for compressed backends)."""
+    return {n: s.num_rows * s.dim for n, s in self.specs.items()}
+
+  def sync(self, state: PyTree) -> PyTree:
+    """Write caches back so that `state` alone describes the tables. Batches already
+    prepared (up to PREFETCH ahead of the step) must stay valid."""
+    return state
+
+  def restore(self, state: PyTree) -> PyTree:
+    """Called with a state read from a checkpoint; backends with host bookkeeping reset it."""
+    return state
+
+  def stats(self) -> dict[str, float]:
+    """Counters since the last call ('table/key' or 'key'), logged with the metrics."""
+    return {}
+
+
+class TableBackend(abc.ABC):
+  """One table of a `TableGroup`: the per-table half of the contract (v1, unpooled).
+
+  prepare(ids, upcoming)       host: int[B, L] ids (-1 = padding) -> numpy pytree
+  lookup(state, prepared)      jit-able: -> f32[B, L, D]; padded positions are 0
+  update(state, prepared, g)   jit-able: g = d loss / d lookup, f32[B, L, D]; sparse, donated
+  sync / restore / memory / table / stats as in `Backend`, for this table.
+
+  On a mesh a table is replicated unless its backend says otherwise: the lookup gathers the
+  local examples' rows; the update gathers the batch's (ids, pooled grads) from every device
+  (B x D floats, never a table-sized all-reduce) and every replica applies the same sparse
+  update. `lookup_pooled` / `update_pooled` are where a backend places rows otherwise
+  (`dense(shard=rows)`).
+  """
+
+  name: ClassVar[str] = ""
+  lookahead: int = 0
+  #: Prepared keys whose leaves are batch-major (axis 0 = the batch); the rest are global.
+  batch_major: ClassVar[tuple[str, ...]] = ("ids", "inverse")
 
   def __init__(self, spec: TableSpec, **options):
     if options:
@@ -266,27 +380,33 @@ class Backend(abc.ABC):
         f"Backend {self.name!r} (table {spec.name!r}) takes no options; got {sorted(options)}"
       )
     self.spec = spec
+    self.mesh: jax.sharding.Mesh | None = None
 
   def __repr__(self):
     return f"{type(self).__name__}({self.spec.name}, {self.describe()})"
 
   def describe(self) -> str:
-    """The backend and its options, as a plan string."""
     return self.name
 
+  def bind(self, mesh: jax.sharding.Mesh) -> None:
+    """Place the table on `mesh`. Refuse (ValueError, before allocating) a mesh or an option
+    this backend cannot honour there."""
+    self.mesh = mesh
+
+  def replicated(self, memory_kind: str | None = None) -> jax.sharding.NamedSharding:
+    return jax.sharding.NamedSharding(self.mesh, sharding.REPLICATED, memory_kind=memory_kind)
+
   @abc.abstractmethod
-  def init(self, key: jax.Array, mesh: jax.sharding.Mesh | None = None) -> PyTree:
-    """Allocate and initialise the state (placement decided here)."""
+  def init(self, key: jax.Array) -> PyTree:
+    """Allocate and initialise the state on `self.mesh`."""
+
+  @abc.abstractmethod
+  def state_sharding(self) -> PyTree:
+    """NamedShardings of the state on `self.mesh` (a pytree matching `init`'s)."""
 
   def prepare(
     self, ids: np.ndarray, upcoming: Sequence[np.ndarray] = (), *, train: bool = True
   ) -> PyTree:
-    """Host-side work for one batch: ids int[B, L] (PAD = -1) -> pytree of numpy arrays.
-
-    `upcoming` holds the ids of up to `lookahead` following batches. Called once per batch,
-    in order, on the input thread; stateful backends (caches) may keep host state here.
-    `train=False` marks an eval batch: only `lookup` will run on it, never `update`.
-    """
     del upcoming, train
     ids = np.asarray(ids)
     out = {"ids": np.where(ids < 0, self.spec.num_rows, ids).astype(np.int32)}
@@ -302,37 +422,131 @@ class Backend(abc.ABC):
   def update(self, state: PyTree, prepared: PyTree, grads: jax.Array) -> PyTree:
     """Apply the optimizer to touched rows: grads float32[B, L, D]. Jit-able, sparse."""
 
+  def lookup_pooled(self, state, prepared, count: jax.Array | None) -> jax.Array:
+    """-> f32[B, D]: `lookup` pooled (count: int32[B] ids per bag for mean pooling)."""
+    return pool_rows(self.lookup(state, prepared), count)
+
+  def update_pooled(self, state, prepared, g: jax.Array, count: jax.Array | None) -> PyTree:
+    """g f32[B, D] (batch-split on a mesh): gather it and the prepared batch on every device
+    (B x (D + L) values per table), unpool, and apply the same sparse update everywhere."""
+    g, prepared, count = sharding.replicate((g, prepared, count), self.mesh)
+    return self.update(state, prepared, unpool(g, count, prepared["ids"].shape[1]))
+
   def sync(self, state: PyTree) -> PyTree:
-    """Write caches back so that `state` alone describes the table. Host side."""
     return state
 
-  def state_sharding(self, mesh: jax.sharding.Mesh | None) -> PyTree | None:
-    """Shardings of the state (a pytree matching `init`'s), or None for the default."""
-    del mesh
-    return None
+  def restore(self, state: PyTree) -> PyTree:
+    return state
 
   def num_params(self) -> int:
-    """Trainable floats of the table (rows x dim; fewer for compressed backends)."""
     return self.spec.num_rows * self.spec.dim
 
   @abc.abstractmethod
   def memory(self) -> MemoryReport:
-    """Bytes this table will occupy, without allocating."""
+    """Bytes PER DEVICE and on the host, without allocating."""
 
   @abc.abstractmethod
   def table(self, state: PyTree) -> np.ndarray:
     """The logical table float32[N, D] (tests and export only; O(N))."""
 
-  def restore(self, state: PyTree) -> PyTree:
-    """Called with a state read from a checkpoint (after `sync` was applied before saving).
-
-    Backends with host-side bookkeeping (cache maps) reset it here. Returns the state to use.
-    """
-    return state
-
   def stats(self) -> dict[str, float]:
-    """Counters since the last call (hit rate, bytes moved, ...), logged with the metrics."""
     return {}
+
+
+def pool_rows(rows: jax.Array, count: jax.Array | None) -> jax.Array:
+  """rows f32[B, L, D] (0 at padding) -> f32[B, D]: sum, or mean when `count` is given."""
+  summed = jnp.sum(rows, axis=1)
+  if count is None:
+    return summed
+  return summed / jnp.maximum(count, 1).astype(summed.dtype)[:, None]
+
+
+class TableGroup(Backend):
+  """A group of independent per-table backends (dense, tt, offload) under contract v2.
+
+  prepared = {table: {"rows": the table backend's prepared, "count": int32[B] (mean pooling)}}
+  state    = {table: the table backend's state}
+  """
+
+  def __init__(self, cls, specs, mesh, text: str = "", **options):
+    super().__init__(specs, mesh, text)
+    self.name = cls.name
+    self.members: dict[str, TableBackend] = {}
+    for spec in specs:
+      try:
+        member = cls(spec, **options)
+      except TypeError as e:
+        raise ValueError(f"Bad options for backend {text!r} (table {spec.name!r}): {e}") from None
+      member.bind(mesh)
+      self.members[spec.name] = member
+    self.lookahead = max([m.lookahead for m in self.members.values()] + [0])
+
+  def describe(self, table=None):
+    if table is not None:
+      return self.members[table].describe()
+    return self.members[next(iter(self.members))].describe() if self.members else self.text
+
+  def init(self, key):
+    state = {n: m.init(table_key(key, n)) for n, m in self.members.items()}
+    return jax.device_put(state, self.state_sharding())
+
+  def state_sharding(self):
+    return {n: m.state_sharding() for n, m in self.members.items()}
+
+  def prepare(self, ids, upcoming=(), *, train=True):
+    out = {}
+    for n, m in self.members.items():
+      x = np.asarray(ids[n])
+      p = {"rows": m.prepare(x, [u[n] for u in upcoming[: m.lookahead]], train=train)}
+      if m.spec.pooling == "mean":
+        p["count"] = np.sum(x >= 0, axis=1).astype(np.int32)
+      out[n] = p
+    return out
+
+  def prepared_spec(self, prepared):
+    out = {}
+    for n, p in prepared.items():
+      batch = sharding.BATCH_SPEC if self.shard_batch else sharding.REPLICATED
+      keys = self.members[n].batch_major if self.shard_batch else ()
+      rows = {
+        k: jax.tree.map(lambda _, s=(batch if k in keys else sharding.REPLICATED): s, v)
+        for k, v in p["rows"].items()
+      }
+      out[n] = {"rows": rows, **({"count": batch} if "count" in p else {})}
+    return out
+
+  def lookup(self, state, prepared):
+    return {
+      n: m.lookup_pooled(state[n], prepared[n]["rows"], prepared[n].get("count"))
+      for n, m in self.members.items()
+    }
+
+  def update(self, state, prepared, grads):
+    return {
+      n: m.update_pooled(state[n], prepared[n]["rows"], grads[n], prepared[n].get("count"))
+      for n, m in self.members.items()
+    }
+
+  def memory(self):
+    return {n: m.memory() for n, m in self.members.items()}
+
+  def num_params(self):
+    return {n: m.num_params() for n, m in self.members.items()}
+
+  def tables(self, state):
+    return {n: m.table(state[n]) for n, m in self.members.items()}
+
+  def sync(self, state):
+    return {n: m.sync(state[n]) for n, m in self.members.items()}
+
+  def restore(self, state):
+    return {n: m.restore(state[n]) for n, m in self.members.items()}
+
+  def stats(self):
+    out = {}
+    for n, m in self.members.items():
+      out.update({f"{n}/{k}": v for k, v in m.stats().items()})
+    return out
 
 
 def sparse_sgd_or_adagrad(
@@ -405,59 +619,118 @@ def parse_backend(text: str) -> tuple[str, dict[str, Any]]:
   return name, options
 
 
-def make_backend(text: str, spec: TableSpec) -> Backend:
-  """Instantiate the backend named by a plan string for one table."""
+def default_mesh() -> jax.sharding.Mesh:
+  """The 1 x 1 mesh on the first device (tests, benchmarks and tools without a config)."""
+  return sharding.make_mesh(1, 1)
+
+
+def make_group(
+  text: str, specs: Sequence[TableSpec], mesh: jax.sharding.Mesh | None = None
+) -> Backend:
+  """Instantiate the backend named by a plan string for a group of tables on `mesh`."""
   name, options = parse_backend(text)
   names = available_backends()
   if name not in names:
     raise ValueError(f"Unknown backend {name!r}; available: {', '.join(names)}")
   module = importlib.import_module(f"recgnn.embeddings.{name}")
+  mesh = default_mesh() if mesh is None else mesh
+  cls = module.BACKEND
+  if isinstance(cls, type) and issubclass(cls, TableBackend):
+    return TableGroup(cls, specs, mesh, text, **options)
   try:
-    return module.BACKEND(spec, **options)
+    return cls(specs, mesh, text=text, **options)
   except TypeError as e:
-    raise ValueError(f"Bad options for backend {text!r} (table {spec.name!r}): {e}") from None
+    raise ValueError(f"Bad options for backend {text!r}: {e}") from None
+
+
+def make_backend(text: str, spec: TableSpec, mesh: jax.sharding.Mesh | None = None) -> Backend:
+  """The backend of one table (a group of one)."""
+  return make_group(text, [spec], mesh)
+
+
+@dataclasses.dataclass
+class Plan:
+  """Every table's backend: groups keyed by a state key, and each table's group."""
+
+  groups: dict[str, Backend]
+  table_group: dict[str, str]
+  mesh: jax.sharding.Mesh
+
+  def backend_of(self, table: str) -> Backend:
+    return self.groups[self.table_group[table]]
+
+  @property
+  def specs(self) -> dict[str, TableSpec]:
+    return {n: g.specs[n] for n, g in ((t, self.backend_of(t)) for t in self.table_group)}
+
+  @property
+  def lookahead(self) -> int:
+    return max([g.lookahead for g in self.groups.values()] + [0])
 
 
 def resolve_plan(
-  rules: Sequence[tuple[str, str]], specs: Sequence[TableSpec], log: bool = True
-) -> dict[str, Backend]:
-  """Pick each table's backend: the first rule whose regex fully matches its name."""
+  rules: Sequence[tuple[str, str]],
+  specs: Sequence[TableSpec],
+  mesh: jax.sharding.Mesh | None = None,
+  log: bool = True,
+) -> Plan:
+  """Pick each table's backend (the first rule whose regex fully matches its name) and build
+  one backend instance per distinct backend string."""
   compiled = []
   for pattern, text in rules:
     try:
       compiled.append((re.compile(pattern), text))
     except re.error as e:
       raise ValueError(f"Bad plan regex {pattern!r}: {e}") from None
-  backends = {}
+  by_text: dict[str, list[TableSpec]] = {}
   for spec in specs:
     for rx, text in compiled:
       if rx.fullmatch(spec.name):
-        backends[spec.name] = make_backend(text, spec)
+        by_text.setdefault(" ".join(text.split()), []).append(spec)
         break
     else:
       raise ValueError(
         f"No plan rule matches table {spec.name!r}; rules: {[p for p, _ in rules]}. "
         "End the plan with ('.*', 'dense') to give every table a default."
       )
+  mesh = default_mesh() if mesh is None else mesh
+  groups: dict[str, Backend] = {}
+  table_group: dict[str, str] = {}
+  for text, members in by_text.items():
+    group = make_group(text, members, mesh)
+    key = group.name or parse_backend(text)[0]
+    i = 1
+    while key in groups:
+      key, i = f"{group.name}_{i}", i + 1
+    groups[key] = group
+    table_group.update({s.name: key for s in members})
+  # Tables in the task's order (the state and the printed plan follow it).
+  table_group = {s.name: table_group[s.name] for s in specs}
+  plan = Plan(groups, table_group, mesh)
   if log:
-    logging.info("Embedding plan:\n%s", format_plan(backends))
-  return backends
+    logging.info("Embedding plan:\n%s", format_plan(plan))
+  return plan
 
 
-def format_plan(backends: dict[str, Backend]) -> str:
-  """A table of each table's backend, size and placement."""
-  lines = [f"{'table':<12} {'rows':>12} {'dim':>4} {'backend':<36} {'device':>10} {'host':>10}"]
-  dev = host = 0
-  for name, b in backends.items():
-    m = b.memory()
-    dev, host = dev + m.device_bytes, host + m.host_bytes
+def format_plan(plan: Plan) -> str:
+  """A table of each table's backend, bytes per device and on the host."""
+  d, m = sharding.mesh_shape(plan.mesh)
+  lines = [
+    f"mesh {sharding.describe(plan.mesh)}",
+    f"{'table':<12} {'rows':>12} {'dim':>4} {'backend':<40} {'per device':>10} {'host':>10}",
+  ]
+  dev = host = params = dense = 0
+  for name in plan.table_group:
+    g = plan.backend_of(name)
+    spec, mem = g.specs[name], g.memory()[name]
+    dev, host = dev + mem.device_bytes, host + mem.host_bytes
+    params += g.num_params()[name]
+    dense += spec.num_rows * spec.dim
     lines.append(
-      f"{name:<12} {b.spec.num_rows:>12,} {b.spec.dim:>4} {b.describe():<36} "
-      f"{_mib(m.device_bytes):>10} {_mib(m.host_bytes):>10}"
+      f"{name:<12} {spec.num_rows:>12,} {spec.dim:>4} {g.describe(name):<40} "
+      f"{_mib(mem.device_bytes):>10} {_mib(mem.host_bytes):>10}"
     )
-  lines.append(f"{'total':<12} {'':>12} {'':>4} {'':<36} {_mib(dev):>10} {_mib(host):>10}")
-  params = sum(b.num_params() for b in backends.values())
-  dense = sum(b.spec.num_rows * b.spec.dim for b in backends.values())
+  lines.append(f"{'total':<12} {'':>12} {'':>4} {'':<40} {_mib(dev):>10} {_mib(host):>10}")
   if params:
     lines.append(
       f"embedding parameters: {params:,} ({dense / params:,.1f}x fewer than all-dense {dense:,})"
@@ -473,19 +746,19 @@ class PlanDoesNotFit(ValueError):
   """The plan needs more device memory than the budget allows."""
 
 
-def check_memory(backends: dict[str, Backend], device_budget_bytes: int | None) -> int:
-  """Refuse, before allocating, a plan whose device bytes exceed the budget.
-
-  Returns the plan's device bytes.
-  """
-  total = sum(b.memory().device_bytes for b in backends.values())
+def check_memory(plan: Plan, device_budget_bytes: int | None) -> int:
+  """Refuse, before allocating, a plan whose bytes on one device exceed the budget (per
+  device). Returns the plan's bytes per device."""
+  per_table = {n: (g, g.memory()[n]) for n in plan.table_group for g in [plan.backend_of(n)]}
+  total = sum(m.device_bytes for _, m in per_table.values())
   if device_budget_bytes is not None and total > device_budget_bytes:
-    worst = sorted(backends.values(), key=lambda b: -b.memory().device_bytes)[:5]
+    worst = sorted(per_table.items(), key=lambda kv: -kv[1][1].device_bytes)[:5]
     raise PlanDoesNotFit(
-      f"Embedding plan needs {_mib(total)} of device memory, budget is "
-      f"{_mib(device_budget_bytes)}. Largest tables: "
-      + ", ".join(f"{b.spec.name} {_mib(b.memory().device_bytes)} ({b.describe()})" for b in worst)
-      + ". Move large tables to a host-memory backend in config.embeddings.plan, e.g. "
+      f"Embedding plan needs {_mib(total)} per device on mesh {sharding.describe(plan.mesh)}, "
+      f"budget is {_mib(device_budget_bytes)} per device. Largest tables: "
+      + ", ".join(f"{n} {_mib(m.device_bytes)} ({g.describe(n)})" for n, (g, m) in worst)
+      + ". Split large tables over the devices ('dense(shard=rows)' with --config.mesh.model=N)"
+      " or move them to host memory or a compressed backend in config.embeddings.plan, e.g. "
       "('C(3|4|10)', 'offload(cache_rows=100_000)') or 'tt(rank=32)'."
     )
   return total

@@ -1,11 +1,26 @@
-"""`dense`: the whole table and its optimizer state on the accelerator (the reference backend).
+"""`dense`: the whole table and its optimizer state on the accelerators (the reference backend).
 
-State: {"table": float32[N, D], "accum": float32[N] (row-wise Adagrad only)}. Lookup is a
+State: {"table": float32[R, D], "accum": float32[R] (row-wise Adagrad only)}. Lookup is a
 gather; the update touches only the batch's rows (scatter-add for SGD, a dedup'd
 gather-apply-scatter for row-wise Adagrad, the dedup done on the host in `prepare`).
+
+Placement on a (DATA, MODEL) mesh:
+  dense              replicated on every device (R = N). The lookup gathers the local
+                     examples' rows; the update all-gathers the batch's (ids, pooled grads)
+                     (B x (L + D) values) and every replica applies the same sparse update.
+  dense(shard=rows)  rows split over MODEL, replicated over DATA (R = N rounded up to a
+                     multiple of the MODEL size; the padding rows are never read). Lookup in
+                     shard_map: the MODEL group's ids are all-gathered, each device gathers
+                     and pools the rows it owns (zeros elsewhere) and a psum_scatter returns
+                     each device its examples' sums: [B / data, D] floats per device, about
+                     8x fewer bytes than XLA's own partitioning of the gather (an all-reduce
+                     of the whole block; DESIGN.md). Update: (ids, pooled grads) all-gathered
+                     over the mesh; each device updates the rows it owns.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +29,11 @@ import numpy as np
 from recgnn import sharding
 from recgnn.embeddings import base
 
+P = sharding.P
 
-class Dense(base.Backend):
-  """Table on the device; optionally row-sharded over the mesh's TABLE axis.
 
-  Options (plan string): `dense` or `dense(shard=rows)` to row-shard the table over
-  `sharding.TABLE` when a mesh is given (XLA partitions the gather and scatter).
-  """
+class Dense(base.TableBackend):
+  """Table on the device(s). Options: `shard=none` (replicated) or `shard=rows`."""
 
   name = "dense"
 
@@ -33,17 +46,34 @@ class Dense(base.Backend):
   def describe(self) -> str:
     return "dense" if self.shard == "none" else f"dense(shard={self.shard})"
 
-  def init(self, key, mesh=None):
-    state = {"table": jnp.asarray(base.init_table(key, self.spec))}
-    state.update(self.spec.optimizer.init_slots(self.spec.num_rows))
-    shardings = self.state_sharding(mesh)
-    return jax.device_put(state, shardings) if shardings is not None else state
+  @property
+  def shards(self) -> int:
+    """How many pieces the rows are split into (1: replicated)."""
+    return 1 if self.shard == "none" or self.mesh is None else self.mesh.shape[sharding.MODEL]
 
-  def state_sharding(self, mesh):
-    if mesh is None or self.shard == "none":
-      return None
-    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.TABLE, None))
-    vec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.TABLE))
+  @property
+  def padded_rows(self) -> int:
+    return -(-self.spec.num_rows // self.shards) * self.shards
+
+  def init(self, key):
+    table = base.init_table(key, self.spec)
+    if self.padded_rows > self.spec.num_rows:
+      table = np.concatenate(
+        [table, np.zeros((self.padded_rows - self.spec.num_rows, self.spec.dim), np.float32)]
+      )
+    opt = self.spec.optimizer
+    state = {"table": table}
+    state.update(
+      {s: np.full(self.padded_rows, opt.initial_accumulator, np.float32) for s in opt.slot_names()}
+    )
+    return jax.device_put(state, self.state_sharding())
+
+  def state_sharding(self):
+    if self.shard == "none":
+      rows = vec = self.replicated()
+    else:
+      rows = sharding.named(self.mesh, P(sharding.MODEL, None))
+      vec = sharding.named(self.mesh, P(sharding.MODEL))
     return {"table": rows, **{s: vec for s in self.spec.optimizer.slot_names()}}
 
   def lookup(self, state, prepared):
@@ -55,11 +85,88 @@ class Dense(base.Backend):
     table, slots = base.sparse_sgd_or_adagrad(self.spec, state["table"], slots, prepared, grads)
     return {"table": table, **slots}
 
+  # ------------------------------------------------------------------------- row-sharded
+
+  def _local_ids(self, ids: jax.Array) -> jax.Array:
+    """Global ids -> this MODEL shard's row index, or R_local (dropped) when not owned."""
+    local_rows = self.padded_rows // self.shards
+    loc = ids - jax.lax.axis_index(sharding.MODEL) * local_rows
+    owned = (loc >= 0) & (loc < local_rows) & (ids < self.spec.num_rows)
+    return jnp.where(owned, loc, local_rows)
+
+  def lookup_pooled(self, state, prepared, count):
+    if self.shard == "none":
+      return super().lookup_pooled(state, prepared, count)
+    if count is None:
+      count = jnp.zeros((prepared["ids"].shape[0],), jnp.int32)  # unused (sum pooling)
+      mean = False
+    else:
+      mean = True
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(P(sharding.MODEL, None), P(sharding.BATCH, None), P(sharding.BATCH)),
+      out_specs=P(sharding.BATCH, None),
+      check_vma=False,
+    )
+    def local(table, ids, count):
+      # ids of every example of this device's MODEL group: [b * model, L]
+      group = jax.lax.all_gather(ids, sharding.MODEL, tiled=True)
+      rows = table.at[self._local_ids(group)].get(mode="fill", fill_value=0.0)
+      pooled = jax.lax.psum_scatter(
+        jnp.sum(rows, axis=1), sharding.MODEL, scatter_dimension=0, tiled=True
+      )
+      return base.pool_rows(pooled[:, None, :], count) if mean else pooled
+
+    return local(state["table"], prepared["ids"], count)
+
+  def update_pooled(self, state, prepared, g, count):
+    if self.shard == "none":
+      return super().update_pooled(state, prepared, g, count)
+    slot_names = self.spec.optimizer.slot_names()
+    bag = prepared["ids"].shape[1]
+    batch_keys = {k for k in prepared if k in self.batch_major}
+    p_specs = {k: P(sharding.BATCH) if k in batch_keys else P() for k in prepared}
+    if count is None:
+      count = jnp.zeros((g.shape[0],), jnp.int32)
+      mean = False
+    else:
+      mean = True
+    row_spec = {"table": P(sharding.MODEL, None), **{s: P(sharding.MODEL) for s in slot_names}}
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(row_spec, p_specs, P(sharding.BATCH), P(sharding.BATCH)),
+      out_specs=row_spec,
+      check_vma=False,
+    )
+    def local(state, prepared, g, count):
+      # The whole batch's (ids, pooled grads) on every device: B x (L + D) values.
+      every = lambda x: jax.lax.all_gather(x, sharding.BATCH, tiled=True)  # noqa: E731
+      prepared = {k: every(v) if k in batch_keys else v for k, v in prepared.items()}
+      g, count = every(g), every(count)
+      grads = base.unpool(g, count if mean else None, bag)
+      local_prepared = {"ids": self._local_ids(prepared["ids"])}
+      if "unique" in prepared:
+        local_prepared["unique"] = self._local_ids(prepared["unique"])
+        local_prepared["inverse"] = prepared["inverse"]
+      slots = {k: state[k] for k in slot_names}
+      table, slots = base.sparse_sgd_or_adagrad(
+        self.spec, state["table"], slots, local_prepared, grads
+      )
+      return {"table": table, **slots}
+
+    return local(state, prepared, g, count)
+
   def memory(self):
-    return base.MemoryReport(self.spec.table_bytes, 0, "device")
+    per_device = self.padded_rows // self.shards * self.spec.row_bytes
+    where = "device" if self.shards == 1 else f"rows over {self.shards} devices (MODEL)"
+    return base.MemoryReport(per_device, 0, where)
 
   def table(self, state):
-    return np.asarray(jax.device_get(state["table"]))
+    return np.asarray(jax.device_get(state["table"]))[: self.spec.num_rows]
 
 
 BACKEND = Dense

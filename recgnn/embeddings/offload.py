@@ -227,7 +227,7 @@ class Planner:
     )
 
 
-class Offload(base.Backend):
+class Offload(base.TableBackend):
   """Table in host memory, a C-row device cache filled ahead of the step (cDLRM).
 
   Options (plan string):
@@ -253,6 +253,7 @@ class Offload(base.Backend):
   """
 
   name = "offload"
+  batch_major = ("ids", "inverse", "now_pos")
 
   def __init__(
     self,
@@ -336,18 +337,12 @@ class Offload(base.Backend):
 
   # --------------------------------------------------------------------------- placement
 
-  def state_sharding(self, mesh):
-    """Host arrays in `host_memory`, the cache in device memory. On a mesh everything is
-    replicated (one host copy per device: offload is meant for one accelerator, as in
-    cDLRM; use hot_cold or sharded to split a table over several)."""
-    if mesh is None:
-      dev = jax.devices()[0]
-      mk = lambda kind: jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)  # noqa: E731
-    else:
-      mk = lambda kind: jax.sharding.NamedSharding(  # noqa: E731
-        mesh, jax.sharding.PartitionSpec(), memory_kind=kind
-      )
-    host, dev = mk(self.host_memory if self.offloaded else "device"), mk("device")
+  def state_sharding(self):
+    """Host arrays in `host_memory`, the cache in device memory, all replicated over the
+    mesh: every device holds the same cache, so lookups of its examples are local, and every
+    device applies the same update to it (exact, as `dense` replicated)."""
+    host = self.replicated(self.host_memory if self.offloaded else "device")
+    dev = self.replicated("device")
     slots = self.spec.optimizer.slot_names()
     return {
       "host": {"table": host, **{s: host for s in slots}},
@@ -357,9 +352,9 @@ class Offload(base.Backend):
       "stale": dev,
     }
 
-  def init(self, key, mesh=None):
+  def init(self, key):
     spec, c = self.spec, self.cache_rows
-    sh = self.state_sharding(mesh)
+    sh = self.state_sharding()
     self._host_sharding, self._dev_sharding = sh["host"]["table"], sh["cache"]["table"]
     self._planner = Planner(spec.num_rows, c, self.policy)
     opt = spec.optimizer
@@ -382,7 +377,9 @@ class Offload(base.Backend):
     spec, c = self.spec, self.cache_rows
     device = c * spec.row_bytes + c * 4  # cache rows + optimizer state, slot map
     planner = spec.num_rows * 4 * (2 if self.policy == "lfu" else 1)  # row->slot (+ counts)
-    host = spec.table_bytes + planner
+    # One host copy per device of the mesh (replicated pinned_host arrays).
+    copies = self.mesh.size if self.mesh is not None else 1
+    host = spec.table_bytes * copies + planner
     if not self.offloaded:
       device, host = device + spec.table_bytes, planner
     where = self.host_memory if self.offloaded else "device (no offload)"

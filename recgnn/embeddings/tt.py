@@ -56,7 +56,7 @@ import numpy as np
 from recgnn.embeddings import base
 
 KERNELS = ("naive", "unique", "prefix")
-INITS = ("sampled_gaussian", "uniform", "orthogonal")
+INITS = ("sampled_gaussian", "uniform", "orthogonal", "tt_svd")
 PADS = ("grow", "full")
 
 
@@ -193,7 +193,69 @@ def core_std(shape: TTShape, variance: float) -> float:
   return (variance / paths) ** (1.0 / (2 * shape.num_cores))
 
 
-def init_cores(key: jax.Array, shape: TTShape, variance: float, init: str) -> list[jax.Array]:
+def tt_svd(table: np.ndarray, shape: TTShape) -> list[np.ndarray]:
+  """TT-SVD (Oseledets 2011): cores of `shape` approximating a dense float[N, D] table.
+
+  The table, zero-padded to prod(n_k) rows, is the tensor T[i_1, d_1, ..., i_K, d_K] that
+  `reconstruct` produces (row digits and column digits interleaved, most significant first);
+  core k is the leading r_k left singular vectors of the k-th sequential unfolding, so at
+  full ranks the reconstruction is exact and at lower ranks it is the TT-SVD truncation
+  (quasi-optimal: error <= sqrt(K - 1) x the best rank-r TT's). If an unfolding has fewer
+  than r_k nonzero singular values the extra rank columns are left at zero (the caller adds
+  noise). The cores are rescaled to equal Frobenius norms (the product is unchanged), so no
+  core starts orders of magnitude smaller than the others.
+  Returns float32 cores [n_k, r_{k-1}, d_k, r_k].
+  """
+  n, d, ranks = shape.row_factors, shape.dim_factors, shape.ranks
+  k_cores = len(n)
+  rows, dim = table.shape
+  if dim != math.prod(d) or rows > math.prod(n):
+    raise ValueError(f"tt_svd: table {table.shape} does not fit {shape.describe()}")
+  full = np.zeros((math.prod(n), dim), np.float64)
+  full[:rows] = table
+  t = full.reshape(*n, *d)
+  t = t.transpose([a for k in range(k_cores) for a in (k, k_cores + k)])
+  cores, mat, r_prev = [], t, 1
+  for k in range(k_cores - 1):
+    mat = mat.reshape(r_prev * n[k] * d[k], -1)
+    u, sv, vt = np.linalg.svd(mat, full_matrices=False)
+    r = ranks[k + 1]
+    rr = min(r, sv.size)
+    core = np.zeros((r_prev * n[k] * d[k], r))
+    core[:, :rr] = u[:, :rr]
+    rest = np.zeros((r, vt.shape[1]))
+    rest[:rr] = sv[:rr, None] * vt[:rr]
+    cores.append(core.reshape(r_prev, n[k], d[k], r).transpose(1, 0, 2, 3))
+    mat, r_prev = rest, r
+  cores.append(mat.reshape(r_prev, n[-1], d[-1], 1).transpose(1, 0, 2, 3))
+  norms = np.array([np.linalg.norm(c) for c in cores])
+  if np.all(norms > 0):
+    g = np.exp(np.mean(np.log(norms)))
+    cores = [c * (g / nk) for c, nk in zip(cores, norms)]
+  return [c.astype(np.float32) for c in cores]
+
+
+def load_init_table(path: str, spec: base.TableSpec) -> np.ndarray:
+  """The dense float32[N, D] table that `init=tt_svd` compresses, from a .npy file."""
+  import os
+
+  table = np.load(os.path.expanduser(path), mmap_mode="r")
+  if table.shape != (spec.num_rows, spec.dim):
+    raise ValueError(
+      f"tt (table {spec.name!r}): init_path {path} holds {table.shape}, need "
+      f"({spec.num_rows}, {spec.dim}); rewrite it for this table (for node tables the task "
+      "writes it: embeddings.node_init)"
+    )
+  return np.asarray(table, np.float32)
+
+
+def init_cores(
+  key: jax.Array,
+  shape: TTShape,
+  variance: float,
+  init: str,
+  target: np.ndarray | None = None,
+) -> list[jax.Array]:
   """Cores whose reconstructed entries have mean 0 and the target variance.
 
   sampled_gaussian (TT-Rec): every core entry ~ N(0, s^2), s from `core_std`.
@@ -202,9 +264,26 @@ def init_cores(key: jax.Array, shape: TTShape, variance: float, init: str) -> li
     by QR of a Gaussian) scaled so its entries have variance s^2: an orthogonal m x n matrix
     has entry variance 1 / max(m, n). Sign symmetry keeps cross terms at zero mean, so the
     reconstructed variance is the same as for independent entries.
+  tt_svd: the TT-SVD (`tt_svd`) of `target`, a dense float[N, D] table (e.g. a graph's
+    adjacency eigenvectors: Nimble's "eigen" init), scaled so the reconstruction's mean square
+    is `variance`; rank columns the target cannot fill get sampled-Gaussian noise at 1% of s
+    (all-zero columns would have zero gradients and never train).
   """
   s = core_std(shape, variance)
   keys = jax.random.split(key, shape.num_cores)
+  if init == "tt_svd":
+    if target is None:
+      raise ValueError("tt: init=tt_svd needs a target table (the init_path option)")
+    cores = tt_svd(np.asarray(target, np.float64), shape)
+    # Scale the truncated reconstruction (not the target: truncation drops energy) to the
+    # target variance, equally over the K cores.
+    ms = float(jnp.mean(reconstruct([jnp.asarray(c) for c in cores], target.shape[0]) ** 2))
+    scale = (variance / ms) ** (1.0 / (2 * shape.num_cores)) if ms > 0 else 0.0
+    cores = [c * np.float32(scale) for c in cores]
+    return [
+      jnp.asarray(c) + 0.01 * s * jax.random.normal(keys[k], c.shape, jnp.float32) * (c == 0)
+      for k, c in enumerate(cores)
+    ]
   cores = []
   for k, (n, r0, d, r1) in enumerate(shape.core_shapes()):
     if init == "sampled_gaussian":
@@ -250,7 +329,7 @@ def _round_up(n: int) -> int:
 # ----------------------------------------------------------------------------- backend
 
 
-class TT(base.Backend):
+class TT(base.TableBackend):
   """Tensor-train table. See the module docstring.
 
   Options (plan string), e.g. `tt(rank=16, cores=3, init=sampled_gaussian, cache_rows=10000,
@@ -258,8 +337,13 @@ class TT(base.Backend):
     rank: inner TT rank (int, or a tuple of K-1 ranks). Default 32.
     cores: number of cores K (balanced factorization of rows and dim). Default 3.
     row_factors, dim_factors: explicit factorizations (tuples) instead of the balanced ones.
-    init: sampled_gaussian (default) | uniform | orthogonal; all match the variance of the
-      table's dense initializer (`target_variance`).
+    init: sampled_gaussian (default) | uniform | orthogonal | tt_svd; all match the variance
+      of the table's dense initializer (`target_variance`). tt_svd compresses the dense
+      float32[N, D] table in `init_path` (a .npy file) by TT-SVD: how a graph-derived init
+      (Nimble's "eigen": adjacency eigenvectors) reaches the backend. The file is the
+      interface: a task writes it (node_classification: embeddings.node_init=eigen), the
+      backend reads it at init; neither imports the other.
+    init_path: the .npy file of init=tt_svd (~ expanded).
     kernel: prefix (default) | unique | naive.
     cache_rows: rows of the uncompressed hot-row cache (0 = none, default).
     cache_warmup: batches counted before the hot set is fixed. Default 50.
@@ -267,6 +351,7 @@ class TT(base.Backend):
   """
 
   name = "tt"
+  batch_major = ("ids", "inverse", "cache_slot", "cache_inverse")
 
   def __init__(
     self,
@@ -276,6 +361,7 @@ class TT(base.Backend):
     row_factors: Sequence[int] | None = None,
     dim_factors: Sequence[int] | None = None,
     init: str = "sampled_gaussian",
+    init_path: str = "",
     kernel: str = "prefix",
     cache_rows: int = 0,
     cache_warmup: int = 50,
@@ -293,6 +379,9 @@ class TT(base.Backend):
         f"tt: need cache_rows >= 0 and cache_warmup >= 1, got {cache_rows}, {cache_warmup}"
       )
     target_variance(spec)  # fail at plan time for a zeros initializer
+    if (init == "tt_svd") != bool(init_path):
+      raise ValueError("tt: init=tt_svd and init_path=FILE.npy go together")
+    self.init_path = str(init_path)
     self.shape = tt_shape(spec.num_rows, spec.dim, rank, cores, row_factors, dim_factors)
     self.rank, self.init_name, self.kernel, self.pad = rank, init, kernel, pad
     self._explicit_factors = row_factors is not None or dim_factors is not None
@@ -308,6 +397,8 @@ class TT(base.Backend):
       opts.append(f"cores={self.shape.num_cores}")
     if self.init_name != "sampled_gaussian":
       opts.append(f"init={self.init_name}")
+    if self.init_path:
+      opts.append(f"init_path={self.init_path}")
     if self.kernel != "prefix":
       opts.append(f"kernel={self.kernel}")
     if self._explicit_factors:
@@ -323,10 +414,28 @@ class TT(base.Backend):
 
   # --------------------------------------------------------------------------- state
 
-  def init(self, key, mesh=None):
-    del mesh  # the cores are small: replicated (default placement)
+  def state_sharding(self):
+    """The cores are small: replicated on every device of the mesh (and the cache with them,
+    so a batch-split lookup reads its rows locally)."""
+    shapes = jax.eval_shape(self._init_shapes)
+    return jax.tree.map(lambda _: self.replicated(), shapes)
+
+  def _init_shapes(self):
     spec, opt = self.spec, self.spec.optimizer
-    cores = init_cores(key, self.shape, target_variance(spec), self.init_name)
+    state = {"cores": [jnp.zeros(s, jnp.float32) for s in self.shape.core_shapes()]}
+    if opt.needs_unique:
+      state["accum"] = [jnp.zeros((s[0],), jnp.float32) for s in self.shape.core_shapes()]
+    if self.cache_rows:
+      c = self.cache_rows
+      state["cache"] = jnp.zeros((c, spec.dim), jnp.float32)
+      state["cache_ids"] = jnp.zeros((c,), jnp.int32)
+      state.update({f"cache_{s}": jnp.zeros((c,), jnp.float32) for s in opt.slot_names()})
+    return state
+
+  def init(self, key):
+    spec, opt = self.spec, self.spec.optimizer
+    target = load_init_table(self.init_path, spec) if self.init_path else None
+    cores = init_cores(key, self.shape, target_variance(spec), self.init_name, target)
     state = {"cores": cores}
     if opt.needs_unique:
       state["accum"] = [opt.init_slots(s[0])["accum"] for s in self.shape.core_shapes()]

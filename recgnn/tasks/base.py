@@ -78,6 +78,15 @@ class Task(abc.ABC):
       f"{type(self).__name__}: give batches a 'weight' or override num_examples"
     )
 
+  #: Whether batches are split over the devices of the mesh (axis 0 of every leaf, B / n
+  #: examples per device). False: every device gets the whole batch (e.g. one sampled
+  #: subgraph per step), and the embeddings are looked up on every device.
+  shard_batch: bool = True
+
+  def steps_per_epoch(self) -> int | None:
+    """Train steps of one pass over the train split (for `train.epochs`), None if unknown."""
+    return None
+
   #: What one example is called in throughput logs ("samples", "edges", "nodes").
   example_unit: str = "samples"
 

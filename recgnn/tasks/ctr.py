@@ -113,6 +113,9 @@ class CTR(Task):
       num_epochs=None,
     )
 
+  def steps_per_epoch(self):
+    return self.data.num_batches("train", self.config.train.batch_size)
+
   def eval_batches(self, split):
     return self.data.batches(split, self.config.train.eval_batch_size, drop_remainder=False)
 

@@ -6,6 +6,16 @@ Config (the experiment's ConfigDict; see experiments/sage_*.py):
   data.path            ogb: the unpacked dataset folder; planetoid: root (None = bundled)
   data.split           ogb: split scheme folder (None = the only one)
   data.synthetic       synthetic: fields of `recgnn.graphs.synthetic.SyntheticSpec`
+  data.node_order      none (default) | partition | rcm | random (recgnn/graphs/reorder.py):
+                       node ids are relabelled when the graph loads; the permutation is
+                       cached under data.cache_dir (the same ids on every run and resume) and
+                       `graph.original_ids` / predict's "node" map results back
+  data.partition_levels  partition: parts per level (None = reorder.default_levels)
+  embeddings.node_init  "" | eigen: write the graph's adjacency eigenvectors, float32[N, dim]
+                       in the relabelled ids, to embeddings.node_init_path (.npy) when the task
+                       is built; a plan `tt(init=tt_svd, init_path=<that file>)` compresses
+                       them into the TT cores (Nimble's eigen init). The file is the whole
+                       interface: the task never sees a backend
   model.inputs         features | embeddings | both (learnable node embeddings: table `node`)
   model.hidden, model.dropout (L2: the trainer's optimizer.weight_decay)
   sampler.kind         node (GraphSAGE fanouts) | ladies (layer-wise)
@@ -27,6 +37,9 @@ seeds are frontier 0, and `labels` / `weight` are float32[batch_size] for them.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import time
 from collections.abc import Iterator
 
 import jax
@@ -48,7 +61,86 @@ SAMPLERS = ("node", "ladies")
 
 
 def load_graph(data: ml_collections.ConfigDict) -> store.Graph:
-  """The graph named by config.data."""
+  """The graph named by config.data, relabelled by data.node_order."""
+  graph = _load_raw_graph(data)
+  order = data.get("node_order", "none") or "none"
+  if order == "none":
+    return graph
+  levels = data.get("partition_levels", None)
+  perm = _cached_order(graph, order, levels, data.get("cache_dir", None) or DEFAULT_CACHE)
+  logging.info("node order %s applied", order)
+  return graph.relabel(perm)
+
+
+DEFAULT_CACHE = "~/.cache/recgnn"
+
+
+def _graph_key(graph: store.Graph, *parts) -> str:
+  h = hashlib.sha1(repr((graph.name, graph.num_nodes, graph.num_edges, *parts)).encode())
+  h.update(np.ascontiguousarray(graph.adj.indptr).tobytes())
+  h.update(np.ascontiguousarray(graph.adj.indices).tobytes())
+  return h.hexdigest()[:16]
+
+
+def _cached_order(graph: store.Graph, order: str, levels, cache_dir: str) -> np.ndarray:
+  """The permutation of `order`, computed once per graph and kept under cache_dir/node_order:
+  a resumed run (or another pymetis build) relabels exactly as the first run did."""
+  from recgnn.graphs import reorder
+
+  if order not in reorder.ORDERS:
+    raise ValueError(f"Unknown data.node_order {order!r}; available: {', '.join(reorder.ORDERS)}")
+  levels = tuple(levels) if levels else None
+  key = _graph_key(graph, order, levels)
+  path = os.path.join(
+    os.path.expanduser(cache_dir), "node_order", f"{graph.name}-{order}-{key}.npy"
+  )
+  if os.path.exists(path):
+    perm = np.load(path)
+    logging.info("node order %s: loaded %s", order, path)
+    return perm
+  t0 = time.perf_counter()
+  perm = reorder.node_order(graph, order, levels=levels)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.{os.getpid()}.tmp.npy"
+  np.save(tmp, perm)
+  os.replace(tmp, path)
+  logging.info("node order %s: %.1f s, saved %s", order, time.perf_counter() - t0, path)
+  return perm
+
+
+def write_eigen_init(graph: store.Graph, dim: int, path: str) -> str:
+  """Adjacency eigenvectors float32[N, dim] of `graph` (its current ids) at `path` (.npy),
+  rewritten only when the graph or dim changed (a key file beside it)."""
+  from recgnn.graphs import spectral
+
+  path = os.path.expanduser(path)
+  key = _graph_key(graph, "eigen", dim)
+  if os.path.exists(path) and _read(path + ".key") == key:
+    return path
+  t0 = time.perf_counter()
+  vecs, vals = spectral.eigen_embedding(graph.adj, dim)
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  tmp = f"{path}.{os.getpid()}.tmp.npy"
+  np.save(tmp, vecs)
+  os.replace(tmp, path)
+  with open(path + ".key", "w") as f:
+    f.write(key)
+  logging.info(
+    "eigen init: %d eigenvectors (eigenvalues %.3f..%.3f) in %.1f s -> %s",
+    dim, vals[0], vals[-1], time.perf_counter() - t0, path,
+  )  # fmt: skip
+  return path
+
+
+def _read(path: str) -> str:
+  try:
+    with open(path) as f:
+      return f.read()
+  except OSError:
+    return ""
+
+
+def _load_raw_graph(data: ml_collections.ConfigDict) -> store.Graph:
   if data.source == "planetoid":
     from recgnn.data import planetoid
 
@@ -72,11 +164,22 @@ def load_graph(data: ml_collections.ConfigDict) -> store.Graph:
 class NodeClassification(base.Task):
   """GraphSAGE node classification on features and / or learnable node embeddings."""
 
+  # A sampled mini-batch is one subgraph, not independent examples: every device of a mesh
+  # gets the whole batch (splitting the graph over devices is the bulk-sampling issue's work).
+  shard_batch = False
+
   def __init__(self, config: ml_collections.ConfigDict):
     super().__init__(config)
     # Bulk samples allocate large short-lived buffers; see recgnn.hostmem.
     hostmem.keep_freed_memory()
     self.graph = load_graph(config.data)
+    node_init = config.embeddings.get("node_init", "") or ""
+    if node_init not in ("", "eigen"):
+      raise ValueError(f"Unknown embeddings.node_init {node_init!r}; available: '', eigen")
+    if node_init == "eigen":
+      if not config.embeddings.get("node_init_path", ""):
+        raise ValueError("embeddings.node_init=eigen needs embeddings.node_init_path=FILE.npy")
+      write_eigen_init(self.graph, int(config.embeddings.dim), config.embeddings.node_init_path)
     self.inputs = config.model.inputs
     if self.inputs not in INPUTS:
       raise ValueError(f"Unknown model.inputs {self.inputs!r}; available: {', '.join(INPUTS)}")
@@ -177,6 +280,7 @@ class NodeClassification(base.Task):
         batch[f"{key}{depth}"] = v
     labels = np.where(seeds >= 0, self.graph.labels[np.maximum(seeds, 0)], -1)
     batch["labels"] = np.maximum(labels, 0).astype(np.int32)
+    batch["node"] = np.asarray(seeds, np.int32)  # the seeds' ids (-1: padding), for predictions
     batch["weight"] = (labels >= 0).astype(np.float32)
     return batch
 
@@ -245,11 +349,11 @@ class NodeClassification(base.Task):
     n = len(self.sampler.sizes) - 1
     return [{key: batch[f"{key}{d}"] for key in keys} for d in range(n)]
 
-  def _model_for(self, batch) -> graphsage.GraphSAGE:
+  def _model_for(self, batch, embeddings) -> graphsage.GraphSAGE:
     """The model for this batch's static frontier sizes (train and eval samplers may differ;
     the params are the same)."""
     n0 = batch["labels"].shape[0]
-    rows = batch["x"].shape[0] if "x" in batch else batch["ids"][TABLE].shape[0]
+    rows = batch["x"].shape[0] if "x" in batch else embeddings[TABLE].shape[0]
     num_layers = len(self.sampler.sizes) - 1
     if self.config.sampler.kind == "node":
       mid = tuple(batch[f"nbr{d}"].shape[0] for d in range(1, num_layers))
@@ -263,10 +367,11 @@ class NodeClassification(base.Task):
 
   def init_params(self, key, batch, embeddings):
     x = self._inputs(batch, embeddings)
-    return self._model_for(batch).init(key, x, self._layers(batch), train=False)["params"]
+    model = self._model_for(batch, embeddings)
+    return model.init(key, x, self._layers(batch), train=False)["params"]
 
   def loss(self, params, batch, embeddings, key):
-    logits = self._model_for(batch).apply(
+    logits = self._model_for(batch, embeddings).apply(
       {"params": params},
       self._inputs(batch, embeddings),
       self._layers(batch),
@@ -281,14 +386,33 @@ class NodeClassification(base.Task):
     return loss, {"accuracy": acc}
 
   def predict(self, params, batch, embeddings):
-    logits = self._model_for(batch).apply(
+    logits = self._model_for(batch, embeddings).apply(
       {"params": params}, self._inputs(batch, embeddings), self._layers(batch), train=False
     )
     return {
       "pred": jnp.argmax(logits, -1).astype(jnp.int32),
+      "logits": logits,
+      "node": batch["node"],
       "labels": batch["labels"],
       "weight": batch["weight"],
     }
+
+  def original_ids(self, nodes: np.ndarray) -> np.ndarray:
+    """The dataset's ids of `nodes` (ids of the possibly relabelled graph; -1 stays -1)."""
+    nodes = np.asarray(nodes)
+    if self.graph.original_ids is None:
+      return nodes.astype(np.int64)
+    return np.where(nodes >= 0, self.graph.original_ids[np.maximum(nodes, 0)], -1)
+
+  def predictions(self, outputs) -> dict[str, np.ndarray]:
+    """Eval outputs keyed by the dataset's node ids: {"node": int64[n] original ids (sorted),
+    "pred": int32[n], "logits": float32[n, C]}; padding dropped."""
+    node = self.original_ids(np.concatenate([np.asarray(o["node"]) for o in outputs]))
+    pred = np.concatenate([np.asarray(o["pred"]) for o in outputs])
+    logits = np.concatenate([np.asarray(o["logits"]) for o in outputs])
+    keep = node >= 0
+    order = np.argsort(node[keep], kind="stable")
+    return {"node": node[keep][order], "pred": pred[keep][order], "logits": logits[keep][order]}
 
   def metrics(self, outputs):
     pred = np.concatenate([np.asarray(o["pred"]) for o in outputs])

@@ -12,7 +12,6 @@ so stateful backends (device caches) see one consistent sequence of batches.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import importlib
 import json
@@ -29,10 +28,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from recgnn import hostmem
+from recgnn import hostmem, sharding
 from recgnn.embeddings import base
 from recgnn.tasks.base import Task
 from recgnn.train import checkpoint as ckpt_lib
+from recgnn.train import inputs
 from recgnn.train import step as step_lib
 
 
@@ -115,12 +115,13 @@ def _stream(task: Task, start: int, total: int, eval_every: int, eval_split: str
 
 
 class InputThread:
-  """Runs backend.prepare and device_put ahead of the step on a background thread."""
+  """Runs every group's `prepare` (inputs.prepare_stream) and the packed, per-device
+  device_put ahead of the step on a background thread."""
 
-  def __init__(self, stream: Iterator, backends: dict[str, base.Backend], depth: int, task: Task):
-    self._backends = backends
+  def __init__(self, stream: Iterator, plan: base.Plan, feeder, depth: int, task: Task):
+    self._plan = plan
+    self._feeder = feeder
     self._task = task
-    self._lookahead = max([b.lookahead for b in backends.values()] + [0])
     self._queue: queue.Queue = queue.Queue(maxsize=depth)
     self._stop = threading.Event()
     self.busy_seconds = 0.0
@@ -129,37 +130,19 @@ class InputThread:
 
   def _run(self, stream):
     try:
-      window: collections.deque = collections.deque()
-      it = iter(stream)
-      exhausted = False
-
-      def refill():
-        nonlocal exhausted
-        while not exhausted and len(window) < self._lookahead + 1:
-          try:
-            window.append(next(it))
-          except StopIteration:
-            exhausted = True
-
-      refill()
-      while window and not self._stop.is_set():
-        kind, split, batch = window.popleft()
-        refill()
+      items = inputs.prepare_stream(self._plan, stream)
+      while not self._stop.is_set():
         t0 = time.perf_counter()
-        prepared = None
-        if batch is not None:
-          # Only train batches change a cache, so the look-ahead window skips eval batches.
-          upcoming = [w[2].get("ids", {}) for w in window if w[0] == "train"]
-          train = kind == "train"
-          prepared = {
-            n: b.prepare(batch["ids"][n], [u[n] for u in upcoming[: b.lookahead]], train=train)
-            for n, b in self._backends.items()
-          }
-          buffers, layout = step_lib.pack((prepared, batch))
-          prepared = (jax.device_put(buffers), layout)
+        try:
+          it = next(items)  # prepare runs here
+        except StopIteration:
+          break
+        device = None
+        if it.batch is not None:
+          device = self._feeder(it.prepared, it.batch, f"{it.kind} batch")
         self.busy_seconds += time.perf_counter() - t0
-        size = self._task.num_examples(batch) if batch is not None else 0
-        self._put(Item(kind, split, size, prepared))
+        size = self._task.num_examples(it.batch) if it.batch is not None else 0
+        self._put(Item(it.kind, it.split, size, device))
       self._put(None)
     except BaseException as e:  # forwarded to the main thread, which re-raises
       self._put(e)
@@ -215,8 +198,28 @@ def _summary_writer(workdir: str):
   return SummaryWriter(os.path.join(workdir, "tensorboard"))
 
 
-def _sync_all(backends, state: step_lib.TrainState) -> step_lib.TrainState:
-  return state.replace(emb={n: b.sync(state.emb[n]) for n, b in backends.items()})
+def _sync_all(plan: base.Plan, state: step_lib.TrainState) -> step_lib.TrainState:
+  return state.replace(emb={k: g.sync(state.emb[k]) for k, g in plan.groups.items()})
+
+
+def training_length(tcfg, task: Task) -> tuple[int, str]:
+  """Steps to train and how they were derived: `train.steps` when set (> 0), else
+  `train.epochs` x the task's steps per epoch."""
+  steps = int(tcfg.get("steps", 0) or 0)
+  per_epoch = task.steps_per_epoch()
+  if steps > 0:
+    epochs = f" = {steps / per_epoch:,.3f} epoch(s) of {per_epoch:,} steps" if per_epoch else ""
+    return steps, f"{steps:,} steps (train.steps){epochs}"
+  epochs = float(tcfg.get("epochs", 0) or 0)
+  if epochs <= 0:
+    raise ValueError("Set train.epochs (> 0) or train.steps (> 0)")
+  if not per_epoch:
+    raise ValueError(
+      f"{type(task).__name__} does not know its train split's size; set train.steps instead "
+      "of train.epochs"
+    )
+  steps = max(1, round(epochs * per_epoch))
+  return steps, f"{steps:,} steps = {epochs:g} epoch(s) x {per_epoch:,} steps (train.epochs)"
 
 
 def train(
@@ -239,16 +242,22 @@ def train(
   task = load_task(config)
   log(task.describe())
   specs = task.tables()
-  backends = base.resolve_plan(list(map(tuple, config.embeddings.plan)), specs, log=False)
-  log("Embedding plan (bytes before allocation):\n" + base.format_plan(backends))
+  mesh = sharding.mesh_from_config(config.get("mesh", {}))
+  plan = base.resolve_plan(list(map(tuple, config.embeddings.plan)), specs, mesh, log=False)
+  log("Embedding plan (bytes before allocation):\n" + base.format_plan(plan))
   if device_memory_budget is None and config.get("device_memory_budget"):
     device_memory_budget = parse_bytes(config.device_memory_budget)
-  base.check_memory(backends, device_memory_budget)
+  base.check_memory(plan, device_memory_budget)
+  feeder = step_lib.Feeder(plan, task.shard_batch)
+  total_steps, how = training_length(tcfg, task)
+  log(f"Mesh {sharding.describe(mesh)}; training {how}")
 
   tx = step_lib.make_optimizer(config.optimizer)
   key = jax.random.key(config.seed)
   example = task.example_batch()
-  state = step_lib.init_state(task, backends, tx, key, example)
+  # Fail on a batch that cannot be split over the mesh now, not in the input thread.
+  feeder(inputs.prepare_one(plan, example, [], train=False), example, "eval batch")
+  state = step_lib.init_state(task, plan, tx, key, example)
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   log(f"Dense params: {n_params:,}")
 
@@ -256,15 +265,20 @@ def train(
   start = 0
   if resume and ckpt.latest_step() is not None:
     state = ckpt.restore(state)
-    state = state.replace(emb={n: b.restore(state.emb[n]) for n, b in backends.items()})
+    state = state.replace(emb={k: g.restore(state.emb[k]) for k, g in plan.groups.items()})
     start = int(state.step)
     log(f"Resumed from checkpoint at step {start} in {ckpt.directory}")
   elif resume:
     log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
 
-  total = tcfg.steps
-  train_step = step_lib.jit_packed(step_lib.make_train_step(task, backends, tx), True)
-  eval_step = step_lib.jit_packed(step_lib.make_eval_step(task, backends), False)
+  total = total_steps
+  shardings = step_lib.state_sharding(plan, state)
+  train_step = step_lib.jit_packed(
+    step_lib.make_train_step(task, plan, tx), plan, shardings, donate_state=True, out_state=True
+  )
+  eval_step = step_lib.jit_packed(
+    step_lib.make_eval_step(task, plan), plan, shardings, donate_state=False, out_state=False
+  )
   final_splits = tuple(tcfg.get("final_eval_splits", ("valid", "test")))
   end = total if stop_after is None else min(total, start + stop_after)
   stream = _stream(
@@ -275,7 +289,7 @@ def train(
     tcfg.get("eval_split", "valid"),
     final_splits if end == total else (),
   )
-  inputs = InputThread(stream, backends, depth=base.PREFETCH, task=task)
+  feed = InputThread(stream, plan, feeder, depth=base.PREFETCH, task=task)
   writer = _summary_writer(workdir)
   metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115 (closed below)
 
@@ -298,7 +312,7 @@ def train(
   try:
     with _Sigterm() as sigterm:
       while True:
-        item = inputs.get()
+        item = feed.get()
         if item is None:
           break
         if item.kind == "train":
@@ -326,14 +340,15 @@ def train(
             scalars = {k: float(np.mean([h[k] for h in host])) for k in host[0]}
             rate = (step - step_last) * batch_size / max(now - t_last, 1e-9)
             scalars["samples_per_second"] = rate
-            for n, b in backends.items():
-              scalars.update({f"{n}/{k}": v for k, v in b.stats().items()})
+            for g in plan.groups.values():
+              scalars.update(g.stats())
             write_scalars(step, scalars)
-            log(f"step {step:>7}/{total}  loss {scalars['loss']:.5f}  {rate:,.0f} {task.example_unit}/s")
+            unit = task.example_unit
+            log(f"step {step:>7}/{total}  loss {scalars['loss']:.5f}  {rate:,.0f} {unit}/s")
             t_last, step_last = now, step
           if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < end:
             t0 = time.perf_counter()
-            state = _sync_all(backends, state)
+            state = _sync_all(plan, state)
             ckpt.save(state, step)
             t_last += time.perf_counter() - t0  # keep samples/s a measure of training only
           if sigterm.received:
@@ -354,10 +369,10 @@ def train(
           )
           results.update({f"{item.split}/{k}": v for k, v in res.items()})
   finally:
-    inputs.close()
+    feed.close()
     if profiling:
       jax.profiler.stop_trace()
-    state = _sync_all(backends, state)
+    state = _sync_all(plan, state)
     if step > start or interrupted:
       ckpt.save(state, step)
     ckpt.close()
@@ -366,12 +381,12 @@ def train(
       writer.close()
 
   results["step"] = step
-  results["input_thread_seconds"] = inputs.busy_seconds
+  results["input_thread_seconds"] = feed.busy_seconds
   if step == total:
     results.update(task.final_report(results))
     with open(os.path.join(workdir, "results.json"), "w") as f:
       json.dump(results, f, indent=2, sort_keys=True)
-  return Result(metrics=results, state=state, backends=backends)
+  return Result(metrics=results, state=state, plan=plan)
 
 
 @dataclasses.dataclass
@@ -380,4 +395,4 @@ class Result:
 
   metrics: dict[str, Any]
   state: step_lib.TrainState
-  backends: dict[str, base.Backend]
+  plan: base.Plan

@@ -1,26 +1,31 @@
-"""Pure train and eval steps over a Task and its tables' backends.
+"""Pure train and eval steps over a Task and its embedding plan, on a device mesh.
 
-One step:  rows = backend.lookup(emb, prepared)              per table, float32[B, L, D]
-           loss, (g_params, g_rows) = value_and_grad(task.loss after pooling)(params, rows)
-           params <- optax;  emb <- backend.update(emb, prepared, g_rows)   (sparse, donated)
-Embedding tables never go through optax: their gradient w.r.t. the looked-up rows is all a
+One step:  pooled = group.lookup(emb, prepared)            per group: {table: f32[B, D]}
+           loss, (g_params, g_pooled) = value_and_grad(task.loss)(params, pooled)
+           params <- optax;  emb <- group.update(emb, prepared, g_pooled)   (sparse, donated)
+Embedding tables never go through optax: their gradient w.r.t. the pooled lookups is all a
 backend needs, so no table-sized cotangent is ever built.
+
+On a (DATA, MODEL) mesh the batch is split over every device (B / n examples each, when the
+task shards batches), the dense params and their optimizer state are replicated (XLA
+all-reduces their gradients), and each group places its tables as its `state_sharding` says.
+Steps are jitted with explicit in / out shardings and the state donated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 
+from recgnn import sharding
 from recgnn.embeddings import base
 from recgnn.tasks.base import Task
+from recgnn.train import inputs
 
 PyTree = Any
 
@@ -56,116 +61,126 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
   return tx
 
 
-def pooled(
-  backends: Mapping[str, base.Backend], rows: dict[str, jax.Array], batch
-) -> dict[str, jax.Array]:
-  """Per table: rows float32[B, L, D] -> float32[B, D] with the table's pooling."""
-  return {n: base.pool(rows[n], batch["ids"][n], b.spec.pooling) for n, b in backends.items()}
+def lookup_all(plan: base.Plan, emb, prepared) -> dict[str, jax.Array]:
+  """{table: f32[B, D]} pooled embeddings of every group."""
+  out = {}
+  for key, group in plan.groups.items():
+    out.update(group.lookup(emb[key], prepared[key]))
+  return out
 
 
-def lookup_all(backends, emb, prepared) -> dict[str, jax.Array]:
-  return {n: b.lookup(emb[n], prepared[n]) for n, b in backends.items()}
-
-
-def make_train_step(task: Task, backends: Mapping[str, base.Backend], tx):
+def make_train_step(task: Task, plan: base.Plan, tx):
   """(state, prepared, batch) -> (state, metrics). Jit it with the state donated."""
 
   def step(state: TrainState, prepared, batch):
     key = jax.random.fold_in(state.key, state.step)
-    rows = lookup_all(backends, state.emb, prepared)
+    pooled = lookup_all(plan, state.emb, prepared)
 
-    def loss_fn(params, rows):
-      return task.loss(params, batch, pooled(backends, rows, batch), key)
+    def loss_fn(params, pooled):
+      return task.loss(params, batch, pooled, key)
 
-    (loss, aux), (g_params, g_rows) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-      state.params, rows
-    )
+    (loss, aux), (g_params, g_pooled) = jax.value_and_grad(
+      loss_fn, argnums=(0, 1), has_aux=True
+    )(state.params, pooled)
     updates, opt_state = tx.update(g_params, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    emb = {n: b.update(state.emb[n], prepared[n], g_rows[n]) for n, b in backends.items()}
+    emb = {
+      key: group.update(state.emb[key], prepared[key], {t: g_pooled[t] for t in group.specs})
+      for key, group in plan.groups.items()
+    }
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, emb=emb)
     return new, {"loss": loss, **aux}
 
   return step
 
 
-def make_eval_step(task: Task, backends: Mapping[str, base.Backend]):
+def make_eval_step(task: Task, plan: base.Plan):
   """(state, prepared, batch) -> the task's predict outputs."""
 
   def step(state: TrainState, prepared, batch):
-    rows = lookup_all(backends, state.emb, prepared)
-    return task.predict(state.params, batch, pooled(backends, rows, batch))
+    return task.predict(state.params, batch, lookup_all(plan, state.emb, prepared))
 
   return step
 
 
-def jit_train_step(task, backends, tx):
-  """The train step jitted over unpacked inputs (benchmarks; the trainer uses jit_packed)."""
-  return jax.jit(make_train_step(task, backends, tx), donate_argnums=0)
+def device_batch(batch: dict) -> dict:
+  """What of a task batch goes to the device: everything but the raw ids (the backends'
+  prepared arrays carry what the step needs of them)."""
+  return {k: v for k, v in batch.items() if k != "ids"}
 
 
-# A batch and its prepared ids are ~100 small arrays; one device_put each costs more than the
-# step itself on CPU (measured: 25 ms for a 26-table Criteo batch). So the input thread packs
-# them into one flat buffer per dtype and the jitted step slices them apart (free in XLA).
+def state_sharding(plan: base.Plan, abstract_state: TrainState) -> TrainState:
+  """NamedShardings of a TrainState: the groups' for `emb`, replicated for the rest."""
+  repl = jax.sharding.NamedSharding(plan.mesh, sharding.REPLICATED)
+  out = jax.tree.map(lambda _: repl, abstract_state)
+  return out.replace(emb={k: g.state_sharding() for k, g in plan.groups.items()})
 
 
-def pack(tree) -> tuple[list[np.ndarray], tuple]:
-  """A pytree of numpy arrays -> (one flat buffer per dtype, static layout for `unpack`)."""
-  leaves, treedef = jax.tree.flatten(tree)
-  dtypes = sorted({np.dtype(x.dtype).str for x in leaves})
-  parts: dict[str, list] = {d: [] for d in dtypes}
-  offsets = dict.fromkeys(dtypes, 0)
-  where = []
-  for x in leaves:
-    x = np.asarray(x)
-    d = x.dtype.str
-    where.append((dtypes.index(d), offsets[d], x.shape))
-    parts[d].append(x.reshape(-1))
-    offsets[d] += x.size
-  buffers = [np.concatenate(parts[d]) if parts[d] else np.zeros(0, d) for d in dtypes]
-  return buffers, (treedef, tuple(where))
-
-
-def unpack(buffers, layout):
-  """Inverse of `pack`, inside jit: static slices of the buffers."""
-  treedef, where = layout
-  leaves = [
-    jax.lax.slice(buffers[i], (off,), (off + int(np.prod(shape)),)).reshape(shape)
-    for i, off, shape in where
-  ]
-  return jax.tree.unflatten(treedef, leaves)
-
-
-def jit_packed(step_fn, donate_state: bool):
-  """step_fn(state, prepared, batch) -> jitted f(state, buffers, layout) over `pack` output."""
+def jit_packed(step_fn, plan: base.Plan, state_shardings, donate_state: bool, out_state: bool):
+  """step_fn(state, prepared, batch) -> jitted f(state, buffers, layout) over `inputs.pack`
+  output, with explicit in / out shardings (state as `state_shardings`, buffers split over
+  the mesh, metrics / predictions replicated)."""
+  mesh = plan.mesh
+  buf = jax.sharding.NamedSharding(mesh, sharding.BATCH_SPEC)
+  repl = jax.sharding.NamedSharding(mesh, sharding.REPLICATED)
 
   def packed(state, buffers, layout):
-    prepared, batch = unpack(buffers, layout)
+    prepared, batch = inputs.unpack(buffers, layout, mesh)
     return step_fn(state, prepared, batch)
 
-  return jax.jit(packed, static_argnums=2, donate_argnums=0 if donate_state else ())
+  out = (state_shardings, repl) if out_state else repl
+  return jax.jit(
+    packed,
+    static_argnums=2,
+    donate_argnums=0 if donate_state else (),
+    in_shardings=(state_shardings, buf),
+    out_shardings=out,
+  )
+
+
+class Feeder:
+  """Packs (prepared, batch) for the step: the specs of every leaf, checked and cached."""
+
+  def __init__(self, plan: base.Plan, shard_batch: bool):
+    self.plan, self.shard_batch = plan, shard_batch
+    for g in plan.groups.values():
+      g.shard_batch = shard_batch
+
+  def specs(self, prepared, batch):
+    p = {k: self.plan.groups[k].prepared_spec(v) for k, v in prepared.items()}
+    return p, inputs.batch_spec(batch, self.shard_batch)
+
+  def __call__(self, prepared, batch, what: str = "batch"):
+    """-> (device buffers, layout): one transfer, split over the mesh."""
+    batch = device_batch(batch)
+    specs = self.specs(prepared, batch)
+    inputs.check_split((prepared, batch), specs, self.plan.mesh, what)
+    buffers, layout = inputs.pack((prepared, batch), specs, self.plan.mesh.size)
+    return inputs.put(buffers, self.plan.mesh), layout
 
 
 def init_state(
   task: Task,
-  backends: Mapping[str, base.Backend],
+  plan: base.Plan,
   tx,
   key: jax.Array,
   example_batch,
-  mesh=None,
 ) -> TrainState:
-  """Allocate every table (placement decided by its backend) and the dense params."""
+  """Allocate every table (placed by its group) and the dense params (replicated)."""
   k_emb, k_params, k_run = jax.random.split(key, 3)
-  emb = {n: b.init(jax.random.fold_in(k_emb, i), mesh) for i, (n, b) in enumerate(backends.items())}
+  emb = {k: g.init(k_emb) for k, g in plan.groups.items()}
+  specs = plan.specs
   zeros = {
-    n: jnp.zeros(example_batch["ids"][n].shape[:1] + (b.spec.dim,), jnp.float32)
-    for n, b in backends.items()
+    n: jnp.zeros(example_batch["ids"][n].shape[:1] + (s.dim,), jnp.float32)
+    for n, s in specs.items()
   }
-  params = task.init_params(k_params, example_batch, zeros)
+  params = task.init_params(k_params, device_batch(example_batch), zeros)
+  repl = jax.sharding.NamedSharding(plan.mesh, sharding.REPLICATED)
+  params = jax.device_put(params, repl)
   return TrainState(
-    step=jnp.zeros((), jnp.int32),
+    step=jax.device_put(jnp.zeros((), jnp.int32), repl),
     params=params,
-    opt_state=tx.init(params),
+    opt_state=jax.device_put(tx.init(params), repl),
     emb=emb,
-    key=k_run,
+    key=jax.device_put(k_run, repl),
   )

@@ -1,0 +1,185 @@
+"""The backend contract as reusable checks: every backend runs these against `dense`.
+
+Used by tests/test_contract.py (a new backend adds its plan string there), test_offload.py and
+test_tt.py. The checks drive a backend exactly as the trainer does (the trainer's own
+prepare driver, `recgnn.train.inputs`: look-ahead window and run-ahead; jitted lookup and
+update with the state donated, on a mesh; sync at the end) and compare with the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from recgnn import sharding
+from recgnn.embeddings import base
+from recgnn.train import inputs
+
+PREFETCH = base.PREFETCH
+
+
+def zipf_ids(
+  seed: int,
+  num_batches: int,
+  batch: int,
+  bag: int,
+  num_rows: int,
+  exponent: float = 1.05,
+  pad_fraction: float = 0.2,
+) -> list[np.ndarray]:
+  """Batches of ids int32[batch, bag] with Zipf popularity and PAD in some slots.
+
+  Row r is drawn with probability ~ 1 / (rank(r) + 1)**exponent under a fixed random
+  permutation, so hot rows are scattered over the table (as hashed categoricals are).
+  """
+  rng = np.random.default_rng(seed)
+  p = 1.0 / np.arange(1, num_rows + 1) ** exponent
+  p /= p.sum()
+  perm = rng.permutation(num_rows)
+  out = []
+  for _ in range(num_batches):
+    ids = perm[rng.choice(num_rows, size=(batch, bag), p=p)].astype(np.int32)
+    if bag > 1 and pad_fraction > 0:
+      # Pad a suffix of each bag (multi-hot bags have variable length); keep slot 0.
+      lengths = rng.integers(1, bag + 1, size=batch)
+      lengths = np.where(rng.random(batch) < pad_fraction, lengths, bag)
+      ids[np.arange(bag)[None, :] >= lengths[:, None]] = base.PAD
+    out.append(ids)
+  return out
+
+
+@dataclasses.dataclass
+class Trace:
+  """What a backend produced over a run: each step's pooled lookups, and the final table."""
+
+  lookups: list[np.ndarray]  # f32[B, D] per step
+  table: np.ndarray
+  backend: base.Backend
+  state: object
+
+
+def grads_for(step: int, pooled: jax.Array) -> jax.Array:
+  """d/d pooled of sum(pooled * T_step) + 0.5 * sum(pooled**2): depends on the values, so
+  a backend that serves a stale row produces a different gradient and fails the check."""
+  t = jax.random.normal(jax.random.key(1000 + step), pooled.shape, jnp.float32)
+  return t + pooled
+
+
+def put_prepared(group: base.Backend, prepared, mesh):
+  """Place a group's prepared pytree as its `prepared_spec` says (batch-major leaves split
+  over the mesh), as the trainer's packed transfer does."""
+  specs = group.prepared_spec(prepared)
+  return jax.tree.map(
+    lambda x, s: jax.device_put(x, sharding.named(mesh, s)),
+    prepared,
+    specs,
+    is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+  )
+
+
+def run(
+  backend_text: str,
+  spec: base.TableSpec,
+  batches: Sequence[np.ndarray],
+  key: jax.Array | None = None,
+  mesh=None,
+  prefetch: int = PREFETCH,
+  evals: dict[int, np.ndarray] | None = None,
+) -> Trace:
+  """Train one table for len(batches) steps the way the trainer does: every `prepare` in
+  stream order through the trainer's own driver (inputs.prepare_stream + run_ahead: the
+  input thread `prefetch` batches ahead, prepare(k + prefetch) before update(k)).
+
+  evals: {step: ids} eval batches (lookup only) inserted before train step `step`; their
+  pooled lookups are returned in `Trace.lookups` in stream order too.
+  """
+  mesh = base.default_mesh() if mesh is None else mesh
+  plan = base.resolve_plan([(".*", backend_text)], [spec], mesh, log=False)
+  (gkey, group), = plan.groups.items()
+  key = jax.random.key(0) if key is None else key
+  state = group.init(key)
+  lookup = jax.jit(group.lookup)
+  update = jax.jit(group.update, donate_argnums=0)
+  grads = jax.jit(grads_for, static_argnums=0)
+  evals = evals or {}
+  stream = []
+  for step, ids in enumerate(batches):
+    if step in evals:
+      stream.append(("eval", "valid", {"ids": {spec.name: evals[step]}}))
+    stream.append(("train", None, {"ids": {spec.name: ids}}))
+  lookups = []
+  step = 0
+  for item in inputs.run_ahead(inputs.prepare_stream(plan, stream), prefetch):
+    prepared = put_prepared(group, item.prepared[gkey], mesh)
+    pooled = lookup(state, prepared)
+    lookups.append(np.asarray(pooled[spec.name]))
+    if item.kind == "train":
+      state = update(state, prepared, {spec.name: grads(step, pooled[spec.name])})
+      step += 1
+  state = group.sync(state)
+  return Trace(lookups, group.tables(state)[spec.name], group, state)
+
+
+def pooled_reference(table: np.ndarray, ids: np.ndarray, pooling: str = "sum") -> np.ndarray:
+  """numpy pooling of a table's rows: ids int[B, L] (PAD = -1) -> f64[B, D]."""
+  rows = np.where((ids >= 0)[..., None], table[np.maximum(ids, 0)].astype(np.float64), 0.0)
+  out = rows.sum(axis=1)
+  if pooling == "mean":
+    out /= np.maximum((ids >= 0).sum(axis=1), 1)[:, None]
+  return out
+
+
+def assert_lookups_equal_table(pooled: np.ndarray, table: np.ndarray, ids: np.ndarray, **tol):
+  """pooled[b] == sum of table[ids[b, l]] over the bag's non-padded slots."""
+  np.testing.assert_allclose(pooled, pooled_reference(table, ids), **tol)
+
+
+def assert_matches_dense(
+  backend_text: str,
+  spec: base.TableSpec,
+  batches: Sequence[np.ndarray],
+  *,
+  atol: float = 0.0,
+  rtol: float = 0.0,
+  mesh=None,
+) -> Trace:
+  """The backend's pooled lookups at every step and its final table equal single-device
+  `dense`'s. atol = rtol = 0 demands bit-identical results (offload, hot_cold, sharded
+  without codec)."""
+  ref = run("dense", spec, batches)
+  got = run(backend_text, spec, batches, mesh=mesh)
+  for step, (a, b) in enumerate(zip(got.lookups, ref.lookups)):
+    np.testing.assert_allclose(
+      a, b, atol=atol, rtol=rtol, err_msg=f"{backend_text}: lookup differs at step {step}"
+    )
+  np.testing.assert_allclose(
+    got.table, ref.table, atol=atol, rtol=rtol, err_msg=f"{backend_text}: final table differs"
+  )
+  return got
+
+
+def update_temp_bytes(group: base.Backend, state, prepared, grads) -> int:
+  """Scratch memory XLA allocates for one update (from the compiled executable)."""
+  compiled = jax.jit(group.update, donate_argnums=0).lower(state, prepared, grads).compile()
+  analysis = compiled.memory_analysis()
+  return int(analysis.temp_size_in_bytes)
+
+
+def assert_update_is_sparse(backend_text: str, spec: base.TableSpec, batch: np.ndarray) -> int:
+  """An update's scratch memory must not scale with the table: it is compared against a
+  table-sized buffer (a dense gradient would need num_rows * dim * 4 bytes)."""
+  group = base.make_backend(backend_text, spec)
+  state = group.init(jax.random.key(0))
+  prepared = group.prepare({spec.name: batch}, [])
+  grads = {spec.name: jnp.ones((batch.shape[0], spec.dim), jnp.float32)}
+  temp = update_temp_bytes(group, state, prepared, grads)
+  table_bytes = spec.num_rows * spec.dim * 4
+  assert temp < table_bytes / 4, (
+    f"{backend_text}: update needs {temp} scratch bytes for a {table_bytes}-byte table: "
+    "it materialises something table-sized"
+  )
+  return temp
