@@ -1,0 +1,29 @@
+"""R-GCN encoder (basis decomposition) + DistMult decoder on FB15k-237, whole graph."""
+
+from experiments import kge_fb15k237
+
+
+def get_config(arg=None):
+  del arg
+  c = kge_fb15k237.get_config("distmult")
+  c.model.encoder = "rgcn"
+  # One layer: the halo of a partition is then its 1-hop in-neighbourhood.
+  c.model.rgcn.num_layers = 1
+  c.model.rgcn.num_bases = 4
+  c.model.rgcn.dropout = 0.0
+  # The target edge is in the message-passing graph; dropping edges keeps the encoder from
+  # learning to read the answer off it.
+  c.model.rgcn.edge_dropout = 0.5
+  c.model.regularizer = "n3"
+  c.model.reg_weight = 5e-2
+  c.embeddings.dim = 64
+  # Edge mini-batches with sampled negatives: every step encodes the whole graph.
+  c.train.scoring = "sampled"
+  c.negatives.kind = "uniform"
+  c.negatives.num = 256
+  c.batch_size = 4096
+  c.train.steps = 133 * 10  # ~10 epochs of 544,230 edges (train + reciprocal)
+  c.train.eval_every = 0
+  c.train.log_every = 20
+  c.eval.batch_size = 4096
+  return c

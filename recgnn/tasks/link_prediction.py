@@ -1,0 +1,518 @@
+"""Knowledge-graph link prediction: KGE decoders, an optional R-GCN encoder, partitions.
+
+Config (see experiments/kge_fb15k237.py, rgcn_fb15k237*.py):
+  data.path             folder with train/valid/test triples ("" = bundled FB15k-237)
+  data.reciprocal       add inverse relations (tail prediction only, Lacroix et al. 2018)
+  data.max_bad_lines    malformed lines tolerated per file
+  model.decoder         distmult | complex | rotate | transe
+  model.encoder         none | rgcn
+  model.gamma, model.p  margin of rotate / transe; transe's norm (1 or 2)
+  model.dropout         on the decoder's entity inputs
+  model.regularizer     none | n3 | l2, weight model.reg_weight (on the batch's h, r, t)
+  model.rgcn            num_bases, num_layers, dropout, edge_dropout
+  train.scoring         1vsall (every candidate entity scored; small graphs) |
+                        sampled (negatives.num negatives per edge; large graphs)
+  negatives.kind        uniform | type (entities seen with the relation) | partition
+  negatives.num         negatives per edge (sampled scoring)
+  batch_size            edges per step
+  eval.batch_size       queries per eval batch (one side: head or tail)
+  partition.num_parts   0 = whole graph; P > 0 trains self-sufficient partitions
+  partition.method      metis | random
+  partition.only        -1 = train every partition; p = train partition p alone (one worker
+                        of a partition-parallel run; tests)
+  embeddings.dim / optimizer / initializer / plan: the entity table `entity`
+
+How entity rows reach the task: batch["ids"]["entity"] is int32[M, 1], the M entity rows a
+step needs (bags of one, -1 = padding); the trainer looks them up through the plan and passes
+f32[M, D]. Triples index those rows (`h`, `t`, `neg` are row indices, not entity ids):
+  sampled, no encoder:  rows = per edge [h, t, neg_1..neg_K], batch-major (M = B (2 + K))
+  1vsall, no encoder:   rows = every entity (M = N); replicated, not batch-major
+  encoder:              rows = the encoded graph's nodes: every entity, or a partition's core
+                        + halo padded to the largest partition; replicated, like the graph
+                        leaves src / dst / erel / enorm (int32 / f32[E_max]).
+Eval: every entity's row (encoded when there is an encoder) scores each query against all N
+entities, with the other true answers of the query (the filter, train + valid + test) set
+to -inf: `filt_q` / `filt_e` int32[C] (query row in the batch, entity) pairs, padded with
+query row B. Rank = 1 + #higher + #tied / 2 (ties count half, the "mean" tie rule).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from recgnn.data import kg as kg_lib
+from recgnn.embeddings import OptimizerSpec, TableSpec
+from recgnn.graphs import kg_partition
+from recgnn.models import kge, rgcn
+from recgnn.tasks import base
+
+TABLE = "entity"
+SCORINGS = ("1vsall", "sampled")
+NEGATIVES = ("uniform", "type", "partition")
+ENCODERS = ("none", "rgcn")
+REGULARIZERS = ("none", "n3", "l2")
+
+
+def _check(name: str, value, valid) -> None:
+  if value not in valid:
+    raise ValueError(f"Unknown {name} {value!r}; available: {', '.join(valid)}")
+
+
+def ranks_from_scores(scores: np.ndarray, target: np.ndarray, filt: list[np.ndarray]):
+  """Reference filtered ranks (numpy): scores f32[B, N], target int[B], filt[i] the true
+  answers of query i (the target among them or not). Rank = 1 + #higher + #tied / 2."""
+  out = np.zeros(len(target), np.float64)
+  for i, (s, y) in enumerate(zip(scores, target)):
+    s = s.astype(np.float64).copy()
+    other = np.setdiff1d(filt[i], [y])
+    s[other] = -np.inf
+    out[i] = 1 + np.sum(s > s[y]) + (np.sum(s == s[y]) - 1) / 2
+  return out
+
+
+def rank_metrics(ranks: np.ndarray, side: np.ndarray | None = None) -> dict[str, float]:
+  ranks = np.asarray(ranks, np.float64)
+  res = {"mrr": float(np.mean(1 / ranks))}
+  for k in (1, 3, 10):
+    res[f"hits@{k}"] = float(np.mean(ranks <= k))
+  if side is not None:
+    for s, name in ((0, "tail"), (1, "head")):
+      sel = side == s
+      if sel.any():
+        res[f"mrr_{name}"] = float(np.mean(1 / ranks[sel]))
+  return res
+
+
+class LinkPrediction(base.Task):
+  """Link prediction on a knowledge graph with a KGE decoder and optional R-GCN encoder."""
+
+  example_unit = "edges"
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    super().__init__(config)
+    d, m = config.data, config.model
+    self.kg = kg_lib.load(
+      d.get("path", "") or None,
+      reciprocal=bool(d.get("reciprocal", True)),
+      max_bad_lines=int(d.get("max_bad_lines", 100)),
+    )
+    self.seed = int(config.get("seed", 0))
+    self.decoder = m.decoder
+    self.dim = int(config.embeddings.dim)
+    kge.check_decoder(self.decoder, self.dim)
+    self.encoder_kind = m.get("encoder", "none")
+    _check("model.encoder", self.encoder_kind, ENCODERS)
+    self.scoring = config.train.get("scoring", "1vsall")
+    _check("train.scoring", self.scoring, SCORINGS)
+    self.neg_kind = config.negatives.get("kind", "uniform")
+    _check("negatives.kind", self.neg_kind, NEGATIVES)
+    self.num_neg = int(config.negatives.get("num", 256))
+    self.regularizer = m.get("regularizer", "none")
+    _check("model.regularizer", self.regularizer, REGULARIZERS)
+    self.batch_size = int(config.batch_size)
+    self.eval_batch_size = int(config.eval.batch_size)
+    self.num_parts = int(config.partition.get("num_parts", 0))
+    if self.num_parts and self.encoder_kind == "none":
+      raise ValueError(
+        "partition.num_parts > 0 partitions the encoder's graph: set --config.model.encoder=rgcn"
+      )
+    if self.neg_kind == "partition" and not self.num_parts:
+      raise ValueError("negatives.kind=partition needs --config.partition.num_parts > 0")
+    if self.num_parts and self.neg_kind != "partition":
+      raise ValueError(
+        "partitioned training draws negatives from the partition: "
+        "set --config.negatives.kind=partition"
+      )
+    N = self.kg.num_entities
+    self.train_triples = self.kg.training_triples()
+    self.filter = kg_lib.FilterIndex(self.kg)
+    self.relations = kge.Relations(
+      self.kg.num_relations,
+      kge.relation_dim(self.decoder, self.dim),
+      self.decoder,
+      float(m.get("relation_init", 1e-3)),
+    )
+    self.encoder = None
+    self.graph = None
+    self.partitions = None
+    if self.encoder_kind == "rgcn":
+      r = m.rgcn
+      self.encoder = rgcn.RGCN(
+        num_relations=self.kg.num_relations if self.kg.reciprocal else 2 * self.kg.num_relations,
+        dim=self.dim,
+        num_bases=int(r.num_bases),
+        num_layers=int(r.num_layers),
+        dropout=float(r.dropout),
+        edge_dropout=float(r.edge_dropout),
+      )
+      self.graph = self._message_graph()
+      if self.num_parts:
+        t0 = time.perf_counter()
+        parts = kg_partition.assign(
+          N, self.kg.splits["train"], self.num_parts, config.partition.method, self.seed
+        )
+        self.partitions = kg_partition.build(
+          N, self.train_triples, self.graph["edges"], parts, int(r.num_layers)
+        )
+        self.partition_seconds = time.perf_counter() - t0
+        self.max_nodes = max(len(p.nodes) for p in self.partitions)
+        self.max_edges = max(len(p.edges) for p in self.partitions)
+    if self.neg_kind == "type":
+      self._type_index()
+    self._eval_cache: dict[str, list] = {}
+    # Only sampled scoring without an encoder has batch-major rows; otherwise every step reads
+    # all entities or one (sub)graph, which every device needs whole.
+    self.shard_batch = self.scoring == "sampled" and self.encoder is None
+
+  # --------------------------------------------------------------------------- data
+
+  def _message_graph(self) -> dict[str, np.ndarray]:
+    """The encoder's edges: every training triple and its reverse (under the reciprocal
+    relation id), with the whole-graph norms 1 / c_{dst, rel}."""
+    t = self.kg.splits["train"]
+    R = self.kg.num_base_relations
+    edges = np.concatenate([t, np.stack([t[:, 2], t[:, 1] + R, t[:, 0]], 1)]).astype(np.int32)
+    key = edges[:, 2].astype(np.int64) * (2 * R) + edges[:, 1]
+    _, inv, cnt = np.unique(key, return_inverse=True, return_counts=True)
+    norm = (1.0 / cnt[inv]).astype(np.float32)
+    return {"edges": edges, "norm": norm}
+
+  def _type_index(self):
+    """Per relation, the entities seen as its tail in train (type-constrained negatives)."""
+    t = self.train_triples
+    order = np.lexsort((t[:, 2], t[:, 1]))
+    rel, tail = t[order, 1], t[order, 2]
+    pair = rel.astype(np.int64) * self.kg.num_entities + tail
+    keep = np.ones(pair.size, bool)
+    keep[1:] = pair[1:] != pair[:-1]
+    rel, tail = rel[keep], tail[keep]
+    counts = np.bincount(rel, minlength=self.kg.num_relations)
+    self.type_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    self.type_tails = tail.astype(np.int32)
+
+  def _negatives(self, rng, rel: np.ndarray, pool_size: int | None = None) -> np.ndarray:
+    """int32[B, K] negative entities (or rows of a partition's core)."""
+    B, K = rel.shape[0], self.num_neg
+    if self.neg_kind == "type":
+      lo = self.type_offsets[rel]
+      cnt = self.type_offsets[rel + 1] - lo
+      u = rng.random((B, K))
+      return self.type_tails[lo[:, None] + (u * cnt[:, None]).astype(np.int64)]
+    n = pool_size if pool_size is not None else self.kg.num_entities
+    return rng.integers(0, n, (B, K), dtype=np.int32)
+
+  def tables(self) -> list[TableSpec]:
+    emb = self.config.embeddings
+    return [
+      TableSpec(
+        name=TABLE,
+        num_rows=self.kg.num_entities,
+        dim=self.dim,
+        optimizer=OptimizerSpec(**dict(emb.optimizer)),
+        initializer=emb.get("initializer", "uniform"),
+        pooling="sum",
+      )
+    ]
+
+  def describe(self) -> str:
+    lines = [self.kg.describe()]
+    enc = (
+      "no encoder"
+      if self.encoder is None
+      else (
+        f"R-GCN encoder ({self.config.model.rgcn.num_layers} layer(s), "
+        f"{self.config.model.rgcn.num_bases} bases) over {len(self.graph['edges']):,} edges"
+      )
+    )
+    lines.append(
+      f"decoder {self.decoder}, dim {self.dim}, {enc}; scoring {self.scoring}"
+      + (
+        f", {self.num_neg} {self.neg_kind} negatives per edge" if self.scoring == "sampled" else ""
+      )
+    )
+    if self.partitions:
+      lines.append(
+        kg_partition.describe(self.partitions, self.kg.num_entities, len(self.graph["edges"]))
+        + f"\n  partitioned in {self.partition_seconds:.1f} s ({self.config.partition.method})"
+      )
+    return "\n".join(lines)
+
+  def steps_per_epoch(self) -> int:
+    if self.partitions:
+      return sum(
+        -(-len(self.partitions[p].triples) // self.batch_size) for p in self._trained_partitions()
+      )
+    return -(-len(self.train_triples) // self.batch_size)
+
+  def _graph_leaves(self, edges: np.ndarray, norm: np.ndarray, cap: int) -> dict[str, np.ndarray]:
+    e = len(edges)
+    out = {
+      "src": np.zeros(cap, np.int32),
+      "dst": np.zeros(cap, np.int32),
+      "erel": np.zeros(cap, np.int32),
+      "enorm": np.zeros(cap, np.float32),
+    }
+    out["src"][:e], out["erel"][:e], out["dst"][:e] = edges[:, 0], edges[:, 1], edges[:, 2]
+    out["enorm"][:e] = norm
+    return out
+
+  def _pad(self, x: np.ndarray, n: int, fill=0) -> np.ndarray:
+    out = np.full((n, *x.shape[1:]), fill, x.dtype)
+    out[: len(x)] = x
+    return out
+
+  def _edge_batch(self, rng, triples: np.ndarray, rows_pool: int | None):
+    """h / rel / t / weight (+ neg) of B triples whose h, t already index the step's rows."""
+    B = self.batch_size
+    n = len(triples)
+    batch = {
+      "h": self._pad(triples[:, 0], B),
+      "rel": self._pad(triples[:, 1], B),
+      "t": self._pad(triples[:, 2], B),
+      "weight": self._pad(np.ones(n, np.float32), B),
+    }
+    if self.scoring == "sampled":
+      batch["neg"] = self._negatives(rng, batch["rel"], rows_pool)
+    return batch
+
+  def train_batches(self, start_step: int = 0) -> Iterator[base.Batch]:
+    if self.partitions:
+      yield from self._partition_batches(start_step)
+      return
+    spe, B, N = self.steps_per_epoch(), self.batch_size, self.kg.num_entities
+    all_rows = np.arange(N, dtype=np.int32)[:, None]
+    step = start_step
+    while True:
+      epoch, within = divmod(step, spe)
+      perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.train_triples))
+      tr = self.train_triples[perm[within * B : (within + 1) * B]]
+      rng = np.random.default_rng([self.seed, epoch, within, 1])
+      batch = self._edge_batch(rng, tr, None)
+      if self.encoder is not None or self.scoring == "1vsall":
+        batch["ids"] = {TABLE: all_rows}  # rows are entity ids
+        if self.encoder is not None:
+          batch.update(
+            self._graph_leaves(self.graph["edges"], self.graph["norm"], len(self.graph["edges"]))
+          )
+      else:
+        # Rows per edge: [h, t, neg...]; h / t / neg become row indices.
+        K = self.num_neg
+        ents = np.concatenate([batch["h"][:, None], batch["t"][:, None], batch["neg"]], 1)
+        ents[batch["weight"] == 0] = -1
+        batch["ids"] = {TABLE: ents.reshape(-1, 1).astype(np.int32)}
+        base_row = np.arange(B, dtype=np.int32) * (2 + K)
+        batch["h"], batch["t"] = base_row, base_row + 1
+        batch["neg"] = base_row[:, None] + 2 + np.arange(K, dtype=np.int32)[None]
+      yield batch
+      step += 1
+
+  def _trained_partitions(self) -> list[int]:
+    only = int(self.config.partition.get("only", -1))
+    if only >= len(self.partitions):
+      raise ValueError(
+        f"partition.only={only}, but there are {len(self.partitions)} partitions (0..."
+        f"{len(self.partitions) - 1}; -1 = all)"
+      )
+    return [only] if only >= 0 else list(range(len(self.partitions)))
+
+  def _partition_schedule(self, epoch: int) -> list[tuple[int, int]]:
+    """(partition, batch index) of every step of an epoch, interleaved at random."""
+    order = [
+      (p, i)
+      for p in self._trained_partitions()
+      for i in range(-(-len(self.partitions[p].triples) // self.batch_size))
+    ]
+    perm = np.random.default_rng([self.seed, epoch, 2]).permutation(len(order))
+    return [order[i] for i in perm]
+
+  def partition_batch(self, p: int, triples: np.ndarray, rng) -> base.Batch:
+    """One training batch of partition p: its core + halo rows and its subgraph only."""
+    part = self.partitions[p]
+    batch = self._edge_batch(rng, triples, part.num_core)
+    nodes = np.full(self.max_nodes, -1, np.int32)
+    nodes[: len(part.nodes)] = part.nodes
+    batch["ids"] = {TABLE: nodes[:, None]}
+    norm = self.graph["norm"][part.edge_index]
+    batch.update(self._graph_leaves(part.edges, norm, self.max_edges))
+    if self.scoring == "1vsall":
+      batch["cand_mask"] = (np.arange(self.max_nodes) < part.num_core).astype(np.float32)
+    return batch
+
+  def _partition_batches(self, start_step: int):
+    spe, B = self.steps_per_epoch(), self.batch_size
+    step = start_step
+    while True:
+      epoch, within = divmod(step, spe)
+      sched = self._partition_schedule(epoch)
+      p, i = sched[within]
+      part = self.partitions[p]
+      perm = np.random.default_rng([self.seed, epoch, p]).permutation(len(part.triples))
+      tr = part.triples[perm[i * B : (i + 1) * B]]
+      rng = np.random.default_rng([self.seed, epoch, within, 1])
+      yield self.partition_batch(p, tr, rng)
+      step += 1
+
+  # --------------------------------------------------------------------------- eval data
+
+  def _eval_batches_list(self, split: str) -> list[base.Batch]:
+    if split in self._eval_cache:
+      return self._eval_cache[split]
+    q = kg_lib.queries(self.kg, split)
+    B, N = self.eval_batch_size, self.kg.num_entities
+    batches = []
+    # One side per batch: a model without reciprocal relations scores head queries with its
+    # head-side scorer.
+    for side in (0, 1):
+      idx = np.flatnonzero(q["side"] == side)
+      for s in range(0, len(idx), B):
+        sel = idx[s : s + B]
+        filt = self.filter.lookup(q["anchor"][sel], q["rel"][sel])
+        fq, fe = [], []
+        for i, (f, y) in enumerate(zip(filt, q["target"][sel])):
+          f = f[f != y]
+          fq.append(np.full(f.size, i, np.int32))
+          fe.append(f)
+        batches.append(
+          {
+            "anchor": self._pad(q["anchor"][sel], B),
+            "rel": self._pad(q["rel"][sel], B),
+            "target": self._pad(q["target"][sel], B),
+            "side": self._pad(q["side"][sel], B),
+            "weight": self._pad(np.ones(len(sel), np.float32), B),
+            "filt_q": np.concatenate(fq),
+            "filt_e": np.concatenate(fe),
+          }
+        )
+    # One static filter capacity per split (the largest batch's), padded with row B.
+    cap = max(len(b["filt_q"]) for b in batches)
+    cap = -(-cap // 4096) * 4096
+    all_rows = np.arange(N, dtype=np.int32)[:, None]
+    for b in batches:
+      b["filt_q"] = self._pad(b["filt_q"], cap, fill=B)
+      b["filt_e"] = self._pad(b["filt_e"], cap, fill=0)
+      b["ids"] = {TABLE: all_rows}
+      if self.encoder is not None:
+        b.update(
+          self._graph_leaves(self.graph["edges"], self.graph["norm"], len(self.graph["edges"]))
+        )
+    self._eval_cache[split] = batches
+    return batches
+
+  def eval_batches(self, split: str):
+    return iter(self._eval_batches_list(split))
+
+  def example_batch(self) -> base.Batch:
+    # The encoder's params do not depend on the graph's size; any train batch has every leaf.
+    return next(self.train_batches(0))
+
+  def num_examples(self, batch) -> int:
+    return int(np.sum(batch["weight"] > 0)) if "anchor" not in batch else len(batch["weight"])
+
+  # --------------------------------------------------------------------------- model
+
+  def _encode(self, params, batch, rows, train: bool, key=None):
+    if self.encoder is None:
+      return rows
+    graph = {"src": batch["src"], "dst": batch["dst"], "rel": batch["erel"], "norm": batch["enorm"]}
+    rngs = {"dropout": key} if train else {}
+    return self.encoder.apply({"params": params["encoder"]}, rows, graph, train, rngs=rngs)
+
+  def _rel(self, params, rel):
+    return self.relations.apply({"params": params["relations"]}, rel)
+
+  def init_params(self, key, batch, embeddings):
+    k1, k2 = jax.random.split(key)
+    rel = jnp.asarray(batch["rel"])
+    params = {"relations": self.relations.init(k1, rel)["params"]}
+    if self.encoder is not None:
+      graph = {
+        "src": batch["src"],
+        "dst": batch["dst"],
+        "rel": batch["erel"],
+        "norm": batch["enorm"],
+      }
+      params["encoder"] = self.encoder.init(k2, embeddings[TABLE], graph, False)["params"]
+    return params
+
+  def _gamma_p(self):
+    m = self.config.model
+    return float(m.get("gamma", 0.0)), int(m.get("p", 1))
+
+  def loss(self, params, batch, embeddings, key):
+    k_enc, k_drop = jax.random.split(key)
+    rows = self._encode(params, batch, embeddings[TABLE], True, k_enc)
+    h = jnp.take(rows, batch["h"], axis=0)
+    t = jnp.take(rows, batch["t"], axis=0)
+    r = self._rel(params, batch["rel"])
+    rate = float(self.config.model.get("dropout", 0.0))
+    hd = h
+    if rate > 0:
+      keep = jax.random.bernoulli(k_drop, 1 - rate, h.shape)
+      hd = jnp.where(keep, h / (1 - rate), 0.0)
+    gamma, p = self._gamma_p()
+    if self.scoring == "1vsall":
+      scores = kge.score_all(self.decoder, hd, r, rows, "tail", gamma, p)  # [B, M]
+      if "cand_mask" in batch:
+        scores = jnp.where(batch["cand_mask"][None] > 0, scores, -1e30)
+      ce = optax.softmax_cross_entropy_with_integer_labels(scores, batch["t"])
+    else:
+      neg = jnp.take(rows, batch["neg"], axis=0)  # [B, K, D]
+      pos = kge.score(self.decoder, hd, r, t, gamma, p)
+      negs = kge.score(self.decoder, hd[:, None], r[:, None], neg, gamma, p)
+      logits = jnp.concatenate([pos[:, None], negs], 1)
+      ce = -jax.nn.log_softmax(logits, axis=-1)[:, 0]
+    w = batch["weight"]
+    denom = jnp.maximum(w.sum(), 1.0)
+    loss = jnp.sum(ce * w) / denom
+    aux = {"ce": loss}
+    lam = float(self.config.model.get("reg_weight", 0.0))
+    if self.regularizer != "none" and lam > 0:
+      wv = w[:, None]
+      if self.regularizer == "n3":
+        pairs = self.decoder in ("complex", "rotate")
+        reg = kge.n3(h * wv, r * wv, t * wv, complex_pairs=pairs) / denom
+      else:
+        reg = (jnp.sum((h * wv) ** 2) + jnp.sum((r * wv) ** 2) + jnp.sum((t * wv) ** 2)) / denom
+      loss = loss + lam * reg
+      aux["reg"] = reg
+    return loss, aux
+
+  def predict(self, params, batch, embeddings):
+    rows = self._encode(params, batch, embeddings[TABLE], False)
+    q = jnp.take(rows, batch["anchor"], axis=0)
+    gamma, p = self._gamma_p()
+    if self.kg.reciprocal:
+      scores = kge.score_all(
+        self.decoder, q, self._rel(params, batch["rel"]), rows, "tail", gamma, p
+      )
+    else:
+      R = self.kg.num_base_relations
+      base_rel = jnp.where(batch["side"] == 1, batch["rel"] - R, batch["rel"])
+      r = self._rel(params, base_rel)
+      tail = kge.score_all(self.decoder, q, r, rows, "tail", gamma, p)
+      head = kge.score_all(self.decoder, q, r, rows, "head", gamma, p)
+      scores = jnp.where(batch["side"][:, None] == 1, head, tail)
+    B = scores.shape[0]
+    target = jnp.take_along_axis(scores, batch["target"][:, None], axis=1)
+    scores = scores.at[batch["filt_q"], batch["filt_e"]].set(-jnp.inf, mode="drop")
+    higher = jnp.sum(scores > target, axis=1).astype(jnp.float32)
+    tied = jnp.sum(scores == target, axis=1).astype(jnp.float32) - 1.0
+    del B
+    return {"rank": 1.0 + higher + tied / 2, "side": batch["side"], "weight": batch["weight"]}
+
+  def metrics(self, outputs):
+    rank = np.concatenate([np.asarray(o["rank"]) for o in outputs])
+    side = np.concatenate([np.asarray(o["side"]) for o in outputs])
+    w = np.concatenate([np.asarray(o["weight"]) for o in outputs])
+    keep = w > 0
+    return rank_metrics(rank[keep], side[keep])
+
+
+TASK = LinkPrediction

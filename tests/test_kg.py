@@ -1,0 +1,360 @@
+"""Knowledge-graph link prediction: reader, decoders, filtered ranks, partitions."""
+
+from __future__ import annotations
+
+import gzip
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import kge_fb15k237, rgcn_fb15k237_partitioned
+from recgnn.data import kg as kg_lib
+from recgnn.models import kge, rgcn
+from recgnn.tasks import link_prediction as lp
+
+# ----------------------------------------------------------------------------- data
+
+
+def _write(path, text, gz=False):
+  data = text.encode()
+  if gz:
+    data = gzip.compress(data)
+  with open(path, "wb") as f:
+    f.write(data)
+
+
+def test_reader_gzip_crlf_and_bad_lines(tmp_path):
+  _write(tmp_path / "train.txt.gz", "a\tr1\tb\r\nb\tr2\tc\r\n\r\nbroken line\nc\tr1\ta\n", gz=True)
+  _write(tmp_path / "valid.txt", "a\tr2\tc\nx\tr9\ta\n")  # r9 unseen in train: dropped
+  _write(tmp_path / "test.txt", "c\tr2\tb\na\tr1\t\n")  # empty tail: malformed
+  g = kg_lib.load(str(tmp_path))
+  assert g.entities == ["a", "b", "c", "x"]
+  assert g.relations == ["r1", "r2"]
+  np.testing.assert_array_equal(g.splits["train"], [[0, 0, 1], [1, 1, 2], [2, 0, 0]])
+  np.testing.assert_array_equal(g.splits["valid"], [[0, 1, 2]])
+  assert g.unseen == {"train": 0, "valid": 1, "test": 0}
+  bad = {os.path.basename(b.path): b for b in g.bad_lines}
+  assert bad["train.txt.gz"].count == 1 and bad["train.txt.gz"].examples[0][0] == 4
+  assert bad["test.txt"].examples == [(2, "a\tr1\t")]
+  assert "line 4" in g.describe()
+  # reciprocal triples
+  np.testing.assert_array_equal(g.training_triples()[3:], [[1, 2, 0], [2, 3, 1], [0, 2, 2]])
+  with pytest.raises(kg_lib.MalformedDataError, match=r"train.txt.gz.*line 4.*max_bad_lines"):
+    kg_lib.load(str(tmp_path), max_bad_lines=0)
+
+
+def test_bundled_fb15k237_sizes():
+  g = kg_lib.load()
+  # The ConvE release of FB15k-237 (Toutanova & Chen 2015): published sizes.
+  assert (g.num_entities, g.num_base_relations) == (14541, 237)
+  assert {s: len(v) for s, v in g.splits.items()} == {
+    "train": 272115,
+    "valid": 17535,
+    "test": 20466,
+  }
+  assert os.path.isfile(os.path.join(kg_lib.BUNDLED, "ConvE_LICENSE.txt"))
+
+
+def test_filter_index_against_sets():
+  rng = np.random.default_rng(0)
+  trip = {
+    s: np.stack([rng.integers(0, 30, n), rng.integers(0, 4, n), rng.integers(0, 30, n)], 1)
+    for s, n in (("train", 300), ("valid", 40), ("test", 40))
+  }
+  g = kg_lib.from_triples(trip, 30, 4)
+  f = kg_lib.FilterIndex(g)
+  allt = {tuple(x) for s in trip for x in trip[s]}
+  a, r = rng.integers(0, 30, 50), rng.integers(0, 8, 50)
+  for ai, ri, got in zip(a, r, f.lookup(a, r)):
+    if ri < 4:
+      want = sorted({t for (h, rr, t) in allt if h == ai and rr == ri})
+    else:
+      want = sorted({h for (h, rr, t) in allt if t == ai and rr == ri - 4})
+    assert list(got) == want
+
+
+# ----------------------------------------------------------------------------- decoders
+
+
+def _np_score(name, h, r, t, gamma, p):
+  """Independent numpy formulas (complex arithmetic) for one triple."""
+  k = h.shape[-1] // 2
+  if name == "distmult":
+    return float(np.sum(h * r * t))
+  if name == "complex":
+    hc, rc, tc = h[:k] + 1j * h[k:], r[:k] + 1j * r[k:], t[:k] + 1j * t[k:]
+    return float(np.real(np.sum(hc * rc * np.conj(tc))))
+  if name == "rotate":
+    hc, tc = h[:k] + 1j * h[k:], t[:k] + 1j * t[k:]
+    return float(gamma - np.sum(np.abs(hc * np.exp(1j * r) - tc)))
+  d = h + r - t
+  return float(gamma - (np.sum(np.abs(d)) if p == 1 else np.sqrt(np.sum(d * d))))
+
+
+@pytest.mark.parametrize("name", kge.DECODERS)
+def test_score_all_matches_numpy(name):
+  rng = np.random.default_rng(1)
+  D, B, N = 8, 3, 11
+  q = rng.normal(size=(B, D)).astype(np.float32)
+  r = rng.normal(size=(B, kge.relation_dim(name, D))).astype(np.float32)
+  c = rng.normal(size=(N, D)).astype(np.float32)
+  tail = np.asarray(kge.score_all(name, q, r, c, "tail", gamma=2.0, p=1, chunk=4))
+  head = np.asarray(kge.score_all(name, q, r, c, "head", gamma=2.0, p=1, chunk=4))
+  for i in range(B):
+    for j in range(N):
+      np.testing.assert_allclose(
+        tail[i, j], _np_score(name, q[i], r[i], c[j], 2.0, 1), rtol=2e-4, atol=2e-4
+      )
+      np.testing.assert_allclose(
+        head[i, j], _np_score(name, c[j], r[i], q[i], 2.0, 1), rtol=2e-4, atol=2e-4
+      )
+
+
+# ----------------------------------------------------------------------------- filtered ranks
+
+
+def _small_kg(tmp_path, n_ent=40, n_rel=5, seed=0):
+  rng = np.random.default_rng(seed)
+  lines = {}
+  for s, n in (("train", 400), ("valid", 30), ("test", 60)):
+    h, r, t = rng.integers(0, n_ent, n), rng.integers(0, n_rel, n), rng.integers(0, n_ent, n)
+    lines[s] = "".join(f"e{a}\tr{b}\te{c}\n" for a, b, c in zip(h, r, t))
+  # Every entity and relation in train, so that ids and files agree.
+  lines["train"] += "".join(f"e{i}\tr{i % n_rel}\te{(i + 1) % n_ent}\n" for i in range(n_ent))
+  for s, text in lines.items():
+    _write(tmp_path / f"{s}.txt", text)
+  return str(tmp_path)
+
+
+def _config(path, decoder="complex", **over):
+  c = kge_fb15k237.get_config(decoder)
+  c.data.path = path
+  c.embeddings.dim = 8
+  c.batch_size = 16
+  c.eval.batch_size = 7  # several batches per side, a padded last one
+  for k, v in over.items():
+    node = c
+    *head, last = k.split(".")
+    for h in head:
+      node = node[h]
+    node[last] = v
+  return c
+
+
+@pytest.mark.parametrize(
+  "decoder,reciprocal",
+  [("complex", True), ("distmult", False), ("rotate", True), ("transe", False)],
+)
+def test_filtered_ranks_equal_numpy_bruteforce(tmp_path, decoder, reciprocal):
+  task = lp.LinkPrediction(_config(_small_kg(tmp_path), decoder, **{"data.reciprocal": reciprocal}))
+  g = task.kg
+  N = g.num_entities
+  rng = np.random.default_rng(3)
+  E = rng.normal(size=(N, 8)).astype(np.float32)
+  if decoder == "distmult":
+    E = np.round(E)  # integer scores: exercises the tie rule
+  batch0 = task.example_batch()
+  params = task.init_params(jax.random.key(0), batch0, {"entity": jnp.zeros((N, 8))})
+  ranks, sides = [], []
+  for b in task.eval_batches("test"):
+    out = task.predict(params, b, {"entity": jnp.asarray(E)})
+    keep = b["weight"] > 0
+    ranks.append(np.asarray(out["rank"])[keep])
+    sides.append(np.asarray(out["side"])[keep])
+  ranks, sides = np.concatenate(ranks), np.concatenate(sides)
+  # Brute force: every candidate scored by the numpy formulas, filter from python sets.
+  rel_table = np.asarray(params["relations"][next(iter(params["relations"]))])
+  if decoder in kge.BILINEAR:  # Relations adds the identity offset
+    ones = np.ones(8, np.float32)
+    if decoder == "complex":
+      ones[4:] = 0
+    rel_table = rel_table + ones
+  elif decoder == "rotate":
+    rel_table = rel_table - np.pi
+  true = {tuple(x) for s in kg_lib.SPLITS for x in g.splits[s]}
+  R = g.num_base_relations
+  gamma, p = task._gamma_p()
+  want = []
+  for side in (0, 1):
+    for h, r, t in g.splits["test"]:
+      if side == 0:
+        anchor, target = h, t
+        rv = rel_table[r]
+        s = np.array([_np_score(decoder, E[h], rv, E[c], gamma, p) for c in range(N)])
+        filt = np.array([c for c in range(N) if (h, r, c) in true])
+      else:
+        anchor, target = t, h
+        rv = rel_table[r + R] if reciprocal else rel_table[r]
+        if reciprocal:
+          s = np.array([_np_score(decoder, E[t], rv, E[c], gamma, p) for c in range(N)])
+        else:
+          s = np.array([_np_score(decoder, E[c], rv, E[t], gamma, p) for c in range(N)])
+        filt = np.array([c for c in range(N) if (c, r, t) in true])
+      del anchor
+      want.append(lp.ranks_from_scores(s[None], np.array([target]), [filt])[0])
+  np.testing.assert_allclose(ranks, np.array(want), rtol=0, atol=1e-3)
+  assert (sides[: len(g.splits["test"])] == 0).all()
+  m = task.metrics([{"rank": ranks, "side": sides, "weight": np.ones_like(ranks)}])
+  np.testing.assert_allclose(m["mrr"], np.mean(1 / np.array(want)), rtol=1e-6)
+
+
+def test_rank_tie_rule():
+  s = np.array([[1.0, 3.0, 3.0, 3.0, 0.0]])
+  # target 1 ties with 2 and 3; entity 3 is another true answer (filtered): rank 1 + 0 + 1/2
+  assert lp.ranks_from_scores(s, np.array([1]), [np.array([1, 3])])[0] == 1.5
+
+
+# ----------------------------------------------------------------------------- partitions
+
+
+def _rgcn_config(path, parts, layers=2, **over):
+  c = rgcn_fb15k237_partitioned.get_config()
+  c.data.path = path
+  c.embeddings.dim = 8
+  c.model.rgcn.num_layers = layers
+  c.model.rgcn.num_bases = 2
+  c.model.rgcn.edge_dropout = 0.0
+  c.model.rgcn.dropout = 0.0
+  c.partition.num_parts = parts
+  c.batch_size = 16
+  c.negatives.num = 5
+  for k, v in over.items():
+    node = c
+    *head, last = k.split(".")
+    for h in head:
+      node = node[h]
+    node[last] = v
+  return c
+
+
+@pytest.mark.parametrize("method,layers", [("metis", 1), ("metis", 2), ("random", 2)])
+def test_partitions_are_self_sufficient(tmp_path, method, layers):
+  if method == "metis":
+    pytest.importorskip("pymetis")
+  cfg = _rgcn_config(_small_kg(tmp_path, n_ent=60), 3, layers, **{"partition.method": method})
+  task = lp.LinkPrediction(cfg)
+  g = task.kg
+  N = g.num_entities
+  parts = task.partitions
+  # Every training triple is trained by exactly one partition.
+  got = sorted(
+    tuple(p.nodes[x] if i != 1 else x for i, x in enumerate(t)) for p in parts for t in p.triples
+  )
+  assert got == sorted(map(tuple, g.training_triples()))
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(N, 8)).astype(np.float32)
+  edges = task.graph["edges"]
+  full_graph = {
+    "src": edges[:, 0],
+    "dst": edges[:, 2],
+    "rel": edges[:, 1],
+    "norm": task.graph["norm"],
+  }
+  params = task.encoder.init(jax.random.key(0), x, full_graph, False)
+  whole = np.asarray(task.encoder.apply(params, x, full_graph, False))
+  for i, p in enumerate(parts):
+    # (1) The encoder over the partition alone gives its core rows their whole-graph values.
+    sub = {
+      "src": p.edges[:, 0],
+      "dst": p.edges[:, 2],
+      "rel": p.edges[:, 1],
+      "norm": task.graph["norm"][p.edge_index],
+    }
+    local = np.asarray(task.encoder.apply(params, x[p.nodes], sub, False))
+    np.testing.assert_allclose(
+      local[: p.num_core], whole[p.nodes[: p.num_core]], rtol=1e-5, atol=1e-5
+    )
+    # (2) A partition's batches read only its core + halo; triples and negatives in the core.
+    b = task.partition_batch(i, p.triples[:16], rng)
+    ids = b["ids"]["entity"][:, 0]
+    assert set(ids[ids >= 0]) == set(p.nodes)
+    n = int(b["weight"].sum())
+    for key in ("h", "t"):
+      assert (b[key][:n] < p.num_core).all()
+    assert (b["neg"] < p.num_core).all()
+    assert (b["src"] < len(p.nodes)).all() and (b["dst"] < len(p.nodes)).all()
+    # (3) Its gradient: the loss on these rows touches no padded / outside row.
+    rows = jnp.asarray(np.where(ids[:, None] >= 0, x[np.maximum(ids, 0)], 0.0))
+    pp = task.init_params(jax.random.key(1), b, {"entity": rows})
+    grad = jax.grad(lambda r, pp=pp, b=b: task.loss(pp, b, {"entity": r}, jax.random.key(2))[0])(
+      rows
+    )
+    assert not np.asarray(grad)[len(p.nodes) :].any()
+
+
+def _community_kg(tmp_path, communities=3, size=30, seed=0):
+  """Dense communities, a few edges across: partitions with real halos."""
+  rng = np.random.default_rng(seed)
+  lines = {}
+  for s, n in (("train", 600), ("valid", 30), ("test", 30)):
+    c = rng.integers(0, communities, n)
+    h = c * size + rng.integers(0, size, n)
+    across = rng.random(n) < 0.003
+    t = np.where(
+      across, rng.integers(0, communities * size, n), c * size + rng.integers(0, size, n)
+    )
+    r = rng.integers(0, 4, n)
+    lines[s] = "".join(f"e{a}\tr{b}\te{d}\n" for a, b, d in zip(h, r, t))
+  os.makedirs(tmp_path, exist_ok=True)
+  for s, text in lines.items():
+    _write(os.path.join(tmp_path, f"{s}.txt"), text)
+  return str(tmp_path)
+
+
+def test_training_a_partition_changes_only_its_rows(tmp_path):
+  """Through the trainer: entity rows outside partition 1's core + halo are bit-identical
+  to their initial values after training partition 1 alone; rows inside changed."""
+  pytest.importorskip("pymetis")
+  from recgnn.train import loop
+  from recgnn.train import step as step_lib
+
+  cfg = _rgcn_config(_community_kg(tmp_path / "kg"), 3, 1, **{"partition.only": 1})
+  cfg.train.steps = 4
+  cfg.train.eval_every = 0
+  cfg.train.final_eval_splits = ()
+  cfg.train.log_every = 4
+  task = lp.LinkPrediction(cfg)
+  nodes = task.partitions[1].nodes
+  assert len(nodes) < 0.75 * task.kg.num_entities  # a real partition, not the whole graph
+  result = loop.train(cfg, str(tmp_path / "w"))
+  after = _tables(result, result.state)
+  tx = step_lib.make_optimizer(cfg.optimizer)
+  init = step_lib.init_state(task, result.plan, tx, jax.random.key(cfg.seed), task.example_batch())
+  before = _tables(result, init)
+  outside = np.setdiff1d(np.arange(task.kg.num_entities), nodes)
+  np.testing.assert_array_equal(after[outside], before[outside])
+  assert not np.array_equal(after[nodes], before[nodes])
+
+
+def _tables(result, state) -> np.ndarray:
+  """The entity table in `state` (whatever group of the plan holds it)."""
+  for key, group in result.plan.groups.items():
+    t = group.tables(state.emb[key])
+    if "entity" in t:
+      return np.asarray(t["entity"])
+  raise KeyError("entity")
+
+
+def test_rgcn_basis_layer_matches_dense_reference():
+  """The basis-decomposed layer against W_r = sum_b a_rb V_b applied edge by edge."""
+  rng = np.random.default_rng(0)
+  n, d, R, E = 7, 4, 3, 20
+  x = rng.normal(size=(n, d)).astype(np.float32)
+  graph = {
+    "src": rng.integers(0, n, E),
+    "dst": rng.integers(0, n, E),
+    "rel": rng.integers(0, R, E),
+    "norm": rng.random(E).astype(np.float32),
+  }
+  layer = rgcn.RGCNLayer(R, 5, 2)
+  params = layer.init(jax.random.key(0), x, graph, graph["norm"])
+  out = np.asarray(layer.apply(params, x, graph, graph["norm"]))
+  p = jax.tree.map(np.asarray, params["params"])
+  W = np.einsum("rb,bio->rio", p["coeff"], p["bases"])
+  want = x @ p["self"]["kernel"] + p["self"]["bias"]
+  for s, t, r, w in zip(graph["src"], graph["dst"], graph["rel"], graph["norm"]):
+    want[t] += w * x[s] @ W[r]
+  np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
