@@ -56,7 +56,23 @@ def load_config(spec: str):
       f"Unknown experiment {name!r}.{hint} Available: {', '.join(names)} (python run.py --list)"
     )
   module = importlib.import_module(f"experiments.{name}")
-  return module.get_config(arg or None)
+  return with_defaults(module.get_config(arg or None))
+
+
+def with_defaults(config):
+  """Keys every experiment has, so `--config.mesh.data=8` or `--config.train.epochs=2` work
+  whatever the experiment file sets: the mesh (data 0 = every device not on model) and the
+  training length (train.steps > 0 wins over train.epochs)."""
+  import ml_collections
+
+  if "mesh" not in config:
+    config.mesh = ml_collections.ConfigDict({"data": 0, "model": 1})
+  if "train" in config:
+    if "steps" not in config.train:
+      config.train.steps = 0
+    if "epochs" not in config.train:
+      config.train.epochs = 0.0
+  return config
 
 
 def _check_overrides(config, argv: list[str]) -> None:

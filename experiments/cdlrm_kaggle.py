@@ -58,12 +58,12 @@ def get_config(arg=None):
   o = _options(arg)
   fraction = float(o.get("fraction", CACHE_FRACTION))
   min_rows = int(o.get("min_rows", c.train.batch_size))
-  c.embeddings.plan = [
+  c.embeddings.plan = (
     (
       ".*",
       f"offload(cache_fraction={fraction}, min_cache_rows={min_rows}, "
       f"policy={o.get('policy', POLICY)}, lookahead={int(o.get('lookahead', LOOKAHEAD))})",
-    )
-  ]
+    ),
+  )
   c.device_memory_budget = str(dense_table_bytes(c) // 10)
   return c

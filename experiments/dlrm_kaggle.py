@@ -41,7 +41,7 @@ def get_config(arg=None):
     {"name": "rowwise_adagrad", "learning_rate": 0.05, "eps": 1e-8, "initial_accumulator": 0.0}
   )
   # (regex over table names, backend); first match wins.
-  c.embeddings.plan = [(".*", "dense")]
+  c.embeddings.plan = ((".*", "dense"),)
 
   c.optimizer = ml_collections.ConfigDict(
     {"name": "adam", "learning_rate": 1e-3, "weight_decay": 0.0, "warmup_steps": 0}
@@ -51,13 +51,20 @@ def get_config(arg=None):
   c.train.batch_size = 2048
   c.train.eval_batch_size = 16384
   c.train.shuffle = True
-  c.train.steps = 1650  # one epoch of the default synthetic train split (3.43M rows)
+  # Training length in passes over the train split (1 epoch = 1,674 steps of the synthetic
+  # default); train.steps > 0 overrides it.
+  c.train.epochs = 1.0
+  c.train.steps = 0
   c.train.log_every = 100
   c.train.eval_every = 0  # 0: evaluate only at the end
   c.train.eval_split = "valid"
   c.train.final_eval_splits = ("valid", "test")
   c.train.checkpoint_every = 1000
   c.train.keep_checkpoints = 2
+
+  # (data, model) device mesh; data=0: every device not on model. The batch is split over
+  # all devices; model-parallel tables (dense(shard=rows)) are split over `model`.
+  c.mesh = ml_collections.ConfigDict({"data": 0, "model": 1})
 
   c.device_memory_budget = ""  # e.g. "2G": refuse plans that need more device memory
   return c

@@ -35,7 +35,7 @@ def get_config(arg=None):
   c.embeddings.dim = 64
   c.embeddings.initializer = "normal"
   c.embeddings.optimizer = ml_collections.ConfigDict({"name": "sgd", "learning_rate": 0.1})
-  c.embeddings.plan = [(".*", "dense")]
+  c.embeddings.plan = ((".*", "dense"),)
 
   # Adam with L2 5e-4, as the published GCN / GraphSAGE Cora setups.
   c.optimizer = ml_collections.ConfigDict(

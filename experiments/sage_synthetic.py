@@ -41,7 +41,7 @@ def get_config(arg=None):
   c.embeddings.optimizer = ml_collections.ConfigDict(
     {"name": "rowwise_adagrad", "learning_rate": 0.1}
   )
-  c.embeddings.plan = [(".*", "dense")]
+  c.embeddings.plan = ((".*", "dense"),)
 
   c.optimizer = ml_collections.ConfigDict(
     {"name": "adam", "learning_rate": 0.005, "weight_decay": 0.0, "warmup_steps": 0}

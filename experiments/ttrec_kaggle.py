@@ -101,7 +101,7 @@ def parse_arg(arg: str | None) -> dict:
 def get_config(arg=None):
   options = parse_arg(arg)
   c = dlrm_kaggle.get_config()
-  c.embeddings.plan = make_plan(options)
+  c.embeddings.plan = tuple(make_plan(options))  # a tuple: overridable from the CLI
   # Fail now, not after the data is loaded, on a bad tt option.
   base.make_backend(c.embeddings.plan[0][1], base.TableSpec(name="C3", num_rows=1000, dim=16))
   dim = c.embeddings.dim
