@@ -9,7 +9,7 @@ update with the state donated, on a mesh; sync at the end) and compare with the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +81,17 @@ def put_prepared(group: base.Backend, prepared, mesh):
   )
 
 
+@dataclasses.dataclass
+class Step:
+  """One item of a run, as the hooks of `run` see it."""
+
+  kind: str  # "train" | "eval"
+  step: int  # train steps done before this item (an eval item's is the next train step's)
+  ids: np.ndarray  # int[B, L] of the table
+  prepared: object  # the group's prepared pytree, numpy, as `prepare` returned it
+  pooled: np.ndarray  # f32[B, D], this item's lookup
+
+
 def run(
   backend_text: str,
   spec: base.TableSpec,
@@ -89,6 +100,13 @@ def run(
   mesh=None,
   prefetch: int = PREFETCH,
   evals: dict[int, np.ndarray] | None = None,
+  *,
+  group: base.Backend | None = None,
+  state=None,
+  start: int = 0,
+  stop: int | None = None,
+  check: Callable[[Step, object], None] | None = None,
+  after: Callable[[Step, object], object] | None = None,
 ) -> Trace:
   """Train one table for len(batches) steps the way the trainer does: every `prepare` in
   stream order through the trainer's own driver (inputs.prepare_stream + run_ahead: the
@@ -96,30 +114,51 @@ def run(
 
   evals: {step: ids} eval batches (lookup only) inserted before train step `step`; their
   pooled lookups are returned in `Trace.lookups` in stream order too.
+  group, state: drive this backend (made by `base.make_backend(backend_text, spec, mesh)`)
+    from this state (e.g. restored from a checkpoint) instead of a fresh one from `key`.
+  start, stop: run train steps [start, stop) of `batches` (a fresh input pipeline started at
+    `start`; batches prepared beyond `stop` are dropped, as when the trainer stops). The
+    final sync still runs.
+  check(step, state): after each item's lookup, before its update (state as the lookup saw
+    it; a check must not donate it).
+  after(step, state) -> new state or None: after each item (its update done); may sync
+    (return the synced state), checkpoint, or prepare extra batches.
   """
-  mesh = base.default_mesh() if mesh is None else mesh
-  plan = base.resolve_plan([(".*", backend_text)], [spec], mesh, log=False)
-  (gkey, group), = plan.groups.items()
-  key = jax.random.key(0) if key is None else key
-  state = group.init(key)
+  stop = len(batches) if stop is None else stop
+  if group is None:
+    mesh = base.default_mesh() if mesh is None else mesh
+    group = base.make_backend(backend_text, spec, mesh)
+  mesh = group.mesh
+  plan = base.Plan({group.name: group}, {spec.name: group.name}, mesh)
+  if state is None:
+    state = group.init(jax.random.key(0) if key is None else key)
   lookup = jax.jit(group.lookup)
   update = jax.jit(group.update, donate_argnums=0)
   grads = jax.jit(grads_for, static_argnums=0)
   evals = evals or {}
   stream = []
-  for step, ids in enumerate(batches):
+  for step in range(start, len(batches)):
     if step in evals:
       stream.append(("eval", "valid", {"ids": {spec.name: evals[step]}}))
-    stream.append(("train", None, {"ids": {spec.name: ids}}))
+    stream.append(("train", None, {"ids": {spec.name: batches[step]}}))
   lookups = []
-  step = 0
+  step = start
   for item in inputs.run_ahead(inputs.prepare_stream(plan, stream), prefetch):
-    prepared = put_prepared(group, item.prepared[gkey], mesh)
+    if step >= stop:
+      break  # the run-ahead has prepared batches beyond `stop`: dropped
+    host = item.prepared[group.name]
+    prepared = put_prepared(group, host, mesh)
     pooled = lookup(state, prepared)
-    lookups.append(np.asarray(pooled[spec.name]))
+    info = Step(item.kind, step, item.batch["ids"][spec.name], host, np.asarray(pooled[spec.name]))
+    lookups.append(info.pooled)
+    if check is not None:
+      check(info, state)
     if item.kind == "train":
       state = update(state, prepared, {spec.name: grads(step, pooled[spec.name])})
       step += 1
+    if after is not None:
+      new = after(info, state)
+      state = state if new is None else new
   state = group.sync(state)
   return Trace(lookups, group.tables(state)[spec.name], group, state)
 
