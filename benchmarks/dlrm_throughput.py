@@ -54,6 +54,7 @@ from recgnn.embeddings import base  # noqa: E402
 from recgnn.models import dlrm as dlrm_lib  # noqa: E402
 from recgnn.tasks import ctr  # noqa: E402
 from recgnn.tasks.base import Task  # noqa: E402
+from recgnn.train import inputs as inputs_lib  # noqa: E402
 from recgnn.train import step as step_lib  # noqa: E402
 
 # XLA:CPU allocates a step's temporaries (44 MiB for this DLRM) with malloc on every
@@ -133,38 +134,51 @@ def to_recgnn_batch(b: peers_dlrm.Batch, names: list[str]) -> dict:
 
 
 class Recgnn:
-  """recgnn's side: task, backends, optimizer, jitted step and device-resident inputs."""
+  """recgnn's side: task, plan, optimizer, and the trainer's own jitted step over the
+  trainer's packed, device-resident inputs (what the input thread hands the step)."""
 
   def __init__(self, cfg: peers_dlrm.DlrmConfig, batches, plan=((".*", "dense"),), seed=0):
     self.cfg = cfg
     self.config = recgnn_config(cfg)
     self.task = BenchCTR(self.config, cfg)
-    self.backends = base.resolve_plan(list(plan), self.task.tables(), log=False)
+    self.plan = base.resolve_plan(list(plan), self.task.tables(), log=False)
     self.tx = step_lib.make_optimizer(ml_collections.ConfigDict(self.config.optimizer))
-    host = [to_recgnn_batch(b, self.task.names) for b in batches]
-    # What the trainer's input thread does ahead of the step: prepare + device_put.
+    self.host = [to_recgnn_batch(b, self.task.names) for b in batches]
+    # What the trainer's input thread does ahead of the step: prepare + one packed transfer.
+    feeder = step_lib.Feeder(self.plan, self.task.shard_batch)
+    self.prepared = [inputs_lib.prepare_one(self.plan, h, [], train=True) for h in self.host]
+    self.packed = [feeder(p, h) for p, h in zip(self.prepared, self.host)]
+    # Unpacked device copies, for the pieces profiled alone.
     self.inputs = [
-      jax.device_put(({n: be.prepare(h["ids"][n]) for n, be in self.backends.items()}, h))
-      for h in host
+      jax.device_put((p, step_lib.device_batch(h))) for p, h in zip(self.prepared, self.host)
     ]
     self.key = jax.random.key(seed)
-    self.train_step = step_lib.jit_train_step(self.task, self.backends, self.tx)
+    state = self.init_state()
+    shardings = step_lib.state_sharding(self.plan, state)
+    self.packed_step = step_lib.jit_packed(
+      step_lib.make_train_step(self.task, self.plan, self.tx),
+      self.plan,
+      shardings,
+      donate_state=True,
+      out_state=True,
+    )
+    self.train_step = jax.jit(
+      step_lib.make_train_step(self.task, self.plan, self.tx), donate_argnums=0
+    )
 
   def init_state(self) -> step_lib.TrainState:
-    return step_lib.init_state(self.task, self.backends, self.tx, self.key, self.inputs[0][1])
+    return step_lib.init_state(self.task, self.plan, self.tx, self.key, self.host[0])
 
   def runner(self):
-    def fn(state, inputs):
-      prepared, batch = inputs
-      return self.train_step(state, prepared, batch)[0]
+    def fn(state, packed):
+      return self.packed_step(state, *packed)[0]
 
-    return sparse_update.jitted_runner(fn, self.init_state(), self.inputs)
+    return sparse_update.jitted_runner(fn, self.init_state(), self.packed)
 
   def loss(self, state) -> float:
     """The loss of batch 0 under `state` (a sanity check that training moves)."""
     prepared, batch = self.inputs[0]
-    rows = step_lib.lookup_all(self.backends, state.emb, prepared)
-    pooled = step_lib.pooled(self.backends, rows, batch)
+    pooled = step_lib.lookup_all(self.plan, state.emb, prepared)
     return float(self.task.loss(state.params, batch, pooled, state.key)[0])
 
 
@@ -248,13 +262,15 @@ def profile_pieces(rec: Recgnn, args) -> dict:
 
   pooled0 = jax.device_put({n: data["feats"][:, i + 1] for i, n in enumerate(names)})
 
-  g_fixed = jnp.full((bsz, 1, cfg.dim), 1e-4, jnp.float32)
+  g_fixed = jnp.full((bsz, cfg.dim), 1e-4, jnp.float32)
 
   def embeddings_fn(emb, prepared):
-    rows = step_lib.lookup_all(rec.backends, emb, prepared)
-    total = sum(jnp.sum(r) for r in rows.values())  # keep the lookups alive
-    emb = {n: b.update(emb[n], prepared[n], g_fixed + 0 * total) for n, b in rec.backends.items()}
-    return emb
+    pooled = step_lib.lookup_all(rec.plan, emb, prepared)
+    total = sum(jnp.sum(r) for r in pooled.values())  # keep the lookups alive
+    return {
+      k: g.update(emb[k], prepared[k], {n: g_fixed + 0 * total for n in g.specs})
+      for k, g in rec.plan.groups.items()
+    }
 
   emb_step = jax.jit(embeddings_fn, donate_argnums=0)
 
@@ -314,9 +330,12 @@ class OneGather:
     names = rec.task.names
     self.inputs = [
       jax.device_put(
-        (np.stack([np.asarray(batch["ids"][n])[:, 0] for n in names], axis=1) + offsets, batch)
+        (
+          np.stack([np.asarray(h["ids"][n])[:, 0] for n in names], axis=1) + offsets,
+          step_lib.device_batch(h),
+        )
       )
-      for _, batch in rec.inputs
+      for h in rec.host
     ]
     task, tx, lr = rec.task, rec.tx, cfg.learning_rate
 
@@ -341,7 +360,7 @@ class OneGather:
 
   def init_state(self):
     st = self.rec.init_state()
-    table = jnp.concatenate([st.emb[n]["table"] for n in self.rec.task.names], axis=0)
+    table = jnp.concatenate([st.emb["dense"][n]["table"] for n in self.rec.task.names], axis=0)
     return table, st.params, st.opt_state
 
   def runner(self):
@@ -355,7 +374,7 @@ class OneGather:
       prepared, batch = rec.inputs[i % len(rec.inputs)]
       st = rec.train_step(st, prepared, batch)[0]
       one = self.step(one, self.inputs[i % len(self.inputs)])
-    ref = jnp.concatenate([st.emb[n]["table"] for n in rec.task.names], axis=0)
+    ref = jnp.concatenate([st.emb["dense"][n]["table"] for n in rec.task.names], axis=0)
     return float(jnp.max(jnp.abs(ref - one[0])))
 
 
@@ -389,7 +408,7 @@ def patched_runner(rec: Recgnn, interaction):
   dlrm_lib.dot_interaction = interaction
   try:
     # A fresh jit: rec.train_step's trace cache must not serve (or keep) the patched trace.
-    fresh = step_lib.jit_train_step(rec.task, rec.backends, rec.tx)
+    fresh = jax.jit(step_lib.make_train_step(rec.task, rec.plan, rec.tx), donate_argnums=0)
     compiled = fresh.lower(state, prepared, batch).compile()
   finally:
     dlrm_lib.dot_interaction = orig
@@ -582,7 +601,7 @@ def main(argv=None):
     "peer_versions": peers_dlrm.versions(),
     "torch_threads": torch_threads,
     "malloc": malloc_note,
-    "recgnn_plan": {n: b.describe() for n, b in rec.backends.items()},
+    "recgnn_plan": {n: rec.plan.backend_of(n).describe(n) for n in rec.plan.table_group},
     "timed_seconds": elapsed,
     "load_avg_at_end": os.getloadavg(),
     "results": results,
