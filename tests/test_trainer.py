@@ -14,7 +14,7 @@ import sklearn.metrics
 
 import run as run_lib
 from experiments import smoke
-from recgnn import metrics
+from recgnn import metrics, sharding
 from recgnn.embeddings import base
 from recgnn.train import loop
 
@@ -146,3 +146,91 @@ def test_cli_list_and_sigterm_checkpoint(cache_dir, tmp_path):
   assert "SIGTERM" in rest, rest[-2000:]
   steps = [int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit()]
   assert steps and max(steps) >= 5
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+def _on_mesh(config, data, model, plan=None):
+  config = config.copy_and_resolve_references()
+  config.mesh = {"data": data, "model": model}
+  if plan is not None:
+    config.embeddings.plan = plan
+  return config
+
+
+def _tables(result):
+  out = {}
+  for key, group in result.plan.groups.items():
+    out.update(group.tables(result.state.emb[key]))
+  return out
+
+
+@pytest.mark.parametrize(
+  "mesh,plan",
+  [
+    ((8, 1), ((".*", "dense"),)),
+    ((2, 4), (("C(3|4|10|16|21)", "dense(shard=rows)"), (".*", "dense"))),
+  ],
+  ids=["8x1-dense", "2x4-rows"],
+)
+def test_mesh_matches_one_device(cache_dir, tmp_path, mesh, plan):
+  """The batch split over 8 devices (and tables replicated or row-sharded) gives the params,
+  tables and test AUC of the 1-device run, to float tolerance (sums over the batch are
+  reduced across devices in another order)."""
+  config = _config(cache_dir, checkpoint_every=0)
+  one = loop.train(_on_mesh(config, 1, 1), str(tmp_path / "one"))
+  many = loop.train(_on_mesh(config, *mesh, plan=plan), str(tmp_path / "many"))
+  a = jax.tree.leaves(jax.device_get(one.state.params))
+  b = jax.tree.leaves(jax.device_get(many.state.params))
+  for x, y in zip(a, b):
+    np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-6)
+  ta, tb = _tables(one), _tables(many)
+  assert ta.keys() == tb.keys()
+  for n in ta:
+    np.testing.assert_allclose(ta[n], tb[n], rtol=2e-4, atol=2e-6, err_msg=n)
+  assert abs(one.metrics["test/auc"] - many.metrics["test/auc"]) < 1e-3
+  # The step really ran on 8 devices.
+  assert len(jax.tree.leaves(many.state.params)[0].sharding.device_set) == 8
+
+
+def test_budget_refuses_replicated_then_row_sharded_fits(cache_dir, tmp_path):
+  """A plan over the per-device budget is refused before allocating, with the numbers; the
+  same tables row-sharded over 8 devices fit the same budget and train."""
+  config = _config(cache_dir, steps=4, checkpoint_every=0)
+  replicated = _on_mesh(config, 8, 1)
+  task = loop.load_task(replicated)
+  total = sum(s.table_bytes for s in task.tables())
+  budget = total // 2
+  with pytest.raises(base.PlanDoesNotFit, match=r"per device on mesh 8x1.*budget is"):
+    loop.train(replicated, str(tmp_path / "a"), device_memory_budget=budget)
+  assert not os.path.exists(tmp_path / "a" / "checkpoints" / "0")
+  sharded = _on_mesh(config, 1, 8, plan=((".*", "dense(shard=rows)"),))
+  res = loop.train(sharded, str(tmp_path / "b"), device_memory_budget=budget)
+  assert res.metrics["step"] == 4 and np.isfinite(res.metrics["test/auc"])
+  big = max(task.tables(), key=lambda s: s.num_rows).name
+  table = res.state.emb["dense"][big]["table"]
+  assert table.sharding.spec == sharding.P(sharding.MODEL, None)
+  assert table.addressable_shards[0].data.shape[0] == -(-table.shape[0] // 8)
+
+
+def test_batch_that_does_not_divide_over_the_mesh_is_refused(cache_dir, tmp_path):
+  config = _on_mesh(_config(cache_dir), 8, 1)
+  config.train.batch_size = 100
+  with pytest.raises(ValueError, match="train batch size 100 does not divide over the 8"):
+    loop.train(config, str(tmp_path))
+
+
+def test_epochs_set_the_training_length(cache_dir, tmp_path):
+  config = _config(cache_dir, steps=0, checkpoint_every=0)
+  config.train.epochs = 0.25
+  task = loop.load_task(config)
+  per_epoch = task.steps_per_epoch()
+  assert per_epoch == task.data.num_batches("train", config.train.batch_size) > 4
+  steps, how = loop.training_length(config.train, task)
+  assert steps == round(0.25 * per_epoch) and "0.25 epoch" in how
+  config.train.steps = 3  # an explicit step count wins
+  assert loop.training_length(config.train, task)[0] == 3
+  config.train.steps, config.train.epochs = 0, 0.0
+  with pytest.raises(ValueError, match="train.epochs"):
+    loop.training_length(config.train, task)
