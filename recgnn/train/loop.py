@@ -255,8 +255,9 @@ def train(
   tx = step_lib.make_optimizer(config.optimizer)
   key = jax.random.key(config.seed)
   example = task.example_batch()
-  # Fail on a batch that cannot be split over the mesh now, not in the input thread.
-  feeder(inputs.prepare_one(plan, example, [], train=False), example, "eval batch")
+  # Fail on a batch that cannot be split over the mesh now, before allocating anything
+  # (train batches are checked as they are packed, on the input thread).
+  inputs.check_split(example, inputs.batch_spec(example, task.shard_batch), mesh, "eval batch")
   state = step_lib.init_state(task, plan, tx, key, example)
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   log(f"Dense params: {n_params:,}")
