@@ -79,9 +79,9 @@ def make_train_step(task: Task, plan: base.Plan, tx):
     def loss_fn(params, pooled):
       return task.loss(params, batch, pooled, key)
 
-    (loss, aux), (g_params, g_pooled) = jax.value_and_grad(
-      loss_fn, argnums=(0, 1), has_aux=True
-    )(state.params, pooled)
+    (loss, aux), (g_params, g_pooled) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+      state.params, pooled
+    )
     updates, opt_state = tx.update(g_params, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     emb = {
