@@ -8,8 +8,8 @@ from recgnn.models import kge
 # 1-vs-all + reciprocal + N3 recipe of Lacroix et al. (2018); the distance decoders use their
 # margin gamma (RotatE, Sun et al. 2019) and no regularizer.
 _DEFAULTS = {
-  "complex": (256, "n3", 5e-2, 0.0),
-  "distmult": (256, "n3", 5e-2, 0.0),
+  "complex": (128, "n3", 5e-2, 0.0),
+  "distmult": (128, "n3", 5e-2, 0.0),
   "rotate": (256, "none", 0.0, 9.0),
   "transe": (256, "none", 0.0, 9.0),
 }
@@ -46,9 +46,11 @@ def get_config(arg=None):
 
   c.train = ml_collections.ConfigDict()
   c.train.scoring = "1vsall"
-  c.train.steps = 544 * 20  # ~20 epochs of the 544,230 train + reciprocal triples
+  c.train.group_queries = True  # exact 1vsall loss, 3.6x fewer score rows (see the task)
+  c.train.steps = 0
+  c.train.epochs = 20  # of the 149,689 distinct queries (544,230 train + reciprocal triples)
   c.train.log_every = 100
-  c.train.eval_every = 544 * 5
+  c.train.eval_every = 585 * 5
   c.train.eval_split = "valid"
   c.train.final_eval_splits = ("valid", "test")
   c.train.checkpoint_every = 0
@@ -56,7 +58,7 @@ def get_config(arg=None):
 
   c.negatives = ml_collections.ConfigDict({"kind": "uniform", "num": 256})
   c.partition = ml_collections.ConfigDict({"num_parts": 0, "method": "metis"})
-  c.batch_size = 1000
+  c.batch_size = 256  # queries per step (about 930 triples)
   c.eval = ml_collections.ConfigDict({"batch_size": 2048})
 
   # The entity table (14,541 x dim) through the embedding plan; relations are dense params.

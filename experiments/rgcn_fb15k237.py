@@ -19,9 +19,11 @@ def get_config(arg=None):
   c.embeddings.dim = 64
   # Edge mini-batches with sampled negatives: every step encodes the whole graph.
   c.train.scoring = "sampled"
+  c.train.group_queries = False
   c.negatives.kind = "uniform"
   c.negatives.num = 256
   c.batch_size = 4096
+  c.train.epochs = 0
   c.train.steps = 133 * 10  # ~10 epochs of 544,230 edges (train + reciprocal)
   c.train.eval_every = 0
   c.train.log_every = 20

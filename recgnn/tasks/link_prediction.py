@@ -12,6 +12,10 @@ Config (see experiments/kge_fb15k237.py, rgcn_fb15k237*.py):
   model.rgcn            num_bases, num_layers, dropout, edge_dropout
   train.scoring         1vsall (every candidate entity scored; small graphs) |
                         sampled (negatives.num negatives per edge; large graphs)
+  train.group_queries   1vsall without encoder: score each distinct (anchor, relation) query
+                        once per epoch with all its true answers as labels. The loss is the
+                        1vsall loss of those triples summed exactly (CE_t = lse - s_t), at 3.6x
+                        fewer score rows on FB15k-237 (149,689 queries for 544,230 triples)
   negatives.kind        uniform | type (entities seen with the relation) | partition
   negatives.num         negatives per edge (sampled scoring)
   batch_size            edges per step
@@ -27,6 +31,8 @@ step needs (bags of one, -1 = padding); the trainer looks them up through the pl
 f32[M, D]. Triples index those rows (`h`, `t`, `neg` are row indices, not entity ids):
   sampled, no encoder:  rows = per edge [h, t, neg_1..neg_K], batch-major (M = B (2 + K))
   1vsall, no encoder:   rows = every entity (M = N); replicated, not batch-major
+                        grouped queries: `h`, `rel`, `cnt` (answers per query) f32[B] and the
+                        labels as (query row, entity) pairs `lab_q` / `lab_e` int32[C]
   encoder:              rows = the encoded graph's nodes: every entity, or a partition's core
                         + halo padded to the largest partition; replicated, like the graph
                         leaves src / dst / erel / enorm (int32 / f32[E_max]).
@@ -166,6 +172,13 @@ class LinkPrediction(base.Task):
         self.max_edges = max(len(p.edges) for p in self.partitions)
     if self.neg_kind == "type":
       self._type_index()
+    self.grouped = (
+      bool(config.train.get("group_queries", False))
+      and self.scoring == "1vsall"
+      and self.encoder is None
+    )
+    if self.grouped:
+      self._group_queries()
     self._eval_cache: dict[str, list] = {}
     # Only sampled scoring without an encoder has batch-major rows; otherwise every step reads
     # all entities or one (sub)graph, which every device needs whole.
@@ -183,6 +196,35 @@ class LinkPrediction(base.Task):
     _, inv, cnt = np.unique(key, return_inverse=True, return_counts=True)
     norm = (1.0 / cnt[inv]).astype(np.float32)
     return {"edges": edges, "norm": norm}
+
+  def _group_queries(self):
+    """Distinct (anchor, relation) training queries and their answers, CSR."""
+    t = self.train_triples
+    key = t[:, 0].astype(np.int64) * self.kg.num_relations + t[:, 1]
+    order = np.argsort(key, kind="stable")
+    key, ans = key[order], t[order, 2]
+    uniq, start, cnt = np.unique(key, return_index=True, return_counts=True)
+    self.q_anchor = (uniq // self.kg.num_relations).astype(np.int32)
+    self.q_rel = (uniq % self.kg.num_relations).astype(np.int32)
+    self.q_start, self.q_count = start, cnt
+    self.q_answers = ans.astype(np.int32)
+    # Static label capacity: the B largest answer sets together (any batch fits).
+    self.label_cap = int(np.sort(cnt)[::-1][: self.batch_size].sum())
+
+  def _grouped_batch(self, sel: np.ndarray) -> base.Batch:
+    B = self.batch_size
+    cnt = self.q_count[sel]
+    lab_q = np.repeat(np.arange(len(sel), dtype=np.int32), cnt)
+    lab_e = np.concatenate([self.q_answers[s : s + c] for s, c in zip(self.q_start[sel], cnt)])
+    return {
+      "h": self._pad(self.q_anchor[sel], B),
+      "rel": self._pad(self.q_rel[sel], B),
+      "cnt": self._pad(cnt.astype(np.float32), B),
+      "weight": self._pad(np.ones(len(sel), np.float32), B),
+      "lab_q": self._pad(lab_q, self.label_cap, fill=B),
+      "lab_e": self._pad(lab_e, self.label_cap, fill=0),
+      "ids": {TABLE: np.arange(self.kg.num_entities, dtype=np.int32)[:, None]},
+    }
 
   def _type_index(self):
     """Per relation, the entities seen as its tail in train (type-constrained negatives)."""
@@ -245,6 +287,8 @@ class LinkPrediction(base.Task):
     return "\n".join(lines)
 
   def steps_per_epoch(self) -> int:
+    if self.grouped:
+      return -(-len(self.q_anchor) // self.batch_size)
     if self.partitions:
       return sum(
         -(-len(self.partitions[p].triples) // self.batch_size) for p in self._trained_partitions()
@@ -291,6 +335,11 @@ class LinkPrediction(base.Task):
     step = start_step
     while True:
       epoch, within = divmod(step, spe)
+      if self.grouped:
+        perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.q_anchor))
+        yield self._grouped_batch(perm[within * B : (within + 1) * B])
+        step += 1
+        continue
       perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.train_triples))
       tr = self.train_triples[perm[within * B : (within + 1) * B]]
       rng = np.random.default_rng([self.seed, epoch, within, 1])
@@ -413,7 +462,12 @@ class LinkPrediction(base.Task):
     return next(self.train_batches(0))
 
   def num_examples(self, batch) -> int:
-    return int(np.sum(batch["weight"] > 0)) if "anchor" not in batch else len(batch["weight"])
+    """Train: the batch's edges (triples); eval: its queries."""
+    if "anchor" in batch:
+      return len(batch["weight"])
+    if "cnt" in batch:
+      return int(batch["cnt"].sum())
+    return int(np.sum(batch["weight"] > 0))
 
   # --------------------------------------------------------------------------- model
 
@@ -448,6 +502,8 @@ class LinkPrediction(base.Task):
   def loss(self, params, batch, embeddings, key):
     k_enc, k_drop = jax.random.split(key)
     rows = self._encode(params, batch, embeddings[TABLE], True, k_enc)
+    if "cnt" in batch:
+      return self._grouped_loss(params, batch, rows, k_drop)
     h = jnp.take(rows, batch["h"], axis=0)
     t = jnp.take(rows, batch["t"], axis=0)
     r = self._rel(params, batch["rel"])
@@ -480,6 +536,40 @@ class LinkPrediction(base.Task):
         reg = kge.n3(h * wv, r * wv, t * wv, complex_pairs=pairs) / denom
       else:
         reg = (jnp.sum((h * wv) ** 2) + jnp.sum((r * wv) ** 2) + jnp.sum((t * wv) ** 2)) / denom
+      loss = loss + lam * reg
+      aux["reg"] = reg
+    return loss, aux
+
+  def _dropout(self, x, key):
+    rate = float(self.config.model.get("dropout", 0.0))
+    if rate <= 0:
+      return x
+    keep = jax.random.bernoulli(key, 1 - rate, x.shape)
+    return jnp.where(keep, x / (1 - rate), 0.0)
+
+  def _grouped_loss(self, params, batch, rows, key):
+    """Sum over the batch's triples of CE_t = logsumexp(scores) - score_t, / #triples."""
+    h = jnp.take(rows, batch["h"], axis=0)
+    r = self._rel(params, batch["rel"])
+    gamma, p = self._gamma_p()
+    scores = kge.score_all(self.decoder, self._dropout(h, key), r, rows, "tail", gamma, p)
+    cnt = batch["cnt"]
+    lse = jax.nn.logsumexp(scores, axis=1)
+    valid = batch["lab_q"] < scores.shape[0]
+    pos = scores.at[batch["lab_q"], batch["lab_e"]].get(mode="fill", fill_value=0.0)
+    total = jnp.maximum(cnt.sum(), 1.0)
+    loss = (jnp.sum(cnt * lse) - jnp.sum(jnp.where(valid, pos, 0.0))) / total
+    aux = {"ce": loss}
+    lam = float(self.config.model.get("reg_weight", 0.0))
+    if self.regularizer != "none" and lam > 0:
+      t = jnp.take(rows, batch["lab_e"], axis=0) * valid[:, None]
+      c = cnt[:, None]
+      if self.regularizer == "n3":
+        pairs = self.decoder in ("complex", "rotate")
+        # |x|^3 weighted by the answers per query (each triple's h and r count once)
+        reg = kge.n3(h * c ** (1 / 3), r * c ** (1 / 3), t, complex_pairs=pairs) / total
+      else:
+        reg = (jnp.sum(c * h**2) + jnp.sum(c * r**2) + jnp.sum(t**2)) / total
       loss = loss + lam * reg
       aux["reg"] = reg
     return loss, aux
