@@ -58,13 +58,13 @@ def compression_report(cardinalities, plan, dim: int = 16) -> dict:
     base.TableSpec(name=n, num_rows=int(c), dim=dim)
     for n, c in zip(table_names(len(cardinalities)), cardinalities)
   ]
-  backends = base.resolve_plan(plan, specs, log=False)
+  resolved = base.resolve_plan(plan, specs, log=False)
   per_table = {}
-  for n, b in backends.items():
-    floats = b.num_params() if hasattr(b, "num_params") else b.spec.num_rows * b.spec.dim
-    per_table[n] = {"rows": b.spec.num_rows, "backend": b.describe(), "floats": floats}
-  dense_floats = sum(b.spec.num_rows * b.spec.dim for b in backends.values())
-  tt_names = [n for n, b in backends.items() if b.name == "tt"]
+  for n, spec in resolved.specs.items():
+    g = resolved.backend_of(n)
+    per_table[n] = {"rows": spec.num_rows, "backend": g.describe(n), "floats": g.num_params()[n]}
+  dense_floats = sum(s.num_rows * s.dim for s in resolved.specs.values())
+  tt_names = [n for n in per_table if resolved.backend_of(n).name == "tt"]
   tt_floats = sum(per_table[n]["floats"] for n in tt_names)
   tt_dense = sum(per_table[n]["rows"] * dim for n in tt_names)
   total = sum(t["floats"] for t in per_table.values())
