@@ -1,21 +1,22 @@
 """The offload backend (cDLRM) beyond the shared contract (tests/test_contract.py has it in EXACT).
 
 Checked against references: the dense backend (bit-identical tables and lookups, also across a
-checkpoint and resume), an independent replay of the planner's exchange lists (rows moved
-host->device are exactly the misses), hand-worked eviction orders, compile-time memory.
+checkpoint and resume, on one device and on an 8x1 mesh, resumed on the same mesh or on one
+device), an independent replay of the planner's exchange lists (rows moved host->device are
+exactly the misses), hand-worked eviction orders, compile-time memory. Every run goes through
+the trainer's own prepare driver (contract_lib.run: inputs.prepare_stream + run_ahead).
 """
 
-import collections
 import json
 
+import contract_lib as contract
 import jax
 import numpy as np
 import pytest
 
-from recgnn.embeddings import base, offload, testing
+from recgnn import sharding
+from recgnn.embeddings import base, offload
 
-# The contract driver jits grads_for; eager op-by-op evaluation differs in the last bit.
-GRADS = jax.jit(testing.grads_for, static_argnums=0)
 SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
 ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
 OPTIMIZERS = [SGD, ADAGRAD]
@@ -31,31 +32,15 @@ def _spec(opt, num_rows=1000, dim=4):
 
 
 def _batches(num_batches=12, batch=32, bag=2, num_rows=1000, seed=5):
-  return testing.zipf_ids(seed, num_batches, batch, bag, num_rows)
+  return contract.zipf_ids(seed, num_batches, batch, bag, num_rows)
 
 
-def _drive(backend, state, batches, start=0, stop=None, prefetch=testing.PREFETCH, record=None):
-  """testing.run's loop from batch `start` to `stop` (run-ahead included, a fresh input
-  pipeline: batches prepared beyond `stop` are dropped, as when the trainer stops)."""
-  stop = len(batches) if stop is None else stop
-  lookup = jax.jit(backend.lookup)
-  update = jax.jit(backend.update, donate_argnums=0)
-  queue, ahead, lookups = collections.deque(), start, []
-  for step in range(start, stop):
-    while ahead < len(batches) and ahead <= step + prefetch:
-      upcoming = list(batches[ahead + 1 : ahead + 1 + backend.lookahead])
-      queue.append(backend.prepare(batches[ahead], upcoming))
-      if record is not None:
-        record.append(queue[-1])
-      ahead += 1
-    prepared = queue.popleft()
-    rows = lookup(state, prepared)
-    lookups.append(np.asarray(rows))
-    state = update(state, prepared, GRADS(step, rows))
-  return state, lookups
+def _plan(group: base.Backend) -> base.Plan:
+  return base.Plan({group.name: group}, {n: group.name for n in group.specs}, group.mesh)
 
 
-def _assert_same_run(lookups, table, ref: testing.Trace, what):
+def _assert_same_run(lookups, table, ref: contract.Trace, what):
+  assert len(lookups) == len(ref.lookups), what
   for step, (a, b) in enumerate(zip(lookups, ref.lookups)):
     np.testing.assert_array_equal(a, b, err_msg=f"{what}: lookup differs at step {step}")
   np.testing.assert_array_equal(table, ref.table, err_msg=f"{what}: final table differs")
@@ -69,55 +54,60 @@ def _assert_same_run(lookups, table, ref: testing.Trace, what):
 def test_exact_with_6_percent_cache(text, opt):
   """12 steps, a cache of 6% of the rows (batches touch ~45 distinct rows): equal to dense."""
   batches = _batches()
-  trace = testing.assert_matches_dense(text, _spec(opt), batches)
+  trace = contract.assert_matches_dense(text, _spec(opt), batches)
   s = trace.backend.stats()
-  assert s["d2h_rows_per_step"] > 0, "the cache never evicted a dirty row: test too easy"
+  assert s["t/d2h_rows_per_step"] > 0, "the cache never evicted a dirty row: test too easy"
 
 
+# (mesh of the run that saves, mesh of the run that restores and resumes)
+CHECKPOINT_MESHES = [((1, 1), (1, 1)), ((8, 1), (8, 1)), ((8, 1), (1, 1))]
+
+
+@pytest.mark.parametrize(
+  "save_mesh, resume_mesh",
+  CHECKPOINT_MESHES,
+  ids=lambda m: f"{m[0]}x{m[1]}",
+)
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
-def test_checkpoint_and_resume_match_uninterrupted_dense(opt, tmp_path):
+def test_checkpoint_and_resume_match_uninterrupted_dense(opt, save_mesh, resume_mesh, tmp_path):
   """Sync at step 5 and keep going (the prepared-ahead batches stay valid), save with Orbax,
-  restore into a fresh backend and resume from step 5: both equal an uninterrupted dense run."""
+  restore into a fresh backend (on the same mesh, or on one device) and resume from step 5:
+  both equal an uninterrupted single-device dense run, bit for bit."""
   from recgnn.train import checkpoint
 
   spec, batches, k = _spec(opt), _batches(), 5
   text = "offload(cache_rows=60, policy=lookahead, lookahead=3)"
-  ref = testing.run("dense", spec, batches)
+  ref = contract.run("dense", spec, batches)
+  dense_at_k = contract.run("dense", spec, batches[:k]).table
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
 
   # Run A: sync mid-run while batches k..k+PREFETCH are already prepared, then continue.
-  a = base.make_backend(text, spec)
-  state = a.init(jax.random.key(0))
-  lookup = jax.jit(a.lookup)
-  update = jax.jit(a.update, donate_argnums=0)
-  prepared = collections.deque()
-  lookups = []
-  for step in range(len(batches)):
-    while len(prepared) + step < min(len(batches), step + testing.PREFETCH + 1):
-      i = step + len(prepared)
-      prepared.append(a.prepare(batches[i], list(batches[i + 1 : i + 1 + a.lookahead])))
-    p = prepared.popleft()
-    rows = lookup(state, p)
-    lookups.append(np.asarray(rows))
-    state = update(state, p, GRADS(step, rows))
-    if step + 1 == k:
-      state = a.sync(state)
-      # After sync the state alone describes the table.
-      np.testing.assert_array_equal(
-        np.asarray(state["host"]["table"]), testing.run("dense", spec, batches[:k]).table
-      )
-      ckpt = checkpoint.Checkpointer(str(tmp_path))
-      ckpt.save(state, k)
-  state = a.sync(state)
-  _assert_same_run(lookups, a.table(state), ref, "sync mid-run")
+  a = base.make_backend(text, spec, sharding.make_mesh(*save_mesh))
+  saved = []
+
+  def sync_and_save(item, state):
+    if item.kind != "train" or item.step + 1 != k:
+      return None
+    state = a.sync(state)
+    # After sync the state alone describes the table.
+    np.testing.assert_array_equal(np.asarray(state["t"]["host"]["table"]), dense_at_k)
+    ckpt.save(state, k)
+    saved.append(k)
+    return state
+
+  run_a = contract.run(text, spec, batches, group=a, after=sync_and_save)
+  assert saved == [k]
+  _assert_same_run(run_a.lookups, run_a.table, ref, "sync mid-run")
 
   # Run B: a fresh process restores the checkpoint and resumes at step k.
-  b = base.make_backend(text, spec)
+  b = base.make_backend(text, spec, sharding.make_mesh(*resume_mesh))
   abstract = b.init(jax.random.key(123))  # structure and shardings only
   restored = b.restore(ckpt.restore(abstract, k))
-  assert restored["host"]["table"].sharding.memory_kind == b.host_memory
-  state_b, lookups_b = _drive(b, restored, batches, start=k)
-  state_b = b.sync(state_b)
-  _assert_same_run(lookups[:k] + lookups_b, b.table(state_b), ref, "resume")
+  host = restored["t"]["host"]["table"]
+  assert host.sharding.memory_kind == b.members["t"].host_memory
+  assert host.sharding.mesh.devices.size == b.mesh.size
+  run_b = contract.run(text, spec, batches, group=b, state=restored, start=k)
+  _assert_same_run(run_a.lookups[:k] + run_b.lookups, run_b.table, ref, "resume")
   ckpt.close()
 
 
@@ -163,21 +153,31 @@ def _replay(prepared_list, batches, cache_rows, num_rows):
   return loaded_per_step
 
 
+def _recorded_run(text, spec, batches):
+  """contract.run, recording each batch's per-table prepared (the planner's exchange lists)
+  in stream order."""
+  record = []
+  trace = contract.run(
+    text, spec, batches, after=lambda item, _: record.append(item.prepared["t"]["rows"])
+  )
+  return trace, record
+
+
 @pytest.mark.parametrize("text", POLICY_STRINGS)
 def test_rows_moved_equal_misses(text):
   batches = _batches(num_batches=10)
   spec = _spec(ADAGRAD)
-  backend = base.make_backend(text, spec)
-  record = []
-  state = backend.init(jax.random.key(0))
-  state, _ = _drive(backend, state, batches, record=record)
-  loaded = _replay(record, batches, backend.cache_rows, spec.num_rows)
-  s = backend.stats()
-  assert 0 < s["hit_rate"] < 1
-  assert sum(loaded) == s["h2d_rows_per_step"] * s["steps"] == s["misses_per_step"] * s["steps"]
+  trace, record = _recorded_run(text, spec, batches)
+  member = trace.backend.members["t"]
+  loaded = _replay(record, batches, member.cache_rows, spec.num_rows)
+  s = trace.backend.stats()
+  assert 0 < s["t/hit_rate"] < 1
+  steps = s["t/steps"]
+  assert steps == len(batches)
+  assert sum(loaded) == s["t/h2d_rows_per_step"] * steps == s["t/misses_per_step"] * steps
   # The device agrees with the host bookkeeping about which row sits in which slot.
-  slot_rows = np.asarray(state["slot_rows"])
-  planner = backend._planner
+  slot_rows = np.asarray(trace.state["t"]["slot_rows"])
+  planner = member._planner
   np.testing.assert_array_equal(
     slot_rows, np.where(planner.slot_row >= 0, planner.slot_row, spec.num_rows)
   )
@@ -188,10 +188,8 @@ def test_large_cache_loads_each_row_once():
   host->device at each step are exactly the rows no earlier batch touched."""
   batches = _batches(num_batches=8)
   spec = _spec(SGD)
-  backend = base.make_backend("offload(cache_rows=1000, lookahead=1)", spec)
-  record = []
-  _drive(backend, backend.init(jax.random.key(0)), batches, record=record)
-  loaded = _replay(record, batches, backend.cache_rows, spec.num_rows)
+  trace, record = _recorded_run("offload(cache_rows=1000, lookahead=1)", spec, batches)
+  loaded = _replay(record, batches, trace.backend.members["t"].cache_rows, spec.num_rows)
   # prepare(j) loads batch j+1's new rows (batch 0's are loaded on demand by prepare 0).
   seen, expected = set(), []
   for j, ids in enumerate(batches):
@@ -203,7 +201,7 @@ def test_large_cache_loads_each_row_once():
       expected[-1] += len(new)
       expected.append(0)
   assert loaded == expected
-  assert backend.stats()["d2h_rows_per_step"] == 0
+  assert trace.backend.stats()["t/d2h_rows_per_step"] == 0
 
 
 def test_write_back_is_what_makes_it_exact(monkeypatch):
@@ -219,7 +217,7 @@ def test_write_back_is_what_makes_it_exact(monkeypatch):
 
   monkeypatch.setattr(offload.Planner, "admit", no_write_back)
   with pytest.raises(AssertionError):
-    testing.assert_matches_dense(POLICY_STRINGS[0], _spec(SGD), _batches(num_batches=8))
+    contract.assert_matches_dense(POLICY_STRINGS[0], _spec(SGD), _batches(num_batches=8))
 
 
 # ----------------------------------------------------------------------------- policies
@@ -265,7 +263,7 @@ def test_batch_larger_than_cache_names_the_size():
   backend.init(jax.random.key(0))
   ids = np.arange(24, dtype=np.int32).reshape(12, 2)
   with pytest.raises(ValueError, match=r"touches 24 distinct rows.*cache_rows>=24"):
-    backend.prepare(ids, [])
+    backend.prepare({"t": ids}, [])
 
 
 @pytest.mark.parametrize(
@@ -284,68 +282,96 @@ def test_bad_options_name_the_fix(text, match):
 # ----------------------------------------------------------------------------- eval batches
 
 
-def test_eval_batches_read_only_and_stale_plans_detected():
+@pytest.mark.parametrize("prefetch", [0, contract.PREFETCH], ids=lambda p: f"prefetch{p}")
+def test_eval_batches_read_only_and_stale_plans_detected(prefetch):
   spec, batches = _spec(ADAGRAD), _batches(num_batches=6)
-  evalb = _batches(num_batches=1, batch=64, seed=9)[0]
+  evalb = _batches(num_batches=1, batch=64, seed=9)[0]  # ~100 distinct rows: more than C
   text = "offload(cache_rows=60, policy=lru, lookahead=1)"
-  ref = testing.run("dense", spec, batches)
+  ref = contract.run("dense", spec, batches)
 
-  # Eval batch prepared with train=False between train steps: lookups equal the table, and
-  # training continues exactly (run-ahead off: the trainer prepares in stream order).
-  b = base.make_backend(text, spec)
-  state = b.init(jax.random.key(0))
-  lookup, update = jax.jit(b.lookup), jax.jit(b.update, donate_argnums=0)
-  for step, ids in enumerate(batches):
-    p = b.prepare(ids, batches[step + 1 : step + 2])
-    rows = lookup(state, p)
-    state = update(state, p, GRADS(step, rows))
-    if step == 2:
-      pe = b.prepare(evalb, [batches[3]], train=False)
-      state = b.sync(state)
-      testing.assert_lookups_equal_table(np.asarray(lookup(state, pe)), b.table(state), evalb)
-  np.testing.assert_array_equal(b.table(b.sync(state)), ref.table)
-  assert 0 <= b.stats()["eval_hit_rate"] < 1
+  # An eval batch before train step 3, prepared with train=False in stream order by the
+  # shared driver (with and without run-ahead): its lookups equal the table, and training
+  # continues exactly. Sync right after it, while train batches are prepared ahead.
+  group = base.make_backend(text, spec)
+  checked = []
+
+  def sync_and_check_eval(item, state):
+    if item.kind != "eval":
+      return None
+    state = group.sync(state)
+    contract.assert_lookups_equal_table(
+      item.pooled, group.tables(state)["t"], evalb, rtol=1e-6, atol=1e-7
+    )
+    checked.append(item.step)
+    return state
+
+  trace = contract.run(
+    text, spec, batches, prefetch=prefetch, evals={3: evalb}, group=group, after=sync_and_check_eval
+  )
+  assert checked == [3]
+  _assert_same_run(trace.lookups[:3] + trace.lookups[4:], trace.table, ref, "with eval")
+  assert 0 <= group.stats()["t/eval_hit_rate"] < 1
 
   # The same eval batch prepared as a train batch and never updated: sync refuses.
-  b = base.make_backend(text, spec)
-  state = b.init(jax.random.key(0))
-  update = jax.jit(b.update, donate_argnums=0)
-  for step, ids in enumerate(batches):
-    p = b.prepare(ids, batches[step + 1 : step + 2])
-    state = update(state, p, GRADS(step, jax.jit(b.lookup)(state, p)))
-    if step == 2:
-      b.prepare(evalb[:20], [batches[3]])  # its update never runs
+  group = base.make_backend(text, spec)
+
+  def stray_train_prepare(item, state):
+    if item.kind == "train" and item.step == 2:
+      group.prepare({"t": evalb[:20]}, [{"t": batches[3]}])  # its update never runs
+
   with pytest.raises(RuntimeError, match="train=False"):
-    b.sync(state)
+    contract.run(text, spec, batches, prefetch=prefetch, group=group, after=stray_train_prepare)
+
+
+def test_read_only_prepare_before_init_has_the_shapes_of_one_after():
+  """The trainer prepares an example eval batch before `init` (to lay out and check its
+  transfer); a train batch before init is an error."""
+  spec, ids = _spec(SGD), _batches(num_batches=1, batch=64)[0]
+  b = base.make_backend("offload(cache_rows=60)", spec)
+  with pytest.raises(RuntimeError, match="call init"):
+    b.prepare({"t": ids})
+  before = b.prepare({"t": ids}, train=False)
+  assert "t/eval_hit_rate" not in b.stats()  # the layout probe is not an eval batch
+  b.init(jax.random.key(0))
+  after = b.prepare({"t": ids}, train=False)
+  assert jax.tree.structure(before) == jax.tree.structure(after)
+  for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    assert np.shape(x) == np.shape(y) and np.asarray(x).dtype == np.asarray(y).dtype
+  assert b.stats()["t/eval_hit_rate"] == 0  # after init: counted, and nothing resident yet
 
 
 # ----------------------------------------------------------------------------- memory
 
 
-def test_placement_and_memory_report():
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (8, 1)], ids=lambda m: f"{m[0]}x{m[1]}")
+def test_placement_and_memory_report(mesh_shape):
   spec = _spec(ADAGRAD, num_rows=100_000, dim=16)
-  b = base.make_backend("offload(cache_fraction=0.01)", spec)
-  assert b.cache_rows == 1000
+  b = base.make_backend("offload(cache_fraction=0.01)", spec, sharding.make_mesh(*mesh_shape))
+  assert b.members["t"].cache_rows == 1000
   state = b.init(jax.random.key(0))
-  m = b.memory()
+  m = b.memory()["t"]
   assert m.device_bytes == 1000 * spec.row_bytes + 1000 * 4
   assert m.host_bytes >= spec.table_bytes
-  device_bytes = sum(x.nbytes for x in jax.tree.leaves(state["cache"])) + state["slot_rows"].nbytes
-  assert device_bytes == m.device_bytes
+  # Per device: every device of the mesh holds the whole cache and slot map.
+  dev = jax.tree.leaves(state["t"]["cache"]) + [state["t"]["slot_rows"]]
+  for d in b.mesh.devices.flat:
+    held = sum(s.data.nbytes for x in dev for s in x.addressable_shards if s.device == d)
+    assert held == m.device_bytes
   kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
   if "pinned_host" in kinds:
-    assert state["host"]["table"].sharding.memory_kind == "pinned_host"
-    assert state["cache"]["table"].sharding.memory_kind == "device"
+    assert state["t"]["host"]["table"].sharding.memory_kind == "pinned_host"
+    assert state["t"]["cache"]["table"].sharding.memory_kind == "device"
     # Placement survives a step (no silent move of the table to device memory).
     ids = _batches(num_batches=2, num_rows=spec.num_rows)
-    p = b.prepare(ids[0], [ids[1]])
-    new = jax.jit(b.update, donate_argnums=0)(state, p, np.ones(ids[0].shape + (16,), np.float32))
-    assert new["host"]["table"].sharding.memory_kind == "pinned_host"
+    p = contract.put_prepared(b, b.prepare({"t": ids[0]}, [{"t": ids[1]}]), b.mesh)
+    g = {"t": np.ones((ids[0].shape[0], 16), np.float32)}
+    new = jax.jit(b.update, donate_argnums=0)(state, p, g)
+    assert new["t"]["host"]["table"].sharding.memory_kind == "pinned_host"
   # A budget a tenth of the table: dense is refused, offload fits.
   budget = spec.table_bytes // 10
   with pytest.raises(base.PlanDoesNotFit):
-    base.check_memory({"t": base.make_backend("dense", spec)}, budget)
-  assert base.check_memory({"t": b}, budget) == m.device_bytes
+    base.check_memory(base.resolve_plan([(".*", "dense")], [spec], b.mesh, log=False), budget)
+  assert base.check_memory(_plan(b), budget) == m.device_bytes
 
 
 def test_update_never_copies_the_table():
@@ -353,14 +379,20 @@ def test_update_never_copies_the_table():
   in place (aliased), not copied: XLA copies them if reads and writes are unordered."""
   spec = _spec(ADAGRAD, num_rows=200_000, dim=16)
   text = "offload(cache_rows=4000, lookahead=1)"
-  batches = testing.zipf_ids(0, 2, 256, 2, spec.num_rows)
-  testing.assert_update_is_sparse(text, spec, batches[0])
+  batches = contract.zipf_ids(0, 2, 256, 2, spec.num_rows)
+  contract.assert_update_is_sparse(text, spec, batches[0])
   b = base.make_backend(text, spec)
   state = b.init(jax.random.key(0))
-  b.prepare(batches[0], [batches[1]])  # batch 1 is admitted by the next update
-  p = b.prepare(batches[1], [batches[0][::-1]])  # evicts nothing yet, loads: exchange present
-  p0 = b.prepare(batches[0][::-1], [batches[1][:, ::-1]])
-  grads = np.ones(batches[0].shape + (16,), np.float32)
+
+  def prepare(ids, upcoming):
+    return b.prepare({"t": ids}, [{"t": upcoming}])
+
+  prepare(batches[0], batches[1])  # batch 1 is admitted by the next update
+  p = prepare(batches[1], batches[0][::-1])  # evicts nothing yet, loads: exchange present
+  p0 = prepare(batches[0][::-1], batches[1][:, ::-1])
+  for prepared in (p, p0):  # the exchange is compiled in (fixed-size lists, padded)
+    assert prepared["t"]["rows"]["next"]["load_rows"].shape[0] > 0
+  grads = {"t": np.ones((batches[0].shape[0], 16), np.float32)}
   for prepared in (p, p0):
     compiled = jax.jit(b.update, donate_argnums=0).lower(state, prepared, grads).compile()
     ma = compiled.memory_analysis()
@@ -400,14 +432,21 @@ def test_trainer_offload_equals_dense_and_resumes(tmp_path):
   part = loop.train(config(offload_plan), str(tmp_path / "part"), stop_after=3)
   assert part.metrics["step"] == 3
   resumed = loop.train(config(offload_plan), str(tmp_path / "part"), resume=True)
-  big = max(dense.backends.values(), key=lambda b: b.spec.num_rows).spec.name
-  assert resumed.backends[big].cache_rows < resumed.backends[big].spec.num_rows / 10
+  big = max(dense.plan.specs.values(), key=lambda spec: spec.num_rows).name
+  group = resumed.plan.backend_of(big)
+  assert group.members[big].cache_rows < group.specs[big].num_rows / 10
   logged = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
   assert sum(x.get(f"{big}/d2h_rows_per_step", 0) for x in logged) > 0, "the cache never evicted"
-  for n, b in resumed.backends.items():
-    np.testing.assert_array_equal(
-      b.table(resumed.state.emb[n]), dense.backends[n].table(dense.state.emb[n]), err_msg=n
-    )
+
+  def tables(result):
+    return {
+      n: t for k, g in result.plan.groups.items() for n, t in g.tables(result.state.emb[k]).items()
+    }
+
+  got, want = tables(resumed), tables(dense)
+  assert set(got) == set(want) == set(dense.plan.specs)
+  for n in want:
+    np.testing.assert_array_equal(got[n], want[n], err_msg=n)
   for x, y in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(dense.state.params)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   assert resumed.metrics["test/auc"] == dense.metrics["test/auc"]

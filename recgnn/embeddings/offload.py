@@ -429,11 +429,11 @@ class Offload(base.TableBackend):
     now["load_rows"] (M = cached), "next": Exchange arrays run after this step's update,
     "version": int32[] (-1: read-only)}.
     """
-    if self._host_sharding is None:
-      raise RuntimeError("offload: call init (or restore) before prepare")
     t0 = time.perf_counter()
     ids = np.asarray(ids)
     p = self._planner
+    if p is None and train:
+      raise RuntimeError("offload: call init (or restore) before prepare(train=True)")
     rows = self._unique(ids)
     if not train:  # read-only: rows need not fit, cold ones are read from the host table
       return self._prepare_read_only(ids, rows, t0)
@@ -480,15 +480,21 @@ class Offload(base.TableBackend):
 
   def _prepare_read_only(self, ids, rows, t0):
     p = self._planner
-    resident = p.row_slot[rows] >= 0
+    if p is None:
+      # Before init (the trainer prepares an example batch to lay out and check its transfer):
+      # nothing is resident; the plan has the shapes of any read-only plan of this batch.
+      resident, slots = np.zeros(rows.shape, bool), np.full(ids.shape, -1)
+    else:
+      resident = p.row_slot[rows] >= 0
+      slots = np.where(ids >= 0, p.row_slot[np.maximum(ids, 0)], -1)
     cold = rows[~resident].astype(np.int32)
-    slots = np.where(ids >= 0, p.row_slot[np.maximum(ids, 0)], -1)
     # Slots C: should an update ever run with this plan, its scatters drop these rows.
     ex = dataclasses.replace(
       Exchange.empty(), load_rows=cold, load_slots=np.full_like(cold, self.cache_rows)
     )
-    self._count(eval_hits=int(resident.sum()), eval_misses=cold.shape[0])
-    self._count(plan_seconds=time.perf_counter() - t0)
+    if p is not None:
+      self._count(eval_hits=int(resident.sum()), eval_misses=cold.shape[0])
+      self._count(plan_seconds=time.perf_counter() - t0)
     return self._prepared(ids, None, slots, ex, Exchange.empty(), -1, ids.size, 0)
 
   def _prepared(self, ids, rows, slots, now, nxt, version: int, now_cap: int, next_cap: int):
