@@ -131,11 +131,14 @@ def collectives(hlo_text: str) -> list[Collective]:
 
 def summary(hlo_text: str) -> dict:
   """{"total_operand_bytes", "by_op": {op: {"count", "operand_bytes", "result_bytes",
-  "dtypes"}}} of one executable: per device, per call (one step)."""
+  "dtypes"}}} of one executable: per device, per call (one step). Collectives over groups
+  of one device are left out."""
   by_op: dict[str, dict] = collections.defaultdict(
     lambda: {"count": 0, "operand_bytes": 0, "result_bytes": 0, "dtypes": set()}
   )
   for c in collectives(hlo_text):
+    if c.group_size == 1:  # a collective over one device (a 1 x 1 mesh) moves nothing
+      continue
     d = by_op[c.op]
     d["count"] += 1
     d["operand_bytes"] += c.operand_bytes
