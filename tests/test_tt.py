@@ -6,15 +6,16 @@ lookups must equal the reconstructed table, core gradients must equal jax.grad o
 reference, and the optimizer must act on core slices as documented in recgnn/embeddings/tt.py.
 """
 
-import collections
 import math
 
+import contract_lib as contract
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recgnn.embeddings import base, testing, tt
+from recgnn import sharding
+from recgnn.embeddings import base, tt
 
 SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
 ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
@@ -27,7 +28,12 @@ def _spec(opt=SGD, num_rows=1000, dim=8, **kw):
 
 
 def _batches(num_rows=1000, n=6, seed=1, batch=64, bag=3):
-  return testing.zipf_ids(seed=seed, num_batches=n, batch=batch, bag=bag, num_rows=num_rows)
+  return contract.zipf_ids(seed=seed, num_batches=n, batch=batch, bag=bag, num_rows=num_rows)
+
+
+def _member(text, spec, mesh=None) -> tt.TT:
+  """The per-table TT backend of a group of one (its unpooled rows, cores and options)."""
+  return base.make_backend(text, spec, mesh).members[spec.name]
 
 
 def _numpy_rows(cores, ids, num_rows):
@@ -46,36 +52,34 @@ def _numpy_rows(cores, ids, num_rows):
   return out
 
 
-def _drive(backend_text, spec, batches, prefetch=testing.PREFETCH, eval_at=()):
-  """testing.run with a check at every step: lookup == table(state)[ids] before the update.
+def _drive(backend_text, spec, batches, prefetch=contract.PREFETCH, eval_at=(), mesh=None):
+  """contract.run (the trainer's prepare driver, run-ahead included) with a check at every
+  item, before its update: the pooled lookup equals the pooled rows of table(state), and the
+  table's unpooled rows (`members["t"].lookup`) equal table(state)[ids], 0 at padding.
 
-  `eval_at`: steps before which an extra batch is prepared and looked up but never updated
-  (an eval batch in the trainer's stream).
+  `eval_at`: steps before which an eval batch (that step's batch reversed) is prepared with
+  train=False and looked up but never updated. Returns the train steps' lookups.
   """
-  backend = base.make_backend(backend_text, spec)
-  state = backend.init(jax.random.key(0))
-  lookup = jax.jit(backend.lookup)
-  update = jax.jit(backend.update, donate_argnums=0)
-  queue, ahead, lookups = collections.deque(), 0, []
-  for step in range(len(batches)):
-    while ahead < len(batches) and ahead <= step + prefetch:
-      if ahead in eval_at:
-        ids = batches[ahead][::-1]
-        queue.append(("eval", ids, backend.prepare(ids, train=False)))
-      queue.append(("train", batches[ahead], backend.prepare(batches[ahead])))
-      ahead += 1
-    kind, ids, prepared = queue.popleft()
-    if kind == "eval":
-      rows = np.asarray(lookup(state, prepared))
-      testing.assert_lookups_equal_table(rows, backend.table(state), ids, **TOL)
-      kind, ids, prepared = queue.popleft()
-    rows = lookup(state, prepared)
-    table = backend.table(state)
-    testing.assert_lookups_equal_table(np.asarray(rows), table, ids, **TOL)
-    lookups.append(np.asarray(rows))
-    state = update(state, prepared, testing.grads_for(step, rows))
-  state = backend.sync(state)
-  return testing.Trace(lookups, backend.table(state), backend, state)
+  group = base.make_backend(backend_text, spec, mesh)
+  rows_of = jax.jit(group.members[spec.name].lookup)
+  kinds = []
+
+  def check(item, state):
+    table = group.tables(state)[spec.name]
+    contract.assert_lookups_equal_table(item.pooled, table, item.ids, **TOL)
+    rows = np.asarray(rows_of(state[spec.name], item.prepared[spec.name]["rows"]))
+    valid = item.ids >= 0
+    np.testing.assert_allclose(rows[valid], table[item.ids[valid]], **TOL)
+    np.testing.assert_array_equal(rows[~valid], 0.0, err_msg="padding must look up as 0")
+    kinds.append(item.kind)
+
+  evals = {s: batches[s][::-1] for s in eval_at}
+  trace = contract.run(
+    backend_text, spec, batches, prefetch=prefetch, evals=evals, group=group, check=check
+  )
+  assert kinds.count("eval") == len(eval_at) and kinds.count("train") == len(batches)
+  trace.lookups = [x for x, k in zip(trace.lookups, kinds) if k == "train"]
+  return trace
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -111,20 +115,18 @@ def test_shape_ranks_are_capped_and_counted():
 
 def test_plan_string_options():
   spec = _spec(num_rows=50_000, dim=16)
-  b = base.make_backend(
-    "tt(rank=16, cores=3, init=sampled_gaussian, cache_rows=10000, kernel=prefix)", spec
-  )
+  b = _member("tt(rank=16, cores=3, init=sampled_gaussian, cache_rows=10000, kernel=prefix)", spec)
   assert b.shape.ranks == (1, 16, 16, 1) and b.cache_rows == 10000 and b.kernel == "prefix"
   assert base.make_backend(b.describe(), spec).describe() == b.describe()
-  b4 = base.make_backend("tt(rank=(4, 8, 4), cores=4, init=orthogonal, kernel=naive)", spec)
+  b4 = _member("tt(rank=(4, 8, 4), cores=4, init=orthogonal, kernel=naive)", spec)
   assert b4.shape.ranks == (1, 4, 8, 4, 1) and b4.init_name == "orthogonal"
   for text in [
     b4.describe(),
     "tt(rank=8, row_factors=(50, 40, 30), dim_factors=(4, 2, 2), cache_rows=5, cache_warmup=7)",
   ]:
-    again = base.make_backend(base.make_backend(text, spec).describe(), spec)
+    again = _member(base.make_backend(text, spec).describe(), spec)
     assert again.describe() == base.make_backend(text, spec).describe()
-    assert again.shape == base.make_backend(text, spec).shape
+    assert again.shape == _member(text, spec).shape
   assert "cache_warmup=7" in again.describe() and again.shape.dim_factors == (4, 2, 2)
   for bad, msg in [
     ("tt(kernel=fast)", "available: naive, unique, prefix"),
@@ -137,11 +139,18 @@ def test_plan_string_options():
     base.make_backend("tt", _spec(initializer="zeros"))
 
 
-def test_memory_matches_allocation():
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (8, 1)], ids=lambda m: f"{m[0]}x{m[1]}")
+def test_memory_matches_allocation(mesh_shape):
+  """memory() is per device; on a mesh every device holds the whole (replicated) state."""
+  mesh = sharding.make_mesh(*mesh_shape)
   for text, opt in [("tt(rank=8)", SGD), ("tt(rank=8, cache_rows=100)", ADAGRAD)]:
-    b = base.make_backend(text, _spec(opt, num_rows=5000, dim=16))
+    b = base.make_backend(text, _spec(opt, num_rows=5000, dim=16), mesh)
     state = b.init(jax.random.key(0))
-    assert b.memory().device_bytes == sum(x.nbytes for x in jax.tree.leaves(state))
+    leaves = jax.tree.leaves(state)
+    assert all(x.sharding.is_fully_replicated for x in leaves)
+    for d in mesh.devices.flat:
+      held = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == d)
+      assert b.memory()["t"].device_bytes == held
 
 
 # ----------------------------------------------------------------------------- init
@@ -155,7 +164,7 @@ def test_init_variance_matches_dense_initializer(init, initializer, num_rows):
   target = 1 / (3 * num_rows) if initializer == "uniform" else 1 / 16
   assert tt.target_variance(spec) == pytest.approx(target)
   b = base.make_backend(f"tt(rank=16, init={init})", spec)
-  tables = [b.table(b.init(jax.random.key(s))) for s in range(6)]
+  tables = [b.tables(b.init(jax.random.key(s)))["t"] for s in range(6)]
   var = np.mean([np.var(t) for t in tables])
   assert abs(np.mean([t.mean() for t in tables])) < 0.1 * math.sqrt(target)
   assert var == pytest.approx(target, rel=0.08), f"{init}: variance {var:.3g}, target {target:.3g}"
@@ -164,7 +173,7 @@ def test_init_variance_matches_dense_initializer(init, initializer, num_rows):
 def test_reconstruct_matches_numpy_chain_product():
   spec = _spec(num_rows=700, dim=12)
   for text in ["tt(rank=5)", "tt(rank=(3, 4, 2), cores=4)", "tt(rank=6, cores=2)"]:
-    b = base.make_backend(text, spec)
+    b = _member(text, spec)
     state = b.init(jax.random.key(3))
     ids = np.random.default_rng(0).integers(0, spec.num_rows, 100)
     ref = _numpy_rows(state["cores"], ids, spec.num_rows)
@@ -178,12 +187,29 @@ def test_reconstruct_matches_numpy_chain_product():
 def test_lookups_equal_reconstruction_every_step_and_kernels_agree(opt):
   batches = _batches()
   traces = {k: _drive(f"tt(rank=4, kernel={k})", _spec(opt), batches) for k in tt.KERNELS}
-  for k, tr in traces.items():
-    testing.assert_padding_is_zero(tr, batches)
+  for k, tr in traces.items():  # (_drive checks padding looks up as 0)
     assert not np.allclose(tr.lookups[0], tr.lookups[-1])  # it trained
     for step, (a, b) in enumerate(zip(tr.lookups, traces["naive"].lookups)):
       np.testing.assert_allclose(a, b, **TOL, err_msg=f"{k} vs naive, step {step}")
     np.testing.assert_allclose(tr.table, traces["naive"].table, **TOL, err_msg=k)
+
+
+@pytest.mark.parametrize(
+  "text", ["tt(rank=4)", "tt(rank=4, kernel=naive, cache_rows=40, cache_warmup=2)"]
+)
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_on_8x1_mesh_equals_its_reconstruction_and_one_device(text, opt):
+  """On a mesh TT is replicated and the batch split over the devices: at every step (an eval
+  batch included) lookups equal its own dense reconstruction, and the run equals one device's."""
+  batches = _batches()
+  got = _drive(text, _spec(opt), batches, eval_at=(3,), mesh=sharding.make_mesh(8, 1))
+  for x in jax.tree.leaves(got.state):
+    assert x.sharding.is_fully_replicated and len(x.sharding.device_set) == 8
+  one = _drive(text, _spec(opt), batches, eval_at=(3,))
+  assert not np.allclose(got.lookups[0], got.lookups[-1])  # it trained
+  for step, (a, b) in enumerate(zip(got.lookups, one.lookups)):
+    np.testing.assert_allclose(a, b, **TOL, err_msg=f"8x1 vs 1x1, step {step}")
+  np.testing.assert_allclose(got.table, one.table, **TOL)
 
 
 def _reference_loss(cores, ids, g, num_rows):
@@ -197,7 +223,7 @@ def _reference_loss(cores, ids, g, num_rows):
 def test_core_grads_match_jax_grad_of_reconstruction(kernel):
   spec = _spec(num_rows=1000, dim=8)
   ids = _batches(n=1)[0]
-  b = base.make_backend(f"tt(rank=4, kernel={kernel})", spec)
+  b = _member(f"tt(rank=4, kernel={kernel})", spec)  # unpooled: a gradient per bag slot
   state = b.init(jax.random.key(1))
   g = jax.random.normal(jax.random.key(2), ids.shape + (spec.dim,))
   ref = jax.grad(_reference_loss)(state["cores"], jnp.asarray(ids), g, spec.num_rows)
@@ -213,7 +239,7 @@ def test_update_applies_rowwise_optimizer_to_core_slices(kernel, opt):
   """SGD: cores -= lr * grad. Adagrad: one accumulator per slice G_k[i], as documented."""
   spec = _spec(opt, num_rows=1000, dim=8)
   ids = np.array([[3, 17, -1], [512, 3, 998]])  # repeats, padding, and untouched slices
-  b = base.make_backend(f"tt(rank=4, kernel={kernel})", spec)
+  b = _member(f"tt(rank=4, kernel={kernel})", spec)  # unpooled: a gradient per bag slot
   state = b.init(jax.random.key(1))
   g = jax.random.normal(jax.random.key(2), ids.shape + (spec.dim,))
   ref = jax.grad(_reference_loss)(state["cores"], jnp.asarray(ids), g, spec.num_rows)
@@ -238,7 +264,7 @@ def test_update_applies_rowwise_optimizer_to_core_slices(kernel, opt):
 def test_update_is_sparse(kernel):
   spec = _spec(ADAGRAD, num_rows=200_000, dim=16)
   batch = _batches(num_rows=spec.num_rows, n=1, batch=256, bag=2)[0]
-  testing.assert_update_is_sparse(f"tt(rank=16, kernel={kernel})", spec, batch)
+  contract.assert_update_is_sparse(f"tt(rank=16, kernel={kernel})", spec, batch)
 
 
 def test_prefix_kernel_shares_prefixes():
@@ -246,7 +272,7 @@ def test_prefix_kernel_shares_prefixes():
   spec = _spec(num_rows=1000, dim=8)
   b = base.make_backend("tt(rank=4, pad=full)", spec)
   ids = np.array([[0, 1, 2, 3, 10, 11, 999, -1]])  # n = (10, 10, 10): prefixes 00, 01, 99
-  p = b.prepare(ids)
+  p = b.prepare({"t": ids})["t"]["rows"]
   assert (p["parent2"][:7] == [0, 0, 0, 0, 1, 1, 2]).all()
   assert (p["slice_of1"][:3] == [0, 1, 2]).all() and p["slice_of1"][3:].min() == p["slices1"].size
   assert p["inverse"][0, -1] == p["slice_of2"].size  # padding -> the zero row
@@ -262,13 +288,12 @@ def test_cache_lookups_equal_table_and_hot_set_is_lfu(kernel, opt):
   spec = _spec(opt)
   text = f"tt(rank=4, kernel={kernel}, cache_rows=40, cache_warmup=3)"
   # Eval batches inside the warm-up (1) and right after it (3) neither count nor break it.
-  trace = _drive(text, spec, batches, eval_at=(1, 3))
-  testing.assert_padding_is_zero(trace, batches)
+  trace = _drive(text, spec, batches, eval_at=(1, 3))  # (checks padding looks up as 0)
   ids, counts = np.unique(np.concatenate([b[b >= 0] for b in batches[:3]]), return_counts=True)
   want = np.sort(ids[np.lexsort((ids, -counts))[:40]])
-  np.testing.assert_array_equal(np.asarray(trace.state["cache_ids"]), want)
+  np.testing.assert_array_equal(np.asarray(trace.state["t"]["cache_ids"]), want)
   # Hot rows are served by the cache, not by the cores, once it is filled.
-  recon = np.asarray(tt.reconstruct(trace.state["cores"], spec.num_rows))
+  recon = np.asarray(tt.reconstruct(trace.state["t"]["cores"], spec.num_rows))
   assert np.abs(trace.table[want] - recon[want]).max() > 1e-3
 
 
@@ -283,16 +308,19 @@ def test_cached_rows_train_like_dense_rows(opt):
   hot = np.unique(np.concatenate([x[x >= 0] for x in batches[:2]]))  # every row seen is hot
   state, ref = b.init(jax.random.key(0)), None
   for step, ids in enumerate(batches):
-    prepared = b.prepare(ids)
-    rows = b.lookup(state, prepared)
-    g = testing.grads_for(step, rows)
+    prepared = b.prepare({"t": ids})
+    pooled = b.lookup(state, prepared)
+    g = {"t": contract.grads_for(step, pooled["t"])}
     if step == 1:  # the warm-up ends with batch 1: its update fills the cache first
-      ref = {"table": jnp.asarray(b.table(state)), **opt.init_slots(spec.num_rows)}
+      table = jnp.asarray(b.tables(state)["t"])
+      ref = {"t": {"table": table, **opt.init_slots(spec.num_rows)}}
     state = b.update(state, prepared, g)
     if ref is not None:
-      ref = dense.update(ref, dense.prepare(ids), g)
-      np.testing.assert_allclose(b.table(state)[hot], np.asarray(ref["table"])[hot], **TOL)
-  np.testing.assert_array_equal(np.asarray(state["cache_ids"])[: hot.size], hot)
+      ref = dense.update(ref, dense.prepare({"t": ids}), g)
+      np.testing.assert_allclose(
+        b.tables(state)["t"][hot], np.asarray(ref["t"]["table"])[hot], **TOL
+      )
+  np.testing.assert_array_equal(np.asarray(state["t"]["cache_ids"])[: hot.size], hot)
 
 
 def test_restore_rebuilds_hot_set():
@@ -302,15 +330,16 @@ def test_restore_rebuilds_hot_set():
   a = base.make_backend(text, spec)
   state = a.init(jax.random.key(0))
   for step, ids in enumerate(batches[:4]):
-    p = a.prepare(ids)
-    state = a.update(state, p, testing.grads_for(step, a.lookup(state, p)))
+    p = a.prepare({"t": ids})
+    state = a.update(state, p, {"t": contract.grads_for(step, a.lookup(state, p)["t"])})
   state = a.sync(state)
   b = base.make_backend(text, spec)
   state_b = b.restore(jax.tree.map(jnp.array, state))
   for ids in batches[4:]:
-    pa, pb = a.prepare(ids), b.prepare(ids)
-    np.testing.assert_array_equal(pa["cache_slot"], pb["cache_slot"])
-    np.testing.assert_allclose(b.lookup(state_b, pb), a.lookup(state, pa), **TOL)
+    pa, pb = a.prepare({"t": ids}), b.prepare({"t": ids})
+    assert (pb["t"]["rows"]["cache_slot"] < 30).any()  # the hot set is back
+    np.testing.assert_array_equal(pa["t"]["rows"]["cache_slot"], pb["t"]["rows"]["cache_slot"])
+    np.testing.assert_allclose(b.lookup(state_b, pb)["t"], a.lookup(state, pa)["t"], **TOL)
 
 
 # ----------------------------------------------------------------------------- experiment
