@@ -3,8 +3,9 @@
 The rule this checks (DESIGN.md): no step costs O(rows in a table). Both steps look up the
 same batch of ids in one table, take a tiny loss and update the table with SGD:
 
-  dense   recgnn's `dense` backend: lookup -> loss -> grad w.r.t. the looked-up rows ->
-          `backend.update` (a scatter-add of the B * L row gradients), state donated.
+  dense   recgnn's `dense` backend (contract v2, a group of one table): pooled lookup ->
+          loss -> grad w.r.t. the pooled rows -> `backend.update` (unpooled: a scatter-add
+          of the B * L row gradients), state donated.
   naive   the table is a param: jax.grad of the loss w.r.t. the whole table (a table-sized
           cotangent) and optax.sgd over all of it, params and optimizer state donated.
 
@@ -157,19 +158,25 @@ def zipf_ids(rng: np.random.Generator, num_rows: int, shape, exponent: float) ->
 # ----------------------------------------------------------------------------- the two steps
 
 
+def _loss_of_pooled(pooled: jax.Array, target: jax.Array) -> jax.Array:
+  """A tiny loss over pooled rows float32[B, D]: squared error."""
+  return jnp.mean((pooled - target) ** 2)
+
+
 def _loss_of_rows(rows: jax.Array, target: jax.Array) -> jax.Array:
-  """A tiny loss over looked-up rows float32[B, L, D]: squared error of the pooled sum."""
-  return jnp.mean((jnp.sum(rows, axis=1) - target) ** 2)
+  """The same loss over looked-up rows float32[B, L, D], sum-pooled."""
+  return _loss_of_pooled(jnp.sum(rows, axis=1), target)
 
 
 def make_dense_step(backend: base.Backend):
-  """(state, (prepared, target)) -> state: recgnn's sparse path, jitted with state donated."""
+  """(state, (prepared, target)) -> state: recgnn's sparse path, jitted with state donated.
+  `backend` is a group of one table named "t"."""
 
   def step(state, inputs):
     prepared, target = inputs
-    rows = backend.lookup(state, prepared)
-    g_rows = jax.grad(_loss_of_rows)(rows, target)
-    return backend.update(state, prepared, g_rows)
+    pooled = backend.lookup(state, prepared)["t"]
+    g = jax.grad(_loss_of_pooled)(pooled, target)
+    return backend.update(state, prepared, {"t": g})
 
   return jax.jit(step, donate_argnums=0)
 
@@ -208,7 +215,7 @@ def build_runners(num_rows: int, args, rng: np.random.Generator) -> dict[str, Ca
     jax.device_put(rng.normal(size=(args.batch, args.dim)).astype(np.float32)) for _ in ids
   ]
   # Host-side `prepare` is off the step's path (the input pipeline does it); transfers done.
-  prepared = [jax.device_put(backend.prepare(i)) for i in ids]
+  prepared = [jax.device_put(backend.prepare({"t": i})) for i in ids]
   runners = {
     "dense": jitted_runner(
       make_dense_step(backend), backend.init(jax.random.key(0)), list(zip(prepared, targets))
@@ -216,7 +223,7 @@ def build_runners(num_rows: int, args, rng: np.random.Generator) -> dict[str, Ca
   }
   if num_rows <= args.naive_max_rows:
     tx = optax.sgd(args.lr)
-    table = jnp.asarray(base.init_table(jax.random.key(0), spec))
+    table = jnp.asarray(base.init_table(base.table_key(jax.random.key(0), "t"), spec))
     runners["naive"] = jitted_runner(
       make_naive_step(tx),
       (table, tx.init(table)),
@@ -271,14 +278,15 @@ def check_same_update(args) -> float:
   tx = optax.sgd(args.lr)
   dstep, nstep = make_dense_step(backend), make_naive_step(tx)
   state = backend.init(jax.random.key(0))
-  table = jnp.asarray(base.init_table(jax.random.key(0), spec))
+  # The group's table starts from its name's key (base.table_key): the same rows here.
+  table = jnp.asarray(base.init_table(base.table_key(jax.random.key(0), "t"), spec))
   nstate = (table, tx.init(table))
   for _ in range(3):
     ids = rng.integers(0, n, (64, args.lookups))
     target = jnp.asarray(rng.normal(size=(64, args.dim)).astype(np.float32))
-    state = dstep(state, (backend.prepare(ids), target))
+    state = dstep(state, (backend.prepare({"t": ids}), target))
     nstate = nstep(nstate, (jnp.asarray(ids, jnp.int32), target))
-  return float(jnp.max(jnp.abs(state["table"] - nstate[0])))
+  return float(np.max(np.abs(backend.tables(state)["t"] - np.asarray(nstate[0]))))
 
 
 def _cpu_ms(t: dict) -> float:
