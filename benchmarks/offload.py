@@ -6,7 +6,7 @@ Two measurements on the same Zipf id stream (one table, `--batch` x `--bag` ids 
               rows): the share of the distinct rows of each admitted batch already resident,
               and rows moved host->device / device->host per step. Planner only (host side,
               exactly the code `prepare` runs).
-  step time   the jitted train step (lookup -> tiny loss -> grad w.r.t. rows -> update, state
+  step time   the jitted train step (pooled lookup -> tiny loss -> grad -> update, state
               donated) of `dense` and of `offload(policy=lru)` at each cache size, timed in
               round-robin in the same process (the machine is shared: compare ratios). The
               offload step includes its cache exchange (write-back + load of the next batch's
@@ -21,6 +21,7 @@ Writes benchmarks/results/offload.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import itertools
 import pathlib
 import sys
 import time
@@ -34,6 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import sparse_update as common  # noqa: E402  (machine_info, write_results, interleaved_timing)
 
 from recgnn.embeddings import base  # noqa: E402
+from recgnn.train import inputs as inputs_lib  # noqa: E402
 
 RESULTS = common.RESULTS
 POLICIES = ("lru", "lfu", "lookahead")
@@ -63,13 +65,25 @@ def backend_text(fraction: float, policy: str, lookahead: int) -> str:
   return f"offload(cache_fraction={fraction}, policy={policy}, lookahead={lookahead})"
 
 
+def prepared_stream(group, batches):
+  """The group's prepared pytree of each batch, in order, each prepared with its look-ahead
+  window from the whole stream: the trainer's own driver (inputs.prepare_stream)."""
+  plan = base.Plan({group.name: group}, {n: group.name for n in group.specs}, group.mesh)
+  stream = (("train", None, {"ids": {"t": ids}}) for ids in batches)
+  for item in inputs_lib.prepare_stream(plan, stream):
+    yield item.prepared[group.name]
+
+
+def table_stats(group) -> dict:
+  """The group's stats of table "t", without the "t/" prefix."""
+  return {k.removeprefix("t/"): v for k, v in group.stats().items()}
+
+
 def prepare_all(backend, batches, n):
-  """prepare the first n batches in order, each with its look-ahead window from the whole
-  stream (what the input thread does). Returns (prepared, host seconds per batch)."""
-  out = []
+  """prepare the first n batches in order (see `prepared_stream`).
+  Returns (prepared, host seconds per batch)."""
   t0 = time.perf_counter()
-  for i in range(n):
-    out.append(backend.prepare(batches[i], batches[i + 1 : i + 1 + backend.lookahead]))
+  out = list(itertools.islice(prepared_stream(backend, batches), n))
   return out, (time.perf_counter() - t0) / n
 
 
@@ -80,30 +94,30 @@ def hit_rates(args, batches, key) -> list[dict]:
     for policy in POLICIES:
       b = base.make_backend(backend_text(fraction, policy, args.lookahead), spec)
       b.init(key)
-      for i, ids in enumerate(batches):
-        if i == args.warmup_batches:
+      for i, _ in enumerate(prepared_stream(b, batches)):
+        if i + 1 == args.warmup_batches:
           b.stats()  # the cache is warm: count from here
-        b.prepare(ids, batches[i + 1 : i + 1 + b.lookahead])
-      s = b.stats()
-      rows.append({"fraction": fraction, "cache_rows": b.cache_rows, "policy": policy, **s})
+      s = table_stats(b)
+      cache_rows = b.members["t"].cache_rows
+      rows.append({"fraction": fraction, "cache_rows": cache_rows, "policy": policy, **s})
       print(f"  hit rate {policy:>9} cache {fraction:>5.0%}: {s['hit_rate']:.3f}", flush=True)
   # The ceiling: a cache holding every row misses only first touches (compulsory misses).
   b = base.make_backend(backend_text(1.0, "lru", args.lookahead), spec)
   b.init(key)
-  for i, ids in enumerate(batches):
-    if i == args.warmup_batches:
+  for i, _ in enumerate(prepared_stream(b, batches)):
+    if i + 1 == args.warmup_batches:
       b.stats()
-    b.prepare(ids, batches[i + 1 : i + 1 + b.lookahead])
-  rows.append({"fraction": 1.0, "cache_rows": b.cache_rows, "policy": "all rows", **b.stats()})
+  cache_rows = b.members["t"].cache_rows
+  rows.append({"fraction": 1.0, "cache_rows": cache_rows, "policy": "all rows", **table_stats(b)})
   return rows
 
 
 def make_step(backend):
   def step(state, inputs):
     prepared, target = inputs
-    rows = backend.lookup(state, prepared)
-    g_rows = jax.grad(common._loss_of_rows)(rows, target)
-    return backend.update(state, prepared, g_rows)
+    pooled = backend.lookup(state, prepared)["t"]
+    g = jax.grad(common._loss_of_pooled)(pooled, target)
+    return backend.update(state, prepared, {"t": g})
 
   return jax.jit(step, donate_argnums=0)
 
