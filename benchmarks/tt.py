@@ -122,15 +122,17 @@ def zipf_ids(rng, num_rows, shape, exponent=1.1, order="frequency", perm_seed=0)
 
 
 def make_step(backend: base.Backend):
-  """(state, (prepared, target)) -> state: lookup, a small loss's grad w.r.t. the rows, update."""
+  """(state, (prepared, target)) -> state: pooled lookup, a small loss's grad w.r.t. the
+  pooled rows, update (contract v2; `backend` is a group of one table)."""
+  (name,) = backend.specs
 
-  def loss(rows, target):
-    return jnp.mean((jnp.sum(rows, axis=1) - target) ** 2)
+  def loss(pooled, target):
+    return jnp.mean((pooled - target) ** 2)
 
   def step(state, inputs):
     prepared, target = inputs
-    rows = backend.lookup(state, prepared)
-    return backend.update(state, prepared, jax.grad(loss)(rows, target))
+    pooled = backend.lookup(state, prepared)[name]
+    return backend.update(state, prepared, {name: jax.grad(loss)(pooled, target)})
 
   return jax.jit(step, donate_argnums=0)
 
@@ -142,9 +144,10 @@ class Runner:
     backend = base.make_backend(text, spec)
     self.state = backend.init(jax.random.key(0))
     t0 = time.perf_counter()
-    prepared = [backend.prepare(b) for b in batches]
+    prepared = [backend.prepare({spec.name: b}) for b in batches]
     self.prepare_ms = 1e3 * (time.perf_counter() - t0) / len(batches)
-    prepared = [backend.prepare(b) for b in batches]  # capacities grown: the final shapes
+    # Capacities grown: the final shapes.
+    prepared = [backend.prepare({spec.name: b}) for b in batches]
     target = jnp.zeros((batches[0].shape[0], spec.dim), jnp.float32)
     self.inputs = [(jax.device_put(p), target) for p in prepared]
     self.fn, self.k, self.times = make_step(backend), 0, []
@@ -234,6 +237,7 @@ def _step_configs(args) -> dict:
 
 def train_step(args) -> dict:
   """Median train-step ms of each config on the same batches, configs interleaved per rep."""
+  from recgnn.train import inputs as inputs_lib
   from recgnn.train import loop
   from recgnn.train import step as step_lib
 
@@ -243,18 +247,20 @@ def train_step(args) -> dict:
   batches = [next(stream) for _ in range(args.step_batches)]
   runs = {}
   for name, config in configs.items():
-    backends = base.resolve_plan(list(map(tuple, config.embeddings.plan)), task.tables(), log=False)
+    plan = base.resolve_plan(list(map(tuple, config.embeddings.plan)), task.tables(), log=False)
+    feeder = step_lib.Feeder(plan, task.shard_batch)
     tx = step_lib.make_optimizer(config.optimizer)
-    state = step_lib.init_state(task, backends, tx, jax.random.key(0), batches[0])
+    state = step_lib.init_state(task, plan, tx, jax.random.key(0), batches[0])
     t0 = time.perf_counter()
-    # In stream order, as the trainer's input thread does (capacities grow here).
-    prepared = [{n: b.prepare(x["ids"][n]) for n, b in backends.items()} for x in batches]
+    # In stream order through the trainer's driver (capacities grow here).
+    stream = [("train", None, x) for x in batches]
+    prepared = [item.prepared for item in inputs_lib.prepare_stream(plan, stream)]
     prep_ms = 1e3 * (time.perf_counter() - t0) / len(batches)
-    # Exactly the trainer's step: one packed buffer per dtype, the layout static.
-    packed = [step_lib.pack((p, x)) for p, x in zip(prepared, batches)]
-    shapes = {repr(layout) for _, layout in packed}
-    fn = step_lib.jit_packed(step_lib.make_train_step(task, backends, tx), True)
-    inputs = [(jax.device_put(buf), layout) for buf, layout in packed]
+    # Exactly the trainer's step: one packed transfer per batch, split over the mesh.
+    inputs = [feeder(p, x) for p, x in zip(prepared, batches)]
+    shapes = {repr(layout) for _, layout in inputs}
+    sh = step_lib.state_sharding(plan, state)
+    fn = step_lib.jit_packed(step_lib.make_train_step(task, plan, tx), plan, sh, True, True)
     t0 = time.perf_counter()
     for p, x in inputs:  # compile every shape once
       state, _ = fn(state, p, x)
