@@ -56,8 +56,10 @@ def get_config(arg=None):
   c.train.checkpoint_every = 0
   c.train.keep_checkpoints = 1
 
-  c.negatives = ml_collections.ConfigDict({"kind": "uniform", "num": 256})
-  c.partition = ml_collections.ConfigDict({"num_parts": 0, "method": "metis"})
+  c.negatives = ml_collections.ConfigDict({"kind": "uniform", "num": 256, "shared": False})
+  c.partition = ml_collections.ConfigDict(
+    {"num_parts": 0, "method": "metis", "pad": "none", "only": -1}
+  )
   c.batch_size = 256  # queries per step (about 930 triples)
   c.eval = ml_collections.ConfigDict({"batch_size": 2048})
 

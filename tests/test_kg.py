@@ -380,3 +380,34 @@ def test_grouped_queries_loss_equals_per_triple_1vsall(tmp_path, reg):
   np.testing.assert_allclose(l2, l1, rtol=1e-5)
   np.testing.assert_allclose(a2["ce"], a1["ce"], rtol=1e-5)
   assert grouped.num_examples(b2) == len(plain.train_triples)
+
+
+def test_type_constrained_negatives(tmp_path):
+  over = {"train.scoring": "sampled", "negatives.kind": "type", "negatives.num": 50}
+  over["train.group_queries"] = False
+  task = lp.LinkPrediction(_config(_small_kg(tmp_path), "distmult", **over))
+  seen = {}
+  for _h, r, t in task.train_triples:
+    seen.setdefault(r, set()).add(t)
+  b = next(task.train_batches(0))
+  rows = b["ids"]["entity"][:, 0]
+  for i in range(int(b["weight"].sum())):
+    r = b["rel"][i]
+    negs = rows[b["neg"][i]]
+    assert set(negs) <= seen[r]
+    assert rows[b["h"][i]] >= 0 and rows[b["t"][i]] in seen[r]
+
+
+def test_experiments_and_errors():
+  for d in kge.DECODERS:
+    assert kge_fb15k237.get_config(d).model.decoder == d
+  with pytest.raises(ValueError, match="available: distmult, complex, rotate, transe"):
+    kge_fb15k237.get_config("conve")
+  c = kge_fb15k237.get_config("complex")
+  c.train.scoring = "2vsall"
+  with pytest.raises(
+    ValueError, match="Unknown train.scoring '2vsall'; available: 1vsall, sampled"
+  ):
+    lp.LinkPrediction(c)
+  with pytest.raises(FileNotFoundError, match="train.txt"):
+    kg_lib.load("/nonexistent/kg")

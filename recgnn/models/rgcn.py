@@ -3,9 +3,10 @@
   h_i' = act( W_0 h_i + sum_r sum_{j in N_r(i)} (1 / c_{i,r}) W_r h_j ),   W_r = sum_b a_rb V_b
 
 Activations in (entity rows f32[n, D], from the embedding plan), encoded rows out; the graph
-is given as edge arrays over those n rows. Each basis is one weighted scatter of the gathered
-source rows: M_b = sum_r a_rb A_r, so the layer is sum_b (M_b H) V_b, with H[src] gathered once
-(memory O(E * D), never O(E * bases * D)).
+is given as edge arrays over those n rows. With M_b = sum_r a_rb A_r the layer is
+sum_b (M_b H) V_b. The edges are processed in chunks inside a scan, so the [E, D] gathered
+rows are never materialised (XLA:CPU gathers into a large fresh buffer slowly): each chunk's
+source rows are scattered, weighted by a_rb / c, into one aggregate per basis.
 
 Graph leaves (all int32[E] / f32[E], padded edges have norm 0):
   src, dst: row indices of each edge's source and destination
@@ -27,23 +28,45 @@ class RGCNLayer(nn.Module):
   num_relations: int
   dim: int
   num_bases: int
+  chunk: int = 8192
 
   @nn.compact
   def __call__(self, h, graph, edge_weight):
-    d_in = h.shape[-1]
-    bases = self.param("bases", nn.initializers.glorot_uniform(), (self.num_bases, d_in, self.dim))
-    coeff = self.param(
-      "coeff",
-      nn.initializers.normal(1.0 / self.num_bases**0.5),
-      (self.num_relations, self.num_bases),
-    )
+    h = jnp.asarray(h)
+    n, d_in = h.shape
+    nb = self.num_bases
+    bases = self.param("bases", nn.initializers.glorot_uniform(), (nb, d_in, self.dim))
+    coeff = self.param("coeff", nn.initializers.normal(1.0 / nb**0.5), (self.num_relations, nb))
     out = nn.Dense(self.dim, use_bias=True, name="self")(h)
-    gathered = jnp.take(h, graph["src"], axis=0)  # [E, D]
-    a = jnp.take(coeff, graph["rel"], axis=0) * edge_weight[:, None]  # [E, bases]
-    n = h.shape[0]
-    for b in range(self.num_bases):
-      agg = jax.ops.segment_sum(gathered * a[:, b : b + 1], graph["dst"], num_segments=n)
-      out = out + agg @ bases[b]
+    e = graph["src"].shape[0]
+    c = min(self.chunk, max(e, 1))
+    pad = -e % c
+
+    def split(x):  # [E, ...] -> [E / c, c, ...]; padded edges have weight 0
+      x = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
+      return x.reshape(-1, c, *x.shape[1:])
+
+    # Per chunk: one gather of source rows, one scatter-add per basis, in place in the scan's
+    # carry. Measured on this CPU (FB15k-237, D = 64): all edges at once (gather [E, D], then
+    # segment_sum per basis) 1.7 s forward; transform-first with [c, bases * D] rows, or a
+    # batched einsum mixing bases per edge, 0.5-1 s; this 0.12 s.
+    a = coeff.at[graph["rel"]].get(mode="promise_in_bounds") * edge_weight[:, None]  # [E, nb]
+
+    # Rematerialised in the backward pass: saving each chunk's rows would store [E, D] again.
+    @jax.checkpoint
+    def body(accs, chunk):
+      src, dst, a = chunk
+      rows = h.at[src].get(mode="promise_in_bounds")  # [c, D]
+      new = tuple(
+        acc.at[dst].add(rows * a[:, b : b + 1], mode="promise_in_bounds")
+        for b, acc in enumerate(accs)
+      )
+      return new, None
+
+    zeros = tuple(jnp.zeros((n, d_in), h.dtype) for _ in range(nb))
+    accs, _ = jax.lax.scan(body, zeros, (split(graph["src"]), split(graph["dst"]), split(a)))
+    for b, acc in enumerate(accs):
+      out = out + acc @ bases[b]
     return out
 
 

@@ -18,10 +18,15 @@ Config (see experiments/kge_fb15k237.py, rgcn_fb15k237*.py):
                         fewer score rows on FB15k-237 (149,689 queries for 544,230 triples)
   negatives.kind        uniform | type (entities seen with the relation) | partition
   negatives.num         negatives per edge (sampled scoring)
+  negatives.shared      encoder only: one set of negatives.num rows for the whole batch
+                        (scored with one matmul, LibKGE's "batch" negatives); else per edge
   batch_size            edges per step
   eval.batch_size       queries per eval batch (one side: head or tail)
   partition.num_parts   0 = whole graph; P > 0 trains self-sufficient partitions
   partition.method      metis | random
+  partition.pad         none: each partition's batches have its own row / edge counts (one
+                        compiled step per partition) | max: every partition padded to the
+                        largest (one compiled step, the largest partition's cost every step)
   partition.only        -1 = train every partition; p = train partition p alone (one worker
                         of a partition-parallel run; tests)
   embeddings.dim / optimizer / initializer / plan: the entity table `entity`
@@ -120,6 +125,12 @@ class LinkPrediction(base.Task):
     self.neg_kind = config.negatives.get("kind", "uniform")
     _check("negatives.kind", self.neg_kind, NEGATIVES)
     self.num_neg = int(config.negatives.get("num", 256))
+    self.shared_neg = bool(config.negatives.get("shared", False))
+    if self.shared_neg and (self.neg_kind == "type" or m.get("encoder", "none") == "none"):
+      raise ValueError(
+        "negatives.shared needs an encoder (model.encoder=rgcn) and uniform or partition "
+        "negatives; set --config.negatives.shared=False"
+      )
     self.regularizer = m.get("regularizer", "none")
     _check("model.regularizer", self.regularizer, REGULARIZERS)
     self.batch_size = int(config.batch_size)
@@ -322,7 +333,10 @@ class LinkPrediction(base.Task):
       "t": self._pad(triples[:, 2], B),
       "weight": self._pad(np.ones(n, np.float32), B),
     }
-    if self.scoring == "sampled":
+    if self.scoring == "sampled" and self.shared_neg:
+      n = rows_pool if rows_pool is not None else self.kg.num_entities
+      batch["neg"] = rng.integers(0, n, self.num_neg, dtype=np.int32)
+    elif self.scoring == "sampled":
       batch["neg"] = self._negatives(rng, batch["rel"], rows_pool)
     return batch
 
@@ -385,13 +399,17 @@ class LinkPrediction(base.Task):
     """One training batch of partition p: its core + halo rows and its subgraph only."""
     part = self.partitions[p]
     batch = self._edge_batch(rng, triples, part.num_core)
-    nodes = np.full(self.max_nodes, -1, np.int32)
+    pad = self.config.partition.get("pad", "none")
+    _check("partition.pad", pad, ("none", "max"))
+    rows = self.max_nodes if pad == "max" else len(part.nodes)
+    nodes = np.full(rows, -1, np.int32)
     nodes[: len(part.nodes)] = part.nodes
     batch["ids"] = {TABLE: nodes[:, None]}
     norm = self.graph["norm"][part.edge_index]
-    batch.update(self._graph_leaves(part.edges, norm, self.max_edges))
+    cap = self.max_edges if pad == "max" else len(part.edges)
+    batch.update(self._graph_leaves(part.edges, norm, cap))
     if self.scoring == "1vsall":
-      batch["cand_mask"] = (np.arange(self.max_nodes) < part.num_core).astype(np.float32)
+      batch["cand_mask"] = (np.arange(rows) < part.num_core).astype(np.float32)
     return batch
 
   def _partition_batches(self, start_step: int):
@@ -519,9 +537,12 @@ class LinkPrediction(base.Task):
         scores = jnp.where(batch["cand_mask"][None] > 0, scores, -1e30)
       ce = optax.softmax_cross_entropy_with_integer_labels(scores, batch["t"])
     else:
-      neg = jnp.take(rows, batch["neg"], axis=0)  # [B, K, D]
+      neg = jnp.take(rows, batch["neg"], axis=0)  # [B, K, D], or [K, D] shared
       pos = kge.score(self.decoder, hd, r, t, gamma, p)
-      negs = kge.score(self.decoder, hd[:, None], r[:, None], neg, gamma, p)
+      if batch["neg"].ndim == 1:
+        negs = kge.score_all(self.decoder, hd, r, neg, "tail", gamma, p)
+      else:
+        negs = kge.score(self.decoder, hd[:, None], r[:, None], neg, gamma, p)
       logits = jnp.concatenate([pos[:, None], negs], 1)
       ce = -jax.nn.log_softmax(logits, axis=-1)[:, 0]
     w = batch["weight"]
