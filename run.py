@@ -15,10 +15,14 @@ import os
 import pkgutil
 import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+from recgnn import xla_env
 
-import experiments
+xla_env.relax_simulated_device_timeouts()  # before jax initialises its backends
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+import experiments  # noqa: E402
 
 _EXPERIMENT = flags.DEFINE_string("experiment", None, "Experiment name (see --list).")
 _LIST = flags.DEFINE_bool("list", False, "List the experiments and exit.")

@@ -7,6 +7,10 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from recgnn import xla_env  # noqa: E402
+
+xla_env.relax_simulated_device_timeouts()
+
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)

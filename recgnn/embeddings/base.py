@@ -55,6 +55,16 @@ PAD = -1  # id value that marks an empty slot of a multi-hot bag
 # before update(k), and backends must give the same results under that interleaving.
 PREFETCH = 2
 INIT_CHUNK = 1 << 16  # rows per deterministic init chunk (see `init_rows`)
+# Row arrays are allocated (and checkpointed) with their row count rounded up to a multiple of
+# ROW_ALIGN, so one saved shape splits evenly over any MODEL axis size that divides ROW_ALIGN:
+# a checkpoint written on one mesh restores on another without gathering a table anywhere.
+# The padding rows are never addressed by an id.
+ROW_ALIGN = 1024
+
+
+def aligned_rows(num_rows: int) -> int:
+  """num_rows rounded up to a multiple of ROW_ALIGN."""
+  return -(-num_rows // ROW_ALIGN) * ROW_ALIGN
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad")
 INITIALIZERS = ("uniform", "normal", "zeros")
@@ -340,6 +350,28 @@ class Backend(abc.ABC):
     """Trainable floats per table (rows x dim; fewer for compressed backends)."""
     return {n: s.num_rows * s.dim for n, s in self.specs.items()}
 
+  # Checkpoints hold each table in a LOGICAL form that does not depend on the placement, so
+  # a run saved on one mesh (or backend) resumes on another: "rows" = {"rows": f32[S, D],
+  # slot: f32[S] per optimizer slot}, S = aligned_rows(N), the padding rows zero. Compressed
+  # backends have their own format (TT: its cores), restorable only into the same backend.
+
+  @abc.abstractmethod
+  def logical_format(self, table: str) -> str:
+    """The checkpoint format of a table ("rows", or the backend's own)."""
+
+  @abc.abstractmethod
+  def export(self, state: PyTree) -> dict[str, dict[str, jax.Array]]:
+    """{table: logical arrays} of a synced state (no table-sized gather: the arrays keep
+    the state's placement)."""
+
+  @abc.abstractmethod
+  def logical_target(self) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
+    """Shapes, dtypes and shardings ON THIS MESH to restore each table's logical form into."""
+
+  @abc.abstractmethod
+  def import_(self, logical: dict[str, dict[str, jax.Array]]) -> PyTree:
+    """The state holding `logical` (as placed by `logical_target`); resets host bookkeeping."""
+
   def sync(self, state: PyTree) -> PyTree:
     """Write caches back so that `state` alone describes the tables. Batches already
     prepared (up to PREFETCH ahead of the step) must stay valid."""
@@ -409,10 +441,17 @@ class TableBackend(abc.ABC):
   ) -> PyTree:
     del upcoming, train
     ids = np.asarray(ids)
-    out = {"ids": np.where(ids < 0, self.spec.num_rows, ids).astype(np.int32)}
+    pad = self.pad_id
+    out = {"ids": np.where(ids < 0, pad, ids).astype(np.int32)}
     if self.spec.optimizer.needs_unique:
-      out["unique"], out["inverse"] = dedup(ids, self.spec.num_rows)
+      out["unique"], out["inverse"] = dedup(ids, pad)
     return out
+
+  @property
+  def pad_id(self) -> int:
+    """What `prepare` maps padding ids to: an index past the row array (gathers fill zeros,
+    scatters drop it). Backends whose arrays have padding rows past N override it."""
+    return self.spec.num_rows
 
   @abc.abstractmethod
   def lookup(self, state: PyTree, prepared: PyTree) -> jax.Array:
@@ -451,6 +490,30 @@ class TableBackend(abc.ABC):
 
   def stats(self) -> dict[str, float]:
     return {}
+
+  #: Checkpoint format (see `Backend.export`): "rows" backends restore from one another.
+  logical_format: ClassVar[str] = "rows"
+
+  def row_sharding(self) -> tuple[jax.sharding.Sharding, jax.sharding.Sharding]:
+    """(rows f32[S, D], slots f32[S]) shardings of the logical form on this mesh."""
+    return self.replicated(), self.replicated()
+
+  def logical_target(self) -> dict[str, jax.ShapeDtypeStruct]:
+    """Restore target of the "rows" form (override with `logical_format`)."""
+    s, d = aligned_rows(self.spec.num_rows), self.spec.dim
+    rows, vec = self.row_sharding()
+    out = {"rows": jax.ShapeDtypeStruct((s, d), jnp.float32, sharding=rows)}
+    for k in self.spec.optimizer.slot_names():
+      out[k] = jax.ShapeDtypeStruct((s,), jnp.float32, sharding=vec)
+    return out
+
+  def export(self, state: PyTree) -> dict[str, jax.Array]:
+    """The logical form of a synced state (`Backend.export`)."""
+    raise NotImplementedError(f"{type(self).__name__} cannot be checkpointed (export)")
+
+  def import_(self, logical: dict[str, jax.Array]) -> PyTree:
+    """The state holding a logical form placed as `logical_target` says."""
+    raise NotImplementedError(f"{type(self).__name__} cannot be restored (import_)")
 
 
 def pool_rows(rows: jax.Array, count: jax.Array | None) -> jax.Array:
@@ -541,6 +604,18 @@ class TableGroup(Backend):
 
   def restore(self, state):
     return {n: m.restore(state[n]) for n, m in self.members.items()}
+
+  def logical_format(self, table):
+    return self.members[table].logical_format
+
+  def export(self, state):
+    return {n: m.export(state[n]) for n, m in self.members.items()}
+
+  def logical_target(self):
+    return {n: m.logical_target() for n, m in self.members.items()}
+
+  def import_(self, logical):
+    return {n: m.import_(logical[n]) for n, m in self.members.items()}
 
   def stats(self):
     out = {}

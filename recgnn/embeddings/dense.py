@@ -47,13 +47,29 @@ class Dense(base.TableBackend):
     return "dense" if self.shard == "none" else f"dense(shard={self.shard})"
 
   @property
+  def pad_id(self):
+    return self.padded_rows  # past the aligned rows: never a padding row of the table
+
+  def bind(self, mesh):
+    super().bind(mesh)
+    k = mesh.shape[sharding.MODEL]
+    if self.shard == "rows" and base.ROW_ALIGN % k:
+      raise ValueError(
+        f"dense(shard=rows) (table {self.spec.name!r}): the mesh's model axis has {k} devices; "
+        f"row-sharded tables need a model size dividing {base.ROW_ALIGN} (1, 2, 4, 8, ...) so "
+        "that checkpoints restore on any such mesh. Use --config.mesh.model=8 (or 4, 2)."
+      )
+
+  @property
   def shards(self) -> int:
     """How many pieces the rows are split into (1: replicated)."""
     return 1 if self.shard == "none" or self.mesh is None else self.mesh.shape[sharding.MODEL]
 
   @property
   def padded_rows(self) -> int:
-    return -(-self.spec.num_rows // self.shards) * self.shards
+    """Rows allocated: N rounded up to base.ROW_ALIGN (the checkpoint's shape, which splits
+    evenly over any model size that divides it)."""
+    return base.aligned_rows(self.spec.num_rows)
 
   def init(self, key):
     table = base.init_table(key, self.spec)
@@ -68,16 +84,28 @@ class Dense(base.TableBackend):
     )
     return jax.device_put(state, self.state_sharding())
 
-  def state_sharding(self):
+  def row_sharding(self):
     if self.shard == "none":
-      rows = vec = self.replicated()
-    else:
-      rows = sharding.named(self.mesh, P(sharding.MODEL, None))
-      vec = sharding.named(self.mesh, P(sharding.MODEL))
+      return self.replicated(), self.replicated()
+    return (
+      sharding.named(self.mesh, P(sharding.MODEL, None)),
+      sharding.named(self.mesh, P(sharding.MODEL)),
+    )
+
+  def state_sharding(self):
+    rows, vec = self.row_sharding()
     return {"table": rows, **{s: vec for s in self.spec.optimizer.slot_names()}}
 
+  def export(self, state):
+    # The state IS the logical form (aligned rows, placed as on this mesh): no copy.
+    return {"rows": state["table"], **{k: state[k] for k in self.spec.optimizer.slot_names()}}
+
+  def import_(self, logical):
+    state = {"table": logical["rows"], **{k: logical[k] for k in self.spec.optimizer.slot_names()}}
+    return jax.device_put(state, self.state_sharding())
+
   def lookup(self, state, prepared):
-    # Padding ids were mapped to N by `prepare`; mode="fill" turns them into zero rows.
+    # Padding ids were mapped past the rows by `prepare`; mode="fill" gives zero rows.
     return state["table"].at[prepared["ids"]].get(mode="fill", fill_value=0.0)
 
   def update(self, state, prepared, grads):

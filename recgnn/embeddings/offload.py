@@ -353,25 +353,68 @@ class Offload(base.TableBackend):
     }
 
   def init(self, key):
+    spec = self.spec
+    opt = spec.optimizer
+    # Host arrays have base.aligned_rows(N) rows (the checkpoint's logical shape); the
+    # padding rows are never addressed by an id.
+    pad = base.aligned_rows(spec.num_rows) - spec.num_rows
+    table = base.init_table(key, spec)
+    host = {"table": np.concatenate([table, np.zeros((pad, spec.dim), np.float32)])}
+    host.update(
+      {s: np.full(spec.num_rows + pad, opt.initial_accumulator, np.float32)
+       for s in opt.slot_names()}
+    )  # fmt: skip
+    return self._fresh(host)
+
+  def _fresh(self, host: dict) -> dict:
+    """A state holding `host` (the whole table, numpy or placed) and an empty cache; new
+    host bookkeeping."""
     spec, c = self.spec, self.cache_rows
     sh = self.state_sharding()
     self._host_sharding, self._dev_sharding = sh["host"]["table"], sh["cache"]["table"]
     self._planner = Planner(spec.num_rows, c, self.policy)
+    self._window_cache.clear()
     opt = spec.optimizer
-    host = {"table": base.init_table(key, spec)}
-    host.update(
-      {s: np.full(spec.num_rows, opt.initial_accumulator, np.float32) for s in opt.slot_names()}
-    )
     cache = {"table": np.zeros((c, spec.dim), np.float32)}
     cache.update({s: np.full(c, opt.initial_accumulator, np.float32) for s in opt.slot_names()})
-    state = {
-      "host": host,
+    rest = {
       "cache": cache,
       "slot_rows": np.full(c, spec.num_rows, np.int32),
       "version": np.zeros((), np.int32),
       "stale": np.zeros((), np.int32),
     }
-    return jax.device_put(state, sh)
+    rest = jax.device_put(rest, {k: v for k, v in sh.items() if k != "host"})
+    return {"host": self._placed_host(host, sh["host"]), **rest}
+
+  def _placed_host(self, host: dict, shardings: dict) -> dict:
+    """Host arrays in host memory. Orbax (0.11, jax 0.10) restores arrays whose sharding
+    says pinned_host but whose type is in device memory, which compute_on rejects: those
+    are re-placed (once, O(N))."""
+    out = {}
+    for k, v in host.items():
+      if isinstance(v, jax.Array) and (
+        not self.offloaded or jax.typeof(v).memory_space == jax.memory.Space.Host
+      ):
+        out[k] = v if v.sharding == shardings[k] else jax.device_put(v, shardings[k])
+      else:
+        out[k] = jax.device_put(np.asarray(v), shardings[k])
+    return out
+
+  def row_sharding(self):
+    sh = self.state_sharding()["host"]
+    return sh["table"], sh["table"]
+
+  def export(self, state):
+    """The host arrays of a synced state (every resident row written back by `sync`)."""
+    self._check_stale(state)
+    host = state["host"]
+    return {"rows": host["table"], **{k: host[k] for k in self.spec.optimizer.slot_names()}}
+
+  def import_(self, logical):
+    """The table in host memory, an empty device cache (it refills from the next batch:
+    hit rates restart, values do not change)."""
+    host = {"table": logical["rows"], **{k: logical[k] for k in self.spec.optimizer.slot_names()}}
+    return self._fresh(host)
 
   def memory(self):
     spec, c = self.spec, self.cache_rows
@@ -409,7 +452,9 @@ class Offload(base.TableBackend):
       e = m = capacity
     return {
       "evict_slots": _pad(ex.evict_slots, e, c),
-      "evict_rows": _pad(ex.evict_rows, e, n),
+      # Padding points past the host arrays (aligned_rows(N) rows): dropped by the scatter,
+      # whose indices must stay unique.
+      "evict_rows": _pad(ex.evict_rows, e, base.aligned_rows(n)),
       # Padding loads gather row 0 on the host (in range) and are dropped at slot C.
       "load_rows": _pad(ex.load_rows, m, 0),
       "load_slots": _pad(ex.load_slots, m, c),
@@ -620,7 +665,10 @@ class Offload(base.TableBackend):
 
   def _flush(self, state):
     host = dict(state["host"])
-    rows = self._to_host(state["slot_rows"])  # N (empty) is dropped
+    # Empty slots hold N; past the host arrays, so the scatter (unique indices) drops them.
+    n = self.spec.num_rows
+    slot_rows = state["slot_rows"]
+    rows = self._to_host(jnp.where(slot_rows < n, slot_rows, base.aligned_rows(n)))
     for k, v in state["cache"].items():
       with self._on_host():
         host[k] = _scatter_rows(host[k], rows, self._to_host(v))
@@ -668,7 +716,7 @@ class Offload(base.TableBackend):
     return state
 
   def table(self, state):
-    out = np.array(jax.device_get(state["host"]["table"]))
+    out = np.array(jax.device_get(state["host"]["table"]))[: self.spec.num_rows]
     slot_rows = np.asarray(jax.device_get(state["slot_rows"]))
     cache = np.asarray(jax.device_get(state["cache"]["table"]))
     resident = slot_rows < self.spec.num_rows

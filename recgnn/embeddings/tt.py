@@ -466,6 +466,26 @@ class TT(base.TableBackend):
       rows[ids[ok]] = np.asarray(state["cache"])[ok]
     return rows
 
+  @property
+  def logical_format(self) -> str:
+    """Checkpoints hold the cores themselves (rows -> TT would be a lossy re-compression):
+    a TT table restores only into a TT table of the same shape and cache."""
+    return f"tt[{self.shape.describe()}; cache_rows={self.cache_rows}]"
+
+  def export(self, state):
+    return state
+
+  def logical_target(self):
+    shapes = jax.eval_shape(self._init_shapes)
+    return jax.tree.map(
+      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+      shapes,
+      self.state_sharding(),
+    )
+
+  def import_(self, logical):
+    return self.restore(jax.device_put(logical, self.state_sharding()))
+
   def restore(self, state):
     # The hot set lives in the state; a checkpoint taken during the warm-up restarts it.
     self._caps, self._warm, self._hot = {}, [], None

@@ -265,10 +265,13 @@ def train(
   ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=tcfg.get("keep_checkpoints", 2))
   start = 0
   if resume and ckpt.latest_step() is not None:
-    state = ckpt.restore(state)
-    state = state.replace(emb={k: g.restore(state.emb[k]) for k, g in plan.groups.items()})
+    meta = ckpt.metadata()
+    state = ckpt.restore(state, plan)
     start = int(state.step)
-    log(f"Resumed from checkpoint at step {start} in {ckpt.directory}")
+    log(
+      f"Resumed from checkpoint at step {start} in {ckpt.directory} (saved on mesh "
+      f"{meta.get('mesh', '?')}; tables restored into this run's plan and mesh)"
+    )
   elif resume:
     log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
 
@@ -350,7 +353,7 @@ def train(
           if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < end:
             t0 = time.perf_counter()
             state = _sync_all(plan, state)
-            ckpt.save(state, step)
+            ckpt.save(state, step, plan)
             t_last += time.perf_counter() - t0  # keep samples/s a measure of training only
           if sigterm.received:
             log(f"SIGTERM at step {step}: saving a checkpoint and stopping")
@@ -375,7 +378,7 @@ def train(
       jax.profiler.stop_trace()
     state = _sync_all(plan, state)
     if step > start or interrupted:
-      ckpt.save(state, step)
+      ckpt.save(state, step, plan)
     ckpt.close()
     metrics_file.close()
     if writer is not None:
