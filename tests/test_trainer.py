@@ -234,3 +234,54 @@ def test_epochs_set_the_training_length(cache_dir, tmp_path):
   config.train.steps, config.train.epochs = 0, 0.0
   with pytest.raises(ValueError, match="train.epochs"):
     loop.training_length(config.train, task)
+
+
+# ----------------------------------------------------------------------------- resharding
+
+
+@pytest.fixture(scope="module")
+def one_device_run(cache_dir, tmp_path_factory):
+  """The uninterrupted reference: 12 steps on one device, every table dense."""
+  config = _on_mesh(_config(cache_dir, checkpoint_every=0), 1, 1)
+  return loop.train(config, str(tmp_path_factory.mktemp("ref")))
+
+
+@pytest.mark.parametrize(
+  "save,resume",
+  [
+    (((8, 1), "dense"), ((1, 1), "dense")),
+    (((1, 1), "dense"), ((1, 8), "dense(shard=rows)")),
+    (((2, 4), "dense(shard=rows)"), ((1, 1), "offload(cache_fraction=0.5, min_cache_rows=256)")),
+  ],
+  ids=["8x1->1x1", "dense->rows@1x8", "rows@2x4->offload@1x1"],
+)
+def test_resume_on_another_mesh_and_backend(cache_dir, tmp_path, one_device_run, save, resume):
+  """A run stopped after 5 steps and resumed on another mesh and/or with another backend for
+  every table ends with the uninterrupted 1-device run's tables and params."""
+  (m1, b1), (m2, b2) = save, resume
+  config = _config(cache_dir, checkpoint_every=0)
+  wd = str(tmp_path / "wd")
+  part = loop.train(_on_mesh(config, *m1, plan=((".*", b1),)), wd, stop_after=5)
+  assert part.metrics["step"] == 5
+  res = loop.train(_on_mesh(config, *m2, plan=((".*", b2),)), wd, resume=True)
+  assert res.metrics["step"] == config.train.steps
+  ref = one_device_run
+  for x, y in zip(jax.tree.leaves(jax.device_get(ref.state.params)),
+                  jax.tree.leaves(jax.device_get(res.state.params))):  # fmt: skip
+    np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-6)
+  ta, tb = _tables(ref), _tables(res)
+  for n in ta:
+    np.testing.assert_allclose(ta[n], tb[n], rtol=2e-4, atol=2e-6, err_msg=n)
+
+
+def test_resume_into_an_incompatible_backend_is_refused(cache_dir, tmp_path):
+  """A TT table cannot become rows (or rows TT) without a lossy conversion: refused, naming
+  the table and both backends."""
+  from recgnn.train import checkpoint
+
+  config = _config(cache_dir, checkpoint_every=0)
+  wd = str(tmp_path / "wd")
+  loop.train(_on_mesh(config, 1, 1, plan=(("C16", "tt(rank=4)"), (".*", "dense"))), wd,
+             stop_after=2)  # fmt: skip
+  with pytest.raises(checkpoint.IncompatibleCheckpoint, match=r"'C16' was saved by 'tt"):
+    loop.train(_on_mesh(config, 1, 1), wd, resume=True)
