@@ -13,7 +13,16 @@ Sections (`--sections`, default all):
   train_step   the full DLRM train step of ttrec_kaggle (per rank) and dlrm_kaggle, same
                batches, same process, alternating so machine noise hits both alike.
   quality      test AUC of ttrec_kaggle and dlrm_kaggle trained on the same synthetic data for
-               the same steps, per seed, beside the synthetic data's oracle AUC.
+               the same steps, per seed, beside the synthetic data's oracle AUC. With
+               --real_sizes: the synthetic generator at scale 1.0 (Kaggle's real
+               cardinalities), ids hashed into exactly the 26 Kaggle table sizes
+               (data.categorical=hash), so the trained tables ARE the real-size tables.
+  nimble       TT node embeddings (Nimble, KDD'22) on a graph without features
+               (sage_tt_synthetic: 1M nodes; --nimble_experiment=sage_tt_cora: Cora): test
+               accuracy, node-table compression and train-step time per (table, node order,
+               init), the full table beside; PNG plot (results/<name>.png).
+  nimble_step  train-step ms per node order (full table, partition, rcm, random), the configs
+               interleaved per repetition in one process.
 
   python benchmarks/tt.py --quick                  # seconds per section
   python benchmarks/tt.py --sections=kernels --name=tt_kernels
@@ -27,6 +36,13 @@ Writes benchmarks/results/<name>.{json,md} (--name, default tt). The committed r
   tt_train_step_cache  python benchmarks/tt.py --sections=train_step --ranks=32 --step_batches=8
                     --reps=5 --name=tt_train_step_cache
                     --step_variants='cache_rows=2000,cache_warmup=2;cache_rows=10000,cache_warmup=2'
+  tt_quality_real  python benchmarks/tt.py --sections=quality --real_sizes --data_rows=N \
+                    --quality_steps=S --seeds=... --name=tt_quality_real  (values: its JSON)
+  tt_nimble       python benchmarks/tt.py --sections=nimble --name=tt_nimble
+  tt_nimble_cora  python benchmarks/tt.py --sections=nimble --nimble_experiment=sage_tt_cora \
+                    --seeds=0,1,2 --name=tt_nimble_cora
+  tt_nimble_step  python benchmarks/tt.py --sections=nimble_step --step_batches=16 --reps=5 \
+                    --name=tt_nimble_step
 The machine is shared and noisy: compare numbers within one run (ratios), never across runs.
 """
 
@@ -332,6 +348,40 @@ def train_step_md(res: dict) -> str:
 # ----------------------------------------------------------------------------- quality
 
 
+def real_sizes(c) -> None:
+  """Config overrides: the synthetic generator at Kaggle's real cardinalities (scale 1.0), ids
+  hashed into exactly the 26 Kaggle table sizes, so every trained table has its real size
+  (frequency ids would keep only the ids a few million rows happen to draw: ~600k rows in
+  the largest table at 4M rows, not 10.1M)."""
+  from experiments import dlrm_kaggle
+
+  c.data.synthetic.scale = 1.0
+  c.data.categorical = "hash"
+  c.data.hash_sizes = tuple(int(x) for x in dlrm_kaggle.KAGGLE_CARDINALITIES)
+
+
+def _table_floats(plan) -> dict[str, int]:
+  """Trainable floats per table of a resolved plan (TT: its cores)."""
+  out = {}
+  for g in plan.groups.values():
+    out.update(g.num_params())
+  return out
+
+
+def _median_rate(workdir: str, key: str = "samples_per_second") -> float | None:
+  """Median of the trainer's logged throughput, the first window (compilation) left out."""
+  import json
+  import os
+
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    rates = [r[key] for r in map(json.loads, f) if key in r]
+  rates = rates[1:] or rates
+  return float(statistics.median(rates)) if rates else None
+
+
 def quality(args) -> dict:
   """Test AUC of dlrm_kaggle and ttrec_kaggle, same synthetic data and steps, per seed."""
   import tempfile
@@ -339,7 +389,7 @@ def quality(args) -> dict:
   from experiments import dlrm_kaggle, ttrec_kaggle
   from recgnn.train import loop
 
-  out = []
+  out, cards = [], None
   for seed in args.seeds:
     for name, make in [
       ("dlrm_kaggle", dlrm_kaggle.get_config),
@@ -348,54 +398,314 @@ def quality(args) -> dict:
       c = make()
       c.seed = seed
       c.train.steps = args.quality_steps
-      c.train.log_every = max(1, args.quality_steps // 4)
+      c.train.log_every = max(1, args.quality_steps // 8)
       c.train.checkpoint_every = 0
       if args.data_rows:
         c.data.synthetic.rows = args.data_rows
+      if args.real_sizes:
+        real_sizes(c)
       with tempfile.TemporaryDirectory() as wd:
         t0 = time.perf_counter()
-        m = loop.train(c, wd).metrics
+        result = loop.train(c, wd)
+        seconds = time.perf_counter() - t0
+        rate = _median_rate(wd)
+      m = result.metrics
+      floats = _table_floats(result.plan)
+      if cards is None:
+        cards = [int(s.num_rows) for s in result.plan.specs.values()]
       row = {
         "config": name,
         "seed": seed,
         "steps": args.quality_steps,
+        "batch_size": c.train.batch_size,
+        "data_rows": c.data.synthetic.rows,
+        "scale": c.data.synthetic.scale,
+        "categorical": c.data.categorical,
         "test_auc": m["test/auc"],
         "valid_auc": m["valid/auc"],
         "test_logloss": m["test/logloss"],
         "oracle_auc": m.get("test/oracle_auc"),
-        "seconds": time.perf_counter() - t0,
+        "seconds": seconds,
+        "train_samples_per_second": rate,
+        "embedding_floats": int(sum(floats.values())),
       }
       out.append(row)
       print(f"  seed {seed} {name}: test AUC {row['test_auc']:.5f}", flush=True)
+      del result
   summary = {}
   for name in dict.fromkeys(r["config"] for r in out):
-    aucs = [r["test_auc"] for r in out if r["config"] == name]
-    summary[name] = {"mean_test_auc": float(np.mean(aucs)), "std": float(np.std(aucs))}
+    runs = [r for r in out if r["config"] == name]
+    aucs = [r["test_auc"] for r in runs]
+    summary[name] = {
+      "mean_test_auc": float(np.mean(aucs)),
+      "std": float(np.std(aucs)),
+      "embedding_floats": runs[0]["embedding_floats"],
+      "train_samples_per_second": float(
+        np.median([r["train_samples_per_second"] or np.nan for r in runs])
+      ),
+    }
   names = list(summary)
   gap = summary[names[1]]["mean_test_auc"] - summary[names[0]]["mean_test_auc"]
   return {
     "runs": out,
     "seeds": list(args.seeds),
+    "real_sizes": bool(args.real_sizes),
+    "trained_cardinalities": cards,
     "summary": summary,
     "tt_minus_dense": gap,
+    "compression": summary[names[0]]["embedding_floats"] / summary[names[1]]["embedding_floats"],
     "oracle_auc": out[0]["oracle_auc"],
   }
 
 
 def quality_md(res: dict) -> str:
+  r0 = res["runs"][0]
+  if res.get("real_sizes"):
+    what = (
+      f"synthetic data at Kaggle's real cardinalities (scale {r0['scale']}, ids hashed into "
+      f"the 26 Kaggle table sizes: {sum(res['trained_cardinalities']):,} rows in all), "
+      f"{r0['data_rows']:,} rows"
+    )
+  else:
+    what = "synthetic default data"
   lines = [
-    f"### Test AUC, synthetic default data, same steps, seeds {res['seeds']}",
+    f"### Test AUC, {what}, {r0['steps']} steps of batch {r0.get('batch_size', 2048)}, "
+    f"seeds {res['seeds']}",
     "",
-    "| config | mean test AUC | std | per seed | oracle AUC |",
-    "|---|---:|---:|---|---:|",
+    "| config | embedding floats | mean test AUC | std | per seed | oracle AUC | train samples/s |",
+    "|---|---:|---:|---:|---|---:|---:|",
   ]
   for name, s in res["summary"].items():
     per = ", ".join(f"{r['test_auc']:.4f}" for r in res["runs"] if r["config"] == name)
+    floats = s.get("embedding_floats")
+    rate = s.get("train_samples_per_second")
     lines.append(
-      f"| {name} | {s['mean_test_auc']:.5f} | {s['std']:.5f} | {per} | {res['oracle_auc']:.4f} |"
+      f"| {name} | {f'{floats:,}' if floats else '-'} | {s['mean_test_auc']:.5f} "
+      f"| {s['std']:.5f} | {per} | {res['oracle_auc']:.4f} "
+      f"| {f'{rate:,.0f}' if rate and rate == rate else '-'} |"
     )
   lines.append(f"\nttrec - dlrm mean test AUC: {res['tt_minus_dense']:+.5f}")
+  if "compression" in res:
+    lines.append(f"\nembedding compression (dlrm floats / ttrec floats): {res['compression']:.1f}x")
   return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- nimble
+
+NIMBLE_VARIANTS = (
+  "table=dense,order=none",
+  "order=partition",
+  "order=rcm",
+  "order=random",
+  "order=partition,init=orthogonal",
+  "order=partition,init=eigen",
+  "order=random,init=eigen",
+)
+
+
+def nimble(args) -> dict:
+  """TT vs full node embeddings on a feature-less graph, per node order and init."""
+  import importlib
+  import tempfile
+
+  from recgnn.train import loop
+
+  exp = importlib.import_module(f"experiments.{args.nimble_experiment}")
+  out = []
+  for seed in args.seeds:
+    for variant in args.nimble_variants:
+      c = exp.get_config(variant)
+      c.seed = seed
+      if args.nimble_steps:
+        c.train.steps = args.nimble_steps
+      c.train.log_every = max(1, c.train.steps // 10)
+      c.train.checkpoint_every = 0
+      with tempfile.TemporaryDirectory() as wd:
+        t0 = time.perf_counter()
+        result = loop.train(c, wd)
+        seconds = time.perf_counter() - t0
+        rate = _median_rate(wd)
+      m = result.metrics
+      spec = result.plan.specs["node"]
+      floats = _table_floats(result.plan)["node"]
+      row = {
+        "variant": variant,
+        "seed": seed,
+        "plan": result.plan.backend_of("node").describe("node"),
+        "node_order": c.data.node_order,
+        "num_nodes": spec.num_rows,
+        "dim": spec.dim,
+        "floats": int(floats),
+        "compression": spec.num_rows * spec.dim / floats,
+        "test_accuracy": m["test/accuracy"],
+        "valid_accuracy": m["valid/accuracy"],
+        "chance_accuracy": m.get("chance_accuracy"),
+        "steps": c.train.steps,
+        "batch_size": c.sampler.batch_size,
+        "step_ms": 1000.0 * c.sampler.batch_size / rate if rate else None,
+        "seconds": seconds,
+      }
+      out.append(row)
+      print(
+        f"  seed {seed} {variant}: test acc {row['test_accuracy']:.4f}, "
+        f"{row['compression']:,.0f}x, step {row['step_ms'] or float('nan'):.1f} ms",
+        flush=True,
+      )
+      del result
+  summary = {}
+  for v in dict.fromkeys(r["variant"] for r in out):
+    runs = [r for r in out if r["variant"] == v]
+    acc = [r["test_accuracy"] for r in runs]
+    summary[v] = {
+      "mean_test_accuracy": float(np.mean(acc)),
+      "std": float(np.std(acc)),
+      "compression": runs[0]["compression"],
+      "floats": runs[0]["floats"],
+      "step_ms": float(np.median([r["step_ms"] for r in runs])),
+      "plan": runs[0]["plan"],
+      "node_order": runs[0]["node_order"],
+    }
+  return {"experiment": args.nimble_experiment, "seeds": list(args.seeds), "runs": out,
+          "summary": summary}  # fmt: skip
+
+
+NIMBLE_STEP_VARIANTS = ("table=dense,order=none", "order=partition", "order=rcm", "order=random")
+
+
+def nimble_step(args) -> dict:
+  """Train-step ms per node order, the configs interleaved per repetition in one process (the
+  machine is shared: only ratios within a run mean anything). Each config has its own task
+  (its own relabelled graph) and its first `step_batches` train batches; the jitted step is
+  the trainer's (Feeder + jit_packed), as in `train_step`."""
+  import importlib
+
+  from recgnn.train import inputs as inputs_lib
+  from recgnn.train import loop
+  from recgnn.train import step as step_lib
+
+  exp = importlib.import_module(f"experiments.{args.nimble_experiment}")
+  runs = {}
+  for variant in args.nimble_step_variants:
+    config = exp.get_config(variant)
+    task = loop.load_task(config)
+    stream = task.train_batches(0)
+    batches = [next(stream) for _ in range(args.step_batches)]
+    plan = base.resolve_plan(list(map(tuple, config.embeddings.plan)), task.tables(), log=False)
+    feeder = step_lib.Feeder(plan, task.shard_batch)
+    tx = step_lib.make_optimizer(config.optimizer)
+    state = step_lib.init_state(task, plan, tx, jax.random.key(0), batches[0])
+    t0 = time.perf_counter()
+    items = [("train", None, x) for x in batches]
+    prepared = [item.prepared for item in inputs_lib.prepare_stream(plan, items)]
+    prep_ms = 1e3 * (time.perf_counter() - t0) / len(batches)
+    inputs = [feeder(p, x) for p, x in zip(prepared, batches)]
+    sh = step_lib.state_sharding(plan, state)
+    fn = step_lib.jit_packed(step_lib.make_train_step(task, plan, tx), plan, sh, True, True)
+    for p, x in inputs:  # compile every shape once
+      state, _ = fn(state, p, x)
+    jax.block_until_ready(state)
+    stats = plan.backend_of("node").stats()
+    runs[variant] = {"fn": fn, "state": state, "inputs": inputs, "prepare_ms": prep_ms,
+                     "times": [], "stats": stats, "order": config.data.node_order}  # fmt: skip
+    print(f"  {variant}: ready (prepare {prep_ms:.1f} ms/batch)", flush=True)
+    del task
+  for _ in range(args.reps):
+    for r in runs.values():
+      state = r["state"]
+      t0 = time.perf_counter()
+      for p, x in r["inputs"]:
+        state, _ = r["fn"](state, p, x)
+      jax.block_until_ready(state)
+      r["times"].append((time.perf_counter() - t0) / len(r["inputs"]))
+      r["state"] = state
+  base_ms = 1e3 * statistics.median(next(iter(runs.values()))["times"])
+  out = []
+  for variant, r in runs.items():
+    ms = 1e3 * statistics.median(r["times"])
+    out.append({"variant": variant, "node_order": r["order"], "step_ms": ms,
+                "vs_first": ms / base_ms, "per_rep_ms": [1e3 * t for t in r["times"]],
+                "prepare_ms": r["prepare_ms"], "backend_stats": r["stats"]})  # fmt: skip
+    print(f"  {variant:<36} {ms:8.2f} ms  x{ms / base_ms:.2f}", flush=True)
+  return {"experiment": args.nimble_experiment, "batches": args.step_batches,
+          "reps": args.reps, "results": out}  # fmt: skip
+
+
+def nimble_step_md(res: dict) -> str:
+  first = res["results"][0]["variant"]
+  lines = [
+    f"### Train step per node order, `{res['experiment']}`, interleaved: {res['reps']} reps of "
+    f"{res['batches']} batches each (median)",
+    "",
+    f"| variant | node order | step ms | vs {first} | host prepare ms / batch | TT capacities |",
+    "|---|---|---:|---:|---:|---|",
+  ]
+  for r in res["results"]:
+    caps = ", ".join(f"{k.split('@')[0]} {v:,.0f}" for k, v in r["backend_stats"].items())
+    lines.append(
+      f"| {r['variant']} | {r['node_order']} | {r['step_ms']:.1f} | {r['vs_first']:.2f}x "
+      f"| {r['prepare_ms']:.1f} | {caps or '-'} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+def nimble_md(res: dict) -> str:
+  r0 = res["runs"][0]
+  full = [s for v, s in res["summary"].items() if s["compression"] == 1.0]
+  lines = [
+    f"### TT vs full node embeddings, `{res['experiment']}` ({r0['num_nodes']:,} nodes, dim "
+    f"{r0['dim']}, no node features), {r0['steps']} steps of {r0['batch_size']} seeds, "
+    f"seeds {res['seeds']}",
+    "",
+    "| variant | node table | node order | floats | compression | mean test acc | std "
+    "| vs full | train step ms |",
+    "|---|---|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for v, s in res["summary"].items():
+    vs = f"{s['mean_test_accuracy'] - full[0]['mean_test_accuracy']:+.4f}" if full else "-"
+    plan = s["plan"].split(", init_path")[0] + (")" if "init_path" in s["plan"] else "")
+    lines.append(
+      f"| {v} | {plan} | {s['node_order']} | {s['floats']:,} | {s['compression']:,.0f}x "
+      f"| {s['mean_test_accuracy']:.4f} | {s['std']:.4f} | {vs} | {s['step_ms']:.1f} |"
+    )
+  lines.append(f"\nchance accuracy (majority class of test): {r0['chance_accuracy']:.4f}. Step "
+               "ms: the trainer's median samples/s over a run's log windows (first left out), runs "
+               "one after another on a shared machine; the `nimble_step` section times them "
+               "interleaved.")  # fmt: skip
+  return "\n".join(lines) + "\n"
+
+
+def nimble_plot(res: dict, path: pathlib.Path) -> None:
+  """Test accuracy (bars) and train-step ms (dots) per variant."""
+  try:
+    import matplotlib
+  except ImportError:
+    print("matplotlib not installed: no PNG")
+    return
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  names = list(res["summary"])
+  s = [res["summary"][n] for n in names]
+  fig, ax = plt.subplots(figsize=(10, 4.5))
+  x = np.arange(len(names))
+  acc = [v["mean_test_accuracy"] for v in s]
+  ax.bar(x, acc, yerr=[v["std"] for v in s], color=["#888" if v["compression"] == 1 else "#3a7"
+                                                   for v in s])  # fmt: skip
+  for i, v in enumerate(s):
+    ax.text(i, acc[i] + 0.005, f"{v['compression']:,.0f}x", ha="center", fontsize=8)
+  lo = min(acc) - 0.1
+  ax.set_ylim(max(0.0, lo), min(1.0, max(acc) + 0.05))
+  ax.set_xticks(x, [n.replace(",", "\n") for n in names], fontsize=8)
+  ax.set_ylabel("test accuracy (bars; label: compression)")
+  ax2 = ax.twinx()
+  ax2.plot(x, [v["step_ms"] for v in s], "ko", label="train step ms")
+  ax2.set_ylabel("train step ms (dots)")
+  ax2.set_ylim(0, max(v["step_ms"] for v in s) * 1.3)
+  r0 = res["runs"][0]
+  ax.set_title(f"{res['experiment']}: {r0['num_nodes']:,} nodes, TT vs full node embeddings")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  print(f"wrote {path}")
 
 
 # ----------------------------------------------------------------------------- main
@@ -406,6 +716,8 @@ SECTIONS = {
   "kernels": (kernels, kernels_md),
   "train_step": (train_step, train_step_md),
   "quality": (quality, quality_md),
+  "nimble": (nimble, nimble_md),
+  "nimble_step": (nimble_step, nimble_step_md),
 }
 
 
@@ -434,15 +746,23 @@ def main(argv=None):
   p.add_argument("--seeds", default="0,1,2")
   p.add_argument("--quality_steps", type=int, default=1000)
   p.add_argument("--quality_arg", default="rank=32")
+  p.add_argument("--real_sizes", action="store_true", help="quality at Kaggle's real sizes")
+  p.add_argument("--nimble_experiment", default="sage_tt_synthetic")
+  p.add_argument("--nimble_variants", default=";".join(NIMBLE_VARIANTS))
+  p.add_argument("--nimble_steps", type=int, default=0, help="0: the experiment's steps")
+  p.add_argument("--nimble_step_variants", default=";".join(NIMBLE_STEP_VARIANTS))
   args = p.parse_args(argv)
   args.ranks = [int(x) for x in args.ranks.split(",")]
   args.kernels = args.kernels.split(",")
   args.orders = args.orders.split(",")
   args.step_variants = [v for v in args.step_variants.split(";") if v]
   args.seeds = [int(x) for x in args.seeds.split(",")]
+  args.nimble_variants = [v for v in args.nimble_variants.split(";") if v]
+  args.nimble_step_variants = [v for v in args.nimble_step_variants.split(";") if v]
   if args.quick:
     args.rows, args.batches, args.reps, args.steps = 1_000_000, 4, 3, 5
     args.step_batches, args.seeds, args.quality_steps = 3, [0], 50
+    args.nimble_experiment, args.nimble_steps = "sage_tt_cora", 20
   payload = {"machine": sparse_update.machine_info(), "args": vars(args)}
   md = [f"## TT-Rec benchmarks\n\n`{payload['machine']['command']}`\n"]
   for s in args.sections.split(","):
@@ -453,6 +773,8 @@ def main(argv=None):
     payload[s] = run(args)
     md.append(to_md(payload[s]))
   sparse_update.write_results(args.name, payload, "\n".join(md))
+  if "nimble" in payload:
+    nimble_plot(payload["nimble"], sparse_update.RESULTS / f"{args.name}.png")
 
 
 if __name__ == "__main__":

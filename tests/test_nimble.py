@@ -215,9 +215,11 @@ def test_relabelled_graph_gives_the_same_predictions_per_original_id(tmp_path, o
   np.testing.assert_array_equal(pa["node"], np.sort(a.graph.splits["test"]))
   np.testing.assert_allclose(pa["logits"], pb["logits"], rtol=1e-4, atol=1e-5)
   np.testing.assert_array_equal(pa["pred"], pb["pred"])
-  # The order is cached: a second task loads the same permutation.
+  # The order is cached: a second task loads the same permutation, from the file it names.
   c = _cora(order, str(tmp_path), inputs)
   np.testing.assert_array_equal(c.graph.original_ids, perm)
+  np.testing.assert_array_equal(np.load(c.load_info["node_order_file"]), perm)
+  assert c.load_info["node_order_file"] in c.describe()
 
 
 def test_sage_tt_synthetic_config_and_compression():

@@ -60,15 +60,17 @@ INPUTS = ("features", "embeddings", "both")
 SAMPLERS = ("node", "ladies")
 
 
-def load_graph(data: ml_collections.ConfigDict) -> store.Graph:
-  """The graph named by config.data, relabelled by data.node_order."""
+def load_graph(data: ml_collections.ConfigDict, info: dict | None = None) -> store.Graph:
+  """The graph named by config.data, relabelled by data.node_order (`info` gets the
+  permutation file's path under "node_order_file")."""
   graph = _load_raw_graph(data)
   order = data.get("node_order", "none") or "none"
   if order == "none":
     return graph
   levels = data.get("partition_levels", None)
-  perm = _cached_order(graph, order, levels, data.get("cache_dir", None) or DEFAULT_CACHE)
-  logging.info("node order %s applied", order)
+  perm, path = _cached_order(graph, order, levels, data.get("cache_dir", None) or DEFAULT_CACHE)
+  if info is not None:
+    info["node_order_file"] = path
   return graph.relabel(perm)
 
 
@@ -82,7 +84,7 @@ def _graph_key(graph: store.Graph, *parts) -> str:
   return h.hexdigest()[:16]
 
 
-def _cached_order(graph: store.Graph, order: str, levels, cache_dir: str) -> np.ndarray:
+def _cached_order(graph: store.Graph, order: str, levels, cache_dir: str):
   """The permutation of `order`, computed once per graph and kept under cache_dir/node_order:
   a resumed run (or another pymetis build) relabels exactly as the first run did."""
   from recgnn.graphs import reorder
@@ -96,8 +98,7 @@ def _cached_order(graph: store.Graph, order: str, levels, cache_dir: str) -> np.
   )
   if os.path.exists(path):
     perm = np.load(path)
-    logging.info("node order %s: loaded %s", order, path)
-    return perm
+    return perm, path
   t0 = time.perf_counter()
   perm = reorder.node_order(graph, order, levels=levels)
   os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -105,7 +106,7 @@ def _cached_order(graph: store.Graph, order: str, levels, cache_dir: str) -> np.
   np.save(tmp, perm)
   os.replace(tmp, path)
   logging.info("node order %s: %.1f s, saved %s", order, time.perf_counter() - t0, path)
-  return perm
+  return perm, path
 
 
 def write_eigen_init(graph: store.Graph, dim: int, path: str) -> str:
@@ -172,7 +173,8 @@ class NodeClassification(base.Task):
     super().__init__(config)
     # Bulk samples allocate large short-lived buffers; see recgnn.hostmem.
     hostmem.keep_freed_memory()
-    self.graph = load_graph(config.data)
+    self.load_info: dict = {}
+    self.graph = load_graph(config.data, self.load_info)
     node_init = config.embeddings.get("node_init", "") or ""
     if node_init not in ("", "eigen"):
       raise ValueError(f"Unknown embeddings.node_init {node_init!r}; available: '', eigen")
@@ -252,6 +254,11 @@ class NodeClassification(base.Task):
 
   def describe(self) -> str:
     lines = [self.graph.describe()]
+    if "node_order_file" in self.load_info:
+      lines.append(
+        f"node order {self.config.data.node_order}: node j is the dataset's node perm[j], "
+        f"perm = {self.load_info['node_order_file']} (predictions map back through it)"
+      )
     lines.append(
       f"sampler {self.config.sampler.kind}: frontier sizes {self.sampler.sizes}, "
       f"{self.bulk} mini-batches per product; inputs: {self.inputs}"
