@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -64,6 +65,7 @@ from absl import logging
 from jax import lax
 from jax.experimental.compute_on import compute_on
 
+from recgnn import sharding
 from recgnn.embeddings import base
 
 POLICIES = ("lru", "lfu", "lookahead")
@@ -82,6 +84,11 @@ def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
   out = np.full(size, fill, np.int32)
   out[: a.shape[0]] = a
   return out
+
+
+def _host_spec(x: jax.Array) -> jax.sharding.PartitionSpec:
+  """A split host array's spec: rows over every device of the mesh."""
+  return sharding.P(sharding.BATCH, *([None] * (x.ndim - 1)))
 
 
 def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -337,15 +344,33 @@ class Offload(base.TableBackend):
 
   # --------------------------------------------------------------------------- placement
 
+  @property
+  def host_split(self) -> bool:
+    """Whether the host arrays are split by rows over the devices of the mesh: ONE host copy
+    of the table in all (each device's pinned host memory holds S / n rows), instead of a
+    replica per device."""
+    return self.offloaded and self.mesh is not None and self.mesh.size > 1
+
+  def bind(self, mesh):
+    super().bind(mesh)
+    if self.host_split and base.ROW_ALIGN % mesh.size:
+      raise ValueError(
+        f"offload (table {self.spec.name!r}): the host table is split by rows over the "
+        f"{mesh.size} devices of the mesh, which needs a device count dividing "
+        f"{base.ROW_ALIGN} (1, 2, 4, 8, ...)"
+      )
+
   def state_sharding(self):
-    """Host arrays in `host_memory`, the cache in device memory, all replicated over the
-    mesh: every device holds the same cache, so lookups of its examples are local, and every
-    device applies the same update to it (exact, as `dense` replicated)."""
-    host = self.replicated(self.host_memory if self.offloaded else "device")
+    """The cache in device memory, replicated over the mesh: every device holds the same
+    cache, so lookups of its examples are local, and every device applies the same update
+    to it (exact, as `dense` replicated). The host arrays in `host_memory`: on one device,
+    whole; on a mesh, split by rows over every device (one table in all; an exchange moves
+    each row between its owner's host memory and the replicated cache)."""
+    host, host_vec = self.row_sharding()
     dev = self.replicated("device")
     slots = self.spec.optimizer.slot_names()
     return {
-      "host": {"table": host, **{s: host for s in slots}},
+      "host": {"table": host, **{s: host_vec for s in slots}},
       "cache": {"table": dev, **{s: dev for s in slots}},
       "slot_rows": dev,
       "version": dev,
@@ -401,8 +426,13 @@ class Offload(base.TableBackend):
     return out
 
   def row_sharding(self):
-    sh = self.state_sharding()["host"]
-    return sh["table"], sh["table"]
+    kind = self.host_memory if self.offloaded else "device"
+    if self.host_split:
+      return (
+        sharding.named(self.mesh, sharding.P(sharding.BATCH, None), kind),
+        sharding.named(self.mesh, sharding.P(sharding.BATCH), kind),
+      )
+    return self.replicated(kind), self.replicated(kind)
 
   def export(self, state):
     """The host arrays of a synced state (every resident row written back by `sync`)."""
@@ -420,9 +450,8 @@ class Offload(base.TableBackend):
     spec, c = self.spec, self.cache_rows
     device = c * spec.row_bytes + c * 4  # cache rows + optimizer state, slot map
     planner = spec.num_rows * 4 * (2 if self.policy == "lfu" else 1)  # row->slot (+ counts)
-    # One host copy per device of the mesh (replicated pinned_host arrays).
-    copies = self.mesh.size if self.mesh is not None else 1
-    host = spec.table_bytes * copies + planner
+    # One host copy in all: whole on one device, split by rows over the devices of a mesh.
+    host = spec.table_bytes + planner
     if not self.offloaded:
       device, host = device + spec.table_bytes, planner
     where = self.host_memory if self.offloaded else "device (no offload)"
@@ -627,15 +656,70 @@ class Offload(base.TableBackend):
     if ex["evict_slots"].shape[0] == 0 and ex["load_rows"].shape[0] == 0:
       return state
     host, cache = dict(state["host"]), dict(state["cache"])
-    evict_rows, load_rows = self._to_host(ex["evict_rows"]), self._to_host(ex["load_rows"])
     for k in cache:
-      out = self._to_host(cache[k].at[ex["evict_slots"]].get(mode="fill", fill_value=0.0))
-      with self._on_host():
-        host[k] = _scatter_rows(host[k], evict_rows, out)
-        loaded = _gather_rows(host[k], load_rows)
-      cache[k] = cache[k].at[ex["load_slots"]].set(self._to_device(loaded), mode="drop")
-    slot_rows = state["slot_rows"].at[ex["load_slots"]].set(self._to_device(load_rows), mode="drop")
+      out = cache[k].at[ex["evict_slots"]].get(mode="fill", fill_value=0.0)
+      host[k] = self._host_scatter(host[k], ex["evict_rows"], out)
+      loaded = self._host_gather(host[k], ex["load_rows"])
+      cache[k] = cache[k].at[ex["load_slots"]].set(loaded, mode="drop")
+    slot_rows = state["slot_rows"].at[ex["load_slots"]].set(ex["load_rows"], mode="drop")
     return {**state, "host": host, "cache": cache, "slot_rows": slot_rows}
+
+  def _host_scatter(self, h: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    """h[rows] = values on the host array h (rows past h's end are dropped). values: device,
+    replicated. On a split host table each device writes the rows it owns."""
+    if not self.host_split:
+      rows, values = self._to_host(rows), self._to_host(values)
+      with self._on_host():
+        return _scatter_rows(h, rows, values)
+    spec = _host_spec(h)
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(spec, sharding.REPLICATED, sharding.REPLICATED),
+      out_specs=spec,
+      check_vma=False,
+    )
+    def local(h, rows, values):
+      n = h.shape[0]
+      loc = rows - jax.lax.axis_index(sharding.BATCH) * n
+      loc = jnp.where((loc >= 0) & (loc < n), loc, n)  # not owned: dropped (stays unique)
+      loc, values = self._to_host(loc), self._to_host(values)
+      with self._on_host():
+        return _scatter_rows(h, loc, values)
+
+    return local(h, rows, values)
+
+  def _host_gather(self, h: jax.Array, rows: jax.Array) -> jax.Array:
+    """h[rows] (rows in range) from the host array h, as a replicated device array. On a
+    split host table each device gathers the rows it owns and an all-reduce of the [M, ...]
+    block (zeros elsewhere, so the sum is exact) gives every device all of them."""
+    if not self.host_split:
+      rows = self._to_host(rows)
+      with self._on_host():
+        out = _gather_rows(h, rows)
+      return self._to_device(out)
+    spec = _host_spec(h)
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(spec, sharding.REPLICATED),
+      out_specs=sharding.REPLICATED,
+      check_vma=False,
+    )
+    def local(h, rows):
+      n = h.shape[0]
+      loc = rows - jax.lax.axis_index(sharding.BATCH) * n
+      owned = (loc >= 0) & (loc < n)
+      loc = self._to_host(jnp.where(owned, loc, 0))
+      with self._on_host():
+        got = _gather_rows(h, loc)
+      got = self._to_device(got)
+      owned = owned.reshape(owned.shape + (1,) * (got.ndim - 1))
+      return jax.lax.psum(jnp.where(owned, got, 0), sharding.BATCH)
+
+    return local(h, rows)
 
   def lookup(self, state, prepared):
     rows = state["cache"]["table"].at[prepared["ids"]].get(mode="fill", fill_value=0.0)
@@ -643,9 +727,7 @@ class Offload(base.TableBackend):
     m = load_rows.shape[0]
     if m == 0:
       return rows
-    with self._on_host():
-      fresh = _gather_rows(state["host"]["table"], self._to_host(load_rows))
-    fresh = self._to_device(fresh)
+    fresh = self._host_gather(state["host"]["table"], load_rows)
     pos = prepared["now_pos"]
     return jnp.where((pos < m)[..., None], fresh.at[pos].get(mode="fill", fill_value=0.0), rows)
 
@@ -668,10 +750,9 @@ class Offload(base.TableBackend):
     # Empty slots hold N; past the host arrays, so the scatter (unique indices) drops them.
     n = self.spec.num_rows
     slot_rows = state["slot_rows"]
-    rows = self._to_host(jnp.where(slot_rows < n, slot_rows, base.aligned_rows(n)))
+    rows = jnp.where(slot_rows < n, slot_rows, base.aligned_rows(n))
     for k, v in state["cache"].items():
-      with self._on_host():
-        host[k] = _scatter_rows(host[k], rows, self._to_host(v))
+      host[k] = self._host_scatter(host[k], rows, v)
     return {**state, "host": host}
 
   def _check_stale(self, state):
