@@ -465,3 +465,18 @@ def test_trainer_offload_equals_dense_and_resumes(tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   assert resumed.metrics["test/auc"] == dense.metrics["test/auc"]
   assert resumed.metrics["valid/auc"] == dense.metrics["valid/auc"]
+
+
+def test_host_table_is_one_copy_split_over_the_mesh():
+  """On 8 devices the host table is split by rows (128 of the 1024 aligned rows in each
+  device's pinned host memory), not replicated 8 times; memory() counts one copy."""
+  mesh = sharding.make_mesh(8, 1)
+  group = base.make_backend("offload(cache_rows=60)", _spec(ADAGRAD), mesh)
+  state = group.init(jax.random.key(0))["t"]
+  for name in ("table", "accum"):
+    arr = state["host"][name]
+    assert arr.sharding.memory_kind == "pinned_host"
+    assert {s.data.shape[0] for s in arr.addressable_shards} == {128}, name
+    assert len({s.device for s in arr.addressable_shards}) == 8
+  one = base.make_backend("offload(cache_rows=60)", _spec(ADAGRAD)).memory()["t"]
+  assert group.memory()["t"].host_bytes == one.host_bytes
