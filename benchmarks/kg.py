@@ -6,6 +6,7 @@ Sections (--sections, comma-separated):
              Hits@k, wall time, edges/s, valid MRR at every eval, then the full filtered
              test evaluation timed on its own (jitted predict over every test batch, second
              pass, so compilation is excluded)
+  kge_rescan recompute a finished kge run's step-rate figures from --kge_workdir
   rgcn       `rgcn_fb15k237` (whole graph) and `rgcn_fb15k237_partitioned` (METIS, P parts)
              with the same epochs: time per epoch from the trainer's steady-state step rate,
              test MRR side by side, and where a step's time goes (encoder / decoder sizes and
@@ -43,6 +44,7 @@ _EPOCHS = flags.DEFINE_float("epochs", 0, "kge section: epochs (0 = the experime
 _EVAL_EVERY = flags.DEFINE_integer("eval_every_epochs", 5, "kge section: valid eval period")
 _RGCN_EPOCHS = flags.DEFINE_float("rgcn_epochs", 4, "rgcn section: epochs of each run")
 _PARTS = flags.DEFINE_integer("parts", 4, "rgcn section: partitions")
+_KGE_WORKDIR = flags.DEFINE_string("kge_workdir", "", "kge_rescan: the finished run's workdir")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/recgnn_kg_bench", "scratch for the runs")
 
 
@@ -164,27 +166,57 @@ def run_kge():
     "valid_curve": curve,
     "published_libkge_mrr": {"distmult": 0.343, "complex": 0.348},
   }
-  t = payload["test"]
-  md = (
-    f"# FB15k-237, `kge_fb15k237:{decoder}` (filtered, test, both sides)\n\n"
-    f"| MRR | Hits@1 | Hits@3 | Hits@10 | epochs | train time | edges/s | full test eval |\n"
-    f"|---|---|---|---|---|---|---|---|\n"
+  payload["workdir"] = workdir
+  _write(f"kg_kge_{decoder}", payload, _kge_md(payload, cfg, task))
+  return payload
+
+
+def _kge_md(payload: dict, cfg, task) -> str:
+  t, curve, epochs = payload["test"], payload["valid_curve"], payload["epochs"]
+  return (
+    f"# FB15k-237, `{payload['experiment']}` (filtered, test, both sides)\n\n"
+    "| MRR | Hits@1 | Hits@3 | Hits@10 | epochs | train time | edges/s | full test eval |\n"
+    "|---|---|---|---|---|---|---|---|\n"
     f"| {t['mrr']:.4f} | {t['hits@1']:.4f} | {t['hits@3']:.4f} | {t['hits@10']:.4f} | "
-    f"{epochs:.1f} | {wall / 60:.1f} min (incl. valid evals) | "
-    f"{payload['edges_per_second']:,.0f} | {eval_s:.1f} s ({payload['test_eval_queries']:,} "
-    f"queries x {task.kg.num_entities:,} entities) |\n\n"
-    f"dim {cfg.embeddings.dim}, 1-vs-all over grouped queries, reciprocal relations, "
-    f"{cfg.model.regularizer} {cfg.model.reg_weight}, entity table through the plan "
-    f"{cfg.embeddings.plan} with {cfg.embeddings.optimizer.name} "
-    f"lr {cfg.embeddings.optimizer.learning_rate}; relations {cfg.optimizer.name}. "
-    f"Published (LibKGE, tuned): DistMult 0.343, ComplEx 0.348. Machine: 2-core CPU shared "
-    f"with other jobs (load at start {os.getloadavg()[0]:.1f}).\n\n"
+    f"{epochs:.1f} | {payload['train_wall_seconds_incl_evals'] / 60:.1f} min wall (incl. "
+    f"{len(curve)} valid evals; {payload['train_seconds_est'] / 60:.1f} min of steps) | "
+    f"{payload['edges_per_second']:,.0f} | {payload['test_eval_seconds']:.1f} s "
+    f"({payload['test_eval_queries']:,} queries x {task.kg.num_entities:,} entities) |\n\n"
+    f"dim {cfg.embeddings.dim}, 1-vs-all over grouped queries ({cfg.batch_size} per step), "
+    f"reciprocal relations, {cfg.model.regularizer} {cfg.model.reg_weight}, entity table "
+    f"through the plan {list(map(tuple, cfg.embeddings.plan))} with "
+    f"{cfg.embeddings.optimizer.name} lr {cfg.embeddings.optimizer.learning_rate}; relations "
+    f"{cfg.optimizer.name} lr {cfg.optimizer.learning_rate}. Published (LibKGE, tuned): "
+    "DistMult 0.343, ComplEx 0.348. Machine: 2-core CPU shared with other jobs (load at "
+    f"start {payload['machine']['load_avg_1m_at_start']:.1f}).\n\n"
     "Valid MRR during training: "
     + ", ".join(f"epoch {c['epoch']:.0f}: {c['valid_mrr']:.4f}" for c in curve)
     + "\n"
   )
-  _write(f"kg_kge_{decoder}", payload, md)
-  return payload
+
+
+def rescan_kge(workdir: str):
+  """Recompute the step-rate figures of a finished `kge` run from its workdir's
+  metrics.jsonl (the first version of this script converted the trainer's rate with the
+  mean batch instead of the first batch's triples)."""
+  decoder = _DECODER.value
+  path = os.path.join(RESULTS, f"kg_kge_{decoder}.json")
+  with open(path) as f:
+    payload = json.load(f)
+  cfg = kge_fb15k237.get_config(decoder)
+  task = lp.LinkPrediction(cfg)
+  spe = task.steps_per_epoch()
+  step_s = _step_seconds(workdir, task)
+  payload["train_seconds_est"] = payload["steps"] * step_s
+  payload["edges_per_second"] = len(task.train_triples) / (spe * step_s)
+  payload["valid_curve"] = _curve(workdir, spe, step_s)
+  payload["workdir"] = workdir
+  with open(path, "w") as f:  # the run's machine record kept
+    json.dump(payload, f, indent=2, sort_keys=True)
+  md = _kge_md(payload, cfg, task)
+  with open(os.path.join(RESULTS, f"kg_kge_{decoder}.md"), "w") as f:
+    f.write(md)
+  print(md)
 
 
 def _rgcn_run(cfg, name: str):
@@ -356,8 +388,10 @@ def main(argv):
   del argv
   sections = [s.strip() for s in _SECTIONS.value.split(",") if s.strip()]
   for s in sections:
-    if s not in ("kge", "rgcn"):
-      raise app.UsageError(f"Unknown section {s!r}; available: kge, rgcn")
+    if s not in ("kge", "rgcn", "kge_rescan"):
+      raise app.UsageError(f"Unknown section {s!r}; available: kge, rgcn, kge_rescan")
+  if "kge_rescan" in sections:
+    rescan_kge(_KGE_WORKDIR.value)
   if "kge" in sections:
     run_kge()
   if "rgcn" in sections:

@@ -41,7 +41,7 @@ def get_config(arg=None):
   c.model.reg_weight = lam
   c.model.relation_init = 1e-3
   c.model.rgcn = ml_collections.ConfigDict(
-    {"num_bases": 4, "num_layers": 1, "dropout": 0.0, "edge_dropout": 0.0}
+    {"num_bases": 4, "num_layers": 1, "dropout": 0.0, "edge_dropout": 0.0, "norm": "degree"}
   )
 
   c.train = ml_collections.ConfigDict()

@@ -11,9 +11,9 @@ source rows are scattered, weighted by a_rb / c, into one aggregate per basis.
 Graph leaves (all int32[E] / f32[E], padded edges have norm 0):
   src, dst: row indices of each edge's source and destination
   rel:      relation id (reciprocal relations are ordinary relations here)
-  norm:     1 / c_{dst, rel}, the in-degree of dst under rel in the WHOLE graph. Computed on
-            the host so that a partition's subgraph, which holds every in-edge of the rows it
-            encodes exactly, gives those rows the same encoding as the whole graph.
+  norm:     1 / c, an in-degree of dst (all relations, or under rel) in the WHOLE graph,
+            computed on the host so that a partition's subgraph, which holds every in-edge
+            of the rows it encodes exactly, gives those rows their whole-graph encoding.
 Edge dropout keeps the norms and rescales kept edges by 1 / (1 - rate) (unbiased).
 """
 

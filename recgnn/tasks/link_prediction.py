@@ -199,11 +199,18 @@ class LinkPrediction(base.Task):
 
   def _message_graph(self) -> dict[str, np.ndarray]:
     """The encoder's edges: every training triple and its reverse (under the reciprocal
-    relation id), with the whole-graph norms 1 / c_{dst, rel}."""
+    relation id), with whole-graph norms 1 / c_dst, c_dst = in-degree of dst over all
+    relations (model.rgcn.norm = degree), or c_{dst, rel} per relation (= relation,
+    Schlichtkrull et al.'s choice; on FB15k-237 a hub then sums one mean per relation type,
+    up to hundreds, and DistMult scores blow up)."""
     t = self.kg.splits["train"]
     R = self.kg.num_base_relations
     edges = np.concatenate([t, np.stack([t[:, 2], t[:, 1] + R, t[:, 0]], 1)]).astype(np.int32)
-    key = edges[:, 2].astype(np.int64) * (2 * R) + edges[:, 1]
+    mode = self.config.model.rgcn.get("norm", "degree")
+    _check("model.rgcn.norm", mode, ("degree", "relation"))
+    key = edges[:, 2].astype(np.int64)
+    if mode == "relation":
+      key = key * (2 * R) + edges[:, 1]
     _, inv, cnt = np.unique(key, return_inverse=True, return_counts=True)
     norm = (1.0 / cnt[inv]).astype(np.float32)
     return {"edges": edges, "norm": norm}
