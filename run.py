@@ -29,6 +29,14 @@ _LIST = flags.DEFINE_bool("list", False, "List the experiments and exit.")
 _WORKDIR = flags.DEFINE_string(
   "workdir", None, "Checkpoints, TensorBoard scalars, traces, results.json (default: workdir/NAME)."
 )
+_COORD = flags.DEFINE_string(
+  "coordinator_address",
+  None,
+  "HOST:PORT of process 0, for a run over many processes (jax.distributed; default "
+  "$JAX_COORDINATOR_ADDRESS). One process when unset.",
+)
+_NPROC = flags.DEFINE_integer("num_processes", None, "Processes in the run ($JAX_NUM_PROCESSES).")
+_PID = flags.DEFINE_integer("process_id", None, "This process's id, 0.. ($JAX_PROCESS_ID).")
 _RESUME = flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --workdir.")
 _PROFILE = flags.DEFINE_string(
   "profile_steps", None, "START:STOP: write an XLA profiler trace of these train steps."
@@ -103,17 +111,21 @@ def main(argv):
   del argv
   from absl import logging
 
+  from recgnn import distributed
   from recgnn.train import loop
 
   # Our progress goes to stdout; keep library INFO chatter (Orbax) out of it.
   logging.set_verbosity(logging.WARNING)
+  # Before anything touches a device: join the other processes (a no-op for one process).
+  distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
   config = flags.FLAGS.config
   name = _EXPERIMENT.value.partition(":")[0]
   workdir = _WORKDIR.value or os.path.join("workdir", name)
   loop.log(f"Experiment {_EXPERIMENT.value}; workdir {os.path.abspath(workdir)}")
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  if distributed.is_main():
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
   loop.log(f"Config written to {os.path.join(workdir, 'config.json')}")
   result = loop.train(
     config,

@@ -70,6 +70,24 @@ def named(mesh: jax.sharding.Mesh, spec: PartitionSpec, memory_kind: str | None 
   return NamedSharding(mesh, spec, memory_kind=memory_kind)
 
 
+def put(tree, shardings):
+  """device_put that also works across processes: every process passes the same host value
+  (a deterministic init) and each places the shards of its own devices. Leaves already
+  placed as asked are returned as they are."""
+
+  def one(x, s):
+    if isinstance(x, jax.Array) and x.sharding == s:
+      return x
+    if s.is_fully_addressable:
+      return jax.device_put(x, s)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: one(x, shardings), tree)
+  return jax.tree.map(one, tree, shardings)
+
+
 def replicate(x, mesh: jax.sharding.Mesh):
   """Inside jit: constrain a pytree to be replicated on every device (an all-gather where
   it was split). Used to gather a batch's (ids, pooled grads) for a replicated table."""

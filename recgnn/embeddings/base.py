@@ -551,7 +551,7 @@ class TableGroup(Backend):
 
   def init(self, key):
     state = {n: m.init(table_key(key, n)) for n, m in self.members.items()}
-    return jax.device_put(state, self.state_sharding())
+    return sharding.put(state, self.state_sharding())
 
   def state_sharding(self):
     return {n: m.state_sharding() for n, m in self.members.items()}

@@ -82,7 +82,7 @@ class Dense(base.TableBackend):
     state.update(
       {s: np.full(self.padded_rows, opt.initial_accumulator, np.float32) for s in opt.slot_names()}
     )
-    return jax.device_put(state, self.state_sharding())
+    return sharding.put(state, self.state_sharding())
 
   def row_sharding(self):
     if self.shard == "none":
@@ -102,7 +102,7 @@ class Dense(base.TableBackend):
 
   def import_(self, logical):
     state = {"table": logical["rows"], **{k: logical[k] for k in self.spec.optimizer.slot_names()}}
-    return jax.device_put(state, self.state_sharding())
+    return sharding.put(state, self.state_sharding())
 
   def lookup(self, state, prepared):
     # Padding ids were mapped past the rows by `prepare`; mode="fill" gives zero rows.

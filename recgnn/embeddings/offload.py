@@ -353,6 +353,15 @@ class Offload(base.TableBackend):
 
   def bind(self, mesh):
     super().bind(mesh)
+    if self.offloaded and not all(
+      d.process_index == jax.process_index() for d in mesh.devices.flat
+    ):
+      raise ValueError(
+        f"offload (table {self.spec.name!r}) runs within one process: its host table and "
+        "planner live in this process's memory; a mesh over several processes needs a table "
+        "split per process (not built yet). Use dense / dense(shard=rows) for this table, or "
+        "run one process."
+      )
     if self.host_split and base.ROW_ALIGN % mesh.size:
       raise ValueError(
         f"offload (table {self.spec.name!r}): the host table is split by rows over the "

@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from recgnn import sharding
 from recgnn.embeddings import base
 
 KERNELS = ("naive", "unique", "prefix")
@@ -484,7 +485,7 @@ class TT(base.TableBackend):
     )
 
   def import_(self, logical):
-    return self.restore(jax.device_put(logical, self.state_sharding()))
+    return self.restore(sharding.put(logical, self.state_sharding()))
 
   def restore(self, state):
     # The hot set lives in the state; a checkpoint taken during the warm-up restarts it.

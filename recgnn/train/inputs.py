@@ -165,5 +165,9 @@ def unpack(buffers, layout, mesh) -> PyTree:
 
 
 def put(buffers: list[np.ndarray], mesh) -> list[jax.Array]:
-  """The one host -> device transfer of a batch: row i of each buffer to device i."""
-  return jax.device_put(buffers, sharding.named(mesh, sharding.BATCH_SPEC))
+  """The one host -> device transfer of a batch: row i of each buffer to device i. With
+  many processes, each transfers only the rows of its own devices."""
+  sh = sharding.named(mesh, sharding.BATCH_SPEC)
+  if jax.process_count() == 1:
+    return jax.device_put(buffers, sh)
+  return [jax.make_array_from_callback(b.shape, sh, lambda idx, b=b: b[idx]) for b in buffers]

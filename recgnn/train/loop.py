@@ -27,8 +27,9 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
-from recgnn import hostmem, sharding
+from recgnn import distributed, hostmem, sharding
 from recgnn.embeddings import base
 from recgnn.tasks.base import Task
 from recgnn.train import checkpoint as ckpt_lib
@@ -37,7 +38,9 @@ from recgnn.train import step as step_lib
 
 
 def log(msg: str) -> None:
-  print(msg, flush=True)
+  """Progress on stdout, from process 0 only (every process runs the same loop)."""
+  if jax.process_index() == 0:
+    print(msg, flush=True)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -239,7 +242,17 @@ def train(
   os.makedirs(workdir, exist_ok=True)
   hostmem.keep_freed_memory()  # reuse per-step temporaries instead of page-faulting them in
   tcfg = config.train
-  task = load_task(config)
+  if jax.process_count() > 1:
+    # Process 0 builds shared caches (Criteo conversion, synthetic data) first; the others
+    # then open them.
+    if distributed.is_main():
+      task = load_task(config)
+    multihost_utils.sync_global_devices("recgnn: data ready")
+    if not distributed.is_main():
+      task = load_task(config)
+    log(f"{distributed.describe()}: {jax.process_count()} processes")
+  else:
+    task = load_task(config)
   log(task.describe())
   specs = task.tables()
   mesh = sharding.mesh_from_config(config.get("mesh", {}))
@@ -294,10 +307,13 @@ def train(
     final_splits if end == total else (),
   )
   feed = InputThread(stream, plan, feeder, depth=base.PREFETCH, task=task)
-  writer = _summary_writer(workdir)
-  metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115 (closed below)
+  main = distributed.is_main()  # only process 0 writes metrics, TensorBoard, results
+  writer = _summary_writer(workdir) if main else None
+  metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a") if main else None  # noqa: SIM115
 
   def write_scalars(step: int, scalars: dict[str, float]):
+    if metrics_file is None:
+      return
     metrics_file.write(json.dumps({"step": step, **scalars}) + "\n")
     metrics_file.flush()
     if writer is not None:
@@ -380,7 +396,8 @@ def train(
     if step > start or interrupted:
       ckpt.save(state, step, plan)
     ckpt.close()
-    metrics_file.close()
+    if metrics_file is not None:
+      metrics_file.close()
     if writer is not None:
       writer.close()
 
@@ -388,8 +405,9 @@ def train(
   results["input_thread_seconds"] = feed.busy_seconds
   if step == total:
     results.update(task.final_report(results))
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-      json.dump(results, f, indent=2, sort_keys=True)
+    if main:
+      with open(os.path.join(workdir, "results.json"), "w") as f:
+        json.dump(results, f, indent=2, sort_keys=True)
   return Result(metrics=results, state=state, plan=plan)
 
 

@@ -20,6 +20,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from recgnn import sharding
@@ -176,11 +177,12 @@ def init_state(
   }
   params = task.init_params(k_params, device_batch(example_batch), zeros)
   repl = jax.sharding.NamedSharding(plan.mesh, sharding.REPLICATED)
-  params = jax.device_put(params, repl)
+  # sharding.put: with many processes each places its own devices' copies.
+  params = sharding.put(jax.device_get(params), repl)
   return TrainState(
-    step=jax.device_put(jnp.zeros((), jnp.int32), repl),
+    step=sharding.put(np.zeros((), np.int32), repl),
     params=params,
-    opt_state=jax.device_put(tx.init(params), repl),
+    opt_state=sharding.put(jax.device_get(tx.init(params)), repl),
     emb=emb,
-    key=jax.device_put(k_run, repl),
+    key=jax.random.wrap_key_data(sharding.put(jax.random.key_data(k_run), repl)),
   )
