@@ -3,11 +3,13 @@
 With --xla_force_host_platform_device_count=N every simulated device runs its share of a
 step on the same few cores, and a collective waits for all N. XLA:CPU aborts the process
 when one participant is 40 s late (measured here: an 8-device DLRM step on 2 busy cores),
-so for simulated devices the limits are raised unless the user set them. And each device's
-share of a step runs single-threaded: with Eigen's multi-threading on, the 8 devices' matmuls
-compete for one intra-op pool while 7 of them block in a collective, and a run was seen to
-hang at its first all-gather (the 8th participant never arrived); the devices themselves are
-the parallelism.
+so for simulated devices the limits are raised unless the user set them.
+
+And simulated devices run with jax's CPU async dispatch off (JAX_CPU_ENABLE_ASYNC_DISPATCH,
+unless set): with it on, `dlrm_kaggle` on 8 simulated devices hung at its first all-gather
+in 3 of 3 runs here (gdb: 5 devices' threads inside the all-gather, 3 launches blocked on
+PjRt's per-device in-flight semaphore in CpuPjRtRawLoadedExecutable::Execute; the same with
+2 processes x 4 devices); with it off the same run trained to the end.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ _SIMULATED = "--xla_force_host_platform_device_count"
 _TIMEOUTS = {
   "--xla_cpu_collective_call_terminate_timeout_seconds": "1800",
   "--xla_cpu_collective_call_warn_stuck_timeout_seconds": "300",
-  "--xla_cpu_multi_thread_eigen": "false",
 }
 
 
@@ -30,3 +31,4 @@ def relax_simulated_device_timeouts() -> None:
   extra = [f"{k}={v}" for k, v in _TIMEOUTS.items() if k not in flags]
   if extra:
     os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+  os.environ.setdefault("JAX_CPU_ENABLE_ASYNC_DISPATCH", "false")
