@@ -198,11 +198,13 @@ def test_lookups_equal_reconstruction_every_step_and_kernels_agree(opt):
   "text", ["tt(rank=4)", "tt(rank=4, kernel=naive, cache_rows=40, cache_warmup=2)"]
 )
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
-def test_on_8x1_mesh_equals_its_reconstruction_and_one_device(text, opt):
-  """On a mesh TT is replicated and the batch split over the devices: at every step (an eval
-  batch included) lookups equal its own dense reconstruction, and the run equals one device's."""
+@pytest.mark.parametrize("mesh_shape", [(8, 1), (2, 4)], ids=lambda m: f"{m[0]}x{m[1]}")
+def test_on_a_mesh_equals_its_reconstruction_and_one_device(text, opt, mesh_shape):
+  """On a mesh (8x1, 2x4) TT is replicated and the batch split over the devices: at every
+  step (an eval batch included) lookups equal its own dense reconstruction, and the run equals
+  one device's."""
   batches = _batches()
-  got = _drive(text, _spec(opt), batches, eval_at=(3,), mesh=sharding.make_mesh(8, 1))
+  got = _drive(text, _spec(opt), batches, eval_at=(3,), mesh=sharding.make_mesh(*mesh_shape))
   for x in jax.tree.leaves(got.state):
     assert x.sharding.is_fully_replicated and len(x.sharding.device_set) == 8
   one = _drive(text, _spec(opt), batches, eval_at=(3,))
