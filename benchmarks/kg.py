@@ -44,6 +44,9 @@ _EPOCHS = flags.DEFINE_float("epochs", 0, "kge section: epochs (0 = the experime
 _EVAL_EVERY = flags.DEFINE_integer("eval_every_epochs", 5, "kge section: valid eval period")
 _RGCN_EPOCHS = flags.DEFINE_float("rgcn_epochs", 4, "rgcn section: epochs of each run")
 _PARTS = flags.DEFINE_integer("parts", 4, "rgcn section: partitions")
+_KGE_RESUME = flags.DEFINE_string(
+  "kge_resume", "", "kge: continue this finished run's workdir to --epochs (results add up)"
+)
 _KGE_WORKDIR = flags.DEFINE_string("kge_workdir", "", "kge_rescan: the finished run's workdir")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/recgnn_kg_bench", "scratch for the runs")
 
@@ -127,14 +130,22 @@ def run_kge():
   decoder = _DECODER.value
   cfg = kge_fb15k237.get_config(decoder)
   if _EPOCHS.value:
-    cfg.train.epochs = _EPOCHS.value
+    e = _EPOCHS.value
+    cfg.train.epochs = int(e) if float(e).is_integer() else e
   task = lp.LinkPrediction(cfg)
   spe = task.steps_per_epoch()
   cfg.train.eval_every = int(spe * _EVAL_EVERY.value)
   workdir = os.path.join(_WORKDIR.value, f"kge_{decoder}_{int(time.time())}")
+  earlier = 0.0
+  if _KGE_RESUME.value:
+    # Continue a finished run to more epochs (the trainer's resume reproduces an uninterrupted
+    # run exactly; tests/test_trainer.py): its wall time so far is in the previous results.
+    workdir = _KGE_RESUME.value
+    with open(os.path.join(RESULTS, f"kg_kge_{decoder}.json")) as f:
+      earlier = json.load(f)["train_wall_seconds_incl_evals"]
   t0 = time.perf_counter()
-  result = loop.train(cfg, workdir)
-  wall = time.perf_counter() - t0
+  result = loop.train(cfg, workdir, resume=bool(_KGE_RESUME.value))
+  wall = earlier + time.perf_counter() - t0
   m = result.metrics
   edges_per_epoch = len(task.train_triples)
   steps = int(m["step"])

@@ -230,11 +230,16 @@ def _rgcn_config(path, parts, layers=2, **over):
   return c
 
 
-@pytest.mark.parametrize("method,layers", [("metis", 1), ("metis", 2), ("random", 2)])
-def test_partitions_are_self_sufficient(tmp_path, method, layers):
+@pytest.mark.parametrize(
+  "method,layers,scoring",
+  [("metis", 1, "sampled"), ("metis", 2, "1vsall"), ("random", 2, "sampled")],
+)
+def test_partitions_are_self_sufficient(tmp_path, method, layers, scoring):
   if method == "metis":
     pytest.importorskip("pymetis")
-  cfg = _rgcn_config(_small_kg(tmp_path, n_ent=60), 3, layers, **{"partition.method": method})
+  over = {"partition.method": method, "train.scoring": scoring}
+  over["negatives.shared"] = scoring == "sampled"
+  cfg = _rgcn_config(_small_kg(tmp_path, n_ent=60), 3, layers, **over)
   task = lp.LinkPrediction(cfg)
   g = task.kg
   N = g.num_entities
@@ -274,7 +279,10 @@ def test_partitions_are_self_sufficient(tmp_path, method, layers):
     n = int(b["weight"].sum())
     for key in ("h", "t"):
       assert (b[key][:n] < p.num_core).all()
-    assert (b["neg"] < p.num_core).all()
+    if scoring == "sampled":
+      assert (b["neg"] < p.num_core).all()
+    else:  # 1-vs-all over the partition: the candidates are exactly the core rows
+      np.testing.assert_array_equal(np.flatnonzero(b["cand_mask"]), np.arange(p.num_core))
     assert (b["src"] < len(p.nodes)).all() and (b["dst"] < len(p.nodes)).all()
     # (3) Its gradient: the loss on these rows touches no padded / outside row.
     rows = jnp.asarray(np.where(ids[:, None] >= 0, x[np.maximum(ids, 0)], 0.0))
