@@ -36,9 +36,12 @@ Writes benchmarks/results/<name>.{json,md} (--name, default tt). The committed r
   tt_train_step_cache  python benchmarks/tt.py --sections=train_step --ranks=32 --step_batches=8
                     --reps=5 --name=tt_train_step_cache
                     --step_variants='cache_rows=2000,cache_warmup=2;cache_rows=10000,cache_warmup=2'
-  tt_quality_real  python benchmarks/tt.py --sections=quality --real_sizes --data_rows=N \
-                    --quality_steps=S --seeds=... --name=tt_quality_real  (values: its JSON)
-  tt_nimble       python benchmarks/tt.py --sections=nimble --name=tt_nimble
+  tt_quality_real  python benchmarks/tt.py --sections=quality --real_sizes --seeds=0,1,2 \
+                    --quality_steps=837 --name=tt_quality_real   (4M rows: half an epoch)
+  tt_nimble       python benchmarks/tt.py --sections=nimble --seeds=0 --name=tt_nimble
+  tt_nimble_3seeds  python benchmarks/tt.py --sections=nimble --seeds=0,1,2 \
+                    --nimble_variants='table=dense,order=none;order=partition;order=random' \
+                    --name=tt_nimble_3seeds
   tt_nimble_cora  python benchmarks/tt.py --sections=nimble --nimble_experiment=sage_tt_cora \
                     --seeds=0,1,2 --name=tt_nimble_cora
   tt_nimble_step  python benchmarks/tt.py --sections=nimble_step --step_batches=16 --reps=5 \
