@@ -72,20 +72,19 @@ def _write(name: str, payload: dict, md: str):
 
 
 def _curve(workdir: str, steps_per_epoch: int, seconds_per_step: float) -> list[dict]:
-  """(epoch, seconds, valid mrr) from the trainer's metrics.jsonl."""
-  out = []
+  """(epoch, seconds, valid mrr) from the trainer's metrics.jsonl (the last record of a
+  step: a resumed run's final eval may repeat one)."""
+  out = {}
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     for line in f:
       rec = json.loads(line)
       if "valid/mrr" in rec:
-        out.append(
-          {
-            "epoch": rec["step"] / steps_per_epoch,
-            "seconds": rec["step"] * seconds_per_step,
-            "valid_mrr": rec["valid/mrr"],
-          }
-        )
-  return out
+        out[rec["step"]] = {
+          "epoch": rec["step"] / steps_per_epoch,
+          "seconds": rec["step"] * seconds_per_step,
+          "valid_mrr": rec["valid/mrr"],
+        }
+  return [out[k] for k in sorted(out)]
 
 
 def _step_seconds(workdir: str, task) -> float:
@@ -142,7 +141,8 @@ def run_kge():
     # run exactly; tests/test_trainer.py): its wall time so far is in the previous results.
     workdir = _KGE_RESUME.value
     with open(os.path.join(RESULTS, f"kg_kge_{decoder}.json")) as f:
-      earlier = json.load(f)["train_wall_seconds_incl_evals"]
+      prev = json.load(f)
+    earlier = prev.get("wall_seconds_before_resume") or prev["train_wall_seconds_incl_evals"]
   t0 = time.perf_counter()
   result = loop.train(cfg, workdir, resume=bool(_KGE_RESUME.value))
   wall = earlier + time.perf_counter() - t0
@@ -167,6 +167,8 @@ def run_kge():
     "epochs": epochs,
     "steps": steps,
     "train_wall_seconds_incl_evals": wall,
+    "wall_seconds_before_resume": earlier,
+    "wall_seconds_this_call": wall - earlier,
     "train_seconds_est": steps * step_s,
     "edges_per_second": edges_per_epoch / (spe * step_s),
     "test": {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("test/")},
@@ -189,8 +191,15 @@ def _kge_md(payload: dict, cfg, task) -> str:
     "| MRR | Hits@1 | Hits@3 | Hits@10 | epochs | train time | edges/s | full test eval |\n"
     "|---|---|---|---|---|---|---|---|\n"
     f"| {t['mrr']:.4f} | {t['hits@1']:.4f} | {t['hits@3']:.4f} | {t['hits@10']:.4f} | "
-    f"{epochs:.1f} | {payload['train_wall_seconds_incl_evals'] / 60:.1f} min wall (incl. "
-    f"{len(curve)} valid evals; {payload['train_seconds_est'] / 60:.1f} min of steps) | "
+    f"{epochs:.1f} | {payload['train_seconds_est'] / 60:.1f} min of steps at the steady-state "
+    "rate"
+    + (
+      f" (resumed run: {payload['wall_seconds_before_resume'] / 60:.1f} min wall incl. evals "
+      "before the resume)"
+      if payload.get("wall_seconds_before_resume")
+      else f" ({payload['train_wall_seconds_incl_evals'] / 60:.1f} min wall incl. evals)"
+    )
+    + " | "
     f"{payload['edges_per_second']:,.0f} | {payload['test_eval_seconds']:.1f} s "
     f"({payload['test_eval_queries']:,} queries x {task.kg.num_entities:,} entities) |\n\n"
     f"dim {cfg.embeddings.dim}, 1-vs-all over grouped queries ({cfg.batch_size} per step), "
@@ -199,7 +208,7 @@ def _kge_md(payload: dict, cfg, task) -> str:
     f"{cfg.embeddings.optimizer.name} lr {cfg.embeddings.optimizer.learning_rate}; relations "
     f"{cfg.optimizer.name} lr {cfg.optimizer.learning_rate}. Published (LibKGE, tuned): "
     "DistMult 0.343, ComplEx 0.348. Machine: 2-core CPU shared with other jobs (load at "
-    f"start {payload['machine']['load_avg_1m_at_start']:.1f}).\n\n"
+    f"start {payload.get('machine', _machine())['load_avg_1m_at_start']:.1f}).\n\n"
     "Valid MRR during training: "
     + ", ".join(f"epoch {c['epoch']:.0f}: {c['valid_mrr']:.4f}" for c in curve)
     + "\n"

@@ -419,3 +419,29 @@ def test_experiments_and_errors():
     lp.LinkPrediction(c)
   with pytest.raises(FileNotFoundError, match="train.txt"):
     kg_lib.load("/nonexistent/kg")
+
+
+def _train_tables(path, plan, workdir, **over):
+  from recgnn.train import loop
+
+  cfg = _config(path, "complex", **over)
+  cfg.embeddings.plan = [(".*", plan)]
+  cfg.train.epochs = 0
+  cfg.train.steps = 6
+  cfg.train.eval_every = 0
+  cfg.train.final_eval_splits = ()
+  cfg.train.log_every = 6
+  result = loop.train(cfg, workdir)
+  return _tables(result, result.state)
+
+
+def test_entity_table_through_offload_and_tt(tmp_path):
+  """The entity table goes through the plan like any table: `offload` (a cache smaller than
+  the table, rows evicted and written back) trains bit-identically to `dense`; `tt` trains."""
+  path = _small_kg(tmp_path / "kg", n_ent=300) if os.makedirs(tmp_path / "kg") is None else None
+  over = {"train.scoring": "sampled", "train.group_queries": False, "negatives.num": 5}
+  dense = _train_tables(path, "dense", str(tmp_path / "d"), **over)
+  offload = _train_tables(path, "offload(cache_rows=150)", str(tmp_path / "o"), **over)
+  np.testing.assert_array_equal(offload[:300], dense[:300])
+  tt = _train_tables(path, "tt(rank=4)", str(tmp_path / "t"), **over)
+  assert np.isfinite(tt).all() and tt.shape[1] == 8
