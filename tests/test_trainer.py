@@ -285,3 +285,22 @@ def test_resume_into_an_incompatible_backend_is_refused(cache_dir, tmp_path):
              stop_after=2)  # fmt: skip
   with pytest.raises(checkpoint.IncompatibleCheckpoint, match=r"'C16' was saved by 'tt"):
     loop.train(_on_mesh(config, 1, 1), wd, resume=True)
+
+
+def test_task_artifacts_saved_and_checked_on_resume(cache_dir, tmp_path, monkeypatch):
+  """Task.artifacts (e.g. a node permutation) is saved beside the checkpoints; resuming with
+  different artifacts is refused."""
+  from recgnn.tasks import ctr
+  from recgnn.train import checkpoint
+
+  perm = np.arange(10)[::-1].copy()
+  monkeypatch.setattr(ctr.CTR, "artifacts", lambda self: {"perm": perm})
+  config = _config(cache_dir, checkpoint_every=0)
+  wd = str(tmp_path / "wd")
+  loop.train(config, wd, stop_after=2)
+  with np.load(os.path.join(wd, "checkpoints", "artifacts.npz")) as saved:
+    np.testing.assert_array_equal(saved["perm"], perm)
+  loop.train(config, wd, resume=True, stop_after=1)  # same artifacts: fine
+  monkeypatch.setattr(ctr.CTR, "artifacts", lambda self: {"perm": perm[::-1].copy()})
+  with pytest.raises(checkpoint.IncompatibleCheckpoint, match="artifact 'perm' differs"):
+    loop.train(config, wd, resume=True)

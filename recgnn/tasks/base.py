@@ -83,6 +83,12 @@ class Task(abc.ABC):
   #: subgraph per step), and the embeddings are looked up on every device.
   shard_batch: bool = True
 
+  def artifacts(self) -> dict[str, np.ndarray]:
+    """Arrays a run's results depend on beyond the config (e.g. the node permutation of a
+    relabelled graph): the trainer saves them beside the checkpoints (artifacts.npz) and
+    refuses to resume a run whose artifacts differ."""
+    return {}
+
   def steps_per_epoch(self) -> int | None:
     """Train steps of one pass over the train split (for `train.epochs`), None if unknown."""
     return None

@@ -252,6 +252,13 @@ class NodeClassification(base.Task):
       )
     ]
 
+  def artifacts(self):
+    """The node permutation of a relabelled graph (node j is the dataset's node perm[j]),
+    saved beside the checkpoints so predictions map back to the original ids."""
+    if self.graph.original_ids is None:
+      return {}
+    return {"node_permutation": self.graph.original_ids}
+
   def describe(self) -> str:
     lines = [self.graph.describe()]
     if "node_order_file" in self.load_info:

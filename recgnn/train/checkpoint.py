@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -133,6 +134,27 @@ class Checkpointer:
     return state.replace(
       step=t["step"], params=t["params"], opt_state=t["opt_state"], key=t["key"], emb=emb
     )
+
+  def check_artifacts(self, arrays: dict, resume: bool) -> None:
+    """Save the task's artifacts beside the checkpoints (process 0); on resume, refuse
+    artifacts that differ from the saved ones (the checkpoint would mean something else)."""
+    if not arrays:
+      return
+    path = os.path.join(self.directory, "artifacts.npz")
+    if resume and os.path.exists(path):
+      with np.load(path) as saved:
+        for k, v in arrays.items():
+          if k not in saved or saved[k].shape != np.shape(v) or not np.array_equal(saved[k], v):
+            raise IncompatibleCheckpoint(
+              f"{path}: artifact {k!r} differs from this run's (e.g. another node order or "
+              "graph): resuming would mix two runs. Use a fresh --workdir."
+            )
+      return
+    if jax.process_index() == 0:
+      os.makedirs(self.directory, exist_ok=True)
+      tmp = path + ".tmp.npz"
+      np.savez(tmp, **{k: np.asarray(v) for k, v in arrays.items()})
+      os.replace(tmp, path)  # never half-written
 
   def close(self):
     self.manager.wait_until_finished()

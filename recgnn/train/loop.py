@@ -277,6 +277,7 @@ def train(
 
   ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=tcfg.get("keep_checkpoints", 2))
   start = 0
+  ckpt.check_artifacts(task.artifacts(), resume and ckpt.latest_step() is not None)
   if resume and ckpt.latest_step() is not None:
     meta = ckpt.metadata()
     state = ckpt.restore(state, plan)
