@@ -200,12 +200,19 @@ def test_budget_refuses_replicated_then_row_sharded_fits(cache_dir, tmp_path):
   config = _config(cache_dir, steps=4, checkpoint_every=0)
   replicated = _on_mesh(config, 8, 1)
   task = loop.load_task(replicated)
-  total = sum(s.table_bytes for s in task.tables())
-  budget = total // 2
+  rows_plan = ((".*", "dense(shard=rows)"),)
+
+  def per_device(data, model, plan):
+    mesh = sharding.make_mesh(data, model)
+    return base.check_memory(base.resolve_plan(plan, task.tables(), mesh, log=False), None)
+
+  full, split = per_device(8, 1, ((".*", "dense"),)), per_device(1, 8, rows_plan)
+  assert split < full / 4  # (tiny tables pad to base.ROW_ALIGN rows, hence not full / 8)
+  budget = (full + split) // 2
   with pytest.raises(base.PlanDoesNotFit, match=r"per device on mesh 8x1.*budget is"):
     loop.train(replicated, str(tmp_path / "a"), device_memory_budget=budget)
   assert not os.path.exists(tmp_path / "a" / "checkpoints" / "0")
-  sharded = _on_mesh(config, 1, 8, plan=((".*", "dense(shard=rows)"),))
+  sharded = _on_mesh(config, 1, 8, plan=rows_plan)
   res = loop.train(sharded, str(tmp_path / "b"), device_memory_budget=budget)
   assert res.metrics["step"] == 4 and np.isfinite(res.metrics["test/auc"])
   big = max(task.tables(), key=lambda s: s.num_rows).name
