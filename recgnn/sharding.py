@@ -76,6 +76,8 @@ def put(tree, shardings):
   placed as asked are returned as they are."""
 
   def one(x, s):
+    if isinstance(x, jax.core.Tracer):  # under jit / eval_shape: a sharding constraint
+      return jax.device_put(x, s)
     if isinstance(x, jax.Array) and x.sharding == s:
       return x
     if s.is_fully_addressable:
