@@ -58,7 +58,7 @@ def get_config(arg=None):
 
   c.negatives = ml_collections.ConfigDict({"kind": "uniform", "num": 256, "shared": False})
   c.partition = ml_collections.ConfigDict(
-    {"num_parts": 0, "method": "metis", "pad": "none", "only": -1}
+    {"num_parts": 0, "method": "metis", "pad": "none", "only": -1, "candidates": "all"}
   )
   c.batch_size = 256  # queries per step (about 930 triples)
   c.eval = ml_collections.ConfigDict({"batch_size": 2048})

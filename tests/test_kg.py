@@ -281,8 +281,8 @@ def test_partitions_are_self_sufficient(tmp_path, method, layers, scoring):
       assert (b[key][:n] < p.num_core).all()
     if scoring == "sampled":
       assert (b["neg"] < p.num_core).all()
-    else:  # 1-vs-all over the partition: the candidates are exactly the core rows
-      np.testing.assert_array_equal(np.flatnonzero(b["cand_mask"]), np.arange(p.num_core))
+    else:  # 1-vs-all over the partition: the candidates are exactly its rows
+      np.testing.assert_array_equal(np.flatnonzero(b["cand_mask"]), np.arange(len(p.nodes)))
     assert (b["src"] < len(p.nodes)).all() and (b["dst"] < len(p.nodes)).all()
     # (3) Its gradient: the loss on these rows touches no padded / outside row.
     rows = jnp.asarray(np.where(ids[:, None] >= 0, x[np.maximum(ids, 0)], 0.0))

@@ -27,6 +27,7 @@ Config (see experiments/kge_fb15k237.py, rgcn_fb15k237*.py):
   partition.pad         none: each partition's batches have its own row / edge counts (one
                         compiled step per partition) | max: every partition padded to the
                         largest (one compiled step, the largest partition's cost every step)
+  partition.candidates  1vsall on a partition: all (core + halo rows) | core
   partition.only        -1 = train every partition; p = train partition p alone (one worker
                         of a partition-parallel run; tests)
   embeddings.dim / optimizer / initializer / plan: the entity table `entity`
@@ -416,7 +417,14 @@ class LinkPrediction(base.Task):
     cap = self.max_edges if pad == "max" else len(part.edges)
     batch.update(self._graph_leaves(part.edges, norm, cap))
     if self.scoring == "1vsall":
-      batch["cand_mask"] = (np.arange(rows) < part.num_core).astype(np.float32)
+      # Candidates: every row of the partition (core + halo: the halo rows' encodings are
+      # partial, but they are the partition's own), or its core only.
+      n = (
+        part.num_core
+        if self.config.partition.get("candidates", "all") == "core"
+        else len(part.nodes)
+      )
+      batch["cand_mask"] = (np.arange(rows) < n).astype(np.float32)
     return batch
 
   def _partition_batches(self, start_step: int):
