@@ -174,8 +174,10 @@ def plot(payload: dict, path: pathlib.Path) -> None:
   ax.set_xlabel("mesh (data x model)")
   ax.set_ylabel("KiB per device per step")
   ax.set_title(
-    f"Collective bytes per train step (from HLO; {payload['args']['tables']} tables, "
-    f"batch {payload['args']['batch']}; the same at every table size)"
+    f"Collective bytes per train step, from the HLO ({payload['args']['tables']} tables, "
+    f"batch {payload['args']['batch']})\nthe same at every table size: "
+    + ", ".join(f"{r:,} rows" for r in payload["args"]["rows"]),
+    fontsize=10,
   )
   ax.legend(fontsize=8)
   fig.tight_layout()
