@@ -189,7 +189,8 @@ def profile_pieces(rec: Recgnn, args) -> dict:
   """Times recgnn's step and its pieces, each jitted alone, on the same device batches.
 
   Pieces (forward + backward + SGD where they train something):
-    full_step       the train step
+    full_step       the train step (the trainer's: packed inputs, sliced inside the step)
+    unpacked_step   the same step over unpacked, already placed inputs
     dense_part      the DLRM given pooled embeddings: value_and_grad w.r.t. params and
                     embeddings + optax (no lookups or table updates)
     bottom_mlp      13-512-256-64-16 forward + backward + SGD
@@ -277,6 +278,11 @@ def profile_pieces(rec: Recgnn, args) -> dict:
   runners = {}
   steps = {}
   runners["full_step"] = rec.runner()
+  # The same step over unpacked, already-placed inputs: what the packing (one transfer per
+  # batch, sliced apart inside the step by a shard_map) costs or saves.
+  runners["unpacked_step"] = sparse_update.jitted_runner(
+    lambda s, inp: rec.train_step(s, *inp)[0], rec.init_state(), rec.inputs
+  )
   runners["dense_part"] = sparse_update.jitted_runner(
     lambda s, inp: dense_part(s[:2], inp)[:2], (params, rec.tx.init(params)), [(batch0, pooled0)]
   )
