@@ -326,8 +326,8 @@ def train(
   eval_outputs: list = []
   t_eval = 0.0
   step = start
-  t_last, step_last = time.perf_counter(), start
-  batch_size = None
+  t_last = time.perf_counter()
+  examples = 0  # train examples since the last log (batches may vary in size)
   profiling = False
   interrupted = False
   try:
@@ -344,8 +344,7 @@ def train(
             state, m = train_step(state, *item.prepared)
           pending.append(m)
           step += 1
-          if batch_size is None:
-            batch_size = int(item.batch_size)
+          examples += int(item.batch_size)
           if profiling and step >= profile_steps[1]:
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
@@ -359,14 +358,15 @@ def train(
             pending = []
             now = time.perf_counter()
             scalars = {k: float(np.mean([h[k] for h in host])) for k in host[0]}
-            rate = (step - step_last) * batch_size / max(now - t_last, 1e-9)
+            rate = examples / max(now - t_last, 1e-9)
+            examples = 0
             scalars["samples_per_second"] = rate
             for g in plan.groups.values():
               scalars.update(g.stats())
             write_scalars(step, scalars)
             unit = task.example_unit
             log(f"step {step:>7}/{total}  loss {scalars['loss']:.5f}  {rate:,.0f} {unit}/s")
-            t_last, step_last = now, step
+            t_last = now
           if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < end:
             t0 = time.perf_counter()
             state = _sync_all(plan, state)
