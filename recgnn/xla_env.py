@@ -24,7 +24,8 @@ _TIMEOUTS = {
 
 
 def relax_simulated_device_timeouts() -> None:
-  """Append generous collective timeouts to XLA_FLAGS when devices are simulated."""
+  """When devices are simulated: generous collective timeouts in XLA_FLAGS, and jax's CPU
+  async dispatch off (unless the user set JAX_CPU_ENABLE_ASYNC_DISPATCH)."""
   flags = os.environ.get("XLA_FLAGS", "")
   if _SIMULATED not in flags:
     return

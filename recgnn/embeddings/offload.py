@@ -784,16 +784,7 @@ class Offload(base.TableBackend):
   def restore(self, state):
     """Reset host bookkeeping to a restored state's cache (history of LRU/LFU is lost)."""
     self._check_stale(state)
-    if self.offloaded:
-      # Orbax (0.11, jax 0.10) restores host arrays whose sharding says pinned_host but whose
-      # type is in device memory, which compute_on rejects: re-place them (once, O(N)).
-      host = {
-        k: v
-        if jax.typeof(v).memory_space == jax.memory.Space.Host
-        else jax.device_put(np.asarray(v), v.sharding)
-        for k, v in state["host"].items()
-      }
-      state = {**state, "host": host}
+    state = {**state, "host": self._placed_host(state["host"], self.state_sharding()["host"])}
     sh = jax.tree.map(lambda x: x.sharding, state)
     self._host_sharding, self._dev_sharding = sh["host"]["table"], sh["cache"]["table"]
     self._planner = Planner.from_slots(
