@@ -1,13 +1,53 @@
-"""Matrix-based bulk samplers: validity, shapes, the product formulation, distributions."""
+"""Matrix-based bulk samplers: validity, shapes, the product formulation, distributions.
+
+Tests parametrized over `where` run the same checks on the host samplers (numpy / scipy)
+and on the device samplers (jitted JAX, recgnn/graphs/device_sampling.py): the device
+samplers must pass the host samplers' distribution tests and sample only neighbours.
+"""
 
 import itertools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.sparse as sp
 from scipy import stats
 
-from recgnn.graphs import sampling, store, synthetic
+from recgnn import sharding
+from recgnn.graphs import device_sampling, sampling, store, synthetic
+
+WHERE = ("host", "device")
+
+
+def node_sampler(where, adj, **kw):
+  cls = sampling.NeighborSampler if where == "host" else device_sampling.DeviceNeighborSampler
+  return cls(adj, **kw)
+
+
+def ladies_sampler(where, adj, **kw):
+  cls = sampling.LadiesSampler if where == "host" else device_sampling.DeviceLadiesSampler
+  return cls(adj, **kw)
+
+
+def draw_offsets(where, deg, fanout, rng):
+  """(offsets int[R, fanout], mask) from the host or the device kernel."""
+  if where == "host":
+    return sampling.draw_offsets(deg, fanout, rng)
+  u = jax.random.uniform(device_sampling.key_from(rng), (deg.size, fanout))
+  off, mask = device_sampling.draw_offsets(jnp.asarray(deg, jnp.int32), fanout, u)
+  return np.asarray(off), np.asarray(mask)
+
+
+def weighted_draw(where, prob, s, rng):
+  """(rows, cols) of s weighted draws per row of the CSR `prob`, host or device."""
+  if where == "host":
+    return sampling.weighted_draw(prob, s, rng)
+  dense = jnp.asarray(prob.toarray(), jnp.float32)
+  cols, valid = device_sampling.weighted_draw(dense, s, device_sampling.key_from(rng))
+  cols, valid = np.asarray(cols), np.asarray(valid)
+  rows = np.broadcast_to(np.arange(cols.shape[0])[:, None], cols.shape)
+  return rows[valid], cols[valid]
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +94,10 @@ def check_node_blocks(adj, sampler, blocks, seeds):
     assert blocks.num_edges[b].tolist() == [lay["mask"][b].sum() for lay in blocks.layers]
 
 
-def test_node_sampler_blocks_are_valid(graph):
+@pytest.mark.parametrize("where", WHERE)
+def test_node_sampler_blocks_are_valid(graph, where):
   rng = np.random.default_rng(0)
-  s = sampling.NeighborSampler(graph.adj, fanouts=[6, 3, 2], batch_size=50)
+  s = node_sampler(where, graph.adj, fanouts=[6, 3, 2], batch_size=50)
   seeds = rng.permutation(graph.num_nodes)[:150].reshape(3, 50)
   seeds[2, 40:] = -1  # a last, partial batch
   blocks = s.sample(seeds, rng)
@@ -65,15 +106,16 @@ def test_node_sampler_blocks_are_valid(graph):
   check_node_blocks(graph.adj, s, blocks, seeds)
 
 
-def test_capacities_drop_and_count(graph):
+@pytest.mark.parametrize("where", WHERE)
+def test_capacities_drop_and_count(graph, where):
   rng = np.random.default_rng(1)
   seeds = rng.permutation(graph.num_nodes)[:128].reshape(2, 64)
-  full = sampling.NeighborSampler(graph.adj, fanouts=[8, 4], batch_size=64)
+  full = node_sampler(where, graph.adj, fanouts=[8, 4], batch_size=64)
   caps = sampling.estimate_capacities(full, seeds, np.random.default_rng(2), margin=1.2)
   assert caps[0] < full.sizes[1] and caps[1] < full.sizes[2]
-  roomy = sampling.NeighborSampler(graph.adj, fanouts=[8, 4], batch_size=64, capacities=caps)
+  roomy = node_sampler(where, graph.adj, fanouts=[8, 4], batch_size=64, capacities=caps)
   check_node_blocks(graph.adj, roomy, roomy.sample(seeds, rng), seeds)
-  tight = sampling.NeighborSampler(graph.adj, fanouts=[8, 4], batch_size=64, capacities=[100, 150])
+  tight = node_sampler(where, graph.adj, fanouts=[8, 4], batch_size=64, capacities=[100, 150])
   blocks = tight.sample(seeds, rng)
   assert tight.sizes == (64, 100, 150) and blocks.dropped > 0
   check_node_blocks(graph.adj, tight, blocks, seeds)
@@ -95,8 +137,9 @@ def test_materialized_product_gives_the_same_sample(graph):
   assert (p != graph.adj[rows]).nnz == 0
 
 
-def test_fanout_all_takes_every_neighbour(graph):
-  s = sampling.NeighborSampler(graph.adj, fanouts=[-1], batch_size=10)
+@pytest.mark.parametrize("where", WHERE)
+def test_fanout_all_takes_every_neighbour(graph, where):
+  s = node_sampler(where, graph.adj, fanouts=[-1], batch_size=10)
   seeds = np.arange(10)[None]
   blocks = s.sample(seeds, np.random.default_rng(0))
   got = blocks.nodes[0][blocks.layers[0]["nbr"][0]]
@@ -107,7 +150,7 @@ def test_fanout_all_takes_every_neighbour(graph):
     )
   hub = star(5000)
   with pytest.raises(ValueError, match="finite fanout"):
-    sampling.NeighborSampler(hub, fanouts=[-1], batch_size=1)
+    node_sampler(where, hub, fanouts=[-1], batch_size=1)
 
 
 def uniform_subsets_pvalue(draw_subsets, degree: int, fanout: int) -> float:
@@ -118,11 +161,17 @@ def uniform_subsets_pvalue(draw_subsets, degree: int, fanout: int) -> float:
   return stats.chisquare(counts).pvalue
 
 
-def test_draw_offsets_is_uniform_over_subsets():
+@pytest.mark.parametrize("where", WHERE)
+def test_draw_offsets_is_uniform_over_subsets(where):
   deg, f, n = 6, 3, 20_000  # 20 subsets, 1000 expected each
   rng = np.random.default_rng(11)
-  draws = lambda: sampling.draw_offsets(np.full(n, deg), f, rng)[0]
+  draws = lambda: draw_offsets(where, np.full(n, deg), f, rng)[0]
   assert uniform_subsets_pvalue(draws, deg, f) > 1e-3
+  # A high degree: each offset is included with probability f / deg.
+  big, f2 = 1000, 7
+  picks = draw_offsets(where, np.full(n, big), f2, rng)[0]
+  assert all(np.unique(r).size == f2 for r in picks[:200])
+  assert stats.chisquare(np.bincount(picks.ravel(), minlength=big)).pvalue > 1e-3
   # The same test has power: distinct subsets from weighted keys (neighbours 0 and 1 a
   # little likelier) are rejected.
   weights = np.array([1.3, 1.3, 1, 1, 1, 1])
@@ -130,11 +179,12 @@ def test_draw_offsets_is_uniform_over_subsets():
   assert uniform_subsets_pvalue(biased_distinct, deg, f) < 1e-6
 
 
-def test_node_sampler_is_uniform_over_neighbours():
+@pytest.mark.parametrize("where", WHERE)
+def test_node_sampler_is_uniform_over_neighbours(where):
   """Through the whole sampler: a degree-40 node, fanout 5, many rows in one bulk product."""
   deg, f = 40, 5
   adj = star(deg)
-  s = sampling.NeighborSampler(adj, fanouts=[f], batch_size=500)
+  s = node_sampler(where, adj, fanouts=[f], batch_size=500)
   blocks = s.sample(np.zeros((8, 500), np.int64), np.random.default_rng(4))
   counts = np.zeros(deg + 1)
   for b in range(blocks.k):
@@ -146,41 +196,46 @@ def test_node_sampler_is_uniform_over_neighbours():
   assert stats.chisquare(counts[1:]).pvalue > 1e-3
 
 
-def test_ladies_probabilities_are_column_norms(graph):
-  s = sampling.LadiesSampler(graph.adj, layer_sizes=[64], batch_size=20)
+@pytest.mark.parametrize("where", WHERE)
+def test_ladies_probabilities_are_column_norms(graph, where):
+  s = ladies_sampler(where, graph.adj, layer_sizes=[64], batch_size=20)
   frontier = np.random.default_rng(6).permutation(graph.num_nodes)[:60].reshape(3, 20)
   frontier[1, 15:] = -1
-  prob = s.probabilities(frontier).toarray()
-  lap = s.lap.toarray()
+  prob = s.probabilities(frontier)
+  prob = prob.toarray() if sp.issparse(prob) else prob
+  lap = sampling.ladies_matrix(graph.adj).toarray()
+  tol = dict(rtol=1e-10, atol=1e-15) if where == "host" else dict(rtol=1e-5, atol=1e-9)
   for b in range(3):
     rows = frontier[b][frontier[b] >= 0]
     ref = (lap[rows] ** 2).sum(0)
-    np.testing.assert_allclose(prob[b], ref / ref.sum(), rtol=1e-10, atol=1e-15)
+    np.testing.assert_allclose(prob[b], ref / ref.sum(), **tol)
   np.testing.assert_allclose(lap.sum(1), 1.0)  # row-normalised A + I
   assert np.all(np.diag(lap) > 0)
 
 
-def test_weighted_draw_follows_probabilities():
+@pytest.mark.parametrize("where", WHERE)
+def test_weighted_draw_follows_probabilities(where):
   rng = np.random.default_rng(7)
   p = np.array([0.05, 0.1, 0.15, 0.3, 0.4])
   k = 20_000
   prob = sp.csr_matrix(np.tile(p, (k, 1)))
-  rows, cols = sampling.weighted_draw(prob, 1, rng)
+  rows, cols = weighted_draw(where, prob, 1, rng)
   np.testing.assert_array_equal(rows, np.arange(k))
   assert stats.chisquare(np.bincount(cols, minlength=5), p * k).pvalue > 1e-3
   assert stats.chisquare(np.bincount(cols, minlength=5), np.full(5, k / 5)).pvalue < 1e-6
-  rows, cols = sampling.weighted_draw(prob[:50], 3, rng)
+  rows, cols = weighted_draw(where, prob[:50], 3, rng)
   assert np.all(np.bincount(rows) == 3)
   assert all(np.unique(cols[rows == r]).size == 3 for r in range(50))
 
 
-def test_ladies_blocks(graph):
+@pytest.mark.parametrize("where", WHERE)
+def test_ladies_blocks(graph, where):
   rng = np.random.default_rng(8)
-  s = sampling.LadiesSampler(graph.adj, layer_sizes=[100, 200], batch_size=32)
+  s = ladies_sampler(where, graph.adj, layer_sizes=[100, 200], batch_size=32)
   seeds = rng.permutation(graph.num_nodes)[:96].reshape(3, 32)
   blocks = s.sample(seeds, rng)
-  assert s.sizes == (32, 132, 332)
-  lap = s.lap
+  assert s.sizes == (32, 132, 332) and blocks.dropped == 0
+  lap = sampling.ladies_matrix(graph.adj)
   for b in range(3):
     nodes = blocks.nodes[b]
     np.testing.assert_array_equal(nodes[:32], seeds[b])
@@ -212,8 +267,9 @@ def test_chunked_dedup_gives_the_same_sample(graph, monkeypatch):
     np.testing.assert_array_equal(a["mask"], b["mask"])
 
 
-def test_all_padding_batches(graph):
-  s = sampling.NeighborSampler(graph.adj, fanouts=[3, 2], batch_size=4)
+@pytest.mark.parametrize("where", WHERE)
+def test_all_padding_batches(graph, where):
+  s = node_sampler(where, graph.adj, fanouts=[3, 2], batch_size=4)
   blocks = s.sample(np.full((2, 4), -1), np.random.default_rng(0))
   assert (blocks.nodes == -1).all() and blocks.num_edges.sum() == 0
   assert not any(layer["mask"].any() for layer in blocks.layers)
@@ -225,3 +281,42 @@ def test_seeds_shape_error(graph):
     s.sample(np.zeros((2, 7), np.int64), np.random.default_rng(0))
   with pytest.raises(ValueError, match="fanouts"):
     sampling.NeighborSampler(graph.adj, fanouts=[0], batch_size=8)
+
+
+def test_split_graph_sample_equals_one_device(graph):
+  """Rows split over 8 devices, per-hop shard_map with all_gather / psum_scatter: the same
+  draws as the 1-device sampler, hence the same sample; and the collectives are in the HLO."""
+  mesh = sharding.make_mesh(8, 1)
+  kw = dict(fanouts=[5, 3], batch_size=30)
+  one = device_sampling.DeviceNeighborSampler(graph.adj, **kw)
+  split = device_sampling.SplitNeighborSampler(graph.adj, mesh=mesh, **kw)
+  seeds = np.random.default_rng(13).permutation(graph.num_nodes)[:150].reshape(5, 30)
+  seeds[4, 20:] = -1
+  padded = split.pad_seeds(seeds)
+  assert padded.shape == (8, 30)
+  key = jax.random.key(21)
+  ref = jax.device_get(one.sample_device(padded, key))
+  got = jax.device_get(split.sample_device(padded, key))
+  np.testing.assert_array_equal(ref[0], got[0])
+  for a, b in zip(ref[1], got[1]):
+    np.testing.assert_array_equal(a["nbr"], b["nbr"])
+    np.testing.assert_array_equal(a["mask"], b["mask"])
+  np.testing.assert_array_equal(ref[2], got[2])
+  check_node_blocks(graph.adj, split, split.sample(seeds, key), seeds)
+  # Each device holds about 1/8 of the edges.
+  assert split.adjacency_bytes_per_device < graph.adj.nnz * 4 / 4
+  # Per hop: an all-gather of the frontier and a reduce-scatter of the candidates
+  # (k * n_l * f_l int32 operands); the replicated graph moves nothing.
+  hops = split.hop_bytes(8)
+  for layer, h in enumerate(hops):
+    n, f = split.sizes[layer], split.fanouts[layer]
+    assert h["by_op"]["reduce-scatter"]["operand_bytes"] == 8 * n * f * 4
+    assert h["by_op"]["all-gather"]["operand_bytes"] == n * 4  # one local batch
+  assert all(
+    h["total_operand_bytes"] == 0 for h in device_sampling.replicated_hop_bytes(one, mesh, 8)
+  )
+
+
+def test_where_is_checked(graph):
+  with pytest.raises(ValueError, match="available: host, device"):
+    device_sampling.make(graph.adj, "node", "gpu", batch_size=4, fanouts=[2])

@@ -1,0 +1,605 @@
+"""Bulk sampling on the accelerator: the node-wise and LADIES samplers as jitted JAX.
+
+The same samplers as `recgnn.graphs.sampling` (same Blocks, same padded shapes, same
+distributions; tests/test_sampling.py runs the host samplers' distribution tests on both),
+but over a CSR graph held in device memory, so that a GPU is not starved by host sampling.
+One call samples k mini-batches; every shape is static (frontier capacities, edge
+capacities, padded k), so each (k, sampler) compiles once.
+
+What differs from the host code, and why:
+  - Random numbers come from `jax.random`; batch b of a call draws from fold_in(key, b) and
+    layer l from fold_in(., l), so a batch's sample does not depend on how many batches share
+    the call or on how they are padded (the split-graph sampler below relies on it).
+  - Deduplication of a frontier is one `lax.sort` per batch (vmapped) of packed
+    (node << 1 | is_candidate) keys: the host's single sort over all batches needs int64 keys,
+    which a 32-bit device program does not have.
+  - LADIES enumerates P = Q @ Ahat's entries per batch into a fixed capacity: the sum of the
+    n largest rows of Ahat, the exact worst case, so no entry is ever dropped (dropping would
+    bias the column norms).
+
+Split graph (`SplitNeighborSampler`): the adjacency's rows are split over every device of a
+mesh (device d owns rows [d R, (d+1) R)). Per hop, inside one shard_map:
+  all_gather   the frontier (each device held k / D batches)      k * n_l int32
+  local        each device draws the offsets of EVERY frontier row from the shared key and
+               reads the neighbours of the rows it owns (others write 0)
+  psum_scatter the candidates, scattered over batches             k * n_l * f_l int32
+  local        each device deduplicates its own k / D batches
+Every row has exactly one owner, so the sum is the neighbour (stored +1 so that 0 means
+"none"). Because the draws are the 1-device sampler's draws, the split sample equals the
+1-device sample exactly (tested), and the bytes per hop are read from the compiled HLO.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.sparse as sp
+
+from recgnn import sharding
+from recgnn.graphs import sampling
+
+P = sharding.P
+WHERE = ("host", "device")
+
+
+def key_from(rng_or_key) -> jax.Array:
+  """A jax key from a numpy Generator (the host samplers' argument) or a key itself, so a
+  caller seeding per (epoch, group) with numpy gets a deterministic device sample too."""
+  if isinstance(rng_or_key, np.random.Generator):
+    return jax.random.key(int(rng_or_key.integers(0, 2**31 - 1)))
+  return rng_or_key
+
+
+def _pad_k(k: int, multiple: int = 1) -> int:
+  """Calls are padded to a power of two batches (a multiple of `multiple`): a handful of
+  compiled sizes instead of one per trailing partial group."""
+  p = 1 << max(k - 1, 0).bit_length()
+  return -(-p // multiple) * multiple
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def draw_offsets(deg: jax.Array, fanout: int, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per row, `fanout` distinct offsets in [0, deg) uniformly (all when deg <= fanout).
+
+  Floyd's algorithm as in `sampling.draw_offsets`, one loop step per pick over all rows.
+  Args:
+    deg: int32[R] row lengths.
+    u: float32[R, fanout] uniforms in [0, 1).
+  Returns:
+    offsets int32[R, fanout] (0 where masked), mask bool[R, fanout].
+  """
+  r = deg.shape[0]
+  base = jnp.broadcast_to(jnp.arange(fanout, dtype=jnp.int32), (r, fanout))
+  mask = base < deg[:, None]
+
+  def pick(s, picks):
+    j = deg - fanout + s
+    # min(.., j): float rounding of u * (j + 1) must not reach j + 1.
+    t = jnp.minimum((u[:, s] * (j + 1).astype(jnp.float32)).astype(jnp.int32), j)
+    t = jnp.where(jnp.any(picks == t[:, None], axis=1), j, t)
+    return picks.at[:, s].set(t)
+
+  picks = jax.lax.fori_loop(0, fanout, pick, jnp.full((r, fanout), -1, jnp.int32))
+  offsets = jnp.where((deg > fanout)[:, None], picks, jnp.where(mask, base, 0))
+  return offsets, mask
+
+
+def extend(
+  frontier: jax.Array, cand: jax.Array, cand_valid: jax.Array, n_next: int, num_nodes: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One batch's next frontier: its frontier, then its new candidates in id order.
+
+  The device twin of `sampling._extend_group` for one batch (vmap it over k).
+  Args:
+    frontier: int32[n] global ids, -1 = padding (anywhere), unique among the valid ones.
+    cand: int32[M] candidate ids; cand_valid: bool[M].
+  Returns:
+    next int32[n_next], pos int32[M] (each candidate's position in next; -1 if invalid or
+    dropped for lack of room), dropped int32[] (distinct new nodes without room).
+  """
+  n, m = frontier.shape[0], cand.shape[0]
+  total = n + m
+  node = jnp.concatenate(
+    [jnp.where(frontier >= 0, frontier, num_nodes), jnp.where(cand_valid, cand, num_nodes)]
+  )
+  is_cand = jnp.concatenate([jnp.zeros(n, jnp.int32), jnp.ones(m, jnp.int32)])
+  # A frontier copy sorts before the candidate copies of the same node: a group led by a
+  # candidate is a new node. (2N + 1 < 2^31 for any graph a 32-bit index can address.)
+  packed, elem = jax.lax.sort((node * 2 + is_cand, jnp.arange(total, dtype=jnp.int32)), num_keys=1)
+  key = packed >> 1
+  lead_cand = (packed & 1) == 1
+  idx = jnp.arange(total, dtype=jnp.int32)
+  first = jnp.concatenate([jnp.ones(1, bool), key[1:] != key[:-1]])
+  new = first & lead_cand & (key < num_nodes)
+  rank = jnp.cumsum(new.astype(jnp.int32)) - 1
+  fits = rank < n_next - n
+  # A group's position: the frontier slot of its leader, else the new slot (or -1).
+  lead_pos = jnp.where(lead_cand, jnp.where(fits, n + rank, -1), elem)
+  group_start = jax.lax.cummax(jnp.where(first, idx, 0))
+  pos_sorted = jnp.where(key < num_nodes, lead_pos[group_start], -1)
+  pos = jnp.zeros(total, jnp.int32).at[elem].set(pos_sorted)[n:]
+  placed = new & fits
+  nxt = jnp.full(n_next, -1, jnp.int32).at[:n].set(frontier)
+  nxt = nxt.at[jnp.where(placed, n + rank, n_next)].set(key, mode="drop")
+  return nxt, pos, jnp.sum(new & ~fits, dtype=jnp.int32)
+
+
+def _batch_uniforms(key: jax.Array, layer: int, k: int, shape) -> jax.Array:
+  """float32[k, *shape]: batch b's uniforms of `layer`, independent of k and padding."""
+  keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, b), layer))(
+    jnp.arange(k, dtype=jnp.int32)
+  )
+  return jax.vmap(lambda kb: jax.random.uniform(kb, shape))(keys)
+
+
+def _gather_rows(indptr, indices, rows, fanout, u, owned=None, row_offset=0):
+  """Offsets drawn for every row; neighbours read where `owned`. rows: int32[R] (-1 pad)
+  -> (cand int32[R, f], mask bool[R, f]), cand = id or -1 where masked / not owned."""
+  valid = rows >= 0 if owned is None else owned
+  local = jnp.where(valid, rows - row_offset, 0)
+  start = indptr[local]
+  deg = jnp.where(valid, indptr[local + 1] - start, 0)
+  off, mask = draw_offsets(deg, fanout, u)
+  cand = jnp.take(indices, start[:, None] + off, mode="clip")
+  return jnp.where(mask, cand, -1), mask
+
+
+# ----------------------------------------------------------------------------- node-wise
+
+
+def _device_csr(adj: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
+  """int32 indptr [N+1] and indices [max(nnz, 1)] (one pad entry: a gather from an empty
+  array is undefined)."""
+  if adj.nnz >= 2**31 or adj.shape[0] >= 2**30:
+    raise ValueError(
+      f"graph of {adj.shape[0]:,} nodes / {adj.nnz:,} entries exceeds int32 device indices; "
+      "split it over devices (SplitNeighborSampler) or sample on the host."
+    )
+  indices = adj.indices.astype(np.int32)
+  if indices.size == 0:
+    indices = np.zeros(1, np.int32)
+  return adj.indptr.astype(np.int32), indices
+
+
+def _node_layer(indptr, indices, frontier, fanout, n_next, num_nodes, u):
+  """One node-wise layer for k batches: frontier int32[k, n], u float32[k, n, f] ->
+  (next int32[k, n_next], nbr int32[k, n, f], mask bool[k, n, f], edges int32[k], dropped)."""
+  k, n = frontier.shape
+  cand, mask = _gather_rows(indptr, indices, frontier.reshape(-1), fanout, u.reshape(k * n, fanout))
+  cand, mask = cand.reshape(k, n * fanout), mask.reshape(k, n * fanout)
+  nxt, pos, dropped = jax.vmap(lambda f, c, m: extend(f, c, m, n_next, num_nodes))(
+    frontier, cand, mask
+  )
+  return _node_outputs(nxt, pos, dropped, k, n, fanout)
+
+
+def _node_outputs(nxt, pos, dropped, k, n, fanout):
+  pos = pos.reshape(k, n, fanout)
+  mask = pos >= 0
+  return nxt, jnp.maximum(pos, 0), mask, mask.sum((1, 2), dtype=jnp.int32), dropped.sum()
+
+
+class DeviceNeighborSampler:
+  """`sampling.NeighborSampler` on the device: same arguments, same Blocks, same law.
+
+  Args: as `sampling.NeighborSampler` (adj, fanouts, batch_size, capacities).
+    device: where the CSR lives (None: the default device).
+  """
+
+  def __init__(
+    self,
+    adj: sp.spmatrix,
+    *,
+    fanouts: Sequence[int],
+    batch_size: int,
+    capacities: Sequence[int] | None = None,
+    device=None,
+  ):
+    # The host sampler validates and sizes; its arrays are only read here.
+    host = sampling.NeighborSampler(
+      adj, fanouts=fanouts, batch_size=batch_size, capacities=capacities
+    )
+    self.fanouts, self.sizes, self.batch_size = host.fanouts, host.sizes, batch_size
+    self.num_nodes = host.num_nodes
+    self.max_degree = int(host.deg.max(initial=0))
+    indptr, indices = _device_csr(host.adj)
+    self.indptr = jax.device_put(indptr, device)
+    self.indices = jax.device_put(indices, device)
+    self._sample = jax.jit(self._sample_fn)
+
+  def _sample_fn(self, indptr, indices, seeds, key):
+    k = seeds.shape[0]
+    frontier, layers, edges, dropped = seeds, [], [], jnp.int32(0)
+    for layer, f in enumerate(self.fanouts):
+      u = _batch_uniforms(key, layer, k, (frontier.shape[1], f))
+      frontier, nbr, mask, e, d = _node_layer(
+        indptr, indices, frontier, f, self.sizes[layer + 1], self.num_nodes, u
+      )
+      layers.append({"nbr": nbr, "mask": mask})
+      edges.append(e)
+      dropped = dropped + d
+    return frontier, tuple(layers), jnp.stack(edges, 1), dropped
+
+  def sample_device(self, seeds, key: jax.Array):
+    """seeds int32[k, batch_size] (-1 = padding) -> (nodes int32[k, n_L], layers,
+    num_edges int32[k, L], dropped int32[]) as device arrays (see sampling.Blocks)."""
+    return self._sample(self.indptr, self.indices, jnp.asarray(seeds, jnp.int32), key)
+
+  def sample(self, seeds: np.ndarray, rng) -> sampling.Blocks:
+    """Host-compatible: seeds int[k, batch_size], a numpy Generator (or a jax key) ->
+    sampling.Blocks of numpy arrays, as `NeighborSampler.sample`."""
+    seeds = sampling._check_seeds(seeds, self.batch_size, self.num_nodes)
+    k = seeds.shape[0]
+    padded = np.full((_pad_k(k), seeds.shape[1]), -1, np.int32)
+    padded[:k] = seeds
+    out = jax.device_get(self.sample_device(padded, key_from(rng)))
+    return _blocks(out, k, self.sizes)
+
+
+def _blocks(out, k, sizes) -> sampling.Blocks:
+  nodes, layers, edges, dropped = out
+  return sampling.Blocks(
+    nodes=np.asarray(nodes[:k]),
+    sizes=tuple(sizes),
+    layers=tuple({key: np.asarray(v[:k]) for key, v in layer.items()} for layer in layers),
+    num_edges=np.asarray(edges[:k], np.int64),
+    dropped=int(dropped),
+  )
+
+
+# ----------------------------------------------------------------------------- LADIES
+
+
+def weighted_draw(p: jax.Array, s: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per row of p (float[k, m], >= 0), s distinct columns without replacement, probability
+  proportional to p (Efraimidis-Spirakis: the s smallest -log(u) / p win; `lax.top_k`).
+  Returns (cols int32[k, s], valid bool[k, s]), each row in draw order; invalid when the
+  row has fewer than s positive entries."""
+  if s > p.shape[1]:  # top_k needs s columns; zero columns never win
+    p = jnp.pad(p, ((0, 0), (0, s - p.shape[1])))
+  u = jax.random.uniform(key, p.shape)
+  race = jnp.where(p > 0, -jnp.log1p(-u) / jnp.where(p > 0, p, 1.0), jnp.inf)
+  neg, cols = jax.lax.top_k(-race, s)
+  return cols.astype(jnp.int32), jnp.isfinite(neg)
+
+
+def _row_entries(indptr, rows, capacity):
+  """The entries of the rows `rows` (int32[n], -1 = padding) of a CSR, in row order, padded
+  to `capacity`: (row position int32[C], CSR entry int32[C], valid bool[C])."""
+  valid = rows >= 0
+  r = jnp.where(valid, rows, 0)
+  length = jnp.where(valid, indptr[r + 1] - indptr[r], 0)
+  ends = jnp.cumsum(length)
+  e = jnp.arange(capacity, dtype=jnp.int32)
+  row = jnp.minimum(jnp.searchsorted(ends, e, side="right"), rows.shape[0] - 1).astype(jnp.int32)
+  entry = indptr[r[row]] + e - (ends[row] - length[row])
+  return row, entry, e < ends[-1]
+
+
+def _ladies_batch(
+  indptr, indices, data, frontier, s, n_next, cap_entries, cap_edges, num_nodes, key
+):
+  """One batch, one LADIES layer (the device twin of LadiesSampler.sample's loop body)."""
+  n = frontier.shape[0]
+  row, entry, valid = _row_entries(indptr, frontier, cap_entries)
+  col = jnp.where(valid, jnp.take(indices, entry, mode="clip"), num_nodes)
+  val = jnp.where(valid, jnp.take(data, entry, mode="clip"), 0.0)
+  # Column norms: sort the entries by column, sum val^2 per column (P's squared column sums).
+  scol, sq, order = jax.lax.sort(
+    (col, val * val, jnp.arange(cap_entries, dtype=jnp.int32)), num_keys=1
+  )
+  first = jnp.concatenate([jnp.ones(1, bool), scol[1:] != scol[:-1]])
+  group = jnp.cumsum(first.astype(jnp.int32)) - 1
+  norm = jax.ops.segment_sum(sq, group, num_segments=cap_entries)
+  gcol = jnp.full(cap_entries, num_nodes, jnp.int32).at[group].min(scol)
+  norm = jnp.where(gcol < num_nodes, norm, 0.0)
+  prob = norm / jnp.maximum(norm.sum(), 1e-30)
+  picks, ok = weighted_draw(prob[None], s, key)
+  chosen = gcol[picks[0]]
+  nxt, _, dropped = extend(frontier, chosen, ok[0], n_next, num_nodes)
+
+  # Edges: P's entries whose column is in the next frontier (sorted lookup).
+  fkey, fpos = jax.lax.sort(
+    (jnp.where(nxt >= 0, nxt, num_nodes), jnp.arange(n_next, dtype=jnp.int32)), num_keys=1
+  )
+  at = jnp.minimum(jnp.searchsorted(fkey, col), n_next - 1)
+  keep = valid & (fkey[at] == col)
+  src = fpos[at]
+  entry_group = jnp.zeros(cap_entries, jnp.int32).at[order].set(group)
+  w = jnp.where(keep, val / jnp.where(keep, prob[entry_group], 1.0), 0.0)
+  rowsum = jax.ops.segment_sum(w, row, num_segments=n)
+  w = jnp.where(keep, w / jnp.where(keep, rowsum[row], 1.0), 0.0)
+  slot = jnp.cumsum(keep.astype(jnp.int32)) - 1
+  fits = keep & (slot < cap_edges)
+  at_slot = jnp.where(fits, slot, cap_edges)
+  out_src = jnp.zeros(cap_edges, jnp.int32).at[at_slot].set(src, mode="drop")
+  out_dst = jnp.zeros(cap_edges, jnp.int32).at[at_slot].set(row, mode="drop")
+  out_w = jnp.zeros(cap_edges, jnp.float32).at[at_slot].set(w, mode="drop")
+  edges = jnp.sum(fits, dtype=jnp.int32)
+  return (
+    nxt,
+    {"src": out_src, "dst": out_dst, "weight": out_w},
+    edges,
+    dropped + jnp.sum(keep & ~fits, dtype=jnp.int32),
+    prob,
+    gcol,
+  )
+
+
+class DeviceLadiesSampler:
+  """`sampling.LadiesSampler` on the device: same arguments, same Blocks, same law.
+
+  Args: as `sampling.LadiesSampler` (adj, layer_sizes, batch_size, edge_capacities).
+    device: where Ahat (row-normalised A + I, float32 CSR) lives.
+  """
+
+  def __init__(
+    self,
+    adj: sp.spmatrix,
+    *,
+    layer_sizes: Sequence[int],
+    batch_size: int,
+    edge_capacities: Sequence[int] | None = None,
+    device=None,
+  ):
+    host = sampling.LadiesSampler(
+      adj, layer_sizes=layer_sizes, batch_size=batch_size, edge_capacities=edge_capacities
+    )
+    self.layer_sizes, self.sizes = host.layer_sizes, host.sizes
+    self.edge_capacities, self.batch_size = host.edge_capacities, batch_size
+    self.num_nodes = host.num_nodes
+    lap = host.lap
+    indptr, indices = _device_csr(lap)
+    row_len = np.sort(np.diff(lap.indptr))[::-1]
+    # Exact worst case of P's entries per batch: its n_l rows are the n_l longest of Ahat.
+    self.entry_capacities = tuple(
+      max(int(row_len[: self.sizes[i]].sum()), 1) for i in range(len(self.layer_sizes))
+    )
+    self.indptr = jax.device_put(indptr, device)
+    self.indices = jax.device_put(indices, device)
+    self.data = jax.device_put(lap.data.astype(np.float32), device)
+    self._sample = jax.jit(self._sample_fn)
+
+  def _layer(self, layer, indptr, indices, data, frontier, key):
+    k = frontier.shape[0]
+    keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, b), layer))(
+      jnp.arange(k, dtype=jnp.int32)
+    )
+    fn = functools.partial(
+      _ladies_batch,
+      indptr,
+      indices,
+      data,
+      s=self.layer_sizes[layer],
+      n_next=self.sizes[layer + 1],
+      cap_entries=self.entry_capacities[layer],
+      cap_edges=self.edge_capacities[layer],
+      num_nodes=self.num_nodes,
+    )
+    return jax.vmap(lambda f, kb: fn(f, key=kb))(frontier, keys)
+
+  def _sample_fn(self, indptr, indices, data, seeds, key):
+    frontier, layers, edges, dropped = seeds, [], [], jnp.int32(0)
+    for layer in range(len(self.layer_sizes)):
+      frontier, lay, e, d, _, _ = self._layer(layer, indptr, indices, data, frontier, key)
+      layers.append(lay)
+      edges.append(e)
+      dropped = dropped + d.sum()
+    return frontier, tuple(layers), jnp.stack(edges, 1), dropped
+
+  def sample_device(self, seeds, key: jax.Array):
+    """seeds int32[k, batch_size] -> (nodes, layers, num_edges, dropped) device arrays."""
+    return self._sample(self.indptr, self.indices, self.data, jnp.asarray(seeds, jnp.int32), key)
+
+  def sample(self, seeds: np.ndarray, rng) -> sampling.Blocks:
+    """As `LadiesSampler.sample`: numpy seeds and Generator (or a jax key) -> Blocks."""
+    seeds = sampling._check_seeds(seeds, self.batch_size, self.num_nodes)
+    k = seeds.shape[0]
+    padded = np.full((_pad_k(k), seeds.shape[1]), -1, np.int32)
+    padded[:k] = seeds
+    return _blocks(jax.device_get(self.sample_device(padded, key_from(rng))), k, self.sizes)
+
+  def probabilities(self, frontier: np.ndarray) -> np.ndarray:
+    """LADIES' column-norm probabilities as the device computes them: frontier int[k, n]
+    (n = batch_size) -> float32[k, N] dense (for tests; the sampler never densifies)."""
+    frontier = jnp.asarray(frontier, jnp.int32)
+    *_, prob, gcol = self._layer(
+      0, self.indptr, self.indices, self.data, frontier, jax.random.key(0)
+    )
+    prob, gcol = np.asarray(prob), np.asarray(gcol)
+    out = np.zeros((frontier.shape[0], self.num_nodes + 1), np.float64)
+    np.put_along_axis(out, gcol, prob, axis=1)
+    return out[:, :-1]
+
+
+# ----------------------------------------------------------------------------- split graph
+
+
+class SplitNeighborSampler:
+  """Node-wise sampling with the adjacency's rows split over every device of `mesh`.
+
+  Device d holds rows [d R, (d+1) R) (R = ceil(N / D)) of the CSR, its indices padded to
+  the largest shard; a call's k batches are split over the devices (k padded to a multiple
+  of D). See the module docstring for the per-hop collectives. Same arguments as
+  `DeviceNeighborSampler` plus the mesh; `sample_device(seeds, key)` returns the same
+  sample as `DeviceNeighborSampler.sample_device(seeds, key)` (tested), batch-sharded.
+  """
+
+  def __init__(
+    self,
+    adj: sp.spmatrix,
+    *,
+    fanouts: Sequence[int],
+    batch_size: int,
+    mesh: jax.sharding.Mesh,
+    capacities: Sequence[int] | None = None,
+  ):
+    host = sampling.NeighborSampler(
+      adj, fanouts=fanouts, batch_size=batch_size, capacities=capacities
+    )
+    self.fanouts, self.sizes, self.batch_size = host.fanouts, host.sizes, batch_size
+    self.num_nodes = n = host.num_nodes
+    self.mesh = mesh
+    self.devices = d = mesh.size
+    self.rows_per_device = r = -(-n // d)
+    a = host.adj
+    bounds = np.minimum(np.arange(d + 1) * r, n)
+    lo, hi = a.indptr[bounds[:-1]], a.indptr[bounds[1:]]
+    width = max(int((hi - lo).max()), 1)
+    indptr = np.zeros((d, r + 1), np.int32)
+    indices = np.zeros((d, width), np.int32)
+    for i in range(d):
+      rows = a.indptr[bounds[i] : bounds[i + 1] + 1] - lo[i]
+      indptr[i, : rows.size] = rows
+      indptr[i, rows.size :] = rows[-1] if rows.size else 0
+      indices[i, : hi[i] - lo[i]] = a.indices[lo[i] : hi[i]]
+    split = sharding.named(mesh, P(sharding.BATCH))
+    # Row-split: each device holds 1 / D of the edges (the point: graphs beyond one device).
+    self.indptr = jax.device_put(indptr, split)
+    self.indices = jax.device_put(indices, split)
+    self.adjacency_bytes_per_device = int(indptr[0].nbytes + indices[0].nbytes)
+    self._hops = [jax.jit(self._hop(layer)) for layer in range(len(self.fanouts))]
+
+  def _hop(self, layer: int):
+    """One hop: (indptr, indices, frontier [k, n_l] batch-split, key) -> (next
+    [k, n_{l+1}], nbr, mask [k, n_l, f], edges [k], dropped [D]), batch-split."""
+    f, n_next, axis = self.fanouts[layer], self.sizes[layer + 1], sharding.BATCH
+    r, num_nodes = self.rows_per_device, self.num_nodes
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(P(axis), P(axis), P(axis), P()),
+      out_specs=(P(axis), P(axis), P(axis), P(axis), P(axis)),
+      check_vma=False,  # loop carries start replicated and become device-varying
+    )
+    def hop(indptr, indices, local_frontier, key):
+      frontier = jax.lax.all_gather(local_frontier, axis, tiled=True)  # [k, n] everywhere
+      k, n = frontier.shape
+      me = jax.lax.axis_index(axis)
+      u = _batch_uniforms(key, layer, k, (n, f))
+      rows = frontier.reshape(-1)
+      owned = (rows >= 0) & (rows // r == me)
+      cand, _ = _gather_rows(indptr[0], indices[0], rows, f, u.reshape(k * n, f), owned, me * r)
+      # The owner writes id + 1 (0 = masked); non-owners write 0: the sum is the sample.
+      mine = jnp.where(owned[:, None], cand + 1, 0).reshape(k, n * f)
+      total = jax.lax.psum_scatter(mine, axis, scatter_dimension=0, tiled=True)
+      local = local_frontier
+      nxt, pos, dropped = jax.vmap(lambda fr, c: extend(fr, c - 1, c > 0, n_next, num_nodes))(
+        local, total
+      )
+      nxt, nbr, mask, edges, dropped = _node_outputs(nxt, pos, dropped, local.shape[0], n, f)
+      return nxt, nbr, mask, edges, dropped[None]
+
+    return hop
+
+  def pad_seeds(self, seeds: np.ndarray) -> np.ndarray:
+    seeds = sampling._check_seeds(seeds, self.batch_size, self.num_nodes)
+    padded = np.full((_pad_k(seeds.shape[0], self.devices), seeds.shape[1]), -1, np.int32)
+    padded[: seeds.shape[0]] = seeds
+    return padded
+
+  def sample_device(self, seeds, key: jax.Array):
+    """seeds int32[k, batch_size] (k a multiple of the devices) -> (nodes, layers,
+    num_edges int32[k, L], dropped int32[]), batch-split over the mesh."""
+    frontier = jax.device_put(
+      jnp.asarray(seeds, jnp.int32), sharding.named(self.mesh, P(sharding.BATCH))
+    )
+    layers, edges, dropped = [], [], 0
+    for hop in self._hops:
+      frontier, nbr, mask, e, d = hop(self.indptr, self.indices, frontier, key)
+      layers.append({"nbr": nbr, "mask": mask})
+      edges.append(e)
+      dropped = dropped + d.sum()
+    return frontier, tuple(layers), jnp.stack(edges, 1), dropped
+
+  def sample(self, seeds: np.ndarray, rng) -> sampling.Blocks:
+    """As `NeighborSampler.sample`: numpy seeds and Generator (or a jax key) -> Blocks."""
+    k = np.asarray(seeds).reshape(-1, self.batch_size).shape[0]
+    out = jax.device_get(self.sample_device(self.pad_seeds(seeds), key_from(rng)))
+    return _blocks(out, k, self.sizes)
+
+  def hop_bytes(self, k: int) -> list[dict]:
+    """Per hop, the collectives of the compiled hop for k batches (recgnn.comms.summary):
+    bytes each device sends, read from the HLO without running it."""
+    from recgnn import comms
+
+    k = _pad_k(k, self.devices)
+    key = jax.random.key(0)
+    out = []
+    for layer, hop in enumerate(self._hops):
+      frontier = jax.ShapeDtypeStruct(
+        (k, self.sizes[layer]), jnp.int32, sharding=sharding.named(self.mesh, P(sharding.BATCH))
+      )
+      compiled = hop.lower(self.indptr, self.indices, frontier, key).compile()
+      out.append(comms.compiled_summary(compiled))
+    return out
+
+
+def replicated_hop_bytes(sampler: DeviceNeighborSampler, mesh, k: int) -> list[dict]:
+  """The 1-device sampler replicated on every device of `mesh`, each sampling its k / D
+  batches (the whole graph on every device): the collectives of its compiled hops (none)."""
+  from recgnn import comms
+
+  axis = sharding.BATCH
+  k = _pad_k(k, mesh.size)
+  out = []
+  for layer, f in enumerate(sampler.fanouts):
+    n_next = sampler.sizes[layer + 1]
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=mesh,
+      in_specs=(P(), P(), P(axis), P()),
+      out_specs=P(axis),
+      check_vma=False,
+    )
+    def hop(indptr, indices, frontier, key, f=f, n_next=n_next, layer=layer):
+      u = _batch_uniforms(key, layer, frontier.shape[0], (frontier.shape[1], f))
+      return _node_layer(indptr, indices, frontier, f, n_next, sampler.num_nodes, u)[0]
+
+    repl = sharding.named(mesh, P())
+    args = (
+      jax.device_put(sampler.indptr, repl),
+      jax.device_put(sampler.indices, repl),
+      jax.ShapeDtypeStruct(
+        (k, sampler.sizes[layer]), jnp.int32, sharding=sharding.named(mesh, P(axis))
+      ),
+      jax.random.key(0),
+    )
+    out.append(comms.compiled_summary(jax.jit(hop).lower(*args).compile()))
+  return out
+
+
+def make(
+  adj,
+  kind: str,
+  where: str,
+  *,
+  batch_size: int,
+  fanouts=None,
+  layer_sizes=None,
+  capacities=None,
+  mesh=None,
+):
+  """The sampler of `kind` (node | ladies) at `where` (host | device); `mesh` with more
+  than one device splits the graph's rows over it (node-wise only)."""
+  if where not in WHERE:
+    raise ValueError(f"Unknown sampler.where {where!r}; available: {', '.join(WHERE)}")
+  if kind == "ladies":
+    cls = sampling.LadiesSampler if where == "host" else DeviceLadiesSampler
+    if mesh is not None and mesh.size > 1:
+      raise ValueError("sampler.split_graph supports kind=node only; set sampler.kind=node")
+    return cls(adj, layer_sizes=list(layer_sizes), batch_size=batch_size)
+  kw = dict(fanouts=list(fanouts), batch_size=batch_size, capacities=capacities)
+  if where == "host":
+    return sampling.NeighborSampler(adj, **kw)
+  if mesh is not None and mesh.size > 1:
+    return SplitNeighborSampler(adj, mesh=mesh, **kw)
+  return DeviceNeighborSampler(adj, **kw)
