@@ -19,6 +19,11 @@ Config (the experiment's ConfigDict; see experiments/sage_*.py):
   model.inputs         features | embeddings | both (learnable node embeddings: table `node`)
   model.hidden, model.dropout (L2: the trainer's optimizer.weight_decay)
   sampler.kind         node (GraphSAGE fanouts) | ladies (layer-wise)
+  sampler.where        host (numpy / scipy, default) | device (jitted JAX over the CSR in
+                       device memory; recgnn/graphs/device_sampling.py): the same law
+  sampler.split_devices  device, node only: 0 (default) keeps the graph on one device; N > 1
+                       splits the adjacency's rows over the first N devices (shard_map with
+                       explicit collectives per hop) and gives the same sample as N = 0
   sampler.fanouts      node: per layer, seeds outward (-1 = all neighbours)
   sampler.layer_sizes  ladies: nodes drawn per layer
   sampler.batch_size   seeds per mini-batch
@@ -49,9 +54,9 @@ import numpy as np
 import optax
 from absl import logging
 
-from recgnn import hostmem
+from recgnn import hostmem, sharding
 from recgnn.embeddings import OptimizerSpec, TableSpec
-from recgnn.graphs import sampling, store
+from recgnn.graphs import device_sampling, sampling, store
 from recgnn.models import graphsage
 from recgnn.tasks import base
 
@@ -221,10 +226,27 @@ class NodeClassification(base.Task):
 
   def _make_sampler(self, fanouts, batch_size: int, capacities, trial_nodes: np.ndarray):
     s = self.config.sampler
-    adj = self.graph.adj
+    where = s.get("where", "host") or "host"
+    split = int(s.get("split_devices", 0) or 0)
+    if split > 1 and where != "device":
+      raise ValueError("sampler.split_devices needs --config.sampler.where=device")
+    mesh = sharding.make_mesh(1, split) if split > 1 else None
+
+    def make(caps=None):
+      return device_sampling.make(
+        self.graph.adj,
+        s.kind,
+        where,
+        batch_size=batch_size,
+        fanouts=fanouts,
+        layer_sizes=s.get("layer_sizes", None),
+        capacities=caps,
+        mesh=mesh,
+      )
+
     if s.kind == "ladies":
-      return sampling.LadiesSampler(adj, layer_sizes=list(s.layer_sizes), batch_size=batch_size)
-    sampler = sampling.NeighborSampler(adj, fanouts=list(fanouts), batch_size=batch_size)
+      return make()
+    sampler = make()
     if capacities == "worst" or capacities is None:
       return sampler
     if capacities == "auto":
@@ -233,9 +255,7 @@ class NodeClassification(base.Task):
       few = len(trial_nodes) < batch_size
       trial = np.stack([rng.choice(trial_nodes, batch_size, replace=few) for _ in range(4)])
       capacities = sampling.estimate_capacities(sampler, trial, rng)
-    return sampling.NeighborSampler(
-      adj, fanouts=list(fanouts), batch_size=batch_size, capacities=list(capacities)
-    )
+    return make(list(capacities))
 
   def tables(self) -> list[TableSpec]:
     if self.inputs == "features":
@@ -267,8 +287,10 @@ class NodeClassification(base.Task):
         f"perm = {self.load_info['node_order_file']} (predictions map back through it)"
       )
     lines.append(
-      f"sampler {self.config.sampler.kind}: frontier sizes {self.sampler.sizes}, "
-      f"{self.bulk} mini-batches per product; inputs: {self.inputs}"
+      f"sampler {self.config.sampler.kind} on the "
+      f"{self.config.sampler.get('where', 'host') or 'host'} ({type(self.sampler).__name__}): "
+      f"frontier sizes {self.sampler.sizes}, {self.bulk} mini-batches per product; "
+      f"inputs: {self.inputs}"
     )
     lines.append(f"chance accuracy (majority class of test): {self.chance_accuracy():.4f}")
     return "\n".join(lines)
