@@ -122,6 +122,12 @@ def main(argv):
   name = _EXPERIMENT.value.partition(":")[0]
   workdir = _WORKDIR.value or os.path.join("workdir", name)
   loop.log(f"Experiment {_EXPERIMENT.value}; workdir {os.path.abspath(workdir)}")
+  from recgnn.train import checkpoint
+
+  try:  # before config.json is overwritten: the workdir may hold another run
+    checkpoint.refuse_existing(workdir, _RESUME.value)
+  except checkpoint.WorkdirHasCheckpoints as e:
+    raise SystemExit(str(e)) from None
   os.makedirs(workdir, exist_ok=True)
   if distributed.is_main():
     with open(os.path.join(workdir, "config.json"), "w") as f:

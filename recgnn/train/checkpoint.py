@@ -11,14 +11,32 @@ so a run saved on 8 devices resumes on 1 or 4, or with another "rows" backend fo
 (dense -> offload, dense -> dense(shard=rows)): restore reads each table straight into the
 placement the NEW plan wants (Orbax reads only the chunks each device needs).
 
-Orbax writes each checkpoint into a temporary directory and renames it when complete, so an
-interrupted save never leaves a half-written checkpoint that `latest_step` would pick up.
+Crash safety:
+  - Orbax writes each checkpoint into `<step>.orbax-checkpoint-tmp-*` and renames it when
+    complete, so a run killed mid-save (SIGKILL, power loss) leaves no checkpoint that
+    `latest_step` would pick up; the leftover temporaries are removed when the next run opens
+    the directory.
+  - A save that fails (a full disk: OSError ENOSPC) removes its temporary directory and raises
+    CheckpointWriteError naming the previous checkpoint, which the failed save never touched
+    (Orbax deletes old checkpoints only after a new one is committed).
+  - After the commit, process 0 writes `<step>/recgnn_checksums.json` (CRC-32 and size of every
+    file). Restore verifies them; a checkpoint whose files differ (bit rot, a truncated copy) or
+    that Orbax cannot read is refused with a message naming it, moved to `corrupt/<step>` and
+    the next older one is used. A checkpoint without the file (killed between the commit and
+    the checksums) is complete by Orbax's rename and is restored unverified.
+  - `refuse_existing` stops a run that would start from step 0 in a workdir holding another
+    run's checkpoints (Orbax would fail at the first save with StepAlreadyExistsError).
 Backends are synced (caches written back) by the caller before saving.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import shutil
+import time
+import zlib
 
 import jax
 import numpy as np
@@ -28,9 +46,86 @@ from absl import logging
 from recgnn import sharding
 from recgnn.embeddings import base
 
+CHECKSUMS = "recgnn_checksums.json"
+TMP_MARK = ".orbax-checkpoint-tmp"
+
 
 class IncompatibleCheckpoint(ValueError):
   """A checkpoint that cannot be restored into the current plan (says which table, why)."""
+
+
+class CorruptCheckpoint(ValueError):
+  """A checkpoint whose files do not match their checksums or cannot be read."""
+
+
+class CheckpointWriteError(OSError):
+  """A save that failed (e.g. a full disk); the previous checkpoint is intact."""
+
+
+class WorkdirHasCheckpoints(FileExistsError):
+  """A fresh run (no --resume) in a workdir that already holds checkpoints."""
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.abspath(os.path.join(workdir, "checkpoints"))
+
+
+def committed_steps(workdir: str) -> list[int]:
+  """Steps of the complete checkpoints under `workdir` (sorted), without opening Orbax."""
+  d = checkpoint_dir(workdir)
+  if not os.path.isdir(d):
+    return []
+  return sorted(int(n) for n in os.listdir(d) if n.isdigit() and os.path.isdir(os.path.join(d, n)))
+
+
+def refuse_existing(workdir: str, resume: bool) -> None:
+  """Raise WorkdirHasCheckpoints when a run without --resume would start over another run's
+  checkpoints: its first save would collide with them, and resuming later would mix runs."""
+  steps = committed_steps(workdir)
+  if steps and not resume:
+    raise WorkdirHasCheckpoints(
+      f"{checkpoint_dir(workdir)} already holds checkpoints (steps {steps}) of an earlier run. "
+      "Pass --resume to continue it, or give a fresh --workdir to start a new run (or delete "
+      "that directory)."
+    )
+
+
+def file_checksums(directory: str) -> dict[str, list[int]]:
+  """{relative path: [size, crc32]} of every file under `directory` but the checksum file."""
+  out = {}
+  for root, _, files in os.walk(directory):
+    for name in sorted(files):
+      path = os.path.join(root, name)
+      rel = os.path.relpath(path, directory)
+      if rel == CHECKSUMS:
+        continue
+      crc = 0
+      with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+          crc = zlib.crc32(chunk, crc)
+      out[rel] = [os.path.getsize(path), crc]
+  return out
+
+
+def verify_checksums(directory: str) -> str | None:
+  """None if `directory`'s files match its checksum file (or it has none), else what differs."""
+  path = os.path.join(directory, CHECKSUMS)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      expected = json.load(f)
+  except (OSError, ValueError) as e:
+    return f"{CHECKSUMS} unreadable ({e})"
+  actual = file_checksums(directory)
+  for rel, (size, crc) in sorted(expected.items()):
+    if rel not in actual:
+      return f"file {rel} missing"
+    if actual[rel][0] != size:
+      return f"file {rel} has {actual[rel][0]} bytes, {size} when saved"
+    if actual[rel][1] != crc:
+      return f"file {rel} differs from when it was saved (CRC-32)"
+  return None
 
 
 def _train_part(state) -> dict:
@@ -42,11 +137,24 @@ class Checkpointer:
   """Saves and restores TrainStates under `workdir/checkpoints/<step>`."""
 
   def __init__(self, workdir: str, max_to_keep: int = 2):
-    self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    self.directory = checkpoint_dir(workdir)
+    self.restored_step: int | None = None
+    if jax.process_index() == 0:
+      self._remove_temporaries()
     self.manager = ocp.CheckpointManager(
       self.directory,
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
     )
+
+  def _remove_temporaries(self, step: int | None = None) -> None:
+    """Delete what interrupted saves left (`<step>.orbax-checkpoint-tmp-*`): never a complete
+    checkpoint, and a later save of the same step must not find it."""
+    if not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      head, mark, _ = name.partition(TMP_MARK)
+      if mark and head.isdigit() and (step is None or int(head) == step):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -68,14 +176,40 @@ class Checkpointer:
         }
     payload = {"train": _train_part(state), "tables": tables}
     info = {"tables": meta, "mesh": sharding.describe(plan.mesh)}
-    self.manager.save(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardSave(payload), meta=ocp.args.JsonSave(info)),
-      force=True,
-    )
+    previous = self.latest_step()
+    try:
+      self.manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(payload), meta=ocp.args.JsonSave(info)),
+        force=True,
+      )
+      if wait:
+        self.manager.wait_until_finished()
+    except OSError as e:
+      # The half-written temporary would hold the space a retry needs.
+      if jax.process_index() == 0:
+        self._remove_temporaries(step)
+      kept = f"checkpoint {previous} is intact" if previous is not None else "no earlier checkpoint"
+      full = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+      raise CheckpointWriteError(
+        e.errno,
+        f"Could not write checkpoint {step} in {self.directory}{full}: {e}. {kept}; free "
+        "space (or fix the error) and rerun with --resume to continue from it.",
+      ) from e
     if wait:
-      self.manager.wait_until_finished()
+      self.write_checksums(step)
     logging.info("Saved checkpoint %d in %s", step, self.directory)
+
+  def write_checksums(self, step: int) -> None:
+    """Process 0 records every file's CRC-32 in the committed checkpoint (atomic rename)."""
+    if jax.process_index() != 0:
+      return
+    d = os.path.join(self.directory, str(step))
+    sums = file_checksums(d)
+    tmp = os.path.join(d, CHECKSUMS + ".tmp")
+    with open(tmp, "w") as f:
+      json.dump(sums, f)
+    os.replace(tmp, os.path.join(d, CHECKSUMS))
 
   def metadata(self, step: int | None = None) -> dict:
     step = self.latest_step() if step is None else step
@@ -83,12 +217,53 @@ class Checkpointer:
       raise FileNotFoundError(f"No checkpoint in {self.directory}")
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-  def restore(self, state, plan: base.Plan, step: int | None = None):
-    """Restore into `state`'s structure: the dense part as `state` places it, each table
-    into the placement of `plan` (which may differ from the one that saved it)."""
-    step = self.latest_step() if step is None else step
-    if step is None:
+  def restore(self, state, plan: base.Plan, step: int | None = None, log=print):
+    """Restore the newest readable checkpoint (or `step`) into `state`'s structure: the dense
+    part as `state` places it, each table into the placement of `plan` (which may differ
+    from the one that saved it).
+
+    A checkpoint that fails its checksums or that Orbax cannot read is reported through
+    `log`, moved to `checkpoints/corrupt/` and the next older one is tried; the step used is
+    `self.restored_step`. IncompatibleCheckpoint (another plan's tables) is raised at once.
+    """
+    steps = [step] if step is not None else sorted(self.manager.all_steps(), reverse=True)
+    if not steps:
       raise FileNotFoundError(f"No checkpoint in {self.directory}")
+    refused = []
+    for s in steps:
+      where = os.path.join(self.directory, str(s))
+      why = verify_checksums(where)
+      if why is None:
+        try:
+          restored = self._restore_step(state, plan, s)
+        except IncompatibleCheckpoint:
+          raise
+        except Exception as e:  # noqa: BLE001 (any read failure means: unusable)
+          why = f"unreadable ({type(e).__name__}: {str(e)[:300]})"
+        else:
+          self.restored_step = s
+          return restored
+      refused.append(f"checkpoint {s} ({where}): {why}")
+      log(f"Refusing corrupted checkpoint {s} in {where}: {why}; trying the previous one")
+      self._quarantine(s)
+    raise CorruptCheckpoint(
+      "No usable checkpoint: " + "; ".join(refused) + ". Start again with a fresh --workdir."
+    )
+
+  def _quarantine(self, step: int) -> None:
+    """Move a refused checkpoint to corrupt/<step>-<time> (kept for inspection, out of the
+    way of the save that will write this step again)."""
+    if jax.process_index() == 0:
+      dest = os.path.join(self.directory, "corrupt", f"{step}-{int(time.time())}")
+      os.makedirs(os.path.dirname(dest), exist_ok=True)
+      os.replace(os.path.join(self.directory, str(step)), dest)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+
+      multihost_utils.sync_global_devices(f"recgnn: quarantined checkpoint {step}")
+    self.manager.reload()
+
+  def _restore_step(self, state, plan: base.Plan, step: int):
     meta = self.metadata(step)
     saved = meta["tables"]
     where = f"checkpoint {step} in {self.directory} (saved on mesh {meta.get('mesh', '?')})"

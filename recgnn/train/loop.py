@@ -205,6 +205,33 @@ def _sync_all(plan: base.Plan, state: step_lib.TrainState) -> step_lib.TrainStat
   return state.replace(emb={k: g.sync(state.emb[k]) for k, g in plan.groups.items()})
 
 
+class NonFiniteLoss(FloatingPointError):
+  """A NaN / inf training loss: the run stops without saving (the last checkpoint is good)."""
+
+
+def _first_non_finite(steps: list[int], losses) -> tuple[int, float] | None:
+  """(step, loss) of the first non-finite loss among `losses` (of steps `steps`), or None."""
+  for s, v in zip(steps, losses):
+    if not np.isfinite(v):
+      return s, float(v)
+  return None
+
+
+def _non_finite_report(plan: base.Plan, state: step_lib.TrainState) -> str:
+  """Which tables and dense params hold NaN / inf (their stored form: rows, slots, cores)."""
+  parts = []
+  for key, group in plan.groups.items():
+    for name, arrays in group.export(state.emb[key]).items():
+      bad = sum(int(np.sum(~np.isfinite(np.asarray(x)))) for x in jax.tree.leaves(arrays))
+      if bad:
+        parts.append(f"{name} ({bad:,} values)")
+  tables = ", ".join(parts) or "none"
+  flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
+  dense = [jax.tree_util.keystr(p) for p, x in flat if not np.all(np.isfinite(np.asarray(x)))]
+  shown = ", ".join(dense[:8]) + (f" and {len(dense) - 8} more" if len(dense) > 8 else "")
+  return f"tables with non-finite values: {tables}; dense params: {shown or 'none'}"
+
+
 def training_length(tcfg, task: Task) -> tuple[int, str]:
   """Steps to train and how they were derived: `train.steps` when set (> 0), else
   `train.epochs` x the task's steps per epoch."""
@@ -239,6 +266,9 @@ def train(
   stop_after: stop (with a checkpoint) after this many steps of this call, as if killed;
   used to test that resuming reproduces an uninterrupted run.
   """
+  # Before anything slow: a fresh run over another run's checkpoints would die at its first
+  # save (Orbax StepAlreadyExistsError) or, resumed later, mix two runs.
+  ckpt_lib.refuse_existing(workdir, resume)
   os.makedirs(workdir, exist_ok=True)
   hostmem.keep_freed_memory()  # reuse per-step temporaries instead of page-faulting them in
   tcfg = config.train
@@ -279,8 +309,10 @@ def train(
   start = 0
   ckpt.check_artifacts(task.artifacts(), resume and ckpt.latest_step() is not None)
   if resume and ckpt.latest_step() is not None:
-    meta = ckpt.metadata()
-    state = ckpt.restore(state, plan)
+    # Newest readable checkpoint: a corrupted one is refused (named in the log) and moved
+    # aside, and the one before it is used.
+    state = ckpt.restore(state, plan, log=log)
+    meta = ckpt.metadata(ckpt.restored_step)
     start = int(state.step)
     log(
       f"Resumed from checkpoint at step {start} in {ckpt.directory} (saved on mesh "
@@ -323,6 +355,24 @@ def train(
 
   results: dict[str, Any] = {}
   pending: list = []  # device metrics since the last log; read only at log time
+  pending_steps: list[int] = []  # the step number after each of them
+  failed = False  # a non-finite loss or a failed save: nothing more is written
+
+  def check_finite(host_losses) -> None:
+    """Stop on a NaN / inf loss before the state that follows it can be saved."""
+    nonlocal failed
+    bad = _first_non_finite(pending_steps, host_losses)
+    if bad is None:
+      return
+    failed = True
+    report = _non_finite_report(plan, _sync_all(plan, state))
+    last = ckpt.latest_step()
+    kept = f"checkpoint {last} in {ckpt.directory}" if last is not None else "no checkpoint"
+    raise NonFiniteLoss(
+      f"Non-finite training loss {bad[1]} at step {bad[0]}; {report}. Nothing saved after it: "
+      f"the last good state is {kept}. Lower the learning rate or check the data, then rerun "
+      "with --resume (or a fresh --workdir)."
+    )
   eval_outputs: list = []
   t_eval = 0.0
   step = start
@@ -344,6 +394,7 @@ def train(
             state, m = train_step(state, *item.prepared)
           pending.append(m)
           step += 1
+          pending_steps.append(step)
           examples += int(item.batch_size)
           if profiling and step >= profile_steps[1]:
             jax.block_until_ready(state)
@@ -355,7 +406,8 @@ def train(
             )
           if step % tcfg.log_every == 0 or step == end:
             host = jax.device_get(pending)  # the loop's only regular host sync
-            pending = []
+            check_finite([h["loss"] for h in host])
+            pending, pending_steps = [], []
             now = time.perf_counter()
             scalars = {k: float(np.mean([h[k] for h in host])) for k in host[0]}
             rate = examples / max(now - t_last, 1e-9)
@@ -369,8 +421,13 @@ def train(
             t_last = now
           if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < end:
             t0 = time.perf_counter()
+            check_finite(jax.device_get([m["loss"] for m in pending]))  # saving syncs anyway
             state = _sync_all(plan, state)
-            ckpt.save(state, step, plan)
+            try:
+              ckpt.save(state, step, plan)
+            except ckpt_lib.CheckpointWriteError:
+              failed = True  # the finally below must not try again on a full disk
+              raise
             t_last += time.perf_counter() - t0  # keep samples/s a measure of training only
           if sigterm.received:
             log(f"SIGTERM at step {step}: saving a checkpoint and stopping")
@@ -393,14 +450,19 @@ def train(
     feed.close()
     if profiling:
       jax.profiler.stop_trace()
-    state = _sync_all(plan, state)
-    if step > start or interrupted:
-      ckpt.save(state, step, plan)
-    ckpt.close()
-    if metrics_file is not None:
-      metrics_file.close()
-    if writer is not None:
-      writer.close()
+    try:
+      if not failed:
+        # Never leave a non-finite state as the newest checkpoint.
+        check_finite(jax.device_get([m["loss"] for m in pending]))
+        state = _sync_all(plan, state)
+        if step > start or interrupted:
+          ckpt.save(state, step, plan)
+    finally:
+      ckpt.close()
+      if metrics_file is not None:
+        metrics_file.close()
+      if writer is not None:
+        writer.close()
 
   results["step"] = step
   results["input_thread_seconds"] = feed.busy_seconds
