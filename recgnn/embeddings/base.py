@@ -69,7 +69,11 @@ def aligned_rows(num_rows: int) -> int:
 OPTIMIZERS = ("sgd", "rowwise_adagrad")
 INITIALIZERS = ("uniform", "normal", "zeros")
 POOLINGS = ("sum", "mean")
-_NOT_BACKENDS = frozenset({"base", "codecs", "testing", "plan"})
+# Shared modules of the package that are not backends (the access profiler, the host-table
+# code, the step's micro-batch protocol).
+_NOT_BACKENDS = frozenset(
+  {"base", "codecs", "testing", "plan", "profile", "host_table", "microbatch"}
+)
 
 
 # ----------------------------------------------------------------------------- specs

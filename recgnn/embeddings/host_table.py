@@ -1,0 +1,213 @@
+"""Tables in (pinned) host memory, read and written inside the jitted step.
+
+Shared by the backends that keep rows on the host (`offload`: the whole table behind a device
+cache; `hot_cold`: the cold rows): one copy of the placement, the Orbax workaround and the
+host gather / scatter.
+
+Placement: on one device the host arrays are whole, in that device's `pinned_host` memory; on
+a mesh they are split by rows over EVERY device of the mesh (P(BATCH)): one host copy of the
+table in all, S / n rows per device, instead of a replica per device.
+
+Reads and writes happen inside jit under `compute_on("device_host")` with the indices moved
+to host memory first (DESIGN.md: a gather on a host array works only that way). On a split
+table each device reads / writes the rows it owns:
+  gather   each device gathers its owned rows (zeros elsewhere) and a psum over the mesh
+           gives every device all of them (exact: one non-zero term per row)
+  scatter  each device writes the rows it owns (the others are dropped)
+Both are bare XLA gathers / scatters: jnp's index normalisation would add device-memory
+constants, which compute_on("device_host") rejects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from jax import lax
+from jax.experimental.compute_on import compute_on
+
+from recgnn import sharding
+from recgnn.embeddings import base
+
+HOST_MEMORIES = ("pinned_host", "device")
+
+
+def host_spec(x: jax.Array) -> jax.sharding.PartitionSpec:
+  """A split host array's spec: rows over every device of the mesh."""
+  return sharding.P(sharding.BATCH, *([None] * (x.ndim - 1)))
+
+
+def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x[idx] for in-range idx, as a bare XLA gather (jnp's index normalisation would add
+  device-memory constants, which `compute_on("device_host")` rejects)."""
+  dn = lax.GatherDimensionNumbers(
+    offset_dims=tuple(range(1, x.ndim)), collapsed_slice_dims=(0,), start_index_map=(0,)
+  )
+  return lax.gather(x, idx[:, None], dn, (1,) + x.shape[1:], mode=lax.GatherScatterMode.CLIP)
+
+
+def scatter_rows(x: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
+  """x.at[idx].set(rows); out-of-range idx (padding) are dropped natively by XLA."""
+  dn = lax.ScatterDimensionNumbers(
+    update_window_dims=tuple(range(1, x.ndim)),
+    inserted_window_dims=(0,),
+    scatter_dims_to_operand_dims=(0,),
+  )
+  return lax.scatter(
+    x, idx[:, None], rows, dn, mode=lax.GatherScatterMode.FILL_OR_DROP, unique_indices=True
+  )
+
+
+class HostTable:
+  """Placement and in-step access of host-resident row arrays ({"table": f32[S, D], slot:
+  f32[S]} with S = base.aligned_rows(N)) on a mesh.
+
+  host_memory: `pinned_host` (falls back to `device`, with a warning, where the platform has
+  no host memory space) or `device` (no offload: debugging, benchmarks).
+  """
+
+  def __init__(self, host_memory: str, owner: str):
+    if host_memory not in HOST_MEMORIES:
+      raise ValueError(
+        f"{owner}: unknown host_memory {host_memory!r}; available: {', '.join(HOST_MEMORIES)}"
+      )
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    if host_memory != "device" and host_memory not in kinds:
+      logging.warning(
+        "%s: %s memory unavailable on %s (has %s); keeping it in device memory",
+        owner,
+        host_memory,
+        jax.devices()[0].platform,
+        sorted(kinds),
+      )
+      host_memory = "device"
+    self.host_memory = host_memory
+    self.owner = owner
+    self.mesh: jax.sharding.Mesh | None = None
+
+  @property
+  def offloaded(self) -> bool:
+    return self.host_memory != "device"
+
+  @property
+  def split(self) -> bool:
+    """Whether the host arrays are split by rows over the devices of the mesh."""
+    return self.offloaded and self.mesh is not None and self.mesh.size > 1
+
+  def bind(self, mesh: jax.sharding.Mesh) -> None:
+    """Refuse (before allocating) a mesh the host arrays cannot be placed on."""
+    self.mesh = mesh
+    if self.offloaded and not all(
+      d.process_index == jax.process_index() for d in mesh.devices.flat
+    ):
+      raise ValueError(
+        f"{self.owner} runs within one process: its host table and planner live in this "
+        "process's memory; a mesh over several processes needs a table split per process "
+        "(not built yet). Use dense / dense(shard=rows) for this table, or run one process."
+      )
+    if self.split and base.ROW_ALIGN % mesh.size:
+      raise ValueError(
+        f"{self.owner}: the host table is split by rows over the {mesh.size} devices of the "
+        f"mesh, which needs a device count dividing {base.ROW_ALIGN} (1, 2, 4, 8, ...)"
+      )
+
+  def row_sharding(self) -> tuple[jax.sharding.Sharding, jax.sharding.Sharding]:
+    """(rows f32[S, D], slots f32[S]) shardings of the host arrays."""
+    kind = self.host_memory if self.offloaded else "device"
+    if self.split:
+      return (
+        sharding.named(self.mesh, sharding.P(sharding.BATCH, None), kind),
+        sharding.named(self.mesh, sharding.P(sharding.BATCH), kind),
+      )
+    repl = sharding.named(self.mesh, sharding.REPLICATED, kind)
+    return repl, repl
+
+  def sharding(self, slot_names) -> dict:
+    rows, vec = self.row_sharding()
+    return {"table": rows, **{s: vec for s in slot_names}}
+
+  def place(self, host: dict, shardings: dict) -> dict:
+    """Host arrays (numpy or placed) in host memory. Orbax (0.11, jax 0.10) restores arrays
+    whose sharding says pinned_host but whose type is in device memory, which compute_on
+    rejects: those are re-placed (once, O(N))."""
+    out = {}
+    for k, v in host.items():
+      if isinstance(v, jax.Array) and (
+        not self.offloaded or jax.typeof(v).memory_space == jax.memory.Space.Host
+      ):
+        out[k] = v if v.sharding == shardings[k] else jax.device_put(v, shardings[k])
+      else:
+        out[k] = jax.device_put(np.asarray(v), shardings[k])
+    return out
+
+  # ------------------------------------------------------------------------- in the step
+
+  def to_host(self, x):
+    return jax.device_put(x, jax.memory.Space.Host) if self.offloaded else x
+
+  def to_device(self, x):
+    return jax.device_put(x, jax.memory.Space.Device) if self.offloaded else x
+
+  def on_host(self):
+    return compute_on("device_host") if self.offloaded else contextlib.nullcontext()
+
+  def scatter(self, h: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    """h[rows] = values on the host array h (rows past h's end are dropped; rows unique).
+    values: device, replicated. On a split host table each device writes the rows it owns."""
+    if not self.split:
+      rows, values = self.to_host(rows), self.to_host(values)
+      with self.on_host():
+        return scatter_rows(h, rows, values)
+    spec = host_spec(h)
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(spec, sharding.REPLICATED, sharding.REPLICATED),
+      out_specs=spec,
+      check_vma=False,
+    )
+    def local(h, rows, values):
+      n = h.shape[0]
+      loc = rows - jax.lax.axis_index(sharding.BATCH) * n
+      loc = jnp.where((loc >= 0) & (loc < n), loc, n)  # not owned: dropped (stays unique)
+      loc, values = self.to_host(loc), self.to_host(values)
+      with self.on_host():
+        return scatter_rows(h, loc, values)
+
+    return local(h, rows, values)
+
+  def gather(self, h: jax.Array, rows: jax.Array) -> jax.Array:
+    """h[rows] (rows in range) from the host array h, as a replicated device array. On a
+    split host table each device gathers the rows it owns and an all-reduce of the [M, ...]
+    block (zeros elsewhere, so the sum is exact) gives every device all of them."""
+    if not self.split:
+      rows = self.to_host(rows)
+      with self.on_host():
+        out = gather_rows(h, rows)
+      return self.to_device(out)
+    spec = host_spec(h)
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(spec, sharding.REPLICATED),
+      out_specs=sharding.REPLICATED,
+      check_vma=False,
+    )
+    def local(h, rows):
+      n = h.shape[0]
+      loc = rows - jax.lax.axis_index(sharding.BATCH) * n
+      owned = (loc >= 0) & (loc < n)
+      loc = self.to_host(jnp.where(owned, loc, 0))
+      with self.on_host():
+        got = gather_rows(h, loc)
+      got = self.to_device(got)
+      owned = owned.reshape(owned.shape + (1,) * (got.ndim - 1))
+      return jax.lax.psum(jnp.where(owned, got, 0), sharding.BATCH)
+
+    return local(h, rows)

@@ -1,0 +1,871 @@
+"""`hot_cold`: Hotline / FAE. Popular rows row-sharded over the mesh, the rest in host memory.
+
+Plan string: `hot_cold(budget=0.05, profile_batches=20, reprofile=0, split=True)`; options in
+`HotCold`. One instance per GROUP of tables: an example is popular only when ALL its ids in
+the group's tables are hot (FAE's rule), so put the large tables in one hot_cold rule and the
+small ones (wholly on the devices anyway) under `dense`.
+
+Why (Adnan et al., ISCA'24 "Hotline"; FAE, VLDB'22): a few rows take most accesses. Those
+rows, with their optimizer state, live in one device array per table, split by rows over every
+device of the mesh (NamedSharding P(BATCH)); the long tail stays in pinned host memory (the
+`host_table` module shared with `offload`). A batch is split into a popular micro-batch (every
+id hot: computed from device memory only) and a non-popular one (some id cold: its cold rows
+come from the host), so the accelerators work on the popular examples while cold rows arrive.
+
+How a batch flows:
+
+  input thread, prepare(k)   counts accesses while profiling (recgnn.embeddings.profile);
+                             maps each id to a hot slot or to the batch's list of distinct
+                             cold rows; splits the examples per device into the popular and
+                             the non-popular micro-batch (sizes padded to grow-only buckets so
+                             the step compiles a few times per run, not per batch); when a
+                             profile completes, picks the hot set for the byte budget and plans
+                             the migration (rows in / out of the hot arrays).
+  step k, lookup             popular micro-batch: hot rows only (a masked gather on each
+                             device's shard, a reduce-scatter of the rows: exact, every row
+                             has one non-zero term). Non-popular: the same, plus the cold rows
+                             gathered from the host table (compute_on("device_host")).
+  step k, update             ONE sparse update for the whole batch, as `dense` applies it:
+                             hot rows on their owner devices, cold rows on the gathered copy
+                             and written back to the host table (exact: the same adds in the
+                             same order as dense's). Then the migration planned with batch k.
+
+Exact under the trainer's run-ahead of `prepare`: a step reads the host table and writes its
+cold rows back within itself (the state carries them in order); the hot / cold layout changes
+only by a migration that runs at the end of the update of the batch whose `prepare` planned it,
+and every later batch is prepared for the new layout. `version` in the state checks that
+updates run in prepare order (as `offload`).
+
+The hot set: the first `profile_batches` train batches are profiled (every row cold
+meanwhile); then the most accessed rows that fit the budget are migrated in. FAE samples 5 %
+of the input before training: the trainer gives a backend no look at the data before it
+runs, so the sample is the head of the (shuffled) stream; `use_profile` takes a profile made
+elsewhere (e.g. `profile.profile_sample` over a 5 % sample) instead. `reprofile=N` re-picks
+the hot set every N train batches from the accesses counted since the last pick, for drifting
+popularity. A checkpoint holds the logical rows only (restorable into any "rows" backend, on
+any mesh): the hot set is re-profiled after `import_`.
+
+State {"tables": {table: {"hot": {"table": f32[Ha, D], slot: f32[Ha]}   rows over the mesh
+                          "hot_rows": int32[Ha] (the row in each hot slot; N = empty)
+                          "host": {"table": f32[S, D], slot: f32[S]}}}  host_table placement
+       "version": int32[], "stale": int32[]}
+Ha = the hot capacity rounded up to a multiple of the devices; S = base.aligned_rows(N). The
+host table holds every row; a hot row's host copy is stale until `sync` writes it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from recgnn import sharding
+from recgnn.embeddings import base, host_table, microbatch, profile
+
+P = sharding.P
+HEADROOM = 1.0  # micro-batch capacities: the largest size seen, rounded to a bucket
+
+
+def _round_up(n: int, quantum: int = 1) -> int:
+  """n rounded up to one of 4 sizes per octave (2^k * {1, 1.25, 1.5, 1.75}), min 1, then to
+  a multiple of `quantum`. Every new size recompiles the step: coarse on purpose."""
+  n = max(1, math.ceil(HEADROOM * n))
+  step = 1 << max(0, n.bit_length() - 3)
+  n = -(-n // step) * step
+  return -(-n // quantum) * quantum
+
+
+def _bucket(n: int) -> int:
+  """Length of a migration list: 0, or a power of two >= 16 (migrations are rare)."""
+  return 0 if n == 0 else max(16, 1 << (n - 1).bit_length())
+
+
+def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
+  out = np.full(size, fill, np.int32)
+  out[: a.shape[0]] = a
+  return out
+
+
+def _take_examples(glob: np.ndarray, a: np.ndarray, fill: int) -> np.ndarray:
+  """a[glob] (rows of a batch-major array), `fill` where glob < 0 (padding examples)."""
+  keep = (glob >= 0).reshape((-1,) + (1,) * (a.ndim - 1))
+  return np.where(keep, a[np.maximum(glob, 0)], fill).astype(np.int32)
+
+
+@dataclasses.dataclass
+class _Rows:
+  """Host bookkeeping of one table: the hot slot of each row, the row of each slot."""
+
+  spec: base.TableSpec
+  capacity: int  # hot rows the budget allows (H)
+  alloc: int  # hot slots allocated (Ha >= H, a multiple of the devices)
+  row_slot: np.ndarray  # int32[N], -1 = cold
+  slot_row: np.ndarray  # int64[Ha], -1 = empty
+  profile: profile.AccessProfile
+
+  @property
+  def hot(self) -> np.ndarray:
+    """Sorted hot row ids."""
+    return np.sort(self.slot_row[self.slot_row >= 0])
+
+
+class HotCold(base.Backend):
+  """Hot rows on the devices (row-sharded), cold rows in host memory; popular / non-popular
+  micro-batches.
+
+  Options (plan string):
+    budget: share of each table's bytes (rows + optimizer state) kept on the devices, in all
+      (each of n devices holds 1 / n of it). Default 0.05. Or
+    hot_rows: the hot rows per table, instead of `budget`.
+    profile_batches: train batches profiled before the first hot set is picked. Default 20.
+    reprofile: re-pick the hot set every this many train batches from the accesses counted
+      since the last pick, migrating rows (0 = never, the default).
+    split: run the batch as popular + non-popular micro-batches (the step's micro-batch
+      feature; default True). False: one lookup of the whole batch (same values).
+    host_memory: `pinned_host` (default) or `device` (no offload: benchmarks, debugging).
+  """
+
+  name = "hot_cold"
+
+  def __init__(
+    self,
+    specs: Sequence[base.TableSpec],
+    mesh: jax.sharding.Mesh,
+    text: str = "",
+    budget: float | None = None,
+    hot_rows: int | None = None,
+    profile_batches: int = 20,
+    reprofile: int = 0,
+    split: bool = True,
+    host_memory: str = "pinned_host",
+  ):
+    super().__init__(specs, mesh, text)
+    if budget is not None and hot_rows is not None:
+      raise ValueError("hot_cold: give budget=FRACTION or hot_rows=ROWS, not both")
+    if budget is None and hot_rows is None:
+      budget = 0.05
+    if budget is not None and not 0 < budget <= 1:
+      raise ValueError(f"hot_cold: budget must be in (0, 1], got {budget}")
+    if hot_rows is not None and int(hot_rows) < 1:
+      raise ValueError(f"hot_cold: hot_rows must be >= 1, got {hot_rows}")
+    if int(profile_batches) < 1 or int(reprofile) < 0:
+      raise ValueError(
+        f"hot_cold: need profile_batches >= 1 and reprofile >= 0, got {profile_batches}, "
+        f"{reprofile}"
+      )
+    self.budget, self.hot_rows_option = budget, hot_rows
+    self.profile_batches, self.reprofile = int(profile_batches), int(reprofile)
+    self.split = bool(split)
+    self.host = host_table.HostTable(host_memory, f"hot_cold (tables {', '.join(self.specs)})")
+    self.host.bind(mesh)
+    n = mesh.size
+    self._rows: dict[str, _Rows] = {}
+    for name, spec in self.specs.items():
+      cap = hot_rows if hot_rows is not None else math.ceil(budget * spec.num_rows)
+      cap = max(1, min(int(cap), spec.num_rows))
+      self._rows[name] = _Rows(
+        spec=spec,
+        capacity=cap,
+        alloc=-(-cap // n) * n,
+        row_slot=np.full(spec.num_rows, -1, np.int32),
+        slot_row=np.full(-(-cap // n) * n, -1, np.int64),
+        profile=profile.AccessProfile(spec.num_rows),
+      )
+    self._version = 0
+    self._since_pick = 0  # train batches counted since the last pick
+    self._picked = False  # a hot set has been picked (initial profile done)
+    self._pending: dict[str, np.ndarray] | None = None  # a hot set to migrate to
+    self._caps: dict[str, int] = {}
+    self._lock = threading.Lock()
+    self._counters: dict[str, float] = {}
+    self._initialised = False
+
+  def describe(self, table=None):
+    del table
+    size = f"hot_rows={self.hot_rows_option}" if self.budget is None else f"budget={self.budget}"
+    extra = f", reprofile={self.reprofile}" if self.reprofile else ""
+    extra += "" if self.split else ", split=False"
+    extra += "" if self.host.host_memory == "pinned_host" else ", host_memory=device"
+    return f"hot_cold({size}, profile_batches={self.profile_batches}{extra})"
+
+  # --------------------------------------------------------------------------- placement
+
+  def _hot_sharding(self):
+    return (
+      sharding.named(self.mesh, P(sharding.BATCH, None)),
+      sharding.named(self.mesh, P(sharding.BATCH)),
+    )
+
+  def _repl(self):
+    return sharding.named(self.mesh, sharding.REPLICATED)
+
+  def state_sharding(self):
+    rows, vec = self._hot_sharding()
+    out = {}
+    for name, spec in self.specs.items():
+      slots = spec.optimizer.slot_names()
+      out[name] = {
+        "hot": {"table": rows, **{s: vec for s in slots}},
+        "hot_rows": self._repl(),
+        "host": self.host.sharding(slots),
+      }
+    return {"tables": out, "version": self._repl(), "stale": self._repl()}
+
+  def memory(self):
+    out = {}
+    n = self.mesh.size
+    for name, r in self._rows.items():
+      spec = r.spec
+      device = r.alloc // n * spec.row_bytes + r.alloc * 4  # hot shard + slot map
+      # Every row on the host (one copy over the mesh), the row -> slot map, the profile.
+      host = base.aligned_rows(spec.num_rows) * spec.row_bytes + spec.num_rows * (4 + 8)
+      if not self.host.offloaded:
+        device, host = device + base.aligned_rows(spec.num_rows) * spec.row_bytes, host
+      where = (
+        f"{r.alloc} hot rows over {n} device(s) + {self.host.host_memory}"
+        if self.host.offloaded
+        else "device (no offload)"
+      )
+      out[name] = base.MemoryReport(device, host, where)
+    return out
+
+  # --------------------------------------------------------------------------- state
+
+  def init(self, key):
+    host = {}
+    for name, spec in self.specs.items():
+      opt = spec.optimizer
+      s = base.aligned_rows(spec.num_rows)
+      table = np.zeros((s, spec.dim), np.float32)
+      table[: spec.num_rows] = base.init_table(base.table_key(key, name), spec)
+      host[name] = {"table": table}
+      host[name].update(
+        {k: np.full(s, opt.initial_accumulator, np.float32) for k in opt.slot_names()}
+      )
+    return self._fresh(host, keep_hot_set=True)
+
+  def _fresh(self, host: dict, keep_hot_set: bool) -> dict:
+    """A state holding `host` (every row; numpy or placed); the hot arrays hold the current
+    hot set (from `use_profile` before init) or nothing."""
+    sh = self.state_sharding()
+    tables = {}
+    if not keep_hot_set:
+      for r in self._rows.values():
+        r.row_slot[:] = -1
+        r.slot_row[:] = -1
+      self._picked = False
+    for name, r in self._rows.items():
+      spec, opt = r.spec, r.spec.optimizer
+      placed = self.host.place(host[name], sh["tables"][name]["host"])
+      hot = {"table": np.zeros((r.alloc, spec.dim), np.float32)}
+      hot.update(
+        {k: np.full(r.alloc, opt.initial_accumulator, np.float32) for k in opt.slot_names()}
+      )
+      filled = r.slot_row >= 0
+      if filled.any():  # a hot set picked before init: its rows start from the host values
+        src = jax.device_get(placed)
+        for k in hot:
+          hot[k][filled] = np.asarray(src[k])[r.slot_row[filled]]
+      hot_rows = np.where(filled, r.slot_row, spec.num_rows).astype(np.int32)
+      tables[name] = {
+        "hot": jax.device_put(hot, sh["tables"][name]["hot"]),
+        "hot_rows": jax.device_put(hot_rows, sh["tables"][name]["hot_rows"]),
+        "host": placed,
+      }
+    self._version, self._since_pick, self._caps = 0, 0, {}
+    self._pending = None
+    for r in self._rows.values():
+      r.profile.reset()
+    self._initialised = True
+    # Two buffers: the state is donated, and one buffer donated twice is an error.
+    zero = lambda: jax.device_put(np.zeros((), np.int32), self._repl())  # noqa: E731
+    return {"tables": tables, "version": zero(), "stale": zero()}
+
+  def use_profile(self, profiles: dict[str, profile.AccessProfile]) -> profile.HotSet:
+    """Pick the hot set from a profile made elsewhere (e.g. `profile.profile_sample` over 5 %
+    of the training input). Before `init`: init places it. After: the next train batch's
+    prepare plans the migration. Ends the initial profiling."""
+    chosen = self._choose(profiles)
+    if not self._initialised:
+      for name, r in self._rows.items():
+        r.row_slot[:] = -1
+        r.slot_row[:] = -1
+        rows = chosen.rows[name]
+        r.slot_row[: rows.size] = rows
+        r.row_slot[rows] = np.arange(rows.size, dtype=np.int32)
+    else:
+      self._pending = chosen.rows
+    self._picked = True
+    return chosen
+
+  def _choose(self, profiles) -> profile.HotSet:
+    """The hot set of the budget: the most accessed rows per byte, each table capped at its
+    hot capacity (profile.hot_set_for_budget)."""
+    row_bytes = {n: s.row_bytes for n, s in self.specs.items()}
+    caps = {n: r.capacity for n, r in self._rows.items()}
+    budget = sum(caps[n] * row_bytes[n] for n in self.specs)
+    return profile.hot_set_for_budget(
+      {n: profiles[n] for n in self.specs}, row_bytes, budget, capacity=caps
+    )
+
+  def logical_format(self, table):
+    return "rows"
+
+  def export(self, state):
+    """The host arrays of a synced state (`sync` wrote every hot row back)."""
+    self._check_stale(state)
+    out = {}
+    for name, spec in self.specs.items():
+      h = state["tables"][name]["host"]
+      out[name] = {"rows": h["table"], **{k: h[k] for k in spec.optimizer.slot_names()}}
+    return out
+
+  def logical_target(self):
+    out = {}
+    for name, spec in self.specs.items():
+      s, d = base.aligned_rows(spec.num_rows), spec.dim
+      rows, vec = self.host.row_sharding()
+      t = {"rows": jax.ShapeDtypeStruct((s, d), jnp.float32, sharding=rows)}
+      for k in spec.optimizer.slot_names():
+        t[k] = jax.ShapeDtypeStruct((s,), jnp.float32, sharding=vec)
+      out[name] = t
+    return out
+
+  def import_(self, logical):
+    """Every row to the host table, empty hot arrays: the hot set is profiled again (values
+    do not change, only where rows live)."""
+    host = {
+      n: {"table": logical[n]["rows"], **{k: logical[n][k] for k in s.optimizer.slot_names()}}
+      for n, s in self.specs.items()
+    }
+    return self._fresh(host, keep_hot_set=False)
+
+  def restore(self, state):
+    """Host bookkeeping from a restored state's hot slots (the profile restarts)."""
+    self._check_stale(state)
+    sh = self.state_sharding()
+    tables = {}
+    for name, r in self._rows.items():
+      t = state["tables"][name]
+      t = {**t, "host": self.host.place(t["host"], sh["tables"][name]["host"])}
+      tables[name] = t
+      hot_rows = np.asarray(jax.device_get(t["hot_rows"])).astype(np.int64)
+      if hot_rows.shape[0] != r.alloc:
+        raise ValueError(
+          f"hot_cold: the state has {hot_rows.shape[0]} hot slots for table {name!r}, this "
+          f"backend {r.alloc}; restore checkpoints through export / import_ (the logical rows)"
+        )
+      r.slot_row = np.where(hot_rows < r.spec.num_rows, hot_rows, -1)
+      r.row_slot[:] = -1
+      filled = r.slot_row >= 0
+      r.row_slot[r.slot_row[filled]] = np.flatnonzero(filled).astype(np.int32)
+      r.profile.reset()
+    self._picked = any((r.slot_row >= 0).any() for r in self._rows.values())
+    self._version = int(jax.device_get(state["version"]))
+    self._since_pick, self._caps, self._pending = 0, {}, None
+    self._initialised = True
+    return {**state, "tables": tables}
+
+  def _check_stale(self, state):
+    stale = int(jax.device_get(state["stale"]))
+    if stale:
+      raise RuntimeError(
+        f"hot_cold (tables {', '.join(self.specs)}): {stale} update(s) ran with a batch "
+        "prepared for another hot / cold layout: a prepared train batch was skipped or ran "
+        "out of order. Batches that only run lookup (eval) must be prepared with "
+        "prepare(ids, upcoming, train=False)."
+      )
+
+  def sync(self, state):
+    """Write every hot row back to the host table (O(hot rows)); the hot arrays stay."""
+    self._check_stale(state)
+    if not hasattr(self, "_sync_jit"):
+      self._sync_jit = jax.jit(self._flush, donate_argnums=0)
+    return self._sync_jit(state)
+
+  def _flush(self, state):
+    tables = {}
+    for name, t in state["tables"].items():
+      n = self.specs[name].num_rows
+      rows = jnp.where(t["hot_rows"] < n, t["hot_rows"], base.aligned_rows(n))
+      slots = jnp.arange(t["hot_rows"].shape[0], dtype=jnp.int32)
+      host = dict(t["host"])
+      for k, v in t["hot"].items():
+        host[k] = self.host.scatter(host[k], rows, self._hot_get(v, slots))
+      tables[name] = {**t, "host": host}
+    return {**state, "tables": tables}
+
+  def tables(self, state):
+    out = {}
+    for name, t in state["tables"].items():
+      n = self.specs[name].num_rows
+      table = np.array(jax.device_get(t["host"]["table"]))[:n]
+      hot_rows = np.asarray(jax.device_get(t["hot_rows"]))
+      hot = np.asarray(jax.device_get(t["hot"]["table"]))
+      filled = hot_rows < n
+      table[hot_rows[filled]] = hot[filled]
+      out[name] = table
+    return out
+
+  def hot_set(self) -> dict[str, np.ndarray]:
+    """The current hot rows of each table (as prepared batches see them), sorted."""
+    return {n: r.hot for n, r in self._rows.items()}
+
+  # --------------------------------------------------------------------------- host side
+
+  def _devices(self) -> int:
+    """How many pieces the batch is split into (its examples per device)."""
+    return self.mesh.size if self.shard_batch else 1
+
+  def _cap(self, key: str, n: int, limit: int, quantum: int = 1) -> int:
+    cap = max(self._caps.get(key, 0), min(_round_up(n, quantum), limit))
+    self._caps[key] = cap
+    return cap
+
+  def _count(self, **kv):
+    with self._lock:
+      for k, v in kv.items():
+        self._counters[k] = self._counters.get(k, 0) + v
+
+  def prepare(self, ids, upcoming=(), *, train=True):
+    """ids {table: int[B, L]} (PAD = -1) -> the prepared pytree (see `prepared_spec`).
+
+    train=False (eval): read-only; neither counts toward the profile nor migrates.
+    """
+    del upcoming
+    t0 = time.perf_counter()
+    if train and not self._initialised:
+      raise RuntimeError("hot_cold: call init (or import_ / restore) before prepare(train=True)")
+    ids = {n: np.asarray(ids[n]).astype(np.int64) for n in self.specs}
+    batch = next(iter(ids.values())).shape[0]
+    n_dev = self._devices()
+    if batch % n_dev:
+      sharding.check_batch(batch, self.mesh)
+    b = batch // n_dev
+    per, example_cold = {}, np.zeros(batch, bool)
+    hot_ids_total = ids_total = 0
+    for name, x in ids.items():
+      r = self._rows[name]
+      valid = x >= 0
+      slot = np.where(valid, r.row_slot[np.maximum(x, 0)], -1)
+      hot = slot >= 0
+      cold = valid & ~hot
+      example_cold |= cold.any(axis=1)
+      cold_rows, cold_pos = np.unique(x[cold], return_inverse=True)
+      per[name] = (x, valid, slot, hot, cold, cold_rows, cold_pos)
+      hot_ids_total += int(hot.sum())
+      ids_total += int(valid.sum())
+    out = {"tables": {}, "micro": None}
+    for name, (x, valid, slot, hot, cold, cold_rows, cold_pos) in per.items():
+      r = self._rows[name]
+      uc = self._cap(f"cold@{name}@{batch}", cold_rows.size, x.size)
+      cold_ids = np.full(x.shape, uc, np.int32)
+      cold_ids[cold] = cold_pos
+      t = {
+        "hot_ids": np.where(hot, slot, r.alloc).astype(np.int32),
+        "cold_ids": cold_ids,
+        "cold_rows": _pad(cold_rows, uc, base.aligned_rows(r.spec.num_rows)),
+      }
+      if r.spec.optimizer.needs_unique:
+        t["hot_unique"], t["hot_inverse"] = base.dedup(np.where(hot, slot, -1), r.alloc)
+      if r.spec.pooling == "mean":
+        t["count"] = valid.sum(axis=1).astype(np.int32)
+      out["tables"][name] = t
+    if self.split:
+      out["micro"] = self._micro(out["tables"], ~example_cold, n_dev, b)
+    else:
+      del out["micro"]
+    migrate = self._plan_profile(ids, train)
+    for name, t in out["tables"].items():
+      t.update(self._pack_migration(name, migrate.get(name)))
+    version = -1 if not train else self._version
+    if train:
+      self._version += 1
+    out["version"] = np.asarray(version, np.int32)
+    popular = int((~example_cold).sum())
+    cold_rows_n = sum(p[5].size for p in per.values())
+    stats = dict(
+      examples=batch,
+      popular=popular,
+      hot_ids=hot_ids_total,
+      ids=ids_total,
+      plan_seconds=time.perf_counter() - t0,
+    )
+    if train:
+      stats.update(
+        steps=1,
+        rows_h2d=cold_rows_n,
+        rows_d2h=cold_rows_n,
+        migrated_rows=sum(
+          int(m[1].size) + int(m[0].size) for m in migrate.values() if m is not None
+        ),
+      )
+      if self.split:
+        stats.update(
+          micro_popular=out["micro"][0]["idx"].shape[0],
+          micro_cold=out["micro"][1]["idx"].shape[0],
+        )
+    else:
+      stats = {f"eval_{k}": v for k, v in stats.items()}
+    self._count(**stats)
+    return out
+
+  def _micro(self, tables, popular, n_dev, b):
+    """Per device, its popular examples (in batch order) then its non-popular ones, as two
+    micro-batches of bucketed sizes P0, P1 (every device the same). Each micro-batch:
+    {"idx": int32[n * Pm] local example index (b = padding), table: {"hot": int32[n * Pm, L],
+    "cold": int32[n * Pm, L] (non-popular only), "count": int32[n * Pm] (mean pooling)}}."""
+    h = popular.reshape(n_dev, b)
+    cnt = h.sum(axis=1)
+    order = np.argsort(~h, axis=1, kind="stable")  # popular first, each in batch order
+    quantum = max(1, b // 64)
+    p0 = self._cap(f"micro0@{b}", int(cnt.max()), b, quantum)
+    p1 = self._cap(f"micro1@{b}", int((b - cnt).max()), b, quantum)
+    j0, j1 = np.arange(p0)[None, :], np.arange(p1)[None, :]
+    idx0 = np.where(j0 < cnt[:, None], np.take_along_axis(order, np.minimum(j0, b - 1), 1), b)
+    pos1 = np.minimum(cnt[:, None] + j1, b - 1)
+    idx1 = np.where(j1 < (b - cnt)[:, None], np.take_along_axis(order, pos1, 1), b)
+    micro = []
+    for m, idx in enumerate((idx0, idx1)):
+      glob = np.where(idx < b, idx + np.arange(n_dev)[:, None] * b, -1).reshape(-1)
+      mb = {"idx": idx.reshape(-1).astype(np.int32)}
+      for name, t in tables.items():
+        r = self._rows[name]
+        take = functools.partial(_take_examples, glob)
+        e = {"hot": take(t["hot_ids"], r.alloc)}
+        if m == 1:  # the popular micro-batch has no cold ids: it never waits for the host
+          e["cold"] = take(t["cold_ids"], t["cold_rows"].shape[0])
+        if "count" in t:
+          e["count"] = take(t["count"], 0)
+        mb[name] = e
+      micro.append(mb)
+    return tuple(micro)
+
+  def _plan_profile(self, ids, train) -> dict[str, tuple[np.ndarray, np.ndarray] | None]:
+    """Count this train batch; when a profile window completes, pick the hot set and plan
+    the migration run at the end of this batch's update. -> {table: (rows in, rows out)}."""
+    if not train:
+      return {}
+    if self._pending is None and (not self._picked or self.reprofile):
+      for name, x in ids.items():
+        self._rows[name].profile.add(x)
+      self._since_pick += 1
+      window = self.reprofile if self._picked else self.profile_batches
+      if self._since_pick >= window:
+        self._pending = self._choose({n: r.profile for n, r in self._rows.items()}).rows
+        for r in self._rows.values():
+          r.profile.reset()
+        self._since_pick, self._picked = 0, True
+    if self._pending is None:
+      return {}
+    chosen, self._pending = self._pending, None
+    out = {}
+    for name, new in chosen.items():
+      out[name] = self._migrate(self._rows[name], new)
+    # The popular share jumps: let the micro-batch and cold-list capacities shrink.
+    self._caps = {}
+    return out
+
+  @staticmethod
+  def _migrate(r: _Rows, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Make `new` (sorted rows) the hot set: rows staying keep their slots. -> (rows in,
+    their slots, slots out) with the row map updated for the batches after this one."""
+    old_slots = np.flatnonzero(r.slot_row >= 0)
+    old_rows = r.slot_row[old_slots]
+    stay = np.isin(old_rows, new)
+    out_slots = old_slots[~stay]
+    r.row_slot[old_rows[~stay]] = -1
+    r.slot_row[out_slots] = -1
+    incoming = new[r.row_slot[new] < 0]
+    free = np.flatnonzero(r.slot_row < 0)[: incoming.size]
+    r.slot_row[free] = incoming
+    r.row_slot[incoming] = free.astype(np.int32)
+    out_rows = None  # (the rows leaving are read from the state's slot map)
+    del out_rows
+    return incoming, free, out_slots
+
+  def _pack_migration(self, name, m) -> dict:
+    r = self._rows[name]
+    if m is None:
+      m = (np.zeros(0, np.int64),) * 3
+    incoming, slots_in, slots_out = m
+    k_in, k_out = _bucket(incoming.size), _bucket(slots_out.size)
+    return {
+      # Padding: row 0 is read (in range) and dropped at slot Ha.
+      "in_rows": _pad(incoming, k_in, 0),
+      "in_slots": _pad(slots_in, k_in, r.alloc),
+      # Padding slot Ha reads zeros; its row (from hot_rows: none) is dropped by the scatter.
+      "out_slots": _pad(slots_out, k_out, r.alloc),
+    }
+
+  _BATCH_MAJOR = ("hot_ids", "cold_ids", "hot_inverse", "count")
+
+  def prepared_spec(self, prepared):
+    batch = sharding.BATCH_SPEC if self.shard_batch else sharding.REPLICATED
+    out = {
+      "tables": {
+        n: {k: batch if k in self._BATCH_MAJOR else sharding.REPLICATED for k in t}
+        for n, t in prepared["tables"].items()
+      },
+      "version": sharding.REPLICATED,
+    }
+    if "micro" in prepared:
+      out["micro"] = jax.tree.map(lambda _: batch, prepared["micro"])
+    return out
+
+  def stats(self):
+    """Since the last call, per train step: popular_fraction (examples whose ids are all
+    hot), hot_coverage (ids served by a hot row), rows / bytes host -> device and back
+    (cold rows), migrated rows, micro-batch sizes (padded, all devices), plan ms on the
+    input thread. Eval batches: eval_popular_fraction, eval_hot_coverage."""
+    with self._lock:
+      c, self._counters = self._counters, {}
+    out = {}
+    steps = c.get("steps", 0)
+    row_bytes = np.mean([s.row_bytes for s in self.specs.values()])
+    if steps:
+      out.update(
+        popular_fraction=c["popular"] / max(c["examples"], 1),
+        hot_coverage=c["hot_ids"] / max(c["ids"], 1),
+        h2d_rows_per_step=c["rows_h2d"] / steps,
+        d2h_rows_per_step=c["rows_d2h"] / steps,
+        h2d_bytes_per_step=c["rows_h2d"] * row_bytes / steps,
+        d2h_bytes_per_step=c["rows_d2h"] * row_bytes / steps,
+        migrated_rows_per_step=c["migrated_rows"] / steps,
+        plan_ms_per_step=1e3 * c["plan_seconds"] / steps,
+        steps=steps,
+      )
+      if "micro_popular" in c:
+        out["micro_popular_size"] = c["micro_popular"] / steps
+        out["micro_cold_size"] = c["micro_cold"] / steps
+    if c.get("eval_examples"):
+      out["eval_popular_fraction"] = c["eval_popular"] / c["eval_examples"]
+      out["eval_hot_coverage"] = c["eval_hot_ids"] / max(c["eval_ids"], 1)
+    return out
+
+  # --------------------------------------------------------------------------- device side
+
+  def _hot_get(self, hot: jax.Array, slots: jax.Array) -> jax.Array:
+    """hot[slots] (slots >= Ha: zeros) as a replicated array: each device gathers the slots
+    it owns, a psum adds the one non-zero term per slot (exact)."""
+    spec = P(sharding.BATCH, *([None] * (hot.ndim - 1)))
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(spec, sharding.REPLICATED),
+      out_specs=sharding.REPLICATED,
+      check_vma=False,
+    )
+    def local(h, slots):
+      return jax.lax.psum(
+        h.at[self._local(slots, h.shape[0])].get(mode="fill", fill_value=0.0), sharding.BATCH
+      )
+
+    return local(hot, slots)
+
+  def _hot_set(self, hot: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
+    """hot[slots] = values (replicated; slots >= Ha dropped): each device its own slots."""
+    spec = P(sharding.BATCH, *([None] * (hot.ndim - 1)))
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(spec, sharding.REPLICATED, sharding.REPLICATED),
+      out_specs=spec,
+      check_vma=False,
+    )
+    def local(h, slots, values):
+      return h.at[self._local(slots, h.shape[0])].set(values, mode="drop")
+
+    return local(hot, slots, values)
+
+  @staticmethod
+  def _local(slots: jax.Array, h: int) -> jax.Array:
+    """Hot slots -> this device's local index, h (dropped / zero) where not owned."""
+    loc = slots - jax.lax.axis_index(sharding.BATCH) * h
+    return jnp.where((loc >= 0) & (loc < h), loc, h)
+
+  def _hot_lookup(self, hot: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows of hot slots ids int32[B, L] (batch-split; >= Ha: zeros) -> f32[B, L, D]. Each
+    device gathers the rows it owns for the ids of every device and a reduce-scatter hands
+    each device its examples' rows (one non-zero term per row: exact)."""
+    split = self.shard_batch
+    ids_spec = P(sharding.BATCH, None) if split else sharding.REPLICATED
+    out_spec = P(sharding.BATCH, None, None) if split else sharding.REPLICATED
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(P(sharding.BATCH, None), ids_spec),
+      out_specs=out_spec,
+      check_vma=False,
+    )
+    def local(h, ids):
+      if split:
+        ids = jax.lax.all_gather(ids, sharding.BATCH, tiled=True)
+      rows = h.at[self._local(ids, h.shape[0])].get(mode="fill", fill_value=0.0)
+      if split:
+        return jax.lax.psum_scatter(rows, sharding.BATCH, scatter_dimension=0, tiled=True)
+      return jax.lax.psum(rows, sharding.BATCH)
+
+    return local(hot, ids)
+
+  def _cold_rows(self, state, prepared, name, keys=("table",)) -> dict[str, jax.Array]:
+    """The batch's cold rows (and optimizer state) from the host table: replicated
+    [Uc, ...] arrays (the padding entries read row 0 ... and are never used)."""
+    t = state["tables"][name]
+    rows = prepared["tables"][name]["cold_rows"]
+    s = t["host"]["table"].shape[0]
+    rows = jnp.minimum(rows, s - 1)
+    return {k: self.host.gather(t["host"][k], rows) for k in keys}
+
+  def micro_batches(self, prepared) -> tuple[jax.Array, ...] | None:
+    """The step's micro-batch feature: int32[n * Pm] per micro-batch, batch-major, each
+    device's local example indices (b = padding) in the order to run them: popular first."""
+    if "micro" not in prepared:
+      return None
+    return tuple(mb["idx"] for mb in prepared["micro"])
+
+  def lookup_micro(self, state, prepared, m: int) -> dict[str, jax.Array]:
+    """{table: f32[n * Pm, D]} pooled rows of micro-batch m's examples (padding: zeros)."""
+    mb = prepared["micro"][m]
+    out = {}
+    for name, spec in self.specs.items():
+      e = mb[name]
+      rows = self._hot_lookup(state["tables"][name]["hot"]["table"], e["hot"])
+      if "cold" in e:
+        cold = self._cold_rows(state, prepared, name)["table"]
+        got = cold.at[e["cold"]].get(mode="fill", fill_value=0.0)
+        rows = jnp.where((e["cold"] < cold.shape[0])[..., None], got, rows)
+      count = e.get("count") if spec.pooling == "mean" else None
+      out[name] = base.pool_rows(rows, count)
+    return out
+
+  def lookup(self, state, prepared):
+    if "micro" not in prepared:
+      return self._lookup_whole(state, prepared)
+    parts = [self.lookup_micro(state, prepared, m) for m in range(len(prepared["micro"]))]
+    idx = [mb["idx"] for mb in prepared["micro"]]
+    batch = next(iter(prepared["tables"].values()))["hot_ids"].shape[0]
+    return {
+      n: microbatch.merge(self.mesh, self.shard_batch, batch, idx, [p[n] for p in parts])
+      for n in self.specs
+    }
+
+  def _lookup_whole(self, state, prepared):
+    out = {}
+    for name, spec in self.specs.items():
+      t = prepared["tables"][name]
+      rows = self._hot_lookup(state["tables"][name]["hot"]["table"], t["hot_ids"])
+      cold = self._cold_rows(state, prepared, name)["table"]
+      got = cold.at[t["cold_ids"]].get(mode="fill", fill_value=0.0)
+      rows = jnp.where((t["cold_ids"] < cold.shape[0])[..., None], got, rows)
+      out[name] = base.pool_rows(rows, t.get("count") if spec.pooling == "mean" else None)
+    return out
+
+  def update(self, state, prepared, grads):
+    tables = {}
+    for name, spec in self.specs.items():
+      t, p = state["tables"][name], prepared["tables"][name]
+      count = p.get("count") if spec.pooling == "mean" else None
+      hot = self._update_hot(spec, t["hot"], p, grads[name], count)
+      host = self._update_cold(spec, state, prepared, name, grads[name], count)
+      tables[name] = self._migration({**t, "hot": hot, "host": host}, p, spec)
+    ok = state["version"] == prepared["version"]
+    return {
+      "tables": tables,
+      "version": prepared["version"] + 1,
+      "stale": state["stale"] + jnp.where(ok, 0, 1).astype(jnp.int32),
+    }
+
+  def _update_hot(self, spec, hot, p, g, count):
+    """dense(shard=rows)'s update on the hot slots: the batch's (ids, pooled grads) on
+    every device, each device updates the slots it owns (cold positions: slot Ha, dropped)."""
+    slot_names = spec.optimizer.slot_names()
+    keys = ["hot_ids"] + (["hot_unique", "hot_inverse"] if spec.optimizer.needs_unique else [])
+    sub = {k: p[k] for k in keys}
+    mean = count is not None
+    count = count if mean else jnp.zeros((g.shape[0],), jnp.int32)
+    split = self.shard_batch
+    bspec = P(sharding.BATCH) if split else sharding.REPLICATED
+    p_specs = {k: bspec if k in self._BATCH_MAJOR else sharding.REPLICATED for k in sub}
+    row_spec = {"table": P(sharding.BATCH, None), **{s: P(sharding.BATCH) for s in slot_names}}
+    bag = p["hot_ids"].shape[1]
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(row_spec, p_specs, bspec, bspec),
+      out_specs=row_spec,
+      check_vma=False,
+    )
+    def local(hot, sub, g, count):
+      if split:
+        every = lambda x: jax.lax.all_gather(x, sharding.BATCH, tiled=True)  # noqa: E731
+        sub = {k: every(v) if k in self._BATCH_MAJOR else v for k, v in sub.items()}
+        g, count = every(g), every(count)
+      grads = base.unpool(g, count if mean else None, bag)
+      h = hot["table"].shape[0]
+      lp = {"ids": self._local(sub["hot_ids"], h)}
+      if "hot_unique" in sub:
+        lp["unique"] = self._local(sub["hot_unique"], h)
+        lp["inverse"] = sub["hot_inverse"]
+      slots = {k: hot[k] for k in slot_names}
+      table, slots = base.sparse_sgd_or_adagrad(spec, hot["table"], slots, lp, grads)
+      return {"table": table, **slots}
+
+    return local(hot, sub, g, count)
+
+  def _update_cold(self, spec, state, prepared, name, g, count):
+    """The cold rows' update on a gathered copy (replicated: every device applies the same),
+    then written back to the host table (each device its own rows when it is split)."""
+    t, p = state["tables"][name], prepared["tables"][name]
+    slot_names = spec.optimizer.slot_names()
+    got = self._cold_rows(state, prepared, name, ("table", *slot_names))
+    g, ids, count = sharding.replicate((g, p["cold_ids"], count), self.mesh)
+    grads = base.unpool(g, count, ids.shape[1])
+    uc = p["cold_rows"].shape[0]
+    lp = {"ids": ids}
+    if spec.optimizer.needs_unique:
+      # The distinct cold rows are the gathered rows themselves; cold_ids index them, and
+      # every other position points at the filler entry uc (read as zeros, never written).
+      lp["unique"] = jnp.arange(uc + 1, dtype=jnp.int32)
+      lp["inverse"] = ids
+    slots = {k: got[k] for k in slot_names}
+    table, slots = base.sparse_sgd_or_adagrad(spec, got["table"], slots, lp, grads)
+    host = dict(t["host"])
+    new = {"table": table, **slots}
+    for k in host:
+      host[k] = self.host.scatter(host[k], p["cold_rows"], new[k])
+    return host
+
+  def _migration(self, t, p, spec):
+    """Rows leaving the hot set -> host; rows joining it <- host (after this batch's cold
+    write-back, so a row cold in this batch and hot from the next moves its new value)."""
+    if p["in_rows"].shape[0] == 0 and p["out_slots"].shape[0] == 0:
+      return t
+    n = spec.num_rows
+    hot, host = dict(t["hot"]), dict(t["host"])
+    hot_rows = t["hot_rows"]
+    if p["out_slots"].shape[0]:
+      rows = hot_rows.at[p["out_slots"]].get(mode="fill", fill_value=n)
+      rows = jnp.where(rows < n, rows, base.aligned_rows(n))  # empty / padding: dropped
+      for k in hot:
+        host[k] = self.host.scatter(host[k], rows, self._hot_get(hot[k], p["out_slots"]))
+      hot_rows = hot_rows.at[p["out_slots"]].set(n, mode="drop")
+    if p["in_rows"].shape[0]:
+      for k in hot:
+        hot[k] = self._hot_set(hot[k], p["in_slots"], self.host.gather(host[k], p["in_rows"]))
+      hot_rows = hot_rows.at[p["in_slots"]].set(p["in_rows"], mode="drop")
+    return {**t, "hot": hot, "host": host, "hot_rows": hot_rows}
+
+
+BACKEND = HotCold
