@@ -66,7 +66,9 @@ def _machine() -> dict:
 
 def _write(name: str, payload: dict, md: str):
   os.makedirs(RESULTS, exist_ok=True)
-  payload["machine"] = _machine()
+  # Load at the start is the run's own record when there is one (kge_rescan keeps it).
+  payload["machine"] = {**_machine(), **payload.get("machine", {})}
+  payload["machine"]["load_avg_1_5_15m_at_end"] = list(os.getloadavg())
   with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
     json.dump(payload, f, indent=2, sort_keys=True)
   with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
@@ -130,6 +132,7 @@ def time_eval(task, params, table: np.ndarray, split: str = "test") -> tuple[flo
 
 def run_kge():
   decoder = _DECODER.value
+  start = _machine()
   cfg = kge_fb15k237.get_config(decoder)
   if _EPOCHS.value:
     e = _EPOCHS.value
@@ -183,6 +186,8 @@ def run_kge():
     "published_libkge_mrr": {"distmult": 0.343, "complex": 0.348},
   }
   payload["workdir"] = workdir
+  payload["machine"] = start
+  payload["command"] = " ".join(["python", *sys.argv])
   _write(f"kg_kge_{decoder}", payload, _kge_md(payload, cfg, task))
   return payload
 
