@@ -18,14 +18,30 @@ seeds drawn from its training split.
    fanouts [15, 10], batch 1024, Adam): recgnn's trainer (`recgnn.train.loop`, sampling on
    its input thread) against PyG's GraphSAGE over NeighborLoader batches (the same size).
 
-  python benchmarks/sampling.py            # ~5 minutes on 2 busy cores
+3. (--sections=device) Host vs device sampler (recgnn.graphs.device_sampling: the same
+   samplers as jitted JAX over a CSR in device memory): sampled edges/s for k = 1..64
+   mini-batches per call, node-wise and LADIES, with PyG's NeighborLoader in the same
+   round-robin rounds. On a CPU-only machine "device" is XLA:CPU on the same cores.
+4. (--sections=split) The graph's rows split over 8 (simulated) devices: collective bytes per
+   hop read from the compiled HLO (recgnn.comms) beside the replicated graph (every device
+   holds it all, samples its k / 8 batches, moves nothing); the split sample checked equal
+   to the 1-device one; GraphSAGE trained on a synthetic graph with the split sampler on an
+   8-device mesh against the 1-device sampler on one device (test accuracy).
+5. (--sections=cora) GraphSAGE on Cora (experiments/sage_cora.py), host vs device sampler,
+   test accuracy over 5 seeds.
+
+  python benchmarks/sampling.py            # sections sampling,training: ~5 minutes
   python benchmarks/sampling.py --quick    # 200k nodes, fewer rounds
-Writes benchmarks/results/sampling.{json,md}.
+  python benchmarks/sampling.py --sections=device --name=sampling_device
+  python benchmarks/sampling.py --sections=split --name=sampling_split
+  python benchmarks/sampling.py --sections=cora --name=sampling_cora
+Writes benchmarks/results/NAME.{json,md} (+ NAME.png for the device section).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -229,6 +245,419 @@ def bench_training(graph_spec, args) -> dict[str, Any]:
   return out
 
 
+# ----------------------------------------------------------------------------- device sampler
+
+
+def _round_robin(methods: dict, rounds: int, label) -> dict[str, dict]:
+  """Each method once to warm up (compilation, first-touch faults), then `rounds` rounds in
+  turn; per method the median edges/s. run() -> (edges, batches, seconds)."""
+  for run in methods.values():
+    run()
+  rates: dict[str, list] = {m: [] for m in methods}
+  per_batch: dict[str, list] = {m: [] for m in methods}
+  for r in range(rounds):
+    for name, run in methods.items():
+      edges, batches, dt = run()
+      rates[name].append(edges / dt)
+      per_batch[name].append(edges / batches)
+    print(
+      f"{label} round {r + 1}/{rounds}: "
+      + ", ".join(f"{m} {rates[m][-1] / 1e6:.2f}M" for m in methods),
+      flush=True,
+    )
+  return {
+    name: {
+      "edges_per_second": statistics.median(v),
+      "all_rounds": v,
+      "edges_per_batch": statistics.median(per_batch[name]),
+    }
+    for name, v in rates.items()
+  }
+
+
+def bench_device(graph, args) -> dict[str, Any]:
+  """Host vs device samplers, k mini-batches per call, PyG in the same rounds."""
+  import jax
+
+  from recgnn.graphs import device_sampling
+
+  fanouts, bsz = args.fanouts, args.batch_size
+  rng = np.random.default_rng(0)
+  train = graph.splits["train"]
+  worst = sampling.NeighborSampler(graph.adj, fanouts=fanouts, batch_size=bsz)
+  caps = sampling.estimate_capacities(worst, rng.choice(train, (4, bsz), replace=False), rng)
+  kw = dict(fanouts=fanouts, batch_size=bsz, capacities=caps)
+  host = sampling.NeighborSampler(graph.adj, **kw)
+  t0 = time.perf_counter()
+  dev = device_sampling.DeviceNeighborSampler(graph.adj, **kw)
+  to_device = time.perf_counter() - t0
+  dropped = {"host": 0, "device": 0}
+  compile_s = {}
+
+  def host_run(k, sampler):
+    def run():
+      seeds = rng.choice(train, (k, sampler.batch_size), replace=False)
+      t0 = time.perf_counter()
+      blocks = sampler.sample(seeds, rng)
+      dt = time.perf_counter() - t0
+      dropped["host"] += blocks.dropped
+      return int(blocks.num_edges.sum()), k, dt
+
+    return run
+
+  def device_run(k, sampler, name):
+    key = [jax.random.key(1)]
+
+    def run():
+      seeds = rng.choice(train, (k, sampler.batch_size), replace=False).astype(np.int32)
+      key[0], sub = jax.random.split(key[0])
+      t0 = time.perf_counter()
+      out = jax.block_until_ready(sampler.sample_device(seeds, sub))
+      dt = time.perf_counter() - t0
+      compile_s.setdefault(name, dt)  # the first (warm-up) call compiles
+      dropped["device"] += int(out[3])
+      return int(out[2].sum()), k, dt
+
+    return run
+
+  methods = {}
+  for k in args.device_ks:
+    methods[f"node host k={k}"] = host_run(k, host)
+    methods[f"node device k={k}"] = device_run(k, dev, f"node device k={k}")
+  lk, lsizes = args.ladies_k, args.ladies_sizes
+  lhost = sampling.LadiesSampler(graph.adj, layer_sizes=lsizes, batch_size=bsz)
+  ldev = device_sampling.DeviceLadiesSampler(graph.adj, layer_sizes=lsizes, batch_size=bsz)
+  methods[f"ladies host k={lk}"] = host_run(lk, lhost)
+  methods[f"ladies device k={lk}"] = device_run(lk, ldev, f"ladies device k={lk}")
+  peer = pyg_status()
+  if peer is None:
+    it = _endless(pyg_loader(graph, fanouts, bsz, seed=0))
+
+    def pyg():
+      t0 = time.perf_counter()
+      edges = 0
+      for _ in range(args.pyg_batches):
+        edges += int(next(it).edge_index.shape[1])
+      return edges, args.pyg_batches, time.perf_counter() - t0
+
+    methods["PyG NeighborLoader"] = pyg
+  load_before = os.getloadavg()[0]
+  out = _round_robin(methods, args.rounds, "device")
+  return {
+    "methods": out,
+    "pyg": peer or "available",
+    "frontier_sizes": host.sizes,
+    "ladies": {"k": lk, "layer_sizes": lsizes, "entry_capacities": ldev.entry_capacities},
+    "dropped": dropped,
+    "first_call_seconds": compile_s,
+    "graph_to_device_seconds": to_device,
+    "jax_backend": f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
+    "load_average": {"before": load_before, "after": os.getloadavg()[0]},
+  }
+
+
+def device_markdown(d: dict, a: dict) -> str:
+  m = d["methods"]
+  lines = [
+    "## Host vs device sampler",
+    "",
+    f"Device: {d['jax_backend']}. Node-wise fanouts {a['fanouts']}, batch {a['batch_size']}, "
+    f"padded frontier sizes {tuple(d['frontier_sizes'])} (capacities='auto'); LADIES layer "
+    f"sizes {d['ladies']['layer_sizes']} at k={d['ladies']['k']}. Median of {a['rounds']} "
+    f"round-robin rounds after a warm-up call (compilation) each; load average "
+    f"{d['load_average']['before']:.1f} before, {d['load_average']['after']:.1f} after. "
+    f"Dropped for lack of room: host {d['dropped']['host']}, device {d['dropped']['device']}.",
+    "",
+    "| sampler | where | k | edges/batch | sampled edges/s | device / host |",
+    "|---|---|---:|---:|---:|---:|",
+  ]
+  for name, v in m.items():
+    if name.startswith("PyG"):
+      continue
+    kind, where, k = name.split()
+    host = m.get(f"{kind} host {k}")
+    ratio = v["edges_per_second"] / host["edges_per_second"] if host and where == "device" else None
+    lines.append(
+      f"| {kind} | {where} | {k[2:]} | {v['edges_per_batch']:,.0f} | "
+      f"{v['edges_per_second'] / 1e6:.2f}M | {'' if ratio is None else f'{ratio:.2f}x'} |"
+    )
+  if "PyG NeighborLoader" in m:
+    pyg = m["PyG NeighborLoader"]
+    lines.append(
+      f"| PyG NeighborLoader | host | {a['pyg_batches']} | {pyg['edges_per_batch']:,.0f} | "
+      f"{pyg['edges_per_second'] / 1e6:.2f}M | |"
+    )
+  else:
+    lines.append(f"\nPyG could not run: {d['pyg']}")
+  lines += [
+    "",
+    "First (compiling) call, seconds: "
+    + ", ".join(f"{k} {v:.1f}" for k, v in d["first_call_seconds"].items())
+    + f"; graph to device {d['graph_to_device_seconds']:.2f} s.",
+  ]
+  return "\n".join(lines) + "\n"
+
+
+def device_plot(d: dict, path: pathlib.Path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(5.5, 3.6))
+  for where in ("host", "device"):
+    pts = sorted(
+      (int(n.split("k=")[1]), v["edges_per_second"] / 1e6)
+      for n, v in d["methods"].items()
+      if n.startswith(f"node {where} ")
+    )
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"recgnn {where}")
+  if "PyG NeighborLoader" in d["methods"]:
+    ax.axhline(d["methods"]["PyG NeighborLoader"]["edges_per_second"] / 1e6, ls="--", c="gray")
+    ax.text(1, d["methods"]["PyG NeighborLoader"]["edges_per_second"] / 1e6, " PyG", va="bottom")
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("mini-batches per call (k)")
+  ax.set_ylabel("sampled edges/s (M)")
+  ax.set_title(f"node-wise sampling on {d['jax_backend'].split()[0]}")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+# ----------------------------------------------------------------------------- split graph
+
+
+def _sage_config(spec, args, *, where: str, split: int, mesh_data: int, seed: int):
+  import ml_collections
+
+  from experiments import sage_synthetic
+
+  c = sage_synthetic.get_config()
+  c.data.synthetic = ml_collections.ConfigDict({k: v for k, v in vars(spec).items()})
+  c.model.inputs = "features"
+  c.model.hidden = 64
+  c.model.dropout = 0.5
+  c.sampler.where = where
+  c.sampler.split_devices = split
+  c.sampler.fanouts = tuple(args.split_fanouts)
+  c.sampler.eval_fanouts = tuple(args.split_fanouts)
+  c.sampler.batch_size = 256
+  c.sampler.eval_batch_size = 1024
+  c.sampler.bulk = 8
+  c.optimizer.learning_rate = 0.005
+  c.train.steps = args.split_steps
+  c.train.log_every = args.split_steps
+  c.train.eval_every = 0
+  c.train.final_eval_splits = ("test",)
+  c.mesh = ml_collections.ConfigDict({"data": mesh_data, "model": 1})
+  c.seed = seed
+  return c
+
+
+def _train(c) -> dict:
+  from recgnn.train import loop
+
+  t0 = time.perf_counter()
+  with tempfile.TemporaryDirectory() as wd:
+    r = loop.train(c, wd)
+  metrics = r.metrics if hasattr(r, "metrics") else r
+  return {"test_accuracy": float(metrics["test/accuracy"]), "seconds": time.perf_counter() - t0}
+
+
+def bench_split(args) -> dict[str, Any]:
+  import jax
+
+  from recgnn import sharding
+  from recgnn.graphs import device_sampling
+
+  if jax.device_count() < 8:
+    raise SystemExit(
+      f"--sections=split needs 8 devices, found {jax.device_count()}: run it in its own "
+      "process (the script sets --xla_force_host_platform_device_count=8 unless XLA_FLAGS "
+      "already names a device count)."
+    )
+  spec = synthetic.SyntheticSpec(
+    num_nodes=args.split_nodes,
+    num_edges=args.split_edges,
+    num_classes=10,
+    num_features=args.features,
+    # Noisy features: neighbours must carry the signal, so the sampler matters.
+    feature_noise=args.split_noise,
+    seed=0,
+  )
+  graph = synthetic.generate(spec)
+  mesh = sharding.make_mesh(1, 8)
+  rng = np.random.default_rng(0)
+  train = graph.splits["train"]
+  fanouts, bsz = args.fanouts, args.batch_size
+  worst = sampling.NeighborSampler(graph.adj, fanouts=fanouts, batch_size=bsz)
+  caps = sampling.estimate_capacities(
+    worst, rng.choice(train, (4, bsz), replace=train.size < 4 * bsz), rng
+  )
+  kw = dict(fanouts=fanouts, batch_size=bsz, capacities=caps)
+  one = device_sampling.DeviceNeighborSampler(graph.adj, **kw)
+  split = device_sampling.SplitNeighborSampler(graph.adj, mesh=mesh, **kw)
+  # The split sample is the 1-device sample (same key): checked here on the benchmark graph.
+  seeds = split.pad_seeds(rng.choice(train, (8, bsz), replace=train.size < 8 * bsz))
+  key = jax.random.key(5)
+  a = jax.device_get(one.sample_device(seeds, key))
+  b = jax.device_get(split.sample_device(seeds, key))
+  identical = bool(
+    np.array_equal(a[0], b[0])
+    and all(np.array_equal(x[f], y[f]) for x, y in zip(a[1], b[1]) for f in ("nbr", "mask"))
+  )
+  hops = {}
+  for k in args.split_ks:
+    hs = split.hop_bytes(k)
+    rs = device_sampling.replicated_hop_bytes(one, mesh, k)
+    hops[k] = [
+      {
+        "split_total_operand_bytes": h["total_operand_bytes"],
+        "split_by_op": {op: v["operand_bytes"] for op, v in h["by_op"].items()},
+        "replicated_total_operand_bytes": r["total_operand_bytes"],
+        "frontier_in": split.sizes[layer],
+        "fanout": split.fanouts[layer],
+      }
+      for layer, (h, r) in enumerate(zip(hs, rs))
+    ]
+  out: dict[str, Any] = {
+    "graph": graph.describe(),
+    "mesh": sharding.describe(mesh),
+    "frontier_sizes": split.sizes,
+    "identical_to_one_device": identical,
+    "adjacency_bytes": {
+      "replicated_per_device": int(graph.adj.indptr.size * 4 + graph.adj.nnz * 4),
+      "split_per_device": split.adjacency_bytes_per_device,
+    },
+    "hops": hops,
+  }
+  del graph
+  runs = []
+  for seed in args.split_seeds:
+    spec_s = dataclasses.replace(spec, split=tuple(spec.split))
+    one_dev = _train(_sage_config(spec_s, args, where="device", split=0, mesh_data=1, seed=seed))
+    eight = _train(_sage_config(spec_s, args, where="device", split=8, mesh_data=8, seed=seed))
+    runs.append({"seed": seed, "one_device": one_dev, "split_8": eight})
+    print(f"split seed {seed}: 1 device {one_dev}, split over 8 {eight}", flush=True)
+  out["training"] = runs
+  out["load_average_after"] = os.getloadavg()[0]
+  return out
+
+
+def _human(b: float) -> str:
+  for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+    if b >= size:
+      return f"{b / size:.2f} {unit}"
+  return f"{b:.0f} B"
+
+
+def split_markdown(s: dict, a: dict) -> str:
+  adj = s["adjacency_bytes"]
+  lines = [
+    "## Graph split over 8 devices: bytes per hop",
+    "",
+    f"{s['graph']}. Mesh {s['mesh']}; fanouts {a['fanouts']}, batch {a['batch_size']}, "
+    f"padded frontiers {tuple(s['frontier_sizes'])}. Adjacency per device: replicated "
+    f"{_human(adj['replicated_per_device'])}, split "
+    f"{_human(adj['split_per_device'])}. Split sample identical to the 1-device "
+    f"sample for the same key: **{s['identical_to_one_device']}**.",
+    "",
+    "Bytes each device sends per hop (collective operands in the compiled HLO, "
+    "recgnn.comms): the split graph all-gathers the frontier (k/8 batches per device) and "
+    "reduce-scatters the candidates (k x n_l x f_l int32); the replicated graph samples each "
+    "device's k/8 batches locally.",
+    "",
+    "| k | hop | frontier n_l | fanout | split: all-gather | split: reduce-scatter | "
+    "split total | replicated |",
+    "|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for k, hops in s["hops"].items():
+    for i, h in enumerate(hops):
+      by = h["split_by_op"]
+      lines.append(
+        f"| {k} | {i} | {h['frontier_in']:,} | {h['fanout']} | "
+        f"{_human(by.get('all-gather', 0))} | {_human(by.get('reduce-scatter', 0))} | "
+        f"{_human(h['split_total_operand_bytes'])} | "
+        f"{_human(h['replicated_total_operand_bytes'])} |"
+      )
+  t = s.get("training") or []
+  if t:
+    lines += [
+      "",
+      f"GraphSAGE (features, hidden 64, fanouts {a['split_fanouts']}, batch 256, "
+      f"{a['split_steps']} steps) on the graph above (features with noise std "
+      f"{a['split_noise']}): device sampler on 1 device (mesh 1x1) vs the graph split over "
+      "8 devices (mesh 8x1).",
+      "",
+      "| seed | 1 device: test acc | split over 8: test acc | difference |",
+      "|---:|---:|---:|---:|",
+    ]
+    for r in t:
+      a1, a8 = r["one_device"]["test_accuracy"], r["split_8"]["test_accuracy"]
+      lines.append(f"| {r['seed']} | {a1:.4f} | {a8:.4f} | {a8 - a1:+.4f} |")
+    m1 = statistics.mean(r["one_device"]["test_accuracy"] for r in t)
+    m8 = statistics.mean(r["split_8"]["test_accuracy"] for r in t)
+    verdict = "met" if abs(m8 - m1) <= 0.01 else "NOT met"
+    lines.append(f"\nMean {m1:.4f} vs {m8:.4f}: within 0.01 **{verdict}** ({m8 - m1:+.4f}).")
+  return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- Cora
+
+
+def bench_cora(args) -> dict[str, Any]:
+  """experiments/sage_cora.py with sampler.where host vs device, seeds alternating."""
+  from experiments import sage_cora
+
+  runs = []
+  for seed in args.cora_seeds:
+    row = {"seed": seed}
+    for where in ("host", "device"):
+      c = sage_cora.get_config()
+      c.sampler.where = where
+      c.seed = seed
+      c.train.eval_every = 0
+      c.train.final_eval_splits = ("test",)
+      row[where] = _train(c)
+    runs.append(row)
+    print(f"cora seed {seed}: {row}", flush=True)
+  host = [r["host"]["test_accuracy"] for r in runs]
+  dev = [r["device"]["test_accuracy"] for r in runs]
+  return {
+    "runs": runs,
+    "host_mean": statistics.mean(host),
+    "device_mean": statistics.mean(dev),
+    "host_std": statistics.pstdev(host),
+    "device_std": statistics.pstdev(dev),
+    "load_average_after": os.getloadavg()[0],
+  }
+
+
+def cora_markdown(c: dict) -> str:
+  diff = c["device_mean"] - c["host_mean"]
+  verdict = "met" if abs(diff) <= 0.01 else "NOT met"
+  lines = [
+    "## GraphSAGE on Cora: host vs device sampler",
+    "",
+    "experiments/sage_cora.py (fanouts [25, 10], batch 140, 200 steps; eval with every "
+    "neighbour), `--config.sampler.where=host|device`, test accuracy.",
+    "",
+    "| seed | host | device |",
+    "|---:|---:|---:|",
+  ]
+  for r in c["runs"]:
+    lines.append(
+      f"| {r['seed']} | {r['host']['test_accuracy']:.4f} | {r['device']['test_accuracy']:.4f} |"
+    )
+  lines += [
+    f"| mean +- std | {c['host_mean']:.4f} +- {c['host_std']:.4f} | "
+    f"{c['device_mean']:.4f} +- {c['device_std']:.4f} |",
+    "",
+    f"Device - host: {diff:+.4f}; within 0.01: **{verdict}**.",
+  ]
+  return "\n".join(lines) + "\n"
+
+
 def markdown(p: dict[str, Any]) -> str:
   a = p["args"]
   s = p["sampling"]["methods"]
@@ -307,33 +736,72 @@ def main():
   p.add_argument("--skip_training", action="store_true")
   p.add_argument("--quick", action="store_true")
   p.add_argument("--name", default="sampling")
+  p.add_argument(
+    "--sections", default="sampling,training", help="comma list of sampling, training, "
+    "device, split, cora"
+  )  # fmt: skip
+  p.add_argument("--device_ks", type=int, nargs="+", default=[1, 4, 16, 64])
+  p.add_argument("--ladies_k", type=int, default=4)
+  p.add_argument("--ladies_sizes", type=int, nargs="+", default=[512, 512])
+  p.add_argument("--split_nodes", type=int, default=20_000)
+  p.add_argument("--split_edges", type=int, default=200_000)
+  p.add_argument("--split_ks", type=int, nargs="+", default=[8, 64])
+  p.add_argument("--split_fanouts", type=int, nargs="+", default=[10, 5])
+  p.add_argument("--split_steps", type=int, default=200)
+  p.add_argument("--split_noise", type=float, default=4.0, help="feature noise std")
+  p.add_argument("--split_seeds", type=int, nargs="+", default=[0, 1])
+  p.add_argument("--cora_seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
   args = p.parse_args()
+  sections = set(args.sections.split(","))
+  unknown = sections - {"sampling", "training", "device", "split", "cora"}
+  if unknown:
+    raise SystemExit(
+      f"unknown --sections {sorted(unknown)}; use sampling, training, device, split, cora"
+    )
+  if args.skip_training:
+    sections.discard("training")
+  if "split" in sections and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # Before jax initialises: the split graph needs 8 devices (simulated on CPU).
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
   if args.quick:
     args.nodes, args.edges, args.rounds, args.train_steps = 200_000, 2_000_000, 2, 20
     args.ks = [1, 16]
+    args.device_ks = [1, 16]
 
   load = os.getloadavg()[0]
   retained = hostmem.keep_freed_memory()
   spec = synthetic.SyntheticSpec(num_nodes=args.nodes, num_edges=args.edges, num_classes=10, seed=0)
-  t0 = time.perf_counter()
-  graph = synthetic.generate(spec)
-  print(graph.describe(), f"({time.perf_counter() - t0:.1f}s)", flush=True)
+  graph = None
+  if sections & {"sampling", "device"}:
+    t0 = time.perf_counter()
+    graph = synthetic.generate(spec)
+    print(graph.describe(), f"({time.perf_counter() - t0:.1f}s)", flush=True)
   payload: dict[str, Any] = {
-    "args": vars(args),
-    "graph": graph.describe(),
+    "args": {**vars(args), "sections": sorted(sections)},
+    "graph": graph.describe() if graph is not None else None,
     "graph_features": args.features,
     "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load "
     f"average {load:.1f} at start, malloc keeps freed buffers: {retained}, "
     f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
   }
-  payload["sampling"] = bench_sampling(graph, args)
-  methods = payload["sampling"]["methods"]
-  if "PyG NeighborLoader" in methods and f"recgnn k={16}" in methods:
-    payload["ratio_k16"] = (
-      methods["recgnn k=16"]["edges_per_second"] / methods["PyG NeighborLoader"]["edges_per_second"]
-    )
+  if "sampling" in sections:
+    payload["sampling"] = bench_sampling(graph, args)
+    methods = payload["sampling"]["methods"]
+    if "PyG NeighborLoader" in methods and f"recgnn k={16}" in methods:
+      payload["ratio_k16"] = (
+        methods["recgnn k=16"]["edges_per_second"]
+        / methods["PyG NeighborLoader"]["edges_per_second"]
+      )
+  if "device" in sections:
+    payload["device"] = bench_device(graph, args)
   del graph
-  if not args.skip_training:
+  if "split" in sections:
+    payload["split"] = bench_split(args)
+  if "cora" in sections:
+    payload["cora"] = bench_cora(args)
+  if "training" in sections:
     train_spec = synthetic.SyntheticSpec(
       num_nodes=args.nodes,
       num_edges=args.edges,
@@ -343,8 +811,20 @@ def main():
     )
     payload["training"] = bench_training(train_spec, args)
   RESULTS.mkdir(parents=True, exist_ok=True)
-  (RESULTS / f"{args.name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-  md = markdown(payload)
+  (RESULTS / f"{args.name}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+  parts = []
+  if "sampling" in payload:
+    parts.append(markdown(payload))
+  else:
+    parts.append(f"# Bulk sampling: {', '.join(sorted(sections))}\n\n{payload['machine']}.\n")
+  if "device" in payload:
+    parts.append(device_markdown(payload["device"], payload["args"]))
+    device_plot(payload["device"], RESULTS / f"{args.name}.png")
+  if "split" in payload:
+    parts.append(split_markdown(payload["split"], payload["args"]))
+  if "cora" in payload:
+    parts.append(cora_markdown(payload["cora"]))
+  md = "\n".join(parts)
   (RESULTS / f"{args.name}.md").write_text(md)
   print(md)
 
