@@ -50,9 +50,7 @@ for another layout, `stale` counts it and `sync` raises (never a silent wrong ta
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import math
 import threading
 import time
@@ -61,15 +59,11 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
-from jax import lax
-from jax.experimental.compute_on import compute_on
 
-from recgnn import sharding
-from recgnn.embeddings import base
+from recgnn.embeddings import base, host_table, profile
 
 POLICIES = ("lru", "lfu", "lookahead")
-HOST_MEMORIES = ("pinned_host", "device")
+HOST_MEMORIES = host_table.HOST_MEMORIES
 _PROTECTED = np.iinfo(np.int64).max
 _NEEDED = np.int64(1) << 62  # look-ahead keys: rows needed within the window sort after others
 _FAR = np.int64(1) << 40
@@ -84,32 +78,6 @@ def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
   out = np.full(size, fill, np.int32)
   out[: a.shape[0]] = a
   return out
-
-
-def _host_spec(x: jax.Array) -> jax.sharding.PartitionSpec:
-  """A split host array's spec: rows over every device of the mesh."""
-  return sharding.P(sharding.BATCH, *([None] * (x.ndim - 1)))
-
-
-def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
-  """x[idx] for in-range idx, as a bare XLA gather (jnp's index normalisation would add
-  device-memory constants, which `compute_on("device_host")` rejects)."""
-  dn = lax.GatherDimensionNumbers(
-    offset_dims=tuple(range(1, x.ndim)), collapsed_slice_dims=(0,), start_index_map=(0,)
-  )
-  return lax.gather(x, idx[:, None], dn, (1,) + x.shape[1:], mode=lax.GatherScatterMode.CLIP)
-
-
-def _scatter_rows(x: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
-  """x.at[idx].set(rows); out-of-range idx (padding) are dropped natively by XLA."""
-  dn = lax.ScatterDimensionNumbers(
-    update_window_dims=tuple(range(1, x.ndim)),
-    inserted_window_dims=(0,),
-    scatter_dims_to_operand_dims=(0,),
-  )
-  return lax.scatter(
-    x, idx[:, None], rows, dn, mode=lax.GatherScatterMode.FILL_OR_DROP, unique_indices=True
-  )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,7 +120,10 @@ class Planner:
     # are written back. `sync` does not clean rows: batches prepared ahead of it still hold
     # plans that touch them.
     self.dirty = np.zeros(cache_rows, bool)
-    self.freq = np.zeros(num_rows, np.int32) if policy == "lfu" else None
+    # LFU: each batch counts each of its distinct rows once (the shared profiler); `freq` is
+    # its count array.
+    self.lfu = profile.AccessProfile(num_rows) if policy == "lfu" else None
+    self.freq = self.lfu.counts if self.lfu is not None else None
     self.version = 0
     self.admitted: np.ndarray | None = None  # ids of the batch admitted ahead
 
@@ -180,7 +151,7 @@ class Planner:
     if self.policy == "lru":
       return self.last_used.copy()
     if self.policy == "lfu":
-      f = self.freq[np.maximum(rows, 0)].astype(np.int64)
+      f = self.freq[np.maximum(rows, 0)]
       return (f << 32) | self.last_used
     # lookahead: rows not needed within the window go first (least recently used first);
     # only if the window does not fit, needed rows go, farthest next use first (Belady).
@@ -293,27 +264,15 @@ class Offload(base.TableBackend):
       raise ValueError(f"offload: lookahead must be >= 0, got {lookahead}")
     if policy == "lookahead" and int(lookahead) < 1:
       raise ValueError("offload: policy=lookahead needs lookahead>=1 (its window)")
-    if host_memory not in HOST_MEMORIES:
-      raise ValueError(
-        f"offload: unknown host_memory {host_memory!r}; available: {', '.join(HOST_MEMORIES)}"
-      )
     self.cache_rows = min(rows, spec.num_rows)
     self._options = dict(
       cache_rows=cache_rows, cache_fraction=cache_fraction, min_cache_rows=min_cache_rows
     )
     self.policy = policy
     self.lookahead = int(lookahead)
-    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
-    if host_memory != "device" and host_memory not in kinds:
-      logging.warning(
-        "offload: %s memory unavailable on %s (has %s); keeping table %s in device memory",
-        host_memory,
-        jax.devices()[0].platform,
-        sorted(kinds),
-        spec.name,
-      )
-      host_memory = "device"
-    self.host_memory = host_memory
+    # The host arrays' placement and in-step access (shared with hot_cold).
+    self.host = host_table.HostTable(host_memory, f"offload (table {spec.name!r})")
+    self.host_memory = self.host.host_memory
     if exchange not in ("fixed", "pow2"):
       raise ValueError(f"offload: exchange must be 'fixed' or 'pow2', got {exchange!r}")
     self.exchange = exchange
@@ -340,7 +299,7 @@ class Offload(base.TableBackend):
 
   @property
   def offloaded(self) -> bool:
-    return self.host_memory != "device"
+    return self.host.offloaded
 
   # --------------------------------------------------------------------------- placement
 
@@ -349,25 +308,11 @@ class Offload(base.TableBackend):
     """Whether the host arrays are split by rows over the devices of the mesh: ONE host copy
     of the table in all (each device's pinned host memory holds S / n rows), instead of a
     replica per device."""
-    return self.offloaded and self.mesh is not None and self.mesh.size > 1
+    return self.host.split
 
   def bind(self, mesh):
     super().bind(mesh)
-    if self.offloaded and not all(
-      d.process_index == jax.process_index() for d in mesh.devices.flat
-    ):
-      raise ValueError(
-        f"offload (table {self.spec.name!r}) runs within one process: its host table and "
-        "planner live in this process's memory; a mesh over several processes needs a table "
-        "split per process (not built yet). Use dense / dense(shard=rows) for this table, or "
-        "run one process."
-      )
-    if self.host_split and base.ROW_ALIGN % mesh.size:
-      raise ValueError(
-        f"offload (table {self.spec.name!r}): the host table is split by rows over the "
-        f"{mesh.size} devices of the mesh, which needs a device count dividing "
-        f"{base.ROW_ALIGN} (1, 2, 4, 8, ...)"
-      )
+    self.host.bind(mesh)
 
   def state_sharding(self):
     """The cache in device memory, replicated over the mesh: every device holds the same
@@ -421,27 +366,10 @@ class Offload(base.TableBackend):
     return {"host": self._placed_host(host, sh["host"]), **rest}
 
   def _placed_host(self, host: dict, shardings: dict) -> dict:
-    """Host arrays in host memory. Orbax (0.11, jax 0.10) restores arrays whose sharding
-    says pinned_host but whose type is in device memory, which compute_on rejects: those
-    are re-placed (once, O(N))."""
-    out = {}
-    for k, v in host.items():
-      if isinstance(v, jax.Array) and (
-        not self.offloaded or jax.typeof(v).memory_space == jax.memory.Space.Host
-      ):
-        out[k] = v if v.sharding == shardings[k] else jax.device_put(v, shardings[k])
-      else:
-        out[k] = jax.device_put(np.asarray(v), shardings[k])
-    return out
+    return self.host.place(host, shardings)
 
   def row_sharding(self):
-    kind = self.host_memory if self.offloaded else "device"
-    if self.host_split:
-      return (
-        sharding.named(self.mesh, sharding.P(sharding.BATCH, None), kind),
-        sharding.named(self.mesh, sharding.P(sharding.BATCH), kind),
-      )
-    return self.replicated(kind), self.replicated(kind)
+    return self.host.row_sharding()
 
   def export(self, state):
     """The host arrays of a synced state (every resident row written back by `sync`)."""
@@ -458,7 +386,7 @@ class Offload(base.TableBackend):
   def memory(self):
     spec, c = self.spec, self.cache_rows
     device = c * spec.row_bytes + c * 4  # cache rows + optimizer state, slot map
-    planner = spec.num_rows * 4 * (2 if self.policy == "lfu" else 1)  # row->slot (+ counts)
+    planner = spec.num_rows * (4 + (8 if self.policy == "lfu" else 0))  # row->slot (+ counts)
     # One host copy in all: whole on one device, split by rows over the devices of a mesh.
     host = spec.table_bytes + planner
     if not self.offloaded:
@@ -534,8 +462,8 @@ class Offload(base.TableBackend):
     slots = np.where(ids >= 0, p.row_slot[np.maximum(ids, 0)], -1)
     row_slots = p.row_slot[rows]  # before admitting the next batch, which may evict them
     p.dirty[row_slots] = True
-    if p.freq is not None:
-      p.freq[rows] += 1
+    if p.lfu is not None:
+      p.lfu.add_rows(rows)
     ahead = self._unique(upcoming[0]) if upcoming else None
     next_cap = 0
     if ahead is not None and ahead.shape[0] <= self.cache_rows:
@@ -646,15 +574,6 @@ class Offload(base.TableBackend):
 
   # --------------------------------------------------------------------------- device side
 
-  def _to_host(self, x):
-    return jax.device_put(x, jax.memory.Space.Host) if self.offloaded else x
-
-  def _to_device(self, x):
-    return jax.device_put(x, jax.memory.Space.Device) if self.offloaded else x
-
-  def _on_host(self):
-    return compute_on("device_host") if self.offloaded else contextlib.nullcontext()
-
   def _exchange(self, state: dict, ex: dict) -> dict:
     """Write back the dirty victims, then load the missing rows into their slots.
 
@@ -674,61 +593,10 @@ class Offload(base.TableBackend):
     return {**state, "host": host, "cache": cache, "slot_rows": slot_rows}
 
   def _host_scatter(self, h: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
-    """h[rows] = values on the host array h (rows past h's end are dropped). values: device,
-    replicated. On a split host table each device writes the rows it owns."""
-    if not self.host_split:
-      rows, values = self._to_host(rows), self._to_host(values)
-      with self._on_host():
-        return _scatter_rows(h, rows, values)
-    spec = _host_spec(h)
-
-    @functools.partial(
-      jax.shard_map,
-      mesh=self.mesh,
-      in_specs=(spec, sharding.REPLICATED, sharding.REPLICATED),
-      out_specs=spec,
-      check_vma=False,
-    )
-    def local(h, rows, values):
-      n = h.shape[0]
-      loc = rows - jax.lax.axis_index(sharding.BATCH) * n
-      loc = jnp.where((loc >= 0) & (loc < n), loc, n)  # not owned: dropped (stays unique)
-      loc, values = self._to_host(loc), self._to_host(values)
-      with self._on_host():
-        return _scatter_rows(h, loc, values)
-
-    return local(h, rows, values)
+    return self.host.scatter(h, rows, values)
 
   def _host_gather(self, h: jax.Array, rows: jax.Array) -> jax.Array:
-    """h[rows] (rows in range) from the host array h, as a replicated device array. On a
-    split host table each device gathers the rows it owns and an all-reduce of the [M, ...]
-    block (zeros elsewhere, so the sum is exact) gives every device all of them."""
-    if not self.host_split:
-      rows = self._to_host(rows)
-      with self._on_host():
-        out = _gather_rows(h, rows)
-      return self._to_device(out)
-    spec = _host_spec(h)
-
-    @functools.partial(
-      jax.shard_map,
-      mesh=self.mesh,
-      in_specs=(spec, sharding.REPLICATED),
-      out_specs=sharding.REPLICATED,
-      check_vma=False,
-    )
-    def local(h, rows):
-      n = h.shape[0]
-      loc = rows - jax.lax.axis_index(sharding.BATCH) * n
-      owned = (loc >= 0) & (loc < n)
-      loc = self._to_host(jnp.where(owned, loc, 0))
-      with self._on_host():
-        got = _gather_rows(h, loc)
-      got = self._to_device(got)
-      owned = owned.reshape(owned.shape + (1,) * (got.ndim - 1))
-      return jax.lax.psum(jnp.where(owned, got, 0), sharding.BATCH)
-
-    return local(h, rows)
+    return self.host.gather(h, rows)
 
   def lookup(self, state, prepared):
     rows = state["cache"]["table"].at[prepared["ids"]].get(mode="fill", fill_value=0.0)

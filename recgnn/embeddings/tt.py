@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from recgnn import sharding
-from recgnn.embeddings import base
+from recgnn.embeddings import base, profile
 
 KERNELS = ("naive", "unique", "prefix")
 INITS = ("sampled_gaussian", "uniform", "orthogonal", "tt_svd")
@@ -389,7 +389,8 @@ class TT(base.TableBackend):
     self.cache_rows = min(cache_rows, spec.num_rows)
     self.cache_warmup = cache_warmup
     self._caps: dict[str, int] = {}
-    self._warm: list[np.ndarray] = []  # ids seen during the warm-up
+    # Access counts of the warm-up (the shared profiler; sparse: only the rows seen).
+    self._warm = profile.AccessProfile(spec.num_rows, sparse=True)
     self._hot: np.ndarray | None = None  # sorted hot row ids, fixed after the warm-up
 
   def describe(self) -> str:
@@ -489,7 +490,8 @@ class TT(base.TableBackend):
 
   def restore(self, state):
     # The hot set lives in the state; a checkpoint taken during the warm-up restarts it.
-    self._caps, self._warm, self._hot = {}, [], None
+    self._caps, self._hot = {}, None
+    self._warm = profile.AccessProfile(self.spec.num_rows, sparse=True)
     if self.cache_rows:
       ids = np.asarray(state["cache_ids"])
       if (ids < self.spec.num_rows).any():
@@ -520,12 +522,11 @@ class TT(base.TableBackend):
     n, c = self.spec.num_rows, self.cache_rows
     out = {}
     if self._hot is None and count:
-      self._warm.append(ids[ids >= 0])
-      if len(self._warm) >= self.cache_warmup:
+      self._warm.add(ids)
+      if self._warm.batches >= self.cache_warmup:
         # LFU over the warm-up; ties go to the smaller id.
-        seen, counts = np.unique(np.concatenate(self._warm), return_counts=True)
-        top = np.lexsort((seen, -counts))[:c]
-        self._hot, self._warm = np.sort(seen[top]), []
+        self._hot = self._warm.top(c)
+        self._warm = profile.AccessProfile(n, sparse=True)
         # The cores now see fewer distinct rows: let the capacities shrink (one recompile).
         self._caps = {}
     hot_ids = np.full(c, n, np.int32)
