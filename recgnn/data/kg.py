@@ -5,10 +5,11 @@ by name), `\\n` or `\\r\\n` line ends; blank lines are skipped. A folder holds `
 `valid.txt` and `test.txt` (each optionally `.gz`). With no path, the bundled FB15k-237
 (Toutanova & Chen 2015; the ConvE release, third_party/fb15k-237, MIT licence beside it).
 
-Malformed lines (not exactly three non-empty tab-separated fields) are counted per file and
-reported with their line numbers, as the Criteo reader does; past `max_bad_lines` the load
-stops with an error naming the file. Valid / test triples whose entity or relation never
-occurs in train cannot be embedded: they are dropped and counted (`KG.unseen`).
+Malformed lines (not UTF-8, or not exactly three non-empty tab-separated fields) are counted
+per file and reported with their line numbers, as the Criteo reader does; past
+`max_bad_lines` the load stops with an error naming the file. Valid / test triples whose
+entity or relation never occurs in train cannot be embedded: they are dropped and counted
+(`KG.unseen`).
 
 Ids: entities and relations are numbered in order of first appearance in train (then valid,
 test), so ids are a function of the files alone. With `reciprocal=True` every relation r gets
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import os
+import zlib
 
 import numpy as np
 
@@ -46,12 +48,25 @@ class BadLines:
     return f"{self.path}: {self.count} malformed lines (first: {first})"
 
 
-def _open_text(path: str):
+def _read_lines(path: str) -> list[bytes]:
+  """The file's lines (plain or gzip by magic bytes), split on b"\\n" only."""
   with open(path, "rb") as f:
     magic = f.read(2)
-  if magic == b"\x1f\x8b":
-    return gzip.open(path, "rt", encoding="utf-8", newline="")
-  return open(path, encoding="utf-8", newline="")  # noqa: SIM115 (the caller closes it)
+  try:
+    if magic == b"\x1f\x8b":
+      with gzip.open(path, "rb") as f:
+        data = f.read()
+    else:
+      with open(path, "rb") as f:
+        data = f.read()
+  except (OSError, EOFError, zlib.error) as e:  # a truncated / damaged gzip stream
+    raise MalformedDataError(
+      f"{os.path.abspath(path)}: not a readable gzip file ({type(e).__name__}: {e})"
+    ) from None
+  lines = data.split(b"\n")
+  if lines and lines[-1] == b"":
+    lines.pop()
+  return lines
 
 
 def read_triples(
@@ -59,28 +74,34 @@ def read_triples(
 ) -> tuple[list[tuple[str, str, str]], BadLines]:
   """The string triples of one file and its malformed-line report.
 
-  Raises MalformedDataError past `max_bad_lines` malformed lines, naming the first ones.
+  A line is malformed when it is not UTF-8 or not three non-empty (after str.strip)
+  tab-separated fields; lines that are only whitespace are skipped, uncounted.
+  Raises MalformedDataError past `max_bad_lines` malformed lines, naming the first ones,
+  or for a damaged gzip stream.
   """
   triples: list[tuple[str, str, str]] = []
   bad = BadLines(os.path.abspath(path))
-  with _open_text(path) as f:
-    for number, line in enumerate(f, start=1):
-      line = line.rstrip("\r\n")
+  for number, raw in enumerate(_read_lines(path), start=1):
+    try:
+      line = raw.decode("utf-8").removesuffix("\r")
+    except UnicodeDecodeError:
+      line, parts = raw.decode("utf-8", "replace"), []
+    else:
       if not line.strip():
         continue
       parts = line.split("\t")
-      if len(parts) != 3 or not all(p.strip() for p in parts):
-        bad.count += 1
-        if len(bad.examples) < _MAX_EXAMPLES:
-          bad.examples.append((number, line[:200]))
-        if bad.count > max_bad_lines:
-          raise MalformedDataError(
-            f"{bad.describe()}: over the budget of {max_bad_lines}. Lines must be "
-            "head<TAB>relation<TAB>tail. If the file is right, raise "
-            "--config.data.max_bad_lines."
-          )
-        continue
-      triples.append((parts[0].strip(), parts[1].strip(), parts[2].strip()))
+    if len(parts) != 3 or not all(p.strip() for p in parts):
+      bad.count += 1
+      if len(bad.examples) < _MAX_EXAMPLES:
+        bad.examples.append((number, line[:200]))
+      if bad.count > max_bad_lines:
+        raise MalformedDataError(
+          f"{bad.describe()}: over the budget of {max_bad_lines}. Lines must be "
+          "head<TAB>relation<TAB>tail in UTF-8. If the file is right, raise "
+          "--config.data.max_bad_lines."
+        )
+      continue
+    triples.append((parts[0].strip(), parts[1].strip(), parts[2].strip()))
   return triples, bad
 
 
