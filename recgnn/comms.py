@@ -73,6 +73,7 @@ class Collective:
   result_bytes: int
   dtypes: tuple[str, ...]
   group_size: int | None
+  line: str = ""  # the HLO instruction (its metadata names the jax scope it came from)
 
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<result>.*?)\s[a-z][\w\-]*\(")
@@ -124,20 +125,27 @@ def collectives(hlo_text: str) -> list[Collective]:
         result_bytes=result_bytes,
         dtypes=tuple(sorted(set(dtypes or rdt))),
         group_size=_group_size(args),
+        line=line,
       )
     )
   return out
 
 
-def summary(hlo_text: str) -> dict:
+def summary(hlo_text: str, skip_scope: str | None = None) -> dict:
   """{"total_operand_bytes", "by_op": {op: {"count", "operand_bytes", "result_bytes",
   "dtypes"}}} of one executable: per device, per call (one step). Collectives over groups
-  of one device are left out."""
+  of one device are left out. skip_scope: collectives whose jax scope (op_name metadata)
+  contains it are left out too and counted under "skipped" (e.g. a fallback branch that a
+  step takes only sometimes)."""
   by_op: dict[str, dict] = collections.defaultdict(
     lambda: {"count": 0, "operand_bytes": 0, "result_bytes": 0, "dtypes": set()}
   )
+  skipped = 0
   for c in collectives(hlo_text):
     if c.group_size == 1:  # a collective over one device (a 1 x 1 mesh) moves nothing
+      continue
+    if skip_scope and skip_scope in c.line:
+      skipped += c.operand_bytes
       continue
     d = by_op[c.op]
     d["count"] += 1
@@ -148,6 +156,7 @@ def summary(hlo_text: str) -> dict:
   return {
     "total_operand_bytes": sum(v["operand_bytes"] for v in by_op.values()),
     "by_op": by_op,
+    "skipped_operand_bytes": skipped,
   }
 
 

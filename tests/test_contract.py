@@ -21,12 +21,18 @@ EXACT = [
   "offload(cache_rows=100, policy=lfu, lookahead=1)",
   "offload(cache_rows=100, policy=lookahead, lookahead=4)",
   "offload(cache_rows=100, policy=lru, lookahead=0)",
+  "sharded(kind=table)",
 ]
 # Plan strings equal to `dense` up to float summation order: a row-sharded table pools each
 # bag's rows per owner and adds the partial sums across MODEL (psum_scatter of [B, D], not
 # [B, L, D]: L times fewer bytes), so a bag whose ids live on different shards is summed in
 # another order.
-ROUNDING = {"dense(shard=rows)": dict(rtol=1e-5, atol=1e-7)}
+ROUNDING = {
+  "dense(shard=rows)": dict(rtol=1e-5, atol=1e-7),
+  "sharded(kind=row)": dict(rtol=1e-5, atol=1e-7),
+  # Column blocks: row-wise Adagrad's mean over a row's dims is a sum across MODEL.
+  "sharded(kind=column)": dict(rtol=1e-5, atol=1e-7),
+}
 MESHES = [(1, 1), (8, 1), (2, 4)]
 
 OPTIMIZERS = [

@@ -350,6 +350,11 @@ class Backend(abc.ABC):
   def tables(self, state: PyTree) -> dict[str, np.ndarray]:
     """The logical f32[N, D] tables (tests and export; O(N), never called by the trainer)."""
 
+  def device_bytes(self) -> int:
+    """The most bytes any one device holds for the whole group. The per-table figures of
+    `memory` add up to it unless tables live on different devices (`sharded`)."""
+    return sum(m.device_bytes for m in self.memory().values())
+
   def num_params(self) -> dict[str, int]:
     """Trainable floats per table (rows x dim; fewer for compressed backends)."""
     return {n: s.num_rows * s.dim for n, s in self.specs.items()}
@@ -809,6 +814,7 @@ def format_plan(plan: Plan) -> str:
       f"{name:<12} {spec.num_rows:>12,} {spec.dim:>4} {g.describe(name):<40} "
       f"{_mib(mem.device_bytes):>10} {_mib(mem.host_bytes):>10}"
     )
+  dev = sum(g.device_bytes() for g in plan.groups.values())
   lines.append(f"{'total':<12} {'':>12} {'':>4} {'':<40} {_mib(dev):>10} {_mib(host):>10}")
   if params:
     lines.append(
@@ -829,7 +835,7 @@ def check_memory(plan: Plan, device_budget_bytes: int | None) -> int:
   """Refuse, before allocating, a plan whose bytes on one device exceed the budget (per
   device). Returns the plan's bytes per device."""
   per_table = {n: (g, g.memory()[n]) for n in plan.table_group for g in [plan.backend_of(n)]}
-  total = sum(m.device_bytes for _, m in per_table.values())
+  total = sum(g.device_bytes() for g in plan.groups.values())
   if device_budget_bytes is not None and total > device_budget_bytes:
     worst = sorted(per_table.items(), key=lambda kv: -kv[1][1].device_bytes)[:5]
     raise PlanDoesNotFit(

@@ -1,0 +1,242 @@
+"""Codecs for the embedding all-to-all of `sharded`: what the wire carries instead of f32.
+
+A message is a list of SEGMENTS, one per table, each f32[..., D_t] (a pooled embedding, or
+its gradient, per example and destination). A codec turns it into a payload: a dict of
+arrays with the same leading dims (one all-to-all per payload array), and back.
+
+  none          f32, 32 bits per value
+  fp16, bf16    a cast: 16 bits
+  fp8_e4m3,     a cast after a per-vector scale (max |x| -> the format's largest finite
+  fp8_e5m2      value; without it gradients of 1e-4 underflow e4m3's 2^-9 smallest
+                subnormal): 8 bits + one f32 per vector
+  int8          symmetric per-vector scale (max |x| / 127), as TorchRec's row-wise int8
+                comms: 8 bits + one f32 per vector
+  eb            error-bounded: q = round(x / 2eb) in int8 (a step a hair under 2 eb) with the bound `eb` of the
+                segment's table; |x - decode(encode(x))| <= eb for EVERY value. The bound
+                is known to both sides (it lives in the backend state), so the wire
+                carries 8 bits per value and nothing else. A value whose code would not
+                fit in int8 (or whose decoded value would miss the bound by rounding) makes
+                `encode` report the message not ok; `sharded` then sends that step's
+                message as f32 (a fallback agreed over the mesh), so the bound always holds.
+
+Non-finite values cannot be carried within a bound: `check_finite` refuses them on concrete
+arrays with a clear error; inside a jitted step `eb` reports them not ok, the fallback
+carries them as they are, and the loss check of the trainer stops the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+CODECS = ("none", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "eb")
+_FLOAT = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
+_FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+QMAX = 127  # largest int8 code used (the range is symmetric)
+# The encoder checks |x - decoded| <= eb * SAFETY in f32, so the exact error is within eb
+# although the f32 subtraction rounds (by half an ulp of the difference, 2^-24 relative) and
+# the bound itself was rounded to f32 (2^-24). Values within 2^-20 of the bound are refused.
+SAFETY = 1.0 - 2.0**-20
+# The step is a hair finer than 2 eb, so that rounding to the nearest code (error <= step / 2)
+# plus f32 rounding of code * step (<= 2^-16 eb for codes up to 127) stays below eb * SAFETY:
+# every value whose code fits is carried, midpoints included.
+STEP = 2.0 * (1.0 - 2.0**-12)
+
+
+def check_finite(x, what: str = "values") -> None:
+  """Raise ValueError if a concrete array holds NaN or inf (no-op on tracers)."""
+  if isinstance(x, jax.core.Tracer):
+    return
+  a = np.asarray(x)
+  bad = ~np.isfinite(a)
+  if bad.any():
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(
+      f"Cannot encode {what}: {int(bad.sum())} NaN/inf values (first at index {first}, "
+      f"value {a[first]}); an error bound cannot hold for them. Check the loss and the "
+      "learning rate: non-finite activations or gradients mean training has diverged."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+  """A codec over messages of segments of widths `dims` (one per table).
+
+  Attributes:
+    name: one of CODECS.
+    dims: the width D_t of each segment.
+  """
+
+  name: str
+  dims: tuple[int, ...]
+
+  def __post_init__(self):
+    if self.name not in CODECS:
+      raise ValueError(f"Unknown codec {self.name!r}; available: {', '.join(CODECS)}")
+
+  @property
+  def width(self) -> int:
+    return sum(self.dims)
+
+  @property
+  def needs_bound(self) -> bool:
+    return self.name == "eb"
+
+  def bits_per_value(self) -> float:
+    """Wire bits per f32 value of a message (scales included)."""
+    if self.name == "none":
+      return 32.0
+    if self.name in _FLOAT:
+      return 16.0
+    if self.name == "eb":
+      return 8.0
+    return 8.0 + 32.0 * len(self.dims) / self.width  # fp8 / int8: one f32 scale per vector
+
+  def encode(
+    self, segments: Sequence[jax.Array], bounds: jax.Array | None = None
+  ) -> tuple[dict[str, jax.Array], jax.Array]:
+    """segments: f32[..., D_t] per table; bounds: f32[T] (eb only).
+
+    Returns (payload, ok): payload arrays share the segments' leading dims; `ok` is a bool
+    scalar, False when `eb` cannot hold its bound for some value of this message.
+    """
+    x = jnp.concatenate([s.astype(jnp.float32) for s in segments], axis=-1)
+    ok = jnp.array(True)
+    if self.name == "none":
+      return {"v": x}, ok
+    if self.name in _FLOAT:
+      return {"v": x.astype(_FLOAT[self.name])}, ok
+    if self.name == "eb":
+      eb = self._per_value(bounds)
+      step = STEP * eb
+      q = jnp.round(x / step)
+      dec = jnp.clip(q, -QMAX, QMAX) * step
+      ok = jnp.all((jnp.abs(q) <= QMAX) & (jnp.abs(x - dec) <= eb * SAFETY))
+      return {"q": jnp.clip(q, -QMAX, QMAX).astype(jnp.int8)}, ok
+    # Per-vector scale: fp8 and int8.
+    scales, parts = [], []
+    top = QMAX if self.name == "int8" else float(jnp.finfo(_FP8[self.name]).max)
+    for s in self._split(x):
+      m = jnp.max(jnp.abs(s), axis=-1, keepdims=True)
+      scale = jnp.where(m > 0, m / top, 1.0)
+      scales.append(scale)
+      v = s / scale
+      parts.append(
+        jnp.round(v).astype(jnp.int8) if self.name == "int8" else v.astype(_FP8[self.name])
+      )
+    return {"q": jnp.concatenate(parts, axis=-1), "scale": jnp.concatenate(scales, axis=-1)}, ok
+
+  def decode(
+    self, payload: dict[str, jax.Array], bounds: jax.Array | None = None
+  ) -> list[jax.Array]:
+    """payload -> f32[..., D_t] per table."""
+    if self.name in ("none", *_FLOAT):
+      x = payload["v"].astype(jnp.float32)
+    elif self.name == "eb":
+      x = payload["q"].astype(jnp.float32) * (STEP * self._per_value(bounds))
+    else:
+      q = payload["q"].astype(jnp.float32)
+      scale = payload["scale"]
+      x = jnp.concatenate(
+        [s * scale[..., i : i + 1] for i, s in enumerate(self._split(q))], axis=-1
+      )
+    return self._split(x)
+
+  def _split(self, x):
+    out, lo = [], 0
+    for d in self.dims:
+      out.append(x[..., lo : lo + d])
+      lo += d
+    return out
+
+  def _per_value(self, bounds) -> jax.Array:
+    """bounds f32[..., nseg] (one per segment, leading dims broadcasting against the
+    message's) -> f32[..., W], each value's bound."""
+    if bounds is None:
+      raise ValueError("the eb codec needs one error bound per segment")
+    b = jnp.asarray(bounds, jnp.float32)
+    if b.shape[-1] != len(self.dims):
+      raise ValueError(f"eb codec: {b.shape[-1]} bounds for {len(self.dims)} segments")
+    if not isinstance(b, jax.core.Tracer) and not bool(jnp.all(b > 0)):
+      raise ValueError(f"eb codec: error bounds must be > 0, got {np.asarray(b)}")
+    b = jnp.maximum(b, jnp.finfo(jnp.float32).tiny)
+    return jnp.concatenate(
+      [jnp.broadcast_to(b[..., i : i + 1], (*b.shape[:-1], d)) for i, d in enumerate(self.dims)],
+      axis=-1,
+    )
+
+
+def roundtrip(codec: Codec, segments, bounds=None, *, check: bool = True):
+  """decode(encode(x)) on concrete arrays (tests, benchmarks): refuses NaN / inf first.
+
+  Returns (decoded segments, ok)."""
+  if check:
+    for s in segments:
+      check_finite(s, f"a message for the {codec.name!r} codec")
+  payload, ok = codec.encode(segments, bounds)
+  return codec.decode(payload, bounds), ok
+
+
+def payload_bytes(codec: Codec, leading: int) -> int:
+  """Wire bytes of a message with `leading` vectors of every segment."""
+  return int(round(leading * codec.width * codec.bits_per_value() / 8))
+
+
+# ----------------------------------------------------------------------------- adaptive bounds
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BoundRule:
+  """How `sharded` sets the error bound of each table at each iteration (eb codec).
+
+  fixed > 0: the same bound for every table and iteration (the baseline the paper compares
+    its adaptive bound with).
+  fixed == 0 (adaptive): table-wise and iteration-wise. Each table t keeps an exponential
+    moving average, over iterations, of the largest |value| it put on the wire
+    (`ema_max_t`); its next bound is the finest one whose int8 codes still hold that range
+    with `headroom`:  eb_t = ema_max_t * (1 + headroom) / (2 * 127).
+    Why this rule: with fixed-size codes the bytes are the same at every bound, so the
+    bound that serves accuracy best is the smallest one that does not force a fallback;
+    tables differ by orders of magnitude in their ranges (hashed tables with few rows
+    train to larger values) and ranges drift over training (embeddings grow, gradients
+    shrink), so both levels are needed. The paper (Feng et al., SC'24) also sets bounds
+    per table and per iteration, from table statistics and the training phase, with a
+    variable-length (Huffman) coder that turns a looser bound into fewer bytes; a
+    fixed-shape all-to-all cannot, so here the bound buys accuracy, not bytes.
+  decay: the EMA's weight of the past.
+  """
+
+  fixed: float = 0.0
+  headroom: float = 0.25
+  decay: float = 0.9
+  initial: float = 1e-3  # the bound before the first statistics (iteration 0)
+
+  def init(self, num_tables: int) -> dict[str, jax.Array]:
+    start = self.fixed if self.fixed > 0 else self.initial
+    return {
+      "bound": jnp.full((num_tables,), start, jnp.float32),
+      "ema_max": jnp.zeros((num_tables,), jnp.float32),
+      "steps": jnp.zeros((), jnp.int32),
+      "fallbacks": jnp.zeros((), jnp.int32),
+    }
+
+  def next(self, state: dict[str, jax.Array], step_max: jax.Array, fallback: jax.Array):
+    """state after an iteration whose largest |value| per table was step_max f32[T]."""
+    first = state["steps"] == 0
+    ema = jnp.where(first, step_max, self.decay * state["ema_max"] + (1 - self.decay) * step_max)
+    # A range that jumps past the EMA would fall back every step until the EMA catches up.
+    ema = jnp.maximum(ema, step_max)
+    if self.fixed > 0:
+      bound = state["bound"]
+    else:
+      bound = jnp.maximum(ema * (1 + self.headroom) / (2 * QMAX), 1e-12)
+    return {
+      "bound": bound,
+      "ema_max": ema,
+      "steps": state["steps"] + 1,
+      "fallbacks": state["fallbacks"] + fallback.astype(jnp.int32),
+    }

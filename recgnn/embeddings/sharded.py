@@ -1,0 +1,775 @@
+"""`sharded`: model-parallel tables over the mesh's MODEL axis, the embedding all-to-all in
+shard_map, optionally carried by a lossy codec (recgnn/embeddings/codecs.py).
+
+DLRM's model parallelism (TorchRec's table-, row- and column-wise sharding), replicated over
+DATA (2D parallelism). Within a MODEL group of k devices (the devices sharing a DATA index,
+holding k * b consecutive examples of the batch, b per device):
+
+  table-wise   a whole table on one MODEL shard. Its ids go to the owner (all-to-all of ids),
+               the owner gathers and pools them for the group's k * b examples, and the
+               pooled [b, D] blocks go back to each example's device (the all-to-all).
+  row-wise     rows split over MODEL. Ids all-gathered over MODEL; each shard pools the rows
+               it owns (zeros elsewhere) and the partial sums go back through the same
+               all-to-all, summed by the receiver (a reduce-scatter's bytes).
+  column-wise  dims split over MODEL (D / k columns per shard). Ids all-gathered; each shard
+               pools its columns; the all-to-all returns each device its examples' columns.
+
+Forward and backward move ONE fused message per step and direction: every table's segment
+of every example, [k, b, W] per device (W = Tmax * D + sum of row-wise D + sum of column-wise
+D / k, Tmax the most tables one shard owns), so one all-to-all per payload array (one for
+f32; codes + scales for int8). Backward is the reverse: pooled gradients to the owners, then
+an all-gather over DATA of (ids, gradients) of the group's examples so every replica of a
+shard applies the same sparse row-wise update (SGD, row-wise Adagrad): O(B) bytes, never a
+table-sized all-reduce. The ids are routed again in `update` (the contract keeps lookup and
+update apart; TorchRec keeps them from the forward): L int32 per example and table.
+
+Placement (`kind`): `auto` (default) puts a table row-wise when it holds more than 1 / k of
+the group's bytes (it would unbalance the shards) and table-wise otherwise, assigning the
+table-wise ones greedily (largest first) to the shard with the least cost, cost = its
+share of the group's bytes + its share of expected lookups (bag length, or an access profile
+JSON {table: lookups per example} given as `profile=path`). `table`, `row`, `column` force
+one placement for every table of the group (give tables different plan strings to mix).
+
+Codecs: `codec=` for both directions, `fwd_codec=` / `bwd_codec=` to override one; the error-
+bounded `eb` takes `eb=<fixed bound>` or adapts per table and iteration (`codecs.BoundRule`,
+`headroom=`). A message that `eb` cannot carry within its bound goes as f32 that step (the
+decision is agreed over the mesh, so every device takes the same branch); the count of such
+fallbacks is in the state and in `stats`.
+
+State: {"tw": {"rows": f32[k, R, D], slots: f32[k, R]} (split over MODEL; shard m holds its
+tables one after another), "rw": {t: {"rows": f32[S, D] P(MODEL), slots}}, "cw": {t: {"rows":
+f32[S, D] P(None, MODEL), slots replicated}}, "codec": {"fwd"|"bwd": BoundRule state}}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from recgnn import sharding
+from recgnn.embeddings import base, codecs
+
+P = sharding.P
+KINDS = ("auto", "table", "row", "column")
+FALLBACK_SCOPE = "codec_fallback"  # named scope of the f32 fallback all-to-all (comms.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where one table lives. kind: table | row | column; shard: the owner (table-wise);
+  slot: its position among the owner's tables; offset: its first row in the owner's array."""
+
+  kind: str
+  shard: int = 0
+  slot: int = 0
+  offset: int = 0
+
+
+def plan_placements(
+  specs: dict[str, base.TableSpec],
+  k: int,
+  kind: str = "auto",
+  lookups: dict[str, float] | None = None,
+) -> dict[str, Placement]:
+  """Assign every table a placement over k MODEL shards (see the module docstring)."""
+  if kind not in KINDS:
+    raise ValueError(f"sharded: unknown kind {kind!r}; available: {', '.join(KINDS)}")
+  lookups = lookups or {}
+  total_bytes = sum(s.table_bytes for s in specs.values()) or 1
+  total_lookups = sum(lookups.get(n, 1.0) for n in specs) or 1.0
+  out: dict[str, Placement] = {}
+  table_wise = []
+  for n, s in specs.items():
+    if kind == "column":
+      if s.dim % k:
+        raise ValueError(
+          f"sharded(kind=column): table {n!r} has dim {s.dim}, which does not split over the "
+          f"{k} devices of the model axis; use a dim divisible by {k}, or kind=row / table."
+        )
+      out[n] = Placement("column")
+    elif kind == "row" or (kind == "auto" and k > 1 and s.table_bytes * k > total_bytes):
+      out[n] = Placement("row")
+    else:
+      table_wise.append(n)
+  cost = [0.0] * k
+  rows = [0] * k
+  slots = [0] * k
+  order = sorted(
+    table_wise,
+    key=lambda n: -(specs[n].table_bytes / total_bytes + lookups.get(n, 1.0) / total_lookups),
+  )
+  for n in order:
+    m = min(range(k), key=lambda i: (cost[i], i))
+    out[n] = Placement("table", m, slots[m], rows[m])
+    cost[m] += specs[n].table_bytes / total_bytes + lookups.get(n, 1.0) / total_lookups
+    rows[m] += specs[n].num_rows
+    slots[m] += 1
+  return {n: out[n] for n in specs}
+
+
+class Sharded(base.Backend):
+  """Model-parallel tables (see the module docstring). Options: kind, codec, fwd_codec,
+  bwd_codec, eb (fixed bound; 0 = adaptive), headroom, profile."""
+
+  name = "sharded"
+
+  def __init__(
+    self,
+    specs,
+    mesh,
+    text: str = "",
+    *,
+    kind: str = "auto",
+    codec: str = "none",
+    fwd_codec: str | None = None,
+    bwd_codec: str | None = None,
+    eb: float = 0.0,
+    headroom: float = 0.25,
+    profile: str | None = None,
+  ):
+    super().__init__(specs, mesh, text)
+    self.kind = kind
+    self.k = mesh.shape[sharding.MODEL]
+    self.n_data = mesh.shape[sharding.DATA]
+    if base.ROW_ALIGN % self.k:
+      raise ValueError(
+        f"sharded: the mesh's model axis has {self.k} devices; sharded tables need a model size "
+        f"dividing {base.ROW_ALIGN} (1, 2, 4, 8, ...) so that checkpoints restore on any such mesh."
+      )
+    opts = {s.optimizer for s in self.specs.values()}
+    if len(opts) > 1:
+      raise ValueError(
+        "sharded: every table of a group must share its optimizer (one fused update); got "
+        + ", ".join(
+          f"{n}: {s.optimizer.name}(lr={s.optimizer.learning_rate})" for n, s in self.specs.items()
+        )
+        + ". Give tables with other optimizers another plan string."
+      )
+    self.optimizer = next(iter(opts))
+    lookups = None
+    if profile:
+      with open(profile) as f:
+        lookups = {k: float(v) for k, v in json.load(f).items()}
+    self.placement = plan_placements(self.specs, self.k, kind, lookups)
+    self.tw = [n for n, p in self.placement.items() if p.kind == "table"]
+    self.rw = [n for n, p in self.placement.items() if p.kind == "row"]
+    self.cw = [n for n, p in self.placement.items() if p.kind == "column"]
+    dims = {self.specs[n].dim for n in self.tw}
+    if len(dims) > 1:
+      raise ValueError(
+        "sharded: table-wise tables of one group share one array per shard, so they need one "
+        f"dim; got {sorted(dims)} ({', '.join(f'{n}: {self.specs[n].dim}' for n in self.tw)}). "
+        "Give tables of another dim another plan string, or kind=row."
+      )
+    self.dim_tw = dims.pop() if dims else 0
+    # Table-wise layout: owner_slots[m][s] = the table in slot s of shard m (None: empty).
+    self.tmax = max([p.slot + 1 for p in self.placement.values() if p.kind == "table"] + [0])
+    self.owner_slots = [[None] * self.tmax for _ in range(self.k)]
+    for n in self.tw:
+      p = self.placement[n]
+      self.owner_slots[p.shard][p.slot] = n
+    shard_rows = [
+      sum(self.specs[n].num_rows for n in slots if n is not None) for slots in self.owner_slots
+    ]
+    self.rows_tw = max(shard_rows + [1])
+    self.table_index = {n: i for i, n in enumerate(self.specs)}
+    self.codec_names = {
+      "fwd": fwd_codec or codec,
+      "bwd": bwd_codec or codec,
+    }
+    self.rule = codecs.BoundRule(fixed=float(eb), headroom=float(headroom))
+    self.codecs = {d: codecs.Codec(c, self._segment_dims()) for d, c in self.codec_names.items()}
+    if eb and not any(c.needs_bound for c in self.codecs.values()):
+      raise ValueError(
+        f"sharded: eb={eb} is an error bound for codec=eb; the codecs are {self.codec_names}"
+      )
+    self._jitted = {}
+    logging.info("sharded placements:\n%s", self.format_placements())
+
+  # ------------------------------------------------------------------------- layout
+
+  def describe(self, table=None):
+    if table is None:
+      return self.text
+    p = self.placement[table]
+    where = f"table@{p.shard}" if p.kind == "table" else p.kind
+    return f"{self.text} [{where}]"
+
+  def _segment_dims(self) -> tuple[int, ...]:
+    """Widths of the fused message's segments: Tmax table-wise slots, row-wise tables,
+    column-wise tables' column blocks."""
+    return (
+      (self.dim_tw,) * self.tmax
+      + tuple(self.specs[n].dim for n in self.rw)
+      + tuple(self.specs[n].dim // self.k for n in self.cw)
+    )
+
+  def _segment_tables(self) -> np.ndarray:
+    """int32[k, nseg]: the table index (into the bounds vector) of each segment as sent by
+    shard m; T (a dummy) for an empty slot."""
+    t = len(self.specs)
+    out = []
+    for m in range(self.k):
+      row = [t if n is None else self.table_index[n] for n in self.owner_slots[m]]
+      row += [self.table_index[n] for n in self.rw + self.cw]
+      out.append(row)
+    return np.asarray(out, np.int32).reshape(self.k, len(self._segment_dims()))
+
+  def format_placements(self) -> str:
+    lines = [f"{'table':<12} {'rows':>12} {'placement':<12} {'bytes on its devices':>20}"]
+    for n, p in self.placement.items():
+      s = self.specs[n]
+      where = f"shard {p.shard}" if p.kind == "table" else f"{p.kind}-wise"
+      per = s.table_bytes if p.kind == "table" else -(-s.table_bytes // self.k)
+      lines.append(f"{n:<12} {s.num_rows:>12,} {where:<12} {per:>20,}")
+    per_dev = self.device_bytes_by_shard()
+    lines.append("per MODEL shard: " + ", ".join(f"{b / 2**20:.1f}M" for b in per_dev))
+    lines.append(
+      f"wire per example: fwd {self.codec_names['fwd']} {self.codecs['fwd'].bits_per_value():.1f} "
+      f"bits/value, bwd {self.codec_names['bwd']} {self.codecs['bwd'].bits_per_value():.1f}; "
+      f"{sum(self._segment_dims())} values per destination"
+    )
+    return "\n".join(lines)
+
+  # ------------------------------------------------------------------------- memory
+
+  def _slots(self):
+    return self.optimizer.slot_names()
+
+  def device_bytes_by_shard(self) -> list[int]:
+    """Bytes each MODEL shard holds (the same on every DATA replica)."""
+    nslot = len(self._slots())
+    tw = self.rows_tw * (4 * self.dim_tw + 4 * nslot) if self.tw else 0
+    rw = sum(
+      base.aligned_rows(self.specs[n].num_rows) // self.k * self.specs[n].row_bytes for n in self.rw
+    )
+    cw = sum(
+      base.aligned_rows(self.specs[n].num_rows) * (4 * self.specs[n].dim // self.k + 4 * nslot)
+      for n in self.cw
+    )
+    return [tw + rw + cw] * self.k
+
+  def memory(self):
+    out = {}
+    for n, p in self.placement.items():
+      s = self.specs[n]
+      if p.kind == "table":
+        out[n] = base.MemoryReport(s.table_bytes, 0, f"whole on MODEL shard {p.shard}")
+      elif p.kind == "row":
+        out[n] = base.MemoryReport(
+          base.aligned_rows(s.num_rows) // self.k * s.row_bytes, 0, f"rows over {self.k} devices"
+        )
+      else:
+        out[n] = base.MemoryReport(
+          base.aligned_rows(s.num_rows) * (4 * s.dim // self.k + 4 * len(self._slots())),
+          0,
+          f"columns over {self.k} devices",
+        )
+    return out
+
+  def device_bytes(self) -> int:
+    """The most one device holds for the whole group (table-wise tables live on one shard,
+    so the per-table figures of `memory` do not add up to it)."""
+    return max(self.device_bytes_by_shard())
+
+  # ------------------------------------------------------------------------- state
+
+  def state_sharding(self):
+    named = functools.partial(sharding.named, self.mesh)
+    out = {}
+    if self.tw:
+      out["tw"] = {"rows": named(P(sharding.MODEL, None, None))}
+      out["tw"].update({s: named(P(sharding.MODEL, None)) for s in self._slots()})
+    out["rw"] = {
+      n: {
+        "rows": named(P(sharding.MODEL, None)),
+        **{s: named(P(sharding.MODEL)) for s in self._slots()},
+      }
+      for n in self.rw
+    }
+    out["cw"] = {
+      n: {"rows": named(P(None, sharding.MODEL)), **{s: named(P()) for s in self._slots()}}
+      for n in self.cw
+    }
+    out["codec"] = jax.tree.map(lambda _: named(P()), self._codec_init())
+    return out
+
+  def _codec_init(self):
+    t = len(self.specs)
+    return {d: self.rule.init(t) for d, c in self.codecs.items() if c.needs_bound}
+
+  def init(self, key):
+    init = {n: base.init_table(base.table_key(key, n), s) for n, s in self.specs.items()}
+    return self._from_rows(init, None)
+
+  def _from_rows(self, rows: dict[str, np.ndarray], slots: dict[str, dict[str, np.ndarray]] | None):
+    """Host arrays of the state from each table's rows f32[N, D] (and slots f32[N])."""
+    opt = self.optimizer
+    state = {}
+    if self.tw:
+      tw = np.zeros((self.k, self.rows_tw, self.dim_tw), np.float32)
+      tws = {
+        s: np.full((self.k, self.rows_tw), opt.initial_accumulator, np.float32)
+        for s in self._slots()
+      }
+      for n in self.tw:
+        p, num = self.placement[n], self.specs[n].num_rows
+        tw[p.shard, p.offset : p.offset + num] = rows[n][:num]
+        for s in self._slots():
+          if slots is not None:
+            tws[s][p.shard, p.offset : p.offset + num] = slots[n][s][:num]
+      state["tw"] = {"rows": tw, **tws}
+    for kind, names in (("rw", self.rw), ("cw", self.cw)):
+      state[kind] = {}
+      for n in names:
+        spec = self.specs[n]
+        a = base.aligned_rows(spec.num_rows)
+        r = np.zeros((a, spec.dim), np.float32)
+        r[: spec.num_rows] = rows[n][: spec.num_rows]
+        sl = {}
+        for s in self._slots():
+          sl[s] = np.full(a, opt.initial_accumulator, np.float32)
+          if slots is not None:
+            sl[s][: spec.num_rows] = slots[n][s][: spec.num_rows]
+        state[kind][n] = {"rows": r, **sl}
+    state["codec"] = jax.device_get(self._codec_init())
+    return sharding.put(state, self.state_sharding())
+
+  def tables(self, state):
+    host = jax.device_get({k: v for k, v in state.items() if k != "codec"})
+    out = {}
+    for n, p in self.placement.items():
+      num = self.specs[n].num_rows
+      if p.kind == "table":
+        out[n] = np.asarray(host["tw"]["rows"][p.shard, p.offset : p.offset + num])
+      else:
+        out[n] = np.asarray(host["rw" if p.kind == "row" else "cw"][n]["rows"][:num])
+    return out
+
+  # ------------------------------------------------------------------------- checkpoints
+
+  def logical_format(self, table):
+    return "rows"
+
+  def logical_target(self):
+    rows = sharding.named(self.mesh, P(sharding.MODEL, None))
+    vec = sharding.named(self.mesh, P(sharding.MODEL))
+    out = {}
+    for n, s in self.specs.items():
+      a = base.aligned_rows(s.num_rows)
+      out[n] = {"rows": jax.ShapeDtypeStruct((a, s.dim), jnp.float32, sharding=rows)}
+      out[n].update(
+        {k: jax.ShapeDtypeStruct((a,), jnp.float32, sharding=vec) for k in self._slots()}
+      )
+    return out
+
+  def export(self, state):
+    if "export" not in self._jitted:
+      target = jax.tree.map(lambda x: x.sharding, self.logical_target())
+
+      def fn(state):
+        out = {}
+        for n, p in self.placement.items():
+          a, num = base.aligned_rows(self.specs[n].num_rows), self.specs[n].num_rows
+          if p.kind == "table":
+            src = state["tw"]
+            out[n] = {
+              k: jnp.pad(
+                v[p.shard, p.offset : p.offset + num], [(0, a - num)] + [(0, 0)] * (v.ndim - 2)
+              )
+              for k, v in src.items()
+            }
+          else:
+            out[n] = dict(state["rw" if p.kind == "row" else "cw"][n])
+        return out
+
+      self._jitted["export"] = jax.jit(fn, out_shardings=target)
+    return self._jitted["export"](state)
+
+  def import_(self, logical):
+    if "import" not in self._jitted:
+
+      def fn(logical):
+        state = {}
+        if self.tw:
+          tw = {"rows": jnp.zeros((self.k, self.rows_tw, self.dim_tw), jnp.float32)}
+          tw.update(
+            {
+              s: jnp.full((self.k, self.rows_tw), self.optimizer.initial_accumulator)
+              for s in self._slots()
+            }
+          )
+          for n in self.tw:
+            p, num = self.placement[n], self.specs[n].num_rows
+            for k in tw:
+              tw[k] = tw[k].at[p.shard, p.offset : p.offset + num].set(logical[n][k][:num])
+          state["tw"] = tw
+        state["rw"] = {n: dict(logical[n]) for n in self.rw}
+        state["cw"] = {n: dict(logical[n]) for n in self.cw}
+        state["codec"] = self._codec_init()
+        return state
+
+      self._jitted["import"] = jax.jit(fn, out_shardings=self.state_sharding())
+    return self._jitted["import"](logical)
+
+  # ------------------------------------------------------------------------- host side
+
+  def prepare(self, ids, upcoming=(), *, train=True):
+    del upcoming, train
+    if not self.shard_batch:
+      raise ValueError(
+        "sharded: this task's batches are replicated over the devices (shard_batch=False); "
+        "model-parallel tables need the batch split over the mesh. Use dense or offload here."
+      )
+    out = {"ids": {}, "count": {}}
+    for n, s in self.specs.items():
+      x = np.asarray(ids[n])
+      # Out-of-range ids would be dropped silently by the gathers: refuse them here.
+      if x.size and (x.max() >= s.num_rows or x.min() < base.PAD):
+        raise ValueError(f"sharded: table {n!r} got ids outside [-1, {s.num_rows})")
+      out["ids"][n] = x.astype(np.int32)
+      if s.pooling == "mean":
+        out["count"][n] = np.sum(x >= 0, axis=1).astype(np.int32)
+    return out
+
+  def prepared_spec(self, prepared):
+    return jax.tree.map(lambda _: sharding.BATCH_SPEC, prepared)
+
+  # ------------------------------------------------------------------------- device side
+
+  def _specs_in(self):
+    """shard_map in_specs of the state (MODEL-split storage, replicated codec state)."""
+    spec = jax.tree.map(
+      lambda s: s.spec,
+      self.state_sharding(),
+      is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
+    )
+    return spec
+
+  def _bounds(self, codec_state, direction):
+    """f32[T + 1] error bounds (the last one for empty slots), or None."""
+    if direction not in codec_state:
+      return None
+    return jnp.concatenate([codec_state[direction]["bound"], jnp.ones((1,), jnp.float32)])
+
+  def _route_tw(self, ids):
+    """Local ids {t: i32[b, L]} -> i32[k * b, Tmax, Ltw]: the ids of this shard's table-wise
+    slots for the MODEL group's examples (all-to-all over MODEL)."""
+    ltw = max(ids[n].shape[1] for n in self.tw)
+    b = ids[self.tw[0]].shape[0]
+    empty = jnp.full((b, ltw), base.PAD, jnp.int32)
+    padded = {
+      n: jnp.pad(ids[n], ((0, 0), (0, ltw - ids[n].shape[1])), constant_values=base.PAD)
+      for n in self.tw
+    }
+    send = jnp.stack(
+      [
+        jnp.stack([empty if n is None else padded[n] for n in slots], axis=1)
+        for slots in self.owner_slots
+      ]
+    )  # [k, b, Tmax, Ltw]
+    recv = jax.lax.all_to_all(send, sharding.MODEL, 0, 0)
+    return recv.reshape(self.k * b, self.tmax, ltw)
+
+  def _tw_local(self, routed):
+    """Routed ids -> local row indices of this shard's table-wise array (R = dropped)."""
+    off = np.zeros((self.k, self.tmax), np.int32)
+    num = np.zeros((self.k, self.tmax), np.int32)
+    for m, slots in enumerate(self.owner_slots):
+      for s, n in enumerate(slots):
+        if n is not None:
+          off[m, s], num[m, s] = self.placement[n].offset, self.specs[n].num_rows
+    me = jax.lax.axis_index(sharding.MODEL)
+    o, nr = jnp.asarray(off)[me][None, :, None], jnp.asarray(num)[me][None, :, None]
+    return jnp.where((routed >= 0) & (routed < nr), o + routed, self.rows_tw)
+
+  def _rw_local(self, n, ids):
+    rows = base.aligned_rows(self.specs[n].num_rows) // self.k
+    loc = ids - jax.lax.axis_index(sharding.MODEL) * rows
+    ok = (ids >= 0) & (loc >= 0) & (loc < rows) & (ids < self.specs[n].num_rows)
+    return jnp.where(ok, loc, rows)
+
+  def _cw_local(self, n, ids):
+    num = self.specs[n].num_rows
+    return jnp.where((ids >= 0) & (ids < num), ids, base.aligned_rows(num))
+
+  def _group_ids(self, ids, names, axes):
+    """All-gather the ids of `names` over `axes`: {t: i32[b * |axes|, L]} (one collective)."""
+    if not names:
+      return {}
+    flat = jnp.concatenate([ids[n] for n in names], axis=1)
+    flat = jax.lax.all_gather(flat, axes, tiled=True)
+    out, lo = {}, 0
+    for n in names:
+      w = ids[n].shape[1]
+      out[n] = flat[:, lo : lo + w]
+      lo += w
+    return out
+
+  def _local_pool(self, state, ids):
+    """The forward message this device sends: segments [k (destination), b, width]."""
+    b = next(iter(ids.values())).shape[0]
+    segs = []
+    if self.tw:
+      loc = self._tw_local(self._route_tw(ids))
+      rows = state["tw"]["rows"][0].at[loc].get(mode="fill", fill_value=0.0)
+      pooled = jnp.sum(rows, axis=2)  # [k * b, Tmax, D]
+      segs += [pooled[:, s].reshape(self.k, b, self.dim_tw) for s in range(self.tmax)]
+    gathered = self._group_ids(ids, self.rw + self.cw, sharding.MODEL)
+    for n in self.rw:
+      rows = (
+        state["rw"][n]["rows"].at[self._rw_local(n, gathered[n])].get(mode="fill", fill_value=0.0)
+      )
+      segs.append(jnp.sum(rows, axis=1).reshape(self.k, b, -1))
+    for n in self.cw:
+      rows = (
+        state["cw"][n]["rows"].at[self._cw_local(n, gathered[n])].get(mode="fill", fill_value=0.0)
+      )
+      segs.append(jnp.sum(rows, axis=1).reshape(self.k, b, -1))
+    return segs
+
+  def _exchange(self, codec, segs, send_bounds, recv_bounds):
+    """All-to-all over MODEL of a message of segments [k, b, w] through `codec`, with the f32
+    fallback when the codec cannot hold its bound. -> (segments [k (source), b, w], ok)."""
+
+    def raw(segs, scope=FALLBACK_SCOPE):
+      with jax.named_scope(scope):
+        x = jnp.concatenate(segs, axis=-1)
+        return codec._split(jax.lax.all_to_all(x, sharding.MODEL, 0, 0))
+
+    def coded(segs):
+      payload, _ = codec.encode(segs, send_bounds)
+      payload = {k: jax.lax.all_to_all(v, sharding.MODEL, 0, 0) for k, v in payload.items()}
+      return codec.decode(payload, recv_bounds)
+
+    if codec.name == "none":
+      return raw(segs, "embedding_all_to_all"), jnp.array(True)
+    _, ok = codec.encode(segs, send_bounds)
+    if not codec.needs_bound:
+      return coded(segs), ok
+    bad = jax.lax.psum((~ok).astype(jnp.int32), (sharding.DATA, sharding.MODEL))
+    return jax.lax.cond(bad > 0, raw, coded, segs), bad == 0
+
+  def _seg_bounds(self, bounds, sender: bool, owner_is_sender: bool):
+    """Bounds f32 of each segment, broadcastable to [k, b, nseg], or None."""
+    if bounds is None:
+      return None
+    idx = jnp.asarray(self._segment_tables())
+    if owner_is_sender == sender:
+      # The segments of this device's own table-wise slots: one row of the table.
+      return bounds[idx[jax.lax.axis_index(sharding.MODEL)]]
+    return bounds[idx][:, None, :]  # per peer (the peer's slots)
+
+  def lookup(self, state, prepared):
+    ids, count = prepared["ids"], prepared["count"]
+    in_specs = (self._specs_in(), P(sharding.BATCH))
+    bounds_on = "fwd" in state["codec"]
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(in_specs[0], {"ids": P(sharding.BATCH), "count": P(sharding.BATCH)}),
+      out_specs=P(sharding.BATCH),
+      check_vma=False,
+    )
+    def local(state, prepared):
+      ids, count = prepared["ids"], prepared["count"]
+      segs = self._local_pool(state, ids)
+      bounds = self._bounds(state["codec"], "fwd") if bounds_on else None
+      recv, _ = self._exchange(
+        self.codecs["fwd"],
+        segs,
+        self._seg_bounds(bounds, sender=True, owner_is_sender=True),
+        self._seg_bounds(bounds, sender=False, owner_is_sender=True),
+      )
+      return self._assemble(recv, count)
+
+    return local(state, {"ids": ids, "count": count})
+
+  def _assemble(self, recv, count):
+    """Received forward segments [k (source), b, w] -> {t: f32[b, D]} pooled."""
+    out = {}
+    for n in self.tw:
+      p = self.placement[n]
+      out[n] = recv[p.slot][p.shard]
+    for i, n in enumerate(self.rw):
+      out[n] = jnp.sum(recv[self.tmax + i], axis=0)
+    for i, n in enumerate(self.cw):
+      r = recv[self.tmax + len(self.rw) + i]  # [k, b, D / k]
+      out[n] = jnp.transpose(r, (1, 0, 2)).reshape(r.shape[1], -1)
+    for n, c in count.items():
+      out[n] = out[n] / jnp.maximum(c, 1).astype(jnp.float32)[:, None]
+    return out
+
+  def update(self, state, prepared, grads):
+    names = list(self.specs)
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(
+        self._specs_in(),
+        {"ids": P(sharding.BATCH), "count": P(sharding.BATCH)},
+        P(sharding.BATCH),
+      ),
+      out_specs=self._specs_in(),
+      check_vma=False,
+    )
+    def local(state, prepared, grads):
+      ids, count = prepared["ids"], prepared["count"]
+      g = {
+        n: grads[n] / jnp.maximum(count[n], 1).astype(jnp.float32)[:, None]
+        if n in count
+        else grads[n]
+        for n in names
+      }
+      b = g[names[0]].shape[0]
+      # The backward message: segments [k (destination), b, w].
+      segs = []
+      zero = jnp.zeros((b, self.dim_tw), jnp.float32)
+      for s in range(self.tmax):
+        segs.append(jnp.stack([zero if sl[s] is None else g[sl[s]] for sl in self.owner_slots]))
+      for n in self.rw:
+        segs.append(jnp.broadcast_to(g[n], (self.k, *g[n].shape)))
+      for n in self.cw:
+        segs.append(jnp.transpose(g[n].reshape(b, self.k, -1), (1, 0, 2)))
+      codec_state = state["codec"]
+      bounds = self._bounds(codec_state, "bwd")
+      recv, ok_b = self._exchange(
+        self.codecs["bwd"],
+        segs,
+        self._seg_bounds(bounds, sender=True, owner_is_sender=False),
+        self._seg_bounds(bounds, sender=False, owner_is_sender=False),
+      )
+      new = {"codec": codec_state}
+      if "bwd" in codec_state:
+        new["codec"] = dict(new["codec"])
+        new["codec"]["bwd"] = self.rule.next(codec_state["bwd"], self._wire_max(segs, False), ~ok_b)
+      if "fwd" in codec_state:
+        # The forward message of this step (lookup cannot keep state): recomputed from the
+        # same pre-update state, for the bound's statistics and the fallback count.
+        fsegs = self._local_pool(state, ids)
+        fb = self._bounds(codec_state, "fwd")
+        _, ok_f = self.codecs["fwd"].encode(fsegs, self._seg_bounds(fb, True, True))
+        ok_f = jax.lax.psum((~ok_f).astype(jnp.int32), (sharding.DATA, sharding.MODEL)) == 0
+        new["codec"] = dict(new["codec"])
+        new["codec"]["fwd"] = self.rule.next(codec_state["fwd"], self._wire_max(fsegs, True), ~ok_f)
+      # Every example of the batch, in batch order: over DATA after the all-to-all.
+      every = lambda x: jax.lax.all_gather(x, sharding.DATA, tiled=True)  # noqa: E731
+      recv = [every(r.reshape(self.k * b, -1)) for r in recv]
+      if self.tw:
+        loc = every(self._tw_local(self._route_tw(ids)))  # [B, Tmax, Ltw]
+        gtw = jnp.stack(recv[: self.tmax], axis=1)  # [B, Tmax, D]
+        bsz, _, ltw = loc.shape
+        grows = jnp.broadcast_to(gtw[:, :, None, :], (bsz, self.tmax, ltw, self.dim_tw))
+        new["tw"] = self._apply(
+          state["tw"],
+          loc.reshape(bsz, -1),
+          grows.reshape(bsz, -1, self.dim_tw),
+          self.rows_tw,
+          squeeze=True,
+        )
+      gathered = self._group_ids(ids, self.rw + self.cw, (sharding.DATA, sharding.MODEL))
+      new["rw"], new["cw"] = {}, {}
+      for i, n in enumerate(self.rw):
+        loc = self._rw_local(n, gathered[n])
+        rows = base.aligned_rows(self.specs[n].num_rows) // self.k
+        gr = jnp.broadcast_to(recv[self.tmax + i][:, None, :], (*loc.shape, self.specs[n].dim))
+        new["rw"][n] = self._apply(state["rw"][n], loc, gr, rows)
+      for i, n in enumerate(self.cw):
+        loc = self._cw_local(n, gathered[n])
+        r = recv[self.tmax + len(self.rw) + i]
+        gr = jnp.broadcast_to(r[:, None, :], (*loc.shape, r.shape[-1]))
+        new["cw"][n] = self._apply(
+          state["cw"][n],
+          loc,
+          gr,
+          base.aligned_rows(self.specs[n].num_rows),
+          columns=self.specs[n].dim,
+        )
+      return new
+
+    return local(state, prepared, grads)
+
+  def _wire_max(self, segs, forward: bool):
+    """f32[T]: the largest |value| each table put on the wire this step (over the mesh)."""
+    t = len(self.specs)
+    idx = jnp.asarray(self._segment_tables())
+    if forward:
+      seg_idx = idx[jax.lax.axis_index(sharding.MODEL)]
+      m = jnp.stack([jnp.max(jnp.abs(s)) for s in segs])
+    else:  # backward: segment s sent to peer j belongs to peer j's table
+      seg_idx = idx.T.reshape(-1)  # [nseg * k]
+      m = jnp.stack([jnp.max(jnp.abs(s), axis=(1, 2)) for s in segs]).reshape(-1)
+    out = jnp.zeros((t + 1,), jnp.float32).at[seg_idx].max(m)
+    return jax.lax.pmax(out, (sharding.DATA, sharding.MODEL))[:t]
+
+  def _apply(self, state, loc, grads, num_rows, *, squeeze=False, columns=0):
+    """Row-wise optimizer on local rows. loc: i32[B, X] (num_rows = dropped); grads
+    f32[B, X, w]. squeeze: the storage has a leading shard axis of 1. columns: the table's
+    full dim when the storage holds a column block (Adagrad's mean is over every column)."""
+    if squeeze:
+      state = jax.tree.map(lambda x: x[0], state)
+    opt = self.optimizer
+    slots = {k: state[k] for k in self._slots()}
+    if not opt.needs_unique:
+      table = (
+        state["rows"]
+        .at[loc.reshape(-1)]
+        .add(-opt.learning_rate * grads.reshape(-1, grads.shape[-1]), mode="drop")
+      )
+      out = {"rows": table, **slots}
+    else:
+      flat = loc.reshape(-1)
+      unique, inverse = jnp.unique(
+        flat, size=flat.shape[0], fill_value=num_rows, return_inverse=True
+      )
+      g = base.segment_rows(grads, inverse.reshape(loc.shape), unique.shape[0])
+      rows = state["rows"].at[unique].get(mode="fill", fill_value=0.0)
+      acc = slots["accum"].at[unique].get(mode="fill", fill_value=0.0)
+      if columns:
+        sq = jax.lax.psum(jnp.sum(g * g, axis=-1), sharding.MODEL) / columns
+      else:
+        sq = jnp.mean(g * g, axis=-1)
+      acc = acc + sq
+      rows = rows - opt.learning_rate * g / (jnp.sqrt(acc)[:, None] + opt.eps)
+      out = {
+        "rows": state["rows"].at[unique].set(rows, mode="drop"),
+        "accum": slots["accum"].at[unique].set(acc, mode="drop"),
+      }
+    if squeeze:
+      out = jax.tree.map(lambda x: x[None], out)
+    return out
+
+  # ------------------------------------------------------------------------- reporting
+
+  def wire_bytes(self, batch: int) -> dict[str, int]:
+    """Bytes each device sends per step in each direction's all-to-all (payload only; the
+    ids' routing adds L int32 per example and table)."""
+    b = batch // self.mesh.size
+    return {d: codecs.payload_bytes(c, self.k * b) for d, c in self.codecs.items()}
+
+  def stats(self):
+    out = {}
+    for d, c in self.codecs.items():
+      out[f"{d}_bits_per_value"] = c.bits_per_value()
+    return out
+
+  def codec_report(self, state) -> dict[str, float]:
+    """Bounds and fallbacks of an `eb` codec (reads the state: host sync; not per step)."""
+    out = {}
+    for d, s in jax.device_get(state["codec"]).items():
+      out[f"{d}/fallbacks"] = int(s["fallbacks"])
+      out[f"{d}/steps"] = int(s["steps"])
+      for n, i in self.table_index.items():
+        out[f"{d}/bound/{n}"] = float(s["bound"][i])
+    return out
+
+
+BACKEND = Sharded
