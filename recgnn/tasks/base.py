@@ -89,6 +89,17 @@ class Task(abc.ABC):
     refuses to resume a run whose artifacts differ."""
     return {}
 
+  def data_state(self, step: int) -> dict | None:
+    """The train input pipeline's iterator state (JSON) when `step` batches have been used,
+    saved in the checkpoint; None for pipelines that restart from `start_step` alone."""
+    del step
+    return None
+
+  def restore_data_state(self, state: dict | None, step: int) -> None:
+    """Resume: the iterator state saved with the checkpoint of `step` (None if none), for the
+    next `train_batches(step)`."""
+    del state, step
+
   def steps_per_epoch(self) -> int | None:
     """Train steps of one pass over the train split (for `train.epochs`), None if unknown."""
     return None

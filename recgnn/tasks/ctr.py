@@ -36,6 +36,11 @@ def open_dataset(data) -> tuple[criteo.CriteoDataset, dict | None]:
     max_bad_lines=data.max_bad_lines,
     max_bad_fraction=data.max_bad_fraction,
   )
+  source = data.get("source", "memmap")
+  if source == "tfds":
+    return open_tfds(data, cache_dir, reader), None
+  if source != "memmap":
+    raise ValueError(f"Unknown data.source {source!r}; available: memmap, tfds")
   if data.path:
     paths = sorted(data.path.split(",")) if "," in data.path else [data.path]
     return criteo.open_criteo(paths, cache_dir, reader=reader, split=data.split), None
@@ -58,6 +63,41 @@ def open_dataset(data) -> tuple[criteo.CriteoDataset, dict | None]:
     "dense_only_auc_test": criteo_synthetic.dense_only_baseline_auc(syn.dataset),
   }
   return syn.dataset, oracle
+
+
+def open_tfds(data, cache_dir: str, reader: criteo.ReaderConfig):
+  """data.source=tfds: build (once) and open the TFDS dataset whose manual download is
+  data.path (a folder, or the train.txt / a day_N file in it): criteo_kaggle for train.txt,
+  criteo_terabyte for day_N files."""
+  from recgnn.data import pipeline, tfds_builders
+
+  if not data.path:
+    raise ValueError(
+      "data.source=tfds needs --config.data.path=<folder holding train.txt (Kaggle) or "
+      "day_0 .. day_23 (Terabyte)>: the TFDS manual download directory"
+    )
+  first = data.path.split(",")[0]
+  folder = first if os.path.isdir(first) else os.path.dirname(os.path.abspath(first))
+  name = "criteo_kaggle" if os.path.exists(os.path.join(folder, "train.txt")) else None
+  if name is None and tfds_builders._day_files(folder):
+    name = "criteo_terabyte"
+  if name is None:
+    raise FileNotFoundError(f"{folder} holds neither train.txt nor day_N files")
+  data_dir = os.path.expanduser(data.get("tfds_dir", "") or os.path.join(cache_dir, "tfds"))
+  print(f"criteo: TFDS {name} in {data_dir} (manual download {folder})", flush=True)
+  builder = tfds_builders.build(
+    name, data_dir, manual_dir=folder, config=tfds_builders.criteo_config(reader)
+  )
+  return pipeline.TfdsCriteo(builder, num_threads=int(data.get("read_threads", 8)))
+
+
+def _tfds_dataset_type():
+  """pipeline.TfdsCriteo if grain / TFDS are importable (they are optional at run time)."""
+  try:
+    from recgnn.data import pipeline
+  except ImportError:
+    return ()
+  return pipeline.TfdsCriteo
 
 
 class CTR(Task):
@@ -105,13 +145,35 @@ class CTR(Task):
 
   def train_batches(self, start_step=0):
     t = self.config.train
+    extra = {}
+    if isinstance(self.data, _tfds_dataset_type()):
+      state = getattr(self, "_data_state", None)
+      if state is not None and state != self.data_state(start_step):
+        raise ValueError(
+          f"the checkpoint's input state {state} is not that of step {start_step}: the "
+          "checkpoint and the data do not belong together; use a fresh --workdir"
+        )
+      extra["state"] = state
     return self.data.batches(
       "train",
       t.batch_size,
       start_step=start_step,
       shuffle_seed=self.config.seed if t.shuffle else None,
       num_epochs=None,
+      **extra,
     )
+
+  def data_state(self, step):
+    """source=tfds: the grain iterator's state after `step` batches (in the checkpoint)."""
+    if isinstance(self.data, _tfds_dataset_type()):
+      from recgnn.data import pipeline
+
+      return pipeline.state_at(step)
+    return None
+
+  def restore_data_state(self, state, step):
+    del step
+    self._data_state = state
 
   def steps_per_epoch(self):
     return self.data.num_batches("train", self.config.train.batch_size)

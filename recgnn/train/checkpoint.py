@@ -159,8 +159,11 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def save(self, state, step: int, plan: base.Plan, wait: bool = True) -> None:
-    """Save a synced TrainState: the dense part and every table's logical form."""
+  def save(
+    self, state, step: int, plan: base.Plan, wait: bool = True, data_state: dict | None = None
+  ) -> None:
+    """Save a synced TrainState: the dense part and every table's logical form; `data_state`
+    (the input pipeline's iterator state, JSON) goes into the meta item."""
     tables, meta = {}, {}
     for key, group in plan.groups.items():
       exported = group.export(state.emb[key])
@@ -176,6 +179,8 @@ class Checkpointer:
         }
     payload = {"train": _train_part(state), "tables": tables}
     info = {"tables": meta, "mesh": sharding.describe(plan.mesh)}
+    if data_state is not None:
+      info["data_state"] = data_state
     previous = self.latest_step()
     try:
       self.manager.save(

@@ -314,6 +314,8 @@ def train(
     state = ckpt.restore(state, plan, log=log)
     meta = ckpt.metadata(ckpt.restored_step)
     start = int(state.step)
+    # The input pipeline continues where the checkpoint's iterator was (mid-epoch).
+    task.restore_data_state(meta.get("data_state"), start)
     log(
       f"Resumed from checkpoint at step {start} in {ckpt.directory} (saved on mesh "
       f"{meta.get('mesh', '?')}; tables restored into this run's plan and mesh)"
@@ -373,6 +375,7 @@ def train(
       f"the last good state is {kept}. Lower the learning rate or check the data, then rerun "
       "with --resume (or a fresh --workdir)."
     )
+
   eval_outputs: list = []
   t_eval = 0.0
   step = start
@@ -424,7 +427,7 @@ def train(
             check_finite(jax.device_get([m["loss"] for m in pending]))  # saving syncs anyway
             state = _sync_all(plan, state)
             try:
-              ckpt.save(state, step, plan)
+              ckpt.save(state, step, plan, data_state=task.data_state(step))
             except ckpt_lib.CheckpointWriteError:
               failed = True  # the finally below must not try again on a full disk
               raise
@@ -456,7 +459,7 @@ def train(
         check_finite(jax.device_get([m["loss"] for m in pending]))
         state = _sync_all(plan, state)
         if step > start or interrupted:
-          ckpt.save(state, step, plan)
+          ckpt.save(state, step, plan, data_state=task.data_state(step))
     finally:
       ckpt.close()
       if metrics_file is not None:
