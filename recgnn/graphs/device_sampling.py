@@ -15,7 +15,8 @@ What differs from the host code, and why:
     int64. New nodes follow the frontier in order of first appearance, not in id order.
   - LADIES enumerates P = Q @ Ahat's entries per batch into a fixed capacity: the sum of the
     n largest rows of Ahat, the exact worst case, so no entry is ever dropped (dropping would
-    bias the column norms).
+    bias the column norms); the column norms go into a dense node table per batch and the
+    draw is a top_k over it (O(N) per batch and layer: fine up to millions of nodes).
 
 Split graph (`SplitNeighborSampler`): the adjacency's rows are split over every device of a
 mesh (device d owns rows [d R, (d+1) R)). Per hop, inside one shard_map:
@@ -298,29 +299,19 @@ def _ladies_batch(
   row, entry, valid = _row_entries(indptr, frontier, cap_entries)
   col = jnp.where(valid, jnp.take(indices, entry, mode="clip"), num_nodes)
   val = jnp.where(valid, jnp.take(data, entry, mode="clip"), 0.0)
-  # Column norms: sort the entries by column, sum val^2 per column (P's squared column sums).
-  scol, sq, order = jax.lax.sort(
-    (col, val * val, jnp.arange(cap_entries, dtype=jnp.int32)), num_keys=1
-  )
-  first = jnp.concatenate([jnp.ones(1, bool), scol[1:] != scol[:-1]])
-  group = jnp.cumsum(first.astype(jnp.int32)) - 1
-  norm = jax.ops.segment_sum(sq, group, num_segments=cap_entries)
-  gcol = jnp.full(cap_entries, num_nodes, jnp.int32).at[group].min(scol)
-  norm = jnp.where(gcol < num_nodes, norm, 0.0)
+  # Column norms p_b(v) = sum_r P[r, v]^2 into a dense node table (row N: the sink of
+  # padding entries), as `extend` does: no pair sort (slow on XLA:CPU), O(N) per batch.
+  norm = jnp.zeros(num_nodes + 1, jnp.float32).at[col].add(val * val).at[num_nodes].set(0.0)
   prob = norm / jnp.maximum(norm.sum(), 1e-30)
   picks, ok = weighted_draw(prob[None], s, key)
-  chosen = gcol[picks[0]]
-  nxt, _, dropped = extend(frontier, chosen, ok[0], n_next, num_nodes)
+  nxt, _, dropped = extend(frontier, picks[0], ok[0], n_next, num_nodes)
 
-  # Edges: P's entries whose column is in the next frontier (sorted lookup).
-  fkey, fpos = jax.lax.sort(
-    (jnp.where(nxt >= 0, nxt, num_nodes), jnp.arange(n_next, dtype=jnp.int32)), num_keys=1
-  )
-  at = jnp.minimum(jnp.searchsorted(fkey, col), n_next - 1)
-  keep = valid & (fkey[at] == col)
-  src = fpos[at]
-  entry_group = jnp.zeros(cap_entries, jnp.int32).at[order].set(group)
-  w = jnp.where(keep, val / jnp.where(keep, prob[entry_group], 1.0), 0.0)
+  # Edges: P's entries whose column is in the next frontier (a node -> slot table).
+  slot_of = jnp.full(num_nodes + 1, -1, jnp.int32)
+  slot_of = slot_of.at[jnp.where(nxt >= 0, nxt, num_nodes)].set(jnp.arange(n_next, dtype=jnp.int32))
+  src = slot_of.at[num_nodes].set(-1)[col]
+  keep = valid & (src >= 0)
+  w = jnp.where(keep, val / jnp.where(keep, prob[col], 1.0), 0.0)
   rowsum = jax.ops.segment_sum(w, row, num_segments=n)
   w = jnp.where(keep, w / jnp.where(keep, rowsum[row], 1.0), 0.0)
   slot = jnp.cumsum(keep.astype(jnp.int32)) - 1
@@ -335,8 +326,7 @@ def _ladies_batch(
     {"src": out_src, "dst": out_dst, "weight": out_w},
     edges,
     dropped + jnp.sum(keep & ~fits, dtype=jnp.int32),
-    prob,
-    gcol,
+    prob[:num_nodes],
   )
 
 
@@ -397,7 +387,7 @@ class DeviceLadiesSampler:
   def _sample_fn(self, indptr, indices, data, seeds, key):
     frontier, layers, edges, dropped = seeds, [], [], jnp.int32(0)
     for layer in range(len(self.layer_sizes)):
-      frontier, lay, e, d, _, _ = self._layer(layer, indptr, indices, data, frontier, key)
+      frontier, lay, e, d, _ = self._layer(layer, indptr, indices, data, frontier, key)
       layers.append(lay)
       edges.append(e)
       dropped = dropped + d.sum()
@@ -419,13 +409,8 @@ class DeviceLadiesSampler:
     """LADIES' column-norm probabilities as the device computes them: frontier int[k, n]
     (n = batch_size) -> float32[k, N] dense (for tests; the sampler never densifies)."""
     frontier = jnp.asarray(frontier, jnp.int32)
-    *_, prob, gcol = self._layer(
-      0, self.indptr, self.indices, self.data, frontier, jax.random.key(0)
-    )
-    prob, gcol = np.asarray(prob), np.asarray(gcol)
-    out = np.zeros((frontier.shape[0], self.num_nodes + 1), np.float64)
-    np.put_along_axis(out, gcol, prob, axis=1)
-    return out[:, :-1]
+    *_, prob = self._layer(0, self.indptr, self.indices, self.data, frontier, jax.random.key(0))
+    return np.asarray(prob, np.float64)
 
 
 # ----------------------------------------------------------------------------- split graph
