@@ -73,13 +73,14 @@ P = sharding.P
 HEADROOM = 1.0  # micro-batch capacities: the largest size seen, rounded to a bucket
 
 
-def _round_up(n: int, quantum: int = 1) -> int:
-  """n rounded up to one of 4 sizes per octave (2^k * {1, 1.25, 1.5, 1.75}), min 1, then to
-  a multiple of `quantum`. Every new size recompiles the step: coarse on purpose."""
+def _round_up(n: int, quantum: int | None = None) -> int:
+  """n rounded up to one of 4 sizes per octave (2^k * {1, 1.25, 1.5, 1.75}), min 1; or, with
+  a quantum, to a multiple of it. Every new size recompiles the step: coarse on purpose."""
   n = max(1, math.ceil(HEADROOM * n))
+  if quantum is not None:
+    return -(-n // quantum) * quantum
   step = 1 << max(0, n.bit_length() - 3)
-  n = -(-n // step) * step
-  return -(-n // quantum) * quantum
+  return -(-n // step) * step
 
 
 def _bucket(n: int) -> int:
@@ -424,7 +425,7 @@ class HotCold(base.Backend):
     """How many pieces the batch is split into (its examples per device)."""
     return self.mesh.size if self.shard_batch else 1
 
-  def _cap(self, key: str, n: int, limit: int, quantum: int = 1) -> int:
+  def _cap(self, key: str, n: int, limit: int, quantum: int | None = None) -> int:
     cap = max(self._caps.get(key, 0), min(_round_up(n, quantum), limit))
     self._caps[key] = cap
     return cap
@@ -491,6 +492,7 @@ class HotCold(base.Backend):
     out["version"] = np.asarray(version, np.int32)
     popular = int((~example_cold).sum())
     cold_rows_n = sum(p[5].size for p in per.values())
+    cold_bytes = sum(p[5].size * self.specs[n].row_bytes for n, p in per.items())
     stats = dict(
       examples=batch,
       popular=popular,
@@ -503,6 +505,7 @@ class HotCold(base.Backend):
         steps=1,
         rows_h2d=cold_rows_n,
         rows_d2h=cold_rows_n,
+        bytes_h2d=cold_bytes,
         migrated_rows=sum(
           int(m[1].size) + int(m[0].size) for m in migrate.values() if m is not None
         ),
@@ -525,7 +528,9 @@ class HotCold(base.Backend):
     h = popular.reshape(n_dev, b)
     cnt = h.sum(axis=1)
     order = np.argsort(~h, axis=1, kind="stable")  # popular first, each in batch order
-    quantum = max(1, b // 64)
+    # Micro-batch sizes in steps of b / 32: the model runs on both pieces, so padding costs
+    # compute (octave buckets wasted up to 25 %); grow-only, so a few shapes per run.
+    quantum = max(1, b // 32)
     p0 = self._cap(f"micro0@{b}", int(cnt.max()), b, quantum)
     p1 = self._cap(f"micro1@{b}", int((b - cnt).max()), b, quantum)
     j0, j1 = np.arange(p0)[None, :], np.arange(p1)[None, :]
@@ -629,15 +634,15 @@ class HotCold(base.Backend):
       c, self._counters = self._counters, {}
     out = {}
     steps = c.get("steps", 0)
-    row_bytes = np.mean([s.row_bytes for s in self.specs.values()])
     if steps:
       out.update(
         popular_fraction=c["popular"] / max(c["examples"], 1),
         hot_coverage=c["hot_ids"] / max(c["ids"], 1),
         h2d_rows_per_step=c["rows_h2d"] / steps,
         d2h_rows_per_step=c["rows_d2h"] / steps,
-        h2d_bytes_per_step=c["rows_h2d"] * row_bytes / steps,
-        d2h_bytes_per_step=c["rows_d2h"] * row_bytes / steps,
+        # A cold row comes in and goes back once per step (rows + optimizer state).
+        h2d_bytes_per_step=c["bytes_h2d"] / steps,
+        d2h_bytes_per_step=c["bytes_h2d"] / steps,
         migrated_rows_per_step=c["migrated_rows"] / steps,
         plan_ms_per_step=1e3 * c["plan_seconds"] / steps,
         steps=steps,

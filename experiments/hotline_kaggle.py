@@ -1,0 +1,96 @@
+"""Hotline on the Kaggle DLRM: the largest tables `hot_cold` under a device budget, dense elsewhere.
+
+dlrm_kaggle's model, data and optimizers; the K largest tables (default 7, TT-Rec's choice:
+C3 C4 C12 C16 C21 C24 C26 on the real data, the same names on the synthetic default) form ONE
+hot_cold group, so an example is popular when its ids in all K tables are hot (FAE / Hotline).
+Their hot rows (5 % of their bytes by default) are split by rows over the devices; the rest
+stays in pinned host memory. The small tables are dense: they are hot anyway and would only
+make fewer examples popular.
+
+The hot set is profiled over the first 5 % of an epoch's train batches (FAE profiles a 5 %
+sample of the input), then migrated to the devices; results equal the all-dense run up to
+float summation order (tests/test_hot_cold.py; bit for bit for the embedding update itself).
+
+  python run.py --experiment=hotline_kaggle --workdir=/tmp/hotline
+  python run.py --experiment=hotline_kaggle:budget=0.01,tables=10 --workdir=/tmp/hotline1
+
+`device_memory_budget` is what this plan needs per device (one device) plus 10 %, for the
+synthetic default's sizes (the real data's with --config.data.path: set the budget on the
+command line then, as get_config runs before overrides): the all-dense plan (`dlrm_kaggle`
+with the same --device_memory_budget) is refused before allocating.
+
+Arg (optional, comma-separated): budget=F (share of the K tables' bytes on the devices),
+tables=K, profile=F (share of an epoch profiled), reprofile=N (re-pick every N steps),
+split=False (no micro-batches).
+"""
+
+from __future__ import annotations
+
+import math
+
+from experiments import dlrm_kaggle, ttrec_kaggle
+from recgnn.embeddings import base
+
+DEFAULTS = {"budget": 0.05, "tables": 7, "profile": 0.05, "reprofile": 0, "split": True}
+STEPS_PER_EPOCH = 1674  # the synthetic default's train split at batch 2048 (dlrm_kaggle)
+
+
+def parse_arg(arg: str | None) -> dict:
+  options = dict(DEFAULTS)
+  if arg:
+    _, parsed = base.parse_backend(f"x({arg})")
+    unknown = sorted(set(parsed) - set(DEFAULTS))
+    if unknown:
+      raise ValueError(
+        f"hotline_kaggle: unknown arg {unknown}; expected {', '.join(DEFAULTS)} "
+        "(e.g. hotline_kaggle:budget=0.01,tables=10)"
+      )
+    options.update(parsed)
+  return options
+
+
+def hot_cold_text(options: dict, steps_per_epoch: int = STEPS_PER_EPOCH) -> str:
+  profile_batches = max(1, round(options["profile"] * steps_per_epoch))
+  text = f"hot_cold(budget={options['budget']}, profile_batches={profile_batches}"
+  if options["reprofile"]:
+    text += f", reprofile={options['reprofile']}"
+  if not options["split"]:
+    text += ", split=False"
+  return text + ")"
+
+
+def make_plan(options: dict, cardinalities) -> list[tuple[str, str]]:
+  chosen = ttrec_kaggle.largest(cardinalities, options["tables"])
+  rules = [(".*", "dense")]
+  if chosen:
+    rules.insert(0, (f"C({'|'.join(n[1:] for n in chosen)})", hot_cold_text(options)))
+  return rules
+
+
+def device_bytes(cardinalities, options: dict, dim: int, slots: int, devices: int = 1) -> int:
+  """Per-device bytes of the plan (computed from the sizes, nothing allocated): the dense
+  tables whole (aligned rows), the hot_cold tables' hot rows split over the devices."""
+  chosen = set(ttrec_kaggle.largest(cardinalities, options["tables"]))
+  row = 4 * (dim + slots)
+  total = 0
+  for name, n in zip(ttrec_kaggle.table_names(len(cardinalities)), cardinalities):
+    if name in chosen:
+      hot = max(1, min(math.ceil(options["budget"] * n), n))
+      alloc = -(-hot // devices) * devices
+      total += alloc // devices * row + alloc * 4
+    else:
+      total += base.aligned_rows(n) * row
+  return total
+
+
+def get_config(arg=None):
+  options = parse_arg(arg)
+  c = dlrm_kaggle.get_config()
+  cards = dlrm_kaggle.KAGGLE_CARDINALITIES if c.data.path else ttrec_kaggle._synthetic_sizes(c)
+  c.embeddings.plan = tuple(make_plan(options, cards))
+  # Fail now, not after the data is loaded, on a bad option.
+  base.make_backend(c.embeddings.plan[0][1], base.TableSpec(name="C3", num_rows=1000, dim=16))
+  slots = 1 if c.embeddings.optimizer.name == "rowwise_adagrad" else 0
+  need = device_bytes(cards, options, c.embeddings.dim, slots)
+  c.device_memory_budget = str(int(need * 1.1))
+  return c
