@@ -408,6 +408,33 @@ def data_sources(builder) -> dict[str, Any]:
   return dict(builder.as_data_source())
 
 
+def ogb_config_for(folder: str) -> _GraphConfig:
+  """The ogb_node config of an unpacked OGB folder (its name; the feature width from the
+  first line of raw/node-feat.csv.gz, None without features)."""
+  import gzip
+
+  feat = os.path.join(folder, "raw", "node-feat.csv.gz")
+  width = None
+  if os.path.exists(feat):
+    with gzip.open(feat, "rb") as f:
+      first = f.readline()
+    width = first.count(b",") + 1 if first.strip() else None
+  return ogb_config(os.path.basename(os.path.normpath(folder)), width)
+
+
+def load_graph_config(data) -> store.Graph:
+  """node_classification's data.source=tfds: the planetoid build of data.name, or (with
+  data.path) the ogb_node build of that OGB folder; built once under data.tfds_dir."""
+  data_dir = os.path.expanduser(
+    data.get("tfds_dir", "") or os.path.join(data.get("cache_dir", "~/.cache/recgnn"), "tfds")
+  )
+  path = data.get("path", None) or None
+  if path and os.path.isdir(os.path.join(path, "raw")):
+    return load_graph(build("ogb_node", data_dir, manual_dir=path, config=ogb_config_for(path)))
+  name = data.get("name", "cora")
+  return load_graph(build("planetoid", data_dir, manual_dir=path, config=name))
+
+
 def load_graph(builder) -> store.Graph:
   """The store.Graph a graph builder wrote (the same one its loader returned)."""
   src = data_sources(builder)

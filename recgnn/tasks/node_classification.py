@@ -1,7 +1,9 @@
 """Node classification with GraphSAGE over bulk-sampled mini-batches.
 
 Config (the experiment's ConfigDict; see experiments/sage_*.py):
-  data.source          planetoid | synthetic | ogb
+  data.source          planetoid | synthetic | ogb | tfds (the TFDS planetoid build of data.name,
+                       or with data.path the ogb_node build of that OGB folder; array_record
+                       under data.tfds_dir, default ~/.cache/recgnn/tfds)
   data.name            planetoid graph name (cora)
   data.path            ogb: the unpacked dataset folder; planetoid: root (None = bundled)
   data.split           ogb: split scheme folder (None = the only one)
@@ -164,7 +166,13 @@ def _load_raw_graph(data: ml_collections.ConfigDict) -> store.Graph:
     if "split" in fields:
       fields["split"] = tuple(fields["split"])
     return synthetic.generate(synthetic.SyntheticSpec(**fields))
-  raise ValueError(f"Unknown data.source {data.source!r}; available: planetoid, synthetic, ogb")
+  if data.source == "tfds":
+    from recgnn.data import tfds_builders
+
+    return tfds_builders.load_graph_config(data)
+  raise ValueError(
+    f"Unknown data.source {data.source!r}; available: planetoid, synthetic, ogb, tfds"
+  )
 
 
 class NodeClassification(base.Task):
