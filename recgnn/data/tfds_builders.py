@@ -68,11 +68,14 @@ def criteo_config(reader: criteo.ReaderConfig | None = None) -> tfds.core.Builde
 
 
 def _criteo_features():
+  # BYTES encoding: every record has the same length and layout (no varints in the arrays),
+  # which lets pipeline.TfdsCriteo decode a whole batch of records with one numpy view.
+  raw = tfds.features.Encoding.BYTES
   return tfds.features.FeaturesDict(
     {
       "label": tfds.features.Scalar(np.int8),
-      "dense": tfds.features.Tensor(shape=(criteo.NUM_DENSE,), dtype=np.float32),
-      "sparse": tfds.features.Tensor(shape=(criteo.NUM_SPARSE,), dtype=np.int32),
+      "dense": tfds.features.Tensor(shape=(criteo.NUM_DENSE,), dtype=np.float32, encoding=raw),
+      "sparse": tfds.features.Tensor(shape=(criteo.NUM_SPARSE,), dtype=np.int32, encoding=raw),
     }
   )
 
@@ -90,7 +93,8 @@ def _criteo_rows(ds: criteo.CriteoDataset, start: int, stop: int):
 
 
 class _CriteoBase(tfds.core.GeneratorBasedBuilder):
-  VERSION = VERSION
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {"1.1.0": "dense / sparse stored as raw bytes (fixed-size records)"}
 
   def __init__(self, *, config=None, **kwargs):
     super().__init__(config=config or criteo_config(), **kwargs)
