@@ -412,6 +412,26 @@ def data_sources(builder) -> dict[str, Any]:
   return dict(builder.as_data_source())
 
 
+def load_kg(builder, *, reciprocal: bool = True) -> kg.KG:
+  """The kg.KG a fb15k237 build holds (the same ids and names `kg.load` gives)."""
+  src = data_sources(builder)
+  meta = builder.info.metadata
+  splits = {}
+  for s in kg.SPLITS:
+    rows = src[s].__getitems__(list(range(len(src[s])))) if len(src[s]) else []
+    splits[s] = np.array([[e["head"], e["relation"], e["tail"]] for e in rows], np.int32).reshape(
+      -1, 3
+    )
+  return kg.KG(
+    name=builder.name,
+    entities=list(meta["entities"]),
+    relations=list(meta["relations"]),
+    splits=splits,
+    reciprocal=reciprocal,
+    unseen=dict(meta.get("unseen", {})),
+  )
+
+
 def ogb_config_for(folder: str) -> _GraphConfig:
   """The ogb_node config of an unpacked OGB folder (its name; the feature width from the
   first line of raw/node-feat.csv.gz, None without features)."""
