@@ -285,9 +285,18 @@ def _row_entries(indptr, rows, capacity):
   r = jnp.where(valid, rows, 0)
   length = jnp.where(valid, indptr[r + 1] - indptr[r], 0)
   ends = jnp.cumsum(length)
+  starts = ends - length
   e = jnp.arange(capacity, dtype=jnp.int32)
-  row = jnp.minimum(jnp.searchsorted(ends, e, side="right"), rows.shape[0] - 1).astype(jnp.int32)
-  entry = indptr[r[row]] + e - (ends[row] - length[row])
+  # Entry e belongs to the last row starting at or before e: mark each row's start, then a
+  # running max (a searchsorted per entry costs ~1 us each on XLA:CPU). An empty row shares
+  # its start with the next non-empty one, which is larger and wins the max.
+  marks = (
+    jnp.zeros(capacity, jnp.int32)
+    .at[starts]
+    .max(jnp.arange(rows.shape[0], dtype=jnp.int32), mode="drop")
+  )
+  row = jax.lax.cummax(marks)
+  entry = indptr[r[row]] + e - starts[row]
   return row, entry, e < ends[-1]
 
 
