@@ -22,6 +22,8 @@ EXACT = [
   "offload(cache_rows=100, policy=lookahead, lookahead=4)",
   "offload(cache_rows=100, policy=lru, lookahead=0)",
   "sharded(kind=table)",
+  # 10% of the rows hot after profiling 2 batches, re-profiled (rows migrated) every 2.
+  "hot_cold(budget=0.1, profile_batches=2, reprofile=2)",
 ]
 # Plan strings equal to `dense` up to float summation order: a row-sharded table pools each
 # bag's rows per owner and adds the partial sums across MODEL (psum_scatter of [B, D], not

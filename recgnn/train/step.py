@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from recgnn import sharding
-from recgnn.embeddings import base
+from recgnn.embeddings import base, microbatch
 from recgnn.tasks.base import Task
 from recgnn.train import inputs
 
@@ -70,19 +70,95 @@ def lookup_all(plan: base.Plan, emb, prepared) -> dict[str, jax.Array]:
   return out
 
 
+def splitting_group(plan: base.Plan, task: Task) -> str | None:
+  """The key of the group that declares micro-batches (recgnn.embeddings.microbatch), if
+  any, and if the task's batches are split per example (a replicated batch, e.g. one
+  subgraph, runs whole)."""
+  keys = [k for k, g in plan.groups.items() if hasattr(g, "micro_batches")]
+  if len(keys) > 1:
+    raise ValueError(
+      f"Embedding groups {keys} each split batches into micro-batches; a batch has one split. "
+      "Give those tables one plan rule (one backend string), e.g. ('C(3|4|10)', "
+      "'hot_cold(budget=0.05)'), or set split=False on all but one."
+    )
+  return keys[0] if keys and task.shard_batch else None
+
+
+def _micro_loss_and_grads(task, plan, skey, idxs, state, prepared, batch, key):
+  """The loss and its gradients over micro-batches (the split `plan.groups[skey]` declares),
+  run in its order: pooled rows of micro-batch m from the splitting group's `lookup_micro`
+  and, for the other groups, their whole-batch lookup's rows of those examples.
+
+  The Task contract's loss is a weighted mean over examples, so with W_m the weight of
+  micro-batch m (its examples' batch["weight"], or its example count) and W = sum W_m, the
+  batch's loss is sum_m (W_m / W) loss_m: the same value and gradients as the whole batch up to
+  float summation order. d loss / d pooled is put back in batch order, so every group applies
+  ONE update for the whole batch.
+  """
+  mesh = plan.mesh
+  whole = {}
+  for k, g in plan.groups.items():
+    if k != skey:
+      whole.update(g.lookup(state.emb[k], prepared[k]))
+  size = jax.tree.leaves(batch)[0].shape[0]
+  b = size // mesh.size
+
+  def loss_fn(params, pooled, batch_m):
+    return task.loss(params, batch_m, pooled, key)
+
+  pieces = []
+  for m, idx in enumerate(idxs):
+    pooled = plan.groups[skey].lookup_micro(state.emb[skey], prepared[skey], m)
+    pooled.update({t: microbatch.take(mesh, True, x, idx) for t, x in whole.items()})
+    batch_m = jax.tree.map(lambda x, idx=idx: microbatch.take(mesh, True, x, idx), batch)
+    if "weight" in batch_m:
+      w = jnp.sum(batch_m["weight"].astype(jnp.float32))
+    else:
+      w = jnp.sum((idx < b).astype(jnp.float32))
+    (loss, aux), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+      state.params, pooled, batch_m
+    )
+    pieces.append((w, loss, aux, grads))
+  total = sum(w for w, *_ in pieces)
+  # A task loss divides by max(W_m, 1) (no NaN on an all-padding piece): undo that exactly.
+  scale = [jnp.maximum(w, 1.0) / jnp.maximum(total, 1.0) for w, *_ in pieces]
+  loss = sum(c * p[1] for c, p in zip(scale, pieces))
+  aux = jax.tree.map(lambda *a: sum(c * x for c, x in zip(scale, a)), *[p[2] for p in pieces])
+  g_params = jax.tree.map(
+    lambda *g: sum(c * x for c, x in zip(scale, g)), *[p[3][0] for p in pieces]
+  )
+  g_pooled = {
+    t: microbatch.merge(mesh, True, size, idxs, [c * p[3][1][t] for c, p in zip(scale, pieces)])
+    for t in pieces[0][3][1]
+  }
+  return loss, aux, g_params, g_pooled
+
+
 def make_train_step(task: Task, plan: base.Plan, tx):
-  """(state, prepared, batch) -> (state, metrics). Jit it with the state donated."""
+  """(state, prepared, batch) -> (state, metrics). Jit it with the state donated.
+
+  A group that declares micro-batches (`hot_cold`: popular / non-popular examples) has the
+  loss run per micro-batch, in its order, with one embedding update for the whole batch
+  (`_micro_loss_and_grads`; recgnn.embeddings.microbatch says how a backend declares one).
+  """
+  skey = splitting_group(plan, task)
 
   def step(state: TrainState, prepared, batch):
     key = jax.random.fold_in(state.key, state.step)
-    pooled = lookup_all(plan, state.emb, prepared)
+    idxs = plan.groups[skey].micro_batches(prepared[skey]) if skey is not None else None
+    if idxs:
+      loss, aux, g_params, g_pooled = _micro_loss_and_grads(
+        task, plan, skey, idxs, state, prepared, batch, key
+      )
+    else:
+      pooled = lookup_all(plan, state.emb, prepared)
 
-    def loss_fn(params, pooled):
-      return task.loss(params, batch, pooled, key)
+      def loss_fn(params, pooled):
+        return task.loss(params, batch, pooled, key)
 
-    (loss, aux), (g_params, g_pooled) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-      state.params, pooled
-    )
+      (loss, aux), (g_params, g_pooled) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+        state.params, pooled
+      )
     updates, opt_state = tx.update(g_params, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     emb = {
