@@ -83,11 +83,6 @@ def _round_up(n: int, quantum: int | None = None) -> int:
   return -(-n // step) * step
 
 
-def _bucket(n: int) -> int:
-  """Length of a migration list: 0, or a power of two >= 16 (migrations are rare)."""
-  return 0 if n == 0 else max(16, 1 << (n - 1).bit_length())
-
-
 def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
   out = np.full(size, fill, np.int32)
   out[: a.shape[0]] = a
@@ -571,11 +566,14 @@ class HotCold(base.Backend):
     if self._pending is None:
       return {}
     chosen, self._pending = self._pending, None
+    first = not any((r.slot_row >= 0).any() for r in self._rows.values())
     out = {}
     for name, new in chosen.items():
       out[name] = self._migrate(self._rows[name], new)
-    # The popular share jumps: let the micro-batch and cold-list capacities shrink.
-    self._caps = {}
+    if first:
+      # The popular share jumps from 0: let the micro-batch and cold-list capacities shrink
+      # (one recompile). A re-profile moves it little: the capacities stay.
+      self._caps = {}
     return out
 
   @staticmethod
@@ -601,7 +599,10 @@ class HotCold(base.Backend):
     if m is None:
       m = (np.zeros(0, np.int64),) * 3
     incoming, slots_in, slots_out = m
-    k_in, k_out = _bucket(incoming.size), _bucket(slots_out.size)
+    # Every migration's lists have the hot capacity's length: one more step shape per run
+    # (migrations are rare; an exact-size list would recompile the step at each one).
+    k_in = r.alloc if incoming.size else 0
+    k_out = r.alloc if slots_out.size else 0
     return {
       # Padding: row 0 is read (in range) and dropped at slot Ha.
       "in_rows": _pad(incoming, k_in, 0),

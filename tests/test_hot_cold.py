@@ -1,0 +1,318 @@
+"""hot_cold (Hotline): exact against dense (multi-table groups, mean pooling, eval batches,
+migrations, checkpoint + resume on another mesh), the popular split, stats, the shared access
+profiler, and the trainer's micro-batched step."""
+
+import contract_lib as contract
+import jax
+import numpy as np
+import pytest
+
+from recgnn import sharding
+from recgnn.embeddings import base, profile
+from recgnn.train import inputs
+
+SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
+ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
+TEXT = "hot_cold(budget=0.1, profile_batches=2, reprofile=2)"
+
+
+def _specs(opt, pooling="sum"):
+  return [
+    base.TableSpec(name="a", num_rows=1000, dim=8, optimizer=opt, pooling=pooling),
+    base.TableSpec(name="b", num_rows=300, dim=4, optimizer=opt, pooling=pooling),
+  ]
+
+
+def _batches(specs, n=6, batch=64, bag=3, seed=1):
+  out = [dict() for _ in range(n)]
+  for i, s in enumerate(specs):
+    for k, ids in enumerate(contract.zipf_ids(seed + i, n, batch, bag, s.num_rows)):
+      out[k][s.name] = ids
+  return out
+
+
+def _run_group(text, specs, batches, mesh, *, evals=(), group=None, state=None, start=0, stop=None):
+  """contract.run for a group of tables: the trainer's prepare driver (look-ahead + run-ahead),
+  jitted lookup / update (donated), eval batches (lookup only) before the listed steps."""
+  stop = len(batches) if stop is None else stop
+  if group is None:
+    group = base.make_group(text, specs, mesh)
+    state = group.init(jax.random.key(0))
+  plan = base.Plan({group.name: group}, {s.name: group.name for s in specs}, group.mesh)
+  lookup = jax.jit(group.lookup)
+  update = jax.jit(group.update, donate_argnums=0)
+  stream = []
+  for k in range(start, len(batches)):
+    if k in evals:
+      stream.append(("eval", "valid", {"ids": batches[(k + 3) % len(batches)]}))
+    stream.append(("train", None, {"ids": batches[k]}))
+  looked, k = [], start
+  for item in inputs.run_ahead(inputs.prepare_stream(plan, stream), base.PREFETCH):
+    if k >= stop:
+      break
+    prepared = contract.put_prepared(group, item.prepared[group.name], group.mesh)
+    pooled = lookup(state, prepared)
+    looked.append({n: np.asarray(v) for n, v in pooled.items()})
+    if item.kind == "train":
+      g = {n: contract.grads_for(k * 7 + i, v) for i, (n, v) in enumerate(sorted(pooled.items()))}
+      state = update(state, prepared, g)
+      k += 1
+  state = group.sync(state)
+  return looked, group.tables(state), group, state
+
+
+def _assert_same(got, ref):
+  (la, ta), (lb, tb) = got, ref
+  assert len(la) == len(lb)
+  for step, (x, y) in enumerate(zip(la, lb)):
+    for n in y:
+      np.testing.assert_array_equal(x[n], y[n], err_msg=f"lookup {n} at {step}")
+  for n in tb:
+    np.testing.assert_array_equal(ta[n], tb[n], err_msg=f"table {n}")
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (8, 1), (2, 4)], ids=lambda m: f"{m[0]}x{m[1]}")
+@pytest.mark.parametrize("opt", [SGD, ADAGRAD], ids=lambda o: o.name)
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_group_matches_dense(opt, pooling, mesh_shape):
+  """Two tables in one group (an example is popular only if its ids in BOTH are hot), eval
+  batches between train steps, two migrations: bit-identical to single-device dense."""
+  specs = _specs(opt, pooling)
+  batches = _batches(specs)
+  mesh = sharding.make_mesh(*mesh_shape)
+  ref = _run_group("dense", specs, batches, base.default_mesh(), evals=(1, 4))
+  got = _run_group(TEXT, specs, batches, mesh, evals=(1, 4))
+  _assert_same(got[:2], ref[:2])
+  s = got[2].stats()
+  assert 0 < s["popular_fraction"] < 1 and s["migrated_rows_per_step"] > 0
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_split_option_same_values(split):
+  specs = _specs(ADAGRAD)
+  batches = _batches(specs, n=4)
+  mesh = sharding.make_mesh(8, 1)
+  text = f"hot_cold(budget=0.2, profile_batches=1, split={split})"
+  ref = _run_group("dense", specs, batches, base.default_mesh())
+  _assert_same(_run_group(text, specs, batches, mesh)[:2], ref[:2])
+
+
+@pytest.mark.parametrize(
+  "save,resume",
+  [((8, 1), (1, 1)), ((1, 1), (2, 4)), ((2, 4), (8, 1))],
+  ids=["8x1->1x1", "1x1->2x4", "2x4->8x1"],
+)
+def test_checkpoint_resume_on_another_mesh(save, resume):
+  """Stop after 3 steps (a migration just planned), export the logical rows, import them on
+  another mesh (numpy in between, as a checkpoint holds them) and finish: equal to an
+  uninterrupted dense run; the resumed backend re-profiles and migrates again."""
+  specs = _specs(ADAGRAD)
+  batches = _batches(specs, n=7)
+  ref = _run_group("dense", specs, batches, base.default_mesh())
+  first = _run_group(TEXT, specs, batches, sharding.make_mesh(*save), stop=3)
+  g1, s1 = first[2], first[3]
+  saved = jax.device_get(g1.export(s1))
+  g2 = base.make_group(TEXT, specs, sharding.make_mesh(*resume))
+  target = g2.logical_target()
+  logical = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), saved, target)
+  s2 = g2.import_(logical)
+  rest = _run_group(TEXT, specs, batches, None, group=g2, state=s2, start=3)
+  _assert_same((first[0] + rest[0], rest[1]), ref[:2])
+  assert g2.stats()["migrated_rows_per_step"] > 0
+
+
+def test_restore_rebuilds_hot_set():
+  """A state restored as is (same mesh) keeps its hot set and continues exactly."""
+  specs = _specs(SGD)
+  batches = _batches(specs, n=6)
+  mesh = sharding.make_mesh(8, 1)
+  ref = _run_group("dense", specs, batches, base.default_mesh())
+  first = _run_group("hot_cold(budget=0.1, profile_batches=2)", specs, batches, mesh, stop=3)
+  hot = first[2].hot_set()
+  g2 = base.make_group("hot_cold(budget=0.1, profile_batches=2)", specs, mesh)
+  s2 = g2.restore(first[3])
+  assert all(np.array_equal(g2.hot_set()[n], hot[n]) for n in hot) and hot["a"].size
+  rest = _run_group("", specs, batches, None, group=g2, state=s2, start=3)
+  _assert_same((first[0] + rest[0], rest[1]), ref[:2])
+  assert g2.stats()["popular_fraction"] > 0  # no re-profiling needed: hot from the start
+
+
+def test_popular_split_and_stats_match_numpy():
+  """An example is popular iff all its non-padding ids in every table of the group are hot;
+  the stats count that, the hot-access coverage and the cold rows moved."""
+  specs = _specs(SGD)
+  batches = _batches(specs, n=3)
+  mesh = sharding.make_mesh(8, 1)
+  g = base.make_group("hot_cold(budget=0.2, profile_batches=1)", specs, mesh)
+  g.init(jax.random.key(0))
+  g.prepare(batches[0])  # profiles, picks the hot set
+  g.stats()
+  hot = g.hot_set()
+  ids = batches[1]
+  p = g.prepare(ids)
+  is_hot = {n: (ids[n] < 0) | np.isin(ids[n], hot[n]) for n in ids}
+  popular = np.all([v.all(axis=1) for v in is_hot.values()], axis=0)
+  s = g.stats()
+  np.testing.assert_allclose(s["popular_fraction"], popular.mean())
+  valid = sum((x >= 0).sum() for x in ids.values())
+  np.testing.assert_allclose(
+    s["hot_coverage"], sum((is_hot[n] & (ids[n] >= 0)).sum() for n in ids) / valid
+  )
+  cold = sum(np.unique(x[(x >= 0) & ~is_hot[n]]).size for n, x in ids.items())
+  assert s["h2d_rows_per_step"] == cold == s["d2h_rows_per_step"]
+  # The micro-batches: each device's popular examples, in batch order, then the rest.
+  b = 64 // 8
+  idx0, idx1 = (m["idx"].reshape(8, -1) for m in p["micro"])
+  for d in range(8):
+    mine = popular[d * b : (d + 1) * b]
+    assert idx0[d][idx0[d] < b].tolist() == np.flatnonzero(mine).tolist()
+    assert idx1[d][idx1[d] < b].tolist() == np.flatnonzero(~mine).tolist()
+  # Popular examples never read a cold row: their micro-batch carries no cold ids at all.
+  assert all("cold" not in e for k, e in p["micro"][0].items() if k != "idx")
+
+
+def test_hot_rows_are_row_sharded_and_memory_reported():
+  specs = _specs(ADAGRAD)
+  mesh = sharding.make_mesh(2, 4)
+  g = base.make_group("hot_cold(budget=0.1)", specs, mesh)
+  state = g.init(jax.random.key(0))
+  hot = state["tables"]["a"]["hot"]["table"]
+  assert hot.sharding.spec == sharding.P(sharding.BATCH, None)
+  assert {s.data.shape for s in hot.addressable_shards} == {(hot.shape[0] // 8, 8)}
+  assert hot.shape[0] == 104  # 10 % of 1000 rows = 100, rounded up to a multiple of 8
+  host = state["tables"]["a"]["host"]["table"]
+  assert host.sharding.memory_kind == g.host.host_memory
+  assert g.memory()["a"].device_bytes == 13 * (8 * 4 + 4) + 104 * 4
+
+
+def test_update_is_sparse():
+  spec = base.TableSpec(name="t", num_rows=200_000, dim=16, optimizer=ADAGRAD)
+  batch = contract.zipf_ids(seed=0, num_batches=1, batch=256, bag=2, num_rows=spec.num_rows)[0]
+  contract.assert_update_is_sparse("hot_cold(budget=0.05)", spec, batch)
+
+
+def test_skipped_batch_is_detected():
+  specs = _specs(SGD)
+  batches = _batches(specs, n=3)
+  g = base.make_group("hot_cold(budget=0.1, profile_batches=1)", specs, base.default_mesh())
+  state = g.init(jax.random.key(0))
+  g.prepare(batches[0])  # prepared, never run
+  p = contract.put_prepared(g, g.prepare(batches[1]), g.mesh)
+  grads = {s.name: np.zeros((64, s.dim), np.float32) for s in specs}
+  state = jax.jit(g.update)(state, p, grads)
+  with pytest.raises(RuntimeError, match="prepared for another hot / cold layout"):
+    g.sync(state)
+
+
+def test_bad_options_name_the_fix():
+  with pytest.raises(ValueError, match="budget must be in"):
+    base.make_group("hot_cold(budget=2)", _specs(SGD))
+  with pytest.raises(ValueError, match="not both"):
+    base.make_group("hot_cold(budget=0.1, hot_rows=5)", _specs(SGD))
+
+
+# ----------------------------------------------------------------------------- profiler
+
+
+def test_profiler_counts_ranks_and_budget():
+  p = profile.AccessProfile(10)
+  p.add(np.array([[1, 2, -1], [2, 3, 3]]))
+  p.add(np.array([[3, 7, -1]]))
+  assert p.count_of(np.arange(10)).tolist() == [0, 1, 2, 3, 0, 0, 0, 1, 0, 0]
+  assert p.top(2).tolist() == [2, 3]
+  assert p.top(3).tolist() == [1, 2, 3]  # ties (1 and 7 once each): the smaller id
+  assert p.accesses == 7 and p.coverage(np.array([2, 3])) == 5 / 7
+  sparse = profile.AccessProfile(10, sparse=True)
+  for ids in ([[1, 2, -1], [2, 3, 3]], [[3, 7, -1]]):
+    sparse.add(np.array(ids))
+  assert sparse.count_of(np.arange(10)).tolist() == p.count_of(np.arange(10)).tolist()
+  assert sparse.top(3).tolist() == p.top(3).tolist()
+  q = profile.AccessProfile(5)
+  q.add(np.array([0, 0, 0, 0, 4]))
+  # Per byte: a row of table "q" (8 bytes) with 4 accesses beats p's rows (16 bytes).
+  chosen = profile.hot_set_for_budget({"p": p, "q": q}, {"p": 16, "q": 8}, 8 + 16 + 16)
+  assert chosen.rows["q"].tolist() == [0] and chosen.rows["p"].tolist() == [2, 3]
+  assert chosen.bytes == 40
+  capped = profile.hot_set_for_budget({"p": p}, {"p": 16}, 10_000, capacity={"p": 1})
+  assert capped.rows["p"].tolist() == [3]
+
+
+def test_profile_sample_takes_the_fraction():
+  batches = [{"t": np.full((4, 1), i % 10)} for i in range(100)]
+  prof = profile.profile_sample(batches, {"t": 10}, fraction=0.05, total=100)
+  assert prof["t"].batches == 5 and prof["t"].accesses == 20
+
+
+def test_offload_lfu_and_tt_cache_use_the_profiler():
+  """One profiler: offload's LFU counts and tt's warm-up are AccessProfiles."""
+  off = base.make_backend("offload(cache_rows=10, policy=lfu)", _specs(SGD)[0])
+  off.init(jax.random.key(0))
+  off.prepare({"a": np.array([[1, 1], [2, -1]])}, [])
+  lfu = off.members["a"]._planner.lfu
+  assert isinstance(lfu, profile.AccessProfile)
+  assert lfu.count_of(np.array([1, 2, 3])).tolist() == [1, 1, 0]  # once per batch
+  tt = base.make_backend("tt(rank=4, cache_rows=2, cache_warmup=2)", _specs(SGD)[0])
+  member = tt.members["a"]
+  assert isinstance(member._warm, profile.AccessProfile)
+  member.prepare(np.array([[5, 5], [6, -1]]))
+  member.prepare(np.array([[7, 6], [6, 5]]))
+  assert member._hot.tolist() == [5, 6]
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("criteo_cache"))
+
+
+def _trainer_config(cache_dir, mesh, plan):
+  from experiments import smoke
+
+  c = smoke.get_config()
+  c.data.cache_dir = cache_dir
+  c.data.synthetic.rows = 20_000
+  c.train.steps = 12
+  c.train.log_every = 4
+  c.train.eval_every = 0
+  c.train.checkpoint_every = 0
+  c.train.final_eval_splits = ("test",)
+  c.mesh = {"data": mesh[0], "model": mesh[1]}
+  c.embeddings.plan = plan
+  return c
+
+
+def test_trainer_micro_batches_and_resume_on_another_mesh(cache_dir, tmp_path):
+  """The trainer's step with popular / non-popular micro-batches (the 7 largest tables one
+  hot_cold group), stopped after 5 steps on 8 devices and resumed on 1: the params and tables
+  of the uninterrupted all-dense 1-device run, to float tolerance (the loss is summed per
+  micro-batch, in another order than over the whole batch)."""
+  from recgnn.train import loop
+
+  hot = (("C(3|4|12|16|21|24|26)", "hot_cold(budget=0.3, profile_batches=2)"), (".*", "dense"))
+  ref = loop.train(_trainer_config(cache_dir, (1, 1), ((".*", "dense"),)), str(tmp_path / "ref"))
+  wd = str(tmp_path / "wd")
+  part = loop.train(_trainer_config(cache_dir, (8, 1), hot), wd, stop_after=5)
+  assert part.metrics["step"] == 5
+  group = part.plan.groups["hot_cold"]
+  # The split really ran: popular examples exist once the hot set is migrated in.
+  ids = next(iter(loop.load_task(_trainer_config(cache_dir, (1, 1), hot)).train_batches(5)))
+  p = group.prepare({n: ids["ids"][n] for n in group.specs}, train=False)
+  assert (p["micro"][0]["idx"] < 256 // 8).sum() > 0
+  res = loop.train(_trainer_config(cache_dir, (1, 1), hot), wd, resume=True)
+  assert res.metrics["step"] == 12
+  for x, y in zip(
+    jax.tree.leaves(jax.device_get(ref.state.params)),
+    jax.tree.leaves(jax.device_get(res.state.params)),
+  ):
+    np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-6)
+  ta = {}
+  for k, g in ref.plan.groups.items():
+    ta.update(g.tables(ref.state.emb[k]))
+  tb = {}
+  for k, g in res.plan.groups.items():
+    tb.update(g.tables(res.state.emb[k]))
+  for n in ta:
+    np.testing.assert_allclose(ta[n], tb[n], rtol=2e-4, atol=2e-6, err_msg=n)
+  assert abs(ref.metrics["test/auc"] - res.metrics["test/auc"]) < 1e-3
