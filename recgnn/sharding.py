@@ -45,9 +45,15 @@ def make_mesh(data: int = 1, model: int | None = None, devices=None) -> jax.shar
 
 
 def mesh_from_config(cfg) -> jax.sharding.Mesh:
-  """config.mesh {data, model}: 0 (the default for data) means every device not on MODEL."""
+  """config.mesh {data, model}: data=0 (the default) means every device not on MODEL;
+  model=-1 means every device not on DATA (pure model parallelism with data=0)."""
   model = int(cfg.get("model", 1) or 1)
   data = int(cfg.get("data", 0) or 0)
+  if model < 0:
+    n = jax.device_count()
+    if n % max(data, 1):
+      raise ValueError(f"mesh.data={data} does not divide the {n} devices")
+    model = n // max(data, 1)
   if data == 0:
     n = jax.device_count()
     if n % model:

@@ -394,6 +394,11 @@ class Backend(abc.ABC):
     """Counters since the last call ('table/key' or 'key'), logged with the metrics."""
     return {}
 
+  def report(self, state: PyTree) -> dict[str, float]:
+    """Figures read from the state at the end of a run (written to results.json)."""
+    del state
+    return {}
+
 
 class TableBackend(abc.ABC):
   """One table of a `TableGroup`: the per-table half of the contract (v1, unpooled).

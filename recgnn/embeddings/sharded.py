@@ -115,7 +115,8 @@ def plan_placements(
 
 class Sharded(base.Backend):
   """Model-parallel tables (see the module docstring). Options: kind, codec, fwd_codec,
-  bwd_codec, eb (fixed bound; 0 = adaptive), headroom, profile."""
+  bwd_codec, eb (fixed bound of both directions; 0 = adaptive), fwd_eb / bwd_eb (one
+  direction's), headroom, profile."""
 
   name = "sharded"
 
@@ -130,6 +131,8 @@ class Sharded(base.Backend):
     fwd_codec: str | None = None,
     bwd_codec: str | None = None,
     eb: float = 0.0,
+    fwd_eb: float | None = None,
+    bwd_eb: float | None = None,
     headroom: float = 0.25,
     profile: str | None = None,
   ):
@@ -183,13 +186,17 @@ class Sharded(base.Backend):
       "fwd": fwd_codec or codec,
       "bwd": bwd_codec or codec,
     }
-    self.rule = codecs.BoundRule(fixed=float(eb), headroom=float(headroom))
+    fixed = {"fwd": eb if fwd_eb is None else fwd_eb, "bwd": eb if bwd_eb is None else bwd_eb}
+    self.rules = {
+      d: codecs.BoundRule(fixed=float(fixed[d]), headroom=float(headroom)) for d in fixed
+    }
     self.codecs = {d: codecs.Codec(c, self._segment_dims()) for d, c in self.codec_names.items()}
-    if eb and not any(c.needs_bound for c in self.codecs.values()):
+    if any(fixed[d] and not self.codecs[d].needs_bound for d in fixed):
       raise ValueError(
         f"sharded: eb={eb} is an error bound for codec=eb; the codecs are {self.codec_names}"
       )
     self._jitted = {}
+    self._batch = 0  # the last prepared batch's size (for `stats`)
     logging.info("sharded placements:\n%s", self.format_placements())
 
   # ------------------------------------------------------------------------- layout
@@ -302,7 +309,7 @@ class Sharded(base.Backend):
 
   def _codec_init(self):
     t = len(self.specs)
-    return {d: self.rule.init(t) for d, c in self.codecs.items() if c.needs_bound}
+    return {d: self.rules[d].init(t) for d, c in self.codecs.items() if c.needs_bound}
 
   def init(self, key):
     init = {n: base.init_table(base.table_key(key, n), s) for n, s in self.specs.items()}
@@ -434,6 +441,7 @@ class Sharded(base.Backend):
       if x.size and (x.max() >= s.num_rows or x.min() < base.PAD):
         raise ValueError(f"sharded: table {n!r} got ids outside [-1, {s.num_rows})")
       out["ids"][n] = x.astype(np.int32)
+      self._batch = x.shape[0]
       if s.pooling == "mean":
         out["count"][n] = np.sum(x >= 0, axis=1).astype(np.int32)
     return out
@@ -545,7 +553,7 @@ class Sharded(base.Backend):
 
     def coded(segs):
       payload, _ = codec.encode(segs, send_bounds)
-      payload = {k: jax.lax.all_to_all(v, sharding.MODEL, 0, 0) for k, v in payload.items()}
+      payload = {k: _all_to_all_bits(v) for k, v in payload.items()}
       return codec.decode(payload, recv_bounds)
 
     if codec.name == "none":
@@ -650,7 +658,9 @@ class Sharded(base.Backend):
       new = {"codec": codec_state}
       if "bwd" in codec_state:
         new["codec"] = dict(new["codec"])
-        new["codec"]["bwd"] = self.rule.next(codec_state["bwd"], self._wire_max(segs, False), ~ok_b)
+        new["codec"]["bwd"] = self.rules["bwd"].next(
+          codec_state["bwd"], self._wire_max(segs, False), ~ok_b
+        )
       if "fwd" in codec_state:
         # The forward message of this step (lookup cannot keep state): recomputed from the
         # same pre-update state, for the bound's statistics and the fallback count.
@@ -659,7 +669,9 @@ class Sharded(base.Backend):
         _, ok_f = self.codecs["fwd"].encode(fsegs, self._seg_bounds(fb, True, True))
         ok_f = jax.lax.psum((~ok_f).astype(jnp.int32), (sharding.DATA, sharding.MODEL)) == 0
         new["codec"] = dict(new["codec"])
-        new["codec"]["fwd"] = self.rule.next(codec_state["fwd"], self._wire_max(fsegs, True), ~ok_f)
+        new["codec"]["fwd"] = self.rules["fwd"].next(
+          codec_state["fwd"], self._wire_max(fsegs, True), ~ok_f
+        )
       # Every example of the batch, in batch order: over DATA after the all-to-all.
       every = lambda x: jax.lax.all_gather(x, sharding.DATA, tiled=True)  # noqa: E731
       recv = [every(r.reshape(self.k * b, -1)) for r in recv]
@@ -756,10 +768,18 @@ class Sharded(base.Backend):
     return {d: codecs.payload_bytes(c, self.k * b) for d, c in self.codecs.items()}
 
   def stats(self):
+    """Per step: each direction's all-to-all payload bytes per device (at the last prepared
+    batch's size; the fallback steps of `eb` send f32, see `report`) and bits per value."""
     out = {}
+    wire = self.wire_bytes(self._batch) if self._batch else {}
     for d, c in self.codecs.items():
       out[f"{d}_bits_per_value"] = c.bits_per_value()
+      if d in wire:
+        out[f"{d}_bytes_per_step"] = wire[d]
     return out
+
+  def report(self, state):
+    return {**self.stats(), **self.codec_report(state)}
 
   def codec_report(self, state) -> dict[str, float]:
     """Bounds and fallbacks of an `eb` codec (reads the state: host sync; not per step)."""
@@ -770,6 +790,17 @@ class Sharded(base.Backend):
       for n, i in self.table_index.items():
         out[f"{d}/bound/{n}"] = float(s["bound"][i])
     return out
+
+
+def _all_to_all_bits(x: jax.Array) -> jax.Array:
+  """all_to_all over MODEL (split and concat on axis 0) that moves x's own bits: XLA:CPU
+  widens bf16 and fp8 collectives to f32 / f16 (measured from the HLO: a bf16 all-to-all
+  moved as many bytes as f32), so narrow floats travel bitcast to unsigned ints."""
+  if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
+    carrier = {1: jnp.uint8, 2: jnp.uint16}[x.dtype.itemsize]
+    y = jax.lax.all_to_all(jax.lax.bitcast_convert_type(x, carrier), sharding.MODEL, 0, 0)
+    return jax.lax.bitcast_convert_type(y, x.dtype)
+  return jax.lax.all_to_all(x, sharding.MODEL, 0, 0)
 
 
 BACKEND = Sharded

@@ -469,6 +469,8 @@ def train(
 
   results["step"] = step
   results["input_thread_seconds"] = feed.busy_seconds
+  for key, group in plan.groups.items():  # e.g. a codec's bounds and fallbacks (a host read)
+    results.update({f"emb/{key}/{k}": v for k, v in group.report(state.emb[key]).items()})
   if step == total:
     results.update(task.final_report(results))
     if main:

@@ -1,0 +1,27 @@
+"""DLRM (the Kaggle reference model and data of `dlrm_kaggle`) with every table `sharded`:
+model-parallel tables over the mesh's MODEL axis, the embedding all-to-all uncompressed.
+
+The mesh puts every device on MODEL (`mesh.model=-1`: pure model parallelism, the batch split
+over every device too); on one device it is the 1 x 1 case. On CPU, simulate devices:
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+      python run.py --experiment=dlrm_sharded --workdir=/tmp/dlrm_sharded
+
+The placement (table-wise for tables under 1 / k of the bytes, row-wise above) and bytes per
+device are printed before allocating. Arg (optional): the backend's options, e.g.
+`--experiment=dlrm_sharded:kind=row` or `:codec=bf16`.
+"""
+
+from experiments import dlrm_kaggle
+
+
+def backend(arg: str | None, default: str = "") -> str:
+  options = ", ".join(x for x in (default, (arg or "").strip()) if x)
+  return f"sharded({options})" if options else "sharded"
+
+
+def get_config(arg=None):
+  c = dlrm_kaggle.get_config()
+  c.embeddings.plan = ((".*", backend(arg)),)
+  c.mesh.model = -1
+  return c
