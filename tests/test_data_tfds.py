@@ -54,6 +54,9 @@ def test_kaggle_build_keeps_rows_splits_and_ids(both):
   rows = np.array([0, 7, tf.split_size("valid") - 1])
   _same(tf.read("valid", rows), mm.gather(start + rows))
   assert "tensorflow" not in sys.modules  # array_record + data_source: no TensorFlow
+  # The intermediate parse is gone once the build holds the rows.
+  assert not os.path.exists(os.path.join(tf.builder.data_dir, "..", "..", "..", "downloads",
+                                         "criteo_parse"))  # fmt: skip
 
 
 def test_grain_batches_equal_memmap_batches_for_the_seed(both):

@@ -37,6 +37,7 @@ import dataclasses
 import glob
 import os
 import re
+import shutil
 from typing import Any
 
 import numpy as np
@@ -402,8 +403,12 @@ def build(
   if name not in BUILDERS:
     raise ValueError(f"Unknown TFDS builder {name!r}; available: {', '.join(BUILDERS)}")
   builder = BUILDERS[name](config=config, data_dir=data_dir, file_format="array_record")
+  download_dir = os.path.join(data_dir, "downloads")
   download_config = tfds.download.DownloadConfig(manual_dir=manual_dir) if manual_dir else None
-  builder.download_and_prepare(download_config=download_config)
+  builder.download_and_prepare(download_dir=download_dir, download_config=download_config)
+  # The parsed memmaps were only the source of the examples: the build holds every row, so
+  # they would double the disk a Terabyte build needs.
+  shutil.rmtree(os.path.join(download_dir, "criteo_parse"), ignore_errors=True)
   return builder
 
 
