@@ -66,6 +66,7 @@ def aligned_rows(num_rows: int) -> int:
   """num_rows rounded up to a multiple of ROW_ALIGN."""
   return -(-num_rows // ROW_ALIGN) * ROW_ALIGN
 
+
 OPTIMIZERS = ("sgd", "rowwise_adagrad")
 INITIALIZERS = ("uniform", "normal", "zeros")
 POOLINGS = ("sum", "mean")
@@ -393,6 +394,17 @@ class Backend(abc.ABC):
   def stats(self) -> dict[str, float]:
     """Counters since the last call ('table/key' or 'key'), logged with the metrics."""
     return {}
+
+  def extras(self, state: PyTree) -> dict:
+    """Small group state outside the tables (e.g. a codec's adaptive bounds), JSON-able:
+    saved in the checkpoint's metadata and given back to `restore_extras` on resume."""
+    del state
+    return {}
+
+  def restore_extras(self, state: PyTree, extras: dict) -> PyTree:
+    """The state (as `import_` built it) with saved `extras`; ignore extras that do not fit."""
+    del extras
+    return state
 
   def report(self, state: PyTree) -> dict[str, float]:
     """Figures read from the state at the end of a run (written to results.json)."""

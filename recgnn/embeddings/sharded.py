@@ -778,6 +778,30 @@ class Sharded(base.Backend):
         out[f"{d}_bytes_per_step"] = wire[d]
     return out
 
+  def extras(self, state):
+    """The codec's adaptive state (bounds, EMAs, counters), for the checkpoint."""
+    if not state["codec"]:
+      return {}
+    host = jax.device_get(state["codec"])
+    return {
+      "backend": self.text,
+      "tables": list(self.specs),
+      "codec": {d: {k: np.asarray(v).tolist() for k, v in s.items()} for d, s in host.items()},
+    }
+
+  def restore_extras(self, state, extras):
+    # Only into the same tables and codecs; otherwise the bounds start afresh.
+    if extras.get("tables") != list(self.specs) or set(extras.get("codec", {})) != set(
+      state["codec"]
+    ):
+      return state
+    fresh = jax.device_get(state["codec"])
+    codec = {
+      d: {k: np.asarray(v, dtype=np.asarray(fresh[d][k]).dtype) for k, v in s.items()}
+      for d, s in extras["codec"].items()
+    }
+    return {**state, "codec": sharding.put(codec, self.state_sharding()["codec"])}
+
   def report(self, state):
     return {**self.stats(), **self.codec_report(state)}
 

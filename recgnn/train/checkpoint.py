@@ -179,6 +179,9 @@ class Checkpointer:
         }
     payload = {"train": _train_part(state), "tables": tables}
     info = {"tables": meta, "mesh": sharding.describe(plan.mesh)}
+    extras = {k: e for k, g in plan.groups.items() if (e := g.extras(state.emb[k]))}
+    if extras:
+      info["group_extras"] = extras
     if data_state is not None:
       info["data_state"] = data_state
     previous = self.latest_step()
@@ -310,6 +313,9 @@ class Checkpointer:
       key: group.import_({n: payload["tables"][n] for n in group.specs})
       for key, group in plan.groups.items()
     }
+    for key, extras in meta.get("group_extras", {}).items():
+      if key in plan.groups:
+        emb[key] = plan.groups[key].restore_extras(emb[key], extras)
     t = payload["train"]
     return state.replace(
       step=t["step"], params=t["params"], opt_state=t["opt_state"], key=t["key"], emb=emb
