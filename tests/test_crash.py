@@ -60,6 +60,29 @@ def _finalize_hook(action):
   return atomicity.AtomicRenameTemporaryPath, "finalize", finalize
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+  """Every run here compiles the same steps: a persistent compilation cache (for this module
+  only) compiles them once instead of once per run."""
+  d = str(tmp_path_factory.mktemp("xla_cache"))
+  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+          "jax_persistent_cache_min_entry_size_bytes")  # fmt: skip
+  old = {k: getattr(jax.config, k) for k in keys}
+  for k, v in zip(keys, (d, 0.0, 0)):
+    jax.config.update(k, v)
+  os.environ["RECGNN_TEST_XLA_CACHE"] = d  # for the killed subprocess
+  yield
+  for k, v in old.items():
+    jax.config.update(k, v)
+  try:  # the cache object is built once per process: drop it so later modules run uncached
+    from jax._src import compilation_cache
+
+    compilation_cache.reset_cache()
+  except (ImportError, AttributeError):
+    pass
+  os.environ.pop("RECGNN_TEST_XLA_CACHE", None)
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp("crash_cache"))
@@ -179,6 +202,9 @@ def test_non_finite_loss_stops_with_step_and_tables(cache_dir, tmp_path, monkeyp
 if __name__ == "__main__":  # the killed run of test_sigkill_during_save_then_resume_is_identical
   _, what, workdir, cache = sys.argv
   assert what == "kill"
+  if os.environ.get("RECGNN_TEST_XLA_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["RECGNN_TEST_XLA_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   target, name, hook = _finalize_hook(lambda: os.kill(os.getpid(), signal.SIGKILL))
   setattr(target, name, hook)
   loop.train(_config(cache), workdir)
