@@ -154,7 +154,7 @@ def _train(label, options, seed, args) -> tuple[dict, float]:
     cmd = [
       sys.executable, str(ROOT / "run.py"), f"--experiment=dlrm_sharded:{options}",
       f"--workdir={wd}", f"--config.seed={seed}", f"--config.train.epochs={args.epochs}",
-      "--config.train.checkpoint_every=0", "--config.train.log_every=100",
+      "--config.train.checkpoint_every=0", "--config.train.log_every=25",
       "--config.train.final_eval_splits=('test',)",
     ]  # fmt: skip
     if args.cache_dir:
@@ -333,7 +333,7 @@ def main(argv=None):
   p.add_argument("--runs", default="", help="comma-separated labels of RUNS (default: all)")
   p.add_argument("--workdir", default="/tmp/recgnn_sharded_bench")
   p.add_argument("--cache_dir", default="")
-  p.add_argument("--stall_s", type=float, default=600, help="kill a run silent this long")
+  p.add_argument("--stall_s", type=float, default=300, help="kill a run silent this long")
   p.add_argument("--out", default=str(RESULTS / "sharded"))
   args = p.parse_args(argv)
   sections = set(args.sections.split(","))
