@@ -301,3 +301,17 @@ def test_wire_bytes_from_hlo():
   s8 = out["eb"]["operand_bytes"]
   ids_bytes = 8 * (64 // 8) * group.tmax * 4 * 4  # routed ids int32[k, b, Tmax, L=4]
   assert (f32 - ids_bytes) == 4 * (s8 - ids_bytes)
+
+
+def test_access_profile_spreads_hot_tables(tmp_path):
+  """With an access profile, the two tables that take most lookups go to different shards
+  even when bytes alone would pair them; the profile is read from a plan option."""
+  specs = [base.TableSpec(name=f"T{i}", num_rows=100, dim=8) for i in range(4)]
+  profile = tmp_path / "profile.json"
+  profile.write_text('{"T0": 40, "T1": 40, "T2": 1, "T3": 1}')
+  group = base.make_group(
+    f"sharded(kind=table, profile='{profile}')", specs, sharding.make_mesh(1, 2)
+  )
+  assert group.placement["T0"].shard != group.placement["T1"].shard
+  with pytest.raises(FileNotFoundError):
+    base.make_group("sharded(profile='/nonexistent.json')", specs, sharding.make_mesh(1, 2))
