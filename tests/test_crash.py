@@ -14,6 +14,8 @@ import pytest
 
 from experiments import smoke
 from recgnn.train import checkpoint, loop
+from tests import xla_cache
+from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILL_STEP = 8  # the save that is interrupted; checkpoint 4 is the last complete one
@@ -60,29 +62,6 @@ def _finalize_hook(action):
   return atomicity.AtomicRenameTemporaryPath, "finalize", finalize
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-  """Every run here compiles the same steps: a persistent compilation cache (for this module
-  only) compiles them once instead of once per run."""
-  d = str(tmp_path_factory.mktemp("xla_cache"))
-  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-          "jax_persistent_cache_min_entry_size_bytes")  # fmt: skip
-  old = {k: getattr(jax.config, k) for k in keys}
-  for k, v in zip(keys, (d, 0.0, 0)):
-    jax.config.update(k, v)
-  os.environ["RECGNN_TEST_XLA_CACHE"] = d  # for the killed subprocess
-  yield
-  for k, v in old.items():
-    jax.config.update(k, v)
-  try:  # the cache object is built once per process: drop it so later modules run uncached
-    from jax._src import compilation_cache
-
-    compilation_cache.reset_cache()
-  except (ImportError, AttributeError):
-    pass
-  os.environ.pop("RECGNN_TEST_XLA_CACHE", None)
-
-
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp("crash_cache"))
@@ -114,7 +93,8 @@ def test_sigkill_during_save_then_resume_is_identical(cache_dir, full_run, tmp_p
   wd = str(tmp_path / "wd")
   proc = subprocess.run(
     [sys.executable, os.path.abspath(__file__), "kill", wd, cache_dir],
-    cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+    cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT},
+    capture_output=True, text=True,
     timeout=600,
   )  # fmt: skip
   assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -202,9 +182,8 @@ def test_non_finite_loss_stops_with_step_and_tables(cache_dir, tmp_path, monkeyp
 if __name__ == "__main__":  # the killed run of test_sigkill_during_save_then_resume_is_identical
   _, what, workdir, cache = sys.argv
   assert what == "kill"
-  if os.environ.get("RECGNN_TEST_XLA_CACHE"):
-    jax.config.update("jax_compilation_cache_dir", os.environ["RECGNN_TEST_XLA_CACHE"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  if os.environ.get(xla_cache.ENV):
+    xla_cache.enable(os.environ[xla_cache.ENV])
   target, name, hook = _finalize_hook(lambda: os.kill(os.getpid(), signal.SIGKILL))
   setattr(target, name, hook)
   loop.train(_config(cache), workdir)

@@ -14,6 +14,7 @@ import pytest
 from experiments import smoke
 from recgnn.data import criteo, criteo_synthetic, kg, ogb, pipeline, planetoid, tfds_builders
 from recgnn.train import loop
+from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = 20_000
