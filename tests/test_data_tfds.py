@@ -11,10 +11,14 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import smoke
-from recgnn.data import criteo, criteo_synthetic, kg, ogb, pipeline, planetoid, tfds_builders
-from recgnn.train import loop
-from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
+# Installed with the project (pyproject); absent where it installs with --no-deps (GPU boxes).
+pytest.importorskip("tensorflow_datasets")
+pytest.importorskip("grain")
+
+from experiments import smoke  # noqa: E402
+from recgnn.data import criteo, criteo_synthetic, kg, ogb, pipeline, planetoid, tfds_builders  # noqa: E402, I001
+from recgnn.train import loop  # noqa: E402
+from tests.xla_cache import compilation_cache  # noqa: E402, F401 (an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = 20_000

@@ -13,10 +13,13 @@ import string
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from recgnn.data import criteo, kg, ogb, planetoid
+pytest.importorskip("hypothesis")  # the [test] extra; absent on a --no-deps install
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from recgnn.data import criteo, kg, ogb, planetoid  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORA = os.path.join(ROOT, "third_party", "cora")
