@@ -133,13 +133,17 @@ def main(argv):
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
   loop.log(f"Config written to {os.path.join(workdir, 'config.json')}")
-  result = loop.train(
-    config,
-    workdir,
-    resume=_RESUME.value,
-    profile_steps=loop.parse_steps(_PROFILE.value),
-    device_memory_budget=loop.parse_bytes(_BUDGET.value),
-  )
+  try:
+    result = loop.train(
+      config,
+      workdir,
+      resume=_RESUME.value,
+      profile_steps=loop.parse_steps(_PROFILE.value),
+      device_memory_budget=loop.parse_bytes(_BUDGET.value),
+    )
+  except (loop.NonFiniteLoss, checkpoint.CheckpointWriteError, checkpoint.CorruptCheckpoint) as e:
+    # The message says what happened and what to do; a traceback would bury it.
+    raise SystemExit(f"{type(e).__name__}: {e}") from None
   metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
   loop.log("Final: " + "  ".join(f"{k} {v:.5g}" for k, v in sorted(metrics.items())))
 

@@ -369,11 +369,17 @@ def train(
     failed = True
     report = _non_finite_report(plan, _sync_all(plan, state))
     last = ckpt.latest_step()
-    kept = f"checkpoint {last} in {ckpt.directory}" if last is not None else "no checkpoint"
+    if last is None:
+      kept = "no checkpoint was saved before it. Lower the learning rate or check the data"
+      kept += ", then start again in a fresh --workdir."
+    else:
+      kept = (
+        f"the last good state is checkpoint {last} in {ckpt.directory}. Lower the learning "
+        "rate or check the data, then rerun with --resume (or a fresh --workdir)."
+      )
     raise NonFiniteLoss(
       f"Non-finite training loss {bad[1]} at step {bad[0]}; {report}. Nothing saved after it: "
-      f"the last good state is {kept}. Lower the learning rate or check the data, then rerun "
-      "with --resume (or a fresh --workdir)."
+      + kept
     )
 
   eval_outputs: list = []
