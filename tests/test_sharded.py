@@ -2,6 +2,9 @@
 all-to-all (the error bound holds for every value)."""
 
 import contract_lib as contract
+import hypothesis as hyp
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as hst
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -315,3 +318,22 @@ def test_access_profile_spreads_hot_tables(tmp_path):
   assert group.placement["T0"].shard != group.placement["T1"].shard
   with pytest.raises(FileNotFoundError):
     base.make_group("sharded(profile='/nonexistent.json')", specs, sharding.make_mesh(1, 2))
+
+
+@hyp.settings(max_examples=300, derandomize=True, deadline=None)
+@hyp.given(
+  x=hnp.arrays(
+    np.float32,
+    (4, 16),  # one shape: one compilation for every example
+    elements=hst.floats(width=32, allow_nan=False, allow_infinity=False),
+  ),
+  eb=hst.floats(float(np.float32(1e-30)), float(np.float32(1e30)), width=32),
+)
+def test_eb_bound_property(x, eb):
+  """Any finite f32 message, any bound: if the encoder says ok, every decoded value is
+  within eb (exactly, in float64); and a message whose codes fit is always carried."""
+  ok, err = _check_bound(x, float(eb))
+  if ok:
+    assert err.max() <= float(eb)
+  elif np.abs(x).max() <= 126 * 2 * float(eb) and np.isfinite(2 * 127 * float(eb)):
+    raise AssertionError(f"a message within the codes was refused: max {np.abs(x).max()}, eb {eb}")
