@@ -149,8 +149,10 @@ def _train(label, options, seed, args) -> tuple[dict, float]:
   import subprocess
 
   name = f"{label.replace(' ', '_').replace('/', '_')}_s{seed}"
-  for attempt in range(2):
+  for attempt in range(2):  # a finished run in --workdir is read, not trained again
     wd = pathlib.Path(args.workdir) / f"{name}_try{attempt}"
+    if (wd / "results.json").exists():
+      return _finished(wd)
     cmd = [
       sys.executable, str(ROOT / "run.py"), f"--experiment=dlrm_sharded:{options}",
       f"--workdir={wd}", f"--config.seed={seed}", f"--config.train.epochs={args.epochs}",
@@ -178,26 +180,34 @@ def _train(label, options, seed, args) -> tuple[dict, float]:
     proc.wait()
     log.close()
     if proc.returncode == 0 and (wd / "results.json").exists():
-      return json.loads((wd / "results.json").read_text()), time.time() - t
+      (wd / "seconds").write_text(f"{time.time() - t:.1f}")
+      return _finished(wd)
   raise RuntimeError(f"{name}: failed twice; see {wd}.log")
+
+
+def _finished(wd: pathlib.Path) -> tuple[dict, dict, float]:
+  """results.json, the last train log line (bytes per step at the train batch) and seconds."""
+  res = json.loads((wd / "results.json").read_text())
+  lines = [json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines() if x.strip()]
+  last = [m for m in lines if "fwd_bytes_per_step" in m][-1]
+  took = float((wd / "seconds").read_text()) if (wd / "seconds").exists() else float("nan")
+  return res, last, took
 
 
 def section_auc(args) -> list[dict]:
   out = []
   runs = [r for r in RUNS if not args.runs or r[0] in args.runs.split(",")]
-  specs = kaggle_specs()
   for seed in (int(s) for s in args.seeds.split(",")):
     for label, options in runs:
-      res, took = _train(label, options, seed, args)
-      group = base.make_group(f"sharded({options})", specs, sharding.make_mesh(1, 8))
-      batch = 2048
-      f32 = codecs.payload_bytes(codecs.Codec("none", group._segment_dims()), batch // 8 * 8)
+      res, logged, took = _train(label, options, seed, args)
       steps = int(res["step"])
-      sent = 0.0
+      sent = f32 = 0.0
       for d in ("fwd", "bwd"):
-        wire = res[f"emb/sharded/{d}_bytes_per_step"]
+        wire = logged[f"{d}_bytes_per_step"]
+        full = wire * 32 / logged[f"{d}_bits_per_value"]  # the f32 message of a fallback
         fb = res.get(f"emb/sharded/{d}/fallbacks", 0) / max(steps, 1)
-        sent += wire * (1 - fb) + f32 * fb
+        sent += wire * (1 - fb) + full * fb
+        f32 += full
       row = {
         "run": label,
         "options": options,
@@ -209,7 +219,7 @@ def section_auc(args) -> list[dict]:
         "fwd_fallbacks": res.get("emb/sharded/fwd/fallbacks"),
         "bwd_fallbacks": res.get("emb/sharded/bwd/fallbacks"),
         "payload_bytes_per_step": sent,
-        "f32_bytes_per_step": 2 * f32,
+        "f32_bytes_per_step": f32,
       }
       for d in ("fwd", "bwd"):
         b = [v for k, v in res.items() if k.startswith(f"emb/sharded/{d}/bound/")]

@@ -428,7 +428,7 @@ class Sharded(base.Backend):
   # ------------------------------------------------------------------------- host side
 
   def prepare(self, ids, upcoming=(), *, train=True):
-    del upcoming, train
+    del upcoming
     if not self.shard_batch:
       raise ValueError(
         "sharded: this task's batches are replicated over the devices (shard_batch=False); "
@@ -441,7 +441,8 @@ class Sharded(base.Backend):
       if x.size and (x.max() >= s.num_rows or x.min() < base.PAD):
         raise ValueError(f"sharded: table {n!r} got ids outside [-1, {s.num_rows})")
       out["ids"][n] = x.astype(np.int32)
-      self._batch = x.shape[0]
+      if train:
+        self._batch = x.shape[0]
       if s.pooling == "mean":
         out["count"][n] = np.sum(x >= 0, axis=1).astype(np.int32)
     return out
