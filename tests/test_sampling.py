@@ -363,3 +363,41 @@ def test_task_sampler_where_selects_the_sampler_and_resumes_exactly():
       np.testing.assert_array_equal(a[key], b[key])
   with pytest.raises(ValueError, match="sampler.where=device"):
     nc.TASK(small_task_config("host", split_devices=8))
+
+
+@pytest.mark.parametrize("capacity", [None, 1.5])
+def test_split_graph_all_to_all_exchange(graph, capacity):
+  """Requests to the rows' owners and answers back by all_to_all (on a 2 x 4 mesh): the
+  1-device sample (exact capacity, or a fitted one that did not overflow), fewer bytes."""
+  mesh = sharding.make_mesh(2, 4)
+  kw = dict(fanouts=[5, 3], batch_size=30)
+  one = device_sampling.DeviceNeighborSampler(graph.adj, **kw)
+  split = device_sampling.SplitNeighborSampler(
+    graph.adj, mesh=mesh, exchange="all_to_all", exchange_capacity=capacity, **kw
+  )
+  seeds = np.random.default_rng(13).permutation(graph.num_nodes)[:150].reshape(5, 30)
+  seeds[4, 20:] = -1
+  padded = split.pad_seeds(seeds)
+  key = jax.random.key(21)
+  ref = jax.device_get(one.sample_device(padded, key))
+  got = jax.device_get(split.sample_device(padded, key))
+  assert int(got[3]) == 0
+  np.testing.assert_array_equal(ref[0], got[0])
+  for a, b in zip(ref[1], got[1]):
+    np.testing.assert_array_equal(a["nbr"], b["nbr"])
+    np.testing.assert_array_equal(a["mask"], b["mask"])
+  for layer, h in enumerate(split.hop_bytes(8)):
+    assert set(h["by_op"]) == {"all-to-all"}
+    cap = split.pair_capacity(split.sizes[layer])  # one local batch of n_l rows
+    assert h["by_op"]["all-to-all"]["operand_bytes"] == 8 * cap * (2 + split.fanouts[layer]) * 4
+  # A capacity too small drops rows, counted; what is kept is still valid.
+  tight = device_sampling.SplitNeighborSampler(
+    graph.adj, mesh=mesh, exchange="all_to_all", exchange_capacity=0.3, **kw
+  )
+  blocks = tight.sample(seeds, key)
+  assert blocks.dropped > 0
+  mask = blocks.layers[0]["mask"]
+  nodes = blocks.nodes
+  r, c = np.nonzero(mask[0])
+  u, v = nodes[0][r], nodes[0][blocks.layers[0]["nbr"][0][r, c]]
+  assert np.all(np.asarray(graph.adj[u, v]).ravel() > 0)

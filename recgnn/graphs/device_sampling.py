@@ -45,6 +45,7 @@ from recgnn.graphs import sampling
 
 P = sharding.P
 WHERE = ("host", "device")
+EXCHANGES = ("reduce_scatter", "all_to_all")
 
 
 def key_from(rng_or_key) -> jax.Array:
@@ -453,13 +454,18 @@ class SplitNeighborSampler:
     batch_size: int,
     mesh: jax.sharding.Mesh,
     capacities: Sequence[int] | None = None,
+    exchange: str = "reduce_scatter",
+    exchange_capacity: float | None = None,
   ):
+    if exchange not in EXCHANGES:
+      raise ValueError(f"Unknown exchange {exchange!r}; available: {', '.join(EXCHANGES)}")
     host = sampling.NeighborSampler(
       adj, fanouts=fanouts, batch_size=batch_size, capacities=capacities
     )
     self.fanouts, self.sizes, self.batch_size = host.fanouts, host.sizes, batch_size
     self.num_nodes = n = host.num_nodes
     self.mesh = mesh
+    self.exchange, self.exchange_capacity = exchange, exchange_capacity
     self.devices = d = mesh.size
     self.rows_per_device = r = -(-n // d)
     a = host.adj
@@ -478,7 +484,65 @@ class SplitNeighborSampler:
     self.indptr = jax.device_put(indptr, split)
     self.indices = jax.device_put(indices, split)
     self.adjacency_bytes_per_device = int(indptr[0].nbytes + indices[0].nbytes)
-    self._hops = [jax.jit(self._hop(layer)) for layer in range(len(self.fanouts))]
+    make = self._hop if exchange == "reduce_scatter" else self._hop_all_to_all
+    self._hops = [jax.jit(make(layer)) for layer in range(len(self.fanouts))]
+
+  def pair_capacity(self, local_rows: int) -> int:
+    """Rows one device may ask one owner for per hop (all_to_all exchange): all of its
+    rows (exact) or `exchange_capacity` x an even share, rounded up to 8."""
+    if self.exchange_capacity is None:
+      return local_rows
+    share = -(-int(np.ceil(local_rows / self.devices * self.exchange_capacity)) // 8) * 8
+    return max(1, min(local_rows, share))
+
+  def _hop_all_to_all(self, layer: int):
+    """One hop by requests: each device sends the rows of its own k / D batches to their
+    owners (all_to_all, `pair_capacity` rows per pair), owners draw and read the neighbours
+    and send them back (all_to_all of [rows, f]). With a fitted capacity a device sends
+    about capacity x k n_l f_l / D ints instead of the reduce-scatter's k n_l f_l; rows
+    beyond it lose their neighbours and are counted in `dropped`. Same outputs as `_hop`."""
+    f, n_next, axis = self.fanouts[layer], self.sizes[layer + 1], sharding.BATCH
+    r, num_nodes, d = self.rows_per_device, self.num_nodes, self.devices
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(P(axis), P(axis), P(axis), P()),
+      out_specs=(P(axis), P(axis), P(axis), P(axis), P(axis)),
+      check_vma=False,
+    )
+    def hop(indptr, indices, local_frontier, key):
+      lb, n = local_frontier.shape
+      me = jax.lax.axis_index(axis)
+      rows = local_frontier.reshape(-1)
+      cap = self.pair_capacity(lb * n)
+      valid = rows >= 0
+      owner = jnp.where(valid, rows // r, 0)
+      onehot = (owner[:, None] == jnp.arange(d)[None, :]) & valid[:, None]
+      slot = jnp.take_along_axis(jnp.cumsum(onehot, 0, dtype=jnp.int32), owner[:, None], 1)[:, 0]
+      fits = valid & (slot <= cap)
+      dest = jnp.where(fits, owner * cap + slot - 1, d * cap)
+      # A request: the row (+1; 0 = empty) and its global position, whose uniforms the
+      # owner regenerates: the draws are the 1-device sampler's.
+      gpos = me * lb * n + jnp.arange(lb * n, dtype=jnp.int32)
+      req = (
+        jnp.zeros((d * cap, 2), jnp.int32).at[dest].set(jnp.stack([rows + 1, gpos], 1), mode="drop")
+      )
+      req = jax.lax.all_to_all(req, axis, 0, 0, tiled=True)
+      want, pos = req[:, 0] - 1, req[:, 1]
+      u = _batch_uniforms(key, layer, lb * d, (n, f)).reshape(-1, f)
+      cand, _ = _gather_rows(
+        indptr[0], indices[0], want, f, u[pos], owned=want >= 0, row_offset=me * r
+      )
+      resp = jnp.where((want >= 0)[:, None], cand + 1, 0)
+      back = jax.lax.all_to_all(resp, axis, 0, 0, tiled=True)
+      got = jnp.where(fits[:, None], back[jnp.minimum(dest, d * cap - 1)], 0).reshape(lb, n * f)
+      nxt, pos, dropped = extend_batches(local_frontier, got - 1, got > 0, n_next, num_nodes)
+      nxt, nbr, mask, edges, dropped = _node_outputs(nxt, pos, dropped, lb, n, f)
+      # Rows that did not fit the exchange count as dropped (their neighbours are lost).
+      return nxt, nbr, mask, edges, (dropped + jnp.sum(valid & ~fits, dtype=jnp.int32))[None]
+
+    return hop
 
   def _hop(self, layer: int):
     """One hop: (indptr, indices, frontier [k, n_l] batch-split, key) -> (next
