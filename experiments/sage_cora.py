@@ -23,6 +23,8 @@ def get_config(arg=None):
   c.sampler.kind = "node"  # node (GraphSAGE) | ladies
   c.sampler.where = "host"  # host (numpy / scipy) | device (jitted JAX, the same law)
   c.sampler.split_devices = 0  # device, node: > 1 splits the adjacency's rows over devices
+  c.sampler.split_exchange = "reduce_scatter"  # | all_to_all (requests to the rows' owners)
+  c.sampler.split_capacity = 0.0  # all_to_all: x an even share per device pair; 0 = exact
   c.sampler.fanouts = (25, 10)
   c.sampler.layer_sizes = (512, 512)  # ladies only
   c.sampler.batch_size = 140  # the whole training set per step

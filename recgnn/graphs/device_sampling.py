@@ -663,9 +663,12 @@ def make(
   layer_sizes=None,
   capacities=None,
   mesh=None,
+  exchange: str = "reduce_scatter",
+  exchange_capacity: float | None = None,
 ):
   """The sampler of `kind` (node | ladies) at `where` (host | device); `mesh` with more
-  than one device splits the graph's rows over it (node-wise only)."""
+  than one device splits the graph's rows over it (node-wise only; `exchange` and
+  `exchange_capacity` as `SplitNeighborSampler`)."""
   if where not in WHERE:
     raise ValueError(f"Unknown sampler.where {where!r}; available: {', '.join(WHERE)}")
   if kind == "ladies":
@@ -677,5 +680,7 @@ def make(
   if where == "host":
     return sampling.NeighborSampler(adj, **kw)
   if mesh is not None and mesh.size > 1:
-    return SplitNeighborSampler(adj, mesh=mesh, **kw)
+    return SplitNeighborSampler(
+      adj, mesh=mesh, exchange=exchange, exchange_capacity=exchange_capacity, **kw
+    )
   return DeviceNeighborSampler(adj, **kw)

@@ -26,6 +26,9 @@ Config (the experiment's ConfigDict; see experiments/sage_*.py):
   sampler.split_devices  device, node only: 0 (default) keeps the graph on one device; N > 1
                        splits the adjacency's rows over the first N devices (shard_map with
                        explicit collectives per hop) and gives the same sample as N = 0
+  sampler.split_exchange  reduce_scatter (default: exact) | all_to_all (rows requested from
+                       their owners; sampler.split_capacity = x an even share per device
+                       pair, None = all rows: exact; overflow counted as dropped)
   sampler.fanouts      node: per layer, seeds outward (-1 = all neighbours)
   sampler.layer_sizes  ladies: nodes drawn per layer
   sampler.batch_size   seeds per mini-batch
@@ -250,6 +253,8 @@ class NodeClassification(base.Task):
         layer_sizes=s.get("layer_sizes", None),
         capacities=caps,
         mesh=mesh,
+        exchange=s.get("split_exchange", "reduce_scatter") or "reduce_scatter",
+        exchange_capacity=s.get("split_capacity", None) or None,
       )
 
     if s.kind == "ladies":
