@@ -28,6 +28,11 @@ mesh (device d owns rows [d R, (d+1) R)). Per hop, inside one shard_map:
 Every row has exactly one owner, so the sum is the neighbour (stored +1 so that 0 means
 "none"). Because the draws are the 1-device sampler's draws, the split sample equals the
 1-device sample exactly (tested), and the bytes per hop are read from the compiled HLO.
+The reduce-scatter carries every row's slots from every device (zeros where a device does
+not own the row), so its bytes do not fall with D. `exchange="all_to_all"` instead sends
+each device's own rows to their owners and the neighbours back (two all_to_alls with a
+fixed room per device pair): exact with room for all rows, about capacity / D of the
+reduce-scatter's bytes with `exchange_capacity` (rows beyond it are dropped and counted).
 """
 
 from __future__ import annotations
