@@ -48,6 +48,7 @@ RUNS = (
   ("none", "codec=none"),
   ("int8", "codec=int8"),
   ("eb adaptive", "codec=eb"),
+  ("eb adaptive h1", "codec=eb, headroom=1.0"),
   ("eb fixed 2e-3/2e-6", "codec=eb, fwd_eb=2e-3, bwd_eb=2e-6"),
   ("eb fixed 1e-2/1e-5", "codec=eb, fwd_eb=1e-2, bwd_eb=1e-5"),
   ("bf16", "codec=bf16"),
