@@ -51,6 +51,18 @@ State {"tables": {table: {"hot": {"table": f32[Ha, D], slot: f32[Ha]}   rows ove
        "version": int32[], "stale": int32[]}
 Ha = the hot capacity rounded up to a multiple of the devices; S = base.aligned_rows(N). The
 host table holds every row; a hot row's host copy is stale until `sync` writes it back.
+
+Limits, and why:
+  - The budget is per table (each table's hot array holds `budget` of its rows), not FAE's one
+    budget over all tables: the hot arrays' shapes are fixed at init (memory is reported
+    before allocating), before any profile exists. `profile.hot_set_for_budget` makes the
+    global choice within those capacities.
+  - The order "popular first, cold rows meanwhile" is a data dependency, not a schedule: the
+    popular micro-batch never reads a host array, so XLA may run it while the cold gather is
+    in flight (on an accelerator the host gather and copy are asynchronous); XLA:CPU runs
+    host and device computations on the same cores, so nothing overlaps there.
+  - Lookup and update each gather the cold rows from the host (the contract gives `update`
+    no handle on what `lookup` read); inside one jitted step XLA may merge the two.
 """
 
 from __future__ import annotations
