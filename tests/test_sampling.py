@@ -392,7 +392,7 @@ def test_split_graph_all_to_all_exchange(graph, capacity):
     assert h["by_op"]["all-to-all"]["operand_bytes"] == 8 * cap * (2 + split.fanouts[layer]) * 4
   # A capacity too small drops rows, counted; what is kept is still valid.
   tight = device_sampling.SplitNeighborSampler(
-    graph.adj, mesh=mesh, exchange="all_to_all", exchange_capacity=0.3, **kw
+    graph.adj, mesh=mesh, exchange="all_to_all", exchange_capacity=0.3, exchange_margin=0, **kw
   )
   blocks = tight.sample(seeds, key)
   assert blocks.dropped > 0
