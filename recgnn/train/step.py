@@ -84,6 +84,17 @@ def splitting_group(plan: base.Plan, task: Task) -> str | None:
   return keys[0] if keys and task.shard_batch else None
 
 
+def _per_example(task: Task, batch) -> bool:
+  """Whether every leaf of the (device) batch is batch-major, so a micro-batch can take its
+  examples' rows; a task whose batches carry replicated leaves (`Task.batch_spec`, e.g. a
+  subgraph's edges) runs its batches whole."""
+  spec_of = getattr(task, "batch_spec", None)
+  if spec_of is None:
+    return True
+  specs = jax.tree.leaves(spec_of(batch), is_leaf=lambda x: isinstance(x, sharding.P))
+  return all(s == sharding.BATCH_SPEC for s in specs)
+
+
 def _micro_loss_and_grads(task, plan, skey, idxs, state, prepared, batch, key):
   """The loss and its gradients over micro-batches (the split `plan.groups[skey]` declares),
   run in its order: pooled rows of micro-batch m from the splitting group's `lookup_micro`
@@ -146,7 +157,7 @@ def make_train_step(task: Task, plan: base.Plan, tx):
   def step(state: TrainState, prepared, batch):
     key = jax.random.fold_in(state.key, state.step)
     idxs = plan.groups[skey].micro_batches(prepared[skey]) if skey is not None else None
-    if idxs:
+    if idxs and _per_example(task, batch):
       loss, aux, g_params, g_pooled = _micro_loss_and_grads(
         task, plan, skey, idxs, state, prepared, batch, key
       )
