@@ -445,3 +445,29 @@ def test_entity_table_through_offload_and_tt(tmp_path):
   np.testing.assert_array_equal(offload[:300], dense[:300])
   tt = _train_tables(path, "tt(rank=4)", str(tmp_path / "t"), **over)
   assert np.isfinite(tt).all() and tt.shape[1] == 8
+
+
+def test_queries_split_over_the_mesh(tmp_path, monkeypatch):
+  """Task.batch_spec: a 1-vs-all step's queries are batch-major (split over the devices), its
+  label pairs and per-entity answer counts replicated (the entity ids too); 8 devices
+  (conftest) train the table that a 1-device mesh trains."""
+  from recgnn import sharding
+  from recgnn.train import step as step_lib
+
+  path = _small_kg(tmp_path / "kg") if os.makedirs(tmp_path / "kg") is None else None
+  over = {"batch_size": 16}
+  task = lp.LinkPrediction(_config(path, "complex", **over))
+  assert not task.shard_batch
+  spec = task.batch_spec(step_lib.device_batch(next(task.train_batches(0))))
+  assert {k for k, s in spec.items() if s == sharding.BATCH_SPEC} == {"h", "rel", "cnt", "weight"}
+  assert spec["lab_q"] == spec["lab_e"] == spec["t_cnt"] == sharding.REPLICATED
+  assert jax.device_count() == 8
+  one = _train_tables(path, "dense", str(tmp_path / "one"), mesh={"data": 1, "model": 1}, **over)
+  seen = []  # the trainer packs every batch by the task's specs
+  spec_fn = lp.LinkPrediction.batch_spec
+  monkeypatch.setattr(
+    lp.LinkPrediction, "batch_spec", lambda self, b: seen.append(spec_fn(self, b)) or seen[-1]
+  )
+  eight = _train_tables(path, "dense", str(tmp_path / "eight"), **over)
+  assert len(seen) >= 6 and all(s["h"] == sharding.BATCH_SPEC for s in seen)
+  np.testing.assert_allclose(eight, one, rtol=1e-4, atol=1e-5)

@@ -22,6 +22,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from recgnn import sharding
 from recgnn.embeddings import TableSpec
 
 Batch = dict[str, Any]
@@ -82,6 +83,14 @@ class Task(abc.ABC):
   #: examples per device). False: every device gets the whole batch (e.g. one sampled
   #: subgraph per step), and the embeddings are looked up on every device.
   shard_batch: bool = True
+
+  def batch_spec(self, batch: Batch) -> Any:
+    """A PartitionSpec per leaf of a batch (its `ids` aside: those follow `shard_batch`):
+    `sharding.BATCH_SPEC` for a batch-major leaf (axis 0 split over the devices),
+    `sharding.REPLICATED` for one every device needs whole (e.g. a subgraph's edges). By
+    default every leaf by `shard_batch`; a task whose batches mix the two overrides it."""
+    spec = sharding.BATCH_SPEC if self.shard_batch else sharding.REPLICATED
+    return jax.tree.map(lambda _: spec, batch)
 
   def artifacts(self) -> dict[str, np.ndarray]:
     """Arrays a run's results depend on beyond the config (e.g. the node permutation of a

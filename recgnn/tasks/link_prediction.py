@@ -42,6 +42,10 @@ f32[M, D]. Triples index those rows (`h`, `t`, `neg` are row indices, not entity
   encoder:              rows = the encoded graph's nodes: every entity, or a partition's core
                         + halo padded to the largest partition; replicated, like the graph
                         leaves src / dst / erel / enorm (int32 / f32[E_max]).
+On a mesh (`batch_spec`): the per-query / per-edge leaves (h, rel, t, weight, cnt, per-edge
+neg; eval: anchor, rel, target, side, weight) are split over the devices, so their batch
+sizes must divide by the device count; rows, label / filter pairs, t_cnt and the graph are
+replicated.
 Eval: every entity's row (encoded when there is an encoder) scores each query against all N
 entities, with the other true answers of the query (the filter, train + valid + test) set
 to -inf: `filt_q` / `filt_e` int32[C] (query row in the batch, entity) pairs, padded with
@@ -59,6 +63,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from recgnn import sharding
 from recgnn.data import kg as kg_lib
 from recgnn.embeddings import OptimizerSpec, TableSpec
 from recgnn.graphs import kg_partition
@@ -193,7 +198,8 @@ class LinkPrediction(base.Task):
       self._group_queries()
     self._eval_cache: dict[str, list] = {}
     # Only sampled scoring without an encoder has batch-major rows; otherwise every step reads
-    # all entities or one (sub)graph, which every device needs whole.
+    # all entities or one (sub)graph, which every device needs whole (`ids` replicated). The
+    # queries / edges themselves are batch-major in every mode (`batch_spec`).
     self.shard_batch = self.scoring == "sampled" and self.encoder is None
 
   # --------------------------------------------------------------------------- data
@@ -307,6 +313,22 @@ class LinkPrediction(base.Task):
         + f"\n  partitioned in {self.partition_seconds:.1f} s ({self.config.partition.method})"
       )
     return "\n".join(lines)
+
+  # Leaves with one row per query / edge of the batch: split over the devices. The rest (label
+  # and filter pairs, answer counts per entity, candidate masks, graph edges) index the whole
+  # batch or every row, so every device gets them whole.
+  BATCH_MAJOR = frozenset(("h", "rel", "t", "weight", "cnt", "neg", "anchor", "target", "side"))
+
+  def batch_spec(self, batch: base.Batch):
+    if self.shard_batch:
+      return super().batch_spec(batch)
+    shared_neg = "neg" in batch and np.ndim(batch["neg"]) == 1
+    return {
+      k: sharding.BATCH_SPEC
+      if k in self.BATCH_MAJOR and not (k == "neg" and shared_neg)
+      else sharding.REPLICATED
+      for k in batch
+    }
 
   def steps_per_epoch(self) -> int:
     if self.grouped:

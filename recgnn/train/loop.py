@@ -291,7 +291,7 @@ def train(
   if device_memory_budget is None and config.get("device_memory_budget"):
     device_memory_budget = parse_bytes(config.device_memory_budget)
   base.check_memory(plan, device_memory_budget)
-  feeder = step_lib.Feeder(plan, task.shard_batch)
+  feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec)
   total_steps, how = training_length(tcfg, task)
   log(f"Mesh {sharding.describe(mesh)}; training {how}")
 
@@ -300,7 +300,9 @@ def train(
   example = task.example_batch()
   # Fail on a batch that cannot be split over the mesh now, before allocating anything
   # (train batches are checked as they are packed, on the input thread).
-  inputs.check_split(example, inputs.batch_spec(example, task.shard_batch), mesh, "eval batch")
+  ids, rest = {k: v for k, v in example.items() if k == "ids"}, step_lib.device_batch(example)
+  specs = (inputs.batch_spec(ids, task.shard_batch), task.batch_spec(rest))
+  inputs.check_split((ids, rest), specs, mesh, "eval batch")
   state = step_lib.init_state(task, plan, tx, key, example)
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   log(f"Dense params: {n_params:,}")

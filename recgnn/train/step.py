@@ -229,13 +229,17 @@ def jit_packed(step_fn, plan: base.Plan, state_shardings, donate_state: bool, ou
 class Feeder:
   """Packs (prepared, batch) for the step: the specs of every leaf, checked and cached."""
 
-  def __init__(self, plan: base.Plan, shard_batch: bool):
-    self.plan, self.shard_batch = plan, shard_batch
+  def __init__(self, plan: base.Plan, shard_batch: bool, batch_spec=None):
+    """shard_batch: whether the embedding ids are batch-major; batch_spec(batch): the
+    PartitionSpec of every other batch leaf (`Task.batch_spec`), else all by shard_batch."""
+    self.plan, self.shard_batch, self.batch_spec = plan, shard_batch, batch_spec
     for g in plan.groups.values():
       g.shard_batch = shard_batch
 
   def specs(self, prepared, batch):
     p = {k: self.plan.groups[k].prepared_spec(v) for k, v in prepared.items()}
+    if self.batch_spec is not None:
+      return p, self.batch_spec(batch)
     return p, inputs.batch_spec(batch, self.shard_batch)
 
   def __call__(self, prepared, batch, what: str = "batch"):
