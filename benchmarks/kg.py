@@ -324,6 +324,7 @@ def _breakdown(whole_task, part_task, reps: int = 3) -> dict:
 
 def run_rgcn():
   P = _PARTS.value
+  start = _machine()
   if _REUSE_WHOLE.value:  # the whole-graph run of the previous results (same config)
     with open(os.path.join(RESULTS, "kg_rgcn.json")) as f:
       whole = json.load(f)["whole"]
@@ -351,6 +352,8 @@ def run_rgcn():
     "encoder_work_ratio": sum(len(p.triples) * len(p.edges) for p in parts)
     / (len(part_task.train_triples) * E),
     "mrr_difference": part["test"]["mrr"] - whole["test"]["mrr"],
+    "machine": start,
+    "command": " ".join(["python", *sys.argv]),
     "step_breakdown": breakdown["steps"],
     "loss_and_grad_epoch_s": est,
     "speedup_per_epoch_loss_and_grad_interleaved": est["whole"] / est["partitioned"],
