@@ -190,7 +190,7 @@ def _finished(wd: pathlib.Path) -> tuple[dict, dict, float]:
   """results.json, the last train log line (bytes per step at the train batch) and seconds."""
   res = json.loads((wd / "results.json").read_text())
   lines = [json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines() if x.strip()]
-  last = [m for m in lines if "fwd_bytes_per_step" in m][-1]
+  last = [m for m in lines if "fwd_bytes_per_step" in m][0]  # a train step's line
   took = float((wd / "seconds").read_text()) if (wd / "seconds").exists() else float("nan")
   return res, last, took
 
@@ -205,9 +205,14 @@ def section_auc(args) -> list[dict]:
       sent = f32 = 0.0
       for d in ("fwd", "bwd"):
         wire = logged[f"{d}_bytes_per_step"]
-        full = wire * 32 / logged[f"{d}_bits_per_value"]  # the f32 message of a fallback
-        fb = res.get(f"emb/sharded/{d}/fallbacks", 0) / max(steps, 1)
-        sent += wire * (1 - fb) + full * fb
+        bits = logged[f"{d}_bits_per_value"]
+        full = wire * 32 / bits  # the message in f32
+        # Segments resent as f32 on fallback steps: their values per vector, summed over steps.
+        resent = res.get(f"emb/sharded/{d}/fallback_values", 0) / max(steps, 1)
+        if resent:
+          vectors = wire * 8 / (bits * logged[f"{d}_values_per_vector"])  # per device, step
+          sent += resent * vectors * 4
+        sent += wire
         f32 += full
       row = {
         "run": label,
@@ -220,6 +225,8 @@ def section_auc(args) -> list[dict]:
         "fwd_fallbacks": res.get("emb/sharded/fwd/fallbacks"),
         "bwd_fallbacks": res.get("emb/sharded/bwd/fallbacks"),
         "payload_bytes_per_step": sent,
+        "fwd_fallback_values": res.get("emb/sharded/fwd/fallback_values"),
+        "bwd_fallback_values": res.get("emb/sharded/bwd/fallback_values"),
         "f32_bytes_per_step": f32,
       }
       for d in ("fwd", "bwd"):

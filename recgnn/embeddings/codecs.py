@@ -11,13 +11,14 @@ arrays with the same leading dims (one all-to-all per payload array), and back.
                 subnormal): 8 bits + one f32 per vector
   int8          symmetric per-vector scale (max |x| / 127), as TorchRec's row-wise int8
                 comms: 8 bits + one f32 per vector
-  eb            error-bounded: q = round(x / 2eb) in int8 (a step a hair under 2 eb) with the bound `eb` of the
-                segment's table; |x - decode(encode(x))| <= eb for EVERY value. The bound
-                is known to both sides (it lives in the backend state), so the wire
-                carries 8 bits per value and nothing else. A value whose code would not
-                fit in int8 (or whose decoded value would miss the bound by rounding) makes
-                `encode` report the message not ok; `sharded` then sends that step's
-                message as f32 (a fallback agreed over the mesh), so the bound always holds.
+  eb            error-bounded: q = round(x / 2eb) in int8 (a step a hair under 2 eb),
+                with the bound `eb` of the segment's table; |x - decode(encode(x))| <= eb
+                for EVERY value. The bound is known to both sides (it lives in the backend
+                state), so the wire carries 8 bits per value and nothing else. A value
+                whose code would not fit in int8 (or whose decoded value would miss the
+                bound by rounding) makes its segment not ok (`segments_ok`); `sharded` then
+                sends that step's offending segments (tables) again as f32 (agreed over the
+                mesh), so the bound always holds.
 
 Non-finite values cannot be carried within a bound: `check_finite` refuses them on concrete
 arrays with a clear error; inside a jitted step `eb` reports them not ok, the fallback
@@ -111,12 +112,8 @@ class Codec:
     if self.name in _FLOAT:
       return {"v": x.astype(_FLOAT[self.name])}, ok
     if self.name == "eb":
-      eb = self._per_value(bounds)
-      step = STEP * eb
-      q = jnp.round(x / step)
-      dec = jnp.clip(q, -QMAX, QMAX) * step
-      ok = jnp.all((jnp.abs(q) <= QMAX) & (jnp.abs(x - dec) <= eb * SAFETY))
-      return {"q": jnp.clip(q, -QMAX, QMAX).astype(jnp.int8)}, ok
+      q, okv = self._eb_codes(x, bounds)
+      return {"q": q}, jnp.all(okv)
     # Per-vector scale: fp8 and int8.
     scales, parts = [], []
     top = QMAX if self.name == "int8" else float(jnp.finfo(_FP8[self.name]).max)
@@ -129,6 +126,24 @@ class Codec:
         jnp.round(v).astype(jnp.int8) if self.name == "int8" else v.astype(_FP8[self.name])
       )
     return {"q": jnp.concatenate(parts, axis=-1), "scale": jnp.concatenate(scales, axis=-1)}, ok
+
+  def _eb_codes(self, x, bounds):
+    """int8 codes of x f32[..., W] and whether each value is within its bound."""
+    eb = self._per_value(bounds)
+    step = STEP * eb
+    q = jnp.round(x / step)
+    dec = jnp.clip(q, -QMAX, QMAX) * step
+    okv = (jnp.abs(q) <= QMAX) & (jnp.abs(x - dec) <= eb * SAFETY)
+    return jnp.clip(q, -QMAX, QMAX).astype(jnp.int8), okv
+
+  def segments_ok(self, segments: Sequence[jax.Array], bounds=None) -> jax.Array:
+    """bool[nseg]: whether the codec carries every value of each segment (within its bound
+    for `eb`; the other codecs always do)."""
+    if self.name != "eb":
+      return jnp.ones((len(self.dims),), bool)
+    x = jnp.concatenate([s.astype(jnp.float32) for s in segments], axis=-1)
+    _, okv = self._eb_codes(x, bounds)
+    return jnp.stack([jnp.all(v) for v in self._split(okv)])
 
   def decode(
     self, payload: dict[str, jax.Array], bounds: jax.Array | None = None
@@ -221,11 +236,19 @@ class BoundRule:
       "bound": jnp.full((num_tables,), start, jnp.float32),
       "ema_max": jnp.zeros((num_tables,), jnp.float32),
       "steps": jnp.zeros((), jnp.int32),
-      "fallbacks": jnp.zeros((), jnp.int32),
+      "fallbacks": jnp.zeros((), jnp.int32),  # steps with any segment sent as f32
+      "fallback_values": jnp.zeros((), jnp.int32),  # sum over steps of f32 values / vector
     }
 
-  def next(self, state: dict[str, jax.Array], step_max: jax.Array, fallback: jax.Array):
-    """state after an iteration whose largest |value| per table was step_max f32[T]."""
+  def next(
+    self,
+    state: dict[str, jax.Array],
+    step_max: jax.Array,
+    fallback: jax.Array,
+    widths: Sequence[int] = (),
+  ):
+    """state after an iteration whose largest |value| per table was step_max f32[T];
+    fallback: bool[nseg], the segments sent as f32 (widths: their values per vector)."""
     first = state["steps"] == 0
     ema = jnp.where(first, step_max, self.decay * state["ema_max"] + (1 - self.decay) * step_max)
     # A range that jumps past the EMA would fall back every step until the EMA catches up.
@@ -238,5 +261,7 @@ class BoundRule:
       "bound": bound,
       "ema_max": ema,
       "steps": state["steps"] + 1,
-      "fallbacks": state["fallbacks"] + fallback.astype(jnp.int32),
+      "fallbacks": state["fallbacks"] + jnp.any(fallback).astype(jnp.int32),
+      "fallback_values": state["fallback_values"]
+      + jnp.sum(jnp.where(fallback, jnp.asarray(widths, jnp.int32), 0)),
     }

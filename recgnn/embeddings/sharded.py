@@ -545,25 +545,38 @@ class Sharded(base.Backend):
 
   def _exchange(self, codec, segs, send_bounds, recv_bounds):
     """All-to-all over MODEL of a message of segments [k, b, w] through `codec`, with the f32
-    fallback when the codec cannot hold its bound. -> (segments [k (source), b, w], ok)."""
+    fallback of the segments it cannot carry within their bound. -> (segments [k (source),
+    b, w], bool[nseg]: the segments sent as f32)."""
 
-    def raw(segs, scope=FALLBACK_SCOPE):
+    def raw(segs, scope):
       with jax.named_scope(scope):
         x = jnp.concatenate(segs, axis=-1)
         return codec._split(jax.lax.all_to_all(x, sharding.MODEL, 0, 0))
 
     def coded(segs):
-      payload, _ = codec.encode(segs, send_bounds)
+      payload, _ = codec.encode(segs, send_bounds)  # values it cannot carry: resent below
       payload = {k: _all_to_all_bits(v) for k, v in payload.items()}
       return codec.decode(payload, recv_bounds)
 
+    nseg = len(codec.dims)
     if codec.name == "none":
-      return raw(segs, "embedding_all_to_all"), jnp.array(True)
-    _, ok = codec.encode(segs, send_bounds)
+      return raw(segs, "embedding_all_to_all"), jnp.zeros((nseg,), bool)
+    recv = coded(segs)
     if not codec.needs_bound:
-      return coded(segs), ok
-    bad = jax.lax.psum((~ok).astype(jnp.int32), (sharding.DATA, sharding.MODEL))
-    return jax.lax.cond(bad > 0, raw, coded, segs), bad == 0
+      return recv, jnp.zeros((nseg,), bool)
+    # A segment (one table-wise slot, row- or column-wise table) that some device cannot
+    # carry within its bound goes again as f32, that segment only: every device takes the
+    # same branch (the flags are summed over the mesh).
+    bad = jax.lax.psum(
+      (~codec.segments_ok(segs, send_bounds)).astype(jnp.int32), (sharding.DATA, sharding.MODEL)
+    )
+
+    def resend(s, r):
+      with jax.named_scope(FALLBACK_SCOPE):
+        return jax.lax.all_to_all(s, sharding.MODEL, 0, 0)
+
+    out = [jax.lax.cond(bad[i] > 0, resend, lambda s, r: r, segs[i], recv[i]) for i in range(nseg)]
+    return out, bad > 0
 
   def _seg_bounds(self, bounds, sender: bool, owner_is_sender: bool):
     """Bounds f32 of each segment, broadcastable to [k, b, nseg], or None."""
@@ -650,7 +663,7 @@ class Sharded(base.Backend):
         segs.append(jnp.transpose(g[n].reshape(b, self.k, -1), (1, 0, 2)))
       codec_state = state["codec"]
       bounds = self._bounds(codec_state, "bwd")
-      recv, ok_b = self._exchange(
+      recv, fell_b = self._exchange(
         self.codecs["bwd"],
         segs,
         self._seg_bounds(bounds, sender=True, owner_is_sender=False),
@@ -660,18 +673,18 @@ class Sharded(base.Backend):
       if "bwd" in codec_state:
         new["codec"] = dict(new["codec"])
         new["codec"]["bwd"] = self.rules["bwd"].next(
-          codec_state["bwd"], self._wire_max(segs, False), ~ok_b
+          codec_state["bwd"], self._wire_max(segs, False), fell_b, self.codecs["bwd"].dims
         )
       if "fwd" in codec_state:
         # The forward message of this step (lookup cannot keep state): recomputed from the
         # same pre-update state, for the bound's statistics and the fallback count.
         fsegs = self._local_pool(state, ids)
         fb = self._bounds(codec_state, "fwd")
-        _, ok_f = self.codecs["fwd"].encode(fsegs, self._seg_bounds(fb, True, True))
-        ok_f = jax.lax.psum((~ok_f).astype(jnp.int32), (sharding.DATA, sharding.MODEL)) == 0
+        ok_f = self.codecs["fwd"].segments_ok(fsegs, self._seg_bounds(fb, True, True))
+        fell_f = jax.lax.psum((~ok_f).astype(jnp.int32), (sharding.DATA, sharding.MODEL)) > 0
         new["codec"] = dict(new["codec"])
         new["codec"]["fwd"] = self.rules["fwd"].next(
-          codec_state["fwd"], self._wire_max(fsegs, True), ~ok_f
+          codec_state["fwd"], self._wire_max(fsegs, True), fell_f, self.codecs["fwd"].dims
         )
       # Every example of the batch, in batch order: over DATA after the all-to-all.
       every = lambda x: jax.lax.all_gather(x, sharding.DATA, tiled=True)  # noqa: E731
@@ -775,6 +788,7 @@ class Sharded(base.Backend):
     wire = self.wire_bytes(self._batch) if self._batch else {}
     for d, c in self.codecs.items():
       out[f"{d}_bits_per_value"] = c.bits_per_value()
+      out[f"{d}_values_per_vector"] = c.width
       if d in wire:
         out[f"{d}_bytes_per_step"] = wire[d]
     return out
@@ -811,6 +825,7 @@ class Sharded(base.Backend):
     out = {}
     for d, s in jax.device_get(state["codec"]).items():
       out[f"{d}/fallbacks"] = int(s["fallbacks"])
+      out[f"{d}/fallback_values"] = int(s["fallback_values"])
       out[f"{d}/steps"] = int(s["steps"])
       for n, i in self.table_index.items():
         out[f"{d}/bound/{n}"] = float(s["bound"][i])
