@@ -30,6 +30,8 @@ def get_config(arg=None):
 
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # "" = the bundled third_party/fb15k-237
+  c.data.source = "files"  # or "tfds": the fb15k237 array_record build of the same triples
+  c.data.tfds_dir = ""  # "" = ~/.cache/recgnn/tfds
   c.data.reciprocal = True
   c.data.max_bad_lines = 100
 

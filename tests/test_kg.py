@@ -471,3 +471,20 @@ def test_queries_split_over_the_mesh(tmp_path, monkeypatch):
   eight = _train_tables(path, "dense", str(tmp_path / "eight"), **over)
   assert len(seen) >= 6 and all(s["h"] == sharding.BATCH_SPEC for s in seen)
   np.testing.assert_allclose(eight, one, rtol=1e-4, atol=1e-5)
+
+
+def test_tfds_source_gives_the_same_task(tmp_path):
+  """data.source=tfds reads the fb15k237 array_record build of the same triples: the same
+  entities, relations, splits and filter as the files."""
+  (tmp_path / "kg").mkdir()
+  path = _small_kg(tmp_path / "kg")
+  files = lp.LinkPrediction(_config(path, "distmult"))
+  tfds = lp.LinkPrediction(
+    _config(path, "distmult", **{"data.source": "tfds", "data.tfds_dir": str(tmp_path / "t")})
+  )
+  assert files.kg.entities == tfds.kg.entities and files.kg.relations == tfds.kg.relations
+  for s in files.kg.splits:
+    np.testing.assert_array_equal(files.kg.splits[s], tfds.kg.splits[s])
+  np.testing.assert_array_equal(files.train_triples, tfds.train_triples)
+  with pytest.raises(ValueError, match="Unknown data.source 'csv'; available: files, tfds"):
+    lp.LinkPrediction(_config(path, "distmult", **{"data.source": "csv"}))

@@ -2,6 +2,8 @@
 
 Config (see experiments/kge_fb15k237.py, rgcn_fb15k237*.py):
   data.path             folder with train/valid/test triples ("" = bundled FB15k-237)
+  data.source           files (read data.path) | tfds (its array_record build, under
+                        data.tfds_dir, default ~/.cache/recgnn/tfds)
   data.reciprocal       add inverse relations (tail prediction only, Lacroix et al. 2018)
   data.max_bad_lines    malformed lines tolerated per file
   model.decoder         distmult | complex | rotate | transe
@@ -54,6 +56,7 @@ query row B. Rank = 1 + #higher + #tied / 2 (ties count half, the "mean" tie rul
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -115,11 +118,23 @@ class LinkPrediction(base.Task):
   def __init__(self, config: ml_collections.ConfigDict):
     super().__init__(config)
     d, m = config.data, config.model
-    self.kg = kg_lib.load(
-      d.get("path", "") or None,
-      reciprocal=bool(d.get("reciprocal", True)),
-      max_bad_lines=int(d.get("max_bad_lines", 100)),
-    )
+    source = d.get("source", "files")
+    if source == "files":
+      self.kg = kg_lib.load(
+        d.get("path", "") or None,
+        reciprocal=bool(d.get("reciprocal", True)),
+        max_bad_lines=int(d.get("max_bad_lines", 100)),
+      )
+    elif source == "tfds":
+      # The fb15k237 array_record build (of data.path's triples, or the bundled ones), built
+      # once under data.tfds_dir; the same ids and names as the files.
+      from recgnn.data import tfds_builders
+
+      data_dir = os.path.expanduser(d.get("tfds_dir", "") or "~/.cache/recgnn/tfds")
+      builder = tfds_builders.build("fb15k237", data_dir, manual_dir=d.get("path", "") or None)
+      self.kg = tfds_builders.load_kg(builder, reciprocal=bool(d.get("reciprocal", True)))
+    else:
+      raise ValueError(f"Unknown data.source {source!r}; available: files, tfds")
     self.seed = int(config.get("seed", 0))
     self.decoder = m.decoder
     self.dim = int(config.embeddings.dim)
