@@ -47,8 +47,9 @@ CODECS = ("none", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "eb")
 RUNS = (
   ("none", "codec=none"),
   ("int8", "codec=int8"),
-  ("eb adaptive", "codec=eb"),
-  ("eb adaptive h1", "codec=eb, headroom=1.0"),
+  ("eb adaptive", "codec=eb"),  # bounds from each iteration's own ranges (bound=current)
+  ("eb ema", "codec=eb, bound=ema"),  # bounds from the EMA of past iterations
+  ("eb ema h1", "codec=eb, bound=ema, headroom=1.0"),
   ("eb fixed 2e-3/2e-6", "codec=eb, fwd_eb=2e-3, bwd_eb=2e-6"),
   ("eb fixed 1e-2/1e-5", "codec=eb, fwd_eb=1e-2, bwd_eb=1e-5"),
   ("bf16", "codec=bf16"),

@@ -210,10 +210,14 @@ class BoundRule:
 
   fixed > 0: the same bound for every table and iteration (the baseline the paper compares
     its adaptive bound with).
-  fixed == 0 (adaptive): table-wise and iteration-wise. Each table t keeps an exponential
-    moving average, over iterations, of the largest |value| it put on the wire
-    (`ema_max_t`); its next bound is the finest one whose int8 codes still hold that range
-    with `headroom`:  eb_t = ema_max_t * (1 + headroom) / (2 * 127).
+  fixed == 0 (adaptive): table-wise and iteration-wise. Each table's bound at each iteration
+    is the finest one whose int8 codes hold the largest |value| it puts on the wire, with
+    `headroom`:  eb_t,i = max_t,i * (1 + headroom) / (2 * 127), where max_t,i is
+    mode "current" (default): this iteration's largest |value| of table t over the mesh
+      (a pmax of T floats before encoding, ~100 bytes), so the codes always hold the range
+      and no step falls back;
+    mode "ema": an exponential moving average of past iterations' maxima (no extra
+      collective; a range that jumps past the headroom, and the first step, fall back).
     Why this rule: with fixed-size codes the bytes are the same at every bound, so the
     bound that serves accuracy best is the smallest one that does not force a fallback;
     tables differ by orders of magnitude in their ranges (hashed tables with few rows
@@ -229,6 +233,23 @@ class BoundRule:
   headroom: float = 0.25
   decay: float = 0.9
   initial: float = 1e-3  # the bound before the first statistics (iteration 0)
+  # "current": the bound of each table at each iteration from THIS iteration's largest
+  # |value| (one all-reduce of T floats before encoding): the codes always hold the range,
+  # so no step falls back. "ema": from the EMA of past iterations (no extra collective; a
+  # range that jumps past the headroom falls back, and so does the first step).
+  mode: str = "current"
+
+  def __post_init__(self):
+    if self.mode not in ("current", "ema"):
+      raise ValueError(f"bound mode must be 'current' or 'ema', got {self.mode!r}")
+
+  def from_max(self, step_max: jax.Array) -> jax.Array:
+    """f32[T]: the bound whose int8 codes hold |values| up to step_max with the headroom."""
+    return jnp.maximum(step_max * (1 + self.headroom) / (2 * QMAX), 1e-30)
+
+  @property
+  def uses_current(self) -> bool:
+    return self.fixed <= 0 and self.mode == "current"
 
   def init(self, num_tables: int) -> dict[str, jax.Array]:
     start = self.fixed if self.fixed > 0 else self.initial
@@ -255,8 +276,10 @@ class BoundRule:
     ema = jnp.maximum(ema, step_max)
     if self.fixed > 0:
       bound = state["bound"]
+    elif self.mode == "current":
+      bound = self.from_max(step_max)  # the bound this iteration used
     else:
-      bound = jnp.maximum(ema * (1 + self.headroom) / (2 * QMAX), 1e-12)
+      bound = self.from_max(ema)
     return {
       "bound": bound,
       "ema_max": ema,

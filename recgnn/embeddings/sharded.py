@@ -31,10 +31,11 @@ JSON {table: lookups per example} given as `profile=path`). `table`, `row`, `col
 one placement for every table of the group (give tables different plan strings to mix).
 
 Codecs: `codec=` for both directions, `fwd_codec=` / `bwd_codec=` to override one; the error-
-bounded `eb` takes `eb=<fixed bound>` or adapts per table and iteration (`codecs.BoundRule`,
-`headroom=`). A message that `eb` cannot carry within its bound goes as f32 that step (the
-decision is agreed over the mesh, so every device takes the same branch); the count of such
-fallbacks is in the state and in `stats`.
+bounded `eb` takes `eb=<fixed bound>` (or `fwd_eb=`, `bwd_eb=`) or adapts per table and
+iteration (`codecs.BoundRule`: `bound=current` from each iteration's own ranges, the
+default, or `bound=ema`; `headroom=`). A segment (table) that `eb` cannot carry within its
+bound goes again as f32 that step (agreed over the mesh, so every device takes the same
+branch); the count of such fallbacks is in the state and in `report`.
 
 State: {"tw": {"rows": f32[k, R, D], slots: f32[k, R]} (split over MODEL; shard m holds its
 tables one after another), "rw": {t: {"rows": f32[S, D] P(MODEL), slots}}, "cw": {t: {"rows":
@@ -131,6 +132,7 @@ class Sharded(base.Backend):
     fwd_codec: str | None = None,
     bwd_codec: str | None = None,
     eb: float = 0.0,
+    bound: str = "current",
     fwd_eb: float | None = None,
     bwd_eb: float | None = None,
     headroom: float = 0.25,
@@ -188,7 +190,8 @@ class Sharded(base.Backend):
     }
     fixed = {"fwd": eb if fwd_eb is None else fwd_eb, "bwd": eb if bwd_eb is None else bwd_eb}
     self.rules = {
-      d: codecs.BoundRule(fixed=float(fixed[d]), headroom=float(headroom)) for d in fixed
+      d: codecs.BoundRule(fixed=float(fixed[d]), headroom=float(headroom), mode=bound)
+      for d in fixed
     }
     self.codecs = {d: codecs.Codec(c, self._segment_dims()) for d, c in self.codec_names.items()}
     if any(fixed[d] and not self.codecs[d].needs_bound for d in fixed):
@@ -578,6 +581,11 @@ class Sharded(base.Backend):
     out = [jax.lax.cond(bad[i] > 0, resend, lambda s, r: r, segs[i], recv[i]) for i in range(nseg)]
     return out, bad > 0
 
+  def _bounds_now(self, direction, segs, forward: bool):
+    """f32[T + 1] bounds from this message's largest |value| per table (mode "current")."""
+    step_max = self._wire_max(segs, forward)
+    return jnp.concatenate([self.rules[direction].from_max(step_max), jnp.ones((1,), jnp.float32)])
+
   def _seg_bounds(self, bounds, sender: bool, owner_is_sender: bool):
     """Bounds f32 of each segment, broadcastable to [k, b, nseg], or None."""
     if bounds is None:
@@ -604,6 +612,8 @@ class Sharded(base.Backend):
       ids, count = prepared["ids"], prepared["count"]
       segs = self._local_pool(state, ids)
       bounds = self._bounds(state["codec"], "fwd") if bounds_on else None
+      if bounds_on and self.rules["fwd"].uses_current:
+        bounds = self._bounds_now("fwd", segs, True)
       recv, _ = self._exchange(
         self.codecs["fwd"],
         segs,
@@ -663,6 +673,8 @@ class Sharded(base.Backend):
         segs.append(jnp.transpose(g[n].reshape(b, self.k, -1), (1, 0, 2)))
       codec_state = state["codec"]
       bounds = self._bounds(codec_state, "bwd")
+      if bounds is not None and self.rules["bwd"].uses_current:
+        bounds = self._bounds_now("bwd", segs, False)
       recv, fell_b = self._exchange(
         self.codecs["bwd"],
         segs,
@@ -680,6 +692,8 @@ class Sharded(base.Backend):
         # same pre-update state, for the bound's statistics and the fallback count.
         fsegs = self._local_pool(state, ids)
         fb = self._bounds(codec_state, "fwd")
+        if self.rules["fwd"].uses_current:
+          fb = self._bounds_now("fwd", fsegs, True)
         ok_f = self.codecs["fwd"].segments_ok(fsegs, self._seg_bounds(fb, True, True))
         fell_f = jax.lax.psum((~ok_f).astype(jnp.int32), (sharding.DATA, sharding.MODEL)) > 0
         new["codec"] = dict(new["codec"])
