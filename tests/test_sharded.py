@@ -73,7 +73,8 @@ def _compare(text, mesh_shape, opt, atol=0.0, rtol=0.0, steps=5):
   return group, state
 
 
-@pytest.mark.parametrize("mesh_shape", [(8, 1), (2, 4), (1, 8)], ids=lambda m: f"{m[0]}x{m[1]}")
+# 8 x 1 (one MODEL shard: every table on it) is covered by the contract test.
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8)], ids=lambda m: f"{m[0]}x{m[1]}")
 @pytest.mark.parametrize("opt", [SGD, ADAGRAD], ids=lambda o: o.name)
 def test_table_wise_group_equals_dense(mesh_shape, opt):
   """Five tables (bags of 1-4, sum and mean pooling) spread table-wise over the MODEL shards:

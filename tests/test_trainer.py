@@ -261,14 +261,12 @@ def one_device_run(cache_dir, tmp_path_factory):
     (((1, 1), "dense"), ((1, 8), "dense(shard=rows)")),
     (((2, 4), "dense(shard=rows)"), ((1, 1), "offload(cache_fraction=0.5, min_cache_rows=256)")),
     (((2, 4), "sharded"), ((1, 8), "sharded(kind=column)")),
-    (((1, 8), "sharded(kind=row)"), ((1, 1), "dense")),
   ],
   ids=[
     "8x1->1x1",
     "dense->rows@1x8",
     "rows@2x4->offload@1x1",
     "sharded@2x4->column@1x8",
-    "sharded-rows@1x8->dense@1x1",
   ],
 )
 def test_resume_on_another_mesh_and_backend(cache_dir, tmp_path, one_device_run, save, resume):
