@@ -298,7 +298,8 @@ def markdown(payload) -> str:
     lines += [
       f"## Test AUC, dlrm_sharded on 1 x 8 simulated devices, {payload['epochs']} epoch(s)",
       "",
-      "The synthetic default (planted model); batch 2048; payload = both all-to-alls.",
+      "The synthetic default (planted model); batch 2048; payload = both all-to-alls; "
+      f"started {payload.get('auc_when', '?')} at load {payload.get('auc_load', '?')}.",
       "",
       "| run | seeds | mean test AUC | std | vs none | payload bytes/step | x fewer than f32 |",
       "|---|---:|---:|---:|---:|---:|---:|",
@@ -367,11 +368,14 @@ def main(argv=None):
   if out.with_suffix(".json").exists():  # keep sections not rerun
     old = json.loads(out.with_suffix(".json").read_text())
     payload.update({k: old[k] for k in ("bytes", "codec", "auc", "summary") if k in old})
+    if "auc" not in sections and "epochs" in old:  # the kept AUC rows' settings
+      payload.update({k: old[k] for k in ("epochs", "auc_load", "auc_when") if k in old})
   if "bytes" in sections:
     payload["bytes"] = section_bytes(args)
   if "codec" in sections:
     payload["codec"] = section_codec(args)
   if "auc" in sections:
+    payload["auc_load"], payload["auc_when"] = payload["load"], payload["when"]
     payload["auc"] = section_auc(args)
     payload["summary"] = summarize(payload["auc"])
   out.parent.mkdir(parents=True, exist_ok=True)
