@@ -62,7 +62,14 @@ def get_config(arg=None):
 
   c.negatives = ml_collections.ConfigDict({"kind": "uniform", "num": 256, "shared": False})
   c.partition = ml_collections.ConfigDict(
-    {"num_parts": 0, "method": "metis", "pad": "none", "only": -1, "candidates": "all"}
+    {
+      "num_parts": 0,
+      "method": "metis",
+      "pad": "none",
+      "only": -1,
+      "candidates": "all",
+      "parallel": 0,
+    }
   )
   c.batch_size = 256  # queries per step (about 930 triples)
   c.eval = ml_collections.ConfigDict({"batch_size": 2048})

@@ -337,6 +337,144 @@ def test_training_a_partition_changes_only_its_rows(tmp_path):
   assert not np.array_equal(after[nodes], before[nodes])
 
 
+def _parallel_config(path, parts=4, data=4, **over):
+  over = {"partition.parallel": -1, "mesh": {"data": data, "model": 1}, **over}
+  cfg = _rgcn_config(path, parts, 1, **over)
+  cfg.model.rgcn.edge_dropout = 0.5  # per-partition dropout keys are part of the contract
+  return cfg
+
+
+def test_parallel_partitions_loss_is_the_serial_average(tmp_path):
+  """partition.parallel: the loss and gradients of G partition batches stacked in one step
+  equal the edge-weighted average of the same G batches' losses / gradients computed one by
+  one (the serial-equivalent data-parallel step), rows and dense params alike."""
+  pytest.importorskip("pymetis")
+  cfg = _parallel_config(_community_kg(tmp_path / "kg", communities=4), 4, 1)
+  cfg.partition.parallel = 3  # 4 partitions on 3 slots: slot 0 takes partitions 0 and 3
+  task = lp.LinkPrediction(cfg)
+  assert task.parallel == 3 and task.shard_batch
+  slots = task._slot_batches()
+  assert [sorted({p for p, _ in s}) for s in slots] == [[0, 3], [1], [2]]
+  assert task.steps_per_epoch() == max(map(len, slots))
+  sched = task.parallel_schedule(0)
+  seen = sorted(x for step in sched for x in step if x is not None)
+  assert seen == sorted(x for s in slots for x in s)  # every batch of the epoch once
+  batch = task.parallel_batch(0, 0)
+  G, M = 3, task.max_nodes
+  ids = batch["ids"]["entity"][:, 0]
+  assert ids.shape == (G * M,)
+  for g, (p, _) in enumerate(sched[0]):
+    got = ids[g * M : (g + 1) * M]
+    assert set(got[got >= 0]) == set(task.partitions[p].nodes)
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(task.kg.num_entities, 8)).astype(np.float32)
+  rows = jnp.asarray(np.where(ids[:, None] >= 0, x[np.maximum(ids, 0)], 0.0))
+  b = jax.tree.map(jnp.asarray, {k: v for k, v in batch.items() if k != "ids"})
+  params = task.init_params(jax.random.key(0), b, {"entity": rows})
+  key = jax.random.key(3)
+
+  def loss(pp, r, b):
+    return task.loss(pp, b, {"entity": r}, key)[0]
+
+  got = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, rows, b)
+  w = np.asarray(batch["weight"]).sum(1)
+  want_p = jax.tree.map(jnp.zeros_like, params)
+  want_r, want_loss = [], 0.0
+  # One partition's batch alone (as the serial path trains it), jitted once for all g.
+  single = jax.jit(
+    jax.value_and_grad(lambda pp, r, bg, k: task.loss(pp, bg, {"entity": r}, k)[0], argnums=(0, 1))
+  )
+  for g in range(G):
+    bg = jax.tree.map(lambda v, g=g: v[g], b)
+    lg, (gp, gr) = single(params, rows[g * M : (g + 1) * M], bg, jax.random.fold_in(key, g))
+    c = max(w[g], 1) / w.sum()
+    want_loss += c * lg
+    want_p = jax.tree.map(lambda a, q, c=c: a + c * q, want_p, gp)
+    want_r.append(c * gr)
+  np.testing.assert_allclose(jax.jit(loss)(params, rows, b), want_loss, rtol=1e-5)
+  for a, q in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want_p)):
+    np.testing.assert_allclose(a, q, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(got[1], jnp.concatenate(want_r), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_parallel_partitions_on_devices_train_as_on_one(tmp_path):
+  """4 partitions on 4 simulated devices (one each) train the entity table and dense params
+  that one device computing the same 4 partition batches per step trains, and reach the
+  same filtered test MRR (eval rows split over the devices, padded)."""
+  pytest.importorskip("pymetis")
+  from recgnn.train import loop
+
+  path = _community_kg(tmp_path / "kg", communities=4)
+  out = {}
+  for data in (1, 4):
+    cfg = _parallel_config(path, 4, data)
+    cfg.partition.parallel = 4
+    cfg.train.steps = 3
+    cfg.train.eval_every = 0
+    cfg.train.final_eval_splits = ("test",)
+    cfg.train.log_every = 3
+    cfg.eval.batch_size = 8
+    r = loop.train(cfg, str(tmp_path / f"w{data}"))
+    out[data] = (_tables(r, r.state), jax.device_get(r.state.params), r.metrics["test/mrr"])
+  np.testing.assert_allclose(out[4][0], out[1][0], rtol=1e-4, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(out[4][1]), jax.tree.leaves(out[1][1])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(out[4][2], out[1][2], rtol=1e-4)
+
+
+def test_parallel_partitions_read_only_their_rows(tmp_path):
+  """Each device of a partition-parallel step reads no entity row outside its partition's
+  core + halo: device g's copy of the (replicated) entity table holds NaN in every other
+  row, and the step's loss, dense params and the rows of the step's partitions stay finite."""
+  pytest.importorskip("pymetis")
+  from recgnn import sharding
+  from recgnn.embeddings import base as emb_base
+  from recgnn.train import inputs
+  from recgnn.train import step as step_lib
+
+  cfg = _parallel_config(_community_kg(tmp_path / "kg", communities=4), 4, 4)
+  cfg.embeddings.optimizer.name = "sgd"  # rows change by exactly their gradient
+  task = lp.LinkPrediction(cfg)
+  mesh = sharding.mesh_from_config(cfg.mesh)
+  plan = emb_base.resolve_plan(list(map(tuple, cfg.embeddings.plan)), task.tables(), mesh)
+  tx = step_lib.make_optimizer(cfg.optimizer)
+  batch = task.parallel_batch(0, 0)
+  state = step_lib.init_state(task, plan, tx, jax.random.key(0), batch)
+  (gkey,) = plan.groups
+  table = state.emb[gkey]["entity"]["table"]
+  clean = np.asarray(table)
+  M = task.max_nodes
+  ids = batch["ids"]["entity"][:, 0]
+  own = []
+  copies = []
+  for g, d in enumerate(mesh.devices.flat):
+    mine = ids[g * M : (g + 1) * M]
+    mine = mine[mine >= 0]
+    own.append(mine)
+    poisoned = np.full_like(clean, np.nan)
+    poisoned[mine] = clean[mine]
+    copies.append(jax.device_put(poisoned, d))
+  state.emb[gkey]["entity"]["table"] = jax.make_array_from_single_device_arrays(
+    clean.shape, table.sharding, copies
+  )
+  feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec)
+  prepared = inputs.prepare_one(plan, batch, [], train=True)
+  shardings = step_lib.state_sharding(plan, state)
+  fn = step_lib.jit_packed(
+    step_lib.make_train_step(task, plan, tx), plan, shardings, donate_state=False, out_state=True
+  )
+  new, m = fn(state, *feeder(prepared, step_lib.device_batch(batch)))
+  assert np.isfinite(float(m["loss"]))
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new.params))
+  # Each device's copy: its own rows updated and finite (others were NaN and stay so).
+  out = new.emb[gkey]["entity"]["table"]
+  for g, shard in enumerate(sorted(out.addressable_shards, key=lambda s: s.device.id)):
+    local = np.asarray(shard.data)[own[g]]
+    assert np.isfinite(local).all()
+  assert not np.array_equal(np.asarray(out.addressable_shards[0].data)[own[0]], clean[own[0]])
+
+
 def _tables(result, state) -> np.ndarray:
   """The entity table in `state` (whatever group of the plan holds it)."""
   for key, group in result.plan.groups.items():
@@ -419,6 +557,10 @@ def test_experiments_and_errors():
     lp.LinkPrediction(c)
   with pytest.raises(FileNotFoundError, match="train.txt"):
     kg_lib.load("/nonexistent/kg")
+  assert rgcn_fb15k237_partitioned.get_config("2,parallel").partition.parallel == -1
+  assert rgcn_fb15k237_partitioned.get_config("2").partition.parallel == 0
+  with pytest.raises(ValueError, match="available: P or P,parallel"):
+    rgcn_fb15k237_partitioned.get_config("2,paralel")
 
 
 def _train_tables(path, plan, workdir, **over):

@@ -32,6 +32,14 @@ Config (see experiments/kge_fb15k237.py, rgcn_fb15k237*.py):
   partition.candidates  1vsall on a partition: all (core + halo rows) | core
   partition.only        -1 = train every partition; p = train partition p alone (one worker
                         of a partition-parallel run; tests)
+  partition.parallel    0 = one partition per step (serial); G > 0 = G partitions per step,
+                        their batches stacked on a leading axis split over the devices of the
+                        mesh (G / devices per device; -1 = G = the mesh's device count), each
+                        padded to the largest partition (one compiled step). Partition p trains
+                        in slot p % G (round robin when there are more partitions than slots);
+                        the loss is the edge-weighted mean over the G batches, so the gradient
+                        of the dense params is their data-parallel average (an all-reduce) and
+                        the entity table's update gathers every device's (rows, grads)
   embeddings.dim / optimizer / initializer / plan: the entity table `entity`
 
 How entity rows reach the task: batch["ids"]["entity"] is int32[M, 1], the M entity rows a
@@ -44,6 +52,11 @@ f32[M, D]. Triples index those rows (`h`, `t`, `neg` are row indices, not entity
   encoder:              rows = the encoded graph's nodes: every entity, or a partition's core
                         + halo padded to the largest partition; replicated, like the graph
                         leaves src / dst / erel / enorm (int32 / f32[E_max]).
+Partition-parallel (partition.parallel = G): every leaf of a train batch has a leading axis of G
+partitions (ids: int32[G * max_nodes, 1], partition g's core + halo rows at [g * max_nodes, ...))
+and is split over the devices, so a device looks up only its own partitions' rows and runs
+the encoder on their subgraphs alone. Eval batches then carry every entity's row split over
+the devices (padded to a multiple of the device count; XLA gathers them for scoring).
 On a mesh (`batch_spec`): the per-query / per-edge leaves (h, rel, t, weight, cnt, per-edge
 neg; eval: anchor, rel, target, side, weight) are split over the devices, so their batch
 sizes must divide by the device count; rows, label / filter pairs, t_cnt and the graph are
@@ -202,6 +215,7 @@ class LinkPrediction(base.Task):
         self.partition_seconds = time.perf_counter() - t0
         self.max_nodes = max(len(p.nodes) for p in self.partitions)
         self.max_edges = max(len(p.edges) for p in self.partitions)
+    self.parallel = self._parallel_slots(config)
     if self.neg_kind == "type":
       self._type_index()
     self.grouped = (
@@ -216,6 +230,34 @@ class LinkPrediction(base.Task):
     # all entities or one (sub)graph, which every device needs whole (`ids` replicated). The
     # queries / edges themselves are batch-major in every mode (`batch_spec`).
     self.shard_batch = self.scoring == "sampled" and self.encoder is None
+    if self.parallel:
+      # Each device reads the rows of its own partitions only: ids are batch-major.
+      self.shard_batch = True
+
+  def _parallel_slots(self, config) -> int:
+    """partition.parallel -> G, the partitions trained per step (0 = serial)."""
+    g = int(config.partition.get("parallel", 0))
+    if not g:
+      return 0
+    if not self.num_parts:
+      raise ValueError("partition.parallel needs --config.partition.num_parts > 0")
+    if int(config.partition.get("only", -1)) >= 0:
+      raise ValueError("partition.parallel trains every partition: set partition.only=-1")
+    devices = sharding.mesh_from_config(config.get("mesh", {})).size
+    if g < 0:
+      g = devices
+    if g % devices:
+      raise ValueError(
+        f"partition.parallel={g} partitions per step do not split over the {devices} devices "
+        f"of the mesh; use a multiple of {devices} (or -1: one per device)"
+      )
+    if g > self.num_parts:
+      raise ValueError(
+        f"partition.parallel={g} slots but only {self.num_parts} partitions: set "
+        f"partition.num_parts >= {g} (or fewer devices: --config.mesh.data)"
+      )
+    self.devices = devices
+    return g
 
   # --------------------------------------------------------------------------- data
 
@@ -327,6 +369,12 @@ class LinkPrediction(base.Task):
         kg_partition.describe(self.partitions, self.kg.num_entities, len(self.graph["edges"]))
         + f"\n  partitioned in {self.partition_seconds:.1f} s ({self.config.partition.method})"
       )
+    if self.parallel:
+      lines.append(
+        f"  {self.parallel} partitions per step over {self.devices} device(s), each padded to "
+        f"{self.max_nodes:,} rows / {self.max_edges:,} edges; {self.steps_per_epoch()} steps "
+        "per epoch (the slot with the most batches)"
+      )
     return "\n".join(lines)
 
   # Leaves with one row per query / edge of the batch: split over the devices. The rest (label
@@ -335,8 +383,8 @@ class LinkPrediction(base.Task):
   BATCH_MAJOR = frozenset(("h", "rel", "t", "weight", "cnt", "neg", "anchor", "target", "side"))
 
   def batch_spec(self, batch: base.Batch):
-    if self.shard_batch:
-      return super().batch_spec(batch)
+    if self.shard_batch and not (self.parallel and "anchor" in batch):
+      return super().batch_spec(batch)  # partition-parallel train batches: all split
     shared_neg = "neg" in batch and np.ndim(batch["neg"]) == 1
     return {
       k: sharding.BATCH_SPEC
@@ -348,6 +396,8 @@ class LinkPrediction(base.Task):
   def steps_per_epoch(self) -> int:
     if self.grouped:
       return -(-len(self.q_anchor) // self.batch_size)
+    if self.parallel:
+      return max(len(s) for s in self._slot_batches())
     if self.partitions:
       return sum(
         -(-len(self.partitions[p].triples) // self.batch_size) for p in self._trained_partitions()
@@ -389,6 +439,9 @@ class LinkPrediction(base.Task):
     return batch
 
   def train_batches(self, start_step: int = 0) -> Iterator[base.Batch]:
+    if self.parallel:
+      yield from self._parallel_batches(start_step)
+      return
     if self.partitions:
       yield from self._partition_batches(start_step)
       return
@@ -443,11 +496,11 @@ class LinkPrediction(base.Task):
     perm = np.random.default_rng([self.seed, epoch, 2]).permutation(len(order))
     return [order[i] for i in perm]
 
-  def partition_batch(self, p: int, triples: np.ndarray, rng) -> base.Batch:
+  def partition_batch(self, p: int, triples: np.ndarray, rng, pad: str | None = None):
     """One training batch of partition p: its core + halo rows and its subgraph only."""
     part = self.partitions[p]
     batch = self._edge_batch(rng, triples, part.num_core)
-    pad = self.config.partition.get("pad", "none")
+    pad = pad or self.config.partition.get("pad", "none")
     _check("partition.pad", pad, ("none", "max"))
     rows = self.max_nodes if pad == "max" else len(part.nodes)
     nodes = np.full(rows, -1, np.int32)
@@ -479,6 +532,56 @@ class LinkPrediction(base.Task):
       tr = part.triples[perm[i * B : (i + 1) * B]]
       rng = np.random.default_rng([self.seed, epoch, within, 1])
       yield self.partition_batch(p, tr, rng)
+      step += 1
+
+  def _slot_batches(self) -> list[list[tuple[int, int]]]:
+    """Per slot g of a partition-parallel step: the (partition, batch index) pairs of its
+    partitions p (p % G == g), in partition order."""
+    G, B = self.parallel, self.batch_size
+    slots: list[list[tuple[int, int]]] = [[] for _ in range(G)]
+    for p, part in enumerate(self.partitions):
+      slots[p % G] += [(p, i) for i in range(-(-len(part.triples) // B))]
+    return slots
+
+  def parallel_schedule(self, epoch: int) -> list[list[tuple[int, int] | None]]:
+    """Per step of an epoch, per slot: (partition, batch index), or None where the slot has
+    run out of batches (a slot with fewer edges idles: an all-padding batch of weight 0).
+    Each slot's batches in a random order of its own."""
+    slots = self._slot_batches()
+    steps = max(len(s) for s in slots)
+    out = []
+    for g, sl in enumerate(slots):
+      perm = np.random.default_rng([self.seed, epoch, 2, g]).permutation(len(sl))
+      out.append([sl[i] for i in perm] + [None] * (steps - len(sl)))
+    return [list(x) for x in zip(*out)]
+
+  def parallel_batch(self, epoch: int, within: int) -> base.Batch:
+    """Step `within` of `epoch`: G partition batches (each padded to the largest partition)
+    stacked on a leading axis; ids concatenated: int32[G * max_nodes, 1]."""
+    B = self.batch_size
+    sched = self.parallel_schedule(epoch)[within]
+    batches = []
+    for g, item in enumerate(sched):
+      rng = np.random.default_rng([self.seed, epoch, within, 1, g])
+      if item is None:  # idle slot: its first partition, no edges
+        p = g
+        tr = self.partitions[p].triples[:0]
+      else:
+        p, i = item
+        part = self.partitions[p]
+        perm = np.random.default_rng([self.seed, epoch, p]).permutation(len(part.triples))
+        tr = part.triples[perm[i * B : (i + 1) * B]]
+      batches.append(self.partition_batch(p, tr, rng, pad="max"))
+    out = {k: np.stack([b[k] for b in batches]) for k in batches[0] if k != "ids"}
+    out["ids"] = {TABLE: np.concatenate([b["ids"][TABLE] for b in batches])}
+    return out
+
+  def _parallel_batches(self, start_step: int):
+    spe = self.steps_per_epoch()
+    step = start_step
+    while True:
+      epoch, within = divmod(step, spe)
+      yield self.parallel_batch(epoch, within)
       step += 1
 
   # --------------------------------------------------------------------------- eval data
@@ -516,6 +619,8 @@ class LinkPrediction(base.Task):
     cap = max(len(b["filt_q"]) for b in batches)
     cap = -(-cap // 4096) * 4096
     all_rows = np.arange(N, dtype=np.int32)[:, None]
+    if self.parallel:  # rows split over the devices: pad to a multiple of their count
+      all_rows = self._pad(all_rows, -(-N // self.devices) * self.devices, fill=-1)
     for b in batches:
       b["filt_q"] = self._pad(b["filt_q"], cap, fill=B)
       b["filt_e"] = self._pad(b["filt_e"], cap, fill=0)
@@ -554,7 +659,15 @@ class LinkPrediction(base.Task):
   def _rel(self, params, rel):
     return self.relations.apply({"params": params["relations"]}, rel)
 
+  @staticmethod
+  def _stacked(batch) -> bool:
+    """A partition-parallel train batch: every leaf has a leading axis of partitions."""
+    return "h" in batch and np.ndim(batch["h"]) == 2
+
   def init_params(self, key, batch, embeddings):
+    if self._stacked(batch):  # the params do not depend on the graph: init on slot 0
+      rows = embeddings[TABLE][: embeddings[TABLE].shape[0] // batch["h"].shape[0]]
+      return self.init_params(key, jax.tree.map(lambda x: x[0], batch), {TABLE: rows})
     k1, k2 = jax.random.split(key)
     rel = jnp.asarray(batch["rel"])
     params = {"relations": self.relations.init(k1, rel)["params"]}
@@ -573,6 +686,8 @@ class LinkPrediction(base.Task):
     return float(m.get("gamma", 0.0)), int(m.get("p", 1))
 
   def loss(self, params, batch, embeddings, key):
+    if self._stacked(batch):
+      return self._parallel_loss(params, batch, embeddings[TABLE], key)
     k_enc, k_drop = jax.random.split(key)
     rows = self._encode(params, batch, embeddings[TABLE], True, k_enc)
     if "cnt" in batch:
@@ -616,6 +731,26 @@ class LinkPrediction(base.Task):
       aux["reg"] = reg
     return loss, aux
 
+  def _parallel_loss(self, params, batch, rows, key):
+    """G partition batches at once: the loss of each (vmapped over the leading axis, which
+    the mesh splits over its devices, so each device encodes and scores its own partitions),
+    combined as the edge-weighted mean over all G batches: sum_g (W_g / W) loss_g with W_g
+    its edges (a task loss divides by max(W_g, 1), undone here), which is the loss of the G
+    batches' edges taken together. Partition g's dropout key: fold_in(key, g)."""
+    G = batch["h"].shape[0]
+    rows = rows.reshape(G, rows.shape[0] // G, rows.shape[1])
+    keys = jax.vmap(lambda g: jax.random.fold_in(key, g))(jnp.arange(G))
+
+    def one(b, r, k):
+      loss, aux = self.loss(params, b, {TABLE: r}, k)
+      w = jnp.sum(b["weight"])
+      c = jnp.maximum(w, 1.0)
+      return loss * c, jax.tree.map(lambda a: a * c, aux), w
+
+    loss, aux, w = jax.vmap(one)(batch, rows, keys)
+    total = jnp.maximum(jnp.sum(w), 1.0)
+    return jnp.sum(loss) / total, jax.tree.map(lambda a: jnp.sum(a) / total, aux)
+
   def _dropout(self, x, key):
     rate = float(self.config.model.get("dropout", 0.0))
     if rate <= 0:
@@ -654,7 +789,8 @@ class LinkPrediction(base.Task):
     return loss, aux
 
   def predict(self, params, batch, embeddings):
-    rows = self._encode(params, batch, embeddings[TABLE], False)
+    # Partition-parallel runs pad the rows to a multiple of the devices: not candidates.
+    rows = self._encode(params, batch, embeddings[TABLE], False)[: self.kg.num_entities]
     q = jnp.take(rows, batch["anchor"], axis=0)
     gamma, p = self._gamma_p()
     if self.kg.reciprocal:
