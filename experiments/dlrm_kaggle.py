@@ -67,6 +67,10 @@ def get_config(arg=None):
   c.train.final_eval_splits = ("valid", "test")
   c.train.checkpoint_every = 1000
   c.train.keep_checkpoints = 2
+  # Many processes: "auto" = each reads only its slice of every batch when every embedding
+  # group's prepare is per example (dense, sharded), else the whole batch; "local" refuses
+  # a plan that cannot; "global" always reads the whole batch.
+  c.train.process_input = "auto"
 
   # (data, model) device mesh; data=0: every device not on model. The batch is split over
   # all devices; model-parallel tables (dense(shard=rows)) are split over `model`.

@@ -31,7 +31,7 @@ def _launch(workdir, cache_dir, port, extra=()):
     cmd = [
       sys.executable, "run.py", "--experiment=smoke", f"--workdir={workdir}",
       f"--config.data.cache_dir={cache_dir}", "--config.data.synthetic.rows=20000",
-      "--config.mesh.data=8", f"--coordinator_address=127.0.0.1:{port}",
+      f"--coordinator_address=127.0.0.1:{port}",
       "--num_processes=2", f"--process_id={pid}", *extra,
     ]  # fmt: skip
     procs.append(
@@ -41,6 +41,10 @@ def _launch(workdir, cache_dir, port, extra=()):
   return procs
 
 
+# Three tables model-parallel over MODEL, the rest replicated dense with row-wise Adagrad.
+PLAN = (("C(1|2|3)$", "sharded"), (".*", "dense"))
+
+
 def _config(cache_dir, steps):
   from experiments import smoke
 
@@ -48,19 +52,26 @@ def _config(cache_dir, steps):
   c.data.cache_dir = cache_dir
   c.data.synthetic.rows = 20_000
   c.train.steps = steps
-  c.mesh = {"data": 8, "model": 1}
+  c.mesh = {"data": 2, "model": 4}
+  c.embeddings.plan = PLAN
   return c
 
 
 def test_two_processes_match_one_process_with_8_devices(tmp_path):
   cache = str(tmp_path / "cache")
   steps = 12
-  extra = [f"--config.train.steps={steps}", "--config.train.checkpoint_every=0"]
+  extra = [f"--config.train.steps={steps}", "--config.train.checkpoint_every=0",
+           "--config.mesh.data=2", "--config.mesh.model=4", f"--config.embeddings.plan={PLAN}",
+           "--config.train.process_input=local"]  # fmt: skip
   procs = _launch(str(tmp_path / "mp"), cache, _free_port(), extra)
   outs = [p.communicate(timeout=600)[0] for p in procs]
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
   assert "test/auc" in outs[0] and "process 0 of 2" in outs[0]
+  # Each process read and prepared only its half of every batch (sharded, and dense with
+  # row-wise Adagrad: its dedup ran on device), on a 2x4 mesh spanning both processes, and
+  # still equals one process reading everything. (Only process 0 logs.)
+  assert "only its 1/2 of every batch (this one: slice 0" in outs[0], outs[0][-3000:]
   assert not os.path.exists(tmp_path / "mp" / "results.json.1")
   # The same run in this process, on its 8 devices.
   ref = loop.train(_config(cache, steps), str(tmp_path / "one"))
@@ -77,7 +88,7 @@ def test_two_processes_match_one_process_with_8_devices(tmp_path):
 
 
 def test_killing_one_process_ends_the_other_with_a_clear_error(tmp_path):
-  extra = ["--config.train.steps=100000", "--config.train.log_every=2",
+  extra = ["--config.mesh.data=8", "--config.train.steps=100000", "--config.train.log_every=2",
            "--config.train.eval_every=0", "--config.train.checkpoint_every=0"]  # fmt: skip
   procs = _launch(str(tmp_path / "mp"), str(tmp_path / "cache"), _free_port(), extra)
   deadline = time.time() + 300
@@ -94,3 +105,76 @@ def test_killing_one_process_ends_the_other_with_a_clear_error(tmp_path):
   assert procs[0].returncode != 0
   assert time.time() - t0 < 180
   assert "another task died" in out or "unhealthy" in out or "Gloo" in out, out[-3000:]
+
+
+def test_device_blocks_decide_each_process_slice():
+  from recgnn.train import inputs
+
+  # 2 processes x 4 devices in mesh order: process 1 holds examples [B/2, B).
+  owners = [0, 0, 0, 0, 1, 1, 1, 1]
+  assert inputs.device_block(owners, 0, 2) == 0
+  assert inputs.device_block(owners, 1, 2) == 1
+  # Interleaved devices: a process's examples are not one slice of the batch.
+  assert inputs.device_block([0, 1] * 4, 0, 2) is None
+  assert inputs.device_block([0, 0, 0, 1, 1, 1, 1, 1], 0, 2) is None
+
+
+def test_process_local_input_is_refused_with_the_groups_that_plan_over_the_batch(monkeypatch):
+  from recgnn import sharding
+  from recgnn.embeddings import OptimizerSpec, TableSpec, base
+  from recgnn.train import inputs
+
+  opt = OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1)
+  specs = [TableSpec(name=n, num_rows=1000, dim=8, optimizer=opt) for n in ("a", "b", "c")]
+  mesh = sharding.make_mesh(data=8)
+
+  class Task:
+    reads_process_slice, shard_batch = True, True
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  rules = [("a", "tt(rank=4)"), ("b", "offload(cache_rows=256)"), (".*", "dense")]
+  plan = base.resolve_plan(rules, specs, mesh, log=False)
+  shard, why = inputs.process_slice(Task(), plan, "auto")
+  assert shard is None and "whole batch" in why
+  with pytest.raises(ValueError, match="process_input=local") as e:
+    inputs.process_slice(Task(), plan, "local")
+  assert "'tt" in str(e.value) and "'offload" in str(e.value) and "dense" not in str(e.value)
+  with pytest.raises(ValueError, match="valid: auto, local, global"):
+    inputs.process_slice(Task(), plan, "mine")
+  # dense and sharded prepare per example: only the (single-process) device order refuses.
+  plan = base.resolve_plan([("a", "sharded"), (".*", "dense")], specs, mesh, log=False)
+  with pytest.raises(ValueError) as e:
+    inputs.process_slice(Task(), plan, "local")
+  assert "embedding group" not in str(e.value) and "contiguous block" in str(e.value)
+
+
+@pytest.mark.parametrize("shard", ["none", "rows"])
+def test_device_dedup_updates_rows_as_the_host_dedup_does(shard):
+  """Process-local input moves dense's Adagrad dedup from the host to the device: the
+  same tables bit for bit (on 1x1 and, row-sharded, on 2x4)."""
+  from recgnn import sharding
+  from recgnn.embeddings import OptimizerSpec, TableSpec, base
+
+  opt = OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1)
+  spec = TableSpec(name="t", num_rows=300, dim=8, optimizer=opt, pooling="mean")
+  mesh = sharding.make_mesh(data=2, model=4) if shard == "rows" else sharding.make_mesh(
+    data=1, devices=jax.devices()[:1])  # fmt: skip
+  rng = np.random.default_rng(0)
+  tables = []
+  for local in (False, True):
+    plan = base.resolve_plan([(".*", f"dense(shard={shard})")], [spec], mesh, log=False)
+    (group,) = plan.groups.values()
+    if local:
+      group.process_local = True
+      for m in group.members.values():
+        m.process_local = True
+    state = group.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+      ids = rng.integers(-1, 40, size=(16, 3))  # many duplicates, some padding
+      prepared = group.prepare({"t": ids})
+      assert ("unique" in prepared["t"]["rows"]) != local
+      grads = {"t": rng.normal(size=(16, 8)).astype(np.float32)}
+      state = jax.jit(group.update)(state, prepared, grads)
+    tables.append(group.tables(state)["t"])
+  np.testing.assert_array_equal(tables[0], tables[1])

@@ -914,12 +914,19 @@ class CriteoDataset:
     *,
     shuffle_seed: int | None = None,
     drop_remainder: bool = True,
+    shard: tuple[int, int] = (0, 1),
   ) -> Batch:
-    """Batch `step` of `split` (see `batch_rows` and `gather`); always `batch_size` rows."""
+    """Batch `step` of `split` (see `batch_rows` and `gather`); always `batch_size` rows.
+    With `shard=(index, count)`: only process `index`'s contiguous 1 / count of them
+    (batch_size / count rows; the other processes' rows are never read)."""
     rows = self.batch_rows(
       split, step, batch_size, shuffle_seed=shuffle_seed, drop_remainder=drop_remainder
     )
-    return self.gather(rows, batch_size)
+    index, count = shard
+    if batch_size % count:
+      raise ValueError(f"batch_size {batch_size} does not split over {count} processes")
+    per = batch_size // count
+    return self.gather(rows[index * per : (index + 1) * per], per)
 
   def batches(
     self,
@@ -930,8 +937,9 @@ class CriteoDataset:
     shuffle_seed: int | None = None,
     drop_remainder: bool = True,
     num_epochs: int | None = 1,
+    shard: tuple[int, int] = (0, 1),
   ) -> Iterator[Batch]:
-    """Batches `start_step`, `start_step + 1`, ... of `split`.
+    """Batches `start_step`, `start_step + 1`, ... of `split` (`shard`: see `batch`).
 
     Training: `shuffle_seed=seed, num_epochs=None` (endless, a fresh permutation per pass).
     Eval: `drop_remainder=False` (the last batch padded to `batch_size`, weight 0).
@@ -944,8 +952,9 @@ class CriteoDataset:
     step = start_step
     while total is None or step < total:
       yield self.batch(
-        split, step, batch_size, shuffle_seed=shuffle_seed, drop_remainder=drop_remainder
-      )
+        split, step, batch_size, shuffle_seed=shuffle_seed, drop_remainder=drop_remainder,
+        shard=shard,
+      )  # fmt: skip
       step += 1
 
 

@@ -253,6 +253,15 @@ def dedup(ids: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
   return unique, inverse.reshape(ids.shape).astype(np.int32)
 
 
+def device_dedup(ids: jax.Array, filler: int) -> tuple[jax.Array, jax.Array]:
+  """`dedup` on device, inside jit: ids int32[...] with padding already >= the rows ->
+  (unique int32[ids.size]: the sorted distinct ids then `filler`, inverse int32[ids.shape]).
+  The same arrays as the host's `dedup` up to the filler, so the same update bit for bit."""
+  flat = ids.reshape(-1)
+  unique, inverse = jnp.unique(flat, size=flat.shape[0], fill_value=filler, return_inverse=True)
+  return unique, inverse.reshape(ids.shape)
+
+
 def segment_rows(grads: jax.Array, inverse: jax.Array, num_unique: int) -> jax.Array:
   """Sum grads float32[B, L, D] per distinct row: -> float32[num_unique, D]."""
   d = grads.shape[-1]
@@ -411,6 +420,23 @@ class Backend(abc.ABC):
     del state
     return {}
 
+  # With many processes, each process may read and prepare only its own slice of every batch
+  # (the examples of its devices). That needs a `prepare` that works example by example:
+  # every prepared leaf batch-major, nothing planned over the whole batch.
+
+  def process_local_refusal(self) -> str | None:
+    """None if `prepare` can run on one process's slice of each batch, else why not."""
+    return f"{self.name}'s prepare plans over the whole batch"
+
+  def set_process_local(self) -> None:
+    """Switch `prepare` to per-process slices (only if `process_local_refusal()` is None)."""
+    if (why := self.process_local_refusal()) is not None:
+      raise ValueError(f"backend {self.text!r} cannot read process-local batches: {why}")
+    self.process_local = True
+
+  #: Set by `set_process_local`: prepare sees only this process's slice of each batch.
+  process_local: bool = False
+
 
 class TableBackend(abc.ABC):
   """One table of a `TableGroup`: the per-table half of the contract (v1, unpooled).
@@ -469,9 +495,21 @@ class TableBackend(abc.ABC):
     ids = np.asarray(ids)
     pad = self.pad_id
     out = {"ids": np.where(ids < 0, pad, ids).astype(np.int32)}
-    if self.spec.optimizer.needs_unique:
+    # A process-local slice is not the batch: the update dedups the gathered ids on device.
+    if self.spec.optimizer.needs_unique and not self.process_local:
       out["unique"], out["inverse"] = dedup(ids, pad)
     return out
+
+  #: See `Backend.process_local_refusal`. The default `prepare` above is per example once
+  #: the dedup moves to the device; backends with plans (caches, prefix trees) refuse.
+  process_local: bool = False
+
+  def process_local_refusal(self) -> str | None:
+    if type(self).prepare is not TableBackend.prepare:
+      # A backend with its own prepare plans over the batch (a cache, prefix trees) unless
+      # it says otherwise by overriding this method.
+      return "its prepare plans over the whole batch (cache / prefix plans)"
+    return None
 
   @property
   def pad_id(self) -> int:
@@ -631,6 +669,17 @@ class TableGroup(Backend):
   def restore(self, state):
     return {n: m.restore(state[n]) for n, m in self.members.items()}
 
+  def process_local_refusal(self):
+    for n, m in self.members.items():
+      if (why := m.process_local_refusal()) is not None:
+        return f"table {n!r} ({m.describe()}): {why}"
+    return None
+
+  def set_process_local(self):
+    super().set_process_local()
+    for m in self.members.values():
+      m.process_local = True
+
   def logical_format(self, table):
     return self.members[table].logical_format
 
@@ -663,7 +712,8 @@ def sparse_sgd_or_adagrad(
     table: float32[R, D] (a full table or a cache; R rows).
     slots: per-row optimizer state, float32[R] each.
     prepared: {"ids": int32[B, L] in [0, R], R = padding} and, when the optimizer needs it,
-      {"unique": int32[B*L], "inverse": int32[B, L]} (see `dedup`).
+      {"unique": int32[B*L], "inverse": int32[B, L]} (see `dedup`; without them, with
+      process-local input, the ids are deduped here on device).
     grads: float32[B, L, D].
   Returns:
     the new (table, slots), touching only the batch's rows.
@@ -674,8 +724,11 @@ def sparse_sgd_or_adagrad(
     ids = prepared["ids"].reshape(-1)
     g = grads.reshape(-1, grads.shape[-1])
     return table.at[ids].add(-opt.learning_rate * g, mode="drop"), slots
-  unique = prepared["unique"]
-  g = segment_rows(grads, prepared["inverse"], unique.shape[0])
+  if "unique" in prepared:
+    unique, inverse = prepared["unique"], prepared["inverse"]
+  else:  # process-local input: the batch's ids were gathered on device (`update_pooled`)
+    unique, inverse = device_dedup(prepared["ids"], table.shape[0])
+  g = segment_rows(grads, inverse, unique.shape[0])
   rows = table.at[unique].get(mode="fill", fill_value=0.0)
   old = {k: v.at[unique].get(mode="fill", fill_value=0.0) for k, v in slots.items()}
   rows, new = opt.apply(rows, old, g)

@@ -444,14 +444,17 @@ class Sharded(base.Backend):
       if x.size and (x.max() >= s.num_rows or x.min() < base.PAD):
         raise ValueError(f"sharded: table {n!r} got ids outside [-1, {s.num_rows})")
       out["ids"][n] = x.astype(np.int32)
-      if train:
-        self._batch = x.shape[0]
+      if train:  # the global batch (a process-local slice is 1 / processes of it)
+        self._batch = x.shape[0] * (jax.process_count() if self.process_local else 1)
       if s.pooling == "mean":
         out["count"][n] = np.sum(x >= 0, axis=1).astype(np.int32)
     return out
 
   def prepared_spec(self, prepared):
     return jax.tree.map(lambda _: sharding.BATCH_SPEC, prepared)
+
+  def process_local_refusal(self):
+    return None  # prepare is per example: ids checked and cast, bag counts
 
   # ------------------------------------------------------------------------- device side
 
@@ -766,11 +769,8 @@ class Sharded(base.Backend):
       )
       out = {"rows": table, **slots}
     else:
-      flat = loc.reshape(-1)
-      unique, inverse = jnp.unique(
-        flat, size=flat.shape[0], fill_value=num_rows, return_inverse=True
-      )
-      g = base.segment_rows(grads, inverse.reshape(loc.shape), unique.shape[0])
+      unique, inverse = base.device_dedup(loc, num_rows)
+      g = base.segment_rows(grads, inverse, unique.shape[0])
       rows = state["rows"].at[unique].get(mode="fill", fill_value=0.0)
       acc = slots["accum"].at[unique].get(mode="fill", fill_value=0.0)
       if columns:

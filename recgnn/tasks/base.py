@@ -92,6 +92,13 @@ class Task(abc.ABC):
     spec = sharding.BATCH_SPEC if self.shard_batch else sharding.REPLICATED
     return jax.tree.map(lambda _: spec, batch)
 
+  #: Whether `train_batches` / `eval_batches` honour `process_shard`: with many processes,
+  #: each then reads only its own contiguous slice of every batch (B / processes examples,
+  #: the examples of its devices) instead of the whole batch.
+  reads_process_slice: bool = False
+  #: (index, count) set by the trainer before any batch is read when it uses that.
+  process_shard: tuple[int, int] = (0, 1)
+
   def artifacts(self) -> dict[str, np.ndarray]:
     """Arrays a run's results depend on beyond the config (e.g. the node permutation of a
     relabelled graph): the trainer saves them beside the checkpoints (artifacts.npz) and

@@ -103,6 +103,8 @@ def _tfds_dataset_type():
 class CTR(Task):
   """DLRM on Criteo: 13 dense features, 26 one-hot categorical tables, a binary label."""
 
+  reads_process_slice = True  # memmap and TFDS sources read only a process's rows
+
   def __init__(self, config):
     super().__init__(config)
     self.data, self.oracle = open_dataset(config.data)
@@ -160,6 +162,7 @@ class CTR(Task):
       start_step=start_step,
       shuffle_seed=self.config.seed if t.shuffle else None,
       num_epochs=None,
+      shard=self.process_shard,
       **extra,
     )
 
@@ -179,7 +182,9 @@ class CTR(Task):
     return self.data.num_batches("train", self.config.train.batch_size)
 
   def eval_batches(self, split):
-    return self.data.batches(split, self.config.train.eval_batch_size, drop_remainder=False)
+    return self.data.batches(
+      split, self.config.train.eval_batch_size, drop_remainder=False, shard=self.process_shard
+    )
 
   def describe(self):
     lines = [self.data.describe()]

@@ -164,10 +164,76 @@ def unpack(buffers, layout, mesh) -> PyTree:
   return jax.tree.unflatten(treedef, local(*buffers))
 
 
-def put(buffers: list[np.ndarray], mesh) -> list[jax.Array]:
+def put(buffers: list[np.ndarray], mesh, local: bool = False) -> list[jax.Array]:
   """The one host -> device transfer of a batch: row i of each buffer to device i. With
-  many processes, each transfers only the rows of its own devices."""
+  many processes, each transfers only the rows of its own devices; `local`: the buffers
+  hold only those rows ([local devices, n], from a process-local slice of the batch)."""
   sh = sharding.named(mesh, sharding.BATCH_SPEC)
+  if local:
+    return [
+      jax.make_array_from_process_local_data(sh, b, (mesh.size,) + b.shape[1:]) for b in buffers
+    ]
   if jax.process_count() == 1:
     return jax.device_put(buffers, sh)
   return [jax.make_array_from_callback(b.shape, sh, lambda idx, b=b: b[idx]) for b in buffers]
+
+
+# ----------------------------------------------------------------------------- processes
+
+INPUT_MODES = ("auto", "local", "global")
+
+
+def device_block(owners: list[int], process: int, count: int) -> int | None:
+  """owners: the process of each device of the mesh, in the order the batch is split over
+  them. -> b if `process`'s devices are exactly the b-th of `count` equal contiguous blocks
+  (then its examples are the b-th contiguous slice of every batch), else None."""
+  if len(owners) % count:
+    return None
+  per = len(owners) // count
+  mine = [i for i, o in enumerate(owners) if o == process]
+  if len(mine) != per or mine[0] % per or mine != list(range(mine[0], mine[0] + per)):
+    return None
+  return mine[0] // per
+
+
+def process_slice(task, plan: base.Plan, setting: str = "auto") -> tuple[tuple | None, str]:
+  """Whether each process reads and prepares only its own slice of every batch.
+
+  -> ((index, count) for `Task.process_shard`, or None: every process reads the whole
+  batch and transfers its own devices' rows), and a line saying which and why. With
+  `setting="auto"` the slice is used when the task, every embedding group and the mesh's
+  device order allow it; "local" refuses (ValueError, the reasons) when they do not;
+  "global" never uses it. Groups are switched to process-local `prepare` here.
+  """
+  if setting not in INPUT_MODES:
+    raise ValueError(f"train.process_input={setting!r}; valid: {', '.join(INPUT_MODES)}")
+  count = jax.process_count()
+  if count == 1:
+    return None, "one process: it reads every batch"
+  if setting == "global":
+    return None, "every process reads the whole batch (train.process_input=global)"
+  why = []
+  if not task.reads_process_slice:
+    why.append(f"{type(task).__name__} reads whole batches")
+  if not task.shard_batch:
+    why.append("the task's batches are replicated over the devices, not split")
+  for key, group in plan.groups.items():
+    if (refusal := group.process_local_refusal()) is not None:
+      why.append(f"embedding group {key!r}: {refusal}")
+  owners = [d.process_index for d in plan.mesh.devices.flat]
+  index = device_block(owners, jax.process_index(), count)
+  if index is None:
+    why.append("this process's devices are not one contiguous block of the mesh")
+  if why:
+    if setting == "local":
+      raise ValueError(
+        "train.process_input=local, but processes cannot read only their slice of each "
+        f"batch: {'; '.join(why)}. Use train.process_input=auto (or global)."
+      )
+    return None, "every process reads the whole batch: " + "; ".join(why)
+  for group in plan.groups.values():
+    group.set_process_local()
+  return (index, count), (
+    f"each process reads and prepares only its 1/{count} of every batch (this one: slice "
+    f"{index}, {len(owners) // count} devices)"
+  )

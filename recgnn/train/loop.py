@@ -121,8 +121,11 @@ class InputThread:
   """Runs every group's `prepare` (inputs.prepare_stream) and the packed, per-device
   device_put ahead of the step on a background thread."""
 
-  def __init__(self, stream: Iterator, plan: base.Plan, feeder, depth: int, task: Task):
+  def __init__(
+    self, stream: Iterator, plan: base.Plan, feeder, depth: int, task: Task, scale: int = 1
+  ):
     self._plan = plan
+    self._scale = scale
     self._feeder = feeder
     self._task = task
     self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -144,7 +147,7 @@ class InputThread:
         if it.batch is not None:
           device = self._feeder(it.prepared, it.batch, f"{it.kind} batch")
         self.busy_seconds += time.perf_counter() - t0
-        size = self._task.num_examples(it.batch) if it.batch is not None else 0
+        size = self._task.num_examples(it.batch) * self._scale if it.batch is not None else 0
         self._put(Item(it.kind, it.split, size, device))
       self._put(None)
     except BaseException as e:  # forwarded to the main thread, which re-raises
@@ -291,7 +294,14 @@ def train(
   if device_memory_budget is None and config.get("device_memory_budget"):
     device_memory_budget = parse_bytes(config.device_memory_budget)
   base.check_memory(plan, device_memory_budget)
-  feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec)
+  # With many processes: each reads only its slice of every batch when the task and every
+  # group allow it (set before the first batch is read).
+  shard, how_input = inputs.process_slice(task, plan, tcfg.get("process_input", "auto"))
+  if jax.process_count() > 1:
+    log(f"Input: {how_input}")
+  if shard is not None:
+    task.process_shard = shard
+  feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec, local=shard is not None)
   total_steps, how = training_length(tcfg, task)
   log(f"Mesh {sharding.describe(mesh)}; training {how}")
 
@@ -302,7 +312,8 @@ def train(
   # (train batches are checked as they are packed, on the input thread).
   ids, rest = {k: v for k, v in example.items() if k == "ids"}, step_lib.device_batch(example)
   specs = (inputs.batch_spec(ids, task.shard_batch), task.batch_spec(rest))
-  inputs.check_split((ids, rest), specs, mesh, "eval batch")
+  if shard is None:  # (a process-local batch is checked by the feeder)
+    inputs.check_split((ids, rest), specs, mesh, "eval batch")
   state = step_lib.init_state(task, plan, tx, key, example)
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   log(f"Dense params: {n_params:,}")
@@ -343,7 +354,9 @@ def train(
     tcfg.get("eval_split", "valid"),
     final_splits if end == total else (),
   )
-  feed = InputThread(stream, plan, feeder, depth=base.PREFETCH, task=task)
+  # samples/s counts global examples: a process-local batch is 1 / processes of one.
+  scale = 1 if shard is None else shard[1]
+  feed = InputThread(stream, plan, feeder, depth=base.PREFETCH, task=task, scale=scale)
   main = distributed.is_main()  # only process 0 writes metrics, TensorBoard, results
   writer = _summary_writer(workdir) if main else None
   metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a") if main else None  # noqa: SIM115

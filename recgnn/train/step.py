@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from recgnn import sharding
 from recgnn.embeddings import base, microbatch
@@ -229,10 +230,12 @@ def jit_packed(step_fn, plan: base.Plan, state_shardings, donate_state: bool, ou
 class Feeder:
   """Packs (prepared, batch) for the step: the specs of every leaf, checked and cached."""
 
-  def __init__(self, plan: base.Plan, shard_batch: bool, batch_spec=None):
+  def __init__(self, plan: base.Plan, shard_batch: bool, batch_spec=None, local: bool = False):
     """shard_batch: whether the embedding ids are batch-major; batch_spec(batch): the
-    PartitionSpec of every other batch leaf (`Task.batch_spec`), else all by shard_batch."""
+    PartitionSpec of every other batch leaf (`Task.batch_spec`), else all by shard_batch.
+    local: batches are this process's slice (`inputs.process_slice`), for its devices only."""
     self.plan, self.shard_batch, self.batch_spec = plan, shard_batch, batch_spec
+    self.local = local
     for g in plan.groups.values():
       g.shard_batch = shard_batch
 
@@ -246,9 +249,25 @@ class Feeder:
     """-> (device buffers, layout): one transfer, split over the mesh."""
     batch = device_batch(batch)
     specs = self.specs(prepared, batch)
-    inputs.check_split((prepared, batch), specs, self.plan.mesh, what)
-    buffers, layout = inputs.pack((prepared, batch), specs, self.plan.mesh.size)
-    return inputs.put(buffers, self.plan.mesh), layout
+    mesh = self.plan.mesh
+    if not self.local:
+      inputs.check_split((prepared, batch), specs, mesh, what)
+      buffers, layout = inputs.pack((prepared, batch), specs, mesh.size)
+      return inputs.put(buffers, mesh), layout
+    # A process-local slice: a leaf every device needs whole would differ between
+    # processes, so every leaf must be batch-major (the groups promised it).
+    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
+    whole = [jax.tree_util.keystr(k) for k, s in flat if s != sharding.BATCH_SPEC]
+    if whole:
+      raise ValueError(
+        f"process-local {what}: leaves {whole[:6]} are not batch-major; they would differ "
+        "between processes. Use train.process_input=global."
+      )
+    local_devices = mesh.size // jax.process_count()
+    for x in jax.tree.leaves((prepared, batch)):
+      sharding.check_batch(np.shape(x)[0] * jax.process_count(), mesh, what)
+    buffers, layout = inputs.pack((prepared, batch), specs, local_devices)
+    return inputs.put(buffers, mesh, local=True), layout
 
 
 def init_state(
