@@ -124,6 +124,13 @@ def test_planner_balances_and_refuses_impossible_plans():
     base.make_group("sharded(kind=diagonal)", mixed, mesh)
   with pytest.raises(ValueError, match="Unknown codec 'zip'"):
     base.make_group("sharded(codec=zip)", odd, mesh)
+  # Options of the adaptive bound where nothing adapts: refused, not ignored.
+  one = [base.TableSpec(name="a", num_rows=10, dim=8)]
+  for text in ("sharded(codec=eb, eb=1e-3, headroom=0.5)", "sharded(bound=ema)",
+               "sharded(codec=eb, fwd_eb=1e-3, bwd_codec=none, bound=ema)"):  # fmt: skip
+    with pytest.raises(ValueError, match="no direction adapts"):
+      base.make_group(text, one, mesh)
+  base.make_group("sharded(codec=eb, fwd_eb=1e-3, headroom=0.5)", one, mesh)  # bwd adapts
 
 
 def test_memory_per_device_and_budget():

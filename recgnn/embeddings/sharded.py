@@ -132,10 +132,10 @@ class Sharded(base.Backend):
     fwd_codec: str | None = None,
     bwd_codec: str | None = None,
     eb: float = 0.0,
-    bound: str = "current",
+    bound: str | None = None,
     fwd_eb: float | None = None,
     bwd_eb: float | None = None,
-    headroom: float = 0.25,
+    headroom: float | None = None,
     profile: str | None = None,
   ):
     super().__init__(specs, mesh, text)
@@ -190,13 +190,26 @@ class Sharded(base.Backend):
     }
     fixed = {"fwd": eb if fwd_eb is None else fwd_eb, "bwd": eb if bwd_eb is None else bwd_eb}
     self.rules = {
-      d: codecs.BoundRule(fixed=float(fixed[d]), headroom=float(headroom), mode=bound)
+      d: codecs.BoundRule(
+        fixed=float(fixed[d]),
+        headroom=0.25 if headroom is None else float(headroom),
+        mode=bound or "current",
+      )
       for d in fixed
     }
     self.codecs = {d: codecs.Codec(c, self._segment_dims()) for d, c in self.codec_names.items()}
     if any(fixed[d] and not self.codecs[d].needs_bound for d in fixed):
       raise ValueError(
         f"sharded: eb={eb} is an error bound for codec=eb; the codecs are {self.codec_names}"
+      )
+    # bound= and headroom= steer the adaptive rule: refuse them where nothing adapts.
+    adaptive = [d for d in fixed if self.codecs[d].needs_bound and not fixed[d]]
+    given = [f"{k}={v}" for k, v in (("bound", bound), ("headroom", headroom)) if v is not None]
+    if given and not adaptive:
+      raise ValueError(
+        f"sharded: {', '.join(given)} tune the adaptive eb bound, but no direction adapts "
+        f"(codecs {self.codec_names}, fixed bounds fwd {fixed['fwd']:g} / bwd "
+        f"{fixed['bwd']:g}); drop them, or give codec=eb without eb= for adaptive bounds"
       )
     self._jitted = {}
     self._batch = 0  # the last prepared batch's size (for `stats`)
