@@ -8,13 +8,12 @@ import signal
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
-from experiments import smoke
 from recgnn.train import checkpoint, loop
 from tests import xla_cache
+from tests.trainer_lib import smoke_config, state_leaves
 from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,20 +21,10 @@ KILL_STEP = 8  # the save that is interrupted; checkpoint 4 is the last complete
 
 
 def _config(cache_dir):
-  c = smoke.get_config()
-  c.data.cache_dir = cache_dir
-  c.data.synthetic.rows = 20_000
-  c.train.steps = 12
-  c.train.log_every = 4
-  c.train.eval_every = 0
-  c.train.checkpoint_every = 4
-  c.train.final_eval_splits = ("test",)
-  return c
+  return smoke_config(cache_dir, checkpoint_every=4)
 
 
-def _leaves(state):
-  state = state.replace(key=jax.random.key_data(state.key))
-  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
+_leaves = state_leaves
 
 
 def _assert_same(a, b):

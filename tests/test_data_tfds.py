@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
@@ -15,9 +14,9 @@ import pytest
 pytest.importorskip("tensorflow_datasets")
 pytest.importorskip("grain")
 
-from experiments import smoke  # noqa: E402
 from recgnn.data import criteo, criteo_synthetic, kg, ogb, pipeline, planetoid, tfds_builders  # noqa: E402, I001
 from recgnn.train import loop  # noqa: E402
+from tests.trainer_lib import smoke_config, state_leaves  # noqa: E402
 from tests.xla_cache import compilation_cache  # noqa: E402, F401 (an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,21 +122,10 @@ def test_process_shards_partition_the_global_batch(both):
 
 
 def _smoke(cache_dir, **data):
-  c = smoke.get_config()
-  c.data.cache_dir = cache_dir
-  c.train.steps = 12
-  c.train.log_every = 4
-  c.train.eval_every = 0
-  c.train.checkpoint_every = 5
-  c.train.final_eval_splits = ("test",)
-  for k, v in data.items():
-    c.data[k] = v
-  return c
+  return smoke_config(cache_dir, rows=None, data=data, checkpoint_every=5)
 
 
-def _leaves(state):
-  state = state.replace(key=jax.random.key_data(state.key))
-  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
+_leaves = state_leaves
 
 
 def test_trainer_tfds_equals_memmap_and_resumes_from_grain_state(manual, tmp_path):

@@ -46,15 +46,9 @@ PLAN = (("C(1|2|3)$", "sharded"), (".*", "dense"))
 
 
 def _config(cache_dir, steps):
-  from experiments import smoke
+  from tests.trainer_lib import smoke_config
 
-  c = smoke.get_config()
-  c.data.cache_dir = cache_dir
-  c.data.synthetic.rows = 20_000
-  c.train.steps = steps
-  c.mesh = {"data": 2, "model": 4}
-  c.embeddings.plan = PLAN
-  return c
+  return smoke_config(cache_dir, steps=steps, mesh=(2, 4), plan=PLAN)
 
 
 def test_two_processes_match_one_process_with_8_devices(tmp_path):

@@ -268,19 +268,9 @@ def cache_dir(tmp_path_factory):
 
 
 def _trainer_config(cache_dir, mesh, plan):
-  from experiments import smoke
+  from tests.trainer_lib import smoke_config
 
-  c = smoke.get_config()
-  c.data.cache_dir = cache_dir
-  c.data.synthetic.rows = 20_000
-  c.train.steps = 12
-  c.train.log_every = 4
-  c.train.eval_every = 0
-  c.train.checkpoint_every = 0
-  c.train.final_eval_splits = ("test",)
-  c.mesh = {"data": mesh[0], "model": mesh[1]}
-  c.embeddings.plan = plan
-  return c
+  return smoke_config(cache_dir, mesh=mesh, plan=plan)
 
 
 def test_trainer_micro_batches_and_resume_on_another_mesh(cache_dir, tmp_path):

@@ -13,10 +13,10 @@ import pytest
 import sklearn.metrics
 
 import run as run_lib
-from experiments import smoke
 from recgnn import metrics, sharding
 from recgnn.embeddings import base
 from recgnn.train import loop
+from tests.trainer_lib import smoke_config, state_leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,22 +27,10 @@ def cache_dir(tmp_path_factory):
 
 
 def _config(cache_dir, **train):
-  c = smoke.get_config()
-  c.data.cache_dir = cache_dir
-  c.data.synthetic.rows = 20_000
-  c.train.steps = 12
-  c.train.log_every = 4
-  c.train.eval_every = 0
-  c.train.checkpoint_every = 6
-  c.train.final_eval_splits = ("test",)
-  for k, v in train.items():
-    c.train[k] = v
-  return c
+  return smoke_config(cache_dir, **{"checkpoint_every": 6, **train})
 
 
-def _leaves(state):
-  state = state.replace(key=jax.random.key_data(state.key))
-  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
+_leaves = state_leaves
 
 
 def test_resume_gives_identical_parameters(cache_dir, tmp_path):

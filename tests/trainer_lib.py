@@ -1,0 +1,35 @@
+"""The small trainer configurations the end-to-end tests share (one copy)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from experiments import smoke
+
+
+def smoke_config(cache_dir, *, rows=20_000, mesh=None, plan=None, data=None, **train):
+  """`smoke` on the synthetic default (`rows` rows; None: the experiment's), 12 steps, one
+  final test eval, no checkpoints unless `checkpoint_every` is given; `mesh` (data, model),
+  `plan` rules, `data` / `train` overrides."""
+  c = smoke.get_config()
+  c.data.cache_dir = cache_dir
+  if rows is not None:
+    c.data.synthetic.rows = rows
+  for k, v in (data or {}).items():
+    c.data[k] = v
+  defaults = {"steps": 12, "log_every": 4, "eval_every": 0, "checkpoint_every": 0,
+              "final_eval_splits": ("test",)}  # fmt: skip
+  for k, v in {**defaults, **train}.items():
+    c.train[k] = v
+  if mesh is not None:
+    c.mesh = {"data": mesh[0], "model": mesh[1]}
+  if plan is not None:
+    c.embeddings.plan = plan
+  return c
+
+
+def state_leaves(state) -> list[np.ndarray]:
+  """Every array of a TrainState on the host (its PRNG key as raw data), for comparisons."""
+  state = state.replace(key=jax.random.key_data(state.key))
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
