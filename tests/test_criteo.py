@@ -389,6 +389,23 @@ def test_eval_batches_padded(synthetic):
   np.testing.assert_array_equal(labels, ds.labels[lo:hi])
 
 
+def test_process_slices_make_up_the_batch(synthetic):
+  """Each of 4 processes reads its contiguous quarter of every batch (train, and the last,
+  padded eval batch); together they are the batch."""
+  ds = synthetic.dataset
+  n = ds.split_size("test")
+  for split, step, kw in (("train", 3, {"shuffle_seed": 7}),
+                          ("test", -(-n // 1000) - 1, {"drop_remainder": False})):  # fmt: skip
+    whole = ds.batch(split, step, 1000, **kw)
+    parts = [ds.batch(split, step, 1000, shard=(i, 4), **kw) for i in range(4)]
+    assert all(p["label"].shape == (250,) for p in parts)
+    cat = {k: np.concatenate([p[k] for p in parts]) for k in ("dense", "label", "weight")}
+    cat["ids"] = {t: np.concatenate([p["ids"][t] for p in parts]) for t in whole["ids"]}
+    same_batch(whole, cat)
+  with pytest.raises(ValueError, match="does not split over 3 processes"):
+    ds.batch("train", 0, 1000, shard=(0, 3))
+
+
 # ----------------------------------------------------------------------------- synthetic
 
 

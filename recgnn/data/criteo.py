@@ -922,11 +922,7 @@ class CriteoDataset:
     rows = self.batch_rows(
       split, step, batch_size, shuffle_seed=shuffle_seed, drop_remainder=drop_remainder
     )
-    index, count = shard
-    if batch_size % count:
-      raise ValueError(f"batch_size {batch_size} does not split over {count} processes")
-    per = batch_size // count
-    return self.gather(rows[index * per : (index + 1) * per], per)
+    return self.gather(*process_rows(rows, batch_size, shard))
 
   def batches(
     self,
@@ -956,6 +952,18 @@ class CriteoDataset:
         shard=shard,
       )  # fmt: skip
       step += 1
+
+
+def process_rows(
+  rows: np.ndarray, batch_size: int, shard: tuple[int, int]
+) -> tuple[np.ndarray, int]:
+  """A batch's rows -> (process `index` of `count`'s contiguous slice of them, its batch
+  size batch_size / count): the examples of that process's devices."""
+  index, count = shard
+  if batch_size % count:
+    raise ValueError(f"batch_size {batch_size} does not split over {count} processes")
+  per = batch_size // count
+  return rows[index * per : (index + 1) * per], per
 
 
 def _cache_valid(path: str, paths: Sequence[str], reader: ReaderConfig) -> str | None:

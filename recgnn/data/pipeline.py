@@ -218,11 +218,7 @@ class TfdsCriteo(criteo.CriteoDataset):
     rows = self.batch_rows(
       split, step, batch_size, shuffle_seed=shuffle_seed, drop_remainder=drop_remainder
     )
-    index, count = shard
-    if batch_size % count:
-      raise ValueError(f"batch_size {batch_size} does not split over {count} processes")
-    per = batch_size // count
-    return self.read(split, rows[index * per : (index + 1) * per], per)
+    return self.read(split, *criteo.process_rows(rows, batch_size, shard))
 
   def pipeline(
     self,
