@@ -138,8 +138,9 @@ def _replay(prepared_list, batches, cache_rows, num_rows):
     loaded = 0
     for phase in ("now", "next"):
       ex = p[phase]
-      es, er = np.asarray(ex["evict_slots"]), np.asarray(ex["evict_rows"])
-      ls, lr = np.asarray(ex["load_slots"]), np.asarray(ex["load_rows"])
+      ex = np.asarray(ex)
+      es, er = ex[offload.EVICT_SLOTS], ex[offload.EVICT_ROWS]
+      ls, lr = ex[offload.LOAD_SLOTS], ex[offload.LOAD_ROWS]
       real_e, real_l = es < cache_rows, ls < cache_rows
       # (>= N: past the logical rows; host arrays may hold padding rows beyond N.)
       assert np.all(er[~real_e] >= num_rows), "padding write-backs must target no row"
@@ -405,7 +406,7 @@ def test_update_never_copies_the_table():
   p = prepare(batches[1], batches[0][::-1])  # evicts nothing yet, loads: exchange present
   p0 = prepare(batches[0][::-1], batches[1][:, ::-1])
   for prepared in (p, p0):  # the exchange is compiled in (fixed-size lists, padded)
-    assert prepared["t"]["rows"]["next"]["load_rows"].shape[0] > 0
+    assert prepared["t"]["rows"]["next"].shape[1] > 0
   grads = {"t": np.ones((batches[0].shape[0], 16), np.float32)}
   for prepared in (p, p0):
     compiled = jax.jit(b.update, donate_argnums=0).lower(state, prepared, grads).compile()
@@ -480,3 +481,92 @@ def test_host_table_is_one_copy_split_over_the_mesh():
     assert len({s.device for s in arr.addressable_shards}) == 8
   one = base.make_backend("offload(cache_rows=60)", _spec(ADAGRAD)).memory()["t"]
   assert group.memory()["t"].host_bytes == one.host_bytes
+
+
+# ----------------------------------------------------------------------------- compiled planner
+
+
+def test_smallest_is_key_then_index_order():
+  """The victim order both planners share: the k smallest keys, ties to the smaller slot."""
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    keys = rng.integers(0, 6, size=40).astype(np.int64)  # many ties
+    k = int(rng.integers(1, 40))
+    want = np.lexsort((np.arange(40), keys))[:k]
+    np.testing.assert_array_equal(np.sort(offload.smallest(keys, k)), np.sort(want))
+
+
+def _group_stream(text, opt, compiled, monkeypatch, threads=1):
+  """Every prepared pytree of a 3-table group over a Zipf stream with an eval pass inside,
+  planned by the compiled kernel (`compiled`) or by each table's numpy planner."""
+  from recgnn import hostplan
+  from recgnn.train import inputs
+
+  sizes = (1000, 300, 5000)
+  specs = [
+    base.TableSpec(name=f"t{i}", num_rows=n, dim=4, optimizer=opt) for i, n in enumerate(sizes)
+  ]
+  group = base.make_group(text, specs)
+  group.init(jax.random.key(0))
+  tabs = [contract.zipf_ids(i, 16, 32, 2, n) for i, n in enumerate(sizes)]
+  stream = []
+  for k in range(16):
+    stream.append(("train", None, {"ids": {f"t{i}": tabs[i][k] for i in range(3)}}))
+    if k == 6:
+      stream.append(("eval", "valid", {"ids": {f"t{i}": tabs[i][0][:16] for i in range(3)}}))
+      stream.append(("eval_end", "valid", None))
+  monkeypatch.setattr(hostplan, "enabled", lambda: compiled)
+  monkeypatch.setattr(hostplan, "_THREADS", threads)
+  plan = base.Plan({"g": group}, {s.name: "g" for s in specs}, group.mesh)
+  out = [x.prepared for x in inputs.prepare_stream(plan, stream) if x.prepared is not None]
+  return out, group
+
+
+@pytest.mark.parametrize("policy", offload.POLICIES)
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_compiled_planner_equals_numpy_planner(policy, opt, monkeypatch):
+  """Every prepared array (slots, dedup, exchange lists, versions) of the compiled group
+  planner equals the numpy planner's, across evictions, an eval pass and the batches after
+  it; on 2 threads too. (Exactness against dense: the tests above, which run it.)"""
+  from recgnn import hostplan
+
+  if not hostplan.AVAILABLE:
+    pytest.skip("numba not installed")
+  text = f"offload(cache_rows=130, policy={policy}, lookahead=3)"
+  want, slow = _group_stream(text, opt, False, monkeypatch)
+  slow_stats = slow.stats()
+  for threads in (1, 2):
+    got, fast = _group_stream(text, opt, True, monkeypatch, threads)
+    assert slow.fast_batches == 0 and fast.fast_batches >= 12
+    assert len(got) == len(want)
+    for k, (a, b) in enumerate(zip(want, got)):
+      la, lb = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+      assert [p for p, _ in la] == [p for p, _ in lb]
+      for (path, x), (_, y) in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, (k, jax.tree_util.keystr(path))
+        np.testing.assert_array_equal(x, y, err_msg=f"batch {k} {jax.tree_util.keystr(path)}")
+    s = fast.stats()
+    assert s["t0/d2h_rows_per_step"] > 0, "no dirty row was evicted: test too easy"
+    assert s == {**slow_stats, **{k: v for k, v in s.items() if "plan_ms" in k}}
+
+
+def test_compiled_planner_runs_in_the_contract(monkeypatch):
+  """The bit-equality to dense above runs the compiled planner (not only the numpy one)."""
+  from recgnn import hostplan
+
+  if not hostplan.AVAILABLE:
+    pytest.skip("numba not installed")
+  trace = contract.assert_matches_dense(POLICY_STRINGS[2], _spec(ADAGRAD), _batches())
+  assert trace.backend.fast_batches >= len(_batches()) - 2
+
+
+def test_compiled_planner_names_an_out_of_range_id():
+  group = base.make_backend("offload(cache_rows=60, lookahead=2)", _spec(SGD))
+  group.init(jax.random.key(0))
+  ids = _batches(num_batches=4)
+  group.prepare({"t": ids[0]}, [{"t": ids[1]}, {"t": ids[2]}])
+  bad = ids[2].copy()
+  bad[0, 0] = 5000
+  with pytest.raises((ValueError, IndexError)):
+    group.prepare({"t": ids[1]}, [{"t": bad}, {"t": ids[3]}])
