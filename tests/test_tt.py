@@ -381,3 +381,48 @@ def test_ttrec_kaggle_plan_and_compression(capsys):
     ttrec_kaggle.parse_arg("tables=30")
   with pytest.raises(ValueError, match="available"):
     ttrec_kaggle.get_config("kernel=fastest")
+
+
+# ----------------------------------------------------------------------------- capacities
+
+
+def _shapes(prepared) -> dict:
+  return {k: np.shape(v) for k, v in prepared.items()}
+
+
+def test_capacity_grows_only_when_a_count_does_not_fit():
+  """pad=grow keeps a capacity while the counts fit it (each new size recompiles the
+  trainer's step); a batch with more distinct rows than it holds grows it."""
+  spec = _spec(num_rows=100_000)
+  b = _member("tt(rank=4, lookahead=0)", spec)
+  rng = np.random.default_rng(0)
+
+  def batch(distinct):  # int[100, 2]: `distinct` different ids, padding elsewhere
+    ids = np.full(200, -1)
+    ids[:distinct] = rng.choice(100_000, size=distinct, replace=False)
+    return ids.reshape(100, 2)
+
+  first = b.prepare(batch(100))
+  cap = b.stats()["cap_rows@200"]
+  assert cap == tt._round_up(100) == 128
+  # 120 rows fit in 128 (HEADROOM x 120 does not: the old rule grew and recompiled).
+  assert _shapes(b.prepare(batch(120))) == _shapes(first)
+  assert b.stats()["cap_rows@200"] == cap
+  grown = b.prepare(batch(150))
+  assert b.stats()["cap_rows@200"] >= 150 and _shapes(grown) != _shapes(first)
+
+
+def test_lookahead_sizes_capacities_from_upcoming_batches():
+  """The first batch sizes the capacities from the upcoming ones too (the trainer passes
+  them): a larger batch later in the window fits without a new shape."""
+  spec = _spec(num_rows=100_000)
+  rng = np.random.default_rng(1)
+  big = rng.choice(100_000, size=(200, 1), replace=False)
+  small = np.where(np.arange(200)[:, None] < 50, big, -1)
+  for look, grows in ((0, True), (4, False)):
+    b = _member(f"tt(rank=4, lookahead={look})", spec)
+    first = b.prepare(small, [small, big])
+    later = b.prepare(big, [])
+    assert (_shapes(first) != _shapes(later)) == grows, look
+  b = _member("tt(rank=4)", spec)
+  assert b.lookahead == 16 and base.make_backend("tt(rank=4)", spec).lookahead == 16

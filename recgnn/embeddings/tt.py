@@ -37,9 +37,10 @@ the logical table is continuous. `table(state)` is the TT reconstruction overrid
 cache; `sync` has nothing to write back (the cache is part of the state).
 
 Shapes are static per bucket: `prepare` pads the distinct-row, prefix and slice counts to
-grow-only capacities (1.25x the count, rounded to 4 sizes per octave), so a jitted step
-retraces only the few times a capacity grows, mostly in the first batches (and once when the
-cache's hot set is fixed). `pad=full` pads to the batch size instead: one shape, no retrace,
+grow-only capacities (1.25x the largest count of the first batch and the `lookahead` batches
+after it, rounded to 4 sizes per octave; grown only when a count does not fit), so a jitted
+step retraces only the rare times a capacity grows (and once when the cache's hot set is
+fixed). `pad=full` pads to the batch size instead: one shape, no retrace,
 more padded work (benchmarks/tt.py measures both).
 """
 
@@ -349,6 +350,9 @@ class TT(base.TableBackend):
     cache_rows: rows of the uncompressed hot-row cache (0 = none, default).
     cache_warmup: batches counted before the hot set is fixed. Default 50.
     pad: grow (default) | full; see the module docstring.
+    lookahead: pad=grow sizes its capacities from this many upcoming batches as well as the
+      first one (the trainer passes them), so they rarely grow later. Default 16; 0: from
+      the first batch alone.
   """
 
   name = "tt"
@@ -367,6 +371,7 @@ class TT(base.TableBackend):
     cache_rows: int = 0,
     cache_warmup: int = 50,
     pad: str = "grow",
+    lookahead: int = 16,
   ):
     super().__init__(spec)
     if init not in INITS:
@@ -388,6 +393,9 @@ class TT(base.TableBackend):
     self._explicit_factors = row_factors is not None or dim_factors is not None
     self.cache_rows = min(cache_rows, spec.num_rows)
     self.cache_warmup = cache_warmup
+    if int(lookahead) < 0:
+      raise ValueError(f"tt: lookahead must be >= 0, got {lookahead}")
+    self.lookahead = int(lookahead) if pad == "grow" else 0
     self._caps: dict[str, int] = {}
     # Access counts of the warm-up (the shared profiler; sparse: only the rows seen).
     self._warm = profile.AccessProfile(spec.num_rows, sparse=True)
@@ -412,6 +420,8 @@ class TT(base.TableBackend):
         opts.append(f"cache_warmup={self.cache_warmup}")
     if self.pad != "grow":
       opts.append(f"pad={self.pad}")
+    elif self.lookahead != 16:
+      opts.append(f"lookahead={self.lookahead}")
     return f"tt({', '.join(opts)})"
 
   # --------------------------------------------------------------------------- state
@@ -509,8 +519,13 @@ class TT(base.TableBackend):
       return limit
     # Keyed by the batch shape too: eval batches (often larger) must not pad train batches.
     key = f"{name}@{self._batch_size}"
-    cap = max(self._caps.get(key, 0), min(_round_up(n), limit))
-    self._caps[key] = cap
+    cap = self._caps.get(key, 0)
+    if n > cap or cap == 0:
+      # Grow only when the count does not fit: growing whenever HEADROOM * n passed the
+      # capacity recompiled for batches that fit (3 recompiles in ttrec_kaggle's first 40
+      # steps, 30-45 s each under load).
+      cap = max(cap, min(_round_up(n), limit))
+      self._caps[key] = cap
     return cap
 
   def _cache_plan(self, ids: np.ndarray, count: bool) -> tuple[dict, np.ndarray]:
@@ -544,8 +559,45 @@ class TT(base.TableBackend):
       out["cache_unique"], out["cache_inverse"] = base.dedup(np.where(slot < c, slot, -1), c)
     return out, ids
 
+  def _presize(self, upcoming, total: int) -> None:
+    """pad=grow: the first batch of a shape (and the first after the hot set is fixed) sizes
+    the capacities from the largest counts of the next `lookahead` batches too, so they
+    rarely grow later: each growth recompiles the trainer's whole step (30-45 s under load
+    here; ttrec_kaggle: none in 300 steps, three in its first 40 before)."""
+    if self.pad != "grow" or self.kernel == "naive" or f"rows@{total}" in self._caps:
+      return
+    if self.cache_rows and self._hot is None:
+      return  # warm-up: the capacities are reset when the hot set is fixed
+    for u in list(upcoming)[: self.lookahead]:
+      u = np.asarray(u).astype(np.int64)
+      if u.size != total:
+        continue
+      if self._hot is not None and self._hot.size:
+        pos = np.minimum(np.searchsorted(self._hot, u), self._hot.size - 1)
+        u = np.where((u >= 0) & (self._hot[pos] == u), base.PAD, u)
+      self._tree(np.unique(u[u >= 0]), total)
+
+  def _tree(self, rows: np.ndarray, total: int) -> tuple[int, list]:
+    """The prefix tree of the sorted distinct rows: (rows' capacity, per level k: distinct
+    prefixes (i_1..i_k) as keys, the slices they use, each key's slice, p_cap, s_cap);
+    capacities grown to fit."""
+    shape = self.shape
+    u_cap = self._cap("rows", rows.size, total)
+    levels = []
+    for k in range(shape.num_cores):
+      keys = rows // shape.strides[k]
+      last = k == shape.num_cores - 1
+      if self.kernel == "prefix" and not last:
+        keys = np.unique(keys)
+      n_k = shape.row_factors[k]
+      slices, slice_idx = np.unique(keys % n_k, return_inverse=True)
+      limit = min(total, math.prod(shape.row_factors[: k + 1]))
+      p_cap = u_cap if (last or self.kernel == "unique") else self._cap(f"p{k}", keys.size, limit)
+      s_cap = self._cap(f"s{k}", slices.size, min(total, n_k))
+      levels.append((keys, slices, slice_idx, p_cap, s_cap))
+    return u_cap, levels
+
   def prepare(self, ids, upcoming=(), *, train=True):
-    del upcoming
     ids = np.asarray(ids).astype(np.int64)
     n_rows = self.spec.num_rows
     out = {}
@@ -557,26 +609,19 @@ class TT(base.TableBackend):
       return out
     shape, total = self.shape, ids.size
     self._batch_size = total
+    if train:
+      self._presize(upcoming, total)
     valid = ids.reshape(-1) >= 0
     rows, inverse = np.unique(ids.reshape(-1)[valid], return_inverse=True)
-    u_cap = self._cap("rows", rows.size, total)
+    u_cap, levels = self._tree(rows, total)
     inv = np.full(total, u_cap, np.int32)
     inv[valid] = inverse
     out["inverse"] = inv.reshape(ids.shape)
     # The prefix tree: level k holds the distinct prefixes (i_1..i_k) of the batch's rows
     # ('unique': every row its own chain), each with its parent at level k-1 and its slice.
     prev_keys = None
-    for k in range(shape.num_cores):
-      keys = rows // shape.strides[k]
-      last = k == shape.num_cores - 1
-      if self.kernel == "prefix" and not last:
-        keys = np.unique(keys)
+    for k, (keys, slices, slice_idx, p_cap, s_cap) in enumerate(levels):
       n_k = shape.row_factors[k]
-      digit = keys % n_k
-      slices, slice_idx = np.unique(digit, return_inverse=True)
-      limit = min(total, math.prod(shape.row_factors[: k + 1]))
-      p_cap = u_cap if (last or self.kernel == "unique") else self._cap(f"p{k}", keys.size, limit)
-      s_cap = self._cap(f"s{k}", slices.size, min(total, n_k))
       sl = np.full(s_cap, n_k, np.int32)  # n_k: gathers fill 0, scatters drop
       sl[: slices.size] = slices
       si = np.full(p_cap, s_cap, np.int32)  # s_cap: a zero slice, so padded prefixes are 0
