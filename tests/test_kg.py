@@ -628,5 +628,7 @@ def test_tfds_source_gives_the_same_task(tmp_path):
   for s in files.kg.splits:
     np.testing.assert_array_equal(files.kg.splits[s], tfds.kg.splits[s])
   np.testing.assert_array_equal(files.train_triples, tfds.train_triples)
-  with pytest.raises(ValueError, match="Unknown data.source 'csv'; available: files, tfds"):
+  with pytest.raises(
+    ValueError, match="Unknown data.source 'csv'; available: files, tfds, planted"
+  ):
     lp.LinkPrediction(_config(path, "distmult", **{"data.source": "csv"}))

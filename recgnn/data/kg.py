@@ -239,6 +239,58 @@ def from_triples(
   )
 
 
+def planted(
+  *,
+  communities: int = 8,
+  bits: int = 10,
+  num_relations: int = 16,
+  valid: float = 0.05,
+  test: float = 0.05,
+  cross: float = 0.002,
+  reciprocal: bool = True,
+  seed: int = 0,
+) -> KG:
+  """A synthetic KG with planted communities: METIS finds them, and a partition's 1-hop halo
+  is a small part of the graph (FB15k-237's hubs put ~every entity in every halo).
+
+  Each of `communities` communities is a hypercube of 2^bits entities (ids shuffled, so
+  nothing shows in the ids): relation r links position x to x XOR m_r (m_r a random non-zero
+  mask), in the same community, or with probability `cross` in another one chosen at random.
+  XOR is an involution, so the facts are symmetric, and DistMult represents them exactly
+  (entity = its position's bits as +-1, relation = its mask as +-1): every query has one
+  answer and the best filtered MRR is 1, learnable from the hypercube's structure alone.
+  Every (entity, relation) fact is drawn once and its reverse dropped; `valid` / `test` are
+  fractions of the facts held out (their entities and relations all occur in train).
+  """
+  rng = np.random.default_rng(seed)
+  size = 1 << bits
+  num_entities = communities * size
+  perm = rng.permutation(num_entities)  # position -> entity id
+  masks = rng.choice(np.arange(1, size), num_relations, replace=False)
+  pos = np.repeat(np.arange(num_entities), num_relations)
+  r = np.tile(np.arange(num_relations), num_entities)
+  comm, x = pos // size, pos % size
+  other = (comm + rng.integers(1, max(communities, 2), pos.size)) % communities
+  tcomm = np.where(rng.random(pos.size) < cross, other, comm)
+  tpos = tcomm * size + (x ^ masks[r])
+  # One fact per unordered pair and relation: drop (t, r, h) when (h, r, t) is kept.
+  keep = pos <= tpos
+  facts = np.stack([perm[pos[keep]], r[keep], perm[tpos[keep]]], 1)
+  facts = facts[rng.permutation(len(facts))]
+  n_valid, n_test = int(valid * len(facts)), int(test * len(facts))
+  splits = {
+    "valid": facts[:n_valid],
+    "test": facts[n_valid : n_valid + n_test],
+    "train": facts[n_valid + n_test :],
+  }
+  kg = from_triples(splits, num_entities, num_relations, reciprocal=reciprocal)
+  kg.name = (
+    f"planted(communities={communities}, bits={bits}, relations={num_relations}, "
+    f"cross={cross}, seed={seed})"
+  )
+  return kg
+
+
 # ----------------------------------------------------------------------------- filter index
 
 
