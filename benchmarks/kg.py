@@ -7,6 +7,17 @@ Sections (--sections, comma-separated):
              test evaluation timed on its own (jitted predict over every test batch, second
              pass, so compilation is excluded)
   kge_rescan recompute a finished kge run's step-rate figures from --kge_workdir
+  parallel   FB15k-237 R-GCN, the same epochs: whole graph, P partitions one per step
+             (serial), and P partitions per step over P devices (`:P,parallel`, one
+             partition per device); time per epoch from each step's exact edges, test MRR,
+             and bytes between devices per step from the compiled step's HLO (partition-
+             parallel vs whole-graph data-parallel on the same mesh). Needs P devices: on CPU
+             XLA_FLAGS=--xla_force_host_platform_device_count=P (simulated devices share the
+             CPU's cores: no real parallel speedup there; the bytes are the scaling figure)
+  planted    the same comparison on `rgcn_planted` (a synthetic KG with planted communities,
+             small halos): whole graph vs each P of --planted_parts serial, and parallel on P
+             devices when that many exist; plus where a step's time goes (loss + grad of one
+             whole-graph step and of one step of every partition, interleaved)
   rgcn       `rgcn_fb15k237` (whole graph) and `rgcn_fb15k237_partitioned` (METIS, P parts)
              with the same epochs: time per epoch from the trainer's steady-state step rate,
              test MRR side by side, and where a step's time goes (encoder / decoder sizes and
@@ -15,6 +26,10 @@ Writes benchmarks/results/kg_<section>.json + .md; the MRR-vs-time curves to kg_
 
   python benchmarks/kg.py --sections=kge --decoder=complex
   python benchmarks/kg.py --sections=rgcn --rgcn_epochs=4 --parts=4
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/kg.py \
+    --sections=parallel --parts=2 --rgcn_epochs=2
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/kg.py \
+    --sections=planted --planted_parts=4,8 --rgcn_epochs=5
 """
 
 from __future__ import annotations
@@ -32,18 +47,38 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from experiments import kge_fb15k237, rgcn_fb15k237, rgcn_fb15k237_partitioned  # noqa: E402
+import ml_collections  # noqa: E402
+
+from experiments import (  # noqa: E402
+  kge_fb15k237,
+  rgcn_fb15k237,
+  rgcn_fb15k237_partitioned,
+  rgcn_planted,
+)
+from recgnn import comms, sharding  # noqa: E402
+from recgnn.embeddings import base as emb_base  # noqa: E402
 from recgnn.tasks import link_prediction as lp  # noqa: E402
-from recgnn.train import loop  # noqa: E402
+from recgnn.train import inputs, loop  # noqa: E402
+from recgnn.train import step as step_lib  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
-_SECTIONS = flags.DEFINE_string("sections", "kge,rgcn", "kge, rgcn")
+_SECTIONS = flags.DEFINE_string("sections", "kge,rgcn", "kge, rgcn, parallel, planted")
 _DECODER = flags.DEFINE_string("decoder", "complex", "kge section: decoder")
 _EPOCHS = flags.DEFINE_float("epochs", 0, "kge section: epochs (0 = the experiment's)")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every_epochs", 5, "kge section: valid eval period")
 _RGCN_EPOCHS = flags.DEFINE_float("rgcn_epochs", 4, "rgcn section: epochs of each run")
 _PARTS = flags.DEFINE_integer("parts", 4, "rgcn section: partitions")
+_PLANTED_PARTS = flags.DEFINE_string("planted_parts", "4,8", "planted: partition counts")
+_PLANTED_PARALLEL = flags.DEFINE_bool(
+  "planted_parallel", True, "planted: also the parallel run of each P (needs P devices)"
+)
+_REUSE_SERIAL = flags.DEFINE_bool(
+  "reuse_serial",
+  False,
+  "parallel / planted: take the whole-graph and serial runs from the previous results "
+  "file (same settings) and run only the parallel ones",
+)
 _REUSE_WHOLE = flags.DEFINE_bool(
   "rgcn_reuse_whole", False, "rgcn: take the whole-graph run from results/kg_rgcn.json"
 )
@@ -419,6 +454,284 @@ def run_rgcn():
   return payload
 
 
+# ----------------------------------------------------------------------------- parallel
+
+
+def _step_edges(task, step: int) -> int:
+  """Training edges of step `step` (from the task's deterministic schedule, no batch built)."""
+  spe, B = task.steps_per_epoch(), task.batch_size
+  epoch, within = divmod(step, spe)
+
+  def edges(p, i):
+    return min(B, len(task.partitions[p].triples) - i * B)
+
+  if task.parallel:
+    return sum(edges(*x) for x in task.parallel_schedule(epoch)[within] if x is not None)
+  if task.partitions:
+    return edges(*task._partition_schedule(epoch)[within])
+  return min(B, len(task.train_triples) - within * B)
+
+
+def _exact_step_seconds(workdir: str, task) -> float:
+  """Steady-state seconds per step: the trainer logs edges/s per log interval; each
+  interval's edges come from the schedule, so seconds = edges / rate exactly even where
+  steps differ in edges (an epoch's last batches, idle parallel slots). Median over the
+  intervals after the first (compilation)."""
+  per_step, prev = [], 0
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      rec = json.loads(line)
+      if "samples_per_second" not in rec:
+        continue
+      step = rec["step"]
+      edges = sum(_step_edges(task, k) for k in range(prev, step))
+      per_step.append(edges / rec["samples_per_second"] / max(step - prev, 1))
+      prev = step
+  return float(np.median(per_step[1:] or per_step))
+
+
+def _run(cfg, name: str, epochs: float) -> tuple:
+  """Train `cfg` for `epochs` (valid MRR each epoch, test at the end): seconds per epoch
+  from `_exact_step_seconds`, test metrics."""
+  task = lp.LinkPrediction(cfg)
+  spe = task.steps_per_epoch()
+  cfg.train.epochs = 0
+  cfg.train.steps = int(round(spe * epochs))
+  cfg.train.eval_every = spe
+  cfg.train.log_every = max(spe // 4, 1)
+  cfg.train.final_eval_splits = ("test",)
+  workdir = os.path.join(_WORKDIR.value, f"{name}_{int(time.time())}")
+  print(f"--- {name}: {cfg.train.steps} steps ({spe} per epoch)", flush=True)
+  t0 = time.perf_counter()
+  result = loop.train(cfg, workdir)
+  wall = time.perf_counter() - t0
+  step_s = _exact_step_seconds(workdir, task)
+  m = result.metrics
+  return task, {
+    "steps_per_epoch": spe,
+    "epochs": int(m["step"]) / spe,
+    "seconds_per_step": step_s,
+    "seconds_per_epoch": spe * step_s,
+    "wall_seconds_incl_evals_and_compile": wall,
+    "test": {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("test/")},
+    "valid_curve": _curve(workdir, spe, step_s),
+    "mesh": dict(cfg.get("mesh", {})),
+    "workdir": workdir,
+  }
+
+
+def _step_bytes(cfg) -> dict:
+  """Bytes between devices per step (per device) from the compiled train step's HLO."""
+  task = lp.LinkPrediction(cfg)
+  mesh = sharding.mesh_from_config(cfg.mesh)
+  plan = emb_base.resolve_plan(list(map(tuple, cfg.embeddings.plan)), task.tables(), mesh)
+  tx = step_lib.make_optimizer(cfg.optimizer)
+  batch = next(task.train_batches(0))
+  state = step_lib.init_state(task, plan, tx, jax.random.key(0), batch)
+  feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec)
+  buffers, layout = feeder(inputs.prepare_one(plan, batch, [], train=True), batch)
+  fn = step_lib.jit_packed(
+    step_lib.make_train_step(task, plan, tx),
+    plan,
+    step_lib.state_sharding(plan, state),
+    donate_state=False,
+    out_state=True,
+  )
+  s = comms.summary(fn.lower(state, buffers, layout).compile().as_text())
+  return {
+    "mesh": sharding.describe(mesh),
+    "total_operand_bytes": s["total_operand_bytes"],
+    "by_op": s["by_op"],
+    "edges_per_step": task.num_examples(batch),
+  }
+
+
+def _mesh(cfg, data: int):
+  cfg.mesh = ml_collections.ConfigDict({"data": data, "model": 1})
+  return cfg
+
+
+def _compare(name: str, title: str, get_config, parts_list, parallel: bool, breakdown: bool):
+  """Whole graph vs partitioned (serial, and parallel over P devices) with the same epochs."""
+  epochs = _RGCN_EPOCHS.value
+  start = _machine()
+  runs = {}
+  tasks = {}
+  reused = {}
+  if _REUSE_SERIAL.value:
+    with open(os.path.join(RESULTS, f"{name}.json")) as f:
+      prev = json.load(f)
+    if prev["epochs"] != epochs:
+      raise app.UsageError(f"--reuse_serial: {name}.json ran {prev['epochs']} epochs")
+    reused = {k: v for k, v in prev["runs"].items() if "parallel" not in k}
+    reused = {k: {**v, "reused_from_run_at_load": prev["machine"]} for k, v in reused.items()}
+
+  def run(key, cfg, tag):
+    if key in reused:
+      tasks[key], runs[key] = lp.LinkPrediction(cfg), reused[key]
+    else:
+      tasks[key], runs[key] = _run(cfg, tag, epochs)
+
+  run("whole", _mesh(get_config(""), 1), f"{name}_whole")
+  bytes_ = {}
+  for P in parts_list:
+    run(f"{P} serial", _mesh(get_config(str(P)), 1), f"{name}_p{P}")
+    if parallel and jax.device_count() >= P:
+      cfg = _mesh(get_config(f"{P},parallel"), P)
+      tasks[f"{P} parallel"], runs[f"{P} parallel"] = _run(cfg, f"{name}_p{P}_par", epochs)
+      bytes_[f"{P} partitions in parallel"] = _step_bytes(_mesh(get_config(f"{P},parallel"), P))
+      # The same graph data-parallel without partitions: edges split over the devices,
+      # every device encodes the whole graph (rows and graph replicated).
+      bytes_["whole graph, edges split"] = _step_bytes(_mesh(get_config(""), P))
+    elif parallel:
+      print(f"{P} parallel skipped: {jax.device_count()} devices (XLA_FLAGS=...count={P})")
+  sizes = {}
+  for k, t in tasks.items():
+    if t.partitions:
+      sizes[k.split()[0]] = {
+        "rows_max": t.max_nodes,
+        "rows_mean": float(np.mean([len(p.nodes) for p in t.partitions])),
+        "halo_mean": float(np.mean([p.num_halo for p in t.partitions])),
+        "edges_max": t.max_edges,
+        "triples": [len(p.triples) for p in t.partitions],
+      }
+  whole = runs["whole"]
+  payload = {
+    "graph": title,
+    "entities": tasks["whole"].kg.num_entities,
+    "encoder_edges": len(tasks["whole"].graph["edges"]),
+    "epochs": epochs,
+    "runs": runs,
+    "speedup_per_epoch_vs_whole": {
+      k: whole["seconds_per_epoch"] / v["seconds_per_epoch"] for k, v in runs.items()
+    },
+    "mrr_minus_whole": {k: v["test"]["mrr"] - whole["test"]["mrr"] for k, v in runs.items()},
+    "partition_sizes": sizes,
+    "bytes_per_step": bytes_,
+    "devices": jax.device_count(),
+    "machine": start,
+    "command": " ".join(["python", *sys.argv]),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "reused_runs": sorted(reused),
+  }
+  if breakdown:
+    for P in parts_list:
+      b = _breakdown(tasks["whole"], tasks[f"{P} serial"])
+      payload[f"step_breakdown_{P}"] = b
+  payload["machine"]["load_avg_1_5_15m_at_end"] = list(os.getloadavg())
+  _write(name, payload, _compare_md(payload))
+  return payload
+
+
+def _compare_md(p: dict) -> str:
+  runs = p["runs"]
+  n = p["entities"]
+  lines = [
+    f"# {p['graph']}: R-GCN + DistMult, whole graph vs self-sufficient partitions\n",
+    f"{n:,} entities, {p['encoder_edges']:,} encoder edges; {p['epochs']:g} epoch(s) per run, "
+    "edge mini-batches of 4096 scored 1-vs-all (whole graph: every entity; a partition: its "
+    "core + halo rows), 1 R-GCN layer, dim 64. Time per epoch = steps x the steady-state step "
+    "time (each log interval's edges from the schedule / its edges/s). Test MRR filtered, "
+    "both sides, whole-graph encoder at eval. "
+    f"Machine: 2-core CPU shared with other jobs, load {p['machine']['load_avg_1m_at_start']:.1f} "
+    f"at start, {p['machine']['load_avg_1_5_15m_at_end'][0]:.1f} at end; {p['devices']} "
+    "simulated CPU device(s) (`XLA_FLAGS` "
+    f"`{p['xla_flags'] or 'unset'}`): the runs use a 1 x 1 mesh, parallel runs P x 1.\n",
+    (
+      f"Runs {', '.join(p['reused_runs'])} are reused from the previous invocation (load "
+      f"{p['runs'][p['reused_runs'][0]]['reused_from_run_at_load']['load_avg_1m_at_start']:.1f}"
+      " at its start).\n"
+      if p.get("reused_runs")
+      else ""
+    ),
+    "| training | mesh | steps / epoch | s / step | s / epoch | vs whole | test MRR | "
+    "MRR - whole | Hits@10 |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for k, r in runs.items():
+    mesh = f"{r['mesh'].get('data', 1)}x{r['mesh'].get('model', 1)}"
+    label = "whole graph" if k == "whole" else f"{k.split()[0]} partitions, {k.split()[1]}"
+    lines.append(
+      f"| {label} | {mesh} | {r['steps_per_epoch']} | {r['seconds_per_step']:.3f} | "
+      f"{r['seconds_per_epoch']:.1f} | {p['speedup_per_epoch_vs_whole'][k]:.2f}x | "
+      f"{r['test']['mrr']:.4f} | {p['mrr_minus_whole'][k]:+.4f} | {r['test']['hits@10']:.4f} |"
+    )
+  if p["partition_sizes"]:
+    lines += [
+      "",
+      "| partitions | rows per partition (mean / max) | halo (mean) | of all entities "
+      "| encoder edges (max) | training triples per partition |",
+      "|---|---|---|---|---|---|",
+    ]
+    for P, s in p["partition_sizes"].items():
+      lines.append(
+        f"| {P} | {s['rows_mean']:,.0f} / {s['rows_max']:,} | {s['halo_mean']:,.0f} | "
+        f"{s['rows_mean'] / n:.0%} | {s['edges_max']:,} | "
+        f"{min(s['triples']):,}-{max(s['triples']):,} |"
+      )
+  if p["bytes_per_step"]:
+    lines += [
+      "",
+      "Bytes each device sends per step (operands of the compiled step's collectives, HLO):",
+      "",
+      "| step | mesh | edges / step | bytes / device / step | by collective |",
+      "|---|---|---|---|---|",
+    ]
+    for k, b in p["bytes_per_step"].items():
+      ops = ", ".join(f"{o} {v['operand_bytes']:,} ({v['count']})" for o, v in b["by_op"].items())
+      lines.append(
+        f"| {k} | {b['mesh']} | {b['edges_per_step']:,} | {b['total_operand_bytes']:,} | {ops} |"
+      )
+  for key in [k for k in p if k.startswith("step_breakdown_")]:
+    P = key.rsplit("_", 1)[1]
+    b = p[key]
+    lines += [
+      "",
+      f"Where a step's time goes, {P} partitions (one step each, random rows, interleaved, "
+      "best of 3):",
+      "",
+      "| step | rows | encoder edges | encoder forward | loss + grad | steps / epoch |",
+      "|---|---|---|---|---|---|",
+    ]
+    for k, v in b["steps"].items():
+      lines.append(
+        f"| {k} | {v['rows']:,} | {v['edges']:,} | {v['encoder_forward_s'] * 1e3:.0f} ms | "
+        f"{v['loss_and_grad_s'] * 1e3:.0f} ms | {v['steps_per_epoch']} |"
+      )
+    e = b["loss_and_grad_epoch_s"]
+    lines.append(
+      f"\nSummed over an epoch (loss + grad only): whole {e['whole']:.1f} s, partitioned "
+      f"{e['partitioned']:.1f} s: {e['whole'] / e['partitioned']:.2f}x."
+    )
+  return "\n".join(lines) + "\n"
+
+
+def run_parallel():
+  P = _PARTS.value
+  if jax.device_count() < P:
+    raise app.UsageError(
+      f"--sections=parallel --parts={P} needs {P} devices, {jax.device_count()} here; on CPU "
+      f"run with XLA_FLAGS=--xla_force_host_platform_device_count={P}"
+    )
+
+  def get(arg):
+    return rgcn_fb15k237_partitioned.get_config(arg) if arg else rgcn_fb15k237.get_config()
+
+  return _compare("kg_parallel", "FB15k-237", get, [P], True, False)
+
+
+def run_planted():
+  parts = [int(x) for x in _PLANTED_PARTS.value.split(",") if x]
+  return _compare(
+    "kg_planted",
+    "Planted-community KG (rgcn_planted)",
+    rgcn_planted.get_config,
+    parts,
+    _PLANTED_PARALLEL.value,
+    True,
+  )
+
+
 def plot(kge_payloads: list[dict], rgcn_payload: dict | None):
   try:
     import matplotlib
@@ -460,14 +773,20 @@ def main(argv):
   del argv
   sections = [s.strip() for s in _SECTIONS.value.split(",") if s.strip()]
   for s in sections:
-    if s not in ("kge", "rgcn", "kge_rescan"):
-      raise app.UsageError(f"Unknown section {s!r}; available: kge, rgcn, kge_rescan")
+    if s not in ("kge", "rgcn", "kge_rescan", "parallel", "planted"):
+      raise app.UsageError(
+        f"Unknown section {s!r}; available: kge, rgcn, kge_rescan, parallel, planted"
+      )
   if "kge_rescan" in sections:
     rescan_kge(_KGE_WORKDIR.value)
   if "kge" in sections:
     run_kge()
   if "rgcn" in sections:
     run_rgcn()
+  if "parallel" in sections:
+    run_parallel()
+  if "planted" in sections:
+    run_planted()
   kges = [p for d in ("complex", "distmult") if (p := _load(f"kg_kge_{d}"))]
   plot(kges, _load("kg_rgcn"))
 

@@ -56,8 +56,11 @@ f32[M, D]. Triples index those rows (`h`, `t`, `neg` are row indices, not entity
 Partition-parallel (partition.parallel = G): every leaf of a train batch has a leading axis of G
 partitions (ids: int32[G * max_nodes, 1], partition g's core + halo rows at [g * max_nodes, ...))
 and is split over the devices, so a device looks up only its own partitions' rows and runs
-the encoder on their subgraphs alone. Eval batches then carry every entity's row split over
-the devices (padded to a multiple of the device count; XLA gathers them for scoring).
+the encoder on their subgraphs alone (the loss in shard_map; tests/test_kg.py poisons every
+other row of each device's table copy with NaN). Per step a device sends its rows' gradients
+to the others (the replicated table's sparse update, G * max_nodes x (D + 1) values in all)
+and the dense params' gradient (an all-reduce). Eval batches carry every entity's row split
+over the devices (padded to a multiple of the device count), gathered once for scoring.
 On a mesh (`batch_spec`): the per-query / per-edge leaves (h, rel, t, weight, cnt, per-edge
 neg; eval: anchor, rel, target, side, weight) are split over the devices, so their batch
 sizes must divide by the device count; rows, label / filter pairs, t_cnt and the graph are
