@@ -426,3 +426,23 @@ def test_lookahead_sizes_capacities_from_upcoming_batches():
     assert (_shapes(first) != _shapes(later)) == grows, look
   b = _member("tt(rank=4)", spec)
   assert b.lookahead == 16 and base.make_backend("tt(rank=4)", spec).lookahead == 16
+
+
+@pytest.mark.parametrize("kernel", ["prefix", "unique"])
+def test_prefix_tree_equals_np_unique_reference(kernel):
+  """The vectorized tree (sorted keys deduped by neighbours, slices by a mark array) equals
+  np.unique's: the distinct prefixes per level, their slices and each one's slice."""
+  b = _member(f"tt(rank=4, kernel={kernel}, lookahead=0)", _spec(num_rows=5000))
+  rng = np.random.default_rng(3)
+  for size in (0, 1, 37, 900):
+    rows = np.unique(rng.integers(0, 5000, size))
+    b._batch_size = 1000
+    _, levels = b._tree(rows, 1000)
+    for k, (keys, slices, slice_idx, _, _) in enumerate(levels):
+      want = rows // b.shape.strides[k]
+      if kernel == "prefix" and k < b.shape.num_cores - 1:
+        want = np.unique(want)
+      np.testing.assert_array_equal(keys, want)
+      s, idx = np.unique(want % b.shape.row_factors[k], return_inverse=True)
+      np.testing.assert_array_equal(slices, s)
+      np.testing.assert_array_equal(slice_idx, idx)

@@ -585,12 +585,16 @@ class TT(base.TableBackend):
     u_cap = self._cap("rows", rows.size, total)
     levels = []
     for k in range(shape.num_cores):
-      keys = rows // shape.strides[k]
+      keys = rows // shape.strides[k]  # sorted, as rows are: no np.unique (a sort) needed
       last = k == shape.num_cores - 1
-      if self.kernel == "prefix" and not last:
-        keys = np.unique(keys)
+      if self.kernel == "prefix" and not last and keys.size:
+        keys = keys[np.concatenate([[True], keys[1:] != keys[:-1]])]
       n_k = shape.row_factors[k]
-      slices, slice_idx = np.unique(keys % n_k, return_inverse=True)
+      digit = keys % n_k
+      used = np.zeros(n_k, bool)  # the slices used, in order, and each key's rank among them
+      used[digit] = True
+      slices = np.flatnonzero(used)
+      slice_idx = (np.cumsum(used) - 1)[digit]
       limit = min(total, math.prod(shape.row_factors[: k + 1]))
       p_cap = u_cap if (last or self.kernel == "unique") else self._cap(f"p{k}", keys.size, limit)
       s_cap = self._cap(f"s{k}", slices.size, min(total, n_k))
