@@ -27,6 +27,11 @@ seeds drawn from its training split.
    holds it all, samples its k / 8 batches, moves nothing); the split sample checked equal
    to the 1-device one; GraphSAGE trained on a synthetic graph with the split sampler on an
    8-device mesh against the 1-device sampler on one device (test accuracy).
+   (--sections=split_ladies) The same for LADIES (recgnn.graphs.device_sampling.
+   SplitLadiesSampler: all-gather of the frontier, reduce-scatter of P = Q @ Ahat's
+   entries): bytes per layer from the HLO, the sample checked against the 1-device one, and
+   GraphSAGE with LADIES split over 8 devices vs 1 device. With --merge, added to an
+   existing NAME.json (the node-wise split's figures kept as they were).
 5. (--sections=cora) GraphSAGE on Cora (experiments/sage_cora.py), host vs device sampler,
    test accuracy over 5 seeds.
 
@@ -34,6 +39,7 @@ seeds drawn from its training split.
   python benchmarks/sampling.py --quick    # 200k nodes, fewer rounds
   python benchmarks/sampling.py --sections=device --name=sampling_device
   python benchmarks/sampling.py --sections=split --name=sampling_split
+  python benchmarks/sampling.py --sections=split_ladies --name=sampling_split --merge
   python benchmarks/sampling.py --sections=cora --name=sampling_cora
 Writes benchmarks/results/NAME.{json,md} (+ NAME.png for the device section).
 """
@@ -574,6 +580,155 @@ def bench_split(args) -> dict[str, Any]:
   return out
 
 
+def bench_split_ladies(args) -> dict[str, Any]:
+  """LADIES with the graph's rows split over 8 devices: bytes per layer, the sample against
+  the 1-device sampler's, and training accuracy split vs 1 device."""
+  import jax
+
+  from recgnn import sharding
+  from recgnn.graphs import device_sampling
+
+  if jax.device_count() < 8:
+    raise SystemExit(f"--sections=split_ladies needs 8 devices, found {jax.device_count()}")
+  t_start = time.perf_counter()
+  load = os.getloadavg()[0]
+  spec = synthetic.SyntheticSpec(
+    num_nodes=args.split_nodes,
+    num_edges=args.split_edges,
+    num_classes=10,
+    num_features=args.features,
+    feature_noise=args.split_noise,
+    seed=0,
+  )
+  graph = synthetic.generate(spec)
+  mesh = sharding.make_mesh(1, 8)
+  sizes, bsz = list(args.split_ladies_sizes), args.split_ladies_batch
+  kw = dict(layer_sizes=sizes, batch_size=bsz)
+  one = device_sampling.DeviceLadiesSampler(graph.adj, **kw)
+  split = device_sampling.SplitLadiesSampler(graph.adj, mesh=mesh, **kw)
+  rng = np.random.default_rng(0)
+  train = graph.splits["train"]
+  seeds = split.pad_seeds(rng.choice(train, (8, bsz), replace=train.size < 8 * bsz))
+  key = jax.random.key(5)
+  a = jax.device_get(one.sample_device(seeds, key))
+  b = jax.device_get(split.sample_device(seeds, key))
+  same = bool(
+    np.array_equal(a[0], b[0])
+    and all(np.array_equal(x[f], y[f]) for x, y in zip(a[1], b[1]) for f in ("src", "dst"))
+  )
+  w_rel = max(
+    float(np.max(np.abs(x["weight"] - y["weight"]) / np.maximum(np.abs(x["weight"]), 1e-30)))
+    for x, y in zip(a[1], b[1])
+  )
+  hops = {}
+  for k in args.split_ks:
+    hops[k] = [
+      {
+        "total_operand_bytes": h["total_operand_bytes"],
+        "by_op": {op: v["operand_bytes"] for op, v in h["by_op"].items()},
+        "frontier_in": split.sizes[layer],
+        "layer_size": split.layer_sizes[layer],
+        "entry_capacity": split.entry_capacities[layer],
+      }
+      for layer, h in enumerate(split.hop_bytes(k))
+    ]
+  lap = sampling.ladies_matrix(graph.adj)
+  out: dict[str, Any] = {
+    "graph": graph.describe(),
+    "mesh": sharding.describe(mesh),
+    "layer_sizes": sizes,
+    "batch_size": bsz,
+    "frontier_sizes": split.sizes,
+    "nodes_and_edges_identical": same,
+    "weight_max_relative_difference": w_rel,
+    "adjacency_bytes": {
+      "replicated_per_device": int(lap.indptr.size * 4 + lap.nnz * 8),
+      "split_per_device": split.adjacency_bytes_per_device,
+    },
+    "hops": hops,
+    "load_average_at_start": load,
+  }
+  del graph
+  runs = []
+  for seed in args.split_seeds[: args.split_ladies_runs]:
+    row = {"seed": seed}
+    for name, split_n, data in (("one_device", 0, 1), ("split_8", 8, 8)):
+      c = _sage_config(spec, args, where="device", split=split_n, mesh_data=data, seed=seed)
+      c.sampler.kind = "ladies"
+      c.sampler.layer_sizes = tuple(sizes)
+      c.sampler.batch_size = bsz
+      c.sampler.eval_batch_size = bsz
+      c.train.steps = args.split_ladies_steps
+      c.train.log_every = args.split_ladies_steps
+      row[name] = _train(c)
+    runs.append(row)
+    print(f"split ladies seed {seed}: {row}", flush=True)
+  out["training"] = runs
+  out["training_steps"] = args.split_ladies_steps
+  out["load_average_after"] = os.getloadavg()[0]
+  out["seconds"] = time.perf_counter() - t_start
+  return out
+
+
+def split_ladies_markdown(s: dict) -> str:
+  adj = s["adjacency_bytes"]
+  lines = [
+    "## LADIES with the graph split over 8 devices: bytes per layer",
+    "",
+    f"{s['graph']}. Mesh {s['mesh']}; layer sizes {s['layer_sizes']}, batch "
+    f"{s['batch_size']}, padded frontiers {tuple(s['frontier_sizes'])}. Ahat per device: "
+    f"replicated {_human(adj['replicated_per_device'])}, split "
+    f"{_human(adj['split_per_device'])} (its rows, plus the N row lengths every device "
+    "keeps). Load average {:.1f} at start, {:.1f} after.".format(
+      s["load_average_at_start"], s["load_average_after"]
+    ),
+    "",
+    "Per layer: all-gather the frontier (k/8 batches per device), then each device reads "
+    "the entries of P = Q @ Ahat in the rows it owns and a reduce-scatter hands each device "
+    "its own batches' entries (column + 1 as int32, value as float32; one owner per entry, "
+    "so every sum is exact); the column norms, the weighted draw and the edges are then "
+    "computed locally with the 1-device keys. C_l = the 1-device entry capacity (the n_l "
+    "longest rows of Ahat). The replicated graph moves nothing.",
+    "",
+    "Checked on one call of 8 batches against the 1-device sampler, same key: nodes and "
+    f"edges identical **{s['nodes_and_edges_identical']}**; edge weights max relative "
+    f"difference {s['weight_max_relative_difference']:.2g}"
+    + (
+      " (bit for bit here; the tests allow an ulp: XLA may fuse the same arithmetic "
+      "differently in the two programs, and did on the test graph)."
+      if s["weight_max_relative_difference"] == 0
+      else " (the same arithmetic, fused differently by XLA in the two programs)."
+    ),
+    "",
+    "| k | layer | frontier n_l | drawn s_l | entries C_l | all-gather | reduce-scatter | "
+    "total | replicated |",
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for k, hops in s["hops"].items():
+    for i, h in enumerate(hops):
+      by = h["by_op"]
+      lines.append(
+        f"| {k} | {i} | {h['frontier_in']:,} | {h['layer_size']} | {h['entry_capacity']:,} | "
+        f"{_human(by.get('all-gather', 0))} | {_human(by.get('reduce-scatter', 0))} | "
+        f"{_human(h['total_operand_bytes'])} | 0 B |"
+      )
+  t = s.get("training") or []
+  if t:
+    lines += [
+      "",
+      f"GraphSAGE (features, hidden 64, LADIES {s['layer_sizes']}, batch {s['batch_size']}, "
+      f"{s['training_steps']} steps) on the graph above: device LADIES on 1 device (mesh "
+      "1x1) vs the graph split over 8 devices (mesh 8x1).",
+      "",
+      "| seed | 1 device: test acc | split over 8 | difference |",
+      "|---:|---:|---:|---:|",
+    ]
+    for r in t:
+      a1, a8 = r["one_device"]["test_accuracy"], r["split_8"]["test_accuracy"]
+      lines.append(f"| {r['seed']} | {a1:.4f} | {a8:.4f} | {a8 - a1:+.4f} |")
+  return "\n".join(lines) + "\n"
+
+
 def _human(b: float) -> str:
   for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
     if b >= size:
@@ -765,6 +920,15 @@ def markdown(p: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def payload_machine(load: float, retained=None) -> str:
+  kept = "" if retained is None else f", malloc keeps freed buffers: {retained}"
+  return (
+    f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
+    f"{load:.1f} at start{kept}, "
+    f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}"
+  )
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--nodes", type=int, default=1_000_000)
@@ -799,17 +963,21 @@ def main():
     "--split_capacity", type=float, default=1.25, help="all_to_all: x an even share per pair"
   )
   p.add_argument("--split_seeds", type=int, nargs="+", default=[0, 1])
+  p.add_argument("--split_ladies_sizes", type=int, nargs="+", default=[512, 512])
+  p.add_argument("--split_ladies_batch", type=int, default=256)
+  p.add_argument("--split_ladies_steps", type=int, default=200)
+  p.add_argument("--split_ladies_runs", type=int, default=1, help="seeds of --split_seeds")
+  p.add_argument("--merge", action="store_true", help="add these sections to an existing NAME.json")
   p.add_argument("--cora_seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
   args = p.parse_args()
   sections = set(args.sections.split(","))
-  unknown = sections - {"sampling", "training", "device", "split", "cora"}
+  known = {"sampling", "training", "device", "split", "split_ladies", "cora"}
+  unknown = sections - known
   if unknown:
-    raise SystemExit(
-      f"unknown --sections {sorted(unknown)}; use sampling, training, device, split, cora"
-    )
+    raise SystemExit(f"unknown --sections {sorted(unknown)}; use {', '.join(sorted(known))}")
   if args.skip_training:
     sections.discard("training")
-  if "split" in sections and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+  if sections & {"split", "split_ladies"} and "device_count" not in os.environ.get("XLA_FLAGS", ""):
     # Before jax initialises: the split graph needs 8 devices (simulated on CPU).
     os.environ["XLA_FLAGS"] = (
       os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -831,9 +999,7 @@ def main():
     "args": {**vars(args), "sections": sorted(sections)},
     "graph": graph.describe() if graph is not None else None,
     "graph_features": args.features,
-    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load "
-    f"average {load:.1f} at start, malloc keeps freed buffers: {retained}, "
-    f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+    "machine": payload_machine(load, retained),
   }
   if "sampling" in sections:
     payload["sampling"] = bench_sampling(graph, args)
@@ -848,6 +1014,8 @@ def main():
   del graph
   if "split" in sections:
     payload["split"] = bench_split(args)
+  if "split_ladies" in sections:
+    payload["split_ladies"] = bench_split_ladies(args)
   if "cora" in sections:
     payload["cora"] = bench_cora(args)
   if "training" in sections:
@@ -860,17 +1028,29 @@ def main():
     )
     payload["training"] = bench_training(train_spec, args)
   RESULTS.mkdir(parents=True, exist_ok=True)
+  previous = RESULTS / f"{args.name}.json"
+  if args.merge and previous.exists():
+    # The sections run now replace theirs; the others (and their args, machine line) stay.
+    old = json.loads(previous.read_text())
+    added = {k: v for k, v in payload.items() if k in known}
+    payload = {**old, **added}
+    payload.setdefault("merged", []).append(
+      {"sections": sorted(added), "args": vars(args), "machine": payload_machine(load)}
+    )
   (RESULTS / f"{args.name}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
   parts = []
   if "sampling" in payload:
     parts.append(markdown(payload))
   else:
-    parts.append(f"# Bulk sampling: {', '.join(sorted(sections))}\n\n{payload['machine']}.\n")
+    present = ", ".join(k for k in sorted(known) if k in payload)
+    parts.append(f"# Bulk sampling: {present}\n\n{payload['machine']}.\n")
   if "device" in payload:
     parts.append(device_markdown(payload["device"], payload["args"]))
     device_plot(payload["device"], RESULTS / f"{args.name}.png")
   if "split" in payload:
     parts.append(split_markdown(payload["split"], payload["args"]))
+  if "split_ladies" in payload:
+    parts.append(split_ladies_markdown(payload["split_ladies"]))
   if "cora" in payload:
     parts.append(cora_markdown(payload["cora"]))
   md = "\n".join(parts)

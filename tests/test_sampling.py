@@ -401,3 +401,45 @@ def test_split_graph_all_to_all_exchange(graph, capacity):
   r, c = np.nonzero(mask[0])
   u, v = nodes[0][r], nodes[0][blocks.layers[0]["nbr"][0][r, c]]
   assert np.all(np.asarray(graph.adj[u, v]).ravel() > 0)
+
+
+@pytest.mark.slow
+def test_split_graph_ladies_equals_one_device(graph):
+  """LADIES with Ahat's rows split over 8 devices (all-gather of the frontier, reduce-scatter
+  of P's entries, each read by its owner): the 1-device sample bit for bit (nodes, edges;
+  weights to an ulp), and those collectives in the HLO, sized k x C_l per layer. Slow: the
+  two LADIES programs take ~10-20 s to compile on this CPU."""
+  mesh = sharding.make_mesh(2, 4)  # the rows split over both axes: every device
+  kw = dict(layer_sizes=[60, 80], batch_size=24)
+  one = device_sampling.DeviceLadiesSampler(graph.adj, **kw)
+  split = device_sampling.SplitLadiesSampler(graph.adj, mesh=mesh, **kw)
+  seeds = np.random.default_rng(4).permutation(graph.num_nodes)[:120].reshape(5, 24)
+  seeds[4, 10:] = -1
+  padded = split.pad_seeds(seeds)
+  assert padded.shape == (8, 24)
+  key = jax.random.key(3)
+  ref = jax.device_get(one.sample_device(padded, key))
+  got = jax.device_get(split.sample_device(padded, key))
+  np.testing.assert_array_equal(ref[0], got[0])
+  for a, b in zip(ref[1], got[1]):
+    np.testing.assert_array_equal(a["src"], b["src"])
+    np.testing.assert_array_equal(a["dst"], b["dst"])
+    # The weights' arithmetic is the same, but XLA fuses it differently in the two programs
+    # (1 batch per device vs 8 at once): within an ulp or two.
+    np.testing.assert_allclose(a["weight"], b["weight"], rtol=5e-7, atol=0)
+  np.testing.assert_array_equal(ref[2], got[2])
+  assert int(ref[3]) == int(got[3])
+  assert split.adjacency_bytes_per_device < (graph.adj.nnz + graph.num_nodes) * 8 / 4
+  for layer, h in enumerate(split.hop_bytes(8)):
+    assert h["by_op"]["all-gather"]["operand_bytes"] == split.sizes[layer] * 4  # 1 batch
+    # (column + 1, value) of k x C_l entries, int32 + float32.
+    assert h["by_op"]["reduce-scatter"]["operand_bytes"] == 8 * split.entry_capacities[layer] * 8
+  # Through the task: sampler.kind=ladies, where=device, split over 8 devices.
+  from recgnn.tasks import node_classification as nc
+
+  c = small_task_config("device", split_devices=8)
+  c.sampler.kind = "ladies"
+  c.sampler.layer_sizes = (64, 64)
+  task = nc.TASK(c)
+  assert isinstance(task.sampler, device_sampling.SplitLadiesSampler)
+  assert isinstance(task.eval_sampler, device_sampling.SplitLadiesSampler)

@@ -33,6 +33,10 @@ not own the row), so its bytes do not fall with D. `exchange="all_to_all"` inste
 each device's own rows to their owners and the neighbours back (two all_to_alls with a
 fixed room per device pair): exact with room for all rows, about capacity / D of the
 reduce-scatter's bytes with `exchange_capacity` (rows beyond it are dropped and counted).
+
+LADIES on a split graph (`SplitLadiesSampler`): the same row split of Ahat; per layer an
+all_gather of the frontier and a psum_scatter of P = Q @ Ahat's entries, each read by the
+owner of its row, then the 1-device layer on each device's own batches (see the class).
 """
 
 from __future__ import annotations
@@ -299,7 +303,14 @@ def _row_entries(indptr, rows, capacity):
   to `capacity`: (row position int32[C], CSR entry int32[C], valid bool[C])."""
   valid = rows >= 0
   r = jnp.where(valid, rows, 0)
-  length = jnp.where(valid, indptr[r + 1] - indptr[r], 0)
+  row, offset, ok = _row_layout(jnp.where(valid, indptr[r + 1] - indptr[r], 0), capacity)
+  return row, indptr[r[row]] + offset, ok
+
+
+def _row_layout(length, capacity):
+  """Rows of `length` (int32[n]) laid end to end in `capacity` slots: (row position
+  int32[C], offset within the row int32[C], valid bool[C])."""
+  rows = length.shape[0]
   ends = jnp.cumsum(length)
   starts = ends - length
   e = jnp.arange(capacity, dtype=jnp.int32)
@@ -307,23 +318,27 @@ def _row_entries(indptr, rows, capacity):
   # running max (a searchsorted per entry costs ~1 us each on XLA:CPU). An empty row shares
   # its start with the next non-empty one, which is larger and wins the max.
   marks = (
-    jnp.zeros(capacity, jnp.int32)
-    .at[starts]
-    .max(jnp.arange(rows.shape[0], dtype=jnp.int32), mode="drop")
+    jnp.zeros(capacity, jnp.int32).at[starts].max(jnp.arange(rows, dtype=jnp.int32), mode="drop")
   )
   row = jax.lax.cummax(marks)
-  entry = indptr[r[row]] + e - starts[row]
-  return row, entry, e < ends[-1]
+  return row, e - starts[row], e < ends[-1]
 
 
 def _ladies_batch(
   indptr, indices, data, frontier, s, n_next, cap_entries, cap_edges, num_nodes, key
 ):
   """One batch, one LADIES layer (the device twin of LadiesSampler.sample's loop body)."""
-  n = frontier.shape[0]
   row, entry, valid = _row_entries(indptr, frontier, cap_entries)
   col = jnp.where(valid, jnp.take(indices, entry, mode="clip"), num_nodes)
   val = jnp.where(valid, jnp.take(data, entry, mode="clip"), 0.0)
+  return _ladies_from_entries(row, col, val, valid, frontier, s, n_next, cap_edges, num_nodes, key)
+
+
+def _ladies_from_entries(row, col, val, valid, frontier, s, n_next, cap_edges, num_nodes, key):
+  """One batch's LADIES layer from P = Q @ Ahat's entries (row position, column, value;
+  invalid: column num_nodes, value 0), however they were read (one device or the split
+  graph's exchange)."""
+  n = frontier.shape[0]
   # Column norms p_b(v) = sum_r P[r, v]^2 into a dense node table (row N: the sink of
   # padding entries), as `extend` does: no pair sort (slow on XLA:CPU), O(N) per batch.
   norm = jnp.zeros(num_nodes + 1, jnp.float32).at[col].add(val * val).at[num_nodes].set(0.0)
@@ -371,23 +386,27 @@ class DeviceLadiesSampler:
     edge_capacities: Sequence[int] | None = None,
     device=None,
   ):
-    host = sampling.LadiesSampler(
-      adj, layer_sizes=layer_sizes, batch_size=batch_size, edge_capacities=edge_capacities
-    )
+    host, self.entry_capacities = self.plan(adj, layer_sizes, batch_size, edge_capacities)
     self.layer_sizes, self.sizes = host.layer_sizes, host.sizes
     self.edge_capacities, self.batch_size = host.edge_capacities, batch_size
     self.num_nodes = host.num_nodes
     lap = host.lap
     indptr, indices = _device_csr(lap)
-    row_len = np.sort(np.diff(lap.indptr))[::-1]
-    # Exact worst case of P's entries per batch: its n_l rows are the n_l longest of Ahat.
-    self.entry_capacities = tuple(
-      max(int(row_len[: self.sizes[i]].sum()), 1) for i in range(len(self.layer_sizes))
-    )
     self.indptr = jax.device_put(indptr, device)
     self.indices = jax.device_put(indices, device)
     self.data = jax.device_put(lap.data.astype(np.float32), device)
     self._sample = jax.jit(self._sample_fn)
+
+  @staticmethod
+  def plan(adj, layer_sizes, batch_size, edge_capacities):
+    """(the host sampler: validation, sizes, Ahat; the entry capacity of each layer: the
+    exact worst case of P's entries per batch, whose n_l rows are the n_l longest of Ahat)."""
+    host = sampling.LadiesSampler(
+      adj, layer_sizes=layer_sizes, batch_size=batch_size, edge_capacities=edge_capacities
+    )
+    row_len = np.sort(np.diff(host.lap.indptr))[::-1]
+    caps = tuple(max(int(row_len[: host.sizes[i]].sum()), 1) for i in range(len(host.layer_sizes)))
+    return host, caps
 
   def _layer(self, layer, indptr, indices, data, frontier, key):
     k = frontier.shape[0]
@@ -469,28 +488,15 @@ class SplitNeighborSampler:
       adj, fanouts=fanouts, batch_size=batch_size, capacities=capacities
     )
     self.fanouts, self.sizes, self.batch_size = host.fanouts, host.sizes, batch_size
-    self.num_nodes = n = host.num_nodes
+    self.num_nodes = host.num_nodes
     self.mesh = mesh
     self.exchange, self.exchange_capacity = exchange, exchange_capacity
     self.exchange_margin = exchange_margin
-    self.devices = d = mesh.size
-    self.rows_per_device = r = -(-n // d)
-    a = host.adj
-    bounds = np.minimum(np.arange(d + 1) * r, n)
-    lo, hi = a.indptr[bounds[:-1]], a.indptr[bounds[1:]]
-    width = max(int((hi - lo).max()), 1)
-    indptr = np.zeros((d, r + 1), np.int32)
-    indices = np.zeros((d, width), np.int32)
-    for i in range(d):
-      rows = a.indptr[bounds[i] : bounds[i + 1] + 1] - lo[i]
-      indptr[i, : rows.size] = rows
-      indptr[i, rows.size :] = rows[-1] if rows.size else 0
-      indices[i, : hi[i] - lo[i]] = a.indices[lo[i] : hi[i]]
-    split = sharding.named(mesh, P(sharding.BATCH))
+    self.devices = mesh.size
     # Row-split: each device holds 1 / D of the edges (the point: graphs beyond one device).
-    self.indptr = jax.device_put(indptr, split)
-    self.indices = jax.device_put(indices, split)
-    self.adjacency_bytes_per_device = int(indptr[0].nbytes + indices[0].nbytes)
+    (self.indptr, self.indices), self.rows_per_device, self.adjacency_bytes_per_device = (
+      _split_rows(host.adj, mesh)
+    )
     make = self._hop if exchange == "reduce_scatter" else self._hop_all_to_all
     self._hops = [jax.jit(make(layer)) for layer in range(len(self.fanouts))]
 
@@ -614,18 +620,185 @@ class SplitNeighborSampler:
   def hop_bytes(self, k: int) -> list[dict]:
     """Per hop, the collectives of the compiled hop for k batches (recgnn.comms.summary):
     bytes each device sends, read from the HLO without running it."""
-    from recgnn import comms
+    return _compiled_hop_bytes(self, (self.indptr, self.indices), k)
 
-    k = _pad_k(k, self.devices)
-    key = jax.random.key(0)
-    out = []
-    for layer, hop in enumerate(self._hops):
-      frontier = jax.ShapeDtypeStruct(
-        (k, self.sizes[layer]), jnp.int32, sharding=sharding.named(self.mesh, P(sharding.BATCH))
+
+def _split_rows(a: sp.csr_matrix, mesh, data: bool = False):
+  """A CSR's rows split over every device of `mesh`: device d holds rows [d R, (d+1) R)
+  (R = ceil(N / D)) as a local CSR, its entries padded to the largest shard. Returns
+  ((indptr int32[D, R+1], indices int32[D, W][, data float32[D, W]]) batch-split device
+  arrays, R, bytes per device)."""
+  d, n = mesh.size, a.shape[0]
+  r = -(-n // d)
+  bounds = np.minimum(np.arange(d + 1) * r, n)
+  lo, hi = a.indptr[bounds[:-1]], a.indptr[bounds[1:]]
+  width = max(int((hi - lo).max()), 1)
+  indptr = np.zeros((d, r + 1), np.int32)
+  indices = np.zeros((d, width), np.int32)
+  values = np.zeros((d, width), np.float32)
+  for i in range(d):
+    rows = a.indptr[bounds[i] : bounds[i + 1] + 1] - lo[i]
+    indptr[i, : rows.size] = rows
+    indptr[i, rows.size :] = rows[-1] if rows.size else 0
+    indices[i, : hi[i] - lo[i]] = a.indices[lo[i] : hi[i]]
+    if data:
+      values[i, : hi[i] - lo[i]] = a.data[lo[i] : hi[i]]
+  arrays = (indptr, indices, values) if data else (indptr, indices)
+  split = sharding.named(mesh, P(sharding.BATCH))
+  nbytes = sum(int(x[0].nbytes) for x in arrays)
+  return tuple(jax.device_put(x, split) for x in arrays), r, nbytes
+
+
+class SplitLadiesSampler:
+  """LADIES with Ahat's rows split over every device of `mesh` (device d holds rows
+  [d R, (d+1) R)); a call's k batches are split over the devices (k a multiple of D).
+
+  Per layer, inside one shard_map:
+    all_gather    the frontier (each device held k / D batches)          k * n_l int32
+    local         every batch's P = Q @ Ahat entries laid out as on one device (the row
+                  lengths, N int32, are replicated: O(N) as the dedup tables already are);
+                  each device reads the entries of the rows it owns (others write 0)
+    psum_scatter  (column + 1, value) of the entries, scattered over batches
+                                                               k * C_l * (int32 + float32)
+    local         each device runs the 1-device layer on its own batches' entries: column
+                  norms, the weighted draw (the same keys), dedup, edges and weights
+  Every entry has exactly one owner, so each sum is one value plus zeros (exact): the
+  sample equals `DeviceLadiesSampler`'s for the same key, bit for bit (tested). C_l is the
+  1-device worst case of P's entries (the n_l longest rows of Ahat), so the reduce-scatter
+  is as large as the 1-device entry buffer; the column norms, O(N) per batch, never cross.
+  """
+
+  def __init__(
+    self,
+    adj: sp.spmatrix,
+    *,
+    layer_sizes: Sequence[int],
+    batch_size: int,
+    mesh: jax.sharding.Mesh,
+    edge_capacities: Sequence[int] | None = None,
+  ):
+    host, self.entry_capacities = DeviceLadiesSampler.plan(
+      adj, layer_sizes, batch_size, edge_capacities
+    )
+    self.layer_sizes, self.sizes = host.layer_sizes, host.sizes
+    self.edge_capacities, self.batch_size = host.edge_capacities, batch_size
+    self.num_nodes = host.num_nodes
+    self.mesh, self.devices = mesh, mesh.size
+    arrays, self.rows_per_device, nbytes = _split_rows(host.lap, mesh, data=True)
+    self.indptr, self.indices, self.data = arrays
+    # Row lengths, replicated: every device lays out every batch's entries.
+    self.lengths = jax.device_put(
+      np.diff(host.lap.indptr).astype(np.int32), sharding.named(mesh, P())
+    )
+    self.adjacency_bytes_per_device = nbytes + int(self.lengths.nbytes)
+    self._hops = [jax.jit(self._hop(layer)) for layer in range(len(self.layer_sizes))]
+
+  def _hop(self, layer: int):
+    """(indptr, indices, data, lengths, frontier [k, n_l] batch-split, key) -> (next
+    [k, n_{l+1}], {src, dst, weight} [k, E_l], edges [k], dropped [D]), batch-split."""
+    axis, r, num_nodes = sharding.BATCH, self.rows_per_device, self.num_nodes
+    cap = self.entry_capacities[layer]
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(P(axis), P(axis), P(axis), P(), P(axis), P()),
+      out_specs=(P(axis), P(axis), P(axis), P(axis)),
+      check_vma=False,
+    )
+    def hop(indptr, indices, data, lengths, local_frontier, key):
+      lb = local_frontier.shape[0]
+      frontier = jax.lax.all_gather(local_frontier, axis, tiled=True)  # [k, n] everywhere
+      me = jax.lax.axis_index(axis)
+
+      def layout(fr):
+        ok = fr >= 0
+        return _row_layout(jnp.where(ok, lengths[jnp.where(ok, fr, 0)], 0), cap)
+
+      def read(fr):
+        row, offset, valid = layout(fr)
+        node = fr[row]
+        owned = valid & (node // r == me)
+        entry = indptr[0][jnp.where(owned, node - me * r, 0)] + offset
+        col = jnp.where(owned, jnp.take(indices[0], entry, mode="clip") + 1, 0)
+        val = jnp.where(owned, jnp.take(data[0], entry, mode="clip"), 0.0)
+        return col, val
+
+      col, val = jax.vmap(read)(frontier)
+      col = jax.lax.psum_scatter(col, axis, scatter_dimension=0, tiled=True)
+      val = jax.lax.psum_scatter(val, axis, scatter_dimension=0, tiled=True)
+      row, _, valid = jax.vmap(layout)(local_frontier)
+      col = jnp.where(valid, col - 1, num_nodes)
+      keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, b), layer))(
+        me * lb + jnp.arange(lb, dtype=jnp.int32)
       )
-      compiled = hop.lower(self.indptr, self.indices, frontier, key).compile()
-      out.append(comms.compiled_summary(compiled))
-    return out
+      fn = functools.partial(
+        _ladies_from_entries,
+        s=self.layer_sizes[layer],
+        n_next=self.sizes[layer + 1],
+        cap_edges=self.edge_capacities[layer],
+        num_nodes=num_nodes,
+      )
+      chunk = _table_chunk(lb, num_nodes)
+      nxt, lay, edges, dropped, _ = jax.lax.map(
+        lambda x: fn(*x[:5], key=x[5]),
+        (row, col, val, valid, local_frontier, keys),
+        batch_size=chunk,
+      )
+      return nxt, lay, edges, dropped.sum()[None]
+
+    return hop
+
+  def pad_seeds(self, seeds: np.ndarray) -> np.ndarray:
+    seeds = sampling._check_seeds(seeds, self.batch_size, self.num_nodes)
+    padded = np.full((_pad_k(seeds.shape[0], self.devices), seeds.shape[1]), -1, np.int32)
+    padded[: seeds.shape[0]] = seeds
+    return padded
+
+  def _args(self):
+    return self.indptr, self.indices, self.data, self.lengths
+
+  def sample_device(self, seeds, key: jax.Array):
+    """seeds int32[k, batch_size] (k a multiple of the devices) -> (nodes, layers,
+    num_edges int32[k, L], dropped int32[]), batch-split over the mesh."""
+    frontier = jax.device_put(
+      jnp.asarray(seeds, jnp.int32), sharding.named(self.mesh, P(sharding.BATCH))
+    )
+    layers, edges, dropped = [], [], 0
+    for hop in self._hops:
+      frontier, lay, e, d = hop(*self._args(), frontier, key)
+      layers.append(lay)
+      edges.append(e)
+      dropped = dropped + d.sum()
+    return frontier, tuple(layers), jnp.stack(edges, 1), dropped
+
+  def sample(self, seeds: np.ndarray, rng) -> sampling.Blocks:
+    """As `LadiesSampler.sample`: numpy seeds and Generator (or a jax key) -> Blocks."""
+    k = np.asarray(seeds).reshape(-1, self.batch_size).shape[0]
+    out = jax.device_get(self.sample_device(self.pad_seeds(seeds), key_from(rng)))
+    return _blocks(out, k, self.sizes)
+
+  def hop_bytes(self, k: int) -> list[dict]:
+    """Per layer, the collectives of the compiled hop for k batches (recgnn.comms.summary)."""
+    return _compiled_hop_bytes(self, self._args(), k)
+
+
+def _compiled_hop_bytes(sampler, args, k: int) -> list[dict]:
+  """Per hop of a split sampler, its collectives for k batches, read from the compiled HLO
+  without running it (recgnn.comms.compiled_summary)."""
+  from recgnn import comms
+
+  k = _pad_k(k, sampler.devices)
+  key = jax.random.key(0)
+  out = []
+  for layer, hop in enumerate(sampler._hops):
+    frontier = jax.ShapeDtypeStruct(
+      (k, sampler.sizes[layer]),
+      jnp.int32,
+      sharding=sharding.named(sampler.mesh, P(sharding.BATCH)),
+    )
+    out.append(comms.compiled_summary(hop.lower(*args, frontier, key).compile()))
+  return out
 
 
 def replicated_hop_bytes(sampler: DeviceNeighborSampler, mesh, k: int) -> list[dict]:
@@ -677,15 +850,19 @@ def make(
   exchange_capacity: float | None = None,
 ):
   """The sampler of `kind` (node | ladies) at `where` (host | device); `mesh` with more
-  than one device splits the graph's rows over it (node-wise only; `exchange` and
-  `exchange_capacity` as `SplitNeighborSampler`)."""
+  than one device splits the graph's rows over it (`SplitNeighborSampler`, with `exchange`
+  and `exchange_capacity`; `SplitLadiesSampler`, reduce_scatter only)."""
   if where not in WHERE:
     raise ValueError(f"Unknown sampler.where {where!r}; available: {', '.join(WHERE)}")
   if kind == "ladies":
-    cls = sampling.LadiesSampler if where == "host" else DeviceLadiesSampler
+    kw = dict(layer_sizes=list(layer_sizes), batch_size=batch_size)
+    if where == "host":
+      return sampling.LadiesSampler(adj, **kw)
     if mesh is not None and mesh.size > 1:
-      raise ValueError("sampler.split_graph supports kind=node only; set sampler.kind=node")
-    return cls(adj, layer_sizes=list(layer_sizes), batch_size=batch_size)
+      if exchange != "reduce_scatter":
+        raise ValueError("sampler.kind=ladies splits the graph with split_exchange=reduce_scatter")
+      return SplitLadiesSampler(adj, mesh=mesh, **kw)
+    return DeviceLadiesSampler(adj, **kw)
   kw = dict(fanouts=list(fanouts), batch_size=batch_size, capacities=capacities)
   if where == "host":
     return sampling.NeighborSampler(adj, **kw)
