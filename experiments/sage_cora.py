@@ -40,6 +40,9 @@ def get_config(arg=None):
   c.embeddings.initializer = "normal"
   c.embeddings.optimizer = ml_collections.ConfigDict({"name": "sgd", "learning_rate": 0.1})
   c.embeddings.plan = ((".*", "dense"),)
+  # auto: the node ids split over the mesh only for a plan that needs it (sharded); true:
+  # for every backend (each device fetches its share); false: every device looks up all.
+  c.embeddings.split_ids = "auto"
 
   # Adam with L2 5e-4, as the published GCN / GraphSAGE Cora setups.
   c.optimizer = ml_collections.ConfigDict(

@@ -23,12 +23,14 @@ Config (the experiment's ConfigDict; see experiments/sage_*.py):
   sampler.kind         node (GraphSAGE fanouts) | ladies (layer-wise)
   sampler.where        host (numpy / scipy, default) | device (jitted JAX over the CSR in
                        device memory; recgnn/graphs/device_sampling.py): the same law
-  sampler.split_devices  device, node only: 0 (default) keeps the graph on one device; N > 1
-                       splits the adjacency's rows over the first N devices (shard_map with
-                       explicit collectives per hop) and gives the same sample as N = 0
-  sampler.split_exchange  reduce_scatter (default: exact) | all_to_all (rows requested from
-                       their owners; sampler.split_capacity = x an even share per device
-                       pair, None = all rows: exact; overflow counted as dropped)
+  sampler.split_devices  device: 0 (default) keeps the graph on one device; N > 1 splits the
+                       adjacency's rows over the first N devices (shard_map with explicit
+                       collectives per hop) and gives the same sample as N = 0 (node; ladies:
+                       the same nodes and edges, weights to an ulp)
+  sampler.split_exchange  reduce_scatter (default: exact) | all_to_all (node only: rows
+                       requested from their owners; sampler.split_capacity = x an even
+                       share per device pair, None = all rows: exact; overflow counted as
+                       dropped)
   sampler.fanouts      node: per layer, seeds outward (-1 = all neighbours)
   sampler.layer_sizes  ladies: nodes drawn per layer
   sampler.batch_size   seeds per mini-batch
@@ -37,12 +39,21 @@ Config (the experiment's ConfigDict; see experiments/sage_*.py):
   sampler.eval_fanouts node: eval fanouts (None = fanouts)
   sampler.eval_batch_size
   embeddings.dim, embeddings.optimizer (name, learning_rate), embeddings.initializer
+  embeddings.split_ids auto (default: when a plan rule names `sharded`) | true | false: the
+                       node ids split over the mesh (each device fetches its share through
+                       the backend) or replicated (every device looks up every id)
   seed                 shuffling, sampling (train batches are a function of seed and step)
 
 Batches: the model's inputs are the rows of the deepest sampled frontier (n_L nodes, padded
-with -1), so a learnable-embedding batch is `ids["node"] = int32[n_L, 1]`: one bag per
-frontier node, pooled by the trainer to float32[n_L, D]. The n_L rows are not the seeds: the
-seeds are frontier 0, and `labels` / `weight` are float32[batch_size] for them.
+with -1), so a learnable-embedding batch is `ids["node"] = int32[n_L', 1]`: one bag per
+frontier node, pooled by the trainer to float32[n_L', D]. n_L' is n_L rounded up to a
+multiple of the mesh's devices (-1 ids: zero rows, dropped before the model) when the node
+ids are split (embeddings.split_ids): they are then the one batch-major part of a batch, each
+device fetches n_L' / n of the rows through the table's backend (dense, tt, offload,
+hot_cold or sharded), and XLA gathers them for the subgraph, which every device gets whole
+(`batch_spec`: every other leaf replicated). `frontier` = int32[n_L] is the frontier's node
+ids. The n_L rows are not the seeds: the seeds are frontier 0, and `labels` / `weight` are
+float32[batch_size] for them.
 """
 
 from __future__ import annotations
@@ -181,9 +192,13 @@ def _load_raw_graph(data: ml_collections.ConfigDict) -> store.Graph:
 class NodeClassification(base.Task):
   """GraphSAGE node classification on features and / or learnable node embeddings."""
 
-  # A sampled mini-batch is one subgraph, not independent examples: every device of a mesh
-  # gets the whole batch (splitting the graph over devices is the bulk-sampling issue's work).
-  shard_batch = False
+  # A sampled mini-batch is one subgraph, not independent examples: every device gets the
+  # subgraph whole (`batch_spec`). The node ids are split over the mesh when
+  # embeddings.split_ids says so (see `_split_ids`): a node table is then fetched through its
+  # backend like any batch-major lookup (`sharded` routes each device's ids to their owners;
+  # `offload` / `hot_cold` serve them from their caches); otherwise every device looks up all
+  # of them (no collective in the step).
+  shard_batch = True
 
   def __init__(self, config: ml_collections.ConfigDict):
     super().__init__(config)
@@ -211,6 +226,10 @@ class NodeClassification(base.Task):
     self.batch_size = int(s.batch_size)
     self.bulk = int(s.get("bulk", 1))
     self.seed = int(config.get("seed", 0))
+    self.shard_batch = self._split_ids(config)
+    # Node-id bags per batch: a multiple of the mesh's devices (each fetches an equal share).
+    mesh_size = sharding.mesh_from_config(config.get("mesh", {})).size
+    self.id_multiple = mesh_size if self.shard_batch else 1
     self.train_nodes = self._labelled("train")
     self.dropped = 0
     self.sampler = self._make_sampler(
@@ -230,6 +249,24 @@ class NodeClassification(base.Task):
     )
 
   # --------------------------------------------------------------------------- setup
+
+  @staticmethod
+  def _split_ids(config) -> bool:
+    """embeddings.split_ids: true | false | auto (default: true when a plan rule names a
+    backend that needs batch-split ids, `sharded`). Split ids put collectives in every step
+    (each device's share fetched, then gathered for the subgraph); XLA:CPU with simulated
+    devices hung at such a collective in some trainer runs here, so they are not the
+    default where replicated ids serve (dense, tt, offload, hot_cold)."""
+    emb = config.get("embeddings", None)
+    mode = str(emb.get("split_ids", "auto") if emb is not None else "auto").lower()
+    if mode in ("true", "1"):
+      return True
+    if mode in ("false", "0"):
+      return False
+    if mode != "auto":
+      raise ValueError(f"Unknown embeddings.split_ids {mode!r}; available: auto, true, false")
+    plan = emb.get("plan", ()) if emb is not None else ()
+    return any(str(rule[1]).strip().startswith("sharded") for rule in plan)
 
   def _labelled(self, split: str) -> np.ndarray:
     ids = self.graph.splits[split]
@@ -323,7 +360,10 @@ class NodeClassification(base.Task):
       x[~valid] = 0.0
       batch["x"] = x
     if self.inputs != "features":
-      batch["ids"] = {TABLE: nodes[:, None].astype(np.int32)}
+      padded = np.full(-(-nodes.size // self.id_multiple) * self.id_multiple, -1, np.int32)
+      padded[: nodes.size] = nodes
+      batch["ids"] = {TABLE: padded[:, None]}
+    batch["frontier"] = np.asarray(nodes, np.int32)
     for depth, layer in enumerate(layers):
       for key, v in layer.items():
         batch[f"{key}{depth}"] = v
@@ -385,12 +425,18 @@ class NodeClassification(base.Task):
 
   # --------------------------------------------------------------------------- model
 
+  def batch_spec(self, batch: base.Batch):
+    """Every leaf but the node ids (`ids`, split by shard_batch = embeddings.split_ids) is
+    the subgraph's: every device gets it whole."""
+    return jax.tree.map(lambda _: sharding.REPLICATED, batch)
+
   def _inputs(self, batch, embeddings) -> jax.Array:
     parts = []
     if self.inputs != "embeddings":
       parts.append(batch["x"])
     if self.inputs != "features":
-      parts.append(embeddings[TABLE])
+      # The id bags past the frontier are padding for the mesh split (zero rows).
+      parts.append(embeddings[TABLE][: batch["frontier"].shape[0]])
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
 
   def _layers(self, batch) -> list[dict[str, jax.Array]]:
@@ -402,7 +448,7 @@ class NodeClassification(base.Task):
     """The model for this batch's static frontier sizes (train and eval samplers may differ;
     the params are the same)."""
     n0 = batch["labels"].shape[0]
-    rows = batch["x"].shape[0] if "x" in batch else embeddings[TABLE].shape[0]
+    rows = batch["frontier"].shape[0]
     num_layers = len(self.sampler.sizes) - 1
     if self.config.sampler.kind == "node":
       mid = tuple(batch[f"nbr{d}"].shape[0] for d in range(1, num_layers))
