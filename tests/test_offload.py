@@ -570,3 +570,16 @@ def test_compiled_planner_names_an_out_of_range_id():
   bad[0, 0] = 5000
   with pytest.raises((ValueError, IndexError)):
     group.prepare({"t": ids[1]}, [{"t": bad}, {"t": ids[3]}])
+
+
+def test_last_batch_keeps_the_steady_shapes():
+  """The last batch of a stream (nothing upcoming to admit) is prepared with the shapes of
+  the batches before it: no train-step compile of its own at the end of a run."""
+  group = base.make_backend("offload(cache_rows=60, lookahead=2)", _spec(ADAGRAD))
+  group.init(jax.random.key(0))
+  ids = _batches(num_batches=4)
+  shapes = []
+  for k in range(4):
+    p = group.prepare({"t": ids[k]}, [{"t": u} for u in ids[k + 1 : k + 3]])
+    shapes.append(jax.tree.map(np.shape, p))
+  assert shapes[1] == shapes[2] == shapes[3]
