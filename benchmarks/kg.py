@@ -79,6 +79,16 @@ _REUSE_SERIAL = flags.DEFINE_bool(
   "parallel / planted: take the whole-graph and serial runs from the previous results "
   "file (same settings) and run only the parallel ones",
 )
+_WHOLE_FROM = flags.DEFINE_string(
+  "whole_from",
+  "",
+  "parallel / planted: take only the whole-graph run from this results file (e.g. "
+  "kg_planted; its epochs may differ: the table says so)",
+)
+_RERUN_WHOLE = flags.DEFINE_bool(
+  "rerun_whole", False, "with --reuse_serial: run the whole graph again (the rest reused)"
+)
+_NAME = flags.DEFINE_string("name", "", "parallel / planted: results file name")
 _REUSE_WHOLE = flags.DEFINE_bool(
   "rgcn_reuse_whole", False, "rgcn: take the whole-graph run from results/kg_rgcn.json"
 )
@@ -558,6 +568,7 @@ def _compare(name: str, title: str, get_config, parts_list, parallel: bool, brea
   runs = {}
   tasks = {}
   reused = {}
+  name = _NAME.value or name
   if _REUSE_SERIAL.value:
     with open(os.path.join(RESULTS, f"{name}.json")) as f:
       prev = json.load(f)
@@ -565,6 +576,13 @@ def _compare(name: str, title: str, get_config, parts_list, parallel: bool, brea
       raise app.UsageError(f"--reuse_serial: {name}.json ran {prev['epochs']} epochs")
     reused = {k: v for k, v in prev["runs"].items() if "parallel" not in k}
     reused = {k: {**v, "reused_from_run_at_load": prev["machine"]} for k, v in reused.items()}
+  if _WHOLE_FROM.value:
+    with open(os.path.join(RESULTS, f"{_WHOLE_FROM.value}.json")) as f:
+      prev = json.load(f)
+    reused = {"whole": {**prev["runs"]["whole"], "reused_from_run_at_load": prev["machine"]}}
+    reused["whole"]["from_file"] = _WHOLE_FROM.value
+  if _RERUN_WHOLE.value:
+    reused.pop("whole", None)
 
   def run(key, cfg, tag):
     if key in reused:
@@ -582,7 +600,7 @@ def _compare(name: str, title: str, get_config, parts_list, parallel: bool, brea
       bytes_[f"{P} partitions in parallel"] = _step_bytes(_mesh(get_config(f"{P},parallel"), P))
       # The same graph data-parallel without partitions: edges split over the devices,
       # every device encodes the whole graph (rows and graph replicated).
-      bytes_["whole graph, edges split"] = _step_bytes(_mesh(get_config(""), P))
+      bytes_[f"whole graph, edges split over {P}"] = _step_bytes(_mesh(get_config(""), P))
     elif parallel:
       print(f"{P} parallel skipped: {jax.device_count()} devices (XLA_FLAGS=...count={P})")
   sizes = {}
@@ -638,7 +656,9 @@ def _compare_md(p: dict) -> str:
     "simulated CPU device(s) (`XLA_FLAGS` "
     f"`{p['xla_flags'] or 'unset'}`): the runs use a 1 x 1 mesh, parallel runs P x 1.\n",
     (
-      f"Runs {', '.join(p['reused_runs'])} are reused from the previous invocation (load "
+      f"Runs {', '.join(p['reused_runs'])} are reused from "
+      f"{p['runs'][p['reused_runs'][0]].get('from_file', 'the previous invocation')} "
+      f"({p['runs'][p['reused_runs'][0]]['epochs']:g} epochs; load "
       f"{p['runs'][p['reused_runs'][0]]['reused_from_run_at_load']['load_avg_1m_at_start']:.1f}"
       " at its start).\n"
       if p.get("reused_runs")
@@ -674,7 +694,7 @@ def _compare_md(p: dict) -> str:
       "",
       "Bytes each device sends per step (operands of the compiled step's collectives, HLO):",
       "",
-      "| step | mesh | edges / step | bytes / device / step | by collective |",
+      "| step | mesh | edges in the step compiled | bytes / device / step | by collective |",
       "|---|---|---|---|---|",
     ]
     for k, b in p["bytes_per_step"].items():
