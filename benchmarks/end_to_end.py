@@ -1,0 +1,306 @@
+"""End to end in the trainer: dlrm_kaggle vs cdlrm_kaggle (offload), ttrec_kaggle (tt) and
+hotline_kaggle (hot_cold) on the same synthetic data, and where the input thread's time goes.
+
+Three measurements, one process, one command (defaults: ~5 minutes on a quiet machine):
+
+  trainer      `recgnn.train.loop.train` of each experiment for `--steps` steps, interleaved:
+               round r runs every experiment before round r + 1 runs any (the machine is
+               shared: load changes hit them all). Samples/s per `--log_every`-step interval
+               from metrics.jsonl, the first interval of each run dropped (it holds the
+               compile); time per step = batch / samples/s; ratio to dlrm_kaggle's median.
+               The input thread's busy seconds per step (results["input_thread_seconds"]).
+  breakdown    the input thread's work per batch, per experiment, outside the trainer on the
+               same batches: each embedding group's `prepare` (dense: dedup; offload: cache
+               planning; tt: the prefix tree; hot_cold: the popular split), `inputs.pack`
+               (one buffer per dtype) and `inputs.put` (the transfer). Wall and CPU time.
+  planning     cdlrm_kaggle's offload group: batches/s of `prepare` with the compiled planner
+               (recgnn.hostplan) on 1, 2 and all cores, and the numpy planner; CPU time per batch.
+
+  python benchmarks/end_to_end.py                 # writes results/end_to_end.{json,md}
+  python benchmarks/end_to_end.py --quick         # ~2 minutes, a smoke run (not for figures)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import sparse_update as common  # noqa: E402  (machine_info, write_results)
+
+from recgnn import hostplan, sharding  # noqa: E402
+from recgnn.embeddings import base  # noqa: E402
+from recgnn.train import inputs, loop  # noqa: E402
+from recgnn.train import step as step_lib  # noqa: E402
+
+EXPERIMENTS = ("dlrm_kaggle", "cdlrm_kaggle", "ttrec_kaggle", "hotline_kaggle")
+REFERENCE = "dlrm_kaggle"
+TARGET_RATIO = 1.3
+
+
+def config_of(name: str, args):
+  c = importlib.import_module(f"experiments.{name}").get_config()
+  c.train.steps = args.steps
+  c.train.log_every = args.log_every
+  c.train.checkpoint_every = 0
+  c.train.eval_every = 0
+  c.train.final_eval_splits = ()
+  return c
+
+
+def run_trainer(name: str, args) -> dict:
+  config = config_of(name, args)
+  workdir = tempfile.mkdtemp(prefix=f"e2e_{name}_")
+  load = os.getloadavg()
+  cpu0, t0 = time.process_time(), time.perf_counter()
+  try:
+    res = loop.train(config, workdir)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      lines = [json.loads(x) for x in f]
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+  rates = [x["samples_per_second"] for x in lines if "samples_per_second" in x]
+  steady = rates[1:]  # the first interval holds the compile
+  batch = config.train.batch_size
+  return {
+    "experiment": name,
+    "load_avg_before": load,
+    "wall_s": time.perf_counter() - t0,
+    "cpu_s": time.process_time() - cpu0,
+    "samples_per_s_intervals": rates,
+    "samples_per_s_median": statistics.median(steady),
+    "ms_per_step_median": 1e3 * batch / statistics.median(steady),
+    "input_thread_ms_per_step": 1e3 * res.metrics["input_thread_seconds"] / args.steps,
+  }
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def setup(name: str, num_batches: int):
+  """(plan with initialised groups, feeder, batches) of an experiment."""
+  c = importlib.import_module(f"experiments.{name}").get_config()
+  task = loop.load_task(c)
+  mesh = sharding.mesh_from_config(c.get("mesh", {}))
+  plan = base.resolve_plan(list(map(tuple, c.embeddings.plan)), task.tables(), mesh, log=False)
+  feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec)
+  for g in plan.groups.values():
+    g.init(jax.random.key(0))
+  it = task.train_batches(0)
+  return plan, feeder, [next(it) for _ in range(num_batches)]
+
+
+def breakdown(name: str, args) -> dict:
+  """ms per batch (wall and CPU) of each group's prepare, pack and put, in stream order."""
+  plan, feeder, batches = setup(name, args.host_batches + 4)
+  window = plan.lookahead
+  acc: dict[str, list[float]] = {}
+
+  def timed(key, fn, *a, **kw):
+    w, c = time.perf_counter(), time.process_time()
+    out = fn(*a, **kw)
+    acc.setdefault(key, []).append(1e3 * (time.perf_counter() - w))
+    acc.setdefault(key + " cpu", []).append(1e3 * (time.process_time() - c))
+    return out
+
+  for k, batch in enumerate(batches[: args.host_batches]):
+    upcoming = [b["ids"] for b in batches[k + 1 : k + 1 + window]]
+    prepared = {}
+    for key, g in plan.groups.items():
+      ids = {t: batch["ids"][t] for t in g.specs}
+      ahead = [{t: u[t] for t in g.specs} for u in upcoming[: g.lookahead]]
+      prepared[key] = timed(f"prepare[{g.name}]", g.prepare, ids, ahead, train=True)
+    b = step_lib.device_batch(batch)
+    specs = feeder.specs(prepared, b)
+    bufs, _ = timed("pack", inputs.pack, (prepared, b), specs, plan.mesh.size)
+    jax.block_until_ready(timed("put", inputs.put, bufs, plan.mesh))
+  skip = 3  # the first batches: admissions on demand, numba's first call
+  return {k: float(np.median(v[skip:])) for k, v in acc.items()}
+
+
+def planning(args) -> dict:
+  """cdlrm_kaggle's offload group: prepare batches/s per planner and core count."""
+  cores = sorted({1, 2, os.cpu_count() or 1})
+  modes = [("numpy", None)] + [("compiled", k) for k in cores]
+  out = {}
+  for _ in range(args.plan_reps):
+    for mode, k in modes:
+      plan, _, batches = setup("cdlrm_kaggle", args.host_batches + 12)
+      (group,) = plan.groups.values()
+      enabled = hostplan.enabled
+      hostplan.enabled = (lambda: False) if mode == "numpy" else enabled
+      old = hostplan.threads()
+      hostplan.set_threads(k or 1)
+      try:
+        items = inputs.prepare_stream(plan, (("train", None, b) for b in batches))
+        for _ in range(3):  # first batches: admissions on demand (the numpy planner)
+          next(items)
+        n = 0
+        w, c = time.perf_counter(), time.process_time()
+        for _ in items:
+          n += 1
+        w, c = time.perf_counter() - w, time.process_time() - c
+      finally:
+        hostplan.enabled = enabled
+        hostplan.set_threads(old)
+      key = mode if k is None else f"{mode}, {k} core{'s' if k > 1 else ''}"
+      r = out.setdefault(key, {"cores": k or 1, "batches_per_s": [], "cpu_ms_per_batch": []})
+      r["batches_per_s"].append(n / w)
+      r["cpu_ms_per_batch"].append(1e3 * c / n)
+      r["fast_batches"] = getattr(group, "fast_batches", 0)
+  for r in out.values():
+    r["batches_per_s_median"] = statistics.median(r["batches_per_s"])
+    r["per_core"] = r["batches_per_s_median"] / r["cores"]
+    r["cpu_ms_median"] = statistics.median(r["cpu_ms_per_batch"])
+  return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def markdown(payload: dict) -> str:
+  m = payload["machine"]
+  start = ", ".join(f"{x:.1f}" for x in m["load_avg_at_start"])
+  end = ", ".join(f"{x:.1f}" for x in payload["load_avg_at_end"])
+  lines = [
+    "# End to end in the trainer (benchmarks/end_to_end.py)",
+    "",
+    f"`{m['command']}` on {m['cpus']} CPUs, jax {m['jax']} ({m['jax_backend']}), "
+    f"{m['date_utc']}; load average at start {start}, at end {end}.",
+    "",
+    f"## Trainer: {payload['args']['steps']} steps per run, {payload['args']['rounds']} "
+    "interleaved rounds",
+    "",
+    "Median over the steady intervals of all rounds (the first interval of each run, with "
+    "the compile, dropped); ratio = time per step / dlrm_kaggle's; input thread = its busy "
+    "time per step (prepare + pack + transfer).",
+    "",
+    "| experiment | samples/s | ms / step | ratio to dlrm | ratio per round | input thread "
+    "ms / step | load before each run |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for name, r in payload["trainer"].items():
+    lines.append(
+      f"| {name} | {r['samples_per_s']:,.0f} | {r['ms_per_step']:.1f} | {r['ratio']:.2f} | "
+      + ", ".join(f"{x:.2f}" for x in r["ratio_per_round"])
+      + f" | {r['input_thread_ms_per_step']:.1f} | "
+      + ", ".join(f"{x:.1f}" for x in r["load_before"])
+      + " |"
+    )
+  within = [n for n, r in payload["trainer"].items() if n in ("cdlrm_kaggle", "ttrec_kaggle")]
+  for n in within:
+    r = payload["trainer"][n]
+    ok = "within" if r["ratio"] <= TARGET_RATIO else "NOT within"
+    lines.append("")
+    lines.append(f"- {n}: {r['ratio']:.2f}x dlrm_kaggle's time per step: {ok} {TARGET_RATIO}x.")
+  lines += [
+    "",
+    "## Input thread per batch (ms, median; outside the trainer, same batches)",
+    "",
+    "| experiment | part | wall ms | CPU ms |",
+    "|---|---|---|---|",
+  ]
+  for name, parts in payload["breakdown"].items():
+    for k, v in parts.items():
+      if k.endswith(" cpu"):
+        continue
+      lines.append(f"| {name} | {k} | {v:.2f} | {parts[k + ' cpu']:.2f} |")
+  lines += [
+    "",
+    "## Planning throughput: cdlrm_kaggle's offload group (26 tables, batch 2048)",
+    "",
+    "`prepare` of every table of the group per batch, in stream order with the look-ahead "
+    "window (medians of the repetitions).",
+    "",
+    "| planner | cores | batches/s (wall) | per core | x 1 core | CPU ms / batch | "
+    "batches per CPU-second | kernel batches |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  one = payload["planning"].get("compiled, 1 core", {}).get("batches_per_s_median")
+  for k, r in payload["planning"].items():
+    scale = f"{r['batches_per_s_median'] / one:.2f}" if one and k.startswith("compiled") else ""
+    lines.append(
+      f"| {k} | {r['cores']} | {r['batches_per_s_median']:,.0f} | {r['per_core']:,.0f} | "
+      f"{scale} | {r['cpu_ms_median']:.2f} | {1e3 / r['cpu_ms_median']:,.0f} | "
+      f"{r['fast_batches']} |"
+    )
+  lines += [
+    "",
+    "Wall batches/s depend on the load (a loaded 2-core machine gives a process a fraction of "
+    "a core); CPU ms per batch (all threads) does not: batches per CPU-second is the "
+    "throughput of one free core, what a GPU host's spare cores each add.",
+  ]
+  return "\n".join(lines) + "\n"
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--experiments", default=",".join(EXPERIMENTS))
+  ap.add_argument("--steps", type=int, default=300)
+  ap.add_argument("--log_every", type=int, default=50)
+  ap.add_argument("--rounds", type=int, default=2)
+  ap.add_argument("--host_batches", type=int, default=60)
+  ap.add_argument("--plan_reps", type=int, default=3)
+  ap.add_argument("--sections", default="planning,breakdown,trainer")
+  ap.add_argument("--name", default="end_to_end")
+  ap.add_argument("--quick", action="store_true")
+  args = ap.parse_args()
+  if args.quick:
+    args.steps, args.log_every, args.rounds, args.host_batches, args.plan_reps = 100, 25, 1, 20, 1
+  names = [n for n in args.experiments.split(",") if n]
+  sections = set(args.sections.split(","))
+  payload = {"machine": common.machine_info(), "args": vars(args), "hostplan": {
+    "compiled": hostplan.enabled(), "threads": hostplan.threads()}}  # fmt: skip
+  if "planning" in sections:
+    payload["planning"] = planning(args)
+    print(json.dumps(payload["planning"], indent=1), flush=True)
+  if "breakdown" in sections:
+    payload["breakdown"] = {n: breakdown(n, args) for n in names}
+    print(json.dumps(payload["breakdown"], indent=1), flush=True)
+  if "trainer" in sections:
+    runs = []
+    for r in range(args.rounds):
+      for n in names:
+        print(f"round {r}: {n} (load {os.getloadavg()[0]:.1f})", flush=True)
+        runs.append(dict(run_trainer(n, args), round=r))
+    payload["runs"] = runs
+    ref = {x["round"]: x["ms_per_step_median"] for x in runs if x["experiment"] == REFERENCE}
+    trainer = {}
+    for n in names:
+      mine = [x for x in runs if x["experiment"] == n]
+      steady = [v for x in mine for v in x["samples_per_s_intervals"][1:]]
+      sps = statistics.median(steady)
+      batch = mine[0]["ms_per_step_median"] * mine[0]["samples_per_s_median"] / 1e3
+      ref_steady = [
+        v for x in runs if x["experiment"] == REFERENCE for v in x["samples_per_s_intervals"][1:]
+      ]
+      trainer[n] = {
+        "samples_per_s": sps,
+        "ms_per_step": 1e3 * batch / sps,
+        "ratio": statistics.median(ref_steady) / sps if ref_steady else float("nan"),
+        "ratio_per_round": [x["ms_per_step_median"] / ref[x["round"]] for x in mine if ref],
+        "input_thread_ms_per_step": statistics.median(x["input_thread_ms_per_step"] for x in mine),
+        "load_before": [x["load_avg_before"][0] for x in mine],
+      }
+    payload["trainer"] = trainer
+  payload["load_avg_at_end"] = os.getloadavg()
+  if {"planning", "breakdown", "trainer"} <= sections:
+    common.write_results(args.name, payload, markdown(payload))
+  else:
+    print(json.dumps(payload, indent=1, default=str))
+
+
+if __name__ == "__main__":
+  main()
