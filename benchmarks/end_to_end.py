@@ -295,6 +295,12 @@ def main():
         "load_before": [x["load_avg_before"][0] for x in mine],
       }
     payload["trainer"] = trainer
+    for n, t in trainer.items():
+      print(
+        f"{n}: {t['samples_per_s']:,.0f} samples/s, {t['ms_per_step']:.1f} ms/step, "
+        f"{t['ratio']:.2f}x {REFERENCE}, input thread {t['input_thread_ms_per_step']:.1f} ms/step",
+        flush=True,
+      )
   payload["load_avg_at_end"] = os.getloadavg()
   if {"planning", "breakdown", "trainer"} <= sections:
     common.write_results(args.name, payload, markdown(payload))

@@ -29,6 +29,9 @@ Sections (`--sections`, default all):
 Writes benchmarks/results/<name>.{json,md} (--name, default tt). The committed results:
   tt_compression  python benchmarks/tt.py --sections=compression --name=tt_compression
   tt_kernels      python benchmarks/tt.py --sections=kernels --name=tt_kernels
+  tt_contract     python benchmarks/tt.py --sections=kernels --ranks=32 --kernels=prefix \
+                    --contracts=batched,pairs,auto --rows=97336 --name=tt_contract
+                    (ttrec_kaggle's synthetic C3: 46^3 rows; --rows=10131227: the real C3)
   tt_train_step   python benchmarks/tt.py --sections=train_step --step_batches=8 --reps=5 \
                     --name=tt_train_step
   tt_quality      python benchmarks/tt.py --sections=quality --seeds=0,1,2 --quality_steps=1000 \
@@ -195,7 +198,13 @@ def kernels(args) -> dict:
     batches = [zipf_ids(rng, args.rows, (args.batch, 1), order=order) for _ in range(args.batches)]
     uniq = float(np.mean([np.unique(b).size for b in batches]))
     variants = [("dense", "dense")] + [
-      (f"tt r={r} {k}", f"tt(rank={r}, kernel={k})") for r in args.ranks for k in args.kernels
+      (
+        f"tt r={r} {k}" + (f" {c}" if c != "auto" else ""),
+        f"tt(rank={r}, kernel={k}, contract={c})",
+      )
+      for r in args.ranks
+      for k in args.kernels
+      for c in (["auto"] if k == "naive" else args.contracts)
     ]
     runners = {name: Runner(text, spec, batches, args.warmup) for name, text in variants}
     for _ in range(args.reps):  # round-robin: machine noise hits every variant alike
@@ -730,6 +739,9 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true")
   p.add_argument("--ranks", default="8,16,32,64")
   p.add_argument("--kernels", default=",".join(KERNELS))
+  p.add_argument(
+    "--contracts", default="auto", help="level products of unique/prefix: auto,batched,pairs"
+  )
   p.add_argument("--orders", default="frequency,hashed")
   p.add_argument("--rows", type=int, default=10_131_227)
   p.add_argument("--batch", type=int, default=2048)
@@ -757,6 +769,7 @@ def main(argv=None):
   args = p.parse_args(argv)
   args.ranks = [int(x) for x in args.ranks.split(",")]
   args.kernels = args.kernels.split(",")
+  args.contracts = args.contracts.split(",")
   args.orders = args.orders.split(",")
   args.step_variants = [v for v in args.step_variants.split(";") if v]
   args.seeds = [int(x) for x in args.seeds.split(",")]

@@ -21,6 +21,15 @@ SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
 ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
 OPTIMIZERS = [SGD, ADAGRAD]
 TOL = {"rtol": 2e-4, "atol": 2e-6}
+# Every way of computing rows: the kernels, and the prefix / unique kernels with each level
+# product (contract=); all must compute the same rows and gradients.
+VARIANTS = [
+  "kernel=naive",
+  "kernel=unique, contract=batched",
+  "kernel=unique, contract=pairs",
+  "kernel=prefix, contract=batched",
+  "kernel=prefix, contract=pairs",
+]
 
 
 def _spec(opt=SGD, num_rows=1000, dim=8, **kw):
@@ -186,12 +195,13 @@ def test_reconstruct_matches_numpy_chain_product():
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
 def test_lookups_equal_reconstruction_every_step_and_kernels_agree(opt):
   batches = _batches()
-  traces = {k: _drive(f"tt(rank=4, kernel={k})", _spec(opt), batches) for k in tt.KERNELS}
+  traces = {v: _drive(f"tt(rank=4, {v})", _spec(opt), batches) for v in VARIANTS}
+  ref = traces["kernel=naive"]
   for k, tr in traces.items():  # (_drive checks padding looks up as 0)
     assert not np.allclose(tr.lookups[0], tr.lookups[-1])  # it trained
-    for step, (a, b) in enumerate(zip(tr.lookups, traces["naive"].lookups)):
+    for step, (a, b) in enumerate(zip(tr.lookups, ref.lookups)):
       np.testing.assert_allclose(a, b, **TOL, err_msg=f"{k} vs naive, step {step}")
-    np.testing.assert_allclose(tr.table, traces["naive"].table, **TOL, err_msg=k)
+    np.testing.assert_allclose(tr.table, ref.table, **TOL, err_msg=k)
 
 
 @pytest.mark.parametrize(
@@ -221,11 +231,11 @@ def _reference_loss(cores, ids, g, num_rows):
   return jnp.sum(rows * g)
 
 
-@pytest.mark.parametrize("kernel", tt.KERNELS)
-def test_core_grads_match_jax_grad_of_reconstruction(kernel):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_core_grads_match_jax_grad_of_reconstruction(variant):
   spec = _spec(num_rows=1000, dim=8)
   ids = _batches(n=1)[0]
-  b = _member(f"tt(rank=4, kernel={kernel})", spec)  # unpooled: a gradient per bag slot
+  b = _member(f"tt(rank=4, {variant})", spec)  # unpooled: a gradient per bag slot
   state = b.init(jax.random.key(1))
   g = jax.random.normal(jax.random.key(2), ids.shape + (spec.dim,))
   ref = jax.grad(_reference_loss)(state["cores"], jnp.asarray(ids), g, spec.num_rows)
@@ -235,13 +245,13 @@ def test_core_grads_match_jax_grad_of_reconstruction(kernel):
     np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-6, err_msg=f"core {k}")
 
 
-@pytest.mark.parametrize("kernel", tt.KERNELS)
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
-def test_update_applies_rowwise_optimizer_to_core_slices(kernel, opt):
+def test_update_applies_rowwise_optimizer_to_core_slices(variant, opt):
   """SGD: cores -= lr * grad. Adagrad: one accumulator per slice G_k[i], as documented."""
   spec = _spec(opt, num_rows=1000, dim=8)
   ids = np.array([[3, 17, -1], [512, 3, 998]])  # repeats, padding, and untouched slices
-  b = _member(f"tt(rank=4, kernel={kernel})", spec)  # unpooled: a gradient per bag slot
+  b = _member(f"tt(rank=4, {variant})", spec)  # unpooled: a gradient per bag slot
   state = b.init(jax.random.key(1))
   g = jax.random.normal(jax.random.key(2), ids.shape + (spec.dim,))
   ref = jax.grad(_reference_loss)(state["cores"], jnp.asarray(ids), g, spec.num_rows)
@@ -262,11 +272,34 @@ def test_update_applies_rowwise_optimizer_to_core_slices(kernel, opt):
     np.testing.assert_array_equal(np.asarray(c1)[~touched], old["cores"][k][~touched])
 
 
-@pytest.mark.parametrize("kernel", ["naive", "prefix"])
-def test_update_is_sparse(kernel):
-  spec = _spec(ADAGRAD, num_rows=200_000, dim=16)
+@pytest.mark.parametrize(
+  "variant, num_rows",
+  [("kernel=naive", 200_000), ("contract=batched", 200_000), ("contract=auto", 2_000_000)],
+)
+def test_update_is_sparse(variant, num_rows):
+  """contract=pairs's scratch is O(distinct parents x slices): bounded (auto keeps the pair
+  table under _PAIRS_MAX_FLOATS), not by the batch alone, so at 200k rows (58 x 59 x 59) it is
+  over a quarter of the table; auto weighs it against the batched product (at 2M rows it
+  takes the batched one for this batch: few prefixes share a parent)."""
+  spec = _spec(ADAGRAD, num_rows=num_rows, dim=16)
   batch = _batches(num_rows=spec.num_rows, n=1, batch=256, bag=2)[0]
-  contract.assert_update_is_sparse(f"tt(rank=16, kernel={kernel})", spec, batch)
+  contract.assert_update_is_sparse(f"tt(rank=16, {variant})", spec, batch)
+
+
+def test_level_product_cost_model():
+  """auto takes pairs where the distinct parents x slices are few (the synthetic default's
+  levels), the batched product where they are many (real Kaggle sizes) or the pair table
+  would be large; contract= overrides it and is refused where it means nothing."""
+  assert tt.level_product(46, 2, 32, 46, 2, 32, 448) == "pairs"  # ttrec_kaggle C3, level 1
+  assert tt.level_product(448, 4, 32, 46, 4, 1, 1280) == "pairs"  # level 2
+  assert tt.level_product(1500, 4, 32, 216, 4, 1, 2000) == "batched"  # 10M-row C3, level 2
+  assert tt.level_product(217, 2, 32, 217, 2, 32, 1500) == "batched"  # its level 1
+  assert tt.level_product(8, 4, 32, 10_000, 4, 64, 100_000) == "batched"  # > the float cap
+  with pytest.raises(ValueError, match="available: auto, batched, pairs"):
+    _member("tt(contract=fast)", _spec())
+  with pytest.raises(ValueError, match="needs kernel=prefix or unique"):
+    _member("tt(kernel=naive, contract=pairs)", _spec())
+  assert "contract=pairs" in _member("tt(contract=pairs)", _spec()).describe()
 
 
 def test_prefix_kernel_shares_prefixes():

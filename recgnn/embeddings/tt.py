@@ -28,6 +28,18 @@ Kernels (`kernel=`), all computing the same rows (benchmarks/tt.py measures them
           as batched matrix products. The default: the fastest measured
           (benchmarks/results/tt_kernels.md).
 
+Level products (`contract=`, for unique and prefix): level k multiplies each prefix's
+partial product [a, r] by its slice of core k [r, d_k * r_k]. `batched`: one batched matmul
+over the P_k prefixes (P_k tiny matmuls: on XLA:CPU its transpose, a contraction over a <= 4,
+runs at ~1 GFLOP/s). `pairs`: one plain matmul of the P_{k-1} distinct parents by the S_k
+distinct slices ([P_{k-1} a, r] @ [r, S_k d_k r_k]), then a gather of the P_k pairs used:
+P_{k-1} S_k / P_k times the arithmetic, but as one GEMM (and its vjp two GEMMs and a
+scatter). `auto` (default) picks per level from the static capacities with the cost model
+of `level_product` (constants measured on XLA:CPU; `benchmarks/tt.py --sections=kernels
+--contracts=batched,pairs,auto` compares the three on one table); pairs only while its
+[P_{k-1} a, S_k d_k r_k] product stays under `_PAIRS_MAX_FLOATS`. Both are exact: rows and
+gradients agree up to float summation order (tests/test_tt.py).
+
 Cache (`cache_rows=C`, TT-Rec's cache of hot uncompressed rows): the host counts accesses over
 the first `cache_warmup` batches, then fixes the C most frequent rows as the hot set (LFU over
 the warm-up, as TT-Rec). Hot rows are served and trained as plain rows of a float32[C, D] cache
@@ -58,6 +70,7 @@ from recgnn import sharding
 from recgnn.embeddings import base, profile
 
 KERNELS = ("naive", "unique", "prefix")
+CONTRACTS = ("auto", "batched", "pairs")
 INITS = ("sampled_gaussian", "uniform", "orthogonal", "tt_svd")
 PADS = ("grow", "full")
 
@@ -314,6 +327,29 @@ def reconstruct(cores: Sequence[jax.Array], num_rows: int) -> jax.Array:
   return out[:num_rows, :, 0]
 
 
+# The `contract=auto` cost model, fitted to forward + vjp times of one level on XLA:CPU (2
+# cores) at the shapes of ttrec_kaggle's synthetic tables and of the real 10M-row Kaggle C3.
+# Per level with w = a * r * d_k * r_k multiply-adds per product:
+#   batched ~ P_k * (_BATCHED_NS + w * _BATCHED_NS_PER_MAC)   (tiny matmuls: overhead-bound)
+#   pairs   ~ P_{k-1} * S_k * w * _PAIRS_NS_PER_MAC             (one GEMM: arithmetic-bound)
+_BATCHED_NS, _BATCHED_NS_PER_MAC = 1500.0, 0.3
+_PAIRS_NS_PER_MAC = 0.1
+_PAIRS_MAX_FLOATS = 2 << 20  # 8 MB of pair products: beyond it memory traffic dominates
+
+
+def level_product(p_prev: int, a: int, r: int, s: int, d: int, r1: int, p: int) -> str:
+  """'pairs' or 'batched': the cheaper product for one level by the cost model above.
+
+  p_prev parents [a, r] each, s slices [r, d * r1] each, p products wanted.
+  """
+  w = a * r * d * r1
+  if p_prev * a * s * d * r1 > _PAIRS_MAX_FLOATS:
+    return "batched"
+  pairs = p_prev * s * w * _PAIRS_NS_PER_MAC
+  batched = p * (_BATCHED_NS + w * _BATCHED_NS_PER_MAC)
+  return "pairs" if pairs < batched else "batched"
+
+
 HEADROOM = 1.25  # capacity / count when a capacity grows: batch-to-batch noise stays inside
 
 
@@ -347,6 +383,8 @@ class TT(base.TableBackend):
       backend reads it at init; neither imports the other.
     init_path: the .npy file of init=tt_svd (~ expanded).
     kernel: prefix (default) | unique | naive.
+    contract: auto (default) | batched | pairs: how a level multiplies prefixes by slices
+      (module docstring); results are equal up to float summation order.
     cache_rows: rows of the uncompressed hot-row cache (0 = none, default).
     cache_warmup: batches counted before the hot set is fixed. Default 50.
     pad: grow (default) | full; see the module docstring.
@@ -368,6 +406,7 @@ class TT(base.TableBackend):
     init: str = "sampled_gaussian",
     init_path: str = "",
     kernel: str = "prefix",
+    contract: str = "auto",
     cache_rows: int = 0,
     cache_warmup: int = 50,
     pad: str = "grow",
@@ -378,6 +417,10 @@ class TT(base.TableBackend):
       raise ValueError(f"tt: unknown init {init!r}; available: {', '.join(INITS)}")
     if kernel not in KERNELS:
       raise ValueError(f"tt: unknown kernel {kernel!r}; available: {', '.join(KERNELS)}")
+    if contract not in CONTRACTS:
+      raise ValueError(f"tt: unknown contract {contract!r}; available: {', '.join(CONTRACTS)}")
+    if contract != "auto" and kernel == "naive":
+      raise ValueError(f"tt: contract={contract} needs kernel=prefix or unique (naive has no tree)")
     if pad not in PADS:
       raise ValueError(f"tt: unknown pad {pad!r}; available: {', '.join(PADS)}")
     if cache_rows < 0 or cache_warmup < 1:
@@ -390,6 +433,7 @@ class TT(base.TableBackend):
     self.init_path = str(init_path)
     self.shape = tt_shape(spec.num_rows, spec.dim, rank, cores, row_factors, dim_factors)
     self.rank, self.init_name, self.kernel, self.pad = rank, init, kernel, pad
+    self.contract = contract
     self._explicit_factors = row_factors is not None or dim_factors is not None
     self.cache_rows = min(cache_rows, spec.num_rows)
     self.cache_warmup = cache_warmup
@@ -411,6 +455,8 @@ class TT(base.TableBackend):
       opts.append(f"init_path={self.init_path}")
     if self.kernel != "prefix":
       opts.append(f"kernel={self.kernel}")
+    if self.contract != "auto":
+      opts.append(f"contract={self.contract}")
     if self._explicit_factors:
       opts.append(f"row_factors={self.shape.row_factors}")
       opts.append(f"dim_factors={self.shape.dim_factors}")
@@ -648,15 +694,29 @@ class TT(base.TableBackend):
     k_cores = self.shape.num_cores
     pre = None
     for k in range(k_cores):
-      s = slices[k].at[prepared[f"slice_of{k}"]].get(mode="fill", fill_value=0.0)
       if k == 0:
-        pre = s[:, 0]  # [P, d_1, r_1]
+        s = slices[0].at[prepared["slice_of0"]].get(mode="fill", fill_value=0.0)
+        pre = s[:, 0]  # [P_0, d_1, r_1]
         continue
-      parent = pre[prepared[f"parent{k}"]]  # [P, a, r]
-      p, a, r = parent.shape
-      # One batched matmul per level: [P, a, r] @ [P, r, d_k * r_k].
-      out = jnp.matmul(parent, s.reshape(p, r, -1))
-      pre = out.reshape(p, a * s.shape[2], s.shape[3])
+      parent_of, slice_of = prepared[f"parent{k}"], prepared[f"slice_of{k}"]
+      p_prev, a, r = pre.shape
+      n_s, _, d, r1 = slices[k].shape
+      how = self.contract
+      if how == "auto":
+        how = level_product(p_prev, a, r, n_s, d, r1, parent_of.shape[0])
+      if how == "pairs":
+        # [P_{k-1} a, r] @ [r, S_k d r1]: every (parent, slice) pair in one GEMM, then the
+        # P_k pairs used. A padded prefix's slice index is S_k (out of range): it gets 0.
+        lhs = pre.reshape(p_prev * a, r)
+        rhs = jnp.transpose(slices[k], (1, 0, 2, 3)).reshape(r, n_s * d * r1)
+        table = (lhs @ rhs).reshape(p_prev, a, n_s, d, r1)
+        out = table.at[parent_of, :, slice_of].get(mode="fill", fill_value=0.0)  # [P, a, d, r1]
+      else:
+        s = slices[k].at[slice_of].get(mode="fill", fill_value=0.0)
+        parent = pre[parent_of]  # [P, a, r]
+        # One batched matmul per level: [P, a, r] @ [P, r, d_k * r_k].
+        out = jnp.matmul(parent, s.reshape(s.shape[0], r, -1))
+      pre = out.reshape(out.shape[0], a * d, r1)
     return pre.reshape(pre.shape[0], self.spec.dim)
 
   def _gather_slices(self, state, prepared) -> list[jax.Array]:
