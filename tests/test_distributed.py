@@ -48,15 +48,19 @@ PLAN = (("C(1|2|3)$", "sharded"), (".*", "dense"))
 def _config(cache_dir, steps):
   from tests.trainer_lib import smoke_config
 
-  return smoke_config(cache_dir, steps=steps, mesh=(2, 4), plan=PLAN)
+  # No eval: the reference is compared by its state, and an eval step is one more compile.
+  return smoke_config(cache_dir, steps=steps, mesh=(2, 4), plan=PLAN, final_eval_splits=())
 
 
 def test_two_processes_match_one_process_with_8_devices(tmp_path):
   cache = str(tmp_path / "cache")
   steps = 12
+  # One final eval (test): it shows metrics gathered over both processes; valid would be
+  # the same code path once more.
   extra = [f"--config.train.steps={steps}", "--config.train.checkpoint_every=0",
            "--config.mesh.data=2", "--config.mesh.model=4", f"--config.embeddings.plan={PLAN}",
-           "--config.train.process_input=local"]  # fmt: skip
+           "--config.train.process_input=local",
+           "--config.train.final_eval_splits=('test',)"]  # fmt: skip
   procs = _launch(str(tmp_path / "mp"), cache, _free_port(), extra)
   outs = [p.communicate(timeout=600)[0] for p in procs]
   for p, out in zip(procs, outs):
