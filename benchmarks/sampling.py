@@ -704,29 +704,44 @@ def split_ladies_markdown(s: dict) -> str:
     "total | replicated |",
     "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
-  for k, hops in s["hops"].items():
-    for i, h in enumerate(hops):
-      by = h["by_op"]
-      lines.append(
-        f"| {k} | {i} | {h['frontier_in']:,} | {h['layer_size']} | {h['entry_capacity']:,} | "
-        f"{_human(by.get('all-gather', 0))} | {_human(by.get('reduce-scatter', 0))} | "
-        f"{_human(h['total_operand_bytes'])} | 0 B |"
-      )
-  t = s.get("training") or []
-  if t:
-    lines += [
-      "",
-      f"GraphSAGE (features, hidden 64, LADIES {s['layer_sizes']}, batch {s['batch_size']}, "
-      f"{s['training_steps']} steps) on the graph above: device LADIES on 1 device (mesh "
-      "1x1) vs the graph split over 8 devices (mesh 8x1).",
-      "",
-      "| seed | 1 device: test acc | split over 8 | difference |",
-      "|---:|---:|---:|---:|",
-    ]
-    for r in t:
-      a1, a8 = r["one_device"]["test_accuracy"], r["split_8"]["test_accuracy"]
-      lines.append(f"| {r['seed']} | {a1:.4f} | {a8:.4f} | {a8 - a1:+.4f} |")
+  lines += _per_hop(
+    s,
+    lambda h: f"{h['frontier_in']:,} | {h['layer_size']} | {h['entry_capacity']:,} | "
+    f"{_gather_scatter(h['by_op'])} | {_human(h['total_operand_bytes'])} | 0 B",
+  )
+  lines += _training_table(
+    s,
+    f"GraphSAGE (features, hidden 64, LADIES {s['layer_sizes']}, batch {s['batch_size']}, "
+    f"{s['training_steps']} steps) on the graph above: device LADIES on 1 device (mesh "
+    "1x1) vs the graph split over 8 devices (mesh 8x1).",
+    "| seed | 1 device: test acc | split over 8 | difference |",
+    lambda r: "",
+  )
   return "\n".join(lines) + "\n"
+
+
+def _per_hop(s: dict, cells) -> list[str]:
+  """A table row `| k | hop | cells(h) |` per batch count k and hop h of s["hops"]."""
+  hops = [(k, i, h) for k, per_k in s["hops"].items() for i, h in enumerate(per_k)]
+  return [f"| {k} | {i} | {cells(h)} |" for k, i, h in hops]
+
+
+def _gather_scatter(by: dict) -> str:
+  """The all-gather and reduce-scatter cells of a hop's bytes by collective."""
+  return f"{_human(by.get('all-gather', 0))} | {_human(by.get('reduce-scatter', 0))}"
+
+
+def _training_table(s: dict, intro: str, header: str, extra) -> list[str]:
+  """The test accuracies of s["training"] (1 device vs split over 8, per seed; nothing
+  without a training run), `extra(r)` appended to each seed's row for more columns."""
+  t = s.get("training") or []
+  if not t:
+    return []
+  lines = ["", intro, "", header, "|" + "---:|" * (header.count("|") - 1)]
+  for r in t:
+    a1, a8 = r["one_device"]["test_accuracy"], r["split_8"]["test_accuracy"]
+    lines.append(f"| {r['seed']} | {a1:.4f} | {a8:.4f} | {a8 - a1:+.4f} |{extra(r)}")
+  return lines
 
 
 def _human(b: float) -> str:
@@ -765,37 +780,32 @@ def split_markdown(s: dict, a: dict) -> str:
     "total | all_to_all exact | all_to_all fit | replicated |",
     "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
-  for k, hops in s["hops"].items():
-    for i, h in enumerate(hops):
-      by = h["split_by_op"]
-      lines.append(
-        f"| {k} | {i} | {h['frontier_in']:,} | {h['fanout']} | "
-        f"{_human(by.get('all-gather', 0))} | {_human(by.get('reduce-scatter', 0))} | "
-        f"{_human(h['split_total_operand_bytes'])} | "
-        f"{_human(h.get('all_to_all_total_operand_bytes', 0))} | "
-        f"{_human(h.get('all_to_all_fit_total_operand_bytes', 0))} | "
-        f"{_human(h['replicated_total_operand_bytes'])} |"
-      )
+  lines += _per_hop(
+    s,
+    lambda h: f"{h['frontier_in']:,} | {h['fanout']} | {_gather_scatter(h['split_by_op'])} | "
+    f"{_human(h['split_total_operand_bytes'])} | "
+    f"{_human(h.get('all_to_all_total_operand_bytes', 0))} | "
+    f"{_human(h.get('all_to_all_fit_total_operand_bytes', 0))} | "
+    f"{_human(h['replicated_total_operand_bytes'])}",
+  )
+
+  def all_to_all(r):
+    x = r.get("split_8_all_to_all", {})
+    acc, dropped = x.get("test_accuracy", float("nan")), x.get("dropped", float("nan"))
+    return f" {acc:.4f} (dropped {dropped:.0f}) |"
+
+  lines += _training_table(
+    s,
+    f"GraphSAGE (features, hidden 64, fanouts {a['split_fanouts']}, batch 256, "
+    f"{a['split_steps']} steps) on the graph above (features with noise std "
+    f"{a['split_noise']}): device sampler on 1 device (mesh 1x1) vs the graph split over "
+    "8 devices (mesh 8x1).",
+    "| seed | 1 device: test acc | split over 8 (reduce_scatter) | difference | "
+    "split over 8 (all_to_all fit) |",
+    all_to_all,
+  )
   t = s.get("training") or []
   if t:
-    lines += [
-      "",
-      f"GraphSAGE (features, hidden 64, fanouts {a['split_fanouts']}, batch 256, "
-      f"{a['split_steps']} steps) on the graph above (features with noise std "
-      f"{a['split_noise']}): device sampler on 1 device (mesh 1x1) vs the graph split over "
-      "8 devices (mesh 8x1).",
-      "",
-      "| seed | 1 device: test acc | split over 8 (reduce_scatter) | difference | "
-      "split over 8 (all_to_all fit) |",
-      "|---:|---:|---:|---:|---:|",
-    ]
-    for r in t:
-      a1, a8 = r["one_device"]["test_accuracy"], r["split_8"]["test_accuracy"]
-      ax = r.get("split_8_all_to_all", {}).get("test_accuracy", float("nan"))
-      dx = r.get("split_8_all_to_all", {}).get("dropped", float("nan"))
-      lines.append(
-        f"| {r['seed']} | {a1:.4f} | {a8:.4f} | {a8 - a1:+.4f} | {ax:.4f} (dropped {dx:.0f}) |"
-      )
     m1 = statistics.mean(r["one_device"]["test_accuracy"] for r in t)
     m8 = statistics.mean(r["split_8"]["test_accuracy"] for r in t)
     verdict = "met" if abs(m8 - m1) <= 0.01 else "NOT met"
