@@ -16,11 +16,12 @@ How a batch flows:
 
   input thread, prepare(k)   counts accesses while profiling (recgnn.embeddings.profile);
                              maps each id to a hot slot or to the batch's list of distinct
-                             cold rows; splits the examples per device into the popular and
-                             the non-popular micro-batch (sizes padded to grow-only buckets so
-                             the step compiles a few times per run, not per batch); when a
-                             profile completes, picks the hot set for the byte budget and plans
-                             the migration (rows in / out of the hot arrays).
+                             cold rows (padded to the batch's id count); splits a train
+                             batch's examples per device into the popular and the non-popular
+                             micro-batch (the popular one's size fixed per hot set, the other
+                             the rest: the step compiles a few times per run, not per batch);
+                             when a profile completes, picks the hot set for the byte budget
+                             and plans the migration (rows in / out of the hot arrays).
   step k, lookup             popular micro-batch: hot rows only (a masked gather on each
                              device's shard, a reduce-scatter of the rows: exact, every row
                              has one non-zero term). Non-popular: the same, plus the cold rows
@@ -82,29 +83,22 @@ from recgnn import sharding
 from recgnn.embeddings import base, host_table, microbatch, profile
 
 P = sharding.P
-HEADROOM = 1.0  # micro-batch capacities: the largest size seen, rounded to a bucket
+MARGIN = 4.0  # popular micro-batch size: the popular count less this many binomial std devs
 
 
-def _round_up(n: int, quantum: int | None = None) -> int:
-  """n rounded up to one of 4 sizes per octave (2^k * {1, 1.25, 1.5, 1.75}), min 1; or, with
-  a quantum, to a multiple of it. Every new size recompiles the step: coarse on purpose."""
-  n = max(1, math.ceil(HEADROOM * n))
-  if quantum is not None:
-    return -(-n // quantum) * quantum
-  step = 1 << max(0, n.bit_length() - 3)
-  return -(-n // step) * step
+def _popular_size(cnt: int, b: int) -> int:
+  """The popular micro-batch size for a device's popular count cnt of b examples: cnt less
+  MARGIN binomial standard deviations, so later batches rarely have fewer (each new size
+  recompiles the step: 10-20 s on CPU, a seventh of an epoch of the synthetic default).
+  Popular examples past it run in the non-popular micro-batch: the same compute."""
+  sd = math.sqrt(cnt * (1 - cnt / b)) if b else 0.0
+  return max(0, math.floor(cnt - MARGIN * sd))
 
 
 def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
   out = np.full(size, fill, np.int32)
   out[: a.shape[0]] = a
   return out
-
-
-def _take_examples(glob: np.ndarray, a: np.ndarray, fill: int) -> np.ndarray:
-  """a[glob] (rows of a batch-major array), `fill` where glob < 0 (padding examples)."""
-  keep = (glob >= 0).reshape((-1,) + (1,) * (a.ndim - 1))
-  return np.where(keep, a[np.maximum(glob, 0)], fill).astype(np.int32)
 
 
 @dataclasses.dataclass
@@ -190,7 +184,7 @@ class HotCold(base.Backend):
     self._since_pick = 0  # train batches counted since the last pick
     self._picked = False  # a hot set has been picked (initial profile done)
     self._pending: dict[str, np.ndarray] | None = None  # a hot set to migrate to
-    self._caps: dict[str, int] = {}
+    self._p0: dict[int, int] = {}  # per-device batch size b -> popular micro-batch size
     self._lock = threading.Lock()
     self._counters: dict[str, float] = {}
     self._initialised = False
@@ -287,7 +281,7 @@ class HotCold(base.Backend):
         "hot_rows": jax.device_put(hot_rows, sh["tables"][name]["hot_rows"]),
         "host": placed,
       }
-    self._version, self._since_pick, self._caps = 0, 0, {}
+    self._version, self._since_pick, self._p0 = 0, 0, {}
     self._pending = None
     for r in self._rows.values():
       r.profile.reset()
@@ -377,7 +371,7 @@ class HotCold(base.Backend):
       r.profile.reset()
     self._picked = any((r.slot_row >= 0).any() for r in self._rows.values())
     self._version = int(jax.device_get(state["version"]))
-    self._since_pick, self._caps, self._pending = 0, {}, None
+    self._since_pick, self._p0, self._pending = 0, {}, None
     self._initialised = True
     return {**state, "tables": tables}
 
@@ -432,11 +426,6 @@ class HotCold(base.Backend):
     """How many pieces the batch is split into (its examples per device)."""
     return self.mesh.size if self.shard_batch else 1
 
-  def _cap(self, key: str, n: int, limit: int, quantum: int | None = None) -> int:
-    cap = max(self._caps.get(key, 0), min(_round_up(n, quantum), limit))
-    self._caps[key] = cap
-    return cap
-
   def _count(self, **kv):
     with self._lock:
       for k, v in kv.items():
@@ -470,10 +459,14 @@ class HotCold(base.Backend):
       per[name] = (x, valid, slot, hot, cold, cold_rows, cold_pos)
       hot_ids_total += int(hot.sum())
       ids_total += int(valid.sum())
-    out = {"tables": {}, "micro": None}
+    out = {"tables": {}}
     for name, (x, valid, slot, hot, cold, cold_rows, cold_pos) in per.items():
       r = self._rows[name]
-      uc = self._cap(f"cold@{name}@{batch}", cold_rows.size, x.size)
+      # Every id of the batch may be cold: a cold list of that length has one shape for
+      # the whole run (a list sized to the batch's count recompiled the step whenever a
+      # batch had more distinct cold rows than any before; ~15 s each on CPU). Its padding
+      # costs O(batch) gathers, the bytes `dense` reads for the batch.
+      uc = min(x.size, r.spec.num_rows)
       cold_ids = np.full(x.shape, uc, np.int32)
       cold_ids[cold] = cold_pos
       t = {
@@ -486,10 +479,10 @@ class HotCold(base.Backend):
       if r.spec.pooling == "mean":
         t["count"] = valid.sum(axis=1).astype(np.int32)
       out["tables"][name] = t
-    if self.split:
-      out["micro"] = self._micro(out["tables"], ~example_cold, n_dev, b)
-    else:
-      del out["micro"]
+    # Eval batches run whole: the eval step has no model to split, only lookups to merge.
+    micro = self._micro(out["tables"], ~example_cold, n_dev, b) if self.split and train else None
+    if micro is not None:
+      out["micro"] = micro
     migrate = self._plan_profile(ids, train)
     for name, t in out["tables"].items():
       t.update(self._pack_migration(name, migrate.get(name)))
@@ -518,44 +511,41 @@ class HotCold(base.Backend):
         ),
       )
       if self.split:
-        stats.update(
-          micro_popular=out["micro"][0]["idx"].shape[0],
-          micro_cold=out["micro"][1]["idx"].shape[0],
-        )
+        p0 = out["micro"][0]["idx"].shape[0] if micro else 0
+        stats.update(micro_popular=p0, micro_cold=batch - p0)
     else:
       stats = {f"eval_{k}": v for k, v in stats.items()}
     self._count(**stats)
     return out
 
   def _micro(self, tables, popular, n_dev, b):
-    """Per device, its popular examples (in batch order) then its non-popular ones, as two
-    micro-batches of bucketed sizes P0, P1 (every device the same). Each micro-batch:
-    {"idx": int32[n * Pm] local example index (b = padding), table: {"hot": int32[n * Pm, L],
-    "cold": int32[n * Pm, L] (non-popular only), "count": int32[n * Pm] (mean pooling)}}."""
+    """Per device, its first P0 popular examples (in batch order), then the rest (its other
+    popular examples, then its non-popular ones), as two micro-batches of P0 and b - P0
+    examples (every device the same; no padding). P0 (`_popular_size`) is fixed from the
+    first train batch of a hot set and only shrinks, when a batch has fewer popular
+    examples on some device: a few step shapes per run. None (run the batch whole) while
+    P0 is 0; the popular micro-batch alone when P0 = b. Each micro-batch: {"idx":
+    int32[n * Pm] local example index, table: {"hot": int32[n * Pm, L], "cold":
+    int32[n * Pm, L] (non-popular only), "count": int32[n * Pm] (mean pooling)}}."""
     h = popular.reshape(n_dev, b)
-    cnt = h.sum(axis=1)
+    cnt = int(h.sum(axis=1).min())
+    p0 = self._p0.get(b)
+    if p0 is None or cnt < p0:
+      p0 = self._p0[b] = _popular_size(cnt, b)
+    if p0 == 0:
+      return None
     order = np.argsort(~h, axis=1, kind="stable")  # popular first, each in batch order
-    # Micro-batch sizes in steps of b / 32: the model runs on both pieces, so padding costs
-    # compute (octave buckets wasted up to 25 %); grow-only, so a few shapes per run.
-    quantum = max(1, b // 32)
-    p0 = self._cap(f"micro0@{b}", int(cnt.max()), b, quantum)
-    p1 = self._cap(f"micro1@{b}", int((b - cnt).max()), b, quantum)
-    j0, j1 = np.arange(p0)[None, :], np.arange(p1)[None, :]
-    idx0 = np.where(j0 < cnt[:, None], np.take_along_axis(order, np.minimum(j0, b - 1), 1), b)
-    pos1 = np.minimum(cnt[:, None] + j1, b - 1)
-    idx1 = np.where(j1 < (b - cnt)[:, None], np.take_along_axis(order, pos1, 1), b)
     micro = []
-    for m, idx in enumerate((idx0, idx1)):
-      glob = np.where(idx < b, idx + np.arange(n_dev)[:, None] * b, -1).reshape(-1)
+    # Every example popular: no non-popular micro-batch (a piece of 0 examples).
+    for popular_only, idx in ((True, order[:, :p0]), (False, order[:, p0:]))[: 1 + (p0 < b)]:
+      glob = (idx + np.arange(n_dev)[:, None] * b).reshape(-1)
       mb = {"idx": idx.reshape(-1).astype(np.int32)}
       for name, t in tables.items():
-        r = self._rows[name]
-        take = functools.partial(_take_examples, glob)
-        e = {"hot": take(t["hot_ids"], r.alloc)}
-        if m == 1:  # the popular micro-batch has no cold ids: it never waits for the host
-          e["cold"] = take(t["cold_ids"], t["cold_rows"].shape[0])
+        e = {"hot": t["hot_ids"][glob]}
+        if not popular_only:  # the popular micro-batch never waits for the host
+          e["cold"] = t["cold_ids"][glob]
         if "count" in t:
-          e["count"] = take(t["count"], 0)
+          e["count"] = t["count"][glob]
         mb[name] = e
       micro.append(mb)
     return tuple(micro)
@@ -578,14 +568,12 @@ class HotCold(base.Backend):
     if self._pending is None:
       return {}
     chosen, self._pending = self._pending, None
-    first = not any((r.slot_row >= 0).any() for r in self._rows.values())
     out = {}
     for name, new in chosen.items():
       out[name] = self._migrate(self._rows[name], new)
-    if first:
-      # The popular share jumps from 0: let the micro-batch and cold-list capacities shrink
-      # (one recompile). A re-profile moves it little: the capacities stay.
-      self._caps = {}
+    # The popular share changes with the hot set: the first batch prepared for it sets the
+    # popular micro-batch size again.
+    self._p0 = {}
     return out
 
   @staticmethod
@@ -641,7 +629,7 @@ class HotCold(base.Backend):
   def stats(self):
     """Since the last call, per train step: popular_fraction (examples whose ids are all
     hot), hot_coverage (ids served by a hot row), rows / bytes host -> device and back
-    (cold rows), migrated rows, micro-batch sizes (padded, all devices), plan ms on the
+    (cold rows), migrated rows, micro-batch sizes (all devices), plan ms on the
     input thread. Eval batches: eval_popular_fraction, eval_hot_coverage."""
     with self._lock:
       c, self._counters = self._counters, {}
