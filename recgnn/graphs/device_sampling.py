@@ -460,7 +460,66 @@ class DeviceLadiesSampler:
 # ----------------------------------------------------------------------------- split graph
 
 
-class SplitNeighborSampler:
+class _SplitSampler:
+  """What the row-split samplers share: a call's k batches padded to a multiple of the
+  devices and split over them, one jitted hop per layer (`_hops`, each taking the split
+  graph arrays `_args()`, the batch-split frontier and the key, and returning (next
+  frontier, the layer's arrays, edges, dropped)), Blocks on the host, and the bytes of
+  each hop's collectives read from its compiled HLO."""
+
+  mesh: jax.sharding.Mesh
+  devices: int
+  batch_size: int
+  num_nodes: int
+  sizes: tuple[int, ...]
+  _hops: list
+
+  def _args(self) -> tuple:
+    raise NotImplementedError
+
+  def pad_seeds(self, seeds: np.ndarray) -> np.ndarray:
+    seeds = sampling._check_seeds(seeds, self.batch_size, self.num_nodes)
+    padded = np.full((_pad_k(seeds.shape[0], self.devices), seeds.shape[1]), -1, np.int32)
+    padded[: seeds.shape[0]] = seeds
+    return padded
+
+  def sample_device(self, seeds, key: jax.Array):
+    """seeds int32[k, batch_size] (k a multiple of the devices) -> (nodes, layers,
+    num_edges int32[k, L], dropped int32[]), batch-split over the mesh."""
+    frontier = jax.device_put(
+      jnp.asarray(seeds, jnp.int32), sharding.named(self.mesh, P(sharding.BATCH))
+    )
+    layers, edges, dropped = [], [], 0
+    for hop in self._hops:
+      frontier, lay, e, d = hop(*self._args(), frontier, key)
+      layers.append(lay)
+      edges.append(e)
+      dropped = dropped + d.sum()
+    return frontier, tuple(layers), jnp.stack(edges, 1), dropped
+
+  def sample(self, seeds: np.ndarray, rng) -> sampling.Blocks:
+    """As the host sampler's `sample`: numpy seeds and Generator (or a jax key) -> Blocks."""
+    k = np.asarray(seeds).reshape(-1, self.batch_size).shape[0]
+    out = jax.device_get(self.sample_device(self.pad_seeds(seeds), key_from(rng)))
+    return _blocks(out, k, self.sizes)
+
+  def hop_bytes(self, k: int) -> list[dict]:
+    """Per hop, the collectives of the compiled hop for k batches (recgnn.comms.summary):
+    bytes each device sends, read from the HLO without running it."""
+    from recgnn import comms
+
+    k = _pad_k(k, self.devices)
+    key = jax.random.key(0)
+    out = []
+    for layer, hop in enumerate(self._hops):
+      frontier = jax.ShapeDtypeStruct(
+        (k, self.sizes[layer]), jnp.int32, sharding=sharding.named(self.mesh, P(sharding.BATCH))
+      )
+      out.append(comms.compiled_summary(hop.lower(*self._args(), frontier, key).compile()))
+    return out
+
+
+class SplitNeighborSampler(_SplitSampler):
   """Node-wise sampling with the adjacency's rows split over every device of `mesh`.
 
   Device d holds rows [d R, (d+1) R) (R = ceil(N / D)) of the CSR, its indices padded to
@@ -524,7 +583,7 @@ class SplitNeighborSampler:
       jax.shard_map,
       mesh=self.mesh,
       in_specs=(P(axis), P(axis), P(axis), P()),
-      out_specs=(P(axis), P(axis), P(axis), P(axis), P(axis)),
+      out_specs=(P(axis), P(axis), P(axis), P(axis)),
       check_vma=False,
     )
     def hop(indptr, indices, local_frontier, key):
@@ -556,13 +615,14 @@ class SplitNeighborSampler:
       nxt, pos, dropped = extend_batches(local_frontier, got - 1, got > 0, n_next, num_nodes)
       nxt, nbr, mask, edges, dropped = _node_outputs(nxt, pos, dropped, lb, n, f)
       # Rows that did not fit the exchange count as dropped (their neighbours are lost).
-      return nxt, nbr, mask, edges, (dropped + jnp.sum(valid & ~fits, dtype=jnp.int32))[None]
+      dropped = dropped + jnp.sum(valid & ~fits, dtype=jnp.int32)
+      return nxt, {"nbr": nbr, "mask": mask}, edges, dropped[None]
 
     return hop
 
   def _hop(self, layer: int):
     """One hop: (indptr, indices, frontier [k, n_l] batch-split, key) -> (next
-    [k, n_{l+1}], nbr, mask [k, n_l, f], edges [k], dropped [D]), batch-split."""
+    [k, n_{l+1}], {nbr, mask} [k, n_l, f], edges [k], dropped [D]), batch-split."""
     f, n_next, axis = self.fanouts[layer], self.sizes[layer + 1], sharding.BATCH
     r, num_nodes = self.rows_per_device, self.num_nodes
 
@@ -570,7 +630,7 @@ class SplitNeighborSampler:
       jax.shard_map,
       mesh=self.mesh,
       in_specs=(P(axis), P(axis), P(axis), P()),
-      out_specs=(P(axis), P(axis), P(axis), P(axis), P(axis)),
+      out_specs=(P(axis), P(axis), P(axis), P(axis)),
       check_vma=False,  # loop carries start replicated and become device-varying
     )
     def hop(indptr, indices, local_frontier, key):
@@ -587,40 +647,12 @@ class SplitNeighborSampler:
       local = local_frontier
       nxt, pos, dropped = extend_batches(local, total - 1, total > 0, n_next, num_nodes)
       nxt, nbr, mask, edges, dropped = _node_outputs(nxt, pos, dropped, local.shape[0], n, f)
-      return nxt, nbr, mask, edges, dropped[None]
+      return nxt, {"nbr": nbr, "mask": mask}, edges, dropped[None]
 
     return hop
 
-  def pad_seeds(self, seeds: np.ndarray) -> np.ndarray:
-    seeds = sampling._check_seeds(seeds, self.batch_size, self.num_nodes)
-    padded = np.full((_pad_k(seeds.shape[0], self.devices), seeds.shape[1]), -1, np.int32)
-    padded[: seeds.shape[0]] = seeds
-    return padded
-
-  def sample_device(self, seeds, key: jax.Array):
-    """seeds int32[k, batch_size] (k a multiple of the devices) -> (nodes, layers,
-    num_edges int32[k, L], dropped int32[]), batch-split over the mesh."""
-    frontier = jax.device_put(
-      jnp.asarray(seeds, jnp.int32), sharding.named(self.mesh, P(sharding.BATCH))
-    )
-    layers, edges, dropped = [], [], 0
-    for hop in self._hops:
-      frontier, nbr, mask, e, d = hop(self.indptr, self.indices, frontier, key)
-      layers.append({"nbr": nbr, "mask": mask})
-      edges.append(e)
-      dropped = dropped + d.sum()
-    return frontier, tuple(layers), jnp.stack(edges, 1), dropped
-
-  def sample(self, seeds: np.ndarray, rng) -> sampling.Blocks:
-    """As `NeighborSampler.sample`: numpy seeds and Generator (or a jax key) -> Blocks."""
-    k = np.asarray(seeds).reshape(-1, self.batch_size).shape[0]
-    out = jax.device_get(self.sample_device(self.pad_seeds(seeds), key_from(rng)))
-    return _blocks(out, k, self.sizes)
-
-  def hop_bytes(self, k: int) -> list[dict]:
-    """Per hop, the collectives of the compiled hop for k batches (recgnn.comms.summary):
-    bytes each device sends, read from the HLO without running it."""
-    return _compiled_hop_bytes(self, (self.indptr, self.indices), k)
+  def _args(self):
+    return self.indptr, self.indices
 
 
 def _split_rows(a: sp.csr_matrix, mesh, data: bool = False):
@@ -649,7 +681,7 @@ def _split_rows(a: sp.csr_matrix, mesh, data: bool = False):
   return tuple(jax.device_put(x, split) for x in arrays), r, nbytes
 
 
-class SplitLadiesSampler:
+class SplitLadiesSampler(_SplitSampler):
   """LADIES with Ahat's rows split over every device of `mesh` (device d holds rows
   [d R, (d+1) R)); a call's k batches are split over the devices (k a multiple of D).
 
@@ -749,56 +781,8 @@ class SplitLadiesSampler:
 
     return hop
 
-  def pad_seeds(self, seeds: np.ndarray) -> np.ndarray:
-    seeds = sampling._check_seeds(seeds, self.batch_size, self.num_nodes)
-    padded = np.full((_pad_k(seeds.shape[0], self.devices), seeds.shape[1]), -1, np.int32)
-    padded[: seeds.shape[0]] = seeds
-    return padded
-
   def _args(self):
     return self.indptr, self.indices, self.data, self.lengths
-
-  def sample_device(self, seeds, key: jax.Array):
-    """seeds int32[k, batch_size] (k a multiple of the devices) -> (nodes, layers,
-    num_edges int32[k, L], dropped int32[]), batch-split over the mesh."""
-    frontier = jax.device_put(
-      jnp.asarray(seeds, jnp.int32), sharding.named(self.mesh, P(sharding.BATCH))
-    )
-    layers, edges, dropped = [], [], 0
-    for hop in self._hops:
-      frontier, lay, e, d = hop(*self._args(), frontier, key)
-      layers.append(lay)
-      edges.append(e)
-      dropped = dropped + d.sum()
-    return frontier, tuple(layers), jnp.stack(edges, 1), dropped
-
-  def sample(self, seeds: np.ndarray, rng) -> sampling.Blocks:
-    """As `LadiesSampler.sample`: numpy seeds and Generator (or a jax key) -> Blocks."""
-    k = np.asarray(seeds).reshape(-1, self.batch_size).shape[0]
-    out = jax.device_get(self.sample_device(self.pad_seeds(seeds), key_from(rng)))
-    return _blocks(out, k, self.sizes)
-
-  def hop_bytes(self, k: int) -> list[dict]:
-    """Per layer, the collectives of the compiled hop for k batches (recgnn.comms.summary)."""
-    return _compiled_hop_bytes(self, self._args(), k)
-
-
-def _compiled_hop_bytes(sampler, args, k: int) -> list[dict]:
-  """Per hop of a split sampler, its collectives for k batches, read from the compiled HLO
-  without running it (recgnn.comms.compiled_summary)."""
-  from recgnn import comms
-
-  k = _pad_k(k, sampler.devices)
-  key = jax.random.key(0)
-  out = []
-  for layer, hop in enumerate(sampler._hops):
-    frontier = jax.ShapeDtypeStruct(
-      (k, sampler.sizes[layer]),
-      jnp.int32,
-      sharding=sharding.named(sampler.mesh, P(sharding.BATCH)),
-    )
-    out.append(comms.compiled_summary(hop.lower(*args, frontier, key).compile()))
-  return out
 
 
 def replicated_hop_bytes(sampler: DeviceNeighborSampler, mesh, k: int) -> list[dict]:
