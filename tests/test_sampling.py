@@ -283,6 +283,21 @@ def test_seeds_shape_error(graph):
     sampling.NeighborSampler(graph.adj, fanouts=[0], batch_size=8)
 
 
+def _split_layers_vs_one_device(one, split, seeds, key):
+  """Both samplers' sample_device on the seeds padded to the 8 devices (5 batches -> 8), same
+  key: the same nodes, edge counts and dropped count. Returns the (1-device, split) layer
+  pairs for the sampler's own per-layer checks."""
+  padded = split.pad_seeds(seeds)
+  assert padded.shape == (8, seeds.shape[1])
+  ref = jax.device_get(one.sample_device(padded, key))
+  got = jax.device_get(split.sample_device(padded, key))
+  np.testing.assert_array_equal(ref[0], got[0])
+  np.testing.assert_array_equal(ref[2], got[2])
+  assert int(ref[3]) == int(got[3])
+  assert len(ref[1]) == len(got[1]) == len(split.sizes) - 1
+  return list(zip(ref[1], got[1]))
+
+
 def test_split_graph_sample_equals_one_device(graph):
   """Rows split over 8 devices, per-hop shard_map with all_gather / psum_scatter: the same
   draws as the 1-device sampler, hence the same sample; and the collectives are in the HLO."""
@@ -292,16 +307,10 @@ def test_split_graph_sample_equals_one_device(graph):
   split = device_sampling.SplitNeighborSampler(graph.adj, mesh=mesh, **kw)
   seeds = np.random.default_rng(13).permutation(graph.num_nodes)[:150].reshape(5, 30)
   seeds[4, 20:] = -1
-  padded = split.pad_seeds(seeds)
-  assert padded.shape == (8, 30)
   key = jax.random.key(21)
-  ref = jax.device_get(one.sample_device(padded, key))
-  got = jax.device_get(split.sample_device(padded, key))
-  np.testing.assert_array_equal(ref[0], got[0])
-  for a, b in zip(ref[1], got[1]):
+  for a, b in _split_layers_vs_one_device(one, split, seeds, key):
     np.testing.assert_array_equal(a["nbr"], b["nbr"])
     np.testing.assert_array_equal(a["mask"], b["mask"])
-  np.testing.assert_array_equal(ref[2], got[2])
   check_node_blocks(graph.adj, split, split.sample(seeds, key), seeds)
   # Each device holds about 1/8 of the edges.
   assert split.adjacency_bytes_per_device < graph.adj.nnz * 4 / 4
@@ -415,20 +424,12 @@ def test_split_graph_ladies_equals_one_device(graph):
   split = device_sampling.SplitLadiesSampler(graph.adj, mesh=mesh, **kw)
   seeds = np.random.default_rng(4).permutation(graph.num_nodes)[:120].reshape(5, 24)
   seeds[4, 10:] = -1
-  padded = split.pad_seeds(seeds)
-  assert padded.shape == (8, 24)
-  key = jax.random.key(3)
-  ref = jax.device_get(one.sample_device(padded, key))
-  got = jax.device_get(split.sample_device(padded, key))
-  np.testing.assert_array_equal(ref[0], got[0])
-  for a, b in zip(ref[1], got[1]):
+  for a, b in _split_layers_vs_one_device(one, split, seeds, jax.random.key(3)):
     np.testing.assert_array_equal(a["src"], b["src"])
     np.testing.assert_array_equal(a["dst"], b["dst"])
     # The weights' arithmetic is the same, but XLA fuses it differently in the two programs
     # (1 batch per device vs 8 at once): within an ulp or two.
     np.testing.assert_allclose(a["weight"], b["weight"], rtol=5e-7, atol=0)
-  np.testing.assert_array_equal(ref[2], got[2])
-  assert int(ref[3]) == int(got[3])
   assert split.adjacency_bytes_per_device < (graph.adj.nnz + graph.num_nodes) * 8 / 4
   for layer, h in enumerate(split.hop_bytes(8)):
     assert h["by_op"]["all-gather"]["operand_bytes"] == split.sizes[layer] * 4  # 1 batch
