@@ -17,6 +17,7 @@ from recgnn import metrics, sharding
 from recgnn.embeddings import base
 from recgnn.train import loop
 from tests.trainer_lib import smoke_config, state_leaves
+from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
