@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-from experiments import dlrm_kaggle, ttrec_kaggle
+from experiments import _options, dlrm_kaggle, ttrec_kaggle
 from recgnn.embeddings import base
 
 DEFAULTS = {"budget": 0.05, "tables": 7, "profile": 0.05, "reprofile": 0, "split": True}
@@ -36,17 +36,8 @@ STEPS_PER_EPOCH = 1674  # the synthetic default's train split at batch 2048 (dlr
 
 
 def parse_arg(arg: str | None) -> dict:
-  options = dict(DEFAULTS)
-  if arg:
-    _, parsed = base.parse_backend(f"x({arg})")
-    unknown = sorted(set(parsed) - set(DEFAULTS))
-    if unknown:
-      raise ValueError(
-        f"hotline_kaggle: unknown arg {unknown}; expected {', '.join(DEFAULTS)} "
-        "(e.g. hotline_kaggle:budget=0.01,tables=10)"
-      )
-    options.update(parsed)
-  return options
+  """'budget=0.01,tables=10' -> DEFAULTS updated."""
+  return _options.parse(arg, DEFAULTS)
 
 
 def hot_cold_text(options: dict, steps_per_epoch: int = STEPS_PER_EPOCH) -> str:

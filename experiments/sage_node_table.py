@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from experiments import sage_synthetic
-from recgnn.embeddings import base
+from experiments import _options, sage_synthetic
 
 DEFAULTS = {"table": "dense", "nodes": 1_000_000, "cache": 0.25, "budget": 0.05, "kind": "row"}
 TABLES = ("dense", "offload", "hot_cold", "sharded", "tt")
@@ -45,16 +44,7 @@ def plan_string(options: dict, num_rows: int) -> str:
 
 
 def parse_arg(arg: str | None) -> dict:
-  options = dict(DEFAULTS)
-  if arg:
-    _, parsed = base.parse_backend(f"x({arg})")
-    unknown = set(parsed) - set(DEFAULTS)
-    if unknown:
-      raise ValueError(f"Unknown option(s) {sorted(unknown)}; available: {', '.join(DEFAULTS)}")
-    options.update(parsed)
-  if options["table"] not in TABLES:
-    raise ValueError(f"Unknown table {options['table']!r}; available: {', '.join(TABLES)}")
-  return options
+  return _options.parse(arg, DEFAULTS, {"table": TABLES})
 
 
 def get_config(arg=None):

@@ -20,7 +20,7 @@ specs, nothing allocated).
 
 from __future__ import annotations
 
-from experiments import sage_synthetic
+from experiments import _options, sage_synthetic
 from recgnn.embeddings import base
 
 DEFAULTS = {"order": "partition", "init": "sampled_gaussian", "table": "tt", "rank": 8, "cores": 3}
@@ -28,18 +28,7 @@ INITS = ("sampled_gaussian", "orthogonal", "eigen")
 
 
 def parse_arg(arg: str | None) -> dict:
-  options = dict(DEFAULTS)
-  if arg:
-    _, parsed = base.parse_backend(f"x({arg})")
-    unknown = set(parsed) - set(DEFAULTS)
-    if unknown:
-      raise ValueError(f"Unknown option(s) {sorted(unknown)}; available: {', '.join(DEFAULTS)}")
-    options.update(parsed)
-  if options["init"] not in INITS:
-    raise ValueError(f"Unknown init {options['init']!r}; available: {', '.join(INITS)}")
-  if options["table"] not in ("tt", "dense"):
-    raise ValueError(f"Unknown table {options['table']!r}; available: tt, dense")
-  return options
+  return _options.parse(arg, DEFAULTS, {"init": INITS, "table": ("tt", "dense")})
 
 
 def node_plan(c, options: dict, name: str) -> None:
