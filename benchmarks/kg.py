@@ -295,28 +295,37 @@ def rescan_kge(workdir: str):
   print(md)
 
 
-def _rgcn_run(cfg, name: str):
+def _train_epochs(cfg, name: str, epochs: float, step_seconds) -> tuple:
+  """Train `cfg` for `epochs` in a fresh workdir, valid MRR once per epoch (the MRR-vs-time
+  curve); seconds per step from `step_seconds(workdir, task)`. Returns (task, the run's
+  figures, wall seconds, workdir)."""
   task = lp.LinkPrediction(cfg)
   spe = task.steps_per_epoch()
   cfg.train.epochs = 0
-  cfg.train.steps = int(round(spe * _RGCN_EPOCHS.value))
-  cfg.train.eval_every = spe  # valid MRR once per epoch: the MRR-vs-time curve
+  cfg.train.steps = int(round(spe * epochs))
+  cfg.train.eval_every = spe
   cfg.train.log_every = max(spe // 4, 1)
   workdir = os.path.join(_WORKDIR.value, f"{name}_{int(time.time())}")
+  print(f"--- {name}: {cfg.train.steps} steps ({spe} per epoch)", flush=True)
   t0 = time.perf_counter()
   result = loop.train(cfg, workdir)
   wall = time.perf_counter() - t0
-  step_s = _step_seconds(workdir, task)
+  step_s = step_seconds(workdir, task)
   m = result.metrics
-  return task, {
+  figures = {
     "steps_per_epoch": spe,
     "epochs": int(m["step"]) / spe,
     "seconds_per_step": step_s,
     "seconds_per_epoch": spe * step_s,
-    "train_wall_seconds_incl_evals": wall,
     "test": {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("test/")},
     "valid_curve": _curve(workdir, spe, step_s),
   }
+  return task, figures, wall, workdir
+
+
+def _rgcn_run(cfg, name: str):
+  task, figures, wall, _ = _train_epochs(cfg, name, _RGCN_EPOCHS.value, _step_seconds)
+  return task, {**figures, "train_wall_seconds_incl_evals": wall}
 
 
 def _step_fns(task, batch):
@@ -503,28 +512,11 @@ def _exact_step_seconds(workdir: str, task) -> float:
 def _run(cfg, name: str, epochs: float) -> tuple:
   """Train `cfg` for `epochs` (valid MRR each epoch, test at the end): seconds per epoch
   from `_exact_step_seconds`, test metrics."""
-  task = lp.LinkPrediction(cfg)
-  spe = task.steps_per_epoch()
-  cfg.train.epochs = 0
-  cfg.train.steps = int(round(spe * epochs))
-  cfg.train.eval_every = spe
-  cfg.train.log_every = max(spe // 4, 1)
   cfg.train.final_eval_splits = ("test",)
-  workdir = os.path.join(_WORKDIR.value, f"{name}_{int(time.time())}")
-  print(f"--- {name}: {cfg.train.steps} steps ({spe} per epoch)", flush=True)
-  t0 = time.perf_counter()
-  result = loop.train(cfg, workdir)
-  wall = time.perf_counter() - t0
-  step_s = _exact_step_seconds(workdir, task)
-  m = result.metrics
+  task, figures, wall, workdir = _train_epochs(cfg, name, epochs, _exact_step_seconds)
   return task, {
-    "steps_per_epoch": spe,
-    "epochs": int(m["step"]) / spe,
-    "seconds_per_step": step_s,
-    "seconds_per_epoch": spe * step_s,
+    **figures,
     "wall_seconds_incl_evals_and_compile": wall,
-    "test": {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("test/")},
-    "valid_curve": _curve(workdir, spe, step_s),
     "mesh": dict(cfg.get("mesh", {})),
     "workdir": workdir,
   }
