@@ -891,20 +891,7 @@ class CriteoDataset:
       label, dense, sparse = self.labels[sl], self.dense[sl], self.sparse[sl]
     else:
       label, dense, sparse = self.labels[rows], self.dense[rows], self.sparse[rows]
-    out_dense = np.zeros((b, NUM_DENSE), np.float32)
-    out_dense[:n] = dense
-    out_label = np.zeros(b, np.float32)
-    out_label[:n] = label
-    weight = np.zeros(b, np.float32)
-    weight[:n] = 1.0
-    ids = np.full((NUM_SPARSE, b), MISSING_ID, np.int32)
-    ids[:, :n] = sparse.T
-    return {
-      "dense": out_dense,
-      "label": out_label,
-      "weight": weight,
-      "ids": {name: ids[t][:, None] for t, name in enumerate(TABLE_NAMES)},
-    }
+    return padded_batch(b, dense, label, sparse)
 
   def batch(
     self,
@@ -952,6 +939,28 @@ class CriteoDataset:
         shard=shard,
       )  # fmt: skip
       step += 1
+
+
+def padded_batch(batch_size: int, dense, label, sparse) -> Batch:
+  """n rows (dense float[n, 13], label [n], sparse int[n, 26]) as a batch of `batch_size`
+  rows: {"dense": float32[B, 13], "label": float32[B], "weight": float32[B], "ids": {"C1":
+  int32[B, 1], ...}}. Padding rows are zeros with weight 0 and ids MISSING_ID (a valid id,
+  so no backend needs special handling)."""
+  n = len(label)
+  out_dense = np.zeros((batch_size, NUM_DENSE), np.float32)
+  out_dense[:n] = dense
+  out_label = np.zeros(batch_size, np.float32)
+  out_label[:n] = label
+  weight = np.zeros(batch_size, np.float32)
+  weight[:n] = 1.0
+  ids = np.full((NUM_SPARSE, batch_size), MISSING_ID, np.int32)
+  ids[:, :n] = np.asarray(sparse).T
+  return {
+    "dense": out_dense,
+    "label": out_label,
+    "weight": weight,
+    "ids": {name: ids[t][:, None] for t, name in enumerate(TABLE_NAMES)},
+  }
 
 
 def process_rows(

@@ -172,11 +172,6 @@ class TfdsCriteo(criteo.CriteoDataset):
     CriteoDataset.gather: {"dense", "label", "weight", "ids": {"C1": int32[B, 1], ...}}."""
     n = rows.shape[0]
     b = n if batch_size is None else batch_size
-    out_dense = np.zeros((b, criteo.NUM_DENSE), np.float32)
-    out_label = np.zeros(b, np.float32)
-    weight = np.zeros(b, np.float32)
-    ids = np.full((b, criteo.NUM_SPARSE), criteo.MISSING_ID, np.int32)
-    weight[:n] = 1.0
     arr = None
     if n and split in self._raw:
       layout = self._layout[split]
@@ -187,21 +182,16 @@ class TfdsCriteo(criteo.CriteoDataset):
         arr = None
     if arr is not None:
       self.fast_batches += 1
-      out_dense[:n] = layout.column(arr, "dense", "<f4")
-      out_label[:n] = label
-      ids[:n] = layout.column(arr, "sparse", "<i4")
+      dense, sparse = layout.column(arr, "dense", "<f4"), layout.column(arr, "sparse", "<i4")
     elif n:
       examples = self.sources[split].__getitems__(rows.tolist())
-      out_dense[:n] = np.stack([e["dense"] for e in examples])
-      out_label[:n] = [e["label"] for e in examples]
-      ids[:n] = np.stack([e["sparse"] for e in examples])
-    ids = ids.T
-    return {
-      "dense": out_dense,
-      "label": out_label,
-      "weight": weight,
-      "ids": {name: ids[t][:, None] for t, name in enumerate(criteo.TABLE_NAMES)},
-    }
+      dense = np.stack([e["dense"] for e in examples])
+      label = [e["label"] for e in examples]
+      sparse = np.stack([e["sparse"] for e in examples])
+    else:
+      dense, label = np.zeros((0, criteo.NUM_DENSE)), np.zeros(0)
+      sparse = np.zeros((0, criteo.NUM_SPARSE), np.int32)
+    return criteo.padded_batch(b, dense, label, sparse)
 
   def batch(
     self,
