@@ -107,6 +107,20 @@ def test_split_option_same_values(split):
   assert (got[2].stats().get("micro_popular_size", 0) > 0) == split
 
 
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (8, 1)], ids=lambda m: f"{m[0]}x{m[1]}")
+def test_all_popular_batch_is_one_micro_batch(mesh_shape):
+  """A batch whose examples are all popular runs as the popular micro-batch alone (no piece
+  of 0 examples), equal to dense."""
+  specs = _specs(ADAGRAD)
+  batches = [_batches(specs, n=1)[0]] * 4  # profiled once: every id of the later ones hot
+  ref = _run_group("dense", specs, batches, base.default_mesh(), evals=(2,))
+  text = "hot_cold(budget=1.0, profile_batches=1)"
+  got = _run_group(text, specs, batches, sharding.make_mesh(*mesh_shape), evals=(2,))
+  _assert_same(got[:2], ref[:2])
+  s = got[2].stats()
+  assert s["popular_fraction"] == 0.75 and s["micro_popular_size"] == 0.75 * 64
+
+
 @pytest.mark.parametrize(
   "save,resume",
   [((8, 1), (1, 1)), ((1, 1), (2, 4)), ((2, 4), (8, 1))],
