@@ -276,6 +276,9 @@ def test_resume_on_another_mesh_and_backend(cache_dir, tmp_path, one_device_run,
   plan = ((".*", b2),) if isinstance(b2, str) else b2
   res = loop.train(_on_mesh(config, *m2, plan=plan), wd, resume=True)
   assert {g.split("(")[0] for g in res.plan.groups} == {r[1].split("(")[0] for r in plan}
+  if any(k.startswith("offload") for k in res.plan.groups):  # a cache evicted after restore
+    logged = [json.loads(x) for x in (tmp_path / "wd" / "metrics.jsonl").read_text().splitlines()]
+    assert any(v > 0 for x in logged for k, v in x.items() if k.endswith("d2h_rows_per_step"))
   assert res.metrics["step"] == config.train.steps
   ref = one_device_run
   for x, y in zip(jax.tree.leaves(jax.device_get(ref.state.params)),
