@@ -37,6 +37,14 @@ _COORD = flags.DEFINE_string(
 )
 _NPROC = flags.DEFINE_integer("num_processes", None, "Processes in the run ($JAX_NUM_PROCESSES).")
 _PID = flags.DEFINE_integer("process_id", None, "This process's id, 0.. ($JAX_PROCESS_ID).")
+_HEARTBEAT = flags.DEFINE_integer(
+  "heartbeat_timeout",
+  30,
+  "Many processes: seconds after which a silent peer counts as dead and every process stops "
+  "with an error (shorter: a crash is noticed sooner; too short for a loaded machine: a live "
+  "peer is declared dead).",
+  lower_bound=1,
+)
 _RESUME = flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --workdir.")
 _PROFILE = flags.DEFINE_string(
   "profile_steps", None, "START:STOP: write an XLA profiler trace of these train steps."
@@ -117,7 +125,7 @@ def main(argv):
   # Our progress goes to stdout; keep library INFO chatter (Orbax) out of it.
   logging.set_verbosity(logging.WARNING)
   # Before anything touches a device: join the other processes (a no-op for one process).
-  distributed.initialize(_COORD.value, _NPROC.value, _PID.value)
+  distributed.initialize(_COORD.value, _NPROC.value, _PID.value, heartbeat_s=_HEARTBEAT.value)
   config = flags.FLAGS.config
   name = _EXPERIMENT.value.partition(":")[0]
   workdir = _WORKDIR.value or os.path.join("workdir", name)

@@ -86,8 +86,11 @@ def test_two_processes_match_one_process_with_8_devices(tmp_path):
 
 
 def test_killing_one_process_ends_the_other_with_a_clear_error(tmp_path):
+  # --heartbeat_timeout=10: the survivor notices sooner (the default 30 s made the test wait
+  # ~21 s after the kill); still well above what a loaded CI machine delays a heartbeat.
   extra = ["--config.mesh.data=8", "--config.train.steps=100000", "--config.train.log_every=2",
-           "--config.train.eval_every=0", "--config.train.checkpoint_every=0"]  # fmt: skip
+           "--config.train.eval_every=0", "--config.train.checkpoint_every=0",
+           "--heartbeat_timeout=10"]  # fmt: skip
   procs = _launch(str(tmp_path / "mp"), str(tmp_path / "cache"), _free_port(), extra)
   deadline = time.time() + 300
   for line in procs[0].stdout:  # wait until training runs
