@@ -24,9 +24,9 @@ Kernels (`kernel=`), all computing the same rows (benchmarks/tt.py measures them
           update touches only the distinct slices of each core.
   prefix  TT-Rec's kernel: rows sharing an index prefix (i_1..i_k) share the partial product
           G_1[i_1] @ ... @ G_k[i_k]. The host builds the prefix tree of the batch's distinct
-          rows (`prepare`); the device computes each distinct prefix once, level by level,
-          as batched matrix products. The default: the fastest measured
-          (benchmarks/results/tt_kernels.md).
+          rows (`prepare`); the device computes each distinct prefix once, level by level
+          (the level products below). The default: the fastest measured
+          (benchmarks/results/tt_kernels.md, tt_contract.md).
 
 Level products (`contract=`, for unique and prefix): level k multiplies each prefix's
 partial product [a, r] by its slice of core k [r, d_k * r_k]. `batched`: one batched matmul
