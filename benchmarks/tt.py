@@ -4,6 +4,9 @@ Sections (`--sections`, default all):
   compression  embedding floats of the Kaggle DLRM (real cardinalities, dim 16) with TT on the
                7 largest tables, per rank, against all-dense: computed from the specs, nothing
                allocated.
+  levels       one prefix-tree level (`tt.level`), forward + vjp, contract=batched vs pairs at
+               the level shapes of ttrec_kaggle's synthetic and real-size tables, beside the
+               choice of `contract=auto`'s cost model (`tt.level_product`).
   kernels      one table (default C3's 10,131,227 rows x 16), one Kaggle batch of one-hot ids
                (2048), row-wise Adagrad: lookup -> grad -> update, jitted with the state
                donated, for `dense` and `tt` at each rank and kernel (naive / unique /
@@ -29,6 +32,7 @@ Sections (`--sections`, default all):
 Writes benchmarks/results/<name>.{json,md} (--name, default tt). The committed results:
   tt_compression  python benchmarks/tt.py --sections=compression --name=tt_compression
   tt_kernels      python benchmarks/tt.py --sections=kernels --name=tt_kernels
+  tt_levels       python benchmarks/tt.py --sections=levels --name=tt_levels
   tt_contract     python benchmarks/tt.py --sections=kernels --ranks=32 --kernels=prefix \
                     --contracts=batched,pairs,auto --rows=97336 --name=tt_contract
                     (ttrec_kaggle's synthetic C3: 46^3 rows; --rows=10131227: the real C3)
@@ -723,9 +727,76 @@ def nimble_plot(res: dict, path: pathlib.Path) -> None:
 # ----------------------------------------------------------------------------- main
 
 
+# One prefix-tree level per row: (P_{k-1}, a, r, d, r1, P_k) at ttrec_kaggle's synthetic C3
+# (46^3 rows: levels 1 and 2) and at the real 10M-row C3 (217^3: a batch's levels), each with
+# several counts S_k of distinct slices.
+LEVEL_SHAPES = [(46, 2, 32, 2, 32, 448), (448, 4, 32, 4, 1, 1280), (200, 2, 32, 2, 32, 1500),
+                (1500, 4, 32, 4, 1, 2000)]  # fmt: skip
+LEVEL_SLICES = (16, 46, 100, 217)
+
+
+def levels(args) -> dict:
+  """Forward + vjp ms of one level (`tt.level`) with contract=batched and =pairs, beside the
+  choice of the cost model (`tt.level_product`): the data its constants are fitted to."""
+  rng = np.random.default_rng(0)
+  out = []
+  for p_prev, a, r, d, r1, p in LEVEL_SHAPES:
+    for n_s in LEVEL_SLICES:
+      pre = jnp.asarray(rng.normal(size=(p_prev, a, r)), jnp.float32)
+      sl = jnp.asarray(rng.normal(size=(n_s, r, d, r1)), jnp.float32)
+      parent_of = jnp.asarray(np.sort(rng.integers(0, p_prev, p)), jnp.int32)
+      slice_of = jnp.asarray(rng.integers(0, n_s, p), jnp.int32)
+      fns = {}
+      for how in ("batched", "pairs"):
+
+        def f(x, y, par, sli, how=how):
+          o, vjp = jax.vjp(lambda u, w: tt.level(u, w, par, sli, how), x, y)
+          return vjp(o)
+
+        fns[how] = jax.jit(f)
+        jax.block_until_ready(fns[how](pre, sl, parent_of, slice_of))
+      times = {how: [] for how in fns}
+      for _ in range(args.reps):  # interleaved: noise hits both alike
+        for how, f in fns.items():
+          t0 = time.perf_counter()
+          for _ in range(args.steps):
+            res = f(pre, sl, parent_of, slice_of)
+          jax.block_until_ready(res)
+          times[how].append(1e3 * (time.perf_counter() - t0) / args.steps)
+      ms = {how: statistics.median(t) for how, t in times.items()}
+      row = {
+        "p_prev": p_prev, "a": a, "r": r, "d": d, "r1": r1, "p": p, "slices": n_s,
+        "batched_ms": ms["batched"], "pairs_ms": ms["pairs"],
+        "faster": min(ms, key=ms.get), "auto": tt.level_product(p_prev, a, r, n_s, d, r1, p),
+      }  # fmt: skip
+      print(f"  {row}", flush=True)
+      out.append(row)
+  return {"results": out}
+
+
+def levels_md(res: dict) -> str:
+  lines = [
+    "### One prefix-tree level, forward + vjp: contract=batched vs pairs, and auto's choice",
+    "",
+    "| P_{k-1} | a | d x r_k | P_k | S_k | pairs / products | batched ms | pairs ms | faster "
+    "| auto |",
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+  ]
+  for x in res["results"]:
+    lines.append(
+      f"| {x['p_prev']} | {x['a']} | {x['d']} x {x['r1']} | {x['p']} | {x['slices']} | "
+      f"{x['p_prev'] * x['slices'] / x['p']:.1f} | {x['batched_ms']:.3f} | {x['pairs_ms']:.3f} "
+      f"| {x['faster']} | {x['auto']} |"
+    )
+  agree = sum(x["faster"] == x["auto"] for x in res["results"])
+  lines += ["", f"auto picks the faster product at {agree} of {len(res['results'])} levels."]
+  return "\n".join(lines) + "\n"
+
+
 SECTIONS = {
   "compression": (lambda a: compression(a.ranks), compression_md),
   "kernels": (kernels, kernels_md),
+  "levels": (levels, levels_md),
   "train_step": (train_step, train_step_md),
   "quality": (quality, quality_md),
   "nimble": (nimble, nimble_md),

@@ -30,13 +30,14 @@ Kernels (`kernel=`), all computing the same rows (benchmarks/tt.py measures them
 
 Level products (`contract=`, for unique and prefix): level k multiplies each prefix's
 partial product [a, r] by its slice of core k [r, d_k * r_k]. `batched`: one batched matmul
-over the P_k prefixes (P_k tiny matmuls: on XLA:CPU its transpose, a contraction over a <= 4,
-runs at ~1 GFLOP/s). `pairs`: one plain matmul of the P_{k-1} distinct parents by the S_k
+over the P_k prefixes (P_k tiny matmuls; on XLA:CPU its transpose, a contraction over
+a <= 4, is slow). `pairs`: one plain matmul of the P_{k-1} distinct parents by the S_k
 distinct slices ([P_{k-1} a, r] @ [r, S_k d_k r_k]), then a gather of the P_k pairs used:
 P_{k-1} S_k / P_k times the arithmetic, but as one GEMM (and its vjp two GEMMs and a
 scatter). `auto` (default) picks per level from the static capacities with the cost model
-of `level_product` (constants measured on XLA:CPU; `benchmarks/tt.py --sections=kernels
---contracts=batched,pairs,auto` compares the three on one table); pairs only while its
+of `level_product` (constants fitted on XLA:CPU to `benchmarks/tt.py --sections=levels`, which
+times both on single levels; `--sections=kernels --contracts=batched,pairs,auto` compares
+them on one table); pairs only while its
 [P_{k-1} a, S_k d_k r_k] product stays under `_PAIRS_MAX_FLOATS`. Both are exact: rows and
 gradients agree up to float summation order (tests/test_tt.py).
 
@@ -328,7 +329,8 @@ def reconstruct(cores: Sequence[jax.Array], num_rows: int) -> jax.Array:
 
 
 # The `contract=auto` cost model, fitted to forward + vjp times of one level on XLA:CPU (2
-# cores) at the shapes of ttrec_kaggle's synthetic tables and of the real 10M-row Kaggle C3.
+# cores) at the shapes of ttrec_kaggle's synthetic tables and of the real 10M-row Kaggle C3
+# (`benchmarks/tt.py --sections=levels`: results/tt_levels.md).
 # Per level with w = a * r * d_k * r_k multiply-adds per product:
 #   batched ~ P_k * (_BATCHED_NS + w * _BATCHED_NS_PER_MAC)   (tiny matmuls: overhead-bound)
 #   pairs   ~ P_{k-1} * S_k * w * _PAIRS_NS_PER_MAC             (one GEMM: arithmetic-bound)
@@ -348,6 +350,30 @@ def level_product(p_prev: int, a: int, r: int, s: int, d: int, r1: int, p: int) 
   pairs = p_prev * s * w * _PAIRS_NS_PER_MAC
   batched = p * (_BATCHED_NS + w * _BATCHED_NS_PER_MAC)
   return "pairs" if pairs < batched else "batched"
+
+
+def level(pre, slices, parent_of, slice_of, how: str = "auto") -> jax.Array:
+  """One level of the prefix tree: prefix p's product pre[parent_of[p]] @ slices[slice_of[p]].
+
+  pre float32[P_{k-1}, a, r], slices float32[S_k, r, d, r1] (the distinct slices of core k),
+  parent_of / slice_of int32[P_k] (slice_of = S_k for padding: its product is 0).
+  how: batched | pairs | auto (`level_product` picks). Returns float32[P_k, a, d, r1].
+  """
+  p_prev, a, r = pre.shape
+  n_s, _, d, r1 = slices.shape
+  if how == "auto":
+    how = level_product(p_prev, a, r, n_s, d, r1, parent_of.shape[0])
+  if how == "pairs":
+    # [P_{k-1} a, r] @ [r, S_k d r1]: every (parent, slice) pair in one GEMM, then the P_k
+    # pairs used. A padded prefix's slice index is S_k (out of range): it gets 0.
+    lhs = pre.reshape(p_prev * a, r)
+    rhs = jnp.transpose(slices, (1, 0, 2, 3)).reshape(r, n_s * d * r1)
+    table = (lhs @ rhs).reshape(p_prev, a, n_s, d, r1)
+    return table.at[parent_of, :, slice_of].get(mode="fill", fill_value=0.0)
+  s = slices.at[slice_of].get(mode="fill", fill_value=0.0)
+  # One batched matmul: [P, a, r] @ [P, r, d * r1].
+  out = jnp.matmul(pre[parent_of], s.reshape(s.shape[0], r, -1))
+  return out.reshape(out.shape[0], a, d, r1)
 
 
 HEADROOM = 1.25  # capacity / count when a capacity grows: batch-to-batch noise stays inside
@@ -698,25 +724,9 @@ class TT(base.TableBackend):
         s = slices[0].at[prepared["slice_of0"]].get(mode="fill", fill_value=0.0)
         pre = s[:, 0]  # [P_0, d_1, r_1]
         continue
-      parent_of, slice_of = prepared[f"parent{k}"], prepared[f"slice_of{k}"]
-      p_prev, a, r = pre.shape
-      n_s, _, d, r1 = slices[k].shape
-      how = self.contract
-      if how == "auto":
-        how = level_product(p_prev, a, r, n_s, d, r1, parent_of.shape[0])
-      if how == "pairs":
-        # [P_{k-1} a, r] @ [r, S_k d r1]: every (parent, slice) pair in one GEMM, then the
-        # P_k pairs used. A padded prefix's slice index is S_k (out of range): it gets 0.
-        lhs = pre.reshape(p_prev * a, r)
-        rhs = jnp.transpose(slices[k], (1, 0, 2, 3)).reshape(r, n_s * d * r1)
-        table = (lhs @ rhs).reshape(p_prev, a, n_s, d, r1)
-        out = table.at[parent_of, :, slice_of].get(mode="fill", fill_value=0.0)  # [P, a, d, r1]
-      else:
-        s = slices[k].at[slice_of].get(mode="fill", fill_value=0.0)
-        parent = pre[parent_of]  # [P, a, r]
-        # One batched matmul per level: [P, a, r] @ [P, r, d_k * r_k].
-        out = jnp.matmul(parent, s.reshape(s.shape[0], r, -1))
-      pre = out.reshape(out.shape[0], a * d, r1)
+      out = level(pre, slices[k], prepared[f"parent{k}"], prepared[f"slice_of{k}"], self.contract)
+      p, a, d, r1 = out.shape
+      pre = out.reshape(p, a * d, r1)
     return pre.reshape(pre.shape[0], self.spec.dim)
 
   def _gather_slices(self, state, prepared) -> list[jax.Array]:
