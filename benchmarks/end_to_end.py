@@ -76,6 +76,7 @@ def run_trainer(name: str, args) -> dict:
   batch = config.train.batch_size
   return {
     "experiment": name,
+    "batch": batch,
     "load_avg_before": load,
     "wall_s": time.perf_counter() - t0,
     "cpu_s": time.process_time() - cpu0,
@@ -199,8 +200,7 @@ def markdown(payload: dict) -> str:
       + ", ".join(f"{x:.1f}" for x in r["load_before"])
       + " |"
     )
-  within = [n for n, r in payload["trainer"].items() if n in ("cdlrm_kaggle", "ttrec_kaggle")]
-  for n in within:
+  for n in [n for n in payload["trainer"] if n != REFERENCE]:
     r = payload["trainer"][n]
     ok = "within" if r["ratio"] <= TARGET_RATIO else "NOT within"
     lines.append("")
@@ -277,18 +277,16 @@ def main():
         runs.append(dict(run_trainer(n, args), round=r))
     payload["runs"] = runs
     ref = {x["round"]: x["ms_per_step_median"] for x in runs if x["experiment"] == REFERENCE}
+    ref_steady = [
+      v for x in runs if x["experiment"] == REFERENCE for v in x["samples_per_s_intervals"][1:]
+    ]
     trainer = {}
     for n in names:
       mine = [x for x in runs if x["experiment"] == n]
-      steady = [v for x in mine for v in x["samples_per_s_intervals"][1:]]
-      sps = statistics.median(steady)
-      batch = mine[0]["ms_per_step_median"] * mine[0]["samples_per_s_median"] / 1e3
-      ref_steady = [
-        v for x in runs if x["experiment"] == REFERENCE for v in x["samples_per_s_intervals"][1:]
-      ]
+      sps = statistics.median(v for x in mine for v in x["samples_per_s_intervals"][1:])
       trainer[n] = {
         "samples_per_s": sps,
-        "ms_per_step": 1e3 * batch / sps,
+        "ms_per_step": 1e3 * mine[0]["batch"] / sps,
         "ratio": statistics.median(ref_steady) / sps if ref_steady else float("nan"),
         "ratio_per_round": [x["ms_per_step_median"] / ref[x["round"]] for x in mine if ref],
         "input_thread_ms_per_step": statistics.median(x["input_thread_ms_per_step"] for x in mine),
