@@ -141,6 +141,7 @@ def test_plan_string_options():
     ("tt(kernel=fast)", "available: naive, unique, prefix"),
     ("tt(init=xavier)", "available: sampled_gaussian"),
     ("tt(rnak=4)", "Bad options"),
+    ("tt(pad=full, lookahead=8)", "pad=full has none to size"),
   ]:
     with pytest.raises(ValueError, match=msg):
       base.make_backend(bad, spec)

@@ -416,7 +416,7 @@ class TT(base.TableBackend):
     pad: grow (default) | full; see the module docstring.
     lookahead: pad=grow sizes its capacities from this many upcoming batches as well as the
       first one (the trainer passes them), so they rarely grow later. Default 16; 0: from
-      the first batch alone.
+      the first batch alone. An error with pad=full (one shape: nothing to size).
   """
 
   name = "tt"
@@ -436,7 +436,7 @@ class TT(base.TableBackend):
     cache_rows: int = 0,
     cache_warmup: int = 50,
     pad: str = "grow",
-    lookahead: int = 16,
+    lookahead: int | None = None,
   ):
     super().__init__(spec)
     if init not in INITS:
@@ -463,9 +463,12 @@ class TT(base.TableBackend):
     self._explicit_factors = row_factors is not None or dim_factors is not None
     self.cache_rows = min(cache_rows, spec.num_rows)
     self.cache_warmup = cache_warmup
-    if int(lookahead) < 0:
+    if lookahead is not None and pad == "full":
+      raise ValueError("tt: lookahead sizes pad=grow's capacities; pad=full has none to size")
+    lookahead = 16 if lookahead is None else int(lookahead)
+    if lookahead < 0:
       raise ValueError(f"tt: lookahead must be >= 0, got {lookahead}")
-    self.lookahead = int(lookahead) if pad == "grow" else 0
+    self.lookahead = lookahead if pad == "grow" else 0
     self._caps: dict[str, int] = {}
     # Access counts of the warm-up (the shared profiler; sparse: only the rows seen).
     self._warm = profile.AccessProfile(spec.num_rows, sparse=True)
