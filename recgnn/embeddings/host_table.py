@@ -8,8 +8,9 @@ Placement: on one device the host arrays are whole, in that device's `pinned_hos
 a mesh they are split by rows over EVERY device of the mesh (P(BATCH)): one host copy of the
 table in all, S / n rows per device, instead of a replica per device.
 
-Reads and writes happen inside jit under `compute_on("device_host")` with the indices moved
-to host memory first (DESIGN.md: a gather on a host array works only that way). On a split
+Reads and writes happen inside jit as host computations (`compute_on`, compute type
+"device_host", outputs in host memory) with the indices moved to host memory first
+(DESIGN.md: a gather on a host array works only that way). On a split
 table each device reads / writes the rows it owns:
   gather   each device gathers its owned rows (zeros elsewhere) and a psum over the mesh
            gives every device all of them (exact: one non-zero term per row)
@@ -20,7 +21,6 @@ constants, which compute_on("device_host") rejects.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -28,12 +28,25 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax import lax
-from jax.experimental.compute_on import compute_on
+from jax.experimental import compute_on as _compute_on
 
 from recgnn import sharding
 from recgnn.embeddings import base
 
 HOST_MEMORIES = ("pinned_host", "device")
+
+# The function form of compute_on (compute_type=, out_memory_spaces=): jax 0.10 names it
+# `compute_on2` (its `compute_on` is a context manager); from jax 0.11 on it is `compute_on`
+# and the context manager is gone. Both lower to the same host-compute call.
+_HOST_COMPUTE = getattr(_compute_on, "compute_on2", None) or _compute_on.compute_on
+
+
+def host_compute(fn, *args):
+  """fn(*args) as a host computation (XLA compute type "device_host"), its outputs in host
+  memory. The args must already be in host memory (`HostTable.to_host`)."""
+  return _HOST_COMPUTE(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(
+    *args
+  )
 
 
 def host_spec(x: jax.Array) -> jax.sharding.PartitionSpec:
@@ -152,16 +165,16 @@ class HostTable:
   def to_device(self, x):
     return jax.device_put(x, jax.memory.Space.Device) if self.offloaded else x
 
-  def on_host(self):
-    return compute_on("device_host") if self.offloaded else contextlib.nullcontext()
+  def on_host(self, fn, *args):
+    """fn(*args) on the host when the arrays are offloaded, else a plain device computation."""
+    return host_compute(fn, *args) if self.offloaded else fn(*args)
 
   def scatter(self, h: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
     """h[rows] = values on the host array h (rows past h's end are dropped; rows unique).
     values: device, replicated. On a split host table each device writes the rows it owns."""
     if not self.split:
       rows, values = self.to_host(rows), self.to_host(values)
-      with self.on_host():
-        return scatter_rows(h, rows, values)
+      return self.on_host(scatter_rows, h, rows, values)
     spec = host_spec(h)
 
     @functools.partial(
@@ -176,8 +189,7 @@ class HostTable:
       loc = rows - jax.lax.axis_index(sharding.BATCH) * n
       loc = jnp.where((loc >= 0) & (loc < n), loc, n)  # not owned: dropped (stays unique)
       loc, values = self.to_host(loc), self.to_host(values)
-      with self.on_host():
-        return scatter_rows(h, loc, values)
+      return self.on_host(scatter_rows, h, loc, values)
 
     return local(h, rows, values)
 
@@ -187,9 +199,7 @@ class HostTable:
     block (zeros elsewhere, so the sum is exact) gives every device all of them."""
     if not self.split:
       rows = self.to_host(rows)
-      with self.on_host():
-        out = gather_rows(h, rows)
-      return self.to_device(out)
+      return self.to_device(self.on_host(gather_rows, h, rows))
     spec = host_spec(h)
 
     @functools.partial(
@@ -204,9 +214,7 @@ class HostTable:
       loc = rows - jax.lax.axis_index(sharding.BATCH) * n
       owned = (loc >= 0) & (loc < n)
       loc = self.to_host(jnp.where(owned, loc, 0))
-      with self.on_host():
-        got = gather_rows(h, loc)
-      got = self.to_device(got)
+      got = self.to_device(self.on_host(gather_rows, h, loc))
       owned = owned.reshape(owned.shape + (1,) * (got.ndim - 1))
       return jax.lax.psum(jnp.where(owned, got, 0), sharding.BATCH)
 
