@@ -1,9 +1,21 @@
 """Host memory behaviour of the process.
 
-glibc returns freed blocks above its mmap threshold (32 MiB at most) to the OS, so a jitted
-step whose XLA temporaries exceed that (a DLRM step at batch 2048: 44 MiB) maps fresh pages
-and faults them in on every step: measured ~11k page faults and 28% of the step's CPU time
-(benchmarks/dlrm_throughput.py --profile), and 3x slower bulk graph sampling.
+XLA:CPU allocates a jitted step's temporaries with malloc on every execution (a DLRM step at
+batch 2048: one 44.6 MB block). Two glibc behaviours hand those pages back to the kernel after
+each step, so the next step faults them in again (~11k minor faults and up to ~19 ms of system
+time per step, measured with benchmarks/dlrm_throughput.py):
+
+1. Blocks above the mmap threshold (32 MiB at most by default) are mmapped and unmapped.
+2. XLA runs on its own threads, whose malloc arenas are 64 MiB "heaps". A block that does not
+   fit the thread's current heap gets a new heap, and when it is freed the whole heap is
+   unmapped (glibc's heap_trim deletes an emptied heap whatever M_TRIM_THRESHOLD says; only a
+   top pad of a heap's size keeps it). Seen with strace in the step loop: per step, one
+   `mmap(128 MiB, PROT_NONE)`, `mprotect(44.6 MB, READ|WRITE)` and `munmap` on an XLA thread.
+   Whether a run lands there depends on what its heaps held when the first step ran: that was
+   the step's two speed modes (83-95k vs 58-78k samples/s on 2026-11-24).
+
+`keep_freed_memory()` sets all three knobs; afterwards the same strace shows no mmap, munmap,
+mprotect or page fault in the step loop.
 """
 
 from __future__ import annotations
@@ -12,16 +24,22 @@ import ctypes
 import ctypes.util
 
 _M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
+# glibc's HEAP_MAX_SIZE on 64-bit (2 x the 32 MiB DEFAULT_MMAP_THRESHOLD_MAX): a top pad of a
+# whole heap makes heap_trim keep every thread heap it has made.
+_HEAP_MAX_SIZE = 64 << 20
 _done = False
 
 
 def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30) -> bool:
   """Make glibc malloc keep and reuse freed memory below `mmap_threshold_bytes`.
 
-  Blocks smaller than the threshold come from the heap and stay there when freed (no trim),
-  so per-step temporaries are reused without page faults; larger blocks (big tables) are
-  still mmapped. Process-wide, idempotent; returns False where libc is not glibc.
+  Blocks smaller than the threshold come from the heaps and stay there when freed (no trim,
+  and thread heaps are never unmapped), so per-step temporaries are reused without page
+  faults; larger blocks (big tables) are still mmapped. The cost: up to 64 MiB of address
+  space (not memory: pages are committed only when touched) beyond what a heap holds.
+  Process-wide, idempotent; returns False where libc is not glibc.
   """
   global _done
   if _done:
@@ -30,6 +48,7 @@ def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30) -> bool:
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes) == 1
     ok = ok and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    ok = ok and libc.mallopt(_M_TOP_PAD, _HEAP_MAX_SIZE) == 1
   except (OSError, AttributeError, TypeError):
     return False
   _done = ok
