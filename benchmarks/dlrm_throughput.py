@@ -32,9 +32,14 @@ Writes benchmarks/results/dlrm_throughput[_malloc_default][_omp_passive].{json,m
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
+import shutil
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -44,7 +49,11 @@ import numpy as np
 import optax
 
 # Runnable as `python benchmarks/dlrm_throughput.py` from a checkout without installing recgnn.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+# RECGNN_BENCH_SRC (set by --against for its child processes): another commit's tree, whose
+# `recgnn` is timed instead of this checkout's.
+sys.path.insert(
+  0, os.environ.get("RECGNN_BENCH_SRC") or str(pathlib.Path(__file__).resolve().parents[1])
+)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import peers_dlrm  # noqa: E402
 import sparse_update  # noqa: E402  (shared timing and results helpers)
@@ -57,17 +66,19 @@ from recgnn.tasks.base import Task  # noqa: E402
 from recgnn.train import inputs as inputs_lib  # noqa: E402
 from recgnn.train import step as step_lib  # noqa: E402
 
-# XLA:CPU allocates a step's temporaries (44 MiB for this DLRM) with malloc on every
-# execution; above glibc's mmap threshold (at most 32 MiB) that is a fresh mmap, so every step
-# page-faults the whole buffer in again (~11k minor faults and ~18 ms of kernel time per step,
-# measured). With mmap off and trimming off, freed memory is reused and the faults vanish.
+# XLA:CPU allocates a step's temporaries (44.6 MB for this DLRM) with malloc on every
+# execution, and glibc hands them back to the kernel after each step unless told otherwise
+# (recgnn/hostmem.py says how and why): ~11k minor faults and ~19 ms of kernel time per step.
 
 
 def keep_freed_memory() -> str:
   """recgnn.hostmem.keep_freed_memory for this process (torch's tensors included)."""
   if not hostmem.keep_freed_memory():
     raise RuntimeError("mallopt failed; --malloc keep needs glibc")
-  return "recgnn.hostmem.keep_freed_memory() (glibc mallopt: no trim, mmap only above 1 GiB)"
+  return (
+    "recgnn.hostmem.keep_freed_memory() (glibc mallopt: no trim, thread heaps kept, mmap only"
+    " above 1 GiB)"
+  )
 
 
 # ----------------------------------------------------------------------------- data
@@ -505,6 +516,328 @@ def markdown(payload: dict) -> str:
   return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- the floor
+
+
+def mlp_gflop_per_batch(cfg: peers_dlrm.DlrmConfig, batch: int) -> float:
+  """The reference MLPs' matmul work per train step: forward + two backward matmuls per layer
+  (2 flops per multiply-add), bottom and top. 5.83 GFLOP at batch 2048."""
+  macs = 0
+  for widths in ((cfg.num_dense, *cfg.bottom), (cfg.interaction_width, *cfg.top)):
+    macs += sum(a * b for a, b in zip(widths[:-1], widths[1:]))
+  return 3 * 2 * batch * macs / 1e9
+
+
+def matmul_gflops(n: int = 2048, k: int = 512, m: int = 512, seconds: float = 0.5) -> float:
+  """This process's f32 matmul rate through XLA ([n, k] @ [k, m], the MLPs' widest shape)."""
+  rng = np.random.default_rng(0)
+  a = jax.device_put(rng.normal(size=(n, k)).astype(np.float32))
+  b = jax.device_put(rng.normal(size=(k, m)).astype(np.float32))
+  f = jax.jit(lambda a, b: a @ b)
+  f(a, b).block_until_ready()
+  reps, t0 = 0, time.perf_counter()
+  while time.perf_counter() - t0 < seconds:
+    for _ in range(10):
+      out = f(a, b)
+    out.block_until_ready()
+    reps += 10
+  return 2 * n * k * m * reps / (time.perf_counter() - t0) / 1e9
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+def time_in_process(args, contestants: list[str]) -> dict:
+  """Times `contestants` ('recgnn' and peers) in this process, round-robin; the payload."""
+  cfg = cfg_of(args)
+  batches = make_batches(cfg, args.batch, args.num_batches, args.zipf, args.seed)
+  machine = sparse_update.machine_info()
+
+  results: dict[str, dict] = {}
+  runners = {}
+  rec = None
+  if "recgnn" in contestants:
+    rec = Recgnn(cfg, batches, seed=args.seed)
+    runners["recgnn"] = rec.runner()
+  avail = peers_dlrm.available() if set(contestants) - {"recgnn"} else {}
+  torch_threads = None
+  for name in contestants:
+    if name == "recgnn":
+      continue
+    if avail.get(name, "unknown peer") is not None:
+      results[name] = {"unavailable": avail.get(name, f"unknown peer {name!r}")}
+      print(f"peer {name}: not available ({results[name]['unavailable']})", flush=True)
+      continue
+    torch_threads = peers_dlrm.set_threads(args.threads or None)
+    runners[name] = peers_dlrm.runner(name, cfg, batches, seed=args.seed)
+
+  t0 = time.perf_counter()
+  timing = sparse_update.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
+  elapsed = time.perf_counter() - t0
+  for name, t in timing.items():
+    results[name] = {"samples_per_s": 1e3 * args.batch / t["step_ms"], **t}
+  if rec is not None:
+    results["recgnn"]["final_loss"] = rec.loss(runners["recgnn"].box["state"])
+    # The floor in the same process, right after the step: the machine's load as the step's.
+    gflops = matmul_gflops()
+    floor_ms = 1e3 * mlp_gflop_per_batch(cfg, args.batch) / gflops
+    results["recgnn"].update(
+      matmul_gflops=gflops,
+      floor_ms=floor_ms,
+      floor_fraction=floor_ms / results["recgnn"]["step_ms"],
+    )
+  for name in runners:
+    if name != "recgnn":
+      results[name]["final_loss"] = runners[name](1)
+  ratios = {}
+
+  def cpu_ms(x):
+    return x["cpu_user_ms_per_step"] + x["cpu_system_ms_per_step"]
+
+  if "recgnn" in timing:
+    for name in peers_dlrm.PEERS:
+      if name in timing:
+        ratios[f"recgnn / {name} (samples/s)"] = (
+          results["recgnn"]["samples_per_s"] / results[name]["samples_per_s"]
+        )
+        # Load-robust, but counts OpenMP spin-waiting as work (see --omp-wait-policy).
+        ratios[f"{name} / recgnn (CPU ms per step)"] = cpu_ms(results[name]) / cpu_ms(
+          results["recgnn"]
+        )
+  del runners
+
+  payload = {
+    "benchmark": "dlrm_throughput",
+    "config": {
+      **vars(args),
+      "bottom": list(cfg.bottom),
+      "top": list(cfg.top),
+      "interaction_width": cfg.interaction_width,
+      "mlp_gflop_per_batch": mlp_gflop_per_batch(cfg, args.batch),
+    },
+    "machine": machine,
+    "peer_versions": peers_dlrm.versions() if set(contestants) - {"recgnn"} else {},
+    "torch_threads": torch_threads,
+    "malloc": args.malloc_note,
+    "timed_seconds": elapsed,
+    "load_avg_at_end": os.getloadavg(),
+    "results": results,
+    "ratios": ratios,
+  }
+  if rec is not None:
+    payload["recgnn_plan"] = {n: rec.plan.backend_of(n).describe(n) for n in rec.plan.table_group}
+    if args.profile:
+      payload["profile"] = profile_pieces(rec, args)
+      payload["ideas"] = IDEAS
+  return payload
+
+
+# ----------------------------------------------------------------------------- many processes
+
+# Columns of the distribution table: (key in a process's results, header, format).
+DIST_COLUMNS = (
+  ("samples_per_s", "samples/s", "{:,.0f}"),
+  ("cpu_system_ms_per_step", "system ms / step", "{:.1f}"),
+  ("minor_faults_per_step", "page faults / step", "{:,.0f}"),
+)
+
+
+def extract_commit(commit: str) -> tuple[str, str]:
+  """(directory holding COMMIT's `recgnn` package, full hash), from this checkout's git."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  full = subprocess.run(
+    ["git", "-C", str(root), "rev-parse", "--verify", f"{commit}^{{commit}}"],
+    capture_output=True,
+    text=True,
+  )
+  if full.returncode:
+    raise SystemExit(f"--against: {commit!r} is not a commit of {root}: {full.stderr.strip()}")
+  sha = full.stdout.strip()
+  out = tempfile.mkdtemp(prefix=f"recgnn_{sha[:10]}_")
+  archive = subprocess.run(
+    ["git", "-C", str(root), "archive", sha, "recgnn"], capture_output=True, check=True
+  ).stdout
+  subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
+  return out, sha
+
+
+def child_command(args, contestant: str, out: str) -> list[str]:
+  """One process of the rounds: this script timing `contestant` alone, into `out`."""
+  peer = contestant if contestant in peers_dlrm.PEERS else ""
+  opts = {
+    "batch": args.batch,
+    "tables": args.tables,
+    "rows": args.rows,
+    "dim": args.dim,
+    "zipf": args.zipf,
+    "lr": args.lr,
+    "num-batches": args.num_batches,
+    "warmup": args.warmup,
+    "reps": args.reps,
+    "steps-per-rep": args.steps_per_rep,
+    "threads": args.threads,
+    "malloc": args.malloc,
+    "omp-wait-policy": args.omp_wait_policy,
+    "seed": args.seed,
+    "processes": 0,
+    "peers": peer,
+    "no-recgnn": int(peer != ""),
+    "child-out": out,
+  }
+  return [sys.executable, str(pathlib.Path(__file__).resolve())] + [
+    f"--{k}={v}" for k, v in opts.items()
+  ]
+
+
+def cfg_of(args) -> peers_dlrm.DlrmConfig:
+  return peers_dlrm.DlrmConfig(
+    num_rows=args.rows, num_tables=args.tables, dim=args.dim, learning_rate=args.lr
+  )
+
+
+def run_processes(args) -> dict:
+  """Each contestant in args.processes separate processes, in rounds (every contestant once
+  per round, the order rotated each round), so the machine's load and each process's memory
+  luck (page faults) spread over all of them; the payload with every process's figures."""
+  contestants = ["recgnn"]
+  env_of = {"recgnn": {}}
+  against = None
+  if args.against:
+    src, sha = extract_commit(args.against)
+    against = {"commit": sha, "src": src}
+    name = f"recgnn@{sha[:10]}"
+    contestants.append(name)
+    env_of[name] = {"RECGNN_BENCH_SRC": src}
+  avail = peers_dlrm.available() if args.peers else {}
+  skipped = {}
+  for p in [s for s in args.peers.split(",") if s]:
+    if avail.get(p, "unknown peer") is None:
+      contestants.append(p)
+      env_of[p] = {}
+    else:
+      skipped[p] = avail.get(p, f"unknown peer {p!r}")
+      print(f"peer {p}: not available ({skipped[p]})", flush=True)
+  runs: dict[str, list[dict]] = {c: [] for c in contestants}
+  machine = sparse_update.machine_info()
+  t_start = time.perf_counter()
+  with tempfile.TemporaryDirectory(prefix="dlrm_throughput_") as tmp:
+    for r in range(args.processes):
+      order = contestants[r % len(contestants) :] + contestants[: r % len(contestants)]
+      for c in order:
+        out = os.path.join(tmp, f"{r}_{c.replace('@', '_')}.json")
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+          child_command(args, c, out),
+          env={**os.environ, **env_of[c]},
+          capture_output=True,
+          text=True,
+        )
+        if proc.returncode:
+          tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+          raise SystemExit(f"process {r} of {c} failed (exit {proc.returncode}):\n{tail}")
+        with open(out) as f:
+          child = json.load(f)
+        key = "recgnn" if c.startswith("recgnn") else c
+        res = {
+          **child["results"][key],
+          "load_avg": child["machine"]["load_avg_at_start"][0],
+          "process_seconds": time.perf_counter() - t0,
+        }
+        runs[c].append(res)
+        print(
+          f"round {r + 1}/{args.processes} {c}: {res['samples_per_s']:,.0f} samples/s, "
+          f"{res['cpu_system_ms_per_step']:.1f} system ms, "
+          f"{res['minor_faults_per_step']:,.0f} faults / step, load {res['load_avg']:.1f}",
+          flush=True,
+        )
+  if against:
+    shutil.rmtree(against["src"], ignore_errors=True)
+  summary = {c: distribution(v) for c, v in runs.items()}
+  ratios = {}
+  for p in peers_dlrm.PEERS:
+    if p in summary:
+      for c in contestants:
+        if c.startswith("recgnn"):
+          sps, ref = summary[c]["samples_per_s"], summary[p]["samples_per_s"]["median"]
+          ratios[f"{c} slowest / {p} median"] = sps["min"] / ref
+          ratios[f"{c} median / {p} median"] = sps["median"] / ref
+  if against:
+    a, b = summary["recgnn"]["samples_per_s"], summary[contestants[1]]["samples_per_s"]
+    ratios[f"recgnn median / {contestants[1]} median"] = a["median"] / b["median"]
+  return {
+    "benchmark": "dlrm_throughput",
+    "mode": "processes",
+    "config": {**vars(args), "mlp_gflop_per_batch": mlp_gflop_per_batch(cfg_of(args), args.batch)},
+    "machine": machine,
+    "load_avg_at_end": os.getloadavg(),
+    "against": against and {"commit": against["commit"]},
+    "unavailable": skipped,
+    "wall_seconds": time.perf_counter() - t_start,
+    "runs": runs,
+    "summary": summary,
+    "ratios": ratios,
+  }
+
+
+def distribution(runs: list[dict]) -> dict:
+  out = {}
+  for key in ("samples_per_s", "cpu_system_ms_per_step", "minor_faults_per_step", "floor_fraction"):
+    vals = [r[key] for r in runs if key in r]
+    if vals:
+      out[key] = {"min": min(vals), "median": statistics.median(vals), "max": max(vals)}
+  return out
+
+
+def markdown_processes(payload: dict) -> str:
+  a, m = payload["config"], payload["machine"]
+  loads = [r["load_avg"] for v in payload["runs"].values() for r in v]
+  lines = [
+    "# DLRM train-step throughput: distributions over separate processes",
+    "",
+    f"Batch {a['batch']}, {a['tables']} tables x {a['rows']:,} rows, dim {a['dim']}, the "
+    f"reference Kaggle MLPs, SGD lr {a['lr']}, Zipf ids (exponent {a['zipf']}). Each "
+    f"contestant in {a['processes']} separate processes, in rounds (one process of each per "
+    f"round, order rotated); each process times {a['reps']} x {a['steps_per_rep']} steps after "
+    f"{a['warmup']} warmup steps and reports its median. {m['cpus']} CPUs, load average "
+    f"{min(loads):.1f}-{max(loads):.1f} at the processes' starts, {m['date_utc']}, jax "
+    f"{m['jax']}. malloc: {a['malloc_note']}. `{m['command']}`.",
+    "",
+    "| contestant | " + " | ".join(f"{h} min / median / max" for _, h, _ in DIST_COLUMNS) + " |",
+    "|---|" + "---:|" * len(DIST_COLUMNS),
+  ]
+  for c, d in payload["summary"].items():
+    cells = []
+    for key, _, fmt in DIST_COLUMNS:
+      x = d[key]
+      cells.append(" / ".join(fmt.format(x[s]) for s in ("min", "median", "max")))
+    lines.append(f"| {c} | " + " | ".join(cells) + " |")
+  lines.append("")
+  for k, v in payload["ratios"].items():
+    lines.append(f"- {k}: **{v:.2f}**")
+  ff = payload["summary"]["recgnn"].get("floor_fraction")
+  if ff:
+    lines.append(
+      f"- recgnn's step as a fraction of the MLPs' matmul floor ({a['mlp_gflop_per_batch']:.2f} "
+      "GFLOP per batch at the f32 matmul rate each process measured after its step): "
+      f"min {ff['min']:.0%}, median **{ff['median']:.0%}**, max {ff['max']:.0%}"
+    )
+  for p, why in payload.get("unavailable", {}).items():
+    lines.append(f"- {p}: not available ({why})")
+  lines += ["", "Every process (in run order within each contestant):", ""]
+  for c, v in payload["runs"].items():
+    lines.append(
+      f"- {c}: "
+      + ", ".join(
+        f"{r['samples_per_s'] / 1e3:.1f}k ({r['minor_faults_per_step']:,.0f} pf)" for r in v
+      )
+    )
+  lines.append("")
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--batch", type=int, default=2048)
@@ -520,6 +853,18 @@ def main(argv=None):
   p.add_argument("--peers", default=",".join(peers_dlrm.PEERS), help="'' for recgnn only")
   p.add_argument("--threads", type=int, default=0, help="torch threads (0: all usable CPUs)")
   p.add_argument(
+    "--processes",
+    type=int,
+    default=10,
+    help="separate processes per contestant, in rounds (0: every contestant in this process)",
+  )
+  p.add_argument(
+    "--against",
+    default="",
+    metavar="COMMIT",
+    help="also time COMMIT's recgnn step (its recgnn/ from git) in the same rounds",
+  )
+  p.add_argument(
     "--malloc",
     choices=("default", "keep"),
     default="keep",
@@ -532,92 +877,38 @@ def main(argv=None):
     help="OMP_WAIT_POLICY for torch's threads ('' = torch's default)",
   )
   p.add_argument("--profile", action="store_true", help="also time recgnn's pieces and ideas")
-  p.add_argument("--quick", action="store_true", help="3 reps x 3 steps, 4 batches")
+  p.add_argument("--quick", action="store_true", help="3 processes, 3 reps x 3 steps, 4 batches")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--name", default="", help="results file stem (default from the options)")
+  p.add_argument("--child-out", default="", help=argparse.SUPPRESS)  # a --processes child
+  p.add_argument("--no-recgnn", type=int, default=0, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.quick:
     args.reps, args.steps_per_rep, args.num_batches, args.warmup = 3, 3, 4, 2
-  malloc_note = keep_freed_memory() if args.malloc == "keep" else "glibc default"
+    args.processes = min(args.processes, 3)
+  if args.profile and args.processes:
+    p.error("--profile times recgnn's pieces in one process: add --processes=0")
+  if args.against and not args.processes:
+    p.error("--against runs the other commit in its own processes: --processes must be > 0")
+  args.malloc_note = keep_freed_memory() if args.malloc == "keep" else "glibc default"
   if args.omp_wait_policy:
     os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # before torch loads libgomp
   if not args.name:
     args.name = "dlrm_throughput" + ("_malloc_default" if args.malloc == "default" else "")
     args.name += f"_omp_{args.omp_wait_policy}" if args.omp_wait_policy else ""
+    args.name += "_processes" if args.processes else ""
 
-  cfg = peers_dlrm.DlrmConfig(
-    num_rows=args.rows, num_tables=args.tables, dim=args.dim, learning_rate=args.lr
-  )
-  batches = make_batches(cfg, args.batch, args.num_batches, args.zipf, args.seed)
-  machine = sparse_update.machine_info()
-
-  results: dict[str, dict] = {}
-  runners = {}
-  rec = Recgnn(cfg, batches, seed=args.seed)
-  runners["recgnn"] = rec.runner()
-
-  wanted = [s for s in args.peers.split(",") if s]
-  avail = peers_dlrm.available()
-  torch_threads = None
-  for name in wanted:
-    if avail.get(name, "unknown peer") is not None:
-      results[name] = {"unavailable": avail.get(name, f"unknown peer {name!r}")}
-      print(f"peer {name}: not available ({results[name]['unavailable']})", flush=True)
-      continue
-    torch_threads = peers_dlrm.set_threads(args.threads or None)
-    runners[name] = peers_dlrm.runner(name, cfg, batches, seed=args.seed)
-
-  t0 = time.perf_counter()
-  timing = sparse_update.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
-  elapsed = time.perf_counter() - t0
-  for name, t in timing.items():
-    results[name] = {
-      "samples_per_s": 1e3 * args.batch / t["step_ms"],
-      **t,
-    }
-  results["recgnn"]["final_loss"] = rec.loss(runners["recgnn"].box["state"])
-  for name in runners:
-    if name != "recgnn":
-      results[name]["final_loss"] = runners[name](1)
-  ratios = {}
-
-  def cpu_ms(x):
-    return x["cpu_user_ms_per_step"] + x["cpu_system_ms_per_step"]
-
-  for name in peers_dlrm.PEERS:
-    if name in timing:
-      ratios[f"recgnn / {name} (samples/s)"] = (
-        results["recgnn"]["samples_per_s"] / results[name]["samples_per_s"]
-      )
-      # Load-robust, but counts OpenMP spin-waiting as work (see --omp-wait-policy).
-      ratios[f"{name} / recgnn (CPU ms per step)"] = cpu_ms(results[name]) / cpu_ms(
-        results["recgnn"]
-      )
-  del runners
-
-  payload = {
-    "benchmark": "dlrm_throughput",
-    "config": {
-      **vars(args),
-      "bottom": list(cfg.bottom),
-      "top": list(cfg.top),
-      "interaction_width": cfg.interaction_width,
-    },
-    "machine": machine,
-    "peer_versions": peers_dlrm.versions(),
-    "torch_threads": torch_threads,
-    "malloc": malloc_note,
-    "recgnn_plan": {n: rec.plan.backend_of(n).describe(n) for n in rec.plan.table_group},
-    "timed_seconds": elapsed,
-    "load_avg_at_end": os.getloadavg(),
-    "results": results,
-    "ratios": ratios,
-  }
-  if args.profile:
-    payload["profile"] = profile_pieces(rec, args)
-    payload["ideas"] = IDEAS
-  write = sparse_update.write_results
-  write(args.name, payload, markdown(payload))
+  if args.processes:
+    payload = run_processes(args)
+    sparse_update.write_results(args.name, payload, markdown_processes(payload))
+    return payload
+  contestants = ([] if args.no_recgnn else ["recgnn"]) + [s for s in args.peers.split(",") if s]
+  payload = time_in_process(args, contestants)
+  if args.child_out:
+    with open(args.child_out, "w") as f:
+      json.dump(payload, f)
+    return payload
+  sparse_update.write_results(args.name, payload, markdown(payload))
   return payload
 
 
