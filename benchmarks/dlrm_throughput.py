@@ -689,6 +689,50 @@ def child_command(args, contestant: str, out: str) -> list[str]:
   ]
 
 
+def trainer_command(args, workdir: str) -> list[str]:
+  """The same model in the trainer (`run.py`): dlrm_kaggle on its synthetic Criteo-format
+  data with every categorical column hashed to args.rows rows (26 equal tables, as here), SGD
+  for tables and MLPs at args.lr, no evaluation or checkpoints: what the trainer's input
+  thread, packing and loop add to the step."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  steps = args.trainer_steps
+  cfg = {
+    "data.categorical": "hash",
+    "data.hash_sizes": f"({args.rows},)",
+    "train.batch_size": args.batch,
+    "train.steps": steps,
+    "train.log_every": max(steps // 8, 1),
+    "train.eval_every": 0,
+    "train.final_eval_splits": "()",
+    "train.checkpoint_every": 0,
+    "embeddings.dim": args.dim,
+    "embeddings.initializer": "uniform",
+    "embeddings.optimizer.name": "sgd",
+    "embeddings.optimizer.learning_rate": args.lr,
+    "optimizer.name": "sgd",
+    "optimizer.learning_rate": args.lr,
+  }
+  return [
+    sys.executable,
+    str(root / "run.py"),
+    "--experiment=dlrm_kaggle",
+    f"--workdir={workdir}",
+    *[f"--config.{k}={v}" for k, v in cfg.items()],
+  ]
+
+
+def trainer_result(workdir: str) -> dict:
+  """samples/s of a trainer run: the median of its logged intervals after the first (which
+  holds compilation), as gpu_check and end_to_end read them."""
+  rows = []
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  rates = [r["samples_per_second"] for r in rows if "samples_per_second" in r][1:]
+  if not rates:
+    raise SystemExit(f"trainer run in {workdir} logged no steady interval; raise --trainer-steps")
+  return {"samples_per_s": statistics.median(rates), "intervals": rates}
+
+
 def cfg_of(args) -> peers_dlrm.DlrmConfig:
   return peers_dlrm.DlrmConfig(
     num_rows=args.rows, num_tables=args.tables, dim=args.dim, learning_rate=args.lr
@@ -708,6 +752,9 @@ def run_processes(args) -> dict:
     name = f"recgnn@{sha[:10]}"
     contestants.append(name)
     env_of[name] = {"RECGNN_BENCH_SRC": src}
+  if args.trainer:
+    contestants.append("trainer")
+    env_of["trainer"] = {}
   avail = peers_dlrm.available() if args.peers else {}
   skipped = {}
   for p in [s for s in args.peers.split(",") if s]:
@@ -725,9 +772,12 @@ def run_processes(args) -> dict:
       order = contestants[r % len(contestants) :] + contestants[: r % len(contestants)]
       for c in order:
         out = os.path.join(tmp, f"{r}_{c.replace('@', '_')}.json")
+        workdir = os.path.join(tmp, f"trainer_{r}")
+        cmd = trainer_command(args, workdir) if c == "trainer" else child_command(args, c, out)
         t0 = time.perf_counter()
+        load = os.getloadavg()[0]
         proc = subprocess.run(
-          child_command(args, c, out),
+          cmd,
           env={**os.environ, **env_of[c]},
           capture_output=True,
           text=True,
@@ -735,19 +785,25 @@ def run_processes(args) -> dict:
         if proc.returncode:
           tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
           raise SystemExit(f"process {r} of {c} failed (exit {proc.returncode}):\n{tail}")
-        with open(out) as f:
-          child = json.load(f)
-        key = "recgnn" if c.startswith("recgnn") else c
-        res = {
-          **child["results"][key],
-          "load_avg": child["machine"]["load_avg_at_start"][0],
-          "process_seconds": time.perf_counter() - t0,
-        }
+        if c == "trainer":
+          res = {**trainer_result(workdir), "load_avg": load}
+          shutil.rmtree(workdir, ignore_errors=True)
+        else:
+          with open(out) as f:
+            child = json.load(f)
+          key = "recgnn" if c.startswith("recgnn") else c
+          res = {**child["results"][key], "load_avg": child["machine"]["load_avg_at_start"][0]}
+        res["process_seconds"] = time.perf_counter() - t0
         runs[c].append(res)
+        extra = (
+          f", {res['cpu_system_ms_per_step']:.1f} system ms, "
+          f"{res['minor_faults_per_step']:,.0f} faults / step"
+          if "minor_faults_per_step" in res
+          else ""
+        )
         print(
-          f"round {r + 1}/{args.processes} {c}: {res['samples_per_s']:,.0f} samples/s, "
-          f"{res['cpu_system_ms_per_step']:.1f} system ms, "
-          f"{res['minor_faults_per_step']:,.0f} faults / step, load {res['load_avg']:.1f}",
+          f"round {r + 1}/{args.processes} {c}: {res['samples_per_s']:,.0f} samples/s{extra}, "
+          f"load {res['load_avg']:.1f}",
           flush=True,
         )
   if against:
@@ -764,6 +820,9 @@ def run_processes(args) -> dict:
   if against:
     a, b = summary["recgnn"]["samples_per_s"], summary[contestants[1]]["samples_per_s"]
     ratios[f"recgnn median / {contestants[1]} median"] = a["median"] / b["median"]
+  if "trainer" in summary:
+    a, b = summary["trainer"]["samples_per_s"], summary["recgnn"]["samples_per_s"]
+    ratios["trainer median / recgnn step median"] = a["median"] / b["median"]
   return {
     "benchmark": "dlrm_throughput",
     "mode": "processes",
@@ -802,14 +861,25 @@ def markdown_processes(payload: dict) -> str:
     f"{min(loads):.1f}-{max(loads):.1f} at the processes' starts, {m['date_utc']}, jax "
     f"{m['jax']}. malloc: {a['malloc_note']}. `{m['command']}`.",
     "",
+    *(
+      [
+        f"trainer: `run.py --experiment=dlrm_kaggle` on its synthetic Criteo-format data, every "
+        f"column hashed to {a['rows']:,} rows, SGD lr {a['lr']}, {a['trainer_steps']} steps; "
+        "its samples/s is the median of its logged intervals after the first (compilation), "
+        "so it includes the input thread, the packed transfer and the loop.",
+        "",
+      ]
+      if "trainer" in payload["runs"]
+      else []
+    ),
     "| contestant | " + " | ".join(f"{h} min / median / max" for _, h, _ in DIST_COLUMNS) + " |",
     "|---|" + "---:|" * len(DIST_COLUMNS),
   ]
   for c, d in payload["summary"].items():
     cells = []
     for key, _, fmt in DIST_COLUMNS:
-      x = d[key]
-      cells.append(" / ".join(fmt.format(x[s]) for s in ("min", "median", "max")))
+      x = d.get(key)
+      cells.append(" / ".join(fmt.format(x[s]) for s in ("min", "median", "max")) if x else "-")
     lines.append(f"| {c} | " + " | ".join(cells) + " |")
   lines.append("")
   for k, v in payload["ratios"].items():
@@ -828,7 +898,9 @@ def markdown_processes(payload: dict) -> str:
     lines.append(
       f"- {c}: "
       + ", ".join(
-        f"{r['samples_per_s'] / 1e3:.1f}k ({r['minor_faults_per_step']:,.0f} pf)" for r in v
+        f"{r['samples_per_s'] / 1e3:.1f}k"
+        + (f" ({r['minor_faults_per_step']:,.0f} pf)" if "minor_faults_per_step" in r else "")
+        for r in v
       )
     )
   lines.append("")
@@ -865,6 +937,12 @@ def main(argv=None):
     help="also time COMMIT's recgnn step (its recgnn/ from git) in the same rounds",
   )
   p.add_argument(
+    "--trainer",
+    action="store_true",
+    help="also run the same model in the trainer (run.py dlrm_kaggle, tables hashed to --rows)",
+  )
+  p.add_argument("--trainer-steps", type=int, default=400, help="steps of each trainer run")
+  p.add_argument(
     "--malloc",
     choices=("default", "keep"),
     default="keep",
@@ -888,8 +966,8 @@ def main(argv=None):
     args.processes = min(args.processes, 3)
   if args.profile and args.processes:
     p.error("--profile times recgnn's pieces in one process: add --processes=0")
-  if args.against and not args.processes:
-    p.error("--against runs the other commit in its own processes: --processes must be > 0")
+  if (args.against or args.trainer) and not args.processes:
+    p.error("--against and --trainer run in their own processes: --processes must be > 0")
   args.malloc_note = keep_freed_memory() if args.malloc == "keep" else "glibc default"
   if args.omp_wait_policy:
     os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # before torch loads libgomp
