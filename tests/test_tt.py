@@ -332,6 +332,40 @@ def test_cost_model_per_platform(tmp_path, monkeypatch):
     tt.cost_model.cache_clear()
 
 
+def test_fit_cost_model_recovers_constants():
+  """Timings made by a known model (with 2% noise) give back its constants, and the fitted
+  model makes the same choices as the true one."""
+  true = tt.CostModel(batched_fixed_ns=8000.0, batched_ns=40.0, batched_ns_per_mac=0.002,
+                      pairs_fixed_ns=6000.0, pairs_ns_per_mac=0.0005)  # fmt: skip
+  rng = np.random.default_rng(0)
+  levels = []
+  for p_prev, a, r, d, r1, p in [(8, 2, 32, 2, 32, 16), *BENCH_LEVEL_SHAPES]:
+    for s in (16, 46, 100, 217):
+      w = a * r * d * r1
+      b = true.batched_fixed_ns + p * (true.batched_ns + w * true.batched_ns_per_mac)
+      q = true.pairs_fixed_ns + p_prev * s * w * true.pairs_ns_per_mac
+      noise = 1 + 0.02 * rng.standard_normal(2)
+      levels.append({"p_prev": p_prev, "a": a, "r": r, "d": d, "r1": r1, "p": p, "slices": s,
+                     "batched_ms": b * noise[0] / 1e6, "pairs_ms": q * noise[1] / 1e6})  # fmt: skip
+  fit = tt.fit_cost_model(levels, source="test", platform="gpu")
+  assert fit.pairs_ns_per_mac == pytest.approx(true.pairs_ns_per_mac, rel=0.05)
+  assert fit.batched_ns_per_mac == pytest.approx(true.batched_ns_per_mac, rel=0.15)
+  assert fit.pairs_fixed_ns == pytest.approx(true.pairs_fixed_ns, rel=0.2)
+  agree = sum(
+    tt.level_product(x["p_prev"], x["a"], x["r"], x["slices"], x["d"], x["r1"], x["p"], fit)
+    == tt.level_product(x["p_prev"], x["a"], x["r"], x["slices"], x["d"], x["r1"], x["p"], true)
+    for x in levels
+  )
+  assert agree >= len(levels) - 1
+  with pytest.raises(ValueError, match="need at least 3"):
+    tt.fit_cost_model(levels[:2], source="x", platform="gpu")
+
+
+# benchmarks/tt.py's LEVEL_SHAPES (p_prev, a, r, d, r1, p): the levels calibration times.
+BENCH_LEVEL_SHAPES = [(46, 2, 32, 2, 32, 448), (448, 4, 32, 4, 1, 1280), (200, 2, 32, 2, 32, 1500),
+                      (1500, 4, 32, 4, 1, 2000)]  # fmt: skip
+
+
 def test_committed_cost_file_is_valid():
   """Every entry of the committed tt_cost.json builds a CostModel with every constant."""
   fields = {f.name for f in dataclasses.fields(tt.CostModel)}

@@ -413,6 +413,44 @@ def level_product(
   return "pairs" if pairs < batched else "batched"
 
 
+def fit_cost_model(levels: Sequence[dict], *, source: str, platform: str) -> CostModel:
+  """The constants of the cost model fitted to timed levels (`benchmarks/tt.py
+  --sections=levels` rows: p_prev, a, r, d, r1, p, slices, batched_ms, pairs_ms).
+
+  Each product's time is linear in its constants; they are fitted by non-negative least
+  squares on relative error (a level of 0.05 ms weighs as much as one of 5 ms: the choice
+  is a ratio). pairs_max_floats is not fitted (the levels do not reach it): XLA:CPU's.
+  """
+  import scipy.optimize  # (only here: calibration)
+
+  rows_b, rows_p = [], []
+  for x in levels:
+    w = x["a"] * x["r"] * x["d"] * x["r1"]
+    tb, tp = 1e6 * x["batched_ms"], 1e6 * x["pairs_ms"]
+    rows_b.append(np.array([1.0, x["p"], x["p"] * w]) / tb)
+    rows_p.append(np.array([1.0, x["p_prev"] * x["slices"] * w]) / tp)
+  if len(rows_b) < 3:
+    raise ValueError(f"fit_cost_model: {len(rows_b)} timed levels; need at least 3")
+  # Columns scaled to unit norm first: their magnitudes differ by ~10 orders.
+  coef = []
+  for rows in (np.array(rows_b), np.array(rows_p)):
+    scale = np.linalg.norm(rows, axis=0)
+    scale[scale == 0] = 1.0
+    c, _ = scipy.optimize.nnls(rows / scale, np.ones(len(rows)))
+    coef.append(c / scale)
+  (bf, bn, bm), (pf, pm) = coef
+  return CostModel(
+    batched_fixed_ns=float(bf),
+    batched_ns=float(bn),
+    batched_ns_per_mac=float(bm),
+    pairs_fixed_ns=float(pf),
+    pairs_ns_per_mac=float(pm),
+    pairs_max_floats=CPU_COSTS.pairs_max_floats,
+    source=source,
+    platform=platform,
+  )
+
+
 def level(pre, slices, parent_of, slice_of, how: str = "auto") -> jax.Array:
   """One level of the prefix tree: prefix p's product pre[parent_of[p]] @ slices[slice_of[p]].
 
