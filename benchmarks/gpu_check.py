@@ -21,12 +21,13 @@ Stages (benchmarks/GPU.md: the commands in order, their times, where results go)
   calibrate  tt's contract=auto cost model fitted on this platform (benchmarks/tt.py levels)
 
 Every stage writes DIR/STAGE.json, DIR/STAGE.md and DIR/STAGE.log (trimmed), plus: trace
-DIR/trace_EXPERIMENT.json.gz (the Perfetto trace, trimmed to the device's and the step's
-events if large), calibrate DIR/tt_cost.json (merge: `python benchmarks/gpu_check.py
-merge-tt-cost DIR/tt_cost.json`). Each stage has a budget (default 510 s; its subprocesses'
-limits are cut from what is left, SIGTERM first) and also installs what is missing, so any
-stage runs on a fresh machine. Exit status: 0 when every stage passed (or no GPU without
---allow-cpu), 1 when one failed (its files still written), 2 on bad usage.
+DIR/trace_EXPERIMENT.trace.json.gz (the Perfetto trace, trimmed to the device's and the
+steps' events if large); calibrate's fit is merged into the package with `python
+benchmarks/gpu_check.py merge-tt-cost DIR/calibrate.json`. Each stage has a budget
+(default 510 s; its subprocesses' limits are cut from what is left, SIGTERM first) and also
+installs what is missing, so any stage runs on a fresh machine. Exit status: 0 when every
+stage passed (or no GPU without --allow-cpu), 1 when one failed (its files still written),
+2 on bad usage.
 
 Also: `detect` (device JSON; exit 3 without a GPU), `merge-tt-cost FILE`, `report DIR`
 (one summary.md from a results folder), and the pytest plugin `-p gpu_check` (with
@@ -718,11 +719,11 @@ def stage_trainer(ctx: Ctx, st: Stage) -> str:
 def sizes(ctx: Ctx, traced: bool) -> dict:
   """Run sizes: the GPU's (synthetic 1M rows, batch 2048) or the CPU test mode's."""
   if ctx.mode == "gpu":
-    s = {"steps": 300, "log_every": 50, "batch": 2048, "rows": 1_000_000, "cap": 180}
+    s = {"steps": 300, "log_every": 50, "batch": 2048, "rows": 1_000_000, "cap": 180, "min": 60}
     if traced:  # the window after hotline_kaggle's profiling (84 batches) and migration
       s.update(steps=130, log_every=10, profile="110:115", cap=200)
   else:
-    s = {"steps": 20, "log_every": 5, "batch": 512, "rows": 20_000, "cap": 170}
+    s = {"steps": 20, "log_every": 5, "batch": 512, "rows": 20_000, "cap": 170, "min": 75}
     if traced:
       s.update(steps=14, log_every=7, profile="10:13", cap=200)
   return s
@@ -773,15 +774,20 @@ def throughput(rows: list[dict], profile: tuple[int, int] | None = None) -> dict
 
 
 def backend_stats(rows: list[dict]) -> dict:
-  """Per-table backend counters ('TABLE/KEY'), averaged over the logged train intervals after
-  the first (the first holds the cache's cold start); offload totals over the tables."""
+  """Per-table backend counters ('TABLE/KEY'; hot_cold's group-wide ones as '(group)'),
+  averaged over the logged train intervals after the first (the first holds the cache's
+  cold start and hot_cold's profiling); host <-> device transfer totals over the tables."""
   train = [r for r in rows if "samples_per_second" in r]
   use = train[1:] or train
   per_table: dict[str, dict[str, list]] = {}
   for r in use:
     for k, v in r.items():
       table, sep, key = k.partition("/")
-      if not sep or table in ("valid", "test", "train") or not isinstance(v, (int, float)):
+      if not sep:  # a group-wide counter (hot_cold's: one group of tables)
+        if k in ("step", "loss", "samples_per_second", "steps"):
+          continue
+        table, key = "(group)", k
+      if table in ("valid", "test", "train", "emb") or not isinstance(v, (int, float)):
         continue
       per_table.setdefault(table, {}).setdefault(key, []).append(float(v))
   tables = {t: {k: statistics.fmean(v) for k, v in kv.items()} for t, kv in per_table.items()}
@@ -841,8 +847,9 @@ def stage_train(ctx: Ctx, st: Stage) -> str:
   for i, name in enumerate(names):
     wd = os.path.join(ctx.work, f"train_{name}")
     shutil.rmtree(wd, ignore_errors=True)
-    # Each experiment gets its share of what is left (the first also builds the dataset).
-    limit = min(s["cap"] + (60 if i == 0 else 0), st.left() / (len(names) - i) - 5)
+    # What is left, less a minimum for each experiment after this one (the first also builds
+    # the dataset; a fast one leaves its time to the next).
+    limit = min(s["cap"] + (60 if i == 0 else 0), st.left() - 10 - s["min"] * (len(names) - i - 1))
     r = st.run(f"train_{name}", experiment_args(ctx, name, s, wd), limit)
     res[name] = _experiment_result(ctx, name, r, wd, None)
     st.md[:] = [
@@ -901,7 +908,7 @@ def stage_trace(ctx: Ctx, st: Stage) -> str:
     # The train step's compiled HLO: which XLA ops are the host exchange (CPU's copies).
     flags = f"--xla_dump_to={hlo} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_train_step"
     env = {"XLA_FLAGS": (ctx.env.get("XLA_FLAGS", "") + " " + flags).strip()}
-    limit = min(s["cap"] + (60 if i == 0 else 0), st.left() / (len(names) - i) - 10)
+    limit = min(s["cap"] + (60 if i == 0 else 0), st.left() - 20 - s["min"] * (len(names) - i - 1))
     r = st.run(f"trace_{name}", experiment_args(ctx, name, s, wd), limit, env)
     e = _experiment_result(ctx, name, r, wd, prof)
     try:
@@ -1011,8 +1018,6 @@ def stage_calibrate(ctx: Ctx, st: Stage) -> str:
     return "failed"
   res = json.loads(_read(raw))
   st.result.update(res)
-  with open(os.path.join(ctx.out, "tt_cost.json"), "w") as f:
-    json.dump({res["key"]: res["entry"]}, f, indent=2)
   n = len(res["levels"])
   e = res["entry"]
   st.md += [
@@ -1027,7 +1032,7 @@ def stage_calibrate(ctx: Ctx, st: Stage) -> str:
     f"model this platform uses now (`{res['current_platform']}`) at {res['agree_current']}; "
     f"XLA:CPU's at {res['agree_cpu_model']}.",
     "",
-    "Use it on this platform: `python benchmarks/gpu_check.py merge-tt-cost tt_cost.json` "
+    "Use it on this platform: `python benchmarks/gpu_check.py merge-tt-cost calibrate.json` "
     "(into recgnn/embeddings/tt_cost.json), then commit.",
     "",
     "| P_(k-1) | a | d x r_k | P_k | S_k | batched ms | pairs ms | faster |",
@@ -1101,16 +1106,24 @@ def run_stages(args) -> int:
 
 # --------------------------------------------------------------------------- merge, report
 def merge_tt_cost(path: str, target: str | None = None) -> int:
-  """Merge a calibrate stage's tt_cost.json into recgnn/embeddings/tt_cost.json."""
+  """Merge a calibrate stage's fit (its calibrate.json) into recgnn/embeddings/tt_cost.json:
+  under 'BACKEND:DEVICE KIND', and under 'BACKEND' too while that has no entry (a fitted GPU
+  is a better guess for another GPU than the CPU's constants)."""
   target = target or os.path.join(ROOT, "recgnn", "embeddings", "tt_cost.json")
-  new = json.loads(_read(path))
+  res = json.loads(_read(path))
+  if "key" not in res or "entry" not in res:
+    raise SystemExit(f"{path}: not a calibrate stage's result (no 'key' / 'entry')")
+  key, entry = res["key"], res["entry"]
+  need = {"batched_ns", "batched_ns_per_mac", "pairs_ns_per_mac", "source"}
+  if not need <= entry.keys():
+    raise SystemExit(f"{path}: the fit lacks {sorted(need - entry.keys())}")
   cur = json.loads(_read(target)) if os.path.exists(target) else {}
-  for key, entry in new.items():
-    need = {"batched_ns", "batched_ns_per_mac", "pairs_ns_per_mac", "source"}
-    if key.startswith("_") or not need <= entry.keys():
-      raise SystemExit(f"{path}: entry {key!r} lacks {sorted(need - entry.keys())}")
-    cur[key] = entry
-    print(f"{target}: {key} <- {entry['source']}")
+  cur[key] = entry
+  print(f"{target}: {key} <- {entry['source']}")
+  backend = key.split(":", 1)[0]
+  if backend not in cur and backend != key:
+    cur[backend] = {**entry, "source": f"{entry['source']} (the {key} fit, for any {backend})"}
+    print(f"{target}: {backend} <- the same fit")
   with open(target, "w") as f:
     json.dump(cur, f, indent=2)
     f.write("\n")

@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_check.sh --allow-cpu --stage=train --out=DIR   # CPU test mode
 #
 # Stages: env contract trainer train trace calibrate (or all). Each writes DIR/STAGE.json,
-# DIR/STAGE.md, DIR/STAGE.log; trace also DIR/trace_EXPERIMENT.trace.json.gz, calibrate
-# DIR/tt_cost.json. Full logs, workdirs and the dataset stay in --work (/tmp/recgnn_gpu_check).
+# DIR/STAGE.md, DIR/STAGE.log; trace also DIR/trace_EXPERIMENT.trace.json.gz. Full logs,
+# workdirs and the dataset stay in --work (/tmp/recgnn_gpu_check).
 #
 # Options: --stage=S (required), --out=DIR (required), --allow-cpu (no GPU: the same stages
 # on CPU at small sizes, instead of exiting 0), --wheels=DIR (the carried wheels; default
@@ -28,7 +28,7 @@ for arg in "$@"; do
     --allow-cpu|--force-cpu) args+=(--allow-cpu) ;;
     --stage=*|--out=*|--wheels=*|--work=*) args+=("$arg") ;;
     --experiments=*) IFS=, read -r -a exps <<<"${arg#--experiments=}"; args+=(--experiments "${exps[@]}") ;;
-    -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu_check: unknown argument $arg (try --help)" >&2; exit 2 ;;
   esac
 done

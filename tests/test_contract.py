@@ -131,3 +131,10 @@ def test_dense_matches_numpy_reference():
           opt.learning_rate * g_row[touched] / (np.sqrt(accum[touched])[:, None] + opt.eps)
         )
     np.testing.assert_allclose(trace.table, table, rtol=1e-4, atol=1e-5)
+
+
+def test_mesh_needing_more_devices_is_skipped_with_the_count():
+  """On a platform with too few devices (one GPU) a mesh test skips, naming the counts."""
+  n = jax.device_count()
+  with pytest.raises(pytest.skip.Exception, match=f"mesh {n}x2 needs {2 * n} devices; {n} "):
+    contract.mesh_or_skip(n, 2)
