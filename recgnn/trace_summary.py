@@ -31,11 +31,13 @@ What counts as what:
     for D2H (`copies_from` says which source the figures come from). On a GPU the same ops
     are reported as host_gather / host_scatter beside the real copies.
 
-Steps: device work of step k is counted in the window from the start of step k's host
-annotation to the start of step k+1's (the last: to the end of the trace's device work).
-The host dispatches ahead of the device, so on an accelerator a window can hold the tail of
-the previous step; the mean over the windows (the profiled span / steps) is the robust
-figure.
+Steps: a window per execution of the train step's XLA module on the device (`--step_module`,
+default the trainer's jit_train_step; its ops share a `run_id`), from its first op to the next
+execution's; device work is counted in the window it starts in (clipped to it). The host
+dispatches ahead of the device, so a trace can hold executions of steps dispatched before it
+started: they are numbered back from the annotated steps, and one caught only in part is
+marked partial and left out of the mean. Without run ids (they come from XLA's annotations;
+a trace may lack them), the windows run from one host step annotation to the next.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import gzip
 import json
 import os
 import re
+import statistics
 import sys
 from collections.abc import Iterable, Sequence
 
@@ -384,8 +387,51 @@ def _in(events: Iterable[dict], lo: float, hi: float) -> list[dict]:
   return [e for e in events if lo <= float(e["ts"]) < hi]
 
 
-def summarize(trace: Trace, hlo: HostOps | None = None, step_name: str = "train") -> dict:
-  """The per-step and mean figures (microseconds, bytes) described in the module docstring."""
+def _windows(every: list[dict], steps: list, end: float, step_module: str):
+  """[(step, start, stop, partial)]: one window per execution of the step's XLA module on the
+  device (its ops share a run_id), else per host step annotation; and how they were made.
+
+  The host dispatches ahead, so the device may still run steps dispatched before the trace
+  started: runs are numbered back from the annotated steps (the last runs are theirs), and
+  a run caught only in part (fewer ops than the typical run) is marked partial and left out
+  of the mean.
+  """
+  runs: dict[str, list[float]] = {}
+  pattern = re.compile(step_module)
+  for e in every:
+    a = e.get("args") or {}
+    if "run_id" in a and pattern.search(str(a.get("hlo_module", ""))):
+      r = runs.setdefault(str(a["run_id"]), [float(e["ts"]), 0.0, 0])
+      r[0] = min(r[0], float(e["ts"]))
+      r[1] = max(r[1], float(e["ts"]) + float(e.get("dur", 0.0)))
+      r[2] += 1
+  if runs:
+    order = sorted(runs.values())
+    typical = statistics.median(r[2] for r in order)
+    nums = [s[0] for s in steps]
+    last = nums[-1] if nums else len(order) - 1
+    out = []
+    for i, (lo, _, n) in enumerate(order):
+      hi = order[i + 1][0] if i + 1 < len(order) else end
+      out.append((last - (len(order) - 1 - i), lo, hi, n < 0.9 * typical))
+    return out, f"executions of the XLA module /{step_module}/ on the device (run_id)"
+  starts = [s for s in steps if s[1] < end]
+  if starts:
+    return [
+      (num, t, starts[i + 1][1] if i + 1 < len(starts) else end, False)
+      for i, (num, t) in enumerate(starts)
+    ], "host step annotations (no run ids of the step module in the trace)"
+  return [(None, min(float(e["ts"]) for e in every), end, False)], "the whole trace"
+
+
+def summarize(
+  trace: Trace,
+  hlo: HostOps | None = None,
+  step_name: str = "train",
+  step_module: str = "train_step",
+) -> dict:
+  """The per-step and mean figures (microseconds, bytes) described in the module docstring.
+  step_module: a regex of the train step's XLA module name (the trainer's: jit_train_step)."""
   c = classify(trace, hlo, step_name)
   by = collections.defaultdict(list)
   for cat, e in c.device:
@@ -412,18 +458,12 @@ def summarize(trace: Trace, hlo: HostOps | None = None, step_name: str = "train"
       f"{trace.path}: no device work in the trace (no XLA op or device stream events)"
     )
   end = max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in every)
-  starts = [s for s in c.steps if s[1] < end]
-  if starts:
-    windows = [
-      (num, t, starts[i + 1][1] if i + 1 < len(starts) else end)
-      for i, (num, t) in enumerate(starts)
-    ]
-  else:
-    windows = [(None, min(float(e["ts"]) for e in every), end)]
+  windows, how = _windows(every, c.steps, end, step_module)
   rows = []
-  for num, lo, hi in windows:
+  for num, lo, hi, partial in windows:
     busy = union(_clip(compute, lo, hi))
     row = {"step": num, "start_us": lo, "span_us": hi - lo, "busy_us": length(busy)}
+    row["partial"] = partial
     row["kernel_us"] = sum(b - a for a, b in _clip(compute, lo, hi))
     row["kernels"] = len(_in(compute, lo, hi))
     copies = []
@@ -442,8 +482,9 @@ def summarize(trace: Trace, hlo: HostOps | None = None, step_name: str = "train"
       for name in ("h2d", "d2h", "host"):
         row[f"host_{name}_ops_us"] = length(union(_clip(host_by[name], lo, hi)))
     rows.append(row)
-  keys = [k for k in rows[0] if k not in ("step", "start_us")]
-  mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+  keys = [k for k in rows[0] if k not in ("step", "start_us", "partial")]
+  whole = [r for r in rows if not r["partial"]] or rows
+  mean = {k: sum(r[k] for r in whole) / len(whole) for k in keys}
   mean["copy_overlap_fraction"] = (
     mean["copy_overlap_us"] / mean["copy_us"] if mean["copy_us"] else None
   )
@@ -451,7 +492,8 @@ def summarize(trace: Trace, hlo: HostOps | None = None, step_name: str = "train"
     "trace": trace.path,
     "platform": c.platform,
     "copies_from": copies_from,
-    "steps": len(rows),
+    "steps": len(whole),
+    "windows": how,
     "per_step": rows,
     "mean": mean,
     "events": {cat: len(v) for cat, v in by.items()}
@@ -473,8 +515,8 @@ def markdown(s: dict, title: str = "") -> str:
   lines = [
     f"### Trace summary{': ' + title if title else ''}",
     "",
-    f"`{s['trace']}` ({s['platform']}; copies from {s['copies_from']}): {s['steps']} step "
-    f"window(s). Mean per step: device busy {m['busy_us'] / 1e3:.3f} ms "
+    f"`{s['trace']}` ({s['platform']}; copies from {s['copies_from']}): {s['steps']} whole "
+    f"step(s), windows from {s['windows']}. Mean per step: device busy {m['busy_us'] / 1e3:.3f} ms "
     f"({m['kernel_us'] / 1e3:.3f} ms of kernels), H2D {m['h2d_us'] / 1e3:.3f} ms "
     f"({m['h2d_count']:.0f} copies, {_fmt_bytes(m['h2d_bytes'])}), D2H "
     f"{m['d2h_us'] / 1e3:.3f} ms ({m['d2h_count']:.0f}, {_fmt_bytes(m['d2h_bytes'])}); "
@@ -490,7 +532,8 @@ def markdown(s: dict, title: str = "") -> str:
   ]
   for r in s["per_step"]:
     lines.append(
-      f"| {r['step']} | {r['span_us'] / 1e3:.3f} | {r['busy_us'] / 1e3:.3f} | {r['kernels']} "
+      f"| {r['step']}{' (partial)' if r['partial'] else ''} | {r['span_us'] / 1e3:.3f} "
+      f"| {r['busy_us'] / 1e3:.3f} | {r['kernels']} "
       f"| {r['h2d_us'] / 1e3:.3f} ({r['h2d_count']}) | {r['h2d_overlap_us'] / 1e3:.3f} "
       f"| {r['d2h_us'] / 1e3:.3f} ({r['d2h_count']}) | {r['d2h_overlap_us'] / 1e3:.3f} |"
     )
@@ -502,9 +545,10 @@ def main(argv=None) -> int:
   p.add_argument("trace", help="a *.trace.json[.gz] or a directory holding one (newest)")
   p.add_argument("--hlo", nargs="*", default=[], help="compiled HLO text files / XLA dump dirs")
   p.add_argument("--step_name", default="train", help="host annotation of a step")
+  p.add_argument("--step_module", default="train_step", help="regex: the step's XLA module")
   p.add_argument("--json", help="also write the summary here")
   args = p.parse_args(argv)
-  s = summarize(load(args.trace), host_ops(read_hlo(args.hlo)), args.step_name)
+  s = summarize(load(args.trace), host_ops(read_hlo(args.hlo)), args.step_name, args.step_module)
   print(markdown(s))
   if args.json:
     with open(args.json, "w") as f:

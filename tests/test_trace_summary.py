@@ -131,6 +131,14 @@ def test_cpu_trace_of_an_offload_run(tmp_path):
   # (table row + accumulator), averaged over the same steps.
   assert padded > 0
   np.testing.assert_allclose(s["mean"]["h2d_bytes"], padded, rtol=1e-6)
+  # Windows per execution of the update's module on the device (its run ids) instead of per
+  # host annotation: the same steps' worth of bytes.
+  runs = trace_summary.summarize(
+    trace_summary.load(str(tmp_path / "profile")), trace_summary.host_ops(hlo), step_module="update"
+  )
+  assert "run_id" in runs["windows"] and runs["steps"] >= stop - first
+  assert all(r["step"] is not None for r in runs["per_step"])
+  np.testing.assert_allclose(runs["mean"]["h2d_bytes"], padded, rtol=1e-6)
   # Without the HLO, XLA:CPU's trace has no copies to find, and says so.
   bare = trace_summary.summarize(trace_summary.load(str(tmp_path / "profile")))
   assert bare["mean"]["h2d_us"] == 0 and "give --hlo" in bare["copies_from"]
