@@ -1105,7 +1105,7 @@ def run_stages(args) -> int:
 
 
 # --------------------------------------------------------------------------- merge, report
-def merge_tt_cost(path: str, target: str | None = None) -> int:
+def merge_tt_cost(path: str, target: str | None = None, force: bool = False) -> int:
   """Merge a calibrate stage's fit (its calibrate.json) into recgnn/embeddings/tt_cost.json:
   under 'BACKEND:DEVICE KIND', and under 'BACKEND' too while that has no entry (a fitted GPU
   is a better guess for another GPU than the CPU's constants)."""
@@ -1114,6 +1114,11 @@ def merge_tt_cost(path: str, target: str | None = None) -> int:
   if "key" not in res or "entry" not in res:
     raise SystemExit(f"{path}: not a calibrate stage's result (no 'key' / 'entry')")
   key, entry = res["key"], res["entry"]
+  if key.split(":", 1)[0] == "cpu" and not force:
+    raise SystemExit(
+      f"{path}: a CPU fit (the --allow-cpu test mode's few repetitions). XLA:CPU's constants "
+      "are tt.CPU_COSTS, fitted on the reference machine; --force merges this one anyway."
+    )
   need = {"batched_ns", "batched_ns_per_mac", "pairs_ns_per_mac", "source"}
   if not need <= entry.keys():
     raise SystemExit(f"{path}: the fit lacks {sorted(need - entry.keys())}")
@@ -1165,6 +1170,7 @@ def main(argv=None) -> int:
   m = sub.add_parser("merge-tt-cost")
   m.add_argument("file")
   m.add_argument("--into")
+  m.add_argument("--force", action="store_true", help="merge a CPU fit too")
   r = sub.add_parser("report")
   r.add_argument("folder")
   args = p.parse_args(argv)
@@ -1175,7 +1181,7 @@ def main(argv=None) -> int:
   if args.cmd == "calibrate-run":
     return calibrate_run(args.out, args.reps, args.steps)
   if args.cmd == "merge-tt-cost":
-    return merge_tt_cost(args.file, args.into)
+    return merge_tt_cost(args.file, args.into, args.force)
   if args.cmd == "report":
     return report(args.folder)
   return run_stages(args)
