@@ -3,6 +3,7 @@ merging a calibration into the package, the metrics it reads back."""
 
 import argparse
 import gzip
+import importlib.util
 import json
 import os
 import sys
@@ -10,8 +11,11 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-import gpu_check  # noqa: E402
+# Loaded from its file: benchmarks/ on sys.path would shadow names (data, tt, sampling).
+_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "gpu_check.py")
+_spec = importlib.util.spec_from_file_location("gpu_check", _PATH)
+gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
 
 
 def _ctx(tmp_path):
