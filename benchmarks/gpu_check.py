@@ -1,15 +1,40 @@
-"""Helpers of benchmarks/gpu_check.sh (run that, not this).
+"""The GPU check (issue 29): stages that each end within a device command's 10 minutes and
+write their results under --out as they finish. Run it through benchmarks/gpu_check.sh.
 
-  python benchmarks/gpu_check.py detect [--allow-cpu]   JSON of the accelerator; exit 3: no GPU
-  python benchmarks/gpu_check.py deps                   project dependencies not installed
-  python benchmarks/gpu_check.py collect --work DIR --out DIR [--device-json F] ...
-                                                        results JSON + markdown from the stages
-  pytest -p gpu_check ...                               (benchmarks/ on PYTHONPATH) the plugin:
-      a test whose mesh needs more devices than the machine has (sharding.make_mesh's
-      "needs N devices; M available") is reported as skipped, not failed, and the header
-      names the platform the tests run on.
+  bash benchmarks/gpu_check.sh --stage=env --out=DIR             one stage (on a lent GPU
+                                                                 machine: --out=$OUT)
+  bash benchmarks/gpu_check.sh --stage=env,contract --out=DIR    several, in this order
+  bash benchmarks/gpu_check.sh --stage=all --out=DIR             every stage
+  bash benchmarks/gpu_check.sh --allow-cpu --stage=S --out=DIR   CPU test mode (small sizes)
 
-Nothing here imports jax at module level: `deps` and `collect` work without it.
+Stages (benchmarks/GPU.md: the commands in order, their times, where results go):
+  env        install what the image lacks from the carried wheels only (pip --no-deps
+             --no-index; the project editable), print exactly what was used; environment
+             report (versions, devices, driver) and a probe of host memory (pinned_host
+             transfers, a compute_on host gather)
+  contract   tests/test_contract.py on the device
+  trainer    tests/test_trainer.py on the device
+  train      run.py per experiment (dlrm_kaggle cdlrm_kaggle ttrec_kaggle hotline_kaggle):
+             samples/s, loss, AUC, offload / hot_cold transfer counters
+  trace      profiled steps of cdlrm_kaggle (offload) and hotline_kaggle (hot_cold):
+             recgnn.trace_summary per step (kernels, H2D / D2H copies, overlap), the trace
+  calibrate  tt's contract=auto cost model fitted on this platform (benchmarks/tt.py levels)
+
+Every stage writes DIR/STAGE.json, DIR/STAGE.md and DIR/STAGE.log (trimmed), plus: trace
+DIR/trace_EXPERIMENT.trace.json.gz (the Perfetto trace, trimmed to the device's and the
+steps' events if large); calibrate's fit is merged into the package with `python
+benchmarks/gpu_check.py merge-tt-cost DIR/calibrate.json`. Each stage has a budget
+(default 510 s; its subprocesses' limits are cut from what is left, SIGTERM first) and also
+installs what is missing, so any stage runs on a fresh machine. Exit status: 0 when every
+stage passed (or no GPU without --allow-cpu), 1 when one failed (its files still written),
+2 on bad usage.
+
+Also: `detect` (device JSON; exit 3 without a GPU), `merge-tt-cost FILE`, `report DIR`
+(one summary.md from a results folder), and the pytest plugin `-p gpu_check` (with
+benchmarks/ on PYTHONPATH): per-test progress lines a killed run still leaves, and a mesh
+that needs more devices than exist reported as skipped.
+
+Nothing here imports jax or the project at module level: the stages run before the install.
 """
 
 from __future__ import annotations
@@ -20,14 +45,50 @@ import json
 import os
 import platform
 import re
+import shlex
+import shutil
+import signal
 import socket
 import statistics
+import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 
 NO_GPU = 3  # exit status of `detect` when jax sees no GPU
-EXPERIMENTS = ("dlrm_kaggle", "ttrec_kaggle", "cdlrm_kaggle")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ("env", "contract", "trainer", "train", "trace", "calibrate")
+EXPERIMENTS = ("dlrm_kaggle", "cdlrm_kaggle", "ttrec_kaggle", "hotline_kaggle")
+TRACED = ("cdlrm_kaggle", "hotline_kaggle")
+# A device command may run 10 minutes, machine start and file transfers not counted: a stage
+# must end by 9; 510 s leaves a minute for pytest / run.py to answer SIGTERM and for writing.
+STAGE_SECONDS = float(os.environ.get("RECGNN_GPU_CHECK_STAGE_SECONDS", "510"))
+KILL_GRACE = 20  # seconds between SIGTERM and SIGKILL
+LOG_BYTES = 400_000  # a stage log's size limit (head and tail kept)
+TRACE_BYTES = 15 << 20  # a returned trace's limit (the device link returns 16 MiB a file)
+DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
+# What run.py, the trainer and the tests import (module, distribution): checked after install.
+IMPORTS = (
+  ("jax", "jax"),
+  ("jaxlib", "jaxlib"),
+  ("flax", "flax"),
+  ("optax", "optax"),
+  ("orbax.checkpoint", "orbax-checkpoint"),
+  ("absl", "absl-py"),
+  ("ml_collections", "ml-collections"),
+  ("numpy", "numpy"),
+  ("scipy", "scipy"),
+  ("pymetis", "pymetis"),
+  ("tensorboardX", "tensorboardX"),
+  ("tensorflow_datasets", "tensorflow-datasets"),
+  ("array_record", "array-record"),
+  ("grain", "grain"),
+  ("numba", "numba"),
+  ("sklearn", "scikit-learn"),
+  ("pytest", "pytest"),
+  ("hypothesis", "hypothesis"),
+  ("recgnn", "recgnn"),
+  ("experiments", "recgnn"),
+)
 # Offload counters (recgnn/embeddings/offload.py stats()), logged per table as "TABLE/KEY".
 OFFLOAD_SUM = (
   "h2d_bytes_per_step",
@@ -47,6 +108,7 @@ if "pytest" in sys.modules:  # loaded with `pytest -p gpu_check`
 
   @pytest.hookimpl(wrapper=True)
   def pytest_runtest_call(item):
+    # A safety net for tests that build a mesh without contract.mesh_or_skip.
     try:
       return (yield)
     except ValueError as e:
@@ -54,6 +116,20 @@ if "pytest" in sys.modules:  # loaded with `pytest -p gpu_check`
       if m is None:
         raise
       pytest.skip(f"gpu_check: mesh needs {m.group(1)} devices, {m.group(2)} available")
+
+  def pytest_runtest_logreport(report):
+    # One line per finished test, flushed: a stage killed at its limit still has them.
+    path = os.environ.get("RECGNN_GPU_CHECK_PROGRESS")
+    if not path or not (report.when == "call" or report.outcome != "passed"):
+      return
+    row = {"test": report.nodeid, "outcome": report.outcome, "when": report.when,
+           "seconds": round(report.duration, 2)}  # fmt: skip
+    if report.skipped and isinstance(report.longrepr, tuple):
+      row["reason"] = str(report.longrepr[2])
+    elif report.failed:
+      row["error"] = str(report.longreprtext)[-3000:]
+    with open(path, "a") as f:
+      f.write(json.dumps(row) + "\n")
 
   def pytest_report_header(config):
     import jax
@@ -77,12 +153,10 @@ def detect(allow_cpu: bool) -> int:
   import jax
 
   info: dict = {"jax": jax.__version__}
-  try:
+  with contextlib.suppress(Exception):
     import jaxlib
 
     info["jaxlib"] = jaxlib.__version__
-  except Exception:  # noqa: BLE001
-    pass
   try:
     gpus = jax.devices("gpu")
   except RuntimeError as e:  # no GPU backend: "Unknown backend gpu" / "no devices"
@@ -101,42 +175,71 @@ def detect(allow_cpu: bool) -> int:
     kind=devs[0].device_kind,
     devices=[str(d) for d in devs],
   )
-  try:
+  with contextlib.suppress(Exception):  # (not every backend has memory_stats)
     stats = devs[0].memory_stats() or {}
     if "bytes_limit" in stats:
       info["memory_bytes"] = int(stats["bytes_limit"])
-  except Exception:  # noqa: BLE001 (not every backend has memory_stats)
-    pass
+  with contextlib.suppress(Exception):
+    info["memory_kinds"] = sorted(m.kind for m in devs[0].addressable_memories())
   print(json.dumps(info))
   return 0
 
 
-# -------------------------------------------------------------------------------------- deps
-def missing_dependencies(pyproject: str = "pyproject.toml", extra=()) -> list[str]:
-  """Names of pyproject's [project] dependencies (and `extra`) with no installed
-  distribution."""
-  from importlib import metadata
+def probe() -> int:
+  """Host memory on this device, as offload / hot_cold use it: a pinned_host round trip, a
+  jitted transfer between memory kinds, and a gather under compute_on("device_host") (XLA:
+  GPU's host compute is newer than XLA:CPU's). Prints JSON: each probe ok or its error."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
 
-  with open(pyproject, "rb") as f:
-    text = f.read().decode()
-  try:
-    import tomllib
+  from recgnn.embeddings import host_table
 
-    deps = tomllib.loads(text)["project"]["dependencies"]
-  except ImportError:  # Python 3.10: the list is simple enough to read with a regex
-    block = re.search(r"^dependencies\s*=\s*\[(.*?)^\]", text, re.S | re.M).group(1)
-    deps = re.findall(r'"([^"]+)"', block)
-  out = []
-  for d in [*deps, *extra]:
-    name = re.split(r"[\s<>=!~;\[]", d.strip(), maxsplit=1)[0]
+  out = {}
+  x = np.arange(4096, dtype=np.float32).reshape(512, 8)
+  idx = np.array([3, 1, 500, 3], np.int32)
+
+  def attempt(name, fn):
+    t0 = time.perf_counter()
     try:
-      metadata.version(name)
-    except metadata.PackageNotFoundError:
-      out.append(name)
-  return out
+      ok = bool(fn())
+      out[name] = {"ok": ok, "seconds": round(time.perf_counter() - t0, 3)}
+    except Exception as e:  # noqa: BLE001 (the point is to report any failure)
+      out[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+
+  dev = jax.devices()[0]
+  host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+  devm = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+
+  def round_trip():
+    h = jax.device_put(x, host)
+    return h.sharding.memory_kind == "pinned_host" and np.array_equal(
+      np.asarray(jax.device_put(h, devm)), x
+    )
+
+  def jitted_transfer():
+    h = jax.device_put(x, host)
+    f = jax.jit(lambda t: jax.device_put(t, jax.memory.Space.Device) * 2.0)
+    return np.array_equal(np.asarray(f(h)), 2 * x)
+
+  def host_gather():
+    h = jax.device_put(x, host)
+    i = jax.device_put(idx, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    f = jax.jit(lambda t, j: jax.device_put(host_table.gather_rows(t, j), jax.memory.Space.Device))
+    return np.array_equal(np.asarray(f(h, i)), x[idx])
+
+  def device_compute():
+    return float(jax.jit(lambda a: (a @ a.T).sum())(jnp.ones((256, 256)))) == 256.0**3
+
+  attempt("device_compute", device_compute)
+  attempt("pinned_host_round_trip", round_trip)
+  attempt("jit_transfer_between_memory_kinds", jitted_transfer)
+  attempt("compute_on_host_gather", host_gather)
+  print(json.dumps(out))
+  return 0 if all(v["ok"] for v in out.values()) else 1
 
 
-# ----------------------------------------------------------------------------------- collect
+# -------------------------------------------------------------------------------- helpers
 def _read(path: str) -> str:
   with open(path, errors="replace") as f:
     return f.read()
@@ -155,7 +258,507 @@ def _read_jsonl(path: str) -> list[dict]:
   return rows
 
 
-def throughput(rows: list[dict], profile: tuple[int, int] | None) -> dict:
+def _fmt_bytes(b: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if abs(b) < 1024 or unit == "GiB":
+      return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+    b /= 1024
+  return str(b)
+
+
+def _slug(text: str) -> str:
+  return re.sub(r"[^a-z0-9]+", "_", str(text).lower()).strip("_") or "unknown"
+
+
+def machine() -> dict:
+  info = {
+    "host": socket.gethostname(),
+    "python": platform.python_version(),
+    "executable": sys.executable,
+    "cpus": os.cpu_count(),
+    "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+  }
+  with contextlib.suppress(OSError):
+    info["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+  with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as f:
+    info["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+  return info
+
+
+def trim(text: str, limit: int = LOG_BYTES) -> str:
+  """Head and tail of a long log (the start says what ran, the end how it ended)."""
+  if len(text) <= limit:
+    return text
+  head, tail = text[: limit // 4], text[-(3 * limit // 4) :]
+  return f"{head}\n\n[... {len(text) - limit} characters cut by gpu_check ...]\n\n{tail}"
+
+
+class Stage:
+  """One stage's budget, log and result files (DIR/NAME.json, .md, .log)."""
+
+  def __init__(self, ctx: Ctx, name: str):
+    self.ctx, self.name = ctx, name
+    self.t0 = time.monotonic()
+    self.deadline = self.t0 + STAGE_SECONDS
+    self.result: dict = {"stage": name, "status": "running", "mode": ctx.mode}
+    self.logs: list[str] = []
+    self.md: list[str] = []
+
+  def left(self) -> float:
+    return self.deadline - time.monotonic()
+
+  def say(self, msg: str) -> None:
+    line = f"[gpu_check {time.strftime('%H:%M:%S')} {self.name}] {msg}"
+    print(line, flush=True)
+    self.logs.append(line)
+
+  def run(self, name: str, argv: list[str], limit: float, env: dict | None = None) -> dict:
+    """Run argv (its own process group) with output to WORK/name.log, stopped at `limit`
+    seconds or the stage's deadline (SIGTERM, SIGKILL KILL_GRACE s later)."""
+    limit = max(1.0, min(limit, self.left() - KILL_GRACE - 5))
+    log = os.path.join(self.ctx.work, f"{name}.log")
+    self.say(f"{name}: {shlex.join(argv)} (limit {limit:.0f} s; log {log})")
+    t0 = time.monotonic()
+    timed_out = False
+    with open(log, "w") as f:
+      proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env={**self.ctx.env, **(env or {})},
+        stdout=f,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+      )
+      try:
+        rc = proc.wait(timeout=limit)
+      except subprocess.TimeoutExpired:
+        timed_out = True
+        self.say(f"{name}: limit reached; SIGTERM")
+        with contextlib.suppress(ProcessLookupError):
+          os.killpg(proc.pid, signal.SIGTERM)
+        try:
+          rc = proc.wait(timeout=KILL_GRACE)
+        except subprocess.TimeoutExpired:
+          with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+          rc = proc.wait()
+    seconds = time.monotonic() - t0
+    text = _read(log)
+    self.logs.append(
+      f"----- {name} (exit {rc}, {seconds:.0f} s) -----\n{trim(text, LOG_BYTES // 2)}"
+    )
+    status = "timeout" if timed_out else ("ok" if rc == 0 else "failed")
+    self.say(f"{name}: {status} (exit {rc}, {seconds:.0f} s)")
+    return {"status": status, "exit_code": rc, "seconds": round(seconds, 1), "log": log}
+
+  def write(self, status: str | None = None) -> None:
+    """(Re)write the stage's files: called as parts finish, so a later failure keeps them."""
+    if status:
+      self.result["status"] = status
+    self.result["seconds"] = round(time.monotonic() - self.t0, 1)
+    self.result["device"] = self.ctx.device
+    self.result["machine"] = machine()
+    out = self.ctx.out
+    with open(os.path.join(out, f"{self.name}.json"), "w") as f:
+      json.dump(self.result, f, indent=2, sort_keys=True, default=str)
+    dev = self.ctx.device
+    head = [
+      f"# gpu_check {self.name}: {self.result['status']}",
+      "",
+      f"{dev.get('count', '?')} x {dev.get('kind', '?')} ({dev.get('platform')}), jax "
+      f"{dev.get('jax')}, Python {platform.python_version()}, {self.ctx.mode} mode, "
+      f"{self.result['seconds']:.0f} s, {self.result['machine']['time_utc']}"
+      + (f", load {self.result['machine'].get('loadavg')}" if self.ctx.mode == "cpu" else "")
+      + ".",
+      "",
+    ]
+    with open(os.path.join(out, f"{self.name}.md"), "w") as f:
+      f.write("\n".join(head + self.md) + "\n")
+    with open(os.path.join(out, f"{self.name}.log"), "w") as f:
+      f.write(trim("\n".join(self.logs)))
+
+
+class Ctx:
+  """What every stage shares: directories, mode, the device, the subprocess environment."""
+
+  def __init__(self, args):
+    self.out = os.path.abspath(args.out)
+    # Outside OUT: only a few small files may come back from a lent machine.
+    self.work = os.path.abspath(args.work or "/tmp/recgnn_gpu_check")
+    self.allow_cpu = args.allow_cpu
+    self.wheels = args.wheels
+    self.experiments = args.experiments
+    os.makedirs(self.out, exist_ok=True)
+    os.makedirs(self.work, exist_ok=True)
+    self.env = dict(os.environ)
+    self.env["PYTHONPATH"] = os.pathsep.join(
+      [ROOT, *([self.site] if os.path.isdir(self.site) else []), self.env.get("PYTHONPATH", "")]
+    ).rstrip(os.pathsep)
+    self.env.pop("JAX_PLATFORMS", None)
+    self.device: dict = {}
+    self.mode = "gpu"
+    self.install_note: dict = {}
+
+  @property
+  def site(self) -> str:
+    """Where wheels go when the interpreter's own site-packages refuse them (PEP 668, no
+    write permission): on PYTHONPATH for every stage."""
+    return os.path.join(ROOT, ".gpu-site")
+
+
+# ---------------------------------------------------------------------------- install
+def _dist_of_wheel(path: str) -> tuple[str, str]:
+  name, version = os.path.basename(path).split("-")[:2]
+  return re.sub(r"[-_.]+", "-", name).lower(), version
+
+
+def _installed(ctx: Ctx) -> dict[str, str]:
+  """{normalized distribution: version} as the stages' interpreter sees them."""
+  code = (
+    "import json, importlib.metadata as m, re\n"
+    "print(json.dumps({re.sub(r'[-_.]+', '-', d.metadata['Name']).lower(): d.version "
+    "for d in m.distributions() if d.metadata['Name']}))"
+  )
+  res = subprocess.run(
+    [sys.executable, "-c", code], env=ctx.env, capture_output=True, text=True, check=True
+  )
+  return json.loads(res.stdout)
+
+
+def wheel_dir(ctx: Ctx) -> str | None:
+  for d in (
+    ctx.wheels,
+    os.environ.get("RECGNN_WHEELS"),
+    os.path.join(ROOT, ".gpu-wheels"),
+    os.path.join(ROOT, "shared", "gpu-wheels"),
+    os.path.join(os.path.dirname(ROOT), "shared", "gpu-wheels"),
+  ):
+    if d and os.path.isdir(d):
+      return os.path.abspath(d)
+  return None
+
+
+def import_check(ctx: Ctx) -> dict:
+  """Each module run.py, the trainer and the tests import: its version, or the error."""
+  code = (
+    "import importlib, importlib.metadata as m, json, sys\n"
+    "out = {}\n"
+    f"for mod, dist in {list(IMPORTS)!r}:\n"
+    "  try:\n"
+    "    x = importlib.import_module(mod)\n"
+    "    try: v = m.version(dist)\n"
+    "    except Exception: v = getattr(x, '__version__', '?')\n"
+    "    out[mod] = {'ok': True, 'version': v, 'file': getattr(x, '__file__', '')}\n"
+    "  except Exception as e:\n"
+    "    out[mod] = {'ok': False, 'error': f'{type(e).__name__}: {e}'[:300]}\n"
+    "print(json.dumps(out))\n"
+  )
+  res = subprocess.run(
+    [sys.executable, "-c", code], env=ctx.env, capture_output=True, text=True, cwd="/"
+  )
+  try:
+    return json.loads(res.stdout.strip().splitlines()[-1])
+  except (json.JSONDecodeError, IndexError):
+    return {"_": {"ok": False, "error": (res.stderr or res.stdout)[-500:]}}
+
+
+def install(ctx: Ctx, stage: Stage) -> dict:
+  """Install what the interpreter lacks: the wheels of the carried folder whose distribution
+  is not installed (pip install --no-deps --no-index FILES: nothing from an index, nothing
+  resolved), then the project (editable, no build isolation). Returns what was used."""
+  note: dict = {"wheel_dir": wheel_dir(ctx), "installed": [], "already_present": []}
+  have = _installed(ctx)
+  if note["wheel_dir"]:
+    todo = []
+    for f in sorted(os.listdir(note["wheel_dir"])):
+      if not f.endswith(".whl"):
+        continue
+      dist, version = _dist_of_wheel(f)
+      if dist in have:
+        note["already_present"].append(f"{dist}=={have[dist]} (wheel {version} not used)")
+      else:
+        todo.append(os.path.join(note["wheel_dir"], f))
+    note["wheels"] = sorted(f for f in os.listdir(note["wheel_dir"]) if f.endswith(".whl"))
+    if todo:
+      base = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--no-input"]
+      r = stage.run("pip_wheels", [*base, *todo], 240)
+      if r["status"] != "ok":
+        # The image's site-packages may refuse (externally managed, read-only): a folder on
+        # PYTHONPATH instead (only distributions the image lacks, so nothing is shadowed).
+        r = stage.run("pip_wheels_target", [*base, "--target", ctx.site, *todo], 240)
+        if r["status"] == "ok":
+          note["target"] = ctx.site
+          ctx.env["PYTHONPATH"] = os.pathsep.join([ROOT, ctx.site, ctx.env["PYTHONPATH"]])
+      note["pip_status"] = r["status"]
+      used = [f"{d}=={v}" for d, v in map(_dist_of_wheel, todo)]
+      note["installed"] = used if r["status"] == "ok" else []
+      if r["status"] != "ok":
+        note["failed"] = [os.path.basename(t) for t in todo]
+  if "recgnn" not in _installed(ctx):
+    r = stage.run(
+      "pip_project",
+      [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--no-build-isolation",
+       "--no-input", "-e", ROOT],
+      240,
+    )  # fmt: skip
+    note["project"] = (
+      "pip install --no-deps --no-build-isolation -e . (editable)"
+      if r["status"] == "ok"
+      else "editable install failed (no setuptools?): run from the checkout on PYTHONPATH"
+    )
+  else:
+    note["project"] = "already installed"
+  note["imports"] = import_check(ctx)
+  note["missing"] = [m for m, v in note["imports"].items() if not v.get("ok")]
+  return note
+
+
+def ensure_env(ctx: Ctx, stage: Stage, verbose: bool) -> bool:
+  """Install if anything is missing (once per invocation); detect the device."""
+  if not ctx.install_note:
+    imports = import_check(ctx)
+    if verbose or any(not v.get("ok") for v in imports.values()):
+      ctx.install_note = install(ctx, stage)
+    else:
+      ctx.install_note = {"project": "already installed", "imports": imports, "missing": []}
+  note = ctx.install_note
+  if note["missing"]:
+    stage.say(f"still missing after install: {', '.join(note['missing'])}")
+  return not note["missing"]
+
+
+def detect_device(ctx: Ctx, stage: Stage) -> int:
+  """Fill ctx.device / ctx.mode. 0: go on; NO_GPU: no GPU and no --allow-cpu; 1: broken."""
+  env = dict(ctx.env)
+  r = subprocess.run(
+    [sys.executable, os.path.abspath(__file__), "detect"],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  info = {}
+  with contextlib.suppress(json.JSONDecodeError, IndexError):
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+  if r.returncode == NO_GPU:
+    smi = (
+      shutil.which("nvidia-smi")
+      and subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    )
+    if smi and "GPU" in smi:
+      stage.say(f"nvidia-smi lists {smi.strip()} but jax sees no GPU: {info}\n{r.stderr[-2000:]}")
+      ctx.device = {**info, "nvidia_smi": smi.strip()}
+      return 1
+    if not ctx.allow_cpu:
+      ctx.device = info
+      return NO_GPU
+    r = subprocess.run(
+      [sys.executable, os.path.abspath(__file__), "detect", "--allow-cpu"],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+  elif r.returncode != 0:
+    stage.say(f"could not import jax or list devices (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    ctx.device = {"error": r.stderr[-1000:]}
+    return 1
+  ctx.device = info
+  ctx.mode = "cpu" if info.get("platform") == "cpu" else "gpu"
+  # Every later process runs on the detected platform only: never a silent CPU fallback.
+  ctx.env["JAX_PLATFORMS"] = info["platform"]
+  return 0
+
+
+# ------------------------------------------------------------------------------ stages
+def stage_env(ctx: Ctx, st: Stage) -> str:
+  note = ctx.install_note
+  st.result["install"] = note
+  used = note.get("installed", [])
+  st.md += [
+    "## Install (carried wheels only: pip install --no-deps --no-index)",
+    "",
+    f"Wheel folder: `{note.get('wheel_dir')}`; project: {note.get('project')}"
+    + (f"; into `{note['target']}` (on PYTHONPATH)" if note.get("target") else "")
+    + ".",
+    "",
+    f"Installed ({len(used)}): " + (", ".join(f"`{u}`" for u in used) or "nothing"),
+    "",
+    f"Already in the image, wheel not used ({len(note.get('already_present', []))}): "
+    + (", ".join(note.get("already_present", [])) or "none"),
+    "",
+    "| module | version | |",
+    "|---|---|---|",
+  ]
+  for mod, v in note.get("imports", {}).items():
+    st.md.append(f"| {mod} | {v.get('version', '-')} | {'ok' if v.get('ok') else v.get('error')} |")
+  for line in st.md:
+    if line.startswith(("Installed", "Already", "Wheel")):
+      st.say(line)
+  # The environment: versions of every jax / CUDA distribution, the driver, pip's view.
+  dists = _installed(ctx)
+  st.result["jax_distributions"] = {
+    k: v for k, v in dists.items() if k.startswith(("jax", "nvidia-", "libtpu"))
+  }
+  st.result["distributions"] = dists
+  env = {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "CUDA", "NVIDIA"))}
+  st.result["environment"] = env
+  smi = {}
+  if shutil.which("nvidia-smi"):
+    for key, argv in (
+      ("list", ["nvidia-smi", "-L"]),
+      ("query", ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,compute_cap",
+                 "--format=csv,noheader"]),
+      ("header", ["nvidia-smi"]),
+    ):  # fmt: skip
+      with contextlib.suppress(Exception):
+        smi[key] = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout.strip()
+    if "header" in smi:
+      m = re.search(r"CUDA Version:\s*([\d.]+)", smi["header"])
+      smi["cuda"] = m.group(1) if m else None
+      smi["header"] = "\n".join(smi["header"].splitlines()[:12])
+  st.result["nvidia_smi"] = smi
+  chk = subprocess.run(
+    [sys.executable, "-m", "pip", "check"], env=ctx.env, capture_output=True, text=True
+  )
+  st.result["pip_check"] = (chk.stdout + chk.stderr).strip()[-3000:]
+  r = st.run("probe", [sys.executable, os.path.abspath(__file__), "probe"], 180, ctx.env)
+  probes = {}
+  with contextlib.suppress(json.JSONDecodeError, IndexError, OSError):
+    lines = [x for x in _read(r["log"]).splitlines() if x.startswith("{")]
+    probes = json.loads(lines[-1])
+  st.result["probes"] = probes or {"error": r}
+  st.md += [
+    "",
+    "## Environment",
+    "",
+    f"Device: `{json.dumps(ctx.device)}`",
+    "",
+    "jax distributions: "
+    + ", ".join(f"{k} {v}" for k, v in st.result["jax_distributions"].items()),
+    "",
+    f"Driver: {smi.get('query', 'no nvidia-smi')}; CUDA (driver) {smi.get('cuda', '-')}",
+    "",
+    f"XLA / JAX environment: `{json.dumps(env)}`",
+    "",
+    f"`pip check`: {st.result['pip_check'][:500] or 'ok'}",
+    "",
+    "## Host memory probes (what offload / hot_cold need)",
+    "",
+  ]
+  for k, v in (probes or {}).items():
+    st.md.append(f"- {k}: {'ok' if v.get('ok') else 'FAILED ' + str(v.get('error', ''))}")
+  ok = not note["missing"] and probes and all(v.get("ok") for v in probes.values())
+  return "ok" if ok else "failed"
+
+
+def _pytest_stage(ctx: Ctx, st: Stage, path: str, cpu_k: str) -> str:
+  progress = os.path.join(ctx.work, f"{st.name}.progress.jsonl")
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(progress)
+  args = [sys.executable, "-m", "pytest", path, "-p", "gpu_check", "-rfEs", "-o", "addopts="]
+  env = {
+    "RECGNN_GPU_CHECK_PROGRESS": progress,
+    "RECGNN_GPU_CHECK_EXPECT_PLATFORM": "gpu" if ctx.mode == "gpu" else "cpu",
+    "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "benchmarks"), ctx.env["PYTHONPATH"]]),
+  }
+  if ctx.mode == "gpu":
+    # Bit-identical reruns (resume == uninterrupted) need deterministic scatters on a GPU;
+    # tests comparing two backends state their own tolerance (tests/contract_lib.py).
+    flags = (ctx.env.get("XLA_FLAGS", "") + " " + DETERMINISTIC).strip()
+    # XLA aborts on a flag it does not know: try it first, go on without it if refused (the
+    # bit-identical tests then skip, saying why).
+    chk = subprocess.run(
+      [sys.executable, "-c", "import jax, jax.numpy as j; print(j.ones(2).sum())"],
+      env={**ctx.env, "XLA_FLAGS": flags}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if chk.returncode == 0:
+      env["XLA_FLAGS"] = flags
+    else:
+      st.say(f"XLA refused {DETERMINISTIC}: {chk.stderr.strip()[-300:]}; running without it")
+      st.result["deterministic_flag_refused"] = chk.stderr.strip()[-1000:]
+  else:
+    args += ["-k", cpu_k]  # CPU test mode: a subset that fits the stage on 2 cores
+  st.result["command"] = shlex.join(args)
+  st.result["xla_flags"] = env.get("XLA_FLAGS", ctx.env.get("XLA_FLAGS", ""))
+  r = st.run(st.name, args, STAGE_SECONDS, env)
+  rows = _read_jsonl(progress)
+  counts: dict[str, int] = {}
+  for x in rows:
+    counts[x["outcome"]] = counts.get(x["outcome"], 0) + 1
+  reasons: dict[str, int] = {}
+  for x in rows:
+    if x["outcome"] == "skipped":
+      reasons[x.get("reason", "?")] = reasons.get(x.get("reason", "?"), 0) + 1
+  failed = [{"test": x["test"], "error": x.get("error", "")[-1500:]} for x in rows
+            if x["outcome"] == "failed"]  # fmt: skip
+  tail = [ln for ln in _read(r["log"]).splitlines() if ln.strip()][-1:] if r else []
+  st.result.update(
+    pytest=r, counts=counts, skipped_reasons=reasons, failed=failed, pytest_last_line=tail,
+    slowest=sorted(rows, key=lambda x: -x["seconds"])[:8],
+  )  # fmt: skip
+  st.md += [
+    f"`{st.result['command']}`" + (f" with XLA_FLAGS=`{env['XLA_FLAGS']}`" if "XLA_FLAGS" in env
+                                   else ""),
+    "",
+    f"**{counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, "
+    f"{counts.get('skipped', 0)} skipped** (pytest {r['status']}, exit {r['exit_code']}, "
+    f"{r['seconds']:.0f} s; last line: {' '.join(tail)})",
+    "",
+  ]  # fmt: skip
+  if reasons:
+    st.md += ["Skipped, with reasons:", ""]
+    st.md += [f"- {n} x {why}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
+    st.md.append("")
+  for f in failed:
+    last = [ln for ln in f["error"].splitlines() if ln.strip()][-3:]
+    st.md += [f"- FAILED `{f['test']}`: " + " / ".join(x.strip() for x in last)[:600]]
+  ok = r["status"] == "ok" and not failed
+  return "ok" if ok else ("timeout" if r["status"] == "timeout" else "failed")
+
+
+def stage_contract(ctx: Ctx, st: Stage) -> str:
+  return _pytest_stage(ctx, st, "tests/test_contract.py", "1x1 or refused or numpy")
+
+
+def stage_trainer(ctx: Ctx, st: Stage) -> str:
+  k = "profile_trace or auc_matches or unknown or divide or incompatible or epochs"
+  return _pytest_stage(ctx, st, "tests/test_trainer.py", k)
+
+
+def sizes(ctx: Ctx, traced: bool) -> dict:
+  """Run sizes: the GPU's (synthetic 1M rows, batch 2048) or the CPU test mode's."""
+  if ctx.mode == "gpu":
+    s = {"steps": 300, "log_every": 50, "batch": 2048, "rows": 1_000_000, "cap": 180, "min": 60}
+    if traced:  # the window after hotline_kaggle's profiling (84 batches) and migration
+      s.update(steps=130, log_every=10, profile="110:115", cap=200)
+  else:
+    s = {"steps": 20, "log_every": 5, "batch": 512, "rows": 20_000, "cap": 170, "min": 75}
+    if traced:
+      s.update(steps=14, log_every=7, profile="10:13", cap=200)
+  return s
+
+
+def experiment_args(ctx: Ctx, name: str, s: dict, workdir: str) -> list[str]:
+  spec = name
+  if name == "hotline_kaggle" and ctx.mode == "cpu":
+    spec = "hotline_kaggle:profile=0.005"  # 8 profiled batches: hot set fixed within 20 steps
+  args = [
+    sys.executable, "run.py", f"--experiment={spec}", f"--workdir={workdir}",
+    f"--config.train.steps={s['steps']}", f"--config.train.log_every={s['log_every']}",
+    f"--config.train.batch_size={s['batch']}", f"--config.data.synthetic.rows={s['rows']}",
+    f"--config.data.cache_dir={os.path.join(ctx.work, 'data_cache')}",
+    "--config.train.checkpoint_every=0",
+  ]  # fmt: skip
+  if name == "cdlrm_kaggle":  # a cache of >= one batch of rows (cdlrm_kaggle's min_rows arg)
+    args[2] = f"--experiment=cdlrm_kaggle:min_rows={s['batch']}"
+  if s.get("profile"):
+    args.append(f"--profile_steps={s['profile']}")
+  return args
+
+
+def throughput(rows: list[dict], profile: tuple[int, int] | None = None) -> dict:
   """samples/s per logged interval; 'steady' = median over the intervals after the first
   (compilation) that do not overlap the profiled steps."""
   train = [r for r in rows if "samples_per_second" in r]
@@ -182,312 +785,417 @@ def throughput(rows: list[dict], profile: tuple[int, int] | None) -> dict:
 
 
 def backend_stats(rows: list[dict]) -> dict:
-  """Per-table backend counters ('TABLE/KEY'), averaged over the logged train intervals after
-  the first (the first holds the cache's cold start); offload totals over the tables."""
+  """Per-table backend counters ('TABLE/KEY'; hot_cold's group-wide ones as '(group)'),
+  averaged over the logged train intervals after the first (the first holds the cache's
+  cold start and hot_cold's profiling); host <-> device transfer totals over the tables."""
   train = [r for r in rows if "samples_per_second" in r]
   use = train[1:] or train
-  per_table: dict[str, dict[str, float]] = {}
+  per_table: dict[str, dict[str, list]] = {}
   for r in use:
     for k, v in r.items():
       table, sep, key = k.partition("/")
-      if not sep or table in ("valid", "test", "train") or not isinstance(v, (int, float)):
+      if not sep:  # a group-wide counter (hot_cold's: one group of tables)
+        if k in ("step", "loss", "samples_per_second", "steps"):
+          continue
+        table, key = "(group)", k
+      if table in ("valid", "test", "train", "emb") or not isinstance(v, (int, float)):
         continue
       per_table.setdefault(table, {}).setdefault(key, []).append(float(v))
   tables = {t: {k: statistics.fmean(v) for k, v in kv.items()} for t, kv in per_table.items()}
   out: dict = {"tables": tables}
-  offload = {t: s for t, s in tables.items() if "h2d_bytes_per_step" in s}
-  if offload:
-    tot = {k: sum(s.get(k, 0.0) for s in offload.values()) for k in OFFLOAD_SUM}
-    hit = [s["hit_rate"] for s in offload.values() if "hit_rate" in s]
-    rows_h2d = tot["h2d_rows_per_step"]
-    tot["h2d_prefetched_fraction"] = (
-      sum(
-        s.get("h2d_prefetched_fraction", 1.0) * s.get("h2d_rows_per_step", 0.0)
-        for s in offload.values()
-      )
-      / rows_h2d
-      if rows_h2d
-      else 1.0
-    )
-    # Hit rate over all tables: misses / (hits + misses) needs hits; hits = misses * h / (1 - h).
-    hits = sum(
-      s["misses_per_step"] * s["hit_rate"] / (1 - s["hit_rate"])
-      for s in offload.values()
-      if "hit_rate" in s and s["hit_rate"] < 1
-    )
-    looked = hits + tot["misses_per_step"]
-    if looked:
-      tot["hit_rate"] = hits / looked
+  moved = {t: s for t, s in tables.items() if "h2d_bytes_per_step" in s}
+  if moved:
+    tot = {k: sum(s.get(k, 0.0) for s in moved.values()) for k in OFFLOAD_SUM}
+    tot["tables"] = len(moved)
+    hit = [s["hit_rate"] for s in moved.values() if "hit_rate" in s]
     if hit:
       tot["hit_rate_min_table"] = min(hit)
-    tot["tables"] = len(offload)
-    out["offload"] = tot
+    out["transfers"] = tot
   return out
 
 
-def trace_files(workdir: str) -> list[dict]:
-  root = os.path.join(workdir, "profile")
-  found = []
-  for d, _, files in os.walk(root):
-    for f in sorted(files):
-      p = os.path.join(d, f)
-      found.append({"path": os.path.abspath(p), "bytes": os.path.getsize(p)})
-  return found
-
-
-def contract_summary(work: str) -> dict:
-  out: dict = {}
-  status = os.path.join(work, "contract.status")
-  if os.path.exists(status):
-    out.update(json.loads(_read(status)))
-  else:
-    return {"status": "not run"}
-  xml = os.path.join(work, "contract.xml")
-  if os.path.exists(xml):
-    root = ET.parse(xml).getroot()
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    if suite is not None:
-      for k in ("tests", "failures", "errors", "skipped"):
-        out[k] = int(suite.get(k, 0))
-      out["time_s"] = float(suite.get("time", 0))
-      failed, for_devices = [], 0
-      for case in suite.iter("testcase"):
-        if case.find("failure") is not None or case.find("error") is not None:
-          failed.append(f"{case.get('classname')}::{case.get('name')}")
-        sk = case.find("skipped")
-        if sk is not None and "gpu_check: mesh needs" in (sk.get("message") or ""):
-          for_devices += 1
-      out["failed"] = failed
-      out["skipped_for_devices"] = for_devices
-  if "tests" in out:
-    passed = out["tests"] - out["failures"] - out["errors"] - out["skipped"]
-    out["summary"] = (
-      f"{passed} passed, {out['failures']} failed, {out['errors']} errors, "
-      f"{out['skipped']} skipped in {out['time_s']:.0f} s"
-    )
-  log = os.path.join(work, "contract.log")
-  if os.path.exists(log):
-    lines = [
-      ln.strip()
-      for ln in _read(log).splitlines()
-      if re.search(r"\d+ (passed|failed|skipped|deselected|error)", ln) or "no tests ran" in ln
-    ]
-    if lines:  # pytest's own line, when the verbosity printed one
-      out["pytest_line"] = lines[-1].strip("= ")
-    elif "summary" not in out:  # no junit XML either (pytest did not start): its last words
-      tail = [ln for ln in _read(log).splitlines() if ln.strip()]
-      out["summary"] = tail[-1][:300] if tail else "no output"
-  return out
-
-
-def experiment_summary(work: str, name: str, profile) -> dict:
-  wd = os.path.join(work, name)
-  status = os.path.join(work, f"{name}.status")
-  if not os.path.exists(status):
-    return {"status": "not run"}
-  out = json.loads(_read(status))
+def _experiment_result(ctx: Ctx, name: str, r: dict, wd: str, profile) -> dict:
   rows = _read_jsonl(os.path.join(wd, "metrics.jsonl"))
-  out["workdir"] = os.path.abspath(wd)
-  out["log"] = os.path.abspath(os.path.join(work, f"{name}.log"))
-  out["samples_per_second"] = throughput(rows, profile)
-  out.update(backend_stats(rows))
-  evals = {k: v for r in rows for k, v in r.items() if k.startswith(("valid/", "test/"))}
+  e = {**r, "workdir": wd, "samples_per_second": throughput(rows, profile)}
+  e.update(backend_stats(rows))
+  evals = {k: v for x in rows for k, v in x.items() if k.startswith(("valid/", "test/"))}
   if evals:
-    out["eval"] = evals
-  files = trace_files(wd)
-  out["trace"] = {
-    "dir": os.path.abspath(os.path.join(wd, "profile")),
-    "files": files,
-    "perfetto": [f["path"] for f in files if f["path"].endswith(".trace.json.gz")],
-  }
-  return out
+    e["eval"] = evals
+  return e
 
 
-def machine() -> dict:
-  info = {
-    "host": socket.gethostname(),
-    "python": platform.python_version(),
-    "cpus": os.cpu_count(),
-    "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-  }
-  with contextlib.suppress(OSError):
-    info["loadavg"] = os.getloadavg()
-  return info
-
-
-def _fmt_bytes(b: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if abs(b) < 1024 or unit == "GiB":
-      return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-    b /= 1024
-  return str(b)
-
-
-def markdown(res: dict) -> str:
-  dev = res["device"]
-  s = res["settings"]
+def _train_rows(res: dict) -> list[str]:
   lines = [
-    f"# GPU check: {dev.get('kind', '?')}",
-    "",
-    f"`bash benchmarks/gpu_check.sh` ({res['mode']} mode), {res['machine']['time_utc']}: "
-    f"{dev.get('count', '?')} x {dev.get('kind', '?')} ({dev.get('platform')}), "
-    f"jax {dev.get('jax')}, jaxlib {dev.get('jaxlib', '?')}, Python {res['machine']['python']}, "
-    f"{res['machine']['cpus']} CPUs.",
-    f"Training: {s['steps']} steps each, synthetic rows {s['rows'] or 'experiment default'}, "
-    f"log every {s['log_every']}, profile steps {s['profile_steps']}.",
-    "",
+    "| experiment | status | s | samples/s (steady) | final loss | valid AUC | H2D / step "
+    "| D2H / step | planning ms / step |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
-  if res.get("install"):
-    lines += [f"Install: {res['install']}", ""]
-  c = res["contract"]
-  lines += ["## Contract tests (`tests/test_contract.py`)", ""]
-  if c.get("status") == "not run":
-    lines += ["not run", ""]
-  else:
-    lines.append(
-      f"{c.get('status')}: {c.get('summary', '?')} ({c.get('seconds', 0):.0f} s"
-      + (f"; pytest: {c['pytest_line']}" if c.get("pytest_line") else "")
-      + (
-        f"; {c['skipped_for_devices']} skipped: mesh needs more devices"
-        if c.get("skipped_for_devices")
-        else ""
-      )
-      + ")"
-    )
-    for f in c.get("failed", [])[:20]:
-      lines.append(f"- failed: `{f}`")
-    lines.append("")
-  lines += [
-    "## Training",
-    "",
-    "samples/s: median over the logged intervals after the first (compilation) that do not "
-    "overlap the profiled steps.",
-    "",
-    "| experiment | status | samples/s | final loss | valid AUC | h2d / step | d2h / step "
-    "| h2d padded / step | hit rate | prefetched | trace |",
-    "|---|---|---|---|---|---|---|---|---|---|---|",
-  ]
-  for name, e in res["experiments"].items():
-    if e.get("status") == "not run":
-      lines.append(f"| {name} | not run |" + " |" * 9)
-      continue
+  for name, e in res.items():
     t = e.get("samples_per_second", {})
-    o = e.get("offload")
+    tr = e.get("transfers")
     sps = f"{t['steady']:,.0f}" if "steady" in t else "-"
     loss = f"{t['final_loss']:.4f}" if t.get("final_loss") is not None else "-"
     auc = e.get("eval", {}).get("valid/auc")
     auc = f"{auc:.4f}" if auc is not None else "-"
-    if o:
-      off = [
-        _fmt_bytes(o["h2d_bytes_per_step"]),
-        _fmt_bytes(o["d2h_bytes_per_step"]),
-        _fmt_bytes(o["h2d_padded_bytes_per_step"]),
-        f"{o['hit_rate']:.3f}" if "hit_rate" in o else "-",
-        f"{o['h2d_prefetched_fraction']:.3f}",
-      ]
-    else:
-      off = ["-"] * 5
-    trace = e.get("trace", {}).get("perfetto") or []
-    trace = (
-      f"`{trace[0]}`"
-      if trace
-      else ("-" if not e.get("trace", {}).get("files") else f"`{e['trace']['dir']}`")
-    )
+    xfer = (
+      [_fmt_bytes(tr["h2d_bytes_per_step"]), _fmt_bytes(tr["d2h_bytes_per_step"]),
+       f"{tr['plan_ms_per_step']:.2f}"] if tr else ["-", "-", "-"]
+    )  # fmt: skip
     lines.append(
-      f"| {name} | {e['status']} | {sps} | {loss} | {auc} | " + " | ".join(off) + f" | {trace} |"
+      f"| {name} | {e['status']} | {e['seconds']:.0f} | {sps} | {loss} | {auc} | "
+      + " | ".join(xfer)
+      + " |"
     )
-  lines.append("")
-  per_interval = [
-    f"- {name}: " + ", ".join(f"{iv['steps'][1]}: {iv['samples_per_second']:,.0f}" for iv in ivs)
-    for name, e in res["experiments"].items()
-    if (ivs := e.get("samples_per_second", {}).get("intervals"))
-  ]
-  if per_interval:
-    lines += ["samples/s per logged interval (at step: rate since the previous log):", ""]
-    lines += [*per_interval, ""]
-  for name, e in res["experiments"].items():
-    o = e.get("offload")
-    if not o:
-      continue
-    t = e.get("samples_per_second", {})
-    bw = o["h2d_padded_bytes_per_step"] * t.get("steady", 0) / max(s["batch_size"], 1)
-    lines += [
-      f"{name}: {o['tables']} offloaded tables, pinned host -> device "
-      f"{_fmt_bytes(o['h2d_bytes_per_step'])} per step "
-      f"({_fmt_bytes(o['h2d_padded_bytes_per_step'])} padded, "
-      f"{_fmt_bytes(bw)}/s at the steady rate), device -> host "
-      f"{_fmt_bytes(o['d2h_bytes_per_step'])} per step; host planning "
-      f"{o['plan_ms_per_step']:.1f} ms per step (input thread); lowest table hit rate "
-      f"{o.get('hit_rate_min_table', float('nan')):.3f}.",
+  return lines
+
+
+def stage_train(ctx: Ctx, st: Stage) -> str:
+  s = sizes(ctx, traced=False)
+  names = ctx.experiments or list(EXPERIMENTS)
+  st.result["settings"] = s
+  res: dict = {}
+  st.result["experiments"] = res
+  for i, name in enumerate(names):
+    wd = os.path.join(ctx.work, f"train_{name}")
+    shutil.rmtree(wd, ignore_errors=True)
+    # What is left, less a minimum for each experiment after this one (the first also builds
+    # the dataset; a fast one leaves its time to the next).
+    limit = min(s["cap"] + (60 if i == 0 else 0), st.left() - 10 - s["min"] * (len(names) - i - 1))
+    r = st.run(f"train_{name}", experiment_args(ctx, name, s, wd), limit)
+    res[name] = _experiment_result(ctx, name, r, wd, None)
+    st.md[:] = [
+      f"run.py per experiment: {s['steps']} steps, batch {s['batch']}, synthetic "
+      f"{s['rows']:,} rows; samples/s: median over logged intervals after the first "
+      "(compilation).",
+      "",
+      *_train_rows(res),
+    ]
+    st.write()
+  ok = all(e["status"] == "ok" for e in res.values())
+  return "ok" if ok else "failed"
+
+
+def _small_trace(src: str, dst: str) -> str:
+  """The trace as it is if small enough to return, else only the device's events, the step
+  annotations and XLA's ops (no Python calls), re-compressed."""
+  import gzip
+
+  if os.path.getsize(src) <= TRACE_BYTES:
+    shutil.copyfile(src, dst)
+    return "whole"
+  with gzip.open(src, "rt") as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  device = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and str(e.get("args", {}).get("name", "")).startswith("/device")}  # fmt: skip
+  keep = [
+    e for e in events
+    if e.get("ph") == "M" or e.get("pid") in device or e.get("name") == "train"
+    or "hlo_op" in (e.get("args") or {})
+  ]  # fmt: skip
+  with gzip.open(dst, "wt", compresslevel=9) as f:
+    json.dump({"traceEvents": keep}, f)
+  if os.path.getsize(dst) > TRACE_BYTES:
+    os.remove(dst)
+    return "too large even trimmed: not returned"
+  return f"trimmed to device events, steps and XLA ops ({len(keep)} of {len(events)} events)"
+
+
+def stage_trace(ctx: Ctx, st: Stage) -> str:
+  sys.path.insert(0, ROOT)
+  from recgnn import trace_summary  # stdlib only: importable before jax
+
+  s = sizes(ctx, traced=True)
+  names = ctx.experiments or list(TRACED)
+  prof = tuple(int(x) for x in s["profile"].split(":"))
+  st.result["settings"] = s
+  res: dict = {}
+  st.result["experiments"] = res
+  for i, name in enumerate(names):
+    wd = os.path.join(ctx.work, f"trace_{name}")
+    hlo = os.path.join(ctx.work, f"hlo_{name}")
+    shutil.rmtree(wd, ignore_errors=True)
+    shutil.rmtree(hlo, ignore_errors=True)
+    # The train step's compiled HLO: which XLA ops are the host exchange (CPU's copies).
+    flags = f"--xla_dump_to={hlo} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_train_step"
+    env = {"XLA_FLAGS": (ctx.env.get("XLA_FLAGS", "") + " " + flags).strip()}
+    limit = min(s["cap"] + (60 if i == 0 else 0), st.left() - 20 - s["min"] * (len(names) - i - 1))
+    r = st.run(f"trace_{name}", experiment_args(ctx, name, s, wd), limit, env)
+    e = _experiment_result(ctx, name, r, wd, prof)
+    try:
+      summ = trace_summary.summarize(
+        trace_summary.load(os.path.join(wd, "profile")),
+        trace_summary.host_ops(trace_summary.read_hlo([hlo])),
+      )
+      e["trace_summary"] = {k: v for k, v in summ.items()}
+      dst = os.path.join(ctx.out, f"trace_{name}.trace.json.gz")
+      e["trace_returned"] = _small_trace(summ["trace"], dst)
+      e["trace_file"] = os.path.basename(dst) if os.path.exists(dst) else None
+    except (FileNotFoundError, ValueError, OSError) as err:
+      e["trace_summary"] = {"error": f"{type(err).__name__}: {err}"}
+    res[name] = e
+    md = [
+      f"run.py with --profile_steps={s['profile']}: {s['steps']} steps, batch {s['batch']}, "
+      f"synthetic {s['rows']:,} rows; XLA's HLO of the train step dumped to find the host "
+      "exchange's ops.",
+      "",
+      *_train_rows(res),
       "",
     ]
-  failed = [n for n, e in res["experiments"].items() if e.get("status") not in ("ok", "not run")]
-  for n in failed:
-    e = res["experiments"][n]
-    lines.append(f"- {n}: {e['status']} (exit {e.get('exit_code')}); log `{e.get('log')}`")
-  if failed:
-    lines.append("")
-  lines.append("Raw numbers (every interval, every table's counters): the JSON beside this file.")
-  return "\n".join(lines) + "\n"
+    for n, x in res.items():
+      ts = x.get("trace_summary", {})
+      if "mean" in ts:
+        md.append(trace_summary.markdown(ts, title=n))
+        md.append(f"Trace returned: `{x.get('trace_file')}` ({x.get('trace_returned')}).")
+        tr = x.get("transfers")
+        if tr:
+          md.append(
+            f"Backend counters over the run: H2D {_fmt_bytes(tr['h2d_bytes_per_step'])} per "
+            f"step ({_fmt_bytes(tr.get('h2d_padded_bytes_per_step', 0))} padded), D2H "
+            f"{_fmt_bytes(tr['d2h_bytes_per_step'])}."
+          )
+        md.append("")
+      else:
+        md += [f"{n}: no trace summary: {ts.get('error')}", ""]
+    st.md[:] = md
+    st.write()
+  ok = all(e["status"] == "ok" and "mean" in e.get("trace_summary", {}) for e in res.values())
+  return "ok" if ok else "failed"
 
 
-def collect(args) -> int:
-  device = json.loads(_read(args.device_json)) if args.device_json else {}
-  profile = tuple(int(x) for x in args.profile_steps.split(":")) if args.profile_steps else None
-  install = os.path.join(args.work, "install.txt")
+# Small levels beside benchmarks/tt.py's: where a fixed (launch) cost shows against the
+# per-product terms. (p_prev, a, r, d, r1, p)
+CALIBRATE_EXTRA = [(8, 2, 32, 2, 32, 16), (16, 4, 32, 4, 1, 64), (64, 2, 32, 2, 32, 128)]
+
+
+def calibrate_run(out: str, reps: int, steps: int) -> int:
+  """(In the stage's subprocess.) Time benchmarks/tt.py's levels here; fit; write JSON."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import jax
+  import tt as tt_bench  # benchmarks/tt.py
+
+  from recgnn.embeddings import tt
+
+  args = argparse.Namespace(reps=reps, steps=steps,
+                            level_shapes=[*CALIBRATE_EXTRA, *tt_bench.LEVEL_SHAPES])  # fmt: skip
+  levels = tt_bench.levels(args)["results"]
+  kind = jax.devices()[0].device_kind
+  backend = jax.default_backend()
+  key = f"{backend}:{kind}"
+  source = (
+    f"{kind} ({backend}), jax {jax.__version__}, {time.strftime('%Y-%m-%d')}: gpu_check "
+    f"calibrate (benchmarks/tt.py levels, {len(levels)} levels, reps {reps} x {steps})"
+  )
+  fit = tt.fit_cost_model(levels, source=source, platform=key)
+  current = tt.cost_model()
+
+  def agree(model):
+    return sum(
+      tt.level_product(x["p_prev"], x["a"], x["r"], x["slices"], x["d"], x["r1"], x["p"], model)
+      == x["faster"]
+      for x in levels
+    )
+
+  import dataclasses
+
+  entry = {k: v for k, v in dataclasses.asdict(fit).items() if k != "platform"}
   res = {
-    "mode": args.mode,
-    "device": device,
-    "machine": machine(),
-    "settings": {
-      "steps": args.steps,
-      "log_every": args.log_every,
-      "profile_steps": args.profile_steps,
-      "rows": args.rows,
-      "batch_size": args.batch_size,
-    },
-    "install": _read(install).strip() if os.path.exists(install) else "",
-    "contract": contract_summary(args.work),
-    "experiments": {n: experiment_summary(args.work, n, profile) for n in args.experiments},
+    "key": key,
+    "entry": entry,
+    "levels": levels,
+    "agree_fitted": agree(fit),
+    "agree_current": agree(current),
+    "current_platform": current.platform,
+    "agree_cpu_model": agree(tt.CPU_COSTS),
   }
-  os.makedirs(args.out, exist_ok=True)
-  slug = re.sub(r"[^a-z0-9]+", "_", str(device.get("kind", "unknown")).lower()).strip("_")
-  stem = os.path.join(args.out, f"gpu_check_{slug}" if args.mode == "gpu" else "gpu_check_cpu")
-  with open(stem + ".json", "w") as f:
-    json.dump(res, f, indent=2, sort_keys=True)
-  md = markdown(res)
-  with open(stem + ".md", "w") as f:
-    f.write(md)
-  print(md)
-  print(f"Wrote {stem}.json and {stem}.md")
+  with open(out, "w") as f:
+    json.dump(res, f, indent=2)
+  print(json.dumps({k: v for k, v in res.items() if k != "levels"}))
+  return 0
+
+
+def stage_calibrate(ctx: Ctx, st: Stage) -> str:
+  raw = os.path.join(ctx.work, "calibrate_raw.json")
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(raw)
+  reps, steps = (5, 20) if ctx.mode == "gpu" else (2, 3)
+  r = st.run(
+    "calibrate",
+    [sys.executable, os.path.abspath(__file__), "calibrate-run", raw, str(reps), str(steps)],
+    STAGE_SECONDS,
+  )
+  if not os.path.exists(raw):
+    st.md.append(f"calibration did not finish: {r['status']} (exit {r['exit_code']})")
+    return "failed"
+  res = json.loads(_read(raw))
+  st.result.update(res)
+  n = len(res["levels"])
+  e = res["entry"]
+  st.md += [
+    f"tt `contract=auto` cost model fitted on `{res['key']}` to {n} timed levels (forward + "
+    "vjp of one level, batched vs pairs; benchmarks/tt.py levels plus small ones):",
+    "",
+    f"- batched ~ {e['batched_fixed_ns']:.0f} ns + P_k x ({e['batched_ns']:.1f} ns + w x "
+    f"{e['batched_ns_per_mac']:.2e} ns)",
+    f"- pairs ~ {e['pairs_fixed_ns']:.0f} ns + P_(k-1) x S_k x w x {e['pairs_ns_per_mac']:.2e} ns",
+    "",
+    f"The fitted model picks the faster product at {res['agree_fitted']} of {n} levels; the "
+    f"model this platform uses now (`{res['current_platform']}`) at {res['agree_current']}; "
+    f"XLA:CPU's at {res['agree_cpu_model']}.",
+    "",
+    "Use it on this platform: `python benchmarks/gpu_check.py merge-tt-cost calibrate.json` "
+    "(into recgnn/embeddings/tt_cost.json), then commit.",
+    "",
+    "| P_(k-1) | a | d x r_k | P_k | S_k | batched ms | pairs ms | faster |",
+    "|---:|---:|---:|---:|---:|---:|---:|---|",
+  ]
+  for x in res["levels"]:
+    st.md.append(
+      f"| {x['p_prev']} | {x['a']} | {x['d']} x {x['r1']} | {x['p']} | {x['slices']} | "
+      f"{x['batched_ms']:.4f} | {x['pairs_ms']:.4f} | {x['faster']} |"
+    )
+  return "ok" if r["status"] == "ok" else "failed"
+
+
+STAGE_FNS = {
+  "env": stage_env,
+  "contract": stage_contract,
+  "trainer": stage_trainer,
+  "train": stage_train,
+  "trace": stage_trace,
+  "calibrate": stage_calibrate,
+}
+
+
+def run_stages(args) -> int:
+  names = list(STAGES) if args.stage == "all" else [s for s in args.stage.split(",") if s]
+  bad = [s for s in names if s not in STAGE_FNS]
+  if bad or not names:
+    print(f"gpu_check: unknown stage {bad or names}; available: {', '.join(STAGES)}, all",
+          file=sys.stderr)  # fmt: skip
+    return 2
+  ctx = Ctx(args)
+  failed = []
+  for name in names:
+    st = Stage(ctx, name)
+    try:
+      if not ctx.device:
+        rc = detect_device(ctx, st)
+        if rc == NO_GPU:
+          st.say(f"no GPU found: {ctx.device}; nothing to check (exit 0). Test mode: --allow-cpu")
+          st.md.append("No GPU found; nothing checked. CPU test mode: --allow-cpu.")
+          st.write("no gpu")
+          return 0
+        if rc:
+          st.md.append("No usable device: see the log.")
+          st.write("failed")
+          return 1
+        st.say(f"device: {json.dumps(ctx.device)}")
+      if not ensure_env(ctx, st, verbose=name == "env") and name != "env":
+        st.result["install"] = ctx.install_note
+        st.md.append(f"Missing after install: {ctx.install_note['missing']} (see env stage)")
+        st.write("failed")
+        failed.append(name)
+        continue
+      status = STAGE_FNS[name](ctx, st)
+    except Exception as e:  # noqa: BLE001 (write what the stage has, then go on)
+      import traceback
+
+      st.say(f"stage crashed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+      st.md.append(f"Stage crashed: `{type(e).__name__}: {e}` (see the log).")
+      status = "failed"
+    st.write(status)
+    st.say(f"{status} in {st.result['seconds']:.0f} s; wrote {ctx.out}/{name}.{{json,md,log}}")
+    if status != "ok":
+      failed.append(name)
+  if failed:
+    print(f"[gpu_check] done with failures: {', '.join(failed)} (results in {ctx.out})")
+    return 1
+  print(f"[gpu_check] done: {', '.join(names)} passed (results in {ctx.out})")
+  return 0
+
+
+# --------------------------------------------------------------------------- merge, report
+def merge_tt_cost(path: str, target: str | None = None, force: bool = False) -> int:
+  """Merge a calibrate stage's fit (its calibrate.json) into recgnn/embeddings/tt_cost.json:
+  under 'BACKEND:DEVICE KIND', and under 'BACKEND' too while that has no entry (a fitted GPU
+  is a better guess for another GPU than the CPU's constants)."""
+  target = target or os.path.join(ROOT, "recgnn", "embeddings", "tt_cost.json")
+  res = json.loads(_read(path))
+  if "key" not in res or "entry" not in res:
+    raise SystemExit(f"{path}: not a calibrate stage's result (no 'key' / 'entry')")
+  key, entry = res["key"], res["entry"]
+  if key.split(":", 1)[0] == "cpu" and not force:
+    raise SystemExit(
+      f"{path}: a CPU fit (the --allow-cpu test mode's few repetitions). XLA:CPU's constants "
+      "are tt.CPU_COSTS, fitted on the reference machine; --force merges this one anyway."
+    )
+  need = {"batched_ns", "batched_ns_per_mac", "pairs_ns_per_mac", "source"}
+  if not need <= entry.keys():
+    raise SystemExit(f"{path}: the fit lacks {sorted(need - entry.keys())}")
+  cur = json.loads(_read(target)) if os.path.exists(target) else {}
+  cur[key] = entry
+  print(f"{target}: {key} <- {entry['source']}")
+  backend = key.split(":", 1)[0]
+  if backend not in cur and backend != key:
+    cur[backend] = {**entry, "source": f"{entry['source']} (the {key} fit, for any {backend})"}
+    print(f"{target}: {backend} <- the same fit")
+  with open(target, "w") as f:
+    json.dump(cur, f, indent=2)
+    f.write("\n")
+  return 0
+
+
+def report(folder: str) -> int:
+  """summary.md in a results folder: every stage's markdown, in stage order."""
+  parts = [f"# GPU check results: `{folder}`", ""]
+  for name in STAGES:
+    md = os.path.join(folder, f"{name}.md")
+    if os.path.exists(md):
+      parts += [_read(md).replace("# gpu_check", "## gpu_check", 1), ""]
+    else:
+      parts += [f"## gpu_check {name}: not run", ""]
+  with open(os.path.join(folder, "summary.md"), "w") as f:
+    f.write("\n".join(parts))
+  print(f"wrote {os.path.join(folder, 'summary.md')}")
   return 0
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   sub = p.add_subparsers(dest="cmd", required=True)
+  s = sub.add_parser("stage", help="run stages (what gpu_check.sh calls)")
+  s.add_argument("--stage", required=True, help=f"comma-separated: {', '.join(STAGES)}; or all")
+  s.add_argument("--out", required=True, help="results folder (on a lent GPU machine: $OUT)")
+  s.add_argument("--allow-cpu", action="store_true", help="CPU test mode when there is no GPU")
+  s.add_argument("--wheels", help="wheel folder [.gpu-wheels, shared/gpu-wheels, ../shared/...]")
+  s.add_argument("--work", help="full logs, workdirs, traces, data [/tmp/recgnn_gpu_check]")
+  s.add_argument("--experiments", nargs="*", help="train / trace: these experiments")
   d = sub.add_parser("detect")
   d.add_argument("--allow-cpu", action="store_true")
-  dp = sub.add_parser("deps")
-  dp.add_argument("--extra", nargs="*", default=[], help="more distributions to check")
-  c = sub.add_parser("collect")
-  c.add_argument("--work", required=True, help="the script's work dir (logs, status, workdirs)")
-  c.add_argument("--out", required=True, help="where gpu_check_<device>.{json,md} go")
-  c.add_argument("--device-json")
-  c.add_argument("--mode", default="gpu", choices=("gpu", "cpu"))
-  c.add_argument("--experiments", nargs="+", default=list(EXPERIMENTS))
-  c.add_argument("--steps", type=int, default=0)
-  c.add_argument("--log-every", type=int, default=0)
-  c.add_argument("--profile-steps", default="")
-  c.add_argument("--rows", type=int, default=0)
-  c.add_argument("--batch-size", type=int, default=2048)
+  sub.add_parser("probe")
+  c = sub.add_parser("calibrate-run")
+  c.add_argument("out")
+  c.add_argument("reps", type=int)
+  c.add_argument("steps", type=int)
+  m = sub.add_parser("merge-tt-cost")
+  m.add_argument("file")
+  m.add_argument("--into")
+  m.add_argument("--force", action="store_true", help="merge a CPU fit too")
+  r = sub.add_parser("report")
+  r.add_argument("folder")
   args = p.parse_args(argv)
   if args.cmd == "detect":
     return detect(args.allow_cpu)
-  if args.cmd == "deps":
-    print(" ".join(missing_dependencies(extra=args.extra)))
-    return 0
-  return collect(args)
+  if args.cmd == "probe":
+    return probe()
+  if args.cmd == "calibrate-run":
+    return calibrate_run(args.out, args.reps, args.steps)
+  if args.cmd == "merge-tt-cost":
+    return merge_tt_cost(args.file, args.into, args.force)
+  if args.cmd == "report":
+    return report(args.folder)
+  return run_stages(args)
 
 
 if __name__ == "__main__":

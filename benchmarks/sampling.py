@@ -706,8 +706,10 @@ def split_ladies_markdown(s: dict) -> str:
   ]
   lines += _per_hop(
     s,
-    lambda h: f"{h['frontier_in']:,} | {h['layer_size']} | {h['entry_capacity']:,} | "
-    f"{_gather_scatter(h['by_op'])} | {_human(h['total_operand_bytes'])} | 0 B",
+    lambda h: (
+      f"{h['frontier_in']:,} | {h['layer_size']} | {h['entry_capacity']:,} | "
+      f"{_gather_scatter(h['by_op'])} | {_human(h['total_operand_bytes'])} | 0 B"
+    ),
   )
   lines += _training_table(
     s,
@@ -782,11 +784,13 @@ def split_markdown(s: dict, a: dict) -> str:
   ]
   lines += _per_hop(
     s,
-    lambda h: f"{h['frontier_in']:,} | {h['fanout']} | {_gather_scatter(h['split_by_op'])} | "
-    f"{_human(h['split_total_operand_bytes'])} | "
-    f"{_human(h.get('all_to_all_total_operand_bytes', 0))} | "
-    f"{_human(h.get('all_to_all_fit_total_operand_bytes', 0))} | "
-    f"{_human(h['replicated_total_operand_bytes'])}",
+    lambda h: (
+      f"{h['frontier_in']:,} | {h['fanout']} | {_gather_scatter(h['split_by_op'])} | "
+      f"{_human(h['split_total_operand_bytes'])} | "
+      f"{_human(h.get('all_to_all_total_operand_bytes', 0))} | "
+      f"{_human(h.get('all_to_all_fit_total_operand_bytes', 0))} | "
+      f"{_human(h['replicated_total_operand_bytes'])}"
+    ),
   )
 
   def all_to_all(r):

@@ -740,8 +740,9 @@ def levels(args) -> dict:
   choice of the cost model (`tt.level_product`): the data its constants are fitted to."""
   rng = np.random.default_rng(0)
   out = []
-  for p_prev, a, r, d, r1, p in LEVEL_SHAPES:
-    for n_s in LEVEL_SLICES:
+  # (gpu_check's calibrate stage adds small levels, where a GPU's launch cost shows.)
+  for p_prev, a, r, d, r1, p in getattr(args, "level_shapes", None) or LEVEL_SHAPES:
+    for n_s in getattr(args, "level_slices", None) or LEVEL_SLICES:
       pre = jnp.asarray(rng.normal(size=(p_prev, a, r)), jnp.float32)
       sl = jnp.asarray(rng.normal(size=(n_s, r, d, r1)), jnp.float32)
       parent_of = jnp.asarray(np.sort(rng.integers(0, p_prev, p)), jnp.int32)

@@ -15,12 +15,41 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from recgnn import sharding
 from recgnn.embeddings import base
 from recgnn.train import inputs
 
 PREFETCH = base.PREFETCH
+
+# Backends that apply the same sparse updates agree bit for bit on XLA:CPU, whose scatter-add
+# sums a row's duplicate ids in index order. XLA:GPU's sums them with atomics (or, under
+# --xla_gpu_deterministic_ops, a sort-based scatter whose association follows the buffer's
+# indices), so backends that scatter into different buffers (dense: the table; offload: its
+# cache slots; hot_cold: hot shard and host rows) round differently once a row has been
+# updated. Bound: a row touched k times per step sums k float32 terms; reordering changes the
+# sum by at most (k - 1) * 2^-24 * sum|terms|: for the contract's Zipf batches (k <= ~25,
+# terms O(1), lr 0.1, 6 steps) under ~4e-5 on the hottest row, ~1e-6 typically. A backend
+# that serves a stale row or drops an update is off by lr * |g| ~ 0.1: still caught.
+UPDATED_TOL_ACCELERATOR = {"rtol": 1e-5, "atol": 2e-5}
+
+
+def updated_tolerance() -> dict:
+  """Tolerance for results after an update: exact ({}) on CPU, UPDATED_TOL_ACCELERATOR on
+  a GPU / TPU (see above). Lookups before any update stay exact everywhere."""
+  return {} if jax.default_backend() == "cpu" else dict(UPDATED_TOL_ACCELERATOR)
+
+
+def mesh_or_skip(data: int, model: int):
+  """sharding.make_mesh(data, model), or skip the test where the platform has fewer devices
+  (one GPU: the 8x1 and 2x4 meshes; on CPU tests/conftest.py simulates 8)."""
+  need, have = data * model, jax.device_count()
+  if need > have:
+    pytest.skip(
+      f"mesh {data}x{model} needs {need} devices; {have} {jax.default_backend()} device(s) here"
+    )
+  return sharding.make_mesh(data, model)
 
 
 def zipf_ids(
@@ -195,18 +224,24 @@ def assert_matches_dense(
   atol: float = 0.0,
   rtol: float = 0.0,
   mesh=None,
+  updated_tol: dict | None = None,
 ) -> Trace:
   """The backend's pooled lookups at every step and its final table equal single-device
   `dense`'s. atol = rtol = 0 demands bit-identical results (offload, hot_cold, sharded
-  without codec)."""
+  without codec). After the first update the looser of (atol, rtol) and `updated_tol`
+  applies (default `updated_tolerance()`: nothing on CPU; the summation-order bound on an
+  accelerator); the first step's lookups, made before any update, keep (atol, rtol)."""
   ref = run("dense", spec, batches)
   got = run(backend_text, spec, batches, mesh=mesh)
+  upd = updated_tolerance() if updated_tol is None else updated_tol
+  later = {"atol": max(atol, upd.get("atol", 0.0)), "rtol": max(rtol, upd.get("rtol", 0.0))}
   for step, (a, b) in enumerate(zip(got.lookups, ref.lookups)):
+    tol = {"atol": atol, "rtol": rtol} if step == 0 else later
     np.testing.assert_allclose(
-      a, b, atol=atol, rtol=rtol, err_msg=f"{backend_text}: lookup differs at step {step}"
+      a, b, **tol, err_msg=f"{backend_text}: lookup differs at step {step} (tolerance {tol})"
     )
   np.testing.assert_allclose(
-    got.table, ref.table, atol=atol, rtol=rtol, err_msg=f"{backend_text}: final table differs"
+    got.table, ref.table, **later, err_msg=f"{backend_text}: final table differs ({later})"
   )
   return got
 

@@ -16,7 +16,12 @@ import run as run_lib
 from recgnn import metrics, sharding
 from recgnn.embeddings import base
 from recgnn.train import loop
-from tests.trainer_lib import smoke_config, state_leaves
+from tests.trainer_lib import (
+  skip_unless_deterministic,
+  skip_unless_devices,
+  smoke_config,
+  state_leaves,
+)
 from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,6 +40,7 @@ _leaves = state_leaves
 
 
 def test_resume_gives_identical_parameters(cache_dir, tmp_path):
+  skip_unless_deterministic()
   config = _config(cache_dir)
   full = loop.train(config, str(tmp_path / "full"))
   # Interrupted after 5 steps (not on a checkpoint boundary), then resumed to the end.
@@ -141,6 +147,7 @@ def test_cli_list_and_sigterm_checkpoint(cache_dir, tmp_path):
 
 
 def _on_mesh(config, data, model, plan=None):
+  skip_unless_devices(data * model, f"mesh {data}x{model}")
   config = config.copy_and_resolve_references()
   config.mesh = {"data": data, "model": model}
   if plan is not None:
@@ -168,6 +175,7 @@ def test_mesh_matches_one_device(cache_dir, tmp_path, mesh, plan):
   """The batch split over 8 devices (and tables replicated or row-sharded) gives the params,
   tables and test AUC of the 1-device run, to float tolerance (sums over the batch are
   reduced across devices in another order)."""
+  skip_unless_devices(mesh[0] * mesh[1], f"mesh {mesh[0]}x{mesh[1]}")
   config = _config(cache_dir, checkpoint_every=0)
   one = loop.train(_on_mesh(config, 1, 1), str(tmp_path / "one"))
   many = loop.train(_on_mesh(config, *mesh, plan=plan), str(tmp_path / "many"))
@@ -187,6 +195,7 @@ def test_mesh_matches_one_device(cache_dir, tmp_path, mesh, plan):
 def test_budget_refuses_replicated_then_row_sharded_fits(cache_dir, tmp_path):
   """A plan over the per-device budget is refused before allocating, with the numbers; the
   same tables row-sharded over 8 devices fit the same budget and train."""
+  skip_unless_devices(8, "meshes 8x1 and 1x8")
   config = _config(cache_dir, steps=4, checkpoint_every=0)
   replicated = _on_mesh(config, 8, 1)
   task = loop.load_task(replicated)
@@ -252,8 +261,10 @@ def one_device_run(cache_dir, tmp_path_factory):
     # dense: offloading the 21 tiny ones too only adds compile time (test_offload does it).
     (
       ((2, 4), "dense(shard=rows)"),
-      ((1, 1), (("C(3|4|10|16|21)", "offload(cache_fraction=0.5, min_cache_rows=256)"),
-                (".*", "dense"))),
+      (
+        (1, 1),
+        (("C(3|4|10|16|21)", "offload(cache_fraction=0.5, min_cache_rows=256)"), (".*", "dense")),
+      ),
     ),  # fmt: skip
     (((2, 4), "sharded"), ((1, 8), "sharded(kind=column)")),
   ],
@@ -269,6 +280,7 @@ def test_resume_on_another_mesh_and_backend(cache_dir, tmp_path, one_device_run,
   every table (a backend string, or plan rules) ends with the uninterrupted 1-device run's
   tables and params."""
   (m1, b1), (m2, b2) = save, resume
+  skip_unless_devices(max(m1[0] * m1[1], m2[0] * m2[1]), f"meshes {m1} and {m2}")
   config = _config(cache_dir, checkpoint_every=0)
   wd = str(tmp_path / "wd")
   part = loop.train(_on_mesh(config, *m1, plan=((".*", b1),)), wd, stop_after=5)
@@ -325,6 +337,7 @@ def test_sharded_codec_state_resumes_exactly(cache_dir, tmp_path):
   """`sharded` with the adaptive error-bounded codec on 2 x 4: a run stopped after 5 steps
   and resumed (the codec's bounds and EMAs restored from the checkpoint) ends bit-identical
   to the uninterrupted run, codec state included; its bounds really adapted."""
+  skip_unless_deterministic()
   config = _on_mesh(
     _config(cache_dir, checkpoint_every=0), 2, 4, plan=((".*", "sharded(codec=eb)"),)
   )

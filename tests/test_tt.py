@@ -6,6 +6,9 @@ lookups must equal the reconstructed table, core gradients must equal jax.grad o
 reference, and the optimizer must act on core slices as documented in recgnn/embeddings/tt.py.
 """
 
+import dataclasses
+import functools
+import json
 import math
 
 import contract_lib as contract
@@ -279,9 +282,9 @@ def test_update_applies_rowwise_optimizer_to_core_slices(variant, opt):
 )
 def test_update_is_sparse(variant, num_rows):
   """contract=pairs's scratch is O(distinct parents x slices): bounded (auto keeps the pair
-  table under _PAIRS_MAX_FLOATS), not by the batch alone, so at 200k rows (58 x 59 x 59) it is
-  over a quarter of the table; auto weighs it against the batched product (at 2M rows it
-  takes the batched one for this batch: few prefixes share a parent)."""
+  table under the cost model's pairs_max_floats), not by the batch alone, so at 200k rows
+  (58 x 59 x 59) it is over a quarter of the table; auto weighs it against the batched
+  product (at 2M rows it takes the batched one for this batch: few prefixes share a parent)."""
   spec = _spec(ADAGRAD, num_rows=num_rows, dim=16)
   batch = _batches(num_rows=spec.num_rows, n=1, batch=256, bag=2)[0]
   contract.assert_update_is_sparse(f"tt(rank=16, {variant})", spec, batch)
@@ -290,14 +293,86 @@ def test_update_is_sparse(variant, num_rows):
 def test_level_product_cost_model():
   """auto takes pairs where the distinct parents x slices are few (the synthetic default's
   levels), the batched product where they are many (real Kaggle sizes) or the pair table
-  would be large; contract= overrides it and is refused where it means nothing."""
-  assert tt.level_product(46, 2, 32, 46, 2, 32, 448) == "pairs"  # ttrec_kaggle C3, level 1
-  assert tt.level_product(448, 4, 32, 46, 4, 1, 1280) == "pairs"  # level 2
-  assert tt.level_product(1500, 4, 32, 216, 4, 1, 2000) == "batched"  # 10M-row C3, level 2
-  assert tt.level_product(217, 2, 32, 217, 2, 32, 1500) == "batched"  # its level 1
-  assert tt.level_product(8, 4, 32, 10_000, 4, 64, 100_000) == "batched"  # > the float cap
+  would be large; contract= overrides it and is refused where it means nothing. (XLA:CPU's
+  constants, whatever platform runs the test.)"""
+  cpu = tt.CPU_COSTS
+  assert tt.level_product(46, 2, 32, 46, 2, 32, 448, cpu) == "pairs"  # ttrec_kaggle C3, level 1
+  assert tt.level_product(448, 4, 32, 46, 4, 1, 1280, cpu) == "pairs"  # level 2
+  assert tt.level_product(1500, 4, 32, 216, 4, 1, 2000, cpu) == "batched"  # 10M-row C3, level 2
+  assert tt.level_product(217, 2, 32, 217, 2, 32, 1500, cpu) == "batched"  # its level 1
+  assert tt.level_product(8, 4, 32, 10_000, 4, 64, 100_000, cpu) == "batched"  # > the float cap
   with pytest.raises(ValueError, match="available: auto, batched, pairs"):
     _member("tt(contract=fast)", _spec())
+
+
+def test_cost_model_per_platform(tmp_path, monkeypatch):
+  """contract=auto's constants are the platform's: tt_cost.json's entry for the device kind,
+  else for the backend, else XLA:CPU's; a fixed (launch) cost moves the choice to the
+  product with fewer kernels."""
+  path = tmp_path / "tt_cost.json"
+  gpu = {"batched_fixed_ns": 20_000.0, "batched_ns": 1.0, "batched_ns_per_mac": 0.001,
+         "pairs_fixed_ns": 5_000.0, "pairs_ns_per_mac": 0.0001, "pairs_max_floats": 1 << 24,
+         "source": "test"}  # fmt: skip
+  path.write_text(json.dumps({"_doc": "x", "gpu": gpu, "gpu:H9": {**gpu, "pairs_fixed_ns": 1e9}}))
+  monkeypatch.setattr(tt, "_COST_FILE", str(path))
+  monkeypatch.setattr(tt, "_read_cost_file", functools.partial(tt._read_cost_file, str(path)))
+  tt.cost_model.cache_clear()
+  try:
+    assert tt.cost_model() == tt.CPU_COSTS  # this CPU: not in the file
+    assert tt.cost_model("tpu", "v5") == tt.CPU_COSTS
+    g = tt.cost_model("gpu", "H100")
+    assert g.platform == "gpu" and g.pairs_fixed_ns == 5_000.0
+    assert tt.cost_model("gpu", "H9").platform == "gpu:H9"
+    # The 10M-row C3's level 1: batched on the CPU, pairs (one GEMM) on this GPU model.
+    level = (217, 2, 32, 217, 2, 32, 1500)
+    assert tt.level_product(*level, tt.CPU_COSTS) == "batched"
+    assert tt.level_product(*level, g) == "pairs"
+    assert tt.level_product(*level, tt.cost_model("gpu", "H9")) == "batched"
+  finally:
+    tt.cost_model.cache_clear()
+
+
+def test_fit_cost_model_recovers_constants():
+  """Timings made by a known model (with 2% noise) give back its constants, and the fitted
+  model makes the same choices as the true one."""
+  true = tt.CostModel(batched_fixed_ns=8000.0, batched_ns=40.0, batched_ns_per_mac=0.002,
+                      pairs_fixed_ns=6000.0, pairs_ns_per_mac=0.0005)  # fmt: skip
+  rng = np.random.default_rng(0)
+  levels = []
+  for p_prev, a, r, d, r1, p in [(8, 2, 32, 2, 32, 16), *BENCH_LEVEL_SHAPES]:
+    for s in (16, 46, 100, 217):
+      w = a * r * d * r1
+      b = true.batched_fixed_ns + p * (true.batched_ns + w * true.batched_ns_per_mac)
+      q = true.pairs_fixed_ns + p_prev * s * w * true.pairs_ns_per_mac
+      noise = 1 + 0.02 * rng.standard_normal(2)
+      levels.append({"p_prev": p_prev, "a": a, "r": r, "d": d, "r1": r1, "p": p, "slices": s,
+                     "batched_ms": b * noise[0] / 1e6, "pairs_ms": q * noise[1] / 1e6})  # fmt: skip
+  fit = tt.fit_cost_model(levels, source="test", platform="gpu")
+  assert fit.pairs_ns_per_mac == pytest.approx(true.pairs_ns_per_mac, rel=0.05)
+  assert fit.batched_ns_per_mac == pytest.approx(true.batched_ns_per_mac, rel=0.15)
+  assert fit.pairs_fixed_ns == pytest.approx(true.pairs_fixed_ns, rel=0.2)
+  agree = sum(
+    tt.level_product(x["p_prev"], x["a"], x["r"], x["slices"], x["d"], x["r1"], x["p"], fit)
+    == tt.level_product(x["p_prev"], x["a"], x["r"], x["slices"], x["d"], x["r1"], x["p"], true)
+    for x in levels
+  )
+  assert agree >= len(levels) - 1
+  with pytest.raises(ValueError, match="need at least 3"):
+    tt.fit_cost_model(levels[:2], source="x", platform="gpu")
+
+
+# benchmarks/tt.py's LEVEL_SHAPES (p_prev, a, r, d, r1, p): the levels calibration times.
+BENCH_LEVEL_SHAPES = [(46, 2, 32, 2, 32, 448), (448, 4, 32, 4, 1, 1280), (200, 2, 32, 2, 32, 1500),
+                      (1500, 4, 32, 4, 1, 2000)]  # fmt: skip
+
+
+def test_committed_cost_file_is_valid():
+  """Every entry of the committed tt_cost.json builds a CostModel with every constant."""
+  fields = {f.name for f in dataclasses.fields(tt.CostModel)}
+  for key, entry in tt._read_cost_file().items():
+    assert fields - {"platform", "pairs_max_floats"} <= entry.keys(), key
+    model = tt.CostModel(**{k: v for k, v in entry.items() if k in fields}, platform=key)
+    assert model.batched_ns_per_mac > 0 and model.pairs_ns_per_mac > 0 and model.source, key
   with pytest.raises(ValueError, match="needs kernel=prefix or unique"):
     _member("tt(kernel=naive, contract=pairs)", _spec())
   assert "contract=pairs" in _member("tt(contract=pairs)", _spec()).describe()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
+import pytest
 
 from experiments import smoke
 
@@ -33,3 +36,21 @@ def state_leaves(state) -> list[np.ndarray]:
   """Every array of a TrainState on the host (its PRNG key as raw data), for comparisons."""
   state = state.replace(key=jax.random.key_data(state.key))
   return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
+
+
+def skip_unless_devices(n: int, what: str = "") -> None:
+  """Skip the test where the platform has fewer than n devices (one GPU; tests/conftest.py
+  simulates 8 on CPU)."""
+  have = jax.device_count()
+  if have < n:
+    pytest.skip(f"{what or 'test'} needs {n} devices; {have} {jax.default_backend()} device(s)")
+
+
+def skip_unless_deterministic() -> None:
+  """Bit-identical reruns on a GPU need XLA's deterministic ops: its scatter-adds sum
+  duplicate ids with atomics, in a run-dependent order. benchmarks/gpu_check.sh sets
+  XLA_FLAGS=--xla_gpu_deterministic_ops=true for its test stages; without it, skip."""
+  if jax.default_backend() == "gpu" and "--xla_gpu_deterministic_ops=true" not in os.environ.get(
+    "XLA_FLAGS", ""
+  ):
+    pytest.skip("bit-identical reruns on a GPU need XLA_FLAGS=--xla_gpu_deterministic_ops=true")

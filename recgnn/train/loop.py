@@ -339,10 +339,20 @@ def train(
   total = total_steps
   shardings = step_lib.state_sharding(plan, state)
   train_step = step_lib.jit_packed(
-    step_lib.make_train_step(task, plan, tx), plan, shardings, donate_state=True, out_state=True
+    step_lib.make_train_step(task, plan, tx),
+    plan,
+    shardings,
+    donate_state=True,
+    out_state=True,
+    name="train_step",
   )
   eval_step = step_lib.jit_packed(
-    step_lib.make_eval_step(task, plan), plan, shardings, donate_state=False, out_state=False
+    step_lib.make_eval_step(task, plan),
+    plan,
+    shardings,
+    donate_state=False,
+    out_state=False,
+    name="eval_step",
   )
   final_splits = tuple(tcfg.get("final_eval_splits", ("valid", "test")))
   end = total if stop_after is None else min(total, start + stop_after)
@@ -412,7 +422,9 @@ def train(
           break
         if item.kind == "train":
           if profile_steps and step == profile_steps[0]:
-            jax.profiler.start_trace(os.path.join(workdir, "profile"))
+            # The Perfetto trace (*.trace.json.gz) beside the xplane: the form a user (and
+            # recgnn.trace_summary) reads without TensorBoard.
+            jax.profiler.start_trace(os.path.join(workdir, "profile"), create_perfetto_trace=True)
             profiling = True
           with jax.profiler.StepTraceAnnotation("train", step_num=step):
             state, m = train_step(state, *item.prepared)

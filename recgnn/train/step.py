@@ -205,10 +205,18 @@ def state_sharding(plan: base.Plan, abstract_state: TrainState) -> TrainState:
   return out.replace(emb={k: g.state_sharding() for k, g in plan.groups.items()})
 
 
-def jit_packed(step_fn, plan: base.Plan, state_shardings, donate_state: bool, out_state: bool):
+def jit_packed(
+  step_fn,
+  plan: base.Plan,
+  state_shardings,
+  donate_state: bool,
+  out_state: bool,
+  name: str = "packed",
+):
   """step_fn(state, prepared, batch) -> jitted f(state, buffers, layout) over `inputs.pack`
   output, with explicit in / out shardings (state as `state_shardings`, buffers split over
-  the mesh, metrics / predictions replicated)."""
+  the mesh, metrics / predictions replicated). `name` names the XLA module (`jit_NAME`), so a
+  profiler trace or an HLO dump tells the train step from the eval step."""
   mesh = plan.mesh
   buf = jax.sharding.NamedSharding(mesh, sharding.BATCH_SPEC)
   repl = jax.sharding.NamedSharding(mesh, sharding.REPLICATED)
@@ -217,6 +225,7 @@ def jit_packed(step_fn, plan: base.Plan, state_shardings, donate_state: bool, ou
     prepared, batch = inputs.unpack(buffers, layout, mesh)
     return step_fn(state, prepared, batch)
 
+  packed.__name__ = packed.__qualname__ = name
   out = (state_shardings, repl) if out_state else repl
   return jax.jit(
     packed,

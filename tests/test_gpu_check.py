@@ -1,0 +1,105 @@
+"""benchmarks/gpu_check.py's pieces that need no GPU: a stage's time limit, its result files,
+merging a calibration into the package, the metrics it reads back."""
+
+import argparse
+import gzip
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import pytest
+
+# Loaded from its file: benchmarks/ on sys.path would shadow names (data, tt, sampling).
+_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "gpu_check.py")
+_spec = importlib.util.spec_from_file_location("gpu_check", _PATH)
+gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
+
+
+def _ctx(tmp_path):
+  args = argparse.Namespace(out=str(tmp_path / "out"), work=str(tmp_path / "work"),
+                            allow_cpu=True, wheels=None, experiments=None)  # fmt: skip
+  ctx = gpu_check.Ctx(args)
+  ctx.device = {"platform": "cpu", "kind": "cpu", "count": 1, "jax": "x"}
+  ctx.mode = "cpu"
+  return ctx
+
+
+def test_stage_limit_stops_a_command_and_files_are_written(tmp_path, monkeypatch):
+  monkeypatch.setattr(gpu_check, "KILL_GRACE", 2)
+  st = gpu_check.Stage(_ctx(tmp_path), "probe")
+  t0 = time.monotonic()
+  r = st.run("sleeper", [sys.executable, "-c", "import time; print('hi', flush=True); "
+                         "time.sleep(60)"], limit=2)  # fmt: skip
+  assert r["status"] == "timeout" and time.monotonic() - t0 < 10
+  assert "hi" in gpu_check._read(r["log"])
+  ok = st.run("quick", [sys.executable, "-c", "print('done')"], limit=30)
+  assert ok["status"] == "ok" and ok["exit_code"] == 0
+  st.md.append("body")
+  st.write("ok")
+  out = tmp_path / "out"
+  assert sorted(os.listdir(out)) == ["probe.json", "probe.log", "probe.md"]
+  assert json.loads((out / "probe.json").read_text())["status"] == "ok"
+  assert "sleeper" in (out / "probe.log").read_text() and "body" in (out / "probe.md").read_text()
+
+
+def test_merge_tt_cost(tmp_path):
+  entry = {"batched_fixed_ns": 1.0, "batched_ns": 2.0, "batched_ns_per_mac": 0.1,
+           "pairs_fixed_ns": 3.0, "pairs_ns_per_mac": 0.01, "pairs_max_floats": 8,
+           "source": "H100 fit"}  # fmt: skip
+  fit = tmp_path / "calibrate.json"
+  fit.write_text(json.dumps({"key": "gpu:NVIDIA H100", "entry": entry, "levels": []}))
+  target = tmp_path / "tt_cost.json"
+  target.write_text(json.dumps({"_doc": "d"}))
+  gpu_check.merge_tt_cost(str(fit), str(target))
+  got = json.loads(target.read_text())
+  assert got["gpu:NVIDIA H100"] == entry and got["_doc"] == "d"
+  assert got["gpu"]["pairs_ns_per_mac"] == 0.01 and "for any gpu" in got["gpu"]["source"]
+  # A second GPU kind keeps the first as the backend's entry.
+  fit.write_text(json.dumps({"key": "gpu:H200", "entry": {**entry, "source": "H200"}}))
+  gpu_check.merge_tt_cost(str(fit), str(target))
+  got = json.loads(target.read_text())
+  assert got["gpu:H200"]["source"] == "H200" and "H100" in got["gpu"]["source"]
+  fit.write_text(json.dumps({"key": "cpu:cpu", "entry": entry}))
+  with pytest.raises(SystemExit, match="CPU fit"):
+    gpu_check.merge_tt_cost(str(fit), str(target))
+  fit.write_text(json.dumps({"key": "gpu:x", "entry": {"batched_ns": 1.0}}))
+  with pytest.raises(SystemExit, match="lacks"):
+    gpu_check.merge_tt_cost(str(fit), str(target))
+
+
+def test_metrics_read_back():
+  rows = [
+    {"step": 5, "loss": 0.6, "samples_per_second": 100.0, "C1/h2d_bytes_per_step": 9.0},
+    {"step": 10, "loss": 0.5, "samples_per_second": 300.0, "C1/h2d_bytes_per_step": 4.0,
+     "C1/d2h_bytes_per_step": 2.0, "C2/h2d_bytes_per_step": 6.0, "h2d_bytes_per_step": 50.0},
+    {"step": 15, "loss": 0.4, "samples_per_second": 500.0, "valid/auc": 0.7},
+  ]  # fmt: skip
+  t = gpu_check.throughput(rows)
+  assert t["steady"] == 400.0 and t["steady_intervals"] == 2 and t["final_loss"] == 0.4
+  s = gpu_check.backend_stats(rows)
+  # After the first interval: C1 4, C2 6 and hot_cold's group-wide 50 bytes per step.
+  assert s["transfers"]["h2d_bytes_per_step"] == 60.0 and s["transfers"]["tables"] == 3
+  assert "valid" not in s["tables"]
+
+
+def test_large_trace_is_trimmed_to_device_events(tmp_path, monkeypatch):
+  events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "X", "pid": 1, "tid": 1, "name": "k", "ts": 0, "dur": 1},
+            {"ph": "X", "pid": 2, "tid": 1, "name": "train", "ts": 0, "dur": 1},
+            *({"ph": "X", "pid": 2, "tid": 2, "name": f"$py{i}", "ts": i, "dur": 1}
+              for i in range(2000))]  # fmt: skip
+  src = tmp_path / "t.trace.json.gz"
+  with gzip.open(src, "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  assert gpu_check._small_trace(str(src), str(tmp_path / "a.json.gz")) == "whole"
+  monkeypatch.setattr(gpu_check, "TRACE_BYTES", 100)
+  how = gpu_check._small_trace(str(src), str(tmp_path / "b.json.gz"))
+  assert "too large" in how  # even trimmed, over 100 bytes
+  monkeypatch.setattr(gpu_check, "TRACE_BYTES", os.path.getsize(src) - 1)
+  how = gpu_check._small_trace(str(src), str(tmp_path / "c.json.gz"))
+  with gzip.open(tmp_path / "c.json.gz", "rt") as f:
+    kept = json.load(f)["traceEvents"]
+  assert "trimmed" in how and [e["name"] for e in kept] == ["process_name", "k", "train"]
