@@ -45,7 +45,24 @@ _HEARTBEAT = flags.DEFINE_integer(
   "peer is declared dead).",
   lower_bound=1,
 )
-_RESUME = flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --workdir.")
+_RESUME = flags.DEFINE_bool(
+  "resume",
+  False,
+  "Continue from the latest checkpoint in --workdir. Refused when there is none, and when it "
+  "was saved by another configuration (the differing keys are named; the checkpoint is kept).",
+)
+_RESUME_IF_PRESENT = flags.DEFINE_bool(
+  "resume_if_present",
+  False,
+  "Continue from the latest checkpoint in --workdir if there is one, else start at step 0 "
+  "(for a job scheduler that reruns the same command).",
+)
+_VERBOSE = flags.DEFINE_bool(
+  "verbose",
+  False,
+  "Show the Python traceback of configuration, plan, data and workdir errors (without it: "
+  "one line, exit status 2).",
+)
 _PROFILE = flags.DEFINE_string(
   "profile_steps", None, "START:STOP: write an XLA profiler trace of these train steps."
 )
@@ -132,28 +149,46 @@ def main(argv):
   loop.log(f"Experiment {_EXPERIMENT.value}; workdir {os.path.abspath(workdir)}")
   from recgnn.train import checkpoint
 
-  try:  # before config.json is overwritten: the workdir may hold another run
-    checkpoint.refuse_existing(workdir, _RESUME.value)
-  except checkpoint.WorkdirHasCheckpoints as e:
-    raise SystemExit(str(e)) from None
-  os.makedirs(workdir, exist_ok=True)
-  if distributed.is_main():
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
-  loop.log(f"Config written to {os.path.join(workdir, 'config.json')}")
+  resume = "if_present" if _RESUME_IF_PRESENT.value else _RESUME.value
+  try:
+    profile, budget = loop.parse_steps(_PROFILE.value), loop.parse_bytes(_BUDGET.value)
+  except ValueError as e:
+    fail(str(e))
   try:
     result = loop.train(
-      config,
-      workdir,
-      resume=_RESUME.value,
-      profile_steps=loop.parse_steps(_PROFILE.value),
-      device_memory_budget=loop.parse_bytes(_BUDGET.value),
+      config, workdir, resume=resume, profile_steps=profile, device_memory_budget=budget
     )
   except (loop.NonFiniteLoss, checkpoint.CheckpointWriteError, checkpoint.CorruptCheckpoint) as e:
     # The message says what happened and what to do; a traceback would bury it.
     raise SystemExit(f"{type(e).__name__}: {e}") from None
+  except Exception as e:
+    if not is_user_error(e) or _VERBOSE.value:
+      raise
+    fail(f"{type(e).__name__}: {e}")
   metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
   loop.log("Final: " + "  ".join(f"{k} {v:.5g}" for k, v in sorted(metrics.items())))
+
+
+USAGE_EXIT = 2  # a configuration / plan / data / workdir error: the command line needs a fix
+
+
+USAGE_EXIT = 2  # a configuration / plan / data / workdir error: the command line needs a fix
+
+
+def fail(message: str) -> None:
+  """One line on stderr and exit status 2: the message names the fix, a traceback would
+  only bury it (--verbose shows it)."""
+  print(message, file=sys.stderr, flush=True)
+  sys.exit(USAGE_EXIT)
+
+
+def is_user_error(e: BaseException) -> bool:
+  """An error of the configuration, the plan, the data or the workdir raised before the
+  first step (loop.train marks those `during_setup`), as opposed to a bug."""
+  from recgnn.train import workdir_lock
+
+  kinds = (ValueError, LookupError, OSError, workdir_lock.WorkdirLocked)
+  return isinstance(e, kinds) and bool(getattr(e, "during_setup", False))
 
 
 def _peek(argv: list[str], flag: str) -> str | None:
@@ -173,13 +208,18 @@ def cli(argv: list[str] | None = None) -> None:
     return
   spec = _peek(argv, "experiment")
   if spec is None:
-    raise SystemExit(
+    fail(
       "Give --experiment=NAME (python run.py --list shows them: "
       + ", ".join(available_experiments())
       + ")"
     )
-  config = load_config(spec)
-  _check_overrides(config, argv[1:])
+  try:
+    config = load_config(spec)
+    _check_overrides(config, argv[1:])
+  except SystemExit as e:
+    if isinstance(e.code, str):
+      fail(e.code)
+    raise
   config_flags.DEFINE_config_dict("config", config, lock_config=True)
   app.run(main, argv=argv)
 

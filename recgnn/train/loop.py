@@ -12,6 +12,7 @@ so stateful backends (device caches) see one consistent sequence of batches.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -33,7 +34,7 @@ from recgnn import distributed, hostmem, sharding
 from recgnn.embeddings import base
 from recgnn.tasks.base import Task
 from recgnn.train import checkpoint as ckpt_lib
-from recgnn.train import inputs
+from recgnn.train import inputs, workdir_lock
 from recgnn.train import step as step_lib
 
 
@@ -255,23 +256,79 @@ def training_length(tcfg, task: Task) -> tuple[int, str]:
   return steps, f"{steps:,} steps = {epochs:g} epoch(s) x {per_epoch:,} steps (train.epochs)"
 
 
+RESUME_MODES = (False, True, "if_present")
+
+
 def train(
   config: ml_collections.ConfigDict,
   workdir: str,
   *,
-  resume: bool = False,
+  resume: bool | str = False,
   profile_steps: tuple[int, int] | None = None,
   device_memory_budget: int | None = None,
   stop_after: int | None = None,
 ) -> Result:
   """Train `config` in `workdir`; returns the final metrics (also in workdir/results.json).
 
+  resume: False: a new run (refused in a workdir that holds another run's checkpoints);
+  True: continue from the latest checkpoint (refused when there is none, or when it does not
+  fit `config`: ckpt_lib.IncompatibleCheckpoint names the keys); "if_present": continue if
+  there is a checkpoint, else start at step 0 (a scheduler that reruns the same command).
   stop_after: stop (with a checkpoint) after this many steps of this call, as if killed;
   used to test that resuming reproduces an uninterrupted run.
+
+  Errors of the configuration, the plan, the data or the workdir raised before the first
+  step carry `during_setup = True` (run.py prints them as one line).
   """
+  if resume not in RESUME_MODES:
+    raise ValueError(f"resume={resume!r}; valid: False, True, 'if_present'")
+  # One run per workdir (process 0 holds it for all processes of a run).
+  try:
+    lock = workdir_lock.WorkdirLock(workdir, log=log) if distributed.is_main() else None
+  except workdir_lock.WorkdirLocked as e:
+    e.during_setup = True
+    raise
+  try:
+    return _train(config, workdir, resume, profile_steps, device_memory_budget, stop_after)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train(config, workdir, resume, profile_steps, device_memory_budget, stop_after) -> Result:
+  setup = _Setup()
+  with setup:
+    return _train_in(
+      config, workdir, resume, profile_steps, device_memory_budget, stop_after, setup
+    )
+
+
+class _Setup:
+  """Marks an exception raised before the first step with `during_setup = True`, once
+  `done` is not set: the configuration, plan, data or workdir was wrong (not a bug in a step)."""
+
+  done = False
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, kind, e, tb):
+    if e is not None and not self.done and isinstance(e, Exception):
+      with contextlib.suppress(AttributeError):  # (an exception type with __slots__)
+        e.during_setup = True
+    return False
+
+
+def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop_after, setup):
   # Before anything slow: a fresh run over another run's checkpoints would die at its first
   # save (Orbax StepAlreadyExistsError) or, resumed later, mix two runs.
-  ckpt_lib.refuse_existing(workdir, resume)
+  ckpt_lib.refuse_existing(workdir, bool(resume))
+  if resume is True and not ckpt_lib.committed_steps(workdir):
+    raise ckpt_lib.NoCheckpoint(
+      f"--resume: no checkpoint in {ckpt_lib.checkpoint_dir(workdir)}, nothing to continue. "
+      "Drop --resume to start a new run there, or pass --resume_if_present to continue when "
+      "there is a checkpoint and start from step 0 when there is none."
+    )
   os.makedirs(workdir, exist_ok=True)
   hostmem.keep_freed_memory()  # reuse per-step temporaries instead of page-faulting them in
   tcfg = config.train
@@ -318,23 +375,36 @@ def train(
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   log(f"Dense params: {n_params:,}")
 
-  ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=tcfg.get("keep_checkpoints", 2))
-  start = 0
-  ckpt.check_artifacts(task.artifacts(), resume and ckpt.latest_step() is not None)
-  if resume and ckpt.latest_step() is not None:
-    # Newest readable checkpoint: a corrupted one is refused (named in the log) and moved
-    # aside, and the one before it is used.
-    state = ckpt.restore(state, plan, log=log)
-    meta = ckpt.metadata(ckpt.restored_step)
-    start = int(state.step)
-    # The input pipeline continues where the checkpoint's iterator was (mid-epoch).
-    task.restore_data_state(meta.get("data_state"), start)
-    log(
-      f"Resumed from checkpoint at step {start} in {ckpt.directory} (saved on mesh "
-      f"{meta.get('mesh', '?')}; tables restored into this run's plan and mesh)"
-    )
-  elif resume:
-    log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
+  config_json = config.to_json_best_effort(indent=2)
+  ckpt = ckpt_lib.Checkpointer(
+    workdir, max_to_keep=tcfg.get("keep_checkpoints", 2), config=json.loads(config_json)
+  )
+  try:
+    start = 0
+    ckpt.check_artifacts(task.artifacts(), bool(resume) and ckpt.latest_step() is not None)
+    if resume and ckpt.latest_step() is not None:
+      # Newest readable checkpoint, checked against this run first (another config is
+      # refused, naming the keys; the checkpoint stays). A corrupted one is refused (named
+      # in the log) and moved aside, and the one before it is used.
+      state = ckpt.restore(state, plan, log=log)
+      meta = ckpt.metadata(ckpt.restored_step)
+      start = int(state.step)
+      # The input pipeline continues where the checkpoint's iterator was (mid-epoch).
+      task.restore_data_state(meta.get("data_state"), start)
+      log(
+        f"Resumed from checkpoint at step {start} in {ckpt.directory} (saved on mesh "
+        f"{meta.get('mesh', '?')}; tables restored into this run's plan and mesh)"
+      )
+    elif resume:
+      log(f"--resume_if_present: no checkpoint in {ckpt.directory}; starting from step 0")
+    # Only now: a refused resume leaves the config of the run that saved the checkpoints.
+    if distributed.is_main():
+      with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config_json)
+      log(f"Config written to {os.path.join(workdir, 'config.json')}")
+  except BaseException:
+    ckpt.close()  # (an open manager's threads end the process with pages of asyncio errors)
+    raise
 
   total = total_steps
   shardings = step_lib.state_sharding(plan, state)
@@ -404,6 +474,7 @@ def train(
   examples = 0  # train examples since the last log (batches may vary in size)
   profiling = False
   interrupted = False
+  setup.done = True  # from here on an error is the run's, not the configuration's
   try:
     with _Sigterm() as sigterm:
       while True:
