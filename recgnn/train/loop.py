@@ -2,12 +2,21 @@
 
   input thread:  task batches (+ eval batches at their steps) -> backend.prepare per table
                  (dedup, cache planning, prefetch; sees `lookahead` upcoming batches)
-                 -> device_put -> a bounded queue (base.PREFETCH deep)
-  main thread:   jitted train step (state donated) ... metrics read only every log_every steps;
-                 eval, checkpoints (backends synced first), profiler trace, TensorBoard.
+                 -> packed host buffers -> a bounded queue (base.PREFETCH deep)
+  main thread:   device_put of the next batch, jitted train step (state donated) ... metrics
+                 read only every log_every steps; eval, checkpoints (backends synced first),
+                 profiler trace, TensorBoard.
 
 Every `prepare` call happens on the input thread, in stream order, eval batches included,
 so stateful backends (device caches) see one consistent sequence of batches.
+
+Every call into the devices (transfers, steps, reads) is made from the main thread. With
+simulated CPU devices a `device_put` issued from the input thread while the main thread was
+launching a multi-device step deadlocked XLA:CPU now and then (gdb: 7 devices in the step's
+all-gather, the 8th device's part of the previous step never run and holding that device's
+one in-flight slot, so the next launch waited on it forever; the trace of the hung run showed
+the put of batch k+3 made during the launch of step k). The transfer costs ~1 ms on the main
+thread and still overlaps the previous step, whose launch returns before it runs.
 """
 
 from __future__ import annotations
@@ -94,7 +103,8 @@ class Item:
   kind: str  # "train" | "eval" | "eval_end"
   split: str | None
   batch_size: int
-  prepared: Any  # (device buffers, layout) of (prepared ids, batch): see step.pack
+  prepared: Any  # (buffers, layout) of (prepared ids, batch), step.Feeder.pack: host buffers
+  # on the queue, device buffers once `InputThread.get` transferred them
 
 
 def _stream(task: Task, start: int, total: int, eval_every: int, eval_split: str, final):
@@ -119,8 +129,9 @@ def _stream(task: Task, start: int, total: int, eval_every: int, eval_split: str
 
 
 class InputThread:
-  """Runs every group's `prepare` (inputs.prepare_stream) and the packed, per-device
-  device_put ahead of the step on a background thread."""
+  """Runs every group's `prepare` (inputs.prepare_stream) and the packing of each batch into
+  per-dtype host buffers ahead of the step on a background thread; `get` (main thread) makes
+  the transfer. The thread never calls into the devices (see the module docstring)."""
 
   def __init__(
     self, stream: Iterator, plan: base.Plan, feeder, depth: int, task: Task, scale: int = 1
@@ -144,12 +155,12 @@ class InputThread:
           it = next(items)  # prepare runs here
         except StopIteration:
           break
-        device = None
+        host = None
         if it.batch is not None:
-          device = self._feeder(it.prepared, it.batch, f"{it.kind} batch")
+          host = self._feeder.pack(it.prepared, it.batch, f"{it.kind} batch")
         self.busy_seconds += time.perf_counter() - t0
         size = self._task.num_examples(it.batch) * self._scale if it.batch is not None else 0
-        self._put(Item(it.kind, it.split, size, device))
+        self._put(Item(it.kind, it.split, size, host))
       self._put(None)
     except BaseException as e:  # forwarded to the main thread, which re-raises
       self._put(e)
@@ -163,9 +174,13 @@ class InputThread:
         continue
 
   def get(self) -> Item | None:
+    """The next item, its batch transferred to the devices (from the calling thread)."""
     item = self._queue.get()
     if isinstance(item, BaseException):
       raise item
+    if item is not None and item.prepared is not None:
+      buffers, layout = item.prepared
+      item.prepared = (self._feeder.put(buffers), layout)
     return item
 
   def close(self):
@@ -247,7 +262,12 @@ def training_length(tcfg, task: Task) -> tuple[int, str]:
   epochs = float(tcfg.get("epochs", 0) or 0)
   if epochs <= 0:
     raise ValueError("Set train.epochs (> 0) or train.steps (> 0)")
-  if not per_epoch:
+  if per_epoch == 0:
+    raise ValueError(
+      f"{type(task).__name__}: its train split holds less than one batch, so an epoch has no "
+      "steps; lower train.batch_size (and set train.steps)"
+    )
+  if per_epoch is None:
     raise ValueError(
       f"{type(task).__name__} does not know its train split's size; set train.steps instead "
       "of train.epochs"
