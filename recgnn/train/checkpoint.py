@@ -383,6 +383,16 @@ class Checkpointer:
     # The config keys first (the cause, in the user's words), then what differs in the arrays,
     # params before their optimizer state.
     diffs = sorted(diffs, key=lambda d: (not d[0].startswith("table"), "opt_state" in d[0]))
+    # One entry for the tables that differ in the same way: "tables C1, C2 optimizer slots".
+    merged: dict[tuple, list] = {}
+    for k, a, b in diffs:
+      name, what = k.split(" ", 2)[1:] if k.startswith("table ") else (None, k)
+      merged.setdefault((what, _show(a), _show(b)), [a, b, []])[2].append(name)
+    diffs = []
+    for (what, *_), (a, b, names) in merged.items():
+      if names[0] is not None:
+        what = f"{'table' if len(names) == 1 else 'tables'} {', '.join(names)} {what}"
+      diffs.append((what, a, b))
     cause = f"config {show(keys)}. It differs in " if keys else ""
     hint = ""
     if any(k.endswith("format") for k, *_ in diffs):
