@@ -96,10 +96,18 @@ def load_config(spec: str):
   return with_defaults(module.get_config(arg or None))
 
 
+WATCHDOG_DEFAULTS = {
+  "watchdog_factor": 20.0,
+  "watchdog_min_s": 120.0,
+  "watchdog_first_s": 1800.0,
+  "sigterm_grace_s": 120.0,
+}
+
+
 def with_defaults(config):
   """Keys every experiment has, so `--config.mesh.data=8` or `--config.train.epochs=2` work
-  whatever the experiment file sets: the mesh (data 0 = every device not on model) and the
-  training length (train.steps > 0 wins over train.epochs)."""
+  whatever the experiment file sets: the mesh (data 0 = every device not on model), the
+  training length (train.steps > 0 wins over train.epochs) and the watchdog's bounds."""
   import ml_collections
 
   if "mesh" not in config:
@@ -109,6 +117,13 @@ def with_defaults(config):
       config.train.steps = 0
     if "epochs" not in config.train:
       config.train.epochs = 0.0
+    # The trainer's watchdog (recgnn/train/watchdog.py): a unit of work (step, eval batch,
+    # save) past watchdog_factor x its median (at least watchdog_min_s; the first one:
+    # watchdog_first_s) ends the run with the stacks; factor 0 turns it off. SIGTERM ends a
+    # step that does not finish within sigterm_grace_s.
+    for key, value in WATCHDOG_DEFAULTS.items():
+      if key not in config.train:
+        config.train[key] = value
   return config
 
 

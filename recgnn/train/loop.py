@@ -45,6 +45,7 @@ from recgnn.tasks.base import Task
 from recgnn.train import checkpoint as ckpt_lib
 from recgnn.train import inputs, workdir_lock
 from recgnn.train import step as step_lib
+from recgnn.train import watchdog as watchdog_lib
 
 
 def log(msg: str) -> None:
@@ -495,20 +496,33 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
   profiling = False
   interrupted = False
   setup.done = True  # from here on an error is the run's, not the configuration's
+  dog = watchdog_lib.Watchdog(
+    factor=float(tcfg.get("watchdog_factor", 20.0)),
+    min_s=float(tcfg.get("watchdog_min_s", 120.0)),
+    first_s=float(tcfg.get("watchdog_first_s", 1800.0)),
+    grace_s=float(tcfg.get("sigterm_grace_s", 120.0)),
+    log=log,
+  )
   try:
     with _Sigterm() as sigterm:
+      dog.watch_sigterm()
       while True:
-        item = feed.get()
+        with dog.unit("input", f"the input of step {step + 1}"):
+          item = feed.get()  # (and its transfer to the devices)
         if item is None:
           break
         if item.kind == "train":
           if profile_steps and step == profile_steps[0]:
             jax.profiler.start_trace(os.path.join(workdir, "profile"))
             profiling = True
-          with jax.profiler.StepTraceAnnotation("train", step_num=step):
+          with (
+            dog.unit("step", f"step {step + 1}"),
+            jax.profiler.StepTraceAnnotation("train", step_num=step),
+          ):
             state, m = train_step(state, *item.prepared)
           pending.append(m)
           step += 1
+          dog.last_step = step
           pending_steps.append(step)
           examples += int(item.batch_size)
           if profiling and step >= profile_steps[1]:
@@ -520,7 +534,8 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
               f"{os.path.join(workdir, 'profile')} (open with TensorBoard or Perfetto)"
             )
           if step % tcfg.log_every == 0 or step == end:
-            host = jax.device_get(pending)  # the loop's only regular host sync
+            with dog.unit("metrics", f"reading the metrics of steps up to {step}"):
+              host = jax.device_get(pending)  # the loop's only regular host sync
             check_finite([h["loss"] for h in host])
             pending, pending_steps = [], []
             now = time.perf_counter()
@@ -536,24 +551,28 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
             t_last = now
           if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < end:
             t0 = time.perf_counter()
-            check_finite(jax.device_get([m["loss"] for m in pending]))  # saving syncs anyway
-            state = _sync_all(plan, state)
-            try:
-              ckpt.save(state, step, plan, data_state=task.data_state(step))
-            except ckpt_lib.CheckpointWriteError:
-              failed = True  # the finally below must not try again on a full disk
-              raise
+            with dog.unit("save", f"saving checkpoint {step}"):
+              check_finite(jax.device_get([m["loss"] for m in pending]))  # saving syncs anyway
+              state = _sync_all(plan, state)
+              try:
+                ckpt.save(state, step, plan, data_state=task.data_state(step))
+              except ckpt_lib.CheckpointWriteError:
+                failed = True  # the finally below must not try again on a full disk
+                raise
             t_last += time.perf_counter() - t0  # keep samples/s a measure of training only
           if sigterm.received:
+            dog.sigterm_acknowledged()
             log(f"SIGTERM at step {step}: saving a checkpoint and stopping")
             interrupted = True
             break
         elif item.kind == "eval":
           if not eval_outputs:
             t_eval = time.perf_counter()
-          eval_outputs.append(eval_step(state, *item.prepared))
+          with dog.unit("eval", f"eval batch {len(eval_outputs) + 1} of {item.split} @ {step}"):
+            eval_outputs.append(eval_step(state, *item.prepared))
         else:  # eval_end
-          res = task.metrics(jax.device_get(eval_outputs))
+          with dog.unit("eval_end", f"reading the {item.split} eval outputs @ step {step}"):
+            res = task.metrics(jax.device_get(eval_outputs))
           t_last += time.perf_counter() - t_eval
           eval_outputs = []
           write_scalars(step, {f"{item.split}/{k}": v for k, v in res.items()})
@@ -567,12 +586,14 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
       jax.profiler.stop_trace()
     try:
       if not failed:
-        # Never leave a non-finite state as the newest checkpoint.
-        check_finite(jax.device_get([m["loss"] for m in pending]))
-        state = _sync_all(plan, state)
-        if step > start or interrupted:
-          ckpt.save(state, step, plan, data_state=task.data_state(step))
+        with dog.unit("save", f"saving checkpoint {step}"):
+          # Never leave a non-finite state as the newest checkpoint.
+          check_finite(jax.device_get([m["loss"] for m in pending]))
+          state = _sync_all(plan, state)
+          if step > start or interrupted:
+            ckpt.save(state, step, plan, data_state=task.data_state(step))
     finally:
+      dog.close()
       ckpt.close()
       if metrics_file is not None:
         metrics_file.close()
