@@ -147,6 +147,24 @@ def _check_overrides(config, argv: list[str]) -> None:
       node = node[key]
 
 
+def apply_overrides(config, overrides: list[str]):
+  """`--config.a.b=VALUE` overrides applied to a copy of `config` (locked, as the CLI does),
+  which is returned. An unknown key raises SystemExit naming the valid ones; a value that
+  does not parse as the key's type raises ValueError naming the override. (The CLI runs this
+  before absl parses the same flags, so a bad value is one line, not absl's usage dump.)"""
+  _check_overrides(config, overrides)
+  values = flags.FlagValues()
+  argv = ["run.py", *overrides]
+  config_flags.DEFINE_config_dict("config", config.copy_and_resolve_references(),
+                                  flag_values=values, lock_config=True, sys_argv=argv)  # fmt: skip
+  try:
+    values(argv)
+  except flags.Error as e:
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise ValueError(f"Bad override: {text}") from None
+  return values.config
+
+
 def main(argv):
   del argv
   from absl import logging
@@ -230,11 +248,13 @@ def cli(argv: list[str] | None = None) -> None:
     )
   try:
     config = load_config(spec)
-    _check_overrides(config, argv[1:])
+    apply_overrides(config, [a for a in argv[1:] if a.startswith("--config.")])
   except SystemExit as e:
     if isinstance(e.code, str):
       fail(e.code)
     raise
+  except ValueError as e:
+    fail(str(e))
   config_flags.DEFINE_config_dict("config", config, lock_config=True)
   app.run(main, argv=argv)
 
