@@ -5,6 +5,12 @@
 
 --experiment=NAME loads experiments/NAME.py:get_config() (NAME:ARG passes ARG to it). The
 config is locked: a misspelt --config.x.y override fails at once, listing the valid keys.
+
+--resume continues the workdir's run (refused when there is no checkpoint, or when the
+checkpoint was saved by another configuration: the differing keys are named and the
+checkpoint is kept); --resume_if_present continues it if there is one, else starts. An error
+of the configuration, plan, data or workdir prints one line and exits with status 2
+(--verbose: the traceback).
 """
 
 from __future__ import annotations
