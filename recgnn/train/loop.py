@@ -10,13 +10,13 @@
 Every `prepare` call happens on the input thread, in stream order, eval batches included,
 so stateful backends (device caches) see one consistent sequence of batches.
 
-Every call into the devices (transfers, steps, reads) is made from the main thread. With
-simulated CPU devices a `device_put` issued from the input thread while the main thread was
-launching a multi-device step deadlocked XLA:CPU now and then (gdb: 7 devices in the step's
-all-gather, the 8th device's part of the previous step never run and holding that device's
-one in-flight slot, so the next launch waited on it forever; the trace of the hung run showed
-the put of batch k+3 made during the launch of step k). The transfer costs ~1 ms on the main
-thread and still overlaps the previous step, whose launch returns before it runs.
+Every call into the devices (transfers, steps, reads) is made from the main thread, and on
+CPU devices one multi-device step runs at a time (`sharding.OneInFlight`, in
+`step.jit_packed`). 8-device runs hung in XLA:CPU (gdb: 7 devices in the step's all-gather,
+the 8th device's launch blocked on its one in-flight slot, held by its part of the previous
+step, which never started). Moving the transfers off the input thread (a put had been made
+during each hung launch) was not enough: a run still hung with the put on the main thread;
+launching each step after the previous one finished was (issue 30; README "Many devices").
 """
 
 from __future__ import annotations
