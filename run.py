@@ -5,6 +5,12 @@
 
 --experiment=NAME loads experiments/NAME.py:get_config() (NAME:ARG passes ARG to it). The
 config is locked: a misspelt --config.x.y override fails at once, listing the valid keys.
+
+--resume continues the workdir's run (refused when there is no checkpoint, or when the
+checkpoint was saved by another configuration: the differing keys are named and the
+checkpoint is kept); --resume_if_present continues it if there is one, else starts. An error
+of the configuration, plan, data or workdir prints one line and exits with status 2
+(--verbose: the traceback).
 """
 
 from __future__ import annotations
@@ -45,7 +51,24 @@ _HEARTBEAT = flags.DEFINE_integer(
   "peer is declared dead).",
   lower_bound=1,
 )
-_RESUME = flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --workdir.")
+_RESUME = flags.DEFINE_bool(
+  "resume",
+  False,
+  "Continue from the latest checkpoint in --workdir. Refused when there is none, and when it "
+  "was saved by another configuration (the differing keys are named; the checkpoint is kept).",
+)
+_RESUME_IF_PRESENT = flags.DEFINE_bool(
+  "resume_if_present",
+  False,
+  "Continue from the latest checkpoint in --workdir if there is one, else start at step 0 "
+  "(for a job scheduler that reruns the same command).",
+)
+_VERBOSE = flags.DEFINE_bool(
+  "verbose",
+  False,
+  "Show the Python traceback of configuration, plan, data and workdir errors (without it: "
+  "one line, exit status 2).",
+)
 _PROFILE = flags.DEFINE_string(
   "profile_steps", None, "START:STOP: write an XLA profiler trace of these train steps."
 )
@@ -79,10 +102,18 @@ def load_config(spec: str):
   return with_defaults(module.get_config(arg or None))
 
 
+WATCHDOG_DEFAULTS = {
+  "watchdog_factor": 20.0,
+  "watchdog_min_s": 120.0,
+  "watchdog_first_s": 1800.0,
+  "sigterm_grace_s": 120.0,
+}
+
+
 def with_defaults(config):
   """Keys every experiment has, so `--config.mesh.data=8` or `--config.train.epochs=2` work
-  whatever the experiment file sets: the mesh (data 0 = every device not on model) and the
-  training length (train.steps > 0 wins over train.epochs)."""
+  whatever the experiment file sets: the mesh (data 0 = every device not on model), the
+  training length (train.steps > 0 wins over train.epochs) and the watchdog's bounds."""
   import ml_collections
 
   if "mesh" not in config:
@@ -92,6 +123,13 @@ def with_defaults(config):
       config.train.steps = 0
     if "epochs" not in config.train:
       config.train.epochs = 0.0
+    # The trainer's watchdog (recgnn/train/watchdog.py): a unit of work (step, eval batch,
+    # save) past watchdog_factor x its median (at least watchdog_min_s; the first one:
+    # watchdog_first_s) ends the run with the stacks; factor 0 turns it off. SIGTERM ends a
+    # step that does not finish within sigterm_grace_s.
+    for key, value in WATCHDOG_DEFAULTS.items():
+      if key not in config.train:
+        config.train[key] = value
   return config
 
 
@@ -115,6 +153,24 @@ def _check_overrides(config, argv: list[str]) -> None:
       node = node[key]
 
 
+def apply_overrides(config, overrides: list[str]):
+  """`--config.a.b=VALUE` overrides applied to a copy of `config` (locked, as the CLI does),
+  which is returned. An unknown key raises SystemExit naming the valid ones; a value that
+  does not parse as the key's type raises ValueError naming the override. (The CLI runs this
+  before absl parses the same flags, so a bad value is one line, not absl's usage dump.)"""
+  _check_overrides(config, overrides)
+  values = flags.FlagValues()
+  argv = ["run.py", *overrides]
+  config_flags.DEFINE_config_dict("config", config.copy_and_resolve_references(),
+                                  flag_values=values, lock_config=True, sys_argv=argv)  # fmt: skip
+  try:
+    values(argv)
+  except flags.Error as e:
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise ValueError(f"Bad override: {text}") from None
+  return values.config
+
+
 def main(argv):
   del argv
   from absl import logging
@@ -132,28 +188,46 @@ def main(argv):
   loop.log(f"Experiment {_EXPERIMENT.value}; workdir {os.path.abspath(workdir)}")
   from recgnn.train import checkpoint
 
-  try:  # before config.json is overwritten: the workdir may hold another run
-    checkpoint.refuse_existing(workdir, _RESUME.value)
-  except checkpoint.WorkdirHasCheckpoints as e:
-    raise SystemExit(str(e)) from None
-  os.makedirs(workdir, exist_ok=True)
-  if distributed.is_main():
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
-  loop.log(f"Config written to {os.path.join(workdir, 'config.json')}")
+  resume = "if_present" if _RESUME_IF_PRESENT.value else _RESUME.value
+  try:
+    profile, budget = loop.parse_steps(_PROFILE.value), loop.parse_bytes(_BUDGET.value)
+  except ValueError as e:
+    fail(str(e))
   try:
     result = loop.train(
-      config,
-      workdir,
-      resume=_RESUME.value,
-      profile_steps=loop.parse_steps(_PROFILE.value),
-      device_memory_budget=loop.parse_bytes(_BUDGET.value),
+      config, workdir, resume=resume, profile_steps=profile, device_memory_budget=budget
     )
   except (loop.NonFiniteLoss, checkpoint.CheckpointWriteError, checkpoint.CorruptCheckpoint) as e:
     # The message says what happened and what to do; a traceback would bury it.
     raise SystemExit(f"{type(e).__name__}: {e}") from None
+  except Exception as e:
+    if not is_user_error(e) or _VERBOSE.value:
+      raise
+    fail(f"{type(e).__name__}: {e}")
   metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
   loop.log("Final: " + "  ".join(f"{k} {v:.5g}" for k, v in sorted(metrics.items())))
+
+
+USAGE_EXIT = 2  # a configuration / plan / data / workdir error: the command line needs a fix
+
+
+USAGE_EXIT = 2  # a configuration / plan / data / workdir error: the command line needs a fix
+
+
+def fail(message: str) -> None:
+  """One line on stderr and exit status 2: the message names the fix, a traceback would
+  only bury it (--verbose shows it)."""
+  print(message, file=sys.stderr, flush=True)
+  sys.exit(USAGE_EXIT)
+
+
+def is_user_error(e: BaseException) -> bool:
+  """An error of the configuration, the plan, the data or the workdir raised before the
+  first step (loop.train marks those `during_setup`), as opposed to a bug."""
+  from recgnn.train import workdir_lock
+
+  kinds = (ValueError, LookupError, OSError, workdir_lock.WorkdirLocked)
+  return isinstance(e, kinds) and bool(getattr(e, "during_setup", False))
 
 
 def _peek(argv: list[str], flag: str) -> str | None:
@@ -173,13 +247,20 @@ def cli(argv: list[str] | None = None) -> None:
     return
   spec = _peek(argv, "experiment")
   if spec is None:
-    raise SystemExit(
+    fail(
       "Give --experiment=NAME (python run.py --list shows them: "
       + ", ".join(available_experiments())
       + ")"
     )
-  config = load_config(spec)
-  _check_overrides(config, argv[1:])
+  try:
+    config = load_config(spec)
+    apply_overrides(config, [a for a in argv[1:] if a.startswith("--config.")])
+  except SystemExit as e:
+    if isinstance(e.code, str):
+      fail(e.code)
+    raise
+  except ValueError as e:
+    fail(str(e))
   config_flags.DEFINE_config_dict("config", config, lock_config=True)
   app.run(main, argv=argv)
 

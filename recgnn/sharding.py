@@ -7,6 +7,9 @@ replicated over DATA (TorchRec's 2D parallelism). 1 x 1 is the single-device cas
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
@@ -112,3 +115,57 @@ def check_batch(batch_size: int, mesh: jax.sharding.Mesh, what: str = "batch") -
       f"{describe(mesh)}; use a multiple of {mesh.size} (e.g. {max(lo, mesh.size)} or "
       f"{lo + mesh.size})."
     )
+
+
+# ----------------------------------------------------------------------------- launches
+
+
+class OneInFlight:
+  """At most one multi-device computation in flight on XLA:CPU: each call waits for the
+  previous call's outputs before it launches.
+
+  XLA:CPU (jaxlib 0.10) deadlocks now and then when a multi-device program is launched while
+  the previous one still runs: gdb of hung 8-device `dlrm_kaggle` runs shows k devices in the
+  step's all-gather and the other 8 - k devices' launches blocked on their one in-flight slot
+  (PjRt's per-device semaphore), held by their part of the previous step that never started.
+  It hung 5 of 5 runs of 60 steps here (load 1-7) when steps were launched back to back, and
+  0 of 4 when each step was waited for (metrics read every step). On CPU the devices share
+  the same cores, so waiting costs only the host work that would have overlapped the step
+  (~1-3 ms per step); on GPU / TPU (or one CPU device) calls pass straight through.
+  """
+
+  _lock = threading.Lock()
+  _last: list = []  # the previous call's output leaves (shared by every wrapped function)
+
+  def __init__(self, fn, mesh: jax.sharding.Mesh):
+    self._fn = fn
+    self._active = needs_one_in_flight(mesh)
+    functools.update_wrapper(self, fn)
+
+  def __call__(self, *args, **kwargs):
+    if not self._active:
+      return self._fn(*args, **kwargs)
+    with OneInFlight._lock:
+      wait(OneInFlight._last)
+      out = self._fn(*args, **kwargs)
+      OneInFlight._last = jax.tree.leaves(out)
+      return out
+
+  def __getattr__(self, name):  # .lower(), .trace(), ... of the jitted function
+    return getattr(self._fn, name)
+
+
+def needs_one_in_flight(mesh: jax.sharding.Mesh) -> bool:
+  """Whether programs on `mesh` must run one at a time: several CPU devices of this process
+  (simulated with --xla_force_host_platform_device_count, or a process's share of a
+  multi-process CPU run)."""
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  return len(local) > 1 and local[0].platform == "cpu"
+
+
+def wait(leaves) -> None:
+  """Block until every array in `leaves` is computed (deleted ones, e.g. donated since, are
+  skipped: their computation has been waited for by whoever consumed them)."""
+  for x in leaves:
+    if isinstance(x, jax.Array) and not x.is_deleted():
+      x.block_until_ready()

@@ -10,6 +10,13 @@ unless set): with it on, `dlrm_kaggle` on 8 simulated devices hung at its first 
 in 3 of 3 runs here (gdb: 5 devices' threads inside the all-gather, 3 launches blocked on
 PjRt's per-device in-flight semaphore in CpuPjRtRawLoadedExecutable::Execute; the same with
 2 processes x 4 devices); with it off the same run trained to the end.
+
+That was not the whole story (issue 30): with async dispatch off, multi-device programs are
+still launched asynchronously (a collective launch waits on the previous one), and 8-device
+runs still hung when a step was launched while the previous one ran (k devices in the
+all-gather, the others' launches blocked on the in-flight slot held by their part of the
+previous step, which never started). `sharding.OneInFlight` launches one multi-device step
+at a time on CPU devices; with it, no hang in repeated runs (benchmarks/hang_check.py).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from what the text says. Examples are bounded and derandomized so CI is fast and
 """
 
 import gzip
+import keyword
 import os
 import pickle
 import re
@@ -416,3 +417,159 @@ def test_planetoid_refuses_code_and_trailing_bytes(tmp_path):
   path.write_bytes(pickle.dumps([1, 2], protocol=2) + b"junk")
   with pytest.raises(planetoid.MalformedDataError, match="bytes after the end"):
     planetoid.restricted_load(str(path))
+
+
+# ----------------------------------------------------------------------------- plan strings
+
+_IDENT = st.from_regex(r"[a-z_][a-z0-9_]{0,7}", fullmatch=True).filter(
+  lambda s: not keyword.iskeyword(s) and s not in ("True", "False", "None")
+)
+_OPTION = st.one_of(
+  st.integers(-(10**12), 10**12),
+  st.floats(allow_nan=False, allow_infinity=False, width=32),
+  st.booleans(),
+  st.none(),
+  _IDENT,  # a bare word: the string itself
+  st.text(string.ascii_letters + string.digits + " .-/", max_size=8),  # quoted
+  st.tuples(st.integers(0, 99), st.integers(0, 99)),
+)
+
+
+def _render(v, draw) -> str:
+  if isinstance(v, str) and v.isidentifier() and draw(st.booleans()):
+    return v  # bare word
+  if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 1000 and draw(st.booleans()):
+    return f"{v:_}"  # `_` separators
+  return repr(v)
+
+
+@st.composite
+def _plan_string(draw):
+  name = draw(_IDENT)
+  opts = draw(st.dictionaries(_IDENT, _OPTION, max_size=4))
+  sp = st.sampled_from(["", " ", "  "])
+  if not opts and draw(st.booleans()):
+    return f"{draw(sp)}{name}{draw(sp)}", name, opts
+  pairs = [f"{k}{draw(sp)}={draw(sp)}{_render(v, draw)}" for k, v in opts.items()]
+  body = ("," + draw(sp)).join(pairs)
+  return f"{name}{draw(sp)}({draw(sp)}{body}{draw(sp)})", name, opts
+
+
+@fuzz(300)
+@given(_plan_string())
+def test_plan_string_parses_to_its_options(case):
+  from recgnn.embeddings import base
+
+  text, name, opts = case
+  assert base.parse_backend(text) == (name, opts)
+
+
+@fuzz(400)
+@given(
+  st.one_of(
+    st.text(alphabet="abtr_(),=' \"0123456789.-+[]{}:*\\\n\x00", max_size=40),
+    _plan_string().map(lambda c: c[0]).flatmap(
+      lambda t: st.integers(0, len(t)).map(lambda i: t[:i])  # truncated
+    ),
+  )
+)
+def test_plan_string_is_parsed_or_refused_naming_it(text):
+  """Anything: a (name, options) pair, or ValueError quoting the string; never another
+  exception (SyntaxError, TypeError, ...) from deep inside the parser."""
+  from recgnn.embeddings import base
+
+  try:
+    name, opts = base.parse_backend(text)
+  except ValueError as e:
+    assert repr(text) in str(e), str(e)
+    return
+  assert name.isidentifier() and all(isinstance(k, str) for k in opts)
+
+
+# ----------------------------------------------------------------------------- --config
+
+
+def _leaves(config, prefix=""):
+  for k, v in config.items():
+    if hasattr(v, "items"):
+      yield from _leaves(v, f"{prefix}{k}.")
+    else:
+      yield f"{prefix}{k}", v
+
+
+def _get(config, key):
+  for part in key.split("."):
+    config = config[part]
+  return config
+
+
+@pytest.fixture(scope="module")
+def smoke_cfg():
+  import run
+
+  return run.load_config("smoke")
+
+
+def _typed_value(draw, v):
+  """A value of the leaf's type and its command-line text."""
+  if isinstance(v, bool):
+    b = draw(st.booleans())
+    return b, draw(st.sampled_from([str(b), str(b).lower()]))
+  if isinstance(v, int):
+    i = draw(st.integers(-(10**9), 10**9))
+    return i, str(i)
+  if isinstance(v, float):
+    f = draw(st.floats(allow_nan=False, allow_infinity=False))
+    return f, repr(f)
+  if isinstance(v, tuple) and all(isinstance(x, int) for x in v):
+    t = tuple(draw(st.lists(st.integers(1, 4096), min_size=1, max_size=4)))
+    return t, draw(st.sampled_from([repr(t), repr(t).replace(" ", "")]))
+  s = draw(st.text(string.ascii_letters + string.digits + "_-./:", max_size=12))
+  return s, s
+
+
+@fuzz(150)
+@given(data=st.data())
+def test_config_overrides_set_the_typed_value(smoke_cfg, data):
+  import run
+
+  def simple(v):  # (a tuple of strings or pairs, like the plan, has its own test above)
+    if isinstance(v, tuple):
+      return bool(v) and all(isinstance(x, int) for x in v)
+    return isinstance(v, (bool, int, float, str))
+
+  leaves = {k: v for k, v in _leaves(smoke_cfg) if simple(v)}
+  key = data.draw(st.sampled_from(sorted(leaves)))
+  value, text = _typed_value(data.draw, leaves[key])
+  out = run.apply_overrides(smoke_cfg, [f"--config.{key}={text}"])
+  assert _get(out, key) == value
+  assert _get(smoke_cfg, key) == leaves[key]  # the experiment's config is not changed
+
+
+@fuzz(300)
+@given(
+  key=st.one_of(
+    st.sampled_from(["train.steps", "model.bottom", "train.shuffle", "optimizer.learning_rate",
+                     "data.path", "seed", "embeddings.plan"]),
+    st.from_regex(r"[a-z_.]{1,20}", fullmatch=True),
+  ),
+  text=st.text(alphabet="0123456789()[],.'\" abxTrueFalse-=e", max_size=16),
+  bare=st.booleans(),
+)
+def test_config_override_is_applied_or_refused_in_one_line(smoke_cfg, key, text, bare):
+  """Any `--config.KEY=TEXT` (or a bare `--config.KEY`): applied with the key's type, or
+  SystemExit naming the unknown key, or ValueError naming the override; nothing else."""
+  import run
+
+  arg = f"--config.{key}" if bare else f"--config.{key}={text}"
+  try:
+    out = run.apply_overrides(smoke_cfg, [arg])
+  except SystemExit as e:
+    assert isinstance(e.code, str) and "Unknown config key" in e.code, e.code
+    return
+  except ValueError as e:
+    msg = str(e)
+    assert msg.startswith("Bad override: ") and "\n" not in msg, msg
+    return
+  old, new = _get(smoke_cfg, key), _get(out, key)
+  assert type(new) is type(old) or (old is None), (key, old, new)

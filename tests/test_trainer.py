@@ -310,7 +310,7 @@ def test_resume_into_an_incompatible_backend_is_refused(cache_dir, tmp_path):
   wd = str(tmp_path / "wd")
   loop.train(_on_mesh(config, 1, 1, plan=(("C16", "tt(rank=4)"), (".*", "dense"))), wd,
              stop_after=2)  # fmt: skip
-  with pytest.raises(checkpoint.IncompatibleCheckpoint, match=r"'C16' was saved by 'tt"):
+  with pytest.raises(checkpoint.IncompatibleCheckpoint, match=r"table C16 format: checkpoint 'tt"):
     loop.train(_on_mesh(config, 1, 1), wd, resume=True)
 
 

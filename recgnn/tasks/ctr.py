@@ -65,6 +65,62 @@ def open_dataset(data) -> tuple[criteo.CriteoDataset, dict | None]:
   return syn.dataset, oracle
 
 
+class DataTooSmall(ValueError):
+  """A dataset (or one of its splits) too small for the run's batches: names the file, its
+  row counts and the fix."""
+
+
+def check_sizes(dataset, config) -> None:
+  """Refuse, before anything is allocated, data the run cannot train or evaluate on: no rows
+  at all (an empty file, or only malformed lines), a train split smaller than one batch
+  (training drops the last partial batch, so it would never see a batch), or an empty
+  split that the run evaluates on."""
+  t = config.train
+  splits = {s: dataset.split_size(s) for s in ("train", "valid", "test")}
+  manifest = getattr(dataset, "manifest", {}) or {}
+  source = config.data.path or "the synthetic dataset"
+  how = config.data.get("split", "kaggle")
+  counts = ", ".join(f"{s} {n:,}" for s, n in splits.items())
+  bad = int(manifest.get("num_bad_lines", 0) or 0)
+  lines = f"{sum(splits.values()):,} rows ({counts}; {bad:,} malformed lines skipped)"
+  if sum(splits.values()) == 0:
+    why = f"all {bad:,} lines are malformed (see the conversion log)" if bad else "it is empty"
+    raise DataTooSmall(
+      f"{source}: no rows to train on: {why}. Give a Criteo TSV file with rows (label, 13 "
+      "integer, 26 hex columns, tab-separated), or no data.path for the synthetic dataset."
+    )
+  b = int(t.batch_size)
+  fix = (
+    f"Use --config.train.batch_size={_fit(splits['train'])} or smaller (a multiple of the "
+    "device count) with --config.train.steps=N for the run's length, or a bigger file."
+  )
+  if sum(splits.values()) < b:
+    raise DataTooSmall(f"{source}: {lines}: fewer than one batch of train.batch_size={b:,}. {fix}")
+  if splits["train"] < b:
+    raise DataTooSmall(
+      f"{source}: {lines}: the {how} split leaves {splits['train']:,} train rows, fewer than "
+      f"one batch of train.batch_size={b:,} (a train step needs a whole batch). {fix}"
+    )
+  evaluated = set(t.get("final_eval_splits", ("valid", "test")))
+  if t.get("eval_every", 0):
+    evaluated.add(t.get("eval_split", "valid"))
+  empty = sorted(s for s in evaluated if s in splits and splits[s] == 0)
+  if empty:
+    keep = tuple(s for s in sorted(evaluated) if s not in empty)
+    raise DataTooSmall(
+      f"{source}: {lines}: the run evaluates on {', '.join(empty)}, which the {how} split "
+      "leaves empty (Kaggle: the last seventh of the rows, halved into test and valid). Give "
+      f"a bigger file, or leave them out: --config.train.final_eval_splits=\"{keep}\""
+      + (" --config.train.eval_every=0" if t.get("eval_every", 0) else "")
+      + "."
+    )
+
+
+def _fit(rows: int) -> int:
+  """The largest power of two <= rows (a batch that splits over 1, 2, 4, 8 devices)."""
+  return 1 << max(rows.bit_length() - 1, 0)
+
+
 def open_tfds(data, cache_dir: str, reader: criteo.ReaderConfig):
   """data.source=tfds: build (once) and open the TFDS dataset whose manual download is
   data.path (a folder, or the train.txt / a day_N file in it): criteo_kaggle for train.txt,
@@ -108,6 +164,7 @@ class CTR(Task):
   def __init__(self, config):
     super().__init__(config)
     self.data, self.oracle = open_dataset(config.data)
+    check_sizes(self.data, config)
     self.names = list(self.data.table_names)
     self.model = DLRM(bottom=tuple(config.model.bottom), top=tuple(config.model.top))
 

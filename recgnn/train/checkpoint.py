@@ -26,6 +26,14 @@ Crash safety:
     the checksums) is complete by Orbax's rename and is restored unverified.
   - `refuse_existing` stops a run that would start from step 0 in a workdir holding another
     run's checkpoints (Orbax would fail at the first save with StepAlreadyExistsError).
+
+Resuming with another configuration: before anything is read, `restore` compares the
+checkpoint with this run (the shape of every dense param and optimizer-state leaf, from Orbax's
+array metadata; each table's rows, dim, format and optimizer slots; and, for checkpoints that
+carry it, the config keys that differ). A mismatch raises IncompatibleCheckpoint naming every
+differing key with both values, and the checkpoint stays where it is: a changed config is not a
+damaged file. Only a checkpoint that fails its checksums or that Orbax cannot read is moved
+to `corrupt/`.
 Backends are synced (caches written back) by the caller before saving.
 """
 
@@ -42,6 +50,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
 from recgnn import sharding
 from recgnn.embeddings import base
@@ -51,7 +60,12 @@ TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 class IncompatibleCheckpoint(ValueError):
-  """A checkpoint that cannot be restored into the current plan (says which table, why)."""
+  """A checkpoint that does not fit this run (another model, table or optimizer shape): says
+  which keys differ, with both values. The checkpoint is left in place."""
+
+
+class NoCheckpoint(FileNotFoundError):
+  """--resume in a workdir without a checkpoint to resume."""
 
 
 class CorruptCheckpoint(ValueError):
@@ -128,6 +142,52 @@ def verify_checksums(directory: str) -> str | None:
   return None
 
 
+def _leaf_shapes(tree) -> dict[str, tuple]:
+  """{'params/bottom/Dense_0/kernel': (13, 32), ...}: every array leaf's shape by a path that
+  reads the same for a live TrainState part and for Orbax's metadata of a saved one (which
+  stores tuples as lists and named tuples as dicts). A PRNG key counts as its raw data."""
+  out = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    parts = []
+    for k in path:
+      for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+          parts.append(str(getattr(k, attr)))
+          break
+    shape = tuple(getattr(x, "shape", np.shape(x)))
+    if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+      shape = tuple(jax.random.key_data(x).shape)
+    out["/".join(parts)] = shape
+  return out
+
+
+def _show(v) -> str:
+  if isinstance(v, tuple):
+    return "(" + ", ".join(map(str, v)) + ("," if len(v) == 1 else "") + ")"
+  return str(v)
+
+
+# Keys whose change on resume is expected (how long, how often, on which devices): not
+# listed when explaining a refused resume.
+_RUN_KEYS = ("train.", "mesh.", "device_memory_budget")
+
+
+def config_differences(saved: dict, current: dict, prefix: str = "") -> list[tuple]:
+  """[(dotted key, saved value, current value)] of the config leaves that differ, the keys
+  that only change how a run proceeds (train.*, mesh.*) left out."""
+  out = []
+  for k in sorted(set(saved) | set(current)):
+    key = f"{prefix}{k}"
+    if key.startswith(_RUN_KEYS):
+      continue
+    a, b = saved.get(k, "absent"), current.get(k, "absent")
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += config_differences(a, b, key + ".")
+    elif a != b:
+      out.append((key, a, b))
+  return out
+
+
 def _train_part(state) -> dict:
   return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
           "key": state.key}  # fmt: skip
@@ -136,8 +196,11 @@ def _train_part(state) -> dict:
 class Checkpointer:
   """Saves and restores TrainStates under `workdir/checkpoints/<step>`."""
 
-  def __init__(self, workdir: str, max_to_keep: int = 2):
+  def __init__(self, workdir: str, max_to_keep: int = 2, config: dict | None = None):
+    """config: the run's config (JSON-able), saved in each checkpoint's meta so that a resume
+    with another config can name the keys that differ."""
     self.directory = checkpoint_dir(workdir)
+    self.config = config
     self.restored_step: int | None = None
     if jax.process_index() == 0:
       self._remove_temporaries()
@@ -179,6 +242,8 @@ class Checkpointer:
         }
     payload = {"train": _train_part(state), "tables": tables}
     info = {"tables": meta, "mesh": sharding.describe(plan.mesh)}
+    if self.config is not None:
+      info["config"] = self.config
     extras = {k: e for k, g in plan.groups.items() if (e := g.extras(state.emb[k]))}
     if extras:
       info["group_extras"] = extras
@@ -230,32 +295,117 @@ class Checkpointer:
     part as `state` places it, each table into the placement of `plan` (which may differ
     from the one that saved it).
 
-    A checkpoint that fails its checksums or that Orbax cannot read is reported through
-    `log`, moved to `checkpoints/corrupt/` and the next older one is tried; the step used is
-    `self.restored_step`. IncompatibleCheckpoint (another plan's tables) is raised at once.
+    Each checkpoint is first checked against this run (`differences`): one that does not fit
+    raises IncompatibleCheckpoint at once, naming every differing key, and stays in place. A
+    checkpoint that fails its checksums or that Orbax cannot read is reported through `log`,
+    moved to `checkpoints/corrupt/` and the next older one is tried; the step used is
+    `self.restored_step`.
     """
     steps = [step] if step is not None else sorted(self.manager.all_steps(), reverse=True)
     if not steps:
-      raise FileNotFoundError(f"No checkpoint in {self.directory}")
+      raise NoCheckpoint(f"No checkpoint in {self.directory}")
     refused = []
     for s in steps:
       where = os.path.join(self.directory, str(s))
       why = verify_checksums(where)
       if why is None:
         try:
-          restored = self._restore_step(state, plan, s)
-        except IncompatibleCheckpoint:
-          raise
-        except Exception as e:  # noqa: BLE001 (any read failure means: unusable)
+          saved = self._saved_layout(s)
+        except Exception as e:  # noqa: BLE001 (its metadata cannot be read: unusable)
           why = f"unreadable ({type(e).__name__}: {str(e)[:300]})"
         else:
-          self.restored_step = s
-          return restored
+          diffs = self.differences(state, plan, saved[0], _leaf_shapes(saved[1]))
+          if diffs:
+            raise IncompatibleCheckpoint(self._mismatch_message(s, saved[0], diffs))
+          try:
+            restored = self._restore_step(state, plan, s, saved[0])
+          except IncompatibleCheckpoint:
+            raise
+          except Exception as e:  # noqa: BLE001 (the shapes fit, so a failure means: unusable)
+            why = f"unreadable ({type(e).__name__}: {str(e)[:300]})"
+          else:
+            self.restored_step = s
+            return restored
       refused.append(f"checkpoint {s} ({where}): {why}")
       log(f"Refusing corrupted checkpoint {s} in {where}: {why}; trying the previous one")
       self._quarantine(s)
     raise CorruptCheckpoint(
       "No usable checkpoint: " + "; ".join(refused) + ". Start again with a fresh --workdir."
+    )
+
+  def _saved_layout(self, step: int) -> tuple[dict, dict[str, tuple]]:
+    """(meta, {dense leaf path: shape}) of checkpoint `step`, from its JSON meta and Orbax's
+    array metadata (no array is read). Raises if either cannot be read."""
+    meta = self.metadata(step)
+    path = epath.Path(self.directory) / str(step) / "state"
+    tree = ocp.StandardCheckpointHandler().metadata(path)
+    return meta, tree["train"]
+
+  def differences(self, state, plan: base.Plan, meta: dict, dense: dict[str, tuple]) -> list:
+    """[(key, checkpoint's value, this run's value)] for everything that makes checkpoint
+    (`meta`, its dense leaf shapes `dense`) unfit for `state` and `plan`: each table's rows x
+    dim, format and optimizer slots, every dense param / optimizer-state leaf's shape, and the
+    leaves only one side has. Empty: it restores."""
+    out = []
+    saved = meta["tables"]
+    for group in plan.groups.values():
+      for name, spec in group.specs.items():
+        if name not in saved:
+          out.append((f"table {name}", "absent", f"{spec.num_rows} x {spec.dim}"))
+          continue
+        s = saved[name]
+        if (s["num_rows"], s["dim"]) != (spec.num_rows, spec.dim):
+          out.append((f"table {name} rows x dim", f"{s['num_rows']} x {s['dim']}",
+                      f"{spec.num_rows} x {spec.dim}"))  # fmt: skip
+        fmt = group.logical_format(name)
+        if s["format"] != fmt:
+          out.append((f"table {name} format", f"{s['format']!r} ({s['backend']})",
+                      f"{fmt!r} ({group.describe(name)})"))  # fmt: skip
+        slots = list(spec.optimizer.slot_names())
+        if s.get("slots", []) != slots:
+          out.append((f"table {name} optimizer slots", s.get("slots"),
+                      f"{slots} ({spec.optimizer.name})"))  # fmt: skip
+    mine = _leaf_shapes(_train_part(state))
+    for key in sorted(set(dense) | set(mine)):
+      a, b = dense.get(key, "absent"), mine.get(key, "absent")
+      if a != b:
+        out.append((key, a, b))
+    return out
+
+  def _mismatch_message(self, step: int, meta: dict, diffs: list) -> str:
+    def show(items):
+      text = "; ".join(f"{k}: checkpoint {_show(a)}, this run {_show(b)}" for k, a, b in items[:8])
+      return text + (f"; and {len(items) - 8} more" if len(items) > 8 else "")
+
+    keys = []
+    if self.config is not None and "config" in meta:
+      keys = config_differences(meta["config"], self.config)
+    # The config keys first (the cause, in the user's words), then what differs in the arrays,
+    # params before their optimizer state.
+    diffs = sorted(diffs, key=lambda d: (not d[0].startswith("table"), "opt_state" in d[0]))
+    # One entry for the tables that differ in the same way: "tables C1, C2 optimizer slots".
+    merged: dict[tuple, list] = {}
+    for k, a, b in diffs:
+      name, what = k.split(" ", 2)[1:] if k.startswith("table ") else (None, k)
+      merged.setdefault((what, _show(a), _show(b)), [a, b, []])[2].append(name)
+    diffs = []
+    for (what, *_), (a, b, names) in merged.items():
+      if names[0] is not None:
+        what = f"{'table' if len(names) == 1 else 'tables'} {', '.join(names)} {what}"
+      diffs.append((what, a, b))
+    cause = f"config {show(keys)}. It differs in " if keys else ""
+    hint = ""
+    if any(k.endswith("format") for k, *_ in diffs):
+      hint = (
+        " Row backends (dense, dense(shard=rows), offload) restore from one another; a "
+        "compressed table only into the same backend and shape."
+      )
+    workdir = os.path.dirname(self.directory)
+    return (
+      f"Checkpoint {step} in {self.directory} was saved by another configuration: {cause}"
+      f"{show(diffs)}.{hint} The checkpoints are untouched: resume with the configuration "
+      f"that saved them ({os.path.join(workdir, 'config.json')}), or train this configuration "
+      "in a fresh --workdir."
     )
 
   def _quarantine(self, step: int) -> None:
@@ -271,36 +421,12 @@ class Checkpointer:
       multihost_utils.sync_global_devices(f"recgnn: quarantined checkpoint {step}")
     self.manager.reload()
 
-  def _restore_step(self, state, plan: base.Plan, step: int):
-    meta = self.metadata(step)
-    saved = meta["tables"]
-    where = f"checkpoint {step} in {self.directory} (saved on mesh {meta.get('mesh', '?')})"
-    missing = [n for n in plan.table_group if n not in saved]
-    if missing:
-      raise IncompatibleCheckpoint(f"{where} has no table(s) {missing}; it has {sorted(saved)}")
+  def _restore_step(self, state, plan: base.Plan, step: int, meta: dict):
+    """Read checkpoint `step` (already checked against this run by `differences`)."""
     tables_target = {}
     for group in plan.groups.values():
       target = group.logical_target()
       for name in group.specs:
-        spec, s = group.specs[name], saved[name]
-        if (s["num_rows"], s["dim"]) != (spec.num_rows, spec.dim):
-          raise IncompatibleCheckpoint(
-            f"{where}: table {name!r} has {s['num_rows']} x {s['dim']} rows x dim; this run's "
-            f"is {spec.num_rows} x {spec.dim}"
-          )
-        fmt = group.logical_format(name)
-        if s["format"] != fmt:
-          raise IncompatibleCheckpoint(
-            f"{where}: table {name!r} was saved by {s['backend']!r} (format {s['format']!r}); "
-            f"{group.describe(name)!r} reads format {fmt!r}. Row backends (dense, "
-            "dense(shard=rows), offload) restore from one another; a compressed table only "
-            "into the same backend and shape."
-          )
-        if s.get("slots", []) != list(spec.optimizer.slot_names()):
-          raise IncompatibleCheckpoint(
-            f"{where}: table {name!r} has optimizer slots {s.get('slots')}; this run's "
-            f"optimizer {spec.optimizer.name!r} has {list(spec.optimizer.slot_names())}"
-          )
         tables_target[name] = target[name]
     train_target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _train_part(state))
     payload = self.manager.restore(

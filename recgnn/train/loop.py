@@ -2,16 +2,26 @@
 
   input thread:  task batches (+ eval batches at their steps) -> backend.prepare per table
                  (dedup, cache planning, prefetch; sees `lookahead` upcoming batches)
-                 -> device_put -> a bounded queue (base.PREFETCH deep)
-  main thread:   jitted train step (state donated) ... metrics read only every log_every steps;
-                 eval, checkpoints (backends synced first), profiler trace, TensorBoard.
+                 -> packed host buffers -> a bounded queue (base.PREFETCH deep)
+  main thread:   device_put of the next batch, jitted train step (state donated) ... metrics
+                 read only every log_every steps; eval, checkpoints (backends synced first),
+                 profiler trace, TensorBoard.
 
 Every `prepare` call happens on the input thread, in stream order, eval batches included,
 so stateful backends (device caches) see one consistent sequence of batches.
+
+Every call into the devices (transfers, steps, reads) is made from the main thread, and on
+CPU devices one multi-device step runs at a time (`sharding.OneInFlight`, in
+`step.jit_packed`). 8-device runs hung in XLA:CPU (gdb: 7 devices in the step's all-gather,
+the 8th device's launch blocked on its one in-flight slot, held by its part of the previous
+step, which never started). Moving the transfers off the input thread (a put had been made
+during each hung launch) was not enough: a run still hung with the put on the main thread;
+launching each step after the previous one finished was (issue 30; README "Many devices").
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -33,8 +43,9 @@ from recgnn import distributed, hostmem, sharding
 from recgnn.embeddings import base
 from recgnn.tasks.base import Task
 from recgnn.train import checkpoint as ckpt_lib
-from recgnn.train import inputs
+from recgnn.train import inputs, workdir_lock
 from recgnn.train import step as step_lib
+from recgnn.train import watchdog as watchdog_lib
 
 
 def log(msg: str) -> None:
@@ -93,7 +104,8 @@ class Item:
   kind: str  # "train" | "eval" | "eval_end"
   split: str | None
   batch_size: int
-  prepared: Any  # (device buffers, layout) of (prepared ids, batch): see step.pack
+  prepared: Any  # (buffers, layout) of (prepared ids, batch), step.Feeder.pack: host buffers
+  # on the queue, device buffers once `InputThread.get` transferred them
 
 
 def _stream(task: Task, start: int, total: int, eval_every: int, eval_split: str, final):
@@ -118,8 +130,9 @@ def _stream(task: Task, start: int, total: int, eval_every: int, eval_split: str
 
 
 class InputThread:
-  """Runs every group's `prepare` (inputs.prepare_stream) and the packed, per-device
-  device_put ahead of the step on a background thread."""
+  """Runs every group's `prepare` (inputs.prepare_stream) and the packing of each batch into
+  per-dtype host buffers ahead of the step on a background thread; `get` (main thread) makes
+  the transfer. The thread never calls into the devices (see the module docstring)."""
 
   def __init__(
     self, stream: Iterator, plan: base.Plan, feeder, depth: int, task: Task, scale: int = 1
@@ -143,12 +156,12 @@ class InputThread:
           it = next(items)  # prepare runs here
         except StopIteration:
           break
-        device = None
+        host = None
         if it.batch is not None:
-          device = self._feeder(it.prepared, it.batch, f"{it.kind} batch")
+          host = self._feeder.pack(it.prepared, it.batch, f"{it.kind} batch")
         self.busy_seconds += time.perf_counter() - t0
         size = self._task.num_examples(it.batch) * self._scale if it.batch is not None else 0
-        self._put(Item(it.kind, it.split, size, device))
+        self._put(Item(it.kind, it.split, size, host))
       self._put(None)
     except BaseException as e:  # forwarded to the main thread, which re-raises
       self._put(e)
@@ -162,9 +175,13 @@ class InputThread:
         continue
 
   def get(self) -> Item | None:
+    """The next item, its batch transferred to the devices (from the calling thread)."""
     item = self._queue.get()
     if isinstance(item, BaseException):
       raise item
+    if item is not None and item.prepared is not None:
+      buffers, layout = item.prepared
+      item.prepared = (self._feeder.put(buffers), layout)
     return item
 
   def close(self):
@@ -246,7 +263,12 @@ def training_length(tcfg, task: Task) -> tuple[int, str]:
   epochs = float(tcfg.get("epochs", 0) or 0)
   if epochs <= 0:
     raise ValueError("Set train.epochs (> 0) or train.steps (> 0)")
-  if not per_epoch:
+  if per_epoch == 0:
+    raise ValueError(
+      f"{type(task).__name__}: its train split holds less than one batch, so an epoch has no "
+      "steps; lower train.batch_size (and set train.steps)"
+    )
+  if per_epoch is None:
     raise ValueError(
       f"{type(task).__name__} does not know its train split's size; set train.steps instead "
       "of train.epochs"
@@ -255,23 +277,79 @@ def training_length(tcfg, task: Task) -> tuple[int, str]:
   return steps, f"{steps:,} steps = {epochs:g} epoch(s) x {per_epoch:,} steps (train.epochs)"
 
 
+RESUME_MODES = (False, True, "if_present")
+
+
 def train(
   config: ml_collections.ConfigDict,
   workdir: str,
   *,
-  resume: bool = False,
+  resume: bool | str = False,
   profile_steps: tuple[int, int] | None = None,
   device_memory_budget: int | None = None,
   stop_after: int | None = None,
 ) -> Result:
   """Train `config` in `workdir`; returns the final metrics (also in workdir/results.json).
 
+  resume: False: a new run (refused in a workdir that holds another run's checkpoints);
+  True: continue from the latest checkpoint (refused when there is none, or when it does not
+  fit `config`: ckpt_lib.IncompatibleCheckpoint names the keys); "if_present": continue if
+  there is a checkpoint, else start at step 0 (a scheduler that reruns the same command).
   stop_after: stop (with a checkpoint) after this many steps of this call, as if killed;
   used to test that resuming reproduces an uninterrupted run.
+
+  Errors of the configuration, the plan, the data or the workdir raised before the first
+  step carry `during_setup = True` (run.py prints them as one line).
   """
+  if resume not in RESUME_MODES:
+    raise ValueError(f"resume={resume!r}; valid: False, True, 'if_present'")
+  # One run per workdir (process 0 holds it for all processes of a run).
+  try:
+    lock = workdir_lock.WorkdirLock(workdir, log=log) if distributed.is_main() else None
+  except workdir_lock.WorkdirLocked as e:
+    e.during_setup = True
+    raise
+  try:
+    return _train(config, workdir, resume, profile_steps, device_memory_budget, stop_after)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train(config, workdir, resume, profile_steps, device_memory_budget, stop_after) -> Result:
+  setup = _Setup()
+  with setup:
+    return _train_in(
+      config, workdir, resume, profile_steps, device_memory_budget, stop_after, setup
+    )
+
+
+class _Setup:
+  """Marks an exception raised before the first step with `during_setup = True`, once
+  `done` is not set: the configuration, plan, data or workdir was wrong (not a bug in a step)."""
+
+  done = False
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, kind, e, tb):
+    if e is not None and not self.done and isinstance(e, Exception):
+      with contextlib.suppress(AttributeError):  # (an exception type with __slots__)
+        e.during_setup = True
+    return False
+
+
+def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop_after, setup):
   # Before anything slow: a fresh run over another run's checkpoints would die at its first
   # save (Orbax StepAlreadyExistsError) or, resumed later, mix two runs.
-  ckpt_lib.refuse_existing(workdir, resume)
+  ckpt_lib.refuse_existing(workdir, bool(resume))
+  if resume is True and not ckpt_lib.committed_steps(workdir):
+    raise ckpt_lib.NoCheckpoint(
+      f"--resume: no checkpoint in {ckpt_lib.checkpoint_dir(workdir)}, nothing to continue. "
+      "Drop --resume to start a new run there, or pass --resume_if_present to continue when "
+      "there is a checkpoint and start from step 0 when there is none."
+    )
   os.makedirs(workdir, exist_ok=True)
   hostmem.keep_freed_memory()  # reuse per-step temporaries instead of page-faulting them in
   tcfg = config.train
@@ -318,23 +396,36 @@ def train(
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   log(f"Dense params: {n_params:,}")
 
-  ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=tcfg.get("keep_checkpoints", 2))
-  start = 0
-  ckpt.check_artifacts(task.artifacts(), resume and ckpt.latest_step() is not None)
-  if resume and ckpt.latest_step() is not None:
-    # Newest readable checkpoint: a corrupted one is refused (named in the log) and moved
-    # aside, and the one before it is used.
-    state = ckpt.restore(state, plan, log=log)
-    meta = ckpt.metadata(ckpt.restored_step)
-    start = int(state.step)
-    # The input pipeline continues where the checkpoint's iterator was (mid-epoch).
-    task.restore_data_state(meta.get("data_state"), start)
-    log(
-      f"Resumed from checkpoint at step {start} in {ckpt.directory} (saved on mesh "
-      f"{meta.get('mesh', '?')}; tables restored into this run's plan and mesh)"
-    )
-  elif resume:
-    log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
+  config_json = config.to_json_best_effort(indent=2)
+  ckpt = ckpt_lib.Checkpointer(
+    workdir, max_to_keep=tcfg.get("keep_checkpoints", 2), config=json.loads(config_json)
+  )
+  try:
+    start = 0
+    ckpt.check_artifacts(task.artifacts(), bool(resume) and ckpt.latest_step() is not None)
+    if resume and ckpt.latest_step() is not None:
+      # Newest readable checkpoint, checked against this run first (another config is
+      # refused, naming the keys; the checkpoint stays). A corrupted one is refused (named
+      # in the log) and moved aside, and the one before it is used.
+      state = ckpt.restore(state, plan, log=log)
+      meta = ckpt.metadata(ckpt.restored_step)
+      start = int(state.step)
+      # The input pipeline continues where the checkpoint's iterator was (mid-epoch).
+      task.restore_data_state(meta.get("data_state"), start)
+      log(
+        f"Resumed from checkpoint at step {start} in {ckpt.directory} (saved on mesh "
+        f"{meta.get('mesh', '?')}; tables restored into this run's plan and mesh)"
+      )
+    elif resume:
+      log(f"--resume_if_present: no checkpoint in {ckpt.directory}; starting from step 0")
+    # Only now: a refused resume leaves the config of the run that saved the checkpoints.
+    if distributed.is_main():
+      with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config_json)
+      log(f"Config written to {os.path.join(workdir, 'config.json')}")
+  except BaseException:
+    ckpt.close()  # (an open manager's threads end the process with pages of asyncio errors)
+    raise
 
   total = total_steps
   shardings = step_lib.state_sharding(plan, state)
@@ -414,10 +505,20 @@ def train(
   examples = 0  # train examples since the last log (batches may vary in size)
   profiling = False
   interrupted = False
+  setup.done = True  # from here on an error is the run's, not the configuration's
+  dog = watchdog_lib.Watchdog(
+    factor=float(tcfg.get("watchdog_factor", 20.0)),
+    min_s=float(tcfg.get("watchdog_min_s", 120.0)),
+    first_s=float(tcfg.get("watchdog_first_s", 1800.0)),
+    grace_s=float(tcfg.get("sigterm_grace_s", 120.0)),
+    log=log,
+  )
   try:
     with _Sigterm() as sigterm:
+      dog.watch_sigterm()
       while True:
-        item = feed.get()
+        with dog.unit("input", f"the input of step {step + 1}"):
+          item = feed.get()  # (and its transfer to the devices)
         if item is None:
           break
         if item.kind == "train":
@@ -426,10 +527,14 @@ def train(
             # recgnn.trace_summary) reads without TensorBoard.
             jax.profiler.start_trace(os.path.join(workdir, "profile"), create_perfetto_trace=True)
             profiling = True
-          with jax.profiler.StepTraceAnnotation("train", step_num=step):
+          with (
+            dog.unit("step", f"step {step + 1}"),
+            jax.profiler.StepTraceAnnotation("train", step_num=step),
+          ):
             state, m = train_step(state, *item.prepared)
           pending.append(m)
           step += 1
+          dog.last_step = step
           pending_steps.append(step)
           examples += int(item.batch_size)
           if profiling and step >= profile_steps[1]:
@@ -441,7 +546,8 @@ def train(
               f"{os.path.join(workdir, 'profile')} (open with TensorBoard or Perfetto)"
             )
           if step % tcfg.log_every == 0 or step == end:
-            host = jax.device_get(pending)  # the loop's only regular host sync
+            with dog.unit("metrics", f"reading the metrics of steps up to {step}"):
+              host = jax.device_get(pending)  # the loop's only regular host sync
             check_finite([h["loss"] for h in host])
             pending, pending_steps = [], []
             now = time.perf_counter()
@@ -457,24 +563,28 @@ def train(
             t_last = now
           if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < end:
             t0 = time.perf_counter()
-            check_finite(jax.device_get([m["loss"] for m in pending]))  # saving syncs anyway
-            state = _sync_all(plan, state)
-            try:
-              ckpt.save(state, step, plan, data_state=task.data_state(step))
-            except ckpt_lib.CheckpointWriteError:
-              failed = True  # the finally below must not try again on a full disk
-              raise
+            with dog.unit("save", f"saving checkpoint {step}"):
+              check_finite(jax.device_get([m["loss"] for m in pending]))  # saving syncs anyway
+              state = _sync_all(plan, state)
+              try:
+                ckpt.save(state, step, plan, data_state=task.data_state(step))
+              except ckpt_lib.CheckpointWriteError:
+                failed = True  # the finally below must not try again on a full disk
+                raise
             t_last += time.perf_counter() - t0  # keep samples/s a measure of training only
           if sigterm.received:
+            dog.sigterm_acknowledged()
             log(f"SIGTERM at step {step}: saving a checkpoint and stopping")
             interrupted = True
             break
         elif item.kind == "eval":
           if not eval_outputs:
             t_eval = time.perf_counter()
-          eval_outputs.append(eval_step(state, *item.prepared))
+          with dog.unit("eval", f"eval batch {len(eval_outputs) + 1} of {item.split} @ {step}"):
+            eval_outputs.append(eval_step(state, *item.prepared))
         else:  # eval_end
-          res = task.metrics(jax.device_get(eval_outputs))
+          with dog.unit("eval_end", f"reading the {item.split} eval outputs @ step {step}"):
+            res = task.metrics(jax.device_get(eval_outputs))
           t_last += time.perf_counter() - t_eval
           eval_outputs = []
           write_scalars(step, {f"{item.split}/{k}": v for k, v in res.items()})
@@ -488,12 +598,14 @@ def train(
       jax.profiler.stop_trace()
     try:
       if not failed:
-        # Never leave a non-finite state as the newest checkpoint.
-        check_finite(jax.device_get([m["loss"] for m in pending]))
-        state = _sync_all(plan, state)
-        if step > start or interrupted:
-          ckpt.save(state, step, plan, data_state=task.data_state(step))
+        with dog.unit("save", f"saving checkpoint {step}"):
+          # Never leave a non-finite state as the newest checkpoint.
+          check_finite(jax.device_get([m["loss"] for m in pending]))
+          state = _sync_all(plan, state)
+          if step > start or interrupted:
+            ckpt.save(state, step, plan, data_state=task.data_state(step))
     finally:
+      dog.close()
       ckpt.close()
       if metrics_file is not None:
         metrics_file.close()

@@ -227,13 +227,16 @@ def jit_packed(
 
   packed.__name__ = packed.__qualname__ = name
   out = (state_shardings, repl) if out_state else repl
-  return jax.jit(
+  jitted = jax.jit(
     packed,
     static_argnums=2,
     donate_argnums=0 if donate_state else (),
     in_shardings=(state_shardings, buf),
     out_shardings=out,
   )
+  # Simulated CPU devices: one step in flight at a time (XLA:CPU deadlocks otherwise; see
+  # sharding.OneInFlight).
+  return sharding.OneInFlight(jitted, mesh)
 
 
 class Feeder:
@@ -256,13 +259,18 @@ class Feeder:
 
   def __call__(self, prepared, batch, what: str = "batch"):
     """-> (device buffers, layout): one transfer, split over the mesh."""
+    buffers, layout = self.pack(prepared, batch, what)
+    return self.put(buffers), layout
+
+  def pack(self, prepared, batch, what: str = "batch"):
+    """-> (host buffers, layout): everything but the transfer (host work only, so the
+    trainer runs it on its input thread; `put` runs on the thread that launches steps)."""
     batch = device_batch(batch)
     specs = self.specs(prepared, batch)
     mesh = self.plan.mesh
     if not self.local:
       inputs.check_split((prepared, batch), specs, mesh, what)
-      buffers, layout = inputs.pack((prepared, batch), specs, mesh.size)
-      return inputs.put(buffers, mesh), layout
+      return inputs.pack((prepared, batch), specs, mesh.size)
     # A process-local slice: a leaf every device needs whole would differ between
     # processes, so every leaf must be batch-major (the groups promised it).
     flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
@@ -275,8 +283,11 @@ class Feeder:
     local_devices = mesh.size // jax.process_count()
     for x in jax.tree.leaves((prepared, batch)):
       sharding.check_batch(np.shape(x)[0] * jax.process_count(), mesh, what)
-    buffers, layout = inputs.pack((prepared, batch), specs, local_devices)
-    return inputs.put(buffers, mesh, local=True), layout
+    return inputs.pack((prepared, batch), specs, local_devices)
+
+  def put(self, buffers):
+    """The host -> device transfer of `pack`'s buffers."""
+    return inputs.put(buffers, self.plan.mesh, local=self.local)
 
 
 def init_state(
