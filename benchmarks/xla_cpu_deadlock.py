@@ -11,8 +11,9 @@ the trainer did); "one_in_flight" waits for the previous step's output first (wh
 recgnn.sharding.OneInFlight does). A run that hangs is ended by XLA itself after 40 s in the
 rendezvous ("Expected 8 threads to join the rendezvous, but only 7 of them arrived") or by
 a 240 s timeout. Modes alternate run by run; BUSY CPU-bound processes spin meanwhile, the runs
-at a lower priority (nice +10): the race is lost when XLA's threads get the cores late (0 of
-8 back-to-back runs hung here at load 1 and normal priority, 2 of 12 at load ~10).
+at a lower priority (nice +10). The race is lost when XLA's threads get the cores late: the
+same program hung in 2 of 12 back-to-back runs (0 of 8 one at a time) here while other jobs
+held the load near 10, and in none of 10 with only the two spinners (load ~3).
 Writes benchmarks/results/xla_cpu_deadlock.{json,md}.
 """
 

@@ -128,8 +128,9 @@ class OneInFlight:
   the previous one still runs: gdb of hung 8-device `dlrm_kaggle` runs shows k devices in the
   step's all-gather and the other 8 - k devices' launches blocked on their one in-flight slot
   (PjRt's per-device semaphore), held by their part of the previous step that never started.
-  It hung 5 of 5 runs of 60 steps here (load 1-7) when steps were launched back to back, and
-  0 of 4 when each step was waited for (metrics read every step). On CPU the devices share
+  8-device `dlrm_kaggle` hung in 4 of 4 runs of 60 steps here (load 1-7) with steps launched
+  back to back, and in none of 6 such runs (and 20 of 400 steps under load 7-12,
+  benchmarks/results/hang_check.md) launched one at a time. On CPU the devices share
   the same cores, so waiting costs only the host work that would have overlapped the step
   (~1-3 ms per step); on GPU / TPU (or one CPU device) calls pass straight through.
   """
