@@ -642,8 +642,9 @@ DIST_COLUMNS = (
 )
 
 
-def extract_commit(commit: str) -> tuple[str, str]:
-  """(directory holding COMMIT's `recgnn` package, full hash), from this checkout's git."""
+def extract_commit(commit: str, into: str) -> tuple[str, str]:
+  """(directory under `into` holding COMMIT's `recgnn` package, full hash), from this
+  checkout's git."""
   root = pathlib.Path(__file__).resolve().parents[1]
   full = subprocess.run(
     ["git", "-C", str(root), "rev-parse", "--verify", f"{commit}^{{commit}}"],
@@ -653,7 +654,7 @@ def extract_commit(commit: str) -> tuple[str, str]:
   if full.returncode:
     raise SystemExit(f"--against: {commit!r} is not a commit of {root}: {full.stderr.strip()}")
   sha = full.stdout.strip()
-  out = tempfile.mkdtemp(prefix=f"recgnn_{sha[:10]}_")
+  out = tempfile.mkdtemp(prefix=f"recgnn_{sha[:10]}_", dir=into)
   archive = subprocess.run(
     ["git", "-C", str(root), "archive", sha, "recgnn"], capture_output=True, check=True
   ).stdout
@@ -724,7 +725,6 @@ def trainer_command(args, workdir: str) -> list[str]:
 def trainer_result(workdir: str) -> dict:
   """samples/s of a trainer run: the median of its logged intervals after the first (which
   holds compilation), as gpu_check and end_to_end read them."""
-  rows = []
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f if line.strip()]
   rates = [r["samples_per_second"] for r in rows if "samples_per_second" in r][1:]
@@ -743,11 +743,17 @@ def run_processes(args) -> dict:
   """Each contestant in args.processes separate processes, in rounds (every contestant once
   per round, the order rotated each round), so the machine's load and each process's memory
   luck (page faults) spread over all of them; the payload with every process's figures."""
+  # Every process's output, trainer workdirs and the --against tree; removed at the end.
+  with tempfile.TemporaryDirectory(prefix="dlrm_throughput_") as tmp:
+    return _run_processes(args, tmp)
+
+
+def _run_processes(args, tmp: str) -> dict:
   contestants = ["recgnn"]
   env_of = {"recgnn": {}}
   against = None
   if args.against:
-    src, sha = extract_commit(args.against)
+    src, sha = extract_commit(args.against, tmp)
     against = {"commit": sha, "src": src}
     name = f"recgnn@{sha[:10]}"
     contestants.append(name)
@@ -767,47 +773,44 @@ def run_processes(args) -> dict:
   runs: dict[str, list[dict]] = {c: [] for c in contestants}
   machine = sparse_update.machine_info()
   t_start = time.perf_counter()
-  with tempfile.TemporaryDirectory(prefix="dlrm_throughput_") as tmp:
-    for r in range(args.processes):
-      order = contestants[r % len(contestants) :] + contestants[: r % len(contestants)]
-      for c in order:
-        out = os.path.join(tmp, f"{r}_{c.replace('@', '_')}.json")
-        workdir = os.path.join(tmp, f"trainer_{r}")
-        cmd = trainer_command(args, workdir) if c == "trainer" else child_command(args, c, out)
-        t0 = time.perf_counter()
-        load = os.getloadavg()[0]
-        proc = subprocess.run(
-          cmd,
-          env={**os.environ, **env_of[c]},
-          capture_output=True,
-          text=True,
-        )
-        if proc.returncode:
-          tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-          raise SystemExit(f"process {r} of {c} failed (exit {proc.returncode}):\n{tail}")
-        if c == "trainer":
-          res = {**trainer_result(workdir), "load_avg": load}
-          shutil.rmtree(workdir, ignore_errors=True)
-        else:
-          with open(out) as f:
-            child = json.load(f)
-          key = "recgnn" if c.startswith("recgnn") else c
-          res = {**child["results"][key], "load_avg": child["machine"]["load_avg_at_start"][0]}
-        res["process_seconds"] = time.perf_counter() - t0
-        runs[c].append(res)
-        extra = (
-          f", {res['cpu_system_ms_per_step']:.1f} system ms, "
-          f"{res['minor_faults_per_step']:,.0f} faults / step"
-          if "minor_faults_per_step" in res
-          else ""
-        )
-        print(
-          f"round {r + 1}/{args.processes} {c}: {res['samples_per_s']:,.0f} samples/s{extra}, "
-          f"load {res['load_avg']:.1f}",
-          flush=True,
-        )
-  if against:
-    shutil.rmtree(against["src"], ignore_errors=True)
+  for r in range(args.processes):
+    order = contestants[r % len(contestants) :] + contestants[: r % len(contestants)]
+    for c in order:
+      out = os.path.join(tmp, f"{r}_{c.replace('@', '_')}.json")
+      workdir = os.path.join(tmp, f"trainer_{r}")
+      cmd = trainer_command(args, workdir) if c == "trainer" else child_command(args, c, out)
+      t0 = time.perf_counter()
+      load = os.getloadavg()[0]
+      proc = subprocess.run(
+        cmd,
+        env={**os.environ, **env_of[c]},
+        capture_output=True,
+        text=True,
+      )
+      if proc.returncode:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise SystemExit(f"process {r} of {c} failed (exit {proc.returncode}):\n{tail}")
+      if c == "trainer":
+        res = {**trainer_result(workdir), "load_avg": load}
+        shutil.rmtree(workdir, ignore_errors=True)
+      else:
+        with open(out) as f:
+          child = json.load(f)
+        key = "recgnn" if c.startswith("recgnn") else c
+        res = {**child["results"][key], "load_avg": child["machine"]["load_avg_at_start"][0]}
+      res["process_seconds"] = time.perf_counter() - t0
+      runs[c].append(res)
+      extra = (
+        f", {res['cpu_system_ms_per_step']:.1f} system ms, "
+        f"{res['minor_faults_per_step']:,.0f} faults / step"
+        if "minor_faults_per_step" in res
+        else ""
+      )
+      print(
+        f"round {r + 1}/{args.processes} {c}: {res['samples_per_s']:,.0f} samples/s{extra}, "
+        f"load {res['load_avg']:.1f}",
+        flush=True,
+      )
   summary = {c: distribution(v) for c, v in runs.items()}
   ratios = {}
   for p in peers_dlrm.PEERS:
