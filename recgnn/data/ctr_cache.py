@@ -1,0 +1,494 @@
+"""Streaming conversion of CTR files into the memmap cache, for any format and schema.
+
+A format (`criteo.CriteoTSV`, `ctr_reader.TextFormat`, `ctr_reader.ParquetFormat`) cuts a file
+into tasks (byte ranges of whole lines, or Parquet row groups) and parses one task into a
+`Parsed` block; this module runs the tasks in order (in `num_workers` spawned processes, at
+most 2 per worker in flight so memory stays bounded), counts malformed lines against the
+error budget, turns raw keys into ids per column and writes
+
+  labels.npy int8[N]   dense.npy float32[N, D]   sparse.npy int32[N, S]   manifest.json
+
+S = the sum of the tables' bag lengths; table t's ids are columns [o_t, o_t + L_t) of
+sparse.npy (PAD after a multi-hot bag's last id). With frequency vocabularies the raw keys wait
+in temporary files until every value is counted, then are remapped (the text is parsed once).
+The cache is built in a sibling temporary directory renamed into place at the end, so an
+interrupted conversion never leaves a cache that looks complete.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from recgnn.data.ctr_schema import FIRST_ID, MISSING_ID, PAD, UNKNOWN_ID, Categorical
+
+CACHE_VERSION = 1
+MAX_EXAMPLES = 10  # malformed lines quoted in reports
+SORTED_LOOKUP = 512  # vocabularies larger than this are searched with sorted queries
+
+# Parsed.state values of an id slot.
+VALUE, EMPTY, PADDED = 0, 1, 2
+
+
+class MalformedDataError(ValueError):
+  """Too many malformed lines in a source file."""
+
+
+@dataclasses.dataclass
+class Parsed:
+  """The well-formed lines of one task.
+
+  Attributes:
+    labels: int8[n].
+    dense: float32[n, D], transformed.
+    raw: uint32 or uint64[n, S], the keys of the id slots (0 where state != VALUE).
+    state: uint8[n, S]: VALUE, EMPTY (an empty field: MISSING_ID) or PADDED (PAD).
+    bad: (line index in the task, reason) of each malformed line, in order.
+    examples: (line index, reason, text) of the first MAX_EXAMPLES malformed lines.
+    num_lines: lines (or Parquet rows) in the task, good and bad.
+  """
+
+  labels: np.ndarray
+  dense: np.ndarray
+  raw: np.ndarray
+  state: np.ndarray
+  bad: list[tuple[int, str]]
+  examples: list[tuple[int, str, str]]
+  num_lines: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """Malformed lines tolerated per file: max(max_bad_lines, max_bad_fraction * lines read)."""
+
+  max_bad_lines: int = 100
+  max_bad_fraction: float = 0.0
+
+
+# ----------------------------------------------------------------------------- files
+
+
+class NpyWriter:
+  """Appends rows to a .npy file whose length is known only at the end (header rewritten)."""
+
+  HEADER = 128
+
+  def __init__(self, path: str, dtype, row_shape: tuple[int, ...]):
+    self.path, self.dtype, self.row_shape, self.rows = path, np.dtype(dtype), row_shape, 0
+    self.f = open(path, "wb")  # noqa: SIM115 (closed in `close`)
+    self.f.write(b"\0" * self.HEADER)
+
+  def append(self, a: np.ndarray):
+    a = np.ascontiguousarray(a, self.dtype)
+    assert a.shape[1:] == self.row_shape, (a.shape, self.row_shape)
+    self.f.write(a.data)
+    self.rows += a.shape[0]
+
+  def close(self):
+    shape = (self.rows, *self.row_shape)
+    d = f"{{'descr': '{self.dtype.str}', 'fortran_order': False, 'shape': {shape}, }}"
+    head = b"\x93NUMPY\x01\x00"
+    body = d.encode("latin1")
+    pad = self.HEADER - len(head) - 2 - len(body) - 1
+    assert pad >= 0, d
+    self.f.seek(0)
+    self.f.write(head + np.uint16(len(body) + pad + 1).tobytes() + body + b" " * pad + b"\n")
+    self.f.close()
+
+
+def source_stats(paths: Sequence[str]) -> list[dict[str, Any]]:
+  out = []
+  for p in paths:
+    st = os.stat(p)
+    out.append({"path": os.path.abspath(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+  return out
+
+
+def cache_valid(path: str, paths: Sequence[str], key: dict[str, Any]) -> str | None:
+  """None if the cache at `path` matches the sources and the id settings `key`, else why not."""
+  try:
+    with open(os.path.join(path, "manifest.json")) as f:
+      manifest = json.load(f)
+  except (OSError, ValueError):
+    return "no cache yet"
+  if manifest.get("version") != CACHE_VERSION:
+    return "cache format changed"
+  if manifest.get("reader") != key:
+    return "reader settings changed"
+  if manifest.get("sources") != source_stats(paths):
+    return "a source file changed (size or mtime)"
+  return None
+
+
+# ----------------------------------------------------------------------------- bad lines
+
+
+class BadLines:
+  """Counts malformed lines per file and enforces the error budget."""
+
+  def __init__(self, budget: Budget, hint: str = ""):
+    self.budget = budget
+    self.hint = hint or "(--config.data.max_bad_lines / max_bad_fraction)"
+    self.files: dict[str, dict[str, Any]] = {}
+
+  def add(self, path: str, result: dict[str, Any], first_line: int, lines_read: int):
+    """Record one task's malformed lines (`_work`'s result) and enforce the budget."""
+    if result["bad"]:
+      rec = self.files.setdefault(path, {"count": 0, "by_reason": {}, "examples": []})
+      for _, reason in result["bad"]:
+        rec["count"] += 1
+        rec["by_reason"][reason] = rec["by_reason"].get(reason, 0) + 1
+      for index, reason, text in result["examples"]:
+        if len(rec["examples"]) < MAX_EXAMPLES:
+          rec["examples"].append({"line": first_line + index, "reason": reason, "text": text})
+    self.check(path, lines_read)
+
+  def check(self, path: str, lines_read: int):
+    rec = self.files.get(path)
+    if not rec:
+      return
+    b = self.budget
+    budget = max(b.max_bad_lines, int(b.max_bad_fraction * lines_read))
+    if rec["count"] > budget:
+      first = "; ".join(f"line {e['line']} ({e['reason']}): {e['text']!r}" for e in rec["examples"])
+      raise MalformedDataError(
+        f"{path}: {rec['count']} malformed lines in the first {lines_read} "
+        f"({reasons(rec)}), over the budget of {budget}. First: {first}. "
+        f"If the file is right, raise the budget: {self.hint}."
+      )
+
+  def recheck(self, files: dict[str, Any], paths: Sequence[str], file_rows: Sequence[int]):
+    """Check a cached conversion's counts against this (maybe smaller) budget."""
+    self.files = files
+    for path, rows in zip(paths, file_rows):
+      rec = files.get(os.path.abspath(path))
+      if rec:
+        self.check(os.path.abspath(path), rows + rec["count"])
+
+  def total(self) -> int:
+    return sum(r["count"] for r in self.files.values())
+
+
+def reasons(rec) -> str:
+  return ", ".join(f"{v} {k}" for k, v in sorted(rec["by_reason"].items()))
+
+
+def progress_printer(progress: Callable[[str], None] | None, label: str, unit: str = "MiB"):
+  t0 = time.perf_counter()
+  last = [t0]
+  scale = 2**20 if unit == "MiB" else 1
+
+  def report(rows: int, done: int, total: int, final: bool = False):
+    now = time.perf_counter()
+    if progress is None or (not final and now - last[0] < 2.0):
+      return
+    last[0] = now
+    dt = max(now - t0, 1e-9)
+    progress(
+      f"{label}: {rows:,} rows, {done / scale:,.0f}/{total / scale:,.0f} {unit}, "
+      f"{rows / dt:,.0f} rows/s"
+    )
+
+  return report
+
+
+# ----------------------------------------------------------------------------- ids
+
+
+def offsets(columns: Sequence[Categorical]) -> np.ndarray:
+  """int64[T + 1]: table t's slots are [o[t], o[t + 1])."""
+  return np.concatenate([[0], np.cumsum([c.bag for c in columns])]).astype(np.int64)
+
+
+def lookup(col: np.ndarray, vals: np.ndarray, ids: np.ndarray, sorted_threshold: int) -> np.ndarray:
+  """Keys -> ids through a vocabulary (vals sorted ascending); UNKNOWN_ID if absent."""
+  if vals.size == 0:
+    return np.full(col.shape, UNKNOWN_ID, np.int32)
+  if vals.size > sorted_threshold:
+    # numpy's binary search starts from the previous key's bounds: sorted queries walk a
+    # big vocabulary in order instead of missing the cache at every level (~5x here).
+    order = np.argsort(col)
+    pos = np.empty(col.size, np.int64)
+    pos[order] = np.searchsorted(vals, col[order])
+  else:
+    pos = np.searchsorted(vals, col)
+  pos = np.minimum(pos, vals.size - 1)
+  return np.where(vals[pos] == col, ids[pos], UNKNOWN_ID).astype(np.int32)
+
+
+def column_ids(raw, state, columns: Sequence[Categorical], vocab=None) -> np.ndarray:
+  """raw keys [n, S], state uint8[n, S] -> int32[n, S] ids: hash columns by their size,
+  frequency columns through `vocab` ({column index: (vals, ids)})."""
+  out = np.empty(raw.shape, np.int32)
+  o = offsets(columns)
+  for t, c in enumerate(columns):
+    sl = slice(o[t], o[t + 1])
+    r = raw[:, sl]
+    if c.vocab == "hash":
+      m = np.asarray(c.hash_size - FIRST_ID, r.dtype)
+      out[:, sl] = FIRST_ID + (r % m).astype(np.int64)
+    else:
+      vals, ids = vocab[t]
+      out[:, sl] = lookup(r.ravel(), vals, ids, SORTED_LOOKUP).reshape(r.shape)
+  out[state == EMPTY] = MISSING_ID
+  out[state == PADDED] = PAD
+  return out
+
+
+class Counter:
+  """Per-column key counts, merged lazily so the cost stays O(keys log keys)."""
+
+  def __init__(self, num_columns: int, dtype):
+    self.values = [np.zeros(0, dtype) for _ in range(num_columns)]
+    self.counts = [np.zeros(0, np.int64) for _ in range(num_columns)]
+    self.pending: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(num_columns)]
+    self.pending_size = [0] * num_columns
+
+  def add(self, counts: dict[int, tuple[np.ndarray, np.ndarray]]):
+    for t, (u, c) in counts.items():
+      self.pending[t].append((u, c))
+      self.pending_size[t] += u.size
+      if self.pending_size[t] > max(self.values[t].size, 1 << 20):
+        self._merge(t)
+
+  def _merge(self, t: int):
+    vals = np.concatenate([self.values[t]] + [u for u, _ in self.pending[t]])
+    cnts = np.concatenate([self.counts[t]] + [c for _, c in self.pending[t]])
+    u, inv = np.unique(vals, return_inverse=True)
+    self.values[t] = u
+    self.counts[t] = np.bincount(inv, weights=cnts, minlength=u.size).astype(np.int64)
+    self.pending[t], self.pending_size[t] = [], 0
+
+  def vocabulary(self, t: int, min_count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Column t's (kept keys sorted ascending, their ids by decreasing count, ties by key)."""
+    self._merge(t)
+    keep = self.counts[t] >= min_count
+    vals, cnts = self.values[t][keep], self.counts[t][keep]
+    order = np.lexsort((vals, -cnts))
+    ids = np.empty(vals.size, np.int32)
+    ids[order] = FIRST_ID + np.arange(vals.size, dtype=np.int32)
+    return vals, ids
+
+
+# ----------------------------------------------------------------------------- streaming
+
+# What a worker needs besides its task (the format and the columns), set once per process.
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(state: dict[str, Any]):
+  _WORKER.clear()
+  _WORKER.update(state)
+
+
+def _work(task) -> dict[str, Any]:
+  """Parse one task and do the pass's per-block work. Runs in a worker process (or in-process
+  with num_workers=0); returns only numpy arrays and small lists."""
+  path, start, stop, what, layout = task
+  fmt, columns = _WORKER["format"], _WORKER["columns"]
+  block = fmt.parse(path, start, stop, layout)
+  out: dict[str, Any] = {
+    "num_lines": block.num_lines,
+    "bad": block.bad,
+    "examples": block.examples[:MAX_EXAMPLES],
+    "rows": block.labels.shape[0],
+    "stop": stop,
+    "labels": block.labels,
+    "dense": block.dense,
+  }
+  if what == "parse":  # frequency vocabularies: ids need the counts of every block
+    o = offsets(columns)
+    out["counts"] = {
+      t: np.unique(block.raw[:, o[t] : o[t + 1]][block.state[:, o[t] : o[t + 1]] == VALUE],
+                   return_counts=True)
+      for t, c in enumerate(columns) if c.vocab == "frequency"
+    }  # fmt: skip
+    out.update(raw=block.raw, state=block.state)
+  else:
+    out["ids"] = column_ids(block.raw, block.state, columns)
+  return out
+
+
+def _bounded_imap(pool, tasks, window: int):
+  """Ordered results of `_work` over (key, task) pairs, at most `window` submitted ahead."""
+  pending: collections.deque = collections.deque()
+  for key, task in tasks:
+    pending.append((key, pool.apply_async(_work, (task,))))
+    if len(pending) >= window:
+      k, r = pending.popleft()
+      yield k, r.get()
+  while pending:
+    k, r = pending.popleft()
+    yield k, r.get()
+
+
+def stream(paths, fmt, columns, what: str, bad: BadLines, num_workers: int, progress, label):
+  """Yields (file index, `_work` result) over all tasks of all files in order, enforcing the
+  error budget; line numbers restart at 1 in each file."""
+  layouts = [fmt.layout(p) for p in paths]
+  sizes = [fmt.size(p) for p in paths]
+  total = sum(sizes)
+  report = progress_printer(progress, label, fmt.unit)
+  tasks = (
+    (fi, (os.path.abspath(p), start, stop, what, layouts[fi]))
+    for fi, p in enumerate(paths)
+    for start, stop in fmt.tasks(p)
+  )
+  base = np.cumsum([0] + sizes)
+  state = {"format": fmt, "columns": tuple(columns)}
+  pool = None
+  if num_workers > 0:
+    # spawn, not fork: the parent may run JAX threads, and forking those can deadlock.
+    ctx = multiprocessing.get_context("spawn")
+    pool = ctx.Pool(num_workers, initializer=_init_worker, initargs=(state,))
+    results = _bounded_imap(pool, tasks, 2 * num_workers)
+  else:
+    _init_worker(state)
+    results = ((fi, _work(task)) for fi, task in tasks)
+  try:
+    rows, line, current = 0, 1, -1
+    for fi, result in results:
+      if fi != current:
+        current, line = fi, 1
+      bad.add(os.path.abspath(paths[fi]), result, line, line - 1 + result["num_lines"])
+      line += result["num_lines"]
+      rows += result["rows"]
+      yield fi, result
+      report(rows, int(base[fi]) + result["stop"], total)
+    report(rows, total, total, final=True)
+  finally:
+    if pool is not None:
+      pool.terminate()
+    _WORKER.clear()
+
+
+def _remap(tmp: str, columns, vocab, progress, chunk: int = 1 << 16):
+  """raw.tmp + state.tmp -> sparse.npy through the vocabularies; removes the temporaries."""
+  raw = np.load(os.path.join(tmp, "raw.tmp"), mmap_mode="r")
+  state = np.load(os.path.join(tmp, "state.tmp"), mmap_mode="r")
+  out = NpyWriter(os.path.join(tmp, "sparse.npy"), np.int32, (raw.shape[1],))
+  report = progress_printer(progress, "frequency ids", "rows")
+  n = raw.shape[0]
+  for lo in range(0, n, chunk):
+    hi = min(lo + chunk, n)
+    out.append(column_ids(np.asarray(raw[lo:hi]), np.asarray(state[lo:hi]), columns, vocab))
+    report(hi, hi, n)
+  out.close()
+  report(n, n, n, final=True)
+  del raw, state
+  os.remove(os.path.join(tmp, "raw.tmp"))
+  os.remove(os.path.join(tmp, "state.tmp"))
+
+
+def convert(
+  paths: Sequence[str],
+  out_dir: str,
+  fmt,
+  columns: Sequence[Categorical],
+  *,
+  num_dense: int,
+  key: dict[str, Any],
+  bad: BadLines,
+  num_workers: int = 0,
+  extra: dict[str, Any] | None = None,
+  progress: Callable[[str], None] | None = print,
+  label: str = "ctr",
+) -> dict[str, Any]:
+  """Files -> labels.npy, dense.npy, sparse.npy and manifest.json in `out_dir` (see the module
+  docstring). `key`: the id settings recorded in the manifest ("reader"); `extra`: more
+  manifest fields. Returns the manifest."""
+  t0 = time.perf_counter()
+  sources = source_stats(paths)
+  tmp = f"{out_dir}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  columns = tuple(columns)
+  slots = int(offsets(columns)[-1])
+  frequency = any(c.vocab == "frequency" for c in columns)
+  try:
+    writers = {
+      "labels": NpyWriter(os.path.join(tmp, "labels.npy"), np.int8, ()),
+      "dense": NpyWriter(os.path.join(tmp, "dense.npy"), np.float32, (num_dense,)),
+    }
+    if frequency:
+      # Ids need every key's count first: the keys wait on disk, which is cheaper than
+      # parsing the text twice.
+      writers["raw"] = NpyWriter(os.path.join(tmp, "raw.tmp"), fmt.raw_dtype, (slots,))
+      writers["state"] = NpyWriter(os.path.join(tmp, "state.tmp"), np.uint8, (slots,))
+      counter = Counter(len(columns), fmt.raw_dtype)
+    else:
+      writers["sparse"] = NpyWriter(os.path.join(tmp, "sparse.npy"), np.int32, (slots,))
+    file_rows = [0] * len(paths)
+    positives = 0
+    what = "parse" if frequency else "convert"
+    for fi, result in stream(paths, fmt, columns, what, bad, num_workers, progress, label):
+      writers["labels"].append(result["labels"])
+      writers["dense"].append(result["dense"])
+      if frequency:
+        counter.add(result["counts"])
+        writers["raw"].append(result["raw"])
+        writers["state"].append(result["state"])
+      else:
+        writers["sparse"].append(result["ids"])
+      file_rows[fi] += result["rows"]
+      positives += int(result["labels"].sum(dtype=np.int64))
+    for w in writers.values():
+      w.close()
+    if frequency:
+      vocab = {
+        t: counter.vocabulary(t, c.min_count)
+        for t, c in enumerate(columns)
+        if c.vocab == "frequency"
+      }
+      _remap(tmp, columns, vocab, progress)
+    cardinalities = [
+      c.hash_size if c.vocab == "hash" else FIRST_ID + vocab[t][0].size
+      for t, c in enumerate(columns)
+    ]
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  seconds = time.perf_counter() - t0
+  num_rows = sum(file_rows)
+  manifest = {
+    "version": CACHE_VERSION,
+    "sources": sources,
+    "reader": key,
+    "num_rows": num_rows,
+    "file_rows": file_rows,
+    "positives": positives,
+    "cardinalities": cardinalities,
+    "table_names": [c.name for c in columns],
+    "ids": {"missing": MISSING_ID, "unknown": UNKNOWN_ID, "first": FIRST_ID},
+    "bad_lines": bad.files,
+    "num_bad_lines": bad.total(),
+    "conversion_seconds": seconds,
+    "rows_per_second": num_rows / max(seconds, 1e-9),
+    "num_workers": num_workers,
+  }
+  if any(c.bag > 1 for c in columns):  # absent: all one-hot (caches written before bags)
+    manifest["bag_lengths"] = [c.bag for c in columns]
+    manifest["pad"] = PAD
+  manifest.update(extra or {})
+  with open(os.path.join(tmp, "manifest.json"), "w") as f:
+    json.dump(manifest, f, indent=1)
+  shutil.rmtree(out_dir, ignore_errors=True)
+  os.replace(tmp, out_dir)
+  if progress is not None:
+    skipped = f"; skipped {bad.total()} malformed lines" if bad.total() else ""
+    progress(
+      f"{label}: cached {num_rows:,} rows in {out_dir} ({seconds:.1f} s, "
+      f"{manifest['rows_per_second']:,.0f} rows/s{skipped})"
+    )
+    for path, rec in bad.files.items():
+      progress(f"  {path}: {rec['count']} malformed lines skipped ({reasons(rec)})")
+  return manifest

@@ -1,0 +1,283 @@
+"""A converted CTR dataset: memmapped arrays, the reference splits, and batches.
+
+Splits (`split=`):
+  "kaggle":    rows cut into 7 contiguous day-chunks (the first `N % 7` one row longer);
+               days 0-5 train, day 6 split in two by np.array_split: first half test,
+               second half valid (as DLRM's `getCriteoAdData`).
+  "last_file": all files but the last train; the last file's first half test, second half
+               valid (as DLRM / MLPerf for Terabyte's day_23).
+
+Batches: {"dense": float32[B, D], "label": float32[B], "weight": float32[B],
+"ids": {table: int32[B, L_t]}}; a one-hot table has L_t = 1, a multi-hot one its bag length
+with PAD (-1) after the bag's ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from recgnn.data.ctr_schema import MISSING_ID, PAD
+
+KAGGLE_DAYS = 7
+SPLITS = ("kaggle", "last_file")
+SPLIT_NAMES = ("train", "valid", "test")
+# Criteo's layout: the default of caches whose manifest names no tables (written before
+# the generic reader).
+CRITEO_TABLES = tuple(f"C{i}" for i in range(1, 27))
+
+Batch = dict[str, Any]
+
+
+def kaggle_split(num_rows: int, days: int = KAGGLE_DAYS) -> dict[str, tuple[int, int]]:
+  """Row ranges [start, stop) of the DLRM reference Kaggle split (see the module docstring)."""
+  per_day, extras = divmod(num_rows, days)
+  day_rows = [per_day + (d < extras) for d in range(days)]
+  last = num_rows - day_rows[-1]
+  test_rows = -(-day_rows[-1] // 2)  # np.array_split: the first part gets the odd row
+  return {
+    "train": (0, last),
+    "test": (last, last + test_rows),
+    "valid": (last + test_rows, num_rows),
+  }
+
+
+def last_file_split(file_rows: Sequence[int]) -> dict[str, tuple[int, int]]:
+  """Terabyte: all files but the last train; the last file's halves test, then valid."""
+  if len(file_rows) < 2:
+    raise ValueError("split='last_file' needs at least 2 files (day_0 .. day_23); use 'kaggle'")
+  last = sum(file_rows[:-1])
+  test_rows = -(-file_rows[-1] // 2)
+  total = last + file_rows[-1]
+  return {"train": (0, last), "test": (last, last + test_rows), "valid": (last + test_rows, total)}
+
+
+# ----------------------------------------------------------------------------- dataset
+
+
+class CTRDataset:
+  """A converted dataset: memmapped arrays, split row ranges, table sizes, batches.
+
+  Attributes:
+    labels: int8[N]; dense: float32[N, D]; sparse: int32[N, S] (read-only memmaps), S the
+      sum of the bag lengths: table t's ids are columns [o_t, o_t + L_t).
+    table_names, bag_lengths: the tables in order and their ids per example.
+    splits: {"train" | "valid" | "test": (start, stop)}, contiguous row ranges.
+    cardinalities: rows of each table C1..C26 (ids are < this).
+    manifest: the cache manifest (counts, sources, malformed lines).
+    reused_cache: whether opening reused an existing cache (no parsing).
+    path: the cache directory.
+  """
+
+  table_names = CRITEO_TABLES
+  bag_lengths = (1,) * 26
+
+  def __init__(self, path: str, split: str = "kaggle", reused_cache: bool = False):
+    if split not in SPLITS:
+      raise ValueError(f"Unknown split {split!r}; available: {', '.join(SPLITS)}")
+    with open(os.path.join(path, "manifest.json")) as f:
+      self.manifest = json.load(f)
+    self.path = path
+    self.reused_cache = reused_cache
+    self.labels = np.load(os.path.join(path, "labels.npy"), mmap_mode="r")
+    self.dense = np.load(os.path.join(path, "dense.npy"), mmap_mode="r")
+    self.sparse = np.load(os.path.join(path, "sparse.npy"), mmap_mode="r")
+    self.cardinalities = tuple(self.manifest["cardinalities"])
+    self.table_names = tuple(self.manifest.get("table_names", CRITEO_TABLES))
+    self.bag_lengths = tuple(self.manifest.get("bag_lengths", (1,) * len(self.table_names)))
+    n = self.manifest["num_rows"]
+    if split == "kaggle":
+      self.splits = kaggle_split(n)
+    else:
+      self.splits = last_file_split(self.manifest["file_rows"])
+    self._perm_cache: dict[tuple[str, int, int], np.ndarray] = {}
+
+  @property
+  def num_rows(self) -> int:
+    return int(self.manifest["num_rows"])
+
+  def split_size(self, split: str) -> int:
+    start, stop = self._range(split)
+    return stop - start
+
+  def _range(self, split: str) -> tuple[int, int]:
+    if split not in self.splits:
+      raise ValueError(f"Unknown split {split!r}; available: {', '.join(self.splits)}")
+    return self.splits[split]
+
+  def describe(self) -> str:
+    sizes = ", ".join(f"{s} {self.split_size(s):,}" for s in SPLIT_NAMES)
+    ctr = self.manifest["positives"] / max(self.num_rows, 1)
+    return (
+      f"{self.manifest.get('schema_name', 'Criteo-format')} data: {self.num_rows:,} rows "
+      f"({sizes}), CTR {ctr:.3f}, {sum(self.cardinalities):,} embedding rows in "
+      f"{len(self.table_names)} tables{_bags(self.bag_lengths)}, "
+      f"{self.manifest['num_bad_lines']} malformed lines skipped; cache {self.path}"
+    )
+
+  def num_batches(self, split: str, batch_size: int, drop_remainder: bool = True) -> int:
+    """Batches in one pass over `split`."""
+    n = self.split_size(split)
+    return n // batch_size if drop_remainder else -(-n // batch_size)
+
+  def _perm(self, split: str, seed: int, epoch: int) -> np.ndarray:
+    key = (split, seed, epoch)
+    if key not in self._perm_cache:
+      rng = np.random.default_rng([seed, epoch])
+      n = self.split_size(split)
+      dtype = np.int32 if n < 2**31 else np.int64
+      self._perm_cache.clear()  # one epoch at a time: a permutation is 4 bytes per row
+      self._perm_cache[key] = rng.permutation(n).astype(dtype)
+    return self._perm_cache[key]
+
+  def batch_rows(
+    self,
+    split: str,
+    step: int,
+    batch_size: int,
+    *,
+    shuffle_seed: int | None = None,
+    drop_remainder: bool = True,
+  ) -> np.ndarray:
+    """Row indices (into the whole dataset) of batch `step`, int64[<= batch_size].
+
+    Pass e = step // num_batches covers the split once; with `shuffle_seed` in the order of
+    a permutation drawn from (shuffle_seed, e), else in file order. Depends on nothing but the
+    arguments, so a run resumed at `step` sees the batches an uninterrupted one would.
+    """
+    start, _ = self._range(split)
+    per_pass = self.num_batches(split, batch_size, drop_remainder)
+    if per_pass == 0:
+      raise ValueError(
+        f"split {split!r} has {self.split_size(split)} rows, fewer than batch_size={batch_size}"
+        " with drop_remainder=True; use a smaller batch or drop_remainder=False"
+      )
+    epoch, k = divmod(step, per_pass)
+    lo, hi = k * batch_size, min((k + 1) * batch_size, self.split_size(split))
+    if shuffle_seed is None:
+      return np.arange(start + lo, start + hi, dtype=np.int64)
+    # Sorted within the batch: the memmap reads then go forward through the file.
+    return start + np.sort(self._perm(split, shuffle_seed, epoch)[lo:hi]).astype(np.int64)
+
+  def gather(self, rows: np.ndarray, batch_size: int | None = None) -> Batch:
+    """The batch of the given rows, padded to `batch_size` rows with weight 0.
+
+    Returns:
+      {"dense": float32[B, D], "label": float32[B], "weight": float32[B],
+       "ids": {table: int32[B, L_t]}}. Padding rows are zeros, with ids MISSING_ID (a valid
+      id, so no backend needs special handling; PAD after it in a bag) and weight 0.
+    """
+    n = rows.shape[0]
+    b = n if batch_size is None else batch_size
+    if n > b:
+      raise ValueError(f"{n} rows do not fit a batch of {b}")
+    if n and np.all(np.diff(rows) == 1):  # contiguous: slices, no fancy-index gather
+      sl = slice(int(rows[0]), int(rows[0]) + n)
+      label, dense, sparse = self.labels[sl], self.dense[sl], self.sparse[sl]
+    else:
+      label, dense, sparse = self.labels[rows], self.dense[rows], self.sparse[rows]
+    return padded_batch(b, dense, label, sparse, self.table_names, self.bag_lengths)
+
+  def batch(
+    self,
+    split: str,
+    step: int,
+    batch_size: int,
+    *,
+    shuffle_seed: int | None = None,
+    drop_remainder: bool = True,
+    shard: tuple[int, int] = (0, 1),
+  ) -> Batch:
+    """Batch `step` of `split` (see `batch_rows` and `gather`); always `batch_size` rows.
+    With `shard=(index, count)`: only process `index`'s contiguous 1 / count of them
+    (batch_size / count rows; the other processes' rows are never read)."""
+    rows = self.batch_rows(
+      split, step, batch_size, shuffle_seed=shuffle_seed, drop_remainder=drop_remainder
+    )
+    return self.gather(*process_rows(rows, batch_size, shard))
+
+  def batches(
+    self,
+    split: str,
+    batch_size: int,
+    *,
+    start_step: int = 0,
+    shuffle_seed: int | None = None,
+    drop_remainder: bool = True,
+    num_epochs: int | None = 1,
+    shard: tuple[int, int] = (0, 1),
+  ) -> Iterator[Batch]:
+    """Batches `start_step`, `start_step + 1`, ... of `split` (`shard`: see `batch`).
+
+    Training: `shuffle_seed=seed, num_epochs=None` (endless, a fresh permutation per pass).
+    Eval: `drop_remainder=False` (the last batch padded to `batch_size`, weight 0).
+    """
+    total = (
+      None
+      if num_epochs is None
+      else num_epochs * self.num_batches(split, batch_size, drop_remainder)
+    )
+    step = start_step
+    while total is None or step < total:
+      yield self.batch(
+        split, step, batch_size, shuffle_seed=shuffle_seed, drop_remainder=drop_remainder,
+        shard=shard,
+      )  # fmt: skip
+      step += 1
+
+
+def padded_batch(
+  batch_size: int,
+  dense,
+  label,
+  sparse,
+  table_names: Sequence[str] = CRITEO_TABLES,
+  bag_lengths: Sequence[int] | None = None,
+) -> Batch:
+  """n rows (dense float[n, D], label [n], sparse int[n, S]) as a batch of `batch_size`
+  rows: {"dense": float32[B, D], "label": float32[B], "weight": float32[B], "ids": {table:
+  int32[B, L_t]}} (bag_lengths None: all 1). Padding rows are zeros with weight 0 and ids
+  MISSING_ID (a valid id, so no backend needs special handling), PAD after it in a bag."""
+  n = len(label)
+  bags = tuple(bag_lengths or (1,) * len(table_names))
+  out_dense = np.zeros((batch_size, np.shape(dense)[1]), np.float32)
+  out_dense[:n] = dense
+  out_label = np.zeros(batch_size, np.float32)
+  out_label[:n] = label
+  weight = np.zeros(batch_size, np.float32)
+  weight[:n] = 1.0
+  if all(b == 1 for b in bags):  # one-hot: one transposed copy, a view per table
+    ids = np.full((len(bags), batch_size), MISSING_ID, np.int32)
+    ids[:, :n] = np.asarray(sparse).T
+    out_ids = {name: ids[t][:, None] for t, name in enumerate(table_names)}
+  else:
+    o = np.concatenate([[0], np.cumsum(bags)])
+    sparse = np.asarray(sparse)
+    out_ids = {}
+    for t, name in enumerate(table_names):
+      a = np.full((batch_size, bags[t]), PAD, np.int32)
+      a[:, 0] = MISSING_ID
+      a[:n] = sparse[:, o[t] : o[t + 1]]
+      out_ids[name] = a
+  return {"dense": out_dense, "label": out_label, "weight": weight, "ids": out_ids}
+
+
+def _bags(bags: Sequence[int]) -> str:
+  multi = sum(b > 1 for b in bags)
+  return f" ({multi} multi-hot, bags up to {max(bags)})" if multi else ""
+
+
+def process_rows(
+  rows: np.ndarray, batch_size: int, shard: tuple[int, int]
+) -> tuple[np.ndarray, int]:
+  """A batch's rows -> (process `index` of `count`'s contiguous slice of them, its batch
+  size batch_size / count): the examples of that process's devices."""
+  index, count = shard
+  if batch_size % count:
+    raise ValueError(f"batch_size {batch_size} does not split over {count} processes")
+  per = batch_size // count
+  return rows[index * per : (index + 1) * per], per

@@ -1,0 +1,466 @@
+"""Any tabular CTR data with a declared schema: TSV / CSV (with or without a header) and Parquet.
+
+`open_ctr(paths, cache_dir, schema)` converts the files once into the memmap cache
+(`ctr_cache`: streaming, bounded memory, `num_workers` processes, malformed lines counted by
+reason with line numbers, the error budget) and opens it as a `ctr_dataset.CTRDataset`.
+A changed source or schema converts again; otherwise the cache is reused.
+
+Text: one record per line (no newlines inside quoted fields), read in blocks of whole lines
+(`block_bytes`). TSV fields are split on the delimiter as they are; CSV lines holding a quote
+go through Python's csv module (strict quoting: a broken quote makes the line malformed). With
+a header, line 1 names the columns (and line numbers count it); without, `schema.columns` does.
+Parquet: one row group per task (memory bounded by the row group), columns by name; a
+multi-hot column is a list column or a string with the separator; "line" numbers are row
+numbers from 1. Malformed reasons: columns (field count), quoting, label (not 0 / 1), dense
+(not a finite number), categorical (not a value of the column's kind), bag_length (a bag over
+`bag` with overflow="error").
+
+Criteo's TSV (schema "criteo") goes through `criteo.open_criteo`, whose vectorized parser is
+~20x faster than this per-line one.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from recgnn.data import ctr_cache, ctr_dataset
+from recgnn.data.ctr_cache import EMPTY, PADDED, Budget, MalformedDataError, Parsed
+from recgnn.data.ctr_schema import Categorical, Schema, string_key
+
+PAD_BYTES = 8  # slack before and after a block, so 8-byte loads never leave the buffer
+_MASK = (1 << 64) - 1
+_INT_RE = re.compile(rb"-?[0-9]+")
+_HEX_RE = re.compile(rb"[0-9a-fA-F]+")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReadOptions:
+  """How files are read (nothing here changes the cached arrays).
+
+  Attributes:
+    max_bad_lines, max_bad_fraction: the error budget per file, max(max_bad_lines,
+      max_bad_fraction * lines read so far), checked after every block.
+    block_bytes: text bytes parsed per task.
+    num_workers: processes parsing tasks (0: in this process; spawned, so the calling script
+      needs the `if __name__ == "__main__":` guard).
+  """
+
+  max_bad_lines: int = 100
+  max_bad_fraction: float = 0.0
+  block_bytes: int = 4 << 20
+  num_workers: int = 0
+
+
+# ----------------------------------------------------------------------------- text blocks
+
+
+def block_ranges(path: str, block_bytes: int) -> Iterator[tuple[int, int]]:
+  """Byte ranges [start, stop) of about `block_bytes` each, cut after a newline.
+
+  A line longer than `block_bytes` is an error (not a line-per-record text file, or raise
+  block_bytes).
+  """
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    start = 0
+    while start < size:
+      stop = start + block_bytes
+      if stop >= size:
+        yield start, size
+        return
+      f.seek(stop)
+      scanned = 0
+      while True:  # to the end of the line that holds byte stop - 1
+        piece = f.read(1 << 16)
+        found = piece.find(b"\n")
+        if found >= 0:
+          stop += scanned + found + 1
+          break
+        scanned += len(piece)
+        if not piece or scanned > block_bytes:
+          if not piece:  # the last line has no newline: it ends the file
+            stop = size
+            break
+          raise MalformedDataError(
+            f"{path}: no newline in {scanned:,} bytes after byte {stop:,}: not a TSV / CSV "
+            f"file with one record per line (or a line longer than block_bytes={block_bytes}; "
+            "raise the reader's block_bytes)"
+          )
+      yield start, stop
+      start = stop
+
+
+def read_range(path: str, start: int, stop: int) -> tuple[np.ndarray, int]:
+  """Bytes [start, stop) of a file as a padded block: (uint8[PAD + size + PAD], size).
+
+  A last line without its newline gets one.
+  """
+  n = stop - start
+  buf = np.zeros(PAD_BYTES + n + 1 + PAD_BYTES, np.uint8)
+  with open(path, "rb") as f:
+    f.seek(start)
+    got = f.readinto(memoryview(buf)[PAD_BYTES : PAD_BYTES + n])
+  if got != n:
+    raise OSError(f"{path}: read {got} bytes at {start}, expected {n} (file changed?)")
+  if n and buf[PAD_BYTES + n - 1] != 10:
+    buf[PAD_BYTES + n] = 10
+    n += 1
+  return buf, n
+
+
+def iter_blocks(path: str, block_bytes: int) -> Iterator[tuple[np.ndarray, int, int]]:
+  """Read a file in blocks of whole lines: yields (buf, size, end offset)."""
+  for start, stop in block_ranges(path, block_bytes):
+    buf, size = read_range(path, start, stop)
+    yield buf, size, stop
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+class _Bad(Exception):
+  """A malformed line: its reason."""
+
+
+def _key(value, kind: str) -> int:
+  """A value (bytes, str or int) -> its 64-bit key (see ctr_schema)."""
+  if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    return int(value) & _MASK if kind != "string" else string_key(str(int(value)).encode())
+  if isinstance(value, str):
+    value = value.encode("utf-8", "surrogateescape")
+  if kind == "string":
+    return string_key(value)
+  if kind == "int":
+    if not _INT_RE.fullmatch(value):
+      raise _Bad("categorical")
+    return int(value) & _MASK
+  if not _HEX_RE.fullmatch(value):
+    raise _Bad("categorical")
+  return int(value, 16) & _MASK
+
+
+def _items(value, c: Categorical) -> list:
+  """A field's values: [] for empty / null; a multi-hot string split on the separator."""
+  if value is None:
+    return []
+  if isinstance(value, (list, tuple, np.ndarray)):
+    return [v for v in value if v is not None and v != b"" and v != ""]
+  if isinstance(value, (bytes, str)):
+    if value in (b"", ""):
+      return []
+    if c.bag > 1:
+      sep = c.separator.encode() if isinstance(value, bytes) else c.separator
+      return [v for v in value.split(sep) if v]
+  return [value]
+
+
+def _fill_row(raw, state, i: int, cols, offsets, values) -> None:
+  """Row i's id slots from its categorical field values (raises _Bad)."""
+  for t, c in enumerate(cols):
+    o = offsets[t]
+    items = _items(values[t], c)
+    if not items:
+      state[i, o] = EMPTY
+      state[i, o + 1 : o + c.bag] = PADDED
+      continue
+    if len(items) > c.bag:
+      if c.overflow == "error":
+        raise _Bad("bag_length")
+      items = items[: c.bag]
+    for k, v in enumerate(items):
+      raw[i, o + k] = _key(v, c.kind)
+    state[i, o + len(items) : o + c.bag] = PADDED
+
+
+def _label(v) -> int:
+  if isinstance(v, (bytes, str)):
+    v = v.decode("latin1") if isinstance(v, bytes) else v
+    if v not in ("0", "1"):
+      raise _Bad("label")
+    return int(v)
+  if v is None or isinstance(v, (list, dict)) or v not in (0, 1):
+    raise _Bad("label")
+  return int(v)
+
+
+def _dense(v) -> float:
+  if v is None or v in (b"", ""):
+    return 0.0
+  try:
+    x = float(v)
+  except (TypeError, ValueError):
+    raise _Bad("dense") from None
+  if not math.isfinite(x):
+    raise _Bad("dense")
+  return x
+
+
+class _Rows:
+  """Accumulates parsed rows of one task into a `Parsed` block."""
+
+  def __init__(self, schema: Schema, n: int):
+    self.schema = schema
+    self.cols = schema.categorical
+    self.offsets = ctr_cache.offsets(self.cols)
+    s = int(self.offsets[-1])
+    self.labels = np.zeros(n, np.int8)
+    self.dense = np.zeros((n, len(schema.dense)), np.float64)
+    self.raw = np.zeros((n, s), np.uint64)
+    self.state = np.zeros((n, s), np.uint8)
+    self.rows = 0
+    self.bad: list[tuple[int, str]] = []
+    self.examples: list[tuple[int, str, str]] = []
+
+  def add(self, index: int, label, dense, cats, text: Callable[[], str]) -> None:
+    """Line `index` of the task, or a malformed-line record if a field is wrong."""
+    i = self.rows
+    try:
+      self.labels[i] = _label(label)
+      for k, v in enumerate(dense):
+        self.dense[i, k] = _dense(v)
+      self.state[i] = 0
+      self.raw[i] = 0
+      _fill_row(self.raw, self.state, i, self.cols, self.offsets, cats)
+    except _Bad as e:
+      self.reject(index, str(e), text)
+      return
+    self.rows += 1
+
+  def reject(self, index: int, reason: str, text: Callable[[], str]) -> None:
+    self.bad.append((index, reason))
+    if len(self.examples) < ctr_cache.MAX_EXAMPLES:
+      t = text()
+      self.examples.append((index, reason, t if len(t) <= 80 else t[:80] + "..."))
+
+  def done(self, num_lines: int) -> Parsed:
+    n = self.rows
+    d = self.dense[:n]
+    if self.schema.dense_transform == "log":
+      d = np.log1p(np.maximum(d, 0.0))
+    return Parsed(
+      labels=self.labels[:n],
+      dense=d.astype(np.float32),
+      raw=self.raw[:n],
+      state=self.state[:n],
+      bad=self.bad,
+      examples=self.examples,
+      num_lines=num_lines,
+    )
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  num_columns: int
+  label: int
+  dense: tuple[int, ...]
+  cats: tuple[int, ...]
+  header: bool
+
+
+class TextFormat:
+  """TSV / CSV lines (see the module docstring). Picklable: it travels to the workers."""
+
+  unit = "MiB"
+  raw_dtype = np.dtype(np.uint64)
+
+  def __init__(self, schema: Schema, block_bytes: int):
+    self.schema = schema
+    self.block_bytes = block_bytes
+    self.delim = schema.field_delimiter.encode()
+    self.quoted = schema.format == "csv"
+
+  def split(self, line: bytes) -> list[bytes]:
+    if self.quoted and b'"' in line:
+      try:
+        rows = list(
+          csv.reader([line.decode("utf-8", "surrogateescape")], delimiter=self.delim.decode(),
+                     strict=True)
+        )  # fmt: skip
+      except csv.Error:
+        raise _Bad("quoting") from None
+      if len(rows) != 1:
+        raise _Bad("quoting")
+      return [f.encode("utf-8", "surrogateescape") for f in rows[0]]
+    return line.split(self.delim)
+
+  def size(self, path: str) -> int:
+    return os.path.getsize(path)
+
+  def tasks(self, path: str):
+    return block_ranges(path, self.block_bytes)
+
+  def layout(self, path: str) -> _Layout:
+    s = self.schema
+    if s.header:
+      with open(path, "rb") as f:
+        first = f.readline().rstrip(b"\n").rstrip(b"\r")
+      try:
+        names = [x.decode("utf-8", "replace") for x in self.split(first)]
+      except _Bad:
+        raise MalformedDataError(f"{path}: the header line has broken quoting") from None
+      n, lab, dense, cats = s.column_indices(names, f"the header of {path}")
+    else:
+      n, lab, dense, cats = s.column_indices(s.columns, "the schema's `columns`")
+    return _Layout(n, lab, tuple(dense), tuple(cats), s.header)
+
+  def parse(self, path: str, start: int, stop: int, layout: _Layout) -> Parsed:
+    buf, size = read_range(path, start, stop)
+    lines = buf[PAD_BYTES : PAD_BYTES + size].tobytes().split(b"\n")[:-1]
+    rows = _Rows(self.schema, len(lines))
+    for index, line in enumerate(lines):
+      if index == 0 and start == 0 and layout.header:
+        continue  # the header: line 1, not a record
+
+      def text(line=line):
+        return line.decode("utf-8", "replace").rstrip("\r")
+
+      line = line[:-1] if line.endswith(b"\r") else line
+      try:
+        fields = self.split(line)
+      except _Bad as e:
+        rows.reject(index, str(e), text)
+        continue
+      if len(fields) != layout.num_columns:
+        rows.reject(index, "columns", text)
+        continue
+      rows.add(
+        index,
+        fields[layout.label],
+        [fields[k] for k in layout.dense],
+        [fields[k] for k in layout.cats],
+        text,
+      )
+    return rows.done(len(lines))
+
+
+class ParquetFormat:
+  """Parquet files, one row group per task, columns by name (pyarrow)."""
+
+  unit = "row groups"
+  raw_dtype = np.dtype(np.uint64)
+
+  def __init__(self, schema: Schema):
+    self.schema = schema
+
+  @staticmethod
+  def _file(path: str):
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path)
+
+  def size(self, path: str) -> int:
+    return self._file(path).num_row_groups
+
+  def tasks(self, path: str):
+    return ((g, g + 1) for g in range(self.size(path)))
+
+  def layout(self, path: str) -> None:
+    self.schema.column_indices(self._file(path).schema_arrow.names, path)  # names checked
+
+  def parse(self, path: str, start: int, stop: int, layout) -> Parsed:
+    del layout
+    s = self.schema
+    names = [s.label, *s.dense, *s.table_names]
+    table = self._file(path).read_row_groups(list(range(start, stop)), columns=names)
+    cols = {n: table.column(n).to_pylist() for n in names}
+    n = table.num_rows
+    rows = _Rows(s, n)
+    for i in range(n):
+      rows.add(
+        i,
+        cols[s.label][i],
+        [cols[d][i] for d in s.dense],
+        [cols[c][i] for c in s.table_names],
+        lambda i=i: repr({k: v[i] for k, v in cols.items()}),
+      )
+    return rows.done(n)
+
+
+# ----------------------------------------------------------------------------- open
+
+
+def make_format(schema: Schema, options: ReadOptions):
+  if schema.format == "parquet":
+    return ParquetFormat(schema)
+  return TextFormat(schema, options.block_bytes)
+
+
+def cache_dir_for(cache_dir: str, paths: Sequence[str], schema: Schema) -> str:
+  key = json.dumps({"paths": [os.path.abspath(p) for p in paths], "schema": schema.cache_key()})
+  return os.path.join(cache_dir, "ctr-" + hashlib.sha1(key.encode()).hexdigest()[:16])
+
+
+def open_ctr(
+  paths: str | Sequence[str],
+  cache_dir: str,
+  schema: Schema,
+  *,
+  options: ReadOptions | None = None,
+  split: str = "kaggle",
+  progress: Callable[[str], None] | None = print,
+) -> ctr_dataset.CTRDataset:
+  """Open CTR files described by `schema`, converting them to the cache the first time.
+
+  Args:
+    paths: the files, read in this order (their rows laid end to end).
+    cache_dir: where converted datasets live (one subdirectory per sources + schema).
+    schema: the columns and how they become ids.
+    options: the error budget, block size and workers.
+    split: "kaggle" or "last_file" (see ctr_dataset).
+    progress: where progress lines go (None: silent).
+  Raises:
+    MalformedDataError: more malformed lines than the budget.
+    ValueError: a schema column the file does not have (the message lists the file's).
+  """
+  paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+  paths = [os.fspath(p) for p in paths]
+  options = options or ReadOptions()
+  for p in paths:
+    if not os.path.isfile(p):
+      raise FileNotFoundError(f"CTR data file {p!r} not found")
+  if split not in ctr_dataset.SPLITS:
+    raise ValueError(f"Unknown split {split!r}; available: {', '.join(ctr_dataset.SPLITS)}")
+  out = cache_dir_for(cache_dir, paths, schema)
+  key = schema.cache_key()
+  budget = Budget(options.max_bad_lines, options.max_bad_fraction)
+  why = ctr_cache.cache_valid(out, paths, key)
+  if why is not None:
+    if progress is not None:
+      progress(f"{schema.name}: converting {', '.join(paths)} -> {out} ({why})")
+    ctr_cache.convert(
+      paths, out, make_format(schema, options), schema.categorical,
+      num_dense=len(schema.dense), key=key, bad=ctr_cache.BadLines(budget),
+      num_workers=options.num_workers, progress=progress, label=schema.name,
+      extra={"schema": schema.to_dict(), "schema_name": schema.name},
+    )  # fmt: skip
+  dataset = ctr_dataset.CTRDataset(out, split, reused_cache=why is None)
+  # The cached counts are re-checked so a smaller budget than at conversion time still bites.
+  ctr_cache.BadLines(budget).recheck(
+    dataset.manifest["bad_lines"], paths, dataset.manifest["file_rows"]
+  )
+  return dataset
+
+
+def read_schema_config(data) -> tuple[Schema, ReadOptions]:
+  """(schema, read options) from config.data (data.schema: name, JSON path or dict)."""
+  from recgnn.data import ctr_schema
+
+  schema = ctr_schema.load(data.schema)
+  options = ReadOptions(
+    max_bad_lines=int(data.get("max_bad_lines", 100)),
+    max_bad_fraction=float(data.get("max_bad_fraction", 0.0)),
+    num_workers=int(data.get("num_workers", 0)),
+  )
+  return schema, options
