@@ -1,0 +1,75 @@
+"""DLRM-DCNv2 (Wang et al., 2021; TorchRec's `DLRM_DCN`, the MLPerf Training DLRM-DCNv2).
+
+  x0 = concat(bottom_mlp(dense), e_1, ..., e_T)            float32[B, N], N = D_b + T * D
+  x_{l+1} = x0 * (W_l x_l + b_l) + x_l                     l = 0 .. L - 1 (the cross network)
+  logit = top_mlp(x_L)                                      the last top layer linear
+
+Cross layers are full rank (W_l float32[N, N]) or low rank (W_l = U_l V_l^T with U_l, V_l
+float32[N, r], computed as (x V) U^T so the N x N matrix never exists). As TorchRec's
+`LowRankCrossNet` / `CrossNet`: kernels Xavier-normal (N(0, 2 / (fan_in + fan_out))), biases
+zero, no bias inside the V projection. The MLPs are this package's DLRM MLP (the DLRM reference
+initialization). The MLPerf configuration: bottom 512-256-128, 3 low-rank layers of rank 512,
+top 1024-1024-512-256-1, embedding dim 128. Takes activations, never ids or a backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from recgnn.models.dlrm import MLP, _dlrm_kernel_init
+
+# Xavier normal, as torch.nn.init.xavier_normal_ (what TorchRec's cross nets use): the DLRM
+# reference's dense-layer draw is the same N(0, sqrt(2 / (fan_in + fan_out))).
+xavier_normal = _dlrm_kernel_init
+
+
+class CrossNet(nn.Module):
+  """DCN-v2 cross layers: float32[B, N] -> float32[B, N].
+
+  Attributes:
+    num_layers: cross layers L.
+    low_rank: r > 0: W_l = U_l V_l^T (params "V_l" [N, r], "U_l" [r, N]); 0: full rank
+      ("W_l" [N, N]).
+  """
+
+  num_layers: int = 3
+  low_rank: int = 0
+
+  @nn.compact
+  def __call__(self, x0: jax.Array) -> jax.Array:
+    n = x0.shape[-1]
+    x = x0
+    for layer in range(self.num_layers):
+      if self.low_rank:
+        v = self.param(f"V_{layer}", xavier_normal, (n, self.low_rank))
+        u = self.param(f"U_{layer}", xavier_normal, (self.low_rank, n))
+        xw = (x @ v) @ u
+      else:
+        xw = x @ self.param(f"W_{layer}", xavier_normal, (n, n))
+      b = self.param(f"b_{layer}", nn.initializers.zeros_init(), (n,))
+      x = x0 * (xw + b) + x
+    return x
+
+
+class DCN(nn.Module):
+  """dense float32[B, Dd], embeddings [float32[B, D_t]] * T -> logits float32[B].
+
+  Unlike the dot interaction, the widths need not match: the cross network runs on the
+  concatenation (TorchRec requires equal widths only because it stacks them).
+  """
+
+  bottom: Sequence[int] = (512, 256, 128)
+  top: Sequence[int] = (1024, 1024, 512, 256, 1)
+  cross_layers: int = 3
+  low_rank: int = 512
+
+  @nn.compact
+  def __call__(self, dense: jax.Array, embeddings: Sequence[jax.Array]) -> jax.Array:
+    x = MLP(self.bottom, relu_last=True, name="bottom")(dense)
+    x0 = jnp.concatenate([x, *embeddings], axis=1)
+    z = CrossNet(self.cross_layers, self.low_rank, name="cross")(x0)
+    return MLP(self.top, relu_last=False, name="top")(z)[:, 0]
