@@ -1,7 +1,18 @@
-"""Click-through-rate prediction on Criteo-format data with DLRM.
+"""Click-through-rate prediction with DLRM (dot interaction) or DLRM-DCNv2 (cross network).
 
-Config keys used (see experiments/dlrm_kaggle.py): data.*, model.bottom/top, embeddings.dim /
-initializer / optimizer, train.batch_size / eval_batch_size / shuffle, seed.
+Config keys used (see experiments/dlrm_kaggle.py, experiments/dlrmv2_criteo1tb.py): data.*,
+model.bottom/top, embeddings.dim / initializer / optimizer, train.batch_size /
+eval_batch_size / shuffle, seed. Optional (defaults keep the DLRM Kaggle behaviour):
+  data.schema       "criteo" (the default), another predefined schema, a JSON file or a dict
+                    (recgnn.data.ctr_schema): any TSV / CSV / Parquet at data.path.
+  data.num_workers  conversion processes for a schema's files.
+  data.multi_hot    {sizes: () | "mlperf" | [ints], distribution: uniform | pareto, seed}:
+                    MLPerf's one-hot -> multi-hot expansion (recgnn.data.multihot).
+  model.interaction "dot" (DLRM) or "dcn" (DCNv2: model.cross_layers, model.low_rank; 0 = full
+                    rank).
+  embeddings.pooling "sum" (default) or "mean": how a table's bag is reduced (a schema column's
+                    own `pooling` wins).
+Batches carry ids[t] int32[B, L_t] per table (L_t = 1 one-hot; PAD after a shorter bag).
 """
 
 from __future__ import annotations
@@ -16,19 +27,51 @@ import optax
 from recgnn import metrics as metrics_lib
 from recgnn.data import criteo
 from recgnn.embeddings import OptimizerSpec, TableSpec
+from recgnn.models.dcn import DCN
 from recgnn.models.dlrm import DLRM
 from recgnn.tasks.base import Task
+
+INTERACTIONS = ("dot", "dcn")
 
 
 def open_dataset(data) -> tuple[criteo.CriteoDataset, dict | None]:
   """The dataset named by config.data, and the synthetic oracle info (None for real data).
 
   With no data.path, the embedded synthetic Criteo-format dataset is generated (once; it is
-  cached under data.cache_dir) and used.
+  cached under data.cache_dir) and used. data.multi_hot.sizes expands its one-hot ids into
+  MLPerf's multi-hot bags.
   """
+  dataset, oracle = _open_one_hot(data)
+  mh = data.get("multi_hot", None)
+  if mh is not None and mh.get("sizes", ()):
+    from recgnn.data import multihot
+
+    recipe = multihot.MultiHotRecipe(
+      sizes=multihot.sizes_from(mh.sizes),
+      distribution=mh.get("distribution", "uniform"),
+      seed=int(mh.get("seed", 0)),
+    )
+    dataset = multihot.MultiHotDataset(dataset, recipe)
+  return dataset, oracle
+
+
+def _open_one_hot(data):
   from recgnn.data import criteo_synthetic
 
   cache_dir = os.path.expanduser(data.cache_dir)
+  schema = data.get("schema", "criteo")
+  if schema != "criteo":
+    from recgnn.data import ctr_reader
+
+    if not data.path:
+      raise ValueError(
+        "data.schema names your own data: give its files with --config.data.path=a.tsv[,b.tsv]"
+        " (or leave data.schema='criteo' for the synthetic Criteo default)"
+      )
+    schema, options = ctr_reader.read_schema_config(data)
+    paths = data.path.split(",")
+    split = data.get("split", "kaggle")
+    return ctr_reader.open_ctr(paths, cache_dir, schema, options=options, split=split), None
   reader = criteo.ReaderConfig(
     categorical=data.categorical,
     min_count=data.min_count,
@@ -110,7 +153,7 @@ def check_sizes(dataset, config) -> None:
     raise DataTooSmall(
       f"{source}: {lines}: the run evaluates on {', '.join(empty)}, which the {how} split "
       "leaves empty (Kaggle: the last seventh of the rows, halved into test and valid). Give "
-      f"a bigger file, or leave them out: --config.train.final_eval_splits=\"{keep}\""
+      f'a bigger file, or leave them out: --config.train.final_eval_splits="{keep}"'
       + (" --config.train.eval_every=0" if t.get("eval_every", 0) else "")
       + "."
     )
@@ -156,8 +199,25 @@ def _tfds_dataset_type():
   return pipeline.TfdsCriteo
 
 
+def make_model(model):
+  """config.model -> the Flax model: DLRM (interaction="dot") or DCN (interaction="dcn")."""
+  interaction = model.get("interaction", "dot")
+  if interaction not in INTERACTIONS:
+    raise ValueError(
+      f"Unknown model.interaction {interaction!r}; available: {', '.join(INTERACTIONS)}"
+    )
+  if interaction == "dcn":
+    return DCN(
+      bottom=tuple(model.bottom),
+      top=tuple(model.top),
+      cross_layers=int(model.get("cross_layers", 3)),
+      low_rank=int(model.get("low_rank", 512)),
+    )
+  return DLRM(bottom=tuple(model.bottom), top=tuple(model.top))
+
+
 class CTR(Task):
-  """DLRM on Criteo: 13 dense features, 26 one-hot categorical tables, a binary label."""
+  """DLRM / DCNv2 on CTR data: dense features, one-hot or multi-hot tables, a binary label."""
 
   reads_process_slice = True  # memmap and TFDS sources read only a process's rows
 
@@ -166,14 +226,25 @@ class CTR(Task):
     self.data, self.oracle = open_dataset(config.data)
     check_sizes(self.data, config)
     self.names = list(self.data.table_names)
-    self.model = DLRM(bottom=tuple(config.model.bottom), top=tuple(config.model.top))
+    # ids per example of each table (the batches' ids[t] are int32[B, L_t]).
+    self.bag_lengths = tuple(getattr(self.data, "bag_lengths", (1,) * len(self.names)))
+    self.model = make_model(config.model)
+
+  def poolings(self) -> list[str]:
+    """Each table's pooling: the schema column's own, else embeddings.pooling (sum)."""
+    default = self.config.embeddings.get("pooling", "sum")
+    schema = getattr(self.data, "manifest", {}).get("schema") or {}
+    own = {c["name"]: c.get("pooling", "") for c in schema.get("categorical", ())}
+    return [own.get(n) or default for n in self.names]
 
   def tables(self) -> list[TableSpec]:
     e = self.config.embeddings
     opt = OptimizerSpec(**e.optimizer.to_dict())
     return [
-      TableSpec(name=n, num_rows=int(c), dim=e.dim, optimizer=opt, initializer=e.initializer)
-      for n, c in zip(self.names, self.data.cardinalities)
+      TableSpec(
+        name=n, num_rows=int(c), dim=e.dim, optimizer=opt, initializer=e.initializer, pooling=p
+      )
+      for n, c, p in zip(self.names, self.data.cardinalities, self.poolings())
     ]
 
   def _logits(self, params, batch, embeddings):
@@ -205,7 +276,7 @@ class CTR(Task):
   def train_batches(self, start_step=0):
     t = self.config.train
     extra = {}
-    if isinstance(self.data, _tfds_dataset_type()):
+    if isinstance(getattr(self.data, "base", self.data), _tfds_dataset_type()):
       state = getattr(self, "_data_state", None)
       if state is not None and state != self.data_state(start_step):
         raise ValueError(
@@ -225,7 +296,7 @@ class CTR(Task):
 
   def data_state(self, step):
     """source=tfds: the grain iterator's state after `step` batches (in the checkpoint)."""
-    if isinstance(self.data, _tfds_dataset_type()):
+    if isinstance(getattr(self.data, "base", self.data), _tfds_dataset_type()):
       from recgnn.data import pipeline
 
       return pipeline.state_at(step)
