@@ -1,0 +1,114 @@
+"""Multi-hot CTR end to end: MLPerf's one-hot -> multi-hot recipe, the CTR task's bags and
+pooling, DCNv2 / dot through every backend on the 2x4 mesh, and your own multi-hot TSV by
+schema."""
+
+import numpy as np
+import pytest
+
+from recgnn.data import multihot
+from recgnn.train import loop
+from tests.trainer_lib import skip_unless_devices, smoke_config
+from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("ctr_multihot_cache"))
+
+
+def test_recipe_keeps_the_id_first_and_is_a_fixed_function():
+  r = multihot.MultiHotRecipe()
+  ids = np.array([0, 5, 5, 39059, 17], np.int32)
+  a = r.expand(1, ids[:, None], 39060)  # table C2: bags of 2
+  assert a.shape == (5, 2) and a.dtype == np.int32
+  np.testing.assert_array_equal(a[:, 0], ids)
+  np.testing.assert_array_equal(a[1], a[2])  # the same id, the same bag
+  assert (a >= 0).all() and (a < 39060).all()
+  np.testing.assert_array_equal(r.expand(1, ids, 39060), a)  # [B] or [B, 1]
+  assert r.expand(2, ids, 17295).shape == (5, 1)  # size 1: one-hot stays
+  big = r.expand(20, np.arange(2000), 10_000)  # C21: 100 ids
+  assert big.shape == (2000, 100)
+  u = big[:, 1:].ravel()
+  assert abs(u.mean() / 10_000 - 0.5) < 0.01  # uniform over the rows
+  other = multihot.MultiHotRecipe(seed=1).expand(20, np.arange(2000), 10_000)
+  assert (other[:, 1:] != big[:, 1:]).mean() > 0.99
+  p = multihot.MultiHotRecipe(distribution="pareto").expand(20, np.arange(2000), 10_000)[:, 1:]
+  assert (p >= 0).all() and (p < 10_000).all()
+  assert np.median(p) < 100  # Pareto(0.25): most ids small
+  with pytest.raises(ValueError, match="available: uniform, pareto"):
+    multihot.MultiHotRecipe(distribution="zipf")
+
+
+def _multihot_config(cache_dir, interaction, mesh=None, plan=None):
+  c = smoke_config(cache_dir, mesh=mesh, plan=plan, steps=4, log_every=2)
+  c.data.multi_hot = {"sizes": multihot.MLPERF_MULTI_HOT_SIZES, "distribution": "uniform"}
+  c.model.interaction = interaction
+  c.model.cross_layers = 2
+  c.model.low_rank = 8
+  return c
+
+
+def test_task_batches_carry_the_bags(cache_dir):
+  task = loop.load_task(_multihot_config(cache_dir, "dcn"))
+  assert task.bag_lengths == multihot.MLPERF_MULTI_HOT_SIZES
+  b = next(iter(task.train_batches()))
+  for name, size in zip(task.names, multihot.MLPERF_MULTI_HOT_SIZES):
+    assert b["ids"][name].shape == (256, size) and b["ids"][name].dtype == np.int32
+  assert all(s.pooling == "sum" for s in task.tables())
+
+
+@pytest.mark.parametrize(
+  "backend",
+  [
+    "dense",
+    "dense(shard=rows)",
+    "tt(rank=4)",
+    "offload(cache_rows=2048, lookahead=1)",
+    "hot_cold(budget=0.3, profile_batches=1)",
+    "sharded",
+  ],
+)
+def test_multihot_trains_through_every_backend_on_2x4(cache_dir, tmp_path, backend):
+  """MLPerf-sized bags (1 to 100 ids) on the 2x4 mesh: a few DCNv2 steps, finite loss and AUC."""
+  skip_unless_devices(8, "mesh 2x4")
+  plan = (("C(3|4|10|12|16|21|24)", backend), (".*", "dense"))
+  result = loop.train(_multihot_config(cache_dir, "dcn", mesh=(2, 4), plan=plan), str(tmp_path))
+  assert np.isfinite(result.metrics["test/logloss"])
+  assert 0.0 <= result.metrics["test/auc"] <= 1.0
+
+
+def test_dot_and_mean_pooling_on_one_device(cache_dir, tmp_path):
+  c = _multihot_config(cache_dir, "dot")
+  c.embeddings.pooling = "mean"
+  task = loop.load_task(c)
+  assert all(s.pooling == "mean" for s in task.tables())
+  result = loop.train(c, str(tmp_path))
+  assert np.isfinite(result.metrics["test/logloss"])
+
+
+def test_own_multihot_tsv_by_schema(cache_dir, tmp_path):
+  """data.schema: a TSV with a header, one-hot and multi-hot columns, trains with DCNv2."""
+  rng = np.random.default_rng(0)
+  path = tmp_path / "clicks.tsv"
+  lines = ["y\tx1\tx2\tad\ttags"]
+  for _ in range(3000):
+    ad = int(rng.zipf(1.5)) % 50
+    tags = [int(rng.integers(0, 30)) for _ in range(int(rng.integers(0, 4)))]
+    p = 1 / (1 + np.exp(-(ad % 3 - 1 + 0.5 * (7 in tags))))
+    lines.append(
+      f"{int(rng.random() < p)}\t{rng.normal():.3f}\t{int(rng.integers(0, 9))}\tad{ad}\t"
+      + ",".join(f"t{t}" for t in tags)
+    )
+  path.write_text("\n".join(lines) + "\n")
+  c = smoke_config(cache_dir, steps=6, log_every=3, batch_size=128, eval_batch_size=512)
+  c.data.path = str(path)
+  c.data.schema = {
+    "label": "y", "dense": ["x1", "x2"], "header": True, "dense_transform": "none",
+    "categorical": ["ad", {"name": "tags", "bag": 3, "separator": ",", "pooling": "mean"}],
+  }  # fmt: skip
+  c.model.interaction = "dcn"
+  task = loop.load_task(c)
+  assert task.names == ["ad", "tags"] and task.bag_lengths == (1, 3)
+  assert [s.pooling for s in task.tables()] == ["sum", "mean"]
+  result = loop.train(c, str(tmp_path / "wd"))
+  assert np.isfinite(result.metrics["test/logloss"])
