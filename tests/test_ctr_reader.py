@@ -273,3 +273,39 @@ def test_criteo_is_a_predefined_schema():
   s = ctr_schema.load("criteo")
   assert s.table_names == tuple(f"C{i}" for i in range(1, 27)) and s.bag_lengths == (1,) * 26
   assert len(s.dense) == 13 and s.format == "tsv" and not s.header
+
+
+def test_tfds_build_of_a_schema_equals_the_memmap(tmp_path):
+  """The `ctr` TFDS builder (array_record, no TensorFlow) holds the memmap cache's rows, and
+  grain batches (multi-hot bags) equal the memmap batches for the same seed."""
+  pytest.importorskip("tensorflow_datasets")
+  pytest.importorskip("grain")
+  from recgnn.data import pipeline, tfds_builders
+
+  recs, _ = plant(rows(3))
+  path = str(tmp_path / "clicks.tsv")
+  with open(path, "w") as f:
+    f.write("\t".join(COLUMNS) + "\n")
+    f.writelines("\t".join(r) + "\n" for r in recs)
+  schema = ctr_schema.Schema.from_dict({**SCHEMA, "header": True})
+  opts = ctr_reader.ReadOptions(max_bad_lines=8)
+  mm = ctr_reader.open_ctr(path, str(tmp_path / "c"), schema, options=opts, progress=None)
+  config = tfds_builders.ctr_config(schema, path, options=opts)
+  builder = tfds_builders.build("ctr", str(tmp_path / "tfds"), config=config)
+  tf = pipeline.TfdsCriteo(builder, num_threads=2)
+  assert tf.table_names == mm.table_names and tf.bag_lengths == mm.bag_lengths
+  assert tf.cardinalities == mm.cardinalities
+  assert builder.info.metadata["num_bad_lines"] == 8
+  for split in ("train", "valid", "test"):
+    assert tf.split_size(split) == mm.split_size(split)
+  a = tf.batches("train", 64, shuffle_seed=3, num_epochs=None)
+  b = mm.batches("train", 64, shuffle_seed=3, num_epochs=None)
+  for _ in range(3):
+    x, y = next(a), next(b)
+    for k in ("dense", "label", "weight"):
+      np.testing.assert_array_equal(x[k], y[k])
+    for t in mm.table_names:
+      np.testing.assert_array_equal(x["ids"][t], y["ids"][t])
+  last = list(tf.batches("test", 64, drop_remainder=False))[-1]
+  pad = last["weight"] == 0
+  assert pad.any() and (last["ids"]["tags"][pad][:, 1:] == -1).all()

@@ -135,6 +135,10 @@ class TfdsCriteo(criteo.CriteoDataset):
     meta = builder.info.metadata
     self.metadata = dict(meta)
     self.cardinalities = tuple(int(c) for c in meta["cardinalities"])
+    # A `ctr` (any schema) build names its tables and bags; the Criteo builds are Criteo's.
+    self.table_names = tuple(meta.get("table_names", criteo.TABLE_NAMES))
+    self.bag_lengths = tuple(meta.get("bag_lengths", (1,) * len(self.table_names)))
+    self.num_dense = int(meta.get("num_dense", criteo.NUM_DENSE))
     self.splits = {s: (0, len(src)) for s, src in self.sources.items()}
     self.num_threads = num_threads
     self.prefetch = prefetch
@@ -163,13 +167,13 @@ class TfdsCriteo(criteo.CriteoDataset):
     return (
       f"Criteo-format data via TFDS {self.builder.name}/{self.builder.builder_config.name} "
       f"(array_record, grain, {self.num_threads} read threads): {self.num_rows:,} rows "
-      f"({sizes}), {sum(self.cardinalities):,} embedding rows in 26 tables, "
+      f"({sizes}), {sum(self.cardinalities):,} embedding rows in {len(self.table_names)} tables, "
       f"{self.manifest['num_bad_lines']} malformed lines skipped; {self.path}"
     )
 
   def read(self, split: str, rows: np.ndarray, batch_size: int | None = None) -> Batch:
     """The batch of split positions `rows` (padded to `batch_size`, weight 0), as
-    CriteoDataset.gather: {"dense", "label", "weight", "ids": {"C1": int32[B, 1], ...}}."""
+    CriteoDataset.gather: {"dense", "label", "weight", "ids": {table: int32[B, L_t]}}."""
     n = rows.shape[0]
     b = n if batch_size is None else batch_size
     arr = None
@@ -189,9 +193,9 @@ class TfdsCriteo(criteo.CriteoDataset):
       label = [e["label"] for e in examples]
       sparse = np.stack([e["sparse"] for e in examples])
     else:
-      dense, label = np.zeros((0, criteo.NUM_DENSE)), np.zeros(0)
-      sparse = np.zeros((0, criteo.NUM_SPARSE), np.int32)
-    return criteo.padded_batch(b, dense, label, sparse)
+      dense, label = np.zeros((0, self.num_dense)), np.zeros(0)
+      sparse = np.zeros((0, sum(self.bag_lengths)), np.int32)
+    return criteo.padded_batch(b, dense, label, sparse, self.table_names, self.bag_lengths)
 
   def batch(
     self,

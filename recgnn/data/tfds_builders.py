@@ -15,6 +15,11 @@ this package's own readers, so the TFDS and the direct paths hold the same value
                    own process (one day per worker, `num_workers`), streaming in blocks so
                    memory stays bounded (~12 x block_bytes per worker). Splits: every day but
                    the last train, the last day's first half test, second half valid (MLPerf).
+  ctr              any schema (ctr_schema; TSV / CSV / Parquet): the files and schema travel in
+                   the config, `ctr_config(schema, paths)`; rows and ids exactly as
+                   ctr_reader.open_ctr (the same split). {"label": int8, "dense":
+                   float32[D], "sparse": int32[S]}, S the sum of the bag lengths (PAD after a
+                   bag's ids); table names and bag lengths in the metadata.
   fb15k237         triples {"head", "relation", "tail": int32} by `kg.load` (the bundled
                    FB15k-237, or a manual folder of train / valid / test files); the entity
                    and relation names in the metadata.
@@ -43,7 +48,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from recgnn.data import criteo, kg, ogb, planetoid
+from recgnn.data import criteo, ctr_reader, ctr_schema, kg, ogb, planetoid
 from recgnn.graphs import store
 
 VERSION = tfds.core.Version("1.0.0")
@@ -68,15 +73,15 @@ def criteo_config(reader: criteo.ReaderConfig | None = None) -> tfds.core.Builde
   return config
 
 
-def _criteo_features():
+def _criteo_features(num_dense: int = criteo.NUM_DENSE, num_slots: int = criteo.NUM_SPARSE):
   # BYTES encoding: every record has the same length and layout (no varints in the arrays),
   # which lets pipeline.TfdsCriteo decode a whole batch of records with one numpy view.
   raw = tfds.features.Encoding.BYTES
   return tfds.features.FeaturesDict(
     {
       "label": tfds.features.Scalar(np.int8),
-      "dense": tfds.features.Tensor(shape=(criteo.NUM_DENSE,), dtype=np.float32, encoding=raw),
-      "sparse": tfds.features.Tensor(shape=(criteo.NUM_SPARSE,), dtype=np.int32, encoding=raw),
+      "dense": tfds.features.Tensor(shape=(num_dense,), dtype=np.float32, encoding=raw),
+      "sparse": tfds.features.Tensor(shape=(num_slots,), dtype=np.int32, encoding=raw),
     }
   )
 
@@ -220,6 +225,71 @@ class CriteoTerabyte(_CriteoBase):
         for k, ex in _criteo_rows(d, lo - offset, hi - offset):
           yield lo - start + k, ex
       offset += d.num_rows
+
+  def _generate_examples(self, **kwargs):
+    raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------- any schema
+
+
+def ctr_config(
+  schema: ctr_schema.Schema,
+  paths: str | list[str],
+  *,
+  options: ctr_reader.ReadOptions | None = None,
+  split: str = "kaggle",
+) -> tfds.core.BuilderConfig:
+  """The `ctr` builder's config: the schema, files and split (its own folder per schema +
+  files, named by their hash, as the memmap cache)."""
+  paths = [paths] if isinstance(paths, str) else list(paths)
+  folder = os.path.basename(ctr_reader.cache_dir_for("", paths, schema))
+  config = tfds.core.BuilderConfig(
+    name=f"{schema.name}_{split}_{folder[4:]}", description=f"{schema.name}: {', '.join(paths)}"
+  )
+  # Not dataclass fields of BuilderConfig: they travel beside it (as criteo_config's reader).
+  object.__setattr__(config, "schema", schema)
+  object.__setattr__(config, "paths", paths)
+  object.__setattr__(config, "options", options or ctr_reader.ReadOptions())
+  object.__setattr__(config, "split", split)
+  return config
+
+
+class Ctr(tfds.core.GeneratorBasedBuilder):
+  """Any tabular CTR data with a declared schema (ctr_schema), converted by ctr_reader."""
+
+  VERSION = tfds.core.Version("1.1.0")  # raw-bytes arrays, as the Criteo builds
+
+  def __init__(self, *, config=None, **kwargs):
+    if config is None or not hasattr(config, "schema"):
+      raise ValueError("the ctr builder needs config=ctr_config(schema, paths)")
+    super().__init__(config=config, **kwargs)
+
+  def _info(self):
+    c = self.builder_config
+    return tfds.core.DatasetInfo(
+      builder=self,
+      description=f"CTR data by schema {c.schema.name!r}",
+      features=_criteo_features(len(c.schema.dense), c.schema.num_slots),
+      metadata=tfds.core.MetadataDict(),
+      disable_shuffling=True,  # row i of a split = row i of the memmap split
+    )
+
+  def _split_generators(self, dl_manager):
+    c = self.builder_config
+    ds = ctr_reader.open_ctr(
+      c.paths, os.path.join(dl_manager.download_dir, "ctr_parse"), c.schema, options=c.options,
+      split=c.split, progress=None,
+    )  # fmt: skip
+    m = ds.manifest
+    self.info.metadata.update(
+      {"schema": c.schema.to_dict(), "cardinalities": [int(x) for x in ds.cardinalities],
+       "table_names": list(ds.table_names), "bag_lengths": list(ds.bag_lengths),
+       "num_dense": len(c.schema.dense), "num_bad_lines": int(m["num_bad_lines"]),
+       "bad_lines": m["bad_lines"],
+       "split_rows": {s: int(b - a) for s, (a, b) in ds.splits.items()}}
+    )  # fmt: skip
+    return {s: _criteo_rows(ds, a, b) for s, (a, b) in ds.splits.items()}
 
   def _generate_examples(self, **kwargs):
     raise NotImplementedError
@@ -390,6 +460,7 @@ class Fb15k237(tfds.core.GeneratorBasedBuilder):
 BUILDERS = {
   "criteo_kaggle": CriteoKaggle,
   "criteo_terabyte": CriteoTerabyte,
+  "ctr": Ctr,
   "fb15k237": Fb15k237,
   "planetoid": Planetoid,
   "ogb_node": OgbNode,
@@ -409,6 +480,7 @@ def build(
   # The parsed memmaps were only the source of the examples: the build holds every row, so
   # they would double the disk a Terabyte build needs.
   shutil.rmtree(os.path.join(download_dir, "criteo_parse"), ignore_errors=True)
+  shutil.rmtree(os.path.join(download_dir, "ctr_parse"), ignore_errors=True)
   return builder
 
 

@@ -71,6 +71,11 @@ def _open_one_hot(data):
     schema, options = ctr_reader.read_schema_config(data)
     paths = data.path.split(",")
     split = data.get("split", "kaggle")
+    source = data.get("source", "memmap")
+    if source == "tfds":
+      return _open_tfds_schema(data, cache_dir, schema, options, paths, split), None
+    if source != "memmap":
+      raise ValueError(f"Unknown data.source {source!r}; available: memmap, tfds")
     return ctr_reader.open_ctr(paths, cache_dir, schema, options=options, split=split), None
   reader = criteo.ReaderConfig(
     categorical=data.categorical,
@@ -187,6 +192,17 @@ def open_tfds(data, cache_dir: str, reader: criteo.ReaderConfig):
   builder = tfds_builders.build(
     name, data_dir, manual_dir=folder, config=tfds_builders.criteo_config(reader)
   )
+  return pipeline.TfdsCriteo(builder, num_threads=int(data.get("read_threads", 8)))
+
+
+def _open_tfds_schema(data, cache_dir, schema, options, paths, split):
+  """data.source=tfds with data.schema: the `ctr` TFDS build of the files (once), via grain."""
+  from recgnn.data import pipeline, tfds_builders
+
+  data_dir = os.path.expanduser(data.get("tfds_dir", "") or os.path.join(cache_dir, "tfds"))
+  config = tfds_builders.ctr_config(schema, paths, options=options, split=split)
+  print(f"{schema.name}: TFDS ctr/{config.name} in {data_dir}", flush=True)
+  builder = tfds_builders.build("ctr", data_dir, config=config)
   return pipeline.TfdsCriteo(builder, num_threads=int(data.get("read_threads", 8)))
 
 
