@@ -1,10 +1,11 @@
 """DLRM-DCNv2, the MLPerf Training recommendation benchmark (v3.0+), on Criteo 1TB multi-hot.
 
-The MLPerf configuration (torchrec_dlrm reference): 26 tables hashed to at most 40M rows
-(multihot.MLPERF_ROWS), dim 128, multi-hot sizes 3,2,1,2,6,1,1,1,1,7,3,8,1,6,9,5,1,1,1,12,100,
-27,10,3,1,1 made from the one-hot ids by MLPerf's recipe (recgnn/data/multihot.py), bottom MLP
-512-256-128, three low-rank (512) cross layers, top MLP 1024-1024-512-256-1, Adagrad (dense and
-row-wise sparse), day_0 .. day_22 train, day_23's halves test / valid.
+The MLPerf configuration (torchrec_dlrm reference): 26 tables of MLPerf's sizes, at most 40M
+rows (multihot.MLPERF_ROWS; here hashed into them), dim 128, multi-hot sizes 3,2,1,2,6,1,1,1,
+1,7,3,8,1,6,9,5,1,1,1,12,100,27,10,3,1,1 made from the one-hot ids by MLPerf's recipe
+(recgnn/data/multihot.py), bottom MLP 512-256-128, three low-rank (512) cross layers, top MLP
+1024-1024-512-256-1, Adagrad (dense and row-wise sparse), day_0 .. day_22 train, day_23's
+halves test / valid.
 
   python run.py --experiment=dlrmv2_criteo1tb                     # synthetic default
   python run.py --experiment=dlrmv2_criteo1tb:interaction=dot     # the same data, DLRM's dot
@@ -82,8 +83,12 @@ def get_config(arg=None):
   if o["path"]:  # MLPerf's sizes
     c.data.path = day_files(o["path"])
     c.data.split = "last_file"
+    # Hashed into MLPerf's table sizes (ids FIRST_ID + value % rows; the reader keeps ids 0 and
+    # 1 for empty and unknown values). MLPerf's preprocessing maps values to contiguous ids
+    # instead (no collisions in the small tables): --config.data.categorical=frequency does,
+    # after a counting pass over every day.
     c.data.categorical = "hash"
-    c.data.hash_sizes = multihot.MLPERF_ROWS
+    c.data.hash_sizes = tuple(r + 2 for r in multihot.MLPERF_ROWS)
     c.embeddings.dim = 128
     c.model.bottom = (512, 256, 128)
     c.model.top = (1024, 1024, 512, 256, 1)

@@ -133,9 +133,14 @@ def check_sizes(dataset, config) -> None:
   lines = f"{sum(splits.values()):,} rows ({counts}; {bad:,} malformed lines skipped)"
   if sum(splits.values()) == 0:
     why = f"all {bad:,} lines are malformed (see the conversion log)" if bad else "it is empty"
+    what = (
+      "a Criteo TSV file with rows (label, 13 integer, 26 hex columns, tab-separated)"
+      if config.data.get("schema", "criteo") == "criteo"
+      else "files with rows of data.schema's columns"
+    )
     raise DataTooSmall(
-      f"{source}: no rows to train on: {why}. Give a Criteo TSV file with rows (label, 13 "
-      "integer, 26 hex columns, tab-separated), or no data.path for the synthetic dataset."
+      f"{source}: no rows to train on: {why}. Give {what}, or no data.path for the synthetic "
+      "dataset."
     )
   b = int(t.batch_size)
   fix = (
