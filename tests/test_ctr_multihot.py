@@ -112,3 +112,22 @@ def test_own_multihot_tsv_by_schema(cache_dir, tmp_path):
   assert [s.pooling for s in task.tables()] == ["sum", "mean"]
   result = loop.train(c, str(tmp_path / "wd"))
   assert np.isfinite(result.metrics["test/logloss"])
+
+
+def test_dlrmv2_experiment_config(tmp_path):
+  from experiments import dlrmv2_criteo1tb as exp
+
+  c = exp.get_config()
+  assert c.model.interaction == "dcn" and c.model.low_rank == 32 and not c.data.path
+  assert tuple(c.data.multi_hot.sizes) == multihot.MLPERF_MULTI_HOT_SIZES
+  assert exp.get_config("interaction=dot").model.interaction == "dot"
+  for d in (0, 1, 23):
+    (tmp_path / f"day_{d}").write_text("")
+  real = exp.get_config(f"path={tmp_path},distribution=pareto")
+  assert real.data.path.split(",") == [str(tmp_path / f"day_{d}") for d in (0, 1, 23)]
+  assert real.data.split == "last_file" and real.embeddings.dim == 128
+  assert tuple(real.model.top) == (1024, 1024, 512, 256, 1) and real.model.low_rank == 512
+  with pytest.raises(ValueError, match="options: path, interaction, distribution"):
+    exp.get_config("interactoin=dot")
+  with pytest.raises(ValueError, match="available: dcn, dot"):
+    exp.get_config("interaction=dcnv2")
