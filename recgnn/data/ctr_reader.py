@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from recgnn.data import ctr_cache, ctr_dataset
+from recgnn.data import ctr_cache, ctr_dataset, ctr_fast
 from recgnn.data.ctr_cache import EMPTY, PADDED, Budget, MalformedDataError, Parsed
 from recgnn.data.ctr_schema import Categorical, Schema, string_key
 
@@ -40,6 +40,8 @@ PAD_BYTES = 8  # slack before and after a block, so 8-byte loads never leave the
 _MASK = (1 << 64) - 1
 _INT_RE = re.compile(rb"-?[0-9]+")
 _HEX_RE = re.compile(rb"[0-9a-fA-F]+")
+# What ctr_fast's decimal parser takes: Python's float() also takes spaces, '_', inf and nan.
+_FLOAT_RE = re.compile(rb"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -131,13 +133,16 @@ class _Bad(Exception):
   """A malformed line: its reason."""
 
 
-def _key(value, kind: str) -> int:
-  """A value (bytes, str or int) -> its 64-bit key (see ctr_schema)."""
+def _key(value, kind: str, known: dict | None = None) -> int:
+  """A value (bytes, str or int) -> its 64-bit key (see ctr_schema); `known`: string keys
+  hashed ahead (ctr_fast.hash_bytes), by value."""
   if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
     return int(value) & _MASK if kind != "string" else string_key(str(int(value)).encode())
   if isinstance(value, str):
     value = value.encode("utf-8", "surrogateescape")
   if kind == "string":
+    if known is not None and value in known:
+      return known[value]
     return string_key(value)
   if kind == "int":
     if not _INT_RE.fullmatch(value):
@@ -163,7 +168,7 @@ def _items(value, c: Categorical) -> list:
   return [value]
 
 
-def _fill_row(raw, state, i: int, cols, offsets, values) -> None:
+def _fill_row(raw, state, i: int, cols, offsets, values, known=None) -> None:
   """Row i's id slots from its categorical field values (raises _Bad)."""
   for t, c in enumerate(cols):
     o = offsets[t]
@@ -177,7 +182,7 @@ def _fill_row(raw, state, i: int, cols, offsets, values) -> None:
         raise _Bad("bag_length")
       items = items[: c.bag]
     for k, v in enumerate(items):
-      raw[i, o + k] = _key(v, c.kind)
+      raw[i, o + k] = _key(v, c.kind, known)
     state[i, o + len(items) : o + c.bag] = PADDED
 
 
@@ -195,6 +200,10 @@ def _label(v) -> int:
 def _dense(v) -> float:
   if v is None or v in (b"", ""):
     return 0.0
+  if isinstance(v, (bytes, str)):
+    b = v.encode("utf-8", "surrogateescape") if isinstance(v, str) else v
+    if not _FLOAT_RE.fullmatch(b):
+      raise _Bad("dense")
   try:
     x = float(v)
   except (TypeError, ValueError):
@@ -207,8 +216,9 @@ def _dense(v) -> float:
 class _Rows:
   """Accumulates parsed rows of one task into a `Parsed` block."""
 
-  def __init__(self, schema: Schema, n: int):
+  def __init__(self, schema: Schema, n: int, known: dict | None = None):
     self.schema = schema
+    self.known = known
     self.cols = schema.categorical
     self.offsets = ctr_cache.offsets(self.cols)
     s = int(self.offsets[-1])
@@ -229,7 +239,7 @@ class _Rows:
         self.dense[i, k] = _dense(v)
       self.state[i] = 0
       self.raw[i] = 0
-      _fill_row(self.raw, self.state, i, self.cols, self.offsets, cats)
+      _fill_row(self.raw, self.state, i, self.cols, self.offsets, cats, self.known)
     except _Bad as e:
       self.reject(index, str(e), text)
       return
@@ -280,6 +290,10 @@ class TextFormat:
     self.block_bytes = block_bytes
     self.delim = schema.field_delimiter.encode()
     self.quoted = schema.format == "csv"
+    # The compiled pass splits on single bytes.
+    self.fast = len(self.delim) == 1 and all(
+      len(c.separator.encode()) == 1 for c in schema.categorical if c.bag > 1
+    )
 
   def split(self, line: bytes) -> list[bytes]:
     if self.quoted and b'"' in line:
@@ -316,33 +330,87 @@ class TextFormat:
     return _Layout(n, lab, tuple(dense), tuple(cats), s.header)
 
   def parse(self, path: str, start: int, stop: int, layout: _Layout) -> Parsed:
+    """Every line through ctr_fast's compiled pass; what it leaves (CSV lines holding a
+    quote, or every line when a delimiter or separator is longer than a byte) through
+    `_python_line`."""
     buf, size = read_range(path, start, stop)
-    lines = buf[PAD_BYTES : PAD_BYTES + size].tobytes().split(b"\n")[:-1]
-    rows = _Rows(self.schema, len(lines))
-    for index, line in enumerate(lines):
-      if index == 0 and start == 0 and layout.header:
-        continue  # the header: line 1, not a record
+    body = buf[PAD_BYTES : PAD_BYTES + size]
+    nl = np.flatnonzero(body == 10)
+    starts = np.zeros(nl.size, np.int64)
+    starts[1:] = nl[:-1] + 1
+    ends = nl.astype(np.int64)
+    ends -= (ends > starts) & (body[np.maximum(ends - 1, 0)] == 13)  # CRLF
+    first = 1 if start == 0 and layout.header and nl.size else 0  # the header is line 1
+    s = self.schema
+    if self.fast:
+      cols = s.categorical
+      reason, labels, dense, raw, state = ctr_fast.parse_block(
+        body, starts[first:], ends[first:], self.delim[0], 34 if self.quoted else -1,
+        layout.num_columns, layout.label, np.asarray(layout.dense, np.int64),
+        np.asarray(layout.cats, np.int64),
+        np.array([ctr_fast.KIND_CODES[c.kind] for c in cols], np.int64),
+        np.array([c.bag for c in cols], np.int64),
+        np.array([c.separator.encode()[0] if c.bag > 1 else -1 for c in cols], np.int64),
+        np.array([c.overflow == "error" for c in cols]), ctr_cache.offsets(cols),
+      )  # fmt: skip
+    else:
+      n, slots = nl.size - first, s.num_slots
+      reason = np.full(n, ctr_fast.NEEDS_PYTHON, np.int8)
+      labels, dense = np.zeros(n, np.int8), np.zeros((n, len(s.dense)))
+      raw, state = np.zeros((n, slots), np.uint64), np.zeros((n, slots), np.uint8)
+    python_reasons = {}
+    for r in np.flatnonzero(reason == ctr_fast.NEEDS_PYTHON):
+      row = _Rows(s, 1)
+      why = self._python_line(row, body[starts[first + r] : ends[first + r]].tobytes(), layout)
+      if why is None:
+        reason[r] = ctr_fast.OK
+        labels[r], dense[r], raw[r], state[r] = (
+          row.labels[0],
+          row.dense[0],
+          row.raw[0],
+          row.state[0],
+        )
+      else:
+        reason[r] = -1
+        python_reasons[int(r)] = why
+    ok = reason == ctr_fast.OK
+    bad = [
+      (first + int(r), python_reasons.get(int(r)) or ctr_fast.REASONS[int(reason[r])])
+      for r in np.flatnonzero(~ok)
+    ]
+    examples = []
+    for i, why in bad[: ctr_cache.MAX_EXAMPLES]:
+      t = body[starts[i] : ends[i]].tobytes().decode("utf-8", "replace")
+      examples.append((i, why, t if len(t) <= 80 else t[:80] + "..."))
+    d = dense[ok]
+    if s.dense_transform == "log":
+      d = np.log1p(np.maximum(d, 0.0))
+    return Parsed(
+      labels=labels[ok],
+      dense=d.astype(np.float32),
+      raw=raw[ok],
+      state=state[ok],
+      bad=bad,
+      examples=examples,
+      num_lines=int(nl.size),
+    )
 
-      def text(line=line):
-        return line.decode("utf-8", "replace").rstrip("\r")
-
-      line = line[:-1] if line.endswith(b"\r") else line
-      try:
-        fields = self.split(line)
-      except _Bad as e:
-        rows.reject(index, str(e), text)
-        continue
-      if len(fields) != layout.num_columns:
-        rows.reject(index, "columns", text)
-        continue
-      rows.add(
-        index,
-        fields[layout.label],
-        [fields[k] for k in layout.dense],
-        [fields[k] for k in layout.cats],
-        text,
-      )
-    return rows.done(len(lines))
+  def _python_line(self, row: _Rows, line: bytes, layout: _Layout) -> str | None:
+    """One line into `row` (a one-row _Rows); the reason it is malformed, or None."""
+    try:
+      fields = self.split(line)
+    except _Bad as e:
+      return str(e)
+    if len(fields) != layout.num_columns:
+      return "columns"
+    row.add(
+      0,
+      fields[layout.label],
+      [fields[k] for k in layout.dense],
+      [fields[k] for k in layout.cats],
+      lambda: "",
+    )
+    return row.bad[0][1] if row.bad else None
 
 
 class ParquetFormat:
@@ -369,6 +437,21 @@ class ParquetFormat:
   def layout(self, path: str) -> None:
     self.schema.column_indices(self._file(path).schema_arrow.names, path)  # names checked
 
+  def _string_keys(self, cols: dict[str, list]) -> dict[bytes, int]:
+    """The keys of every distinct "string" value of a row group, hashed in one compiled call
+    (a Python loop over each value's bytes costs ~1 us per byte)."""
+    values = set()
+    for c in self.schema.categorical:
+      if c.kind == "string":
+        for v in cols[c.name]:
+          for item in _items(v, c):
+            if isinstance(item, str):
+              values.add(item.encode("utf-8", "surrogateescape"))
+            elif isinstance(item, bytes):
+              values.add(item)
+    values = list(values)
+    return dict(zip(values, ctr_fast.hash_bytes(values).tolist())) if values else {}
+
   def parse(self, path: str, start: int, stop: int, layout) -> Parsed:
     del layout
     s = self.schema
@@ -376,7 +459,7 @@ class ParquetFormat:
     table = self._file(path).read_row_groups(list(range(start, stop)), columns=names)
     cols = {n: table.column(n).to_pylist() for n in names}
     n = table.num_rows
-    rows = _Rows(s, n)
+    rows = _Rows(s, n, self._string_keys(cols))
     for i in range(n):
       rows.add(
         i,

@@ -11,8 +11,8 @@ and says how each categorical column becomes ids:
   An empty field (or a null, or an empty list) is MISSING_ID in the first slot: every bag has
   at least one id, so mean pooling never divides by zero.
 
-Values become 64-bit keys by `kind`: "string" (the first 8 bytes of BLAKE2b of the UTF-8 text,
-little-endian: `string_key`), "int" (a decimal integer, mod 2^64) or "hex" (a hexadecimal
+Values become 64-bit keys by `kind`: "string" (FNV-1a 64 of the UTF-8 text, then splitmix64's
+finalizer: `string_key`), "int" (a decimal integer, mod 2^64) or "hex" (a hexadecimal
 integer, mod 2^64), then ids by `vocab`:
   "frequency": keys seen >= min_count times get ids FIRST_ID, FIRST_ID + 1, ... by decreasing
                count (ties by key), rarer keys UNKNOWN_ID; counted over every row.
@@ -28,7 +28,6 @@ file, or a dict (`Schema.from_dict`); unknown keys and column names fail naming 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -48,8 +47,15 @@ _DELIMITERS = {"tsv": "\t", "csv": ",", "parquet": ""}
 
 
 def string_key(text: bytes) -> int:
-  """The 64-bit key of a "string" value: BLAKE2b-64 of its bytes, little-endian."""
-  return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+  """The 64-bit key of a "string" value: FNV-1a 64 of its bytes, then splitmix64's finalizer
+  (plain Python; ctr_fast hashes the same way compiled)."""
+  m = (1 << 64) - 1
+  h = 0xCBF29CE484222325
+  for b in text:
+    h = ((h ^ b) * 0x100000001B3) & m
+  h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & m
+  h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & m
+  return h ^ (h >> 31)
 
 
 def _fields(cls) -> tuple[str, ...]:
