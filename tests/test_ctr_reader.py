@@ -166,6 +166,9 @@ def check(ds, ref, path):
   rec = ds.manifest["bad_lines"][os.path.abspath(path)]
   assert rec["count"] == len(bad) == ds.manifest["num_bad_lines"]
   assert sorted((e["line"], e["reason"]) for e in rec["examples"]) == sorted(bad)
+  fill = [float((ds.sparse[:, o[t] : o[t + 1]] != -1).mean()) for t in range(4)]
+  assert ds.manifest["bag_fill"] == pytest.approx(fill) and fill[0] == 1.0 and fill[1] < 1.0
+  assert "of the padded id slots used" in ds.describe()
   # A batch: bags of each table's length, PAD after the ids.
   b = ds.batch("train", 0, 64)
   assert b["ids"]["tags"].shape == (64, 3) and b["ids"]["site"].shape == (64, 1)

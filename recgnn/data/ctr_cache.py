@@ -389,6 +389,16 @@ def _remap(tmp: str, columns, vocab, progress, chunk: int = 1 << 16):
   os.remove(os.path.join(tmp, "state.tmp"))
 
 
+def _bag_fill(path: str, columns, chunk: int = 1 << 16) -> list[float]:
+  sparse = np.load(path, mmap_mode="r")
+  filled = np.zeros(sparse.shape[1], np.int64)
+  for lo in range(0, sparse.shape[0], chunk):
+    filled += (np.asarray(sparse[lo : lo + chunk]) != PAD).sum(axis=0)
+  o = offsets(columns)
+  n = max(sparse.shape[0], 1)
+  return [float(filled[o[t] : o[t + 1]].sum() / (n * c.bag)) for t, c in enumerate(columns)]
+
+
 def convert(
   paths: Sequence[str],
   out_dir: str,
@@ -478,6 +488,8 @@ def convert(
   if any(c.bag > 1 for c in columns):  # absent: all one-hot (caches written before bags)
     manifest["bag_lengths"] = [c.bag for c in columns]
     manifest["pad"] = PAD
+    # What padding costs: the share of each table's id slots that hold an id.
+    manifest["bag_fill"] = _bag_fill(os.path.join(tmp, "sparse.npy"), columns)
   manifest.update(extra or {})
   with open(os.path.join(tmp, "manifest.json"), "w") as f:
     json.dump(manifest, f, indent=1)

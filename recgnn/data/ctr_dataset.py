@@ -115,7 +115,7 @@ class CTRDataset:
     return (
       f"{self.manifest.get('schema_name', 'Criteo-format')} data: {self.num_rows:,} rows "
       f"({sizes}), CTR {ctr:.3f}, {sum(self.cardinalities):,} embedding rows in "
-      f"{len(self.table_names)} tables{_bags(self.bag_lengths)}, "
+      f"{len(self.table_names)} tables{_bags(self.bag_lengths, self.manifest)}, "
       f"{self.manifest['num_bad_lines']} malformed lines skipped; cache {self.path}"
     )
 
@@ -266,9 +266,17 @@ def padded_batch(
   return {"dense": out_dense, "label": out_label, "weight": weight, "ids": out_ids}
 
 
-def _bags(bags: Sequence[int]) -> str:
+def _bags(bags: Sequence[int], manifest: dict) -> str:
   multi = sum(b > 1 for b in bags)
-  return f" ({multi} multi-hot, bags up to {max(bags)})" if multi else ""
+  if not multi:
+    return ""
+  fill = manifest.get("bag_fill")
+  used = (
+    f", {sum(f * b for f, b in zip(fill, bags)) / sum(bags):.0%} of the padded id slots used"
+    if fill
+    else ""
+  )
+  return f" ({multi} multi-hot, bags up to {max(bags)}{used})"
 
 
 def process_rows(
