@@ -284,6 +284,10 @@ def test_schema_errors_name_the_valid_choices(tmp_path):
   schema = ctr_schema.Schema.from_dict({"label": "y", "header": True, "categorical": ["a"]})
   with pytest.raises(ValueError, match=r"column\(s\) \['a'\] not in the header.*its columns: y, b"):
     ctr_reader.open_ctr(path, str(tmp_path / "c"), schema, progress=None)
+  empty = str(tmp_path / "empty.tsv")
+  open(empty, "w").close()
+  with pytest.raises(MalformedDataError, match="starts with a header line, but the file is empty"):
+    ctr_reader.open_ctr(empty, str(tmp_path / "c"), schema, progress=None)
 
 
 def test_criteo_is_a_predefined_schema():

@@ -320,6 +320,12 @@ class TextFormat:
     if s.header:
       with open(path, "rb") as f:
         first = f.readline().rstrip(b"\n").rstrip(b"\r")
+      if not first:
+        raise MalformedDataError(
+          f"{path}: the schema says the file starts with a header line, but "
+          + ("the file is empty" if os.path.getsize(path) == 0 else "its first line is empty")
+          + " (header=False and `columns` read a file without one)"
+        )
       try:
         names = [x.decode("utf-8", "replace") for x in self.split(first)]
       except _Bad:
