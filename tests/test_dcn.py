@@ -66,3 +66,24 @@ def test_dcn_model_order():
   bs = [np.asarray(p["cross"][f"b_{i}"]) for i in range(2)]
   ref = relu_mlp(numpy_cross(x0, ws, bs), top, False)[:, 0]
   np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_cross_net_matches_torchrec_low_rank_cross_net():
+  """The same weights through TorchRec's LowRankCrossNet (where the peers are installed)."""
+  torch = pytest.importorskip("torch")
+  crossnet = pytest.importorskip("torchrec.modules.crossnet")
+  torch.manual_seed(0)
+  ref = crossnet.LowRankCrossNet(in_features=24, num_layers=3, low_rank=6)
+  with torch.no_grad():
+    for b in ref.bias:
+      b.normal_()  # nonzero biases: the test sees where they enter
+  x0 = np.random.default_rng(3).normal(size=(7, 24)).astype(np.float32)
+  # TorchRec: x_l V^T with V_kernels[l] [r, N], then W_kernels[l] [N, r]: ours V = V^T, U = W^T.
+  params = {}
+  for i in range(3):
+    params[f"V_{i}"] = jnp.asarray(ref.V_kernels[i].detach().numpy().T)
+    params[f"U_{i}"] = jnp.asarray(ref.W_kernels[i].detach().numpy().T)
+    params[f"b_{i}"] = jnp.asarray(ref.bias[i].detach().numpy())
+  got = CrossNet(num_layers=3, low_rank=6).apply({"params": params}, x0)
+  want = ref(torch.from_numpy(x0)).detach().numpy()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
