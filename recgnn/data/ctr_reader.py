@@ -38,6 +38,7 @@ from recgnn.data.ctr_schema import Categorical, Schema, string_key
 
 PAD_BYTES = 8  # slack before and after a block, so 8-byte loads never leave the buffer
 _MASK = (1 << 64) - 1
+_PARQUET_BATCH = 1 << 14  # rows turned into Python objects at a time
 _INT_RE = re.compile(rb"-?[0-9]+")
 _HEX_RE = re.compile(rb"[0-9a-fA-F]+")
 # What ctr_fast's decimal parser takes: Python's float() also takes spaces, '_', inf and nan.
@@ -462,18 +463,24 @@ class ParquetFormat:
     del layout
     s = self.schema
     names = [s.label, *s.dense, *s.table_names]
-    table = self._file(path).read_row_groups(list(range(start, stop)), columns=names)
-    cols = {n: table.column(n).to_pylist() for n in names}
-    n = table.num_rows
-    rows = _Rows(s, n, self._string_keys(cols))
-    for i in range(n):
-      rows.add(
-        i,
-        cols[s.label][i],
-        [cols[d][i] for d in s.dense],
-        [cols[c][i] for c in s.table_names],
-        lambda i=i: repr({k: v[i] for k, v in cols.items()}),
-      )
+    f = self._file(path)
+    groups = list(range(start, stop))
+    n = sum(f.metadata.row_group(g).num_rows for g in groups)
+    rows = _Rows(s, n)
+    base = 0
+    # Python objects cost ~50x the column bytes: a slice of the row group at a time.
+    for batch in f.iter_batches(batch_size=_PARQUET_BATCH, row_groups=groups, columns=names):
+      cols = {name: batch.column(name).to_pylist() for name in names}
+      rows.known = self._string_keys(cols)
+      for i in range(batch.num_rows):
+        rows.add(
+          base + i,
+          cols[s.label][i],
+          [cols[d][i] for d in s.dense],
+          [cols[c][i] for c in s.table_names],
+          lambda i=i, cols=cols: repr({k: v[i] for k, v in cols.items()}),
+        )
+      base += batch.num_rows
     return rows.done(n)
 
 
