@@ -31,6 +31,12 @@ def get_config(arg=None):
   c.data.hash_sizes = (40_000_000,)  # one size for all tables, or 26
   c.data.max_bad_lines = 100
   c.data.max_bad_fraction = 0.0
+  # Your own data: a predefined schema name, a JSON file or a dict (recgnn/data/ctr_schema.py)
+  # describing data.path's TSV / CSV / Parquet columns; "criteo" is Criteo's TSV.
+  c.data.schema = "criteo"
+  c.data.num_workers = 0  # processes converting a schema's files (0: this one)
+  # MLPerf's one-hot -> multi-hot expansion (recgnn/data/multihot.py); () keeps one-hot.
+  c.data.multi_hot = ml_collections.ConfigDict({"sizes": (), "distribution": "uniform", "seed": 0})
   c.data.synthetic = ml_collections.ConfigDict()
   c.data.synthetic.rows = 4_000_000
   c.data.synthetic.scale = 0.01  # Kaggle cardinalities x scale
@@ -39,10 +45,14 @@ def get_config(arg=None):
   c.model = ml_collections.ConfigDict()
   c.model.bottom = (512, 256, 64, 16)
   c.model.top = (512, 256, 1)
+  c.model.interaction = "dot"  # or "dcn": DCN-v2 cross layers (recgnn/models/dcn.py)
+  c.model.cross_layers = 3  # dcn
+  c.model.low_rank = 512  # dcn: rank of W = U V^T (0: full rank)
 
   c.embeddings = ml_collections.ConfigDict()
   c.embeddings.dim = 16
   c.embeddings.initializer = "uniform"
+  c.embeddings.pooling = "sum"  # multi-hot bags: "sum" or "mean"
   c.embeddings.optimizer = ml_collections.ConfigDict(
     {"name": "rowwise_adagrad", "learning_rate": 0.05, "eps": 1e-8, "initial_accumulator": 0.0}
   )

@@ -72,11 +72,8 @@ def day_files(path: str) -> str:
 def get_config(arg=None):
   o = parse_arg(arg)
   c = dlrm_kaggle.get_config()
-  c.data.multi_hot = {
-    "sizes": multihot.MLPERF_MULTI_HOT_SIZES,
-    "distribution": o["distribution"],
-    "seed": 0,
-  }
+  c.data.multi_hot.sizes = multihot.MLPERF_MULTI_HOT_SIZES
+  c.data.multi_hot.distribution = o["distribution"]
   c.model.interaction = o["interaction"]
   c.embeddings.optimizer.name = "rowwise_adagrad"
   c.optimizer.name = "adagrad"

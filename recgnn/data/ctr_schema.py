@@ -265,7 +265,10 @@ def load(spec: Any) -> Schema:
       return SCHEMAS[spec]()
     if os.path.isfile(spec):
       with open(spec) as f:
-        return Schema.from_dict(json.load(f))
+        d = json.load(f)
+      # Messages and the cache name it by its file unless it names itself.
+      d.setdefault("name", os.path.splitext(os.path.basename(spec))[0])
+      return Schema.from_dict(d)
     raise ValueError(
       f"Unknown schema {spec!r}: neither a predefined schema ({', '.join(SCHEMAS)}) nor a JSON file"
     )
