@@ -2,6 +2,8 @@
 pooling, DCNv2 / dot through every backend on the 2x4 mesh, and your own multi-hot TSV by
 schema."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -102,10 +104,10 @@ def test_own_multihot_tsv_by_schema(cache_dir, tmp_path):
   path.write_text("\n".join(lines) + "\n")
   c = smoke_config(cache_dir, steps=6, log_every=3, batch_size=128, eval_batch_size=512)
   c.data.path = str(path)
-  c.data.schema = {
+  c.data.schema = json.dumps({  # inline JSON: data.schema is a string field
     "label": "y", "dense": ["x1", "x2"], "header": True, "dense_transform": "none",
     "categorical": ["ad", {"name": "tags", "bag": 3, "separator": ",", "pooling": "mean"}],
-  }  # fmt: skip
+  })  # fmt: skip
   c.model.interaction = "dcn"
   task = loop.load_task(c)
   assert task.names == ["ad", "tags"] and task.bag_lengths == (1, 3)

@@ -22,7 +22,8 @@ Dense fields: decimal numbers, empty -> 0, transformed by `dense_transform` ("lo
 log(max(x, 0) + 1) as DLRM does for Criteo; "none"). The label is 0 or 1.
 
 Schemas come from config (`data.schema`): the name of a predefined one (`SCHEMAS`), a JSON
-file, or a dict (`Schema.from_dict`); unknown keys and column names fail naming the valid ones.
+file, inline JSON, or a dict (`Schema.from_dict`); unknown keys and column names fail naming
+the valid ones.
 """
 
 from __future__ import annotations
@@ -254,13 +255,15 @@ class Schema:
 
 
 def load(spec: Any) -> Schema:
-  """A schema from config: a Schema, a predefined name (`SCHEMAS`), a JSON file path, or a
-  dict (ml_collections.ConfigDict too)."""
+  """A schema from config: a Schema, a predefined name (`SCHEMAS`), a JSON file path, inline
+  JSON (a string starting with "{"), or a dict (ml_collections.ConfigDict too)."""
   if isinstance(spec, Schema):
     return spec
   if hasattr(spec, "to_dict"):
     spec = spec.to_dict()
   if isinstance(spec, str):
+    if spec.lstrip().startswith("{"):  # inline JSON (a config's string field, the CLI)
+      return Schema.from_dict(json.loads(spec))
     if spec in SCHEMAS:
       return SCHEMAS[spec]()
     if os.path.isfile(spec):
