@@ -198,7 +198,13 @@ class CTRDataset:
     rows = self.batch_rows(
       split, step, batch_size, shuffle_seed=shuffle_seed, drop_remainder=drop_remainder
     )
-    return self.gather(*process_rows(rows, batch_size, shard))
+    return self.read(split, *process_rows(rows, batch_size, shard))
+
+  def read(self, split: str, rows: np.ndarray, batch_size: int | None = None) -> Batch:
+    """The batch of `batch_rows`'s rows of `split` (here rows of the whole dataset, so
+    `gather`; pipeline.TfdsCriteo reads split positions from its sources)."""
+    del split
+    return self.gather(rows, batch_size)
 
   def batches(
     self,

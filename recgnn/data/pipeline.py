@@ -197,23 +197,6 @@ class TfdsCriteo(criteo.CriteoDataset):
       sparse = np.zeros((0, sum(self.bag_lengths)), np.int32)
     return criteo.padded_batch(b, dense, label, sparse, self.table_names, self.bag_lengths)
 
-  def batch(
-    self,
-    split: str,
-    step: int,
-    batch_size: int,
-    *,
-    shuffle_seed: int | None = None,
-    drop_remainder: bool = True,
-    shard: tuple[int, int] = (0, 1),
-  ) -> Batch:
-    """Batch `step` of `split`: the rows CriteoDataset.batch_rows names; with `shard`
-    (index, count), only this process's contiguous 1 / count of them."""
-    rows = self.batch_rows(
-      split, step, batch_size, shuffle_seed=shuffle_seed, drop_remainder=drop_remainder
-    )
-    return self.read(split, *criteo.process_rows(rows, batch_size, shard))
-
   def pipeline(
     self,
     split: str,
