@@ -91,7 +91,9 @@ def compression(ranks=KAGGLE_RANKS, trained: bool = True) -> dict:
   if trained:
     from recgnn.train import loop
 
-    sizes["synthetic_trained"] = loop.load_task(dlrm_kaggle.get_config()).data.cardinalities
+    config = dlrm_kaggle.get_config()
+    task = loop.load_task(config, loop.config_mesh(config))
+    sizes["synthetic_trained"] = task.data.cardinalities
   out = {}
   for what, cards in sizes.items():
     rows = []
@@ -274,7 +276,8 @@ def train_step(args) -> dict:
   from recgnn.train import step as step_lib
 
   configs = _step_configs(args)
-  task = loop.load_task(next(iter(configs.values())))
+  first = next(iter(configs.values()))
+  task = loop.load_task(first, loop.config_mesh(first))
   stream = task.train_batches(0)
   batches = [next(stream) for _ in range(args.step_batches)]
   runs = {}
@@ -603,7 +606,7 @@ def nimble_step(args) -> dict:
   runs = {}
   for variant in args.nimble_step_variants:
     config = exp.get_config(variant)
-    task = loop.load_task(config)
+    task = loop.load_task(config, loop.config_mesh(config))
     stream = task.train_batches(0)
     batches = [next(stream) for _ in range(args.step_batches)]
     plan = base.resolve_plan(list(map(tuple, config.embeddings.plan)), task.tables(), log=False)

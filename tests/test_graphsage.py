@@ -11,6 +11,7 @@ from recgnn.graphs import sampling, synthetic
 from recgnn.models import graphsage
 from recgnn.tasks import node_classification as nc
 from recgnn.train import loop
+from tests.trainer_lib import make_task
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def small_config(inputs: str, steps: int) -> ml_collections.ConfigDict:
 
 
 def test_train_batches_resume_exactly():
-  task = nc.TASK(small_config("features", 10))
+  task = make_task(nc.TASK, small_config("features", 10))
   spe = -(-task.train_nodes.size // task.batch_size)
   it = task.train_batches(0)
   stream = [next(it) for _ in range(spe + 3)]
@@ -127,7 +128,7 @@ def test_trains_through_the_trainer(tmp_path, inputs):
 
 
 def test_embedding_batches_feed_the_node_table():
-  task = nc.TASK(small_config("embeddings", 10))
+  task = make_task(nc.TASK, small_config("embeddings", 10))
   (spec,) = task.tables()
   assert spec.name == "node" and spec.num_rows == 3000
   batch = next(task.train_batches(0))
@@ -150,11 +151,11 @@ def test_config_errors_name_the_fix():
   c = small_config("features", 1)
   c.data.synthetic.num_features = 0
   with pytest.raises(ValueError, match="model.inputs=embeddings"):
-    nc.TASK(c)
+    make_task(nc.TASK, c)
   c = small_config("features", 1)
   c.sampler.kind = "fancy"
   with pytest.raises(ValueError, match="available: node, ladies"):
-    nc.TASK(c)
+    make_task(nc.TASK, c)
 
 
 def test_aggregate_mean_handles_empty_rows():
@@ -186,12 +187,12 @@ def test_ogb_experiment_through_the_trainer(tmp_path):
   assert res["step"] == 6 and 0.0 <= res["test/accuracy"] <= 1.0
   c.data.path = ""
   with pytest.raises(ValueError, match="config.data.path"):
-    nc.TASK(c)
+    make_task(nc.TASK, c)
 
 
 def test_auto_capacities_drop_nothing_on_cora():
   """Cora's 140 training seeds are one batch: the trial must not shrink frontiers by repeats."""
-  task = nc.TASK(sage_cora.get_config())
+  task = make_task(nc.TASK, sage_cora.get_config())
   assert task.sampler.sizes[-1] < task.eval_sampler.sizes[-1]  # fitted, not worst case
   it = task.train_batches(0)
   for _ in range(30):

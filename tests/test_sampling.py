@@ -16,6 +16,7 @@ from scipy import stats
 
 from recgnn import sharding
 from recgnn.graphs import device_sampling, sampling, store, synthetic
+from tests.trainer_lib import make_task
 
 WHERE = ("host", "device")
 
@@ -356,7 +357,7 @@ def test_task_sampler_where_selects_the_sampler_and_resumes_exactly():
   blocks, and a resumed stream repeats the same neighbours (keys derive from the seed)."""
   from recgnn.tasks import node_classification as nc
 
-  task = nc.TASK(small_task_config("device"))
+  task = make_task(nc.TASK, small_task_config("device"))
   assert isinstance(task.sampler, device_sampling.DeviceNeighborSampler)
   assert isinstance(task.eval_sampler, device_sampling.DeviceNeighborSampler)
   it = task.train_batches(0)
@@ -364,14 +365,14 @@ def test_task_sampler_where_selects_the_sampler_and_resumes_exactly():
   resumed = next(task.train_batches(5))
   for key in ("x", "labels", "nbr0", "mask0", "nbr1", "mask1"):
     np.testing.assert_array_equal(resumed[key], stream[5][key])
-  split = nc.TASK(small_task_config("device", split_devices=8))
+  split = make_task(nc.TASK, small_task_config("device", split_devices=8))
   assert isinstance(split.sampler, device_sampling.SplitNeighborSampler)
   # The same seed, the same (epoch, group) keys: the split graph gives the same batches.
   for a, b in zip(stream, split.train_batches(0)):
     for key in ("x", "nbr0", "mask0", "nbr1", "mask1"):
       np.testing.assert_array_equal(a[key], b[key])
   with pytest.raises(ValueError, match="sampler.where=device"):
-    nc.TASK(small_task_config("host", split_devices=8))
+    make_task(nc.TASK, small_task_config("host", split_devices=8))
 
 
 @pytest.mark.parametrize("capacity", [None, 1.5])
@@ -441,6 +442,6 @@ def test_split_graph_ladies_equals_one_device(graph):
   c = small_task_config("device", split_devices=8)
   c.sampler.kind = "ladies"
   c.sampler.layer_sizes = (64, 64)
-  task = nc.TASK(c)
+  task = make_task(nc.TASK, c)
   assert isinstance(task.sampler, device_sampling.SplitLadiesSampler)
   assert isinstance(task.eval_sampler, device_sampling.SplitLadiesSampler)

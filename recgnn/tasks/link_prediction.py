@@ -133,8 +133,8 @@ class LinkPrediction(base.Task):
 
   example_unit = "edges"
 
-  def __init__(self, config: ml_collections.ConfigDict):
-    super().__init__(config)
+  def __init__(self, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
+    super().__init__(config, mesh)
     d, m = config.data, config.model
     source = d.get("source", "files")
     if source == "files":
@@ -253,7 +253,7 @@ class LinkPrediction(base.Task):
       raise ValueError("partition.parallel needs --config.partition.num_parts > 0")
     if int(config.partition.get("only", -1)) >= 0:
       raise ValueError("partition.parallel trains every partition: set partition.only=-1")
-    devices = sharding.mesh_from_config(config.get("mesh", {})).size
+    devices = self.mesh.size
     if g < 0:
       g = devices
     if g % devices:
@@ -267,7 +267,6 @@ class LinkPrediction(base.Task):
         f"partition.num_parts >= {g} (or fewer devices: --config.mesh.data)"
       )
     self.devices = devices
-    self.mesh = sharding.mesh_from_config(config.get("mesh", {}))
     return g
 
   # --------------------------------------------------------------------------- data

@@ -200,8 +200,8 @@ class NodeClassification(base.Task):
   # of them (no collective in the step).
   shard_batch = True
 
-  def __init__(self, config: ml_collections.ConfigDict):
-    super().__init__(config)
+  def __init__(self, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
+    super().__init__(config, mesh)
     # Bulk samples allocate large short-lived buffers; see recgnn.hostmem.
     hostmem.keep_freed_memory()
     self.load_info: dict = {}
@@ -228,8 +228,7 @@ class NodeClassification(base.Task):
     self.seed = int(config.get("seed", 0))
     self.shard_batch = self._split_ids(config)
     # Node-id bags per batch: a multiple of the mesh's devices (each fetches an equal share).
-    mesh_size = sharding.mesh_from_config(config.get("mesh", {})).size
-    self.id_multiple = mesh_size if self.shard_batch else 1
+    self.id_multiple = mesh.size if self.shard_batch else 1
     self.train_nodes = self._labelled("train")
     self.dropped = 0
     self.sampler = self._make_sampler(
@@ -278,7 +277,9 @@ class NodeClassification(base.Task):
     split = int(s.get("split_devices", 0) or 0)
     if split > 1 and where != "device":
       raise ValueError("sampler.split_devices needs --config.sampler.where=device")
-    mesh = sharding.make_mesh(1, split) if split > 1 else None
+    # The sampler's own 1 x split mesh over the first `split` devices of the trainer's: it
+    # splits the adjacency's rows, not the batch, so its shape is the sampler's choice.
+    mesh = sharding.make_mesh(1, split, devices=self.mesh.devices.flat) if split > 1 else None
 
     def make(caps=None):
       return device_sampling.make(
