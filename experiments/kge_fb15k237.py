@@ -60,7 +60,8 @@ def get_config(arg=None):
   c.train.checkpoint_every = 0
   c.train.keep_checkpoints = 1
 
-  c.negatives = ml_collections.ConfigDict({"kind": "uniform", "num": 256, "shared": False})
+  # Sampled scoring only (train.scoring=sampled); unset here, where 1vsall draws none.
+  c.negatives = ml_collections.ConfigDict({"kind": "", "num": 0, "shared": False})
   c.partition = ml_collections.ConfigDict(
     {
       "num_parts": 0,

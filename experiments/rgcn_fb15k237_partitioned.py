@@ -1,4 +1,4 @@
-"""rgcn_fb15k237 trained on self-sufficient METIS partitions, negatives from the partition.
+"""rgcn_fb15k237 trained on self-sufficient METIS partitions, candidates from the partition.
 
 --experiment=rgcn_fb15k237_partitioned:4            4 partitions, one per step (serial)
 --experiment=rgcn_fb15k237_partitioned:4,parallel   4 partitions per step, one per device
@@ -29,5 +29,4 @@ def get_config(arg=None):
   # partition padded to the largest: one compiled step); G: G per step, G / devices each.
   c.partition.parallel = -1 if "parallel" in opts else 0
   c.mesh = ml_collections.ConfigDict({"data": 0, "model": 1})
-  c.negatives.kind = "partition"
   return c

@@ -147,6 +147,28 @@ def test_cora_short_run_through_the_trainer(tmp_path):
   assert res["test/accuracy"] > 0.75, res
 
 
+@pytest.mark.parametrize("option", ["capacities", "eval_capacities"])
+def test_ladies_refuses_capacities_of_its_own(option):
+  """LADIES pads its frontiers exactly (seeds + layer_sizes): worst and auto are honoured (the
+  same sizes), sizes per layer would be ignored and are refused, naming the option."""
+  c = small_config("features", 1)
+  c.sampler.kind = "ladies"
+  c.sampler.layer_sizes = (64, 64)
+  c.sampler[option] = "auto"
+  task = make_task(nc.TASK, c)
+  assert task.sampler.sizes == (128, 192, 256)
+  c.sampler[option] = "600,1200"
+  with pytest.raises(ValueError, match=rf"sampler.{option}=\(600, 1200\): sampler.kind=ladies"):
+    make_task(nc.TASK, c)
+  c.sampler.kind = "node"  # node-wise sampling honours them (padded frontier sizes)
+  task = make_task(nc.TASK, c)
+  sampler = task.sampler if option == "capacities" else task.eval_sampler
+  assert tuple(sampler.sizes[1:]) == (600, 1200)
+  c.sampler[option] = "100,x"
+  with pytest.raises(ValueError, match=rf"sampler.{option}='100,x': use auto, worst or"):
+    make_task(nc.TASK, c)
+
+
 def test_config_errors_name_the_fix():
   c = small_config("features", 1)
   c.data.synthetic.num_features = 0

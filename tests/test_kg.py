@@ -223,13 +223,14 @@ def _rgcn_config(path, parts, layers=2, **over):
   c.model.rgcn.dropout = 0.0
   c.partition.num_parts = parts
   c.batch_size = 16
-  c.negatives.num = 5
   for k, v in over.items():
     node = c
     *head, last = k.split(".")
     for h in head:
       node = node[h]
     node[last] = v
+  if c.train.scoring == "sampled" and not c.negatives.num:
+    c.negatives.num = 5  # (1vsall draws no negatives and refuses the option)
   return c
 
 
@@ -593,6 +594,41 @@ def test_experiments_and_errors():
   assert rgcn_fb15k237_partitioned.get_config("2").partition.parallel == 0
   with pytest.raises(ValueError, match="available: P or P,parallel"):
     rgcn_fb15k237_partitioned.get_config("2,paralel")
+
+
+@pytest.mark.parametrize(
+  "option,value", [("kind", "type"), ("num", 64), ("shared", True), ("kind", "partition")]
+)
+def test_negatives_under_1vsall_are_refused(tmp_path, option, value):
+  """1vsall scores every candidate and draws no negatives: a negatives option there would be
+  ignored, so it is refused, naming the option and the reason."""
+  c = _config(_small_kg(tmp_path), "distmult", **{f"negatives.{option}": value})
+  with pytest.raises(ValueError, match=rf"negatives.{option}=.*1vsall .*draws no negatives"):
+    make_task(lp.LinkPrediction, c)
+  # The same option under sampled scoring is honoured (partition needs partitions).
+  if option != "kind" or value != "partition":
+    over = {"train.scoring": "sampled", "train.group_queries": False, "model.encoder": "rgcn"}
+    task = make_task(
+      lp.LinkPrediction,
+      _config(
+        c.data.path,
+        "distmult",
+        **over,
+        **{f"negatives.{option}": value, "negatives.num": 64 if option != "num" else value},
+      ),
+    )
+    assert (task.neg_kind, task.num_neg, task.shared_neg) == {
+      "kind": ("type", 64, False), "num": ("uniform", 64, False),
+      "shared": ("uniform", 64, True)}[option]  # fmt: skip
+
+
+@pytest.mark.parametrize("over", [{"model.encoder": "rgcn"}, {"train.scoring": "sampled"}])
+def test_group_queries_is_refused_where_it_cannot_group(tmp_path, over):
+  """train.group_queries groups 1vsall queries over the entity table: with an encoder or
+  sampled scoring it used to be switched off silently; it is refused, naming the fix."""
+  c = _config(_small_kg(tmp_path), "distmult", **over, **{"train.group_queries": True})
+  with pytest.raises(ValueError, match="train.group_queries=True .*group_queries=False"):
+    make_task(lp.LinkPrediction, c)
 
 
 def _train_tables(path, plan, workdir, **over):

@@ -839,6 +839,8 @@ def make(
   if where not in WHERE:
     raise ValueError(f"Unknown sampler.where {where!r}; available: {', '.join(WHERE)}")
   if kind == "ladies":
+    if capacities is not None:  # (node-wise frontier sizes: LADIES' are fixed by layer_sizes)
+      raise ValueError("capacities are node-wise sampling's; LADIES' frontiers are exact")
     kw = dict(layer_sizes=list(layer_sizes), batch_size=batch_size)
     if where == "host":
       return sampling.LadiesSampler(adj, **kw)

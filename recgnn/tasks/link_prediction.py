@@ -18,9 +18,12 @@ Config (see experiments/kge_fb15k237.py, rgcn_fb15k237*.py):
   train.group_queries   1vsall without encoder: score each distinct (anchor, relation) query
                         once per epoch with all its true answers as labels. The loss is the
                         1vsall loss of those triples summed exactly (CE_t = lse - s_t), at 3.6x
-                        fewer score rows on FB15k-237 (149,689 queries for 544,230 triples)
-  negatives.kind        uniform | type (entities seen with the relation) | partition
-  negatives.num         negatives per edge (sampled scoring)
+                        fewer score rows on FB15k-237 (149,689 queries for 544,230 triples).
+                        Refused with sampled scoring or an encoder
+  negatives.*           sampled scoring only (refused under 1vsall, which draws none):
+  negatives.kind        uniform | type (entities seen with the relation) | partition ("" =
+                        uniform, or partition when partitioned)
+  negatives.num         negatives per edge (0 = 256)
   negatives.shared      encoder only: one set of negatives.num rows for the whole batch
                         (scored with one matmul, LibKGE's "batch" negatives); else per edge
   batch_size            edges per step
@@ -96,6 +99,7 @@ SCORINGS = ("1vsall", "sampled")
 NEGATIVES = ("uniform", "type", "partition")
 ENCODERS = ("none", "rgcn")
 REGULARIZERS = ("none", "n3", "l2")
+DEFAULT_NEGATIVES = 256  # negatives.num=0 under sampled scoring
 
 
 def _check(name: str, value, valid) -> None:
@@ -126,6 +130,37 @@ def rank_metrics(ranks: np.ndarray, side: np.ndarray | None = None) -> dict[str,
       if sel.any():
         res[f"mrr_{name}"] = float(np.mean(1 / ranks[sel]))
   return res
+
+
+def negative_options(neg, scoring: str, encoder: str, num_parts: int) -> tuple[str, int, bool]:
+  """config.negatives -> (kind, num, shared). Only sampled scoring draws negatives: under
+  1vsall every candidate row is scored, so a negatives option set there would be ignored and
+  is refused instead. Unset: kind "" (uniform; partition when partitioned), num 0 (256)."""
+  kind, num, shared = neg.get("kind", ""), int(neg.get("num", 0)), bool(neg.get("shared", False))
+  if scoring != "sampled":
+    given = [f"{k}={v!r}" for k, v in (("kind", kind), ("num", num), ("shared", shared)) if v]
+    if given:
+      raise ValueError(
+        f"negatives.{', negatives.'.join(given)}: train.scoring={scoring} scores every "
+        "candidate entity and draws no negatives; leave negatives unset (kind='', num=0, "
+        "shared=False) or set --config.train.scoring=sampled"
+      )
+    return "", 0, False
+  kind = kind or ("partition" if num_parts else "uniform")
+  _check("negatives.kind", kind, NEGATIVES)
+  if kind == "partition" and not num_parts:
+    raise ValueError("negatives.kind=partition needs --config.partition.num_parts > 0")
+  if num_parts and kind != "partition":
+    raise ValueError(
+      "partitioned training draws negatives from the partition: "
+      "set --config.negatives.kind=partition"
+    )
+  if shared and (kind == "type" or encoder == "none"):
+    raise ValueError(
+      "negatives.shared needs an encoder (model.encoder=rgcn) and uniform or partition "
+      "negatives; set --config.negatives.shared=False"
+    )
+  return kind, num or DEFAULT_NEGATIVES, shared
 
 
 class LinkPrediction(base.Task):
@@ -166,15 +201,6 @@ class LinkPrediction(base.Task):
     _check("model.encoder", self.encoder_kind, ENCODERS)
     self.scoring = config.train.get("scoring", "1vsall")
     _check("train.scoring", self.scoring, SCORINGS)
-    self.neg_kind = config.negatives.get("kind", "uniform")
-    _check("negatives.kind", self.neg_kind, NEGATIVES)
-    self.num_neg = int(config.negatives.get("num", 256))
-    self.shared_neg = bool(config.negatives.get("shared", False))
-    if self.shared_neg and (self.neg_kind == "type" or m.get("encoder", "none") == "none"):
-      raise ValueError(
-        "negatives.shared needs an encoder (model.encoder=rgcn) and uniform or partition "
-        "negatives; set --config.negatives.shared=False"
-      )
     self.regularizer = m.get("regularizer", "none")
     _check("model.regularizer", self.regularizer, REGULARIZERS)
     self.batch_size = int(config.batch_size)
@@ -184,13 +210,9 @@ class LinkPrediction(base.Task):
       raise ValueError(
         "partition.num_parts > 0 partitions the encoder's graph: set --config.model.encoder=rgcn"
       )
-    if self.neg_kind == "partition" and not self.num_parts:
-      raise ValueError("negatives.kind=partition needs --config.partition.num_parts > 0")
-    if self.num_parts and self.neg_kind != "partition":
-      raise ValueError(
-        "partitioned training draws negatives from the partition: "
-        "set --config.negatives.kind=partition"
-      )
+    self.neg_kind, self.num_neg, self.shared_neg = negative_options(
+      config.negatives, self.scoring, self.encoder_kind, self.num_parts
+    )
     N = self.kg.num_entities
     self.train_triples = self.kg.training_triples()
     self.filter = kg_lib.FilterIndex(self.kg)
@@ -228,11 +250,17 @@ class LinkPrediction(base.Task):
     self.parallel = self._parallel_slots(config)
     if self.neg_kind == "type":
       self._type_index()
-    self.grouped = (
-      bool(config.train.get("group_queries", False))
-      and self.scoring == "1vsall"
-      and self.encoder is None
-    )
+    self.grouped = bool(config.train.get("group_queries", False))
+    if self.grouped and (self.scoring != "1vsall" or self.encoder is not None):
+      # Grouping merges the triples of one (anchor, relation) query into one 1vsall score row
+      # over a fixed entity table: sampled scoring has no such row, and an encoder's batches
+      # carry the message graph that grouped batches do not (its cost is the encoder pass,
+      # which grouping does not shrink).
+      raise ValueError(
+        "train.group_queries=True groups 1vsall queries over the entity table and needs "
+        "train.scoring=1vsall and model.encoder=none (here scoring "
+        f"{self.scoring}, encoder {self.encoder_kind}): set --config.train.group_queries=False"
+      )
     if self.grouped:
       self._group_queries()
     self._eval_cache: dict[str, list] = {}

@@ -35,7 +35,9 @@ Config (the experiment's ConfigDict; see experiments/sage_*.py):
   sampler.layer_sizes  ladies: nodes drawn per layer
   sampler.batch_size   seeds per mini-batch
   sampler.bulk         k, mini-batches sampled per sparse product
-  sampler.capacities   auto (estimated from a trial sample) | worst | list of frontier sizes
+  sampler.capacities   auto (estimated from a trial sample) | worst | frontier sizes per layer
+                       ("100,150"; node only: LADIES' frontiers are exact, its sizes refused)
+  sampler.eval_capacities  the same for eval batches (default worst)
   sampler.eval_fanouts node: eval fanouts (None = fanouts)
   sampler.eval_batch_size
   embeddings.dim, embeddings.optimizer (name, learning_rate), embeddings.initializer
@@ -189,6 +191,23 @@ def _load_raw_graph(data: ml_collections.ConfigDict) -> store.Graph:
   )
 
 
+def parse_capacities(value, option: str):
+  """sampler.`option` -> None (worst case), "auto", or a tuple of frontier sizes (the config
+  holds them as text, "100,150" or "(100, 150)": the option's type is the default's str)."""
+  if value is None or value in ("worst", "auto"):
+    return None if value == "worst" else value
+  text = value if isinstance(value, str) else ",".join(map(str, value))
+  try:
+    sizes = tuple(int(x) for x in text.strip("()[] ").split(",") if x.strip())
+  except ValueError:
+    sizes = ()
+  if not sizes or min(sizes) <= 0:
+    raise ValueError(
+      f"sampler.{option}={value!r}: use auto, worst or frontier sizes > 0 per layer, e.g. '100,150'"
+    )
+  return sizes
+
+
 class NodeClassification(base.Task):
   """GraphSAGE node classification on features and / or learnable node embeddings."""
 
@@ -232,13 +251,14 @@ class NodeClassification(base.Task):
     self.train_nodes = self._labelled("train")
     self.dropped = 0
     self.sampler = self._make_sampler(
-      s.get("fanouts", None), self.batch_size, s.capacities, self.train_nodes
+      s.get("fanouts", None), self.batch_size, s.capacities, self.train_nodes, "capacities"
     )
     eval_fanouts = s.get("eval_fanouts", None) or s.get("fanouts", None)
     self.eval_batch_size = int(s.get("eval_batch_size", None) or self.batch_size)
     eval_nodes = np.concatenate([self._labelled("valid"), self._labelled("test")])
+    eval_caps = s.get("eval_capacities", "worst")
     self.eval_sampler = self._make_sampler(
-      eval_fanouts, self.eval_batch_size, s.get("eval_capacities", "worst"), eval_nodes
+      eval_fanouts, self.eval_batch_size, eval_caps, eval_nodes, "eval_capacities"
     )
     self.model = graphsage.GraphSAGE(
       sizes=tuple(self.sampler.sizes),
@@ -271,8 +291,13 @@ class NodeClassification(base.Task):
     ids = self.graph.splits[split]
     return ids[self.graph.labels[ids] >= 0]
 
-  def _make_sampler(self, fanouts, batch_size: int, capacities, trial_nodes: np.ndarray):
+  def _make_sampler(
+    self, fanouts, batch_size: int, capacities, trial_nodes: np.ndarray, option: str
+  ):
+    """The sampler of `fanouts` and `capacities` (the value of sampler.`option`: worst | auto
+    | sizes per layer)."""
     s = self.config.sampler
+    capacities = parse_capacities(capacities, option)
     where = s.get("where", "host") or "host"
     split = int(s.get("split_devices", 0) or 0)
     if split > 1 and where != "device":
@@ -296,9 +321,18 @@ class NodeClassification(base.Task):
       )
 
     if s.kind == "ladies":
+      # LADIES' frontiers are the seeds plus each layer's drawn nodes: their padded sizes
+      # are exact (no estimate to make, nothing dropped), so worst and auto are the same and
+      # sizes of one's own would be ignored.
+      if capacities not in (None, "auto"):
+        raise ValueError(
+          f"sampler.{option}={capacities!r}: sampler.kind=ladies pads its frontiers to the "
+          "seeds plus sampler.layer_sizes exactly; set the sizes there and leave "
+          f"sampler.{option} at worst or auto"
+        )
       return make()
     sampler = make()
-    if capacities == "worst" or capacities is None:
+    if capacities is None:
       return sampler
     if capacities == "auto":
       rng = np.random.default_rng([self.seed, 7])
