@@ -1,10 +1,10 @@
 """R-GCN encoder (basis decomposition) + DistMult decoder on FB15k-237, whole graph."""
 
-from experiments import kge_fb15k237
+from experiments import _options, kge_fb15k237
 
 
 def get_config(arg=None):
-  del arg
+  _options.parse(arg, {}, name="rgcn_fb15k237")  # no options: an ARG would be ignored
   c = kge_fb15k237.get_config("distmult")
   c.model.encoder = "rgcn"
   # One layer: the halo of a partition is then its 1-hop in-neighbourhood.
