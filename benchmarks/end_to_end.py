@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import sparse_update as common  # noqa: E402  (machine_info, write_results)
+import common  # noqa: E402  (benchmarks/common.py)
 
 from recgnn import hostplan  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import time
 
@@ -47,6 +46,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import common  # noqa: E402  (benchmarks/common.py)
 import ml_collections  # noqa: E402
 
 from experiments import (  # noqa: E402
@@ -108,25 +108,16 @@ def _task(cfg) -> lp.LinkPrediction:
 
 
 def _machine() -> dict:
-  return {
-    "platform": platform.platform(),
-    "cpus": os.cpu_count(),
-    "load_avg_1m_at_start": os.getloadavg()[0],
-    "jax": jax.__version__,
-    "backend": jax.default_backend(),
-  }
+  """common.machine_info() and the 1-minute load at the start, which the reports quote."""
+  info = common.machine_info()
+  return {**info, "load_avg_1m_at_start": info["load_avg_at_start"][0]}
 
 
 def _write(name: str, payload: dict, md: str):
-  os.makedirs(RESULTS, exist_ok=True)
   # Load at the start is the run's own record when there is one (kge_rescan keeps it).
   payload["machine"] = {**_machine(), **payload.get("machine", {})}
   payload["machine"]["load_avg_1_5_15m_at_end"] = list(os.getloadavg())
-  with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
-    json.dump(payload, f, indent=2, sort_keys=True)
-  with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-    f.write(md)
-  print(md)
+  common.write_results(name, payload, md, sort_keys=True)
 
 
 def _curve(workdir: str, steps_per_epoch: int, seconds_per_step: float) -> list[dict]:
