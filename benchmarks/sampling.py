@@ -156,29 +156,9 @@ def bench_sampling(graph, args) -> dict[str, Any]:
   if peer is None:
     methods["PyG NeighborLoader"] = pyg_method(graph, fanouts, bsz, args.pyg_batches)
 
-  for run in methods.values():  # warm-up: first-touch page faults, imports, thread pools
-    run()
-  rates: dict[str, list] = {m: [] for m in methods}
-  per_batch: dict[str, list] = {m: [] for m in methods}
-  for r in range(args.rounds):
-    for name, run in methods.items():
-      edges, batches, dt = run()
-      rates[name].append(edges / dt)
-      per_batch[name].append(edges / batches)
-    print(
-      f"round {r + 1}/{args.rounds}: "
-      + ", ".join(f"{m} {rates[m][-1] / 1e6:.2f}M" for m in methods),
-      flush=True,
-    )
-  out = {
-    name: {
-      "edges_per_second": statistics.median(v),
-      "all_rounds": v,
-      "edges_per_batch": statistics.median(per_batch[name]),
-      "seeds_per_second": statistics.median(v) / statistics.median(per_batch[name]) * bsz,
-    }
-    for name, v in rates.items()
-  }
+  out = _round_robin(methods, args.rounds, "sampling")
+  for r in out.values():
+    r["seeds_per_second"] = r["edges_per_second"] / r["edges_per_batch"] * bsz
   return {
     "methods": out,
     "pyg": peer or "available",
