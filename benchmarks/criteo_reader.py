@@ -22,39 +22,23 @@ Writes benchmarks/results/criteo_reader.{json,md}.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import pathlib
-import platform
 import resource
 import shutil
 import statistics
 import sys
 import time
 
-import numpy as np
-
 # Runnable as `python benchmarks/criteo_reader.py` from a checkout without installing recgnn.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import common  # noqa: E402  (benchmarks/common.py)
+
 from recgnn.data import criteo  # noqa: E402
 from recgnn.data import criteo_synthetic as cs  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = common.RESULTS
 TARGET_ROWS_PER_S = 300_000
-
-
-def machine_info() -> dict:
-  """What the numbers were measured on (the machine is shared: load average included)."""
-  return {
-    "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "host": platform.node(),
-    "python": platform.python_version(),
-    "numpy": np.__version__,
-    "cpus": len(os.sched_getaffinity(0)),
-    "load_avg_at_start": os.getloadavg(),
-    "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-  }
 
 
 def cpu_seconds() -> float:
@@ -86,7 +70,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.quick:
     args.rows, args.reps = 300_000, 1
-  info = machine_info()
+  info = common.machine_info()
   os.makedirs(args.workdir, exist_ok=True)
   cfg = cs.SyntheticConfig(num_rows=args.rows, scale=0.01, seed=0)
   tsv = os.path.join(args.workdir, f"train-{args.rows}.txt")
@@ -150,14 +134,19 @@ def main(argv=None):
     "CPU rows/s = rows / CPU seconds of the benchmark and its workers (the code's own cost); "
     "wall rows/s depends on the neighbours.",
     "",
-    "| step | wall rows/s | CPU rows/s | wall MiB/s |",
-    "|---|---:|---:|---:|",
+    common.md_table(
+      ["step", "wall rows/s", "CPU rows/s", "wall MiB/s"],
+      [
+        [
+          what[name],
+          f"{r['rows_per_s_wall']:,.0f}",
+          f"{r['rows_per_s_cpu']:,.0f}",
+          f"{r['mib_per_s_wall']:,.0f}",
+        ]
+        for name, r in results.items()
+      ],
+    ),
   ]
-  for name, r in results.items():
-    lines.append(
-      f"| {what[name]} | {r['rows_per_s_wall']:,.0f} | {r['rows_per_s_cpu']:,.0f} | "
-      f"{r['mib_per_s_wall']:,.0f} |"
-    )
   h = results["hash"]
   met = "met" if h["rows_per_s_wall"] >= TARGET_ROWS_PER_S else "NOT met"
   lines += [
@@ -176,11 +165,7 @@ def main(argv=None):
     "results": results,
     "synthetic": {"config": side["config"], "oracle_auc": side["oracle_auc"]},
   }
-  RESULTS.mkdir(parents=True, exist_ok=True)
-  (RESULTS / "criteo_reader.json").write_text(json.dumps(payload, indent=2) + "\n")
-  (RESULTS / "criteo_reader.md").write_text("\n".join(lines))
-  print("\n".join(lines))
-  print(f"wrote {RESULTS / 'criteo_reader'}.json and .md")
+  common.write_results("criteo_reader", payload, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -23,11 +23,9 @@ Writes benchmarks/results/data.{json,md}.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -35,22 +33,13 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import common  # noqa: E402  (benchmarks/common.py)
+
 from recgnn.data import criteo, pipeline, tfds_builders  # noqa: E402
 from recgnn.data import criteo_synthetic as cs  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = common.RESULTS
 TARGET_ROWS_PER_S = 300_000
-
-
-def machine_info() -> dict:
-  return {
-    "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "host": platform.node(),
-    "python": platform.python_version(),
-    "cpus": len(os.sched_getaffinity(0)),
-    "load_avg_at_start": os.getloadavg(),
-    "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-  }
 
 
 def measure(it, steps: int) -> dict:
@@ -77,7 +66,7 @@ def main():
   args = ap.parse_args()
   if args.quick:
     args.rows, args.reps, args.steps = 50_000, 1, 10
-  info = machine_info()
+  info = common.machine_info()
   manual = os.path.join(args.workdir, f"manual_{args.rows}")
   os.makedirs(manual, exist_ok=True)
   tsv = os.path.join(manual, "train.txt")
@@ -135,11 +124,11 @@ def main():
     f"{info['date_utc']}, {info['cpus']} CPUs, load average {info['load_avg_at_start'][0]:.1f} at "
     f"start, {min(loads):.1f}-{max(loads):.1f} during. `{info['command']}`",
     "",
-    "| path | rows/s (wall) | x memmap | rows/s per CPU second |",
-    "|---|---:|---:|---:|",
+    common.md_table(
+      ["path", "rows/s (wall)", "x memmap", "rows/s per CPU second"],
+      [[k, f"{med[k]:,.0f}", f"{med[k] / med['memmap']:.3f}", f"{cpu[k]:,.0f}"] for k in med],
+    ),
   ]
-  for k in med:
-    lines.append(f"| {k} | {med[k]:,.0f} | {med[k] / med['memmap']:.3f} | {cpu[k]:,.0f} |")
   lines += [
     "",
     f"Preparation: memmap cache {t_mm:.1f} s, TFDS build {t_tfds:.1f} s (0 when reused).",

@@ -55,10 +55,10 @@ sys.path.insert(
   0, os.environ.get("RECGNN_BENCH_SRC") or str(pathlib.Path(__file__).resolve().parents[1])
 )
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import common  # noqa: E402  (benchmarks/common.py)
 import peers_dlrm  # noqa: E402
-import sparse_update  # noqa: E402  (shared timing and results helpers)
 
-from recgnn import hostmem  # noqa: E402
+from recgnn import hostmem, sharding  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402
 from recgnn.models import dlrm as dlrm_lib  # noqa: E402
 from recgnn.tasks import ctr  # noqa: E402
@@ -89,7 +89,7 @@ def make_batches(cfg: peers_dlrm.DlrmConfig, batch: int, n: int, zipf: float, se
   rng = np.random.default_rng(seed)
   out = []
   for _ in range(n):
-    ids = np.stack([sparse_update.zipf_ids(rng, rows, (batch,), zipf) for rows in cfg.rows], axis=1)
+    ids = np.stack([common.zipf_ids(rng, rows, (batch,), zipf) for rows in cfg.rows], axis=1)
     dense = rng.normal(size=(batch, cfg.num_dense)).astype(np.float32)
     labels = (rng.random(batch) < 0.25).astype(np.float32)
     out.append(peers_dlrm.Batch.of(dense, ids, labels))
@@ -106,8 +106,8 @@ def table_names(cfg: peers_dlrm.DlrmConfig) -> list[str]:
 class BenchCTR(ctr.CTR):
   """The CTR task's model and loss over tables of given sizes, without opening a dataset."""
 
-  def __init__(self, config: ml_collections.ConfigDict, cfg: peers_dlrm.DlrmConfig):
-    Task.__init__(self, config)
+  def __init__(self, config: ml_collections.ConfigDict, cfg: peers_dlrm.DlrmConfig, mesh):
+    Task.__init__(self, config, mesh)
     self.data, self.oracle = None, None
     self.names = table_names(cfg)
     self.rows = cfg.rows
@@ -151,8 +151,8 @@ class Recgnn:
   def __init__(self, cfg: peers_dlrm.DlrmConfig, batches, plan=((".*", "dense"),), seed=0):
     self.cfg = cfg
     self.config = recgnn_config(cfg)
-    self.task = BenchCTR(self.config, cfg)
-    self.plan = base.resolve_plan(list(plan), self.task.tables(), log=False)
+    self.task = BenchCTR(self.config, cfg, sharding.make_mesh(1, 1))
+    self.plan = base.resolve_plan(list(plan), self.task.tables(), self.task.mesh, log=False)
     self.tx = step_lib.make_optimizer(ml_collections.ConfigDict(self.config.optimizer))
     self.host = [to_recgnn_batch(b, self.task.names) for b in batches]
     # What the trainer's input thread does ahead of the step: prepare + one packed transfer.
@@ -184,7 +184,7 @@ class Recgnn:
     def fn(state, packed):
       return self.packed_step(state, *packed)[0]
 
-    return sparse_update.jitted_runner(fn, self.init_state(), self.packed)
+    return common.jitted_runner(fn, self.init_state(), self.packed)
 
   def loss(self, state) -> float:
     """The loss of batch 0 under `state` (a sanity check that training moves)."""
@@ -291,22 +291,22 @@ def profile_pieces(rec: Recgnn, args) -> dict:
   runners["full_step"] = rec.runner()
   # The same step over unpacked, already-placed inputs: what the packing (one transfer per
   # batch, sliced apart inside the step by a shard_map) costs or saves.
-  runners["unpacked_step"] = sparse_update.jitted_runner(
+  runners["unpacked_step"] = common.jitted_runner(
     lambda s, inp: rec.train_step(s, *inp)[0], rec.init_state(), rec.inputs
   )
-  runners["dense_part"] = sparse_update.jitted_runner(
+  runners["dense_part"] = common.jitted_runner(
     lambda s, inp: dense_part(s[:2], inp)[:2], (params, rec.tx.init(params)), [(batch0, pooled0)]
   )
-  runners["bottom_mlp"] = sparse_update.jitted_runner(bottom_mlp, p["bottom"], [data])
-  runners["interaction"] = sparse_update.jitted_runner(
+  runners["bottom_mlp"] = common.jitted_runner(bottom_mlp, p["bottom"], [data])
+  runners["interaction"] = common.jitted_runner(
     make_interaction(dlrm_lib.dot_interaction), data["feats"], [data]
   )
-  runners["top_mlp"] = sparse_update.jitted_runner(top_mlp, p["top"], [data])
-  runners["embeddings"] = sparse_update.jitted_runner(
+  runners["top_mlp"] = common.jitted_runner(top_mlp, p["top"], [data])
+  runners["embeddings"] = common.jitted_runner(
     lambda s, inp: emb_step(s, inp[0]), state.emb, rec.inputs
   )
   for idea, fn in INTERACTIONS.items():
-    runners[f"interaction[{idea}]"] = sparse_update.jitted_runner(
+    runners[f"interaction[{idea}]"] = common.jitted_runner(
       make_interaction(fn), data["feats"], [data]
     )
   one = OneGather(rec)
@@ -315,7 +315,7 @@ def profile_pieces(rec: Recgnn, args) -> dict:
     runners[f"idea:interaction={idea}"] = patched_runner(rec, fn)
   for n in runners:
     steps[n] = args.steps_per_rep
-  timing = sparse_update.interleaved_timing(runners, args.warmup, args.reps, steps)
+  timing = common.interleaved_timing(runners, args.warmup, args.reps, steps)
   out = {
     n: {
       "wall_ms": t["step_ms"],
@@ -381,7 +381,7 @@ class OneGather:
     return table, st.params, st.opt_state
 
   def runner(self):
-    return sparse_update.jitted_runner(self.step, self.init_state(), self.inputs)
+    return common.jitted_runner(self.step, self.init_state(), self.inputs)
 
   def check_against(self, rec: Recgnn, steps: int = 3) -> float:
     """Max |table difference| between this and recgnn's step after `steps` steps."""
@@ -433,7 +433,7 @@ def patched_runner(rec: Recgnn, interaction):
   def fn(state, inputs):
     return compiled(state, *inputs)[0]
 
-  return sparse_update.jitted_runner(fn, state, rec.inputs)
+  return common.jitted_runner(fn, state, rec.inputs)
 
 
 IDEAS = {
@@ -551,7 +551,7 @@ def time_in_process(args, contestants: list[str]) -> dict:
   """Times `contestants` ('recgnn' and peers) in this process, round-robin; the payload."""
   cfg = cfg_of(args)
   batches = make_batches(cfg, args.batch, args.num_batches, args.zipf, args.seed)
-  machine = sparse_update.machine_info()
+  machine = common.machine_info()
 
   results: dict[str, dict] = {}
   runners = {}
@@ -572,7 +572,7 @@ def time_in_process(args, contestants: list[str]) -> dict:
     runners[name] = peers_dlrm.runner(name, cfg, batches, seed=args.seed)
 
   t0 = time.perf_counter()
-  timing = sparse_update.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
+  timing = common.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
   elapsed = time.perf_counter() - t0
   for name, t in timing.items():
     results[name] = {"samples_per_s": 1e3 * args.batch / t["step_ms"], **t}
@@ -771,7 +771,7 @@ def _run_processes(args, tmp: str) -> dict:
       skipped[p] = avail.get(p, f"unknown peer {p!r}")
       print(f"peer {p}: not available ({skipped[p]})", flush=True)
   runs: dict[str, list[dict]] = {c: [] for c in contestants}
-  machine = sparse_update.machine_info()
+  machine = common.machine_info()
   t_start = time.perf_counter()
   for r in range(args.processes):
     order = contestants[r % len(contestants) :] + contestants[: r % len(contestants)]
@@ -981,7 +981,7 @@ def main(argv=None):
 
   if args.processes:
     payload = run_processes(args)
-    sparse_update.write_results(args.name, payload, markdown_processes(payload))
+    common.write_results(args.name, payload, markdown_processes(payload))
     return payload
   contestants = ([] if args.no_recgnn else ["recgnn"]) + [s for s in args.peers.split(",") if s]
   payload = time_in_process(args, contestants)
@@ -989,7 +989,7 @@ def main(argv=None):
     with open(args.child_out, "w") as f:
       json.dump(payload, f)
     return payload
-  sparse_update.write_results(args.name, payload, markdown(payload))
+  common.write_results(args.name, payload, markdown(payload))
   return payload
 
 

@@ -38,9 +38,9 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import sparse_update as common  # noqa: E402  (machine_info, write_results)
+import common  # noqa: E402  (benchmarks/common.py)
 
-from recgnn import hostplan, sharding  # noqa: E402
+from recgnn import hostplan  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402
 from recgnn.train import inputs, loop  # noqa: E402
 from recgnn.train import step as step_lib  # noqa: E402
@@ -93,8 +93,8 @@ def run_trainer(name: str, args) -> dict:
 def setup(name: str, num_batches: int):
   """(plan with initialised groups, feeder, batches) of an experiment."""
   c = importlib.import_module(f"experiments.{name}").get_config()
-  task = loop.load_task(c)
-  mesh = sharding.mesh_from_config(c.get("mesh", {}))
+  mesh = loop.config_mesh(c)
+  task = loop.load_task(c, mesh)
   plan = base.resolve_plan(list(map(tuple, c.embeddings.plan)), task.tables(), mesh, log=False)
   feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec)
   for g in plan.groups.values():

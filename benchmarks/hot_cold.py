@@ -42,7 +42,7 @@ import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import sparse_update as common  # noqa: E402  (machine_info, write_results, interleaved_timing)
+import common  # noqa: E402  (benchmarks/common.py)
 
 from experiments import ttrec_kaggle  # noqa: E402
 from recgnn import sharding  # noqa: E402
@@ -61,8 +61,8 @@ CURVE = (0.005, 0.01, 0.02, 0.05, 0.10, 0.20)
 class BenchTask(Task):
   """DLRM over given tables; random dense features and labels (timing only)."""
 
-  def __init__(self, specs, bottom, top):
-    super().__init__(ml_collections.ConfigDict())
+  def __init__(self, specs, bottom, top, mesh):
+    super().__init__(ml_collections.ConfigDict(), mesh)
     self.specs = specs
     self.model = DLRM(bottom=bottom, top=top)
 
@@ -112,10 +112,8 @@ def make_stream(args, specs, dist: str, seed: int = 0) -> list[dict[str, np.ndar
     if dist == "uniform":
       per_table[s.name] = rng.integers(0, n, size=shape).astype(np.int32)
       continue
-    cdf = np.cumsum(np.arange(1, n + 1, dtype=np.float64) ** -args.exponent)
-    cdf /= cdf[-1]
     perm = rng.permutation(n).astype(np.int32)
-    per_table[s.name] = perm[np.minimum(np.searchsorted(cdf, rng.random(shape)), n - 1)]
+    per_table[s.name] = common.zipf_ids(rng, n, shape, args.exponent, perm=perm)
   return [{n: v[k] for n, v in per_table.items()} for k in range(args.batches)]
 
 
@@ -171,7 +169,7 @@ def contestants(args, group) -> dict[str, tuple[str, float | None]]:
 
 def build_runner(args, name, rules, specs, stream, sample, mesh, key):
   plan = base.resolve_plan(rules, specs, mesh, log=False)
-  task = BenchTask(specs, tuple(args.bottom), tuple(args.top))
+  task = BenchTask(specs, tuple(args.bottom), tuple(args.top), mesh)
   tx = optax.adam(1e-3)
   for g in plan.groups.values():
     g.shard_batch = True

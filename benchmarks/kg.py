@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import time
 
@@ -47,6 +46,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import common  # noqa: E402  (benchmarks/common.py)
 import ml_collections  # noqa: E402
 
 from experiments import (  # noqa: E402
@@ -102,26 +102,22 @@ _KGE_WORKDIR = flags.DEFINE_string("kge_workdir", "", "kge_rescan: the finished 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/recgnn_kg_bench", "scratch for the runs")
 
 
+def _task(cfg) -> lp.LinkPrediction:
+  """The task of `cfg` on the mesh the trainer would build for it."""
+  return lp.LinkPrediction(cfg, loop.config_mesh(cfg))
+
+
 def _machine() -> dict:
-  return {
-    "platform": platform.platform(),
-    "cpus": os.cpu_count(),
-    "load_avg_1m_at_start": os.getloadavg()[0],
-    "jax": jax.__version__,
-    "backend": jax.default_backend(),
-  }
+  """common.machine_info() and the 1-minute load at the start, which the reports quote."""
+  info = common.machine_info()
+  return {**info, "load_avg_1m_at_start": info["load_avg_at_start"][0]}
 
 
 def _write(name: str, payload: dict, md: str):
-  os.makedirs(RESULTS, exist_ok=True)
   # Load at the start is the run's own record when there is one (kge_rescan keeps it).
   payload["machine"] = {**_machine(), **payload.get("machine", {})}
   payload["machine"]["load_avg_1_5_15m_at_end"] = list(os.getloadavg())
-  with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
-    json.dump(payload, f, indent=2, sort_keys=True)
-  with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-    f.write(md)
-  print(md)
+  common.write_results(name, payload, md, sort_keys=True)
 
 
 def _curve(workdir: str, steps_per_epoch: int, seconds_per_step: float) -> list[dict]:
@@ -185,7 +181,7 @@ def run_kge():
   if _EPOCHS.value:
     e = _EPOCHS.value
     cfg.train.epochs = int(e) if float(e).is_integer() else e
-  task = lp.LinkPrediction(cfg)
+  task = _task(cfg)
   spe = task.steps_per_epoch()
   cfg.train.eval_every = int(spe * _EVAL_EVERY.value)
   workdir = os.path.join(_WORKDIR.value, f"kge_{decoder}_{int(time.time())}")
@@ -280,7 +276,7 @@ def rescan_kge(workdir: str):
   with open(path) as f:
     payload = json.load(f)
   cfg = kge_fb15k237.get_config(decoder)
-  task = lp.LinkPrediction(cfg)
+  task = _task(cfg)
   spe = task.steps_per_epoch()
   step_s = _step_seconds(workdir, task)
   payload["train_seconds_est"] = payload["steps"] * step_s
@@ -299,7 +295,7 @@ def _train_epochs(cfg, name: str, epochs: float, step_seconds) -> tuple:
   """Train `cfg` for `epochs` in a fresh workdir, valid MRR once per epoch (the MRR-vs-time
   curve); seconds per step from `step_seconds(workdir, task)`. Returns (task, the run's
   figures, wall seconds, workdir)."""
-  task = lp.LinkPrediction(cfg)
+  task = _task(cfg)
   spe = task.steps_per_epoch()
   cfg.train.epochs = 0
   cfg.train.steps = int(round(spe * epochs))
@@ -382,7 +378,7 @@ def run_rgcn():
   if _REUSE_WHOLE.value:  # the whole-graph run of the previous results (same config)
     with open(os.path.join(RESULTS, "kg_rgcn.json")) as f:
       whole = json.load(f)["whole"]
-    whole_task = lp.LinkPrediction(rgcn_fb15k237.get_config())
+    whole_task = _task(rgcn_fb15k237.get_config())
   else:
     whole_task, whole = _rgcn_run(rgcn_fb15k237.get_config(), "rgcn_whole")
   part_cfg = rgcn_fb15k237_partitioned.get_config(str(P))
@@ -524,8 +520,8 @@ def _run(cfg, name: str, epochs: float) -> tuple:
 
 def _step_bytes(cfg) -> dict:
   """Bytes between devices per step (per device) from the compiled train step's HLO."""
-  task = lp.LinkPrediction(cfg)
-  mesh = sharding.mesh_from_config(cfg.mesh)
+  task = _task(cfg)
+  mesh = task.mesh
   plan = emb_base.resolve_plan(list(map(tuple, cfg.embeddings.plan)), task.tables(), mesh)
   tx = step_lib.make_optimizer(cfg.optimizer)
   batch = next(task.train_batches(0))
@@ -578,7 +574,7 @@ def _compare(name: str, title: str, get_config, parts_list, parallel: bool, brea
 
   def run(key, cfg, tag):
     if key in reused:
-      tasks[key], runs[key] = lp.LinkPrediction(cfg), reused[key]
+      tasks[key], runs[key] = _task(cfg), reused[key]
     else:
       tasks[key], runs[key] = _run(cfg, tag, epochs)
 

@@ -46,13 +46,12 @@ def direct(c) -> tuple[dict, object, object]:
   """The trainer's own pieces (task, plan, `inputs.prepare_stream`, `step.Feeder`, the
   jitted packed train / eval steps, `init_state`), fed from this thread in stream order
   without the trainer's input thread: (metrics, state, plan)."""
-  from recgnn import sharding
   from recgnn.embeddings import base
   from recgnn.train import inputs
   from recgnn.train import step as step_lib
 
-  task = loop.load_task(c)
-  mesh = sharding.mesh_from_config(c.mesh)
+  mesh = loop.config_mesh(c)
+  task = loop.load_task(c, mesh)
   plan = base.resolve_plan(list(map(tuple, c.embeddings.plan)), task.tables(), mesh, log=False)
   feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec)
   tx = step_lib.make_optimizer(c.optimizer)

@@ -32,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import sparse_update as common  # noqa: E402  (machine_info, write_results, interleaved_timing)
+import common  # noqa: E402  (benchmarks/common.py)
+import sparse_update  # noqa: E402  (its loss of pooled rows)
 
 from recgnn.embeddings import base  # noqa: E402
 from recgnn.train import inputs as inputs_lib  # noqa: E402
@@ -44,16 +45,13 @@ TARGET_RATIO = 1.3  # offload step at a 5% cache vs dense
 
 def make_batches(args, num: int, seed: int) -> list[np.ndarray]:
   """Zipf ids, P(rank r) ~ r^-exponent, hot rows scattered by ONE permutation for the whole
-  stream (a fresh permutation per batch, as sparse_update.zipf_ids draws, makes a stream
+  stream (a fresh permutation per batch, as common.zipf_ids draws by default, makes a stream
   with no reuse across batches)."""
   rng = np.random.default_rng(seed)
-  cdf = np.cumsum(np.arange(1, args.rows + 1, dtype=np.float64) ** -args.exponent)
-  cdf /= cdf[-1]
+  cdf = common.zipf_cdf(args.rows, args.exponent)
   perm = rng.permutation(args.rows).astype(np.int32)
   shape = (args.batch, args.bag)
-  return [
-    perm[np.minimum(np.searchsorted(cdf, rng.random(shape)), args.rows - 1)] for _ in range(num)
-  ]
+  return [perm[common.zipf_ranks(rng, cdf, shape)] for _ in range(num)]
 
 
 def spec_of(args) -> base.TableSpec:
@@ -116,7 +114,7 @@ def make_step(backend):
   def step(state, inputs):
     prepared, target = inputs
     pooled = backend.lookup(state, prepared)["t"]
-    g = jax.grad(common._loss_of_pooled)(pooled, target)
+    g = jax.grad(sparse_update._loss_of_pooled)(pooled, target)
     return backend.update(state, prepared, {"t": g})
 
   return jax.jit(step, donate_argnums=0)

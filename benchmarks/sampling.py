@@ -27,7 +27,7 @@ seeds drawn from its training split.
    holds it all, samples its k / 8 batches, moves nothing); the split sample checked equal
    to the 1-device one; GraphSAGE trained on a synthetic graph with the split sampler on an
    8-device mesh against the 1-device sampler on one device (test accuracy).
-   (--sections=split_ladies) The same for LADIES (recgnn.graphs.device_sampling.
+   (--sections=split_ladies) The same for LADIES (recgnn.graphs.split_sampling.
    SplitLadiesSampler: all-gather of the frontier, reduce-scatter of P = Q @ Ahat's
    entries): bytes per layer from the HLO, the sample checked against the 1-device one, and
    GraphSAGE with LADIES split over 8 devices vs 1 device. With --merge, added to an
@@ -52,7 +52,6 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
@@ -63,6 +62,8 @@ import numpy as np
 
 # Runnable as `python benchmarks/sampling.py` from a checkout without installing recgnn.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import common  # noqa: E402  (benchmarks/common.py)
+
 from recgnn import hostmem  # noqa: E402
 from recgnn.graphs import sampling, synthetic  # noqa: E402
 
@@ -108,6 +109,20 @@ def _endless(loader):
     yield from loader
 
 
+def pyg_method(graph, fanouts, bsz: int, batches: int):
+  """A timed contestant: `batches` of PyG's NeighborLoader -> (edges, batches, seconds)."""
+  it = _endless(pyg_loader(graph, fanouts, bsz, seed=0))
+
+  def pyg():
+    t0 = time.perf_counter()
+    edges = 0
+    for _ in range(batches):
+      edges += int(next(it).edge_index.shape[1])
+    return edges, batches, time.perf_counter() - t0
+
+  return pyg
+
+
 def bench_sampling(graph, args) -> dict[str, Any]:
   fanouts, bsz = args.fanouts, args.batch_size
   rng = np.random.default_rng(0)
@@ -139,40 +154,11 @@ def bench_sampling(graph, args) -> dict[str, Any]:
   methods[f"recgnn k={args.product_k}, scipy Q@A"] = ours(args.product_k, product)
   peer = pyg_status()
   if peer is None:
-    it = _endless(pyg_loader(graph, fanouts, bsz, seed=0))
+    methods["PyG NeighborLoader"] = pyg_method(graph, fanouts, bsz, args.pyg_batches)
 
-    def pyg():
-      t0 = time.perf_counter()
-      edges = 0
-      for _ in range(args.pyg_batches):
-        edges += int(next(it).edge_index.shape[1])
-      return edges, args.pyg_batches, time.perf_counter() - t0
-
-    methods["PyG NeighborLoader"] = pyg
-
-  for run in methods.values():  # warm-up: first-touch page faults, imports, thread pools
-    run()
-  rates: dict[str, list] = {m: [] for m in methods}
-  per_batch: dict[str, list] = {m: [] for m in methods}
-  for r in range(args.rounds):
-    for name, run in methods.items():
-      edges, batches, dt = run()
-      rates[name].append(edges / dt)
-      per_batch[name].append(edges / batches)
-    print(
-      f"round {r + 1}/{args.rounds}: "
-      + ", ".join(f"{m} {rates[m][-1] / 1e6:.2f}M" for m in methods),
-      flush=True,
-    )
-  out = {
-    name: {
-      "edges_per_second": statistics.median(v),
-      "all_rounds": v,
-      "edges_per_batch": statistics.median(per_batch[name]),
-      "seeds_per_second": statistics.median(v) / statistics.median(per_batch[name]) * bsz,
-    }
-    for name, v in rates.items()
-  }
+  out = _round_robin(methods, args.rounds, "sampling")
+  for r in out.values():
+    r["seeds_per_second"] = r["edges_per_second"] / r["edges_per_batch"] * bsz
   return {
     "methods": out,
     "pyg": peer or "available",
@@ -337,16 +323,7 @@ def bench_device(graph, args) -> dict[str, Any]:
   methods[f"ladies device k={lk}"] = device_run(lk, ldev, f"ladies device k={lk}")
   peer = pyg_status()
   if peer is None:
-    it = _endless(pyg_loader(graph, fanouts, bsz, seed=0))
-
-    def pyg():
-      t0 = time.perf_counter()
-      edges = 0
-      for _ in range(args.pyg_batches):
-        edges += int(next(it).edge_index.shape[1])
-      return edges, args.pyg_batches, time.perf_counter() - t0
-
-    methods["PyG NeighborLoader"] = pyg
+    methods["PyG NeighborLoader"] = pyg_method(graph, fanouts, bsz, args.pyg_batches)
   load_before = os.getloadavg()[0]
   out = _round_robin(methods, args.rounds, "device")
   return {
@@ -478,18 +455,8 @@ def _train(c) -> dict:
   }
 
 
-def bench_split(args) -> dict[str, Any]:
-  import jax
-
-  from recgnn import sharding
-  from recgnn.graphs import device_sampling
-
-  if jax.device_count() < 8:
-    raise SystemExit(
-      f"--sections=split needs 8 devices, found {jax.device_count()}: run it in its own "
-      "process (the script sets --xla_force_host_platform_device_count=8 unless XLA_FLAGS "
-      "already names a device count)."
-    )
+def split_graph(args):
+  """The synthetic graph of the split sections: (its spec, the graph)."""
   spec = synthetic.SyntheticSpec(
     num_nodes=args.split_nodes,
     num_edges=args.split_edges,
@@ -499,7 +466,22 @@ def bench_split(args) -> dict[str, Any]:
     feature_noise=args.split_noise,
     seed=0,
   )
-  graph = synthetic.generate(spec)
+  return spec, synthetic.generate(spec)
+
+
+def bench_split(args) -> dict[str, Any]:
+  import jax
+
+  from recgnn import sharding
+  from recgnn.graphs import device_sampling, split_sampling
+
+  if jax.device_count() < 8:
+    raise SystemExit(
+      f"--sections=split needs 8 devices, found {jax.device_count()}: run it in its own "
+      "process (the script sets --xla_force_host_platform_device_count=8 unless XLA_FLAGS "
+      "already names a device count)."
+    )
+  spec, graph = split_graph(args)
   mesh = sharding.make_mesh(1, 8)
   rng = np.random.default_rng(0)
   train = graph.splits["train"]
@@ -510,9 +492,9 @@ def bench_split(args) -> dict[str, Any]:
   )
   kw = dict(fanouts=fanouts, batch_size=bsz, capacities=caps)
   one = device_sampling.DeviceNeighborSampler(graph.adj, **kw)
-  split = device_sampling.SplitNeighborSampler(graph.adj, mesh=mesh, **kw)
-  a2a = device_sampling.SplitNeighborSampler(graph.adj, mesh=mesh, exchange="all_to_all", **kw)
-  fit = device_sampling.SplitNeighborSampler(
+  split = split_sampling.SplitNeighborSampler(graph.adj, mesh=mesh, **kw)
+  a2a = split_sampling.SplitNeighborSampler(graph.adj, mesh=mesh, exchange="all_to_all", **kw)
+  fit = split_sampling.SplitNeighborSampler(
     graph.adj, mesh=mesh, exchange="all_to_all", exchange_capacity=args.split_capacity, **kw
   )
   # The split sample is the 1-device sample (same key): checked here on the benchmark graph.
@@ -533,7 +515,7 @@ def bench_split(args) -> dict[str, Any]:
   hops = {}
   for k in args.split_ks:
     hs = split.hop_bytes(k)
-    rs = device_sampling.replicated_hop_bytes(one, mesh, k)
+    rs = split_sampling.replicated_hop_bytes(one, mesh, k)
     xs = a2a.hop_bytes(k)
     fs = fit.hop_bytes(k)
     hops[k] = [
@@ -586,26 +568,18 @@ def bench_split_ladies(args) -> dict[str, Any]:
   import jax
 
   from recgnn import sharding
-  from recgnn.graphs import device_sampling
+  from recgnn.graphs import device_sampling, split_sampling
 
   if jax.device_count() < 8:
     raise SystemExit(f"--sections=split_ladies needs 8 devices, found {jax.device_count()}")
   t_start = time.perf_counter()
   load = os.getloadavg()[0]
-  spec = synthetic.SyntheticSpec(
-    num_nodes=args.split_nodes,
-    num_edges=args.split_edges,
-    num_classes=10,
-    num_features=args.features,
-    feature_noise=args.split_noise,
-    seed=0,
-  )
-  graph = synthetic.generate(spec)
+  spec, graph = split_graph(args)
   mesh = sharding.make_mesh(1, 8)
   sizes, bsz = list(args.split_ladies_sizes), args.split_ladies_batch
   kw = dict(layer_sizes=sizes, batch_size=bsz)
   one = device_sampling.DeviceLadiesSampler(graph.adj, **kw)
-  split = device_sampling.SplitLadiesSampler(graph.adj, mesh=mesh, **kw)
+  split = split_sampling.SplitLadiesSampler(graph.adj, mesh=mesh, **kw)
   rng = np.random.default_rng(0)
   train = graph.splits["train"]
   seeds = split.pad_seeds(rng.choice(train, (8, bsz), replace=train.size < 8 * bsz))
@@ -937,7 +911,7 @@ def markdown(p: dict[str, Any]) -> str:
 def payload_machine(load: float, retained=None) -> str:
   kept = "" if retained is None else f", malloc keeps freed buffers: {retained}"
   return (
-    f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
+    f"{common.cpu_model()}, {os.cpu_count()} CPUs, load average "
     f"{load:.1f} at start{kept}, "
     f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}"
   )

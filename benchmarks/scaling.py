@@ -36,9 +36,9 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import common  # noqa: E402  (benchmarks/common.py)
 import dlrm_throughput as dt  # noqa: E402
 import peers_dlrm  # noqa: E402
-import sparse_update  # noqa: E402
 
 from recgnn import comms, sharding  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402
@@ -58,7 +58,7 @@ def measure(cfg, backend: str, mesh_shape, batches, args) -> dict:
   """Compile (and, where it fits, time) one configuration."""
   mesh = sharding.make_mesh(*mesh_shape)
   config = dt.recgnn_config(cfg)
-  task = dt.BenchCTR(config, cfg)
+  task = dt.BenchCTR(config, cfg, mesh)
   text = backend
   if backend.startswith("offload"):
     text = f"offload(cache_rows={max(args.batch, int(0.05 * cfg.rows[0]))})"
@@ -202,7 +202,7 @@ def main(argv=None):
   rows = [int(x) for x in args.rows.split(",")]
   meshes = [parse_mesh(m) for m in args.meshes.split(",")]
   backends = [b.strip() for b in args.backends.split(";") if b.strip()]
-  machine = sparse_update.machine_info()
+  machine = common.machine_info()
   results = []
   for r in rows:
     cfg = peers_dlrm.DlrmConfig(num_rows=r, num_tables=args.tables, dim=args.dim)
@@ -224,10 +224,10 @@ def main(argv=None):
       same[f"{b} @ {name}"] = len(vals) == 1
   args_d = {**vars(args), "rows": rows, "backends": backends}
   payload = {"machine": machine, "args": args_d, "results": results, "rows_independent": same}
-  sparse_update.write_results(args.name, payload, markdown(payload))
+  common.write_results(args.name, payload, markdown(payload))
   try:
-    plot(payload, sparse_update.RESULTS / f"{args.name}.png")
-    print(f"wrote {sparse_update.RESULTS / args.name}.png")
+    plot(payload, common.RESULTS / f"{args.name}.png")
+    print(f"wrote {common.RESULTS / args.name}.png")
   except ImportError:
     print("matplotlib not installed (pip install -e '.[bench]'): no PNG")
 

@@ -38,6 +38,8 @@ import numpy as np  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import common  # noqa: E402  (benchmarks/common.py)
+
 from recgnn import comms, sharding  # noqa: E402
 from recgnn.embeddings import base, codecs, sharded  # noqa: E402
 
@@ -128,13 +130,7 @@ def section_codec(args) -> list[dict]:
       return codec.decode(payload, bounds), ok
 
     f = jax.jit(roundtrip)
-    jax.block_until_ready(f(segs, bounds))
-    times = []
-    for _ in range(args.repeats):
-      t = time.perf_counter()
-      jax.block_until_ready(f(segs, bounds))
-      times.append(time.perf_counter() - t)
-    sec = float(np.median(times))
+    sec = common.time_calls(lambda f=f: f(segs, bounds), args.repeats)["median_s"]
     out.append(
       {"codec": name, "message_bytes": nbytes, "seconds": sec, "gb_per_s": nbytes / sec / 1e9}
     )

@@ -1,7 +1,7 @@
 """Train-step time vs table size: the `dense` backend's sparse update against a naive step.
 
-The rule this checks (DESIGN.md): no step costs O(rows in a table). Both steps look up the
-same batch of ids in one table, take a tiny loss and update the table with SGD:
+The rule this checks (docs/architecture.md): no step costs O(rows in a table). Both steps look
+up the same batch of ids in one table, take a tiny loss and update the table with SGD:
 
   dense   recgnn's `dense` backend (contract v2, a group of one table): pooled lookup ->
           loss -> grad w.r.t. the pooled rows -> `backend.update` (unpooled: a scatter-add
@@ -22,15 +22,9 @@ Writes benchmarks/results/sparse_update.{json,md}.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import pathlib
-import platform
-import resource
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,118 +35,11 @@ import optax
 
 # Runnable as `python benchmarks/sparse_update.py` from a checkout without installing recgnn.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import common  # noqa: E402  (benchmarks/common.py)
+
 from recgnn.embeddings import base  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 TARGET_RATIO = 1.3
-# Environment variables that change what is measured; recorded with the results.
-ENV_RECORDED = ("XLA_FLAGS", "GLIBC_TUNABLES", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")
-
-
-# ----------------------------------------------------------------------------- shared helpers
-
-
-def machine_info() -> dict:
-  """What the numbers were measured on (the machine is shared: load average included)."""
-  return {
-    "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "host": platform.node(),
-    "python": platform.python_version(),
-    "jax": jax.__version__,
-    "jax_backend": jax.default_backend(),
-    "jax_devices": [str(d) for d in jax.devices()],
-    "cpus": len(os.sched_getaffinity(0)),
-    "load_avg_at_start": os.getloadavg(),
-    "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
-    "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-  }
-
-
-def write_results(name: str, payload: dict, markdown: str, out_dir: pathlib.Path = RESULTS):
-  """results/<name>.json (payload) and results/<name>.md (markdown); prints the markdown."""
-  out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-  (out_dir / f"{name}.md").write_text(markdown)
-  print(markdown)
-  print(f"wrote {out_dir / name}.json and .md")
-
-
-def jitted_runner(fn, state, inputs):
-  """run(k): k steps of `state = fn(state, inputs[i])` (state donated), then block on it.
-
-  Blocking at the end of each run puts asynchronous dispatch inside the measurement.
-  """
-  box = {"state": state, "i": 0}
-
-  def run(k: int):
-    st = box["state"]
-    for _ in range(k):
-      st = fn(st, inputs[box["i"] % len(inputs)])
-      box["i"] += 1
-    box["state"] = jax.block_until_ready(st)
-    return box["state"]
-
-  run.box = box
-  return run
-
-
-def interleaved_timing(
-  runners: dict[str, Callable[[int], Any]],
-  warmup: int,
-  reps: int,
-  steps_per_rep: dict[str, int] | int,
-) -> dict[str, dict]:
-  """Times several contestants in round-robin: rep r of each before rep r + 1 of any.
-
-  The machine is shared; interleaving exposes every contestant to the same load, so their
-  ratios are fair even when the absolute numbers drift. Returns, per name,
-  {"step_ms": median over reps of the mean step time, "per_rep_ms": [...]}.
-  """
-  if isinstance(steps_per_rep, int):
-    steps_per_rep = dict.fromkeys(runners, steps_per_rep)
-  for run in runners.values():
-    run(warmup)
-  per = {n: [] for n in runners}
-  usage = {n: np.zeros(3) for n in runners}  # minor page faults, user s, system s
-  for _ in range(reps):
-    for n, run in runners.items():
-      k = steps_per_rep[n]
-      r0 = resource.getrusage(resource.RUSAGE_SELF)
-      t0 = time.perf_counter()
-      run(k)
-      per[n].append((time.perf_counter() - t0) / k)
-      r1 = resource.getrusage(resource.RUSAGE_SELF)
-      usage[n] += [
-        r1.ru_minflt - r0.ru_minflt,
-        r1.ru_utime - r0.ru_utime,
-        r1.ru_stime - r0.ru_stime,
-      ]
-  out = {}
-  for n, v in per.items():
-    steps = reps * steps_per_rep[n]
-    faults, user, system = usage[n] / steps
-    out[n] = {
-      "step_ms": 1e3 * statistics.median(v),
-      "per_rep_ms": [1e3 * x for x in v],
-      # Process-wide counters over this contestant's reps (contestants run one at a time).
-      "minor_faults_per_step": float(faults),
-      "cpu_user_ms_per_step": 1e3 * float(user),
-      "cpu_system_ms_per_step": 1e3 * float(system),
-    }
-  return out
-
-
-def zipf_ids(rng: np.random.Generator, num_rows: int, shape, exponent: float) -> np.ndarray:
-  """Ids with P(rank r) ~ r^-exponent over [0, num_rows), ranks scattered by a permutation.
-
-  A bounded Zipf (numpy's is unbounded); hot rows land anywhere in the table, as with hashed
-  categorical features.
-  """
-  w = np.arange(1, num_rows + 1, dtype=np.float64) ** -exponent
-  cdf = np.cumsum(w)
-  cdf /= cdf[-1]
-  ranks = np.minimum(np.searchsorted(cdf, rng.random(shape)), num_rows - 1)
-  return rng.permutation(num_rows)[ranks].astype(np.int64)
 
 
 # ----------------------------------------------------------------------------- the two steps
@@ -197,7 +84,7 @@ def make_naive_step(tx: optax.GradientTransformation):
 def make_ids(args, rng, num_rows: int) -> np.ndarray:
   shape = (args.batch, args.lookups)
   if args.ids == "zipf":
-    return zipf_ids(rng, num_rows, shape, args.zipf_exponent)
+    return common.zipf_ids(rng, num_rows, shape, args.zipf_exponent)
   return rng.integers(0, num_rows, shape, dtype=np.int64)
 
 
@@ -217,14 +104,14 @@ def build_runners(num_rows: int, args, rng: np.random.Generator) -> dict[str, Ca
   # Host-side `prepare` is off the step's path (the input pipeline does it); transfers done.
   prepared = [jax.device_put(backend.prepare({"t": i})) for i in ids]
   runners = {
-    "dense": jitted_runner(
+    "dense": common.jitted_runner(
       make_dense_step(backend), backend.init(jax.random.key(0)), list(zip(prepared, targets))
     )
   }
   if num_rows <= args.naive_max_rows:
     tx = optax.sgd(args.lr)
     table = jnp.asarray(base.init_table(base.table_key(jax.random.key(0), "t"), spec))
-    runners["naive"] = jitted_runner(
+    runners["naive"] = common.jitted_runner(
       make_naive_step(tx),
       (table, tx.init(table)),
       [(jax.device_put(i.astype(np.int32)), t) for i, t in zip(ids, targets)],
@@ -410,14 +297,14 @@ def main(argv=None):
   sizes = sorted(int(float(s)) for s in args.rows.split(","))
 
   rng = np.random.default_rng(0)
-  machine = machine_info()
+  machine = common.machine_info()
   runners, steps = {}, {}
   for n in sizes:
     for variant, run in build_runners(n, args, rng).items():
       runners[(n, variant)] = run
       steps[(n, variant)] = args.naive_steps_per_rep if variant == "naive" else args.steps_per_rep
   # All sizes and both variants are timed in round-robin, so load changes hit them alike.
-  timing = interleaved_timing(runners, args.warmup, args.reps, steps)
+  timing = common.interleaved_timing(runners, args.warmup, args.reps, steps)
   results = []
   for n in sizes:
     r = {"num_rows": n, "table_mib": n * args.dim * 4 / 2**20}
@@ -458,7 +345,7 @@ def main(argv=None):
     "summary": summary,
     "same_update_max_abs_diff": check_same_update(args),
   }
-  write_results(args.name, payload, markdown(payload))
+  common.write_results(args.name, payload, markdown(payload))
   return payload
 
 

@@ -71,7 +71,7 @@ import numpy as np
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
-import sparse_update  # noqa: E402  (machine_info, write_results)
+import common  # noqa: E402  (benchmarks/common.py)
 
 from recgnn.embeddings import base, tt  # noqa: E402
 
@@ -91,7 +91,9 @@ def compression(ranks=KAGGLE_RANKS, trained: bool = True) -> dict:
   if trained:
     from recgnn.train import loop
 
-    sizes["synthetic_trained"] = loop.load_task(dlrm_kaggle.get_config()).data.cardinalities
+    config = dlrm_kaggle.get_config()
+    task = loop.load_task(config, loop.config_mesh(config))
+    sizes["synthetic_trained"] = task.data.cardinalities
   out = {}
   for what, cards in sizes.items():
     rows = []
@@ -135,10 +137,7 @@ def compression_md(res: dict) -> str:
 
 def zipf_ids(rng, num_rows, shape, exponent=1.1, order="frequency", perm_seed=0):
   """int32 ids with P(rank r) ~ (r + 1)^-exponent; `hashed` scatters ranks over the rows."""
-  p = 1.0 / np.arange(1, num_rows + 1, dtype=np.float64) ** exponent
-  cdf = np.cumsum(p)
-  cdf /= cdf[-1]
-  ranks = np.minimum(np.searchsorted(cdf, rng.random(shape)), num_rows - 1)
+  ranks = common.zipf_ranks(rng, common.zipf_cdf(num_rows, exponent), shape)
   if order == "hashed":
     # An odd-multiplier bijection mod a power of two >= N, folded into [0, N).
     m = 1 << int(num_rows - 1).bit_length()
@@ -274,7 +273,8 @@ def train_step(args) -> dict:
   from recgnn.train import step as step_lib
 
   configs = _step_configs(args)
-  task = loop.load_task(next(iter(configs.values())))
+  first = next(iter(configs.values()))
+  task = loop.load_task(first, loop.config_mesh(first))
   stream = task.train_batches(0)
   batches = [next(stream) for _ in range(args.step_batches)]
   runs = {}
@@ -603,7 +603,7 @@ def nimble_step(args) -> dict:
   runs = {}
   for variant in args.nimble_step_variants:
     config = exp.get_config(variant)
-    task = loop.load_task(config)
+    task = loop.load_task(config, loop.config_mesh(config))
     stream = task.train_batches(0)
     batches = [next(stream) for _ in range(args.step_batches)]
     plan = base.resolve_plan(list(map(tuple, config.embeddings.plan)), task.tables(), log=False)
@@ -851,7 +851,7 @@ def main(argv=None):
     args.rows, args.batches, args.reps, args.steps = 1_000_000, 4, 3, 5
     args.step_batches, args.seeds, args.quality_steps = 3, [0], 50
     args.nimble_experiment, args.nimble_steps = "sage_tt_cora", 20
-  payload = {"machine": sparse_update.machine_info(), "args": vars(args)}
+  payload = {"machine": common.machine_info(), "args": vars(args)}
   md = [f"## TT-Rec benchmarks\n\n`{payload['machine']['command']}`\n"]
   for s in args.sections.split(","):
     if s not in SECTIONS:
@@ -860,9 +860,9 @@ def main(argv=None):
     print(f"== {s}", flush=True)
     payload[s] = run(args)
     md.append(to_md(payload[s]))
-  sparse_update.write_results(args.name, payload, "\n".join(md))
+  common.write_results(args.name, payload, "\n".join(md))
   if "nimble" in payload:
-    nimble_plot(payload["nimble"], sparse_update.RESULTS / f"{args.name}.png")
+    nimble_plot(payload["nimble"], common.RESULTS / f"{args.name}.png")
 
 
 if __name__ == "__main__":

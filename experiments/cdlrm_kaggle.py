@@ -20,24 +20,15 @@ Overriding --config.train.batch_size does not update min_cache_rows; pass the ar
 "min_rows=N" too if the new batch is larger.
 """
 
-from experiments import dlrm_kaggle
+from experiments import _options, dlrm_kaggle
 
 CACHE_FRACTION = 0.03
 POLICY = "lookahead"
 LOOKAHEAD = 8  # cDLRM's look-ahead window
 
 
-def _options(arg: str | None) -> dict[str, str]:
-  out = {}
-  for item in filter(None, (arg or "").split(",")):
-    k, sep, v = item.partition("=")
-    if not sep or k.strip() not in ("policy", "fraction", "lookahead", "min_rows"):
-      raise ValueError(
-        f"cdlrm_kaggle: bad arg item {item!r}; expected policy=, fraction=, lookahead=, "
-        "min_rows= (comma-separated)"
-      )
-    out[k.strip()] = v.strip()
-  return out
+# min_rows 0: the train batch size (a batch must fit its cache).
+DEFAULTS = {"policy": POLICY, "fraction": CACHE_FRACTION, "lookahead": LOOKAHEAD, "min_rows": 0}
 
 
 def dense_table_bytes(config) -> int:
@@ -55,14 +46,14 @@ def dense_table_bytes(config) -> int:
 
 def get_config(arg=None):
   c = dlrm_kaggle.get_config()
-  o = _options(arg)
-  fraction = float(o.get("fraction", CACHE_FRACTION))
-  min_rows = int(o.get("min_rows", c.train.batch_size))
+  o = _options.parse(arg, DEFAULTS, name="cdlrm_kaggle")
+  fraction = o["fraction"]
+  min_rows = o["min_rows"] or c.train.batch_size
   c.embeddings.plan = (
     (
       ".*",
       f"offload(cache_fraction={fraction}, min_cache_rows={min_rows}, "
-      f"policy={o.get('policy', POLICY)}, lookahead={int(o.get('lookahead', LOOKAHEAD))})",
+      f"policy={o['policy']}, lookahead={o['lookahead']})",
     ),
   )
   c.device_memory_budget = str(dense_table_bytes(c) // 10)

@@ -7,11 +7,12 @@ model, known oracle AUC). With --config.data.path=/path/to/train.txt, on the rea
 
 import ml_collections
 
+from experiments import _options
 from recgnn.data import criteo
 
 
 def get_config(arg=None):
-  del arg
+  _options.parse(arg, {}, name="dlrm_kaggle")  # no options: an ARG would be ignored
   c = ml_collections.ConfigDict()
   c.task = "ctr"
   c.seed = 0

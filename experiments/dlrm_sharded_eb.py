@@ -14,5 +14,6 @@ from experiments import dlrm_sharded
 
 def get_config(arg=None):
   c = dlrm_sharded.get_config()
-  c.embeddings.plan = ((".*", dlrm_sharded.backend(arg, "codec=eb")),)
+  c.embeddings.plan = ((".*", dlrm_sharded.backend(arg, "codec=eb", name="dlrm_sharded_eb")),)
+  dlrm_sharded.check_backend(c.embeddings.plan[0][1])
   return c

@@ -37,7 +37,7 @@ STEPS_PER_EPOCH = 1674  # the synthetic default's train split at batch 2048 (dlr
 
 def parse_arg(arg: str | None) -> dict:
   """'budget=0.01,tables=10' -> DEFAULTS updated."""
-  return _options.parse(arg, DEFAULTS)
+  return _options.parse(arg, DEFAULTS, name="hotline_kaggle")
 
 
 def hot_cold_text(options: dict, steps_per_epoch: int = STEPS_PER_EPOCH) -> str:

@@ -2,6 +2,7 @@
 
 import ml_collections
 
+from experiments import _options
 from recgnn.models import kge
 
 # Per decoder: (entity width, regularizer, reg weight, gamma, Adagrad lr). Bilinear decoders
@@ -18,11 +19,12 @@ _DEFAULTS = {
 
 
 def get_config(arg=None):
-  decoder = arg or "complex"
-  if decoder not in _DEFAULTS:
-    raise ValueError(
-      f"Unknown decoder {decoder!r} for kge_fb15k237:DECODER; available: {', '.join(kge.DECODERS)}"
-    )
+  """arg: the decoder ("complex" by default, or decoder=NAME)."""
+  options = _options.parse(
+    arg, {"decoder": "complex"}, {"decoder": kge.DECODERS}, name="kge_fb15k237",
+    positional=("decoder",),
+  )  # fmt: skip
+  decoder = options["decoder"]
   dim, reg, lam, gamma, lr = _DEFAULTS[decoder]
   c = ml_collections.ConfigDict()
   c.task = "link_prediction"
@@ -60,7 +62,8 @@ def get_config(arg=None):
   c.train.checkpoint_every = 0
   c.train.keep_checkpoints = 1
 
-  c.negatives = ml_collections.ConfigDict({"kind": "uniform", "num": 256, "shared": False})
+  # Sampled scoring only (train.scoring=sampled); unset here, where 1vsall draws none.
+  c.negatives = ml_collections.ConfigDict({"kind": "", "num": 0, "shared": False})
   c.partition = ml_collections.ConfigDict(
     {
       "num_parts": 0,

@@ -1,10 +1,10 @@
 """R-GCN encoder (basis decomposition) + DistMult decoder on FB15k-237, whole graph."""
 
-from experiments import kge_fb15k237
+from experiments import _options, kge_fb15k237
 
 
 def get_config(arg=None):
-  del arg
+  _options.parse(arg, {}, name="rgcn_fb15k237")  # no options: an ARG would be ignored
   c = kge_fb15k237.get_config("distmult")
   c.model.encoder = "rgcn"
   # One layer: the halo of a partition is then its 1-hop in-neighbourhood.
@@ -19,13 +19,10 @@ def get_config(arg=None):
   c.embeddings.dim = 64
   # Edge mini-batches scored 1-vs-all against every encoded row (whole graph: all entities;
   # a partition: its core, so the negatives come from the partition). Sampled negatives
-  # (train.scoring=sampled, negatives.shared) learned ~5x slower per epoch here: 1,024 shared
-  # negatives, batches of 16,384, 3 epochs: test MRR 0.031.
+  # (train.scoring=sampled, negatives.num=1024, negatives.shared=True) learned ~5x slower per
+  # epoch here: 1,024 shared negatives, batches of 16,384, 3 epochs: test MRR 0.031.
   c.train.scoring = "1vsall"
-  c.train.group_queries = False
-  c.negatives.kind = "uniform"
-  c.negatives.num = 1024
-  c.negatives.shared = False
+  c.train.group_queries = False  # (kge's grouping is for an entity table without encoder)
   # Every step pays for the whole-graph encoder, so an epoch costs (edges / batch) passes.
   c.batch_size = 4096
   c.train.epochs = 0

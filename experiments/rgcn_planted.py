@@ -17,6 +17,7 @@ from experiments import rgcn_fb15k237, rgcn_fb15k237_partitioned
 
 def get_config(arg=None):
   """arg: "" (whole graph), "P" or "P,parallel" (as rgcn_fb15k237_partitioned)."""
+  rgcn_fb15k237_partitioned.parse_arg(arg, name="rgcn_planted")  # (refused here, not below)
   c = rgcn_fb15k237_partitioned.get_config(arg) if arg else rgcn_fb15k237.get_config()
   if not arg:
     c.mesh = ml_collections.ConfigDict({"data": 0, "model": 1})

@@ -2,9 +2,11 @@
 
 import ml_collections
 
+from experiments import _options
+
 
 def get_config(arg=None):
-  del arg
+  _options.parse(arg, {}, name="sage_cora")  # no options: an ARG would be ignored
   c = ml_collections.ConfigDict()
   c.task = "node_classification"
   c.seed = 0

@@ -44,7 +44,7 @@ def plan_string(options: dict, num_rows: int) -> str:
 
 
 def parse_arg(arg: str | None) -> dict:
-  return _options.parse(arg, DEFAULTS, {"table": TABLES})
+  return _options.parse(arg, DEFAULTS, {"table": TABLES}, name="sage_node_table")
 
 
 def get_config(arg=None):

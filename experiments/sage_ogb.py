@@ -1,6 +1,6 @@
 """GraphSAGE on an OGB node-property dataset read from --config.data.path (e.g. ogbn-arxiv)."""
 
-from experiments import sage_cora
+from experiments import _options, sage_cora
 
 
 def get_config(arg=None):
@@ -8,7 +8,7 @@ def get_config(arg=None):
   c = sage_cora.get_config()
   c.data.source = "ogb"
   c.data.path = ""  # required: the folder an OGB download unpacks to (holding raw/ and split/)
-  c.data.split = arg or ""
+  c.data.split = _options.parse(arg, {"split": ""}, name="sage_ogb", positional=("split",))["split"]
   # OGB's GraphSAGE baseline for arxiv: 3 layers, hidden 256, dropout 0.5, features.
   c.model.inputs = "features"
   c.model.hidden = 256

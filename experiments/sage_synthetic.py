@@ -2,11 +2,11 @@
 
 import ml_collections
 
-from experiments import sage_cora
+from experiments import _options, sage_cora
 
 
 def get_config(arg=None):
-  del arg
+  _options.parse(arg, {}, name="sage_synthetic")  # no options: an ARG would be ignored
   c = sage_cora.get_config()
   c.data.source = "synthetic"
   c.data.synthetic = ml_collections.ConfigDict(

@@ -15,7 +15,7 @@ from experiments import sage_cora, sage_tt_synthetic
 
 
 def get_config(arg=None):
-  options = sage_tt_synthetic.parse_arg(arg)
+  options = sage_tt_synthetic.parse_arg(arg, "sage_tt_cora")
   c = sage_cora.get_config()
   c.model.inputs = "embeddings"
   c.model.dropout = 0.5

@@ -13,7 +13,7 @@ from experiments import sage_ogb, sage_tt_synthetic
 
 
 def get_config(arg=None):
-  options = sage_tt_synthetic.parse_arg(arg)
+  options = sage_tt_synthetic.parse_arg(arg, "sage_tt_ogb")
   c = sage_ogb.get_config()
   c.model.inputs = "embeddings"
   c.embeddings.dim = 64

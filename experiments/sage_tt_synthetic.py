@@ -27,8 +27,8 @@ DEFAULTS = {"order": "partition", "init": "sampled_gaussian", "table": "tt", "ra
 INITS = ("sampled_gaussian", "orthogonal", "eigen")
 
 
-def parse_arg(arg: str | None) -> dict:
-  return _options.parse(arg, DEFAULTS, {"init": INITS, "table": ("tt", "dense")})
+def parse_arg(arg: str | None, name: str = "sage_tt_synthetic") -> dict:
+  return _options.parse(arg, DEFAULTS, {"init": INITS, "table": ("tt", "dense")}, name=name)
 
 
 def node_plan(c, options: dict, name: str) -> None:

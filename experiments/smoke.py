@@ -1,10 +1,11 @@
 """Tiny end-to-end run (seconds): small synthetic data, small DLRM, a few steps and a checkpoint."""
 
-from experiments import dlrm_kaggle
+from experiments import _options, dlrm_kaggle
 
 
 def get_config(arg=None):
-  c = dlrm_kaggle.get_config(arg)
+  _options.parse(arg, {}, name="smoke")  # no options: an ARG would be ignored
+  c = dlrm_kaggle.get_config()
   c.data.synthetic.rows = 70_000
   c.data.synthetic.scale = 0.0002
   c.model.bottom = (32, 8)

@@ -17,7 +17,7 @@ shows the tables actually trained.
 
 from __future__ import annotations
 
-from experiments import dlrm_kaggle
+from experiments import _options, dlrm_kaggle
 from recgnn.embeddings import base
 
 KAGGLE_CARDINALITIES = dlrm_kaggle.KAGGLE_CARDINALITIES
@@ -89,10 +89,9 @@ def format_report(title: str, rep: dict) -> str:
 
 def parse_arg(arg: str | None) -> dict:
   """'rank=16,cache_rows=10000' -> DEFAULTS updated (values are Python literals or words)."""
-  options = dict(DEFAULTS)
-  if arg:
-    _, parsed = base.parse_backend(f"tt({arg})")
-    options.update(parsed)
+  options = _options.parse(
+    arg, DEFAULTS, name="ttrec_kaggle", rest=True, usage="tables=K and tt(...)'s options"
+  )
   if not isinstance(options["tables"], int) or not 0 <= options["tables"] <= 26:
     raise ValueError(f"ttrec_kaggle: tables must be an int in [0, 26], got {options['tables']!r}")
   return options

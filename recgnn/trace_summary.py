@@ -38,6 +38,9 @@ dispatches ahead of the device, so a trace can hold executions of steps dispatch
 started: they are numbered back from the annotated steps, and one caught only in part is
 marked partial and left out of the mean. Without run ids (they come from XLA's annotations;
 a trace may lack them), the windows run from one host step annotation to the next.
+
+One concern in one file (over 500 lines): the per-step summary of a trace, from reading it
+(and the HLO that marks host ops) through interval arithmetic to the report and its CLI.
 """
 
 from __future__ import annotations

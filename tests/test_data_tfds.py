@@ -203,12 +203,12 @@ def _graphs_equal(a, b):
 
 
 def _nc_graph(**data):
-  """node_classification's graph for a data config (data.source=tfds selects the builders)."""
+  """The node task's graph for a data config (data.source=tfds selects the builders)."""
   import ml_collections
 
-  from recgnn.tasks import node_classification
+  from recgnn.graphs import loading
 
-  return node_classification._load_raw_graph(ml_collections.ConfigDict(data))
+  return loading.load_raw_graph(ml_collections.ConfigDict(data))
 
 
 def test_planetoid_builder_round_trips_cora(tmp_path):

@@ -11,6 +11,7 @@ from recgnn.graphs import sampling, synthetic
 from recgnn.models import graphsage
 from recgnn.tasks import node_classification as nc
 from recgnn.train import loop
+from tests.trainer_lib import make_task
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def small_config(inputs: str, steps: int) -> ml_collections.ConfigDict:
 
 
 def test_train_batches_resume_exactly():
-  task = nc.TASK(small_config("features", 10))
+  task = make_task(nc.TASK, small_config("features", 10))
   spe = -(-task.train_nodes.size // task.batch_size)
   it = task.train_batches(0)
   stream = [next(it) for _ in range(spe + 3)]
@@ -127,7 +128,7 @@ def test_trains_through_the_trainer(tmp_path, inputs):
 
 
 def test_embedding_batches_feed_the_node_table():
-  task = nc.TASK(small_config("embeddings", 10))
+  task = make_task(nc.TASK, small_config("embeddings", 10))
   (spec,) = task.tables()
   assert spec.name == "node" and spec.num_rows == 3000
   batch = next(task.train_batches(0))
@@ -146,15 +147,37 @@ def test_cora_short_run_through_the_trainer(tmp_path):
   assert res["test/accuracy"] > 0.75, res
 
 
+@pytest.mark.parametrize("option", ["capacities", "eval_capacities"])
+def test_ladies_refuses_capacities_of_its_own(option):
+  """LADIES pads its frontiers exactly (seeds + layer_sizes): worst and auto are honoured (the
+  same sizes), sizes per layer would be ignored and are refused, naming the option."""
+  c = small_config("features", 1)
+  c.sampler.kind = "ladies"
+  c.sampler.layer_sizes = (64, 64)
+  c.sampler[option] = "auto"
+  task = make_task(nc.TASK, c)
+  assert task.sampler.sizes == (128, 192, 256)
+  c.sampler[option] = "600,1200"
+  with pytest.raises(ValueError, match=rf"sampler.{option}=\(600, 1200\): sampler.kind=ladies"):
+    make_task(nc.TASK, c)
+  c.sampler.kind = "node"  # node-wise sampling honours them (padded frontier sizes)
+  task = make_task(nc.TASK, c)
+  sampler = task.sampler if option == "capacities" else task.eval_sampler
+  assert tuple(sampler.sizes[1:]) == (600, 1200)
+  c.sampler[option] = "100,x"
+  with pytest.raises(ValueError, match=rf"sampler.{option}='100,x': use auto, worst or"):
+    make_task(nc.TASK, c)
+
+
 def test_config_errors_name_the_fix():
   c = small_config("features", 1)
   c.data.synthetic.num_features = 0
   with pytest.raises(ValueError, match="model.inputs=embeddings"):
-    nc.TASK(c)
+    make_task(nc.TASK, c)
   c = small_config("features", 1)
   c.sampler.kind = "fancy"
   with pytest.raises(ValueError, match="available: node, ladies"):
-    nc.TASK(c)
+    make_task(nc.TASK, c)
 
 
 def test_aggregate_mean_handles_empty_rows():
@@ -186,12 +209,12 @@ def test_ogb_experiment_through_the_trainer(tmp_path):
   assert res["step"] == 6 and 0.0 <= res["test/accuracy"] <= 1.0
   c.data.path = ""
   with pytest.raises(ValueError, match="config.data.path"):
-    nc.TASK(c)
+    make_task(nc.TASK, c)
 
 
 def test_auto_capacities_drop_nothing_on_cora():
   """Cora's 140 training seeds are one batch: the trial must not shrink frontiers by repeats."""
-  task = nc.TASK(sage_cora.get_config())
+  task = make_task(nc.TASK, sage_cora.get_config())
   assert task.sampler.sizes[-1] < task.eval_sampler.sizes[-1]  # fitted, not worst case
   it = task.train_batches(0)
   for _ in range(30):

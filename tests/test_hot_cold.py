@@ -325,7 +325,8 @@ def test_trainer_micro_batches_and_resume_on_another_mesh(cache_dir, tmp_path):
   assert part.metrics["step"] == 5
   group = part.plan.groups["hot_cold"]
   # The split really ran: a popular micro-batch once the hot set is migrated in.
-  ids = next(iter(loop.load_task(_trainer_config(cache_dir, (1, 1), hot)).train_batches(5)))
+  one = _trainer_config(cache_dir, (1, 1), hot)
+  ids = next(iter(loop.load_task(one, loop.config_mesh(one)).train_batches(5)))
   p = group.prepare({n: ids["ids"][n] for n in group.specs}, train=True)
   assert p["micro"][0]["idx"].shape[0] > 0
   res = loop.train(_trainer_config(cache_dir, (1, 1), hot), wd, resume=True)

@@ -14,6 +14,21 @@ from experiments import kge_fb15k237, rgcn_fb15k237_partitioned
 from recgnn.data import kg as kg_lib
 from recgnn.models import kge, rgcn
 from recgnn.tasks import link_prediction as lp
+from tests.trainer_lib import make_task
+
+
+def ranks_from_scores(scores: np.ndarray, target: np.ndarray, filt: list[np.ndarray]):
+  """The reference of the task's jitted filtered ranks (numpy): scores f32[B, N], target
+  int[B], filt[i] the true answers of query i (the target among them or not).
+  Rank = 1 + #higher + #tied / 2."""
+  out = np.zeros(len(target), np.float64)
+  for i, (s, y) in enumerate(zip(scores, target)):
+    s = s.astype(np.float64).copy()
+    other = np.setdiff1d(filt[i], [y])
+    s[other] = -np.inf
+    out[i] = 1 + np.sum(s > s[y]) + (np.sum(s == s[y]) - 1) / 2
+  return out
+
 
 # ----------------------------------------------------------------------------- data
 
@@ -149,7 +164,9 @@ def _config(path, decoder="complex", **over):
   [("complex", True), ("distmult", False), ("rotate", True), ("transe", False)],
 )
 def test_filtered_ranks_equal_numpy_bruteforce(tmp_path, decoder, reciprocal):
-  task = lp.LinkPrediction(_config(_small_kg(tmp_path), decoder, **{"data.reciprocal": reciprocal}))
+  task = make_task(
+    lp.LinkPrediction, _config(_small_kg(tmp_path), decoder, **{"data.reciprocal": reciprocal})
+  )
   g = task.kg
   N = g.num_entities
   rng = np.random.default_rng(3)
@@ -194,7 +211,7 @@ def test_filtered_ranks_equal_numpy_bruteforce(tmp_path, decoder, reciprocal):
           s = np.array([_np_score(decoder, E[c], rv, E[t], gamma, p) for c in range(N)])
         filt = np.array([c for c in range(N) if (c, r, t) in true])
       del anchor
-      want.append(lp.ranks_from_scores(s[None], np.array([target]), [filt])[0])
+      want.append(ranks_from_scores(s[None], np.array([target]), [filt])[0])
   np.testing.assert_allclose(ranks, np.array(want), rtol=0, atol=1e-3)
   assert (sides[: len(g.splits["test"])] == 0).all()
   m = task.metrics([{"rank": ranks, "side": sides, "weight": np.ones_like(ranks)}])
@@ -204,7 +221,7 @@ def test_filtered_ranks_equal_numpy_bruteforce(tmp_path, decoder, reciprocal):
 def test_rank_tie_rule():
   s = np.array([[1.0, 3.0, 3.0, 3.0, 0.0]])
   # target 1 ties with 2 and 3; entity 3 is another true answer (filtered): rank 1 + 0 + 1/2
-  assert lp.ranks_from_scores(s, np.array([1]), [np.array([1, 3])])[0] == 1.5
+  assert ranks_from_scores(s, np.array([1]), [np.array([1, 3])])[0] == 1.5
 
 
 # ----------------------------------------------------------------------------- partitions
@@ -220,13 +237,14 @@ def _rgcn_config(path, parts, layers=2, **over):
   c.model.rgcn.dropout = 0.0
   c.partition.num_parts = parts
   c.batch_size = 16
-  c.negatives.num = 5
   for k, v in over.items():
     node = c
     *head, last = k.split(".")
     for h in head:
       node = node[h]
     node[last] = v
+  if c.train.scoring == "sampled" and not c.negatives.num:
+    c.negatives.num = 5  # (1vsall draws no negatives and refuses the option)
   return c
 
 
@@ -240,7 +258,7 @@ def test_partitions_are_self_sufficient(tmp_path, method, layers, scoring):
   over = {"partition.method": method, "train.scoring": scoring}
   over["negatives.shared"] = scoring == "sampled"
   cfg = _rgcn_config(_small_kg(tmp_path, n_ent=60), 3, layers, **over)
-  task = lp.LinkPrediction(cfg)
+  task = make_task(lp.LinkPrediction, cfg)
   g = task.kg
   N = g.num_entities
   parts = task.partitions
@@ -324,7 +342,7 @@ def test_training_a_partition_changes_only_its_rows(tmp_path):
   cfg.train.eval_every = 0
   cfg.train.final_eval_splits = ()
   cfg.train.log_every = 4
-  task = lp.LinkPrediction(cfg)
+  task = make_task(lp.LinkPrediction, cfg)
   nodes = task.partitions[1].nodes
   assert len(nodes) < 0.75 * task.kg.num_entities  # a real partition, not the whole graph
   result = loop.train(cfg, str(tmp_path / "w"))
@@ -351,7 +369,7 @@ def test_parallel_partitions_loss_is_the_serial_average(tmp_path):
   pytest.importorskip("pymetis")
   cfg = _parallel_config(_community_kg(tmp_path / "kg", communities=4), 4, 1)
   cfg.partition.parallel = 3  # 4 partitions on 3 slots: slot 0 takes partitions 0 and 3
-  task = lp.LinkPrediction(cfg)
+  task = make_task(lp.LinkPrediction, cfg)
   assert task.parallel == 3 and task.shard_batch
   slots = task._slot_batches()
   assert [sorted({p for p, _ in s}) for s in slots] == [[0, 3], [1], [2]]
@@ -435,7 +453,7 @@ def test_parallel_partitions_read_only_their_rows(tmp_path):
 
   cfg = _parallel_config(_community_kg(tmp_path / "kg", communities=4), 4, 4)
   cfg.embeddings.optimizer.name = "sgd"  # rows change by exactly their gradient
-  task = lp.LinkPrediction(cfg)
+  task = make_task(lp.LinkPrediction, cfg)
   mesh = sharding.mesh_from_config(cfg.mesh)
   plan = emb_base.resolve_plan(list(map(tuple, cfg.embeddings.plan)), task.tables(), mesh)
   tx = step_lib.make_optimizer(cfg.optimizer)
@@ -537,8 +555,12 @@ def test_grouped_queries_loss_equals_per_triple_1vsall(tmp_path, reg):
   (and regularizer) over the same triples."""
   path = _small_kg(tmp_path)
   over = {"model.regularizer": reg, "model.reg_weight": 0.1, "batch_size": 1024}
-  plain = lp.LinkPrediction(_config(path, "complex", **over, **{"train.group_queries": False}))
-  grouped = lp.LinkPrediction(_config(path, "complex", **over, **{"train.group_queries": True}))
+  plain = make_task(
+    lp.LinkPrediction, _config(path, "complex", **over, **{"train.group_queries": False})
+  )
+  grouped = make_task(
+    lp.LinkPrediction, _config(path, "complex", **over, **{"train.group_queries": True})
+  )
   assert grouped.steps_per_epoch() == 1 and plain.steps_per_epoch() == 1
   N = plain.kg.num_entities
   rows = jnp.asarray(np.random.default_rng(0).normal(size=(N, 8)).astype(np.float32))
@@ -556,7 +578,7 @@ def test_grouped_queries_loss_equals_per_triple_1vsall(tmp_path, reg):
 def test_type_constrained_negatives(tmp_path):
   over = {"train.scoring": "sampled", "negatives.kind": "type", "negatives.num": 50}
   over["train.group_queries"] = False
-  task = lp.LinkPrediction(_config(_small_kg(tmp_path), "distmult", **over))
+  task = make_task(lp.LinkPrediction, _config(_small_kg(tmp_path), "distmult", **over))
   seen = {}
   for _h, r, t in task.train_triples:
     seen.setdefault(r, set()).add(t)
@@ -579,13 +601,48 @@ def test_experiments_and_errors():
   with pytest.raises(
     ValueError, match="Unknown train.scoring '2vsall'; available: 1vsall, sampled"
   ):
-    lp.LinkPrediction(c)
+    make_task(lp.LinkPrediction, c)
   with pytest.raises(FileNotFoundError, match="train.txt"):
     kg_lib.load("/nonexistent/kg")
   assert rgcn_fb15k237_partitioned.get_config("2,parallel").partition.parallel == -1
   assert rgcn_fb15k237_partitioned.get_config("2").partition.parallel == 0
   with pytest.raises(ValueError, match="available: P or P,parallel"):
     rgcn_fb15k237_partitioned.get_config("2,paralel")
+
+
+@pytest.mark.parametrize(
+  "option,value", [("kind", "type"), ("num", 64), ("shared", True), ("kind", "partition")]
+)
+def test_negatives_under_1vsall_are_refused(tmp_path, option, value):
+  """1vsall scores every candidate and draws no negatives: a negatives option there would be
+  ignored, so it is refused, naming the option and the reason."""
+  c = _config(_small_kg(tmp_path), "distmult", **{f"negatives.{option}": value})
+  with pytest.raises(ValueError, match=rf"negatives.{option}=.*1vsall .*draws no negatives"):
+    make_task(lp.LinkPrediction, c)
+  # The same option under sampled scoring is honoured (partition needs partitions).
+  if option != "kind" or value != "partition":
+    over = {"train.scoring": "sampled", "train.group_queries": False, "model.encoder": "rgcn"}
+    task = make_task(
+      lp.LinkPrediction,
+      _config(
+        c.data.path,
+        "distmult",
+        **over,
+        **{f"negatives.{option}": value, "negatives.num": 64 if option != "num" else value},
+      ),
+    )
+    assert (task.neg_kind, task.num_neg, task.shared_neg) == {
+      "kind": ("type", 64, False), "num": ("uniform", 64, False),
+      "shared": ("uniform", 64, True)}[option]  # fmt: skip
+
+
+@pytest.mark.parametrize("over", [{"model.encoder": "rgcn"}, {"train.scoring": "sampled"}])
+def test_group_queries_is_refused_where_it_cannot_group(tmp_path, over):
+  """train.group_queries groups 1vsall queries over the entity table: with an encoder or
+  sampled scoring it used to be switched off silently; it is refused, naming the fix."""
+  c = _config(_small_kg(tmp_path), "distmult", **over, **{"train.group_queries": True})
+  with pytest.raises(ValueError, match="train.group_queries=True .*group_queries=False"):
+    make_task(lp.LinkPrediction, c)
 
 
 def _train_tables(path, plan, workdir, **over):
@@ -623,7 +680,7 @@ def test_queries_split_over_the_mesh(tmp_path, monkeypatch):
 
   path = _small_kg(tmp_path / "kg") if os.makedirs(tmp_path / "kg") is None else None
   over = {"batch_size": 16}
-  task = lp.LinkPrediction(_config(path, "complex", **over))
+  task = make_task(lp.LinkPrediction, _config(path, "complex", **over))
   assert not task.shard_batch
   spec = task.batch_spec(step_lib.device_batch(next(task.train_batches(0))))
   assert {k for k, s in spec.items() if s == sharding.BATCH_SPEC} == {"h", "rel", "cnt", "weight"}
@@ -645,9 +702,10 @@ def test_tfds_source_gives_the_same_task(tmp_path):
   entities, relations, splits and filter as the files."""
   (tmp_path / "kg").mkdir()
   path = _small_kg(tmp_path / "kg")
-  files = lp.LinkPrediction(_config(path, "distmult"))
-  tfds = lp.LinkPrediction(
-    _config(path, "distmult", **{"data.source": "tfds", "data.tfds_dir": str(tmp_path / "t")})
+  files = make_task(lp.LinkPrediction, _config(path, "distmult"))
+  tfds = make_task(
+    lp.LinkPrediction,
+    _config(path, "distmult", **{"data.source": "tfds", "data.tfds_dir": str(tmp_path / "t")}),
   )
   assert files.kg.entities == tfds.kg.entities and files.kg.relations == tfds.kg.relations
   for s in files.kg.splits:
@@ -656,4 +714,4 @@ def test_tfds_source_gives_the_same_task(tmp_path):
   with pytest.raises(
     ValueError, match="Unknown data.source 'csv'; available: files, tfds, planted"
   ):
-    lp.LinkPrediction(_config(path, "distmult", **{"data.source": "csv"}))
+    make_task(lp.LinkPrediction, _config(path, "distmult", **{"data.source": "csv"}))

@@ -14,6 +14,14 @@ from recgnn.embeddings import base, tt
 from recgnn.graphs import reorder, spectral, store, synthetic
 from recgnn.tasks import node_classification as nc
 from recgnn.train import loop
+from tests.trainer_lib import make_task
+
+
+def prefix_sharing(adj: sp.csr_matrix, block: int) -> float:
+  """Share of adjacency entries whose endpoints fall in the same id block of `block` ids
+  (i // block == j // block): for block = n_2 * n_3, neighbours sharing a TT first digit."""
+  rows = np.repeat(np.arange(adj.shape[0]), np.diff(adj.indptr))
+  return float(np.mean(rows // block == adj.indices // block)) if adj.nnz else 0.0
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +71,7 @@ def test_orders_are_permutations_and_partition_keeps_communities_together(graph)
     g = graph if perm is None else graph.relabel(perm)
     if perm is not None:
       np.testing.assert_array_equal(np.sort(perm), np.arange(n))
-    share[order] = reorder.prefix_sharing(g.adj, block)
+    share[order] = prefix_sharing(g.adj, block)
     span[order] = reorder.mean_edge_span(g.adj)
   # RCM is scipy's; random is seeded.
   sym = reorder._symmetric_no_loops(graph.adj)
@@ -179,7 +187,7 @@ def _cora(order: str, cache_dir: str, inputs: str = "features"):
   c.data.partition_levels = None
   c.model.inputs = inputs
   c.embeddings.dim = 8
-  return nc.TASK(c)
+  return make_task(nc.TASK, c)
 
 
 def _predict_all(task, params, table=None):
@@ -255,7 +263,7 @@ def test_eigen_init_reaches_the_tt_cores_through_the_trainer(tmp_path):
   res = loop.train(c, str(tmp_path / "wd"))
   vecs = np.load(path)
   assert vecs.shape == (3000, 16)
-  task = nc.TASK(c)  # the same relabelled graph: its eigenvectors are the file's
+  task = make_task(nc.TASK, c)  # the same relabelled graph: its eigenvectors are the file's
   ref, _ = spectral.eigen_embedding(task.graph.adj, 16)
   np.testing.assert_allclose(vecs, ref, atol=1e-5)
   m = res.metrics
@@ -291,6 +299,6 @@ def test_sage_tt_ogb_on_the_raw_ogb_layout(tmp_path):
   c.train.steps, c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 6, 3, 0, 0
   res = loop.train(c, str(tmp_path / "wd"))
   assert res.metrics["step"] == 6 and 0.0 <= res.metrics["test/accuracy"] <= 1.0
-  task = nc.TASK(c)
+  task = make_task(nc.TASK, c)
   assert not np.array_equal(task.graph.original_ids, np.arange(task.graph.num_nodes))
   assert np.load(path).shape == (task.graph.num_nodes, 8)

@@ -19,6 +19,7 @@ from recgnn.embeddings import base
 from recgnn.tasks import node_classification as nc
 from recgnn.train import inputs
 from recgnn.train import step as step_lib
+from tests.trainer_lib import make_task
 
 OFFLOAD = "offload(cache_rows=700, policy=lru, lookahead=2)"  # < the 1,200 rows: evicts
 HOT_COLD = "hot_cold(budget=0.1, profile_batches=2, reprofile=3)"
@@ -50,14 +51,14 @@ def _config(kind: str = "node") -> ml_collections.ConfigDict:
 
 @pytest.fixture(scope="module")
 def task():
-  return nc.TASK(_config())
+  return make_task(nc.TASK, _config())
 
 
 @pytest.fixture(scope="module")
 def sgd_task():
   c = _config()
   c.embeddings.optimizer = ml_collections.ConfigDict({"name": "sgd", "learning_rate": 0.1})
-  return nc.TASK(c)
+  return make_task(nc.TASK, c)
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +121,9 @@ def test_batches_split_the_node_ids_and_replicate_the_subgraph(task, batches):
   # By default only a plan that needs them split (sharded) splits them.
   c = _config()
   c.embeddings.split_ids = "auto"
-  assert not nc.TASK(c).shard_batch
+  assert not make_task(nc.TASK, c).shard_batch
   c.embeddings.plan = ((".*", "sharded(kind=row)"),)
-  assert nc.TASK(c).shard_batch
+  assert make_task(nc.TASK, c).shard_batch
   specs = task.batch_spec(step_lib.device_batch(b))
   assert all(
     s == sharding.REPLICATED

@@ -15,7 +15,8 @@ import scipy.sparse as sp
 from scipy import stats
 
 from recgnn import sharding
-from recgnn.graphs import device_sampling, sampling, store, synthetic
+from recgnn.graphs import device_sampling, samplers, sampling, split_sampling, store, synthetic
+from tests.trainer_lib import make_task
 
 WHERE = ("host", "device")
 
@@ -304,7 +305,7 @@ def test_split_graph_sample_equals_one_device(graph):
   mesh = sharding.make_mesh(8, 1)
   kw = dict(fanouts=[5, 3], batch_size=30)
   one = device_sampling.DeviceNeighborSampler(graph.adj, **kw)
-  split = device_sampling.SplitNeighborSampler(graph.adj, mesh=mesh, **kw)
+  split = split_sampling.SplitNeighborSampler(graph.adj, mesh=mesh, **kw)
   seeds = np.random.default_rng(13).permutation(graph.num_nodes)[:150].reshape(5, 30)
   seeds[4, 20:] = -1
   key = jax.random.key(21)
@@ -322,13 +323,13 @@ def test_split_graph_sample_equals_one_device(graph):
     assert h["by_op"]["reduce-scatter"]["operand_bytes"] == 8 * n * f * 4
     assert h["by_op"]["all-gather"]["operand_bytes"] == n * 4  # one local batch
   assert all(
-    h["total_operand_bytes"] == 0 for h in device_sampling.replicated_hop_bytes(one, mesh, 8)
+    h["total_operand_bytes"] == 0 for h in split_sampling.replicated_hop_bytes(one, mesh, 8)
   )
 
 
 def test_where_is_checked(graph):
   with pytest.raises(ValueError, match="available: host, device"):
-    device_sampling.make(graph.adj, "node", "gpu", batch_size=4, fanouts=[2])
+    samplers.make(graph.adj, "node", "gpu", batch_size=4, fanouts=[2])
 
 
 def small_task_config(where: str, split_devices: int = 0):
@@ -356,7 +357,7 @@ def test_task_sampler_where_selects_the_sampler_and_resumes_exactly():
   blocks, and a resumed stream repeats the same neighbours (keys derive from the seed)."""
   from recgnn.tasks import node_classification as nc
 
-  task = nc.TASK(small_task_config("device"))
+  task = make_task(nc.TASK, small_task_config("device"))
   assert isinstance(task.sampler, device_sampling.DeviceNeighborSampler)
   assert isinstance(task.eval_sampler, device_sampling.DeviceNeighborSampler)
   it = task.train_batches(0)
@@ -364,14 +365,14 @@ def test_task_sampler_where_selects_the_sampler_and_resumes_exactly():
   resumed = next(task.train_batches(5))
   for key in ("x", "labels", "nbr0", "mask0", "nbr1", "mask1"):
     np.testing.assert_array_equal(resumed[key], stream[5][key])
-  split = nc.TASK(small_task_config("device", split_devices=8))
-  assert isinstance(split.sampler, device_sampling.SplitNeighborSampler)
+  split = make_task(nc.TASK, small_task_config("device", split_devices=8))
+  assert isinstance(split.sampler, split_sampling.SplitNeighborSampler)
   # The same seed, the same (epoch, group) keys: the split graph gives the same batches.
   for a, b in zip(stream, split.train_batches(0)):
     for key in ("x", "nbr0", "mask0", "nbr1", "mask1"):
       np.testing.assert_array_equal(a[key], b[key])
   with pytest.raises(ValueError, match="sampler.where=device"):
-    nc.TASK(small_task_config("host", split_devices=8))
+    make_task(nc.TASK, small_task_config("host", split_devices=8))
 
 
 @pytest.mark.parametrize("capacity", [None, 1.5])
@@ -381,7 +382,7 @@ def test_split_graph_all_to_all_exchange(graph, capacity):
   mesh = sharding.make_mesh(2, 4)
   kw = dict(fanouts=[5, 3], batch_size=30)
   one = device_sampling.DeviceNeighborSampler(graph.adj, **kw)
-  split = device_sampling.SplitNeighborSampler(
+  split = split_sampling.SplitNeighborSampler(
     graph.adj, mesh=mesh, exchange="all_to_all", exchange_capacity=capacity, **kw
   )
   seeds = np.random.default_rng(13).permutation(graph.num_nodes)[:150].reshape(5, 30)
@@ -400,7 +401,7 @@ def test_split_graph_all_to_all_exchange(graph, capacity):
     cap = split.pair_capacity(split.sizes[layer])  # one local batch of n_l rows
     assert h["by_op"]["all-to-all"]["operand_bytes"] == 8 * cap * (2 + split.fanouts[layer]) * 4
   # A capacity too small drops rows, counted; what is kept is still valid.
-  tight = device_sampling.SplitNeighborSampler(
+  tight = split_sampling.SplitNeighborSampler(
     graph.adj, mesh=mesh, exchange="all_to_all", exchange_capacity=0.3, exchange_margin=0, **kw
   )
   blocks = tight.sample(seeds, key)
@@ -421,7 +422,7 @@ def test_split_graph_ladies_equals_one_device(graph):
   mesh = sharding.make_mesh(2, 4)  # the rows split over both axes: every device
   kw = dict(layer_sizes=[60, 80], batch_size=24)
   one = device_sampling.DeviceLadiesSampler(graph.adj, **kw)
-  split = device_sampling.SplitLadiesSampler(graph.adj, mesh=mesh, **kw)
+  split = split_sampling.SplitLadiesSampler(graph.adj, mesh=mesh, **kw)
   seeds = np.random.default_rng(4).permutation(graph.num_nodes)[:120].reshape(5, 24)
   seeds[4, 10:] = -1
   for a, b in _split_layers_vs_one_device(one, split, seeds, jax.random.key(3)):
@@ -441,6 +442,6 @@ def test_split_graph_ladies_equals_one_device(graph):
   c = small_task_config("device", split_devices=8)
   c.sampler.kind = "ladies"
   c.sampler.layer_sizes = (64, 64)
-  task = nc.TASK(c)
-  assert isinstance(task.sampler, device_sampling.SplitLadiesSampler)
-  assert isinstance(task.eval_sampler, device_sampling.SplitLadiesSampler)
+  task = make_task(nc.TASK, c)
+  assert isinstance(task.sampler, split_sampling.SplitLadiesSampler)
+  assert isinstance(task.eval_sampler, split_sampling.SplitLadiesSampler)

@@ -198,7 +198,7 @@ def test_budget_refuses_replicated_then_row_sharded_fits(cache_dir, tmp_path):
   skip_unless_devices(8, "meshes 8x1 and 1x8")
   config = _config(cache_dir, steps=4, checkpoint_every=0)
   replicated = _on_mesh(config, 8, 1)
-  task = loop.load_task(replicated)
+  task = loop.load_task(replicated, loop.config_mesh(replicated))
   rows_plan = ((".*", "dense(shard=rows)"),)
 
   def per_device(data, model, plan):
@@ -230,7 +230,7 @@ def test_batch_that_does_not_divide_over_the_mesh_is_refused(cache_dir, tmp_path
 def test_epochs_set_the_training_length(cache_dir, tmp_path):
   config = _config(cache_dir, steps=0, checkpoint_every=0)
   config.train.epochs = 0.25
-  task = loop.load_task(config)
+  task = loop.load_task(config, loop.config_mesh(config))
   per_epoch = task.steps_per_epoch()
   assert per_epoch == task.data.num_batches("train", config.train.batch_size) > 4
   steps, how = loop.training_length(config.train, task)

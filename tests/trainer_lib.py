@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import smoke
+from recgnn.train import loop
 
 
 def smoke_config(cache_dir, *, rows=20_000, mesh=None, plan=None, data=None, **train):
@@ -30,6 +31,11 @@ def smoke_config(cache_dir, *, rows=20_000, mesh=None, plan=None, data=None, **t
   if plan is not None:
     c.embeddings.plan = plan
   return c
+
+
+def make_task(cls, config):
+  """`cls(config, mesh)`: a task built outside the trainer, on the trainer's mesh."""
+  return cls(config, loop.config_mesh(config))
 
 
 def state_leaves(state) -> list[np.ndarray]:

@@ -144,10 +144,3 @@ def mean_edge_span(adj: sp.csr_matrix) -> float:
   """Mean |i - j| over adjacency entries: how local the ids of neighbours are."""
   rows = np.repeat(np.arange(adj.shape[0]), np.diff(adj.indptr))
   return float(np.abs(rows - adj.indices).mean()) if adj.nnz else 0.0
-
-
-def prefix_sharing(adj: sp.csr_matrix, block: int) -> float:
-  """Share of adjacency entries whose endpoints fall in the same id block of `block` ids
-  (i // block == j // block): for block = n_2 * n_3, neighbours sharing a TT first digit."""
-  rows = np.repeat(np.arange(adj.shape[0]), np.diff(adj.indptr))
-  return float(np.mean(rows // block == adj.indices // block)) if adj.nnz else 0.0

@@ -32,6 +32,10 @@ and frontier l is the prefix of frontier l+1, so all frontiers live in one node 
                     mask bool[k, n_l, f_l]
   LADIES layer l    src int32[k, E_l], dst int32[k, E_l]  positions in frontiers l+1 and l
                     weight float32[k, E_l]   LADIES' debiased, row-normalised weights (0 = pad)
+
+One concern (over 500 lines): the host samplers and what they share (Blocks, seeds, the
+capacity estimate). Their device versions: device_sampling.py and split_sampling.py; the
+factory that picks one for a config: samplers.py.
 """
 
 from __future__ import annotations

@@ -30,10 +30,13 @@ PyTree = Any
 
 
 class Task(abc.ABC):
-  """One learning problem. Constructed with the experiment's whole (locked) config."""
+  """One learning problem. Constructed with the experiment's whole (locked) config and the
+  trainer's mesh (the one its plan and steps use; a task never builds a mesh of its own, so
+  the two cannot disagree)."""
 
-  def __init__(self, config: ml_collections.ConfigDict):
+  def __init__(self, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
     self.config = config
+    self.mesh = mesh
 
   @abc.abstractmethod
   def tables(self) -> list[TableSpec]:

@@ -242,8 +242,8 @@ class CTR(Task):
 
   reads_process_slice = True  # memmap and TFDS sources read only a process's rows
 
-  def __init__(self, config):
-    super().__init__(config)
+  def __init__(self, config, mesh):
+    super().__init__(config, mesh)
     self.data, self.oracle = open_dataset(config.data)
     check_sizes(self.data, config)
     self.names = list(self.data.table_names)

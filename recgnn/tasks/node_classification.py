@@ -22,7 +22,8 @@ Config (the experiment's ConfigDict; see experiments/sage_*.py):
   model.hidden, model.dropout (L2: the trainer's optimizer.weight_decay)
   sampler.kind         node (GraphSAGE fanouts) | ladies (layer-wise)
   sampler.where        host (numpy / scipy, default) | device (jitted JAX over the CSR in
-                       device memory; recgnn/graphs/device_sampling.py): the same law
+                       device memory; recgnn/graphs/device_sampling.py, split_sampling.py
+                       with split_devices): the same law
   sampler.split_devices  device: 0 (default) keeps the graph on one device; N > 1 splits the
                        adjacency's rows over the first N devices (shard_map with explicit
                        collectives per hop) and gives the same sample as N = 0 (node; ladies:
@@ -35,7 +36,9 @@ Config (the experiment's ConfigDict; see experiments/sage_*.py):
   sampler.layer_sizes  ladies: nodes drawn per layer
   sampler.batch_size   seeds per mini-batch
   sampler.bulk         k, mini-batches sampled per sparse product
-  sampler.capacities   auto (estimated from a trial sample) | worst | list of frontier sizes
+  sampler.capacities   auto (estimated from a trial sample) | worst | frontier sizes per layer
+                       ("100,150"; node only: LADIES' frontiers are exact, its sizes refused)
+  sampler.eval_capacities  the same for eval batches (default worst)
   sampler.eval_fanouts node: eval fanouts (None = fanouts)
   sampler.eval_batch_size
   embeddings.dim, embeddings.optimizer (name, learning_rate), embeddings.initializer
@@ -58,9 +61,6 @@ float32[batch_size] for them.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import time
 from collections.abc import Iterator
 
 import jax
@@ -72,7 +72,8 @@ from absl import logging
 
 from recgnn import hostmem, sharding
 from recgnn.embeddings import OptimizerSpec, TableSpec
-from recgnn.graphs import device_sampling, sampling, store
+from recgnn.graphs import samplers, sampling
+from recgnn.graphs.loading import load_graph, write_eigen_init
 from recgnn.models import graphsage
 from recgnn.tasks import base
 
@@ -81,112 +82,21 @@ INPUTS = ("features", "embeddings", "both")
 SAMPLERS = ("node", "ladies")
 
 
-def load_graph(data: ml_collections.ConfigDict, info: dict | None = None) -> store.Graph:
-  """The graph named by config.data, relabelled by data.node_order (`info` gets the
-  permutation file's path under "node_order_file")."""
-  graph = _load_raw_graph(data)
-  order = data.get("node_order", "none") or "none"
-  if order == "none":
-    return graph
-  levels = data.get("partition_levels", None)
-  perm, path = _cached_order(graph, order, levels, data.get("cache_dir", None) or DEFAULT_CACHE)
-  if info is not None:
-    info["node_order_file"] = path
-  return graph.relabel(perm)
-
-
-DEFAULT_CACHE = "~/.cache/recgnn"
-
-
-def _graph_key(graph: store.Graph, *parts) -> str:
-  h = hashlib.sha1(repr((graph.name, graph.num_nodes, graph.num_edges, *parts)).encode())
-  h.update(np.ascontiguousarray(graph.adj.indptr).tobytes())
-  h.update(np.ascontiguousarray(graph.adj.indices).tobytes())
-  return h.hexdigest()[:16]
-
-
-def _cached_order(graph: store.Graph, order: str, levels, cache_dir: str):
-  """The permutation of `order`, computed once per graph and kept under cache_dir/node_order:
-  a resumed run (or another pymetis build) relabels exactly as the first run did."""
-  from recgnn.graphs import reorder
-
-  if order not in reorder.ORDERS:
-    raise ValueError(f"Unknown data.node_order {order!r}; available: {', '.join(reorder.ORDERS)}")
-  levels = tuple(levels) if levels else None
-  key = _graph_key(graph, order, levels)
-  path = os.path.join(
-    os.path.expanduser(cache_dir), "node_order", f"{graph.name}-{order}-{key}.npy"
-  )
-  if os.path.exists(path):
-    perm = np.load(path)
-    return perm, path
-  t0 = time.perf_counter()
-  perm = reorder.node_order(graph, order, levels=levels)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f"{path}.{os.getpid()}.tmp.npy"
-  np.save(tmp, perm)
-  os.replace(tmp, path)
-  logging.info("node order %s: %.1f s, saved %s", order, time.perf_counter() - t0, path)
-  return perm, path
-
-
-def write_eigen_init(graph: store.Graph, dim: int, path: str) -> str:
-  """Adjacency eigenvectors float32[N, dim] of `graph` (its current ids) at `path` (.npy),
-  rewritten only when the graph or dim changed (a key file beside it)."""
-  from recgnn.graphs import spectral
-
-  path = os.path.expanduser(path)
-  key = _graph_key(graph, "eigen", dim)
-  if os.path.exists(path) and _read(path + ".key") == key:
-    return path
-  t0 = time.perf_counter()
-  vecs, vals = spectral.eigen_embedding(graph.adj, dim)
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  tmp = f"{path}.{os.getpid()}.tmp.npy"
-  np.save(tmp, vecs)
-  os.replace(tmp, path)
-  with open(path + ".key", "w") as f:
-    f.write(key)
-  logging.info(
-    "eigen init: %d eigenvectors (eigenvalues %.3f..%.3f) in %.1f s -> %s",
-    dim, vals[0], vals[-1], time.perf_counter() - t0, path,
-  )  # fmt: skip
-  return path
-
-
-def _read(path: str) -> str:
+def parse_capacities(value, option: str):
+  """sampler.`option` -> None (worst case), "auto", or a tuple of frontier sizes (the config
+  holds them as text, "100,150" or "(100, 150)": the option's type is the default's str)."""
+  if value is None or value in ("worst", "auto"):
+    return None if value == "worst" else value
+  text = value if isinstance(value, str) else ",".join(map(str, value))
   try:
-    with open(path) as f:
-      return f.read()
-  except OSError:
-    return ""
-
-
-def _load_raw_graph(data: ml_collections.ConfigDict) -> store.Graph:
-  if data.source == "planetoid":
-    from recgnn.data import planetoid
-
-    return planetoid.load(data.get("name", "cora"), data.get("path", None) or None)
-  if data.source == "ogb":
-    from recgnn.data import ogb
-
-    if not data.get("path", None):
-      raise ValueError("data.source=ogb needs --config.data.path=<unpacked OGB dataset folder>")
-    return ogb.load(data.path, split=data.get("split", None) or None)
-  if data.source == "synthetic":
-    from recgnn.graphs import synthetic
-
-    fields = dict(data.synthetic)
-    if "split" in fields:
-      fields["split"] = tuple(fields["split"])
-    return synthetic.generate(synthetic.SyntheticSpec(**fields))
-  if data.source == "tfds":
-    from recgnn.data import tfds_builders
-
-    return tfds_builders.load_graph_config(data)
-  raise ValueError(
-    f"Unknown data.source {data.source!r}; available: planetoid, synthetic, ogb, tfds"
-  )
+    sizes = tuple(int(x) for x in text.strip("()[] ").split(",") if x.strip())
+  except ValueError:
+    sizes = ()
+  if not sizes or min(sizes) <= 0:
+    raise ValueError(
+      f"sampler.{option}={value!r}: use auto, worst or frontier sizes > 0 per layer, e.g. '100,150'"
+    )
+  return sizes
 
 
 class NodeClassification(base.Task):
@@ -200,8 +110,8 @@ class NodeClassification(base.Task):
   # of them (no collective in the step).
   shard_batch = True
 
-  def __init__(self, config: ml_collections.ConfigDict):
-    super().__init__(config)
+  def __init__(self, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
+    super().__init__(config, mesh)
     # Bulk samples allocate large short-lived buffers; see recgnn.hostmem.
     hostmem.keep_freed_memory()
     self.load_info: dict = {}
@@ -228,18 +138,18 @@ class NodeClassification(base.Task):
     self.seed = int(config.get("seed", 0))
     self.shard_batch = self._split_ids(config)
     # Node-id bags per batch: a multiple of the mesh's devices (each fetches an equal share).
-    mesh_size = sharding.mesh_from_config(config.get("mesh", {})).size
-    self.id_multiple = mesh_size if self.shard_batch else 1
+    self.id_multiple = mesh.size if self.shard_batch else 1
     self.train_nodes = self._labelled("train")
     self.dropped = 0
     self.sampler = self._make_sampler(
-      s.get("fanouts", None), self.batch_size, s.capacities, self.train_nodes
+      s.get("fanouts", None), self.batch_size, s.capacities, self.train_nodes, "capacities"
     )
     eval_fanouts = s.get("eval_fanouts", None) or s.get("fanouts", None)
     self.eval_batch_size = int(s.get("eval_batch_size", None) or self.batch_size)
     eval_nodes = np.concatenate([self._labelled("valid"), self._labelled("test")])
+    eval_caps = s.get("eval_capacities", "worst")
     self.eval_sampler = self._make_sampler(
-      eval_fanouts, self.eval_batch_size, s.get("eval_capacities", "worst"), eval_nodes
+      eval_fanouts, self.eval_batch_size, eval_caps, eval_nodes, "eval_capacities"
     )
     self.model = graphsage.GraphSAGE(
       sizes=tuple(self.sampler.sizes),
@@ -272,16 +182,23 @@ class NodeClassification(base.Task):
     ids = self.graph.splits[split]
     return ids[self.graph.labels[ids] >= 0]
 
-  def _make_sampler(self, fanouts, batch_size: int, capacities, trial_nodes: np.ndarray):
+  def _make_sampler(
+    self, fanouts, batch_size: int, capacities, trial_nodes: np.ndarray, option: str
+  ):
+    """The sampler of `fanouts` and `capacities` (the value of sampler.`option`: worst | auto
+    | sizes per layer)."""
     s = self.config.sampler
+    capacities = parse_capacities(capacities, option)
     where = s.get("where", "host") or "host"
     split = int(s.get("split_devices", 0) or 0)
     if split > 1 and where != "device":
       raise ValueError("sampler.split_devices needs --config.sampler.where=device")
-    mesh = sharding.make_mesh(1, split) if split > 1 else None
+    # The sampler's own 1 x split mesh over the first `split` devices of the trainer's: it
+    # splits the adjacency's rows, not the batch, so its shape is the sampler's choice.
+    mesh = sharding.make_mesh(1, split, devices=self.mesh.devices.flat) if split > 1 else None
 
     def make(caps=None):
-      return device_sampling.make(
+      return samplers.make(
         self.graph.adj,
         s.kind,
         where,
@@ -295,9 +212,18 @@ class NodeClassification(base.Task):
       )
 
     if s.kind == "ladies":
+      # LADIES' frontiers are the seeds plus each layer's drawn nodes: their padded sizes
+      # are exact (no estimate to make, nothing dropped), so worst and auto are the same and
+      # sizes of one's own would be ignored.
+      if capacities not in (None, "auto"):
+        raise ValueError(
+          f"sampler.{option}={capacities!r}: sampler.kind=ladies pads its frontiers to the "
+          "seeds plus sampler.layer_sizes exactly; set the sizes there and leave "
+          f"sampler.{option} at worst or auto"
+        )
       return make()
     sampler = make()
-    if capacities == "worst" or capacities is None:
+    if capacities is None:
       return sampler
     if capacities == "auto":
       rng = np.random.default_rng([self.seed, 7])

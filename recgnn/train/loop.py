@@ -63,13 +63,18 @@ def available_tasks() -> list[str]:
   return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name != "base")
 
 
-def load_task(config: ml_collections.ConfigDict) -> Task:
-  """Instantiate `recgnn.tasks.<config.task>.TASK(config)`."""
+def config_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+  """The trainer's mesh for `config` (its `mesh` section; every device when absent)."""
+  return sharding.mesh_from_config(config.get("mesh", {}))
+
+
+def load_task(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Task:
+  """Instantiate `recgnn.tasks.<config.task>.TASK(config, mesh)` on the trainer's mesh."""
   names = available_tasks()
   if config.task not in names:
     raise ValueError(f"Unknown task {config.task!r}; available: {', '.join(names)}")
   module = importlib.import_module(f"recgnn.tasks.{config.task}")
-  return module.TASK(config)
+  return module.TASK(config, mesh)
 
 
 def parse_steps(text: str | None) -> tuple[int, int] | None:
@@ -353,20 +358,20 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
   os.makedirs(workdir, exist_ok=True)
   hostmem.keep_freed_memory()  # reuse per-step temporaries instead of page-faulting them in
   tcfg = config.train
+  mesh = config_mesh(config)
   if jax.process_count() > 1:
     # Process 0 builds shared caches (Criteo conversion, synthetic data) first; the others
     # then open them.
     if distributed.is_main():
-      task = load_task(config)
+      task = load_task(config, mesh)
     multihost_utils.sync_global_devices("recgnn: data ready")
     if not distributed.is_main():
-      task = load_task(config)
+      task = load_task(config, mesh)
     log(f"{distributed.describe()}: {jax.process_count()} processes")
   else:
-    task = load_task(config)
+    task = load_task(config, mesh)
   log(task.describe())
   specs = task.tables()
-  mesh = sharding.mesh_from_config(config.get("mesh", {}))
   plan = base.resolve_plan(list(map(tuple, config.embeddings.plan)), specs, mesh, log=False)
   log("Embedding plan (bytes before allocation):\n" + base.format_plan(plan))
   if device_memory_budget is None and config.get("device_memory_budget"):
