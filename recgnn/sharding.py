@@ -26,7 +26,7 @@ def make_mesh(data: int = 1, model: int | None = None, devices=None) -> jax.shar
   """A (DATA, MODEL) mesh with Auto axes over the first data * model devices.
 
   Auto axes let XLA partition a gather on a row-sharded table (with Explicit axes, the
-  default of jax.make_mesh, `jnp.take` then needs an out_sharding; DESIGN.md).
+  default of jax.make_mesh, `jnp.take` then needs an out_sharding; docs/architecture.md).
   `model=None` puts every device not taken by `data` on MODEL.
   """
   devices = jax.devices() if devices is None else list(devices)

@@ -10,7 +10,7 @@ table in all, S / n rows per device, instead of a replica per device.
 
 Reads and writes happen inside jit as host computations (`compute_on`, compute type
 "device_host", outputs in host memory) with the indices moved to host memory first
-(DESIGN.md: a gather on a host array works only that way). On a split
+(docs/architecture.md: a gather on a host array works only that way). On a split
 table each device reads / writes the rows it owns:
   gather   each device gathers its owned rows (zeros elsewhere) and a psum over the mesh
            gives every device all of them (exact: one non-zero term per row)
@@ -83,7 +83,8 @@ class HostTable:
   no host memory space) or `device` (no offload: debugging, benchmarks).
   """
 
-  def __init__(self, host_memory: str, owner: str):
+  def __init__(self, host_memory: str, owner: str, mesh: jax.sharding.Mesh):
+    """Refuse (before allocating) a memory kind or a mesh the host arrays cannot live on."""
     if host_memory not in HOST_MEMORIES:
       raise ValueError(
         f"{owner}: unknown host_memory {host_memory!r}; available: {', '.join(HOST_MEMORIES)}"
@@ -100,7 +101,8 @@ class HostTable:
       host_memory = "device"
     self.host_memory = host_memory
     self.owner = owner
-    self.mesh: jax.sharding.Mesh | None = None
+    self.mesh = mesh
+    self._check_mesh(mesh)
 
   @property
   def offloaded(self) -> bool:
@@ -109,11 +111,9 @@ class HostTable:
   @property
   def split(self) -> bool:
     """Whether the host arrays are split by rows over the devices of the mesh."""
-    return self.offloaded and self.mesh is not None and self.mesh.size > 1
+    return self.offloaded and self.mesh.size > 1
 
-  def bind(self, mesh: jax.sharding.Mesh) -> None:
-    """Refuse (before allocating) a mesh the host arrays cannot be placed on."""
-    self.mesh = mesh
+  def _check_mesh(self, mesh: jax.sharding.Mesh) -> None:
     if self.offloaded and not all(
       d.process_index == jax.process_index() for d in mesh.devices.flat
     ):

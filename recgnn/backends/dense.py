@@ -14,8 +14,8 @@ Placement on a (DATA, MODEL) mesh:
                      and pools the rows it owns (zeros elsewhere) and a psum_scatter returns
                      each device its examples' sums: [B / data, D] floats per device, about
                      8x fewer bytes than XLA's own partitioning of the gather (an all-reduce
-                     of the whole block; DESIGN.md). Update: (ids, pooled grads) all-gathered
-                     over the mesh; each device updates the rows it owns.
+                     of the whole block; docs/architecture.md). Update: (ids, pooled grads)
+                     all-gathered over the mesh; each device updates the rows it owns.
 """
 
 from __future__ import annotations
@@ -32,26 +32,17 @@ from recgnn.embeddings import base
 P = sharding.P
 
 
+@base.register_backend("dense")
 class Dense(base.TableBackend):
   """Table on the device(s). Options: `shard=none` (replicated) or `shard=rows`."""
 
-  name = "dense"
-
-  def __init__(self, spec: base.TableSpec, shard: str = "none"):
-    super().__init__(spec)
+  def __init__(
+    self, spec: base.TableSpec, mesh, layout: base.Layout | None = None, shard: str = "none"
+  ):
+    super().__init__(spec, mesh, layout)
     if shard not in ("none", "rows"):
       raise ValueError(f"dense: shard must be 'none' or 'rows', got {shard!r}")
     self.shard = shard
-
-  def describe(self) -> str:
-    return "dense" if self.shard == "none" else f"dense(shard={self.shard})"
-
-  @property
-  def pad_id(self):
-    return self.padded_rows  # past the aligned rows: never a padding row of the table
-
-  def bind(self, mesh):
-    super().bind(mesh)
     k = mesh.shape[sharding.MODEL]
     if self.shard == "rows" and base.ROW_ALIGN % k:
       raise ValueError(
@@ -60,10 +51,17 @@ class Dense(base.TableBackend):
         "that checkpoints restore on any such mesh. Use --config.mesh.model=8 (or 4, 2)."
       )
 
+  def describe(self) -> str:
+    return "dense" if self.shard == "none" else f"dense(shard={self.shard})"
+
+  @property
+  def pad_id(self):
+    return self.padded_rows  # past the aligned rows: never a padding row of the table
+
   @property
   def shards(self) -> int:
     """How many pieces the rows are split into (1: replicated)."""
-    return 1 if self.shard == "none" or self.mesh is None else self.mesh.shape[sharding.MODEL]
+    return 1 if self.shard == "none" else self.mesh.shape[sharding.MODEL]
 
   @property
   def padded_rows(self) -> int:
@@ -147,11 +145,11 @@ class Dense(base.TableBackend):
       )
       return base.pool_rows(pooled[:, None, :], count) if mean else pooled
 
-    return local(state["table"], prepared["ids"], count)
+    return local(state["table"], prepared["ids"], count), ()
 
-  def update_pooled(self, state, prepared, g, count):
+  def update_pooled(self, state, prepared, residuals, g, count):
     if self.shard == "none":
-      return super().update_pooled(state, prepared, g, count)
+      return super().update_pooled(state, prepared, residuals, g, count)
     slot_names = self.spec.optimizer.slot_names()
     bag = prepared["ids"].shape[1]
     batch_keys = {k for k in prepared if k in self.batch_major}
@@ -195,6 +193,3 @@ class Dense(base.TableBackend):
 
   def table(self, state):
     return np.asarray(jax.device_get(state["table"]))[: self.spec.num_rows]
-
-
-BACKEND = Dense

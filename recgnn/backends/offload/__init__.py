@@ -60,8 +60,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from recgnn import hostplan
-from recgnn.embeddings import base, host_table, profile
+from recgnn.backends.offload import planner as hostplan
+from recgnn.embeddings import access_counts as profile
+from recgnn.embeddings import base, host_table
 
 POLICIES = ("lru", "lfu", "lookahead")
 HOST_MEMORIES = host_table.HOST_MEMORIES
@@ -240,12 +241,15 @@ class Offload(base.TableBackend):
   at once).
   """
 
-  name = "offload"
+  name = "offload"  # the member class; `OffloadGroup` is what the registry names
+  capabilities = base.Capabilities(plans_globally=True)  # the cache plan is global
   batch_major = ("ids", "inverse", "now_pos")
 
   def __init__(
     self,
     spec: base.TableSpec,
+    mesh,
+    layout: base.Layout | None = None,
     cache_rows: int | None = None,
     cache_fraction: float | None = None,
     min_cache_rows: int = 0,
@@ -254,13 +258,18 @@ class Offload(base.TableBackend):
     exchange: str = "fixed",
     host_memory: str = "pinned_host",
   ):
-    super().__init__(spec)
+    super().__init__(spec, mesh, layout)
     if (cache_rows is None) == (cache_fraction is None):
       raise ValueError(
         f"offload (table {spec.name!r}): give exactly one of cache_rows=ROWS or "
         "cache_fraction=F, e.g. offload(cache_rows=200_000)"
       )
     if cache_rows is not None:
+      if min_cache_rows:
+        raise ValueError(
+          f"offload: min_cache_rows={min_cache_rows} is a floor under cache_fraction's rows; "
+          f"with cache_rows={cache_rows} the size is given: drop min_cache_rows"
+        )
       if int(cache_rows) <= 0:
         raise ValueError(f"offload: cache_rows must be > 0, got {cache_rows}")
       rows = int(cache_rows)
@@ -281,7 +290,7 @@ class Offload(base.TableBackend):
     self.policy = policy
     self.lookahead = int(lookahead)
     # The host arrays' placement and in-step access (shared with hot_cold).
-    self.host = host_table.HostTable(host_memory, f"offload (table {spec.name!r})")
+    self.host = host_table.HostTable(host_memory, f"offload (table {spec.name!r})", mesh)
     self.host_memory = self.host.host_memory
     if exchange not in ("fixed", "pow2"):
       raise ValueError(f"offload: exchange must be 'fixed' or 'pow2', got {exchange!r}")
@@ -319,10 +328,6 @@ class Offload(base.TableBackend):
     of the table in all (each device's pinned host memory holds S / n rows), instead of a
     replica per device."""
     return self.host.split
-
-  def bind(self, mesh):
-    super().bind(mesh)
-    self.host.bind(mesh)
 
   def state_sharding(self):
     """The cache in device memory, replicated over the mesh: every device holds the same
@@ -695,9 +700,10 @@ class Offload(base.TableBackend):
     return out
 
 
+@base.register_backend("offload")
 class OffloadGroup(base.TableGroup):
   """The offload tables of one plan rule: `TableGroup` with the planning of a train batch
-  done for every table at once by the compiled kernel (`recgnn.hostplan.plan_step`).
+  done for every table at once by the compiled kernel (`recgnn.backends.offload.planner.plan_step`).
 
   The kernel covers the steady state, a batch admitted by the previous step with the next
   one admitted now under `exchange=fixed`; everything else (the first batch, one after an
@@ -711,8 +717,10 @@ class OffloadGroup(base.TableGroup):
   lookahead + 3 batches (bounded memory), and reused while it moves through the window.
   """
 
-  def __init__(self, specs, mesh, text: str = "", **options):
-    super().__init__(Offload, specs, mesh, text, **options)
+  capabilities = Offload.capabilities
+
+  def __init__(self, specs, mesh, layout: base.Layout | None = None, text: str = "", **options):
+    super().__init__(Offload, specs, mesh, layout, text, **options)
     self._flat = None
     self._ring = None
     self._admitted = None  # the arrays of the batch the kernel admitted ahead
@@ -914,6 +922,3 @@ class OffloadGroup(base.TableGroup):
       result[name] = entry
     self.fast_batches += 1
     return result
-
-
-BACKEND = OffloadGroup

@@ -114,17 +114,20 @@ def plan_placements(
   return {n: out[n] for n in specs}
 
 
+@base.register_backend("sharded")
 class Sharded(base.Backend):
   """Model-parallel tables (see the module docstring). Options: kind, codec, fwd_codec,
   bwd_codec, eb (fixed bound of both directions; 0 = adaptive), fwd_eb / bwd_eb (one
   direction's), headroom, profile."""
 
-  name = "sharded"
+  # Routes each device's ids to their owners; prepare is per example.
+  capabilities = base.Capabilities(needs_split_ids=True)
 
   def __init__(
     self,
     specs,
     mesh,
+    layout: base.Layout | None = None,
     text: str = "",
     *,
     kind: str = "auto",
@@ -138,7 +141,12 @@ class Sharded(base.Backend):
     headroom: float | None = None,
     profile: str | None = None,
   ):
-    super().__init__(specs, mesh, text)
+    super().__init__(specs, mesh, layout, text)
+    if not self.layout.split_batch:
+      raise ValueError(
+        "sharded: this task's batches are replicated over the devices (split_batch=False); "
+        "model-parallel tables need the batch split over the mesh. Use dense or offload here."
+      )
     self.kind = kind
     self.k = mesh.shape[sharding.MODEL]
     self.n_data = mesh.shape[sharding.DATA]
@@ -157,6 +165,11 @@ class Sharded(base.Backend):
         + ". Give tables with other optimizers another plan string."
       )
     self.optimizer = next(iter(opts))
+    if profile and kind in ("row", "column"):
+      raise ValueError(
+        f"sharded: profile= (lookups per table) balances table-wise placements; with "
+        f"kind={kind} every table is split over every shard and nothing uses it: drop profile="
+      )
     lookups = None
     if profile:
       with open(profile) as f:
@@ -445,11 +458,6 @@ class Sharded(base.Backend):
 
   def prepare(self, ids, upcoming=(), *, train=True):
     del upcoming
-    if not self.shard_batch:
-      raise ValueError(
-        "sharded: this task's batches are replicated over the devices (shard_batch=False); "
-        "model-parallel tables need the batch split over the mesh. Use dense or offload here."
-      )
     out = {"ids": {}, "count": {}}
     for n, s in self.specs.items():
       x = np.asarray(ids[n])
@@ -465,9 +473,6 @@ class Sharded(base.Backend):
 
   def prepared_spec(self, prepared):
     return jax.tree.map(lambda _: sharding.BATCH_SPEC, prepared)
-
-  def process_local_refusal(self):
-    return None  # prepare is per example: ids checked and cast, bag counts
 
   # ------------------------------------------------------------------------- device side
 
@@ -541,15 +546,20 @@ class Sharded(base.Backend):
     return out
 
   def _local_pool(self, state, ids):
-    """The forward message this device sends: segments [k (destination), b, width]."""
+    """The forward message this device sends: (segments [k (destination), b, width], the
+    routing the update reuses: {"tw": local rows of the routed table-wise ids i32[k * b,
+    Tmax, Ltw], "ids": the MODEL group's ids of the row- / column-wise tables {t: i32[k * b,
+    L]}})."""
     b = next(iter(ids.values())).shape[0]
-    segs = []
+    segs, routed = [], {}
     if self.tw:
       loc = self._tw_local(self._route_tw(ids))
+      routed["tw"] = loc
       rows = state["tw"]["rows"][0].at[loc].get(mode="fill", fill_value=0.0)
       pooled = jnp.sum(rows, axis=2)  # [k * b, Tmax, D]
       segs += [pooled[:, s].reshape(self.k, b, self.dim_tw) for s in range(self.tmax)]
     gathered = self._group_ids(ids, self.rw + self.cw, sharding.MODEL)
+    routed["ids"] = gathered
     for n in self.rw:
       rows = (
         state["rw"][n]["rows"].at[self._rw_local(n, gathered[n])].get(mode="fill", fill_value=0.0)
@@ -560,7 +570,7 @@ class Sharded(base.Backend):
         state["cw"][n]["rows"].at[self._cw_local(n, gathered[n])].get(mode="fill", fill_value=0.0)
       )
       segs.append(jnp.sum(rows, axis=1).reshape(self.k, b, -1))
-    return segs
+    return segs, routed
 
   def _exchange(self, codec, segs, send_bounds, recv_bounds):
     """All-to-all over MODEL of a message of segments [k, b, w] through `codec`, with the f32
@@ -613,30 +623,38 @@ class Sharded(base.Backend):
     return bounds[idx][:, None, :]  # per peer (the peer's slots)
 
   def lookup(self, state, prepared):
+    """-> (pooled, residuals). Residuals: this device's routing (`_local_pool`), split with
+    the batch, and with an adaptive forward codec the forward message's statistics
+    {"max": f32[T], "fell": bool[segments]} (global), so `update` neither routes the ids
+    again nor recomputes the forward pooling."""
     ids, count = prepared["ids"], prepared["count"]
     in_specs = (self._specs_in(), P(sharding.BATCH))
     bounds_on = "fwd" in state["codec"]
+    res_spec = {"routed": P(sharding.BATCH), **({"fwd": P()} if bounds_on else {})}
 
     @functools.partial(
       jax.shard_map,
       mesh=self.mesh,
       in_specs=(in_specs[0], {"ids": P(sharding.BATCH), "count": P(sharding.BATCH)}),
-      out_specs=P(sharding.BATCH),
+      out_specs=(P(sharding.BATCH), res_spec),
       check_vma=False,
     )
     def local(state, prepared):
       ids, count = prepared["ids"], prepared["count"]
-      segs = self._local_pool(state, ids)
+      segs, routed = self._local_pool(state, ids)
       bounds = self._bounds(state["codec"], "fwd") if bounds_on else None
       if bounds_on and self.rules["fwd"].uses_current:
         bounds = self._bounds_now("fwd", segs, True)
-      recv, _ = self._exchange(
+      recv, fell = self._exchange(
         self.codecs["fwd"],
         segs,
         self._seg_bounds(bounds, sender=True, owner_is_sender=True),
         self._seg_bounds(bounds, sender=False, owner_is_sender=True),
       )
-      return self._assemble(recv, count)
+      res = {"routed": routed}
+      if bounds_on:
+        res["fwd"] = {"max": self._wire_max(segs, True), "fell": fell}
+      return self._assemble(recv, count), res
 
     return local(state, {"ids": ids, "count": count})
 
@@ -655,22 +673,25 @@ class Sharded(base.Backend):
       out[n] = out[n] / jnp.maximum(c, 1).astype(jnp.float32)[:, None]
     return out
 
-  def update(self, state, prepared, grads):
+  def update(self, state, prepared, residuals, grads):
     names = list(self.specs)
+    res_spec = {"routed": P(sharding.BATCH), **({"fwd": P()} if "fwd" in residuals else {})}
 
     @functools.partial(
       jax.shard_map,
       mesh=self.mesh,
       in_specs=(
         self._specs_in(),
-        {"ids": P(sharding.BATCH), "count": P(sharding.BATCH)},
+        {"count": P(sharding.BATCH)},
+        res_spec,
         P(sharding.BATCH),
       ),
       out_specs=self._specs_in(),
       check_vma=False,
     )
-    def local(state, prepared, grads):
-      ids, count = prepared["ids"], prepared["count"]
+    def local(state, prepared, residuals, grads):
+      count = prepared["count"]
+      routed = residuals["routed"]
       g = {
         n: grads[n] / jnp.maximum(count[n], 1).astype(jnp.float32)[:, None]
         if n in count
@@ -704,23 +725,17 @@ class Sharded(base.Backend):
           codec_state["bwd"], self._wire_max(segs, False), fell_b, self.codecs["bwd"].dims
         )
       if "fwd" in codec_state:
-        # The forward message of this step (lookup cannot keep state): recomputed from the
-        # same pre-update state, for the bound's statistics and the fallback count.
-        fsegs = self._local_pool(state, ids)
-        fb = self._bounds(codec_state, "fwd")
-        if self.rules["fwd"].uses_current:
-          fb = self._bounds_now("fwd", fsegs, True)
-        ok_f = self.codecs["fwd"].segments_ok(fsegs, self._seg_bounds(fb, True, True))
-        fell_f = jax.lax.psum((~ok_f).astype(jnp.int32), (sharding.DATA, sharding.MODEL)) > 0
+        # The forward message's statistics and fallbacks, as the lookup measured them.
+        fwd = residuals["fwd"]
         new["codec"] = dict(new["codec"])
         new["codec"]["fwd"] = self.rules["fwd"].next(
-          codec_state["fwd"], self._wire_max(fsegs, True), fell_f, self.codecs["fwd"].dims
+          codec_state["fwd"], fwd["max"], fwd["fell"], self.codecs["fwd"].dims
         )
       # Every example of the batch, in batch order: over DATA after the all-to-all.
       every = lambda x: jax.lax.all_gather(x, sharding.DATA, tiled=True)  # noqa: E731
       recv = [every(r.reshape(self.k * b, -1)) for r in recv]
       if self.tw:
-        loc = every(self._tw_local(self._route_tw(ids)))  # [B, Tmax, Ltw]
+        loc = every(routed["tw"])  # [B, Tmax, Ltw]
         gtw = jnp.stack(recv[: self.tmax], axis=1)  # [B, Tmax, D]
         bsz, _, ltw = loc.shape
         grows = jnp.broadcast_to(gtw[:, :, None, :], (bsz, self.tmax, ltw, self.dim_tw))
@@ -731,7 +746,8 @@ class Sharded(base.Backend):
           self.rows_tw,
           squeeze=True,
         )
-      gathered = self._group_ids(ids, self.rw + self.cw, (sharding.DATA, sharding.MODEL))
+      # The lookup's MODEL-group ids gathered over DATA: the whole batch's, in batch order.
+      gathered = self._group_ids(routed["ids"], self.rw + self.cw, sharding.DATA)
       new["rw"], new["cw"] = {}, {}
       for i, n in enumerate(self.rw):
         loc = self._rw_local(n, gathered[n])
@@ -751,7 +767,7 @@ class Sharded(base.Backend):
         )
       return new
 
-    return local(state, prepared, grads)
+    return local(state, {"count": prepared["count"]}, residuals, grads)
 
   def _wire_max(self, segs, forward: bool):
     """f32[T]: the largest |value| each table put on the wire this step (over the mesh)."""
@@ -868,6 +884,3 @@ def _all_to_all_bits(x: jax.Array) -> jax.Array:
     y = jax.lax.all_to_all(jax.lax.bitcast_convert_type(x, carrier), sharding.MODEL, 0, 0)
     return jax.lax.bitcast_convert_type(y, x.dtype)
   return jax.lax.all_to_all(x, sharding.MODEL, 0, 0)
-
-
-BACKEND = Sharded

@@ -72,7 +72,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from recgnn import sharding
-from recgnn.embeddings import base, profile
+from recgnn.embeddings import access_counts as profile
+from recgnn.embeddings import base
 
 KERNELS = ("naive", "unique", "prefix")
 CONTRACTS = ("auto", "batched", "pairs")
@@ -492,6 +493,7 @@ def _round_up(n: int) -> int:
 # ----------------------------------------------------------------------------- backend
 
 
+@base.register_backend("tt")
 class TT(base.TableBackend):
   """Tensor-train table. See the module docstring.
 
@@ -518,14 +520,17 @@ class TT(base.TableBackend):
       the first batch alone. An error with pad=full (one shape: nothing to size).
   """
 
-  name = "tt"
+  # Its prepare plans prefix trees and the cache over the whole batch.
+  capabilities = base.Capabilities(plans_globally=True)
   batch_major = ("ids", "inverse", "cache_slot", "cache_inverse")
 
   def __init__(
     self,
     spec: base.TableSpec,
+    mesh,
+    layout: base.Layout | None = None,
     rank: int | Sequence[int] = 32,
-    cores: int = 3,
+    cores: int | None = None,
     row_factors: Sequence[int] | None = None,
     dim_factors: Sequence[int] | None = None,
     init: str = "sampled_gaussian",
@@ -533,11 +538,23 @@ class TT(base.TableBackend):
     kernel: str = "prefix",
     contract: str = "auto",
     cache_rows: int = 0,
-    cache_warmup: int = 50,
+    cache_warmup: int | None = None,
     pad: str = "grow",
     lookahead: int | None = None,
   ):
-    super().__init__(spec)
+    super().__init__(spec, mesh, layout)
+    if cores is not None and row_factors is not None and int(cores) != len(row_factors):
+      raise ValueError(
+        f"tt: cores={cores} but row_factors={tuple(row_factors)} give {len(row_factors)} cores; "
+        "the factors fix the core count: drop cores="
+      )
+    if cache_warmup is not None and not cache_rows:
+      raise ValueError(
+        f"tt: cache_warmup={cache_warmup} counts batches before the hot-row cache is filled, "
+        "but there is no cache (cache_rows=0): drop cache_warmup or give cache_rows=ROWS"
+      )
+    cores = 3 if cores is None else int(cores)
+    cache_warmup = 50 if cache_warmup is None else int(cache_warmup)
     if init not in INITS:
       raise ValueError(f"tt: unknown init {init!r}; available: {', '.join(INITS)}")
     if kernel not in KERNELS:
@@ -966,6 +983,3 @@ class TT(base.TableBackend):
     for k, v in self.spec.optimizer.init_slots(self.cache_rows).items():
       state[f"cache_{k}"] = v
     return state
-
-
-BACKEND = TT
