@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -38,6 +39,13 @@ from recgnn.embeddings.kernels import dedup, pool_rows, unpool
 from recgnn.embeddings.specs import MemoryReport, TableSpec, aligned_rows
 
 PyTree = Any
+
+
+def valid_options(cls) -> list[str]:
+  """The option names a backend class's constructor takes (for error messages)."""
+  skip = {"self", "spec", "specs", "mesh", "layout", "text", "cls"}
+  params = inspect.signature(cls.__init__).parameters.values()
+  return sorted(p.name for p in params if p.name not in skip and p.kind != p.VAR_KEYWORD)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from recgnn import sharding
-from recgnn.embeddings.contract import Backend, Layout, TableBackend
+from recgnn.embeddings.contract import Backend, Layout, TableBackend, valid_options
 from recgnn.embeddings.specs import table_key
 
 
@@ -32,7 +32,10 @@ class TableGroup(Backend):
       try:
         member = cls(spec, mesh, self.layout, **options)
       except TypeError as e:
-        raise ValueError(f"Bad options for backend {text!r} (table {spec.name!r}): {e}") from None
+        raise ValueError(
+          f"Bad options for backend {text!r} (table {spec.name!r}): {e}; valid options: "
+          f"{', '.join(valid_options(cls)) or 'none'}"
+        ) from None
       self.members[spec.name] = member
     self.lookahead = max([m.lookahead for m in self.members.values()] + [0])
 

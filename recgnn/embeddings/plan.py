@@ -16,7 +16,6 @@ import ast
 import dataclasses
 import importlib
 import importlib.metadata
-import inspect
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +24,13 @@ import jax
 from absl import logging
 
 from recgnn import sharding
-from recgnn.embeddings.contract import Backend, Capabilities, Layout, TableBackend
+from recgnn.embeddings.contract import (
+  Backend,
+  Capabilities,
+  Layout,
+  TableBackend,
+  valid_options,
+)
 from recgnn.embeddings.group import TableGroup
 from recgnn.embeddings.specs import TableSpec
 
@@ -131,13 +136,6 @@ def default_mesh() -> jax.sharding.Mesh:
   return sharding.make_mesh(1, 1)
 
 
-def _valid_options(cls) -> list[str]:
-  """The option names a backend class's constructor takes (for error messages)."""
-  skip = {"self", "spec", "specs", "mesh", "layout", "text", "cls"}
-  params = inspect.signature(cls.__init__).parameters.values()
-  return sorted(p.name for p in params if p.name not in skip and p.kind != p.VAR_KEYWORD)
-
-
 def check_layout(text: str, caps: Capabilities, layout: Layout) -> None:
   """Refuse a layout a backend's declared capabilities cannot serve (before constructing)."""
   if caps.needs_split_ids and not layout.split_batch:
@@ -172,7 +170,7 @@ def make_group(
   except TypeError as e:
     raise ValueError(
       f"Bad options for backend {text!r}: {e}; valid options: "
-      f"{', '.join(_valid_options(cls)) or 'none'}"
+      f"{', '.join(valid_options(cls)) or 'none'}"
     ) from None
 
 

@@ -882,7 +882,30 @@ class TT(base.TableBackend):
     return jnp.all(state["cache_ids"] == prepared["cache_ids"])
 
   def lookup(self, state, prepared):
-    out = self._tt_lookup(state, prepared)
+    return self._overlay_cache(state, prepared, self._tt_lookup(state, prepared))
+
+  def lookup_pooled(self, state, prepared, count):
+    """-> (f32[B, D] pooled, residuals). Residuals (prefix kernels): the gathered core slices
+    and the pullback of the prefix tree's products (`jax.vjp`'s linearization, a pytree of
+    the level products), so `update` runs only the backward pass, never the prefix products
+    again. The naive kernel keeps nothing (`()`)."""
+    if self.kernel == "naive":
+      return super().lookup_pooled(state, prepared, count)
+    slices = self._gather_slices(state, prepared)
+    rows, pull = jax.vjp(lambda s: self._tree_rows(s, prepared), slices)
+    out = rows.at[prepared["inverse"]].get(mode="fill", fill_value=0.0)
+    out = self._overlay_cache(state, prepared, out)
+    return base.pool_rows(out, count), {"slices": slices, "pull": pull}
+
+  def update_pooled(self, state, prepared, residuals, g, count):
+    if self.kernel == "naive":
+      return super().update_pooled(state, prepared, residuals, g, count)
+    g, prepared, count = sharding.replicate((g, prepared, count), self.mesh)
+    grads = base.unpool(g, count, prepared["ids"].shape[1])
+    return self.update(state, prepared, grads, residuals)
+
+  def _overlay_cache(self, state, prepared, out):
+    """The cores' rows `out` f32[B, L, D] with the cache's rows where the batch hits it."""
     if not self.cache_rows:
       return out
     slot = prepared["cache_slot"]
@@ -924,7 +947,9 @@ class TT(base.TableBackend):
     rows = self._tree_rows(slices, prepared)
     return rows.at[prepared["inverse"]].get(mode="fill", fill_value=0.0)
 
-  def update(self, state, prepared, grads):
+  def update(self, state, prepared, grads, residuals=None):
+    """grads f32[B, L, D]. residuals: `lookup_pooled`'s (prefix kernels), else the forward
+    pass is run again here for its pullback."""
     opt = self.spec.optimizer
     state = dict(state)
     if self.cache_rows:
@@ -956,9 +981,16 @@ class TT(base.TableBackend):
         cores.append(new.reshape(c.shape))
         accum.extend(acc.values())
     else:
-      slices = self._gather_slices(state, prepared)
-      _, vjp = jax.vjp(lambda s: self._tt_rows_from(s, prepared), slices)
-      g = vjp(grads)[0]  # summed per distinct slice: the gather's transpose adds repeats
+      if residuals:
+        slices = residuals["slices"]
+        # The transpose of the lookup's gather of distinct rows: sum the grads per row.
+        u = prepared[f"slice_of{self.shape.num_cores - 1}"].shape[0]
+        g_rows = jnp.zeros((u, self.spec.dim), grads.dtype)
+        g = residuals["pull"](g_rows.at[prepared["inverse"]].add(grads, mode="drop"))[0]
+      else:
+        slices = self._gather_slices(state, prepared)
+        _, vjp = jax.vjp(lambda s: self._tt_rows_from(s, prepared), slices)
+        g = vjp(grads)[0]  # summed per distinct slice: the gather's transpose adds repeats
       cores, accum = [], []
       for k, c in enumerate(state["cores"]):
         idx = prepared[f"slices{k}"]
