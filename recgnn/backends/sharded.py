@@ -788,30 +788,21 @@ class Sharded(base.Backend):
     full dim when the storage holds a column block (Adagrad's mean is over every column)."""
     if squeeze:
       state = jax.tree.map(lambda x: x[0], state)
-    opt = self.optimizer
+    assert state["rows"].shape[0] == num_rows  # the dedup's filler: past the local rows
     slots = {k: state[k] for k in self._slots()}
-    if not opt.needs_unique:
-      table = (
-        state["rows"]
-        .at[loc.reshape(-1)]
-        .add(-opt.learning_rate * grads.reshape(-1, grads.shape[-1]), mode="drop")
-      )
-      out = {"rows": table, **slots}
-    else:
-      unique, inverse = base.device_dedup(loc, num_rows)
-      g = base.segment_rows(grads, inverse, unique.shape[0])
-      rows = state["rows"].at[unique].get(mode="fill", fill_value=0.0)
-      acc = slots["accum"].at[unique].get(mode="fill", fill_value=0.0)
-      if columns:
-        sq = jax.lax.psum(jnp.sum(g * g, axis=-1), sharding.MODEL) / columns
-      else:
-        sq = jnp.mean(g * g, axis=-1)
-      acc = acc + sq
-      rows = rows - opt.learning_rate * g / (jnp.sqrt(acc)[:, None] + opt.eps)
-      out = {
-        "rows": state["rows"].at[unique].set(rows, mode="drop"),
-        "accum": slots["accum"].at[unique].set(acc, mode="drop"),
-      }
+    mean_square = None
+    if columns:
+      # Row-wise Adagrad's mean is over the whole row: its columns live on every MODEL shard.
+      def mean_square(g):
+        return jax.lax.psum(jnp.sum(g * g, axis=-1), sharding.MODEL) / columns
+
+    # The shared row update (the group's tables share one optimizer); no host dedup: the
+    # routed ids are deduped on device.
+    spec = next(iter(self.specs.values()))
+    rows, slots = base.sparse_sgd_or_adagrad(
+      spec, state["rows"], slots, {"ids": loc}, grads, mean_square
+    )
+    out = {"rows": rows, **slots}
     if squeeze:
       out = jax.tree.map(lambda x: x[None], out)
     return out

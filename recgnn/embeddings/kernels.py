@@ -76,6 +76,7 @@ def sparse_sgd_or_adagrad(
   slots: dict[str, jax.Array],
   prepared: PyTree,
   grads: jax.Array,
+  mean_square=None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The row-wise update shared by backends that keep rows in an indexable array.
 
@@ -86,6 +87,7 @@ def sparse_sgd_or_adagrad(
       {"unique": int32[B*L], "inverse": int32[B, L]} (see `dedup`; without them, with
       process-local input, the ids are deduped here on device).
     grads: float32[B, L, D].
+    mean_square: see `OptimizerSpec.apply` (a column block of a row).
   Returns:
     the new (table, slots), touching only the batch's rows.
   """
@@ -102,7 +104,7 @@ def sparse_sgd_or_adagrad(
   g = segment_rows(grads, inverse, unique.shape[0])
   rows = table.at[unique].get(mode="fill", fill_value=0.0)
   old = {k: v.at[unique].get(mode="fill", fill_value=0.0) for k, v in slots.items()}
-  rows, new = opt.apply(rows, old, g)
+  rows, new = opt.apply(rows, old, g, mean_square)
   table = table.at[unique].set(rows, mode="drop")
   slots = {k: slots[k].at[unique].set(new[k], mode="drop") for k in slots}
   return table, slots

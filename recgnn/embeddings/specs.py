@@ -83,7 +83,7 @@ class OptimizerSpec:
     }
 
   def apply(
-    self, rows: jax.Array, slots: dict[str, jax.Array], grads: jax.Array
+    self, rows: jax.Array, slots: dict[str, jax.Array], grads: jax.Array, mean_square=None
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One optimizer step on gathered rows.
 
@@ -91,13 +91,17 @@ class OptimizerSpec:
       rows: float32[U, D], the current values of U distinct rows (for sgd U may repeat).
       slots: per-row optimizer state, each float32[U].
       grads: float32[U, D], the summed gradient of each row.
+      mean_square: grads -> float32[U], each row's mean squared gradient for row-wise
+        Adagrad (default: the mean over D). A row split by columns over devices passes the
+        mean over all of its columns (a sum across the devices).
     Returns:
       (new rows float32[U, D], new slots).
     """
     lr = self.learning_rate
     if self.name == "sgd":
       return rows - lr * grads, slots
-    accum = slots["accum"] + jnp.mean(grads * grads, axis=-1)
+    sq = jnp.mean(grads * grads, axis=-1) if mean_square is None else mean_square(grads)
+    accum = slots["accum"] + sq
     rows = rows - lr * grads / (jnp.sqrt(accum)[:, None] + self.eps)
     return rows, {"accum": accum}
 

@@ -110,7 +110,7 @@ def check_sizes(dataset, config) -> None:
     raise DataTooSmall(
       f"{source}: {lines}: the run evaluates on {', '.join(empty)}, which the {how} split "
       "leaves empty (Kaggle: the last seventh of the rows, halved into test and valid). Give "
-      f"a bigger file, or leave them out: --config.train.final_eval_splits=\"{keep}\""
+      f'a bigger file, or leave them out: --config.train.final_eval_splits="{keep}"'
       + (" --config.train.eval_every=0" if t.get("eval_every", 0) else "")
       + "."
     )
