@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from recgnn import sharding
-from recgnn.embeddings import base
+from recgnn.embeddings import base, row_sharded
 
 P = sharding.P
 
@@ -116,9 +116,7 @@ class Dense(base.TableBackend):
   def _local_ids(self, ids: jax.Array) -> jax.Array:
     """Global ids -> this MODEL shard's row index, or R_local (dropped) when not owned."""
     local_rows = self.padded_rows // self.shards
-    loc = ids - jax.lax.axis_index(sharding.MODEL) * local_rows
-    owned = (loc >= 0) & (loc < local_rows) & (ids < self.spec.num_rows)
-    return jnp.where(owned, loc, local_rows)
+    return row_sharded.local_index(ids, local_rows, sharding.MODEL, self.spec.num_rows)
 
   def lookup_pooled(self, state, prepared, count):
     if self.shard == "none":
@@ -138,11 +136,9 @@ class Dense(base.TableBackend):
     )
     def local(table, ids, count):
       # ids of every example of this device's MODEL group: [b * model, L]
-      group = jax.lax.all_gather(ids, sharding.MODEL, tiled=True)
-      rows = table.at[self._local_ids(group)].get(mode="fill", fill_value=0.0)
-      pooled = jax.lax.psum_scatter(
-        jnp.sum(rows, axis=1), sharding.MODEL, scatter_dimension=0, tiled=True
-      )
+      group = row_sharded.every(ids, sharding.MODEL)
+      rows = row_sharded.gather(table, self._local_ids(group))
+      pooled = row_sharded.reduce_scatter_rows(jnp.sum(rows, axis=1), sharding.MODEL)
       return base.pool_rows(pooled[:, None, :], count) if mean else pooled
 
     return local(state["table"], prepared["ids"], count), ()
@@ -170,7 +166,7 @@ class Dense(base.TableBackend):
     )
     def local(state, prepared, g, count):
       # The whole batch's (ids, pooled grads) on every device: B x (L + D) values.
-      every = lambda x: jax.lax.all_gather(x, sharding.BATCH, tiled=True)  # noqa: E731
+      every = functools.partial(row_sharded.every, axis=sharding.BATCH)
       prepared = {k: every(v) if k in batch_keys else v for k, v in prepared.items()}
       g, count = every(g), every(count)
       grads = base.unpool(g, count if mean else None, bag)
@@ -179,9 +175,7 @@ class Dense(base.TableBackend):
         local_prepared["unique"] = self._local_ids(prepared["unique"])
         local_prepared["inverse"] = prepared["inverse"]
       slots = {k: state[k] for k in slot_names}
-      table, slots = base.sparse_sgd_or_adagrad(
-        self.spec, state["table"], slots, local_prepared, grads
-      )
+      table, slots = row_sharded.update(self.spec, state["table"], slots, local_prepared, grads)
       return {"table": table, **slots}
 
     return local(state, prepared, g, count)

@@ -81,7 +81,7 @@ import numpy as np
 
 from recgnn import sharding
 from recgnn.embeddings import access_counts as profile
-from recgnn.embeddings import base, host_table, microbatch
+from recgnn.embeddings import base, host_table, microbatch, row_sharded
 
 P = sharding.P
 MARGIN = 4.0  # popular micro-batch size: the popular count less this many binomial std devs
@@ -679,8 +679,8 @@ class HotCold(base.Backend):
       check_vma=False,
     )
     def local(h, slots):
-      return jax.lax.psum(
-        h.at[self._local(slots, h.shape[0])].get(mode="fill", fill_value=0.0), sharding.BATCH
+      return row_sharded.psum_rows(
+        row_sharded.gather(h, self._local(slots, h.shape[0])), sharding.BATCH
       )
 
     return local(hot, slots)
@@ -697,15 +697,14 @@ class HotCold(base.Backend):
       check_vma=False,
     )
     def local(h, slots, values):
-      return h.at[self._local(slots, h.shape[0])].set(values, mode="drop")
+      return row_sharded.scatter(h, self._local(slots, h.shape[0]), values)
 
     return local(hot, slots, values)
 
   @staticmethod
   def _local(slots: jax.Array, h: int) -> jax.Array:
     """Hot slots -> this device's local index, h (dropped / zero) where not owned."""
-    loc = slots - jax.lax.axis_index(sharding.BATCH) * h
-    return jnp.where((loc >= 0) & (loc < h), loc, h)
+    return row_sharded.local_index(slots, h, sharding.BATCH)
 
   def _hot_lookup(self, hot: jax.Array, ids: jax.Array) -> jax.Array:
     """Rows of hot slots ids int32[B, L] (batch-split; >= Ha: zeros) -> f32[B, L, D]. Each
@@ -724,11 +723,11 @@ class HotCold(base.Backend):
     )
     def local(h, ids):
       if split:
-        ids = jax.lax.all_gather(ids, sharding.BATCH, tiled=True)
-      rows = h.at[self._local(ids, h.shape[0])].get(mode="fill", fill_value=0.0)
+        ids = row_sharded.every(ids, sharding.BATCH)
+      rows = row_sharded.gather(h, self._local(ids, h.shape[0]))
       if split:
-        return jax.lax.psum_scatter(rows, sharding.BATCH, scatter_dimension=0, tiled=True)
-      return jax.lax.psum(rows, sharding.BATCH)
+        return row_sharded.reduce_scatter_rows(rows, sharding.BATCH)
+      return row_sharded.psum_rows(rows, sharding.BATCH)
 
     return local(hot, ids)
 
@@ -839,7 +838,7 @@ class HotCold(base.Backend):
     )
     def local(hot, sub, g, count):
       if split:
-        every = lambda x: jax.lax.all_gather(x, sharding.BATCH, tiled=True)  # noqa: E731
+        every = functools.partial(row_sharded.every, axis=sharding.BATCH)
         sub = {k: every(v) if k in self._BATCH_MAJOR else v for k, v in sub.items()}
         g, count = every(g), every(count)
       grads = base.unpool(g, count if mean else None, bag)
@@ -849,7 +848,7 @@ class HotCold(base.Backend):
         lp["unique"] = self._local(sub["hot_unique"], h)
         lp["inverse"] = sub["hot_inverse"]
       slots = {k: hot[k] for k in slot_names}
-      table, slots = base.sparse_sgd_or_adagrad(spec, hot["table"], slots, lp, grads)
+      table, slots = row_sharded.update(spec, hot["table"], slots, lp, grads)
       return {"table": table, **slots}
 
     return local(hot, sub, g, count)

@@ -54,7 +54,7 @@ import numpy as np
 from absl import logging
 
 from recgnn import sharding
-from recgnn.embeddings import base, codecs
+from recgnn.embeddings import base, codecs, row_sharded
 
 P = sharding.P
 KINDS = ("auto", "table", "row", "column")
@@ -524,9 +524,7 @@ class Sharded(base.Backend):
 
   def _rw_local(self, n, ids):
     rows = base.aligned_rows(self.specs[n].num_rows) // self.k
-    loc = ids - jax.lax.axis_index(sharding.MODEL) * rows
-    ok = (ids >= 0) & (loc >= 0) & (loc < rows) & (ids < self.specs[n].num_rows)
-    return jnp.where(ok, loc, rows)
+    return row_sharded.local_index(ids, rows, sharding.MODEL, self.specs[n].num_rows)
 
   def _cw_local(self, n, ids):
     num = self.specs[n].num_rows
@@ -799,8 +797,8 @@ class Sharded(base.Backend):
     # The shared row update (the group's tables share one optimizer); no host dedup: the
     # routed ids are deduped on device.
     spec = next(iter(self.specs.values()))
-    rows, slots = base.sparse_sgd_or_adagrad(
-      spec, state["rows"], slots, {"ids": loc}, grads, mean_square
+    rows, slots = row_sharded.update(
+      spec, state["rows"], slots, {"ids": loc}, grads, mean_square=mean_square
     )
     out = {"rows": rows, **slots}
     if squeeze:

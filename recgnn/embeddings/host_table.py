@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import compute_on as _compute_on
 
 from recgnn import sharding
-from recgnn.embeddings import base
+from recgnn.embeddings import base, row_sharded
 
 HOST_MEMORIES = ("pinned_host", "device")
 
@@ -185,9 +185,8 @@ class HostTable:
       check_vma=False,
     )
     def local(h, rows, values):
-      n = h.shape[0]
-      loc = rows - jax.lax.axis_index(sharding.BATCH) * n
-      loc = jnp.where((loc >= 0) & (loc < n), loc, n)  # not owned: dropped (stays unique)
+      # Not owned: n, dropped (the rows stay unique).
+      loc = row_sharded.local_index(rows, h.shape[0], sharding.BATCH)
       loc, values = self.to_host(loc), self.to_host(values)
       return self.on_host(scatter_rows, h, loc, values)
 
@@ -211,11 +210,12 @@ class HostTable:
     )
     def local(h, rows):
       n = h.shape[0]
-      loc = rows - jax.lax.axis_index(sharding.BATCH) * n
-      owned = (loc >= 0) & (loc < n)
+      loc = row_sharded.local_index(rows, n, sharding.BATCH)
+      owned = loc < n
+      # The host gather is a bare XLA gather (`gather_rows`): in-range indices only.
       loc = self.to_host(jnp.where(owned, loc, 0))
       got = self.to_device(self.on_host(gather_rows, h, loc))
       owned = owned.reshape(owned.shape + (1,) * (got.ndim - 1))
-      return jax.lax.psum(jnp.where(owned, got, 0), sharding.BATCH)
+      return row_sharded.psum_rows(jnp.where(owned, got, 0), sharding.BATCH)
 
     return local(h, rows)

@@ -1,0 +1,70 @@
+"""Arrays row-sharded over a mesh axis: the one copy of the mechanism every backend that splits
+rows uses (dense(shard=rows) over MODEL, hot_cold's hot rows and host rows over every device,
+sharded's row-wise tables over MODEL).
+
+All functions run inside `shard_map`, on one device's block of R rows (rows [i * R, (i + 1) *
+R) of the logical array on the device at index i of `axis`):
+
+  local_index   global ids -> this device's local row, R (dropped / read as zeros) elsewhere
+  gather        masked gather of the rows this device owns (zeros elsewhere)
+  every         the batch-major leaves of every device over `axis` (all-gather, in order)
+  psum_rows / reduce_scatter_rows
+                add the devices' masked gathers: exact, one non-zero term per row
+  scatter       masked scatter: each device writes the rows it owns
+  update        the shard-local sparse row update (the shared optimizer rule,
+                `kernels.sparse_sgd_or_adagrad` / `OptimizerSpec.apply`) on owned rows
+
+Shapes: R = rows per device, D = row width, [...] any index shape.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from recgnn.embeddings.kernels import sparse_sgd_or_adagrad
+
+
+def local_index(ids: jax.Array, rows: int, axis, num_rows: int | None = None) -> jax.Array:
+  """ids int32[...] (global rows; negative or >= num_rows: padding) -> this device's local
+  index int32[...] in [0, R], R where the row is not owned here (gathers read zeros,
+  scatters drop it)."""
+  loc = ids - jax.lax.axis_index(axis) * rows
+  owned = (loc >= 0) & (loc < rows)
+  if num_rows is not None:
+    owned = owned & (ids < num_rows)
+  return jnp.where(owned, loc, rows)
+
+
+def gather(block: jax.Array, loc: jax.Array) -> jax.Array:
+  """block f32[R, ...], loc int32[...] from `local_index` -> f32[..., ...]: owned rows, zeros
+  elsewhere."""
+  return block.at[loc].get(mode="fill", fill_value=0.0)
+
+
+def every(x: jax.Array, axis) -> jax.Array:
+  """The batch-major x of every device over `axis`, in device order (tiled all-gather)."""
+  return jax.lax.all_gather(x, axis, tiled=True)
+
+
+def psum_rows(x: jax.Array, axis) -> jax.Array:
+  """The sum over `axis` of the devices' masked gathers: every device gets every row."""
+  return jax.lax.psum(x, axis)
+
+
+def reduce_scatter_rows(x: jax.Array, axis) -> jax.Array:
+  """x f32[n * b, ...] (masked gathers for the examples of every device over `axis`) -> each
+  device's own b examples, summed over the devices (exact: one owner per row)."""
+  return jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+
+
+def scatter(block: jax.Array, loc: jax.Array, values: jax.Array) -> jax.Array:
+  """block[loc] = values for the rows this device owns (loc = R: dropped)."""
+  return block.at[loc].set(values, mode="drop")
+
+
+def update(spec, block: jax.Array, slots: dict, local_prepared: dict, grads: jax.Array, **kw):
+  """The shared sparse row update on this device's rows: local_prepared {"ids": local
+  indices int32[B, L] and, optionally, "unique" (local) / "inverse"}, grads f32[B, L, D] of
+  the whole batch (every device sees every example; rows it does not own are dropped)."""
+  return sparse_sgd_or_adagrad(spec, block, slots, local_prepared, grads, **kw)
