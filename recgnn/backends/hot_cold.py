@@ -71,7 +71,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import threading
 import time
 from collections.abc import Sequence
 
@@ -81,7 +80,7 @@ import numpy as np
 
 from recgnn import sharding
 from recgnn.embeddings import access_counts as profile
-from recgnn.embeddings import base, host_table, microbatch, row_sharded
+from recgnn.embeddings import base, host_cache, host_table, microbatch, row_sharded
 
 P = sharding.P
 MARGIN = 4.0  # popular micro-batch size: the popular count less this many binomial std devs
@@ -188,8 +187,7 @@ class HotCold(base.Backend):
     self._picked = False  # a hot set has been picked (initial profile done)
     self._pending: dict[str, np.ndarray] | None = None  # a hot set to migrate to
     self._p0: dict[int, int] = {}  # per-device batch size b -> popular micro-batch size
-    self._lock = threading.Lock()
-    self._counters: dict[str, float] = {}
+    self._counters = host_cache.Counters()
     self._initialised = False
 
   @classmethod
@@ -384,14 +382,7 @@ class HotCold(base.Backend):
     return {**state, "tables": tables}
 
   def _check_stale(self, state):
-    stale = int(jax.device_get(state["stale"]))
-    if stale:
-      raise RuntimeError(
-        f"hot_cold (tables {', '.join(self.specs)}): {stale} update(s) ran with a batch "
-        "prepared for another hot / cold layout: a prepared train batch was skipped or ran "
-        "out of order. Batches that only run lookup (eval) must be prepared with "
-        "prepare(ids, upcoming, train=False)."
-      )
+    host_cache.check_stale(state, f"hot_cold (tables {', '.join(self.specs)})", "hot / cold")
 
   def sync(self, state):
     """Write every hot row back to the host table (O(hot rows)); the hot arrays stay."""
@@ -403,13 +394,10 @@ class HotCold(base.Backend):
   def _flush(self, state):
     tables = {}
     for name, t in state["tables"].items():
-      n = self.specs[name].num_rows
-      rows = jnp.where(t["hot_rows"] < n, t["hot_rows"], base.aligned_rows(n))
       slots = jnp.arange(t["hot_rows"].shape[0], dtype=jnp.int32)
-      host = dict(t["host"])
-      for k, v in t["hot"].items():
-        host[k] = self.host.scatter(host[k], rows, self._hot_get(v, slots))
-      tables[name] = {**t, "host": host}
+      hot = {k: self._hot_get(v, slots) for k, v in t["hot"].items()}
+      n = self.specs[name].num_rows
+      tables[name] = {**t, "host": host_cache.flush(self.host, t["host"], t["hot_rows"], n, hot)}
     return {**state, "tables": tables}
 
   def tables(self, state):
@@ -435,9 +423,7 @@ class HotCold(base.Backend):
     return self.mesh.size if self.layout.split_batch else 1
 
   def _count(self, **kv):
-    with self._lock:
-      for k, v in kv.items():
-        self._counters[k] = self._counters.get(k, 0) + v
+    self._counters.add(**kv)
 
   def prepare(self, ids, upcoming=(), *, train=True):
     """ids {table: int[B, L]} (PAD = -1) -> the prepared pytree (see `prepared_spec`).
@@ -639,8 +625,7 @@ class HotCold(base.Backend):
     hot), hot_coverage (ids served by a hot row), rows / bytes host -> device and back
     (cold rows), migrated rows, micro-batch sizes (all devices), plan ms on the
     input thread. Eval batches: eval_popular_fraction, eval_hot_coverage."""
-    with self._lock:
-      c, self._counters = self._counters, {}
+    c = self._counters.take()
     out = {}
     steps = c.get("steps", 0)
     if steps:
@@ -669,37 +654,11 @@ class HotCold(base.Backend):
   def _hot_get(self, hot: jax.Array, slots: jax.Array) -> jax.Array:
     """hot[slots] (slots >= Ha: zeros) as a replicated array: each device gathers the slots
     it owns, a psum adds the one non-zero term per slot (exact)."""
-    spec = P(sharding.BATCH, *([None] * (hot.ndim - 1)))
-
-    @functools.partial(
-      jax.shard_map,
-      mesh=self.mesh,
-      in_specs=(spec, sharding.REPLICATED),
-      out_specs=sharding.REPLICATED,
-      check_vma=False,
-    )
-    def local(h, slots):
-      return row_sharded.psum_rows(
-        row_sharded.gather(h, self._local(slots, h.shape[0])), sharding.BATCH
-      )
-
-    return local(hot, slots)
+    return row_sharded.gather_everywhere(self.mesh, sharding.BATCH, hot, slots)
 
   def _hot_set(self, hot: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
     """hot[slots] = values (replicated; slots >= Ha dropped): each device its own slots."""
-    spec = P(sharding.BATCH, *([None] * (hot.ndim - 1)))
-
-    @functools.partial(
-      jax.shard_map,
-      mesh=self.mesh,
-      in_specs=(spec, sharding.REPLICATED, sharding.REPLICATED),
-      out_specs=spec,
-      check_vma=False,
-    )
-    def local(h, slots, values):
-      return row_sharded.scatter(h, self._local(slots, h.shape[0]), values)
-
-    return local(hot, slots, values)
+    return row_sharded.scatter_everywhere(self.mesh, sharding.BATCH, hot, slots, values)
 
   @staticmethod
   def _local(slots: jax.Array, h: int) -> jax.Array:
@@ -808,12 +767,7 @@ class HotCold(base.Backend):
       hot = self._update_hot(spec, t["hot"], p, grads[name], count)
       host = self._update_cold(spec, state, prepared, name, grads[name], count, residuals[name])
       tables[name] = self._migration({**t, "hot": hot, "host": host}, p, spec)
-    ok = state["version"] == prepared["version"]
-    return {
-      "tables": tables,
-      "version": prepared["version"] + 1,
-      "stale": state["stale"] + jnp.where(ok, 0, 1).astype(jnp.int32),
-    }
+    return {"tables": tables, **host_cache.advance(state, prepared)}
 
   def _update_hot(self, spec, hot, p, g, count):
     """dense(shard=rows)'s update on the hot slots: the batch's (ids, pooled grads) on

@@ -21,8 +21,6 @@ constants, which compute_on("device_host") rejects.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,22 +173,12 @@ class HostTable:
     if not self.split:
       rows, values = self.to_host(rows), self.to_host(values)
       return self.on_host(scatter_rows, h, rows, values)
-    spec = host_spec(h)
 
-    @functools.partial(
-      jax.shard_map,
-      mesh=self.mesh,
-      in_specs=(spec, sharding.REPLICATED, sharding.REPLICATED),
-      out_specs=spec,
-      check_vma=False,
-    )
-    def local(h, rows, values):
-      # Not owned: n, dropped (the rows stay unique).
-      loc = row_sharded.local_index(rows, h.shape[0], sharding.BATCH)
+    def local_scatter(block, loc, values):  # loc = R where not owned: dropped (stays unique)
       loc, values = self.to_host(loc), self.to_host(values)
-      return self.on_host(scatter_rows, h, loc, values)
+      return self.on_host(scatter_rows, block, loc, values)
 
-    return local(h, rows, values)
+    return row_sharded.scatter_everywhere(self.mesh, sharding.BATCH, h, rows, values, local_scatter)
 
   def gather(self, h: jax.Array, rows: jax.Array) -> jax.Array:
     """h[rows] (rows in range) from the host array h, as a replicated device array. On a
@@ -199,23 +187,11 @@ class HostTable:
     if not self.split:
       rows = self.to_host(rows)
       return self.to_device(self.on_host(gather_rows, h, rows))
-    spec = host_spec(h)
 
-    @functools.partial(
-      jax.shard_map,
-      mesh=self.mesh,
-      in_specs=(spec, sharding.REPLICATED),
-      out_specs=sharding.REPLICATED,
-      check_vma=False,
-    )
-    def local(h, rows):
-      n = h.shape[0]
-      loc = row_sharded.local_index(rows, n, sharding.BATCH)
-      owned = loc < n
+    def local_gather(block, loc):
+      owned = loc < block.shape[0]
       # The host gather is a bare XLA gather (`gather_rows`): in-range indices only.
-      loc = self.to_host(jnp.where(owned, loc, 0))
-      got = self.to_device(self.on_host(gather_rows, h, loc))
-      owned = owned.reshape(owned.shape + (1,) * (got.ndim - 1))
-      return row_sharded.psum_rows(jnp.where(owned, got, 0), sharding.BATCH)
+      got = self.to_device(self.on_host(gather_rows, block, self.to_host(jnp.where(owned, loc, 0))))
+      return jnp.where(owned.reshape(owned.shape + (1,) * (got.ndim - 1)), got, 0)
 
-    return local(h, rows)
+    return row_sharded.gather_everywhere(self.mesh, sharding.BATCH, h, rows, local_gather)

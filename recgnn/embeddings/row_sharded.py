@@ -14,14 +14,22 @@ R) of the logical array on the device at index i of `axis`):
   update        the shard-local sparse row update (the shared optimizer rule,
                 `kernels.sparse_sgd_or_adagrad` / `OptimizerSpec.apply`) on owned rows
 
+and, from outside `shard_map`, on a whole row-sharded array with replicated row indices:
+
+  gather_everywhere    rows [M] -> f32[M, ...] on every device (owner's gather + psum)
+  scatter_everywhere   array[rows] = values, each device writing the rows it owns
+
 Shapes: R = rows per device, D = row width, [...] any index shape.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from recgnn import sharding
 from recgnn.embeddings.kernels import sparse_sgd_or_adagrad
 
 
@@ -68,3 +76,46 @@ def update(spec, block: jax.Array, slots: dict, local_prepared: dict, grads: jax
   indices int32[B, L] and, optionally, "unique" (local) / "inverse"}, grads f32[B, L, D] of
   the whole batch (every device sees every example; rows it does not own are dropped)."""
   return sparse_sgd_or_adagrad(spec, block, slots, local_prepared, grads, **kw)
+
+
+def _row_spec(x: jax.Array, axis) -> jax.sharding.PartitionSpec:
+  return sharding.P(axis, *([None] * (x.ndim - 1)))
+
+
+def gather_everywhere(mesh, axis, array: jax.Array, rows: jax.Array, local_gather=gather):
+  """array f32[R * n, ...] row-sharded over `axis`, rows int32[M] (replicated; out of range:
+  zeros) -> f32[M, ...] replicated: each device gathers the rows it owns (`local_gather(block,
+  loc)`, zeros where loc = R) and a psum adds the one non-zero term per row (exact)."""
+
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(_row_spec(array, axis), sharding.REPLICATED),
+    out_specs=sharding.REPLICATED,
+    check_vma=False,
+  )
+  def local(block, rows):
+    return psum_rows(local_gather(block, local_index(rows, block.shape[0], axis)), axis)
+
+  return local(array, rows)
+
+
+def scatter_everywhere(
+  mesh, axis, array: jax.Array, rows: jax.Array, values: jax.Array, local_scatter=scatter
+):
+  """array[rows] = values (rows int32[M], values [M, ...] replicated; out of range: dropped)
+  on an array row-sharded over `axis`: each device writes the rows it owns
+  (`local_scatter(block, loc, values)`, loc = R dropped)."""
+  spec = _row_spec(array, axis)
+
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(spec, sharding.REPLICATED, sharding.REPLICATED),
+    out_specs=spec,
+    check_vma=False,
+  )
+  def local(block, rows, values):
+    return local_scatter(block, local_index(rows, block.shape[0], axis), values)
+
+  return local(array, rows, values)

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import time
 from collections.abc import Sequence
 
@@ -62,7 +61,7 @@ import numpy as np
 
 from recgnn.backends.offload import planner as hostplan
 from recgnn.embeddings import access_counts as profile
-from recgnn.embeddings import base, host_table
+from recgnn.embeddings import base, host_cache, host_table
 
 POLICIES = ("lru", "lfu", "lookahead")
 HOST_MEMORIES = host_table.HOST_MEMORIES
@@ -297,8 +296,7 @@ class Offload(base.TableBackend):
     self.exchange = exchange
     self._planner: Planner | None = None  # O(N) host bookkeeping: allocated by init
     self._host_sharding = self._dev_sharding = None
-    self._lock = threading.Lock()
-    self._counters: dict[str, float] = {}
+    self._counters = host_cache.Counters()
     self._window_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
   def describe(self) -> str:
@@ -449,9 +447,7 @@ class Offload(base.TableBackend):
     )
 
   def _count(self, **kv):
-    with self._lock:
-      for k, v in kv.items():
-        self._counters[k] = self._counters.get(k, 0) + v
+    self._counters.add(**kv)
 
   def prepare(self, ids, upcoming=(), *, train: bool = True):
     """Plan one batch: ids int[B, L] (PAD = -1); upcoming: the next batches' ids.
@@ -574,8 +570,7 @@ class Offload(base.TableBackend):
     rows/bytes host->device and device->host per step, the share of loads prefetched one
     step ahead (off the step's critical path), and host planning ms per step (input
     thread). Eval batches are counted separately (eval_hit_rate)."""
-    with self._lock:
-      c, self._counters = self._counters, {}
+    c = self._counters.take()
     steps = max(c.get("steps", 0), 1)
     looked = c.get("hits", 0) + c.get("misses", 0)
     row_bytes = self.spec.row_bytes
@@ -642,32 +637,17 @@ class Offload(base.TableBackend):
     table, slots = base.sparse_sgd_or_adagrad(self.spec, cache["table"], slots, prepared, grads)
     state = {**state, "cache": {"table": table, **slots}}
     state = self._exchange(state, prepared["next"])
-    ok = state["version"] == prepared["version"]
-    return {
-      **state,
-      "version": prepared["version"] + 1,
-      "stale": state["stale"] + jnp.where(ok, 0, 1).astype(jnp.int32),
-    }
+    return {**state, **host_cache.advance(state, prepared)}
 
   def _flush(self, state):
-    host = dict(state["host"])
-    # Empty slots hold N; past the host arrays, so the scatter (unique indices) drops them.
-    n = self.spec.num_rows
-    slot_rows = state["slot_rows"]
-    rows = jnp.where(slot_rows < n, slot_rows, base.aligned_rows(n))
-    for k, v in state["cache"].items():
-      host[k] = self._host_scatter(host[k], rows, v)
+    # Empty slots hold N: the scatter (unique indices) drops them.
+    host = host_cache.flush(
+      self.host, state["host"], state["slot_rows"], self.spec.num_rows, state["cache"]
+    )
     return {**state, "host": host}
 
   def _check_stale(self, state):
-    stale = int(jax.device_get(state["stale"]))
-    if stale:
-      raise RuntimeError(
-        f"offload (table {self.spec.name!r}): {stale} update(s) ran with a plan made for "
-        "another cache layout: a prepared batch was skipped or ran out of order. Batches "
-        "that only run lookup (eval) must be prepared with prepare(ids, upcoming, "
-        "train=False)."
-      )
+    host_cache.check_stale(state, f"offload (table {self.spec.name!r})", "cache")
 
   def sync(self, state):
     """Write every resident cache row back to the host table (O(C)); the cache stays."""
