@@ -316,8 +316,11 @@ def test_cost_model_per_platform(tmp_path, monkeypatch):
          "pairs_fixed_ns": 5_000.0, "pairs_ns_per_mac": 0.0001, "pairs_max_floats": 1 << 24,
          "source": "test"}  # fmt: skip
   path.write_text(json.dumps({"_doc": "x", "gpu": gpu, "gpu:H9": {**gpu, "pairs_fixed_ns": 1e9}}))
-  monkeypatch.setattr(tt, "_COST_FILE", str(path))
-  monkeypatch.setattr(tt, "_read_cost_file", functools.partial(tt._read_cost_file, str(path)))
+  # The cost model lives in tt.cost (recgnn/backends/tt/cost.py): patch it there.
+  monkeypatch.setattr(tt.cost, "_COST_FILE", str(path))
+  monkeypatch.setattr(
+    tt.cost, "_read_cost_file", functools.partial(tt.cost._read_cost_file, str(path))
+  )
   tt.cost_model.cache_clear()
   try:
     assert tt.cost_model() == tt.CPU_COSTS  # this CPU: not in the file

@@ -64,6 +64,10 @@ Limits, and why:
     host and device computations on the same cores, so nothing overlaps there.
   - Lookup and update each gather the cold rows from the host (the contract gives `update`
     no handle on what `lookup` read); inside one jitted step XLA may merge the two.
+
+One concern in one file: the `HotCold` group (host planning of the hot set, micro-batches and
+migrations; its device code). Shared mechanisms live in recgnn/embeddings (row_sharded,
+host_table, host_cache, access_counts, microbatch).
 """
 
 from __future__ import annotations

@@ -20,8 +20,13 @@ D / k, Tmax the most tables one shard owns), so one all-to-all per payload array
 f32; codes + scales for int8). Backward is the reverse: pooled gradients to the owners, then
 an all-gather over DATA of (ids, gradients) of the group's examples so every replica of a
 shard applies the same sparse row-wise update (SGD, row-wise Adagrad): O(B) bytes, never a
-table-sized all-reduce. The ids are routed again in `update` (the contract keeps lookup and
-update apart; TorchRec keeps them from the forward): L int32 per example and table.
+table-sized all-reduce. The lookup's routing (each device's routed ids) and, under an
+adaptive forward codec, the forward message's statistics reach `update` as the contract's
+residuals (as TorchRec keeps them from the forward): nothing is routed or pooled twice.
+
+Files: placement.py (the placement planner); this file, the `Sharded` group (routing, the
+fused all-to-all and its codec fallback, the update), one class: the sharding type's input
+distribution, lookup and output distribution read as the steps of one step.
 
 Placement (`kind`): `auto` (default) puts a table row-wise when it holds more than 1 / k of
 the group's bytes (it would unbalance the shards) and table-wise otherwise, assigning the
@@ -44,7 +49,6 @@ f32[S, D] P(None, MODEL), slots replicated}}, "codec": {"fwd"|"bwd": BoundRule s
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 
@@ -54,64 +58,11 @@ import numpy as np
 from absl import logging
 
 from recgnn import sharding
+from recgnn.backends.sharded.placement import KINDS, Placement, plan_placements  # noqa: F401
 from recgnn.embeddings import base, codecs, row_sharded
 
 P = sharding.P
-KINDS = ("auto", "table", "row", "column")
 FALLBACK_SCOPE = "codec_fallback"  # named scope of the f32 fallback all-to-all (comms.py)
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-  """Where one table lives. kind: table | row | column; shard: the owner (table-wise);
-  slot: its position among the owner's tables; offset: its first row in the owner's array."""
-
-  kind: str
-  shard: int = 0
-  slot: int = 0
-  offset: int = 0
-
-
-def plan_placements(
-  specs: dict[str, base.TableSpec],
-  k: int,
-  kind: str = "auto",
-  lookups: dict[str, float] | None = None,
-) -> dict[str, Placement]:
-  """Assign every table a placement over k MODEL shards (see the module docstring)."""
-  if kind not in KINDS:
-    raise ValueError(f"sharded: unknown kind {kind!r}; available: {', '.join(KINDS)}")
-  lookups = lookups or {}
-  total_bytes = sum(s.table_bytes for s in specs.values()) or 1
-  total_lookups = sum(lookups.get(n, 1.0) for n in specs) or 1.0
-  out: dict[str, Placement] = {}
-  table_wise = []
-  for n, s in specs.items():
-    if kind == "column":
-      if s.dim % k:
-        raise ValueError(
-          f"sharded(kind=column): table {n!r} has dim {s.dim}, which does not split over the "
-          f"{k} devices of the model axis; use a dim divisible by {k}, or kind=row / table."
-        )
-      out[n] = Placement("column")
-    elif kind == "row" or (kind == "auto" and k > 1 and s.table_bytes * k > total_bytes):
-      out[n] = Placement("row")
-    else:
-      table_wise.append(n)
-  cost = [0.0] * k
-  rows = [0] * k
-  slots = [0] * k
-  order = sorted(
-    table_wise,
-    key=lambda n: -(specs[n].table_bytes / total_bytes + lookups.get(n, 1.0) / total_lookups),
-  )
-  for n in order:
-    m = min(range(k), key=lambda i: (cost[i], i))
-    out[n] = Placement("table", m, slots[m], rows[m])
-    cost[m] += specs[n].table_bytes / total_bytes + lookups.get(n, 1.0) / total_lookups
-    rows[m] += specs[n].num_rows
-    slots[m] += 1
-  return {n: out[n] for n in specs}
 
 
 @base.register_backend("sharded")

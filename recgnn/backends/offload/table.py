@@ -1,0 +1,493 @@
+"""`Offload`: one table in host memory behind a device cache (the per-table backend; see the
+package docstring). Holds one concern: the table's host planning (`prepare`) and its device
+code (lookup, update, exchange, flush)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from recgnn.backends.offload.cache_plan import (
+  EVICT_ROWS,
+  EVICT_SLOTS,
+  LOAD_ROWS,
+  LOAD_SLOTS,
+  POLICIES,
+  Exchange,
+  Planner,
+  _bucket,
+  _pad,
+)
+from recgnn.embeddings import base, host_cache, host_table
+
+HOST_MEMORIES = host_table.HOST_MEMORIES
+
+
+class Offload(base.TableBackend):
+  """Table in host memory, a C-row device cache filled ahead of the step (cDLRM).
+
+  Options (plan string):
+    cache_rows: device cache size in rows (capped at the table's rows), or
+    cache_fraction: the cache as a fraction of the rows, at least `min_cache_rows`.
+    policy: `lru`, `lfu` (per-row access counts since init/restore, ties by recency) or
+      `lookahead` (never evicts a row needed within the look-ahead window while the cache
+      can hold the window; then farthest next use first).
+    lookahead: upcoming batches `prepare` wants (the trainer passes them). >= 1 prefetches
+      batch k+1 inside step k; 0 loads every batch on demand inside its own step.
+    exchange: shapes of the exchange lists, which are jit arguments. `fixed` (default): every
+      list holds min(ids per batch, C) entries, padded, so a step compiles once however the
+      misses vary (a trainer step holds every table's lists: per-table size buckets would
+      multiply into a recompile almost every step). `pow2`: the next power of two >= the
+      entries (less padding moved, a few shapes per table). Padding gathers row 0 on the
+      host and is dropped on the device; stats count real rows and padded bytes apart.
+    host_memory: `pinned_host` (default; falls back to `device` where the platform has no
+      host memory space) or `device` (no offload: debugging, benchmarks).
+
+  A batch touching more distinct rows than the cache holds is an error at plan time that
+  names the size needed (no micro-batching: exactness vs dense needs the whole batch's update
+  at once).
+  """
+
+  name = "offload"  # the member class; `OffloadGroup` is what the registry names
+  capabilities = base.Capabilities(plans_globally=True)  # the cache plan is global
+  batch_major = ("ids", "inverse", "now_pos")
+
+  def __init__(
+    self,
+    spec: base.TableSpec,
+    mesh,
+    layout: base.Layout | None = None,
+    cache_rows: int | None = None,
+    cache_fraction: float | None = None,
+    min_cache_rows: int = 0,
+    policy: str = "lru",
+    lookahead: int = 8,
+    exchange: str = "fixed",
+    host_memory: str = "pinned_host",
+  ):
+    super().__init__(spec, mesh, layout)
+    if (cache_rows is None) == (cache_fraction is None):
+      raise ValueError(
+        f"offload (table {spec.name!r}): give exactly one of cache_rows=ROWS or "
+        "cache_fraction=F, e.g. offload(cache_rows=200_000)"
+      )
+    if cache_rows is not None:
+      if min_cache_rows:
+        raise ValueError(
+          f"offload: min_cache_rows={min_cache_rows} is a floor under cache_fraction's rows; "
+          f"with cache_rows={cache_rows} the size is given: drop min_cache_rows"
+        )
+      if int(cache_rows) <= 0:
+        raise ValueError(f"offload: cache_rows must be > 0, got {cache_rows}")
+      rows = int(cache_rows)
+    else:
+      if not 0 < cache_fraction <= 1:
+        raise ValueError(f"offload: cache_fraction must be in (0, 1], got {cache_fraction}")
+      rows = max(math.ceil(cache_fraction * spec.num_rows), int(min_cache_rows))
+    if policy not in POLICIES:
+      raise ValueError(f"offload: unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+    if int(lookahead) < 0:
+      raise ValueError(f"offload: lookahead must be >= 0, got {lookahead}")
+    if policy == "lookahead" and int(lookahead) < 1:
+      raise ValueError("offload: policy=lookahead needs lookahead>=1 (its window)")
+    self.cache_rows = min(rows, spec.num_rows)
+    self._options = dict(
+      cache_rows=cache_rows, cache_fraction=cache_fraction, min_cache_rows=min_cache_rows
+    )
+    self.policy = policy
+    self.lookahead = int(lookahead)
+    # The host arrays' placement and in-step access (shared with hot_cold).
+    self.host = host_table.HostTable(host_memory, f"offload (table {spec.name!r})", mesh)
+    self.host_memory = self.host.host_memory
+    if exchange not in ("fixed", "pow2"):
+      raise ValueError(f"offload: exchange must be 'fixed' or 'pow2', got {exchange!r}")
+    self.exchange = exchange
+    self._planner: Planner | None = None  # O(N) host bookkeeping: allocated by init
+    self._host_sharding = self._dev_sharding = None
+    self._counters = host_cache.Counters()
+    self._window_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+  def describe(self) -> str:
+    size = (
+      f"cache_rows={self._options['cache_rows']}"
+      if self._options["cache_rows"] is not None
+      else f"cache_fraction={self._options['cache_fraction']}"
+      + (
+        f", min_cache_rows={self._options['min_cache_rows']}"
+        if self._options["min_cache_rows"]
+        else ""
+      )
+    )
+    extra = "" if self.exchange == "fixed" else f", exchange={self.exchange}"
+    extra += "" if self.host_memory == "pinned_host" else f", host_memory={self.host_memory}"
+    return f"offload({size}, policy={self.policy}, lookahead={self.lookahead}{extra})"
+
+  @property
+  def offloaded(self) -> bool:
+    return self.host.offloaded
+
+  # --------------------------------------------------------------------------- placement
+
+  @property
+  def host_split(self) -> bool:
+    """Whether the host arrays are split by rows over the devices of the mesh: ONE host copy
+    of the table in all (each device's pinned host memory holds S / n rows), instead of a
+    replica per device."""
+    return self.host.split
+
+  def state_sharding(self):
+    """The cache in device memory, replicated over the mesh: every device holds the same
+    cache, so lookups of its examples are local, and every device applies the same update
+    to it (exact, as `dense` replicated). The host arrays in `host_memory`: on one device,
+    whole; on a mesh, split by rows over every device (one table in all; an exchange moves
+    each row between its owner's host memory and the replicated cache)."""
+    host, host_vec = self.row_sharding()
+    dev = self.replicated("device")
+    slots = self.spec.optimizer.slot_names()
+    return {
+      "host": {"table": host, **{s: host_vec for s in slots}},
+      "cache": {"table": dev, **{s: dev for s in slots}},
+      "slot_rows": dev,
+      "version": dev,
+      "stale": dev,
+    }
+
+  def init(self, key):
+    spec = self.spec
+    opt = spec.optimizer
+    # Host arrays have base.aligned_rows(N) rows (the checkpoint's logical shape); the
+    # padding rows are never addressed by an id.
+    pad = base.aligned_rows(spec.num_rows) - spec.num_rows
+    table = base.init_table(key, spec)
+    host = {"table": np.concatenate([table, np.zeros((pad, spec.dim), np.float32)])}
+    host.update(
+      {s: np.full(spec.num_rows + pad, opt.initial_accumulator, np.float32)
+       for s in opt.slot_names()}
+    )  # fmt: skip
+    return self._fresh(host)
+
+  def _fresh(self, host: dict) -> dict:
+    """A state holding `host` (the whole table, numpy or placed) and an empty cache; new
+    host bookkeeping."""
+    spec, c = self.spec, self.cache_rows
+    sh = self.state_sharding()
+    self._host_sharding, self._dev_sharding = sh["host"]["table"], sh["cache"]["table"]
+    self._planner = Planner(spec.num_rows, c, self.policy)
+    self._window_cache.clear()
+    opt = spec.optimizer
+    cache = {"table": np.zeros((c, spec.dim), np.float32)}
+    cache.update({s: np.full(c, opt.initial_accumulator, np.float32) for s in opt.slot_names()})
+    rest = {
+      "cache": cache,
+      "slot_rows": np.full(c, spec.num_rows, np.int32),
+      "version": np.zeros((), np.int32),
+      "stale": np.zeros((), np.int32),
+    }
+    rest = jax.device_put(rest, {k: v for k, v in sh.items() if k != "host"})
+    return {"host": self._placed_host(host, sh["host"]), **rest}
+
+  def _placed_host(self, host: dict, shardings: dict) -> dict:
+    return self.host.place(host, shardings)
+
+  def row_sharding(self):
+    return self.host.row_sharding()
+
+  def export(self, state):
+    """The host arrays of a synced state (every resident row written back by `sync`)."""
+    self._check_stale(state)
+    host = state["host"]
+    return {"rows": host["table"], **{k: host[k] for k in self.spec.optimizer.slot_names()}}
+
+  def import_(self, logical):
+    """The table in host memory, an empty device cache (it refills from the next batch:
+    hit rates restart, values do not change)."""
+    host = {"table": logical["rows"], **{k: logical[k] for k in self.spec.optimizer.slot_names()}}
+    return self._fresh(host)
+
+  def memory(self):
+    spec, c = self.spec, self.cache_rows
+    device = c * spec.row_bytes + c * 4  # cache rows + optimizer state, slot map
+    planner = spec.num_rows * (4 + (8 if self.policy == "lfu" else 0))  # row->slot (+ counts)
+    # One host copy in all: whole on one device, split by rows over the devices of a mesh.
+    host = spec.table_bytes + planner
+    if not self.offloaded:
+      device, host = device + spec.table_bytes, planner
+    where = self.host_memory if self.offloaded else "device (no offload)"
+    return base.MemoryReport(device, host, f"{where} + {c}-row device cache ({self.policy})")
+
+  # --------------------------------------------------------------------------- host side
+
+  def _unique(self, ids: np.ndarray) -> np.ndarray:
+    """Sorted distinct non-padding ids, memoised for the arrays of the look-ahead window
+    (each batch is seen up to `lookahead` + 1 times)."""
+    hit = self._window_cache.get(id(ids))
+    if hit is not None and hit[0] is ids:
+      return hit[1]
+    ids = np.asarray(ids)
+    u = np.unique(ids[ids >= 0]).astype(np.int64)
+    if len(self._window_cache) > 4 * (self.lookahead + 2):
+      self._window_cache.clear()
+    self._window_cache[id(ids)] = (ids, u)
+    return u
+
+  def _pack(self, ex: Exchange, capacity: int) -> dict:
+    n, c = self.spec.num_rows, self.cache_rows
+    if self.exchange == "pow2":
+      e, m = _bucket(ex.evict_slots.shape[0]), _bucket(ex.load_rows.shape[0])
+    else:
+      # An exchange moves at most min(ids of its batch, C) rows (read-only: all its ids).
+      e = m = capacity
+    # One int32[4, L] array per exchange (rows: EVICT_SLOTS, EVICT_ROWS, LOAD_ROWS,
+    # LOAD_SLOTS): a quarter of the leaves the trainer packs per table (pack's cost is per
+    # leaf: 2.4 ms per batch for 26 tables with four arrays each). Evictions never outnumber
+    # loads (each victim slot receives a missing row), so e <= m pads nothing real.
+    e = m = max(e, m)
+    return np.stack(
+      [
+        _pad(ex.evict_slots, e, c),
+        # Padding points past the host arrays (aligned_rows(N) rows): dropped by the scatter,
+        # whose indices must stay unique.
+        _pad(ex.evict_rows, e, base.aligned_rows(n)),
+        # Padding loads gather row 0 on the host (in range) and are dropped at slot C.
+        _pad(ex.load_rows, m, 0),
+        _pad(ex.load_slots, m, c),
+      ]
+    )
+
+  def _count(self, **kv):
+    self._counters.add(**kv)
+
+  def prepare(self, ids, upcoming=(), *, train: bool = True):
+    """Plan one batch: ids int[B, L] (PAD = -1); upcoming: the next batches' ids.
+
+    train=False (eval batches, whose update never runs) plans read-only: nothing moves.
+    Returns {"ids": int32[B, L] cache slots (C = padding), "unique"/"inverse" (Adagrad),
+    "now": int32[4, M] exchange run before this step (rows EVICT_SLOTS, EVICT_ROWS,
+    LOAD_ROWS, LOAD_SLOTS), "now_pos": int32[B, L] index into now[LOAD_ROWS] (M = cached),
+    "next": int32[4, M'] exchange run after this step's update,
+    "version": int32[] (-1: read-only)}.
+    """
+    t0 = time.perf_counter()
+    ids = np.asarray(ids)
+    p = self._planner
+    if p is None and train:
+      raise RuntimeError("offload: call init (or restore) before prepare(train=True)")
+    rows = self._unique(ids)
+    if not train:  # read-only: rows need not fit, cold ones are read from the host table
+      return self._prepare_read_only(ids, rows, t0)
+    p.check_fits(rows.shape[0], self.spec.name)
+    upcoming = list(upcoming)[: self.lookahead]
+    t = p.version
+    now_cap = 0
+    if p.admitted is not None and p.admitted.shape == ids.shape and np.array_equal(p.admitted, ids):
+      now = Exchange.empty()  # admitted by the previous step's update
+    else:
+      window = [self._unique(u) for u in upcoming] if self.policy == "lookahead" else []
+      now = p.admit(rows, t, window)
+      now_cap = min(ids.size, self.cache_rows)
+      self._count(hits=now.hits, misses=now.load_rows.shape[0])
+    slots = np.where(ids >= 0, p.row_slot[np.maximum(ids, 0)], -1)
+    row_slots = p.row_slot[rows]  # before admitting the next batch, which may evict them
+    p.dirty[row_slots] = True
+    if p.lfu is not None:
+      p.lfu.add_rows(rows)
+    ahead = self._unique(upcoming[0]) if upcoming else None
+    next_cap = 0
+    if ahead is not None and ahead.shape[0] <= self.cache_rows:
+      # (A batch that does not fit is not admitted ahead: an eval batch need not fit, a
+      # train batch fails at its own prepare.)
+      next_cap = min(np.asarray(upcoming[0]).size, self.cache_rows)
+      window = [self._unique(u) for u in upcoming[1:]] if self.policy == "lookahead" else []
+      nxt = p.admit(ahead, t + 1, window)
+      self._count(hits=nxt.hits, misses=nxt.load_rows.shape[0])
+      p.admitted = np.array(upcoming[0], copy=True)
+    else:
+      nxt = Exchange.empty()
+      p.admitted = None
+      if self.exchange == "fixed" and self.lookahead:
+        # The steady shapes, padded: the last batch of a run (nothing upcoming) otherwise
+        # compiled a train step of its own, 10-40 s in the last interval here.
+        next_cap = min(ids.size, self.cache_rows)
+    p.version += 1
+    out = self._prepared(ids, (rows, row_slots), slots, now, nxt, t, now_cap, next_cap)
+    self._count(
+      steps=1,
+      rows_h2d=now.load_rows.shape[0] + nxt.load_rows.shape[0],
+      rows_h2d_on_demand=now.load_rows.shape[0],
+      rows_d2h=now.evict_rows.shape[0] + nxt.evict_rows.shape[0],
+      padded_rows_h2d=out["now"].shape[1] + out["next"].shape[1],
+      plan_seconds=time.perf_counter() - t0,
+    )
+    return out
+
+  def _prepare_read_only(self, ids, rows, t0):
+    p = self._planner
+    if p is None:
+      # Before init (the trainer prepares an example batch to lay out and check its transfer):
+      # nothing is resident; the plan has the shapes of any read-only plan of this batch.
+      resident, slots = np.zeros(rows.shape, bool), np.full(ids.shape, -1)
+    else:
+      resident = p.row_slot[rows] >= 0
+      slots = np.where(ids >= 0, p.row_slot[np.maximum(ids, 0)], -1)
+    cold = rows[~resident].astype(np.int32)
+    # Slots C: should an update ever run with this plan, its scatters drop these rows.
+    ex = dataclasses.replace(
+      Exchange.empty(), load_rows=cold, load_slots=np.full_like(cold, self.cache_rows)
+    )
+    if p is not None:
+      self._count(eval_hits=int(resident.sum()), eval_misses=cold.shape[0])
+      self._count(plan_seconds=time.perf_counter() - t0)
+    return self._prepared(ids, None, slots, ex, Exchange.empty(), -1, ids.size, 0)
+
+  def _prepared(self, ids, rows, slots, now, nxt, version: int, now_cap: int, next_cap: int):
+    """rows: (sorted distinct rows, their slots) of a train batch, None when read-only.
+    now_cap / next_cap: list lengths under exchange=fixed, 0 where no exchange is planned
+    (so a step's shapes change only at the first batch and after an unforeseen one)."""
+    c = self.cache_rows
+    out = {"ids": np.where(slots >= 0, slots, c).astype(np.int32)}
+    if self.spec.optimizer.needs_unique:
+      # base.dedup's contract from the distinct rows already at hand (a second np.unique
+      # per table per step is the input thread's largest cost): distinct rows sit in
+      # distinct slots, each id's position among the sorted rows indexes them, padding
+      # points past them at a filler slot C. The order of `unique` does not change any
+      # row's summed gradient (segment_sum adds a row's occurrences in position order).
+      if rows is not None:
+        rows, row_slots = rows
+        unique = np.full(ids.size, c, np.int32)
+        unique[: rows.shape[0]] = row_slots
+        inverse = np.where(ids >= 0, np.searchsorted(rows, ids), rows.shape[0])
+        out["unique"], out["inverse"] = unique, inverse.astype(np.int32)
+      else:  # read-only: update never runs with it (placeholders of the right shapes)
+        out["unique"], out["inverse"] = base.dedup(slots, c)
+    out["now"], out["next"] = self._pack(now, now_cap), self._pack(nxt, next_cap)
+    m = out["now"].shape[1]
+    now_pos = np.full(ids.shape, m, np.int32)
+    if now.load_rows.shape[0]:
+      # Rows loaded on demand are read from the host table by lookup (the cache gets them
+      # only in update); `now.load_rows` is sorted.
+      pos = np.searchsorted(now.load_rows, ids)
+      pos = np.minimum(pos, now.load_rows.shape[0] - 1)
+      found = (ids >= 0) & (now.load_rows[pos] == ids)
+      now_pos[found] = pos[found]
+    out["now_pos"] = now_pos
+    out["version"] = np.asarray(version, np.int32)
+    return out
+
+  def stats(self) -> dict[str, float]:
+    """Since the last call: hit_rate (distinct rows of admitted batches already resident),
+    rows/bytes host->device and device->host per step, the share of loads prefetched one
+    step ahead (off the step's critical path), and host planning ms per step (input
+    thread). Eval batches are counted separately (eval_hit_rate)."""
+    c = self._counters.take()
+    steps = max(c.get("steps", 0), 1)
+    looked = c.get("hits", 0) + c.get("misses", 0)
+    row_bytes = self.spec.row_bytes
+    out = {
+      "misses_per_step": c.get("misses", 0) / steps,
+      "h2d_rows_per_step": c.get("rows_h2d", 0) / steps,
+      "d2h_rows_per_step": c.get("rows_d2h", 0) / steps,
+      "h2d_bytes_per_step": c.get("rows_h2d", 0) * row_bytes / steps,
+      "d2h_bytes_per_step": c.get("rows_d2h", 0) * row_bytes / steps,
+      "h2d_padded_bytes_per_step": c.get("padded_rows_h2d", 0) * row_bytes / steps,
+      "h2d_prefetched_fraction": (
+        1 - c.get("rows_h2d_on_demand", 0) / c["rows_h2d"] if c.get("rows_h2d") else 1.0
+      ),
+      "plan_ms_per_step": 1e3 * c.get("plan_seconds", 0.0) / steps,
+      "steps": c.get("steps", 0),
+    }
+    if looked:  # (absent rather than NaN when nothing was admitted: metrics stay valid JSON)
+      out["hit_rate"] = c.get("hits", 0) / looked
+    ev = c.get("eval_hits", 0) + c.get("eval_misses", 0)
+    if ev:
+      out["eval_hit_rate"] = c.get("eval_hits", 0) / ev
+    return out
+
+  # --------------------------------------------------------------------------- device side
+
+  def _exchange(self, state: dict, ex: dict) -> dict:
+    """Write back the dirty victims, then load the missing rows into their slots.
+
+    Per array the order is read cache -> write host -> read host -> write cache: a data
+    chain, so XLA updates both donated buffers in place (unordered reads and writes of one
+    buffer make it copy the whole table).
+    """
+    if ex.shape[1] == 0:
+      return state
+    host, cache = dict(state["host"]), dict(state["cache"])
+    for k in cache:
+      out = cache[k].at[ex[EVICT_SLOTS]].get(mode="fill", fill_value=0.0)
+      host[k] = self._host_scatter(host[k], ex[EVICT_ROWS], out)
+      loaded = self._host_gather(host[k], ex[LOAD_ROWS])
+      cache[k] = cache[k].at[ex[LOAD_SLOTS]].set(loaded, mode="drop")
+    slot_rows = state["slot_rows"].at[ex[LOAD_SLOTS]].set(ex[LOAD_ROWS], mode="drop")
+    return {**state, "host": host, "cache": cache, "slot_rows": slot_rows}
+
+  def _host_scatter(self, h: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    return self.host.scatter(h, rows, values)
+
+  def _host_gather(self, h: jax.Array, rows: jax.Array) -> jax.Array:
+    return self.host.gather(h, rows)
+
+  def lookup(self, state, prepared):
+    rows = state["cache"]["table"].at[prepared["ids"]].get(mode="fill", fill_value=0.0)
+    load_rows = prepared["now"][LOAD_ROWS]
+    m = load_rows.shape[0]
+    if m == 0:
+      return rows
+    fresh = self._host_gather(state["host"]["table"], load_rows)
+    pos = prepared["now_pos"]
+    return jnp.where((pos < m)[..., None], fresh.at[pos].get(mode="fill", fill_value=0.0), rows)
+
+  def update(self, state, prepared, grads):
+    state = self._exchange(state, prepared["now"])
+    cache = state["cache"]
+    slots = {k: cache[k] for k in self.spec.optimizer.slot_names()}
+    table, slots = base.sparse_sgd_or_adagrad(self.spec, cache["table"], slots, prepared, grads)
+    state = {**state, "cache": {"table": table, **slots}}
+    state = self._exchange(state, prepared["next"])
+    return {**state, **host_cache.advance(state, prepared)}
+
+  def _flush(self, state):
+    # Empty slots hold N: the scatter (unique indices) drops them.
+    host = host_cache.flush(
+      self.host, state["host"], state["slot_rows"], self.spec.num_rows, state["cache"]
+    )
+    return {**state, "host": host}
+
+  def _check_stale(self, state):
+    host_cache.check_stale(state, f"offload (table {self.spec.name!r})", "cache")
+
+  def sync(self, state):
+    """Write every resident cache row back to the host table (O(C)); the cache stays."""
+    self._check_stale(state)
+    if not hasattr(self, "_flush_jit"):
+      self._flush_jit = jax.jit(self._flush, donate_argnums=0)
+    return self._flush_jit(state)
+
+  def restore(self, state):
+    """Reset host bookkeeping to a restored state's cache (history of LRU/LFU is lost)."""
+    self._check_stale(state)
+    state = {**state, "host": self._placed_host(state["host"], self.state_sharding()["host"])}
+    sh = jax.tree.map(lambda x: x.sharding, state)
+    self._host_sharding, self._dev_sharding = sh["host"]["table"], sh["cache"]["table"]
+    self._planner = Planner.from_slots(
+      np.asarray(jax.device_get(state["slot_rows"])),
+      self.spec.num_rows,
+      self.policy,
+      int(jax.device_get(state["version"])),
+    )
+    self._window_cache.clear()
+    return state
+
+  def table(self, state):
+    out = np.array(jax.device_get(state["host"]["table"]))[: self.spec.num_rows]
+    slot_rows = np.asarray(jax.device_get(state["slot_rows"]))
+    cache = np.asarray(jax.device_get(state["cache"]["table"]))
+    resident = slot_rows < self.spec.num_rows
+    out[slot_rows[resident]] = cache[resident]
+    return out
