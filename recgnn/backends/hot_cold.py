@@ -192,6 +192,8 @@ class HotCold(base.Backend):
     self._pending: dict[str, np.ndarray] | None = None  # a hot set to migrate to
     self._p0: dict[int, int] = {}  # per-device batch size b -> popular micro-batch size
     self._counters = host_cache.Counters()
+    owner = f"hot_cold (tables {', '.join(self.specs)})"
+    self._syncer = host_cache.Syncer(self._flush, owner, "hot / cold")
     self._initialised = False
 
   @classmethod
@@ -386,14 +388,11 @@ class HotCold(base.Backend):
     return {**state, "tables": tables}
 
   def _check_stale(self, state):
-    host_cache.check_stale(state, f"hot_cold (tables {', '.join(self.specs)})", "hot / cold")
+    self._syncer.check(state)
 
   def sync(self, state):
     """Write every hot row back to the host table (O(hot rows)); the hot arrays stay."""
-    self._check_stale(state)
-    if not hasattr(self, "_sync_jit"):
-      self._sync_jit = jax.jit(self._flush, donate_argnums=0)
-    return self._sync_jit(state)
+    return self._syncer(state)
 
   def _flush(self, state):
     tables = {}

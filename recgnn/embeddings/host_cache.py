@@ -63,3 +63,21 @@ class Counters:
     with self._lock:
       c, self._counters = self._counters, {}
     return c
+
+
+class Syncer:
+  """A host-cached backend's `sync`: refuse a stale state (`check`), then the flush, jitted
+  once with the state donated. flush(state) -> state with the device copy written back."""
+
+  def __init__(self, flush, owner: str, layout: str):
+    self._flush, self.owner, self.layout = flush, owner, layout
+    self._jitted = None
+
+  def check(self, state: dict) -> None:
+    check_stale(state, self.owner, self.layout)
+
+  def __call__(self, state: dict) -> dict:
+    self.check(state)
+    if self._jitted is None:
+      self._jitted = jax.jit(self._flush, donate_argnums=0)
+    return self._jitted(state)

@@ -110,6 +110,7 @@ class Offload(base.TableBackend):
     self._planner: Planner | None = None  # O(N) host bookkeeping: allocated by init
     self._host_sharding = self._dev_sharding = None
     self._counters = host_cache.Counters()
+    self._syncer = host_cache.Syncer(self._flush, f"offload (table {spec.name!r})", "cache")
     self._window_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
   def describe(self) -> str:
@@ -460,14 +461,11 @@ class Offload(base.TableBackend):
     return {**state, "host": host}
 
   def _check_stale(self, state):
-    host_cache.check_stale(state, f"offload (table {self.spec.name!r})", "cache")
+    self._syncer.check(state)
 
   def sync(self, state):
     """Write every resident cache row back to the host table (O(C)); the cache stays."""
-    self._check_stale(state)
-    if not hasattr(self, "_flush_jit"):
-      self._flush_jit = jax.jit(self._flush, donate_argnums=0)
-    return self._flush_jit(state)
+    return self._syncer(state)
 
   def restore(self, state):
     """Reset host bookkeeping to a restored state's cache (history of LRU/LFU is lost)."""
