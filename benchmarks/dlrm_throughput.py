@@ -156,7 +156,7 @@ class Recgnn:
     self.tx = step_lib.make_optimizer(ml_collections.ConfigDict(self.config.optimizer))
     self.host = [to_recgnn_batch(b, self.task.names) for b in batches]
     # What the trainer's input thread does ahead of the step: prepare + one packed transfer.
-    feeder = step_lib.Feeder(self.plan, self.task.shard_batch)
+    feeder = step_lib.Feeder(self.plan)
     self.prepared = [inputs_lib.prepare_one(self.plan, h, [], train=True) for h in self.host]
     self.packed = [feeder(p, h) for p, h in zip(self.prepared, self.host)]
     # Unpacked device copies, for the pieces profiled alone.
@@ -189,7 +189,7 @@ class Recgnn:
   def loss(self, state) -> float:
     """The loss of batch 0 under `state` (a sanity check that training moves)."""
     prepared, batch = self.inputs[0]
-    pooled = step_lib.lookup_all(self.plan, state.emb, prepared)
+    pooled, _ = step_lib.lookup_all(self.plan, state.emb, prepared)
     return float(self.task.loss(state.params, batch, pooled, state.key)[0])
 
 
@@ -277,10 +277,10 @@ def profile_pieces(rec: Recgnn, args) -> dict:
   g_fixed = jnp.full((bsz, cfg.dim), 1e-4, jnp.float32)
 
   def embeddings_fn(emb, prepared):
-    pooled = step_lib.lookup_all(rec.plan, emb, prepared)
+    pooled, res = step_lib.lookup_all(rec.plan, emb, prepared)
     total = sum(jnp.sum(r) for r in pooled.values())  # keep the lookups alive
     return {
-      k: g.update(emb[k], prepared[k], {n: g_fixed + 0 * total for n in g.specs})
+      k: g.update(emb[k], prepared[k], res[k], {n: g_fixed + 0 * total for n in g.specs})
       for k, g in rec.plan.groups.items()
     }
 

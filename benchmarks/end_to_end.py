@@ -14,7 +14,8 @@ Three measurements, one process, one command (defaults: ~5 minutes on a quiet ma
                planning; tt: the prefix tree; hot_cold: the popular split), `inputs.pack`
                (one buffer per dtype) and `inputs.put` (the transfer). Wall and CPU time.
   planning     cdlrm_kaggle's offload group: batches/s of `prepare` with the compiled planner
-               (recgnn.hostplan) on 1, 2 and all cores, and the numpy planner; CPU time per batch.
+               (recgnn.backends.offload.planner) on 1, 2 and all cores, and the numpy planner;
+               CPU time per batch.
 
   python benchmarks/end_to_end.py                 # writes results/end_to_end.{json,md}
   python benchmarks/end_to_end.py --quick         # ~2 minutes, a smoke run (not for figures)
@@ -40,7 +41,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402  (benchmarks/common.py)
 
-from recgnn import hostplan  # noqa: E402
+from recgnn.backends.offload import planner as hostplan  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402
 from recgnn.train import inputs, loop  # noqa: E402
 from recgnn.train import step as step_lib  # noqa: E402
@@ -95,8 +96,10 @@ def setup(name: str, num_batches: int):
   c = importlib.import_module(f"experiments.{name}").get_config()
   mesh = loop.config_mesh(c)
   task = loop.load_task(c, mesh)
-  plan = base.resolve_plan(list(map(tuple, c.embeddings.plan)), task.tables(), mesh, log=False)
-  feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec)
+  layout = base.Layout(split_batch=task.shard_batch)
+  rules = list(map(tuple, c.embeddings.plan))
+  plan = base.resolve_plan(rules, task.tables(), mesh, layout, log=False)
+  feeder = step_lib.Feeder(plan, task.batch_spec)
   for g in plan.groups.values():
     g.init(jax.random.key(0))
   it = task.train_batches(0)

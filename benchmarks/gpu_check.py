@@ -89,7 +89,7 @@ IMPORTS = (
   ("recgnn", "recgnn"),
   ("experiments", "recgnn"),
 )
-# Offload counters (recgnn/embeddings/offload.py stats()), logged per table as "TABLE/KEY".
+# Offload counters (recgnn/backends/offload/__init__.py stats()), logged per table as "TABLE/KEY".
 OFFLOAD_SUM = (
   "h2d_bytes_per_step",
   "d2h_bytes_per_step",
@@ -974,7 +974,7 @@ def calibrate_run(out: str, reps: int, steps: int) -> int:
   import jax
   import tt as tt_bench  # benchmarks/tt.py
 
-  from recgnn.embeddings import tt
+  from recgnn.backends import tt
 
   args = argparse.Namespace(reps=reps, steps=steps,
                             level_shapes=[*CALIBRATE_EXTRA, *tt_bench.LEVEL_SHAPES])  # fmt: skip
@@ -1044,7 +1044,7 @@ def stage_calibrate(ctx: Ctx, st: Stage) -> str:
     f"XLA:CPU's at {res['agree_cpu_model']}.",
     "",
     "Use it on this platform: `python benchmarks/gpu_check.py merge-tt-cost calibrate.json` "
-    "(into recgnn/embeddings/tt_cost.json), then commit.",
+    "(into recgnn/backends/tt/tt_cost.json), then commit.",
     "",
     "| P_(k-1) | a | d x r_k | P_k | S_k | batched ms | pairs ms | faster |",
     "|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -1117,10 +1117,10 @@ def run_stages(args) -> int:
 
 # --------------------------------------------------------------------------- merge, report
 def merge_tt_cost(path: str, target: str | None = None, force: bool = False) -> int:
-  """Merge a calibrate stage's fit (its calibrate.json) into recgnn/embeddings/tt_cost.json:
+  """Merge a calibrate stage's fit (its calibrate.json) into recgnn/backends/tt/tt_cost.json:
   under 'BACKEND:DEVICE KIND', and under 'BACKEND' too while that has no entry (a fitted GPU
   is a better guess for another GPU than the CPU's constants)."""
-  target = target or os.path.join(ROOT, "recgnn", "embeddings", "tt_cost.json")
+  target = target or os.path.join(ROOT, "recgnn", "backends", "tt", "tt_cost.json")
   res = json.loads(_read(path))
   if "key" not in res or "entry" not in res:
     raise SystemExit(f"{path}: not a calibrate stage's result (no 'key' / 'entry')")

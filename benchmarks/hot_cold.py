@@ -47,7 +47,8 @@ import common  # noqa: E402  (benchmarks/common.py)
 from experiments import ttrec_kaggle  # noqa: E402
 from recgnn import sharding  # noqa: E402
 from recgnn.data import criteo  # noqa: E402
-from recgnn.embeddings import base, profile  # noqa: E402
+from recgnn.embeddings import access_counts as profile  # noqa: E402
+from recgnn.embeddings import base  # noqa: E402
 from recgnn.models.dlrm import DLRM  # noqa: E402
 from recgnn.tasks.base import Task  # noqa: E402
 from recgnn.train import inputs as inputs_lib  # noqa: E402
@@ -172,7 +173,6 @@ def build_runner(args, name, rules, specs, stream, sample, mesh, key):
   task = BenchTask(specs, tuple(args.bottom), tuple(args.top), mesh)
   tx = optax.adam(1e-3)
   for g in plan.groups.values():
-    g.shard_batch = True
     if g.name == "hot_cold" and not name.startswith("host-only"):
       g.use_profile(sample["profiles"])
   rng = np.random.default_rng(2)

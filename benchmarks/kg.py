@@ -522,11 +522,13 @@ def _step_bytes(cfg) -> dict:
   """Bytes between devices per step (per device) from the compiled train step's HLO."""
   task = _task(cfg)
   mesh = task.mesh
-  plan = emb_base.resolve_plan(list(map(tuple, cfg.embeddings.plan)), task.tables(), mesh)
+  layout = emb_base.Layout(split_batch=task.shard_batch)
+  rules = list(map(tuple, cfg.embeddings.plan))
+  plan = emb_base.resolve_plan(rules, task.tables(), mesh, layout)
   tx = step_lib.make_optimizer(cfg.optimizer)
   batch = next(task.train_batches(0))
   state = step_lib.init_state(task, plan, tx, jax.random.key(0), batch)
-  feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec)
+  feeder = step_lib.Feeder(plan, task.batch_spec)
   buffers, layout = feeder(inputs.prepare_one(plan, batch, [], train=True), batch)
   fn = step_lib.jit_packed(
     step_lib.make_train_step(task, plan, tx),

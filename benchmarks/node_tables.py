@@ -52,8 +52,10 @@ def direct(c) -> tuple[dict, object, object]:
 
   mesh = loop.config_mesh(c)
   task = loop.load_task(c, mesh)
-  plan = base.resolve_plan(list(map(tuple, c.embeddings.plan)), task.tables(), mesh, log=False)
-  feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec)
+  layout = base.Layout(split_batch=task.shard_batch)
+  rules = list(map(tuple, c.embeddings.plan))
+  plan = base.resolve_plan(rules, task.tables(), mesh, layout, log=False)
+  feeder = step_lib.Feeder(plan, task.batch_spec)
   tx = step_lib.make_optimizer(c.optimizer)
   state = step_lib.init_state(task, plan, tx, jax.random.key(c.seed), task.example_batch())
   shardings = step_lib.state_sharding(plan, state)

@@ -113,9 +113,9 @@ def hit_rates(args, batches, key) -> list[dict]:
 def make_step(backend):
   def step(state, inputs):
     prepared, target = inputs
-    pooled = backend.lookup(state, prepared)["t"]
-    g = jax.grad(sparse_update._loss_of_pooled)(pooled, target)
-    return backend.update(state, prepared, {"t": g})
+    pooled, residuals = backend.lookup(state, prepared)
+    g = jax.grad(sparse_update._loss_of_pooled)(pooled["t"], target)
+    return backend.update(state, prepared, residuals, {"t": g})
 
   return jax.jit(step, donate_argnums=0)
 

@@ -64,7 +64,7 @@ def measure(cfg, backend: str, mesh_shape, batches, args) -> dict:
     text = f"offload(cache_rows={max(args.batch, int(0.05 * cfg.rows[0]))})"
   plan = base.resolve_plan([(".*", text)], task.tables(), mesh, log=False)
   tx = step_lib.make_optimizer(config.optimizer)
-  feeder = step_lib.Feeder(plan, task.shard_batch)
+  feeder = step_lib.Feeder(plan)
   host = [dt.to_recgnn_batch(b, task.names) for b in batches]
   key = jax.random.key(0)
   per_device = sum(plan.backend_of(n).memory()[n].device_bytes for n in plan.table_group)

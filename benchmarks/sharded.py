@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402  (benchmarks/common.py)
 
 from recgnn import comms, sharding  # noqa: E402
-from recgnn.embeddings import base, codecs, sharded  # noqa: E402
+from recgnn.backends import sharded  # noqa: E402
+from recgnn.embeddings import base, codecs  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 CODECS = ("none", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "eb")
@@ -70,8 +71,8 @@ def kaggle_specs(scale: float = 0.01, dim: int = 16) -> list[base.TableSpec]:
 
 def _step(group):
   def step(state, prepared):
-    pooled = group.lookup(state, prepared)
-    return group.update(state, prepared, pooled)  # any gradient of the right shape
+    pooled, residuals = group.lookup(state, prepared)
+    return group.update(state, prepared, residuals, pooled)  # any gradient of the right shape
 
   return step
 

@@ -61,9 +61,9 @@ def make_dense_step(backend: base.Backend):
 
   def step(state, inputs):
     prepared, target = inputs
-    pooled = backend.lookup(state, prepared)["t"]
-    g = jax.grad(_loss_of_pooled)(pooled, target)
-    return backend.update(state, prepared, {"t": g})
+    pooled, residuals = backend.lookup(state, prepared)
+    g = jax.grad(_loss_of_pooled)(pooled["t"], target)
+    return backend.update(state, prepared, residuals, {"t": g})
 
   return jax.jit(step, donate_argnums=0)
 

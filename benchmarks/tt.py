@@ -73,7 +73,8 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 import common  # noqa: E402  (benchmarks/common.py)
 
-from recgnn.embeddings import base, tt  # noqa: E402
+from recgnn.backends import tt  # noqa: E402
+from recgnn.embeddings import base  # noqa: E402
 
 KAGGLE_RANKS = (8, 16, 32, 64)
 KERNELS = tt.KERNELS
@@ -156,8 +157,8 @@ def make_step(backend: base.Backend):
 
   def step(state, inputs):
     prepared, target = inputs
-    pooled = backend.lookup(state, prepared)[name]
-    return backend.update(state, prepared, {name: jax.grad(loss)(pooled, target)})
+    pooled, residuals = backend.lookup(state, prepared)
+    return backend.update(state, prepared, residuals, {name: jax.grad(loss)(pooled[name], target)})
 
   return jax.jit(step, donate_argnums=0)
 
@@ -280,7 +281,7 @@ def train_step(args) -> dict:
   runs = {}
   for name, config in configs.items():
     plan = base.resolve_plan(list(map(tuple, config.embeddings.plan)), task.tables(), log=False)
-    feeder = step_lib.Feeder(plan, task.shard_batch)
+    feeder = step_lib.Feeder(plan)
     tx = step_lib.make_optimizer(config.optimizer)
     state = step_lib.init_state(task, plan, tx, jax.random.key(0), batches[0])
     t0 = time.perf_counter()
@@ -607,7 +608,7 @@ def nimble_step(args) -> dict:
     stream = task.train_batches(0)
     batches = [next(stream) for _ in range(args.step_batches)]
     plan = base.resolve_plan(list(map(tuple, config.embeddings.plan)), task.tables(), log=False)
-    feeder = step_lib.Feeder(plan, task.shard_batch)
+    feeder = step_lib.Feeder(plan)
     tx = step_lib.make_optimizer(config.optimizer)
     state = step_lib.init_state(task, plan, tx, jax.random.key(0), batches[0])
     t0 = time.perf_counter()

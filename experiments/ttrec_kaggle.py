@@ -8,7 +8,7 @@ default scales every table alike, so the same names are the largest there too):
   python run.py --experiment=ttrec_kaggle:rank=16,cache_rows=10000
   python run.py --experiment=ttrec_kaggle --config.data.path=/data/criteo/train.txt
 
-The argument after ':' holds `tt(...)` options (see recgnn/embeddings/tt.py) plus `tables=K`
+The argument after ':' holds `tt(...)` options (see recgnn/backends/tt/__init__.py) plus `tables=K`
 (how many of the largest tables get TT). get_config prints the embedding float count and the
 compression against the all-dense model for the real Kaggle cardinalities (computed from the
 specs, nothing allocated) and for the synthetic default's tables; the trainer's plan table

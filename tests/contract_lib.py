@@ -187,13 +187,13 @@ def run(
       break  # the run-ahead has prepared batches beyond `stop`: dropped
     host = item.prepared[group.name]
     prepared = put_prepared(group, host, mesh)
-    pooled = lookup(state, prepared)
+    pooled, residuals = lookup(state, prepared)
     info = Step(item.kind, step, item.batch["ids"][spec.name], host, np.asarray(pooled[spec.name]))
     lookups.append(info.pooled)
     if check is not None:
       check(info, state)
     if item.kind == "train":
-      state = update(state, prepared, {spec.name: grads(step, pooled[spec.name])})
+      state = update(state, prepared, residuals, {spec.name: grads(step, pooled[spec.name])})
       step += 1
     if after is not None:
       new = after(info, state)
@@ -247,8 +247,11 @@ def assert_matches_dense(
 
 
 def update_temp_bytes(group: base.Backend, state, prepared, grads) -> int:
-  """Scratch memory XLA allocates for one update (from the compiled executable)."""
-  compiled = jax.jit(group.update, donate_argnums=0).lower(state, prepared, grads).compile()
+  """Scratch memory XLA allocates for one update (from the compiled executable), given the
+  residuals of this batch's lookup (their shapes: `jax.eval_shape`)."""
+  residuals = jax.eval_shape(group.lookup, state, prepared)[1]
+  update = jax.jit(group.update, donate_argnums=0)
+  compiled = update.lower(state, prepared, residuals, grads).compile()
   analysis = compiled.memory_analysis()
   return int(analysis.temp_size_in_bytes)
 

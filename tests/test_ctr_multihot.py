@@ -51,7 +51,8 @@ def _multihot_config(cache_dir, interaction, mesh=None, plan=None):
 
 
 def test_task_batches_carry_the_bags(cache_dir):
-  task = loop.load_task(_multihot_config(cache_dir, "dcn"))
+  c = _multihot_config(cache_dir, "dcn")
+  task = loop.load_task(c, loop.config_mesh(c))
   assert task.bag_lengths == multihot.MLPERF_MULTI_HOT_SIZES
   b = next(iter(task.train_batches()))
   for name, size in zip(task.names, multihot.MLPERF_MULTI_HOT_SIZES):
@@ -82,7 +83,7 @@ def test_multihot_trains_through_every_backend_on_2x4(cache_dir, tmp_path, backe
 def test_dot_and_mean_pooling_on_one_device(cache_dir, tmp_path):
   c = _multihot_config(cache_dir, "dot")
   c.embeddings.pooling = "mean"
-  task = loop.load_task(c)
+  task = loop.load_task(c, loop.config_mesh(c))
   assert all(s.pooling == "mean" for s in task.tables())
   result = loop.train(c, str(tmp_path))
   assert np.isfinite(result.metrics["test/logloss"])
@@ -109,7 +110,7 @@ def test_own_multihot_tsv_by_schema(cache_dir, tmp_path):
     "categorical": ["ad", {"name": "tags", "bag": 3, "separator": ",", "pooling": "mean"}],
   })  # fmt: skip
   c.model.interaction = "dcn"
-  task = loop.load_task(c)
+  task = loop.load_task(c, loop.config_mesh(c))
   assert task.names == ["ad", "tags"] and task.bag_lengths == (1, 3)
   assert [s.pooling for s in task.tables()] == ["sum", "mean"]
   result = loop.train(c, str(tmp_path / "wd"))

@@ -134,19 +134,21 @@ def test_process_local_input_is_refused_with_the_groups_that_plan_over_the_batch
 
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   rules = [("a", "tt(rank=4)"), ("b", "offload(cache_rows=256)"), (".*", "dense")]
-  plan = base.resolve_plan(rules, specs, mesh, log=False)
-  shard, why = inputs.process_slice(Task(), plan, "auto")
-  assert shard is None and "whole batch" in why
+  layout, shard, why = inputs.choose_layout(Task(), rules, specs, mesh, "auto")
+  assert shard is None and "whole batch" in why and not layout.process_local
   with pytest.raises(ValueError, match="process_input=local") as e:
-    inputs.process_slice(Task(), plan, "local")
+    inputs.choose_layout(Task(), rules, specs, mesh, "local")
   assert "'tt" in str(e.value) and "'offload" in str(e.value) and "dense" not in str(e.value)
   with pytest.raises(ValueError, match="valid: auto, local, global"):
-    inputs.process_slice(Task(), plan, "mine")
+    inputs.choose_layout(Task(), rules, specs, mesh, "mine")
   # dense and sharded prepare per example: only the (single-process) device order refuses.
-  plan = base.resolve_plan([("a", "sharded"), (".*", "dense")], specs, mesh, log=False)
+  rules = [("a", "sharded"), (".*", "dense")]
   with pytest.raises(ValueError) as e:
-    inputs.process_slice(Task(), plan, "local")
+    inputs.choose_layout(Task(), rules, specs, mesh, "local")
   assert "embedding group" not in str(e.value) and "contiguous block" in str(e.value)
+  # A backend that plans over the batch refuses a process-local layout at construction.
+  with pytest.raises(ValueError, match="cannot read process-local batches"):
+    base.make_group("tt(rank=4)", specs[:1], mesh, base.Layout(process_local=True))
 
 
 @pytest.mark.parametrize("shard", ["none", "rows"])
@@ -163,12 +165,9 @@ def test_device_dedup_updates_rows_as_the_host_dedup_does(shard):
   rng = np.random.default_rng(0)
   tables = []
   for local in (False, True):
-    plan = base.resolve_plan([(".*", f"dense(shard={shard})")], [spec], mesh, log=False)
+    layout = base.Layout(process_local=local)
+    plan = base.resolve_plan([(".*", f"dense(shard={shard})")], [spec], mesh, layout, log=False)
     (group,) = plan.groups.values()
-    if local:
-      group.process_local = True
-      for m in group.members.values():
-        m.process_local = True
     state = group.init(jax.random.key(0))
     rng = np.random.default_rng(0)
     for _ in range(3):
@@ -176,6 +175,7 @@ def test_device_dedup_updates_rows_as_the_host_dedup_does(shard):
       prepared = group.prepare({"t": ids})
       assert ("unique" in prepared["t"]["rows"]) != local
       grads = {"t": rng.normal(size=(16, 8)).astype(np.float32)}
-      state = jax.jit(group.update)(state, prepared, grads)
+      residuals = jax.jit(group.lookup)(state, prepared)[1]
+      state = jax.jit(group.update)(state, prepared, residuals, grads)
     tables.append(group.tables(state)["t"])
   np.testing.assert_array_equal(tables[0], tables[1])

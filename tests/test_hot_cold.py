@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from recgnn import sharding
-from recgnn.embeddings import base, profile
+from recgnn.embeddings import access_counts as profile
+from recgnn.embeddings import base
 from recgnn.train import inputs
 
 SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
@@ -56,11 +57,11 @@ def _run_group(text, specs, batches, mesh, *, evals=(), group=None, state=None, 
     if k >= stop:
       break
     prepared = contract.put_prepared(group, item.prepared[group.name], group.mesh)
-    pooled = lookup(state, prepared)
+    pooled, residuals = lookup(state, prepared)
     looked.append({n: np.asarray(v) for n, v in pooled.items()})
     if item.kind == "train":
       g = {n: contract.grads_for(k * 7 + i, v) for i, (n, v) in enumerate(sorted(pooled.items()))}
-      state = update(state, prepared, g)
+      state = update(state, prepared, residuals, g)
       k += 1
   state = group.sync(state)
   return looked, group.tables(state), group, state
@@ -235,7 +236,8 @@ def test_skipped_batch_is_detected():
   g.prepare(batches[0])  # prepared, never run
   p = contract.put_prepared(g, g.prepare(batches[1]), g.mesh)
   grads = {s.name: np.zeros((64, s.dim), np.float32) for s in specs}
-  state = jax.jit(g.update)(state, p, grads)
+  residuals = jax.jit(g.lookup)(state, p)[1]
+  state = jax.jit(g.update)(state, p, residuals, grads)
   with pytest.raises(RuntimeError, match="prepared for another hot / cold layout"):
     g.sync(state)
 

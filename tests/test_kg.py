@@ -455,7 +455,9 @@ def test_parallel_partitions_read_only_their_rows(tmp_path):
   cfg.embeddings.optimizer.name = "sgd"  # rows change by exactly their gradient
   task = make_task(lp.LinkPrediction, cfg)
   mesh = sharding.mesh_from_config(cfg.mesh)
-  plan = emb_base.resolve_plan(list(map(tuple, cfg.embeddings.plan)), task.tables(), mesh)
+  layout = emb_base.Layout(split_batch=task.shard_batch)
+  rules = list(map(tuple, cfg.embeddings.plan))
+  plan = emb_base.resolve_plan(rules, task.tables(), mesh, layout)
   tx = step_lib.make_optimizer(cfg.optimizer)
   batch = task.parallel_batch(0, 0)
   state = step_lib.init_state(task, plan, tx, jax.random.key(0), batch)
@@ -476,7 +478,7 @@ def test_parallel_partitions_read_only_their_rows(tmp_path):
   state.emb[gkey]["entity"]["table"] = jax.make_array_from_single_device_arrays(
     clean.shape, table.sharding, copies
   )
-  feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec)
+  feeder = step_lib.Feeder(plan, task.batch_spec)
   prepared = inputs.prepare_one(plan, batch, [], train=True)
   shardings = step_lib.state_sharding(plan, state)
   fn = step_lib.jit_packed(

@@ -10,7 +10,8 @@ import scipy.sparse.csgraph as csgraph
 import scipy.sparse.linalg as spla
 
 from experiments import sage_cora, sage_tt_synthetic
-from recgnn.embeddings import base, tt
+from recgnn.backends import tt
+from recgnn.embeddings import base
 from recgnn.graphs import reorder, spectral, store, synthetic
 from recgnn.tasks import node_classification as nc
 from recgnn.train import loop

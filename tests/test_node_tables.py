@@ -74,7 +74,7 @@ def run(task, batches, plan_text: str, mesh_shape):
   train, evals = batches
   mesh = sharding.make_mesh(*mesh_shape)
   plan = base.resolve_plan([(".*", plan_text)], task.tables(), mesh, log=False)
-  feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec)
+  feeder = step_lib.Feeder(plan, task.batch_spec)
   tx = step_lib.make_optimizer(task.config.optimizer)
   state = step_lib.init_state(task, plan, tx, jax.random.key(0), train[0])
   shardings = step_lib.state_sharding(plan, state)

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from recgnn import sharding
-from recgnn.embeddings import base, offload
+from recgnn.backends import offload
+from recgnn.embeddings import base
 from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
 
 SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
@@ -381,7 +382,8 @@ def test_placement_and_memory_report(mesh_shape):
     ids = _batches(num_batches=2, num_rows=spec.num_rows)
     p = contract.put_prepared(b, b.prepare({"t": ids[0]}, [{"t": ids[1]}]), b.mesh)
     g = {"t": np.ones((ids[0].shape[0], 16), np.float32)}
-    new = jax.jit(b.update, donate_argnums=0)(state, p, g)
+    residuals = jax.jit(b.lookup)(state, p)[1]
+    new = jax.jit(b.update, donate_argnums=0)(state, p, residuals, g)
     assert new["t"]["host"]["table"].sharding.memory_kind == "pinned_host"
   # A budget a tenth of the table: dense is refused, offload fits.
   budget = spec.table_bytes // 10
@@ -410,7 +412,9 @@ def test_update_never_copies_the_table():
     assert prepared["t"]["rows"]["next"].shape[1] > 0
   grads = {"t": np.ones((batches[0].shape[0], 16), np.float32)}
   for prepared in (p, p0):
-    compiled = jax.jit(b.update, donate_argnums=0).lower(state, prepared, grads).compile()
+    residuals = jax.eval_shape(b.lookup, state, prepared)[1]
+    update = jax.jit(b.update, donate_argnums=0)
+    compiled = update.lower(state, prepared, residuals, grads).compile()
     ma = compiled.memory_analysis()
     big = spec.num_rows * spec.dim * 4
     assert ma.temp_size_in_bytes < big / 4
@@ -500,7 +504,7 @@ def test_smallest_is_key_then_index_order():
 def _group_stream(text, opt, compiled, monkeypatch, threads=1):
   """Every prepared pytree of a 3-table group over a Zipf stream with an eval pass inside,
   planned by the compiled kernel (`compiled`) or by each table's numpy planner."""
-  from recgnn import hostplan
+  from recgnn.backends.offload import planner as hostplan
   from recgnn.train import inputs
 
   sizes = (1000, 300, 5000)
@@ -529,7 +533,7 @@ def test_compiled_planner_equals_numpy_planner(policy, opt, monkeypatch):
   """Every prepared array (slots, dedup, exchange lists, versions) of the compiled group
   planner equals the numpy planner's, across evictions, an eval pass and the batches after
   it; on 2 threads too. (Exactness against dense: the tests above, which run it.)"""
-  from recgnn import hostplan
+  from recgnn.backends.offload import planner as hostplan
 
   if not hostplan.AVAILABLE:
     pytest.skip("numba not installed")
@@ -554,7 +558,7 @@ def test_compiled_planner_equals_numpy_planner(policy, opt, monkeypatch):
 
 def test_compiled_planner_runs_in_the_contract(monkeypatch):
   """The bit-equality to dense above runs the compiled planner (not only the numpy one)."""
-  from recgnn import hostplan
+  from recgnn.backends.offload import planner as hostplan
 
   if not hostplan.AVAILABLE:
     pytest.skip("numba not installed")

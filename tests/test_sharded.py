@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from recgnn import comms, sharding
-from recgnn.embeddings import base, codecs, sharded
+from recgnn.backends import sharded
+from recgnn.embeddings import base, codecs
 
 ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
 SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
@@ -48,10 +49,10 @@ def _drive(group, batches, state=None):
   looks = []
   for step, ids in enumerate(batches):
     prepared = contract.put_prepared(group, group.prepare(ids), group.mesh)
-    pooled = lookup(state, prepared)
+    pooled, residuals = lookup(state, prepared)
     looks.append(jax.device_get(pooled))
     grads = {n: contract.grads_for(step, v) for n, v in pooled.items()}
-    state = update(state, prepared, grads)
+    state = update(state, prepared, residuals, grads)
   return looks, group.tables(group.sync(state)), state
 
 

@@ -107,12 +107,12 @@ def test_cpu_trace_of_an_offload_run(tmp_path):
       group.stats()  # reset the counters: what follows is the profiled steps'
       jax.profiler.start_trace(str(tmp_path / "profile"), create_perfetto_trace=True)
     with jax.profiler.StepTraceAnnotation("train", step_num=step):
-      pooled = lookup(state, prepared)
+      pooled, residuals = lookup(state, prepared)
       grads = {"t": contract.grads_for(step, pooled["t"])}
       if first <= step < stop and not hlo:
         hlo = [f.lower(state, prepared, *a).compile().as_text()
-               for f, a in ((lookup, ()), (update, (grads,)))]  # fmt: skip
-      state = update(state, prepared, grads)
+               for f, a in ((lookup, ()), (update, (residuals, grads)))]  # fmt: skip
+      state = update(state, prepared, residuals, grads)
     if step == stop - 1:
       jax.block_until_ready(state)
       jax.profiler.stop_trace()

@@ -1,9 +1,12 @@
-"""Embedding backends. `base` holds the specs, the contract and the plan; each other module
-is one backend, registered by its module name."""
+"""Embedding tables: specs, the backend contract (v3), the plan and registry, and the
+mechanisms backends share (row-sharded arrays, host tables, access counts, codecs,
+micro-batches). The backends themselves live in `recgnn.backends`."""
 
 from recgnn.embeddings.base import (
   PAD,
   Backend,
+  Capabilities,
+  Layout,
   MemoryReport,
   OptimizerSpec,
   Plan,
@@ -11,11 +14,13 @@ from recgnn.embeddings.base import (
   TableBackend,
   TableSpec,
   available_backends,
+  capabilities_of,
   check_memory,
   format_plan,
   make_backend,
   make_group,
   parse_backend,
+  register_backend,
   resolve_plan,
   unpool,
 )
@@ -23,6 +28,8 @@ from recgnn.embeddings.base import (
 __all__ = [
   "PAD",
   "Backend",
+  "Capabilities",
+  "Layout",
   "MemoryReport",
   "OptimizerSpec",
   "Plan",
@@ -30,11 +37,13 @@ __all__ = [
   "TableBackend",
   "TableSpec",
   "available_backends",
+  "capabilities_of",
   "check_memory",
   "format_plan",
   "make_backend",
   "make_group",
   "parse_backend",
+  "register_backend",
   "resolve_plan",
   "unpool",
 ]

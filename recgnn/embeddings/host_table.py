@@ -10,7 +10,7 @@ table in all, S / n rows per device, instead of a replica per device.
 
 Reads and writes happen inside jit as host computations (`compute_on`, compute type
 "device_host", outputs in host memory) with the indices moved to host memory first
-(DESIGN.md: a gather on a host array works only that way). On a split
+(docs/architecture.md: a gather on a host array works only that way). On a split
 table each device reads / writes the rows it owns:
   gather   each device gathers its owned rows (zeros elsewhere) and a psum over the mesh
            gives every device all of them (exact: one non-zero term per row)
@@ -21,8 +21,6 @@ constants, which compute_on("device_host") rejects.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +29,7 @@ from jax import lax
 from jax.experimental import compute_on as _compute_on
 
 from recgnn import sharding
-from recgnn.embeddings import base
+from recgnn.embeddings import base, row_sharded
 
 HOST_MEMORIES = ("pinned_host", "device")
 
@@ -83,7 +81,8 @@ class HostTable:
   no host memory space) or `device` (no offload: debugging, benchmarks).
   """
 
-  def __init__(self, host_memory: str, owner: str):
+  def __init__(self, host_memory: str, owner: str, mesh: jax.sharding.Mesh):
+    """Refuse (before allocating) a memory kind or a mesh the host arrays cannot live on."""
     if host_memory not in HOST_MEMORIES:
       raise ValueError(
         f"{owner}: unknown host_memory {host_memory!r}; available: {', '.join(HOST_MEMORIES)}"
@@ -100,7 +99,8 @@ class HostTable:
       host_memory = "device"
     self.host_memory = host_memory
     self.owner = owner
-    self.mesh: jax.sharding.Mesh | None = None
+    self.mesh = mesh
+    self._check_mesh(mesh)
 
   @property
   def offloaded(self) -> bool:
@@ -109,11 +109,9 @@ class HostTable:
   @property
   def split(self) -> bool:
     """Whether the host arrays are split by rows over the devices of the mesh."""
-    return self.offloaded and self.mesh is not None and self.mesh.size > 1
+    return self.offloaded and self.mesh.size > 1
 
-  def bind(self, mesh: jax.sharding.Mesh) -> None:
-    """Refuse (before allocating) a mesh the host arrays cannot be placed on."""
-    self.mesh = mesh
+  def _check_mesh(self, mesh: jax.sharding.Mesh) -> None:
     if self.offloaded and not all(
       d.process_index == jax.process_index() for d in mesh.devices.flat
     ):
@@ -175,23 +173,12 @@ class HostTable:
     if not self.split:
       rows, values = self.to_host(rows), self.to_host(values)
       return self.on_host(scatter_rows, h, rows, values)
-    spec = host_spec(h)
 
-    @functools.partial(
-      jax.shard_map,
-      mesh=self.mesh,
-      in_specs=(spec, sharding.REPLICATED, sharding.REPLICATED),
-      out_specs=spec,
-      check_vma=False,
-    )
-    def local(h, rows, values):
-      n = h.shape[0]
-      loc = rows - jax.lax.axis_index(sharding.BATCH) * n
-      loc = jnp.where((loc >= 0) & (loc < n), loc, n)  # not owned: dropped (stays unique)
+    def local_scatter(block, loc, values):  # loc = R where not owned: dropped (stays unique)
       loc, values = self.to_host(loc), self.to_host(values)
-      return self.on_host(scatter_rows, h, loc, values)
+      return self.on_host(scatter_rows, block, loc, values)
 
-    return local(h, rows, values)
+    return row_sharded.scatter_everywhere(self.mesh, sharding.BATCH, h, rows, values, local_scatter)
 
   def gather(self, h: jax.Array, rows: jax.Array) -> jax.Array:
     """h[rows] (rows in range) from the host array h, as a replicated device array. On a
@@ -200,22 +187,11 @@ class HostTable:
     if not self.split:
       rows = self.to_host(rows)
       return self.to_device(self.on_host(gather_rows, h, rows))
-    spec = host_spec(h)
 
-    @functools.partial(
-      jax.shard_map,
-      mesh=self.mesh,
-      in_specs=(spec, sharding.REPLICATED),
-      out_specs=sharding.REPLICATED,
-      check_vma=False,
-    )
-    def local(h, rows):
-      n = h.shape[0]
-      loc = rows - jax.lax.axis_index(sharding.BATCH) * n
-      owned = (loc >= 0) & (loc < n)
-      loc = self.to_host(jnp.where(owned, loc, 0))
-      got = self.to_device(self.on_host(gather_rows, h, loc))
-      owned = owned.reshape(owned.shape + (1,) * (got.ndim - 1))
-      return jax.lax.psum(jnp.where(owned, got, 0), sharding.BATCH)
+    def local_gather(block, loc):
+      owned = loc < block.shape[0]
+      # The host gather is a bare XLA gather (`gather_rows`): in-range indices only.
+      got = self.to_device(self.on_host(gather_rows, block, self.to_host(jnp.where(owned, loc, 0))))
+      return jnp.where(owned.reshape(owned.shape + (1,) * (got.ndim - 1)), got, 0)
 
-    return local(h, rows)
+    return row_sharded.gather_everywhere(self.mesh, sharding.BATCH, h, rows, local_gather)

@@ -1,7 +1,7 @@
 """Micro-batches: a group of tables may ask the train step to run a batch in pieces.
 
-A backend declares a split by implementing two methods (duck-typed; `dense`, `tt`, `offload`
-and `sharded` do not, and the step runs their batches whole):
+A backend declares a split with `Capabilities(splits_batch=True)` and implements two methods
+(`dense`, `tt`, `offload` and `sharded` do not split, and the step runs their batches whole):
 
   micro_batches(prepared) -> tuple[int32[n * P_m], ...] | None
       inside jit. One index array per micro-batch, in the order to run them; batch-major
@@ -9,8 +9,9 @@ and `sharded` do not, and the step runs their batches whole):
       b = B / n examples (b = padding). Every example is in exactly one micro-batch, and the
       sizes P_m are the same on every device (bucketed by the backend so the step compiles
       a few times per run). None: run the batch whole.
-  lookup_micro(state, prepared, m) -> {table: f32[n * P_m, D]}
-      the pooled rows of micro-batch m (padding rows: anything finite).
+  lookup_micro(state, prepared) -> (({table: f32[n * P_m, D]}, ...), residuals)
+      the pooled rows of every micro-batch m (padding rows: anything finite), in the order
+      of `micro_batches`, and the residuals `update` takes (as `lookup`'s).
 
 `hot_cold` (Hotline) splits a batch into a popular micro-batch (every id hot: device memory
 only) and a non-popular one (cold rows from the host), so the step's first piece never waits

@@ -71,7 +71,7 @@ import optax
 from absl import logging
 
 from recgnn import hostmem, sharding
-from recgnn.embeddings import OptimizerSpec, TableSpec
+from recgnn.embeddings import OptimizerSpec, TableSpec, capabilities_of
 from recgnn.graphs import samplers, sampling
 from recgnn.graphs.loading import load_graph, write_eigen_init
 from recgnn.models import graphsage
@@ -163,10 +163,11 @@ class NodeClassification(base.Task):
   @staticmethod
   def _split_ids(config) -> bool:
     """embeddings.split_ids: true | false | auto (default: true when a plan rule names a
-    backend that needs batch-split ids, `sharded`). Split ids put collectives in every step
-    (each device's share fetched, then gathered for the subgraph); XLA:CPU with simulated
-    devices hung at such a collective in some trainer runs here, so they are not the
-    default where replicated ids serve (dense, tt, offload, hot_cold)."""
+    backend that declares it needs batch-split ids, `Capabilities.needs_split_ids`: sharded).
+    Split ids put collectives in every step (each device's share fetched, then gathered for
+    the subgraph); XLA:CPU with simulated devices hung at such a collective in some trainer
+    runs here, so they are not the default where replicated ids serve (dense, tt, offload,
+    hot_cold)."""
     emb = config.get("embeddings", None)
     mode = str(emb.get("split_ids", "auto") if emb is not None else "auto").lower()
     if mode in ("true", "1"):
@@ -176,7 +177,7 @@ class NodeClassification(base.Task):
     if mode != "auto":
       raise ValueError(f"Unknown embeddings.split_ids {mode!r}; available: auto, true, false")
     plan = emb.get("plan", ()) if emb is not None else ()
-    return any(str(rule[1]).strip().startswith("sharded") for rule in plan)
+    return any(capabilities_of(str(rule[1])).needs_split_ids for rule in plan)
 
   def _labelled(self, split: str) -> np.ndarray:
     ids = self.graph.splits[split]

@@ -196,31 +196,37 @@ def device_block(owners: list[int], process: int, count: int) -> int | None:
   return mine[0] // per
 
 
-def process_slice(task, plan: base.Plan, setting: str = "auto") -> tuple[tuple | None, str]:
-  """Whether each process reads and prepares only its own slice of every batch.
+def choose_layout(
+  task, rules, specs, mesh, setting: str = "auto"
+) -> tuple[base.Layout, tuple[int, int] | None, str]:
+  """How batches reach the embedding backends, decided BEFORE the plan is built (every backend
+  receives the layout at construction): from the task's `shard_batch` and
+  `reads_process_slice`, the plan rules' declared capabilities (`base.capabilities_of`, nothing
+  constructed) and the mesh's device order.
 
-  -> ((index, count) for `Task.process_shard`, or None: every process reads the whole
-  batch and transfers its own devices' rows), and a line saying which and why. With
-  `setting="auto"` the slice is used when the task, every embedding group and the mesh's
-  device order allow it; "local" refuses (ValueError, the reasons) when they do not;
-  "global" never uses it. Groups are switched to process-local `prepare` here.
+  -> (the `base.Layout`; (index, count) for `Task.process_shard` when each process reads and
+  prepares only its own slice of every batch, else None; a line saying which and why). With
+  `setting="auto"` the slice is used when the task, every backend and the mesh's device order
+  allow it; "local" refuses (ValueError, the reasons) when they do not; "global" never uses it.
   """
   if setting not in INPUT_MODES:
     raise ValueError(f"train.process_input={setting!r}; valid: {', '.join(INPUT_MODES)}")
+  split = bool(task.shard_batch)
+  whole = base.Layout(split_batch=split)
   count = jax.process_count()
   if count == 1:
-    return None, "one process: it reads every batch"
+    return whole, None, "one process: it reads every batch"
   if setting == "global":
-    return None, "every process reads the whole batch (train.process_input=global)"
+    return whole, None, "every process reads the whole batch (train.process_input=global)"
   why = []
   if not task.reads_process_slice:
     why.append(f"{type(task).__name__} reads whole batches")
-  if not task.shard_batch:
+  if not split:
     why.append("the task's batches are replicated over the devices, not split")
-  for key, group in plan.groups.items():
-    if (refusal := group.process_local_refusal()) is not None:
-      why.append(f"embedding group {key!r}: {refusal}")
-  owners = [d.process_index for d in plan.mesh.devices.flat]
+  for text in base.assign_rules(rules, specs):
+    if base.capabilities_of(text).plans_globally:
+      why.append(f"backend {text!r}: its prepare plans over the whole batch")
+  owners = [d.process_index for d in mesh.devices.flat]
   index = device_block(owners, jax.process_index(), count)
   if index is None:
     why.append("this process's devices are not one contiguous block of the mesh")
@@ -230,10 +236,10 @@ def process_slice(task, plan: base.Plan, setting: str = "auto") -> tuple[tuple |
         "train.process_input=local, but processes cannot read only their slice of each "
         f"batch: {'; '.join(why)}. Use train.process_input=auto (or global)."
       )
-    return None, "every process reads the whole batch: " + "; ".join(why)
-  for group in plan.groups.values():
-    group.set_process_local()
-  return (index, count), (
+    return whole, None, "every process reads the whole batch: " + "; ".join(why)
+  return (
+    base.Layout(split_batch=split, process_local=True),
+    (index, count),
     f"each process reads and prepares only its 1/{count} of every batch (this one: slice "
-    f"{index}, {len(owners) // count} devices)"
+    f"{index}, {len(owners) // count} devices)",
   )

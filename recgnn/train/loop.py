@@ -372,19 +372,23 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
     task = load_task(config, mesh)
   log(task.describe())
   specs = task.tables()
-  plan = base.resolve_plan(list(map(tuple, config.embeddings.plan)), specs, mesh, log=False)
-  log("Embedding plan (bytes before allocation):\n" + base.format_plan(plan))
-  if device_memory_budget is None and config.get("device_memory_budget"):
-    device_memory_budget = parse_bytes(config.device_memory_budget)
-  base.check_memory(plan, device_memory_budget)
-  # With many processes: each reads only its slice of every batch when the task and every
-  # group allow it (set before the first batch is read).
-  shard, how_input = inputs.process_slice(task, plan, tcfg.get("process_input", "auto"))
+  rules = list(map(tuple, config.embeddings.plan))
+  # The input layout first (batch split; with many processes, whether each reads only its
+  # slice of every batch, when the task and every backend's declared capabilities allow it):
+  # every backend receives it at construction.
+  layout, shard, how_input = inputs.choose_layout(
+    task, rules, specs, mesh, tcfg.get("process_input", "auto")
+  )
   if jax.process_count() > 1:
     log(f"Input: {how_input}")
   if shard is not None:
     task.process_shard = shard
-  feeder = step_lib.Feeder(plan, task.shard_batch, task.batch_spec, local=shard is not None)
+  plan = base.resolve_plan(rules, specs, mesh, layout, log=False)
+  log("Embedding plan (bytes before allocation):\n" + base.format_plan(plan))
+  if device_memory_budget is None and config.get("device_memory_budget"):
+    device_memory_budget = parse_bytes(config.device_memory_budget)
+  base.check_memory(plan, device_memory_budget)
+  feeder = step_lib.Feeder(plan, task.batch_spec)
   total_steps, how = training_length(tcfg, task)
   log(f"Mesh {sharding.describe(mesh)}; training {how}")
 

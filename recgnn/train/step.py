@@ -1,13 +1,13 @@
 """Pure train and eval steps over a Task and its embedding plan, on a device mesh.
 
-One step:  pooled = group.lookup(emb, prepared)            per group: {table: f32[B, D]}
+One step:  pooled, res = group.lookup(emb, prepared)       per group: {table: f32[B, D]}
            loss, (g_params, g_pooled) = value_and_grad(task.loss)(params, pooled)
-           params <- optax;  emb <- group.update(emb, prepared, g_pooled)   (sparse, donated)
+           params <- optax;  emb <- group.update(emb, prepared, res, g_pooled)   (sparse, donated)
 Embedding tables never go through optax: their gradient w.r.t. the pooled lookups is all a
 backend needs, so no table-sized cotangent is ever built.
 
 On a (DATA, MODEL) mesh the batch is split over every device (B / n examples each, when the
-task shards batches), the dense params and their optimizer state are replicated (XLA
+plan's `Layout.split_batch`), the dense params and their optimizer state are replicated (XLA
 all-reduces their gradients), and each group places its tables as its `state_sharding` says.
 Steps are jitted with explicit in / out shardings and the state donated.
 """
@@ -63,26 +63,27 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
   return tx
 
 
-def lookup_all(plan: base.Plan, emb, prepared) -> dict[str, jax.Array]:
-  """{table: f32[B, D]} pooled embeddings of every group."""
-  out = {}
+def lookup_all(plan: base.Plan, emb, prepared) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+  """-> ({table: f32[B, D]} pooled embeddings of every group, {group key: its residuals})."""
+  out, residuals = {}, {}
   for key, group in plan.groups.items():
-    out.update(group.lookup(emb[key], prepared[key]))
-  return out
+    pooled, residuals[key] = group.lookup(emb[key], prepared[key])
+    out.update(pooled)
+  return out, residuals
 
 
-def splitting_group(plan: base.Plan, task: Task) -> str | None:
-  """The key of the group that declares micro-batches (recgnn.embeddings.microbatch), if
-  any, and if the task's batches are split per example (a replicated batch, e.g. one
-  subgraph, runs whole)."""
-  keys = [k for k, g in plan.groups.items() if hasattr(g, "micro_batches")]
+def splitting_group(plan: base.Plan) -> str | None:
+  """The key of the group that declares micro-batches (`Capabilities.splits_batch`,
+  recgnn.embeddings.microbatch), if any, and if the batches are split per example (a
+  replicated batch, e.g. one subgraph, runs whole)."""
+  keys = [k for k, g in plan.groups.items() if g.capabilities.splits_batch]
   if len(keys) > 1:
     raise ValueError(
       f"Embedding groups {keys} each split batches into micro-batches; a batch has one split. "
       "Give those tables one plan rule (one backend string), e.g. ('C(3|4|10)', "
       "'hot_cold(budget=0.05)'), or set split=False on all but one."
     )
-  return keys[0] if keys and task.shard_batch else None
+  return keys[0] if keys and plan.layout.split_batch else None
 
 
 def _per_example(task: Task, batch) -> bool:
@@ -99,7 +100,8 @@ def _per_example(task: Task, batch) -> bool:
 def _micro_loss_and_grads(task, plan, skey, idxs, state, prepared, batch, key):
   """The loss and its gradients over micro-batches (the split `plan.groups[skey]` declares),
   run in its order: pooled rows of micro-batch m from the splitting group's `lookup_micro`
-  and, for the other groups, their whole-batch lookup's rows of those examples.
+  and, for the other groups, their whole-batch lookup's rows of those examples. Returns the
+  groups' residuals too, for their updates.
 
   The Task contract's loss is a weighted mean over examples, so with W_m the weight of
   micro-batch m (its examples' batch["weight"], or its example count) and W = sum W_m, the
@@ -108,10 +110,12 @@ def _micro_loss_and_grads(task, plan, skey, idxs, state, prepared, batch, key):
   ONE update for the whole batch.
   """
   mesh = plan.mesh
-  whole = {}
+  whole, residuals = {}, {}
   for k, g in plan.groups.items():
     if k != skey:
-      whole.update(g.lookup(state.emb[k], prepared[k]))
+      pooled, residuals[k] = g.lookup(state.emb[k], prepared[k])
+      whole.update(pooled)
+  micro, residuals[skey] = plan.groups[skey].lookup_micro(state.emb[skey], prepared[skey])
   size = jax.tree.leaves(batch)[0].shape[0]
   b = size // mesh.size
 
@@ -120,7 +124,7 @@ def _micro_loss_and_grads(task, plan, skey, idxs, state, prepared, batch, key):
 
   pieces = []
   for m, idx in enumerate(idxs):
-    pooled = plan.groups[skey].lookup_micro(state.emb[skey], prepared[skey], m)
+    pooled = dict(micro[m])
     pooled.update({t: microbatch.take(mesh, True, x, idx) for t, x in whole.items()})
     batch_m = jax.tree.map(lambda x, idx=idx: microbatch.take(mesh, True, x, idx), batch)
     if "weight" in batch_m:
@@ -143,7 +147,7 @@ def _micro_loss_and_grads(task, plan, skey, idxs, state, prepared, batch, key):
     t: microbatch.merge(mesh, True, size, idxs, [c * p[3][1][t] for c, p in zip(scale, pieces)])
     for t in pieces[0][3][1]
   }
-  return loss, aux, g_params, g_pooled
+  return loss, aux, g_params, g_pooled, residuals
 
 
 def make_train_step(task: Task, plan: base.Plan, tx):
@@ -153,17 +157,17 @@ def make_train_step(task: Task, plan: base.Plan, tx):
   loss run per micro-batch, in its order, with one embedding update for the whole batch
   (`_micro_loss_and_grads`; recgnn.embeddings.microbatch says how a backend declares one).
   """
-  skey = splitting_group(plan, task)
+  skey = splitting_group(plan)
 
   def step(state: TrainState, prepared, batch):
     key = jax.random.fold_in(state.key, state.step)
     idxs = plan.groups[skey].micro_batches(prepared[skey]) if skey is not None else None
     if idxs and _per_example(task, batch):
-      loss, aux, g_params, g_pooled = _micro_loss_and_grads(
+      loss, aux, g_params, g_pooled, residuals = _micro_loss_and_grads(
         task, plan, skey, idxs, state, prepared, batch, key
       )
     else:
-      pooled = lookup_all(plan, state.emb, prepared)
+      pooled, residuals = lookup_all(plan, state.emb, prepared)
 
       def loss_fn(params, pooled):
         return task.loss(params, batch, pooled, key)
@@ -174,7 +178,9 @@ def make_train_step(task: Task, plan: base.Plan, tx):
     updates, opt_state = tx.update(g_params, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     emb = {
-      key: group.update(state.emb[key], prepared[key], {t: g_pooled[t] for t in group.specs})
+      key: group.update(
+        state.emb[key], prepared[key], residuals[key], {t: g_pooled[t] for t in group.specs}
+      )
       for key, group in plan.groups.items()
     }
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, emb=emb)
@@ -187,7 +193,8 @@ def make_eval_step(task: Task, plan: base.Plan):
   """(state, prepared, batch) -> the task's predict outputs."""
 
   def step(state: TrainState, prepared, batch):
-    return task.predict(state.params, batch, lookup_all(plan, state.emb, prepared))
+    # The residuals are dropped: XLA computes nothing that only an update would read.
+    return task.predict(state.params, batch, lookup_all(plan, state.emb, prepared)[0])
 
   return step
 
@@ -242,14 +249,14 @@ def jit_packed(
 class Feeder:
   """Packs (prepared, batch) for the step: the specs of every leaf, checked and cached."""
 
-  def __init__(self, plan: base.Plan, shard_batch: bool, batch_spec=None, local: bool = False):
-    """shard_batch: whether the embedding ids are batch-major; batch_spec(batch): the
-    PartitionSpec of every other batch leaf (`Task.batch_spec`), else all by shard_batch.
-    local: batches are this process's slice (`inputs.process_slice`), for its devices only."""
-    self.plan, self.shard_batch, self.batch_spec = plan, shard_batch, batch_spec
-    self.local = local
-    for g in plan.groups.values():
-      g.shard_batch = shard_batch
+  def __init__(self, plan: base.Plan, batch_spec=None):
+    """The layout is the plan's (`plan.layout`, given to every backend at construction):
+    split_batch says whether the embedding ids are batch-major, process_local whether
+    batches are this process's slice, for its devices only. batch_spec(batch): the
+    PartitionSpec of every other batch leaf (`Task.batch_spec`), else all by split_batch."""
+    self.plan, self.batch_spec = plan, batch_spec
+    self.shard_batch = plan.layout.split_batch
+    self.local = plan.layout.process_local
 
   def specs(self, prepared, batch):
     p = {k: self.plan.groups[k].prepared_spec(v) for k, v in prepared.items()}

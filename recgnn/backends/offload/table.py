@@ -1,218 +1,31 @@
-"""`offload`: cDLRM. The table and its optimizer state in host memory, a device cache of C rows.
-
-Plan string: `offload(cache_rows=200_000, policy=lru, lookahead=8)`; see `Offload` for options.
-
-How a batch flows (cDLRM, Balasubramanian et al., RecSys'21):
-
-  input thread, prepare(k)   the planner (numpy, host) admits batch k+1 into the cache: picks
-                             victim slots (LRU / LFU / look-ahead-aware), lists the dirty
-                             victims to write back and the missing rows to load, and remaps
-                             batch k's ids to cache slots. It runs ahead of the step.
-  step k, lookup             gather from the cache (rows of batch k are resident).
-  step k, update             row-wise optimizer on the cache slots of batch k; then the
-                             exchange for batch k+1: evicted rows -> host table (D2H, scatter
-                             on the host), missing rows <- host table (gather on the host,
-                             H2D) -> their cache slots.
-
-So the rows a step needs were copied in by the previous step, after its optimizer: the copy
-for k+1 overlaps nothing on XLA:CPU but is independent of step k+1's compute, and XLA on an
-accelerator runs the host gather and the copies on their own streams. Only a batch the
-planner did not see coming (the first, one after an eval pass, or `lookahead=0`) is loaded
-on demand inside its own step ("now" exchange: lookup reads those rows straight from the
-host table, update inserts them first).
-
-Where the state lives, and why (measured on this CPU, jax 0.10; see tests/test_offload.py):
-the host table is a `pinned_host` jax.Array *inside* the state, not a numpy array owned by
-the backend. The step's outputs reach the host only through the state: the contract gives
-`prepare` no handle on step k's evicted rows, so a numpy table on the input thread could not
-receive write-backs without a host callback (a host sync in the step). In the state, the
-write-back is an in-place scatter on the donated pinned_host buffer under
-`compute_on("device_host")`: no copy of the table (the exchange is ordered read-cache ->
-write-host -> read-host -> write-cache so XLA inserts no defensive table copy; reading and
-writing a buffer in unrelated order made XLA copy the whole table, 25 ms for 1M x 16), the
-state alone is checkpointable with Orbax, and after `sync` describes the whole table.
-`prepare` returns numpy only: the row indices of host gathers/scatters reach host memory by
-a `device_put` inside the step (small int arrays), because a device_put per table on the
-input thread cost ~0.8 ms of Python each (26 tables: the input thread fell behind the step).
-
-State:
-  host:      {"table": float32[N, D], "accum": float32[N] (row-wise Adagrad)}  pinned_host
-  cache:     {"table": float32[C, D], "accum": float32[C]}                      device
-  slot_rows: int32[C], the row in each slot (N = empty)                          device
-  version:   int32[], train batches applied; stale: int32[], updates that ran with a plan
-             made for another cache layout (checked by `sync`, which raises).
-
-Eval batches: the trainer runs `lookup` without `update` for them, so a plan that moves rows
-would never execute. `prepare(ids, upcoming, train=False)` plans read-only (resident rows from
-the cache, the others straight from the host table). If an update ever runs with a plan made
-for another layout, `stale` counts it and `sync` raises (never a silent wrong table).
-"""
+"""`Offload`: one table in host memory behind a device cache (the per-table backend; see the
+package docstring). Holds one concern: the table's host planning (`prepare`) and its device
+code (lookup, update, exchange, flush)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import time
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from recgnn import hostplan
-from recgnn.embeddings import base, host_table, profile
+from recgnn.backends.offload.cache_plan import (
+  EVICT_ROWS,
+  EVICT_SLOTS,
+  LOAD_ROWS,
+  LOAD_SLOTS,
+  POLICIES,
+  Exchange,
+  Planner,
+  _bucket,
+  _pad,
+)
+from recgnn.embeddings import base, host_cache, host_table
 
-POLICIES = ("lru", "lfu", "lookahead")
 HOST_MEMORIES = host_table.HOST_MEMORIES
-_PROTECTED = np.iinfo(np.int64).max
-_NEEDED = np.int64(1) << 62  # look-ahead keys: rows needed within the window sort after others
-_FAR = np.int64(1) << 40
-# Rows of a prepared exchange array int32[4, L].
-EVICT_SLOTS, EVICT_ROWS, LOAD_ROWS, LOAD_SLOTS = range(4)
-
-
-def _bucket(n: int) -> int:
-  """Padded length of an exchange list under `exchange=pow2`: 0, or a power of two >= 16."""
-  return 0 if n == 0 else max(16, 1 << (n - 1).bit_length())
-
-
-def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
-  out = np.full(size, fill, np.int32)
-  out[: a.shape[0]] = a
-  return out
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Exchange:
-  """One cache exchange, host-planned: write back dirty victims, then load missing rows.
-
-  Attributes:
-    evict_slots: int32[E], cache slots whose (dirty) rows go back to the host.
-    evict_rows: int32[E], the rows they hold.
-    load_rows: int32[M], rows to copy host -> cache.
-    load_slots: int32[M], their slots.
-    hits: distinct rows of the admitted batch already resident.
-  """
-
-  evict_slots: np.ndarray
-  evict_rows: np.ndarray
-  load_rows: np.ndarray
-  load_slots: np.ndarray
-  hits: int = 0
-
-  @staticmethod
-  def empty() -> Exchange:
-    z = np.zeros(0, np.int32)
-    return Exchange(evict_slots=z, evict_rows=z, load_rows=z, load_slots=z)
-
-
-def smallest(keys: np.ndarray, k: int) -> np.ndarray:
-  """Indices of the k smallest keys, ties to the smaller index (a total order: the numpy and
-  the compiled planner pick the same victims). O(len(keys))."""
-  v = np.partition(keys, k - 1)[k - 1]
-  below = np.flatnonzero(keys < v)
-  return np.concatenate([below, np.flatnonzero(keys == v)[: k - below.shape[0]]])
-
-
-class Planner:
-  """Host-side cache bookkeeping of one table: which row sits in which slot, and victims.
-
-  Time is counted in train batches (`version`). Costs O(C) numpy work per admission (victim
-  selection by `smallest` over the slots' keys), never O(N).
-  """
-
-  def __init__(self, num_rows: int, cache_rows: int, policy: str):
-    self.num_rows, self.cache_rows, self.policy = num_rows, cache_rows, policy
-    self.row_slot = np.full(num_rows, -1, np.int32)
-    self.slot_row = np.full(cache_rows, -1, np.int64)
-    self.last_used = np.zeros(cache_rows, np.int64)
-    # A row is dirty once a train batch touched it since it was loaded; only dirty victims
-    # are written back. `sync` does not clean rows: batches prepared ahead of it still hold
-    # plans that touch them.
-    self.dirty = np.zeros(cache_rows, bool)
-    # LFU: each batch counts each of its distinct rows once (the shared profiler); `freq` is
-    # its count array.
-    self.lfu = profile.AccessProfile(num_rows) if policy == "lfu" else None
-    self.freq = self.lfu.counts if self.lfu is not None else None
-    self.version = 0
-    self.admitted: np.ndarray | None = None  # ids of the batch admitted ahead
-
-  @classmethod
-  def from_slots(cls, slot_rows: np.ndarray, num_rows: int, policy: str, version: int):
-    """Rebuild bookkeeping from a state's slot map (after a restore). History is lost:
-    LRU/LFU start fresh, which changes hit rates, never values."""
-    p = cls(num_rows, slot_rows.shape[0], policy)
-    resident = slot_rows < num_rows
-    p.slot_row[resident] = slot_rows[resident]
-    p.row_slot[slot_rows[resident]] = np.flatnonzero(resident)
-    p.version = version
-    return p
-
-  def check_fits(self, n: int, table: str) -> None:
-    if n > self.cache_rows:
-      raise ValueError(
-        f"offload: a batch touches {n} distinct rows of table {table!r} but its device cache "
-        f"holds {self.cache_rows}. Use offload(cache_rows>={n}, ...) (or a smaller batch)."
-      )
-
-  def _keys(self, window: Sequence[np.ndarray]) -> np.ndarray:
-    """Eviction order of every slot: smaller keys go first."""
-    rows = self.slot_row
-    if self.policy == "lru":
-      return self.last_used.copy()
-    if self.policy == "lfu":
-      f = self.freq[np.maximum(rows, 0)]
-      return (f << 32) | self.last_used
-    # lookahead: rows not needed within the window go first (least recently used first);
-    # only if the window does not fit, needed rows go, farthest next use first (Belady).
-    keys = self.last_used.copy()
-    if window:
-      w = np.concatenate(window)
-      t = np.concatenate([np.full(u.shape[0], j, np.int64) for j, u in enumerate(window)])
-      uniq, first = np.unique(w, return_index=True)  # first occurrence = nearest batch
-      pos = np.minimum(np.searchsorted(uniq, rows), uniq.shape[0] - 1)
-      needed = (uniq[pos] == rows) & (rows >= 0)
-      keys[needed] = _NEEDED + (_FAR - t[first[pos[needed]]])
-    return keys
-
-  def admit(self, rows: np.ndarray, t: int, window: Sequence[np.ndarray]) -> Exchange:
-    """Make the distinct rows `rows` (sorted) resident for the batch at time t.
-
-    window: distinct rows of the batches after it (look-ahead policy only).
-    """
-    slots = self.row_slot[rows]
-    hit = slots >= 0
-    self.last_used[slots[hit]] = t
-    miss = rows[~hit]
-    m = miss.shape[0]
-    if m == 0:
-      return dataclasses.replace(Exchange.empty(), hits=int(hit.sum()))
-    # Free slots first, taken directly (argpartition over many equal keys is slow: 9 ms for
-    # 125k slots, 69k of them free); then the policy's order over the occupied ones.
-    free = np.flatnonzero(self.slot_row < 0)
-    if free.shape[0] >= m:
-      victims = free[:m]
-    else:
-      keys = self._keys(window)
-      keys[free] = _PROTECTED  # already taken
-      keys[slots[hit]] = _PROTECTED
-      victims = np.sort(np.concatenate([free, smallest(keys, m - free.shape[0])]))
-    old = self.slot_row[victims]
-    valid = old >= 0
-    back = valid & self.dirty[victims]
-    self.row_slot[old[valid]] = -1
-    self.slot_row[victims] = miss
-    self.row_slot[miss] = victims
-    self.last_used[victims] = t
-    self.dirty[victims] = False
-    return Exchange(
-      evict_slots=victims[back].astype(np.int32),
-      evict_rows=old[back].astype(np.int32),
-      load_rows=miss.astype(np.int32),
-      load_slots=victims.astype(np.int32),
-      hits=int(hit.sum()),
-    )
 
 
 class Offload(base.TableBackend):
@@ -240,12 +53,15 @@ class Offload(base.TableBackend):
   at once).
   """
 
-  name = "offload"
+  name = "offload"  # the member class; `OffloadGroup` is what the registry names
+  capabilities = base.Capabilities(plans_globally=True)  # the cache plan is global
   batch_major = ("ids", "inverse", "now_pos")
 
   def __init__(
     self,
     spec: base.TableSpec,
+    mesh,
+    layout: base.Layout | None = None,
     cache_rows: int | None = None,
     cache_fraction: float | None = None,
     min_cache_rows: int = 0,
@@ -254,13 +70,18 @@ class Offload(base.TableBackend):
     exchange: str = "fixed",
     host_memory: str = "pinned_host",
   ):
-    super().__init__(spec)
+    super().__init__(spec, mesh, layout)
     if (cache_rows is None) == (cache_fraction is None):
       raise ValueError(
         f"offload (table {spec.name!r}): give exactly one of cache_rows=ROWS or "
         "cache_fraction=F, e.g. offload(cache_rows=200_000)"
       )
     if cache_rows is not None:
+      if min_cache_rows:
+        raise ValueError(
+          f"offload: min_cache_rows={min_cache_rows} is a floor under cache_fraction's rows; "
+          f"with cache_rows={cache_rows} the size is given: drop min_cache_rows"
+        )
       if int(cache_rows) <= 0:
         raise ValueError(f"offload: cache_rows must be > 0, got {cache_rows}")
       rows = int(cache_rows)
@@ -281,15 +102,15 @@ class Offload(base.TableBackend):
     self.policy = policy
     self.lookahead = int(lookahead)
     # The host arrays' placement and in-step access (shared with hot_cold).
-    self.host = host_table.HostTable(host_memory, f"offload (table {spec.name!r})")
+    self.host = host_table.HostTable(host_memory, f"offload (table {spec.name!r})", mesh)
     self.host_memory = self.host.host_memory
     if exchange not in ("fixed", "pow2"):
       raise ValueError(f"offload: exchange must be 'fixed' or 'pow2', got {exchange!r}")
     self.exchange = exchange
     self._planner: Planner | None = None  # O(N) host bookkeeping: allocated by init
     self._host_sharding = self._dev_sharding = None
-    self._lock = threading.Lock()
-    self._counters: dict[str, float] = {}
+    self._counters = host_cache.Counters()
+    self._syncer = host_cache.Syncer(self._flush, f"offload (table {spec.name!r})", "cache")
     self._window_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
   def describe(self) -> str:
@@ -319,10 +140,6 @@ class Offload(base.TableBackend):
     of the table in all (each device's pinned host memory holds S / n rows), instead of a
     replica per device."""
     return self.host.split
-
-  def bind(self, mesh):
-    super().bind(mesh)
-    self.host.bind(mesh)
 
   def state_sharding(self):
     """The cache in device memory, replicated over the mesh: every device holds the same
@@ -444,9 +261,7 @@ class Offload(base.TableBackend):
     )
 
   def _count(self, **kv):
-    with self._lock:
-      for k, v in kv.items():
-        self._counters[k] = self._counters.get(k, 0) + v
+    self._counters.add(**kv)
 
   def prepare(self, ids, upcoming=(), *, train: bool = True):
     """Plan one batch: ids int[B, L] (PAD = -1); upcoming: the next batches' ids.
@@ -569,8 +384,7 @@ class Offload(base.TableBackend):
     rows/bytes host->device and device->host per step, the share of loads prefetched one
     step ahead (off the step's critical path), and host planning ms per step (input
     thread). Eval batches are counted separately (eval_hit_rate)."""
-    with self._lock:
-      c, self._counters = self._counters, {}
+    c = self._counters.take()
     steps = max(c.get("steps", 0), 1)
     looked = c.get("hits", 0) + c.get("misses", 0)
     row_bytes = self.spec.row_bytes
@@ -637,39 +451,21 @@ class Offload(base.TableBackend):
     table, slots = base.sparse_sgd_or_adagrad(self.spec, cache["table"], slots, prepared, grads)
     state = {**state, "cache": {"table": table, **slots}}
     state = self._exchange(state, prepared["next"])
-    ok = state["version"] == prepared["version"]
-    return {
-      **state,
-      "version": prepared["version"] + 1,
-      "stale": state["stale"] + jnp.where(ok, 0, 1).astype(jnp.int32),
-    }
+    return {**state, **host_cache.advance(state, prepared)}
 
   def _flush(self, state):
-    host = dict(state["host"])
-    # Empty slots hold N; past the host arrays, so the scatter (unique indices) drops them.
-    n = self.spec.num_rows
-    slot_rows = state["slot_rows"]
-    rows = jnp.where(slot_rows < n, slot_rows, base.aligned_rows(n))
-    for k, v in state["cache"].items():
-      host[k] = self._host_scatter(host[k], rows, v)
+    # Empty slots hold N: the scatter (unique indices) drops them.
+    host = host_cache.flush(
+      self.host, state["host"], state["slot_rows"], self.spec.num_rows, state["cache"]
+    )
     return {**state, "host": host}
 
   def _check_stale(self, state):
-    stale = int(jax.device_get(state["stale"]))
-    if stale:
-      raise RuntimeError(
-        f"offload (table {self.spec.name!r}): {stale} update(s) ran with a plan made for "
-        "another cache layout: a prepared batch was skipped or ran out of order. Batches "
-        "that only run lookup (eval) must be prepared with prepare(ids, upcoming, "
-        "train=False)."
-      )
+    self._syncer.check(state)
 
   def sync(self, state):
     """Write every resident cache row back to the host table (O(C)); the cache stays."""
-    self._check_stale(state)
-    if not hasattr(self, "_flush_jit"):
-      self._flush_jit = jax.jit(self._flush, donate_argnums=0)
-    return self._flush_jit(state)
+    return self._syncer(state)
 
   def restore(self, state):
     """Reset host bookkeeping to a restored state's cache (history of LRU/LFU is lost)."""
@@ -693,227 +489,3 @@ class Offload(base.TableBackend):
     resident = slot_rows < self.spec.num_rows
     out[slot_rows[resident]] = cache[resident]
     return out
-
-
-class OffloadGroup(base.TableGroup):
-  """The offload tables of one plan rule: `TableGroup` with the planning of a train batch
-  done for every table at once by the compiled kernel (`recgnn.hostplan.plan_step`).
-
-  The kernel covers the steady state, a batch admitted by the previous step with the next
-  one admitted now under `exchange=fixed`; everything else (the first batch, one after an
-  eval pass, eval batches, `exchange=pow2`, a batch that does not fit, numba missing) goes
-  through each table's numpy planner. Both work on the same planner arrays: the group keeps
-  every table's row->slot map, slot->row map, recency and dirty bits in flat arrays, and
-  each `Planner` holds views of its slices. The decisions are the same either way
-  (tests/test_offload.py compares every prepared array).
-
-  Each batch's ids and sorted distinct rows are computed once, into a ring of
-  lookahead + 3 batches (bounded memory), and reused while it moves through the window.
-  """
-
-  def __init__(self, specs, mesh, text: str = "", **options):
-    super().__init__(Offload, specs, mesh, text, **options)
-    self._flat = None
-    self._ring = None
-    self._admitted = None  # the arrays of the batch the kernel admitted ahead
-    self.fast_batches = 0  # batches planned by the compiled kernel (tests, benchmarks)
-
-  # -- state: the planners' arrays as slices of flat ones
-
-  def init(self, key):
-    state = super().init(key)
-    self._adopt()
-    return state
-
-  def restore(self, state):
-    state = super().restore(state)
-    self._adopt()
-    return state
-
-  def import_(self, logical):
-    state = super().import_(logical)
-    self._adopt()
-    return state
-
-  def _adopt(self):
-    self._flat, self._ring, self._admitted = None, None, None
-    members = list(self.members.values())
-    if not members or any(m._planner is None for m in members):
-      return
-    ps = [m._planner for m in members]
-    row_off = np.cumsum([0] + [p.num_rows for p in ps]).astype(np.int64)
-    slot_off = np.cumsum([0] + [p.cache_rows for p in ps]).astype(np.int64)
-    lfu = members[0].policy == "lfu"
-    flat = {
-      "row_slot": np.concatenate([p.row_slot for p in ps]),
-      "slot_row": np.concatenate([p.slot_row for p in ps]),
-      "last_used": np.concatenate([p.last_used for p in ps]),
-      "dirty": np.concatenate([p.dirty for p in ps]),
-      "freq": np.concatenate([p.freq for p in ps]) if lfu else np.zeros(0, np.int64),
-    }
-    for i, p in enumerate(ps):
-      r, c = slice(row_off[i], row_off[i + 1]), slice(slot_off[i], slot_off[i + 1])
-      p.row_slot, p.slot_row = flat["row_slot"][r], flat["slot_row"][c]
-      p.last_used, p.dirty = flat["last_used"][c], flat["dirty"][c]
-      if lfu:
-        p.freq = p.lfu._dense = flat["freq"][r]
-    self._flat = dict(flat, row_off=row_off, slot_off=slot_off)
-    self._flat["num_rows"] = np.array([p.num_rows for p in ps], np.int64)
-    self._flat["evict_pad"] = np.array([base.aligned_rows(p.num_rows) for p in ps], np.int64)
-
-  # -- the ring of batches (ids and distinct rows, computed once per batch)
-
-  def _layout(self, ids: dict):
-    """The ring for batches shaped as this one (rebuilt when the shapes change)."""
-    ring = self._ring
-    if ring is not None and ids[next(iter(self.members))] is ring["last"]:
-      return ring
-    shapes = tuple(np.shape(ids[n]) for n in self.members)
-    if self._ring is None or self._ring["shapes"] != shapes:
-      sizes = [int(np.prod(sh)) for sh in shapes]
-      id_off = np.cumsum([0] + sizes).astype(np.int64)
-      r, total, t_n = self.lookahead + 3, int(id_off[-1]), len(sizes)
-      self._ring = {
-        "shapes": shapes,
-        "id_off": id_off,
-        "ids": np.empty((r, total), np.int64),
-        "rows": np.empty((r, total), np.int64),
-        "n": np.zeros((r, t_n), np.int64),
-        "keys": {},  # id() of the batch's first array -> (ring row, the arrays)
-        "order": [],  # ring rows, oldest first
-      }
-    self._ring["last"] = ids[next(iter(self.members))]
-    return self._ring
-
-  def _ring_row(self, ids: dict, busy: list[int]) -> int | None:
-    """The ring row of a batch, computed on its first visit. Batches are known by the
-    identity of their arrays (as `Offload._unique`): a batch's ids must not change once
-    prepare has seen it, in the window or as the batch itself."""
-    ring = self._ring
-    arrays = tuple(ids[n] for n in self.members)
-    hit = ring["keys"].get(id(arrays[0]))
-    if hit is not None and all(a is b for a, b in zip(hit[1], arrays)):
-      return hit[0]
-    if tuple(np.shape(a) for a in arrays) != ring["shapes"]:
-      return None
-    if len(ring["order"]) < ring["ids"].shape[0]:
-      row = len(ring["order"])
-    else:
-      row = next(r for r in ring["order"] if r not in busy)
-      ring["order"].remove(row)
-      ring["keys"] = {k: v for k, v in ring["keys"].items() if v[0] != row}
-    ring["order"].append(row)
-    ring["keys"][id(arrays[0])] = (row, arrays)
-    flat = ring["ids"][row]
-    np.concatenate([np.asarray(a).reshape(-1) for a in arrays], out=flat)
-    sizes = np.diff(ring["id_off"])
-    if (sizes == sizes[0]).all():  # one vectorized numpy sort for every table
-      ordered = np.sort(flat.reshape(sizes.shape[0], -1), axis=1).reshape(-1)
-    else:
-      ordered = np.concatenate([np.sort(np.asarray(a).reshape(-1)) for a in arrays])
-    bad = np.empty(len(arrays), np.int64)
-    hostplan.over_tables(
-      hostplan.distinct, len(arrays), flat, ordered.astype(np.int64, copy=False),
-      ring["id_off"], self._flat["num_rows"], ring["rows"][row], ring["n"][row], bad,
-    )  # fmt: skip
-    if (bad >= 0).any():
-      ring["keys"].pop(id(arrays[0]))
-      ring["order"].remove(row)
-      t = int(np.flatnonzero(bad >= 0)[0])
-      name = list(self.members)[t]
-      raise ValueError(
-        f"offload (table {name!r}): id {int(bad[t])} out of range for "
-        f"{self.members[name].spec.num_rows} rows"
-      )
-    return row
-
-  # -- prepare
-
-  def prepare(self, ids, upcoming=(), *, train=True):
-    if train and self._flat is not None and hostplan.enabled():
-      out = self._prepare_fast(ids, list(upcoming))
-      if out is not None:
-        return out
-    if train:
-      self._admitted = None  # the numpy planners admit (or not) the next batch themselves
-    return super().prepare(ids, upcoming, train=train)
-
-  def _prepare_fast(self, ids: dict, upcoming: list) -> dict | None:
-    t0 = time.perf_counter()
-    members = list(self.members.values())
-    first = members[0]
-    if first.exchange != "fixed" or first.lookahead < 1 or not upcoming:
-      return None
-    known = self._admitted
-    if known is None or not all(ids[n] is a for n, a in zip(self.members, known)):
-      for n, m in self.members.items():
-        adm = m._planner.admitted
-        x = ids[n]
-        if adm is None or adm.shape != np.shape(x) or not np.array_equal(adm, x):
-          return None  # not admitted ahead: the "now" exchange, per table
-    ring = self._layout(ids)
-    busy: list[int] = []
-    window = upcoming[: first.lookahead]
-    for batch in [ids] + window[: (first.lookahead if first.policy == "lookahead" else 1)]:
-      row = self._ring_row(batch, busy)
-      if row is None:
-        return None
-      busy.append(row)
-    cur, ahead, win = busy[0], busy[1], np.array(busy[2:], np.int64)
-    f = self._flat
-    caps = np.array([p.cache_rows for p in (m._planner for m in members)], np.int64)
-    if (ring["n"][ahead] > caps).any():
-      return None  # the next batch does not fit: not admitted ahead (as the numpy planner)
-    id_off = ring["id_off"]
-    sizes = np.diff(id_off)
-    unique = first.spec.optimizer.needs_unique
-    cap = np.minimum(sizes, caps)
-    per = (3 if unique else 1) * sizes + 4 * cap
-    out_off = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)
-    out = np.empty(int(out_off[-1]), np.int32)
-    stats = np.empty((len(members), 3), np.int64)
-    t_now = members[0]._planner.version
-    policy = hostplan.POLICY_CODES[first.policy]
-    hostplan.over_tables(
-      hostplan.plan_step, len(members), ring["ids"], ring["rows"], ring["n"], id_off, cur,
-      ahead, win, f["row_off"], f["slot_off"], f["row_slot"], f["slot_row"], f["last_used"],
-      f["dirty"], f["freq"], f["evict_pad"], t_now, policy, unique, out, out_off, cap, stats,
-    )  # fmt: skip
-    admitted = ring["ids"][ahead].copy()
-    self._admitted = tuple(window[0][n] for n in self.members)
-    dt = (time.perf_counter() - t0) / len(members)
-    result = {}
-    now = np.zeros((4, 0), np.int32)
-    for i, (name, m) in enumerate(self.members.items()):
-      p = m._planner
-      shape = ring["shapes"][i]
-      n, k, o = int(sizes[i]), int(cap[i]), int(out_off[i])
-      prep = {"ids": out[o : o + n].reshape(shape)}
-      if unique:
-        prep["unique"] = out[o + n : o + 2 * n]
-        prep["inverse"] = out[o + 2 * n : o + 3 * n].reshape(shape)
-        o += 2 * n
-      e = o + n
-      prep["now"] = now
-      prep["next"] = out[e : e + 4 * k].reshape(4, k)
-      prep["now_pos"] = np.zeros(shape, np.int32)
-      prep["version"] = np.asarray(p.version, np.int32)
-      p.version += 1
-      p.admitted = admitted[id_off[i] : id_off[i + 1]].reshape(ring["shapes"][i])
-      if p.lfu is not None:
-        p.lfu.accesses += int(ring["n"][cur, i])
-        p.lfu.batches += 1
-      hits, loads, back = (int(v) for v in stats[i])
-      m._count(
-        hits=hits, misses=loads, steps=1, rows_h2d=loads, rows_h2d_on_demand=0,
-        rows_d2h=back, padded_rows_h2d=k, plan_seconds=dt,
-      )  # fmt: skip
-      entry = {"rows": prep}
-      if m.spec.pooling == "mean":
-        entry["count"] = np.sum(np.asarray(ids[name]) >= 0, axis=1).astype(np.int32)
-      result[name] = entry
-    self.fast_batches += 1
-    return result
-
-
-BACKEND = OffloadGroup

@@ -14,8 +14,8 @@ Placement on a (DATA, MODEL) mesh:
                      and pools the rows it owns (zeros elsewhere) and a psum_scatter returns
                      each device its examples' sums: [B / data, D] floats per device, about
                      8x fewer bytes than XLA's own partitioning of the gather (an all-reduce
-                     of the whole block; DESIGN.md). Update: (ids, pooled grads) all-gathered
-                     over the mesh; each device updates the rows it owns.
+                     of the whole block; docs/architecture.md). Update: (ids, pooled grads)
+                     all-gathered over the mesh; each device updates the rows it owns.
 """
 
 from __future__ import annotations
@@ -27,31 +27,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from recgnn import sharding
-from recgnn.embeddings import base
+from recgnn.embeddings import base, row_sharded
 
 P = sharding.P
 
 
+@base.register_backend("dense")
 class Dense(base.TableBackend):
   """Table on the device(s). Options: `shard=none` (replicated) or `shard=rows`."""
 
-  name = "dense"
-
-  def __init__(self, spec: base.TableSpec, shard: str = "none"):
-    super().__init__(spec)
+  def __init__(
+    self, spec: base.TableSpec, mesh, layout: base.Layout | None = None, shard: str = "none"
+  ):
+    super().__init__(spec, mesh, layout)
     if shard not in ("none", "rows"):
       raise ValueError(f"dense: shard must be 'none' or 'rows', got {shard!r}")
     self.shard = shard
-
-  def describe(self) -> str:
-    return "dense" if self.shard == "none" else f"dense(shard={self.shard})"
-
-  @property
-  def pad_id(self):
-    return self.padded_rows  # past the aligned rows: never a padding row of the table
-
-  def bind(self, mesh):
-    super().bind(mesh)
     k = mesh.shape[sharding.MODEL]
     if self.shard == "rows" and base.ROW_ALIGN % k:
       raise ValueError(
@@ -60,10 +51,17 @@ class Dense(base.TableBackend):
         "that checkpoints restore on any such mesh. Use --config.mesh.model=8 (or 4, 2)."
       )
 
+  def describe(self) -> str:
+    return "dense" if self.shard == "none" else f"dense(shard={self.shard})"
+
+  @property
+  def pad_id(self):
+    return self.padded_rows  # past the aligned rows: never a padding row of the table
+
   @property
   def shards(self) -> int:
     """How many pieces the rows are split into (1: replicated)."""
-    return 1 if self.shard == "none" or self.mesh is None else self.mesh.shape[sharding.MODEL]
+    return 1 if self.shard == "none" else self.mesh.shape[sharding.MODEL]
 
   @property
   def padded_rows(self) -> int:
@@ -118,9 +116,7 @@ class Dense(base.TableBackend):
   def _local_ids(self, ids: jax.Array) -> jax.Array:
     """Global ids -> this MODEL shard's row index, or R_local (dropped) when not owned."""
     local_rows = self.padded_rows // self.shards
-    loc = ids - jax.lax.axis_index(sharding.MODEL) * local_rows
-    owned = (loc >= 0) & (loc < local_rows) & (ids < self.spec.num_rows)
-    return jnp.where(owned, loc, local_rows)
+    return row_sharded.local_index(ids, local_rows, sharding.MODEL, self.spec.num_rows)
 
   def lookup_pooled(self, state, prepared, count):
     if self.shard == "none":
@@ -140,18 +136,16 @@ class Dense(base.TableBackend):
     )
     def local(table, ids, count):
       # ids of every example of this device's MODEL group: [b * model, L]
-      group = jax.lax.all_gather(ids, sharding.MODEL, tiled=True)
-      rows = table.at[self._local_ids(group)].get(mode="fill", fill_value=0.0)
-      pooled = jax.lax.psum_scatter(
-        jnp.sum(rows, axis=1), sharding.MODEL, scatter_dimension=0, tiled=True
-      )
+      group = row_sharded.every(ids, sharding.MODEL)
+      rows = row_sharded.gather(table, self._local_ids(group))
+      pooled = row_sharded.reduce_scatter_rows(jnp.sum(rows, axis=1), sharding.MODEL)
       return base.pool_rows(pooled[:, None, :], count) if mean else pooled
 
-    return local(state["table"], prepared["ids"], count)
+    return local(state["table"], prepared["ids"], count), ()
 
-  def update_pooled(self, state, prepared, g, count):
+  def update_pooled(self, state, prepared, residuals, g, count):
     if self.shard == "none":
-      return super().update_pooled(state, prepared, g, count)
+      return super().update_pooled(state, prepared, residuals, g, count)
     slot_names = self.spec.optimizer.slot_names()
     bag = prepared["ids"].shape[1]
     batch_keys = {k for k in prepared if k in self.batch_major}
@@ -172,7 +166,7 @@ class Dense(base.TableBackend):
     )
     def local(state, prepared, g, count):
       # The whole batch's (ids, pooled grads) on every device: B x (L + D) values.
-      every = lambda x: jax.lax.all_gather(x, sharding.BATCH, tiled=True)  # noqa: E731
+      every = functools.partial(row_sharded.every, axis=sharding.BATCH)
       prepared = {k: every(v) if k in batch_keys else v for k, v in prepared.items()}
       g, count = every(g), every(count)
       grads = base.unpool(g, count if mean else None, bag)
@@ -181,9 +175,7 @@ class Dense(base.TableBackend):
         local_prepared["unique"] = self._local_ids(prepared["unique"])
         local_prepared["inverse"] = prepared["inverse"]
       slots = {k: state[k] for k in slot_names}
-      table, slots = base.sparse_sgd_or_adagrad(
-        self.spec, state["table"], slots, local_prepared, grads
-      )
+      table, slots = row_sharded.update(self.spec, state["table"], slots, local_prepared, grads)
       return {"table": table, **slots}
 
     return local(state, prepared, g, count)
@@ -195,6 +187,3 @@ class Dense(base.TableBackend):
 
   def table(self, state):
     return np.asarray(jax.device_get(state["table"]))[: self.spec.num_rows]
-
-
-BACKEND = Dense

@@ -20,8 +20,13 @@ D / k, Tmax the most tables one shard owns), so one all-to-all per payload array
 f32; codes + scales for int8). Backward is the reverse: pooled gradients to the owners, then
 an all-gather over DATA of (ids, gradients) of the group's examples so every replica of a
 shard applies the same sparse row-wise update (SGD, row-wise Adagrad): O(B) bytes, never a
-table-sized all-reduce. The ids are routed again in `update` (the contract keeps lookup and
-update apart; TorchRec keeps them from the forward): L int32 per example and table.
+table-sized all-reduce. The lookup's routing (each device's routed ids) and, under an
+adaptive forward codec, the forward message's statistics reach `update` as the contract's
+residuals (as TorchRec keeps them from the forward): nothing is routed or pooled twice.
+
+Files: placement.py (the placement planner); this file, the `Sharded` group (routing, the
+fused all-to-all and its codec fallback, the update), one class: the sharding type's input
+distribution, lookup and output distribution read as the steps of one step.
 
 Placement (`kind`): `auto` (default) puts a table row-wise when it holds more than 1 / k of
 the group's bytes (it would unbalance the shards) and table-wise otherwise, assigning the
@@ -44,7 +49,6 @@ f32[S, D] P(None, MODEL), slots replicated}}, "codec": {"fwd"|"bwd": BoundRule s
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 
@@ -54,77 +58,27 @@ import numpy as np
 from absl import logging
 
 from recgnn import sharding
-from recgnn.embeddings import base, codecs
+from recgnn.backends.sharded.placement import KINDS, Placement, plan_placements  # noqa: F401
+from recgnn.embeddings import base, codecs, row_sharded
 
 P = sharding.P
-KINDS = ("auto", "table", "row", "column")
 FALLBACK_SCOPE = "codec_fallback"  # named scope of the f32 fallback all-to-all (comms.py)
 
 
-@dataclasses.dataclass(frozen=True)
-class Placement:
-  """Where one table lives. kind: table | row | column; shard: the owner (table-wise);
-  slot: its position among the owner's tables; offset: its first row in the owner's array."""
-
-  kind: str
-  shard: int = 0
-  slot: int = 0
-  offset: int = 0
-
-
-def plan_placements(
-  specs: dict[str, base.TableSpec],
-  k: int,
-  kind: str = "auto",
-  lookups: dict[str, float] | None = None,
-) -> dict[str, Placement]:
-  """Assign every table a placement over k MODEL shards (see the module docstring)."""
-  if kind not in KINDS:
-    raise ValueError(f"sharded: unknown kind {kind!r}; available: {', '.join(KINDS)}")
-  lookups = lookups or {}
-  total_bytes = sum(s.table_bytes for s in specs.values()) or 1
-  total_lookups = sum(lookups.get(n, 1.0) for n in specs) or 1.0
-  out: dict[str, Placement] = {}
-  table_wise = []
-  for n, s in specs.items():
-    if kind == "column":
-      if s.dim % k:
-        raise ValueError(
-          f"sharded(kind=column): table {n!r} has dim {s.dim}, which does not split over the "
-          f"{k} devices of the model axis; use a dim divisible by {k}, or kind=row / table."
-        )
-      out[n] = Placement("column")
-    elif kind == "row" or (kind == "auto" and k > 1 and s.table_bytes * k > total_bytes):
-      out[n] = Placement("row")
-    else:
-      table_wise.append(n)
-  cost = [0.0] * k
-  rows = [0] * k
-  slots = [0] * k
-  order = sorted(
-    table_wise,
-    key=lambda n: -(specs[n].table_bytes / total_bytes + lookups.get(n, 1.0) / total_lookups),
-  )
-  for n in order:
-    m = min(range(k), key=lambda i: (cost[i], i))
-    out[n] = Placement("table", m, slots[m], rows[m])
-    cost[m] += specs[n].table_bytes / total_bytes + lookups.get(n, 1.0) / total_lookups
-    rows[m] += specs[n].num_rows
-    slots[m] += 1
-  return {n: out[n] for n in specs}
-
-
+@base.register_backend("sharded")
 class Sharded(base.Backend):
   """Model-parallel tables (see the module docstring). Options: kind, codec, fwd_codec,
   bwd_codec, eb (fixed bound of both directions; 0 = adaptive), fwd_eb / bwd_eb (one
   direction's), headroom, profile."""
 
-  name = "sharded"
+  # Routes each device's ids to their owners; prepare is per example.
+  capabilities = base.Capabilities(needs_split_ids=True)
 
   def __init__(
     self,
     specs,
     mesh,
+    layout: base.Layout | None = None,
     text: str = "",
     *,
     kind: str = "auto",
@@ -138,7 +92,12 @@ class Sharded(base.Backend):
     headroom: float | None = None,
     profile: str | None = None,
   ):
-    super().__init__(specs, mesh, text)
+    super().__init__(specs, mesh, layout, text)
+    if not self.layout.split_batch:
+      raise ValueError(
+        "sharded: this task's batches are replicated over the devices (split_batch=False); "
+        "model-parallel tables need the batch split over the mesh. Use dense or offload here."
+      )
     self.kind = kind
     self.k = mesh.shape[sharding.MODEL]
     self.n_data = mesh.shape[sharding.DATA]
@@ -157,6 +116,11 @@ class Sharded(base.Backend):
         + ". Give tables with other optimizers another plan string."
       )
     self.optimizer = next(iter(opts))
+    if profile and kind in ("row", "column"):
+      raise ValueError(
+        f"sharded: profile= (lookups per table) balances table-wise placements; with "
+        f"kind={kind} every table is split over every shard and nothing uses it: drop profile="
+      )
     lookups = None
     if profile:
       with open(profile) as f:
@@ -445,11 +409,6 @@ class Sharded(base.Backend):
 
   def prepare(self, ids, upcoming=(), *, train=True):
     del upcoming
-    if not self.shard_batch:
-      raise ValueError(
-        "sharded: this task's batches are replicated over the devices (shard_batch=False); "
-        "model-parallel tables need the batch split over the mesh. Use dense or offload here."
-      )
     out = {"ids": {}, "count": {}}
     for n, s in self.specs.items():
       x = np.asarray(ids[n])
@@ -465,9 +424,6 @@ class Sharded(base.Backend):
 
   def prepared_spec(self, prepared):
     return jax.tree.map(lambda _: sharding.BATCH_SPEC, prepared)
-
-  def process_local_refusal(self):
-    return None  # prepare is per example: ids checked and cast, bag counts
 
   # ------------------------------------------------------------------------- device side
 
@@ -519,9 +475,7 @@ class Sharded(base.Backend):
 
   def _rw_local(self, n, ids):
     rows = base.aligned_rows(self.specs[n].num_rows) // self.k
-    loc = ids - jax.lax.axis_index(sharding.MODEL) * rows
-    ok = (ids >= 0) & (loc >= 0) & (loc < rows) & (ids < self.specs[n].num_rows)
-    return jnp.where(ok, loc, rows)
+    return row_sharded.local_index(ids, rows, sharding.MODEL, self.specs[n].num_rows)
 
   def _cw_local(self, n, ids):
     num = self.specs[n].num_rows
@@ -541,15 +495,20 @@ class Sharded(base.Backend):
     return out
 
   def _local_pool(self, state, ids):
-    """The forward message this device sends: segments [k (destination), b, width]."""
+    """The forward message this device sends: (segments [k (destination), b, width], the
+    routing the update reuses: {"tw": local rows of the routed table-wise ids i32[k * b,
+    Tmax, Ltw], "ids": the MODEL group's ids of the row- / column-wise tables {t: i32[k * b,
+    L]}})."""
     b = next(iter(ids.values())).shape[0]
-    segs = []
+    segs, routed = [], {}
     if self.tw:
       loc = self._tw_local(self._route_tw(ids))
+      routed["tw"] = loc
       rows = state["tw"]["rows"][0].at[loc].get(mode="fill", fill_value=0.0)
       pooled = jnp.sum(rows, axis=2)  # [k * b, Tmax, D]
       segs += [pooled[:, s].reshape(self.k, b, self.dim_tw) for s in range(self.tmax)]
     gathered = self._group_ids(ids, self.rw + self.cw, sharding.MODEL)
+    routed["ids"] = gathered
     for n in self.rw:
       rows = (
         state["rw"][n]["rows"].at[self._rw_local(n, gathered[n])].get(mode="fill", fill_value=0.0)
@@ -560,7 +519,7 @@ class Sharded(base.Backend):
         state["cw"][n]["rows"].at[self._cw_local(n, gathered[n])].get(mode="fill", fill_value=0.0)
       )
       segs.append(jnp.sum(rows, axis=1).reshape(self.k, b, -1))
-    return segs
+    return segs, routed
 
   def _exchange(self, codec, segs, send_bounds, recv_bounds):
     """All-to-all over MODEL of a message of segments [k, b, w] through `codec`, with the f32
@@ -613,30 +572,38 @@ class Sharded(base.Backend):
     return bounds[idx][:, None, :]  # per peer (the peer's slots)
 
   def lookup(self, state, prepared):
+    """-> (pooled, residuals). Residuals: this device's routing (`_local_pool`), split with
+    the batch, and with an adaptive forward codec the forward message's statistics
+    {"max": f32[T], "fell": bool[segments]} (global), so `update` neither routes the ids
+    again nor recomputes the forward pooling."""
     ids, count = prepared["ids"], prepared["count"]
     in_specs = (self._specs_in(), P(sharding.BATCH))
     bounds_on = "fwd" in state["codec"]
+    res_spec = {"routed": P(sharding.BATCH), **({"fwd": P()} if bounds_on else {})}
 
     @functools.partial(
       jax.shard_map,
       mesh=self.mesh,
       in_specs=(in_specs[0], {"ids": P(sharding.BATCH), "count": P(sharding.BATCH)}),
-      out_specs=P(sharding.BATCH),
+      out_specs=(P(sharding.BATCH), res_spec),
       check_vma=False,
     )
     def local(state, prepared):
       ids, count = prepared["ids"], prepared["count"]
-      segs = self._local_pool(state, ids)
+      segs, routed = self._local_pool(state, ids)
       bounds = self._bounds(state["codec"], "fwd") if bounds_on else None
       if bounds_on and self.rules["fwd"].uses_current:
         bounds = self._bounds_now("fwd", segs, True)
-      recv, _ = self._exchange(
+      recv, fell = self._exchange(
         self.codecs["fwd"],
         segs,
         self._seg_bounds(bounds, sender=True, owner_is_sender=True),
         self._seg_bounds(bounds, sender=False, owner_is_sender=True),
       )
-      return self._assemble(recv, count)
+      res = {"routed": routed}
+      if bounds_on:
+        res["fwd"] = {"max": self._wire_max(segs, True), "fell": fell}
+      return self._assemble(recv, count), res
 
     return local(state, {"ids": ids, "count": count})
 
@@ -655,22 +622,25 @@ class Sharded(base.Backend):
       out[n] = out[n] / jnp.maximum(c, 1).astype(jnp.float32)[:, None]
     return out
 
-  def update(self, state, prepared, grads):
+  def update(self, state, prepared, residuals, grads):
     names = list(self.specs)
+    res_spec = {"routed": P(sharding.BATCH), **({"fwd": P()} if "fwd" in residuals else {})}
 
     @functools.partial(
       jax.shard_map,
       mesh=self.mesh,
       in_specs=(
         self._specs_in(),
-        {"ids": P(sharding.BATCH), "count": P(sharding.BATCH)},
+        {"count": P(sharding.BATCH)},
+        res_spec,
         P(sharding.BATCH),
       ),
       out_specs=self._specs_in(),
       check_vma=False,
     )
-    def local(state, prepared, grads):
-      ids, count = prepared["ids"], prepared["count"]
+    def local(state, prepared, residuals, grads):
+      count = prepared["count"]
+      routed = residuals["routed"]
       g = {
         n: grads[n] / jnp.maximum(count[n], 1).astype(jnp.float32)[:, None]
         if n in count
@@ -704,23 +674,17 @@ class Sharded(base.Backend):
           codec_state["bwd"], self._wire_max(segs, False), fell_b, self.codecs["bwd"].dims
         )
       if "fwd" in codec_state:
-        # The forward message of this step (lookup cannot keep state): recomputed from the
-        # same pre-update state, for the bound's statistics and the fallback count.
-        fsegs = self._local_pool(state, ids)
-        fb = self._bounds(codec_state, "fwd")
-        if self.rules["fwd"].uses_current:
-          fb = self._bounds_now("fwd", fsegs, True)
-        ok_f = self.codecs["fwd"].segments_ok(fsegs, self._seg_bounds(fb, True, True))
-        fell_f = jax.lax.psum((~ok_f).astype(jnp.int32), (sharding.DATA, sharding.MODEL)) > 0
+        # The forward message's statistics and fallbacks, as the lookup measured them.
+        fwd = residuals["fwd"]
         new["codec"] = dict(new["codec"])
         new["codec"]["fwd"] = self.rules["fwd"].next(
-          codec_state["fwd"], self._wire_max(fsegs, True), fell_f, self.codecs["fwd"].dims
+          codec_state["fwd"], fwd["max"], fwd["fell"], self.codecs["fwd"].dims
         )
       # Every example of the batch, in batch order: over DATA after the all-to-all.
       every = lambda x: jax.lax.all_gather(x, sharding.DATA, tiled=True)  # noqa: E731
       recv = [every(r.reshape(self.k * b, -1)) for r in recv]
       if self.tw:
-        loc = every(self._tw_local(self._route_tw(ids)))  # [B, Tmax, Ltw]
+        loc = every(routed["tw"])  # [B, Tmax, Ltw]
         gtw = jnp.stack(recv[: self.tmax], axis=1)  # [B, Tmax, D]
         bsz, _, ltw = loc.shape
         grows = jnp.broadcast_to(gtw[:, :, None, :], (bsz, self.tmax, ltw, self.dim_tw))
@@ -731,7 +695,8 @@ class Sharded(base.Backend):
           self.rows_tw,
           squeeze=True,
         )
-      gathered = self._group_ids(ids, self.rw + self.cw, (sharding.DATA, sharding.MODEL))
+      # The lookup's MODEL-group ids gathered over DATA: the whole batch's, in batch order.
+      gathered = self._group_ids(routed["ids"], self.rw + self.cw, sharding.DATA)
       new["rw"], new["cw"] = {}, {}
       for i, n in enumerate(self.rw):
         loc = self._rw_local(n, gathered[n])
@@ -751,7 +716,7 @@ class Sharded(base.Backend):
         )
       return new
 
-    return local(state, prepared, grads)
+    return local(state, {"count": prepared["count"]}, residuals, grads)
 
   def _wire_max(self, segs, forward: bool):
     """f32[T]: the largest |value| each table put on the wire this step (over the mesh)."""
@@ -772,30 +737,21 @@ class Sharded(base.Backend):
     full dim when the storage holds a column block (Adagrad's mean is over every column)."""
     if squeeze:
       state = jax.tree.map(lambda x: x[0], state)
-    opt = self.optimizer
+    assert state["rows"].shape[0] == num_rows  # the dedup's filler: past the local rows
     slots = {k: state[k] for k in self._slots()}
-    if not opt.needs_unique:
-      table = (
-        state["rows"]
-        .at[loc.reshape(-1)]
-        .add(-opt.learning_rate * grads.reshape(-1, grads.shape[-1]), mode="drop")
-      )
-      out = {"rows": table, **slots}
-    else:
-      unique, inverse = base.device_dedup(loc, num_rows)
-      g = base.segment_rows(grads, inverse, unique.shape[0])
-      rows = state["rows"].at[unique].get(mode="fill", fill_value=0.0)
-      acc = slots["accum"].at[unique].get(mode="fill", fill_value=0.0)
-      if columns:
-        sq = jax.lax.psum(jnp.sum(g * g, axis=-1), sharding.MODEL) / columns
-      else:
-        sq = jnp.mean(g * g, axis=-1)
-      acc = acc + sq
-      rows = rows - opt.learning_rate * g / (jnp.sqrt(acc)[:, None] + opt.eps)
-      out = {
-        "rows": state["rows"].at[unique].set(rows, mode="drop"),
-        "accum": slots["accum"].at[unique].set(acc, mode="drop"),
-      }
+    mean_square = None
+    if columns:
+      # Row-wise Adagrad's mean is over the whole row: its columns live on every MODEL shard.
+      def mean_square(g):
+        return jax.lax.psum(jnp.sum(g * g, axis=-1), sharding.MODEL) / columns
+
+    # The shared row update (the group's tables share one optimizer); no host dedup: the
+    # routed ids are deduped on device.
+    spec = next(iter(self.specs.values()))
+    rows, slots = row_sharded.update(
+      spec, state["rows"], slots, {"ids": loc}, grads, mean_square=mean_square
+    )
+    out = {"rows": rows, **slots}
     if squeeze:
       out = jax.tree.map(lambda x: x[None], out)
     return out
@@ -868,6 +824,3 @@ def _all_to_all_bits(x: jax.Array) -> jax.Array:
     y = jax.lax.all_to_all(jax.lax.bitcast_convert_type(x, carrier), sharding.MODEL, 0, 0)
     return jax.lax.bitcast_convert_type(y, x.dtype)
   return jax.lax.all_to_all(x, sharding.MODEL, 0, 0)
-
-
-BACKEND = Sharded

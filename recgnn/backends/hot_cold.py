@@ -14,7 +14,7 @@ come from the host), so the accelerators work on the popular examples while cold
 
 How a batch flows:
 
-  input thread, prepare(k)   counts accesses while profiling (recgnn.embeddings.profile);
+  input thread, prepare(k)   counts accesses while profiling (recgnn.embeddings.access_counts);
                              maps each id to a hot slot or to the batch's list of distinct
                              cold rows (padded to the batch's id count); splits a train
                              batch's examples per device into the popular and the non-popular
@@ -64,6 +64,10 @@ Limits, and why:
     host and device computations on the same cores, so nothing overlaps there.
   - Lookup and update each gather the cold rows from the host (the contract gives `update`
     no handle on what `lookup` read); inside one jitted step XLA may merge the two.
+
+One concern in one file: the `HotCold` group (host planning of the hot set, micro-batches and
+migrations; its device code). Shared mechanisms live in recgnn/embeddings (row_sharded,
+host_table, host_cache, access_counts, microbatch).
 """
 
 from __future__ import annotations
@@ -71,7 +75,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import threading
 import time
 from collections.abc import Sequence
 
@@ -80,7 +83,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from recgnn import sharding
-from recgnn.embeddings import base, host_table, microbatch, profile
+from recgnn.embeddings import access_counts as profile
+from recgnn.embeddings import base, host_cache, host_table, microbatch, row_sharded
 
 P = sharding.P
 MARGIN = 4.0  # popular micro-batch size: the popular count less this many binomial std devs
@@ -118,6 +122,7 @@ class _Rows:
     return np.sort(self.slot_row[self.slot_row >= 0])
 
 
+@base.register_backend("hot_cold")
 class HotCold(base.Backend):
   """Hot rows on the devices (row-sharded), cold rows in host memory; popular / non-popular
   micro-batches.
@@ -134,12 +139,11 @@ class HotCold(base.Backend):
     host_memory: `pinned_host` (default) or `device` (no offload: benchmarks, debugging).
   """
 
-  name = "hot_cold"
-
   def __init__(
     self,
     specs: Sequence[base.TableSpec],
     mesh: jax.sharding.Mesh,
+    layout: base.Layout | None = None,
     text: str = "",
     budget: float | None = None,
     hot_rows: int | None = None,
@@ -148,7 +152,8 @@ class HotCold(base.Backend):
     split: bool = True,
     host_memory: str = "pinned_host",
   ):
-    super().__init__(specs, mesh, text)
+    super().__init__(specs, mesh, layout, text)
+    self.capabilities = self.capabilities_for({"split": split})
     if budget is not None and hot_rows is not None:
       raise ValueError("hot_cold: give budget=FRACTION or hot_rows=ROWS, not both")
     if budget is None and hot_rows is None:
@@ -165,8 +170,9 @@ class HotCold(base.Backend):
     self.budget, self.hot_rows_option = budget, hot_rows
     self.profile_batches, self.reprofile = int(profile_batches), int(reprofile)
     self.split = bool(split)
-    self.host = host_table.HostTable(host_memory, f"hot_cold (tables {', '.join(self.specs)})")
-    self.host.bind(mesh)
+    self.host = host_table.HostTable(
+      host_memory, f"hot_cold (tables {', '.join(self.specs)})", mesh
+    )
     n = mesh.size
     self._rows: dict[str, _Rows] = {}
     for name, spec in self.specs.items():
@@ -185,9 +191,15 @@ class HotCold(base.Backend):
     self._picked = False  # a hot set has been picked (initial profile done)
     self._pending: dict[str, np.ndarray] | None = None  # a hot set to migrate to
     self._p0: dict[int, int] = {}  # per-device batch size b -> popular micro-batch size
-    self._lock = threading.Lock()
-    self._counters: dict[str, float] = {}
+    self._counters = host_cache.Counters()
+    owner = f"hot_cold (tables {', '.join(self.specs)})"
+    self._syncer = host_cache.Syncer(self._flush, owner, "hot / cold")
     self._initialised = False
+
+  @classmethod
+  def capabilities_for(cls, options):
+    # The hot set and the popular / non-popular split are planned over the whole batch.
+    return base.Capabilities(splits_batch=bool(options.get("split", True)), plans_globally=True)
 
   def describe(self, table=None):
     del table
@@ -376,32 +388,19 @@ class HotCold(base.Backend):
     return {**state, "tables": tables}
 
   def _check_stale(self, state):
-    stale = int(jax.device_get(state["stale"]))
-    if stale:
-      raise RuntimeError(
-        f"hot_cold (tables {', '.join(self.specs)}): {stale} update(s) ran with a batch "
-        "prepared for another hot / cold layout: a prepared train batch was skipped or ran "
-        "out of order. Batches that only run lookup (eval) must be prepared with "
-        "prepare(ids, upcoming, train=False)."
-      )
+    self._syncer.check(state)
 
   def sync(self, state):
     """Write every hot row back to the host table (O(hot rows)); the hot arrays stay."""
-    self._check_stale(state)
-    if not hasattr(self, "_sync_jit"):
-      self._sync_jit = jax.jit(self._flush, donate_argnums=0)
-    return self._sync_jit(state)
+    return self._syncer(state)
 
   def _flush(self, state):
     tables = {}
     for name, t in state["tables"].items():
-      n = self.specs[name].num_rows
-      rows = jnp.where(t["hot_rows"] < n, t["hot_rows"], base.aligned_rows(n))
       slots = jnp.arange(t["hot_rows"].shape[0], dtype=jnp.int32)
-      host = dict(t["host"])
-      for k, v in t["hot"].items():
-        host[k] = self.host.scatter(host[k], rows, self._hot_get(v, slots))
-      tables[name] = {**t, "host": host}
+      hot = {k: self._hot_get(v, slots) for k, v in t["hot"].items()}
+      n = self.specs[name].num_rows
+      tables[name] = {**t, "host": host_cache.flush(self.host, t["host"], t["hot_rows"], n, hot)}
     return {**state, "tables": tables}
 
   def tables(self, state):
@@ -424,12 +423,10 @@ class HotCold(base.Backend):
 
   def _devices(self) -> int:
     """How many pieces the batch is split into (its examples per device)."""
-    return self.mesh.size if self.shard_batch else 1
+    return self.mesh.size if self.layout.split_batch else 1
 
   def _count(self, **kv):
-    with self._lock:
-      for k, v in kv.items():
-        self._counters[k] = self._counters.get(k, 0) + v
+    self._counters.add(**kv)
 
   def prepare(self, ids, upcoming=(), *, train=True):
     """ids {table: int[B, L]} (PAD = -1) -> the prepared pytree (see `prepared_spec`).
@@ -614,7 +611,7 @@ class HotCold(base.Backend):
   _BATCH_MAJOR = ("hot_ids", "cold_ids", "hot_inverse", "count")
 
   def prepared_spec(self, prepared):
-    batch = sharding.BATCH_SPEC if self.shard_batch else sharding.REPLICATED
+    batch = sharding.BATCH_SPEC if self.layout.split_batch else sharding.REPLICATED
     out = {
       "tables": {
         n: {k: batch if k in self._BATCH_MAJOR else sharding.REPLICATED for k in t}
@@ -631,8 +628,7 @@ class HotCold(base.Backend):
     hot), hot_coverage (ids served by a hot row), rows / bytes host -> device and back
     (cold rows), migrated rows, micro-batch sizes (all devices), plan ms on the
     input thread. Eval batches: eval_popular_fraction, eval_hot_coverage."""
-    with self._lock:
-      c, self._counters = self._counters, {}
+    c = self._counters.take()
     out = {}
     steps = c.get("steps", 0)
     if steps:
@@ -661,49 +657,22 @@ class HotCold(base.Backend):
   def _hot_get(self, hot: jax.Array, slots: jax.Array) -> jax.Array:
     """hot[slots] (slots >= Ha: zeros) as a replicated array: each device gathers the slots
     it owns, a psum adds the one non-zero term per slot (exact)."""
-    spec = P(sharding.BATCH, *([None] * (hot.ndim - 1)))
-
-    @functools.partial(
-      jax.shard_map,
-      mesh=self.mesh,
-      in_specs=(spec, sharding.REPLICATED),
-      out_specs=sharding.REPLICATED,
-      check_vma=False,
-    )
-    def local(h, slots):
-      return jax.lax.psum(
-        h.at[self._local(slots, h.shape[0])].get(mode="fill", fill_value=0.0), sharding.BATCH
-      )
-
-    return local(hot, slots)
+    return row_sharded.gather_everywhere(self.mesh, sharding.BATCH, hot, slots)
 
   def _hot_set(self, hot: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
     """hot[slots] = values (replicated; slots >= Ha dropped): each device its own slots."""
-    spec = P(sharding.BATCH, *([None] * (hot.ndim - 1)))
-
-    @functools.partial(
-      jax.shard_map,
-      mesh=self.mesh,
-      in_specs=(spec, sharding.REPLICATED, sharding.REPLICATED),
-      out_specs=spec,
-      check_vma=False,
-    )
-    def local(h, slots, values):
-      return h.at[self._local(slots, h.shape[0])].set(values, mode="drop")
-
-    return local(hot, slots, values)
+    return row_sharded.scatter_everywhere(self.mesh, sharding.BATCH, hot, slots, values)
 
   @staticmethod
   def _local(slots: jax.Array, h: int) -> jax.Array:
     """Hot slots -> this device's local index, h (dropped / zero) where not owned."""
-    loc = slots - jax.lax.axis_index(sharding.BATCH) * h
-    return jnp.where((loc >= 0) & (loc < h), loc, h)
+    return row_sharded.local_index(slots, h, sharding.BATCH)
 
   def _hot_lookup(self, hot: jax.Array, ids: jax.Array) -> jax.Array:
     """Rows of hot slots ids int32[B, L] (batch-split; >= Ha: zeros) -> f32[B, L, D]. Each
     device gathers the rows it owns for the ids of every device and a reduce-scatter hands
     each device its examples' rows (one non-zero term per row: exact)."""
-    split = self.shard_batch
+    split = self.layout.split_batch
     ids_spec = P(sharding.BATCH, None) if split else sharding.REPLICATED
     out_spec = P(sharding.BATCH, None, None) if split else sharding.REPLICATED
 
@@ -716,11 +685,11 @@ class HotCold(base.Backend):
     )
     def local(h, ids):
       if split:
-        ids = jax.lax.all_gather(ids, sharding.BATCH, tiled=True)
-      rows = h.at[self._local(ids, h.shape[0])].get(mode="fill", fill_value=0.0)
+        ids = row_sharded.every(ids, sharding.BATCH)
+      rows = row_sharded.gather(h, self._local(ids, h.shape[0]))
       if split:
-        return jax.lax.psum_scatter(rows, sharding.BATCH, scatter_dimension=0, tiled=True)
-      return jax.lax.psum(rows, sharding.BATCH)
+        return row_sharded.reduce_scatter_rows(rows, sharding.BATCH)
+      return row_sharded.psum_rows(rows, sharding.BATCH)
 
     return local(hot, ids)
 
@@ -740,57 +709,68 @@ class HotCold(base.Backend):
       return None
     return tuple(mb["idx"] for mb in prepared["micro"])
 
-  def lookup_micro(self, state, prepared, m: int) -> dict[str, jax.Array]:
-    """{table: f32[n * Pm, D]} pooled rows of micro-batch m's examples (padding: zeros)."""
-    mb = prepared["micro"][m]
-    out = {}
-    for name, spec in self.specs.items():
-      e = mb[name]
-      rows = self._hot_lookup(state["tables"][name]["hot"]["table"], e["hot"])
-      if "cold" in e:
-        cold = self._cold_rows(state, prepared, name)["table"]
-        got = cold.at[e["cold"]].get(mode="fill", fill_value=0.0)
-        rows = jnp.where((e["cold"] < cold.shape[0])[..., None], got, rows)
-      count = e.get("count") if spec.pooling == "mean" else None
-      out[name] = base.pool_rows(rows, count)
-    return out
+  def _cold(self, state, prepared) -> dict[str, dict[str, jax.Array]]:
+    """The residuals: {table: the batch's cold rows and their optimizer state, gathered from
+    the host table once ([Uc, D] / [Uc], replicated)}, read by the lookup and updated and
+    written back by `update` (no second trip to host memory). An eval step drops them, and
+    XLA with them the slots' gather."""
+    return {
+      name: self._cold_rows(state, prepared, name, ("table", *spec.optimizer.slot_names()))
+      for name, spec in self.specs.items()
+    }
+
+  def lookup_micro(self, state, prepared) -> tuple[tuple[dict[str, jax.Array], ...], dict]:
+    """-> ({table: f32[n * Pm, D]} pooled rows of each micro-batch's examples (padding:
+    zeros), in `micro_batches`' order; residuals for `update`)."""
+    cold = self._cold(state, prepared)
+    parts = []
+    for mb in prepared["micro"]:
+      out = {}
+      for name, spec in self.specs.items():
+        e = mb[name]
+        rows = self._hot_lookup(state["tables"][name]["hot"]["table"], e["hot"])
+        if "cold" in e:
+          c = cold[name]["table"]
+          got = c.at[e["cold"]].get(mode="fill", fill_value=0.0)
+          rows = jnp.where((e["cold"] < c.shape[0])[..., None], got, rows)
+        count = e.get("count") if spec.pooling == "mean" else None
+        out[name] = base.pool_rows(rows, count)
+      parts.append(out)
+    return tuple(parts), cold
 
   def lookup(self, state, prepared):
     if "micro" not in prepared:
-      return self._lookup_whole(state, prepared)
-    parts = [self.lookup_micro(state, prepared, m) for m in range(len(prepared["micro"]))]
+      cold = self._cold(state, prepared)
+      return self._lookup_whole(state, prepared, cold), cold
+    parts, cold = self.lookup_micro(state, prepared)
     idx = [mb["idx"] for mb in prepared["micro"]]
     batch = next(iter(prepared["tables"].values()))["hot_ids"].shape[0]
-    return {
-      n: microbatch.merge(self.mesh, self.shard_batch, batch, idx, [p[n] for p in parts])
-      for n in self.specs
+    split = self.layout.split_batch
+    pooled = {
+      n: microbatch.merge(self.mesh, split, batch, idx, [p[n] for p in parts]) for n in self.specs
     }
+    return pooled, cold
 
-  def _lookup_whole(self, state, prepared):
+  def _lookup_whole(self, state, prepared, cold_rows):
     out = {}
     for name, spec in self.specs.items():
       t = prepared["tables"][name]
       rows = self._hot_lookup(state["tables"][name]["hot"]["table"], t["hot_ids"])
-      cold = self._cold_rows(state, prepared, name)["table"]
+      cold = cold_rows[name]["table"]
       got = cold.at[t["cold_ids"]].get(mode="fill", fill_value=0.0)
       rows = jnp.where((t["cold_ids"] < cold.shape[0])[..., None], got, rows)
       out[name] = base.pool_rows(rows, t.get("count") if spec.pooling == "mean" else None)
     return out
 
-  def update(self, state, prepared, grads):
+  def update(self, state, prepared, residuals, grads):
     tables = {}
     for name, spec in self.specs.items():
       t, p = state["tables"][name], prepared["tables"][name]
       count = p.get("count") if spec.pooling == "mean" else None
       hot = self._update_hot(spec, t["hot"], p, grads[name], count)
-      host = self._update_cold(spec, state, prepared, name, grads[name], count)
+      host = self._update_cold(spec, state, prepared, name, grads[name], count, residuals[name])
       tables[name] = self._migration({**t, "hot": hot, "host": host}, p, spec)
-    ok = state["version"] == prepared["version"]
-    return {
-      "tables": tables,
-      "version": prepared["version"] + 1,
-      "stale": state["stale"] + jnp.where(ok, 0, 1).astype(jnp.int32),
-    }
+    return {"tables": tables, **host_cache.advance(state, prepared)}
 
   def _update_hot(self, spec, hot, p, g, count):
     """dense(shard=rows)'s update on the hot slots: the batch's (ids, pooled grads) on
@@ -800,7 +780,7 @@ class HotCold(base.Backend):
     sub = {k: p[k] for k in keys}
     mean = count is not None
     count = count if mean else jnp.zeros((g.shape[0],), jnp.int32)
-    split = self.shard_batch
+    split = self.layout.split_batch
     bspec = P(sharding.BATCH) if split else sharding.REPLICATED
     p_specs = {k: bspec if k in self._BATCH_MAJOR else sharding.REPLICATED for k in sub}
     row_spec = {"table": P(sharding.BATCH, None), **{s: P(sharding.BATCH) for s in slot_names}}
@@ -815,7 +795,7 @@ class HotCold(base.Backend):
     )
     def local(hot, sub, g, count):
       if split:
-        every = lambda x: jax.lax.all_gather(x, sharding.BATCH, tiled=True)  # noqa: E731
+        every = functools.partial(row_sharded.every, axis=sharding.BATCH)
         sub = {k: every(v) if k in self._BATCH_MAJOR else v for k, v in sub.items()}
         g, count = every(g), every(count)
       grads = base.unpool(g, count if mean else None, bag)
@@ -825,17 +805,17 @@ class HotCold(base.Backend):
         lp["unique"] = self._local(sub["hot_unique"], h)
         lp["inverse"] = sub["hot_inverse"]
       slots = {k: hot[k] for k in slot_names}
-      table, slots = base.sparse_sgd_or_adagrad(spec, hot["table"], slots, lp, grads)
+      table, slots = row_sharded.update(spec, hot["table"], slots, lp, grads)
       return {"table": table, **slots}
 
     return local(hot, sub, g, count)
 
-  def _update_cold(self, spec, state, prepared, name, g, count):
-    """The cold rows' update on a gathered copy (replicated: every device applies the same),
-    then written back to the host table (each device its own rows when it is split)."""
+  def _update_cold(self, spec, state, prepared, name, g, count, got):
+    """The cold rows' update on the copy the lookup gathered (`got`, replicated: every device
+    applies the same), then written back to the host table (each device its own rows when it
+    is split)."""
     t, p = state["tables"][name], prepared["tables"][name]
     slot_names = spec.optimizer.slot_names()
-    got = self._cold_rows(state, prepared, name, ("table", *slot_names))
     g, ids, count = sharding.replicate((g, p["cold_ids"], count), self.mesh)
     grads = base.unpool(g, count, ids.shape[1])
     uc = p["cold_rows"].shape[0]
@@ -872,6 +852,3 @@ class HotCold(base.Backend):
         hot[k] = self._hot_set(hot[k], p["in_slots"], self.host.gather(host[k], p["in_rows"]))
       hot_rows = hot_rows.at[p["in_slots"]].set(p["in_rows"], mode="drop")
     return {**t, "hot": hot, "host": host, "hot_rows": hot_rows}
-
-
-BACKEND = HotCold

@@ -56,15 +56,15 @@ after it, rounded to 4 sizes per octave; grown only when a count does not fit), 
 step retraces only the rare times a capacity grows (and once when the cache's hot set is
 fixed). `pad=full` pads to the batch size instead: one shape, no retrace,
 more padded work (benchmarks/tt.py measures both).
+
+Files: shape.py (factorization, initial cores, reconstruction), cost.py (contract=auto's cost
+model), kernels.py (a level's product, capacity rounding); this file holds one concern, the
+`TT` backend class (its host-side planning of prefix trees and cache, its device code).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
 import math
-import os
 from collections.abc import Sequence
 
 import jax
@@ -72,426 +72,41 @@ import jax.numpy as jnp
 import numpy as np
 
 from recgnn import sharding
-from recgnn.embeddings import base, profile
+from recgnn.backends.tt.cost import (  # noqa: F401  (the package's public names)
+  _COST_FILE,
+  CPU_COSTS,
+  CostModel,
+  _read_cost_file,
+  cost_model,
+  fit_cost_model,
+  level_product,
+)
+from recgnn.backends.tt.kernels import HEADROOM, _round_up, level  # noqa: F401
+from recgnn.backends.tt.shape import (  # noqa: F401
+  INITS,
+  TTShape,
+  balanced_dim_factors,
+  balanced_row_factors,
+  core_std,
+  init_cores,
+  load_init_table,
+  reconstruct,
+  target_variance,
+  tt_shape,
+  tt_svd,
+)
+from recgnn.embeddings import access_counts as profile
+from recgnn.embeddings import base
 
 KERNELS = ("naive", "unique", "prefix")
 CONTRACTS = ("auto", "batched", "pairs")
-INITS = ("sampled_gaussian", "uniform", "orthogonal", "tt_svd")
 PADS = ("grow", "full")
-
-
-# ----------------------------------------------------------------------------- shapes
-
-
-def balanced_row_factors(num_rows: int, cores: int) -> tuple[int, ...]:
-  """K factors n_k, as equal as possible, with prod(n_k) >= num_rows (smallest first).
-
-  10131227, 3 -> (217, 217, 216): each factor is the ceil of the K-th root of what is left.
-  """
-  if cores < 1:
-    raise ValueError(f"tt: cores must be >= 1, got {cores}")
-  out, left = [], num_rows
-  for k in range(cores, 0, -1):
-    n = max(1, math.ceil(left ** (1.0 / k) - 1e-9))
-    while n > 1 and (n - 1) ** k >= left:  # guard against float roots rounding up
-      n -= 1
-    out.append(n)
-    left = -(-left // n)
-  return tuple(sorted(out))
-
-
-def balanced_dim_factors(dim: int, cores: int) -> tuple[int, ...]:
-  """K factors d_k with prod(d_k) == dim, balanced, largest last.
-
-  Largest last because the lookup contracts left to right: the widest intermediate is
-  [d_1...d_{K-1}, r], so the biggest d belongs to the last core. 16, 3 -> (2, 2, 4).
-  """
-  primes, n, p = [], dim, 2
-  while n > 1:
-    while n % p == 0:
-      primes.append(p)
-      n //= p
-    p += 1
-  out = [1] * cores
-  for q in sorted(primes, reverse=True):
-    out[int(np.argmin(out))] *= q
-  return tuple(sorted(out))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TTShape:
-  """The factorization of one table.
-
-  Attributes:
-    row_factors: (n_1, ..., n_K), prod >= num_rows.
-    dim_factors: (d_1, ..., d_K), prod == dim.
-    ranks: (r_0, ..., r_K) with r_0 = r_K = 1.
-  """
-
-  row_factors: tuple[int, ...]
-  dim_factors: tuple[int, ...]
-  ranks: tuple[int, ...]
-
-  @property
-  def num_cores(self) -> int:
-    return len(self.row_factors)
-
-  def core_shapes(self) -> list[tuple[int, int, int, int]]:
-    """[(n_k, r_{k-1}, d_k, r_k)] for k = 1..K."""
-    r, n, d = self.ranks, self.row_factors, self.dim_factors
-    return [(n[k], r[k], d[k], r[k + 1]) for k in range(self.num_cores)]
-
-  @property
-  def num_params(self) -> int:
-    return sum(math.prod(s) for s in self.core_shapes())
-
-  @property
-  def strides(self) -> tuple[int, ...]:
-    """Row-id stride of each core's index: i_k = (row // strides[k]) % n_k."""
-    n = self.row_factors
-    return tuple(math.prod(n[k + 1 :]) for k in range(len(n)))
-
-  def describe(self) -> str:
-    n, d = "x".join(map(str, self.row_factors)), "x".join(map(str, self.dim_factors))
-    return f"rows {n}, dim {d}, ranks {self.ranks}"
-
-
-def tt_shape(
-  num_rows: int,
-  dim: int,
-  rank: int | Sequence[int] = 32,
-  cores: int = 3,
-  row_factors: Sequence[int] | None = None,
-  dim_factors: Sequence[int] | None = None,
-) -> TTShape:
-  """The TT factorization of a num_rows x dim table (nothing allocated).
-
-  Inner ranks are capped at what the unfolding can use, min(prod_{j<=k} n_j d_j,
-  prod_{j>k} n_j d_j): a larger rank adds parameters without adding expressiveness (it
-  matters for small tables only).
-  """
-  n = tuple(row_factors) if row_factors is not None else balanced_row_factors(num_rows, cores)
-  d = tuple(dim_factors) if dim_factors is not None else balanced_dim_factors(dim, len(n))
-  k = len(n)
-  if len(d) != k:
-    raise ValueError(f"tt: row_factors {n} and dim_factors {d} need the same number of cores")
-  if math.prod(n) < num_rows:
-    raise ValueError(f"tt: row_factors {n} cover {math.prod(n)} < {num_rows} rows")
-  if math.prod(d) != dim:
-    raise ValueError(f"tt: dim_factors {d} multiply to {math.prod(d)}, not dim {dim}")
-  inner = [rank] * (k - 1) if isinstance(rank, int) else list(rank)
-  if len(inner) != k - 1:
-    raise ValueError(f"tt: rank needs {k - 1} inner ranks for {k} cores, got {rank}")
-  if any(r < 1 for r in inner):
-    raise ValueError(f"tt: ranks must be >= 1, got {rank}")
-  sizes = [a * b for a, b in zip(n, d)]
-  capped = [
-    min(r, math.prod(sizes[: j + 1]), math.prod(sizes[j + 1 :])) for j, r in enumerate(inner)
-  ]
-  return TTShape(row_factors=n, dim_factors=d, ranks=(1, *capped, 1))
-
-
-def target_variance(spec: base.TableSpec) -> float:
-  """Variance of one entry of the table's dense initializer (base.TableSpec.initializer)."""
-  if spec.initializer == "uniform":
-    return 1.0 / (3.0 * spec.num_rows)  # U(-a, a) has variance a**2 / 3, a = 1/sqrt(N)
-  if spec.initializer == "normal":
-    return 1.0 / spec.dim
-  raise ValueError(
-    f"tt (table {spec.name!r}): cannot start from initializer {spec.initializer!r}: all-zero "
-    "cores have zero gradients and never train. Use initializer='uniform' or 'normal'."
-  )
-
-
-def core_std(shape: TTShape, variance: float) -> float:
-  """Std of each core entry so that a reconstructed entry has the target `variance`.
-
-  An entry is a sum over prod(r_1..r_{K-1}) products of K independent zero-mean entries,
-  one per core: Var = prod(r_k) * s**(2K). Equal std in every core solves it.
-  """
-  paths = math.prod(shape.ranks[1:-1])
-  return (variance / paths) ** (1.0 / (2 * shape.num_cores))
-
-
-def tt_svd(table: np.ndarray, shape: TTShape) -> list[np.ndarray]:
-  """TT-SVD (Oseledets 2011): cores of `shape` approximating a dense float[N, D] table.
-
-  The table, zero-padded to prod(n_k) rows, is the tensor T[i_1, d_1, ..., i_K, d_K] that
-  `reconstruct` produces (row digits and column digits interleaved, most significant first);
-  core k is the leading r_k left singular vectors of the k-th sequential unfolding, so at
-  full ranks the reconstruction is exact and at lower ranks it is the TT-SVD truncation
-  (quasi-optimal: error <= sqrt(K - 1) x the best rank-r TT's). If an unfolding has fewer
-  than r_k nonzero singular values the extra rank columns are left at zero (the caller adds
-  noise). The cores are rescaled to equal Frobenius norms (the product is unchanged), so no
-  core starts orders of magnitude smaller than the others.
-  Returns float32 cores [n_k, r_{k-1}, d_k, r_k].
-  """
-  n, d, ranks = shape.row_factors, shape.dim_factors, shape.ranks
-  k_cores = len(n)
-  rows, dim = table.shape
-  if dim != math.prod(d) or rows > math.prod(n):
-    raise ValueError(f"tt_svd: table {table.shape} does not fit {shape.describe()}")
-  full = np.zeros((math.prod(n), dim), np.float64)
-  full[:rows] = table
-  t = full.reshape(*n, *d)
-  t = t.transpose([a for k in range(k_cores) for a in (k, k_cores + k)])
-  cores, mat, r_prev = [], t, 1
-  for k in range(k_cores - 1):
-    mat = mat.reshape(r_prev * n[k] * d[k], -1)
-    u, sv, vt = np.linalg.svd(mat, full_matrices=False)
-    r = ranks[k + 1]
-    rr = min(r, sv.size)
-    core = np.zeros((r_prev * n[k] * d[k], r))
-    core[:, :rr] = u[:, :rr]
-    rest = np.zeros((r, vt.shape[1]))
-    rest[:rr] = sv[:rr, None] * vt[:rr]
-    cores.append(core.reshape(r_prev, n[k], d[k], r).transpose(1, 0, 2, 3))
-    mat, r_prev = rest, r
-  cores.append(mat.reshape(r_prev, n[-1], d[-1], 1).transpose(1, 0, 2, 3))
-  norms = np.array([np.linalg.norm(c) for c in cores])
-  if np.all(norms > 0):
-    g = np.exp(np.mean(np.log(norms)))
-    cores = [c * (g / nk) for c, nk in zip(cores, norms)]
-  return [c.astype(np.float32) for c in cores]
-
-
-def load_init_table(path: str, spec: base.TableSpec) -> np.ndarray:
-  """The dense float32[N, D] table that `init=tt_svd` compresses, from a .npy file."""
-  import os
-
-  table = np.load(os.path.expanduser(path), mmap_mode="r")
-  if table.shape != (spec.num_rows, spec.dim):
-    raise ValueError(
-      f"tt (table {spec.name!r}): init_path {path} holds {table.shape}, need "
-      f"({spec.num_rows}, {spec.dim}); rewrite it for this table (for node tables the task "
-      "writes it: embeddings.node_init)"
-    )
-  return np.asarray(table, np.float32)
-
-
-def init_cores(
-  key: jax.Array,
-  shape: TTShape,
-  variance: float,
-  init: str,
-  target: np.ndarray | None = None,
-) -> list[jax.Array]:
-  """Cores whose reconstructed entries have mean 0 and the target variance.
-
-  sampled_gaussian (TT-Rec): every core entry ~ N(0, s^2), s from `core_std`.
-  uniform: U(-sqrt(3) s, sqrt(3) s) (same variance).
-  orthogonal: each slice, unfolded to [r_{k-1} d_k, r_k], a random orthogonal matrix (Haar,
-    by QR of a Gaussian) scaled so its entries have variance s^2: an orthogonal m x n matrix
-    has entry variance 1 / max(m, n). Sign symmetry keeps cross terms at zero mean, so the
-    reconstructed variance is the same as for independent entries.
-  tt_svd: the TT-SVD (`tt_svd`) of `target`, a dense float[N, D] table (e.g. a graph's
-    adjacency eigenvectors: Nimble's "eigen" init), scaled so the reconstruction's mean square
-    is `variance`; rank columns the target cannot fill get sampled-Gaussian noise at 1% of s
-    (all-zero columns would have zero gradients and never train).
-  """
-  s = core_std(shape, variance)
-  keys = jax.random.split(key, shape.num_cores)
-  if init == "tt_svd":
-    if target is None:
-      raise ValueError("tt: init=tt_svd needs a target table (the init_path option)")
-    cores = tt_svd(np.asarray(target, np.float64), shape)
-    # Scale the truncated reconstruction (not the target: truncation drops energy) to the
-    # target variance, equally over the K cores.
-    ms = float(jnp.mean(reconstruct([jnp.asarray(c) for c in cores], target.shape[0]) ** 2))
-    scale = (variance / ms) ** (1.0 / (2 * shape.num_cores)) if ms > 0 else 0.0
-    cores = [c * np.float32(scale) for c in cores]
-    return [
-      jnp.asarray(c) + 0.01 * s * jax.random.normal(keys[k], c.shape, jnp.float32) * (c == 0)
-      for k, c in enumerate(cores)
-    ]
-  cores = []
-  for k, (n, r0, d, r1) in enumerate(shape.core_shapes()):
-    if init == "sampled_gaussian":
-      g = s * jax.random.normal(keys[k], (n, r0, d, r1), jnp.float32)
-    elif init == "uniform":
-      a = math.sqrt(3.0) * s
-      g = jax.random.uniform(keys[k], (n, r0, d, r1), jnp.float32, -a, a)
-    elif init == "orthogonal":
-      m, c = r0 * d, r1
-      q = jax.random.orthogonal(keys[k], max(m, c), shape=(n,))[:, :m, :c]
-      g = (s * math.sqrt(max(m, c)) * q).reshape(n, r0, d, r1).astype(jnp.float32)
-    else:
-      raise ValueError(f"tt: unknown init {init!r}; available: {', '.join(INITS)}")
-    cores.append(g)
-  return cores
-
-
-def reconstruct(cores: Sequence[jax.Array], num_rows: int) -> jax.Array:
-  """The dense table float32[num_rows, D] from the cores (O(N): tests and export only)."""
-  out = cores[0][:, 0]  # [n_1, d_1, r_1]
-  for g in cores[1:]:
-    # [P, a, r] x [n, r, b, s] -> [P, n, a, b, s] -> [P * n, a * b, s]
-    out = jnp.einsum("par,nrbs->pnabs", out, g)
-    p, n, a, b, s = out.shape
-    out = out.reshape(p * n, a * b, s)
-  return out[:num_rows, :, 0]
-
-
-# The `contract=auto` cost model. Per level with w = a * r * d_k * r_k multiply-adds per product:
-#   batched ~ batched_fixed_ns + P_k * (batched_ns + w * batched_ns_per_mac)   (tiny matmuls)
-#   pairs   ~ pairs_fixed_ns + P_{k-1} * S_k * w * pairs_ns_per_mac            (one GEMM)
-# Its constants are a platform's: fitted to forward + vjp times of single levels
-# (`benchmarks/tt.py --sections=levels`) on XLA:CPU (2 cores; the fixed terms 0: per-product
-# overhead dominates there) and, per accelerator, by gpu_check's calibrate stage (a kernel
-# launch is a fixed cost on a GPU). They live in tt_cost.json beside this file, per platform.
-_COST_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tt_cost.json")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CostModel:
-  """contract=auto's constants for one platform (nanoseconds; see the formula above).
-
-  pairs_max_floats: the largest pair table [P_{k-1} a, S_k d_k r_k] pairs may build (beyond
-  it memory traffic dominates and the batched product is taken regardless).
-  source: where the numbers come from (platform, command, date).
-  """
-
-  batched_fixed_ns: float = 0.0
-  batched_ns: float
-  batched_ns_per_mac: float
-  pairs_fixed_ns: float = 0.0
-  pairs_ns_per_mac: float
-  pairs_max_floats: int = 2 << 20
-  source: str = ""
-  platform: str = "cpu"
-
-
-# XLA:CPU, 2 cores, jax 0.10.2, 2026-11-23: results/tt_levels.md, fitted by hand (auto picks
-# the faster product at 13 of 16 levels).
-CPU_COSTS = CostModel(
-  batched_ns=1500.0,
-  batched_ns_per_mac=0.3,
-  pairs_ns_per_mac=0.1,
-  pairs_max_floats=2 << 20,
-  source="XLA:CPU, 2 cores, jax 0.10.2: benchmarks/tt.py --sections=levels (tt_levels.md)",
-)
-
-
-def _read_cost_file(path: str = _COST_FILE) -> dict:
-  if not os.path.exists(path):  # (an install without the package data: CPU's model)
-    return {}
-  with open(path) as f:
-    return {k: v for k, v in json.load(f).items() if not k.startswith("_")}
-
-
-@functools.cache
-def cost_model(backend: str | None = None, device_kind: str | None = None) -> CostModel:
-  """The cost model of a platform: tt_cost.json's "BACKEND:DEVICE KIND" entry, else its
-  "BACKEND" entry, else `CPU_COSTS` (default: jax's default backend and its first device).
-  A platform never calibrated gets the CPU's constants: still a correct product, maybe not
-  the faster one."""
-  if backend is None:
-    backend = jax.default_backend()
-    device_kind = jax.devices()[0].device_kind if device_kind is None else device_kind
-  table = _read_cost_file()
-  fields = {f.name for f in dataclasses.fields(CostModel)}
-  for key in (f"{backend}:{device_kind}", backend):
-    if key in table:
-      return CostModel(**{k: v for k, v in table[key].items() if k in fields}, platform=key)
-  return CPU_COSTS
-
-
-def level_product(
-  p_prev: int, a: int, r: int, s: int, d: int, r1: int, p: int, costs: CostModel | None = None
-) -> str:
-  """'pairs' or 'batched': the cheaper product for one level by the cost model above (this
-  platform's `cost_model()` unless `costs` is given).
-
-  p_prev parents [a, r] each, s slices [r, d * r1] each, p products wanted.
-  """
-  c = cost_model() if costs is None else costs
-  w = a * r * d * r1
-  if p_prev * a * s * d * r1 > c.pairs_max_floats:
-    return "batched"
-  pairs = c.pairs_fixed_ns + p_prev * s * w * c.pairs_ns_per_mac
-  batched = c.batched_fixed_ns + p * (c.batched_ns + w * c.batched_ns_per_mac)
-  return "pairs" if pairs < batched else "batched"
-
-
-def fit_cost_model(levels: Sequence[dict], *, source: str, platform: str) -> CostModel:
-  """The constants of the cost model fitted to timed levels (`benchmarks/tt.py
-  --sections=levels` rows: p_prev, a, r, d, r1, p, slices, batched_ms, pairs_ms).
-
-  Each product's time is linear in its constants; they are fitted by non-negative least
-  squares on relative error (a level of 0.05 ms weighs as much as one of 5 ms: the choice
-  is a ratio). pairs_max_floats is not fitted (the levels do not reach it): XLA:CPU's.
-  """
-  import scipy.optimize  # (only here: calibration)
-
-  rows_b, rows_p = [], []
-  for x in levels:
-    w = x["a"] * x["r"] * x["d"] * x["r1"]
-    tb, tp = 1e6 * x["batched_ms"], 1e6 * x["pairs_ms"]
-    rows_b.append(np.array([1.0, x["p"], x["p"] * w]) / tb)
-    rows_p.append(np.array([1.0, x["p_prev"] * x["slices"] * w]) / tp)
-  if len(rows_b) < 3:
-    raise ValueError(f"fit_cost_model: {len(rows_b)} timed levels; need at least 3")
-  # Columns scaled to unit norm first: their magnitudes differ by ~10 orders.
-  coef = []
-  for rows in (np.array(rows_b), np.array(rows_p)):
-    scale = np.linalg.norm(rows, axis=0)
-    scale[scale == 0] = 1.0
-    c, _ = scipy.optimize.nnls(rows / scale, np.ones(len(rows)))
-    coef.append(c / scale)
-  (bf, bn, bm), (pf, pm) = coef
-  return CostModel(
-    batched_fixed_ns=float(bf),
-    batched_ns=float(bn),
-    batched_ns_per_mac=float(bm),
-    pairs_fixed_ns=float(pf),
-    pairs_ns_per_mac=float(pm),
-    pairs_max_floats=CPU_COSTS.pairs_max_floats,
-    source=source,
-    platform=platform,
-  )
-
-
-def level(pre, slices, parent_of, slice_of, how: str = "auto") -> jax.Array:
-  """One level of the prefix tree: prefix p's product pre[parent_of[p]] @ slices[slice_of[p]].
-
-  pre float32[P_{k-1}, a, r], slices float32[S_k, r, d, r1] (the distinct slices of core k),
-  parent_of / slice_of int32[P_k] (slice_of = S_k for padding: its product is 0).
-  how: batched | pairs | auto (`level_product` picks). Returns float32[P_k, a, d, r1].
-  """
-  p_prev, a, r = pre.shape
-  n_s, _, d, r1 = slices.shape
-  if how == "auto":
-    how = level_product(p_prev, a, r, n_s, d, r1, parent_of.shape[0])
-  if how == "pairs":
-    # [P_{k-1} a, r] @ [r, S_k d r1]: every (parent, slice) pair in one GEMM, then the P_k
-    # pairs used. A padded prefix's slice index is S_k (out of range): it gets 0.
-    lhs = pre.reshape(p_prev * a, r)
-    rhs = jnp.transpose(slices, (1, 0, 2, 3)).reshape(r, n_s * d * r1)
-    table = (lhs @ rhs).reshape(p_prev, a, n_s, d, r1)
-    return table.at[parent_of, :, slice_of].get(mode="fill", fill_value=0.0)
-  s = slices.at[slice_of].get(mode="fill", fill_value=0.0)
-  # One batched matmul: [P, a, r] @ [P, r, d * r1].
-  out = jnp.matmul(pre[parent_of], s.reshape(s.shape[0], r, -1))
-  return out.reshape(out.shape[0], a, d, r1)
-
-
-HEADROOM = 1.25  # capacity / count when a capacity grows: batch-to-batch noise stays inside
-
-
-def _round_up(n: int) -> int:
-  """HEADROOM * n rounded up to one of 4 sizes per octave (2^k * {1, 1.25, 1.5, 1.75}), min 8.
-
-  Coarse on purpose: every new size recompiles the train step, so a capacity should grow a
-  few times in a run, not whenever a batch has a few more distinct rows than the last.
-  """
-  n = max(8, math.ceil(HEADROOM * n))
-  step = 1 << max(0, n.bit_length() - 3)
-  return -(-n // step) * step
 
 
 # ----------------------------------------------------------------------------- backend
 
 
+@base.register_backend("tt")
 class TT(base.TableBackend):
   """Tensor-train table. See the module docstring.
 
@@ -518,14 +133,17 @@ class TT(base.TableBackend):
       the first batch alone. An error with pad=full (one shape: nothing to size).
   """
 
-  name = "tt"
+  # Its prepare plans prefix trees and the cache over the whole batch.
+  capabilities = base.Capabilities(plans_globally=True)
   batch_major = ("ids", "inverse", "cache_slot", "cache_inverse")
 
   def __init__(
     self,
     spec: base.TableSpec,
+    mesh,
+    layout: base.Layout | None = None,
     rank: int | Sequence[int] = 32,
-    cores: int = 3,
+    cores: int | None = None,
     row_factors: Sequence[int] | None = None,
     dim_factors: Sequence[int] | None = None,
     init: str = "sampled_gaussian",
@@ -533,11 +151,23 @@ class TT(base.TableBackend):
     kernel: str = "prefix",
     contract: str = "auto",
     cache_rows: int = 0,
-    cache_warmup: int = 50,
+    cache_warmup: int | None = None,
     pad: str = "grow",
     lookahead: int | None = None,
   ):
-    super().__init__(spec)
+    super().__init__(spec, mesh, layout)
+    if cores is not None and row_factors is not None and int(cores) != len(row_factors):
+      raise ValueError(
+        f"tt: cores={cores} but row_factors={tuple(row_factors)} give {len(row_factors)} cores; "
+        "the factors fix the core count: drop cores="
+      )
+    if cache_warmup is not None and not cache_rows:
+      raise ValueError(
+        f"tt: cache_warmup={cache_warmup} counts batches before the hot-row cache is filled, "
+        "but there is no cache (cache_rows=0): drop cache_warmup or give cache_rows=ROWS"
+      )
+    cores = 3 if cores is None else int(cores)
+    cache_warmup = 50 if cache_warmup is None else int(cache_warmup)
     if init not in INITS:
       raise ValueError(f"tt: unknown init {init!r}; available: {', '.join(INITS)}")
     if kernel not in KERNELS:
@@ -865,7 +495,30 @@ class TT(base.TableBackend):
     return jnp.all(state["cache_ids"] == prepared["cache_ids"])
 
   def lookup(self, state, prepared):
-    out = self._tt_lookup(state, prepared)
+    return self._overlay_cache(state, prepared, self._tt_lookup(state, prepared))
+
+  def lookup_pooled(self, state, prepared, count):
+    """-> (f32[B, D] pooled, residuals). Residuals (prefix kernels): the gathered core slices
+    and the pullback of the prefix tree's products (`jax.vjp`'s linearization, a pytree of
+    the level products), so `update` runs only the backward pass, never the prefix products
+    again. The naive kernel keeps nothing (`()`)."""
+    if self.kernel == "naive":
+      return super().lookup_pooled(state, prepared, count)
+    slices = self._gather_slices(state, prepared)
+    rows, pull = jax.vjp(lambda s: self._tree_rows(s, prepared), slices)
+    out = rows.at[prepared["inverse"]].get(mode="fill", fill_value=0.0)
+    out = self._overlay_cache(state, prepared, out)
+    return base.pool_rows(out, count), {"slices": slices, "pull": pull}
+
+  def update_pooled(self, state, prepared, residuals, g, count):
+    if self.kernel == "naive":
+      return super().update_pooled(state, prepared, residuals, g, count)
+    g, prepared, count = sharding.replicate((g, prepared, count), self.mesh)
+    grads = base.unpool(g, count, prepared["ids"].shape[1])
+    return self.update(state, prepared, grads, residuals)
+
+  def _overlay_cache(self, state, prepared, out):
+    """The cores' rows `out` f32[B, L, D] with the cache's rows where the batch hits it."""
     if not self.cache_rows:
       return out
     slot = prepared["cache_slot"]
@@ -907,7 +560,9 @@ class TT(base.TableBackend):
     rows = self._tree_rows(slices, prepared)
     return rows.at[prepared["inverse"]].get(mode="fill", fill_value=0.0)
 
-  def update(self, state, prepared, grads):
+  def update(self, state, prepared, grads, residuals=None):
+    """grads f32[B, L, D]. residuals: `lookup_pooled`'s (prefix kernels), else the forward
+    pass is run again here for its pullback."""
     opt = self.spec.optimizer
     state = dict(state)
     if self.cache_rows:
@@ -939,9 +594,16 @@ class TT(base.TableBackend):
         cores.append(new.reshape(c.shape))
         accum.extend(acc.values())
     else:
-      slices = self._gather_slices(state, prepared)
-      _, vjp = jax.vjp(lambda s: self._tt_rows_from(s, prepared), slices)
-      g = vjp(grads)[0]  # summed per distinct slice: the gather's transpose adds repeats
+      if residuals:
+        slices = residuals["slices"]
+        # The transpose of the lookup's gather of distinct rows: sum the grads per row.
+        u = prepared[f"slice_of{self.shape.num_cores - 1}"].shape[0]
+        g_rows = jnp.zeros((u, self.spec.dim), grads.dtype)
+        g = residuals["pull"](g_rows.at[prepared["inverse"]].add(grads, mode="drop"))[0]
+      else:
+        slices = self._gather_slices(state, prepared)
+        _, vjp = jax.vjp(lambda s: self._tt_rows_from(s, prepared), slices)
+        g = vjp(grads)[0]  # summed per distinct slice: the gather's transpose adds repeats
       cores, accum = [], []
       for k, c in enumerate(state["cores"]):
         idx = prepared[f"slices{k}"]
@@ -966,6 +628,3 @@ class TT(base.TableBackend):
     for k, v in self.spec.optimizer.init_slots(self.cache_rows).items():
       state[f"cache_{k}"] = v
     return state
-
-
-BACKEND = TT

@@ -1,0 +1,391 @@
+"""The backend contract (v3): what the trainer asks of a backend, and what it tells one.
+
+  Backend(specs, mesh, layout, text, **options)   one instance per GROUP of tables (every
+                               table the plan gives the same backend string); everything given
+                               here, nothing set afterwards
+  capabilities                 declared (`Capabilities`), read before anything is built
+  init(key) / state_sharding()
+  prepare(ids, upcoming, *, train)   host, input thread: {table: int[B, L]} (-1 = padding)
+                               -> numpy pytree; `prepared_spec` says which leaves are
+                               batch-major (split over the devices with the batch)
+  lookup(state, prepared)      jit-able -> ({table: f32[B, D]} POOLED, residuals)
+  update(state, prepared, residuals, g)   jit-able, g = d loss / d pooled {table: f32[B, D]};
+                               sparse (O(B * L * D), never O(rows)), state donated
+  memory() per device / sync / restore / export / import_ / stats / tables(state)
+
+Pooled in, pooled out: a model-parallel backend moves [B, D] blocks, never [B, L, D]. The
+lookup sits outside `value_and_grad`; `update` gets d loss / d pooled, so a backward
+all-to-all (and a codec on it) lives in `update`, with no custom_vjp. `residuals` carry what
+`lookup` computed into `update` (see docs/architecture.md).
+
+Backends whose tables are independent (dense, tt, offload) implement the per-table
+`TableBackend` (unpooled rows) and are grouped by `recgnn.embeddings.group.TableGroup`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import inspect
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from recgnn import sharding
+from recgnn.embeddings.kernels import dedup, pool_rows, unpool
+from recgnn.embeddings.specs import MemoryReport, TableSpec, aligned_rows
+
+PyTree = Any
+
+
+def valid_options(cls) -> list[str]:
+  """The option names a backend class's constructor takes (for error messages)."""
+  skip = {"self", "spec", "specs", "mesh", "layout", "text", "cls"}
+  params = inspect.signature(cls.__init__).parameters.values()
+  return sorted(p.name for p in params if p.name not in skip and p.kind != p.VAR_KEYWORD)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout:
+  """How the trainer feeds a backend's `prepare` and step: decided before the plan is built
+  (recgnn.train.inputs.choose_layout) and given to every backend's constructor.
+
+  Attributes:
+    split_batch: the ids' batch axis is split over every device of the mesh (B / n examples
+      each); False: every device gets the whole batch (e.g. one sampled subgraph per step).
+    process_local: with many processes, each reads and prepares only its own contiguous
+      slice of every batch (the examples of its devices), never the whole batch.
+  """
+
+  split_batch: bool = True
+  process_local: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Capabilities:
+  """What a backend declares about itself, read by the trainer and the tasks before anything
+  is constructed (`recgnn.embeddings.plan.capabilities_of`): never found by `hasattr` or by
+  matching plan strings.
+
+  Attributes:
+    needs_split_ids: the ids must be split over the devices (`Layout.split_batch`): a
+      model-parallel backend routes each device's ids to their owners (sharded).
+    splits_batch: the backend splits a batch into micro-batches (`lookup_micro`, see
+      recgnn.embeddings.microbatch): the step then runs the loss per micro-batch (hot_cold).
+    plans_globally: `prepare` plans over the global batch (a cache, prefix trees), so it
+      cannot run on one process's slice (`Layout.process_local`).
+  """
+
+  needs_split_ids: bool = False
+  splits_batch: bool = False
+  plans_globally: bool = False
+
+
+class Backend(abc.ABC):
+  """Contract v3: the storage and update rule of a GROUP of tables on a device mesh.
+
+  A group is every table the plan gives the same backend string. A backend that fuses its
+  tables (one all-to-all for all of them; a popular / non-popular split over all of an
+  example's ids) implements this class directly; a backend whose tables are independent
+  implements `TableBackend` and is grouped by `TableGroup`.
+
+  Everything is given at construction (specs, mesh, `Layout`, options); nothing reconfigures
+  a backend afterwards. Shapes: B = the global batch (split over every device of the mesh
+  when `layout.split_batch`), L = bag length, D = the table's dim.
+  """
+
+  #: The registry name (set by `register_backend`), the first word of a plan string.
+  name: ClassVar[str] = ""
+  #: What the trainer must know before constructing anything (see `Capabilities`). A backend
+  #: whose capabilities depend on its options overrides `capabilities_for`.
+  capabilities: ClassVar[Capabilities] = Capabilities()
+  #: How many upcoming batches `prepare` wants to see (cDLRM's look-ahead window).
+  lookahead: int = 0
+
+  def __init__(
+    self,
+    specs: Sequence[TableSpec],
+    mesh: jax.sharding.Mesh,
+    layout: Layout | None = None,
+    text: str = "",
+  ):
+    self.specs = {s.name: s for s in specs}
+    self.mesh = mesh
+    self.layout = Layout() if layout is None else layout
+    self.text = text or self.name
+
+  @classmethod
+  def capabilities_for(cls, options: dict[str, Any]) -> Capabilities:
+    """The capabilities of this backend with these plan-string options (no construction)."""
+    del options
+    return cls.capabilities
+
+  def __repr__(self):
+    return f"{type(self).__name__}({', '.join(self.specs)}: {self.describe()})"
+
+  def describe(self, table: str | None = None) -> str:
+    """The backend and its options, as a plan string (per table where they differ)."""
+    del table
+    return self.text
+
+  @abc.abstractmethod
+  def init(self, key: jax.Array) -> PyTree:
+    """Allocate and initialise the state, placed as `state_sharding()` says. Each table
+    starts from `init_rows(table_key(key, name), spec, ...)`."""
+
+  @abc.abstractmethod
+  def state_sharding(self) -> PyTree:
+    """NamedShardings of the state (jit in/out shardings, checkpoint restore target)."""
+
+  @abc.abstractmethod
+  def prepare(
+    self, ids: dict[str, np.ndarray], upcoming: Sequence[dict[str, np.ndarray]] = (), *, train=True
+  ) -> PyTree:
+    """Host side, on the input thread, once per batch in stream order: ids {table: int[B, L]}
+    (PAD = -1) -> a pytree of numpy arrays. `upcoming`: up to `lookahead` next batches' ids.
+    `train=False`: an eval batch (only `lookup` runs on it)."""
+
+  @abc.abstractmethod
+  def prepared_spec(self, prepared: PyTree) -> PyTree:
+    """PartitionSpec of each prepared leaf: sharding.BATCH_SPEC for batch-major leaves (axis 0
+    split over every device with the batch), sharding.REPLICATED for global ones."""
+
+  @abc.abstractmethod
+  def lookup(self, state: PyTree, prepared: PyTree) -> tuple[dict[str, jax.Array], PyTree]:
+    """-> ({table: f32[B, D]} pooled with each table's pooling, residuals). Jit-able.
+
+    residuals: what the lookup computed that `update` needs again (routed ids, rows gathered
+    from host memory, prefix products), handed to `update` unchanged so nothing is computed
+    twice; an empty pytree (`()`) when there is nothing to keep. Eval steps drop them (XLA
+    then never computes what only they needed)."""
+
+  @abc.abstractmethod
+  def update(
+    self, state: PyTree, prepared: PyTree, residuals: PyTree, grads: dict[str, jax.Array]
+  ) -> PyTree:
+    """grads {table: d loss / d pooled, f32[B, D]} -> new state. Jit-able, sparse (cost
+    O(B * L * D), never O(rows)), state donated. `residuals`: this batch's `lookup`'s."""
+
+  @abc.abstractmethod
+  def memory(self) -> dict[str, MemoryReport]:
+    """Per table: bytes PER DEVICE and on the host, known before anything is allocated."""
+
+  @abc.abstractmethod
+  def tables(self, state: PyTree) -> dict[str, np.ndarray]:
+    """The logical f32[N, D] tables (tests and export; O(N), never called by the trainer)."""
+
+  def device_bytes(self) -> int:
+    """The most bytes any one device holds for the whole group. The per-table figures of
+    `memory` add up to it unless tables live on different devices (`sharded`)."""
+    return sum(m.device_bytes for m in self.memory().values())
+
+  def num_params(self) -> dict[str, int]:
+    """Trainable floats per table (rows x dim; fewer for compressed backends)."""
+    return {n: s.num_rows * s.dim for n, s in self.specs.items()}
+
+  # Checkpoints hold each table in a LOGICAL form that does not depend on the placement, so
+  # a run saved on one mesh (or backend) resumes on another: "rows" = {"rows": f32[S, D],
+  # slot: f32[S] per optimizer slot}, S = aligned_rows(N), the padding rows zero. Compressed
+  # backends have their own format (TT: its cores), restorable only into the same backend.
+
+  @abc.abstractmethod
+  def logical_format(self, table: str) -> str:
+    """The checkpoint format of a table ("rows", or the backend's own)."""
+
+  @abc.abstractmethod
+  def export(self, state: PyTree) -> dict[str, dict[str, jax.Array]]:
+    """{table: logical arrays} of a synced state (no table-sized gather: the arrays keep
+    the state's placement)."""
+
+  @abc.abstractmethod
+  def logical_target(self) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
+    """Shapes, dtypes and shardings ON THIS MESH to restore each table's logical form into."""
+
+  @abc.abstractmethod
+  def import_(self, logical: dict[str, dict[str, jax.Array]]) -> PyTree:
+    """The state holding `logical` (as placed by `logical_target`); resets host bookkeeping."""
+
+  def sync(self, state: PyTree) -> PyTree:
+    """Write caches back so that `state` alone describes the tables. Batches already
+    prepared (up to PREFETCH ahead of the step) must stay valid."""
+    return state
+
+  def restore(self, state: PyTree) -> PyTree:
+    """Called with a state read from a checkpoint; backends with host bookkeeping reset it."""
+    return state
+
+  def stats(self) -> dict[str, float]:
+    """Counters since the last call ('table/key' or 'key'), logged with the metrics."""
+    return {}
+
+  def extras(self, state: PyTree) -> dict:
+    """Small group state outside the tables (e.g. a codec's adaptive bounds), JSON-able:
+    saved in the checkpoint's metadata and given back to `restore_extras` on resume."""
+    del state
+    return {}
+
+  def restore_extras(self, state: PyTree, extras: dict) -> PyTree:
+    """The state (as `import_` built it) with saved `extras`; ignore extras that do not fit."""
+    del extras
+    return state
+
+  def report(self, state: PyTree) -> dict[str, float]:
+    """Figures read from the state at the end of a run (written to results.json)."""
+    del state
+    return {}
+
+  @property
+  def process_local(self) -> bool:
+    """`prepare` sees only this process's slice of each batch (`Layout.process_local`)."""
+    return self.layout.process_local
+
+
+class TableBackend(abc.ABC):
+  """One table of a `TableGroup`: the per-table half of the contract (v1, unpooled).
+
+  __init__(spec, mesh, layout, **options)   everything at construction, as for `Backend`
+  prepare(ids, upcoming)       host: int[B, L] ids (-1 = padding) -> numpy pytree
+  lookup(state, prepared)      jit-able: -> f32[B, L, D]; padded positions are 0
+  update(state, prepared, g)   jit-able: g = d loss / d lookup, f32[B, L, D]; sparse, donated
+  sync / restore / memory / table / stats as in `Backend`, for this table.
+
+  On a mesh a table is replicated unless its backend says otherwise: the lookup gathers the
+  local examples' rows; the update gathers the batch's (ids, pooled grads) from every device
+  (B x D floats, never a table-sized all-reduce) and every replica applies the same sparse
+  update. `lookup_pooled` / `update_pooled` are where a backend places rows otherwise
+  (`dense(shard=rows)`).
+  """
+
+  name: ClassVar[str] = ""
+  #: The default `prepare` is per example (its dedup moves to the device with process-local
+  #: input); a backend whose prepare plans over the batch (a cache, prefix trees) declares
+  #: `plans_globally`.
+  capabilities: ClassVar[Capabilities] = Capabilities()
+  lookahead: int = 0
+  #: Prepared keys whose leaves are batch-major (axis 0 = the batch); the rest are global.
+  batch_major: ClassVar[tuple[str, ...]] = ("ids", "inverse")
+
+  def __init__(
+    self, spec: TableSpec, mesh: jax.sharding.Mesh, layout: Layout | None = None, **options
+  ):
+    """Place the table on `mesh`. Refuse (ValueError, before allocating) a mesh or an option
+    this backend cannot honour there."""
+    if options:
+      raise ValueError(
+        f"Backend {self.name!r} (table {spec.name!r}) takes no options; got {sorted(options)}"
+      )
+    self.spec = spec
+    self.mesh = mesh
+    self.layout = Layout() if layout is None else layout
+
+  @classmethod
+  def capabilities_for(cls, options: dict[str, Any]) -> Capabilities:
+    """See `Backend.capabilities_for`."""
+    del options
+    return cls.capabilities
+
+  process_local = Backend.process_local
+
+  def __repr__(self):
+    return f"{type(self).__name__}({self.spec.name}, {self.describe()})"
+
+  def describe(self) -> str:
+    return self.name
+
+  def replicated(self, memory_kind: str | None = None) -> jax.sharding.NamedSharding:
+    return jax.sharding.NamedSharding(self.mesh, sharding.REPLICATED, memory_kind=memory_kind)
+
+  @abc.abstractmethod
+  def init(self, key: jax.Array) -> PyTree:
+    """Allocate and initialise the state on `self.mesh`."""
+
+  @abc.abstractmethod
+  def state_sharding(self) -> PyTree:
+    """NamedShardings of the state on `self.mesh` (a pytree matching `init`'s)."""
+
+  def prepare(
+    self, ids: np.ndarray, upcoming: Sequence[np.ndarray] = (), *, train: bool = True
+  ) -> PyTree:
+    del upcoming, train
+    ids = np.asarray(ids)
+    pad = self.pad_id
+    out = {"ids": np.where(ids < 0, pad, ids).astype(np.int32)}
+    # A process-local slice is not the batch: the update dedups the gathered ids on device.
+    if self.spec.optimizer.needs_unique and not self.process_local:
+      out["unique"], out["inverse"] = dedup(ids, pad)
+    return out
+
+  @property
+  def pad_id(self) -> int:
+    """What `prepare` maps padding ids to: an index past the row array (gathers fill zeros,
+    scatters drop it). Backends whose arrays have padding rows past N override it."""
+    return self.spec.num_rows
+
+  @abc.abstractmethod
+  def lookup(self, state: PyTree, prepared: PyTree) -> jax.Array:
+    """-> float32[B, L, D]; rows of padded positions are 0. Jit-able."""
+
+  @abc.abstractmethod
+  def update(self, state: PyTree, prepared: PyTree, grads: jax.Array) -> PyTree:
+    """Apply the optimizer to touched rows: grads float32[B, L, D]. Jit-able, sparse."""
+
+  def lookup_pooled(self, state, prepared, count: jax.Array | None) -> tuple[jax.Array, PyTree]:
+    """-> (f32[B, D]: `lookup` pooled, residuals for `update_pooled`; `()` here). count:
+    int32[B] ids per bag for mean pooling, None for sum pooling."""
+    return pool_rows(self.lookup(state, prepared), count), ()
+
+  def update_pooled(
+    self, state, prepared, residuals: PyTree, g: jax.Array, count: jax.Array | None
+  ) -> PyTree:
+    """g f32[B, D] (batch-split on a mesh): gather it and the prepared batch on every device
+    (B x (D + L) values per table), unpool, and apply the same sparse update everywhere."""
+    del residuals
+    g, prepared, count = sharding.replicate((g, prepared, count), self.mesh)
+    return self.update(state, prepared, unpool(g, count, prepared["ids"].shape[1]))
+
+  def sync(self, state: PyTree) -> PyTree:
+    return state
+
+  def restore(self, state: PyTree) -> PyTree:
+    return state
+
+  def num_params(self) -> int:
+    return self.spec.num_rows * self.spec.dim
+
+  @abc.abstractmethod
+  def memory(self) -> MemoryReport:
+    """Bytes PER DEVICE and on the host, without allocating."""
+
+  @abc.abstractmethod
+  def table(self, state: PyTree) -> np.ndarray:
+    """The logical table float32[N, D] (tests and export only; O(N))."""
+
+  def stats(self) -> dict[str, float]:
+    return {}
+
+  #: Checkpoint format (see `Backend.export`): "rows" backends restore from one another.
+  logical_format: ClassVar[str] = "rows"
+
+  def row_sharding(self) -> tuple[jax.sharding.Sharding, jax.sharding.Sharding]:
+    """(rows f32[S, D], slots f32[S]) shardings of the logical form on this mesh."""
+    return self.replicated(), self.replicated()
+
+  def logical_target(self) -> dict[str, jax.ShapeDtypeStruct]:
+    """Restore target of the "rows" form (override with `logical_format`)."""
+    s, d = aligned_rows(self.spec.num_rows), self.spec.dim
+    rows, vec = self.row_sharding()
+    out = {"rows": jax.ShapeDtypeStruct((s, d), jnp.float32, sharding=rows)}
+    for k in self.spec.optimizer.slot_names():
+      out[k] = jax.ShapeDtypeStruct((s,), jnp.float32, sharding=vec)
+    return out
+
+  def export(self, state: PyTree) -> dict[str, jax.Array]:
+    """The logical form of a synced state (`Backend.export`)."""
+    raise NotImplementedError(f"{type(self).__name__} cannot be checkpointed (export)")
+
+  def import_(self, logical: dict[str, jax.Array]) -> PyTree:
+    """The state holding a logical form placed as `logical_target` says."""
+    raise NotImplementedError(f"{type(self).__name__} cannot be restored (import_)")

@@ -1,0 +1,203 @@
+"""Table specs, their row-wise optimizers, and the deterministic initial values every backend
+starts from.
+
+An embedding table is not a Flax param. Autodiff through a gather builds a table-sized
+cotangent (a 10M x 16 table costs ~90x more per step that way, docs/architecture.md), so every
+backend owns its tables' state and applies a sparse row-wise optimizer (`OptimizerSpec.apply`)
+to the rows a batch touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PAD = -1  # id value that marks an empty slot of a multi-hot bag
+# Batches the trainer's input thread prepares ahead of the step: prepare(k + PREFETCH) may run
+# before update(k), and backends must give the same results under that interleaving.
+PREFETCH = 2
+INIT_CHUNK = 1 << 16  # rows per deterministic init chunk (see `init_rows`)
+# Row arrays are allocated (and checkpointed) with their row count rounded up to a multiple of
+# ROW_ALIGN, so one saved shape splits evenly over any MODEL axis size that divides ROW_ALIGN:
+# a checkpoint written on one mesh restores on another without gathering a table anywhere.
+# The padding rows are never addressed by an id.
+ROW_ALIGN = 1024
+
+
+def aligned_rows(num_rows: int) -> int:
+  """num_rows rounded up to a multiple of ROW_ALIGN."""
+  return -(-num_rows // ROW_ALIGN) * ROW_ALIGN
+
+
+OPTIMIZERS = ("sgd", "rowwise_adagrad")
+INITIALIZERS = ("uniform", "normal", "zeros")
+POOLINGS = ("sum", "mean")
+
+# ----------------------------------------------------------------------------- specs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+  """Sparse row-wise optimizer applied to the rows a batch touched.
+
+  Attributes:
+    name: `sgd` (w -= lr * g; duplicates of a row within a batch add up, as with a dense
+      gradient) or `rowwise_adagrad` (FBGEMM / TorchRec semantics: one accumulator per row,
+      acc += mean(g_row**2); w -= lr * g_row / (sqrt(acc) + eps), g_row summed over the
+      batch's occurrences of that row).
+    learning_rate: step size.
+    eps: Adagrad's epsilon.
+    initial_accumulator: Adagrad's initial accumulator value.
+  """
+
+  name: str = "sgd"
+  learning_rate: float = 0.1
+  eps: float = 1e-8
+  initial_accumulator: float = 0.0
+
+  def __post_init__(self):
+    if self.name not in OPTIMIZERS:
+      raise ValueError(f"Unknown optimizer {self.name!r}; available: {', '.join(OPTIMIZERS)}")
+    if self.learning_rate <= 0:
+      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+
+  @property
+  def needs_unique(self) -> bool:
+    """Whether the update needs each touched row once (per-row state) or tolerates repeats."""
+    return self.name != "sgd"
+
+  def slot_names(self) -> tuple[str, ...]:
+    """Per-row optimizer state arrays, each float32[rows]."""
+    return ("accum",) if self.name == "rowwise_adagrad" else ()
+
+  def init_slots(self, num_rows: int, **put) -> dict[str, jax.Array]:
+    """Fresh per-row optimizer state for `num_rows` rows. `put`: kwargs for jnp.full."""
+    return {
+      s: jnp.full((num_rows,), self.initial_accumulator, jnp.float32, **put)
+      for s in self.slot_names()
+    }
+
+  def apply(
+    self, rows: jax.Array, slots: dict[str, jax.Array], grads: jax.Array, mean_square=None
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One optimizer step on gathered rows.
+
+    Args:
+      rows: float32[U, D], the current values of U distinct rows (for sgd U may repeat).
+      slots: per-row optimizer state, each float32[U].
+      grads: float32[U, D], the summed gradient of each row.
+      mean_square: grads -> float32[U], each row's mean squared gradient for row-wise
+        Adagrad (default: the mean over D). A row split by columns over devices passes the
+        mean over all of its columns (a sum across the devices).
+    Returns:
+      (new rows float32[U, D], new slots).
+    """
+    lr = self.learning_rate
+    if self.name == "sgd":
+      return rows - lr * grads, slots
+    sq = jnp.mean(grads * grads, axis=-1) if mean_square is None else mean_square(grads)
+    accum = slots["accum"] + sq
+    rows = rows - lr * grads / (jnp.sqrt(accum)[:, None] + self.eps)
+    return rows, {"accum": accum}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableSpec:
+  """One embedding table.
+
+  Attributes:
+    name: table name, matched by the plan's regexes (DLRM: C1..C26).
+    num_rows: rows (categorical cardinality).
+    dim: embedding width.
+    optimizer: the sparse row-wise optimizer of this table.
+    initializer: `uniform` U(-1/sqrt(num_rows), 1/sqrt(num_rows)) as in the DLRM reference,
+      `normal` N(0, 1/dim), or `zeros`.
+    pooling: how a multi-hot bag is reduced: `sum` or `mean` over its non-padded ids.
+  """
+
+  name: str
+  num_rows: int
+  dim: int
+  optimizer: OptimizerSpec = OptimizerSpec()
+  initializer: str = "uniform"
+  pooling: str = "sum"
+
+  def __post_init__(self):
+    if self.num_rows <= 0 or self.dim <= 0:
+      raise ValueError(f"Table {self.name!r}: num_rows and dim must be > 0")
+    if self.initializer not in INITIALIZERS:
+      raise ValueError(
+        f"Table {self.name!r}: unknown initializer {self.initializer!r}; "
+        f"available: {', '.join(INITIALIZERS)}"
+      )
+    if self.pooling not in POOLINGS:
+      raise ValueError(
+        f"Table {self.name!r}: unknown pooling {self.pooling!r}; available: {', '.join(POOLINGS)}"
+      )
+
+  @property
+  def row_bytes(self) -> int:
+    """Bytes of one row plus its optimizer state."""
+    return 4 * self.dim + 4 * len(self.optimizer.slot_names())
+
+  @property
+  def table_bytes(self) -> int:
+    return self.num_rows * self.row_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+  """What a backend will allocate for one table, computed before allocating."""
+
+  device_bytes: int  # on EACH device of the mesh (the most any one device holds)
+  host_bytes: int  # host memory in all
+  placement: str  # human-readable, e.g. "device", "host + 200000-row device cache"
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def init_rows(key: jax.Array, spec: TableSpec, start: int, stop: int) -> np.ndarray:
+  """Initial values of rows [start, stop) of a table, float32[stop - start, D].
+
+  Deterministic per INIT_CHUNK-row chunk (chunk c draws from fold_in(key, c)), so every
+  backend, whatever it keeps where, starts from the same table, and a host-resident table of
+  any size can be initialised a chunk at a time without materialising it on a device.
+  """
+  if not 0 <= start <= stop <= spec.num_rows:
+    raise ValueError(f"rows [{start}, {stop}) out of range for {spec.num_rows} rows")
+  out = np.empty((stop - start, spec.dim), np.float32)
+  c0, c1 = start // INIT_CHUNK, -(-stop // INIT_CHUNK)
+  for c in range(c0, c1):
+    block = np.asarray(_init_chunk(key, c, spec.dim, spec.num_rows, spec.initializer))
+    lo, hi = max(start, c * INIT_CHUNK), min(stop, (c + 1) * INIT_CHUNK)
+    out[lo - start : hi - start] = block[lo - c * INIT_CHUNK : hi - c * INIT_CHUNK]
+  return out
+
+
+def init_table(key: jax.Array, spec: TableSpec) -> np.ndarray:
+  """The whole initial table, float32[N, D] on the host (see `init_rows`)."""
+  return init_rows(key, spec, 0, spec.num_rows)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _init_chunk(key, chunk, dim, num_rows, initializer):
+  k = jax.random.fold_in(key, chunk)
+  shape = (INIT_CHUNK, dim)
+  if initializer == "uniform":
+    bound = 1.0 / np.sqrt(num_rows)
+    return jax.random.uniform(k, shape, jnp.float32, -bound, bound)
+  if initializer == "normal":
+    return jax.random.normal(k, shape, jnp.float32) / np.sqrt(dim)
+  return jnp.zeros(shape, jnp.float32)
+
+
+def table_key(key: jax.Array, name: str) -> jax.Array:
+  """A table's init key: depends on its name only, so a table starts from the same values
+  whatever backend, group or position in the plan it has."""
+  return jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)

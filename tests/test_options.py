@@ -1,0 +1,64 @@
+"""Plan-string options: each backend honours an option or refuses it, naming it and why
+(never accepted and ignored); an unknown option lists the valid ones."""
+
+import json
+
+import pytest
+
+from recgnn import sharding
+from recgnn.embeddings import base
+
+SPEC = base.TableSpec(name="t", num_rows=1000, dim=8)
+
+
+def test_offload_min_cache_rows_is_a_floor_under_cache_fraction_only():
+  with pytest.raises(ValueError, match="min_cache_rows=50 is a floor under cache_fraction"):
+    base.make_backend("offload(cache_rows=100, min_cache_rows=50)", SPEC)
+  g = base.make_backend("offload(cache_fraction=0.01, min_cache_rows=50)", SPEC)
+  assert g.members["t"].cache_rows == 50  # honoured: 1% of 1000 rows is 10
+
+
+def test_tt_cores_must_agree_with_row_factors():
+  with pytest.raises(ValueError, match=r"cores=4 but row_factors=\(10, 10, 10\) give 3 cores"):
+    base.make_backend("tt(rank=4, cores=4, row_factors=(10, 10, 10), dim_factors=(2, 2, 2))", SPEC)
+  g = base.make_backend(
+    "tt(rank=4, cores=3, row_factors=(10, 10, 10), dim_factors=(2, 2, 2))", SPEC
+  )
+  assert g.members["t"].shape.num_cores == 3
+  assert base.make_backend("tt(rank=4, cores=2)", SPEC).members["t"].shape.num_cores == 2
+
+
+def test_tt_cache_warmup_needs_a_cache():
+  with pytest.raises(ValueError, match="cache_warmup=5 .* no cache"):
+    base.make_backend("tt(rank=4, cache_warmup=5)", SPEC)
+  assert (
+    base.make_backend("tt(rank=4, cache_rows=10, cache_warmup=5)", SPEC).members["t"].cache_warmup
+    == 5
+  )
+
+
+@pytest.mark.parametrize("kind", ["row", "column"])
+def test_sharded_profile_only_with_table_wise_placement(tmp_path, kind):
+  specs = [base.TableSpec(name=f"T{i}", num_rows=100, dim=8) for i in range(4)]
+  profile = tmp_path / "lookups.json"
+  profile.write_text(json.dumps({"T0": 40, "T1": 40, "T2": 1, "T3": 1}))
+  mesh = sharding.make_mesh(1, 2)
+  with pytest.raises(ValueError, match=f"profile=.*kind={kind}.*drop profile="):
+    base.make_group(f"sharded(kind={kind}, profile='{profile}')", specs, mesh)
+  base.make_group(f"sharded(kind=table, profile='{profile}')", specs, mesh)  # honoured
+
+
+@pytest.mark.parametrize(
+  "text, valid",
+  [
+    ("dense(shards=rows)", "shard"),
+    ("tt(ranks=4)", "rank"),
+    ("offload(cache=10)", "cache_rows"),
+    ("hot_cold(budgett=0.1)", "budget"),
+    ("sharded(kinds=row)", "kind"),
+  ],
+)
+def test_unknown_option_lists_the_valid_ones(text, valid):
+  mesh = sharding.make_mesh(1, 2) if text.startswith("sharded") else None
+  with pytest.raises(ValueError, match=f"valid options: .*{valid}"):
+    base.make_group(text, [SPEC], mesh)

@@ -1,0 +1,85 @@
+"""A researcher's path: a backend in its own file outside the package (tests/toy_backend.py)
+registers itself, is named in a plan string, and passes the contract test on 1x1, 8x1 and
+2x4 without any change to recgnn."""
+
+import importlib.metadata
+
+import contract_lib as contract
+import pytest
+import toy_backend  # noqa: F401  (registers "toy")
+
+from recgnn.embeddings import base
+from recgnn.embeddings import plan as plan_lib
+
+MESHES = [(1, 1), (8, 1), (2, 4)]
+OPTIMIZERS = [
+  base.OptimizerSpec(name="sgd", learning_rate=0.1),
+  base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1),
+]
+
+
+def _spec(opt, pooling="sum"):
+  return base.TableSpec(name="t", num_rows=1000, dim=8, optimizer=opt, pooling=pooling)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
+def test_toy_matches_dense(opt, mesh_shape):
+  """The same checks as tests/test_contract.py's EXACT backends: bit-identical lookups and
+  tables against single-device dense, under the trainer's run-ahead of prepare."""
+  batches = contract.zipf_ids(seed=1, num_batches=6, batch=64, bag=3, num_rows=1000)
+  mesh = contract.mesh_or_skip(*mesh_shape)
+  contract.assert_matches_dense("toy", _spec(opt), batches, mesh=mesh)
+
+
+def test_toy_mean_pooling_on_mesh():
+  spec = _spec(OPTIMIZERS[1], pooling="mean")
+  batches = contract.zipf_ids(seed=2, num_batches=4, batch=32, bag=4, num_rows=1000)
+  contract.assert_matches_dense("toy", spec, batches, mesh=contract.mesh_or_skip(2, 4))
+
+
+def test_toy_is_registered_and_named_in_a_plan():
+  assert "toy" in base.available_backends()
+  assert base.capabilities_of("toy") == base.Capabilities()
+  specs = [_spec(OPTIMIZERS[0]), base.TableSpec(name="u", num_rows=10, dim=8)]
+  plan = base.resolve_plan([("t", "toy"), (".*", "dense")], specs, log=False)
+  assert plan.backend_of("t").name == "toy" and plan.backend_of("u").name == "dense"
+  assert base.check_memory(plan, None) > 0
+  with pytest.raises(ValueError, match="takes no options"):
+    base.make_backend("toy(rank=3)", specs[0])
+
+
+def test_unknown_backend_lists_the_registered_ones():
+  with pytest.raises(ValueError, match=r"Unknown backend 'toy2'; available: .*dense.*toy"):
+    base.make_backend("toy2", _spec(OPTIMIZERS[0]))
+
+
+def test_a_name_cannot_be_taken_twice():
+  class Other(base.TableBackend):
+    pass
+
+  with pytest.raises(ValueError, match="already registered"):
+    base.register_backend("dense")(Other)
+
+
+def test_entry_point_registers_an_installed_backend(monkeypatch):
+  """An installed package names its backend class in the `recgnn.backends` entry-point group
+  (pyproject: [project.entry-points."recgnn.backends"] toy_ep = "pkg.mod:Class")."""
+
+  class Installed(toy_backend.Toy):
+    pass
+
+  ep = importlib.metadata.EntryPoint("toy_ep", "toy_backend:Toy", base.ENTRY_POINT_GROUP)
+  monkeypatch.setattr(ep.__class__, "load", lambda self: Installed)
+  monkeypatch.setattr(
+    plan_lib.importlib.metadata,
+    "entry_points",
+    lambda group: [ep] if group == base.ENTRY_POINT_GROUP else [],
+  )
+  monkeypatch.setattr(plan_lib, "_loaded", False)
+  monkeypatch.delitem(plan_lib._REGISTRY, "toy_ep", raising=False)
+  try:
+    assert "toy_ep" in base.available_backends()
+    assert base.backend_class("toy_ep") is Installed
+  finally:
+    plan_lib._REGISTRY.pop("toy_ep", None)
