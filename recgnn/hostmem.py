@@ -14,8 +14,16 @@ time per step, measured with benchmarks/dlrm_throughput.py):
    Whether a run lands there depends on what its heaps held when the first step ran: that was
    the step's two speed modes (83-95k vs 58-78k samples/s on 2026-11-24).
 
-`keep_freed_memory()` sets all three knobs; afterwards the same strace shows no mmap, munmap,
-mprotect or page fault in the step loop.
+3. A block larger than a thread heap (HEAP_MAX_SIZE, 64 MiB) never fits one: glibc mmaps it
+   whatever the mmap threshold, and unmaps it on free. The DCNv2 benchmark step's temporaries
+   are one 65.3 MiB block (benchmarks/dlrm_throughput.py --model=dcnv2): ~16,800 faults and
+   ~28 system ms per step until every thread allocated from the main arena
+   (glibc.malloc.arena_max=1: 2-4k faults, 3-8 ms), which grows by brk without a size limit.
+
+`keep_freed_memory()` sets the four knobs; afterwards the same strace shows no mmap, munmap,
+mprotect or page fault in the step loop. The arena limit acts on threads that have not yet
+allocated, so call it at process start, before jax starts its threads (run.py does, and the
+trainer again, harmlessly, for library callers).
 """
 
 from __future__ import annotations
@@ -26,19 +34,24 @@ import ctypes.util
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 # glibc's HEAP_MAX_SIZE on 64-bit (2 x the 32 MiB DEFAULT_MMAP_THRESHOLD_MAX): a top pad of a
 # whole heap makes heap_trim keep every thread heap it has made.
 _HEAP_MAX_SIZE = 64 << 20
 _done = False
 
 
-def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30) -> bool:
+def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30, arenas: int = 1) -> bool:
   """Make glibc malloc keep and reuse freed memory below `mmap_threshold_bytes`.
 
   Blocks smaller than the threshold come from the heaps and stay there when freed (no trim,
   and thread heaps are never unmapped), so per-step temporaries are reused without page
   faults; larger blocks (big tables) are still mmapped. The cost: up to 64 MiB of address
   space (not memory: pages are committed only when touched) beyond what a heap holds.
+  arenas: the most malloc arenas (glibc.malloc.arena_max; 0 leaves glibc's default of 8 per
+  core): with 1 every thread that allocates after this call uses the main arena, which has
+  no 64 MiB limit per block (3. above); the price is one lock for all threads' mallocs,
+  which XLA:CPU's step does not feel (its temporaries are one block per execution).
   Process-wide, idempotent; returns False where libc is not glibc.
   """
   global _done
@@ -49,6 +62,8 @@ def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30) -> bool:
     ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes) == 1
     ok = ok and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
     ok = ok and libc.mallopt(_M_TOP_PAD, _HEAP_MAX_SIZE) == 1
+    if arenas:
+      ok = ok and libc.mallopt(_M_ARENA_MAX, arenas) == 1
   except (OSError, AttributeError, TypeError):
     return False
   _done = ok
