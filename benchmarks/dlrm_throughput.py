@@ -639,6 +639,7 @@ def time_in_process(args, contestants: list[str]) -> dict:
 # Columns of the distribution table: (key in a process's results, header, format).
 DIST_COLUMNS = (
   ("samples_per_s", "samples/s", "{:,.0f}"),
+  ("cpu_user_ms_per_step", "user ms / step", "{:.0f}"),  # load-robust (but counts OMP spinning)
   ("cpu_system_ms_per_step", "system ms / step", "{:.1f}"),
   ("minor_faults_per_step", "page faults / step", "{:,.0f}"),
 )
@@ -853,7 +854,7 @@ def _run_processes(args, tmp: str) -> dict:
 
 def distribution(runs: list[dict]) -> dict:
   out = {}
-  for key in ("samples_per_s", "cpu_system_ms_per_step", "minor_faults_per_step", "floor_fraction"):
+  for key in (*(k for k, _, _ in DIST_COLUMNS), "floor_fraction"):
     vals = [r[key] for r in runs if key in r]
     if vals:
       out[key] = {"min": min(vals), "median": statistics.median(vals), "max": max(vals)}
