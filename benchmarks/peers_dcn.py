@@ -21,8 +21,8 @@ float32[B]; TorchRec gets them as a KeyedJaggedTensor (values feature-major, len
 recgnn as its padded bags ids[t] int32[B, L_t] (MLPerf's bags are full: no PAD).
 
 `check(rec, cfg, batches)` shows the two compute the same: recgnn's initial weights copied into
-TorchRec's model, logits on batch 0, then one train step of each on batch 0 and logits on
-batch 1, and the parameter counts.
+TorchRec's model, logits on batch 1, one train step of each on batch 0, then logits on batch 1
+and the tables again, beside the parameter counts.
 """
 
 from __future__ import annotations
@@ -160,12 +160,12 @@ def copy_recgnn_weights(model, params, tables: Sequence[np.ndarray]) -> None:
   """Writes recgnn's DCN params ({"params": ...} of recgnn.models.dcn.DCN) and tables
   (float32[rows_t, D] each, in feature order) into TorchRec's DLRM_DCN `model`, in place.
 
-  torch Linear weights are [out, in], flax kernels [in, out]; TorchRec's cross layer t computes
-  W_t (V_t x) with V_t [r, N], W_t [N, r], so V_t = recgnn's V_t^T and W_t = recgnn's U_t^T.
+  torch Linear weights are [out, in], flax kernels [in, out]; TorchRec's cross layer l computes
+  W_l (V_l x) with V_l [r, N], W_l [N, r], so V_l = recgnn's V_l^T and W_l = recgnn's U_l^T.
   """
   import torch
 
-  p = {k: v for k, v in params["params"].items()}
+  p = params["params"]
   sd = model.state_dict()  # views of the live weights (FBGEMM's included): copy_ writes them
   dest = {}
   for t, rows in enumerate(tables):
@@ -196,10 +196,11 @@ def copy_recgnn_weights(model, params, tables: Sequence[np.ndarray]) -> None:
 def check(rec, cfg: DcnConfig, batches: Sequence[MultiHotBatch], seed: int = 0) -> dict:
   """recgnn's DCNv2 step against TorchRec's DLRM_DCN on identical weights.
 
-  `rec`: dlrm_throughput.Recgnn over `batches` (its task's model is recgnn's DCN). Returns the
-  parameter counts and max |logit difference| on batch 1 before and after one train step of
-  each on batch 0 (the step checks backward, pooling's transpose and both SGDs), with the
-  logits' scale.
+  `rec`: dlrm_throughput.Recgnn over `batches` (its task's model is recgnn's DCN; its
+  `train_step` is the timed step's function, unpacked inputs). Returns the parameter counts,
+  max |logit difference| on batch 1 before and after one train step of each on batch 0 (the
+  step checks backward, pooling's transpose and both SGDs) and max |table difference| after
+  it, each beside the size of what it compares (the logits' scale, the step's changes).
   """
   import jax
   import torch
@@ -233,7 +234,8 @@ def check(rec, cfg: DcnConfig, batches: Sequence[MultiHotBatch], seed: int = 0) 
 
   out = {
     "params_recgnn": int(
-      sum(np.size(x) for x in jax.tree.leaves(state.params)) + sum(r * cfg.dim for r in cfg.rows)
+      sum(np.size(x) for x in jax.tree.leaves(state.params))
+      + sum(s.num_rows * s.dim for s in plan.specs.values())
     ),
     "params_torchrec": int(sum(p.numel() for p in model.parameters())),
   }
