@@ -18,15 +18,23 @@ machine's load hits them alike; reported: median samples/s and recgnn / TorchRec
 `--profile` also times recgnn's pieces (MLPs, interaction, embedding lookups + updates) and
 the ideas listed in `IDEAS`, each as its own jitted function on the same batches.
 
+--model=dcnv2 times DLRM-DCNv2 instead (low-rank cross layers in place of the dot
+interaction, MLPerf's multi-hot bags, sum pooling): recgnn's CTR task with
+model.interaction=dcn against TorchRec's DLRM_DCN over a fused EBC, same tables, MLPs, cross
+layers and SGD (benchmarks/peers_dcn.py says what is matched and how). Every such run first
+checks that the two compute the same on identical weights (--check: only that).
+
 Beside wall time, each contestant's CPU time (user + system, all threads) and minor page
 faults per step are reported: on a loaded machine they say what the wall time cannot.
 
   python benchmarks/dlrm_throughput.py               # 1-3 minutes
   python benchmarks/dlrm_throughput.py --quick       # ~1 minute
   python benchmarks/dlrm_throughput.py --profile     # + where recgnn's step time goes
+  python benchmarks/dlrm_throughput.py --model=dcnv2 [--quick]   # DCNv2 vs TorchRec DLRM_DCN
   --omp-wait-policy passive   torch's idle threads sleep (fairer to torch under heavy load)
   --malloc default            glibc's default malloc (the trainer uses recgnn.hostmem's)
-Writes benchmarks/results/dlrm_throughput[_malloc_default][_omp_passive].{json,md}.
+Writes benchmarks/results/NAME.{json,md}, NAME = --name or dlrm_throughput[_dcnv2]
+[_malloc_default][_omp_passive][_processes].
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ sys.path.insert(
 )
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402  (benchmarks/common.py)
+import peers_dcn  # noqa: E402
 import peers_dlrm  # noqa: E402
 
 from recgnn import hostmem, sharding  # noqa: E402
@@ -65,6 +74,10 @@ from recgnn.tasks import ctr  # noqa: E402
 from recgnn.tasks.base import Task  # noqa: E402
 from recgnn.train import inputs as inputs_lib  # noqa: E402
 from recgnn.train import step as step_lib  # noqa: E402
+
+# --model: the peers' module (its PEERS, available(), runner()) and the names in result files.
+PEER_MODULES = {"dlrm": peers_dlrm, "dcnv2": peers_dcn}
+TITLES = {"dlrm": ("DLRM", "TorchRec vs PyTorch"), "dcnv2": ("DLRM-DCNv2", "TorchRec's DLRM_DCN")}
 
 # XLA:CPU allocates a step's temporaries (44.6 MB for this DLRM) with malloc on every
 # execution, and glibc hands them back to the kernel after each step unless told otherwise
@@ -81,20 +94,7 @@ def keep_freed_memory() -> str:
   )
 
 
-# ----------------------------------------------------------------------------- data
-
-
-def make_batches(cfg: peers_dlrm.DlrmConfig, batch: int, n: int, zipf: float, seed: int):
-  """n identical-for-everyone batches: dense N(0,1), Zipf ids per table, Bernoulli labels."""
-  rng = np.random.default_rng(seed)
-  out = []
-  for _ in range(n):
-    ids = np.stack([common.zipf_ids(rng, rows, (batch,), zipf) for rows in cfg.rows], axis=1)
-    dense = rng.normal(size=(batch, cfg.num_dense)).astype(np.float32)
-    labels = (rng.random(batch) < 0.25).astype(np.float32)
-    out.append(peers_dlrm.Batch.of(dense, ids, labels))
-  return out
-
+make_batches = peers_dlrm.make_batches  # the dot DLRM's batches, by the name scaling.py uses
 
 # ----------------------------------------------------------------------------- recgnn
 
@@ -111,7 +111,7 @@ class BenchCTR(ctr.CTR):
     self.data, self.oracle = None, None
     self.names = table_names(cfg)
     self.rows = cfg.rows
-    self.model = dlrm_lib.DLRM(bottom=tuple(config.model.bottom), top=tuple(config.model.top))
+    self.model = ctr.make_model(config.model)
 
   def tables(self) -> list[base.TableSpec]:
     e = self.config.embeddings
@@ -125,6 +125,8 @@ class BenchCTR(ctr.CTR):
 def recgnn_config(cfg: peers_dlrm.DlrmConfig) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.model = {"bottom": cfg.bottom, "top": cfg.top}
+  if isinstance(cfg, peers_dcn.DcnConfig):
+    c.model.update(interaction="dcn", cross_layers=cfg.cross_layers, low_rank=cfg.low_rank)
   c.embeddings = {
     "dim": cfg.dim,
     "initializer": "uniform",
@@ -134,13 +136,13 @@ def recgnn_config(cfg: peers_dlrm.DlrmConfig) -> ml_collections.ConfigDict:
   return c
 
 
-def to_recgnn_batch(b: peers_dlrm.Batch, names: list[str]) -> dict:
-  """The task's batch: dense, label, weight and ids {table: int32[B, 1]} (one-hot bags)."""
+def to_recgnn_batch(b, names: list[str]) -> dict:
+  """The task's batch: dense, label, weight and ids {table: int32[B, L_t]} (b.bags())."""
   return {
     "dense": b.dense,
     "label": b.labels,
     "weight": np.ones_like(b.labels),
-    "ids": {n: b.ids[:, t : t + 1].astype(np.int32) for t, n in enumerate(names)},
+    "ids": {n: bag.astype(np.int32) for n, bag in zip(names, b.bags())},
   }
 
 
@@ -449,11 +451,10 @@ IDEAS = {
 def markdown(payload: dict) -> str:
   a, m, r = payload["config"], payload["machine"], payload["results"]
   lines = [
-    "# DLRM train-step throughput: recgnn vs TorchRec vs PyTorch",
+    "# {} train-step throughput: recgnn vs {}".format(*TITLES[a["model"]]),
     "",
-    f"Batch {a['batch']}, {a['tables']} tables x {a['rows']:,} rows, dim {a['dim']}, bottom "
-    f"13-{'-'.join(map(str, a['bottom']))}, top {a['interaction_width']}-"
-    f"{'-'.join(map(str, a['top']))}, SGD lr {a['lr']}, Zipf ids (exponent {a['zipf']}), "
+    f"Batch {a['batch']}, {a['tables']} tables x {a['rows']:,} rows, dim {a['dim']}, "
+    f"{a['model_note']}, SGD lr {a['lr']}, Zipf ids (exponent {a['zipf']}), "
     f"{a['num_batches']} distinct batches, identical for all. Median over {a['reps']} "
     f"repetitions x {a['steps_per_rep']} steps after {a['warmup']} warmup steps, contestants "
     f"in round-robin. {m['cpus']} CPUs (torch threads {payload['torch_threads']}), load "
@@ -479,6 +480,7 @@ def markdown(payload: dict) -> str:
   lines.append("")
   for k, v in payload["ratios"].items():
     lines.append(f"- {k}: **{v:.2f}**")
+  lines += peers_dcn.check_lines(payload.get("check"))
   prof = payload.get("profile")
   if prof:
     full = prof["full_step"]
@@ -520,12 +522,10 @@ def markdown(payload: dict) -> str:
 
 
 def mlp_gflop_per_batch(cfg: peers_dlrm.DlrmConfig, batch: int) -> float:
-  """The reference MLPs' matmul work per train step: forward + two backward matmuls per layer
-  (2 flops per multiply-add), bottom and top. 5.83 GFLOP at batch 2048."""
-  macs = 0
-  for widths in ((cfg.num_dense, *cfg.bottom), (cfg.interaction_width, *cfg.top)):
-    macs += sum(a * b for a, b in zip(widths[:-1], widths[1:]))
-  return 3 * 2 * batch * macs / 1e9
+  """The model's matmul work per train step: forward + two backward matmuls per layer (2 flops
+  per multiply-add), the MLPs and any cross layers (cfg.matmul_macs). 5.83 GFLOP for the
+  reference Kaggle DLRM at batch 2048."""
+  return 3 * 2 * batch * cfg.matmul_macs / 1e9
 
 
 def matmul_gflops(n: int = 2048, k: int = 512, m: int = 512, seconds: float = 0.5) -> float:
@@ -550,7 +550,8 @@ def matmul_gflops(n: int = 2048, k: int = 512, m: int = 512, seconds: float = 0.
 def time_in_process(args, contestants: list[str]) -> dict:
   """Times `contestants` ('recgnn' and peers) in this process, round-robin; the payload."""
   cfg = cfg_of(args)
-  batches = make_batches(cfg, args.batch, args.num_batches, args.zipf, args.seed)
+  peers = PEER_MODULES[args.model]
+  batches = peers.make_batches(cfg, args.batch, args.num_batches, args.zipf, args.seed)
   machine = common.machine_info()
 
   results: dict[str, dict] = {}
@@ -559,7 +560,7 @@ def time_in_process(args, contestants: list[str]) -> dict:
   if "recgnn" in contestants:
     rec = Recgnn(cfg, batches, seed=args.seed)
     runners["recgnn"] = rec.runner()
-  avail = peers_dlrm.available() if set(contestants) - {"recgnn"} else {}
+  avail = peers.available() if set(contestants) - {"recgnn"} else {}
   torch_threads = None
   for name in contestants:
     if name == "recgnn":
@@ -568,8 +569,8 @@ def time_in_process(args, contestants: list[str]) -> dict:
       results[name] = {"unavailable": avail.get(name, f"unknown peer {name!r}")}
       print(f"peer {name}: not available ({results[name]['unavailable']})", flush=True)
       continue
-    torch_threads = peers_dlrm.set_threads(args.threads or None)
-    runners[name] = peers_dlrm.runner(name, cfg, batches, seed=args.seed)
+    torch_threads = peers.set_threads(args.threads or None)
+    runners[name] = peers.runner(name, cfg, batches, seed=args.seed)
 
   t0 = time.perf_counter()
   timing = common.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
@@ -610,13 +611,14 @@ def time_in_process(args, contestants: list[str]) -> dict:
     "benchmark": "dlrm_throughput",
     "config": {
       **vars(args),
+      "model_note": cfg.describe(),
       "bottom": list(cfg.bottom),
       "top": list(cfg.top),
       "interaction_width": cfg.interaction_width,
       "mlp_gflop_per_batch": mlp_gflop_per_batch(cfg, args.batch),
     },
     "machine": machine,
-    "peer_versions": peers_dlrm.versions() if set(contestants) - {"recgnn"} else {},
+    "peer_versions": peers.versions() if set(contestants) - {"recgnn"} else {},
     "torch_threads": torch_threads,
     "malloc": args.malloc_note,
     "timed_seconds": elapsed,
@@ -637,6 +639,7 @@ def time_in_process(args, contestants: list[str]) -> dict:
 # Columns of the distribution table: (key in a process's results, header, format).
 DIST_COLUMNS = (
   ("samples_per_s", "samples/s", "{:,.0f}"),
+  ("cpu_user_ms_per_step", "user ms / step", "{:.0f}"),  # load-robust (but counts OMP spinning)
   ("cpu_system_ms_per_step", "system ms / step", "{:.1f}"),
   ("minor_faults_per_step", "page faults / step", "{:,.0f}"),
 )
@@ -666,6 +669,9 @@ def child_command(args, contestant: str, out: str) -> list[str]:
   """One process of the rounds: this script timing `contestant` alone, into `out`."""
   peer = contestant if contestant in peers_dlrm.PEERS else ""
   opts = {
+    "model": args.model,
+    "cross-layers": args.cross_layers,
+    "low-rank": args.low_rank,
     "batch": args.batch,
     "tables": args.tables,
     "rows": args.rows,
@@ -734,9 +740,10 @@ def trainer_result(workdir: str) -> dict:
 
 
 def cfg_of(args) -> peers_dlrm.DlrmConfig:
-  return peers_dlrm.DlrmConfig(
-    num_rows=args.rows, num_tables=args.tables, dim=args.dim, learning_rate=args.lr
-  )
+  sizes = dict(num_rows=args.rows, num_tables=args.tables, dim=args.dim, learning_rate=args.lr)
+  if args.model == "dlrm":
+    return peers_dlrm.DlrmConfig(**sizes)
+  return peers_dcn.DcnConfig(**sizes, cross_layers=args.cross_layers, low_rank=args.low_rank)
 
 
 def run_processes(args) -> dict:
@@ -761,7 +768,7 @@ def _run_processes(args, tmp: str) -> dict:
   if args.trainer:
     contestants.append("trainer")
     env_of["trainer"] = {}
-  avail = peers_dlrm.available() if args.peers else {}
+  avail = PEER_MODULES[args.model].available() if args.peers else {}
   skipped = {}
   for p in [s for s in args.peers.split(",") if s]:
     if avail.get(p, "unknown peer") is None:
@@ -829,7 +836,11 @@ def _run_processes(args, tmp: str) -> dict:
   return {
     "benchmark": "dlrm_throughput",
     "mode": "processes",
-    "config": {**vars(args), "mlp_gflop_per_batch": mlp_gflop_per_batch(cfg_of(args), args.batch)},
+    "config": {
+      **vars(args),
+      "model_note": cfg_of(args).describe(),
+      "mlp_gflop_per_batch": mlp_gflop_per_batch(cfg_of(args), args.batch),
+    },
     "machine": machine,
     "load_avg_at_end": os.getloadavg(),
     "against": against and {"commit": against["commit"]},
@@ -843,7 +854,7 @@ def _run_processes(args, tmp: str) -> dict:
 
 def distribution(runs: list[dict]) -> dict:
   out = {}
-  for key in ("samples_per_s", "cpu_system_ms_per_step", "minor_faults_per_step", "floor_fraction"):
+  for key in (*(k for k, _, _ in DIST_COLUMNS), "floor_fraction"):
     vals = [r[key] for r in runs if key in r]
     if vals:
       out[key] = {"min": min(vals), "median": statistics.median(vals), "max": max(vals)}
@@ -854,10 +865,10 @@ def markdown_processes(payload: dict) -> str:
   a, m = payload["config"], payload["machine"]
   loads = [r["load_avg"] for v in payload["runs"].values() for r in v]
   lines = [
-    "# DLRM train-step throughput: distributions over separate processes",
+    f"# {TITLES[a['model']][0]} train-step throughput: distributions over separate processes",
     "",
-    f"Batch {a['batch']}, {a['tables']} tables x {a['rows']:,} rows, dim {a['dim']}, the "
-    f"reference Kaggle MLPs, SGD lr {a['lr']}, Zipf ids (exponent {a['zipf']}). Each "
+    f"Batch {a['batch']}, {a['tables']} tables x {a['rows']:,} rows, dim {a['dim']}, "
+    f"{a['model_note']}, SGD lr {a['lr']}, Zipf ids (exponent {a['zipf']}). Each "
     f"contestant in {a['processes']} separate processes, in rounds (one process of each per "
     f"round, order rotated); each process times {a['reps']} x {a['steps_per_rep']} steps after "
     f"{a['warmup']} warmup steps and reports its median. {m['cpus']} CPUs, load average "
@@ -896,6 +907,7 @@ def markdown_processes(payload: dict) -> str:
     )
   for p, why in payload.get("unavailable", {}).items():
     lines.append(f"- {p}: not available ({why})")
+  lines += peers_dcn.check_lines(payload.get("check"))
   lines += ["", "Every process (in run order within each contestant):", ""]
   for c, v in payload["runs"].items():
     lines.append(
@@ -912,9 +924,18 @@ def markdown_processes(payload: dict) -> str:
 
 # ----------------------------------------------------------------------------- main
 
+MODEL_HELP = """dlrm: the Kaggle DLRM on one-hot ids (vs TorchRec's DLRM and plain PyTorch)
+dcnv2: DLRM-DCNv2 on MLPerf's multi-hot bags vs TorchRec's DLRM_DCN (peers_dcn.py)"""
+CHECK_HELP = """dcnv2: only check that recgnn and TorchRec compute the same (exit 1 if not);
+every dcnv2 run with torchrec checks first and reports it"""
+
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--model", choices=tuple(PEER_MODULES), default="dlrm", help=MODEL_HELP)
+  p.add_argument("--cross-layers", type=int, default=3, help="dcnv2: low-rank cross layers")
+  p.add_argument("--low-rank", type=int, default=64, help="dcnv2: the cross layers' rank")
+  p.add_argument("--check", action="store_true", help=CHECK_HELP)
   p.add_argument("--batch", type=int, default=2048)
   p.add_argument("--tables", type=int, default=26)
   p.add_argument("--rows", type=int, default=100_000, help="rows per table")
@@ -925,7 +946,7 @@ def main(argv=None):
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--reps", type=int, default=7)
   p.add_argument("--steps-per-rep", type=int, default=5)
-  p.add_argument("--peers", default=",".join(peers_dlrm.PEERS), help="'' for recgnn only")
+  p.add_argument("--peers", default=None, help="'' for recgnn only (default: all of --model's)")
   p.add_argument("--threads", type=int, default=0, help="torch threads (0: all usable CPUs)")
   p.add_argument(
     "--processes",
@@ -964,6 +985,12 @@ def main(argv=None):
   p.add_argument("--child-out", default="", help=argparse.SUPPRESS)  # a --processes child
   p.add_argument("--no-recgnn", type=int, default=0, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
+  if args.peers is None:
+    args.peers = ",".join(PEER_MODULES[args.model].PEERS)
+  if args.model == "dcnv2" and (args.profile or args.trainer):
+    p.error("--profile and --trainer time the dot DLRM only: use --model=dlrm")
+  if args.check and args.model != "dcnv2":
+    p.error("--check compares the DCNv2 models: add --model=dcnv2")
   if args.quick:
     args.reps, args.steps_per_rep, args.num_batches, args.warmup = 3, 3, 4, 2
     args.processes = min(args.processes, 3)
@@ -975,16 +1002,26 @@ def main(argv=None):
   if args.omp_wait_policy:
     os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # before torch loads libgomp
   if not args.name:
-    args.name = "dlrm_throughput" + ("_malloc_default" if args.malloc == "default" else "")
+    args.name = "dlrm_throughput" + ("_dcnv2" if args.model == "dcnv2" else "")
+    args.name += "_malloc_default" if args.malloc == "default" else ""
     args.name += f"_omp_{args.omp_wait_policy}" if args.omp_wait_policy else ""
     args.name += "_processes" if args.processes else ""
 
+  check = None
+  if args.check or (
+    args.model == "dcnv2" and not args.child_out and "torchrec" in args.peers.split(",")
+  ):
+    check = peers_dcn.check_at(cfg_of(args), args.batch, args.zipf, args.seed, Recgnn)
+    if args.check:
+      sys.exit(0 if check and check["ok"] else 1)
   if args.processes:
     payload = run_processes(args)
+    payload["check"] = check
     common.write_results(args.name, payload, markdown_processes(payload))
     return payload
   contestants = ([] if args.no_recgnn else ["recgnn"]) + [s for s in args.peers.split(",") if s]
   payload = time_in_process(args, contestants)
+  payload["check"] = check
   if args.child_out:
     with open(args.child_out, "w") as f:
       json.dump(payload, f)

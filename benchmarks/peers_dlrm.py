@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import common
 import numpy as np
 
 PEERS = ("torchrec", "pytorch")
@@ -82,6 +83,21 @@ class DlrmConfig:
     f = self.num_tables + 1
     return self.dim + f * (f - 1) // 2
 
+  @property
+  def matmul_macs(self) -> int:
+    """Multiply-adds per example of the forward's matmuls (the bottom and top MLPs)."""
+    macs = 0
+    for widths in ((self.num_dense, *self.bottom), (self.interaction_width, *self.top)):
+      macs += sum(a * b for a, b in zip(widths[:-1], widths[1:]))
+    return macs
+
+  def describe(self) -> str:
+    """The model in one line, for result files."""
+    return (
+      f"bottom {self.num_dense}-{'-'.join(map(str, self.bottom))}, dot interaction, "
+      f"top {self.interaction_width}-{'-'.join(map(str, self.top))}, one-hot ids"
+    )
+
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
@@ -98,6 +114,22 @@ class Batch:
     return cls(
       np.asarray(dense, np.float32), np.asarray(ids, np.int64), np.asarray(labels, np.float32)
     )
+
+  def bags(self) -> list[np.ndarray]:
+    """Each table's ids as int64[B, 1]: bags of one id (peers_dcn.MultiHotBatch: of L_t)."""
+    return [self.ids[:, t : t + 1] for t in range(self.ids.shape[1])]
+
+
+def make_batches(cfg: DlrmConfig, batch: int, n: int, zipf: float, seed: int) -> list[Batch]:
+  """n identical-for-everyone batches: dense N(0,1), Zipf ids per table, Bernoulli labels."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    ids = np.stack([common.zipf_ids(rng, rows, (batch,), zipf) for rows in cfg.rows], axis=1)
+    dense = rng.normal(size=(batch, cfg.num_dense)).astype(np.float32)
+    labels = (rng.random(batch) < 0.25).astype(np.float32)
+    out.append(Batch.of(dense, ids, labels))
+  return out
 
 
 def set_threads(n: int | None = None) -> int:
@@ -209,7 +241,13 @@ def _build_pytorch(cfg: DlrmConfig, seed: int):
   return model, to_inputs, step
 
 
-def _build_torchrec(cfg: DlrmConfig, seed: int):
+def build_torchrec(cfg: DlrmConfig, seed: int, make_model: Callable[[Any], Any] | None = None):
+  """TorchRec's model over a FusedEmbeddingBagCollection (fused SGD), its inputs and step.
+
+  `make_model(ebc)` builds the model over the collection (default: `torchrec.models.dlrm.DLRM`
+  of cfg's MLPs; peers_dcn passes `DLRM_DCN`). Batches are anything with `dense`, `labels`
+  and `bags()` (every bag of table t holding the same number of ids).
+  """
   import torch
   from torchrec.models.dlrm import DLRM
   from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -228,12 +266,15 @@ def _build_torchrec(cfg: DlrmConfig, seed: int):
     optimizer_kwargs={"lr": cfg.learning_rate},
     device=torch.device("cpu"),
   )
-  model = DLRM(
-    embedding_bag_collection=ebc,
-    dense_in_features=cfg.num_dense,
-    dense_arch_layer_sizes=list(cfg.bottom),
-    over_arch_layer_sizes=list(cfg.top),
-  )
+  if make_model is None:
+    model = DLRM(
+      embedding_bag_collection=ebc,
+      dense_in_features=cfg.num_dense,
+      dense_arch_layer_sizes=list(cfg.bottom),
+      over_arch_layer_sizes=list(cfg.top),
+    )
+  else:
+    model = make_model(ebc)
   first = next(m for m in model.over_arch.modules() if isinstance(m, torch.nn.Linear))
   if first.in_features != cfg.interaction_width:
     raise AssertionError(
@@ -246,13 +287,14 @@ def _build_torchrec(cfg: DlrmConfig, seed: int):
   opt = torch.optim.SGD(dense_params, lr=cfg.learning_rate)
   loss_fn = torch.nn.BCEWithLogitsLoss()
 
-  def to_inputs(b: Batch):
-    bsz, t = b.ids.shape
-    # KJT values are feature-major: all of f0's ids, then f1's, ...; one id per bag.
+  def to_inputs(b):
+    bags = b.bags()
+    bsz = b.labels.shape[0]
+    # KJT values are feature-major: all of f0's bags (example by example), then f1's, ...
     kjt = KeyedJaggedTensor.from_lengths_sync(
       keys=keys,
-      values=torch.from_numpy(np.ascontiguousarray(b.ids.T).reshape(-1)),
-      lengths=torch.ones(t * bsz, dtype=torch.int32),
+      values=torch.from_numpy(np.concatenate([x.reshape(-1) for x in bags]).astype(np.int64)),
+      lengths=torch.from_numpy(np.repeat([x.shape[1] for x in bags], bsz).astype(np.int32)),
     )
     return torch.from_numpy(b.dense), kjt, torch.from_numpy(b.labels)
 
@@ -269,7 +311,7 @@ def _build_torchrec(cfg: DlrmConfig, seed: int):
 
 _BUILDERS: dict[str, Callable[[DlrmConfig, int], Any]] = {
   "pytorch": _build_pytorch,
-  "torchrec": _build_torchrec,
+  "torchrec": build_torchrec,
 }
 
 
@@ -322,6 +364,11 @@ def runner(name: str, cfg: DlrmConfig, batches: Sequence[Batch], seed: int = 0):
   repetitions with other contestants (benchmarks/dlrm_throughput.py).
   """
   _, to_inputs, step = build(name, cfg, seed)
+  return runner_of(to_inputs, step, batches)
+
+
+def runner_of(to_inputs, step, batches: Sequence[Any]):
+  """`runner` for a built peer: (to_inputs, step) of `build` (or peers_dcn.build)."""
   inputs = [to_inputs(b) for b in batches]
   pos = [0]
 
