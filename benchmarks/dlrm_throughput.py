@@ -84,13 +84,14 @@ TITLES = {"dlrm": ("DLRM", "TorchRec vs PyTorch"), "dcnv2": ("DLRM-DCNv2", "Torc
 # (recgnn/hostmem.py says how and why): ~11k minor faults and ~19 ms of kernel time per step.
 
 
-def keep_freed_memory() -> str:
-  """recgnn.hostmem.keep_freed_memory for this process (torch's tensors included)."""
-  if not hostmem.keep_freed_memory():
+def keep_freed_memory(arenas: int = 1) -> str:
+  """recgnn.hostmem.keep_freed_memory for this process (torch's tensors included);
+  arenas=0: glibc's default arena count (per-thread arenas: blocks over 64 MiB mmapped)."""
+  if not hostmem.keep_freed_memory(arenas=arenas):
     raise RuntimeError("mallopt failed; --malloc keep needs glibc")
   return (
     "recgnn.hostmem.keep_freed_memory() (glibc mallopt: no trim, thread heaps kept, mmap only"
-    " above 1 GiB)"
+    " above 1 GiB" + (", one arena)" if arenas else ", glibc's thread arenas)")
   )
 
 
@@ -968,9 +969,10 @@ def main(argv=None):
   p.add_argument("--trainer-steps", type=int, default=400, help="steps of each trainer run")
   p.add_argument(
     "--malloc",
-    choices=("default", "keep"),
+    choices=("default", "keep", "keep_thread_arenas"),
     default="keep",
-    help="keep (what recgnn's trainer does): glibc malloc keeps freed memory; default: glibc's",
+    help="keep (what recgnn's trainer does): glibc malloc keeps freed memory, one arena; "
+    "keep_thread_arenas: the same with glibc's per-thread arenas; default: glibc's",
   )
   p.add_argument(
     "--omp-wait-policy",
@@ -998,12 +1000,16 @@ def main(argv=None):
     p.error("--profile times recgnn's pieces in one process: add --processes=0")
   if (args.against or args.trainer) and not args.processes:
     p.error("--against and --trainer run in their own processes: --processes must be > 0")
-  args.malloc_note = keep_freed_memory() if args.malloc == "keep" else "glibc default"
+  args.malloc_note = (
+    keep_freed_memory(arenas=int(args.malloc == "keep"))
+    if args.malloc.startswith("keep")
+    else "glibc default"
+  )
   if args.omp_wait_policy:
     os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # before torch loads libgomp
   if not args.name:
     args.name = "dlrm_throughput" + ("_dcnv2" if args.model == "dcnv2" else "")
-    args.name += "_malloc_default" if args.malloc == "default" else ""
+    args.name += f"_malloc_{args.malloc}" if args.malloc != "keep" else ""
     args.name += f"_omp_{args.omp_wait_policy}" if args.omp_wait_policy else ""
     args.name += "_processes" if args.processes else ""
 
