@@ -1,7 +1,7 @@
 """`hot_cold`: Hotline / FAE. Popular rows row-sharded over the mesh, the rest in host memory.
 
 Plan string: `hot_cold(budget=0.05, profile_batches=20, reprofile=0, split=True)`; options in
-`HotCold`. One instance per GROUP of tables: an example is popular only when ALL its ids in
+`HotColdOptions`. One instance per GROUP of tables: an example is popular only when ALL its ids in
 the group's tables are hot (FAE's rule), so put the large tables in one hot_cold rule and the
 small ones (wholly on the devices anyway) under `dense`.
 
@@ -77,6 +77,7 @@ import functools
 import math
 import time
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -122,22 +123,62 @@ class _Rows:
     return np.sort(self.slot_row[self.slot_row >= 0])
 
 
+@dataclasses.dataclass(frozen=True)
+class HotColdOptions(base.BackendOptions):
+  """`hot_cold(...)`'s options: `budget` or `hot_rows` (not both; budget=0.05 when neither).
+
+  Attributes:
+    budget: share of each table's bytes (rows + optimizer state) kept on the devices, in all
+      (each of n devices holds 1 / n of it), in (0, 1].
+    hot_rows: the hot rows per table (>= 1), instead of `budget`.
+    profile_batches: train batches profiled before the first hot set is picked (>= 1).
+    reprofile: re-pick the hot set every this many train batches from the accesses counted
+      since the last pick, migrating rows (0 = never). Refused with budget=1: every row is
+      hot, so no pick can differ.
+    split: run the batch as popular + non-popular micro-batches (the step's micro-batch
+      feature). False: one lookup of the whole batch (same values).
+    host_memory: `pinned_host` or `device` (no offload: benchmarks, debugging).
+  """
+
+  backend: ClassVar[str] = "hot_cold"
+
+  budget: float | None = None
+  hot_rows: int | None = None
+  profile_batches: int = 20
+  reprofile: int = 0
+  split: bool = True
+  host_memory: str = "pinned_host"
+
+  def __post_init__(self):
+    if self.budget is not None and self.hot_rows is not None:
+      raise ValueError("hot_cold: give budget=FRACTION or hot_rows=ROWS, not both")
+    if self.budget is not None and not 0 < self.budget <= 1:
+      raise ValueError(f"hot_cold: budget must be in (0, 1], got {self.budget}")
+    if self.hot_rows is not None and self.hot_rows < 1:
+      raise ValueError(f"hot_cold: hot_rows must be >= 1, got {self.hot_rows}")
+    if self.profile_batches < 1 or self.reprofile < 0:
+      raise ValueError(
+        f"hot_cold: need profile_batches >= 1 and reprofile >= 0, got {self.profile_batches}, "
+        f"{self.reprofile}"
+      )
+    if self.reprofile and self.budget == 1:
+      raise ValueError(
+        f"hot_cold: reprofile={self.reprofile} re-picks the hot set, but budget=1 keeps every "
+        "row hot, so a new pick never differs: drop reprofile= or give a budget under 1"
+      )
+
+  @property
+  def fraction(self) -> float | None:
+    """The budget in effect: `budget`, its default 0.05, or None with `hot_rows`."""
+    return None if self.hot_rows is not None else (0.05 if self.budget is None else self.budget)
+
+
 @base.register_backend("hot_cold")
 class HotCold(base.Backend):
   """Hot rows on the devices (row-sharded), cold rows in host memory; popular / non-popular
-  micro-batches.
+  micro-batches. Options: `HotColdOptions`."""
 
-  Options (plan string):
-    budget: share of each table's bytes (rows + optimizer state) kept on the devices, in all
-      (each of n devices holds 1 / n of it). Default 0.05. Or
-    hot_rows: the hot rows per table, instead of `budget`.
-    profile_batches: train batches profiled before the first hot set is picked. Default 20.
-    reprofile: re-pick the hot set every this many train batches from the accesses counted
-      since the last pick, migrating rows (0 = never, the default).
-    split: run the batch as popular + non-popular micro-batches (the step's micro-batch
-      feature; default True). False: one lookup of the whole batch (same values).
-    host_memory: `pinned_host` (default) or `device` (no offload: benchmarks, debugging).
-  """
+  Options = HotColdOptions
 
   def __init__(
     self,
@@ -145,38 +186,18 @@ class HotCold(base.Backend):
     mesh: jax.sharding.Mesh,
     layout: base.Layout | None = None,
     text: str = "",
-    budget: float | None = None,
-    hot_rows: int | None = None,
-    profile_batches: int = 20,
-    reprofile: int = 0,
-    split: bool = True,
-    host_memory: str = "pinned_host",
+    **options,
   ):
-    super().__init__(specs, mesh, layout, text)
-    self.capabilities = self.capabilities_for({"split": split})
-    if budget is not None and hot_rows is not None:
-      raise ValueError("hot_cold: give budget=FRACTION or hot_rows=ROWS, not both")
-    if budget is None and hot_rows is None:
-      budget = 0.05
-    if budget is not None and not 0 < budget <= 1:
-      raise ValueError(f"hot_cold: budget must be in (0, 1], got {budget}")
-    if hot_rows is not None and int(hot_rows) < 1:
-      raise ValueError(f"hot_cold: hot_rows must be >= 1, got {hot_rows}")
-    if int(profile_batches) < 1 or int(reprofile) < 0:
-      raise ValueError(
-        f"hot_cold: need profile_batches >= 1 and reprofile >= 0, got {profile_batches}, "
-        f"{reprofile}"
-      )
-    self.budget, self.hot_rows_option = budget, hot_rows
-    self.profile_batches, self.reprofile = int(profile_batches), int(reprofile)
-    self.split = bool(split)
+    super().__init__(specs, mesh, layout, text, **options)
+    o = self.options
+    self.capabilities = self._capabilities(o)
     self.host = host_table.HostTable(
-      host_memory, f"hot_cold (tables {', '.join(self.specs)})", mesh
+      o.host_memory, f"hot_cold (tables {', '.join(self.specs)})", mesh
     )
     n = mesh.size
     self._rows: dict[str, _Rows] = {}
     for name, spec in self.specs.items():
-      cap = hot_rows if hot_rows is not None else math.ceil(budget * spec.num_rows)
+      cap = o.hot_rows if o.hot_rows is not None else math.ceil(o.fraction * spec.num_rows)
       cap = max(1, min(int(cap), spec.num_rows))
       self._rows[name] = _Rows(
         spec=spec,
@@ -198,16 +219,21 @@ class HotCold(base.Backend):
 
   @classmethod
   def capabilities_for(cls, options):
+    return cls._capabilities(HotColdOptions.parse(options))
+
+  @staticmethod
+  def _capabilities(o: HotColdOptions) -> base.Capabilities:
     # The hot set and the popular / non-popular split are planned over the whole batch.
-    return base.Capabilities(splits_batch=bool(options.get("split", True)), plans_globally=True)
+    return base.Capabilities(splits_batch=o.split, plans_globally=True)
 
   def describe(self, table=None):
     del table
-    size = f"hot_rows={self.hot_rows_option}" if self.budget is None else f"budget={self.budget}"
-    extra = f", reprofile={self.reprofile}" if self.reprofile else ""
-    extra += "" if self.split else ", split=False"
+    o = self.options
+    size = f"hot_rows={o.hot_rows}" if o.fraction is None else f"budget={o.fraction}"
+    extra = f", reprofile={o.reprofile}" if o.reprofile else ""
+    extra += "" if o.split else ", split=False"
     extra += "" if self.host.host_memory == "pinned_host" else ", host_memory=device"
-    return f"hot_cold({size}, profile_batches={self.profile_batches}{extra})"
+    return f"hot_cold({size}, profile_batches={o.profile_batches}{extra})"
 
   # --------------------------------------------------------------------------- placement
 
@@ -477,7 +503,9 @@ class HotCold(base.Backend):
         t["count"] = valid.sum(axis=1).astype(np.int32)
       out["tables"][name] = t
     # Eval batches run whole: the eval step has no model to split, only lookups to merge.
-    micro = self._micro(out["tables"], ~example_cold, n_dev, b) if self.split and train else None
+    micro = (
+      self._micro(out["tables"], ~example_cold, n_dev, b) if self.options.split and train else None
+    )
     if micro is not None:
       out["micro"] = micro
     migrate = self._plan_profile(ids, train)
@@ -507,7 +535,7 @@ class HotCold(base.Backend):
           int(m[1].size) + int(m[0].size) for m in migrate.values() if m is not None
         ),
       )
-      if self.split:
+      if self.options.split:
         p0 = out["micro"][0]["idx"].shape[0] if micro else 0
         stats.update(micro_popular=p0, micro_cold=batch - p0)
     else:
@@ -552,11 +580,11 @@ class HotCold(base.Backend):
     the migration run at the end of this batch's update. -> {table: (rows in, rows out)}."""
     if not train:
       return {}
-    if self._pending is None and (not self._picked or self.reprofile):
+    if self._pending is None and (not self._picked or self.options.reprofile):
       for name, x in ids.items():
         self._rows[name].profile.add(x)
       self._since_pick += 1
-      window = self.reprofile if self._picked else self.profile_batches
+      window = self.options.reprofile if self._picked else self.options.profile_batches
       if self._since_pick >= window:
         self._pending = self._choose({n: r.profile for n, r in self._rows.items()}).rows
         for r in self._rows.values():

@@ -1,6 +1,6 @@
 """`offload`: cDLRM. The table and its optimizer state in host memory, a device cache of C rows.
 
-Plan string: `offload(cache_rows=200_000, policy=lru, lookahead=8)`; see `Offload` for options.
+Plan string: `offload(cache_rows=200_000, policy=lru, lookahead=8)`; see `OffloadOptions`.
 
 How a batch flows (cDLRM, Balasubramanian et al., RecSys'21):
 
@@ -63,7 +63,7 @@ from recgnn.backends.offload.cache_plan import (
   smallest,
 )
 from recgnn.backends.offload.group import OffloadGroup
-from recgnn.backends.offload.table import HOST_MEMORIES, Offload
+from recgnn.backends.offload.table import HOST_MEMORIES, Offload, OffloadOptions
 
 __all__ = [
   "EVICT_ROWS",
@@ -74,6 +74,7 @@ __all__ = [
   "POLICIES",
   "Exchange",
   "Offload",
+  "OffloadOptions",
   "OffloadGroup",
   "Planner",
   "planner",

@@ -49,8 +49,10 @@ f32[S, D] P(None, MODEL), slots replicated}}, "codec": {"fwd"|"bwd": BoundRule s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -65,40 +67,113 @@ P = sharding.P
 FALLBACK_SCOPE = "codec_fallback"  # named scope of the f32 fallback all-to-all (comms.py)
 
 
+DIRECTIONS = ("fwd", "bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedOptions(base.BackendOptions):
+  """`sharded(...)`'s options (module docstring: placement, codecs).
+
+  Attributes:
+    kind: auto | table | row | column: the placement of every table of the group.
+    profile: a JSON file {table: lookups per example} that balances table-wise placements;
+      refused with kind=row|column (every table is then split over every shard).
+    codec: the codec of both directions' all-to-all (`codecs.CODECS`); none when not given.
+      Refused when `fwd_codec` and `bwd_codec` both override it.
+    fwd_codec: the forward (pooled rows) all-to-all's codec, instead of `codec`.
+    bwd_codec: the backward (pooled gradients) all-to-all's codec, instead of `codec`.
+    eb: a fixed error bound of both directions (codec=eb only); not given: adaptive.
+      Refused when `fwd_eb` and `bwd_eb` both override it.
+    fwd_eb: the forward direction's fixed bound, instead of `eb`.
+    bwd_eb: the backward direction's fixed bound, instead of `eb`.
+    bound: current | ema: the adaptive bound's rule (`codecs.BoundRule`); current when not
+      given. Only where a direction adapts (codec=eb without a fixed bound).
+    headroom: the adaptive bound's headroom over the measured range (0.25 when not given).
+      Only where a direction adapts.
+  """
+
+  backend: ClassVar[str] = "sharded"
+
+  kind: str = "auto"
+  profile: str | None = None
+  codec: str | None = None
+  fwd_codec: str | None = None
+  bwd_codec: str | None = None
+  eb: float | None = None
+  fwd_eb: float | None = None
+  bwd_eb: float | None = None
+  bound: str | None = None
+  headroom: float | None = None
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"sharded: unknown kind {self.kind!r}; available: {', '.join(KINDS)}")
+    if self.profile and self.kind in ("row", "column"):
+      raise ValueError(
+        f"sharded: profile= (lookups per table) balances table-wise placements; with "
+        f"kind={self.kind} every table is split over every shard and nothing uses it: drop "
+        "profile="
+      )
+    for both, one in (("codec", "_codec"), ("eb", "_eb")):
+      if getattr(self, both) is not None and all(
+        getattr(self, d + one) is not None for d in DIRECTIONS
+      ):
+        raise ValueError(
+          f"sharded: {both}={getattr(self, both)} is overridden in both directions by "
+          f"fwd{one}= and bwd{one}=, so nothing uses it: drop {both}="
+        )
+    names, fixed = self.codec_names, self.fixed_bounds
+    for d in DIRECTIONS:
+      codecs.Codec(names[d], ())  # refuses an unknown codec
+      if fixed[d] and names[d] != "eb":
+        raise ValueError(
+          f"sharded: the {d} bound {fixed[d]:g} (eb= / {d}_eb=) is an error bound for "
+          f"codec=eb; the codecs are {names}"
+        )
+    # bound= and headroom= steer the adaptive rule: refuse them where nothing adapts.
+    adaptive = [d for d in DIRECTIONS if names[d] == "eb" and not fixed[d]]
+    given = [
+      f"{k}={v}" for k, v in (("bound", self.bound), ("headroom", self.headroom)) if v is not None
+    ]
+    if given and not adaptive:
+      raise ValueError(
+        f"sharded: {', '.join(given)} tune the adaptive eb bound, but no direction adapts "
+        f"(codecs {names}, fixed bounds fwd {fixed['fwd']:g} / bwd {fixed['bwd']:g}); drop "
+        "them, or give codec=eb without eb= for adaptive bounds"
+      )
+
+  @property
+  def codec_names(self) -> dict[str, str]:
+    """{"fwd" | "bwd": the direction's codec}."""
+    both = self.codec or "none"
+    return {"fwd": self.fwd_codec or both, "bwd": self.bwd_codec or both}
+
+  @property
+  def fixed_bounds(self) -> dict[str, float]:
+    """{"fwd" | "bwd": the direction's fixed error bound, 0 = adaptive}."""
+    both = self.eb or 0.0
+    return {
+      "fwd": both if self.fwd_eb is None else self.fwd_eb,
+      "bwd": both if self.bwd_eb is None else self.bwd_eb,
+    }
+
+
 @base.register_backend("sharded")
 class Sharded(base.Backend):
-  """Model-parallel tables (see the module docstring). Options: kind, codec, fwd_codec,
-  bwd_codec, eb (fixed bound of both directions; 0 = adaptive), fwd_eb / bwd_eb (one
-  direction's), headroom, profile."""
+  """Model-parallel tables (see the module docstring). Options: `ShardedOptions`."""
 
+  Options = ShardedOptions
   # Routes each device's ids to their owners; prepare is per example.
   capabilities = base.Capabilities(needs_split_ids=True)
 
-  def __init__(
-    self,
-    specs,
-    mesh,
-    layout: base.Layout | None = None,
-    text: str = "",
-    *,
-    kind: str = "auto",
-    codec: str = "none",
-    fwd_codec: str | None = None,
-    bwd_codec: str | None = None,
-    eb: float = 0.0,
-    bound: str | None = None,
-    fwd_eb: float | None = None,
-    bwd_eb: float | None = None,
-    headroom: float | None = None,
-    profile: str | None = None,
-  ):
-    super().__init__(specs, mesh, layout, text)
+  def __init__(self, specs, mesh, layout: base.Layout | None = None, text: str = "", **options):
+    super().__init__(specs, mesh, layout, text, **options)
+    o = self.options
     if not self.layout.split_batch:
       raise ValueError(
         "sharded: this task's batches are replicated over the devices (split_batch=False); "
         "model-parallel tables need the batch split over the mesh. Use dense or offload here."
       )
-    self.kind = kind
     self.k = mesh.shape[sharding.MODEL]
     self.n_data = mesh.shape[sharding.DATA]
     if base.ROW_ALIGN % self.k:
@@ -116,16 +191,11 @@ class Sharded(base.Backend):
         + ". Give tables with other optimizers another plan string."
       )
     self.optimizer = next(iter(opts))
-    if profile and kind in ("row", "column"):
-      raise ValueError(
-        f"sharded: profile= (lookups per table) balances table-wise placements; with "
-        f"kind={kind} every table is split over every shard and nothing uses it: drop profile="
-      )
     lookups = None
-    if profile:
-      with open(profile) as f:
+    if o.profile:
+      with open(o.profile) as f:
         lookups = {k: float(v) for k, v in json.load(f).items()}
-    self.placement = plan_placements(self.specs, self.k, kind, lookups)
+    self.placement = plan_placements(self.specs, self.k, o.kind, lookups)
     self.tw = [n for n, p in self.placement.items() if p.kind == "table"]
     self.rw = [n for n, p in self.placement.items() if p.kind == "row"]
     self.cw = [n for n, p in self.placement.items() if p.kind == "column"]
@@ -148,33 +218,17 @@ class Sharded(base.Backend):
     ]
     self.rows_tw = max(shard_rows + [1])
     self.table_index = {n: i for i, n in enumerate(self.specs)}
-    self.codec_names = {
-      "fwd": fwd_codec or codec,
-      "bwd": bwd_codec or codec,
-    }
-    fixed = {"fwd": eb if fwd_eb is None else fwd_eb, "bwd": eb if bwd_eb is None else bwd_eb}
     self.rules = {
       d: codecs.BoundRule(
-        fixed=float(fixed[d]),
-        headroom=0.25 if headroom is None else float(headroom),
-        mode=bound or "current",
+        fixed=float(bound),
+        headroom=0.25 if o.headroom is None else float(o.headroom),
+        mode=o.bound or "current",
       )
-      for d in fixed
+      for d, bound in o.fixed_bounds.items()
     }
-    self.codecs = {d: codecs.Codec(c, self._segment_dims()) for d, c in self.codec_names.items()}
-    if any(fixed[d] and not self.codecs[d].needs_bound for d in fixed):
-      raise ValueError(
-        f"sharded: eb={eb} is an error bound for codec=eb; the codecs are {self.codec_names}"
-      )
-    # bound= and headroom= steer the adaptive rule: refuse them where nothing adapts.
-    adaptive = [d for d in fixed if self.codecs[d].needs_bound and not fixed[d]]
-    given = [f"{k}={v}" for k, v in (("bound", bound), ("headroom", headroom)) if v is not None]
-    if given and not adaptive:
-      raise ValueError(
-        f"sharded: {', '.join(given)} tune the adaptive eb bound, but no direction adapts "
-        f"(codecs {self.codec_names}, fixed bounds fwd {fixed['fwd']:g} / bwd "
-        f"{fixed['bwd']:g}); drop them, or give codec=eb without eb= for adaptive bounds"
-      )
+    self.codecs = {
+      d: codecs.Codec(c, self._segment_dims()) for d, c in self.options.codec_names.items()
+    }
     self._jitted = {}
     self._batch = 0  # the last prepared batch's size (for `stats`)
     logging.info("sharded placements:\n%s", self.format_placements())
@@ -218,8 +272,8 @@ class Sharded(base.Backend):
     per_dev = self.device_bytes_by_shard()
     lines.append("per MODEL shard: " + ", ".join(f"{b / 2**20:.1f}M" for b in per_dev))
     lines.append(
-      f"wire per example: fwd {self.codec_names['fwd']} {self.codecs['fwd'].bits_per_value():.1f} "
-      f"bits/value, bwd {self.codec_names['bwd']} {self.codecs['bwd'].bits_per_value():.1f}; "
+      f"wire per example: fwd {self.codecs['fwd'].name} {self.codecs['fwd'].bits_per_value():.1f} "
+      f"bits/value, bwd {self.codecs['bwd'].name} {self.codecs['bwd'].bits_per_value():.1f}; "
       f"{sum(self._segment_dims())} values per destination"
     )
     return "\n".join(lines)
