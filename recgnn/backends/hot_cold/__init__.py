@@ -62,119 +62,39 @@ Limits, and why:
     popular micro-batch never reads a host array, so XLA may run it while the cold gather is
     in flight (on an accelerator the host gather and copy are asynchronous); XLA:CPU runs
     host and device computations on the same cores, so nothing overlaps there.
-  - Lookup and update each gather the cold rows from the host (the contract gives `update`
-    no handle on what `lookup` read); inside one jitted step XLA may merge the two.
 
-One concern in one file: the `HotCold` group (host planning of the hot set, micro-batches and
-migrations; its device code). Shared mechanisms live in recgnn/embeddings (row_sharded,
-host_table, host_cache, access_counts, microbatch).
+Files: options.py (`HotColdOptions`), hot_set.py (the row <-> slot maps, profile, pick and
+migrations: `HotSetPlanning`), micro.py (the popular / non-popular split), device.py (the
+step's lookup, update and migration: `DeviceSteps`); this file, the `HotCold` class
+(placement, state, checkpoints, `prepare`), which those two mixins complete. Shared
+mechanisms live in recgnn/embeddings (row_sharded, host_table, host_cache, access_counts,
+microbatch).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 import time
 from collections.abc import Sequence
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from recgnn import sharding
+from recgnn.backends.hot_cold.device import DeviceSteps
+from recgnn.backends.hot_cold.hot_set import HotSetPlanning, TableRows, pad_to
+from recgnn.backends.hot_cold.micro import MARGIN, split
+from recgnn.backends.hot_cold.options import HotColdOptions
 from recgnn.embeddings import access_counts as profile
-from recgnn.embeddings import base, host_cache, host_table, microbatch, row_sharded
+from recgnn.embeddings import base, host_cache, host_table
 
 P = sharding.P
-MARGIN = 4.0  # popular micro-batch size: the popular count less this many binomial std devs
-
-
-def _popular_size(cnt: int, b: int) -> int:
-  """The popular micro-batch size for a device's popular count cnt of b examples: cnt less
-  MARGIN binomial standard deviations, so later batches rarely have fewer (each new size
-  recompiles the step: 10-20 s on CPU, a seventh of an epoch of the synthetic default).
-  Popular examples past it run in the non-popular micro-batch: the same compute."""
-  sd = math.sqrt(cnt * (1 - cnt / b)) if b else 0.0
-  return max(0, math.floor(cnt - MARGIN * sd))
-
-
-def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
-  out = np.full(size, fill, np.int32)
-  out[: a.shape[0]] = a
-  return out
-
-
-@dataclasses.dataclass
-class _Rows:
-  """Host bookkeeping of one table: the hot slot of each row, the row of each slot."""
-
-  spec: base.TableSpec
-  capacity: int  # hot rows the budget allows (H)
-  alloc: int  # hot slots allocated (Ha >= H, a multiple of the devices)
-  row_slot: np.ndarray  # int32[N], -1 = cold
-  slot_row: np.ndarray  # int64[Ha], -1 = empty
-  profile: profile.AccessProfile
-
-  @property
-  def hot(self) -> np.ndarray:
-    """Sorted hot row ids."""
-    return np.sort(self.slot_row[self.slot_row >= 0])
-
-
-@dataclasses.dataclass(frozen=True)
-class HotColdOptions(base.BackendOptions):
-  """`hot_cold(...)`'s options: `budget` or `hot_rows` (not both; budget=0.05 when neither).
-
-  Attributes:
-    budget: share of each table's bytes (rows + optimizer state) kept on the devices, in all
-      (each of n devices holds 1 / n of it), in (0, 1].
-    hot_rows: the hot rows per table (>= 1), instead of `budget`.
-    profile_batches: train batches profiled before the first hot set is picked (>= 1).
-    reprofile: re-pick the hot set every this many train batches from the accesses counted
-      since the last pick, migrating rows (0 = never). Refused with budget=1: every row is
-      hot, so no pick can differ.
-    split: run the batch as popular + non-popular micro-batches (the step's micro-batch
-      feature). False: one lookup of the whole batch (same values).
-    host_memory: `pinned_host` or `device` (no offload: benchmarks, debugging).
-  """
-
-  backend: ClassVar[str] = "hot_cold"
-
-  budget: float | None = None
-  hot_rows: int | None = None
-  profile_batches: int = 20
-  reprofile: int = 0
-  split: bool = True
-  host_memory: str = "pinned_host"
-
-  def __post_init__(self):
-    if self.budget is not None and self.hot_rows is not None:
-      raise ValueError("hot_cold: give budget=FRACTION or hot_rows=ROWS, not both")
-    if self.budget is not None and not 0 < self.budget <= 1:
-      raise ValueError(f"hot_cold: budget must be in (0, 1], got {self.budget}")
-    if self.hot_rows is not None and self.hot_rows < 1:
-      raise ValueError(f"hot_cold: hot_rows must be >= 1, got {self.hot_rows}")
-    if self.profile_batches < 1 or self.reprofile < 0:
-      raise ValueError(
-        f"hot_cold: need profile_batches >= 1 and reprofile >= 0, got {self.profile_batches}, "
-        f"{self.reprofile}"
-      )
-    if self.reprofile and self.budget == 1:
-      raise ValueError(
-        f"hot_cold: reprofile={self.reprofile} re-picks the hot set, but budget=1 keeps every "
-        "row hot, so a new pick never differs: drop reprofile= or give a budget under 1"
-      )
-
-  @property
-  def fraction(self) -> float | None:
-    """The budget in effect: `budget`, its default 0.05, or None with `hot_rows`."""
-    return None if self.hot_rows is not None else (0.05 if self.budget is None else self.budget)
+__all__ = ["MARGIN", "HotCold", "HotColdOptions"]
 
 
 @base.register_backend("hot_cold")
-class HotCold(base.Backend):
+class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
   """Hot rows on the devices (row-sharded), cold rows in host memory; popular / non-popular
   micro-batches. Options: `HotColdOptions`."""
 
@@ -195,11 +115,11 @@ class HotCold(base.Backend):
       o.host_memory, f"hot_cold (tables {', '.join(self.specs)})", mesh
     )
     n = mesh.size
-    self._rows: dict[str, _Rows] = {}
+    self._rows: dict[str, TableRows] = {}
     for name, spec in self.specs.items():
       cap = o.hot_rows if o.hot_rows is not None else math.ceil(o.fraction * spec.num_rows)
       cap = max(1, min(int(cap), spec.num_rows))
-      self._rows[name] = _Rows(
+      self._rows[name] = TableRows(
         spec=spec,
         capacity=cap,
         alloc=-(-cap // n) * n,
@@ -328,33 +248,6 @@ class HotCold(base.Backend):
     zero = lambda: jax.device_put(np.zeros((), np.int32), self._repl())  # noqa: E731
     return {"tables": tables, "version": zero(), "stale": zero()}
 
-  def use_profile(self, profiles: dict[str, profile.AccessProfile]) -> profile.HotSet:
-    """Pick the hot set from a profile made elsewhere (e.g. `profile.profile_sample` over 5 %
-    of the training input). Before `init`: init places it. After: the next train batch's
-    prepare plans the migration. Ends the initial profiling."""
-    chosen = self._choose(profiles)
-    if not self._initialised:
-      for name, r in self._rows.items():
-        r.row_slot[:] = -1
-        r.slot_row[:] = -1
-        rows = chosen.rows[name]
-        r.slot_row[: rows.size] = rows
-        r.row_slot[rows] = np.arange(rows.size, dtype=np.int32)
-    else:
-      self._pending = chosen.rows
-    self._picked = True
-    return chosen
-
-  def _choose(self, profiles) -> profile.HotSet:
-    """The hot set of the budget: the most accessed rows per byte, each table capped at its
-    hot capacity (profile.hot_set_for_budget)."""
-    row_bytes = {n: s.row_bytes for n, s in self.specs.items()}
-    caps = {n: r.capacity for n, r in self._rows.items()}
-    budget = sum(caps[n] * row_bytes[n] for n in self.specs)
-    return profile.hot_set_for_budget(
-      {n: profiles[n] for n in self.specs}, row_bytes, budget, capacity=caps
-    )
-
   def logical_format(self, table):
     return "rows"
 
@@ -441,10 +334,6 @@ class HotCold(base.Backend):
       out[name] = table
     return out
 
-  def hot_set(self) -> dict[str, np.ndarray]:
-    """The current hot rows of each table (as prepared batches see them), sorted."""
-    return {n: r.hot for n, r in self._rows.items()}
-
   # --------------------------------------------------------------------------- host side
 
   def _devices(self) -> int:
@@ -495,7 +384,7 @@ class HotCold(base.Backend):
       t = {
         "hot_ids": np.where(hot, slot, r.alloc).astype(np.int32),
         "cold_ids": cold_ids,
-        "cold_rows": _pad(cold_rows, uc, base.aligned_rows(r.spec.num_rows)),
+        "cold_rows": pad_to(cold_rows, uc, base.aligned_rows(r.spec.num_rows)),
       }
       if r.spec.optimizer.needs_unique:
         t["hot_unique"], t["hot_inverse"] = base.dedup(np.where(hot, slot, -1), r.alloc)
@@ -504,7 +393,9 @@ class HotCold(base.Backend):
       out["tables"][name] = t
     # Eval batches run whole: the eval step has no model to split, only lookups to merge.
     micro = (
-      self._micro(out["tables"], ~example_cold, n_dev, b) if self.options.split and train else None
+      split(self._p0, out["tables"], ~example_cold, n_dev, b)
+      if self.options.split and train
+      else None
     )
     if micro is not None:
       out["micro"] = micro
@@ -542,99 +433,6 @@ class HotCold(base.Backend):
       stats = {f"eval_{k}": v for k, v in stats.items()}
     self._count(**stats)
     return out
-
-  def _micro(self, tables, popular, n_dev, b):
-    """Per device, its first P0 popular examples (in batch order), then the rest (its other
-    popular examples, then its non-popular ones), as two micro-batches of P0 and b - P0
-    examples (every device the same; no padding). P0 (`_popular_size`) is fixed from the
-    first train batch of a hot set and only shrinks, when a batch has fewer popular
-    examples on some device: a few step shapes per run. None (run the batch whole) while
-    P0 is 0; the popular micro-batch alone when P0 = b. Each micro-batch: {"idx":
-    int32[n * Pm] local example index, table: {"hot": int32[n * Pm, L], "cold":
-    int32[n * Pm, L] (non-popular only), "count": int32[n * Pm] (mean pooling)}}."""
-    h = popular.reshape(n_dev, b)
-    cnt = int(h.sum(axis=1).min())
-    p0 = self._p0.get(b)
-    if p0 is None or cnt < p0:
-      p0 = self._p0[b] = _popular_size(cnt, b)
-    if p0 == 0:
-      return None
-    order = np.argsort(~h, axis=1, kind="stable")  # popular first, each in batch order
-    micro = []
-    # Every example popular: no non-popular micro-batch (a piece of 0 examples).
-    for popular_only, idx in ((True, order[:, :p0]), (False, order[:, p0:]))[: 1 + (p0 < b)]:
-      glob = (idx + np.arange(n_dev)[:, None] * b).reshape(-1)
-      mb = {"idx": idx.reshape(-1).astype(np.int32)}
-      for name, t in tables.items():
-        e = {"hot": t["hot_ids"][glob]}
-        if not popular_only:  # the popular micro-batch never waits for the host
-          e["cold"] = t["cold_ids"][glob]
-        if "count" in t:
-          e["count"] = t["count"][glob]
-        mb[name] = e
-      micro.append(mb)
-    return tuple(micro)
-
-  def _plan_profile(self, ids, train) -> dict[str, tuple[np.ndarray, np.ndarray] | None]:
-    """Count this train batch; when a profile window completes, pick the hot set and plan
-    the migration run at the end of this batch's update. -> {table: (rows in, rows out)}."""
-    if not train:
-      return {}
-    if self._pending is None and (not self._picked or self.options.reprofile):
-      for name, x in ids.items():
-        self._rows[name].profile.add(x)
-      self._since_pick += 1
-      window = self.options.reprofile if self._picked else self.options.profile_batches
-      if self._since_pick >= window:
-        self._pending = self._choose({n: r.profile for n, r in self._rows.items()}).rows
-        for r in self._rows.values():
-          r.profile.reset()
-        self._since_pick, self._picked = 0, True
-    if self._pending is None:
-      return {}
-    chosen, self._pending = self._pending, None
-    out = {}
-    for name, new in chosen.items():
-      out[name] = self._migrate(self._rows[name], new)
-    # The popular share changes with the hot set: the first batch prepared for it sets the
-    # popular micro-batch size again.
-    self._p0 = {}
-    return out
-
-  @staticmethod
-  def _migrate(r: _Rows, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Make `new` (sorted rows) the hot set: rows staying keep their slots. -> (rows in,
-    their slots, slots out) with the row map updated for the batches after this one."""
-    old_slots = np.flatnonzero(r.slot_row >= 0)
-    old_rows = r.slot_row[old_slots]
-    stay = np.isin(old_rows, new)
-    out_slots = old_slots[~stay]
-    r.row_slot[old_rows[~stay]] = -1
-    r.slot_row[out_slots] = -1
-    incoming = new[r.row_slot[new] < 0]
-    free = np.flatnonzero(r.slot_row < 0)[: incoming.size]
-    r.slot_row[free] = incoming
-    r.row_slot[incoming] = free.astype(np.int32)
-    out_rows = None  # (the rows leaving are read from the state's slot map)
-    del out_rows
-    return incoming, free, out_slots
-
-  def _pack_migration(self, name, m) -> dict:
-    r = self._rows[name]
-    if m is None:
-      m = (np.zeros(0, np.int64),) * 3
-    incoming, slots_in, slots_out = m
-    # Every migration's lists have the hot capacity's length: one more step shape per run
-    # (migrations are rare; an exact-size list would recompile the step at each one).
-    k_in = r.alloc if incoming.size else 0
-    k_out = r.alloc if slots_out.size else 0
-    return {
-      # Padding: row 0 is read (in range) and dropped at slot Ha.
-      "in_rows": _pad(incoming, k_in, 0),
-      "in_slots": _pad(slots_in, k_in, r.alloc),
-      # Padding slot Ha reads zeros; its row (from hot_rows: none) is dropped by the scatter.
-      "out_slots": _pad(slots_out, k_out, r.alloc),
-    }
 
   _BATCH_MAJOR = ("hot_ids", "cold_ids", "hot_inverse", "count")
 
@@ -679,204 +477,3 @@ class HotCold(base.Backend):
       out["eval_popular_fraction"] = c["eval_popular"] / c["eval_examples"]
       out["eval_hot_coverage"] = c["eval_hot_ids"] / max(c["eval_ids"], 1)
     return out
-
-  # --------------------------------------------------------------------------- device side
-
-  def _hot_get(self, hot: jax.Array, slots: jax.Array) -> jax.Array:
-    """hot[slots] (slots >= Ha: zeros) as a replicated array: each device gathers the slots
-    it owns, a psum adds the one non-zero term per slot (exact)."""
-    return row_sharded.gather_everywhere(self.mesh, sharding.BATCH, hot, slots)
-
-  def _hot_set(self, hot: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
-    """hot[slots] = values (replicated; slots >= Ha dropped): each device its own slots."""
-    return row_sharded.scatter_everywhere(self.mesh, sharding.BATCH, hot, slots, values)
-
-  @staticmethod
-  def _local(slots: jax.Array, h: int) -> jax.Array:
-    """Hot slots -> this device's local index, h (dropped / zero) where not owned."""
-    return row_sharded.local_index(slots, h, sharding.BATCH)
-
-  def _hot_lookup(self, hot: jax.Array, ids: jax.Array) -> jax.Array:
-    """Rows of hot slots ids int32[B, L] (batch-split; >= Ha: zeros) -> f32[B, L, D]. Each
-    device gathers the rows it owns for the ids of every device and a reduce-scatter hands
-    each device its examples' rows (one non-zero term per row: exact)."""
-    split = self.layout.split_batch
-    ids_spec = P(sharding.BATCH, None) if split else sharding.REPLICATED
-    out_spec = P(sharding.BATCH, None, None) if split else sharding.REPLICATED
-
-    @functools.partial(
-      jax.shard_map,
-      mesh=self.mesh,
-      in_specs=(P(sharding.BATCH, None), ids_spec),
-      out_specs=out_spec,
-      check_vma=False,
-    )
-    def local(h, ids):
-      if split:
-        ids = row_sharded.every(ids, sharding.BATCH)
-      rows = row_sharded.gather(h, self._local(ids, h.shape[0]))
-      if split:
-        return row_sharded.reduce_scatter_rows(rows, sharding.BATCH)
-      return row_sharded.psum_rows(rows, sharding.BATCH)
-
-    return local(hot, ids)
-
-  def _cold_rows(self, state, prepared, name, keys=("table",)) -> dict[str, jax.Array]:
-    """The batch's cold rows (and optimizer state) from the host table: replicated
-    [Uc, ...] arrays (the padding entries read row 0 ... and are never used)."""
-    t = state["tables"][name]
-    rows = prepared["tables"][name]["cold_rows"]
-    s = t["host"]["table"].shape[0]
-    rows = jnp.minimum(rows, s - 1)
-    return {k: self.host.gather(t["host"][k], rows) for k in keys}
-
-  def micro_batches(self, prepared) -> tuple[jax.Array, ...] | None:
-    """The step's micro-batch feature: int32[n * Pm] per micro-batch, batch-major, each
-    device's local example indices (b = padding) in the order to run them: popular first."""
-    if "micro" not in prepared:
-      return None
-    return tuple(mb["idx"] for mb in prepared["micro"])
-
-  def _cold(self, state, prepared) -> dict[str, dict[str, jax.Array]]:
-    """The residuals: {table: the batch's cold rows and their optimizer state, gathered from
-    the host table once ([Uc, D] / [Uc], replicated)}, read by the lookup and updated and
-    written back by `update` (no second trip to host memory). An eval step drops them, and
-    XLA with them the slots' gather."""
-    return {
-      name: self._cold_rows(state, prepared, name, ("table", *spec.optimizer.slot_names()))
-      for name, spec in self.specs.items()
-    }
-
-  def lookup_micro(self, state, prepared) -> tuple[tuple[dict[str, jax.Array], ...], dict]:
-    """-> ({table: f32[n * Pm, D]} pooled rows of each micro-batch's examples (padding:
-    zeros), in `micro_batches`' order; residuals for `update`)."""
-    cold = self._cold(state, prepared)
-    parts = []
-    for mb in prepared["micro"]:
-      out = {}
-      for name, spec in self.specs.items():
-        e = mb[name]
-        rows = self._hot_lookup(state["tables"][name]["hot"]["table"], e["hot"])
-        if "cold" in e:
-          c = cold[name]["table"]
-          got = c.at[e["cold"]].get(mode="fill", fill_value=0.0)
-          rows = jnp.where((e["cold"] < c.shape[0])[..., None], got, rows)
-        count = e.get("count") if spec.pooling == "mean" else None
-        out[name] = base.pool_rows(rows, count)
-      parts.append(out)
-    return tuple(parts), cold
-
-  def lookup(self, state, prepared):
-    if "micro" not in prepared:
-      cold = self._cold(state, prepared)
-      return self._lookup_whole(state, prepared, cold), cold
-    parts, cold = self.lookup_micro(state, prepared)
-    idx = [mb["idx"] for mb in prepared["micro"]]
-    batch = next(iter(prepared["tables"].values()))["hot_ids"].shape[0]
-    split = self.layout.split_batch
-    pooled = {
-      n: microbatch.merge(self.mesh, split, batch, idx, [p[n] for p in parts]) for n in self.specs
-    }
-    return pooled, cold
-
-  def _lookup_whole(self, state, prepared, cold_rows):
-    out = {}
-    for name, spec in self.specs.items():
-      t = prepared["tables"][name]
-      rows = self._hot_lookup(state["tables"][name]["hot"]["table"], t["hot_ids"])
-      cold = cold_rows[name]["table"]
-      got = cold.at[t["cold_ids"]].get(mode="fill", fill_value=0.0)
-      rows = jnp.where((t["cold_ids"] < cold.shape[0])[..., None], got, rows)
-      out[name] = base.pool_rows(rows, t.get("count") if spec.pooling == "mean" else None)
-    return out
-
-  def update(self, state, prepared, residuals, grads):
-    tables = {}
-    for name, spec in self.specs.items():
-      t, p = state["tables"][name], prepared["tables"][name]
-      count = p.get("count") if spec.pooling == "mean" else None
-      hot = self._update_hot(spec, t["hot"], p, grads[name], count)
-      host = self._update_cold(spec, state, prepared, name, grads[name], count, residuals[name])
-      tables[name] = self._migration({**t, "hot": hot, "host": host}, p, spec)
-    return {"tables": tables, **host_cache.advance(state, prepared)}
-
-  def _update_hot(self, spec, hot, p, g, count):
-    """dense(shard=rows)'s update on the hot slots: the batch's (ids, pooled grads) on
-    every device, each device updates the slots it owns (cold positions: slot Ha, dropped)."""
-    slot_names = spec.optimizer.slot_names()
-    keys = ["hot_ids"] + (["hot_unique", "hot_inverse"] if spec.optimizer.needs_unique else [])
-    sub = {k: p[k] for k in keys}
-    mean = count is not None
-    count = count if mean else jnp.zeros((g.shape[0],), jnp.int32)
-    split = self.layout.split_batch
-    bspec = P(sharding.BATCH) if split else sharding.REPLICATED
-    p_specs = {k: bspec if k in self._BATCH_MAJOR else sharding.REPLICATED for k in sub}
-    row_spec = {"table": P(sharding.BATCH, None), **{s: P(sharding.BATCH) for s in slot_names}}
-    bag = p["hot_ids"].shape[1]
-
-    @functools.partial(
-      jax.shard_map,
-      mesh=self.mesh,
-      in_specs=(row_spec, p_specs, bspec, bspec),
-      out_specs=row_spec,
-      check_vma=False,
-    )
-    def local(hot, sub, g, count):
-      if split:
-        every = functools.partial(row_sharded.every, axis=sharding.BATCH)
-        sub = {k: every(v) if k in self._BATCH_MAJOR else v for k, v in sub.items()}
-        g, count = every(g), every(count)
-      grads = base.unpool(g, count if mean else None, bag)
-      h = hot["table"].shape[0]
-      lp = {"ids": self._local(sub["hot_ids"], h)}
-      if "hot_unique" in sub:
-        lp["unique"] = self._local(sub["hot_unique"], h)
-        lp["inverse"] = sub["hot_inverse"]
-      slots = {k: hot[k] for k in slot_names}
-      table, slots = row_sharded.update(spec, hot["table"], slots, lp, grads)
-      return {"table": table, **slots}
-
-    return local(hot, sub, g, count)
-
-  def _update_cold(self, spec, state, prepared, name, g, count, got):
-    """The cold rows' update on the copy the lookup gathered (`got`, replicated: every device
-    applies the same), then written back to the host table (each device its own rows when it
-    is split)."""
-    t, p = state["tables"][name], prepared["tables"][name]
-    slot_names = spec.optimizer.slot_names()
-    g, ids, count = sharding.replicate((g, p["cold_ids"], count), self.mesh)
-    grads = base.unpool(g, count, ids.shape[1])
-    uc = p["cold_rows"].shape[0]
-    lp = {"ids": ids}
-    if spec.optimizer.needs_unique:
-      # The distinct cold rows are the gathered rows themselves; cold_ids index them, and
-      # every other position points at the filler entry uc (read as zeros, never written).
-      lp["unique"] = jnp.arange(uc + 1, dtype=jnp.int32)
-      lp["inverse"] = ids
-    slots = {k: got[k] for k in slot_names}
-    table, slots = base.sparse_sgd_or_adagrad(spec, got["table"], slots, lp, grads)
-    host = dict(t["host"])
-    new = {"table": table, **slots}
-    for k in host:
-      host[k] = self.host.scatter(host[k], p["cold_rows"], new[k])
-    return host
-
-  def _migration(self, t, p, spec):
-    """Rows leaving the hot set -> host; rows joining it <- host (after this batch's cold
-    write-back, so a row cold in this batch and hot from the next moves its new value)."""
-    if p["in_rows"].shape[0] == 0 and p["out_slots"].shape[0] == 0:
-      return t
-    n = spec.num_rows
-    hot, host = dict(t["hot"]), dict(t["host"])
-    hot_rows = t["hot_rows"]
-    if p["out_slots"].shape[0]:
-      rows = hot_rows.at[p["out_slots"]].get(mode="fill", fill_value=n)
-      rows = jnp.where(rows < n, rows, base.aligned_rows(n))  # empty / padding: dropped
-      for k in hot:
-        host[k] = self.host.scatter(host[k], rows, self._hot_get(hot[k], p["out_slots"]))
-      hot_rows = hot_rows.at[p["out_slots"]].set(n, mode="drop")
-    if p["in_rows"].shape[0]:
-      for k in hot:
-        hot[k] = self._hot_set(hot[k], p["in_slots"], self.host.gather(host[k], p["in_rows"]))
-      hot_rows = hot_rows.at[p["in_slots"]].set(p["in_rows"], mode="drop")
-    return {**t, "hot": hot, "host": host, "hot_rows": hot_rows}
