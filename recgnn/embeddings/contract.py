@@ -78,15 +78,16 @@ class BackendOptions:
     unknown = sorted(set(options) - set(names))
     if unknown:
       raise ValueError(
-        f"Bad options for backend {cls.backend!r}: unknown {', '.join(unknown)}; valid options: "
-        f"{', '.join(sorted(names))}"
+        f"Bad options for backend {cls.backend!r}: unknown option{'s' * (len(unknown) > 1)} "
+        f"{', '.join(unknown)}; valid options: {', '.join(sorted(names))}"
       )
     for name, value in options.items():
       if not _has_type(value, hints[name]):
         raise ValueError(
           f"{cls.backend}: option {name}={value!r} must be {_type_name(hints[name])}"
         )
-    return cls(**options)
+    # A list literal where a tuple is wanted: kept as a tuple (the options are frozen).
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
 
 
 def _has_type(value, hint) -> bool:
