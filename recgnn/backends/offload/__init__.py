@@ -47,8 +47,9 @@ would never execute. `prepare(ids, upcoming, train=False)` plans read-only (resi
 the cache, the others straight from the host table). If an update ever runs with a plan made
 for another layout, `stale` counts it and `sync` raises (never a silent wrong table).
 
-Files: table.py (`Offload`, one table), group.py (`OffloadGroup`, the registered backend),
-cache_plan.py (the numpy cache planner and its `Exchange`), planner.py (its compiled kernels).
+Files: options.py (`OffloadOptions`), table.py (`Offload`, one table), group.py
+(`OffloadGroup`, the registered backend), cache_plan.py (the numpy cache planner and its
+`Exchange`), planner.py (its compiled kernels).
 """
 
 from recgnn.backends.offload import planner
@@ -63,7 +64,8 @@ from recgnn.backends.offload.cache_plan import (
   smallest,
 )
 from recgnn.backends.offload.group import OffloadGroup
-from recgnn.backends.offload.table import HOST_MEMORIES, Offload, OffloadOptions
+from recgnn.backends.offload.options import OffloadOptions
+from recgnn.backends.offload.table import HOST_MEMORIES, Offload
 
 __all__ = [
   "EVICT_ROWS",
