@@ -1,11 +1,13 @@
 """Plan-string options: each backend honours an option or refuses it, naming it and why
 (never accepted and ignored); an unknown option lists the valid ones."""
 
+import dataclasses
 import json
 
 import pytest
 
 from recgnn import sharding
+from recgnn.backends import offload
 from recgnn.embeddings import base
 
 SPEC = base.TableSpec(name="t", num_rows=1000, dim=8)
@@ -62,3 +64,52 @@ def test_unknown_option_lists_the_valid_ones(text, valid):
   mesh = sharding.make_mesh(1, 2) if text.startswith("sharded") else None
   with pytest.raises(ValueError, match=f"valid options: .*{valid}"):
     base.make_group(text, [SPEC], mesh)
+
+
+@pytest.mark.parametrize(
+  "text, match",
+  [
+    # Given for both directions and overridden in both: nothing would use it.
+    ("sharded(codec=int8, fwd_codec=fp16, bwd_codec=none)", "codec=int8 is overridden"),
+    ("sharded(codec=eb, eb=1e-3, fwd_eb=1e-2, bwd_eb=1e-2)", "eb=0.001 is overridden"),
+    # A fixed bound belongs to the eb codec.
+    ("sharded(codec=int8, fwd_eb=1e-3)", "fwd bound 0.001 .* error bound for codec=eb"),
+  ],
+)
+def test_sharded_codec_options_that_nothing_uses_are_refused(text, match):
+  with pytest.raises(ValueError, match=match):
+    base.make_group(text, [SPEC], sharding.make_mesh(1, 2))
+  base.make_group("sharded(codec=int8, fwd_codec=fp16)", [SPEC], sharding.make_mesh(1, 2))
+
+
+def test_hot_cold_reprofile_needs_a_budget_under_one():
+  with pytest.raises(ValueError, match="reprofile=2 re-picks the hot set, but budget=1"):
+    base.make_group("hot_cold(budget=1.0, reprofile=2)", [SPEC])
+  base.make_group("hot_cold(budget=0.5, reprofile=2)", [SPEC])  # honoured
+
+
+@pytest.mark.parametrize(
+  "text, match",
+  [
+    ("dense(shard=3)", r"shard=3 must be a str"),
+    ("tt(rank=4.5)", r"rank=4.5 must be an int or a tuple of int"),
+    ("offload(cache_rows=10, lookahead=True)", r"lookahead=True must be an int"),
+    ("hot_cold(split=0)", r"split=0 must be a bool"),
+  ],
+)
+def test_an_option_of_the_wrong_type_names_the_type(text, match):
+  with pytest.raises(ValueError, match=match):
+    base.make_group(text, [SPEC])
+
+
+@pytest.mark.parametrize("name", ["dense", "tt", "offload", "hot_cold", "sharded"])
+def test_each_backend_declares_its_options_in_one_frozen_dataclass(name):
+  """Every option has a default and a line in the dataclass's docstring; the backend keeps
+  the parsed options."""
+  # offload's registered class is the group of its per-table backends.
+  cls = offload.Offload if name == "offload" else base.backend_class(name)
+  options = cls.Options
+  assert dataclasses.is_dataclass(options) and options.__dataclass_params__.frozen
+  for f in dataclasses.fields(options):
+    assert f.default is not dataclasses.MISSING, f.name
+    assert f"    {f.name}: " in options.__doc__, f"{name}: option {f.name} is not documented"

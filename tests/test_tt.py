@@ -130,10 +130,10 @@ def test_shape_ranks_are_capped_and_counted():
 def test_plan_string_options():
   spec = _spec(num_rows=50_000, dim=16)
   b = _member("tt(rank=16, cores=3, init=sampled_gaussian, cache_rows=10000, kernel=prefix)", spec)
-  assert b.shape.ranks == (1, 16, 16, 1) and b.cache_rows == 10000 and b.kernel == "prefix"
+  assert b.shape.ranks == (1, 16, 16, 1) and b.cache_rows == 10000 and b.options.kernel == "prefix"
   assert base.make_backend(b.describe(), spec).describe() == b.describe()
   b4 = _member("tt(rank=(4, 8, 4), cores=4, init=orthogonal, kernel=naive)", spec)
-  assert b4.shape.ranks == (1, 4, 8, 4, 1) and b4.init_name == "orthogonal"
+  assert b4.shape.ranks == (1, 4, 8, 4, 1) and b4.options.init == "orthogonal"
   for text in [
     b4.describe(),
     "tt(rank=8, row_factors=(50, 40, 30), dim_factors=(4, 2, 2), cache_rows=5, cache_warmup=7)",

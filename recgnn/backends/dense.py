@@ -20,7 +20,9 @@ Placement on a (DATA, MODEL) mesh:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -32,19 +34,37 @@ from recgnn.embeddings import base, row_sharded
 P = sharding.P
 
 
+SHARDS = ("none", "rows")
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseOptions(base.BackendOptions):
+  """`dense(...)`'s options.
+
+  Attributes:
+    shard: `none` (replicated on every device) or `rows` (rows split over MODEL; on a mesh
+      whose MODEL axis has one device that is one piece per DATA replica, as replicated).
+  """
+
+  backend: ClassVar[str] = "dense"
+
+  shard: str = "none"
+
+  def __post_init__(self):
+    if self.shard not in SHARDS:
+      raise ValueError(f"dense: shard must be 'none' or 'rows', got {self.shard!r}")
+
+
 @base.register_backend("dense")
 class Dense(base.TableBackend):
-  """Table on the device(s). Options: `shard=none` (replicated) or `shard=rows`."""
+  """Table on the device(s). Options: `DenseOptions`."""
 
-  def __init__(
-    self, spec: base.TableSpec, mesh, layout: base.Layout | None = None, shard: str = "none"
-  ):
-    super().__init__(spec, mesh, layout)
-    if shard not in ("none", "rows"):
-      raise ValueError(f"dense: shard must be 'none' or 'rows', got {shard!r}")
-    self.shard = shard
+  Options = DenseOptions
+
+  def __init__(self, spec: base.TableSpec, mesh, layout: base.Layout | None = None, **options):
+    super().__init__(spec, mesh, layout, **options)
     k = mesh.shape[sharding.MODEL]
-    if self.shard == "rows" and base.ROW_ALIGN % k:
+    if self.options.shard == "rows" and base.ROW_ALIGN % k:
       raise ValueError(
         f"dense(shard=rows) (table {self.spec.name!r}): the mesh's model axis has {k} devices; "
         f"row-sharded tables need a model size dividing {base.ROW_ALIGN} (1, 2, 4, 8, ...) so "
@@ -52,7 +72,7 @@ class Dense(base.TableBackend):
       )
 
   def describe(self) -> str:
-    return "dense" if self.shard == "none" else f"dense(shard={self.shard})"
+    return "dense" if self.options.shard == "none" else f"dense(shard={self.options.shard})"
 
   @property
   def pad_id(self):
@@ -61,7 +81,7 @@ class Dense(base.TableBackend):
   @property
   def shards(self) -> int:
     """How many pieces the rows are split into (1: replicated)."""
-    return 1 if self.shard == "none" else self.mesh.shape[sharding.MODEL]
+    return 1 if self.options.shard == "none" else self.mesh.shape[sharding.MODEL]
 
   @property
   def padded_rows(self) -> int:
@@ -83,7 +103,7 @@ class Dense(base.TableBackend):
     return sharding.put(state, self.state_sharding())
 
   def row_sharding(self):
-    if self.shard == "none":
+    if self.options.shard == "none":
       return self.replicated(), self.replicated()
     return (
       sharding.named(self.mesh, P(sharding.MODEL, None)),
@@ -119,7 +139,7 @@ class Dense(base.TableBackend):
     return row_sharded.local_index(ids, local_rows, sharding.MODEL, self.spec.num_rows)
 
   def lookup_pooled(self, state, prepared, count):
-    if self.shard == "none":
+    if self.options.shard == "none":
       return super().lookup_pooled(state, prepared, count)
     if count is None:
       count = jnp.zeros((prepared["ids"].shape[0],), jnp.int32)  # unused (sum pooling)
@@ -144,7 +164,7 @@ class Dense(base.TableBackend):
     return local(state["table"], prepared["ids"], count), ()
 
   def update_pooled(self, state, prepared, residuals, g, count):
-    if self.shard == "none":
+    if self.options.shard == "none":
       return super().update_pooled(state, prepared, residuals, g, count)
     slot_names = self.spec.optimizer.slot_names()
     bag = prepared["ids"].shape[1]

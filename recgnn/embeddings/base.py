@@ -4,12 +4,19 @@ the plan (`from recgnn.embeddings import base`; `base.TableSpec`, `base.resolve_
 Each concern lives in its own module (docs/architecture.md, "Package layout"):
   specs     TableSpec, OptimizerSpec (the shared row update `OptimizerSpec.apply`), init
   kernels   dedup, segment sums, pooling, `sparse_sgd_or_adagrad`
-  contract  Layout, Capabilities, Backend, TableBackend (contract v3)
+  contract  Layout, Capabilities, Backend, TableBackend (contract v3), BackendOptions
   group     TableGroup (per-table backends as a contract Backend)
   plan      parse / registry (`register_backend`, `capabilities_of`) / resolve_plan / budget
 """
 
-from recgnn.embeddings.contract import Backend, Capabilities, Layout, PyTree, TableBackend
+from recgnn.embeddings.contract import (
+  Backend,
+  BackendOptions,
+  Capabilities,
+  Layout,
+  PyTree,
+  TableBackend,
+)
 from recgnn.embeddings.group import TableGroup
 from recgnn.embeddings.kernels import (
   dedup,
@@ -64,6 +71,7 @@ __all__ = [
   "PREFETCH",
   "ROW_ALIGN",
   "Backend",
+  "BackendOptions",
   "Capabilities",
   "Layout",
   "MemoryReport",

@@ -109,7 +109,7 @@ _BACKEND_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?\s*$", re
 
 
 def parse_backend(text: str) -> tuple[str, dict[str, Any]]:
-  """'tt(rank=32, policy=lru)' -> ('tt', {'rank': 32, 'policy': 'lru'}).
+  """'tt(rank=32, kernel=prefix)' -> ('tt', {'rank': 32, 'kernel': 'prefix'}).
 
   Option values are Python literals; bare words are strings. `_` separators allowed in ints.
   """

@@ -1,6 +1,6 @@
 """`offload`: cDLRM. The table and its optimizer state in host memory, a device cache of C rows.
 
-Plan string: `offload(cache_rows=200_000, policy=lru, lookahead=8)`; see `Offload` for options.
+Plan string: `offload(cache_rows=200_000, policy=lru, lookahead=8)`; see `OffloadOptions`.
 
 How a batch flows (cDLRM, Balasubramanian et al., RecSys'21):
 
@@ -47,8 +47,9 @@ would never execute. `prepare(ids, upcoming, train=False)` plans read-only (resi
 the cache, the others straight from the host table). If an update ever runs with a plan made
 for another layout, `stale` counts it and `sync` raises (never a silent wrong table).
 
-Files: table.py (`Offload`, one table), group.py (`OffloadGroup`, the registered backend),
-cache_plan.py (the numpy cache planner and its `Exchange`), planner.py (its compiled kernels).
+Files: options.py (`OffloadOptions`), table.py (`Offload`, one table), group.py
+(`OffloadGroup`, the registered backend), cache_plan.py (the numpy cache planner and its
+`Exchange`), planner.py (its compiled kernels).
 """
 
 from recgnn.backends.offload import planner
@@ -63,6 +64,7 @@ from recgnn.backends.offload.cache_plan import (
   smallest,
 )
 from recgnn.backends.offload.group import OffloadGroup
+from recgnn.backends.offload.options import OffloadOptions
 from recgnn.backends.offload.table import HOST_MEMORIES, Offload
 
 __all__ = [
@@ -74,6 +76,7 @@ __all__ = [
   "POLICIES",
   "Exchange",
   "Offload",
+  "OffloadOptions",
   "OffloadGroup",
   "Planner",
   "planner",

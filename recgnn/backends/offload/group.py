@@ -63,7 +63,7 @@ class OffloadGroup(base.TableGroup):
     ps = [m._planner for m in members]
     row_off = np.cumsum([0] + [p.num_rows for p in ps]).astype(np.int64)
     slot_off = np.cumsum([0] + [p.cache_rows for p in ps]).astype(np.int64)
-    lfu = members[0].policy == "lfu"
+    lfu = members[0].options.policy == "lfu"
     flat = {
       "row_slot": np.concatenate([p.row_slot for p in ps]),
       "slot_row": np.concatenate([p.slot_row for p in ps]),
@@ -162,7 +162,7 @@ class OffloadGroup(base.TableGroup):
     t0 = time.perf_counter()
     members = list(self.members.values())
     first = members[0]
-    if first.exchange != "fixed" or first.lookahead < 1 or not upcoming:
+    if first.options.exchange != "fixed" or first.lookahead < 1 or not upcoming:
       return None
     known = self._admitted
     if known is None or not all(ids[n] is a for n, a in zip(self.members, known)):
@@ -174,7 +174,7 @@ class OffloadGroup(base.TableGroup):
     ring = self._layout(ids)
     busy: list[int] = []
     window = upcoming[: first.lookahead]
-    for batch in [ids] + window[: (first.lookahead if first.policy == "lookahead" else 1)]:
+    for batch in [ids] + window[: (first.lookahead if first.options.policy == "lookahead" else 1)]:
       row = self._ring_row(batch, busy)
       if row is None:
         return None
@@ -193,7 +193,7 @@ class OffloadGroup(base.TableGroup):
     out = np.empty(int(out_off[-1]), np.int32)
     stats = np.empty((len(members), 3), np.int64)
     t_now = members[0]._planner.version
-    policy = hostplan.POLICY_CODES[first.policy]
+    policy = hostplan.POLICY_CODES[first.options.policy]
     hostplan.over_tables(
       hostplan.plan_step, len(members), ring["ids"], ring["rows"], ring["n"], id_off, cur,
       ahead, win, f["row_off"], f["slot_off"], f["row_slot"], f["slot_row"], f["last_used"],

@@ -17,36 +17,20 @@ from recgnn.backends.offload.cache_plan import (
   EVICT_SLOTS,
   LOAD_ROWS,
   LOAD_SLOTS,
-  POLICIES,
   Exchange,
   Planner,
   _bucket,
   _pad,
 )
+from recgnn.backends.offload.options import OffloadOptions
 from recgnn.embeddings import base, host_cache, host_table
 
 HOST_MEMORIES = host_table.HOST_MEMORIES
 
 
 class Offload(base.TableBackend):
-  """Table in host memory, a C-row device cache filled ahead of the step (cDLRM).
-
-  Options (plan string):
-    cache_rows: device cache size in rows (capped at the table's rows), or
-    cache_fraction: the cache as a fraction of the rows, at least `min_cache_rows`.
-    policy: `lru`, `lfu` (per-row access counts since init/restore, ties by recency) or
-      `lookahead` (never evicts a row needed within the look-ahead window while the cache
-      can hold the window; then farthest next use first).
-    lookahead: upcoming batches `prepare` wants (the trainer passes them). >= 1 prefetches
-      batch k+1 inside step k; 0 loads every batch on demand inside its own step.
-    exchange: shapes of the exchange lists, which are jit arguments. `fixed` (default): every
-      list holds min(ids per batch, C) entries, padded, so a step compiles once however the
-      misses vary (a trainer step holds every table's lists: per-table size buckets would
-      multiply into a recompile almost every step). `pow2`: the next power of two >= the
-      entries (less padding moved, a few shapes per table). Padding gathers row 0 on the
-      host and is dropped on the device; stats count real rows and padded bytes apart.
-    host_memory: `pinned_host` (default; falls back to `device` where the platform has no
-      host memory space) or `device` (no offload: debugging, benchmarks).
+  """Table in host memory, a C-row device cache filled ahead of the step (cDLRM). Options:
+  `OffloadOptions`.
 
   A batch touching more distinct rows than the cache holds is an error at plan time that
   names the size needed (no micro-batching: exactness vs dense needs the whole batch's update
@@ -54,59 +38,22 @@ class Offload(base.TableBackend):
   """
 
   name = "offload"  # the member class; `OffloadGroup` is what the registry names
+  Options = OffloadOptions
   capabilities = base.Capabilities(plans_globally=True)  # the cache plan is global
   batch_major = ("ids", "inverse", "now_pos")
 
-  def __init__(
-    self,
-    spec: base.TableSpec,
-    mesh,
-    layout: base.Layout | None = None,
-    cache_rows: int | None = None,
-    cache_fraction: float | None = None,
-    min_cache_rows: int = 0,
-    policy: str = "lru",
-    lookahead: int = 8,
-    exchange: str = "fixed",
-    host_memory: str = "pinned_host",
-  ):
-    super().__init__(spec, mesh, layout)
-    if (cache_rows is None) == (cache_fraction is None):
-      raise ValueError(
-        f"offload (table {spec.name!r}): give exactly one of cache_rows=ROWS or "
-        "cache_fraction=F, e.g. offload(cache_rows=200_000)"
-      )
-    if cache_rows is not None:
-      if min_cache_rows:
-        raise ValueError(
-          f"offload: min_cache_rows={min_cache_rows} is a floor under cache_fraction's rows; "
-          f"with cache_rows={cache_rows} the size is given: drop min_cache_rows"
-        )
-      if int(cache_rows) <= 0:
-        raise ValueError(f"offload: cache_rows must be > 0, got {cache_rows}")
-      rows = int(cache_rows)
+  def __init__(self, spec: base.TableSpec, mesh, layout: base.Layout | None = None, **options):
+    super().__init__(spec, mesh, layout, **options)
+    o = self.options
+    if o.cache_rows is not None:
+      rows = o.cache_rows
     else:
-      if not 0 < cache_fraction <= 1:
-        raise ValueError(f"offload: cache_fraction must be in (0, 1], got {cache_fraction}")
-      rows = max(math.ceil(cache_fraction * spec.num_rows), int(min_cache_rows))
-    if policy not in POLICIES:
-      raise ValueError(f"offload: unknown policy {policy!r}; available: {', '.join(POLICIES)}")
-    if int(lookahead) < 0:
-      raise ValueError(f"offload: lookahead must be >= 0, got {lookahead}")
-    if policy == "lookahead" and int(lookahead) < 1:
-      raise ValueError("offload: policy=lookahead needs lookahead>=1 (its window)")
+      rows = max(math.ceil(o.cache_fraction * spec.num_rows), o.min_cache_rows)
     self.cache_rows = min(rows, spec.num_rows)
-    self._options = dict(
-      cache_rows=cache_rows, cache_fraction=cache_fraction, min_cache_rows=min_cache_rows
-    )
-    self.policy = policy
-    self.lookahead = int(lookahead)
+    self.lookahead = o.lookahead
     # The host arrays' placement and in-step access (shared with hot_cold).
-    self.host = host_table.HostTable(host_memory, f"offload (table {spec.name!r})", mesh)
-    self.host_memory = self.host.host_memory
-    if exchange not in ("fixed", "pow2"):
-      raise ValueError(f"offload: exchange must be 'fixed' or 'pow2', got {exchange!r}")
-    self.exchange = exchange
+    self.host = host_table.HostTable(o.host_memory, f"offload (table {spec.name!r})", mesh)
+    self.host_memory = self.host.host_memory  # pinned_host falls back to device without one
     self._planner: Planner | None = None  # O(N) host bookkeeping: allocated by init
     self._host_sharding = self._dev_sharding = None
     self._counters = host_cache.Counters()
@@ -114,19 +61,15 @@ class Offload(base.TableBackend):
     self._window_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
   def describe(self) -> str:
-    size = (
-      f"cache_rows={self._options['cache_rows']}"
-      if self._options["cache_rows"] is not None
-      else f"cache_fraction={self._options['cache_fraction']}"
-      + (
-        f", min_cache_rows={self._options['min_cache_rows']}"
-        if self._options["min_cache_rows"]
-        else ""
-      )
-    )
-    extra = "" if self.exchange == "fixed" else f", exchange={self.exchange}"
+    o = self.options
+    if o.cache_rows is not None:
+      size = f"cache_rows={o.cache_rows}"
+    else:
+      size = f"cache_fraction={o.cache_fraction}"
+      size += f", min_cache_rows={o.min_cache_rows}" if o.min_cache_rows else ""
+    extra = "" if o.exchange == "fixed" else f", exchange={o.exchange}"
     extra += "" if self.host_memory == "pinned_host" else f", host_memory={self.host_memory}"
-    return f"offload({size}, policy={self.policy}, lookahead={self.lookahead}{extra})"
+    return f"offload({size}, policy={o.policy}, lookahead={self.lookahead}{extra})"
 
   @property
   def offloaded(self) -> bool:
@@ -178,7 +121,7 @@ class Offload(base.TableBackend):
     spec, c = self.spec, self.cache_rows
     sh = self.state_sharding()
     self._host_sharding, self._dev_sharding = sh["host"]["table"], sh["cache"]["table"]
-    self._planner = Planner(spec.num_rows, c, self.policy)
+    self._planner = Planner(spec.num_rows, c, self.options.policy)
     self._window_cache.clear()
     opt = spec.optimizer
     cache = {"table": np.zeros((c, spec.dim), np.float32)}
@@ -213,13 +156,17 @@ class Offload(base.TableBackend):
   def memory(self):
     spec, c = self.spec, self.cache_rows
     device = c * spec.row_bytes + c * 4  # cache rows + optimizer state, slot map
-    planner = spec.num_rows * (4 + (8 if self.policy == "lfu" else 0))  # row->slot (+ counts)
+    planner = spec.num_rows * (
+      4 + (8 if self.options.policy == "lfu" else 0)
+    )  # row->slot (+ counts)
     # One host copy in all: whole on one device, split by rows over the devices of a mesh.
     host = spec.table_bytes + planner
     if not self.offloaded:
       device, host = device + spec.table_bytes, planner
     where = self.host_memory if self.offloaded else "device (no offload)"
-    return base.MemoryReport(device, host, f"{where} + {c}-row device cache ({self.policy})")
+    return base.MemoryReport(
+      device, host, f"{where} + {c}-row device cache ({self.options.policy})"
+    )
 
   # --------------------------------------------------------------------------- host side
 
@@ -238,7 +185,7 @@ class Offload(base.TableBackend):
 
   def _pack(self, ex: Exchange, capacity: int) -> dict:
     n, c = self.spec.num_rows, self.cache_rows
-    if self.exchange == "pow2":
+    if self.options.exchange == "pow2":
       e, m = _bucket(ex.evict_slots.shape[0]), _bucket(ex.load_rows.shape[0])
     else:
       # An exchange moves at most min(ids of its batch, C) rows (read-only: all its ids).
@@ -288,7 +235,7 @@ class Offload(base.TableBackend):
     if p.admitted is not None and p.admitted.shape == ids.shape and np.array_equal(p.admitted, ids):
       now = Exchange.empty()  # admitted by the previous step's update
     else:
-      window = [self._unique(u) for u in upcoming] if self.policy == "lookahead" else []
+      window = [self._unique(u) for u in upcoming] if self.options.policy == "lookahead" else []
       now = p.admit(rows, t, window)
       now_cap = min(ids.size, self.cache_rows)
       self._count(hits=now.hits, misses=now.load_rows.shape[0])
@@ -303,14 +250,14 @@ class Offload(base.TableBackend):
       # (A batch that does not fit is not admitted ahead: an eval batch need not fit, a
       # train batch fails at its own prepare.)
       next_cap = min(np.asarray(upcoming[0]).size, self.cache_rows)
-      window = [self._unique(u) for u in upcoming[1:]] if self.policy == "lookahead" else []
+      window = [self._unique(u) for u in upcoming[1:]] if self.options.policy == "lookahead" else []
       nxt = p.admit(ahead, t + 1, window)
       self._count(hits=nxt.hits, misses=nxt.load_rows.shape[0])
       p.admitted = np.array(upcoming[0], copy=True)
     else:
       nxt = Exchange.empty()
       p.admitted = None
-      if self.exchange == "fixed" and self.lookahead:
+      if self.options.exchange == "fixed" and self.lookahead:
         # The steady shapes, padded: the last batch of a run (nothing upcoming) otherwise
         # compiled a train step of its own, 10-40 s in the last interval here.
         next_cap = min(ids.size, self.cache_rows)
@@ -476,7 +423,7 @@ class Offload(base.TableBackend):
     self._planner = Planner.from_slots(
       np.asarray(jax.device_get(state["slot_rows"])),
       self.spec.num_rows,
-      self.policy,
+      self.options.policy,
       int(jax.device_get(state["version"])),
     )
     self._window_cache.clear()

@@ -24,9 +24,12 @@ table-sized all-reduce. The lookup's routing (each device's routed ids) and, und
 adaptive forward codec, the forward message's statistics reach `update` as the contract's
 residuals (as TorchRec keeps them from the forward): nothing is routed or pooled twice.
 
-Files: placement.py (the placement planner); this file, the `Sharded` group (routing, the
-fused all-to-all and its codec fallback, the update), one class: the sharding type's input
-distribution, lookup and output distribution read as the steps of one step.
+Files: options.py (`ShardedOptions`), placement.py (the placement planner), routing.py (ids
+to their owners, pooled segments back: `Routing`), exchange.py (the all-to-all through a
+codec and its f32 fallback: `CodecExchange`), update.py (the backward all-to-all and the
+shared row update: `Update`); this file, the `Sharded` class (layout, memory, state,
+checkpoints, prepare, the lookup), which those three mixins complete: the sharding type's
+input distribution, lookup and output distribution read as the steps of one step.
 
 Placement (`kind`): `auto` (default) puts a table row-wise when it holds more than 1 / k of
 the group's bytes (it would unbalance the shards) and table-wise otherwise, assigning the
@@ -58,47 +61,33 @@ import numpy as np
 from absl import logging
 
 from recgnn import sharding
-from recgnn.backends.sharded.placement import KINDS, Placement, plan_placements  # noqa: F401
-from recgnn.embeddings import base, codecs, row_sharded
+from recgnn.backends.sharded.exchange import FALLBACK_SCOPE, CodecExchange
+from recgnn.backends.sharded.options import ShardedOptions
+from recgnn.backends.sharded.placement import KINDS, Placement, plan_placements
+from recgnn.backends.sharded.routing import Routing
+from recgnn.backends.sharded.update import Update
+from recgnn.embeddings import base, codecs
 
 P = sharding.P
-FALLBACK_SCOPE = "codec_fallback"  # named scope of the f32 fallback all-to-all (comms.py)
+__all__ = ["FALLBACK_SCOPE", "KINDS", "Placement", "Sharded", "ShardedOptions", "plan_placements"]
 
 
 @base.register_backend("sharded")
-class Sharded(base.Backend):
-  """Model-parallel tables (see the module docstring). Options: kind, codec, fwd_codec,
-  bwd_codec, eb (fixed bound of both directions; 0 = adaptive), fwd_eb / bwd_eb (one
-  direction's), headroom, profile."""
+class Sharded(Routing, CodecExchange, Update, base.Backend):
+  """Model-parallel tables (see the module docstring). Options: `ShardedOptions`."""
 
+  Options = ShardedOptions
   # Routes each device's ids to their owners; prepare is per example.
   capabilities = base.Capabilities(needs_split_ids=True)
 
-  def __init__(
-    self,
-    specs,
-    mesh,
-    layout: base.Layout | None = None,
-    text: str = "",
-    *,
-    kind: str = "auto",
-    codec: str = "none",
-    fwd_codec: str | None = None,
-    bwd_codec: str | None = None,
-    eb: float = 0.0,
-    bound: str | None = None,
-    fwd_eb: float | None = None,
-    bwd_eb: float | None = None,
-    headroom: float | None = None,
-    profile: str | None = None,
-  ):
-    super().__init__(specs, mesh, layout, text)
+  def __init__(self, specs, mesh, layout: base.Layout | None = None, text: str = "", **options):
+    super().__init__(specs, mesh, layout, text, **options)
+    o = self.options
     if not self.layout.split_batch:
       raise ValueError(
         "sharded: this task's batches are replicated over the devices (split_batch=False); "
         "model-parallel tables need the batch split over the mesh. Use dense or offload here."
       )
-    self.kind = kind
     self.k = mesh.shape[sharding.MODEL]
     self.n_data = mesh.shape[sharding.DATA]
     if base.ROW_ALIGN % self.k:
@@ -116,16 +105,11 @@ class Sharded(base.Backend):
         + ". Give tables with other optimizers another plan string."
       )
     self.optimizer = next(iter(opts))
-    if profile and kind in ("row", "column"):
-      raise ValueError(
-        f"sharded: profile= (lookups per table) balances table-wise placements; with "
-        f"kind={kind} every table is split over every shard and nothing uses it: drop profile="
-      )
     lookups = None
-    if profile:
-      with open(profile) as f:
+    if o.profile:
+      with open(o.profile) as f:
         lookups = {k: float(v) for k, v in json.load(f).items()}
-    self.placement = plan_placements(self.specs, self.k, kind, lookups)
+    self.placement = plan_placements(self.specs, self.k, o.kind, lookups)
     self.tw = [n for n, p in self.placement.items() if p.kind == "table"]
     self.rw = [n for n, p in self.placement.items() if p.kind == "row"]
     self.cw = [n for n, p in self.placement.items() if p.kind == "column"]
@@ -148,33 +132,17 @@ class Sharded(base.Backend):
     ]
     self.rows_tw = max(shard_rows + [1])
     self.table_index = {n: i for i, n in enumerate(self.specs)}
-    self.codec_names = {
-      "fwd": fwd_codec or codec,
-      "bwd": bwd_codec or codec,
-    }
-    fixed = {"fwd": eb if fwd_eb is None else fwd_eb, "bwd": eb if bwd_eb is None else bwd_eb}
     self.rules = {
       d: codecs.BoundRule(
-        fixed=float(fixed[d]),
-        headroom=0.25 if headroom is None else float(headroom),
-        mode=bound or "current",
+        fixed=float(bound),
+        headroom=0.25 if o.headroom is None else float(o.headroom),
+        mode=o.bound or "current",
       )
-      for d in fixed
+      for d, bound in o.fixed_bounds.items()
     }
-    self.codecs = {d: codecs.Codec(c, self._segment_dims()) for d, c in self.codec_names.items()}
-    if any(fixed[d] and not self.codecs[d].needs_bound for d in fixed):
-      raise ValueError(
-        f"sharded: eb={eb} is an error bound for codec=eb; the codecs are {self.codec_names}"
-      )
-    # bound= and headroom= steer the adaptive rule: refuse them where nothing adapts.
-    adaptive = [d for d in fixed if self.codecs[d].needs_bound and not fixed[d]]
-    given = [f"{k}={v}" for k, v in (("bound", bound), ("headroom", headroom)) if v is not None]
-    if given and not adaptive:
-      raise ValueError(
-        f"sharded: {', '.join(given)} tune the adaptive eb bound, but no direction adapts "
-        f"(codecs {self.codec_names}, fixed bounds fwd {fixed['fwd']:g} / bwd "
-        f"{fixed['bwd']:g}); drop them, or give codec=eb without eb= for adaptive bounds"
-      )
+    self.codecs = {
+      d: codecs.Codec(c, self._segment_dims()) for d, c in self.options.codec_names.items()
+    }
     self._jitted = {}
     self._batch = 0  # the last prepared batch's size (for `stats`)
     logging.info("sharded placements:\n%s", self.format_placements())
@@ -197,17 +165,6 @@ class Sharded(base.Backend):
       + tuple(self.specs[n].dim // self.k for n in self.cw)
     )
 
-  def _segment_tables(self) -> np.ndarray:
-    """int32[k, nseg]: the table index (into the bounds vector) of each segment as sent by
-    shard m; T (a dummy) for an empty slot."""
-    t = len(self.specs)
-    out = []
-    for m in range(self.k):
-      row = [t if n is None else self.table_index[n] for n in self.owner_slots[m]]
-      row += [self.table_index[n] for n in self.rw + self.cw]
-      out.append(row)
-    return np.asarray(out, np.int32).reshape(self.k, len(self._segment_dims()))
-
   def format_placements(self) -> str:
     lines = [f"{'table':<12} {'rows':>12} {'placement':<12} {'bytes on its devices':>20}"]
     for n, p in self.placement.items():
@@ -218,8 +175,8 @@ class Sharded(base.Backend):
     per_dev = self.device_bytes_by_shard()
     lines.append("per MODEL shard: " + ", ".join(f"{b / 2**20:.1f}M" for b in per_dev))
     lines.append(
-      f"wire per example: fwd {self.codec_names['fwd']} {self.codecs['fwd'].bits_per_value():.1f} "
-      f"bits/value, bwd {self.codec_names['bwd']} {self.codecs['bwd'].bits_per_value():.1f}; "
+      f"wire per example: fwd {self.codecs['fwd'].name} {self.codecs['fwd'].bits_per_value():.1f} "
+      f"bits/value, bwd {self.codecs['bwd'].name} {self.codecs['bwd'].bits_per_value():.1f}; "
       f"{sum(self._segment_dims())} values per destination"
     )
     return "\n".join(lines)
@@ -436,141 +393,6 @@ class Sharded(base.Backend):
     )
     return spec
 
-  def _bounds(self, codec_state, direction):
-    """f32[T + 1] error bounds (the last one for empty slots), or None."""
-    if direction not in codec_state:
-      return None
-    return jnp.concatenate([codec_state[direction]["bound"], jnp.ones((1,), jnp.float32)])
-
-  def _route_tw(self, ids):
-    """Local ids {t: i32[b, L]} -> i32[k * b, Tmax, Ltw]: the ids of this shard's table-wise
-    slots for the MODEL group's examples (all-to-all over MODEL)."""
-    ltw = max(ids[n].shape[1] for n in self.tw)
-    b = ids[self.tw[0]].shape[0]
-    empty = jnp.full((b, ltw), base.PAD, jnp.int32)
-    padded = {
-      n: jnp.pad(ids[n], ((0, 0), (0, ltw - ids[n].shape[1])), constant_values=base.PAD)
-      for n in self.tw
-    }
-    send = jnp.stack(
-      [
-        jnp.stack([empty if n is None else padded[n] for n in slots], axis=1)
-        for slots in self.owner_slots
-      ]
-    )  # [k, b, Tmax, Ltw]
-    recv = jax.lax.all_to_all(send, sharding.MODEL, 0, 0)
-    return recv.reshape(self.k * b, self.tmax, ltw)
-
-  def _tw_local(self, routed):
-    """Routed ids -> local row indices of this shard's table-wise array (R = dropped)."""
-    off = np.zeros((self.k, self.tmax), np.int32)
-    num = np.zeros((self.k, self.tmax), np.int32)
-    for m, slots in enumerate(self.owner_slots):
-      for s, n in enumerate(slots):
-        if n is not None:
-          off[m, s], num[m, s] = self.placement[n].offset, self.specs[n].num_rows
-    me = jax.lax.axis_index(sharding.MODEL)
-    o, nr = jnp.asarray(off)[me][None, :, None], jnp.asarray(num)[me][None, :, None]
-    return jnp.where((routed >= 0) & (routed < nr), o + routed, self.rows_tw)
-
-  def _rw_local(self, n, ids):
-    rows = base.aligned_rows(self.specs[n].num_rows) // self.k
-    return row_sharded.local_index(ids, rows, sharding.MODEL, self.specs[n].num_rows)
-
-  def _cw_local(self, n, ids):
-    num = self.specs[n].num_rows
-    return jnp.where((ids >= 0) & (ids < num), ids, base.aligned_rows(num))
-
-  def _group_ids(self, ids, names, axes):
-    """All-gather the ids of `names` over `axes`: {t: i32[b * |axes|, L]} (one collective)."""
-    if not names:
-      return {}
-    flat = jnp.concatenate([ids[n] for n in names], axis=1)
-    flat = jax.lax.all_gather(flat, axes, tiled=True)
-    out, lo = {}, 0
-    for n in names:
-      w = ids[n].shape[1]
-      out[n] = flat[:, lo : lo + w]
-      lo += w
-    return out
-
-  def _local_pool(self, state, ids):
-    """The forward message this device sends: (segments [k (destination), b, width], the
-    routing the update reuses: {"tw": local rows of the routed table-wise ids i32[k * b,
-    Tmax, Ltw], "ids": the MODEL group's ids of the row- / column-wise tables {t: i32[k * b,
-    L]}})."""
-    b = next(iter(ids.values())).shape[0]
-    segs, routed = [], {}
-    if self.tw:
-      loc = self._tw_local(self._route_tw(ids))
-      routed["tw"] = loc
-      rows = state["tw"]["rows"][0].at[loc].get(mode="fill", fill_value=0.0)
-      pooled = jnp.sum(rows, axis=2)  # [k * b, Tmax, D]
-      segs += [pooled[:, s].reshape(self.k, b, self.dim_tw) for s in range(self.tmax)]
-    gathered = self._group_ids(ids, self.rw + self.cw, sharding.MODEL)
-    routed["ids"] = gathered
-    for n in self.rw:
-      rows = (
-        state["rw"][n]["rows"].at[self._rw_local(n, gathered[n])].get(mode="fill", fill_value=0.0)
-      )
-      segs.append(jnp.sum(rows, axis=1).reshape(self.k, b, -1))
-    for n in self.cw:
-      rows = (
-        state["cw"][n]["rows"].at[self._cw_local(n, gathered[n])].get(mode="fill", fill_value=0.0)
-      )
-      segs.append(jnp.sum(rows, axis=1).reshape(self.k, b, -1))
-    return segs, routed
-
-  def _exchange(self, codec, segs, send_bounds, recv_bounds):
-    """All-to-all over MODEL of a message of segments [k, b, w] through `codec`, with the f32
-    fallback of the segments it cannot carry within their bound. -> (segments [k (source),
-    b, w], bool[nseg]: the segments sent as f32)."""
-
-    def raw(segs, scope):
-      with jax.named_scope(scope):
-        x = jnp.concatenate(segs, axis=-1)
-        return codec._split(jax.lax.all_to_all(x, sharding.MODEL, 0, 0))
-
-    def coded(segs):
-      payload, _ = codec.encode(segs, send_bounds)  # values it cannot carry: resent below
-      payload = {k: _all_to_all_bits(v) for k, v in payload.items()}
-      return codec.decode(payload, recv_bounds)
-
-    nseg = len(codec.dims)
-    if codec.name == "none":
-      return raw(segs, "embedding_all_to_all"), jnp.zeros((nseg,), bool)
-    recv = coded(segs)
-    if not codec.needs_bound:
-      return recv, jnp.zeros((nseg,), bool)
-    # A segment (one table-wise slot, row- or column-wise table) that some device cannot
-    # carry within its bound goes again as f32, that segment only: every device takes the
-    # same branch (the flags are summed over the mesh).
-    bad = jax.lax.psum(
-      (~codec.segments_ok(segs, send_bounds)).astype(jnp.int32), (sharding.DATA, sharding.MODEL)
-    )
-
-    def resend(s, r):
-      with jax.named_scope(FALLBACK_SCOPE):
-        return jax.lax.all_to_all(s, sharding.MODEL, 0, 0)
-
-    out = [jax.lax.cond(bad[i] > 0, resend, lambda s, r: r, segs[i], recv[i]) for i in range(nseg)]
-    return out, bad > 0
-
-  def _bounds_now(self, direction, segs, forward: bool):
-    """f32[T + 1] bounds from this message's largest |value| per table (mode "current")."""
-    step_max = self._wire_max(segs, forward)
-    return jnp.concatenate([self.rules[direction].from_max(step_max), jnp.ones((1,), jnp.float32)])
-
-  def _seg_bounds(self, bounds, sender: bool, owner_is_sender: bool):
-    """Bounds f32 of each segment, broadcastable to [k, b, nseg], or None."""
-    if bounds is None:
-      return None
-    idx = jnp.asarray(self._segment_tables())
-    if owner_is_sender == sender:
-      # The segments of this device's own table-wise slots: one row of the table.
-      return bounds[idx[jax.lax.axis_index(sharding.MODEL)]]
-    return bounds[idx][:, None, :]  # per peer (the peer's slots)
-
   def lookup(self, state, prepared):
     """-> (pooled, residuals). Residuals: this device's routing (`_local_pool`), split with
     the batch, and with an adaptive forward codec the forward message's statistics
@@ -606,155 +428,6 @@ class Sharded(base.Backend):
       return self._assemble(recv, count), res
 
     return local(state, {"ids": ids, "count": count})
-
-  def _assemble(self, recv, count):
-    """Received forward segments [k (source), b, w] -> {t: f32[b, D]} pooled."""
-    out = {}
-    for n in self.tw:
-      p = self.placement[n]
-      out[n] = recv[p.slot][p.shard]
-    for i, n in enumerate(self.rw):
-      out[n] = jnp.sum(recv[self.tmax + i], axis=0)
-    for i, n in enumerate(self.cw):
-      r = recv[self.tmax + len(self.rw) + i]  # [k, b, D / k]
-      out[n] = jnp.transpose(r, (1, 0, 2)).reshape(r.shape[1], -1)
-    for n, c in count.items():
-      out[n] = out[n] / jnp.maximum(c, 1).astype(jnp.float32)[:, None]
-    return out
-
-  def update(self, state, prepared, residuals, grads):
-    names = list(self.specs)
-    res_spec = {"routed": P(sharding.BATCH), **({"fwd": P()} if "fwd" in residuals else {})}
-
-    @functools.partial(
-      jax.shard_map,
-      mesh=self.mesh,
-      in_specs=(
-        self._specs_in(),
-        {"count": P(sharding.BATCH)},
-        res_spec,
-        P(sharding.BATCH),
-      ),
-      out_specs=self._specs_in(),
-      check_vma=False,
-    )
-    def local(state, prepared, residuals, grads):
-      count = prepared["count"]
-      routed = residuals["routed"]
-      g = {
-        n: grads[n] / jnp.maximum(count[n], 1).astype(jnp.float32)[:, None]
-        if n in count
-        else grads[n]
-        for n in names
-      }
-      b = g[names[0]].shape[0]
-      # The backward message: segments [k (destination), b, w].
-      segs = []
-      zero = jnp.zeros((b, self.dim_tw), jnp.float32)
-      for s in range(self.tmax):
-        segs.append(jnp.stack([zero if sl[s] is None else g[sl[s]] for sl in self.owner_slots]))
-      for n in self.rw:
-        segs.append(jnp.broadcast_to(g[n], (self.k, *g[n].shape)))
-      for n in self.cw:
-        segs.append(jnp.transpose(g[n].reshape(b, self.k, -1), (1, 0, 2)))
-      codec_state = state["codec"]
-      bounds = self._bounds(codec_state, "bwd")
-      if bounds is not None and self.rules["bwd"].uses_current:
-        bounds = self._bounds_now("bwd", segs, False)
-      recv, fell_b = self._exchange(
-        self.codecs["bwd"],
-        segs,
-        self._seg_bounds(bounds, sender=True, owner_is_sender=False),
-        self._seg_bounds(bounds, sender=False, owner_is_sender=False),
-      )
-      new = {"codec": codec_state}
-      if "bwd" in codec_state:
-        new["codec"] = dict(new["codec"])
-        new["codec"]["bwd"] = self.rules["bwd"].next(
-          codec_state["bwd"], self._wire_max(segs, False), fell_b, self.codecs["bwd"].dims
-        )
-      if "fwd" in codec_state:
-        # The forward message's statistics and fallbacks, as the lookup measured them.
-        fwd = residuals["fwd"]
-        new["codec"] = dict(new["codec"])
-        new["codec"]["fwd"] = self.rules["fwd"].next(
-          codec_state["fwd"], fwd["max"], fwd["fell"], self.codecs["fwd"].dims
-        )
-      # Every example of the batch, in batch order: over DATA after the all-to-all.
-      every = lambda x: jax.lax.all_gather(x, sharding.DATA, tiled=True)  # noqa: E731
-      recv = [every(r.reshape(self.k * b, -1)) for r in recv]
-      if self.tw:
-        loc = every(routed["tw"])  # [B, Tmax, Ltw]
-        gtw = jnp.stack(recv[: self.tmax], axis=1)  # [B, Tmax, D]
-        bsz, _, ltw = loc.shape
-        grows = jnp.broadcast_to(gtw[:, :, None, :], (bsz, self.tmax, ltw, self.dim_tw))
-        new["tw"] = self._apply(
-          state["tw"],
-          loc.reshape(bsz, -1),
-          grows.reshape(bsz, -1, self.dim_tw),
-          self.rows_tw,
-          squeeze=True,
-        )
-      # The lookup's MODEL-group ids gathered over DATA: the whole batch's, in batch order.
-      gathered = self._group_ids(routed["ids"], self.rw + self.cw, sharding.DATA)
-      new["rw"], new["cw"] = {}, {}
-      for i, n in enumerate(self.rw):
-        loc = self._rw_local(n, gathered[n])
-        rows = base.aligned_rows(self.specs[n].num_rows) // self.k
-        gr = jnp.broadcast_to(recv[self.tmax + i][:, None, :], (*loc.shape, self.specs[n].dim))
-        new["rw"][n] = self._apply(state["rw"][n], loc, gr, rows)
-      for i, n in enumerate(self.cw):
-        loc = self._cw_local(n, gathered[n])
-        r = recv[self.tmax + len(self.rw) + i]
-        gr = jnp.broadcast_to(r[:, None, :], (*loc.shape, r.shape[-1]))
-        new["cw"][n] = self._apply(
-          state["cw"][n],
-          loc,
-          gr,
-          base.aligned_rows(self.specs[n].num_rows),
-          columns=self.specs[n].dim,
-        )
-      return new
-
-    return local(state, {"count": prepared["count"]}, residuals, grads)
-
-  def _wire_max(self, segs, forward: bool):
-    """f32[T]: the largest |value| each table put on the wire this step (over the mesh)."""
-    t = len(self.specs)
-    idx = jnp.asarray(self._segment_tables())
-    if forward:
-      seg_idx = idx[jax.lax.axis_index(sharding.MODEL)]
-      m = jnp.stack([jnp.max(jnp.abs(s)) for s in segs])
-    else:  # backward: segment s sent to peer j belongs to peer j's table
-      seg_idx = idx.T.reshape(-1)  # [nseg * k]
-      m = jnp.stack([jnp.max(jnp.abs(s), axis=(1, 2)) for s in segs]).reshape(-1)
-    out = jnp.zeros((t + 1,), jnp.float32).at[seg_idx].max(m)
-    return jax.lax.pmax(out, (sharding.DATA, sharding.MODEL))[:t]
-
-  def _apply(self, state, loc, grads, num_rows, *, squeeze=False, columns=0):
-    """Row-wise optimizer on local rows. loc: i32[B, X] (num_rows = dropped); grads
-    f32[B, X, w]. squeeze: the storage has a leading shard axis of 1. columns: the table's
-    full dim when the storage holds a column block (Adagrad's mean is over every column)."""
-    if squeeze:
-      state = jax.tree.map(lambda x: x[0], state)
-    assert state["rows"].shape[0] == num_rows  # the dedup's filler: past the local rows
-    slots = {k: state[k] for k in self._slots()}
-    mean_square = None
-    if columns:
-      # Row-wise Adagrad's mean is over the whole row: its columns live on every MODEL shard.
-      def mean_square(g):
-        return jax.lax.psum(jnp.sum(g * g, axis=-1), sharding.MODEL) / columns
-
-    # The shared row update (the group's tables share one optimizer); no host dedup: the
-    # routed ids are deduped on device.
-    spec = next(iter(self.specs.values()))
-    rows, slots = row_sharded.update(
-      spec, state["rows"], slots, {"ids": loc}, grads, mean_square=mean_square
-    )
-    out = {"rows": rows, **slots}
-    if squeeze:
-      out = jax.tree.map(lambda x: x[None], out)
-    return out
 
   # ------------------------------------------------------------------------- reporting
 
@@ -813,14 +486,3 @@ class Sharded(base.Backend):
       for n, i in self.table_index.items():
         out[f"{d}/bound/{n}"] = float(s["bound"][i])
     return out
-
-
-def _all_to_all_bits(x: jax.Array) -> jax.Array:
-  """all_to_all over MODEL (split and concat on axis 0) that moves x's own bits: XLA:CPU
-  widens bf16 and fp8 collectives to f32 / f16 (measured from the HLO: a bf16 all-to-all
-  moved as many bytes as f32), so narrow floats travel bitcast to unsigned ints."""
-  if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
-    carrier = {1: jnp.uint8, 2: jnp.uint16}[x.dtype.itemsize]
-    y = jax.lax.all_to_all(jax.lax.bitcast_convert_type(x, carrier), sharding.MODEL, 0, 0)
-    return jax.lax.bitcast_convert_type(y, x.dtype)
-  return jax.lax.all_to_all(x, sharding.MODEL, 0, 0)

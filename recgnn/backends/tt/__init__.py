@@ -57,8 +57,9 @@ step retraces only the rare times a capacity grows (and once when the cache's ho
 fixed). `pad=full` pads to the batch size instead: one shape, no retrace,
 more padded work (benchmarks/tt.py measures both).
 
-Files: shape.py (factorization, initial cores, reconstruction), cost.py (contract=auto's cost
-model), kernels.py (a level's product, capacity rounding); this file holds one concern, the
+Files: options.py (`TTOptions`), shape.py (factorization, initial cores, reconstruction),
+cost.py (contract=auto's cost model), kernels.py (a level's product, capacity rounding); this
+file holds one concern, the
 `TT` backend class (its host-side planning of prefix trees and cache, its device code).
 """
 
@@ -82,6 +83,7 @@ from recgnn.backends.tt.cost import (  # noqa: F401  (the package's public names
   level_product,
 )
 from recgnn.backends.tt.kernels import HEADROOM, _round_up, level  # noqa: F401
+from recgnn.backends.tt.options import CONTRACTS, KERNELS, PADS, TTOptions  # noqa: F401
 from recgnn.backends.tt.shape import (  # noqa: F401
   INITS,
   TTShape,
@@ -98,132 +100,53 @@ from recgnn.backends.tt.shape import (  # noqa: F401
 from recgnn.embeddings import access_counts as profile
 from recgnn.embeddings import base
 
-KERNELS = ("naive", "unique", "prefix")
-CONTRACTS = ("auto", "batched", "pairs")
-PADS = ("grow", "full")
-
-
 # ----------------------------------------------------------------------------- backend
 
 
 @base.register_backend("tt")
 class TT(base.TableBackend):
-  """Tensor-train table. See the module docstring.
+  """Tensor-train table. See the module docstring; options: `TTOptions`."""
 
-  Options (plan string), e.g. `tt(rank=16, cores=3, init=sampled_gaussian, cache_rows=10000,
-  kernel=prefix)`:
-    rank: inner TT rank (int, or a tuple of K-1 ranks). Default 32.
-    cores: number of cores K (balanced factorization of rows and dim). Default 3.
-    row_factors, dim_factors: explicit factorizations (tuples) instead of the balanced ones.
-    init: sampled_gaussian (default) | uniform | orthogonal | tt_svd; all match the variance
-      of the table's dense initializer (`target_variance`). tt_svd compresses the dense
-      float32[N, D] table in `init_path` (a .npy file) by TT-SVD: how a graph-derived init
-      (Nimble's "eigen": adjacency eigenvectors) reaches the backend. The file is the
-      interface: a task writes it (node_classification: embeddings.node_init=eigen), the
-      backend reads it at init; neither imports the other.
-    init_path: the .npy file of init=tt_svd (~ expanded).
-    kernel: prefix (default) | unique | naive.
-    contract: auto (default) | batched | pairs: how a level multiplies prefixes by slices
-      (module docstring); results are equal up to float summation order.
-    cache_rows: rows of the uncompressed hot-row cache (0 = none, default).
-    cache_warmup: batches counted before the hot set is fixed. Default 50.
-    pad: grow (default) | full; see the module docstring.
-    lookahead: pad=grow sizes its capacities from this many upcoming batches as well as the
-      first one (the trainer passes them), so they rarely grow later. Default 16; 0: from
-      the first batch alone. An error with pad=full (one shape: nothing to size).
-  """
-
+  Options = TTOptions
   # Its prepare plans prefix trees and the cache over the whole batch.
   capabilities = base.Capabilities(plans_globally=True)
   batch_major = ("ids", "inverse", "cache_slot", "cache_inverse")
 
-  def __init__(
-    self,
-    spec: base.TableSpec,
-    mesh,
-    layout: base.Layout | None = None,
-    rank: int | Sequence[int] = 32,
-    cores: int | None = None,
-    row_factors: Sequence[int] | None = None,
-    dim_factors: Sequence[int] | None = None,
-    init: str = "sampled_gaussian",
-    init_path: str = "",
-    kernel: str = "prefix",
-    contract: str = "auto",
-    cache_rows: int = 0,
-    cache_warmup: int | None = None,
-    pad: str = "grow",
-    lookahead: int | None = None,
-  ):
-    super().__init__(spec, mesh, layout)
-    if cores is not None and row_factors is not None and int(cores) != len(row_factors):
-      raise ValueError(
-        f"tt: cores={cores} but row_factors={tuple(row_factors)} give {len(row_factors)} cores; "
-        "the factors fix the core count: drop cores="
-      )
-    if cache_warmup is not None and not cache_rows:
-      raise ValueError(
-        f"tt: cache_warmup={cache_warmup} counts batches before the hot-row cache is filled, "
-        "but there is no cache (cache_rows=0): drop cache_warmup or give cache_rows=ROWS"
-      )
-    cores = 3 if cores is None else int(cores)
-    cache_warmup = 50 if cache_warmup is None else int(cache_warmup)
-    if init not in INITS:
-      raise ValueError(f"tt: unknown init {init!r}; available: {', '.join(INITS)}")
-    if kernel not in KERNELS:
-      raise ValueError(f"tt: unknown kernel {kernel!r}; available: {', '.join(KERNELS)}")
-    if contract not in CONTRACTS:
-      raise ValueError(f"tt: unknown contract {contract!r}; available: {', '.join(CONTRACTS)}")
-    if contract != "auto" and kernel == "naive":
-      raise ValueError(f"tt: contract={contract} needs kernel=prefix or unique (naive has no tree)")
-    if pad not in PADS:
-      raise ValueError(f"tt: unknown pad {pad!r}; available: {', '.join(PADS)}")
-    if cache_rows < 0 or cache_warmup < 1:
-      raise ValueError(
-        f"tt: need cache_rows >= 0 and cache_warmup >= 1, got {cache_rows}, {cache_warmup}"
-      )
+  def __init__(self, spec: base.TableSpec, mesh, layout: base.Layout | None = None, **options):
+    super().__init__(spec, mesh, layout, **options)
+    o = self.options
     target_variance(spec)  # fail at plan time for a zeros initializer
-    if (init == "tt_svd") != bool(init_path):
-      raise ValueError("tt: init=tt_svd and init_path=FILE.npy go together")
-    self.init_path = str(init_path)
-    self.shape = tt_shape(spec.num_rows, spec.dim, rank, cores, row_factors, dim_factors)
-    self.rank, self.init_name, self.kernel, self.pad = rank, init, kernel, pad
-    self.contract = contract
-    self._explicit_factors = row_factors is not None or dim_factors is not None
-    self.cache_rows = min(cache_rows, spec.num_rows)
-    self.cache_warmup = cache_warmup
-    if lookahead is not None and pad == "full":
-      raise ValueError("tt: lookahead sizes pad=grow's capacities; pad=full has none to size")
-    lookahead = 16 if lookahead is None else int(lookahead)
-    if lookahead < 0:
-      raise ValueError(f"tt: lookahead must be >= 0, got {lookahead}")
-    self.lookahead = lookahead if pad == "grow" else 0
+    cores = 3 if o.cores is None else o.cores
+    self.shape = tt_shape(spec.num_rows, spec.dim, o.rank, cores, o.row_factors, o.dim_factors)
+    self.cache_rows = min(o.cache_rows, spec.num_rows)
+    self.cache_warmup = o.warmup
+    self.lookahead = (16 if o.lookahead is None else o.lookahead) if o.pad == "grow" else 0
     self._caps: dict[str, int] = {}
     # Access counts of the warm-up (the shared profiler; sparse: only the rows seen).
     self._warm = profile.AccessProfile(spec.num_rows, sparse=True)
     self._hot: np.ndarray | None = None  # sorted hot row ids, fixed after the warm-up
 
   def describe(self) -> str:
-    opts = [f"rank={self.rank}"]
+    opts = [f"rank={self.options.rank}"]
     if self.shape.num_cores != 3:
       opts.append(f"cores={self.shape.num_cores}")
-    if self.init_name != "sampled_gaussian":
-      opts.append(f"init={self.init_name}")
-    if self.init_path:
-      opts.append(f"init_path={self.init_path}")
-    if self.kernel != "prefix":
-      opts.append(f"kernel={self.kernel}")
-    if self.contract != "auto":
-      opts.append(f"contract={self.contract}")
-    if self._explicit_factors:
+    if self.options.init != "sampled_gaussian":
+      opts.append(f"init={self.options.init}")
+    if self.options.init_path:
+      opts.append(f"init_path={self.options.init_path}")
+    if self.options.kernel != "prefix":
+      opts.append(f"kernel={self.options.kernel}")
+    if self.options.contract != "auto":
+      opts.append(f"contract={self.options.contract}")
+    if self.options.row_factors is not None or self.options.dim_factors is not None:
       opts.append(f"row_factors={self.shape.row_factors}")
       opts.append(f"dim_factors={self.shape.dim_factors}")
     if self.cache_rows:
       opts.append(f"cache_rows={self.cache_rows}")
       if self.cache_warmup != 50:
         opts.append(f"cache_warmup={self.cache_warmup}")
-    if self.pad != "grow":
-      opts.append(f"pad={self.pad}")
+    if self.options.pad != "grow":
+      opts.append(f"pad={self.options.pad}")
     elif self.lookahead != 16:
       opts.append(f"lookahead={self.lookahead}")
     return f"tt({', '.join(opts)})"
@@ -250,8 +173,8 @@ class TT(base.TableBackend):
 
   def init(self, key):
     spec, opt = self.spec, self.spec.optimizer
-    target = load_init_table(self.init_path, spec) if self.init_path else None
-    cores = init_cores(key, self.shape, target_variance(spec), self.init_name, target)
+    target = load_init_table(self.options.init_path, spec) if self.options.init_path else None
+    cores = init_cores(key, self.shape, target_variance(spec), self.options.init, target)
     state = {"cores": cores}
     if opt.needs_unique:
       state["accum"] = [opt.init_slots(s[0])["accum"] for s in self.shape.core_shapes()]
@@ -319,7 +242,7 @@ class TT(base.TableBackend):
 
   def _cap(self, name: str, n: int, limit: int) -> int:
     """Static size of a padded array holding n entries (grow-only; see module docstring)."""
-    if self.pad == "full":
+    if self.options.pad == "full":
       return limit
     # Keyed by the batch shape too: eval batches (often larger) must not pad train batches.
     key = f"{name}@{self._batch_size}"
@@ -368,7 +291,9 @@ class TT(base.TableBackend):
     the capacities from the largest counts of the next `lookahead` batches too, so they
     rarely grow later: each growth recompiles the trainer's whole step (30-45 s under load
     here; ttrec_kaggle: none in 300 steps, three in its first 40 before)."""
-    if self.pad != "grow" or self.kernel == "naive" or f"rows@{total}" in self._caps:
+    if (
+      self.options.pad != "grow" or self.options.kernel == "naive" or f"rows@{total}" in self._caps
+    ):
       return
     if self.cache_rows and self._hot is None:
       return  # warm-up: the capacities are reset when the hot set is fixed
@@ -391,7 +316,7 @@ class TT(base.TableBackend):
     for k in range(shape.num_cores):
       keys = rows // shape.strides[k]  # sorted, as rows are: no np.unique (a sort) needed
       last = k == shape.num_cores - 1
-      if self.kernel == "prefix" and not last and keys.size:
+      if self.options.kernel == "prefix" and not last and keys.size:
         keys = keys[np.concatenate([[True], keys[1:] != keys[:-1]])]
       n_k = shape.row_factors[k]
       digit = keys % n_k
@@ -400,7 +325,9 @@ class TT(base.TableBackend):
       slices = np.flatnonzero(used)
       slice_idx = (np.cumsum(used) - 1)[digit]
       limit = min(total, math.prod(shape.row_factors[: k + 1]))
-      p_cap = u_cap if (last or self.kernel == "unique") else self._cap(f"p{k}", keys.size, limit)
+      p_cap = (
+        u_cap if (last or self.options.kernel == "unique") else self._cap(f"p{k}", keys.size, limit)
+      )
       s_cap = self._cap(f"s{k}", slices.size, min(total, n_k))
       levels.append((keys, slices, slice_idx, p_cap, s_cap))
     return u_cap, levels
@@ -413,7 +340,7 @@ class TT(base.TableBackend):
       cache, ids = self._cache_plan(ids, count=train)
       out.update(cache)
     out["ids"] = np.where(ids < 0, n_rows, ids).astype(np.int32)
-    if self.kernel == "naive":
+    if self.options.kernel == "naive":
       return out
     shape, total = self.shape, ids.size
     self._batch_size = total
@@ -437,7 +364,7 @@ class TT(base.TableBackend):
       out[f"slices{k}"], out[f"slice_of{k}"] = sl, si
       if k > 0:
         parent = np.zeros(p_cap, np.int32)
-        if self.kernel == "prefix":
+        if self.options.kernel == "prefix":
           parent[: keys.size] = np.searchsorted(prev_keys, keys // n_k)
         else:
           parent[: keys.size] = np.arange(keys.size)
@@ -456,7 +383,9 @@ class TT(base.TableBackend):
         s = slices[0].at[prepared["slice_of0"]].get(mode="fill", fill_value=0.0)
         pre = s[:, 0]  # [P_0, d_1, r_1]
         continue
-      out = level(pre, slices[k], prepared[f"parent{k}"], prepared[f"slice_of{k}"], self.contract)
+      out = level(
+        pre, slices[k], prepared[f"parent{k}"], prepared[f"slice_of{k}"], self.options.contract
+      )
       p, a, d, r1 = out.shape
       pre = out.reshape(p, a * d, r1)
     return pre.reshape(pre.shape[0], self.spec.dim)
@@ -486,7 +415,7 @@ class TT(base.TableBackend):
 
   def _tt_lookup(self, state, prepared) -> jax.Array:
     """The cores' part of the lookup: float32[B, L, D], 0 at padding and cache hits."""
-    if self.kernel == "naive":
+    if self.options.kernel == "naive":
       return self._naive_rows(state["cores"], prepared["ids"])
     rows = self._tree_rows(self._gather_slices(state, prepared), prepared)
     return rows.at[prepared["inverse"]].get(mode="fill", fill_value=0.0)
@@ -502,7 +431,7 @@ class TT(base.TableBackend):
     and the pullback of the prefix tree's products (`jax.vjp`'s linearization, a pytree of
     the level products), so `update` runs only the backward pass, never the prefix products
     again. The naive kernel keeps nothing (`()`)."""
-    if self.kernel == "naive":
+    if self.options.kernel == "naive":
       return super().lookup_pooled(state, prepared, count)
     slices = self._gather_slices(state, prepared)
     rows, pull = jax.vjp(lambda s: self._tree_rows(s, prepared), slices)
@@ -511,7 +440,7 @@ class TT(base.TableBackend):
     return base.pool_rows(out, count), {"slices": slices, "pull": pull}
 
   def update_pooled(self, state, prepared, residuals, g, count):
-    if self.kernel == "naive":
+    if self.options.kernel == "naive":
       return super().update_pooled(state, prepared, residuals, g, count)
     g, prepared, count = sharding.replicate((g, prepared, count), self.mesh)
     grads = base.unpool(g, count, prepared["ids"].shape[1])
@@ -545,7 +474,7 @@ class TT(base.TableBackend):
 
     Only the cores' part: cache hits contribute nothing. For tests; `update` stays sparse.
     """
-    if self.kernel == "naive":
+    if self.options.kernel == "naive":
       _, vjp = jax.vjp(lambda c: self._naive_rows(c, prepared["ids"]), list(state["cores"]))
       return vjp(grads)[0]
     slices = self._gather_slices(state, prepared)
@@ -584,7 +513,7 @@ class TT(base.TableBackend):
       state["cache"] = cache
       state.update({f"cache_{k}": v for k, v in slots.items()})
       grads = jnp.where(hit, 0.0, grads)
-    if self.kernel == "naive":
+    if self.options.kernel == "naive":
       g = self.core_grads(state, prepared, grads)
       cores, accum = [], []
       for k, c in enumerate(state["cores"]):

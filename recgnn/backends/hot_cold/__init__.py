@@ -1,0 +1,479 @@
+"""`hot_cold`: Hotline / FAE. Popular rows row-sharded over the mesh, the rest in host memory.
+
+Plan string: `hot_cold(budget=0.05, profile_batches=20, reprofile=0, split=True)`; options in
+`HotColdOptions`. One instance per GROUP of tables: an example is popular only when ALL its ids in
+the group's tables are hot (FAE's rule), so put the large tables in one hot_cold rule and the
+small ones (wholly on the devices anyway) under `dense`.
+
+Why (Adnan et al., ISCA'24 "Hotline"; FAE, VLDB'22): a few rows take most accesses. Those
+rows, with their optimizer state, live in one device array per table, split by rows over every
+device of the mesh (NamedSharding P(BATCH)); the long tail stays in pinned host memory (the
+`host_table` module shared with `offload`). A batch is split into a popular micro-batch (every
+id hot: computed from device memory only) and a non-popular one (some id cold: its cold rows
+come from the host), so the accelerators work on the popular examples while cold rows arrive.
+
+How a batch flows:
+
+  input thread, prepare(k)   counts accesses while profiling (recgnn.embeddings.access_counts);
+                             maps each id to a hot slot or to the batch's list of distinct
+                             cold rows (padded to the batch's id count); splits a train
+                             batch's examples per device into the popular and the non-popular
+                             micro-batch (the popular one's size fixed per hot set, the other
+                             the rest: the step compiles a few times per run, not per batch);
+                             when a profile completes, picks the hot set for the byte budget
+                             and plans the migration (rows in / out of the hot arrays).
+  step k, lookup             popular micro-batch: hot rows only (a masked gather on each
+                             device's shard, a reduce-scatter of the rows: exact, every row
+                             has one non-zero term). Non-popular: the same, plus the cold rows
+                             gathered from the host table (compute_on("device_host")).
+  step k, update             ONE sparse update for the whole batch, as `dense` applies it:
+                             hot rows on their owner devices, cold rows on the gathered copy
+                             and written back to the host table (exact: the same adds in the
+                             same order as dense's). Then the migration planned with batch k.
+
+Exact under the trainer's run-ahead of `prepare`: a step reads the host table and writes its
+cold rows back within itself (the state carries them in order); the hot / cold layout changes
+only by a migration that runs at the end of the update of the batch whose `prepare` planned it,
+and every later batch is prepared for the new layout. `version` in the state checks that
+updates run in prepare order (as `offload`).
+
+The hot set: the first `profile_batches` train batches are profiled (every row cold
+meanwhile); then the most accessed rows that fit the budget are migrated in. FAE samples 5 %
+of the input before training: the trainer gives a backend no look at the data before it
+runs, so the sample is the head of the (shuffled) stream; `use_profile` takes a profile made
+elsewhere (e.g. `profile.profile_sample` over a 5 % sample) instead. `reprofile=N` re-picks
+the hot set every N train batches from the accesses counted since the last pick, for drifting
+popularity. A checkpoint holds the logical rows only (restorable into any "rows" backend, on
+any mesh): the hot set is re-profiled after `import_`.
+
+State {"tables": {table: {"hot": {"table": f32[Ha, D], slot: f32[Ha]}   rows over the mesh
+                          "hot_rows": int32[Ha] (the row in each hot slot; N = empty)
+                          "host": {"table": f32[S, D], slot: f32[S]}}}  host_table placement
+       "version": int32[], "stale": int32[]}
+Ha = the hot capacity rounded up to a multiple of the devices; S = base.aligned_rows(N). The
+host table holds every row; a hot row's host copy is stale until `sync` writes it back.
+
+Limits, and why:
+  - The budget is per table (each table's hot array holds `budget` of its rows), not FAE's one
+    budget over all tables: the hot arrays' shapes are fixed at init (memory is reported
+    before allocating), before any profile exists. `profile.hot_set_for_budget` makes the
+    global choice within those capacities.
+  - The order "popular first, cold rows meanwhile" is a data dependency, not a schedule: the
+    popular micro-batch never reads a host array, so XLA may run it while the cold gather is
+    in flight (on an accelerator the host gather and copy are asynchronous); XLA:CPU runs
+    host and device computations on the same cores, so nothing overlaps there.
+
+Files: options.py (`HotColdOptions`), hot_set.py (the row <-> slot maps, profile, pick and
+migrations: `HotSetPlanning`), micro.py (the popular / non-popular split), device.py (the
+step's lookup, update and migration: `DeviceSteps`); this file, the `HotCold` class
+(placement, state, checkpoints, `prepare`), which those two mixins complete. Shared
+mechanisms live in recgnn/embeddings (row_sharded, host_table, host_cache, access_counts,
+microbatch).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from recgnn import sharding
+from recgnn.backends.hot_cold.device import DeviceSteps
+from recgnn.backends.hot_cold.hot_set import HotSetPlanning, TableRows, pad_to
+from recgnn.backends.hot_cold.micro import MARGIN, split
+from recgnn.backends.hot_cold.options import HotColdOptions
+from recgnn.embeddings import access_counts as profile
+from recgnn.embeddings import base, host_cache, host_table
+
+P = sharding.P
+__all__ = ["MARGIN", "HotCold", "HotColdOptions"]
+
+
+@base.register_backend("hot_cold")
+class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
+  """Hot rows on the devices (row-sharded), cold rows in host memory; popular / non-popular
+  micro-batches. Options: `HotColdOptions`."""
+
+  Options = HotColdOptions
+
+  def __init__(
+    self,
+    specs: Sequence[base.TableSpec],
+    mesh: jax.sharding.Mesh,
+    layout: base.Layout | None = None,
+    text: str = "",
+    **options,
+  ):
+    super().__init__(specs, mesh, layout, text, **options)
+    o = self.options
+    self.capabilities = self._capabilities(o)
+    self.host = host_table.HostTable(
+      o.host_memory, f"hot_cold (tables {', '.join(self.specs)})", mesh
+    )
+    n = mesh.size
+    self._rows: dict[str, TableRows] = {}
+    for name, spec in self.specs.items():
+      cap = o.hot_rows if o.hot_rows is not None else math.ceil(o.fraction * spec.num_rows)
+      cap = max(1, min(int(cap), spec.num_rows))
+      self._rows[name] = TableRows(
+        spec=spec,
+        capacity=cap,
+        alloc=-(-cap // n) * n,
+        row_slot=np.full(spec.num_rows, -1, np.int32),
+        slot_row=np.full(-(-cap // n) * n, -1, np.int64),
+        profile=profile.AccessProfile(spec.num_rows),
+      )
+    self._version = 0
+    self._since_pick = 0  # train batches counted since the last pick
+    self._picked = False  # a hot set has been picked (initial profile done)
+    self._pending: dict[str, np.ndarray] | None = None  # a hot set to migrate to
+    self._p0: dict[int, int] = {}  # per-device batch size b -> popular micro-batch size
+    self._counters = host_cache.Counters()
+    owner = f"hot_cold (tables {', '.join(self.specs)})"
+    self._syncer = host_cache.Syncer(self._flush, owner, "hot / cold")
+    self._initialised = False
+
+  @classmethod
+  def capabilities_for(cls, options):
+    return cls._capabilities(HotColdOptions.parse(options))
+
+  @staticmethod
+  def _capabilities(o: HotColdOptions) -> base.Capabilities:
+    # The hot set and the popular / non-popular split are planned over the whole batch.
+    return base.Capabilities(splits_batch=o.split, plans_globally=True)
+
+  def describe(self, table=None):
+    del table
+    o = self.options
+    size = f"hot_rows={o.hot_rows}" if o.fraction is None else f"budget={o.fraction}"
+    extra = f", reprofile={o.reprofile}" if o.reprofile else ""
+    extra += "" if o.split else ", split=False"
+    extra += "" if self.host.host_memory == "pinned_host" else ", host_memory=device"
+    return f"hot_cold({size}, profile_batches={o.profile_batches}{extra})"
+
+  # --------------------------------------------------------------------------- placement
+
+  def _hot_sharding(self):
+    return (
+      sharding.named(self.mesh, P(sharding.BATCH, None)),
+      sharding.named(self.mesh, P(sharding.BATCH)),
+    )
+
+  def _repl(self):
+    return sharding.named(self.mesh, sharding.REPLICATED)
+
+  def state_sharding(self):
+    rows, vec = self._hot_sharding()
+    out = {}
+    for name, spec in self.specs.items():
+      slots = spec.optimizer.slot_names()
+      out[name] = {
+        "hot": {"table": rows, **{s: vec for s in slots}},
+        "hot_rows": self._repl(),
+        "host": self.host.sharding(slots),
+      }
+    return {"tables": out, "version": self._repl(), "stale": self._repl()}
+
+  def memory(self):
+    out = {}
+    n = self.mesh.size
+    for name, r in self._rows.items():
+      spec = r.spec
+      device = r.alloc // n * spec.row_bytes + r.alloc * 4  # hot shard + slot map
+      # Every row on the host (one copy over the mesh), the row -> slot map, the profile.
+      host = base.aligned_rows(spec.num_rows) * spec.row_bytes + spec.num_rows * (4 + 8)
+      if not self.host.offloaded:
+        device, host = device + base.aligned_rows(spec.num_rows) * spec.row_bytes, host
+      where = (
+        f"{r.alloc} hot rows over {n} device(s) + {self.host.host_memory}"
+        if self.host.offloaded
+        else "device (no offload)"
+      )
+      out[name] = base.MemoryReport(device, host, where)
+    return out
+
+  # --------------------------------------------------------------------------- state
+
+  def init(self, key):
+    host = {}
+    for name, spec in self.specs.items():
+      opt = spec.optimizer
+      s = base.aligned_rows(spec.num_rows)
+      table = np.zeros((s, spec.dim), np.float32)
+      table[: spec.num_rows] = base.init_table(base.table_key(key, name), spec)
+      host[name] = {"table": table}
+      host[name].update(
+        {k: np.full(s, opt.initial_accumulator, np.float32) for k in opt.slot_names()}
+      )
+    return self._fresh(host, keep_hot_set=True)
+
+  def _fresh(self, host: dict, keep_hot_set: bool) -> dict:
+    """A state holding `host` (every row; numpy or placed); the hot arrays hold the current
+    hot set (from `use_profile` before init) or nothing."""
+    sh = self.state_sharding()
+    tables = {}
+    if not keep_hot_set:
+      for r in self._rows.values():
+        r.row_slot[:] = -1
+        r.slot_row[:] = -1
+      self._picked = False
+    for name, r in self._rows.items():
+      spec, opt = r.spec, r.spec.optimizer
+      placed = self.host.place(host[name], sh["tables"][name]["host"])
+      hot = {"table": np.zeros((r.alloc, spec.dim), np.float32)}
+      hot.update(
+        {k: np.full(r.alloc, opt.initial_accumulator, np.float32) for k in opt.slot_names()}
+      )
+      filled = r.slot_row >= 0
+      if filled.any():  # a hot set picked before init: its rows start from the host values
+        src = jax.device_get(placed)
+        for k in hot:
+          hot[k][filled] = np.asarray(src[k])[r.slot_row[filled]]
+      hot_rows = np.where(filled, r.slot_row, spec.num_rows).astype(np.int32)
+      tables[name] = {
+        "hot": jax.device_put(hot, sh["tables"][name]["hot"]),
+        "hot_rows": jax.device_put(hot_rows, sh["tables"][name]["hot_rows"]),
+        "host": placed,
+      }
+    self._version, self._since_pick, self._p0 = 0, 0, {}
+    self._pending = None
+    for r in self._rows.values():
+      r.profile.reset()
+    self._initialised = True
+    # Two buffers: the state is donated, and one buffer donated twice is an error.
+    zero = lambda: jax.device_put(np.zeros((), np.int32), self._repl())  # noqa: E731
+    return {"tables": tables, "version": zero(), "stale": zero()}
+
+  def logical_format(self, table):
+    return "rows"
+
+  def export(self, state):
+    """The host arrays of a synced state (`sync` wrote every hot row back)."""
+    self._check_stale(state)
+    out = {}
+    for name, spec in self.specs.items():
+      h = state["tables"][name]["host"]
+      out[name] = {"rows": h["table"], **{k: h[k] for k in spec.optimizer.slot_names()}}
+    return out
+
+  def logical_target(self):
+    out = {}
+    for name, spec in self.specs.items():
+      s, d = base.aligned_rows(spec.num_rows), spec.dim
+      rows, vec = self.host.row_sharding()
+      t = {"rows": jax.ShapeDtypeStruct((s, d), jnp.float32, sharding=rows)}
+      for k in spec.optimizer.slot_names():
+        t[k] = jax.ShapeDtypeStruct((s,), jnp.float32, sharding=vec)
+      out[name] = t
+    return out
+
+  def import_(self, logical):
+    """Every row to the host table, empty hot arrays: the hot set is profiled again (values
+    do not change, only where rows live)."""
+    host = {
+      n: {"table": logical[n]["rows"], **{k: logical[n][k] for k in s.optimizer.slot_names()}}
+      for n, s in self.specs.items()
+    }
+    return self._fresh(host, keep_hot_set=False)
+
+  def restore(self, state):
+    """Host bookkeeping from a restored state's hot slots (the profile restarts)."""
+    self._check_stale(state)
+    sh = self.state_sharding()
+    tables = {}
+    for name, r in self._rows.items():
+      t = state["tables"][name]
+      t = {**t, "host": self.host.place(t["host"], sh["tables"][name]["host"])}
+      tables[name] = t
+      hot_rows = np.asarray(jax.device_get(t["hot_rows"])).astype(np.int64)
+      if hot_rows.shape[0] != r.alloc:
+        raise ValueError(
+          f"hot_cold: the state has {hot_rows.shape[0]} hot slots for table {name!r}, this "
+          f"backend {r.alloc}; restore checkpoints through export / import_ (the logical rows)"
+        )
+      r.slot_row = np.where(hot_rows < r.spec.num_rows, hot_rows, -1)
+      r.row_slot[:] = -1
+      filled = r.slot_row >= 0
+      r.row_slot[r.slot_row[filled]] = np.flatnonzero(filled).astype(np.int32)
+      r.profile.reset()
+    self._picked = any((r.slot_row >= 0).any() for r in self._rows.values())
+    self._version = int(jax.device_get(state["version"]))
+    self._since_pick, self._p0, self._pending = 0, {}, None
+    self._initialised = True
+    return {**state, "tables": tables}
+
+  def _check_stale(self, state):
+    self._syncer.check(state)
+
+  def sync(self, state):
+    """Write every hot row back to the host table (O(hot rows)); the hot arrays stay."""
+    return self._syncer(state)
+
+  def _flush(self, state):
+    tables = {}
+    for name, t in state["tables"].items():
+      slots = jnp.arange(t["hot_rows"].shape[0], dtype=jnp.int32)
+      hot = {k: self._hot_get(v, slots) for k, v in t["hot"].items()}
+      n = self.specs[name].num_rows
+      tables[name] = {**t, "host": host_cache.flush(self.host, t["host"], t["hot_rows"], n, hot)}
+    return {**state, "tables": tables}
+
+  def tables(self, state):
+    out = {}
+    for name, t in state["tables"].items():
+      n = self.specs[name].num_rows
+      table = np.array(jax.device_get(t["host"]["table"]))[:n]
+      hot_rows = np.asarray(jax.device_get(t["hot_rows"]))
+      hot = np.asarray(jax.device_get(t["hot"]["table"]))
+      filled = hot_rows < n
+      table[hot_rows[filled]] = hot[filled]
+      out[name] = table
+    return out
+
+  # --------------------------------------------------------------------------- host side
+
+  def _devices(self) -> int:
+    """How many pieces the batch is split into (its examples per device)."""
+    return self.mesh.size if self.layout.split_batch else 1
+
+  def _count(self, **kv):
+    self._counters.add(**kv)
+
+  def prepare(self, ids, upcoming=(), *, train=True):
+    """ids {table: int[B, L]} (PAD = -1) -> the prepared pytree (see `prepared_spec`).
+
+    train=False (eval): read-only; neither counts toward the profile nor migrates.
+    """
+    del upcoming
+    t0 = time.perf_counter()
+    if train and not self._initialised:
+      raise RuntimeError("hot_cold: call init (or import_ / restore) before prepare(train=True)")
+    ids = {n: np.asarray(ids[n]).astype(np.int64) for n in self.specs}
+    batch = next(iter(ids.values())).shape[0]
+    n_dev = self._devices()
+    if batch % n_dev:
+      sharding.check_batch(batch, self.mesh)
+    b = batch // n_dev
+    per, example_cold = {}, np.zeros(batch, bool)
+    hot_ids_total = ids_total = 0
+    for name, x in ids.items():
+      r = self._rows[name]
+      valid = x >= 0
+      slot = np.where(valid, r.row_slot[np.maximum(x, 0)], -1)
+      hot = slot >= 0
+      cold = valid & ~hot
+      example_cold |= cold.any(axis=1)
+      cold_rows, cold_pos = np.unique(x[cold], return_inverse=True)
+      per[name] = (x, valid, slot, hot, cold, cold_rows, cold_pos)
+      hot_ids_total += int(hot.sum())
+      ids_total += int(valid.sum())
+    out = {"tables": {}}
+    for name, (x, valid, slot, hot, cold, cold_rows, cold_pos) in per.items():
+      r = self._rows[name]
+      # Every id of the batch may be cold: a cold list of that length has one shape for
+      # the whole run (a list sized to the batch's count recompiled the step whenever a
+      # batch had more distinct cold rows than any before; ~15 s each on CPU). Its padding
+      # costs O(batch) gathers, the bytes `dense` reads for the batch.
+      uc = min(x.size, r.spec.num_rows)
+      cold_ids = np.full(x.shape, uc, np.int32)
+      cold_ids[cold] = cold_pos
+      t = {
+        "hot_ids": np.where(hot, slot, r.alloc).astype(np.int32),
+        "cold_ids": cold_ids,
+        "cold_rows": pad_to(cold_rows, uc, base.aligned_rows(r.spec.num_rows)),
+      }
+      if r.spec.optimizer.needs_unique:
+        t["hot_unique"], t["hot_inverse"] = base.dedup(np.where(hot, slot, -1), r.alloc)
+      if r.spec.pooling == "mean":
+        t["count"] = valid.sum(axis=1).astype(np.int32)
+      out["tables"][name] = t
+    # Eval batches run whole: the eval step has no model to split, only lookups to merge.
+    micro = (
+      split(self._p0, out["tables"], ~example_cold, n_dev, b)
+      if self.options.split and train
+      else None
+    )
+    if micro is not None:
+      out["micro"] = micro
+    migrate = self._plan_profile(ids, train)
+    for name, t in out["tables"].items():
+      t.update(self._pack_migration(name, migrate.get(name)))
+    version = -1 if not train else self._version
+    if train:
+      self._version += 1
+    out["version"] = np.asarray(version, np.int32)
+    popular = int((~example_cold).sum())
+    cold_rows_n = sum(p[5].size for p in per.values())
+    cold_bytes = sum(p[5].size * self.specs[n].row_bytes for n, p in per.items())
+    stats = dict(
+      examples=batch,
+      popular=popular,
+      hot_ids=hot_ids_total,
+      ids=ids_total,
+      plan_seconds=time.perf_counter() - t0,
+    )
+    if train:
+      stats.update(
+        steps=1,
+        rows_h2d=cold_rows_n,
+        rows_d2h=cold_rows_n,
+        bytes_h2d=cold_bytes,
+        migrated_rows=sum(
+          int(m[1].size) + int(m[0].size) for m in migrate.values() if m is not None
+        ),
+      )
+      if self.options.split:
+        p0 = out["micro"][0]["idx"].shape[0] if micro else 0
+        stats.update(micro_popular=p0, micro_cold=batch - p0)
+    else:
+      stats = {f"eval_{k}": v for k, v in stats.items()}
+    self._count(**stats)
+    return out
+
+  _BATCH_MAJOR = ("hot_ids", "cold_ids", "hot_inverse", "count")
+
+  def prepared_spec(self, prepared):
+    batch = sharding.BATCH_SPEC if self.layout.split_batch else sharding.REPLICATED
+    out = {
+      "tables": {
+        n: {k: batch if k in self._BATCH_MAJOR else sharding.REPLICATED for k in t}
+        for n, t in prepared["tables"].items()
+      },
+      "version": sharding.REPLICATED,
+    }
+    if "micro" in prepared:
+      out["micro"] = jax.tree.map(lambda _: batch, prepared["micro"])
+    return out
+
+  def stats(self):
+    """Since the last call, per train step: popular_fraction (examples whose ids are all
+    hot), hot_coverage (ids served by a hot row), rows / bytes host -> device and back
+    (cold rows), migrated rows, micro-batch sizes (all devices), plan ms on the
+    input thread. Eval batches: eval_popular_fraction, eval_hot_coverage."""
+    c = self._counters.take()
+    out = {}
+    steps = c.get("steps", 0)
+    if steps:
+      out.update(
+        popular_fraction=c["popular"] / max(c["examples"], 1),
+        hot_coverage=c["hot_ids"] / max(c["ids"], 1),
+        h2d_rows_per_step=c["rows_h2d"] / steps,
+        d2h_rows_per_step=c["rows_d2h"] / steps,
+        # A cold row comes in and goes back once per step (rows + optimizer state).
+        h2d_bytes_per_step=c["bytes_h2d"] / steps,
+        d2h_bytes_per_step=c["bytes_h2d"] / steps,
+        migrated_rows_per_step=c["migrated_rows"] / steps,
+        plan_ms_per_step=1e3 * c["plan_seconds"] / steps,
+        steps=steps,
+      )
+      if "micro_popular" in c:
+        out["micro_popular_size"] = c["micro_popular"] / steps
+        out["micro_cold_size"] = c["micro_cold"] / steps
+    if c.get("eval_examples"):
+      out["eval_popular_fraction"] = c["eval_popular"] / c["eval_examples"]
+      out["eval_hot_coverage"] = c["eval_hot_ids"] / max(c["eval_ids"], 1)
+    return out

@@ -1,0 +1,55 @@
+"""hot_cold's popular / non-popular micro-batches (host side, the input thread): which of each
+device's examples run in which micro-batch, and how many are popular.
+
+One concern: the split a train batch's `prepare` hands to the step's micro-batch feature
+(recgnn.embeddings.microbatch runs and merges them on the device)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+MARGIN = 4.0  # popular micro-batch size: the popular count less this many binomial std devs
+
+
+def _popular_size(cnt: int, b: int) -> int:
+  """The popular micro-batch size for a device's popular count cnt of b examples: cnt less
+  MARGIN binomial standard deviations, so later batches rarely have fewer (each new size
+  recompiles the step: 10-20 s on CPU, a seventh of an epoch of the synthetic default).
+  Popular examples past it run in the non-popular micro-batch: the same compute."""
+  sd = math.sqrt(cnt * (1 - cnt / b)) if b else 0.0
+  return max(0, math.floor(cnt - MARGIN * sd))
+
+
+def split(p0s: dict[int, int], tables, popular, n_dev, b):
+  """Per device, its first P0 popular examples (in batch order), then the rest (its other
+  popular examples, then its non-popular ones), as two micro-batches of P0 and b - P0
+  examples (every device the same; no padding). P0 (`_popular_size`) is fixed from the
+  first train batch of a hot set and only shrinks, when a batch has fewer popular
+  examples on some device: a few step shapes per run. None (run the batch whole) while
+  P0 is 0; the popular micro-batch alone when P0 = b. Each micro-batch: {"idx":
+  int32[n * Pm] local example index, table: {"hot": int32[n * Pm, L], "cold":
+  int32[n * Pm, L] (non-popular only), "count": int32[n * Pm] (mean pooling)}}."""
+  h = popular.reshape(n_dev, b)
+  cnt = int(h.sum(axis=1).min())
+  p0 = p0s.get(b)
+  if p0 is None or cnt < p0:
+    p0 = p0s[b] = _popular_size(cnt, b)
+  if p0 == 0:
+    return None
+  order = np.argsort(~h, axis=1, kind="stable")  # popular first, each in batch order
+  micro = []
+  # Every example popular: no non-popular micro-batch (a piece of 0 examples).
+  for popular_only, idx in ((True, order[:, :p0]), (False, order[:, p0:]))[: 1 + (p0 < b)]:
+    glob = (idx + np.arange(n_dev)[:, None] * b).reshape(-1)
+    mb = {"idx": idx.reshape(-1).astype(np.int32)}
+    for name, t in tables.items():
+      e = {"hot": t["hot_ids"][glob]}
+      if not popular_only:  # the popular micro-batch never waits for the host
+        e["cold"] = t["cold_ids"][glob]
+      if "count" in t:
+        e["count"] = t["count"][glob]
+      mb[name] = e
+    micro.append(mb)
+  return tuple(micro)

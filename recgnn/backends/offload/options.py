@@ -1,0 +1,71 @@
+"""`offload(...)`'s plan-string options: one frozen dataclass, parsed by
+`base.BackendOptions.parse` (an option it cannot honour is refused with the reason)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from recgnn.backends.offload.cache_plan import POLICIES
+from recgnn.embeddings import base
+
+EXCHANGES = ("fixed", "pow2")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadOptions(base.BackendOptions):
+  """`offload(...)`'s options: exactly one of `cache_rows` and `cache_fraction`.
+
+  Attributes:
+    cache_rows: device cache size in rows (capped at the table's rows).
+    cache_fraction: the cache as a fraction of the rows, in (0, 1].
+    min_cache_rows: a floor under `cache_fraction`'s rows (refused with `cache_rows`).
+    policy: `lru`, `lfu` (per-row access counts since init/restore, ties by recency) or
+      `lookahead` (never evicts a row needed within the look-ahead window while the cache
+      can hold the window; then farthest next use first).
+    lookahead: upcoming batches `prepare` wants (the trainer passes them). >= 1 prefetches
+      batch k+1 inside step k; 0 loads every batch on demand inside its own step.
+    exchange: shapes of the exchange lists, which are jit arguments. `fixed`: every list
+      holds min(ids per batch, C) entries, padded, so a step compiles once however the
+      misses vary (a trainer step holds every table's lists: per-table size buckets would
+      multiply into a recompile almost every step). `pow2`: the next power of two >= the
+      entries (less padding moved, a few shapes per table). Padding gathers row 0 on the
+      host and is dropped on the device; stats count real rows and padded bytes apart.
+    host_memory: `pinned_host` (falls back to `device` where the platform has no host
+      memory space) or `device` (no offload: debugging, benchmarks).
+  """
+
+  backend: ClassVar[str] = "offload"
+
+  cache_rows: int | None = None
+  cache_fraction: float | None = None
+  min_cache_rows: int = 0
+  policy: str = "lru"
+  lookahead: int = 8
+  exchange: str = "fixed"
+  host_memory: str = "pinned_host"
+
+  def __post_init__(self):
+    if (self.cache_rows is None) == (self.cache_fraction is None):
+      raise ValueError(
+        "offload: give exactly one of cache_rows=ROWS or cache_fraction=F, e.g. "
+        "offload(cache_rows=200_000)"
+      )
+    if self.cache_rows is not None:
+      if self.min_cache_rows:
+        raise ValueError(
+          f"offload: min_cache_rows={self.min_cache_rows} is a floor under cache_fraction's "
+          f"rows; with cache_rows={self.cache_rows} the size is given: drop min_cache_rows"
+        )
+      if self.cache_rows <= 0:
+        raise ValueError(f"offload: cache_rows must be > 0, got {self.cache_rows}")
+    elif not 0 < self.cache_fraction <= 1:
+      raise ValueError(f"offload: cache_fraction must be in (0, 1], got {self.cache_fraction}")
+    if self.policy not in POLICIES:
+      raise ValueError(f"offload: unknown policy {self.policy!r}; available: {', '.join(POLICIES)}")
+    if self.lookahead < 0:
+      raise ValueError(f"offload: lookahead must be >= 0, got {self.lookahead}")
+    if self.policy == "lookahead" and self.lookahead < 1:
+      raise ValueError("offload: policy=lookahead needs lookahead>=1 (its window)")
+    if self.exchange not in EXCHANGES:
+      raise ValueError(f"offload: exchange must be 'fixed' or 'pow2', got {self.exchange!r}")

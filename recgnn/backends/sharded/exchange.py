@@ -1,0 +1,113 @@
+"""`sharded`'s all-to-all of a fused message through a codec, with the f32 fallback of the
+segments an error-bounded codec cannot carry within their bound, and the per-table bounds
+(`codecs.BoundRule`) it is sent under.
+
+One concern: moving a message over MODEL, lossy or not. `CodecExchange` is one part of the
+`Sharded` class (recgnn/backends/sharded/__init__.py): it reads `specs`, `k`, `rules`,
+`owner_slots`, `table_index`, `rw` / `cw` and `_segment_dims`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from recgnn import sharding
+
+FALLBACK_SCOPE = "codec_fallback"  # named scope of the f32 fallback all-to-all (comms.py)
+
+
+class CodecExchange:
+  """The message's all-to-all, codecs and fallbacks (see the module docstring)."""
+
+  def _segment_tables(self) -> np.ndarray:
+    """int32[k, nseg]: the table index (into the bounds vector) of each segment as sent by
+    shard m; T (a dummy) for an empty slot."""
+    t = len(self.specs)
+    out = []
+    for m in range(self.k):
+      row = [t if n is None else self.table_index[n] for n in self.owner_slots[m]]
+      row += [self.table_index[n] for n in self.rw + self.cw]
+      out.append(row)
+    return np.asarray(out, np.int32).reshape(self.k, len(self._segment_dims()))
+
+  def _bounds(self, codec_state, direction):
+    """f32[T + 1] error bounds (the last one for empty slots), or None."""
+    if direction not in codec_state:
+      return None
+    return jnp.concatenate([codec_state[direction]["bound"], jnp.ones((1,), jnp.float32)])
+
+  def _exchange(self, codec, segs, send_bounds, recv_bounds):
+    """All-to-all over MODEL of a message of segments [k, b, w] through `codec`, with the f32
+    fallback of the segments it cannot carry within their bound. -> (segments [k (source),
+    b, w], bool[nseg]: the segments sent as f32)."""
+
+    def raw(segs, scope):
+      with jax.named_scope(scope):
+        x = jnp.concatenate(segs, axis=-1)
+        return codec._split(jax.lax.all_to_all(x, sharding.MODEL, 0, 0))
+
+    def coded(segs):
+      payload, _ = codec.encode(segs, send_bounds)  # values it cannot carry: resent below
+      payload = {k: _all_to_all_bits(v) for k, v in payload.items()}
+      return codec.decode(payload, recv_bounds)
+
+    nseg = len(codec.dims)
+    if codec.name == "none":
+      return raw(segs, "embedding_all_to_all"), jnp.zeros((nseg,), bool)
+    recv = coded(segs)
+    if not codec.needs_bound:
+      return recv, jnp.zeros((nseg,), bool)
+    # A segment (one table-wise slot, row- or column-wise table) that some device cannot
+    # carry within its bound goes again as f32, that segment only: every device takes the
+    # same branch (the flags are summed over the mesh).
+    bad = jax.lax.psum(
+      (~codec.segments_ok(segs, send_bounds)).astype(jnp.int32), (sharding.DATA, sharding.MODEL)
+    )
+
+    def resend(s, r):
+      with jax.named_scope(FALLBACK_SCOPE):
+        return jax.lax.all_to_all(s, sharding.MODEL, 0, 0)
+
+    out = [jax.lax.cond(bad[i] > 0, resend, lambda s, r: r, segs[i], recv[i]) for i in range(nseg)]
+    return out, bad > 0
+
+  def _bounds_now(self, direction, segs, forward: bool):
+    """f32[T + 1] bounds from this message's largest |value| per table (mode "current")."""
+    step_max = self._wire_max(segs, forward)
+    return jnp.concatenate([self.rules[direction].from_max(step_max), jnp.ones((1,), jnp.float32)])
+
+  def _seg_bounds(self, bounds, sender: bool, owner_is_sender: bool):
+    """Bounds f32 of each segment, broadcastable to [k, b, nseg], or None."""
+    if bounds is None:
+      return None
+    idx = jnp.asarray(self._segment_tables())
+    if owner_is_sender == sender:
+      # The segments of this device's own table-wise slots: one row of the table.
+      return bounds[idx[jax.lax.axis_index(sharding.MODEL)]]
+    return bounds[idx][:, None, :]  # per peer (the peer's slots)
+
+  def _wire_max(self, segs, forward: bool):
+    """f32[T]: the largest |value| each table put on the wire this step (over the mesh)."""
+    t = len(self.specs)
+    idx = jnp.asarray(self._segment_tables())
+    if forward:
+      seg_idx = idx[jax.lax.axis_index(sharding.MODEL)]
+      m = jnp.stack([jnp.max(jnp.abs(s)) for s in segs])
+    else:  # backward: segment s sent to peer j belongs to peer j's table
+      seg_idx = idx.T.reshape(-1)  # [nseg * k]
+      m = jnp.stack([jnp.max(jnp.abs(s), axis=(1, 2)) for s in segs]).reshape(-1)
+    out = jnp.zeros((t + 1,), jnp.float32).at[seg_idx].max(m)
+    return jax.lax.pmax(out, (sharding.DATA, sharding.MODEL))[:t]
+
+
+def _all_to_all_bits(x: jax.Array) -> jax.Array:
+  """all_to_all over MODEL (split and concat on axis 0) that moves x's own bits: XLA:CPU
+  widens bf16 and fp8 collectives to f32 / f16 (measured from the HLO: a bf16 all-to-all
+  moved as many bytes as f32), so narrow floats travel bitcast to unsigned ints."""
+  if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
+    carrier = {1: jnp.uint8, 2: jnp.uint16}[x.dtype.itemsize]
+    y = jax.lax.all_to_all(jax.lax.bitcast_convert_type(x, carrier), sharding.MODEL, 0, 0)
+    return jax.lax.bitcast_convert_type(y, x.dtype)
+  return jax.lax.all_to_all(x, sharding.MODEL, 0, 0)

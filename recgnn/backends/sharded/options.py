@@ -1,0 +1,100 @@
+"""`sharded(...)`'s plan-string options: one frozen dataclass, parsed by
+`base.BackendOptions.parse` (an option it cannot honour is refused with the reason)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from recgnn.backends.sharded.placement import KINDS
+from recgnn.embeddings import base, codecs
+
+DIRECTIONS = ("fwd", "bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedOptions(base.BackendOptions):
+  """`sharded(...)`'s options (module docstring: placement, codecs).
+
+  Attributes:
+    kind: auto | table | row | column: the placement of every table of the group.
+    profile: a JSON file {table: lookups per example} that balances table-wise placements;
+      refused with kind=row|column (every table is then split over every shard).
+    codec: the codec of both directions' all-to-all (`codecs.CODECS`); none when not given.
+      Refused when `fwd_codec` and `bwd_codec` both override it.
+    fwd_codec: the forward (pooled rows) all-to-all's codec, instead of `codec`.
+    bwd_codec: the backward (pooled gradients) all-to-all's codec, instead of `codec`.
+    eb: a fixed error bound of both directions (codec=eb only); not given: adaptive.
+      Refused when `fwd_eb` and `bwd_eb` both override it.
+    fwd_eb: the forward direction's fixed bound, instead of `eb`.
+    bwd_eb: the backward direction's fixed bound, instead of `eb`.
+    bound: current | ema: the adaptive bound's rule (`codecs.BoundRule`); current when not
+      given. Only where a direction adapts (codec=eb without a fixed bound).
+    headroom: the adaptive bound's headroom over the measured range (0.25 when not given).
+      Only where a direction adapts.
+  """
+
+  backend: ClassVar[str] = "sharded"
+
+  kind: str = "auto"
+  profile: str | None = None
+  codec: str | None = None
+  fwd_codec: str | None = None
+  bwd_codec: str | None = None
+  eb: float | None = None
+  fwd_eb: float | None = None
+  bwd_eb: float | None = None
+  bound: str | None = None
+  headroom: float | None = None
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"sharded: unknown kind {self.kind!r}; available: {', '.join(KINDS)}")
+    if self.profile and self.kind in ("row", "column"):
+      raise ValueError(
+        f"sharded: profile= (lookups per table) balances table-wise placements; with "
+        f"kind={self.kind} every table is split over every shard and nothing uses it: drop "
+        "profile="
+      )
+    for both, one in (("codec", "_codec"), ("eb", "_eb")):
+      if getattr(self, both) is not None and all(
+        getattr(self, d + one) is not None for d in DIRECTIONS
+      ):
+        raise ValueError(
+          f"sharded: {both}={getattr(self, both)} is overridden in both directions by "
+          f"fwd{one}= and bwd{one}=, so nothing uses it: drop {both}="
+        )
+    names, fixed = self.codec_names, self.fixed_bounds
+    for d in DIRECTIONS:
+      codecs.Codec(names[d], ())  # refuses an unknown codec
+      if fixed[d] and names[d] != "eb":
+        raise ValueError(
+          f"sharded: the {d} bound {fixed[d]:g} (eb= / {d}_eb=) is an error bound for "
+          f"codec=eb; the codecs are {names}"
+        )
+    # bound= and headroom= steer the adaptive rule: refuse them where nothing adapts.
+    adaptive = [d for d in DIRECTIONS if names[d] == "eb" and not fixed[d]]
+    given = [
+      f"{k}={v}" for k, v in (("bound", self.bound), ("headroom", self.headroom)) if v is not None
+    ]
+    if given and not adaptive:
+      raise ValueError(
+        f"sharded: {', '.join(given)} tune the adaptive eb bound, but no direction adapts "
+        f"(codecs {names}, fixed bounds fwd {fixed['fwd']:g} / bwd {fixed['bwd']:g}); drop "
+        "them, or give codec=eb without eb= for adaptive bounds"
+      )
+
+  @property
+  def codec_names(self) -> dict[str, str]:
+    """{"fwd" | "bwd": the direction's codec}."""
+    both = self.codec or "none"
+    return {"fwd": self.fwd_codec or both, "bwd": self.bwd_codec or both}
+
+  @property
+  def fixed_bounds(self) -> dict[str, float]:
+    """{"fwd" | "bwd": the direction's fixed error bound, 0 = adaptive}."""
+    both = self.eb or 0.0
+    return {
+      "fwd": both if self.fwd_eb is None else self.fwd_eb,
+      "bwd": both if self.bwd_eb is None else self.bwd_eb,
+    }
