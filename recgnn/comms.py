@@ -16,6 +16,8 @@ import collections
 import dataclasses
 import re
 
+from recgnn import hlo
+
 COLLECTIVES = (
   "all-gather",
   "all-reduce",
@@ -163,3 +165,172 @@ def summary(hlo_text: str, skip_scope: str | None = None) -> dict:
 def compiled_summary(compiled) -> dict:
   """`summary` of a `jax.jit(...).lower(...).compile()` result."""
   return summary(compiled.as_text())
+
+
+# ------------------------------------------------------------------------- the host link
+
+# Ops that only rename a value (placement constraints, shard_map's shape changes, tuples):
+# the value stays where it is.
+_PASS_THROUGH = ("Sharding", "xla.sdy.GlobalToLocalShape", "xla.sdy.LocalToGlobalShape",
+                 "SPMDFullToShardShape", "SPMDShardToFullShape")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+  """One array crossing the host link: `direction` "to_host" or "to_device"; `value`: the
+  instruction whose result crosses; `bytes`: summed over the devices that move it."""
+
+  direction: str
+  value: str
+  computation: str
+  bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLink:
+  """What one execution of a step moves between host memory and device memory, read off its
+  HLO: the operands of host computations (XLA compute type "host", `compute_on`) that live in
+  device memory go to the host; host-resident values (host computations' results, arguments
+  placed in `pinned_host` memory) that device code reads come to the device. Bytes are summed
+  over every device of the mesh (a transfer inside a shard_map body counts once per device of
+  its manual axes); `per_device` divides by the mesh's size."""
+
+  to_host_bytes: int
+  to_device_bytes: int
+  devices: int
+  transfers: tuple[Transfer, ...]
+
+  @property
+  def bytes(self) -> int:
+    return self.to_host_bytes + self.to_device_bytes
+
+  @property
+  def per_device(self) -> float:
+    return self.bytes / max(1, self.devices)
+
+  def as_dict(self) -> dict:
+    return {
+      "to_host_bytes": self.to_host_bytes,
+      "to_device_bytes": self.to_device_bytes,
+      "bytes_per_device": self.per_device,
+      "transfers": len(self.transfers),
+    }
+
+
+def host_link(hlo_text: str, host_params: set[int] | frozenset[int] = frozenset()) -> HostLink:
+  """The host-link traffic of the program in `hlo_text` (pre-optimization HLO:
+  `lowered.compiler_ir("hlo").as_hlo_text()`; compiled HLO differs by platform, e.g. XLA:CPU
+  inlines host computations). host_params: the entry parameters placed in host memory
+  (`host_link_of` reads them from the lowered module). What the program asks to move, before
+  XLA's host-offload passes (which may merge or drop copies, never add array bytes)."""
+  module = hlo.parse(hlo_text)
+  devices = 1
+  for n in module.mesh.values():
+    devices *= n
+  transfers: list[Transfer] = []
+
+  def walk(comp: str, params: list, scale: int):
+    """Residency (True: host) of each value of `comp`, given its parameters' residency;
+    returns the root's (a tuple for a tuple)."""
+    where: dict[str, object] = {}
+    fetched: set[str] = set()  # host values already counted as read by device code here
+
+    def fetch(name: str):
+      res = where.get(name, False)
+      if res is True and name not in fetched:
+        fetched.add(name)
+        transfers.append(Transfer("to_device", name, comp, by_name[name].bytes * scale))
+
+    by_name = module.instrs(comp)
+    for ins in module.computations[comp]:
+      if ins.op == "parameter":
+        where[ins.name] = params[ins.parameter] if ins.parameter < len(params) else False
+      elif ins.op == "call" and ins.attr("_xla_compute_type") == "host":
+        for op in ins.operands:
+          if where.get(op, False) is not True:
+            transfers.append(Transfer("to_host", op, comp, by_name[op].bytes * scale))
+        where[ins.name] = True
+      elif ins.op == "custom-call" and ins.attr("custom_call_target") == (
+        "annotate_device_placement"
+      ):
+        to_host = ins.attr("_xla_buffer_placement") in ("pinned_host", "unpinned_host")
+        src = ins.operands[0]
+        if to_host and where.get(src, False) is not True:
+          transfers.append(Transfer("to_host", src, comp, by_name[src].bytes * scale))
+        elif not to_host:
+          fetch(src)
+        where[ins.name] = to_host
+      elif ins.op == "custom-call" and ins.attr("custom_call_target") in _PASS_THROUGH:
+        res = [where.get(o, False) for o in ins.operands]
+        where[ins.name] = res[0] if len(res) == 1 else tuple(res)
+      elif ins.op == "tuple":
+        where[ins.name] = tuple(where.get(o, False) for o in ins.operands)
+      elif ins.op == "get-tuple-element":
+        res = where.get(ins.operands[0], False)
+        where[ins.name] = res[ins.index] if isinstance(res, tuple) else res
+      elif ins.op == "call" and len(ins.callees) == 1:
+        callee = ins.callees[0]
+        inner = scale
+        if callee.startswith("xla.sdy.manual_computation_body"):
+          inner = scale * _manual_devices(module, by_name, ins)
+        args = [where.get(o, False) for o in ins.operands]
+        # shard_map's GlobalToLocalShape hands the body one tuple: its elements are the
+        # body's parameters.
+        if len(args) == 1 and isinstance(args[0], tuple):
+          args = list(args[0])
+        where[ins.name] = walk(callee, args, inner)
+      else:
+        for op in ins.operands:
+          fetch(op)
+        where[ins.name] = False
+    root = module.root(comp)
+    return where.get(root.name, False)
+
+  entry_params = [i in host_params for i in range(_num_params(module))]
+  walk(module.entry, entry_params, 1)
+  return HostLink(
+    to_host_bytes=sum(t.bytes for t in transfers if t.direction == "to_host"),
+    to_device_bytes=sum(t.bytes for t in transfers if t.direction == "to_device"),
+    devices=devices,
+    transfers=tuple(transfers),
+  )
+
+
+def _num_params(module: hlo.Module) -> int:
+  params = [i.parameter for i in module.computations[module.entry] if i.op == "parameter"]
+  return 1 + max(params, default=-1)
+
+
+def _manual_devices(module: hlo.Module, by_name: dict, call: hlo.Instr) -> int:
+  """Devices running a shard_map body: the product of its manual axes' sizes (named on the
+  GlobalToLocalShape that feeds the call)."""
+  for op in call.operands:
+    src = by_name.get(op)
+    while src is not None and src.op == "get-tuple-element":
+      src = by_name.get(src.operands[0])
+    axes = src.attr("xla.sdy.manual_axes") if src is not None else None
+    if axes:
+      n = 1
+      for axis in re.findall(r'\\"(\w+)\\"|"(\w+)"', axes):
+        n *= module.mesh.get(axis[0] or axis[1], 1)
+      return n
+  return 1
+
+
+def host_params_of(lowered) -> set[int]:
+  """Entry parameters of a `jax.jit(...).lower(...)` result that live in host memory (the
+  StableHLO main function's `mhlo.memory_kind` per argument)."""
+  text = lowered.as_text()
+  main = re.search(r"func\.func public @main\((.*?)\)\s*->", text, re.S)
+  if main is None:
+    return set()
+  out = set()
+  for i, arg in enumerate(re.split(r"(?=%arg\d+:)", main.group(1))[1:]):
+    if 'memory_kind = "pinned_host"' in arg or 'memory_kind = "unpinned_host"' in arg:
+      out.add(i)
+  return out
+
+
+def host_link_of(lowered) -> HostLink:
+  """`host_link` of a `jax.jit(...).lower(...)` result."""
+  return host_link(lowered.compiler_ir("hlo").as_hlo_text(), host_params_of(lowered))

@@ -19,6 +19,11 @@ arrays with the same leading dims (one all-to-all per payload array), and back.
                 bound by rounding) makes its segment not ok (`segments_ok`); `sharded` then
                 sends that step's offending segments (tables) again as f32 (agreed over the
                 mesh), so the bound always holds.
+                With `widths` (one per segment, from WIDTHS): the same codes in 2, 4, 8 or
+                16 bits per value, bit-packed into uint32 words (32 / width codes per word,
+                each segment padded to whole words): a table whose range / bound needs
+                only 7 codes each side travels in 4 bits. Widths are static (shapes):
+                `sharded` re-plans them every few steps, a recompile each time they change.
 
 Non-finite values cannot be carried within a bound: `check_finite` refuses them on concrete
 arrays with a clear error; inside a jitted step `eb` reports them not ok, the fallback
@@ -38,6 +43,48 @@ CODECS = ("none", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "eb")
 _FLOAT = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 _FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 QMAX = 127  # largest int8 code used (the range is symmetric)
+WIDTHS = (2, 4, 8, 16)  # bit-packed code widths of `eb` with `widths`
+
+
+def qmax_of(bits: int) -> int:
+  """Largest code of a `bits`-wide symmetric code: 2 -> 1 (-1, 0, 1), 4 -> 7, 8 -> 127."""
+  return 2 ** (bits - 1) - 1
+
+
+def step_factor(bits: int) -> float:
+  """A `bits`-wide code's step in units of the bound eb (a hair under 2)."""
+  return STEP16 if bits == 16 else STEP
+
+
+def words_of(dim: int, bits: int) -> int:
+  """uint32 words carrying `dim` codes of `bits` bits (32 // bits per word)."""
+  per = 32 // bits
+  return -(-dim // per)
+
+
+def pack(codes: jax.Array, bits: int) -> jax.Array:
+  """int[..., D] codes in [-qmax, qmax] -> uint32[..., words_of(D, bits)]: each code offset
+  by qmax (so 0 .. 2 qmax < 2^bits) at bit bits * (i % per) of word i // per."""
+  per, qmax = 32 // bits, qmax_of(bits)
+  d = codes.shape[-1]
+  u = (codes.astype(jnp.int32) + qmax).astype(jnp.uint32)
+  u = jnp.pad(u, [(0, 0)] * (u.ndim - 1) + [(0, (-d) % per)])
+  u = u.reshape(*u.shape[:-1], -1, per)
+  shifts = jnp.arange(per, dtype=jnp.uint32) * jnp.uint32(bits)
+  # The fields do not overlap, so their sum is their bitwise or.
+  return jnp.sum(u << shifts, axis=-1, dtype=jnp.uint32)
+
+
+def unpack(words: jax.Array, bits: int, dim: int) -> jax.Array:
+  """`pack`'s inverse: uint32[..., W] -> int32[..., dim]."""
+  per, qmax = 32 // bits, qmax_of(bits)
+  shifts = jnp.arange(per, dtype=jnp.uint32) * jnp.uint32(bits)
+  mask = jnp.uint32((1 << bits) - 1)
+  u = (words[..., None] >> shifts) & mask
+  u = u.reshape(*words.shape[:-1], -1)[..., :dim]
+  return u.astype(jnp.int32) - qmax
+
+
 # The encoder checks |x - decoded| <= eb * SAFETY in f32, so the exact error is within eb
 # although the f32 subtraction rounds (by half an ulp of the difference, 2^-24 relative) and
 # the bound itself was rounded to f32 (2^-24). Values within 2^-20 of the bound are refused.
@@ -46,6 +93,9 @@ SAFETY = 1.0 - 2.0**-20
 # plus f32 rounding of code * step (<= 2^-16 eb for codes up to 127) stays below eb * SAFETY:
 # every value whose code fits is carried, midpoints included.
 STEP = 2.0 * (1.0 - 2.0**-12)
+# 16-bit codes reach 32767, where f32 rounding of code * step is up to 2^-8 eb: a step 2^-7
+# finer keeps rounding + that under eb * SAFETY, so midpoints are still carried.
+STEP16 = 2.0 * (1.0 - 2.0**-7)
 
 
 def check_finite(x, what: str = "values") -> None:
@@ -70,14 +120,25 @@ class Codec:
   Attributes:
     name: one of CODECS.
     dims: the width D_t of each segment.
+    widths: `eb` only: the code width in bits of each segment (from WIDTHS), bit-packed;
+      empty: int8 codes for every segment.
   """
 
   name: str
   dims: tuple[int, ...]
+  widths: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.name not in CODECS:
       raise ValueError(f"Unknown codec {self.name!r}; available: {', '.join(CODECS)}")
+    if self.widths:
+      if self.name != "eb":
+        raise ValueError(f"code widths are for the eb codec, not {self.name!r}")
+      if len(self.widths) != len(self.dims):
+        raise ValueError(f"eb codec: {len(self.widths)} widths for {len(self.dims)} segments")
+      bad = [w for w in self.widths if w not in WIDTHS]
+      if bad:
+        raise ValueError(f"eb codec: widths {bad} not in {WIDTHS}")
 
   @property
   def width(self) -> int:
@@ -94,6 +155,9 @@ class Codec:
     if self.name in _FLOAT:
       return 16.0
     if self.name == "eb":
+      if self.widths:
+        words = sum(words_of(d, w) for d, w in zip(self.dims, self.widths))
+        return 32.0 * words / self.width
       return 8.0
     return 8.0 + 32.0 * len(self.dims) / self.width  # fp8 / int8: one f32 scale per vector
 
@@ -113,7 +177,10 @@ class Codec:
       return {"v": x.astype(_FLOAT[self.name])}, ok
     if self.name == "eb":
       q, okv = self._eb_codes(x, bounds)
-      return {"q": q}, jnp.all(okv)
+      if self.widths:
+        words = [pack(c, w) for c, w in zip(self._split(q), self.widths)]
+        return {"w": jnp.concatenate(words, axis=-1)}, jnp.all(okv)
+      return {"q": q.astype(jnp.int8)}, jnp.all(okv)
     # Per-vector scale: fp8 and int8.
     scales, parts = [], []
     top = QMAX if self.name == "int8" else float(jnp.finfo(_FP8[self.name]).max)
@@ -127,14 +194,36 @@ class Codec:
       )
     return {"q": jnp.concatenate(parts, axis=-1), "scale": jnp.concatenate(scales, axis=-1)}, ok
 
-  def _eb_codes(self, x, bounds):
-    """int8 codes of x f32[..., W] and whether each value is within its bound."""
+  def _qmax(self) -> jax.Array | int:
+    """The largest code of each value f32[W] (widths) or QMAX."""
+    if not self.widths:
+      return QMAX
+    return jnp.concatenate(
+      [jnp.full((d,), qmax_of(w), jnp.float32) for d, w in zip(self.dims, self.widths)]
+    )
+
+  def _step(self, bounds) -> jax.Array:
+    """Each value's quantization step f32[..., W]: a hair under 2 eb (STEP, STEP16)."""
     eb = self._per_value(bounds)
-    step = STEP * eb
+    if not self.widths or 16 not in self.widths:
+      return STEP * eb
+    factor = jnp.concatenate(
+      [
+        jnp.full((d,), STEP16 if w == 16 else STEP, jnp.float32)
+        for d, w in zip(self.dims, self.widths)
+      ]
+    )
+    return factor * eb
+
+  def _eb_codes(self, x, bounds):
+    """Codes (int32) of x f32[..., W] and whether each value is within its bound."""
+    eb = self._per_value(bounds)
+    step = self._step(bounds)
+    qmax = self._qmax()
     q = jnp.round(x / step)
-    dec = jnp.clip(q, -QMAX, QMAX) * step
-    okv = (jnp.abs(q) <= QMAX) & (jnp.abs(x - dec) <= eb * SAFETY)
-    return jnp.clip(q, -QMAX, QMAX).astype(jnp.int8), okv
+    dec = jnp.clip(q, -qmax, qmax) * step
+    okv = (jnp.abs(q) <= qmax) & (jnp.abs(x - dec) <= eb * SAFETY)
+    return jnp.clip(q, -qmax, qmax).astype(jnp.int32), okv
 
   def segments_ok(self, segments: Sequence[jax.Array], bounds=None) -> jax.Array:
     """bool[nseg]: whether the codec carries every value of each segment (within its bound
@@ -152,7 +241,16 @@ class Codec:
     if self.name in ("none", *_FLOAT):
       x = payload["v"].astype(jnp.float32)
     elif self.name == "eb":
-      x = payload["q"].astype(jnp.float32) * (STEP * self._per_value(bounds))
+      if self.widths:
+        words, codes, lo = payload["w"], [], 0
+        for d, w in zip(self.dims, self.widths):
+          n = words_of(d, w)
+          codes.append(unpack(words[..., lo : lo + n], w, d))
+          lo += n
+        q = jnp.concatenate(codes, axis=-1)
+      else:
+        q = payload["q"]
+      x = q.astype(jnp.float32) * self._step(bounds)
     else:
       q = payload["q"].astype(jnp.float32)
       scale = payload["scale"]

@@ -1,0 +1,138 @@
+"""Host-link bytes read off a step's HLO (recgnn.comms.host_link) and the HLO reader's
+dependency query (recgnn.hlo): exact byte counts on programs whose transfers are known."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from recgnn import comms, hlo, sharding
+from recgnn.embeddings import base
+from recgnn.embeddings import host_table as ht
+
+ROWS, DIM, K = 1000, 16, 64
+
+
+def _host_array(x, mesh=None):
+  dev = jax.devices()[0]
+  if "pinned_host" not in [m.kind for m in dev.addressable_memories()]:
+    pytest.skip("no pinned_host memory on this platform")
+  if mesh is None:
+    s = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+  else:
+    s = jax.sharding.NamedSharding(
+      mesh, sharding.P(sharding.BATCH, None), memory_kind="pinned_host"
+    )
+  return jax.device_put(x, s)
+
+
+def _to_host(x):
+  return jax.device_put(x, jax.memory.Space.Host)
+
+
+def _gather_then_compute(table, idx):
+  """K rows gathered on the host, then used on the device: K ids to the host (s32), K rows
+  (f32[K, DIM]) back to the device."""
+  rows = ht.host_compute(ht.gather_rows, table, _to_host(idx))
+  return (rows * 2.0).sum(), rows
+
+
+def test_host_gather_moves_the_indices_and_the_rows_exactly():
+  table = _host_array(np.ones((ROWS, DIM), np.float32))
+  lowered = jax.jit(_gather_then_compute).lower(table, jnp.arange(K, dtype=jnp.int32))
+  assert comms.host_params_of(lowered) == {0}
+  link = comms.host_link_of(lowered)
+  assert link.to_host_bytes == K * 4  # the indices
+  assert link.to_device_bytes == K * DIM * 4  # the rows, read once although used twice
+  assert link.devices == 1 and link.per_device == link.bytes
+
+
+def test_host_resident_chain_moves_nothing_between_its_links():
+  """A host scatter whose result a second host gather reads: the table never crosses."""
+  table = _host_array(np.zeros((ROWS, DIM), np.float32))
+
+  def f(table, idx, values):
+    new = ht.host_compute(ht.scatter_rows, table, _to_host(idx), _to_host(values))
+    rows = ht.host_compute(ht.gather_rows, new, _to_host(idx))
+    return new, rows.sum()
+
+  lowered = jax.jit(f).lower(table, jnp.arange(K, dtype=jnp.int32), jnp.ones((K, DIM)))
+  link = comms.host_link_of(lowered)
+  # to the host: idx and values for the scatter, idx again for the gather (one operand each)
+  assert link.to_host_bytes == K * 4 + K * DIM * 4 + K * 4
+  assert link.to_device_bytes == K * DIM * 4
+  assert all(t.value != "table" for t in link.transfers)
+
+
+def test_device_only_program_has_no_host_traffic():
+  lowered = jax.jit(lambda x: (x @ x.T).sum()).lower(jnp.ones((8, 8)))
+  link = comms.host_link_of(lowered)
+  assert (link.to_host_bytes, link.to_device_bytes, link.transfers) == (0, 0, ())
+
+
+def test_shard_map_body_counts_once_per_device():
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices")
+  mesh = sharding.make_mesh(4, 1)
+  table = _host_array(np.ones((ROWS, DIM), np.float32), mesh)
+
+  def f(table, idx):
+    def local(block, idx):
+      rows = ht.host_compute(ht.gather_rows, block, _to_host(idx))
+      return jax.lax.psum(rows * 1.0, sharding.BATCH)
+
+    return jax.shard_map(
+      local, mesh=mesh, in_specs=(sharding.P(sharding.BATCH, None), sharding.P()),
+      out_specs=sharding.P(),
+    )(table, idx)  # fmt: skip
+
+  lowered = jax.jit(f).lower(table, jnp.arange(K, dtype=jnp.int32))
+  link = comms.host_link_of(lowered)
+  assert link.devices == 4
+  assert link.to_device_bytes == 4 * K * DIM * 4  # every device reads K rows of its block
+  assert link.to_host_bytes == 4 * K * 4
+  assert link.per_device == K * DIM * 4 + K * 4
+
+
+def test_offload_step_moves_rows_and_dense_moves_none():
+  spec = base.TableSpec(name="t", num_rows=ROWS, dim=8)
+  ids = np.random.default_rng(0).integers(0, ROWS, (K, 1)).astype(np.int32)
+  out = {}
+  for text in ("dense", "offload(cache_rows=128)"):
+    group = base.make_backend(text, spec, base.default_mesh())
+    if text != "dense" and not group.members["t"].host.offloaded:
+      pytest.skip("no pinned_host memory on this platform")
+    state = group.init(jax.random.key(0))
+    prepared = jax.device_put(group.prepare({"t": ids}, [{"t": ids}], train=True))
+
+    def step(state, prepared, group=group):
+      pooled, res = group.lookup(state, prepared)
+      return group.update(state, prepared, res, {"t": pooled["t"]})
+
+    out[text] = comms.host_link_of(jax.jit(step).lower(state, prepared))
+  assert out["dense"].bytes == 0
+  # at least the batch's rows come from the host (a cold cache misses them all)
+  assert out["offload(cache_rows=128)"].to_device_bytes >= K * 8 * 4
+
+
+def test_depends_follows_operands_transitively():
+  text = (
+    jax.jit(lambda a, b: (jnp.sin(a) + 1.0, jnp.cos(b)))
+    .lower(jnp.ones(4), jnp.ones(4))
+    .compiler_ir("hlo")
+    .as_hlo_text()
+  )
+  module = hlo.parse(text)
+  entry = module.instrs()
+  params = {i.parameter: n for n, i in entry.items() if i.op == "parameter"}
+  (sin,) = [n for n, i in entry.items() if i.op == "sine"]
+  (cos,) = [n for n, i in entry.items() if i.op == "cosine"]
+  assert module.depends(sin, params[0]) and not module.depends(sin, params[1])
+  assert module.depends(cos, params[1]) and not module.depends(cos, sin)
+
+
+def test_parse_reads_compiled_hlo_operands_with_shapes():
+  ins = hlo.parse_instr("  %add.1 = f32[2,3]{1,0} add(f32[2,3]{1,0} %p.0, f32[2,3]{1,0} %p.1)")
+  assert (ins.name, ins.op, ins.operands, ins.bytes) == ("add.1", "add", ("p.0", "p.1"), 24)
+  t = hlo.parse_instr("  ROOT t = (f32[2]{0}, s32[]) tuple(a, b)")
+  assert t.root and t.op == "tuple" and t.bytes == 12
