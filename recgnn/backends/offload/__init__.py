@@ -57,9 +57,12 @@ from recgnn.backends.offload.cache_plan import (
   EVICT_SLOTS,
   LOAD_ROWS,
   LOAD_SLOTS,
+  NEXT_FROM_NOW,
   POLICIES,
   Exchange,
   Planner,
+  Sizer,
+  octave_bucket,
   smallest,
 )
 from recgnn.backends.offload.group import OffloadGroup
@@ -71,12 +74,15 @@ __all__ = [
   "HOST_MEMORIES",
   "LOAD_ROWS",
   "LOAD_SLOTS",
+  "NEXT_FROM_NOW",
   "POLICIES",
   "Exchange",
   "Offload",
   "OffloadOptions",
   "OffloadGroup",
   "Planner",
+  "Sizer",
+  "octave_bucket",
   "planner",
   "smallest",
 ]

@@ -462,12 +462,6 @@ class Offload(base.TableBackend):
 
   # --------------------------------------------------------------------------- device side
 
-  def _host_scatter(self, h: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
-    return self.host.scatter(h, rows, values)
-
-  def _host_gather(self, h: jax.Array, rows: jax.Array) -> jax.Array:
-    return self.host.gather(h, rows)
-
   def _read(self, host: dict, ex: jax.Array) -> dict:
     """The rows an exchange loads, every cache array's (table + optimizer slots), read from
     the host arrays as the step got them: {name: f32[M, ...]} on the device. Each read is
@@ -475,7 +469,8 @@ class Offload(base.TableBackend):
     arrays later through a fused gather, after the write-back (XLA would then copy the whole
     table to keep the old values; XLA:CPU fuses host gathers into their consumers)."""
     return {
-      k: jax.lax.optimization_barrier(self._host_gather(h, ex[LOAD_ROWS])) for k, h in host.items()
+      k: jax.lax.optimization_barrier(v)
+      for k, v in self.host.gather_many(host, ex[LOAD_ROWS]).items()
     }
 
   def _lookup(self, state, prepared):
@@ -548,9 +543,8 @@ class Offload(base.TableBackend):
       backs.append(out)
     host = dict(state["host"])
     if backs:
-      for k in host:
-        values = jnp.concatenate([v[k] for v in backs])
-        host[k] = self._host_scatter(host[k], back_rows, values)
+      values = {k: jnp.concatenate([v[k] for v in backs]) for k in host}
+      host = self.host.scatter_many(host, back_rows, values)
     state = {**state, "host": host, "cache": cache, "slot_rows": slot_rows}
     return {**state, **host_cache.advance(state, prepared)}
 
