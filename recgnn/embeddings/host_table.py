@@ -195,3 +195,56 @@ class HostTable:
       return jnp.where(owned.reshape(owned.shape + (1,) * (got.ndim - 1)), got, 0)
 
     return row_sharded.gather_everywhere(self.mesh, sharding.BATCH, h, rows, local_gather)
+
+  # ----------------------------------------------- several arrays, one index transfer
+
+  def gather_many(self, hs: dict, rows: jax.Array) -> dict:
+    """{k: hs[k][rows]} (rows in range) from host arrays with the same rows (a table and
+    its optimizer slots), as replicated device arrays: ONE host computation, so the indices
+    cross the host link once, not once per array. Split tables as `gather`."""
+
+    def read(arrays, idx):
+      return {k: gather_rows(a, idx) for k, a in arrays.items()}
+
+    if not self.split:
+      return {k: self.to_device(v) for k, v in self.on_host(read, hs, self.to_host(rows)).items()}
+
+    def local(blocks, rows):
+      r = next(iter(blocks.values())).shape[0]
+      loc = row_sharded.local_index(rows, r, sharding.BATCH)
+      owned = loc < r
+      got = self.on_host(read, blocks, self.to_host(jnp.where(owned, loc, 0)))
+      got = {
+        k: jnp.where(owned.reshape(owned.shape + (1,) * (v.ndim - 1)), self.to_device(v), 0)
+        for k, v in got.items()
+      }  # fmt: skip
+      return row_sharded.psum_rows(got, sharding.BATCH)
+
+    specs = {k: host_spec(h) for k, h in hs.items()}
+    return jax.shard_map(
+      local, mesh=self.mesh, in_specs=(specs, sharding.REPLICATED),
+      out_specs=sharding.REPLICATED, check_vma=False,
+    )(hs, rows)  # fmt: skip
+
+  def scatter_many(self, hs: dict, rows: jax.Array, values: dict) -> dict:
+    """{k: hs[k].at[rows].set(values[k])} on host arrays with the same rows (rows past the
+    end dropped; unique): ONE host computation, the indices cross the host link once.
+    values: device, replicated. Split tables as `scatter`."""
+    write = _scatter_all
+    if not self.split:
+      return self.on_host(write, hs, self.to_host(rows), self.to_host(values))
+
+    def local(blocks, rows, values):
+      r = next(iter(blocks.values())).shape[0]
+      loc = row_sharded.local_index(rows, r, sharding.BATCH)
+      return self.on_host(write, blocks, self.to_host(loc), self.to_host(values))
+
+    specs = {k: host_spec(h) for k, h in hs.items()}
+    return jax.shard_map(
+      local, mesh=self.mesh, in_specs=(specs, sharding.REPLICATED, sharding.REPLICATED),
+      out_specs=specs, check_vma=False,
+    )(hs, rows, values)  # fmt: skip
+
+
+def _scatter_all(arrays: dict, idx: jax.Array, values: dict) -> dict:
+  return {k: scatter_rows(a, idx, values[k]) for k, a in arrays.items()}

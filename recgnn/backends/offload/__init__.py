@@ -2,24 +2,41 @@
 
 Plan string: `offload(cache_rows=200_000, policy=lru, lookahead=8)`; see `OffloadOptions`.
 
-How a batch flows (cDLRM, Balasubramanian et al., RecSys'21):
+How a batch flows (cDLRM, Balasubramanian et al., RecSys'21), and what moves when:
 
-  input thread, prepare(k)   the planner (numpy, host) admits batch k+1 into the cache: picks
+  input thread, prepare(k)   the planner (numpy, host; `planner.plan_step` compiled for the
+                             steady state of a group) admits batch k+1 into the cache: picks
                              victim slots (LRU / LFU / look-ahead-aware), lists the dirty
-                             victims to write back and the missing rows to load, and remaps
-                             batch k's ids to cache slots. It runs ahead of the step.
-  step k, lookup             gather from the cache (rows of batch k are resident).
-  step k, update             row-wise optimizer on the cache slots of batch k; then the
-                             exchange for batch k+1: evicted rows -> host table (D2H, scatter
-                             on the host), missing rows <- host table (gather on the host,
-                             H2D) -> their cache slots.
+                             victims to write back and the missing rows to load ("next"), and
+                             remaps batch k's ids to cache slots. It runs ahead of the step.
+  step k, lookup             gathers batch k from the cache, and reads from the host arrays,
+                             as they came into the step, the rows this step loads: batch k+1's
+                             misses ("next", H2D) and, only for a batch the planner did not see
+                             coming, batch k's own ("now": looked up from there). One host
+                             read per exchange for every array of the table (rows + optimizer
+                             state, one index list). These reads depend on nothing the step
+                             computes: on an accelerator they overlap the model.
+  step k, update             takes those rows as lookup's residuals (never re-reads the host):
+                             "now" victims read from the cache, their slots take the on-demand
+                             rows; the row-wise optimizer on batch k's slots; "next" victims
+                             read from the updated cache, their slots take the prefetched rows;
+                             then ONE write-back (D2H, scatter on the host) of both exchanges'
+                             dirty victims, ordered after the step's host reads by an
+                             optimization barrier on the reads (write after read on the donated
+                             host arrays: no copy of the table, no dependency on compute).
 
-So the rows a step needs were copied in by the previous step, after its optimizer: the copy
-for k+1 overlaps nothing on XLA:CPU but is independent of step k+1's compute, and XLA on an
-accelerator runs the host gather and the copies on their own streams. Only a batch the
-planner did not see coming (the first, one after an eval pass, or `lookahead=0`) is loaded
-on demand inside its own step ("now" exchange: lookup reads those rows straight from the
-host table, update inserts them first).
+A row loaded for k+1 was not resident at k+1's admission, so step k's update does not touch it
+and its host copy is current, except a row the "now" exchange evicts in the same step (resident
+before, dirty, needed back by k+1): the planner gives each "next" load its position among
+"now"'s write-backs (row NEXT_FROM_NOW of the "next" array) and update takes that row's value
+from the evicted cache row instead.
+
+Exchange sizes (`OffloadOptions.exchange`): with `exchange=bucket` the lists are as long as the
+real misses, rounded up to eighth-octave buckets with hysteresis (`cache_plan.Sizer`), so host-link
+bytes follow the hit rate (tests/test_offload_tiers.py: within 1.25x of rows moved x row bytes
+at 1%, 5% and 20% caches) and a steady stream compiles a few shapes per table, but a step of
+many tables compiles whenever their combination is new; `fixed` (the default) keeps one
+shape, min(ids per batch, C) rows per list whatever the misses.
 
 Where the state lives, and why (measured on this CPU, jax 0.10; see tests/test_offload.py):
 the host table is a `pinned_host` jax.Array *inside* the state, not a numpy array owned by
@@ -27,10 +44,12 @@ the backend. The step's outputs reach the host only through the state: the contr
 `prepare` no handle on step k's evicted rows, so a numpy table on the input thread could not
 receive write-backs without a host callback (a host sync in the step). In the state, the
 write-back is an in-place scatter on the donated pinned_host buffer under
-`compute_on("device_host")`: no copy of the table (the exchange is ordered read-cache ->
-write-host -> read-host -> write-cache so XLA inserts no defensive table copy; reading and
-writing a buffer in unrelated order made XLA copy the whole table, 25 ms for 1M x 16), the
-state alone is checkpointable with Orbax, and after `sync` describes the whole table.
+`compute_on("device_host")`: no copy of the table (every host read is materialized by an
+optimization barrier and the write-back's indices pass through a barrier with those reads, so
+each read provably precedes the write; reading and writing a buffer in unrelated order made
+XLA copy the whole table, 25 ms for 1M x 16; tests/test_offload_tiers.py checks the compiled
+step), the state alone is checkpointable with Orbax, and after `sync` describes the whole
+table.
 `prepare` returns numpy only: the row indices of host gathers/scatters reach host memory by
 a `device_put` inside the step (small int arrays), because a device_put per table on the
 input thread cost ~0.8 ms of Python each (26 tables: the input thread fell behind the step).
@@ -47,9 +66,12 @@ would never execute. `prepare(ids, upcoming, train=False)` plans read-only (resi
 the cache, the others straight from the host table). If an update ever runs with a plan made
 for another layout, `stale` counts it and `sync` raises (never a silent wrong table).
 
+Residuals (lookup -> update): {"now": {"table": f32[M, D], "accum": f32[M]}, "next": the
+same for the next batch's rows}, present where that exchange is.
+
 Files: options.py (`OffloadOptions`), table.py (`Offload`, one table), group.py
-(`OffloadGroup`, the registered backend), cache_plan.py (the numpy cache planner and its
-`Exchange`), planner.py (its compiled kernels).
+(`OffloadGroup`, the registered backend), cache_plan.py (the numpy cache planner, its
+`Exchange` and the list sizing `Sizer`), planner.py (its compiled kernels).
 """
 
 from recgnn.backends.offload import planner
@@ -58,9 +80,12 @@ from recgnn.backends.offload.cache_plan import (
   EVICT_SLOTS,
   LOAD_ROWS,
   LOAD_SLOTS,
+  NEXT_FROM_NOW,
   POLICIES,
   Exchange,
   Planner,
+  Sizer,
+  octave_bucket,
   smallest,
 )
 from recgnn.backends.offload.group import OffloadGroup
@@ -73,12 +98,15 @@ __all__ = [
   "HOST_MEMORIES",
   "LOAD_ROWS",
   "LOAD_SLOTS",
+  "NEXT_FROM_NOW",
   "POLICIES",
   "Exchange",
   "Offload",
   "OffloadOptions",
   "OffloadGroup",
   "Planner",
+  "Sizer",
+  "octave_bucket",
   "planner",
   "smallest",
 ]

@@ -16,13 +16,65 @@ POLICIES = ("lru", "lfu", "lookahead")
 _PROTECTED = np.iinfo(np.int64).max
 _NEEDED = np.int64(1) << 62  # look-ahead keys: rows needed within the window sort after others
 _FAR = np.int64(1) << 40
-# Rows of a prepared exchange array int32[4, L].
+# Rows of a prepared exchange array int32[4, L] ("now") / int32[5, L] ("next").
 EVICT_SLOTS, EVICT_ROWS, LOAD_ROWS, LOAD_SLOTS = range(4)
+# "next" only: each load's position among the same step's "now" EVICT_ROWS (a row the "now"
+# exchange evicts and the next batch needs back: its host copy is stale until that write-back,
+# so its value comes from the evicted cache row), or the "now" list's length when absent.
+NEXT_FROM_NOW = 4
+# exchange=bucket: steps a smaller size must hold before the lists shrink.
+PATIENCE = 16
 
 
 def _bucket(n: int) -> int:
   """Padded length of an exchange list under `exchange=pow2`: 0, or a power of two >= 16."""
   return 0 if n == 0 else max(16, 1 << (n - 1).bit_length())
+
+
+def octave_bucket(n: int) -> int:
+  """Padded length of an exchange list under `exchange=bucket`: 0, 8, or the smallest
+  m * 2**k >= n with m in 8..15 (eighth-octave steps: at most 12.5% padding)."""
+  if n <= 0:
+    return 0
+  if n <= 8:
+    return 8
+  k = n.bit_length() - 4
+  return -(-n // (1 << k)) << k
+
+
+class Sizer:
+  """Hysteresis over `octave_bucket` (exchange=bucket). The width starts at `cap` (the most
+  an exchange can load, `exchange=fixed`'s width: the first steps, whose cold cache misses
+  most, keep one shape); it grows at once to fit a larger need, and shrinks (to the bucket
+  of the largest need meanwhile) only after the needs stayed in smaller buckets for
+  `patience` consecutive steps. A steady stream keeps one shape for long stretches, so a
+  step holding many tables' lists does not recompile whenever one table's misses cross a
+  bucket edge."""
+
+  def __init__(self, patience: int | None = None):
+    self.patience = PATIENCE if patience is None else patience
+    self.width: int | None = None  # None: nothing sized yet
+    self._low = 0  # consecutive steps whose need fit a smaller bucket
+    self._peak = 0  # the largest need among them
+
+  def __call__(self, need: int, cap: int) -> int:
+    """The width for a list of `need` entries (at most `cap`, the largest useful width)."""
+    b = min(octave_bucket(need), cap)
+    width = cap if self.width is None else min(self.width, cap)
+    if b >= width:
+      width, self._low, self._peak = b, 0, 0
+    else:
+      self._low += 1
+      self._peak = max(self._peak, need)
+      if self._low >= self.patience:
+        width, self._low, self._peak = min(octave_bucket(self._peak), cap), 0, 0
+    self.width = width
+    return width
+
+  def hold(self, cap: int) -> int:
+    """The current width, for an exchange with nothing planned that keeps the steady shapes
+    (the last batch of a stream)."""
+    return cap if self.width is None else min(self.width, cap)
 
 
 def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
@@ -85,6 +137,9 @@ class Planner:
     self.freq = self.lfu.counts if self.lfu is not None else None
     self.version = 0
     self.admitted: np.ndarray | None = None  # ids of the batch admitted ahead
+    # exchange=bucket: list widths of the on-demand and the prefetch exchanges (both planners
+    # size through these, so their prepared arrays stay equal).
+    self.sizers = {"now": Sizer(), "next": Sizer()}
 
   @classmethod
   def from_slots(cls, slot_rows: np.ndarray, num_rows: int, policy: str, version: int):

@@ -18,9 +18,10 @@ class OffloadGroup(base.TableGroup):
   done for every table at once by the compiled kernel (`recgnn.backends.offload.planner.plan_step`).
 
   The kernel covers the steady state, a batch admitted by the previous step with the next
-  one admitted now under `exchange=fixed`; everything else (the first batch, one after an
-  eval pass, eval batches, `exchange=pow2`, a batch that does not fit, numba missing) goes
-  through each table's numpy planner. Both work on the same planner arrays: the group keeps
+  one admitted now (its lists cut to each table's `Offload._width`, whose hysteresis state
+  both planners share); everything else (the first batch, one after an eval pass, eval
+  batches, a batch that does not fit, numba missing) goes through each table's numpy
+  planner. Both work on the same planner arrays: the group keeps
   every table's row->slot map, slot->row map, recency and dirty bits in flat arrays, and
   each `Planner` holds views of its slices. The decisions are the same either way
   (tests/test_offload.py compares every prepared array).
@@ -162,7 +163,7 @@ class OffloadGroup(base.TableGroup):
     t0 = time.perf_counter()
     members = list(self.members.values())
     first = members[0]
-    if first.options.exchange != "fixed" or first.lookahead < 1 or not upcoming:
+    if first.lookahead < 1 or not upcoming:
       return None
     known = self._admitted
     if known is None or not all(ids[n] is a for n, a in zip(self.members, known)):
@@ -188,7 +189,7 @@ class OffloadGroup(base.TableGroup):
     sizes = np.diff(id_off)
     unique = first.spec.optimizer.needs_unique
     cap = np.minimum(sizes, caps)
-    per = (3 if unique else 1) * sizes + 4 * cap
+    per = (3 if unique else 1) * sizes + 5 * cap
     out_off = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)
     out = np.empty(int(out_off[-1]), np.int32)
     stats = np.empty((len(members), 3), np.int64)
@@ -214,8 +215,11 @@ class OffloadGroup(base.TableGroup):
         prep["inverse"] = out[o + 2 * n : o + 3 * n].reshape(shape)
         o += 2 * n
       e = o + n
+      hits, loads, back = (int(v) for v in stats[i])
       prep["now"] = now
-      prep["next"] = out[e : e + 4 * k].reshape(4, k)
+      w = m._width("next", loads, k)
+      nxt = out[e : e + 5 * k].reshape(5, k)
+      prep["next"] = nxt if w == k else np.ascontiguousarray(nxt[:, :w])
       prep["now_pos"] = np.zeros(shape, np.int32)
       prep["version"] = np.asarray(p.version, np.int32)
       p.version += 1
@@ -223,10 +227,9 @@ class OffloadGroup(base.TableGroup):
       if p.lfu is not None:
         p.lfu.accesses += int(ring["n"][cur, i])
         p.lfu.batches += 1
-      hits, loads, back = (int(v) for v in stats[i])
       m._count(
         hits=hits, misses=loads, steps=1, rows_h2d=loads, rows_h2d_on_demand=0,
-        rows_d2h=back, padded_rows_h2d=k, plan_seconds=dt,
+        rows_d2h=back, padded_rows_h2d=w, plan_seconds=dt,
       )  # fmt: skip
       entry = {"rows": prep}
       if m.spec.pooling == "mean":

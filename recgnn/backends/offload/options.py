@@ -9,7 +9,7 @@ from typing import ClassVar
 from recgnn.backends.offload.cache_plan import POLICIES
 from recgnn.embeddings import base
 
-EXCHANGES = ("fixed", "pow2")
+EXCHANGES = ("fixed", "bucket", "pow2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,12 +25,20 @@ class OffloadOptions(base.BackendOptions):
       can hold the window; then farthest next use first).
     lookahead: upcoming batches `prepare` wants (the trainer passes them). >= 1 prefetches
       batch k+1 inside step k; 0 loads every batch on demand inside its own step.
-    exchange: shapes of the exchange lists, which are jit arguments. `fixed`: every list
-      holds min(ids per batch, C) entries, padded, so a step compiles once however the
-      misses vary (a trainer step holds every table's lists: per-table size buckets would
-      multiply into a recompile almost every step). `pow2`: the next power of two >= the
-      entries (less padding moved, a few shapes per table). Padding gathers row 0 on the
-      host and is dropped on the device; stats count real rows and padded bytes apart.
+    exchange: shapes of the exchange lists, which are jit arguments: each shape the step
+      sees compiles it once. `fixed` (default): every list holds min(ids per batch, C)
+      entries, padded, so a step compiles once however the misses vary, but moves that many
+      rows each step even at a high hit rate. `bucket`: sized by the real misses, in
+      eighth-octave buckets (8, 9, .., 15, 16, 18, .., 30, 32, 36, ..: at most 12.5%
+      padding) with hysteresis (`cache_plan.Sizer`: grow at once, shrink only after
+      `cache_plan.PATIENCE` steps below), so the bytes a step moves follow the misses (fewer
+      as the cache grows; tests/test_offload_tiers.py) and one table compiles a few shapes.
+      Not the default yet: a step holding many tables compiles whenever the combination of
+      their widths is new (26 tables at a 5% cache: 33 combinations in 200 steps, measured),
+      which costs more than the bytes it saves on this CPU. `pow2`: the next power of two
+      >= the entries, no hysteresis (more padding and more shape changes than `bucket`).
+      Padding gathers row 0 on the host and is dropped on the device; stats count real rows
+      and padded rows apart.
     host_memory: `pinned_host` (falls back to `device` where the platform has no host
       memory space) or `device` (no offload: debugging, benchmarks).
   """

@@ -129,13 +129,16 @@ def plan_step(
   """One train batch of every table, the batch having been admitted by the previous step:
   the slots of its ids (+ unique / inverse for row-wise optimizers), its rows marked dirty
   (+ LFU counts); then the next batch admitted at t_now + 1 (`offload.Planner.admit`), its
-  exchange written as fixed-capacity lists.
+  exchange written as cap-long lists (the caller keeps the first `Offload._width` entries).
 
   Batch b's ids of table t: ring_ids[b, id_off[t]:id_off[t + 1]]; its distinct rows:
   ring_rows[b, id_off[t]:][:ring_n[b, t]]. win: int64[W] ring rows of the look-ahead window
   (nearest first; used by policy 2).
   out int32, per table at out_off[t]: ids n | (unique n | inverse n) | evict_slots cap |
-  evict_rows cap | load_rows cap | load_slots cap, padded as offload.Offload._pack.
+  evict_rows cap | load_rows cap | load_slots cap | next_from_now cap, padded as
+  offload.Offload._pack. next_from_now (each load's position among the "now" exchange's
+  write-backs) is 0 throughout, the length of the "now" lists: the steady state has no
+  "now" exchange (the batch was admitted by the previous step).
   stats int64[T, 3]: hits, loads, write-backs of the admission.
   """
   n_win = win.shape[0]
@@ -182,6 +185,7 @@ def plan_step(
       out[e + k_cap + j] = evict_pad[t]
       out[e + 2 * k_cap + j] = 0
       out[e + 3 * k_cap + j] = c
+      out[e + 4 * k_cap + j] = 0
     na = ring_n[ahead, t]
     hits = 0
     miss = np.empty(na, np.int64)

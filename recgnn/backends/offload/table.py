@@ -12,11 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from recgnn import sharding
 from recgnn.backends.offload.cache_plan import (
   EVICT_ROWS,
   EVICT_SLOTS,
   LOAD_ROWS,
   LOAD_SLOTS,
+  NEXT_FROM_NOW,
   Exchange,
   Planner,
   _bucket,
@@ -28,9 +30,28 @@ from recgnn.embeddings import base, host_cache, host_table
 HOST_MEMORIES = host_table.HOST_MEMORIES
 
 
+def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x[idx], zeros where idx is out of range (padding)."""
+  return x.at[idx].get(mode="fill", fill_value=0.0)
+
+
+def _put(x: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
+  """x[idx] = values, out-of-range idx (padding) dropped."""
+  return x.at[idx].set(values, mode="drop")
+
+
 class Offload(base.TableBackend):
   """Table in host memory, a C-row device cache filled ahead of the step (cDLRM). Options:
   `OffloadOptions`.
+
+  Exchange lists (`exchange=`): `bucket` (opt-in) sizes each step's host reads and
+  write-backs by its real misses, rounded up to eighth-octave buckets with hysteresis: the
+  host link carries ~1.1-1.2x the rows that miss (measured at 1%, 5%, 20% caches, Zipf ids),
+  falling as the hit rate rises; cost: a compile per new width (2-3 per table over a long
+  stream), and with many tables per step, a compile whenever their combination of widths is
+  new (26 tables at a 5% cache: 33 signatures over 200 steps after warm-up). `fixed` (the
+  default until the widths of a group's tables move together) compiles once and always moves
+  min(ids per batch, C) rows each way, whatever the hit rate (5-8x the bytes at a 20% cache).
 
   A batch touching more distinct rows than the cache holds is an error at plan time that
   names the size needed (no micro-batching: exactness vs dense needs the whole batch's update
@@ -183,29 +204,52 @@ class Offload(base.TableBackend):
     self._window_cache[id(ids)] = (ids, u)
     return u
 
-  def _pack(self, ex: Exchange, capacity: int) -> dict:
+  def _width(self, kind: str, need: int | None, cap: int) -> int:
+    """Length of an exchange list ("now" or "next") under the `exchange` option. need: the
+    rows it loads (evictions never outnumber them: each victim slot receives a missing row),
+    None when nothing is planned; cap: the most it can load, min(ids of its batch, C). The
+    numpy planner and the compiled one (group.py) both size through here."""
+    mode = self.options.exchange
+    # Nothing planned: empty, except a "next" of a run with look-ahead (the last batch of a
+    # stream, or one before a batch that is not admitted ahead): the steady shapes, so it
+    # does not compile a train step of its own (10-40 s in the last interval here).
+    steady = kind == "next" and self.lookahead > 0
+    if mode == "fixed":
+      return cap if need is not None or steady else 0
+    if mode == "pow2":
+      return min(_bucket(need or 0), cap)
+    sizer = self._planner.sizers[kind]
+    if need is None:
+      return sizer.hold(cap) if steady else 0
+    return sizer(need, cap)
+
+  def _pack(self, ex: Exchange, width: int, now: np.ndarray | None = None) -> np.ndarray:
+    """One exchange as int32[4, width] (rows EVICT_SLOTS, EVICT_ROWS, LOAD_ROWS, LOAD_SLOTS),
+    padded; with `now` (the same step's packed "now" exchange), the "next" exchange as
+    int32[5, width], row NEXT_FROM_NOW: each load's position among now[EVICT_ROWS] (now's
+    width where absent). One array per exchange: a quarter of the leaves the trainer packs
+    per table (pack's cost is per leaf: 2.4 ms per batch for 26 tables with four arrays)."""
     n, c = self.spec.num_rows, self.cache_rows
-    if self.options.exchange == "pow2":
-      e, m = _bucket(ex.evict_slots.shape[0]), _bucket(ex.load_rows.shape[0])
-    else:
-      # An exchange moves at most min(ids of its batch, C) rows (read-only: all its ids).
-      e = m = capacity
-    # One int32[4, L] array per exchange (rows: EVICT_SLOTS, EVICT_ROWS, LOAD_ROWS,
-    # LOAD_SLOTS): a quarter of the leaves the trainer packs per table (pack's cost is per
-    # leaf: 2.4 ms per batch for 26 tables with four arrays each). Evictions never outnumber
-    # loads (each victim slot receives a missing row), so e <= m pads nothing real.
-    e = m = max(e, m)
-    return np.stack(
-      [
-        _pad(ex.evict_slots, e, c),
-        # Padding points past the host arrays (aligned_rows(N) rows): dropped by the scatter,
-        # whose indices must stay unique.
-        _pad(ex.evict_rows, e, base.aligned_rows(n)),
-        # Padding loads gather row 0 on the host (in range) and are dropped at slot C.
-        _pad(ex.load_rows, m, 0),
-        _pad(ex.load_slots, m, c),
-      ]
-    )
+    out = [
+      _pad(ex.evict_slots, width, c),
+      # Padding points past the host arrays (aligned_rows(N) rows): dropped by the scatter,
+      # whose indices must stay unique.
+      _pad(ex.evict_rows, width, base.aligned_rows(n)),
+      # Padding loads gather row 0 on the host (in range) and are dropped at slot C.
+      _pad(ex.load_rows, width, 0),
+      _pad(ex.load_slots, width, c),
+    ]
+    if now is not None:
+      pos = np.full(width, now.shape[1], np.int32)
+      loads, back = ex.load_rows, now[EVICT_ROWS]
+      if loads.shape[0] and back.shape[0]:
+        order = np.argsort(back, kind="stable")
+        ranked = back[order]
+        i = np.minimum(np.searchsorted(ranked, loads), ranked.shape[0] - 1)
+        hit = ranked[i] == loads
+        pos[: loads.shape[0]][hit] = order[i[hit]]
+      out.append(pos)
+    return np.stack(out)
 
   def _count(self, **kv):
     self._counters.add(**kv)
@@ -215,10 +259,10 @@ class Offload(base.TableBackend):
 
     train=False (eval batches, whose update never runs) plans read-only: nothing moves.
     Returns {"ids": int32[B, L] cache slots (C = padding), "unique"/"inverse" (Adagrad),
-    "now": int32[4, M] exchange run before this step (rows EVICT_SLOTS, EVICT_ROWS,
+    "now": int32[4, M] the on-demand exchange of this batch (rows EVICT_SLOTS, EVICT_ROWS,
     LOAD_ROWS, LOAD_SLOTS), "now_pos": int32[B, L] index into now[LOAD_ROWS] (M = cached),
-    "next": int32[4, M'] exchange run after this step's update,
-    "version": int32[] (-1: read-only)}.
+    "next": int32[5, M'] the exchange admitting the next batch (+ NEXT_FROM_NOW),
+    "version": int32[] (-1: read-only)}. M, M': `_width` (the `exchange` option).
     """
     t0 = time.perf_counter()
     ids = np.asarray(ids)
@@ -231,13 +275,14 @@ class Offload(base.TableBackend):
     p.check_fits(rows.shape[0], self.spec.name)
     upcoming = list(upcoming)[: self.lookahead]
     t = p.version
-    now_cap = 0
+    cap = min(ids.size, self.cache_rows)
     if p.admitted is not None and p.admitted.shape == ids.shape and np.array_equal(p.admitted, ids):
       now = Exchange.empty()  # admitted by the previous step's update
+      now_width = self._width("now", None, cap)
     else:
       window = [self._unique(u) for u in upcoming] if self.options.policy == "lookahead" else []
       now = p.admit(rows, t, window)
-      now_cap = min(ids.size, self.cache_rows)
+      now_width = self._width("now", now.load_rows.shape[0], cap)
       self._count(hits=now.hits, misses=now.load_rows.shape[0])
     slots = np.where(ids >= 0, p.row_slot[np.maximum(ids, 0)], -1)
     row_slots = p.row_slot[rows]  # before admitting the next batch, which may evict them
@@ -245,24 +290,21 @@ class Offload(base.TableBackend):
     if p.lfu is not None:
       p.lfu.add_rows(rows)
     ahead = self._unique(upcoming[0]) if upcoming else None
-    next_cap = 0
     if ahead is not None and ahead.shape[0] <= self.cache_rows:
       # (A batch that does not fit is not admitted ahead: an eval batch need not fit, a
       # train batch fails at its own prepare.)
-      next_cap = min(np.asarray(upcoming[0]).size, self.cache_rows)
       window = [self._unique(u) for u in upcoming[1:]] if self.options.policy == "lookahead" else []
       nxt = p.admit(ahead, t + 1, window)
+      next_cap = min(np.asarray(upcoming[0]).size, self.cache_rows)
+      next_width = self._width("next", nxt.load_rows.shape[0], next_cap)
       self._count(hits=nxt.hits, misses=nxt.load_rows.shape[0])
       p.admitted = np.array(upcoming[0], copy=True)
     else:
       nxt = Exchange.empty()
+      next_width = self._width("next", None, cap)
       p.admitted = None
-      if self.options.exchange == "fixed" and self.lookahead:
-        # The steady shapes, padded: the last batch of a run (nothing upcoming) otherwise
-        # compiled a train step of its own, 10-40 s in the last interval here.
-        next_cap = min(ids.size, self.cache_rows)
     p.version += 1
-    out = self._prepared(ids, (rows, row_slots), slots, now, nxt, t, now_cap, next_cap)
+    out = self._prepared(ids, (rows, row_slots), slots, now, nxt, t, now_width, next_width)
     self._count(
       steps=1,
       rows_h2d=now.load_rows.shape[0] + nxt.load_rows.shape[0],
@@ -292,10 +334,9 @@ class Offload(base.TableBackend):
       self._count(plan_seconds=time.perf_counter() - t0)
     return self._prepared(ids, None, slots, ex, Exchange.empty(), -1, ids.size, 0)
 
-  def _prepared(self, ids, rows, slots, now, nxt, version: int, now_cap: int, next_cap: int):
+  def _prepared(self, ids, rows, slots, now, nxt, version: int, now_width: int, next_width: int):
     """rows: (sorted distinct rows, their slots) of a train batch, None when read-only.
-    now_cap / next_cap: list lengths under exchange=fixed, 0 where no exchange is planned
-    (so a step's shapes change only at the first batch and after an unforeseen one)."""
+    now_width / next_width: the exchange lists' lengths (`_width`)."""
     c = self.cache_rows
     out = {"ids": np.where(slots >= 0, slots, c).astype(np.int32)}
     if self.spec.optimizer.needs_unique:
@@ -312,7 +353,8 @@ class Offload(base.TableBackend):
         out["unique"], out["inverse"] = unique, inverse.astype(np.int32)
       else:  # read-only: update never runs with it (placeholders of the right shapes)
         out["unique"], out["inverse"] = base.dedup(slots, c)
-    out["now"], out["next"] = self._pack(now, now_cap), self._pack(nxt, next_cap)
+    out["now"] = self._pack(now, now_width)
+    out["next"] = self._pack(nxt, next_width, out["now"])
     m = out["now"].shape[1]
     now_pos = np.full(ids.shape, m, np.int32)
     if now.load_rows.shape[0]:
@@ -357,48 +399,108 @@ class Offload(base.TableBackend):
 
   # --------------------------------------------------------------------------- device side
 
-  def _exchange(self, state: dict, ex: dict) -> dict:
-    """Write back the dirty victims, then load the missing rows into their slots.
+  def _read(self, host: dict, ex: jax.Array) -> dict:
+    """The rows an exchange loads, every cache array's (table + optimizer slots), read from
+    the host arrays as the step got them: {name: f32[M, ...]} on the device. Each read is
+    materialized (an optimization barrier of its own): no consumer may re-read the host
+    arrays later through a fused gather, after the write-back (XLA would then copy the whole
+    table to keep the old values; XLA:CPU fuses host gathers into their consumers)."""
+    return {
+      k: jax.lax.optimization_barrier(v)
+      for k, v in self.host.gather_many(host, ex[LOAD_ROWS]).items()
+    }
 
-    Per array the order is read cache -> write host -> read host -> write cache: a data
-    chain, so XLA updates both donated buffers in place (unordered reads and writes of one
-    buffer make it copy the whole table).
-    """
-    if ex.shape[1] == 0:
-      return state
-    host, cache = dict(state["host"]), dict(state["cache"])
-    for k in cache:
-      out = cache[k].at[ex[EVICT_SLOTS]].get(mode="fill", fill_value=0.0)
-      host[k] = self._host_scatter(host[k], ex[EVICT_ROWS], out)
-      loaded = self._host_gather(host[k], ex[LOAD_ROWS])
-      cache[k] = cache[k].at[ex[LOAD_SLOTS]].set(loaded, mode="drop")
-    slot_rows = state["slot_rows"].at[ex[LOAD_SLOTS]].set(ex[LOAD_ROWS], mode="drop")
-    return {**state, "host": host, "cache": cache, "slot_rows": slot_rows}
-
-  def _host_scatter(self, h: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
-    return self.host.scatter(h, rows, values)
-
-  def _host_gather(self, h: jax.Array, rows: jax.Array) -> jax.Array:
-    return self.host.gather(h, rows)
-
-  def lookup(self, state, prepared):
+  def _lookup(self, state, prepared):
+    """-> (rows f32[B, L, D], residuals). The residuals are the host reads of this step:
+    "now": the rows loaded on demand (this batch's misses, also looked up here), "next": the
+    rows the next batch needs (prefetched). Both read the host arrays as they came into the
+    step, so they depend on nothing the step computes; `update` places them in the cache."""
     rows = state["cache"]["table"].at[prepared["ids"]].get(mode="fill", fill_value=0.0)
-    load_rows = prepared["now"][LOAD_ROWS]
-    m = load_rows.shape[0]
-    if m == 0:
-      return rows
-    fresh = self._host_gather(state["host"]["table"], load_rows)
-    pos = prepared["now_pos"]
-    return jnp.where((pos < m)[..., None], fresh.at[pos].get(mode="fill", fill_value=0.0), rows)
+    residuals = {}
+    now, nxt = prepared["now"], prepared["next"]
+    if nxt.shape[1]:
+      residuals["next"] = self._read(state["host"], nxt)
+    m = now.shape[1]
+    if m:
+      residuals["now"] = fresh = self._read(state["host"], now)
+      pos = prepared["now_pos"]
+      got = fresh["table"].at[pos].get(mode="fill", fill_value=0.0)
+      rows = jnp.where((pos < m)[..., None], got, rows)
+    return rows, residuals
 
-  def update(self, state, prepared, grads):
-    state = self._exchange(state, prepared["now"])
-    cache = state["cache"]
+  def _update(self, state, prepared, residuals, grads):
+    """The step's cache and host changes, given `_lookup`'s residuals:
+      1. "now": the victims of this batch's misses are read from the cache, then their slots
+         take the on-demand rows (read by lookup);
+      2. the row-wise optimizer on this batch's slots;
+      3. "next": the victims of the next batch are read from the updated cache, then their
+         slots take the prefetched rows (read by lookup; a row that step 1 evicted and the
+         next batch needs back takes the value evicted in step 1, as its host copy is stale
+         until the write-back);
+      4. the write-back of both exchanges' victims to the host arrays, in one scatter per
+         array.
+    Reads of a buffer come before writes to it through data dependencies (optimization
+    barriers), so XLA updates the donated cache and host arrays in place: the host scatter
+    waits for the host reads (lookup's residuals), not for any compute."""
+    now, nxt = prepared["now"], prepared["next"]
+    # Write after read on the donated host arrays: the write-back's indices wait for this
+    # step's host reads (the residuals), a dependency on reads only, never on compute; the
+    # cache takes the rows that came through the barrier (read once, never again).
+    back_rows = jnp.concatenate([now[EVICT_ROWS], nxt[EVICT_ROWS]])
+    back_rows, residuals = jax.lax.optimization_barrier((back_rows, residuals))
+    cache, slot_rows = dict(state["cache"]), state["slot_rows"]
+    backs = []  # {name: values} to write back, in the order of back_rows
+    evicted = None
+    if now.shape[1]:
+      evicted = {k: _take(v, now[EVICT_SLOTS]) for k, v in cache.items()}
+      evicted, cache = jax.lax.optimization_barrier((evicted, cache))  # read, then overwrite
+      cache = {k: _put(v, now[LOAD_SLOTS], residuals["now"][k]) for k, v in cache.items()}
+      slot_rows = slot_rows.at[now[LOAD_SLOTS]].set(now[LOAD_ROWS], mode="drop")
+      backs.append(evicted)
     slots = {k: cache[k] for k in self.spec.optimizer.slot_names()}
     table, slots = base.sparse_sgd_or_adagrad(self.spec, cache["table"], slots, prepared, grads)
-    state = {**state, "cache": {"table": table, **slots}}
-    state = self._exchange(state, prepared["next"])
+    cache = {"table": table, **slots}
+    if nxt.shape[1]:
+      loaded = residuals["next"]
+      if evicted is not None:
+        pos = nxt[NEXT_FROM_NOW]
+        back = pos < now.shape[1]
+        loaded = {
+          k: jnp.where(
+            back.reshape(back.shape + (1,) * (v.ndim - 1)),
+            _take(evicted[k], pos),
+            v,
+          )
+          for k, v in loaded.items()
+        }  # fmt: skip
+      out = {k: _take(v, nxt[EVICT_SLOTS]) for k, v in cache.items()}
+      out, cache = jax.lax.optimization_barrier((out, cache))  # read, then overwrite
+      cache = {k: _put(v, nxt[LOAD_SLOTS], loaded[k]) for k, v in cache.items()}
+      slot_rows = slot_rows.at[nxt[LOAD_SLOTS]].set(nxt[LOAD_ROWS], mode="drop")
+      backs.append(out)
+    host = dict(state["host"])
+    if backs:
+      values = {k: jnp.concatenate([v[k] for v in backs]) for k in host}
+      host = self.host.scatter_many(host, back_rows, values)
+    state = {**state, "host": host, "cache": cache, "slot_rows": slot_rows}
     return {**state, **host_cache.advance(state, prepared)}
+
+  def lookup(self, state, prepared):
+    return self._lookup(state, prepared)[0]
+
+  def update(self, state, prepared, grads):
+    """The per-table contract's update (unpooled grads): reads its residuals itself."""
+    return self._update(state, prepared, self._lookup(state, prepared)[1], grads)
+
+  def lookup_pooled(self, state, prepared, count):
+    rows, residuals = self._lookup(state, prepared)
+    return base.pool_rows(rows, count), residuals
+
+  def update_pooled(self, state, prepared, residuals, g, count):
+    """As `TableBackend.update_pooled`, with lookup's residuals (replicated already: host
+    reads land on every device)."""
+    g, prepared, count = sharding.replicate((g, prepared, count), self.mesh)
+    return self._update(state, prepared, residuals, base.unpool(g, count, prepared["ids"].shape[1]))
 
   def _flush(self, state):
     # Empty slots hold N: the scatter (unique indices) drops them.

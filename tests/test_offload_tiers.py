@@ -1,0 +1,365 @@
+"""offload moves only what it must, while the step computes (issue 24, item 2).
+
+Read off the step's HLO (`recgnn.hlo`, `recgnn.comms.host_link_of`), not only by equality:
+  - the host reads of the next batch's rows depend on nothing the step computes (the model,
+    the sparse update's scatters into the cache, the write-backs), and the write-backs wait
+    for every read (write after read on the donated host arrays, no copy of the table);
+  - lookup reads each row from the host once: `update` gets the rows as residuals;
+  - host-link bytes per step follow the misses (exchange=bucket): within 1.25x of the rows
+    moved x row bytes at 1%, 5% and 20% caches with Zipf ids, falling as the cache grows;
+  - a few shapes per table over a long stream (compiles counted);
+  - a row the on-demand exchange evicts and the next batch needs back is exact (its host
+    copy is stale until the write-back), and both planners produce the same arrays while
+    the widths shrink.
+Exactness against dense on every mesh: tests/test_contract.py and tests/test_offload.py.
+"""
+
+import collections
+
+import contract_lib as contract
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from recgnn import comms, hlo
+from recgnn.backends import offload
+from recgnn.backends.offload import cache_plan
+from recgnn.embeddings import base
+from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
+
+ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
+SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
+
+
+def _spec(num_rows, dim=16, opt=ADAGRAD, name="t"):
+  return base.TableSpec(name=name, num_rows=num_rows, dim=dim, optimizer=opt)
+
+
+def _offloaded(group) -> bool:
+  return all(m.host.offloaded for m in group.members.values())
+
+
+def _step(group, w):
+  """A train step as the trainer's: lookup, a dense model on the pooled rows (one matmul),
+  its gradient, update."""
+
+  def step(state, prepared):
+    pooled, residuals = group.lookup(state, prepared)
+    g = jax.grad(lambda p: jnp.tanh(p["t"] @ w).sum())(pooled)
+    return group.update(state, prepared, residuals, g)
+
+  return step
+
+
+# ----------------------------------------------------------------------------- (a) the HLO
+
+
+def _host_calls(module: hlo.Module, table_bytes: int):
+  """Entry host computations: (reads, writes), writes being those returning the host arrays."""
+  calls = [
+    i
+    for i in module.computations[module.entry]
+    if i.op == "call" and i.attr("_xla_compute_type") == "host"
+  ]
+  writes = [i.name for i in calls if i.bytes >= table_bytes]
+  reads = [i.name for i in calls if i.bytes < table_bytes]
+  return reads, writes
+
+
+def test_next_batch_reads_depend_on_nothing_the_step_computes():
+  """On a 1x1 step (lookup, a matmul and its gradient, update): the host reads of the next
+  batch's rows depend on no dot, no scatter into the cache and no write-back; every
+  write-back depends on every host read (the order on the donated host arrays is explicit);
+  each row is read from the host once per step (update reads none: lookup's residuals); the
+  compiled step copies neither host array."""
+  spec = _spec(200_000)
+  group = base.make_backend("offload(cache_rows=4000, lookahead=1)", spec)
+  if not _offloaded(group):
+    pytest.skip("no pinned_host memory on this platform")
+  state = group.init(jax.random.key(0))
+  batches = contract.zipf_ids(0, 4, 256, 2, spec.num_rows)
+  first = group.prepare({"t": batches[0]}, [{"t": batches[1]}])  # on demand + prefetch
+  steady = group.prepare({"t": batches[1]}, [{"t": batches[2]}])  # prefetch only
+  assert first["t"]["rows"]["now"].shape[1] > 0 and steady["t"]["rows"]["now"].shape[1] == 0
+  w = jnp.ones((spec.dim, 8), jnp.float32)
+  rows = base.aligned_rows(spec.num_rows)
+  table_bytes = rows * spec.dim * 4
+  for prepared, exchanges in ((first, 2), (steady, 1)):
+    lowered = jax.jit(_step(group, w), donate_argnums=0).lower(state, prepared)
+    module = hlo.parse(lowered.compiler_ir("hlo").as_hlo_text())
+    entry = module.computations[module.entry]
+    reads, writes = _host_calls(module, table_bytes)
+    assert len(reads) == exchanges, "one host read per exchange (all arrays, one index list)"
+    assert len(writes) == 1, "one write-back per step (both exchanges, all arrays)"
+    (nxt,) = [i.name for i in entry if i.op == "parameter" and "next" in i.name]
+    next_reads = [r for r in reads if module.depends(r, nxt)]
+    assert next_reads
+    cache = state["t"]["cache"]
+    cache_shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in cache.values()}
+    computed = [
+      i.name
+      for i in entry
+      if i.op == "dot" or (i.op == "scatter" and i.shape.split("{")[0] in cache_shapes)
+    ]
+    assert any(entry_i.op == "dot" for entry_i in entry)
+    assert any(module.instrs()[c].op == "scatter" for c in computed)
+    for r in next_reads:
+      for c in computed + writes:
+        assert not module.depends(r, c), f"the next batch's host read {r} waits for {c}"
+    for wb in writes:
+      for r in reads:
+        assert module.depends(wb, r), f"the write-back {wb} is not ordered after the read {r}"
+    # Host traffic: the rows come to the device once each (lookup's read is update's too).
+    link = comms.host_link_of(lowered)
+    p = prepared["t"]["rows"]
+    loaded = p["now"].shape[1] + p["next"].shape[1]
+    assert link.to_device_bytes == loaded * spec.row_bytes
+    compiled = lowered.compile()
+    text = compiled.as_text().replace(":S(5)", "")
+    for shape in (f"f32[{rows},{spec.dim}]{{1,0}}", f"f32[{rows}]{{0}}"):
+      assert f"{shape} copy(" not in text, f"XLA copies a host array ({shape})"
+    assert compiled.memory_analysis().temp_size_in_bytes < table_bytes / 4
+
+
+def test_update_reads_nothing_from_the_host():
+  """`update` alone (jitted apart from lookup, the residuals as arguments) has no host read:
+  the rows loaded this step come from lookup; its one host computation is the write-back."""
+  spec = _spec(20_000)
+  group = base.make_backend("offload(cache_rows=1000, lookahead=1)", spec)
+  if not _offloaded(group):
+    pytest.skip("no pinned_host memory on this platform")
+  state = group.init(jax.random.key(0))
+  batches = contract.zipf_ids(0, 2, 128, 2, spec.num_rows)
+  prepared = group.prepare({"t": batches[0]}, [{"t": batches[1]}])
+  residuals = jax.eval_shape(group.lookup, state, prepared)[1]
+  assert set(residuals["t"]) == {"now", "next"}
+  assert set(residuals["t"]["next"]) == {"table", "accum"}
+  grads = {"t": jnp.ones((128, spec.dim), jnp.float32)}
+  lowered = jax.jit(group.update, donate_argnums=0).lower(state, prepared, residuals, grads)
+  module = hlo.parse(lowered.compiler_ir("hlo").as_hlo_text())
+  reads, writes = _host_calls(module, base.aligned_rows(spec.num_rows) * spec.dim * 4)
+  assert reads == [] and len(writes) == 1
+  assert comms.host_link_of(lowered).to_device_bytes == 0
+
+
+# ----------------------------------------------------------------------------- (b) bytes
+
+N, DIM, BATCH, BAG = 100_000, 16, 256, 4
+WARM, STEPS = 160, 300  # a 20% cache is full (every load evicts) after ~100 steps
+
+
+def _link_per_step(text, batches, spec=None):
+  """Prepare the stream (look-ahead 1) and read each step's host-link bytes off its HLO
+  (lowered once per distinct prepared shape). -> (to_device, to_host per step after WARM,
+  the backend's stats over those steps, the shapes seen after WARM)."""
+  spec = spec or _spec(N, DIM)
+  group = base.make_backend(text, spec)
+  state = group.init(jax.random.key(0))
+  step = _step(group, jnp.ones((DIM, 8), jnp.float32))
+  links, shapes, total = {}, collections.Counter(), np.zeros(2)
+  for k in range(len(batches) - 1):
+    p = group.prepare({"t": batches[k]}, [{"t": batches[k + 1]}])
+    if k < WARM:
+      if k == WARM - 1:
+        group.stats()  # counters from here on
+      continue
+    sig = tuple(np.shape(x) for x in jax.tree.leaves(p))
+    shapes[sig] += 1
+    if sig not in links:
+      links[sig] = comms.host_link_of(jax.jit(step).lower(state, p))
+    total += (links[sig].to_device_bytes, links[sig].to_host_bytes)
+  stats = group.stats()
+  n = stats["t/steps"]
+  assert n == len(batches) - 1 - WARM
+  return total[0] / n, total[1] / n, stats, shapes
+
+
+@pytest.fixture(scope="module")
+def zipf_stream():
+  return contract.zipf_ids(0, STEPS + 1, BATCH, BAG, N)
+
+
+FRACTIONS = (0.01, 0.05, 0.2)
+
+
+@pytest.fixture(scope="module")
+def measured(zipf_stream):
+  if not _offloaded(base.make_backend("offload(cache_rows=8)", _spec(100))):
+    pytest.skip("no pinned_host memory on this platform")
+  return {
+    f: _link_per_step(f"offload(cache_fraction={f}, lookahead=1, exchange=bucket)", zipf_stream)
+    for f in FRACTIONS
+  }
+
+
+def test_host_link_bytes_follow_the_misses(measured):
+  """Per step, from the HLO: bytes to the device within 1.25x of the rows loaded (the misses)
+  x row bytes; bytes to the host within 1.25x of the rows written back x row bytes plus the
+  indices (4 bytes per row moved, each way); both fall as the cache grows."""
+  row = _spec(N, DIM).row_bytes
+  to_device = []
+  for f in FRACTIONS:
+    down, up, s, _ = measured[f]
+    loads, backs = s["t/h2d_rows_per_step"], s["t/d2h_rows_per_step"]
+    assert loads == s["t/misses_per_step"] > 0
+    assert backs > 0.9 * loads, "the cache is not full yet: warm up longer"
+    assert loads * row <= down <= 1.25 * loads * row, (f, down / (loads * row))
+    need_up = backs * row + 4 * (loads + backs)
+    assert need_up <= up <= 1.25 * need_up, (f, up / need_up)
+    to_device.append(down)
+  assert to_device[0] > to_device[1] > to_device[2]
+  assert to_device[2] < 0.6 * to_device[0]
+
+
+def test_fixed_exchange_moves_the_batch_whatever_the_misses(zipf_stream, measured):
+  """exchange=fixed (the former default) pads every list to min(ids per batch, C): at a 20%
+  cache it moves several times what exchange=bucket moves."""
+  stream = zipf_stream[: WARM + 3]
+  down, _, s, shapes = _link_per_step(
+    "offload(cache_fraction=0.2, lookahead=1, exchange=fixed)", stream
+  )
+  assert len(shapes) == 1
+  assert down == BATCH * BAG * _spec(N, DIM).row_bytes
+  assert down > 4 * measured[0.2][0]
+
+
+# ----------------------------------------------------------------------------- (c) compiles
+
+
+def test_a_few_shapes_per_table(measured):
+  """Over the 140 steps after warm-up, each cache size sees at most 3 distinct prepared
+  shapes (so the step compiles at most 3 times; measured: 1% 2, 5% 2, 20% 2)."""
+  for f in FRACTIONS:
+    shapes = measured[f][3]
+    assert len(shapes) <= 3, (f, len(shapes))
+
+
+def test_a_few_shapes_per_table_in_a_group_of_26(monkeypatch):
+  """26 tables planned together (the compiled planner), 200 steps after warm-up at a 5%
+  cache: at most 8 (measured 3) distinct list widths per table. The step's signature is
+  every table's widths: measured 33 distinct over the 200 steps (the hysteresis keeps
+  each table's width for stretches, but with 26 tables one of them changes every ~6 steps)."""
+  t, warm, steps = 26, 200, 400
+  specs = [_spec(N, DIM, name=f"t{i}") for i in range(t)]
+  group = base.make_group("offload(cache_fraction=0.05, lookahead=1, exchange=bucket)", specs)
+  group.init(jax.random.key(0))
+  data = [contract.zipf_ids(i, steps + 1, BATCH, BAG, N) for i in range(t)]
+  per_table = [set() for _ in range(t)]
+  joint = set()
+  for k in range(steps):
+    p = group.prepare(
+      {f"t{i}": data[i][k] for i in range(t)}, [{f"t{i}": data[i][k + 1] for i in range(t)}]
+    )
+    if k < warm:
+      continue
+    sig = tuple(p[f"t{i}"]["rows"]["next"].shape for i in range(t))
+    joint.add(sig)
+    for i in range(t):
+      per_table[i].add(sig[i])
+  assert max(len(s) for s in per_table) <= 8
+  assert len(joint) <= 60, len(joint)
+
+
+# ----------------------------------------------------------------------------- (d) exactness
+
+
+def _drive(text, spec, batches, breaks, lookahead=2):
+  """Train through `prepare` / lookup / update in stream order, the batches in `breaks`
+  prepared with nothing upcoming (so the batch after each goes through the on-demand
+  exchange, which evicts dirty rows the batch after it may need back). -> (lookups, table,
+  rows taken from now's victims)."""
+  group = base.make_backend(text, spec)
+  state = group.init(jax.random.key(0))
+  lookup = jax.jit(group.lookup)
+  update = jax.jit(group.update, donate_argnums=0)
+  lookups, from_victims = [], 0
+  for k, ids in enumerate(batches):
+    up = [] if k in breaks else [{"t": u} for u in batches[k + 1 : k + 1 + lookahead]]
+    host = group.prepare({"t": ids}, up)
+    rows = host["t"]["rows"]
+    from_victims += int((rows["next"][offload.NEXT_FROM_NOW] < rows["now"].shape[1]).sum())
+    prepared = contract.put_prepared(group, host, group.mesh)
+    pooled, residuals = lookup(state, prepared)
+    lookups.append(np.asarray(pooled["t"]))
+    state = update(state, prepared, residuals, {"t": contract.grads_for(k, pooled["t"])})
+  state = group.sync(state)
+  return lookups, group.tables(state)["t"], from_victims
+
+
+@pytest.mark.parametrize("opt", [SGD, ADAGRAD], ids=lambda o: o.name)
+def test_rows_evicted_on_demand_and_needed_next_are_exact(opt):
+  """A row the on-demand exchange evicts (dirty) and the next batch needs back: its host copy
+  is stale when lookup reads it, so `update` takes it from the evicted values
+  (NEXT_FROM_NOW). Bit-equal to dense; and the case occurs in the stream."""
+  spec = _spec(1000, 4, opt)
+  batches = contract.zipf_ids(5, 12, 32, 2, spec.num_rows)
+  breaks = {1, 3, 5, 7, 9}
+  ref = contract.run("dense", spec, batches)
+  lookups, table, from_victims = _drive(
+    "offload(cache_rows=60, policy=lru, lookahead=2)", spec, batches, breaks
+  )
+  assert from_victims > 0, "no row went from now's victims to the next batch: test too easy"
+  for k, (a, b) in enumerate(zip(lookups, ref.lookups)):
+    np.testing.assert_array_equal(a, b, err_msg=f"lookup differs at step {k}")
+  np.testing.assert_array_equal(table, ref.table)
+
+
+def test_stale_host_copy_would_break_it(monkeypatch):
+  """Mutation check: without NEXT_FROM_NOW (every load read from the host copy) the stream
+  above is no longer exact, so that test can fail."""
+  pack = offload.Offload._pack
+
+  def no_positions(self, ex, width, now=None):
+    out = pack(self, ex, width, now)
+    if now is not None:
+      out[offload.NEXT_FROM_NOW] = now.shape[1]
+    return out
+
+  monkeypatch.setattr(offload.Offload, "_pack", no_positions)
+  spec = _spec(1000, 4, SGD)
+  batches = contract.zipf_ids(5, 12, 32, 2, spec.num_rows)
+  ref = contract.run("dense", spec, batches)
+  _, table, _ = _drive(
+    "offload(cache_rows=60, policy=lru, lookahead=2)", spec, batches, {1, 3, 5, 7, 9}
+  )
+  assert not np.array_equal(table, ref.table)
+
+
+def test_planners_agree_while_widths_shrink(monkeypatch):
+  """The compiled planner and the numpy one produce the same prepared arrays with the
+  hysteresis at work (patience 2: widths shrink and grow within the stream)."""
+  from recgnn.backends.offload import planner as hostplan
+  from tests.test_offload import _group_stream
+
+  if not hostplan.AVAILABLE:
+    pytest.skip("numba not installed")
+  monkeypatch.setattr(cache_plan, "PATIENCE", 2)
+  text = "offload(cache_rows=130, policy=lru, lookahead=3, exchange=bucket)"
+  want, slow = _group_stream(text, ADAGRAD, False, monkeypatch)
+  got, fast = _group_stream(text, ADAGRAD, True, monkeypatch)
+  assert slow.fast_batches == 0 and fast.fast_batches >= 12
+  widths = {np.shape(p["g"]["t0"]["rows"]["next"])[1] for p in want}
+  assert len(widths) >= 3, "the widths never changed: test too easy"
+  assert len(got) == len(want)
+  for k, (a, b) in enumerate(zip(want, got)):
+    for (path, x), (_, y) in zip(jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)):
+      np.testing.assert_array_equal(
+        np.asarray(x), np.asarray(y), err_msg=f"batch {k} {jax.tree_util.keystr(path)}"
+      )
+
+
+# ----------------------------------------------------------------------------- sizing
+
+
+def test_octave_buckets_and_hysteresis():
+  assert [cache_plan.octave_bucket(n) for n in (0, 1, 8, 9, 15, 16, 17, 100, 1000)] == [
+    0, 8, 8, 9, 15, 16, 18, 104, 1024,
+  ]  # fmt: skip
+  assert max(cache_plan.octave_bucket(n) / n for n in range(9, 5000)) <= 1.125
+  s = cache_plan.Sizer(patience=3)
+  assert s(10, 100) == 100  # starts at the cap (fixed's width)
+  assert [s(n, 100) for n in (40, 41)] == [100, 44]  # shrinks after 3 low steps
+  assert s(50, 100) == 52  # grows at once
+  assert [s(n, 100) for n in (20, 52, 20)] == [52, 52, 52]  # a need at the width resets
+  assert s.hold(100) == 52 and s.hold(30) == 30
