@@ -56,12 +56,9 @@ import ml_collections
 import numpy as np
 import optax
 
-# Runnable as `python benchmarks/dlrm_throughput.py` from a checkout without installing recgnn.
-# RECGNN_BENCH_SRC (set by --against for its child processes): another commit's tree, whose
-# `recgnn` is timed instead of this checkout's.
-sys.path.insert(
-  0, os.environ.get("RECGNN_BENCH_SRC") or str(pathlib.Path(__file__).resolve().parents[1])
-)
+# Runnable as `python benchmarks/dlrm_throughput.py` from a checkout without installing recgnn
+# (--against runs another commit's copy of this script, which imports that commit's recgnn).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402  (benchmarks/common.py)
 import peers_dcn  # noqa: E402
@@ -647,8 +644,10 @@ DIST_COLUMNS = (
 
 
 def extract_commit(commit: str, into: str) -> tuple[str, str]:
-  """(directory under `into` holding COMMIT's `recgnn` package, full hash), from this
-  checkout's git."""
+  """(directory under `into` holding COMMIT's `recgnn` package and `benchmarks`, full hash),
+  from this checkout's git. The other commit is timed by its own copy of this script: its
+  recgnn's API may differ from this one's (contract v3 changed it), its benchmark does not
+  (the same model, batches and options)."""
   root = pathlib.Path(__file__).resolve().parents[1]
   full = subprocess.run(
     ["git", "-C", str(root), "rev-parse", "--verify", f"{commit}^{{commit}}"],
@@ -660,19 +659,26 @@ def extract_commit(commit: str, into: str) -> tuple[str, str]:
   sha = full.stdout.strip()
   out = tempfile.mkdtemp(prefix=f"recgnn_{sha[:10]}_", dir=into)
   archive = subprocess.run(
-    ["git", "-C", str(root), "archive", sha, "recgnn"], capture_output=True, check=True
+    ["git", "-C", str(root), "archive", sha, "recgnn", "benchmarks"],
+    capture_output=True,
+    check=True,
   ).stdout
   subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
   return out, sha
 
 
-def child_command(args, contestant: str, out: str) -> list[str]:
-  """One process of the rounds: this script timing `contestant` alone, into `out`."""
+def child_command(args, contestant: str, out: str, src: str = "") -> list[str]:
+  """One process of the rounds: this script timing `contestant` alone, into `out`; src: the
+  tree of an --against commit, whose own copy of the script runs instead."""
   peer = contestant if contestant in peers_dlrm.PEERS else ""
+  # (the DCNv2 options only where used: an --against commit from before them rejects them)
+  model = (
+    {"model": args.model, "cross-layers": args.cross_layers, "low-rank": args.low_rank}
+    if args.model != "dlrm"
+    else {}
+  )
   opts = {
-    "model": args.model,
-    "cross-layers": args.cross_layers,
-    "low-rank": args.low_rank,
+    **model,
     "batch": args.batch,
     "tables": args.tables,
     "rows": args.rows,
@@ -692,9 +698,12 @@ def child_command(args, contestant: str, out: str) -> list[str]:
     "no-recgnn": int(peer != ""),
     "child-out": out,
   }
-  return [sys.executable, str(pathlib.Path(__file__).resolve())] + [
-    f"--{k}={v}" for k, v in opts.items()
-  ]
+  script = (
+    os.path.join(src, "benchmarks", "dlrm_throughput.py")
+    if src
+    else str(pathlib.Path(__file__).resolve())
+  )
+  return [sys.executable, script] + [f"--{k}={v}" for k, v in opts.items()]
 
 
 def trainer_command(args, workdir: str) -> list[str]:
@@ -759,13 +768,15 @@ def run_processes(args) -> dict:
 def _run_processes(args, tmp: str) -> dict:
   contestants = ["recgnn"]
   env_of = {"recgnn": {}}
+  src_of: dict[str, str] = {}
   against = None
   if args.against:
     src, sha = extract_commit(args.against, tmp)
     against = {"commit": sha, "src": src}
     name = f"recgnn@{sha[:10]}"
     contestants.append(name)
-    env_of[name] = {"RECGNN_BENCH_SRC": src}
+    env_of[name] = {}
+    src_of[name] = src
   if args.trainer:
     contestants.append("trainer")
     env_of["trainer"] = {}
@@ -786,7 +797,11 @@ def _run_processes(args, tmp: str) -> dict:
     for c in order:
       out = os.path.join(tmp, f"{r}_{c.replace('@', '_')}.json")
       workdir = os.path.join(tmp, f"trainer_{r}")
-      cmd = trainer_command(args, workdir) if c == "trainer" else child_command(args, c, out)
+      cmd = (
+        trainer_command(args, workdir)
+        if c == "trainer"
+        else child_command(args, c, out, src_of.get(c, ""))
+      )
       t0 = time.perf_counter()
       load = os.getloadavg()[0]
       proc = subprocess.run(
@@ -959,7 +974,8 @@ def main(argv=None):
     "--against",
     default="",
     metavar="COMMIT",
-    help="also time COMMIT's recgnn step (its recgnn/ from git) in the same rounds",
+    help="also time COMMIT's recgnn step in the same rounds (its recgnn/ and its own copy of "
+    "this benchmark, from git)",
   )
   p.add_argument(
     "--trainer",
