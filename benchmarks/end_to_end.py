@@ -42,8 +42,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402  (benchmarks/common.py)
 
 from recgnn.backends.offload import planner as hostplan  # noqa: E402
-from recgnn.embeddings import base  # noqa: E402
 from recgnn.train import inputs, loop  # noqa: E402
+from recgnn.train import setup as train_setup  # noqa: E402
 from recgnn.train import step as step_lib  # noqa: E402
 
 EXPERIMENTS = ("dlrm_kaggle", "cdlrm_kaggle", "ttrec_kaggle", "hotline_kaggle")
@@ -92,18 +92,11 @@ def run_trainer(name: str, args) -> dict:
 
 
 def setup(name: str, num_batches: int):
-  """(plan with initialised groups, feeder, batches) of an experiment."""
-  c = importlib.import_module(f"experiments.{name}").get_config()
-  mesh = loop.config_mesh(c)
-  task = loop.load_task(c, mesh)
-  layout = base.Layout(split_batch=task.shard_batch)
-  rules = list(map(tuple, c.embeddings.plan))
-  plan = base.resolve_plan(rules, task.tables(), mesh, layout, log=False)
-  feeder = step_lib.Feeder(plan, task.batch_spec)
-  for g in plan.groups.values():
-    g.init(jax.random.key(0))
-  it = task.train_batches(0)
-  return plan, feeder, [next(it) for _ in range(num_batches)]
+  """(plan with initialised groups, feeder, batches) of an experiment: the trainer's
+  (`setup.build`)."""
+  run = train_setup.build(importlib.import_module(f"experiments.{name}").get_config())
+  it = run.task.train_batches(0)
+  return run.plan, run.feeder, [next(it) for _ in range(num_batches)]
 
 
 def breakdown(name: str, args) -> dict:

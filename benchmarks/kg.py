@@ -56,10 +56,8 @@ from experiments import (  # noqa: E402
   rgcn_planted,
 )
 from recgnn import comms, sharding  # noqa: E402
-from recgnn.embeddings import base as emb_base  # noqa: E402
 from recgnn.tasks import link_prediction as lp  # noqa: E402
-from recgnn.train import inputs, loop  # noqa: E402
-from recgnn.train import step as step_lib  # noqa: E402
+from recgnn.train import loop, setup  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -522,22 +520,10 @@ def _step_bytes(cfg) -> dict:
   """Bytes between devices per step (per device) from the compiled train step's HLO."""
   task = _task(cfg)
   mesh = task.mesh
-  layout = emb_base.Layout(split_batch=task.shard_batch)
-  rules = list(map(tuple, cfg.embeddings.plan))
-  plan = emb_base.resolve_plan(rules, task.tables(), mesh, layout)
-  tx = step_lib.make_optimizer(cfg.optimizer)
   batch = next(task.train_batches(0))
-  state = step_lib.init_state(task, plan, tx, jax.random.key(0), batch)
-  feeder = step_lib.Feeder(plan, task.batch_spec)
-  buffers, layout = feeder(inputs.prepare_one(plan, batch, [], train=True), batch)
-  fn = step_lib.jit_packed(
-    step_lib.make_train_step(task, plan, tx),
-    plan,
-    step_lib.state_sharding(plan, state),
-    donate_state=False,
-    out_state=True,
-  )
-  s = comms.summary(fn.lower(state, buffers, layout).compile().as_text())
+  run = setup.build(cfg, mesh=mesh, task=task, example=batch, key=jax.random.key(0))
+  buffers, layout = run.packed(run.prepare(batch), batch)
+  s = comms.summary(run.train_step.lower(run.state, buffers, layout).compile().as_text())
   return {
     "mesh": sharding.describe(mesh),
     "total_operand_bytes": s["total_operand_bytes"],

@@ -43,44 +43,26 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def direct(c) -> tuple[dict, object, object]:
-  """The trainer's own pieces (task, plan, `inputs.prepare_stream`, `step.Feeder`, the
-  jitted packed train / eval steps, `init_state`), fed from this thread in stream order
-  without the trainer's input thread: (metrics, state, plan)."""
-  from recgnn.embeddings import base
-  from recgnn.train import inputs
-  from recgnn.train import step as step_lib
+  """The trainer's own run (`setup.build`: task, plan, feeder, the jitted packed train / eval
+  steps, the initial state), fed from this thread in stream order without the trainer's input
+  thread: (metrics, state, plan)."""
+  from recgnn.train import input_thread, setup
 
-  mesh = loop.config_mesh(c)
-  task = loop.load_task(c, mesh)
-  layout = base.Layout(split_batch=task.shard_batch)
-  rules = list(map(tuple, c.embeddings.plan))
-  plan = base.resolve_plan(rules, task.tables(), mesh, layout, log=False)
-  feeder = step_lib.Feeder(plan, task.batch_spec)
-  tx = step_lib.make_optimizer(c.optimizer)
-  state = step_lib.init_state(task, plan, tx, jax.random.key(c.seed), task.example_batch())
-  shardings = step_lib.state_sharding(plan, state)
-  train_step = step_lib.jit_packed(
-    step_lib.make_train_step(task, plan, tx), plan, shardings, True, True
-  )
-  eval_step = step_lib.jit_packed(
-    step_lib.make_eval_step(task, plan), plan, shardings, False, False
-  )
-  stream = list(loop._stream(task, 0, c.train.steps, 0, "valid", ("valid", "test")))
+  run = setup.build(c)
+  task, state = run.task, run.state
+  stream = input_thread.stream(task, 0, c.train.steps, 0, "valid", ("valid", "test"))
   outputs: list = []
   metrics: dict = {}
-  for item in inputs.prepare_stream(plan, stream):
+  for item, on_device in run.feed(list(stream)):
     if item.kind == "eval_end":
       res = task.metrics(jax.device_get(outputs))
       metrics.update({f"{item.split}/{k}": v for k, v in res.items()})
       outputs = []
-      continue
-    buffers, layout = feeder(item.prepared, item.batch)
-    if item.kind == "train":
-      state, _ = train_step(state, buffers, layout)
+    elif item.kind == "train":
+      state, _ = run.train_step(state, *on_device)
     else:
-      outputs.append(eval_step(state, buffers, layout))
-  state = state.replace(emb={k: g.sync(state.emb[k]) for k, g in plan.groups.items()})
-  return metrics, state, plan
+      outputs.append(run.eval_step(state, *on_device))
+  return metrics, run.sync(state), run.plan
 
 
 def train(args, table: str, mesh: tuple[int, int]) -> dict:

@@ -42,11 +42,18 @@ import peers_dlrm  # noqa: E402
 
 from recgnn import comms, sharding  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402
-from recgnn.train import inputs as inputs_lib  # noqa: E402
-from recgnn.train import step as step_lib  # noqa: E402
+from recgnn.train import setup as train_setup  # noqa: E402
 
 # tt with pad=full: one shape, so the timed steps do not recompile as capacities grow.
 BACKENDS = ("dense", "dense(shard=rows)", "tt(rank=32, pad=full)", "offload(cache_fraction=0.05)")
+
+
+class BenchTask(dt.BenchCTR):
+  """dlrm_throughput's task over given table sizes; without a dataset it has no epochs (the
+  run's length is train.steps)."""
+
+  def steps_per_epoch(self):
+    return None
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -57,39 +64,37 @@ def parse_mesh(text: str) -> tuple[int, int]:
 def measure(cfg, backend: str, mesh_shape, batches, args) -> dict:
   """Compile (and, where it fits, time) one configuration."""
   mesh = sharding.make_mesh(*mesh_shape)
-  config = dt.recgnn_config(cfg)
-  task = dt.BenchCTR(config, cfg, mesh)
   text = backend
   if backend.startswith("offload"):
     text = f"offload(cache_rows={max(args.batch, int(0.05 * cfg.rows[0]))})"
-  plan = base.resolve_plan([(".*", text)], task.tables(), mesh, log=False)
-  tx = step_lib.make_optimizer(config.optimizer)
-  feeder = step_lib.Feeder(plan)
+  config = dt.recgnn_config(cfg)
+  config.embeddings.plan = [(".*", text)]
+  config.train = {"steps": args.steps}
+  config.seed = 0
+  task = BenchTask(config, cfg, mesh)
   host = [dt.to_recgnn_batch(b, task.names) for b in batches]
-  key = jax.random.key(0)
+  t0 = time.perf_counter()
+  # The trainer's run with an abstract state (shapes and shardings only). Table values do not
+  # change the HLO, so zeros stand in for the (O(rows), traced-key) initial tables.
+  zeros = lambda key, spec: np.zeros((spec.num_rows, spec.dim), np.float32)  # noqa: E731
+  with mock.patch.object(base, "init_table", zeros):
+    run = train_setup.build(
+      config, mesh=mesh, task=task, example=host[0], key=jax.random.key(0), allocate=False
+    )
+  plan = run.plan
   per_device = sum(plan.backend_of(n).memory()[n].device_bytes for n in plan.table_group)
   state_bytes = per_device * mesh.size
   run_it = state_bytes <= args.max_state_gib * 2**30
-  t0 = time.perf_counter()
   if run_it:
-    state = step_lib.init_state(task, plan, tx, key, host[0])
+    t0 = time.perf_counter()
+    state = run.init_state()
   else:
-    # Abstract state: shapes and shardings only. Table values do not change the HLO, so
-    # zeros stand in for the (O(rows), traced-key) initial tables.
-    zeros = lambda key, spec: np.zeros((spec.num_rows, spec.dim), np.float32)  # noqa: E731
-    with mock.patch.object(base, "init_table", zeros):
-      state = jax.eval_shape(lambda: step_lib.init_state(task, plan, tx, key, host[0]))
+    state = run.state
   init_s = time.perf_counter() - t0
-  shardings = step_lib.state_sharding(plan, state)
-  train_step = step_lib.jit_packed(
-    step_lib.make_train_step(task, plan, tx), plan, shardings, donate_state=True, out_state=True
-  )
+  train_step = run.train_step
   # Ahead of the step, in order, as the input thread does (offload plans a cache).
-  prepared = [
-    inputs_lib.prepare_one(plan, h, [x["ids"] for x in host[i + 1 : i + 2]], True)
-    for i, h in enumerate(host)
-  ]
-  packed = [feeder(p, h) for p, h in zip(prepared, host)]
+  prepared = [run.prepare(h, [x["ids"] for x in host[i + 1 : i + 2]]) for i, h in enumerate(host)]
+  packed = [run.packed(p, h) for p, h in zip(prepared, host)]
   compiled = train_step.lower(state, *packed[0]).compile()
   hlo = comms.compiled_summary(compiled)
   out = {

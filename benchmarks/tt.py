@@ -267,11 +267,40 @@ def _step_configs(args) -> dict:
   return configs
 
 
+def _packed_run(config, task, batches):
+  """The trainer's run of `config` over `task` on one device, and `batches` prepared in stream
+  order through the trainer's driver (capacities grow here), then packed as the trainer's step
+  takes them (one transfer per batch): (run, [(buffers, layout)], prepare ms per batch)."""
+  from recgnn.train import inputs as inputs_lib
+  from recgnn.train import setup
+
+  run = setup.build(
+    config, mesh=base.default_mesh(), task=task, example=batches[0], key=jax.random.key(0)
+  )
+  t0 = time.perf_counter()
+  stream = [("train", None, x) for x in batches]
+  prepared = [item.prepared for item in inputs_lib.prepare_stream(run.plan, stream)]
+  prep_ms = 1e3 * (time.perf_counter() - t0) / len(batches)
+  return run, [run.packed(p, x) for p, x in zip(prepared, batches)], prep_ms
+
+
+def _time_interleaved(runs: dict, reps: int) -> None:
+  """Seconds per step of each run over its packed inputs, appended to its "times"; the runs
+  interleaved per repetition (the machine is shared: load changes hit them all)."""
+  for _ in range(reps):
+    for r in runs.values():
+      state = r["state"]
+      t0 = time.perf_counter()
+      for p, x in r["inputs"]:
+        state, _ = r["fn"](state, p, x)
+      jax.block_until_ready(state)
+      r["times"].append((time.perf_counter() - t0) / len(r["inputs"]))
+      r["state"] = state
+
+
 def train_step(args) -> dict:
   """Median train-step ms of each config on the same batches, configs interleaved per rep."""
-  from recgnn.train import inputs as inputs_lib
   from recgnn.train import loop
-  from recgnn.train import step as step_lib
 
   configs = _step_configs(args)
   first = next(iter(configs.values()))
@@ -280,20 +309,9 @@ def train_step(args) -> dict:
   batches = [next(stream) for _ in range(args.step_batches)]
   runs = {}
   for name, config in configs.items():
-    plan = base.resolve_plan(list(map(tuple, config.embeddings.plan)), task.tables(), log=False)
-    feeder = step_lib.Feeder(plan)
-    tx = step_lib.make_optimizer(config.optimizer)
-    state = step_lib.init_state(task, plan, tx, jax.random.key(0), batches[0])
-    t0 = time.perf_counter()
-    # In stream order through the trainer's driver (capacities grow here).
-    stream = [("train", None, x) for x in batches]
-    prepared = [item.prepared for item in inputs_lib.prepare_stream(plan, stream)]
-    prep_ms = 1e3 * (time.perf_counter() - t0) / len(batches)
-    # Exactly the trainer's step: one packed transfer per batch, split over the mesh.
-    inputs = [feeder(p, x) for p, x in zip(prepared, batches)]
+    run, inputs, prep_ms = _packed_run(config, task, batches)
+    state, fn = run.state, run.train_step
     shapes = {repr(layout) for _, layout in inputs}
-    sh = step_lib.state_sharding(plan, state)
-    fn = step_lib.jit_packed(step_lib.make_train_step(task, plan, tx), plan, sh, True, True)
     t0 = time.perf_counter()
     for p, x in inputs:  # compile every shape once
       state, _ = fn(state, p, x)
@@ -310,15 +328,7 @@ def train_step(args) -> dict:
     print(
       f"  {name}: {len(shapes)} step shape(s), warm-up {runs[name]['compile_s']:.1f} s", flush=True
     )
-  for _ in range(args.reps):
-    for r in runs.values():
-      state = r["state"]
-      t0 = time.perf_counter()
-      for p, x in r["inputs"]:
-        state, _ = r["fn"](state, p, x)
-      jax.block_until_ready(state)
-      r["times"].append((time.perf_counter() - t0) / len(r["inputs"]))
-      r["state"] = state
+  _time_interleaved(runs, args.reps)
   base_ms = 1e3 * statistics.median(runs["dlrm_kaggle"]["times"])
   out = []
   for name, r in runs.items():
@@ -596,9 +606,7 @@ def nimble_step(args) -> dict:
   the trainer's (Feeder + jit_packed), as in `train_step`."""
   import importlib
 
-  from recgnn.train import inputs as inputs_lib
   from recgnn.train import loop
-  from recgnn.train import step as step_lib
 
   exp = importlib.import_module(f"experiments.{args.nimble_experiment}")
   runs = {}
@@ -607,34 +615,17 @@ def nimble_step(args) -> dict:
     task = loop.load_task(config, loop.config_mesh(config))
     stream = task.train_batches(0)
     batches = [next(stream) for _ in range(args.step_batches)]
-    plan = base.resolve_plan(list(map(tuple, config.embeddings.plan)), task.tables(), log=False)
-    feeder = step_lib.Feeder(plan)
-    tx = step_lib.make_optimizer(config.optimizer)
-    state = step_lib.init_state(task, plan, tx, jax.random.key(0), batches[0])
-    t0 = time.perf_counter()
-    items = [("train", None, x) for x in batches]
-    prepared = [item.prepared for item in inputs_lib.prepare_stream(plan, items)]
-    prep_ms = 1e3 * (time.perf_counter() - t0) / len(batches)
-    inputs = [feeder(p, x) for p, x in zip(prepared, batches)]
-    sh = step_lib.state_sharding(plan, state)
-    fn = step_lib.jit_packed(step_lib.make_train_step(task, plan, tx), plan, sh, True, True)
+    run, inputs, prep_ms = _packed_run(config, task, batches)
+    state, fn = run.state, run.train_step
     for p, x in inputs:  # compile every shape once
       state, _ = fn(state, p, x)
     jax.block_until_ready(state)
-    stats = plan.backend_of("node").stats()
+    stats = run.plan.backend_of("node").stats()
     runs[variant] = {"fn": fn, "state": state, "inputs": inputs, "prepare_ms": prep_ms,
                      "times": [], "stats": stats, "order": config.data.node_order}  # fmt: skip
     print(f"  {variant}: ready (prepare {prep_ms:.1f} ms/batch)", flush=True)
     del task
-  for _ in range(args.reps):
-    for r in runs.values():
-      state = r["state"]
-      t0 = time.perf_counter()
-      for p, x in r["inputs"]:
-        state, _ = r["fn"](state, p, x)
-      jax.block_until_ready(state)
-      r["times"].append((time.perf_counter() - t0) / len(r["inputs"]))
-      r["state"] = state
+  _time_interleaved(runs, args.reps)
   base_ms = 1e3 * statistics.median(next(iter(runs.values()))["times"])
   out = []
   for variant, r in runs.items():

@@ -29,7 +29,7 @@ import glob
 import os
 import re
 
-from experiments import dlrm_kaggle
+from experiments import _options, dlrm_kaggle
 from recgnn.data import multihot
 
 DEFAULTS = {"path": "", "interaction": "dcn", "distribution": "uniform"}
@@ -37,20 +37,15 @@ CHOICES = {"interaction": ("dcn", "dot"), "distribution": multihot.DISTRIBUTIONS
 
 
 def parse_arg(arg: str | None) -> dict[str, str]:
-  """'interaction=dot,path=/x' -> DEFAULTS updated; unknown keys or values name the valid ones."""
-  out = dict(DEFAULTS)
-  for item in filter(None, (arg or "").split(",")):
-    k, sep, v = item.partition("=")
-    k = k.strip()
-    if not sep or k not in DEFAULTS:
-      raise ValueError(
-        f"dlrmv2_criteo1tb: bad option {item!r}; options: {', '.join(DEFAULTS)} (key=value)"
-      )
-    out[k] = v.strip()
-  for k, valid in CHOICES.items():
-    if out[k] not in valid:
-      raise ValueError(f"dlrmv2_criteo1tb: unknown {k} {out[k]!r}; available: {', '.join(valid)}")
-  return out
+  """'interaction=dot,path=/x' -> DEFAULTS updated (experiments/_options.parse); unknown keys
+  or values name the valid ones."""
+  return _options.parse(
+    arg,
+    DEFAULTS,
+    CHOICES,
+    name="dlrmv2_criteo1tb",
+    usage="key=value options: path, interaction, distribution",
+  )
 
 
 def day_files(path: str) -> str:

@@ -334,8 +334,7 @@ def test_training_a_partition_changes_only_its_rows(tmp_path):
   """Through the trainer: entity rows outside partition 1's core + halo are bit-identical
   to their initial values after training partition 1 alone; rows inside changed."""
   pytest.importorskip("pymetis")
-  from recgnn.train import loop
-  from recgnn.train import step as step_lib
+  from recgnn.train import loop, setup
 
   cfg = _rgcn_config(_community_kg(tmp_path / "kg"), 3, 1, **{"partition.only": 1})
   cfg.train.steps = 4
@@ -347,9 +346,7 @@ def test_training_a_partition_changes_only_its_rows(tmp_path):
   assert len(nodes) < 0.75 * task.kg.num_entities  # a real partition, not the whole graph
   result = loop.train(cfg, str(tmp_path / "w"))
   after = _tables(result, result.state)
-  tx = step_lib.make_optimizer(cfg.optimizer)
-  init = step_lib.init_state(task, result.plan, tx, jax.random.key(cfg.seed), task.example_batch())
-  before = _tables(result, init)
+  before = _tables(result, setup.build(cfg, task=task).state)
   outside = np.setdiff1d(np.arange(task.kg.num_entities), nodes)
   np.testing.assert_array_equal(after[outside], before[outside])
   assert not np.array_equal(after[nodes], before[nodes])
@@ -446,22 +443,15 @@ def test_parallel_partitions_read_only_their_rows(tmp_path):
   core + halo: device g's copy of the (replicated) entity table holds NaN in every other
   row, and the step's loss, dense params and the rows of the step's partitions stay finite."""
   pytest.importorskip("pymetis")
-  from recgnn import sharding
-  from recgnn.embeddings import base as emb_base
-  from recgnn.train import inputs
-  from recgnn.train import step as step_lib
+  from recgnn.train import setup
 
   cfg = _parallel_config(_community_kg(tmp_path / "kg", communities=4), 4, 4)
   cfg.embeddings.optimizer.name = "sgd"  # rows change by exactly their gradient
   task = make_task(lp.LinkPrediction, cfg)
-  mesh = sharding.mesh_from_config(cfg.mesh)
-  layout = emb_base.Layout(split_batch=task.shard_batch)
-  rules = list(map(tuple, cfg.embeddings.plan))
-  plan = emb_base.resolve_plan(rules, task.tables(), mesh, layout)
-  tx = step_lib.make_optimizer(cfg.optimizer)
   batch = task.parallel_batch(0, 0)
-  state = step_lib.init_state(task, plan, tx, jax.random.key(0), batch)
-  (gkey,) = plan.groups
+  run = setup.build(cfg, task=task, example=batch, key=jax.random.key(0))
+  mesh, state = run.mesh, run.state
+  (gkey,) = run.plan.groups
   table = state.emb[gkey]["entity"]["table"]
   clean = np.asarray(table)
   M = task.max_nodes
@@ -478,13 +468,7 @@ def test_parallel_partitions_read_only_their_rows(tmp_path):
   state.emb[gkey]["entity"]["table"] = jax.make_array_from_single_device_arrays(
     clean.shape, table.sharding, copies
   )
-  feeder = step_lib.Feeder(plan, task.batch_spec)
-  prepared = inputs.prepare_one(plan, batch, [], train=True)
-  shardings = step_lib.state_sharding(plan, state)
-  fn = step_lib.jit_packed(
-    step_lib.make_train_step(task, plan, tx), plan, shardings, donate_state=False, out_state=True
-  )
-  new, m = fn(state, *feeder(prepared, step_lib.device_batch(batch)))
+  new, m = run.train_step(state, *run.packed(run.prepare(batch), batch))
   assert np.isfinite(float(m["loss"]))
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new.params))
   # Each device's copy: its own rows updated and finite (others were NaN and stay so).

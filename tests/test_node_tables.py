@@ -2,10 +2,11 @@
 mesh: the sampled frontier's ids are the batch-major part of a batch (each device fetches its
 share through the backend), the subgraph is replicated.
 
-Driven exactly as the trainer drives a step (`inputs.prepare_stream` + run-ahead, the packed
-per-device transfer, the jitted step with donated state), on the same task batches for every
-backend and mesh, against `dense` (the contract's EXACT / ROUNDING split: offload and hot_cold
-bit for bit on the same mesh, row-sharded to float summation order).
+Driven exactly as the trainer drives a step (the trainer's `setup.build`; `Run.feed`:
+`inputs.prepare_stream` + run-ahead, the packed per-device transfer; the jitted step with
+donated state), on the same task batches for every backend and mesh, against `dense` (the
+contract's EXACT / ROUNDING split: offload and hot_cold bit for bit on the same mesh,
+row-sharded to float summation order).
 """
 
 import jax
@@ -17,7 +18,7 @@ from experiments import sage_synthetic
 from recgnn import sharding
 from recgnn.embeddings import base
 from recgnn.tasks import node_classification as nc
-from recgnn.train import inputs
+from recgnn.train import setup
 from recgnn.train import step as step_lib
 from tests.trainer_lib import make_task
 
@@ -72,30 +73,21 @@ def batches(task):
 def run(task, batches, plan_text: str, mesh_shape):
   """Losses per step, final node table (logical rows), dense params and eval logits."""
   train, evals = batches
+  config = task.config.copy_and_resolve_references()
+  config.embeddings.plan = [(".*", plan_text)]
   mesh = sharding.make_mesh(*mesh_shape)
-  plan = base.resolve_plan([(".*", plan_text)], task.tables(), mesh, log=False)
-  feeder = step_lib.Feeder(plan, task.batch_spec)
-  tx = step_lib.make_optimizer(task.config.optimizer)
-  state = step_lib.init_state(task, plan, tx, jax.random.key(0), train[0])
-  shardings = step_lib.state_sharding(plan, state)
-  train_step = step_lib.jit_packed(
-    step_lib.make_train_step(task, plan, tx), plan, shardings, True, True
-  )
-  eval_step = step_lib.jit_packed(
-    step_lib.make_eval_step(task, plan), plan, shardings, False, False
-  )
+  r = setup.build(config, mesh=mesh, task=task, example=train[0], key=jax.random.key(0))
+  state = r.state
   stream = [("train", None, b) for b in train] + [("eval", "test", b) for b in evals]
   losses, logits = [], []
-  for item in inputs.run_ahead(inputs.prepare_stream(plan, stream)):
-    buffers, layout = feeder(item.prepared, item.batch)
+  for item, on_device in r.feed(stream, depth=base.PREFETCH):
     if item.kind == "train":
-      state, m = train_step(state, buffers, layout)
+      state, m = r.train_step(state, *on_device)
       losses.append(float(m["loss"]))
     else:
-      logits.append(np.asarray(eval_step(state, buffers, layout)["logits"]))
-  key = plan.table_group[nc.TABLE]
-  emb = plan.groups[key].sync(state.emb[key])
-  table = np.asarray(plan.groups[key].tables(emb)[nc.TABLE])
+      logits.append(np.asarray(r.eval_step(state, *on_device)["logits"]))
+  key = r.plan.table_group[nc.TABLE]
+  table = np.asarray(r.plan.groups[key].tables(r.sync(state).emb[key])[nc.TABLE])
   return {
     "loss": np.asarray(losses),
     "table": table,

@@ -1,8 +1,9 @@
 """What the shared trainer needs from a problem (CTR prediction, node classification, ...).
 
-The trainer (`recgnn.train.loop`) owns the embedding backends, the optax optimizer of the
-dense params, the jitted steps, checkpoints, profiling and logging. A task owns its data,
-model, loss and metrics. A task never sees a backend: it receives pooled embeddings.
+The trainer (`recgnn.train.setup` builds, `recgnn.train.loop` runs) owns the embedding
+backends, the optax optimizer of the dense params, the jitted steps, checkpoints, profiling
+and logging. A task owns its data, model, loss and metrics. A task never sees a backend: it
+receives pooled embeddings.
 
 A batch is a dict of numpy arrays with static shapes (pad the last batch and mark the padding
 with a zero in "weight") and one reserved key:
@@ -23,7 +24,8 @@ import ml_collections
 import numpy as np
 
 from recgnn import sharding
-from recgnn.embeddings import TableSpec
+from recgnn.embeddings import TableSpec, base
+from recgnn.train import inputs
 
 Batch = dict[str, Any]
 PyTree = Any
@@ -99,8 +101,25 @@ class Task(abc.ABC):
   #: each then reads only its own contiguous slice of every batch (B / processes examples,
   #: the examples of its devices) instead of the whole batch.
   reads_process_slice: bool = False
-  #: (index, count) set by the trainer before any batch is read when it uses that.
+  #: (index, count): the slice of every batch this process reads. A task that reads process
+  #: slices sets it in its constructor, from `input_layout()`; nothing changes it afterwards.
   process_shard: tuple[int, int] = (0, 1)
+
+  def input_layout(
+    self, mesh: jax.sharding.Mesh | None = None
+  ) -> tuple[base.Layout, tuple[int, int] | None, str]:
+    """How this task's batches reach the embedding backends, from what the task received at
+    construction: the config's plan rules and `train.process_input`, the mesh (or `mesh`),
+    its tables, `shard_batch` and `reads_process_slice` (`inputs.choose_layout`). ->
+    (the Layout every backend receives; (index, count) of this process's slice when each
+    process reads only its own, else None; a line saying which and why)."""
+    return inputs.choose_layout(
+      self,
+      list(map(tuple, self.config.embeddings.plan)),
+      self.tables(),
+      self.mesh if mesh is None else mesh,
+      self.config.train.get("process_input", "auto"),
+    )
 
   def artifacts(self) -> dict[str, np.ndarray]:
     """Arrays a run's results depend on beyond the config (e.g. the node permutation of a

@@ -250,6 +250,9 @@ class CTR(Task):
     # ids per example of each table (the batches' ids[t] are int32[B, L_t]).
     self.bag_lengths = tuple(getattr(self.data, "bag_lengths", (1,) * len(self.names)))
     self.model = make_model(config.model)
+    # With many processes, each may read only its slice of every batch (decided from the
+    # config, the mesh and these tables: the trainer's layout is the same decision).
+    self.process_shard = self.input_layout()[1] or (0, 1)
 
   def poolings(self) -> list[str]:
     """Each table's pooling: the schema column's own, else embeddings.pooling (sum)."""

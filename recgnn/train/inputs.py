@@ -1,8 +1,8 @@
 """Feeding the step: `prepare` in stream order with the look-ahead window, the run-ahead of
 the input thread, and one packed transfer per batch, split per device.
 
-One copy of each mechanism, shared by the trainer (`loop.InputThread`), the backend contract
-test and the offload tests:
+One copy of each mechanism, shared by the trainer (`input_thread.InputThread`, `setup.Run.feed`),
+the backend contract test and the offload tests:
   prepare_stream   every batch of a stream prepared once, in order, each group seeing the
                    ids of the next `lookahead` TRAIN batches (eval batches change no cache)
   run_ahead        the same stream, pulled `depth` items ahead of its consumer: exactly the
@@ -205,9 +205,11 @@ def choose_layout(
   constructed) and the mesh's device order.
 
   -> (the `base.Layout`; (index, count) for `Task.process_shard` when each process reads and
-  prepares only its own slice of every batch, else None; a line saying which and why). With
-  `setting="auto"` the slice is used when the task, every backend and the mesh's device order
-  allow it; "local" refuses (ValueError, the reasons) when they do not; "global" never uses it.
+  prepares only its own slice of every batch, else None; a line saying which and why): a task
+  reading process slices asks it in its constructor (`Task.input_layout`), `setup.build` before
+  the plan. With `setting="auto"` the slice is used when the task, every backend and the mesh's
+  device order allow it; "local" refuses (ValueError, the reasons) when they do not; "global"
+  never uses it.
   """
   if setting not in INPUT_MODES:
     raise ValueError(f"train.process_input={setting!r}; valid: {', '.join(INPUT_MODES)}")

@@ -1,4 +1,6 @@
-"""The trainer: one loop for every task and every embedding backend.
+"""The trainer: one loop for every task and every embedding backend, over the run that
+`recgnn.train.setup.build` makes (task, plan, feeder, state, jitted steps). The loop adds
+checkpoints and resume, the input thread (`recgnn.train.input_thread`), evals, metrics.
 
   input thread:  task batches (+ eval batches at their steps) -> backend.prepare per table
                  (dedup, cache planning, prefetch; sees `lookahead` upcoming batches)
@@ -23,58 +25,35 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
 import os
-import pkgutil
-import queue
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 
-from recgnn import distributed, hostmem, sharding
+from recgnn import distributed, hostmem
 from recgnn.embeddings import base
-from recgnn.tasks.base import Task
 from recgnn.train import checkpoint as ckpt_lib
-from recgnn.train import inputs, workdir_lock
+from recgnn.train import non_finite, setup, workdir_lock
 from recgnn.train import step as step_lib
 from recgnn.train import watchdog as watchdog_lib
+from recgnn.train.input_thread import InputThread, stream
+from recgnn.train.non_finite import NonFiniteLoss
+
+# Names callers reach through `loop` (tests, benchmarks, run.py).
+config_mesh, load_task, parse_bytes = setup.config_mesh, setup.load_task, setup.parse_bytes
+training_length = setup.training_length
 
 
 def log(msg: str) -> None:
   """Progress on stdout, from process 0 only (every process runs the same loop)."""
   if jax.process_index() == 0:
     print(msg, flush=True)
-
-
-# ----------------------------------------------------------------------------- setup
-
-
-def available_tasks() -> list[str]:
-  import recgnn.tasks as pkg
-
-  return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name != "base")
-
-
-def config_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
-  """The trainer's mesh for `config` (its `mesh` section; every device when absent)."""
-  return sharding.mesh_from_config(config.get("mesh", {}))
-
-
-def load_task(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Task:
-  """Instantiate `recgnn.tasks.<config.task>.TASK(config, mesh)` on the trainer's mesh."""
-  names = available_tasks()
-  if config.task not in names:
-    raise ValueError(f"Unknown task {config.task!r}; available: {', '.join(names)}")
-  module = importlib.import_module(f"recgnn.tasks.{config.task}")
-  return module.TASK(config, mesh)
 
 
 def parse_steps(text: str | None) -> tuple[int, int] | None:
@@ -88,110 +67,6 @@ def parse_steps(text: str | None) -> tuple[int, int] | None:
   if not 0 <= a < b:
     raise ValueError(f"--profile_steps {text!r}: need 0 <= START < STOP")
   return a, b
-
-
-def parse_bytes(text: str | None) -> int | None:
-  """'512M', '2G', '1.5GiB', '1000000' -> bytes."""
-  if text in (None, ""):
-    return None
-  t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
-  mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-  if t and t[-1] in mult:
-    return int(float(t[:-1]) * mult[t[-1]])
-  return int(float(t))
-
-
-# ----------------------------------------------------------------------------- input thread
-
-
-@dataclasses.dataclass
-class Item:
-  kind: str  # "train" | "eval" | "eval_end"
-  split: str | None
-  batch_size: int
-  prepared: Any  # (buffers, layout) of (prepared ids, batch), step.Feeder.pack: host buffers
-  # on the queue, device buffers once `InputThread.get` transferred them
-
-
-def _stream(task: Task, start: int, total: int, eval_every: int, eval_split: str, final):
-  """Train batches with eval passes inserted after their steps; then the final evals."""
-  train = task.train_batches(start)
-  for s in range(start, total):
-    try:
-      batch = next(train)
-    except StopIteration:
-      raise RuntimeError(
-        f"{type(task).__name__}.train_batches ended at step {s}; it must cycle over epochs"
-      ) from None
-    yield "train", None, batch
-    if eval_every and (s + 1) % eval_every == 0 and s + 1 < total:
-      for b in task.eval_batches(eval_split):
-        yield "eval", eval_split, b
-      yield "eval_end", eval_split, None
-  for split in final:
-    for b in task.eval_batches(split):
-      yield "eval", split, b
-    yield "eval_end", split, None
-
-
-class InputThread:
-  """Runs every group's `prepare` (inputs.prepare_stream) and the packing of each batch into
-  per-dtype host buffers ahead of the step on a background thread; `get` (main thread) makes
-  the transfer. The thread never calls into the devices (see the module docstring)."""
-
-  def __init__(
-    self, stream: Iterator, plan: base.Plan, feeder, depth: int, task: Task, scale: int = 1
-  ):
-    self._plan = plan
-    self._scale = scale
-    self._feeder = feeder
-    self._task = task
-    self._queue: queue.Queue = queue.Queue(maxsize=depth)
-    self._stop = threading.Event()
-    self.busy_seconds = 0.0
-    self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
-    self._thread.start()
-
-  def _run(self, stream):
-    try:
-      items = inputs.prepare_stream(self._plan, stream)
-      while not self._stop.is_set():
-        t0 = time.perf_counter()
-        try:
-          it = next(items)  # prepare runs here
-        except StopIteration:
-          break
-        host = None
-        if it.batch is not None:
-          host = self._feeder.pack(it.prepared, it.batch, f"{it.kind} batch")
-        self.busy_seconds += time.perf_counter() - t0
-        size = self._task.num_examples(it.batch) * self._scale if it.batch is not None else 0
-        self._put(Item(it.kind, it.split, size, host))
-      self._put(None)
-    except BaseException as e:  # forwarded to the main thread, which re-raises
-      self._put(e)
-
-  def _put(self, item):
-    while not self._stop.is_set():
-      try:
-        self._queue.put(item, timeout=0.1)
-        return
-      except queue.Full:
-        continue
-
-  def get(self) -> Item | None:
-    """The next item, its batch transferred to the devices (from the calling thread)."""
-    item = self._queue.get()
-    if isinstance(item, BaseException):
-      raise item
-    if item is not None and item.prepared is not None:
-      buffers, layout = item.prepared
-      item.prepared = (self._feeder.put(buffers), layout)
-    return item
-
-  def close(self):
-    self._stop.set()
-    self._thread.join(timeout=5)
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -224,62 +99,6 @@ def _summary_writer(workdir: str):
   except ImportError:  # scalars still go to metrics.jsonl
     return None
   return SummaryWriter(os.path.join(workdir, "tensorboard"))
-
-
-def _sync_all(plan: base.Plan, state: step_lib.TrainState) -> step_lib.TrainState:
-  return state.replace(emb={k: g.sync(state.emb[k]) for k, g in plan.groups.items()})
-
-
-class NonFiniteLoss(FloatingPointError):
-  """A NaN / inf training loss: the run stops without saving (the last checkpoint is good)."""
-
-
-def _first_non_finite(steps: list[int], losses) -> tuple[int, float] | None:
-  """(step, loss) of the first non-finite loss among `losses` (of steps `steps`), or None."""
-  for s, v in zip(steps, losses):
-    if not np.isfinite(v):
-      return s, float(v)
-  return None
-
-
-def _non_finite_report(plan: base.Plan, state: step_lib.TrainState) -> str:
-  """Which tables and dense params hold NaN / inf (their stored form: rows, slots, cores)."""
-  parts = []
-  for key, group in plan.groups.items():
-    for name, arrays in group.export(state.emb[key]).items():
-      bad = sum(int(np.sum(~np.isfinite(np.asarray(x)))) for x in jax.tree.leaves(arrays))
-      if bad:
-        parts.append(f"{name} ({bad:,} values)")
-  tables = ", ".join(parts) or "none"
-  flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
-  dense = [jax.tree_util.keystr(p) for p, x in flat if not np.all(np.isfinite(np.asarray(x)))]
-  shown = ", ".join(dense[:8]) + (f" and {len(dense) - 8} more" if len(dense) > 8 else "")
-  return f"tables with non-finite values: {tables}; dense params: {shown or 'none'}"
-
-
-def training_length(tcfg, task: Task) -> tuple[int, str]:
-  """Steps to train and how they were derived: `train.steps` when set (> 0), else
-  `train.epochs` x the task's steps per epoch."""
-  steps = int(tcfg.get("steps", 0) or 0)
-  per_epoch = task.steps_per_epoch()
-  if steps > 0:
-    epochs = f" = {steps / per_epoch:,.3f} epoch(s) of {per_epoch:,} steps" if per_epoch else ""
-    return steps, f"{steps:,} steps (train.steps){epochs}"
-  epochs = float(tcfg.get("epochs", 0) or 0)
-  if epochs <= 0:
-    raise ValueError("Set train.epochs (> 0) or train.steps (> 0)")
-  if per_epoch == 0:
-    raise ValueError(
-      f"{type(task).__name__}: its train split holds less than one batch, so an epoch has no "
-      "steps; lower train.batch_size (and set train.steps)"
-    )
-  if per_epoch is None:
-    raise ValueError(
-      f"{type(task).__name__} does not know its train split's size; set train.steps instead "
-      "of train.epochs"
-    )
-  steps = max(1, round(epochs * per_epoch))
-  return steps, f"{steps:,} steps = {epochs:g} epoch(s) x {per_epoch:,} steps (train.epochs)"
 
 
 RESUME_MODES = (False, True, "if_present")
@@ -322,10 +141,10 @@ def train(
 
 
 def _train(config, workdir, resume, profile_steps, device_memory_budget, stop_after) -> Result:
-  setup = _Setup()
-  with setup:
+  phase = _Setup()
+  with phase:
     return _train_in(
-      config, workdir, resume, profile_steps, device_memory_budget, stop_after, setup
+      config, workdir, resume, profile_steps, device_memory_budget, stop_after, phase
     )
 
 
@@ -345,7 +164,7 @@ class _Setup:
     return False
 
 
-def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop_after, setup):
+def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop_after, phase):
   # Before anything slow: a fresh run over another run's checkpoints would die at its first
   # save (Orbax StepAlreadyExistsError) or, resumed later, mix two runs.
   ckpt_lib.refuse_existing(workdir, bool(resume))
@@ -358,52 +177,11 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
   os.makedirs(workdir, exist_ok=True)
   hostmem.keep_freed_memory()  # reuse per-step temporaries instead of page-faulting them in
   tcfg = config.train
-  mesh = config_mesh(config)
-  if jax.process_count() > 1:
-    # Process 0 builds shared caches (Criteo conversion, synthetic data) first; the others
-    # then open them.
-    if distributed.is_main():
-      task = load_task(config, mesh)
-    multihost_utils.sync_global_devices("recgnn: data ready")
-    if not distributed.is_main():
-      task = load_task(config, mesh)
-    log(f"{distributed.describe()}: {jax.process_count()} processes")
-  else:
-    task = load_task(config, mesh)
-  log(task.describe())
-  specs = task.tables()
-  rules = list(map(tuple, config.embeddings.plan))
-  # The input layout first (batch split; with many processes, whether each reads only its
-  # slice of every batch, when the task and every backend's declared capabilities allow it):
-  # every backend receives it at construction.
-  layout, shard, how_input = inputs.choose_layout(
-    task, rules, specs, mesh, tcfg.get("process_input", "auto")
-  )
-  if jax.process_count() > 1:
-    log(f"Input: {how_input}")
-  if shard is not None:
-    task.process_shard = shard
-  plan = base.resolve_plan(rules, specs, mesh, layout, log=False)
-  log("Embedding plan (bytes before allocation):\n" + base.format_plan(plan))
-  if device_memory_budget is None and config.get("device_memory_budget"):
-    device_memory_budget = parse_bytes(config.device_memory_budget)
-  base.check_memory(plan, device_memory_budget)
-  feeder = step_lib.Feeder(plan, task.batch_spec)
-  total_steps, how = training_length(tcfg, task)
-  log(f"Mesh {sharding.describe(mesh)}; training {how}")
-
-  tx = step_lib.make_optimizer(config.optimizer)
-  key = jax.random.key(config.seed)
-  example = task.example_batch()
-  # Fail on a batch that cannot be split over the mesh now, before allocating anything
-  # (train batches are checked as they are packed, on the input thread).
-  ids, rest = {k: v for k, v in example.items() if k == "ids"}, step_lib.device_batch(example)
-  specs = (inputs.batch_spec(ids, task.shard_batch), task.batch_spec(rest))
-  if shard is None:  # (a process-local batch is checked by the feeder)
-    inputs.check_split((ids, rest), specs, mesh, "eval batch")
-  state = step_lib.init_state(task, plan, tx, key, example)
-  n_params = sum(x.size for x in jax.tree.leaves(state.params))
-  log(f"Dense params: {n_params:,}")
+  run = setup.build(config, device_memory_budget=device_memory_budget, log=log)
+  # The loop owns the state from here (each step donates it, a resume replaces it): the run
+  # keeps no reference that would hold the initial tables for the whole run.
+  state, run = run.state, dataclasses.replace(run, state=None)
+  task, plan = run.task, run.plan
 
   config_json = config.to_json_best_effort(indent=2)
   ckpt = ckpt_lib.Checkpointer(
@@ -436,27 +214,11 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
     ckpt.close()  # (an open manager's threads end the process with pages of asyncio errors)
     raise
 
-  total = total_steps
-  shardings = step_lib.state_sharding(plan, state)
-  train_step = step_lib.jit_packed(
-    step_lib.make_train_step(task, plan, tx),
-    plan,
-    shardings,
-    donate_state=True,
-    out_state=True,
-    name="train_step",
-  )
-  eval_step = step_lib.jit_packed(
-    step_lib.make_eval_step(task, plan),
-    plan,
-    shardings,
-    donate_state=False,
-    out_state=False,
-    name="eval_step",
-  )
+  total = run.total_steps
+  train_step, eval_step = run.train_step, run.eval_step
   final_splits = tuple(tcfg.get("final_eval_splits", ("valid", "test")))
   end = total if stop_after is None else min(total, start + stop_after)
-  stream = _stream(
+  items = stream(
     task,
     start,
     end,
@@ -465,8 +227,8 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
     final_splits if end == total else (),
   )
   # samples/s counts global examples: a process-local batch is 1 / processes of one.
-  scale = 1 if shard is None else shard[1]
-  feed = InputThread(stream, plan, feeder, depth=base.PREFETCH, task=task, scale=scale)
+  scale = task.process_shard[1] if run.layout.process_local else 1
+  feed = InputThread(items, plan, run.feeder, depth=base.PREFETCH, task=task, scale=scale)
   main = distributed.is_main()  # only process 0 writes metrics, TensorBoard, results
   writer = _summary_writer(workdir) if main else None
   metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a") if main else None  # noqa: SIM115
@@ -488,11 +250,11 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
   def check_finite(host_losses) -> None:
     """Stop on a NaN / inf loss before the state that follows it can be saved."""
     nonlocal failed
-    bad = _first_non_finite(pending_steps, host_losses)
+    bad = non_finite.first_non_finite(pending_steps, host_losses)
     if bad is None:
       return
     failed = True
-    report = _non_finite_report(plan, _sync_all(plan, state))
+    report = non_finite.report(plan, run.sync(state))
     last = ckpt.latest_step()
     if last is None:
       kept = "no checkpoint was saved before it. Lower the learning rate or check the data"
@@ -514,7 +276,7 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
   examples = 0  # train examples since the last log (batches may vary in size)
   profiling = False
   interrupted = False
-  setup.done = True  # from here on an error is the run's, not the configuration's
+  phase.done = True  # from here on an error is the run's, not the configuration's
   dog = watchdog_lib.Watchdog(
     factor=float(tcfg.get("watchdog_factor", 20.0)),
     min_s=float(tcfg.get("watchdog_min_s", 120.0)),
@@ -574,7 +336,7 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
             t0 = time.perf_counter()
             with dog.unit("save", f"saving checkpoint {step}"):
               check_finite(jax.device_get([m["loss"] for m in pending]))  # saving syncs anyway
-              state = _sync_all(plan, state)
+              state = run.sync(state)
               try:
                 ckpt.save(state, step, plan, data_state=task.data_state(step))
               except ckpt_lib.CheckpointWriteError:
@@ -610,7 +372,7 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
         with dog.unit("save", f"saving checkpoint {step}"):
           # Never leave a non-finite state as the newest checkpoint.
           check_finite(jax.device_get([m["loss"] for m in pending]))
-          state = _sync_all(plan, state)
+          state = run.sync(state)
           if step > start or interrupted:
             ckpt.save(state, step, plan, data_state=task.data_state(step))
     finally:

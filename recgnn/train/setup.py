@@ -1,0 +1,266 @@
+"""One setup for every run: `build(config) -> Run`, used by the trainer, the tests and the
+benchmarks, so none of them rebuilds the chain by hand.
+
+  mesh -> task (its mesh, config and process slice given at construction) -> input layout
+  (`Task.input_layout`: batch split, process-local input) -> plan (`base.resolve_plan`, every
+  backend given the mesh and layout) -> memory check -> Feeder -> optax -> initial state
+  (tables placed by their groups, dense params replicated) -> state shardings -> the jitted
+  packed train / eval steps (explicit in / out shardings, the train state donated).
+
+What happens after (checkpoints, resume, the input thread, evals, logging) is the loop's
+(`recgnn.train.loop`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+from jax.experimental import multihost_utils
+
+from recgnn import distributed, sharding
+from recgnn.embeddings import base
+from recgnn.tasks.base import Task
+from recgnn.train import inputs
+from recgnn.train import step as step_lib
+
+
+def available_tasks() -> list[str]:
+  import recgnn.tasks as pkg
+
+  return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name != "base")
+
+
+def config_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+  """The trainer's mesh for `config` (its `mesh` section; every device when absent)."""
+  return sharding.mesh_from_config(config.get("mesh", {}))
+
+
+def load_task(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Task:
+  """Instantiate `recgnn.tasks.<config.task>.TASK(config, mesh)` on the trainer's mesh."""
+  names = available_tasks()
+  if config.task not in names:
+    raise ValueError(f"Unknown task {config.task!r}; available: {', '.join(names)}")
+  module = importlib.import_module(f"recgnn.tasks.{config.task}")
+  return module.TASK(config, mesh)
+
+
+def parse_bytes(text: str | None) -> int | None:
+  """'512M', '2G', '1.5GiB', '1000000' -> bytes."""
+  if text in (None, ""):
+    return None
+  t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+  mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+  if t and t[-1] in mult:
+    return int(float(t[:-1]) * mult[t[-1]])
+  return int(float(t))
+
+
+def training_length(tcfg, task: Task) -> tuple[int, str]:
+  """Steps to train and how they were derived: `train.steps` when set (> 0), else
+  `train.epochs` x the task's steps per epoch."""
+  steps = int(tcfg.get("steps", 0) or 0)
+  per_epoch = task.steps_per_epoch()
+  if steps > 0:
+    epochs = f" = {steps / per_epoch:,.3f} epoch(s) of {per_epoch:,} steps" if per_epoch else ""
+    return steps, f"{steps:,} steps (train.steps){epochs}"
+  epochs = float(tcfg.get("epochs", 0) or 0)
+  if epochs <= 0:
+    raise ValueError("Set train.epochs (> 0) or train.steps (> 0)")
+  if per_epoch == 0:
+    raise ValueError(
+      f"{type(task).__name__}: its train split holds less than one batch, so an epoch has no "
+      "steps; lower train.batch_size (and set train.steps)"
+    )
+  if per_epoch is None:
+    raise ValueError(
+      f"{type(task).__name__} does not know its train split's size; set train.steps instead "
+      "of train.epochs"
+    )
+  steps = max(1, round(epochs * per_epoch))
+  return steps, f"{steps:,} steps = {epochs:g} epoch(s) x {per_epoch:,} steps (train.epochs)"
+
+
+def _quiet(msg: str) -> None:
+  del msg
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """A built run: everything between the config and the first step, set once by `build`.
+  `state` is the initial state (shapes only when built with allocate=False), which the first
+  `train_step` donates: take it once, or call `init_state()` for a fresh one. The loop takes
+  it and keeps a copy of the run without it (`state=None`), so the initial tables are not
+  held for the whole run."""
+
+  config: ml_collections.ConfigDict
+  mesh: jax.sharding.Mesh
+  task: Task
+  layout: base.Layout
+  input_how: str  # which input layout and why (a log line)
+  plan: base.Plan
+  feeder: step_lib.Feeder
+  tx: optax.GradientTransformation
+  example: dict  # the batch the dense params are initialised from
+  key: jax.Array  # the PRNG key of the initial state
+  state: step_lib.TrainState | None
+  shardings: step_lib.TrainState  # a NamedSharding per leaf of `state`
+  train_step: Callable  # (state, buffers, layout) -> (state, metrics); state donated
+  eval_step: Callable  # (state, buffers, layout) -> the task's predict outputs
+  total_steps: int
+  length: str  # how total_steps was derived (a log line)
+
+  def init_state(self) -> step_lib.TrainState:
+    """A freshly allocated initial state, equal to `state` before any step."""
+    return step_lib.init_state(self.task, self.plan, self.tx, self.key, self.example)
+
+  def prepare(self, batch: dict, upcoming: Iterable[dict] = (), train: bool = True) -> dict:
+    """Every group's `prepare` of one batch: {group key: prepared pytree}. upcoming: the next
+    train batches' ids dicts (the look-ahead window)."""
+    return inputs.prepare_one(self.plan, batch, list(upcoming), train)
+
+  def packed(self, prepared: dict, batch: dict, what: str = "batch") -> tuple[list, tuple]:
+    """A prepared batch on the devices: (buffers [devices, n] per dtype, static layout), the
+    arguments after the state of `train_step` / `eval_step` (one transfer)."""
+    return self.feeder(prepared, batch, what)
+
+  def feed(self, stream: Iterable, depth: int = 0) -> Iterator[tuple[inputs.Prepared, Any]]:
+    """(kind, split, batch) items -> (`inputs.Prepared` item, its packed device batch; None
+    for an "eval_end"), prepared in stream order with the look-ahead window and, with depth
+    > 0, `depth` items ahead of the consumer as the trainer's input thread runs
+    (`inputs.run_ahead`). Here on the calling thread."""
+    items = inputs.prepare_stream(self.plan, stream)
+    if depth:
+      items = inputs.run_ahead(items, depth)
+    for item in items:
+      on_device = None if item.batch is None else self.packed(item.prepared, item.batch)
+      yield item, on_device
+
+  def sync(self, state: step_lib.TrainState) -> step_lib.TrainState:
+    """`state` with every group's host-side tables written back (before saving, reading)."""
+    return state.replace(emb={k: g.sync(state.emb[k]) for k, g in self.plan.groups.items()})
+
+
+def _open_task(config, mesh, log) -> Task:
+  if jax.process_count() == 1:
+    return load_task(config, mesh)
+  # Process 0 builds shared caches (Criteo conversion, synthetic data) first; the others
+  # then open them.
+  task = load_task(config, mesh) if distributed.is_main() else None
+  multihost_utils.sync_global_devices("recgnn: data ready")
+  if task is None:
+    task = load_task(config, mesh)
+  log(f"{distributed.describe()}: {jax.process_count()} processes")
+  return task
+
+
+def build(
+  config: ml_collections.ConfigDict,
+  *,
+  mesh: jax.sharding.Mesh | None = None,
+  task: Task | None = None,
+  example: dict | None = None,
+  key: jax.Array | None = None,
+  device_memory_budget: int | None = None,
+  allocate: bool = True,
+  log: Callable[[str], None] = _quiet,
+) -> Run:
+  """The run of `config`, ready for its first step.
+
+  mesh: instead of the config's (`config_mesh`). task: a Task instance to use instead of
+  `config.task`'s (e.g. a benchmark's task over given table sizes, without a dataset); built
+  on `mesh`. example: the batch the dense params are initialised from (default
+  `task.example_batch()`). key: the initial state's PRNG key (default: `config.seed`'s).
+  device_memory_budget: bytes per device the plan must fit (default
+  `config.device_memory_budget`, else unchecked). allocate=False: `state` holds shapes and
+  dtypes only (`jax.eval_shape`), enough to lower and compile the steps of a state that would
+  not fit; `init_state()` allocates one. log: progress lines (the trainer's prints
+  from process 0; quiet by default).
+  """
+  mesh = config_mesh(config) if mesh is None else mesh
+  if task is None:
+    task = _open_task(config, mesh, log)
+    log(task.describe())
+  tcfg = config.train
+  specs = task.tables()
+  rules = list(map(tuple, config.embeddings.plan))
+  # The input layout first (batch split; with many processes, whether each reads only its
+  # slice of every batch): every backend receives it at construction, and a task that reads
+  # process slices received its slice at construction from the same decision
+  # (`Task.input_layout`).
+  layout, shard, input_how = inputs.choose_layout(
+    task, rules, specs, mesh, tcfg.get("process_input", "auto")
+  )
+  if task.reads_process_slice and task.process_shard != (shard or (0, 1)):
+    raise ValueError(
+      f"{type(task).__name__} reads slice {task.process_shard} of every batch, but this run's "
+      f"input layout gives this process {shard or (0, 1)}: build the task with the run's "
+      "config and mesh"
+    )
+  if jax.process_count() > 1:
+    log(f"Input: {input_how}")
+  plan = base.resolve_plan(rules, specs, mesh, layout, log=False)
+  log("Embedding plan (bytes before allocation):\n" + base.format_plan(plan))
+  if device_memory_budget is None and config.get("device_memory_budget"):
+    device_memory_budget = parse_bytes(config.device_memory_budget)
+  base.check_memory(plan, device_memory_budget)
+  feeder = step_lib.Feeder(plan, task.batch_spec)
+  total_steps, length = training_length(tcfg, task)
+  log(f"Mesh {sharding.describe(mesh)}; training {length}")
+
+  tx = step_lib.make_optimizer(config.optimizer)
+  example = task.example_batch() if example is None else example
+  # Fail on a batch that cannot be split over the mesh now, before allocating anything
+  # (train batches are checked as they are packed).
+  ids, rest = {k: v for k, v in example.items() if k == "ids"}, step_lib.device_batch(example)
+  if not layout.process_local:  # (a process-local batch is checked by the feeder)
+    batch_specs = (inputs.batch_spec(ids, task.shard_batch), task.batch_spec(rest))
+    inputs.check_split((ids, rest), batch_specs, mesh, "eval batch")
+  key = jax.random.key(config.seed) if key is None else key
+
+  def init():
+    return step_lib.init_state(task, plan, tx, key, example)
+
+  state = init() if allocate else jax.eval_shape(init)
+  log(f"Dense params: {sum(x.size for x in jax.tree.leaves(state.params)):,}")
+  shardings = step_lib.state_sharding(plan, state)
+  train_step = step_lib.jit_packed(
+    step_lib.make_train_step(task, plan, tx),
+    plan,
+    shardings,
+    donate_state=True,
+    out_state=True,
+    name="train_step",
+  )
+  eval_step = step_lib.jit_packed(
+    step_lib.make_eval_step(task, plan),
+    plan,
+    shardings,
+    donate_state=False,
+    out_state=False,
+    name="eval_step",
+  )
+  return Run(
+    config=config,
+    mesh=mesh,
+    task=task,
+    layout=layout,
+    input_how=input_how,
+    plan=plan,
+    feeder=feeder,
+    tx=tx,
+    example=example,
+    key=key,
+    state=state,
+    shardings=shardings,
+    train_step=train_step,
+    eval_step=eval_step,
+    total_steps=total_steps,
+    length=length,
+  )
