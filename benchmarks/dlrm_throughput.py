@@ -69,7 +69,7 @@ from recgnn.embeddings import base  # noqa: E402
 from recgnn.models import dlrm as dlrm_lib  # noqa: E402
 from recgnn.tasks import ctr  # noqa: E402
 from recgnn.tasks.base import Task  # noqa: E402
-from recgnn.train import inputs as inputs_lib  # noqa: E402
+from recgnn.train import setup as train_setup  # noqa: E402
 from recgnn.train import step as step_lib  # noqa: E402
 
 # --model: the peers' module (its PEERS, available(), runner()) and the names in result files.
@@ -111,6 +111,9 @@ class BenchCTR(ctr.CTR):
     self.rows = cfg.rows
     self.model = ctr.make_model(config.model)
 
+  def steps_per_epoch(self):
+    return None  # no dataset, no epochs: the run's length is train.steps
+
   def tables(self) -> list[base.TableSpec]:
     e = self.config.embeddings
     opt = base.OptimizerSpec(**e.optimizer.to_dict())
@@ -131,6 +134,9 @@ def recgnn_config(cfg: peers_dlrm.DlrmConfig) -> ml_collections.ConfigDict:
     "optimizer": {"name": "sgd", "learning_rate": cfg.learning_rate},
   }
   c.optimizer = {"name": "sgd", "learning_rate": cfg.learning_rate}
+  c.embeddings.plan = [(".*", "dense")]
+  c.train = {"steps": 1}  # (the benchmark runs its own steps)
+  c.seed = 0
   return c
 
 
@@ -151,34 +157,30 @@ class Recgnn:
   def __init__(self, cfg: peers_dlrm.DlrmConfig, batches, plan=((".*", "dense"),), seed=0):
     self.cfg = cfg
     self.config = recgnn_config(cfg)
-    self.task = BenchCTR(self.config, cfg, sharding.make_mesh(1, 1))
-    self.plan = base.resolve_plan(list(plan), self.task.tables(), self.task.mesh, log=False)
-    self.tx = step_lib.make_optimizer(ml_collections.ConfigDict(self.config.optimizer))
-    self.host = [to_recgnn_batch(b, self.task.names) for b in batches]
+    self.config.embeddings.plan = [tuple(r) for r in plan]
+    mesh = sharding.make_mesh(1, 1)
+    task = BenchCTR(self.config, cfg, mesh)
+    self.host = [to_recgnn_batch(b, task.names) for b in batches]
+    self.key = jax.random.key(seed)
+    # The trainer's own setup (recgnn.train.setup.build): plan, feeder, optimizer, state,
+    # the jitted packed step.
+    self.run = train_setup.build(self.config, mesh=mesh, task=task, example=self.host[0],
+                                 key=self.key)  # fmt: skip
+    self.task, self.plan, self.tx = self.run.task, self.run.plan, self.run.tx
     # What the trainer's input thread does ahead of the step: prepare + one packed transfer.
-    feeder = step_lib.Feeder(self.plan)
-    self.prepared = [inputs_lib.prepare_one(self.plan, h, [], train=True) for h in self.host]
-    self.packed = [feeder(p, h) for p, h in zip(self.prepared, self.host)]
+    self.prepared = [self.run.prepare(h, [], train=True) for h in self.host]
+    self.packed = [self.run.packed(p, h) for p, h in zip(self.prepared, self.host)]
     # Unpacked device copies, for the pieces profiled alone.
     self.inputs = [
       jax.device_put((p, step_lib.device_batch(h))) for p, h in zip(self.prepared, self.host)
     ]
-    self.key = jax.random.key(seed)
-    state = self.init_state()
-    shardings = step_lib.state_sharding(self.plan, state)
-    self.packed_step = step_lib.jit_packed(
-      step_lib.make_train_step(self.task, self.plan, self.tx),
-      self.plan,
-      shardings,
-      donate_state=True,
-      out_state=True,
-    )
+    self.packed_step = self.run.train_step
     self.train_step = jax.jit(
       step_lib.make_train_step(self.task, self.plan, self.tx), donate_argnums=0
     )
 
   def init_state(self) -> step_lib.TrainState:
-    return step_lib.init_state(self.task, self.plan, self.tx, self.key, self.host[0])
+    return self.run.init_state()
 
   def runner(self):
     def fn(state, packed):

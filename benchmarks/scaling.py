@@ -48,14 +48,6 @@ from recgnn.train import setup as train_setup  # noqa: E402
 BACKENDS = ("dense", "dense(shard=rows)", "tt(rank=32, pad=full)", "offload(cache_fraction=0.05)")
 
 
-class BenchTask(dt.BenchCTR):
-  """dlrm_throughput's task over given table sizes; without a dataset it has no epochs (the
-  run's length is train.steps)."""
-
-  def steps_per_epoch(self):
-    return None
-
-
 def parse_mesh(text: str) -> tuple[int, int]:
   d, m = text.lower().split("x")
   return int(d), int(m)
@@ -71,7 +63,7 @@ def measure(cfg, backend: str, mesh_shape, batches, args) -> dict:
   config.embeddings.plan = [(".*", text)]
   config.train = {"steps": args.steps}
   config.seed = 0
-  task = BenchTask(config, cfg, mesh)
+  task = dt.BenchCTR(config, cfg, mesh)
   host = [dt.to_recgnn_batch(b, task.names) for b in batches]
   t0 = time.perf_counter()
   # The trainer's run with an abstract state (shapes and shardings only). Table values do not
