@@ -22,7 +22,9 @@ import pathlib
 import platform
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -218,3 +220,27 @@ def interleaved_timing(
       "cpu_system_ms_per_step": 1e3 * float(system),
     }
   return out
+
+
+def extract_commit(commit: str, into: str) -> tuple[str, str]:
+  """(directory under `into` holding COMMIT's tree: `recgnn`, `benchmarks`, `experiments` and
+  `run.py`; its full hash), from this checkout's git, for `--against COMMIT`: a benchmark runs
+  the other commit's own copy of itself (or its run.py), since that commit's recgnn API may
+  differ from this one's while the benchmark's model, data and options do not."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  full = subprocess.run(
+    ["git", "-C", str(root), "rev-parse", "--verify", f"{commit}^{{commit}}"],
+    capture_output=True,
+    text=True,
+  )
+  if full.returncode:
+    raise SystemExit(f"--against: {commit!r} is not a commit of {root}: {full.stderr.strip()}")
+  sha = full.stdout.strip()
+  out = tempfile.mkdtemp(prefix=f"recgnn_{sha[:10]}_", dir=into)
+  archive = subprocess.run(
+    ["git", "-C", str(root), "archive", sha, "recgnn", "benchmarks", "experiments", "run.py"],
+    capture_output=True,
+    check=True,
+  ).stdout
+  subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
+  return out, sha

@@ -645,30 +645,6 @@ DIST_COLUMNS = (
 )
 
 
-def extract_commit(commit: str, into: str) -> tuple[str, str]:
-  """(directory under `into` holding COMMIT's `recgnn` package and `benchmarks`, full hash),
-  from this checkout's git. The other commit is timed by its own copy of this script: its
-  recgnn's API may differ from this one's (contract v3 changed it), its benchmark does not
-  (the same model, batches and options)."""
-  root = pathlib.Path(__file__).resolve().parents[1]
-  full = subprocess.run(
-    ["git", "-C", str(root), "rev-parse", "--verify", f"{commit}^{{commit}}"],
-    capture_output=True,
-    text=True,
-  )
-  if full.returncode:
-    raise SystemExit(f"--against: {commit!r} is not a commit of {root}: {full.stderr.strip()}")
-  sha = full.stdout.strip()
-  out = tempfile.mkdtemp(prefix=f"recgnn_{sha[:10]}_", dir=into)
-  archive = subprocess.run(
-    ["git", "-C", str(root), "archive", sha, "recgnn", "benchmarks"],
-    capture_output=True,
-    check=True,
-  ).stdout
-  subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
-  return out, sha
-
-
 def child_command(args, contestant: str, out: str, src: str = "") -> list[str]:
   """One process of the rounds: this script timing `contestant` alone, into `out`; src: the
   tree of an --against commit, whose own copy of the script runs instead."""
@@ -773,7 +749,7 @@ def _run_processes(args, tmp: str) -> dict:
   src_of: dict[str, str] = {}
   against = None
   if args.against:
-    src, sha = extract_commit(args.against, tmp)
+    src, sha = common.extract_commit(args.against, tmp)
     against = {"commit": sha, "src": src}
     name = f"recgnn@{sha[:10]}"
     contestants.append(name)

@@ -19,6 +19,11 @@ Three measurements, one process, one command (defaults: ~5 minutes on a quiet ma
 
   python benchmarks/end_to_end.py                 # writes results/end_to_end.{json,md}
   python benchmarks/end_to_end.py --quick         # ~2 minutes, a smoke run (not for figures)
+  python benchmarks/end_to_end.py --against=COMMIT --sections=trainer
+      # this tree against COMMIT: every trainer run a separate `run.py` process of its own
+      # tree (COMMIT's from git), interleaved per round (experiment by experiment, the two
+      # trees in alternating order); samples/s min / median / max per tree and the ratio of
+      # medians. Writes results/end_to_end_against.{json,md}.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import os
 import pathlib
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -86,6 +92,93 @@ def run_trainer(name: str, args) -> dict:
     "ms_per_step_median": 1e3 * batch / statistics.median(steady),
     "input_thread_ms_per_step": 1e3 * res.metrics["input_thread_seconds"] / args.steps,
   }
+
+
+def run_trainer_process(name: str, args, root: str) -> dict:
+  """One trainer run of `name` as its own process: `root`'s run.py (this tree's or an
+  --against commit's), the settings of `config_of` as flags; samples/s from metrics.jsonl."""
+  workdir = tempfile.mkdtemp(prefix=f"e2e_{name}_")
+  flags = {
+    "train.steps": args.steps,
+    "train.log_every": args.log_every,
+    "train.checkpoint_every": 0,
+    "train.eval_every": 0,
+    "train.final_eval_splits": "()",
+  }
+  cmd = [sys.executable, os.path.join(root, "run.py"), f"--experiment={name}",
+         f"--workdir={workdir}", *[f"--config.{k}={v}" for k, v in flags.items()]]  # fmt: skip
+  load = os.getloadavg()[0]
+  try:
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+    if proc.returncode:
+      tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+      raise SystemExit(f"{name} in {root} failed (exit {proc.returncode}):\n{tail}")
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      rates = [json.loads(x).get("samples_per_second") for x in f if x.strip()]
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+  steady = [r for r in rates if r is not None][1:]  # the first interval holds the compile
+  return {"samples_per_s": statistics.median(steady), "intervals": steady, "load_before": load}
+
+
+def against(names: list[str], args) -> dict:
+  """This tree vs args.against, each trainer run its own process, interleaved."""
+  root = str(pathlib.Path(__file__).resolve().parents[1])
+  with tempfile.TemporaryDirectory(prefix="e2e_against_") as tmp:
+    src, sha = common.extract_commit(args.against, tmp)
+    trees = {"this": root, sha[:10]: src}
+    runs = {n: {t: [] for t in trees} for n in names}
+    for r in range(args.rounds):
+      for n in names:
+        order = list(trees) if r % 2 == 0 else list(trees)[::-1]
+        for t in order:
+          res = run_trainer_process(n, args, trees[t])
+          runs[n][t].append(res)
+          print(f"round {r + 1}/{args.rounds} {n} @ {t}: {res['samples_per_s']:,.0f} "
+                f"samples/s (load {res['load_before']:.1f})", flush=True)  # fmt: skip
+  summary = {}
+  for n in names:
+    dist = {}
+    for t, xs in runs[n].items():
+      v = [x["samples_per_s"] for x in xs]
+      dist[t] = {"min": min(v), "median": statistics.median(v), "max": max(v)}
+    this, other = dist["this"]["median"], dist[sha[:10]]["median"]
+    summary[n] = {"samples_per_s": dist, "ratio_this_over_against": this / other}
+  return {"commit": sha, "runs": runs, "summary": summary}
+
+
+def markdown_against(payload: dict) -> str:
+  m, a = payload["machine"], payload["against"]
+  short = a["commit"][:10]
+  rows = []
+  for n, s in a["summary"].items():
+    d = s["samples_per_s"]
+    cells = [f"{d[t]['min']:,.0f} / {d[t]['median']:,.0f} / {d[t]['max']:,.0f}" for t in d]
+    rows.append([n, *cells, f"{s['ratio_this_over_against']:.3f}"])
+  loads = [x["load_before"] for r in a["runs"].values() for xs in r.values() for x in xs]
+  return (
+    "\n".join(
+      [
+        "# End to end in the trainer: this tree against an earlier commit",
+        "",
+        f"`{m['command']}` on {m['cpus']} CPUs, jax {m['jax']}, {m['date_utc']}. Every run is its "
+        f"own `run.py` process ({payload['args']['steps']} steps, samples/s = median of the logged "
+        f"intervals after the first); {payload['args']['rounds']} rounds, the two trees "
+        f"alternating first. Load before the runs: {min(loads):.1f} - {max(loads):.1f}.",
+        "",
+        common.md_table(
+          [
+            "experiment",
+            "this tree: samples/s min / median / max",
+            f"{short}: min / median / max",
+            "median this / median against",
+          ],
+          rows,
+        ),  # fmt: skip
+      ]
+    )
+    + "\n"
+  )
 
 
 # ----------------------------------------------------------------------------- host side
@@ -252,6 +345,12 @@ def main():
   ap.add_argument("--sections", default="planning,breakdown,trainer")
   ap.add_argument("--name", default="end_to_end")
   ap.add_argument("--quick", action="store_true")
+  ap.add_argument(
+    "--against",
+    default="",
+    metavar="COMMIT",
+    help="trainer section only: this tree's runs against COMMIT's, each run its own process",
+  )
   args = ap.parse_args()
   if args.quick:
     args.steps, args.log_every, args.rounds, args.host_batches, args.plan_reps = 100, 25, 1, 20, 1
@@ -259,6 +358,14 @@ def main():
   sections = set(args.sections.split(","))
   payload = {"machine": common.machine_info(), "args": vars(args), "hostplan": {
     "compiled": hostplan.enabled(), "threads": hostplan.threads()}}  # fmt: skip
+  if args.against:
+    if sections != {"trainer"}:
+      ap.error("--against times the trainer only: add --sections=trainer")
+    payload["against"] = against(names, args)
+    payload["load_avg_at_end"] = os.getloadavg()
+    name = args.name if args.name != "end_to_end" else "end_to_end_against"
+    common.write_results(name, payload, markdown_against(payload))
+    return
   if "planning" in sections:
     payload["planning"] = planning(args)
     print(json.dumps(payload["planning"], indent=1), flush=True)
