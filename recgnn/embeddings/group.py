@@ -20,7 +20,8 @@ class TableGroup(Backend):
 
   prepared = {table: {"rows": the table backend's prepared, "count": int32[B] (mean pooling)}}
   state    = {table: the table backend's state}
-  residuals = {table: the table backend's residuals} (empty pytrees for dense and offload)
+  residuals = {table: the table backend's residuals} (empty for dense; offload: the rows it
+              read from host memory; tt: the core slices its vjp needs)
   """
 
   def __init__(self, cls, specs, mesh, layout: Layout | None = None, text: str = "", **options):
