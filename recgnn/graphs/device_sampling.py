@@ -222,9 +222,16 @@ class DeviceNeighborSampler:
     indptr, indices = _device_csr(host.adj)
     self.indptr = jax.device_put(indptr, device)
     self.indices = jax.device_put(indices, device)
-    self._sample = jax.jit(self._sample_fn)
+    self._sample = jax.jit(self.sample_arrays)
 
-  def _sample_fn(self, indptr, indices, seeds, key):
+  @property
+  def arrays(self) -> tuple[jax.Array, ...]:
+    """The graph arrays `sample_arrays` reads: (indptr int32[N + 1], indices int32[nnz])."""
+    return self.indptr, self.indices
+
+  def sample_arrays(self, indptr, indices, seeds, key):
+    """The pure sampling function (jit-able, shard_map-able: the data-parallel step runs it
+    on every device over its replica of `arrays`): -> as `sample_device`."""
     k = seeds.shape[0]
     frontier, layers, edges, dropped = seeds, [], [], jnp.int32(0)
     for layer, f in enumerate(self.fanouts):
@@ -240,7 +247,7 @@ class DeviceNeighborSampler:
   def sample_device(self, seeds, key: jax.Array):
     """seeds int32[k, batch_size] (-1 = padding) -> (nodes int32[k, n_L], layers,
     num_edges int32[k, L], dropped int32[]) as device arrays (see sampling.Blocks)."""
-    return self._sample(self.indptr, self.indices, jnp.asarray(seeds, jnp.int32), key)
+    return self._sample(*self.arrays, jnp.asarray(seeds, jnp.int32), key)
 
   def sample(self, seeds: np.ndarray, rng) -> sampling.Blocks:
     """Host-compatible: seeds int[k, batch_size], a numpy Generator (or a jax key) ->
@@ -377,7 +384,12 @@ class DeviceLadiesSampler:
     self.indptr = jax.device_put(indptr, device)
     self.indices = jax.device_put(indices, device)
     self.data = jax.device_put(lap.data.astype(np.float32), device)
-    self._sample = jax.jit(self._sample_fn)
+    self._sample = jax.jit(self.sample_arrays)
+
+  @property
+  def arrays(self) -> tuple[jax.Array, ...]:
+    """(indptr int32[N + 1], indices int32[nnz], data float32[nnz]) of Ahat."""
+    return self.indptr, self.indices, self.data
 
   @staticmethod
   def plan(adj, layer_sizes, batch_size, edge_capacities):
@@ -410,7 +422,8 @@ class DeviceLadiesSampler:
     chunk = _table_chunk(k, self.num_nodes)
     return jax.lax.map(lambda x: fn(x[0], key=x[1]), (frontier, keys), batch_size=chunk)
 
-  def _sample_fn(self, indptr, indices, data, seeds, key):
+  def sample_arrays(self, indptr, indices, data, seeds, key):
+    """The pure sampling function over `arrays` -> as `sample_device`."""
     frontier, layers, edges, dropped = seeds, [], [], jnp.int32(0)
     for layer in range(len(self.layer_sizes)):
       frontier, lay, e, d, _ = self._layer(layer, indptr, indices, data, frontier, key)
@@ -421,7 +434,7 @@ class DeviceLadiesSampler:
 
   def sample_device(self, seeds, key: jax.Array):
     """seeds int32[k, batch_size] -> (nodes, layers, num_edges, dropped) device arrays."""
-    return self._sample(self.indptr, self.indices, self.data, jnp.asarray(seeds, jnp.int32), key)
+    return self._sample(*self.arrays, jnp.asarray(seeds, jnp.int32), key)
 
   def sample(self, seeds: np.ndarray, rng) -> sampling.Blocks:
     """As `LadiesSampler.sample`: numpy seeds and Generator (or a jax key) -> Blocks."""
