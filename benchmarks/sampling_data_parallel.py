@@ -46,9 +46,7 @@ import common  # noqa: E402  (benchmarks/common.py)
 import jax  # noqa: E402
 
 from experiments import sage_cora, sage_synthetic  # noqa: E402
-from recgnn import sharding  # noqa: E402
 from recgnn.graphs import device_sampling, sampling, synthetic  # noqa: E402
-from recgnn.tasks import node_classification as nc  # noqa: E402
 from recgnn.tasks import node_data_parallel as dp  # noqa: E402
 
 SHARED = (
@@ -120,12 +118,6 @@ def synthetic_config(args, num_nodes: int):
   return c
 
 
-def data_parallel(config, devices: int, k: int, seed: int = 0) -> dp.DataParallelSage:
-  mesh = sharding.make_mesh(devices, 1)
-  task = nc.NodeClassification(config, mesh)
-  return dp.DataParallelSage(task, mesh, k=k, key=jax.random.key(seed))
-
-
 def bench_scaling(args) -> dict:
   """The data-parallel step on 1..8 devices: seeds/s, sampled edges/s, bytes per step."""
   config = synthetic_config(args, args.dp_nodes)
@@ -133,7 +125,7 @@ def bench_scaling(args) -> dict:
   runs = {}
   for n in args.devices:
     t0 = time.perf_counter()
-    run = data_parallel(config, n, args.dp_k)
+    run = dp.DataParallelSage.from_config(config, n, k=args.dp_k)
     bytes_ = run.step_bytes()
     run.train(args.dp_k)  # compile + first call
     runs[n] = run
@@ -157,7 +149,8 @@ def bench_scaling(args) -> dict:
       edges_per_s=statistics.median(edges[n]) / med,
       per_device_batch=runs[n].per_device,
     )
-  big = data_parallel(synthetic_config(args, 10 * args.dp_nodes), max(args.devices), args.dp_k)
+  big_config = synthetic_config(args, 10 * args.dp_nodes)
+  big = dp.DataParallelSage.from_config(big_config, max(args.devices), k=args.dp_k)
   out["bytes_at_10x_nodes"] = big.step_bytes()
   out["param_bytes"] = sum(x.size * 4 for x in jax.tree.leaves(big.state.params))
   return out
@@ -170,7 +163,7 @@ def bench_cora(args) -> dict:
     for seed in args.cora_seeds:
       c = sage_cora.get_config()
       c.seed = seed
-      run = data_parallel(c, n, k=8, seed=seed)
+      run = dp.DataParallelSage.from_config(c, n, k=8, seed=seed)
       run.train(c.train.steps)
       accs.append(run.evaluate("test")["accuracy"])
       print(f"  Cora, {n} devices, seed {seed}: test accuracy {accs[-1]:.4f}", flush=True)

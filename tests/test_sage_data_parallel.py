@@ -6,35 +6,24 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import sage_cora, sage_synthetic
-from recgnn import comms, sharding
-from recgnn.tasks import node_classification as nc
+from experiments import sage_cora
+from recgnn import comms
 from recgnn.tasks import node_data_parallel as dp
+from tests.test_graphsage import small_config
+from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
 
 
 def synthetic_config(inputs: str, num_nodes: int = 3000):
-  c = sage_synthetic.get_config()
+  c = small_config(inputs, 0)
   c.data.synthetic.num_nodes = num_nodes
   c.data.synthetic.num_edges = 10 * num_nodes
-  c.data.synthetic.num_classes = 4
-  c.data.synthetic.num_features = 16 if inputs != "embeddings" else 0
-  c.data.synthetic.split = (0.3, 0.1, 0.3)
-  c.model.inputs = inputs
-  c.model.hidden = 32
-  c.sampler.fanouts = (5, 5)
-  c.sampler.eval_fanouts = (10, 10)
-  c.sampler.batch_size = 128
-  c.sampler.eval_batch_size = 512
   # The worst case: frontier sizes that do not depend on the graph (below its nodes).
   c.sampler.capacities = "worst"
-  c.embeddings.dim = 16
   return c
 
 
 def data_parallel(config, devices: int, k: int, seed: int = 0) -> dp.DataParallelSage:
-  mesh = sharding.make_mesh(devices, 1)
-  task = nc.NodeClassification(config, mesh)
-  return dp.DataParallelSage(task, mesh, k=k, key=jax.random.key(seed))
+  return dp.DataParallelSage.from_config(config, devices, k=k, seed=seed)
 
 
 @pytest.mark.parametrize("inputs", ["features", "embeddings"])
@@ -119,11 +108,16 @@ def cora_accuracy(devices: int, seed: int) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # 10 runs of 200 steps: ~5 CPU minutes, far longer under load
 def test_cora_8_devices_match_1_device():
   """8 simulated devices, data-parallel (each samples and trains 18 of the 140 seeds per
-  step), reach 1 device's Cora test accuracy within 0.01 (mean of 5 seeds, 200 steps)."""
+  step), reach 1 device's Cora test accuracy within 0.01 (mean of 5 seeds, 200 steps).
+  Runs whose frontier capacities (auto, per seed) agree compile once (the module's
+  compilation cache)."""
   seeds = range(5)
-  one = np.mean([cora_accuracy(1, s) for s in seeds])
-  eight = np.mean([cora_accuracy(8, s) for s in seeds])
+  one = [cora_accuracy(1, s) for s in seeds]
+  eight = [cora_accuracy(8, s) for s in seeds]
+  print(f"Cora test accuracy, 1 device: {one}; 8 devices: {eight}")  # (pytest -s)
+  one, eight = np.mean(one), np.mean(eight)
   assert abs(eight - one) <= 0.01, (one, eight)
   assert one > 0.75

@@ -165,6 +165,13 @@ class DataParallelSage:
       mesh,
     )
 
+  @classmethod
+  def from_config(cls, config, devices: int, *, k: int, seed: int = 0) -> DataParallelSage:
+    """The node task of `config` on a devices x 1 mesh of the first `devices` devices."""
+    mesh = sharding.make_mesh(devices, 1)
+    task = nc.NodeClassification(config, mesh)
+    return cls(task, mesh, k=k, key=jax.random.key(seed))
+
   def graph_arrays(self) -> dict[str, np.ndarray]:
     """What every device holds of the graph: the sampler's arrays (CSR), the node features
     (float32[N, F], without features: none) and labels int32[N]."""
