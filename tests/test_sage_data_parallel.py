@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from experiments import sage_cora
-from recgnn import comms
+from recgnn import comms, sharding
+from recgnn.embeddings import OptimizerSpec, TableSpec, base
 from recgnn.tasks import node_data_parallel as dp
 from tests.test_graphsage import small_config
 from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
@@ -121,3 +122,17 @@ def test_cora_8_devices_match_1_device():
   one, eight = np.mean(one), np.mean(eight)
   assert abs(eight - one) <= 0.01, (one, eight)
   assert one > 0.75
+
+
+@pytest.mark.parametrize("text", ["dense", "dense(shard=rows)", "offload(cache_rows=1024)", "tt"])
+def test_backends_that_prepare_on_the_host_are_refused(text):
+  """Node ids exist only on the device: a backend whose prepare plans on the host (a cache,
+  prefix trees) cannot serve them and is refused, naming it."""
+  opt = OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1)
+  spec = TableSpec(name="node", num_rows=4096, dim=8, optimizer=opt)
+  plan = base.resolve_plan([(".*", text)], [spec], sharding.make_mesh(1, 1), log=False)
+  if text.startswith("dense"):
+    dp.check_plan(plan)
+  else:
+    with pytest.raises(ValueError, match="prepares ids on the host"):
+      dp.check_plan(plan)
