@@ -13,6 +13,8 @@ run it directly). Parts (--parts, comma list):
             with the same bytes at 10x the nodes (flat in N)
   cora      GraphSAGE on Cora (experiments/sage_cora.py, 200 steps), data-parallel on 1 and 8
             devices, test accuracy per seed
+  synthetic the same on the synthetic graph (--synthetic_nodes, noisy features: the
+            neighbours carry the signal)
 
 Simulated devices are XLA:CPU devices sharing this machine's cores (2 here, shared with other
 jobs): timings across device counts show the step's overheads, not a speed-up; the bytes
@@ -156,20 +158,37 @@ def bench_scaling(args) -> dict:
   return out
 
 
-def bench_cora(args) -> dict:
+def bench_accuracy(what: str, config_of, seeds) -> dict:
+  """Test accuracy of `config_of(seed)` data-parallel on 1 and 8 devices, per seed."""
   out = {}
   for n in (1, 8):
     accs = []
-    for seed in args.cora_seeds:
-      c = sage_cora.get_config()
-      c.seed = seed
+    for seed in seeds:
+      c = config_of(seed)
       run = dp.DataParallelSage.from_config(c, n, k=8, seed=seed)
       run.train(c.train.steps)
       accs.append(run.evaluate("test")["accuracy"])
-      print(f"  Cora, {n} devices, seed {seed}: test accuracy {accs[-1]:.4f}", flush=True)
+      print(f"  {what}, {n} devices, seed {seed}: test accuracy {accs[-1]:.4f}", flush=True)
     out[n] = {"accuracy": accs, "mean": float(np.mean(accs)), "std": float(np.std(accs))}
   out["difference"] = out[8]["mean"] - out[1]["mean"]
   return out
+
+
+def cora_config(seed: int):
+  c = sage_cora.get_config()
+  c.seed = seed
+  return c
+
+
+def accuracy_config(args, seed: int):
+  """The synthetic accuracy graph: noisy features (the task needs the neighbours), the
+  scaling part's sampler, `--synthetic_steps` steps."""
+  c = synthetic_config(args, args.synthetic_nodes)
+  c.data.synthetic.feature_noise = args.synthetic_noise
+  c.sampler.capacities = "auto"
+  c.train.steps = args.synthetic_steps
+  c.seed = seed
+  return c
 
 
 def markdown(payload, shared: str) -> str:
@@ -246,10 +265,19 @@ def markdown(payload, shared: str) -> str:
       f"devices: {s['bytes_at_10x_nodes']['total_operand_bytes']:,} bytes per device per step.",
       "",
     ]
-  if "cora" in payload:
-    c = payload["cora"]
+  a = payload["args"]
+  titles = {
+    "cora": "Cora test accuracy, data-parallel (200 steps, global batch 140)",
+    "synthetic": f"Synthetic graph test accuracy, data-parallel ({a['synthetic_nodes']:,} "
+    f"nodes, feature noise {a['synthetic_noise']}, {a['synthetic_steps']} steps, global "
+    f"batch {a['dp_batch']})",
+  }
+  for part, title in titles.items():
+    if part not in payload:
+      continue
+    c = payload[part]
     lines += [
-      "## Cora test accuracy, data-parallel (200 steps, global batch 140)",
+      f"## {title}",
       "",
       common.md_table(
         ["devices", "per seed", "mean +- std"],
@@ -288,11 +316,15 @@ def main(argv=None):
   p.add_argument("--features", type=int, default=64)
   p.add_argument("--hidden", type=int, default=64)
   p.add_argument("--cora_seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+  p.add_argument("--synthetic_nodes", type=int, default=20_000)
+  p.add_argument("--synthetic_noise", type=float, default=4.0, help="feature noise std")
+  p.add_argument("--synthetic_steps", type=int, default=200)
+  p.add_argument("--synthetic_seeds", type=int, nargs="+", default=[0, 1])
   args = p.parse_args(argv)
   parts = args.parts.split(",")
-  unknown = set(parts) - {"product", "scaling", "cora"}
+  unknown = set(parts) - {"product", "scaling", "cora", "synthetic"}
   if unknown:
-    raise SystemExit(f"unknown --parts {sorted(unknown)}; use product, scaling, cora")
+    raise SystemExit(f"unknown --parts {sorted(unknown)}; use product, scaling, cora, synthetic")
   machine = common.machine_info()
   shared = SHARED.format(cpus=machine["cpus"], load=machine["load_avg_at_start"][0])
   print(shared, flush=True)
@@ -302,7 +334,10 @@ def main(argv=None):
   if "scaling" in parts:
     payload["scaling"] = bench_scaling(args)
   if "cora" in parts:
-    payload["cora"] = bench_cora(args)
+    payload["cora"] = bench_accuracy("Cora", cora_config, args.cora_seeds)
+  if "synthetic" in parts:
+    config_of = lambda seed: accuracy_config(args, seed)  # noqa: E731
+    payload["synthetic"] = bench_accuracy("synthetic", config_of, args.synthetic_seeds)
   payload["load_avg_at_end"] = os.getloadavg()
   common.write_results(args.name, payload, markdown(payload, shared))
 

@@ -151,15 +151,14 @@ class DataParallelSage:
     self.graph = sharding.put(self.graph_arrays(), repl)
     self.seeds_sharding = sharding.named(mesh, P(BATCH))
     self._train = step_lib.make_train_step(DataParallelLoss(task, mesh), self.plan, self.tx)
-    jitted = jax.jit(
+    self._jitted = jax.jit(
       self._step,
       donate_argnums=0,
       in_shardings=(self.state_sharding, repl, self.seeds_sharding),
       out_shardings=(self.state_sharding, repl),
     )
-    self._jitted = jitted
     # Simulated CPU devices: one multi-device call in flight (sharding.OneInFlight).
-    self.step = sharding.OneInFlight(jitted, mesh)
+    self.step = sharding.OneInFlight(self._jitted, mesh)
     self._eval = sharding.OneInFlight(
       jax.jit(self._eval_step, in_shardings=(self.state_sharding, repl), out_shardings=repl),
       mesh,
