@@ -6,7 +6,8 @@ run it directly). Parts (--parts, comma list):
   product   the device node-wise sampler on one device, direct CSR reads (the default) vs
             the sparse product P = Q @ A formed first (`DeviceNeighborSampler(materialize=
             True)`): seeds/s and sampled edges/s, k mini-batches per call, round-robin rounds
-            after a warm-up call each, median; the two samples checked equal
+            after a warm-up call each, median; the two samples checked equal; PyG's
+            NeighborLoader in the same rounds where torch is installed (the peers' venv)
   scaling   the data-parallel train step (recgnn/tasks/node_data_parallel.py) on 1, 2, 4, 8
             simulated devices, the same global batch: seeds/s, sampled edges/s, and the bytes
             each device sends per step read from the compiled step's HLO (recgnn.comms),
@@ -46,6 +47,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import common  # noqa: E402  (benchmarks/common.py)
 import jax  # noqa: E402
+import sampling as sampling_bench  # noqa: E402  (benchmarks/sampling.py: the PyG contestant)
 
 from experiments import sage_cora, sage_synthetic  # noqa: E402
 from recgnn.graphs import device_sampling, sampling, synthetic  # noqa: E402
@@ -71,8 +73,11 @@ def bench_product(args) -> dict:
     "product": device_sampling.DeviceNeighborSampler(graph.adj, materialize=True, **kw),
   }
   out = {"graph": graph.describe(), "capacities": list(caps), "by_k": {}}
+  n = graph.num_nodes
+  # PyG's NeighborLoader (where torch is installed: the peers' venv) in the same rounds.
+  out["pyg"] = sampling_bench.pyg_status() or "ran"
   for k in args.product_ks:
-    seeds = rng.choice(graph.num_nodes, (k, args.batch_size), replace=k * args.batch_size > 1)
+    seeds = rng.choice(n, (k, args.batch_size), replace=k * args.batch_size > n)
     key = jax.random.key(k)
     first = {}
     for name, s in samplers.items():
@@ -85,12 +90,25 @@ def bench_product(args) -> dict:
     )
     edges = int(first["direct"][2].sum())
     times = {name: [] for name in samplers}
+    pyg, pyg_runs = None, []
+    if out["pyg"] == "ran":
+      pyg = sampling_bench.pyg_method(graph, args.fanouts, args.batch_size, k)
+      pyg()  # warm-up
     for _ in range(args.rounds):
       for name, s in samplers.items():
         t0 = time.perf_counter()
         jax.block_until_ready(s.sample_device(seeds, key))
         times[name].append(time.perf_counter() - t0)
+      if pyg is not None:
+        pyg_runs.append(pyg())  # (edges, batches, seconds) of k batches
     row = {"same_sample": same, "sampled_edges": edges}
+    if pyg_runs:
+      e, b, t = (sum(x) for x in zip(*pyg_runs))
+      row["pyg"] = {
+        "seeds_per_s": b * args.batch_size / t,
+        "edges_per_s": e / t,
+        "runs_s": [r[2] for r in pyg_runs],
+      }
     for name, ts in times.items():
       med = statistics.median(ts)
       row[name] = {
@@ -214,6 +232,8 @@ def markdown(payload, shared: str) -> str:
           "product edges/s",
           "direct speed-up",
           "same sample",
+          "PyG seeds/s",
+          "PyG edges/s",
         ],  # fmt: skip
         [
           (
@@ -224,10 +244,15 @@ def markdown(payload, shared: str) -> str:
             f"{r['product']['edges_per_s']:,.0f}",
             f"{r['direct_over_product']:.2f}x",
             r["same_sample"],
+            f"{r['pyg']['seeds_per_s']:,.0f}" if "pyg" in r else "-",
+            f"{r['pyg']['edges_per_s']:,.0f}" if "pyg" in r else "-",
           )
           for k, r in p["by_k"].items()
         ],
       ),
+      "",
+      f"PyG NeighborLoader (k batches per timed unit, the same rounds): {p['pyg']}. It "
+      "samples only the nodes new at each hop, recgnn every frontier node: compare edges/s.",
       "",
     ]
   if "scaling" in payload:
