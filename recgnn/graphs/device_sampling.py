@@ -230,7 +230,7 @@ class DeviceNeighborSampler:
   degrees exceed its fanouts: the product writes every entry of every frontier row (the sum
   of their degrees, dominated by hubs on a power-law graph) to keep `fanout` of each, and
   sizes its buffer for the worst case; measured in `benchmarks/sampling_data_parallel.py`
-  (`--parts=product`; results/sampling_data_parallel_product.md: 2.0-2.2x).
+  (`--parts=product`: 1.7-2.7x on a 200k-node graph, results/sampling_data_parallel_product*.md).
   """
 
   def __init__(
