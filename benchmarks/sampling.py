@@ -34,6 +34,8 @@ seeds drawn from its training split.
    existing NAME.json (the node-wise split's figures kept as they were).
 5. (--sections=cora) GraphSAGE on Cora (experiments/sage_cora.py), host vs device sampler,
    test accuracy over 5 seeds.
+6. (--sections=data_parallel) benchmarks/sampling_data_parallel.py (its own flags): the
+   data-parallel step on 1-8 simulated devices, the device sampler's sparse product.
 
   python benchmarks/sampling.py            # sections sampling,training: ~5 minutes
   python benchmarks/sampling.py --quick    # 200k nodes, fewer rounds
@@ -918,6 +920,11 @@ def payload_machine(load: float, retained=None) -> str:
 
 
 def main():
+  if "--sections=data_parallel" in sys.argv[1:]:
+    # Its own module and flags (before jax is imported: it sets the simulated devices).
+    import sampling_data_parallel  # benchmarks/sampling_data_parallel.py
+
+    return sampling_data_parallel.main([a for a in sys.argv[1:] if a != "--sections=data_parallel"])
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--nodes", type=int, default=1_000_000)
   p.add_argument("--edges", type=int, default=10_000_000, help="adjacency entries")

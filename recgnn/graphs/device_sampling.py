@@ -180,11 +180,32 @@ def _device_csr(adj: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
   return adj.indptr.astype(np.int32), indices
 
 
-def _node_layer(indptr, indices, frontier, fanout, n_next, num_nodes, u):
+def product_rows(indptr, indices, rows, capacity: int):
+  """P = Q @ A for the rows `rows` (int32[R], -1 = padding; Q[r, rows[r]] = 1) as a CSR:
+  (indptr int32[R + 1], indices int32[capacity]) with row r = A's row rows[r] (empty at
+  padding). Segment ops, not `jax.experimental.sparse`: a BCOO sparse x sparse product
+  sizes its output for lhs.nse x rhs.nse entries (R x nnz), where P holds at most
+  `capacity` = the sum of the R largest degrees (the exact worst case: nothing dropped)."""
+  valid = rows >= 0
+  r = jnp.where(valid, rows, 0)
+  length = jnp.where(valid, indptr[r + 1] - indptr[r], 0)
+  _, entry, ok = _row_entries(indptr, rows, capacity)
+  cols = jnp.where(ok, jnp.take(indices, entry, mode="clip"), 0)
+  return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(length, dtype=jnp.int32)]), cols
+
+
+def _node_layer(indptr, indices, frontier, fanout, n_next, num_nodes, u, capacity=None):
   """One node-wise layer for k batches: frontier int32[k, n], u float32[k, n, f] ->
-  (next int32[k, n_next], nbr int32[k, n, f], mask bool[k, n, f], edges int32[k], dropped)."""
+  (next int32[k, n_next], nbr int32[k, n, f], mask bool[k, n, f], edges int32[k], dropped).
+  capacity: None reads the frontier's rows of A directly; else P = Q @ A is formed first
+  (`product_rows`, that many entries) and its rows are read: the same offsets from the same
+  uniforms, so the same sample."""
   k, n = frontier.shape
-  cand, mask = _gather_rows(indptr, indices, frontier.reshape(-1), fanout, u.reshape(k * n, fanout))
+  rows = frontier.reshape(-1)
+  if capacity is not None:
+    indptr, indices = product_rows(indptr, indices, rows, capacity)
+    rows = jnp.where(rows >= 0, jnp.arange(k * n, dtype=jnp.int32), -1)
+  cand, mask = _gather_rows(indptr, indices, rows, fanout, u.reshape(k * n, fanout))
   cand, mask = cand.reshape(k, n * fanout), mask.reshape(k, n * fanout)
   nxt, pos, dropped = extend_batches(frontier, cand, mask, n_next, num_nodes)
   return _node_outputs(nxt, pos, dropped, k, n, fanout)
@@ -199,8 +220,17 @@ def _node_outputs(nxt, pos, dropped, k, n, fanout):
 class DeviceNeighborSampler:
   """`sampling.NeighborSampler` on the device: same arguments, same Blocks, same law.
 
-  Args: as `sampling.NeighborSampler` (adj, fanouts, batch_size, capacities).
+  Args: as `sampling.NeighborSampler` (adj, fanouts, batch_size, capacities, materialize).
     device: where the CSR lives (None: the default device).
+
+  `materialize=False` (the default) reads each frontier row's `fanout` drawn entries straight
+  from A's CSR; `materialize=True` forms the sparse product P = Q @ A for all k batches of a
+  layer first (`product_rows`, as the paper's formulation) and draws from P: the same sample
+  (tested). The direct reads are the default because they are faster wherever a frontier's
+  degrees exceed its fanouts: the product writes every entry of every frontier row (the sum
+  of their degrees, dominated by hubs on a power-law graph) to keep `fanout` of each, and
+  sizes its buffer for the worst case; measured in `benchmarks/sampling_data_parallel.py`
+  (`--parts=product`: 1.7-2.7x on a 200k-node graph, results/sampling_data_parallel_product*.md).
   """
 
   def __init__(
@@ -210,6 +240,7 @@ class DeviceNeighborSampler:
     fanouts: Sequence[int],
     batch_size: int,
     capacities: Sequence[int] | None = None,
+    materialize: bool = False,
     device=None,
   ):
     # The host sampler validates and sizes; its arrays are only read here.
@@ -219,18 +250,32 @@ class DeviceNeighborSampler:
     self.fanouts, self.sizes, self.batch_size = host.fanouts, host.sizes, batch_size
     self.num_nodes = host.num_nodes
     self.max_degree = int(host.deg.max(initial=0))
+    self.materialize = materialize
+    # Sums of the largest degrees: P's worst-case entries (materialize).
+    self._top_degrees = np.concatenate([[0], np.cumsum(np.sort(host.deg)[::-1])])
     indptr, indices = _device_csr(host.adj)
     self.indptr = jax.device_put(indptr, device)
     self.indices = jax.device_put(indices, device)
-    self._sample = jax.jit(self._sample_fn)
+    self._sample = jax.jit(self.sample_arrays)
 
-  def _sample_fn(self, indptr, indices, seeds, key):
+  @property
+  def arrays(self) -> tuple[jax.Array, ...]:
+    """The graph arrays `sample_arrays` reads: (indptr int32[N + 1], indices int32[nnz])."""
+    return self.indptr, self.indices
+
+  def sample_arrays(self, indptr, indices, seeds, key):
+    """The pure sampling function (jit-able, shard_map-able: the data-parallel step runs it
+    on every device over its replica of `arrays`): -> as `sample_device`."""
     k = seeds.shape[0]
     frontier, layers, edges, dropped = seeds, [], [], jnp.int32(0)
     for layer, f in enumerate(self.fanouts):
       u = _batch_uniforms(key, layer, k, (frontier.shape[1], f))
+      # A batch's frontier nodes are distinct: P's k batches hold at most k x the sum of
+      # the n largest degrees.
+      n = min(frontier.shape[1], self.num_nodes)
+      cap = max(k * int(self._top_degrees[n]), 1) if self.materialize else None
       frontier, nbr, mask, e, d = _node_layer(
-        indptr, indices, frontier, f, self.sizes[layer + 1], self.num_nodes, u
+        indptr, indices, frontier, f, self.sizes[layer + 1], self.num_nodes, u, cap
       )
       layers.append({"nbr": nbr, "mask": mask})
       edges.append(e)
@@ -240,7 +285,7 @@ class DeviceNeighborSampler:
   def sample_device(self, seeds, key: jax.Array):
     """seeds int32[k, batch_size] (-1 = padding) -> (nodes int32[k, n_L], layers,
     num_edges int32[k, L], dropped int32[]) as device arrays (see sampling.Blocks)."""
-    return self._sample(self.indptr, self.indices, jnp.asarray(seeds, jnp.int32), key)
+    return self._sample(*self.arrays, jnp.asarray(seeds, jnp.int32), key)
 
   def sample(self, seeds: np.ndarray, rng) -> sampling.Blocks:
     """Host-compatible: seeds int[k, batch_size], a numpy Generator (or a jax key) ->
@@ -377,7 +422,12 @@ class DeviceLadiesSampler:
     self.indptr = jax.device_put(indptr, device)
     self.indices = jax.device_put(indices, device)
     self.data = jax.device_put(lap.data.astype(np.float32), device)
-    self._sample = jax.jit(self._sample_fn)
+    self._sample = jax.jit(self.sample_arrays)
+
+  @property
+  def arrays(self) -> tuple[jax.Array, ...]:
+    """(indptr int32[N + 1], indices int32[nnz], data float32[nnz]) of Ahat."""
+    return self.indptr, self.indices, self.data
 
   @staticmethod
   def plan(adj, layer_sizes, batch_size, edge_capacities):
@@ -410,7 +460,8 @@ class DeviceLadiesSampler:
     chunk = _table_chunk(k, self.num_nodes)
     return jax.lax.map(lambda x: fn(x[0], key=x[1]), (frontier, keys), batch_size=chunk)
 
-  def _sample_fn(self, indptr, indices, data, seeds, key):
+  def sample_arrays(self, indptr, indices, data, seeds, key):
+    """The pure sampling function over `arrays` -> as `sample_device`."""
     frontier, layers, edges, dropped = seeds, [], [], jnp.int32(0)
     for layer in range(len(self.layer_sizes)):
       frontier, lay, e, d, _ = self._layer(layer, indptr, indices, data, frontier, key)
@@ -421,7 +472,7 @@ class DeviceLadiesSampler:
 
   def sample_device(self, seeds, key: jax.Array):
     """seeds int32[k, batch_size] -> (nodes, layers, num_edges, dropped) device arrays."""
-    return self._sample(self.indptr, self.indices, self.data, jnp.asarray(seeds, jnp.int32), key)
+    return self._sample(*self.arrays, jnp.asarray(seeds, jnp.int32), key)
 
   def sample(self, seeds: np.ndarray, rng) -> sampling.Blocks:
     """As `LadiesSampler.sample`: numpy seeds and Generator (or a jax key) -> Blocks."""

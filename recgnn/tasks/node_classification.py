@@ -184,13 +184,19 @@ class NodeClassification(base.Task):
     return ids[self.graph.labels[ids] >= 0]
 
   def _make_sampler(
-    self, fanouts, batch_size: int, capacities, trial_nodes: np.ndarray, option: str
+    self,
+    fanouts,
+    batch_size: int,
+    capacities,
+    trial_nodes: np.ndarray,
+    option: str,
+    where: str | None = None,
   ):
     """The sampler of `fanouts` and `capacities` (the value of sampler.`option`: worst | auto
-    | sizes per layer)."""
+    | sizes per layer), at `where` (None: sampler.where)."""
     s = self.config.sampler
     capacities = parse_capacities(capacities, option)
-    where = s.get("where", "host") or "host"
+    where = where or s.get("where", "host") or "host"
     split = int(s.get("split_devices", 0) or 0)
     if split > 1 and where != "device":
       raise ValueError("sampler.split_devices needs --config.sampler.where=device")
@@ -279,26 +285,15 @@ class NodeClassification(base.Task):
   # --------------------------------------------------------------------------- batches
 
   def _make_batch(self, nodes: np.ndarray, layers, seeds: np.ndarray) -> base.Batch:
-    # "ids" always present (empty without tables): the trainer's input thread reads it.
-    batch: base.Batch = {"ids": {}}
-    valid = nodes >= 0
-    if self.inputs != "embeddings":
-      x = self.graph.features[np.where(valid, nodes, 0)]
-      x[~valid] = 0.0
-      batch["x"] = x
-    if self.inputs != "features":
-      padded = np.full(-(-nodes.size // self.id_multiple) * self.id_multiple, -1, np.int32)
-      padded[: nodes.size] = nodes
-      batch["ids"] = {TABLE: padded[:, None]}
-    batch["frontier"] = np.asarray(nodes, np.int32)
-    for depth, layer in enumerate(layers):
-      for key, v in layer.items():
-        batch[f"{key}{depth}"] = v
-    labels = np.where(seeds >= 0, self.graph.labels[np.maximum(seeds, 0)], -1)
-    batch["labels"] = np.maximum(labels, 0).astype(np.int32)
-    batch["node"] = np.asarray(seeds, np.int32)  # the seeds' ids (-1: padding), for predictions
-    batch["weight"] = (labels >= 0).astype(np.float32)
-    return batch
+    return make_batch(
+      self.inputs,
+      nodes,
+      layers,
+      seeds,
+      self.graph.features,
+      self.graph.labels,
+      id_multiple=self.id_multiple,
+    )
 
   def _count_drops(self, blocks: sampling.Blocks) -> sampling.Blocks:
     if blocks.dropped and not self.dropped:
@@ -317,13 +312,24 @@ class NodeClassification(base.Task):
   def _steps_per_epoch(self) -> int:
     return -(-self.train_nodes.size // self.batch_size)
 
+  def _epoch_order(self, epoch: int) -> np.ndarray:
+    """The train nodes in epoch `epoch`'s order (a function of the seed and the epoch)."""
+    return np.random.default_rng([self.seed, epoch]).permutation(self.train_nodes)
+
+  def train_seeds(self, step: int) -> np.ndarray:
+    """int64[batch_size]: the seeds of train step `step` (-1 = padding at an epoch's end),
+    the seeds `train_batches` gives that step."""
+    epoch, within = divmod(step, self._steps_per_epoch())
+    flat = self._epoch_order(epoch)[within * self.batch_size : (within + 1) * self.batch_size]
+    return np.pad(flat.astype(np.int64), (0, self.batch_size - flat.size), constant_values=-1)
+
   def train_batches(self, start_step: int = 0) -> Iterator[base.Batch]:
     spe, k, bsz = self._steps_per_epoch(), self.bulk, self.batch_size
     step = start_step
     while True:
       epoch, within = divmod(step, spe)
       group = within // k
-      perm = np.random.default_rng([self.seed, epoch]).permutation(self.train_nodes)
+      perm = self._epoch_order(epoch)
       first = group * k
       count = min(k, spe - first)
       seeds = np.full((count, bsz), -1, np.int64)
@@ -441,6 +447,43 @@ class NodeClassification(base.Task):
     labels = np.concatenate([np.asarray(o["labels"]) for o in outputs])
     w = np.concatenate([np.asarray(o["weight"]) for o in outputs])
     return {"accuracy": float(np.sum((pred == labels) * w) / max(w.sum(), 1.0))}
+
+
+def make_batch(
+  inputs: str, nodes, layers, seeds, features, labels, *, id_multiple: int = 1, xp=np
+) -> base.Batch:
+  """One sampled mini-batch as the model's batch, on the host (xp = numpy: the trainer's
+  input thread) or on the device (xp = jax.numpy, inside the data-parallel step: the samples
+  never leave the device).
+
+  Args:
+    inputs: model.inputs (features | embeddings | both).
+    nodes: int32[n_L] the deepest frontier (-1 = padding); layers: its Blocks layers.
+    seeds: int[n_0] (-1 = padding); features float32[N, F] (None without features);
+    labels int[N] (-1 = unlabelled).
+    id_multiple: the node-id bags are padded to a multiple of it (split ids, see the module).
+  Returns:
+    {"ids": {TABLE: int32[n_L', 1]} or {}, "x": float32[n_L, F], "frontier": int32[n_L],
+    "nbr{l}" / "mask{l}" (or "src{l}" / "dst{l}" / "weight{l}"), "labels": int32[n_0],
+    "node": int32[n_0], "weight": float32[n_0]}.
+  """
+  # "ids" always present (empty without tables): the trainer's input thread reads it.
+  batch: base.Batch = {"ids": {}}
+  valid = nodes >= 0
+  if inputs != "embeddings":
+    batch["x"] = xp.where(valid[:, None], features[xp.where(valid, nodes, 0)], 0.0)
+  if inputs != "features":
+    pad = -(-nodes.shape[0] // id_multiple) * id_multiple - nodes.shape[0]
+    batch["ids"] = {TABLE: xp.pad(nodes.astype(xp.int32), (0, pad), constant_values=-1)[:, None]}
+  batch["frontier"] = nodes.astype(xp.int32)
+  for depth, layer in enumerate(layers):
+    for key, v in layer.items():
+      batch[f"{key}{depth}"] = v
+  lab = xp.where(seeds >= 0, labels[xp.maximum(seeds, 0)], -1)
+  batch["labels"] = xp.maximum(lab, 0).astype(xp.int32)
+  batch["node"] = seeds.astype(xp.int32)  # the seeds' ids (-1: padding), for predictions
+  batch["weight"] = (lab >= 0).astype(xp.float32)
+  return batch
 
 
 TASK = NodeClassification

@@ -1,0 +1,266 @@
+"""Data-parallel GraphSAGE on the mesh: every device samples and trains its own mini-batches.
+
+The trainer's node classification (`node_classification.NodeClassification` through
+`recgnn.train.loop`) samples a mini-batch, packs it on the host and gives every device the
+whole subgraph: the mesh adds no training throughput. Here, with n devices (every device of
+the mesh: the batch axis `sharding.BATCH`) and the graph replicated on each (it fits), one
+jitted call (`DataParallelSage.step`) takes only seed ids, int32[n, k, b] (device d's seeds
+of the next k steps, b = ceil(B / n) of the global batch B each, -1 = padding), and runs:
+
+  sample   (shard_map, no communication) device d samples its k mini-batches in one bulk
+           call of the device sampler over its replica of the graph (`graph_arrays`: CSR,
+           features, labels), keys fold_in(step key, d), and builds its batches there
+           (`node_classification.make_batch`, features gathered on the device): [k, n * X]
+           arrays split over the devices on axis 1, which never leave them
+  k steps  (lax.scan, the trainer's own step, `recgnn.train.step.make_train_step`) per step:
+           the rows of each device's sampled nodes through the embedding plan
+           (`device_prepared`: the ids stay batch-split, so a replicated `dense` table is
+           read where it is), the loss as one shard_map (`DataParallelLoss`: each device the
+           task's loss over its own mini-batch, psum'd into the weighted mean over the global
+           batch), so the dense gradients are all-reduced by the psum's transpose and the
+           table's update gets each device's d loss / d rows
+
+Bytes between devices per step (read from the compiled step: `step_bytes`): the dense
+gradient all-reduce, the loss / metric sums, and with a learnable replicated table its
+update's gather of (ids, d loss / d rows), O(sampled nodes); none grows with the graph.
+
+Limits: node tables whose backend plans on the host (`Capabilities.plans_globally`: tt,
+offload, hot_cold) or routes ids (sharded) need ids before the step and are refused: the
+ids here exist only on the device (`device_prepared`). The graph is replicated (the split
+graph of `recgnn.graphs.split_sampling` is not wired in). Eval runs the task's eval batches
+(host-sampled, deterministic with eval fanouts -1), replicated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from recgnn import comms, sharding
+from recgnn.embeddings import base as emb_base
+from recgnn.embeddings.contract import TableBackend
+from recgnn.embeddings.group import TableGroup
+from recgnn.tasks import node_classification as nc
+from recgnn.train import step as step_lib
+
+P = sharding.P
+BATCH = sharding.BATCH
+# fold_in tag of the sampling keys (the step's dropout keys are fold_in(key, step)).
+SAMPLING = 0x5A4D
+
+
+def device_prepared(plan: emb_base.Plan, ids: dict[str, jax.Array]) -> dict:
+  """Inside jit: the prepared arrays of the default `TableBackend.prepare` from device ids
+  ({table: int32[R, L]}, -1 = padding, batch-split): the id map to the backend's padding
+  row, and `count` for mean pooling. The row-wise Adagrad dedup the host prepare would add
+  is done by the update on the device (`kernels.sparse_sgd_or_adagrad`)."""
+  out = {}
+  for key, group in plan.groups.items():
+    out[key] = {}
+    for name, member in group.members.items():
+      x = ids[name]
+      p = {"rows": {"ids": jnp.where(x < 0, member.pad_id, x).astype(jnp.int32)}}
+      if member.spec.pooling == "mean":
+        p["count"] = jnp.sum(x >= 0, axis=1, dtype=jnp.int32)
+      out[key][name] = p
+  return out
+
+
+def check_plan(plan: emb_base.Plan) -> None:
+  """Refuse groups whose ids must be prepared on the host (see the module docstring)."""
+  for key, group in plan.groups.items():
+    ok = isinstance(group, TableGroup) and not (
+      group.capabilities.plans_globally or group.capabilities.needs_split_ids
+    )
+    ok = ok and all(type(m).prepare is TableBackend.prepare for m in group.members.values())
+    if not ok:
+      raise ValueError(
+        f"data-parallel GraphSAGE samples node ids on the device; backend {key!r} prepares "
+        "ids on the host (a cache plan, prefix trees or routing). Use a dense node table "
+        "(('node', 'dense') or 'dense(shard=rows)') or the trainer's replicated subgraphs."
+      )
+
+
+class DataParallelLoss:
+  """The task's loss as one shard_map over the mesh: `loss(params, batch, embeddings, key)`
+  (the `Task.loss` signature, so `make_train_step` runs it) with every batch leaf and
+  embedding batch-split (device d holds its own mini-batch: [X, ...] of [n * X, ...]).
+
+  Device d computes the task's weighted mean over its seeds (dropout key fold_in(key, d));
+  the devices' sums are psum'd into the weighted mean over the global batch, whose
+  gradient w.r.t. the replicated params is the all-reduce of the devices' gradients."""
+
+  def __init__(self, task: nc.NodeClassification, mesh: jax.sharding.Mesh):
+    self.task, self.mesh = task, mesh
+
+  def loss(self, params, batch, embeddings, key):
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(P(), P(BATCH), P(BATCH), P()),
+      out_specs=P(),
+    )
+    def local(params, batch, embeddings, key):
+      key = jax.random.fold_in(key, jax.lax.axis_index(BATCH))
+      loss, aux = self.task.loss(params, batch, embeddings, key)
+      # The task's loss is sum(ce * w) / max(W, 1): times max(W, 1) it is the sum again.
+      w = jnp.sum(batch["weight"])
+      scale = jnp.maximum(w, 1.0)
+      total_w = jnp.maximum(jax.lax.psum(w, BATCH), 1.0)
+      mean = jax.lax.psum(loss * scale, BATCH) / total_w
+      return mean, {k: jax.lax.psum(v * scale, BATCH) / total_w for k, v in aux.items()}
+
+    return local(params, batch, embeddings, key)
+
+
+class DataParallelSage:
+  """Data-parallel GraphSAGE training of a `NodeClassification` task (see the module).
+
+  Args:
+    task: the node task (its graph, model, loss, eval batches; built on `mesh`).
+    mesh: every device trains (n = mesh.size); the global batch is sampler.batch_size.
+    k: steps per call: each device samples its next k mini-batches in one bulk call and the
+      step consumes them in a scan (no host round trip between them).
+    key: the run's key (params, tables, sampling and dropout keys).
+  """
+
+  def __init__(self, task: nc.NodeClassification, mesh: jax.sharding.Mesh, *, k: int, key):
+    self.task, self.mesh, self.k = task, mesh, int(k)
+    self.devices = mesh.size
+    self.per_device = -(-task.batch_size // self.devices)
+    cfg = task.config
+    s = cfg.sampler
+    self.sampler = task._make_sampler(
+      s.get("fanouts", None),
+      self.per_device,
+      s.capacities,
+      task.train_nodes,
+      "capacities",
+      where="device",
+    )
+    rules = list(map(tuple, cfg.embeddings.plan))
+    self.plan = emb_base.resolve_plan(rules, task.tables(), mesh, emb_base.Layout(), log=False)
+    check_plan(self.plan)
+    self.tx = step_lib.make_optimizer(cfg.optimizer)
+    self.state = step_lib.init_state(task, self.plan, self.tx, key, task.example_batch())
+    self.state_sharding = step_lib.state_sharding(self.plan, self.state)
+    repl = sharding.named(mesh, P())
+    self.graph = sharding.put(self.graph_arrays(), repl)
+    self.seeds_sharding = sharding.named(mesh, P(BATCH))
+    self._train = step_lib.make_train_step(DataParallelLoss(task, mesh), self.plan, self.tx)
+    self._jitted = jax.jit(
+      self._step,
+      donate_argnums=0,
+      in_shardings=(self.state_sharding, repl, self.seeds_sharding),
+      out_shardings=(self.state_sharding, repl),
+    )
+    # Simulated CPU devices: one multi-device call in flight (sharding.OneInFlight).
+    self.step = sharding.OneInFlight(self._jitted, mesh)
+    self._eval = sharding.OneInFlight(
+      jax.jit(self._eval_step, in_shardings=(self.state_sharding, repl), out_shardings=repl),
+      mesh,
+    )
+
+  @classmethod
+  def from_config(cls, config, devices: int, *, k: int, seed: int = 0) -> DataParallelSage:
+    """The node task of `config` on a devices x 1 mesh of the first `devices` devices."""
+    mesh = sharding.make_mesh(devices, 1)
+    task = nc.NodeClassification(config, mesh)
+    return cls(task, mesh, k=k, key=jax.random.key(seed))
+
+  def graph_arrays(self) -> dict[str, np.ndarray]:
+    """What every device holds of the graph: the sampler's arrays (CSR), the node features
+    (float32[N, F], without features: none) and labels int32[N]."""
+    g = self.task.graph
+    out = {"sampler": tuple(np.asarray(a) for a in self.sampler.arrays)}
+    out["labels"] = np.asarray(g.labels, np.int32)
+    if self.task.inputs != "embeddings":
+      out["features"] = np.asarray(g.features, np.float32)
+    return out
+
+  def seeds(self, step: int) -> np.ndarray:
+    """int32[n, k, b]: device d's seeds of steps step .. step + k - 1 (the trainer's global
+    batch of each step, `task.train_seeds`, split into n slices of b)."""
+    n, b = self.devices, self.per_device
+    out = np.full((self.k, n * b), -1, np.int32)
+    for i in range(self.k):
+      seeds = self.task.train_seeds(step + i)
+      out[i, : seeds.size] = seeds
+    return out.reshape(self.k, n, b).transpose(1, 0, 2)
+
+  def _sample(self, graph, seeds, key):
+    """Every device's k mini-batches, sampled and built on the device: leaves [k, n * X]."""
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(P(), P(BATCH), P()),
+      out_specs=(P(None, BATCH), P(BATCH)),
+      # The sampler's loops mix per-device and replicated values; nothing here is
+      # differentiated or reduced across devices.
+      check_vma=False,
+    )
+    def local(graph, seeds, key):
+      seeds = seeds[0]  # [k, b]
+      key = jax.random.fold_in(key, jax.lax.axis_index(BATCH))
+      nodes, layers, edges, dropped = self.sampler.sample_arrays(*graph["sampler"], seeds, key)
+      make = functools.partial(
+        nc.make_batch, self.task.inputs, features=graph.get("features"), labels=graph["labels"]
+      )
+      batches = jax.vmap(lambda x, lay, s: make(x, lay, s, xp=jnp))(nodes, layers, seeds)
+      stats = jnp.stack([jnp.sum(edges), dropped])[None]
+      return batches, stats
+
+    return local(graph, seeds, key)
+
+  def _step(self, state, graph, seeds):
+    key = jax.random.fold_in(jax.random.fold_in(state.key, SAMPLING), state.step)
+    batches, stats = self._sample(graph, seeds, key)
+
+    def one(state, batch):
+      batch = dict(batch)
+      prepared = device_prepared(self.plan, batch.pop("ids"))
+      return self._train(state, prepared, batch)
+
+    state, metrics = jax.lax.scan(one, state, batches)
+    metrics = {k: jnp.mean(v) for k, v in metrics.items()}
+    metrics["sampled_edges"] = jnp.sum(stats[:, 0])
+    metrics["dropped"] = jnp.sum(stats[:, 1])
+    return state, metrics
+
+  def _eval_step(self, state, batch):
+    batch = dict(batch)
+    prepared = device_prepared(self.plan, batch.pop("ids"))
+    return step_lib.make_eval_step(self.task, self.plan)(state, prepared, batch)
+
+  def lowered(self, step: int = 0):
+    """The step lowered for the seeds of `step` (its arguments: the state, the graph, the
+    seeds)."""
+    return self._jitted.lower(self.state, self.graph, self.seeds(step))
+
+  def step_bytes(self) -> dict:
+    """Bytes between devices of one call, from the compiled step's HLO (`comms.summary`)."""
+    return comms.compiled_summary(self.lowered().compile())
+
+  def train(self, steps: int, log_every: int = 0, log=print) -> dict:
+    """Run `steps` train steps (rounded up to calls of k) from the state's step; -> the last
+    call's metrics (host floats)."""
+    step = int(self.state.step)
+    metrics = {}
+    for call in range(-(-steps // self.k)):
+      seeds = jax.device_put(self.seeds(step), self.seeds_sharding)
+      self.state, metrics = self.step(self.state, self.graph, seeds)
+      step += self.k
+      if log_every and (call + 1) % max(log_every // self.k, 1) == 0:
+        log(f"step {step}: " + ", ".join(f"{k} {float(v):.4g}" for k, v in metrics.items()))
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+  def evaluate(self, split: str) -> dict[str, float]:
+    """The task's metrics on `split` with the current params and tables."""
+    outputs = []
+    for batch in self.task.eval_batches(split):
+      outputs.append(jax.device_get(self._eval(self.state, batch)))
+    return self.task.metrics(outputs)

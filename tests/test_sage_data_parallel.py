@@ -1,0 +1,138 @@
+"""Data-parallel GraphSAGE (recgnn/tasks/node_data_parallel.py): every device samples and
+trains its own mini-batches; the step takes seed ids only; the bytes between devices are the
+dense-gradient all-reduce, flat in the graph's nodes; 8 devices train Cora as well as 1."""
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import sage_cora
+from recgnn import comms, sharding
+from recgnn.embeddings import OptimizerSpec, TableSpec, base
+from recgnn.tasks import node_data_parallel as dp
+from tests.test_graphsage import small_config
+from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
+
+
+def synthetic_config(inputs: str, num_nodes: int = 3000):
+  c = small_config(inputs, 0)
+  c.data.synthetic.num_nodes = num_nodes
+  c.data.synthetic.num_edges = 10 * num_nodes
+  # The worst case: frontier sizes that do not depend on the graph (below its nodes).
+  c.sampler.capacities = "worst"
+  return c
+
+
+def data_parallel(config, devices: int, k: int, seed: int = 0) -> dp.DataParallelSage:
+  return dp.DataParallelSage.from_config(config, devices, k=k, seed=seed)
+
+
+@pytest.mark.parametrize("inputs", ["features", "embeddings"])
+def test_step_arguments_are_seed_ids_only(inputs):
+  """The jitted step's arguments: the state and the graph (device-resident, placed once), and
+  per call one int32[n, k, b] array of seed ids; its outputs: the state and scalars. Nothing
+  crosses the host link inside it."""
+  run = data_parallel(synthetic_config(inputs), 8, k=2)
+  lowered = run.lowered()
+  state_info, graph_info, seeds_info = lowered.args_info[0]
+  assert seeds_info.shape == (8, 2, 16) and seeds_info.dtype == np.int32
+  shapes = lambda tree: [x.shape for x in jax.tree.leaves(tree)]  # noqa: E731
+  assert shapes(state_info) == shapes(run.state)
+  assert shapes(graph_info) == shapes(run.graph)
+  n = run.task.graph.num_nodes
+  # The graph arrays are whole-graph sized (CSR, features, labels), not sample sized.
+  assert {s[0] for s in shapes(graph_info)} <= {n, n + 1, run.task.graph.adj.nnz}
+  new_state, metrics = lowered.out_info
+  assert all(x.shape == () for x in jax.tree.leaves(metrics))
+  assert comms.host_link_of(lowered).bytes == 0
+  graph = jax.tree.leaves(run.graph)
+  before = int(run.state.step)
+  out = run.train(4)
+  assert int(run.state.step) == before + 4 and out["sampled_edges"] > 0
+  assert all(a is b for a, b in zip(graph, jax.tree.leaves(run.graph)))  # never put again
+
+
+def test_loss_is_the_global_batch_mean():
+  """The shard_map loss on 8 devices = the weighted mean of the devices' task losses over
+  their own mini-batches, and its params gradient = that of the mean (the all-reduce)."""
+  run = data_parallel(synthetic_config("features"), 8, k=1)
+  key = jax.random.key(3)
+  seeds = jax.device_put(run.seeds(0), run.seeds_sharding)
+  batches, _ = jax.jit(run._sample)(run.graph, seeds, key)
+  batch = jax.tree.map(lambda x: np.asarray(x[0]), batches)
+  batch.pop("ids")
+  params = run.state.params
+  loss_fn = dp.DataParallelLoss(run.task, run.mesh).loss
+  (got, aux), g_got = jax.value_and_grad(lambda p: loss_fn(p, batch, {}, key), has_aux=True)(params)
+
+  def reference(p):
+    sums, weights = [], []
+    for d in range(8):
+      part = jax.tree.map(lambda x, d=d: np.split(x, 8)[d], batch)
+      loss, _ = run.task.loss(p, part, {}, jax.random.fold_in(key, d))
+      w = part["weight"].sum()
+      sums.append(loss * max(w, 1.0))
+      weights.append(w)
+    return sum(sums) / max(sum(weights), 1.0)
+
+  want, g_want = jax.value_and_grad(reference)(params)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  assert 0.0 <= float(aux["accuracy"]) <= 1.0
+
+
+@pytest.mark.parametrize("inputs", ["features", "embeddings"])
+def test_bytes_between_devices_flat_in_nodes(inputs):
+  """From the compiled step: with features, only the all-reduce of the dense gradients (and
+  of the loss / metric sums, a few scalars); with a learnable table, plus its update's
+  gather of the sampled rows' (ids, gradients). The same bytes for 10x the nodes."""
+  small, big = (data_parallel(synthetic_config(inputs, n), 8, k=1) for n in (3000, 30_000))
+  a, b = small.step_bytes(), big.step_bytes()
+  assert a == b, (a, b)
+  param_bytes = sum(x.size * 4 for x in jax.tree.leaves(small.state.params))
+  reduce = a["by_op"]["all-reduce"]["operand_bytes"]
+  assert param_bytes <= reduce <= param_bytes + 64  # the gradients and a few scalar sums
+  if inputs == "features":
+    assert set(a["by_op"]) == {"all-reduce"}
+  else:  # (ids, d loss / d rows) of every device's sampled nodes: O(sampled nodes)
+    rows = small.sampler.sizes[-1]
+    assert a["total_operand_bytes"] - reduce <= rows * 8 * (1 + 16) * 4
+
+
+def cora_accuracy(devices: int, seed: int) -> float:
+  c = sage_cora.get_config()
+  c.seed = seed
+  run = data_parallel(c, devices, k=8, seed=seed)
+  run.train(c.train.steps)
+  return run.evaluate("test")["accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # 10 runs of 200 steps: ~5 CPU minutes, far longer under load
+def test_cora_8_devices_match_1_device():
+  """8 simulated devices, data-parallel (each samples and trains 18 of the 140 seeds per
+  step), reach 1 device's Cora test accuracy within 0.01 (mean of 5 seeds, 200 steps).
+  Runs whose frontier capacities (auto, per seed) agree compile once (the module's
+  compilation cache)."""
+  seeds = range(5)
+  one = [cora_accuracy(1, s) for s in seeds]
+  eight = [cora_accuracy(8, s) for s in seeds]
+  print(f"Cora test accuracy, 1 device: {one}; 8 devices: {eight}")  # (pytest -s)
+  one, eight = np.mean(one), np.mean(eight)
+  assert abs(eight - one) <= 0.01, (one, eight)
+  assert one > 0.75
+
+
+@pytest.mark.parametrize("text", ["dense", "dense(shard=rows)", "offload(cache_rows=1024)", "tt"])
+def test_backends_that_prepare_on_the_host_are_refused(text):
+  """Node ids exist only on the device: a backend whose prepare plans on the host (a cache,
+  prefix trees) cannot serve them and is refused, naming it."""
+  opt = OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1)
+  spec = TableSpec(name="node", num_rows=4096, dim=8, optimizer=opt)
+  plan = base.resolve_plan([(".*", text)], [spec], sharding.make_mesh(1, 1), log=False)
+  if text.startswith("dense"):
+    dp.check_plan(plan)
+  else:
+    with pytest.raises(ValueError, match="prepares ids on the host"):
+      dp.check_plan(plan)
