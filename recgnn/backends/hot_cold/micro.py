@@ -38,13 +38,14 @@ def off_reason(h: np.ndarray, b: int, n_dev: int) -> str:
   return (
     f"{total} popular example(s) in {where}, {cnt} on the device with fewest; its popular "
     f"micro-batch size ({cnt} less {MARGIN:g} binomial std devs = {cnt - MARGIN * sd:.1f}) "
-    "rounds to 0, and every device runs the same size: the batch runs whole (same values). "
+    "rounds to 0, and every device runs the same size: batches run whole (same values) "
+    "until the next hot set. "
     "More examples per device (a larger batch or fewer devices), fewer tables in the group "
     "or a larger budget make examples popular enough to split"
   )
 
 
-def split(p0s: dict[int, int], tables, popular, n_dev, b):
+def split(p0s: dict, tables, popular, n_dev, b):
   """Per device, its first P0 popular examples (in batch order), then the rest (its other
   popular examples, then its non-popular ones), as two micro-batches of P0 and b - P0
   examples (every device the same; no padding). P0 (`_popular_size`) is fixed from the
@@ -59,8 +60,8 @@ def split(p0s: dict[int, int], tables, popular, n_dev, b):
   if p0 is None or cnt < p0:
     p0 = p0s[b] = _popular_size(cnt, b)
   if p0 == 0:
-    if p0s.get(("logged", b)) != cnt:  # once per hot set and count (p0s is reset per hot set)
-      p0s[("logged", b)] = cnt
+    if ("off", b) not in p0s:  # once per hot set (p0s starts empty with each)
+      p0s[("off", b)] = True
       logging.warning("hot_cold: popular / non-popular split off: %s", off_reason(h, b, n_dev))
     return None
   order = np.argsort(~h, axis=1, kind="stable")  # popular first, each in batch order
