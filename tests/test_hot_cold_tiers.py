@@ -284,6 +284,9 @@ def test_zipf_stream_compiles_a_few_shapes():
     p = group.prepare(ids, train=True)
     needs.add(tuple(int((p["tables"][n]["cold_rows"] < 1024).sum()) for n in group.specs))
   shapes = group.cold_shapes
+  s = group.stats()
+  assert s["cold_list_shapes"] == len(shapes)
+  assert s["h2d_rows_per_step"] <= s["cold_list_rows_per_step"]
   print(f"cold-list shapes over 200 steps: {len(shapes)} ({sorted(shapes)}); distinct needs "
         f"{len(needs)}")  # fmt: skip
   assert len(shapes) <= 12 and len(needs) > 5 * len(shapes)

@@ -69,6 +69,15 @@ Limits, and why:
     popular micro-batch never reads a host array, so XLA may run it while the cold gather is
     in flight (on an accelerator the host gather and copy are asynchronous); XLA:CPU runs
     host and device computations on the same cores, so nothing overlaps there.
+    tests/test_hot_cold_tiers.py checks the dependency on the step's HLO.
+  - The cold rows of batch k are gathered in step k (once), not during step k - 1: the
+    gather overlaps the popular micro-batch only, not the previous step.
+  - On a mesh the host table is split by rows and each device gathers the whole cold list
+    from its share (rows it does not own read as padding): each device's link moves the
+    list's length, not its own rows' share.
+  - The split is off (batches run whole, logged once per hot set) when the popular
+    micro-batch size rounds to 0 on the device with fewest popular examples: every device
+    runs the same sizes and the popular micro-batch holds popular examples only.
 
 Files: options.py (`HotColdOptions`), hot_set.py (the row <-> slot maps, profile, pick and
 migrations: `HotSetPlanning`), micro.py (the popular / non-popular split), device.py (the
@@ -476,6 +485,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       stats.update(
         steps=1,
         rows_h2d=cold_rows_n,
+        cold_list=sum(lengths),
         rows_d2h=cold_rows_n,
         bytes_h2d=cold_bytes,
         migrated_rows=sum(
@@ -508,8 +518,9 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
   def stats(self):
     """Since the last call, per train step: popular_fraction (examples whose ids are all
     hot), hot_coverage (ids served by a hot row), rows / bytes host -> device and back
-    (cold rows), migrated rows, micro-batch sizes (all devices), plan ms on the
-    input thread. Eval batches: eval_popular_fraction, eval_hot_coverage."""
+    (cold rows), the padded cold lists' rows and their distinct lengths so far, migrated
+    rows, micro-batch sizes (all devices), plan ms on the input thread. Eval batches:
+    eval_popular_fraction, eval_hot_coverage."""
     c = self._counters.take()
     out = {}
     steps = c.get("steps", 0)
@@ -518,6 +529,10 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         popular_fraction=c["popular"] / max(c["examples"], 1),
         hot_coverage=c["hot_ids"] / max(c["ids"], 1),
         h2d_rows_per_step=c["rows_h2d"] / steps,
+        # The cold lists' padded lengths (the rows the step's host gather really moves) and
+        # how many distinct lengths (step shapes) the run has compiled for so far.
+        cold_list_rows_per_step=c["cold_list"] / steps,
+        cold_list_shapes=len(self.cold_shapes),
         d2h_rows_per_step=c["rows_d2h"] / steps,
         # A cold row comes in and goes back once per step (rows + optimizer state).
         h2d_bytes_per_step=c["bytes_h2d"] / steps,
