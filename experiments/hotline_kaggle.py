@@ -8,7 +8,9 @@ stays in pinned host memory. The small tables are dense: they are hot anyway and
 make fewer examples popular.
 
 The hot set is profiled over the first 5 % of an epoch's train batches (FAE profiles a 5 %
-sample of the input), then migrated to the devices; results equal the all-dense run up to
+sample of the input), then migrated to the devices; the epoch's length is the train split's
+rows // the batch size, from the data config (`steps_per_epoch`: the synthetic default's rows
+or Criteo Kaggle train.txt's, under the Kaggle split); results equal the all-dense run up to
 float summation order (tests/test_hot_cold.py; bit for bit for the embedding update itself).
 
   python run.py --experiment=hotline_kaggle --workdir=/tmp/hotline
@@ -29,10 +31,34 @@ from __future__ import annotations
 import math
 
 from experiments import _options, dlrm_kaggle, ttrec_kaggle
+from recgnn.data import ctr_dataset
 from recgnn.embeddings import base
 
 DEFAULTS = {"budget": 0.05, "tables": 7, "profile": 0.05, "reprofile": 0, "split": True}
-STEPS_PER_EPOCH = 1674  # the synthetic default's train split at batch 2048 (dlrm_kaggle)
+KAGGLE_TRAIN_TXT_ROWS = 45_840_617  # Criteo Kaggle's train.txt (Display Advertising Challenge)
+
+
+def data_rows(c) -> int:
+  """Rows of the whole dataset the config reads: the synthetic generator's
+  `data.synthetic.rows`, or with `data.path` (the Kaggle split) Criteo Kaggle's train.txt."""
+  if not c.data.path:
+    return int(c.data.synthetic.rows)
+  if c.data.split != "kaggle":
+    raise ValueError(
+      f"hotline_kaggle: data.split={c.data.split!r}; the profile window is a share of an "
+      "epoch of the Kaggle split (train.txt's 7 day-chunks): use data.split='kaggle'"
+    )
+  return KAGGLE_TRAIN_TXT_ROWS
+
+
+def steps_per_epoch(c) -> int:
+  """Train batches in one epoch of the config's data: the train split's rows (the Kaggle
+  split: the first 6 of 7 day-chunks) // train.batch_size, as the task counts them
+  (CtrDataset.num_batches, drop_remainder). Computed in get_config, before command-line
+  overrides: a --config.train.batch_size or --config.data.synthetic.rows given there needs
+  profile= recomputed (`hot_cold_text(options, steps_per_epoch(config))`)."""
+  start, stop = ctr_dataset.kaggle_split(data_rows(c))["train"]
+  return max(1, (stop - start) // int(c.train.batch_size))
 
 
 def parse_arg(arg: str | None) -> dict:
@@ -40,8 +66,9 @@ def parse_arg(arg: str | None) -> dict:
   return _options.parse(arg, DEFAULTS, name="hotline_kaggle")
 
 
-def hot_cold_text(options: dict, steps_per_epoch: int = STEPS_PER_EPOCH) -> str:
-  profile_batches = max(1, round(options["profile"] * steps_per_epoch))
+def hot_cold_text(options: dict, epoch_steps: int) -> str:
+  """The hot_cold plan string: profile= (a share of an epoch) as batches of `epoch_steps`."""
+  profile_batches = max(1, round(options["profile"] * epoch_steps))
   text = f"hot_cold(budget={options['budget']}, profile_batches={profile_batches}"
   if options["reprofile"]:
     text += f", reprofile={options['reprofile']}"
@@ -50,11 +77,12 @@ def hot_cold_text(options: dict, steps_per_epoch: int = STEPS_PER_EPOCH) -> str:
   return text + ")"
 
 
-def make_plan(options: dict, cardinalities) -> list[tuple[str, str]]:
+def make_plan(options: dict, cardinalities, epoch_steps: int) -> list[tuple[str, str]]:
   chosen = ttrec_kaggle.largest(cardinalities, options["tables"])
   rules = [(".*", "dense")]
   if chosen:
-    rules.insert(0, (f"C({'|'.join(n[1:] for n in chosen)})", hot_cold_text(options)))
+    text = hot_cold_text(options, epoch_steps)
+    rules.insert(0, (f"C({'|'.join(n[1:] for n in chosen)})", text))
   return rules
 
 
@@ -78,7 +106,7 @@ def get_config(arg=None):
   options = parse_arg(arg)
   c = dlrm_kaggle.get_config()
   cards = dlrm_kaggle.KAGGLE_CARDINALITIES if c.data.path else ttrec_kaggle._synthetic_sizes(c)
-  c.embeddings.plan = tuple(make_plan(options, cards))
+  c.embeddings.plan = tuple(make_plan(options, cards, steps_per_epoch(c)))
   # Fail now, not after the data is loaded, on a bad option.
   base.make_backend(c.embeddings.plan[0][1], base.TableSpec(name="C3", num_rows=1000, dim=16))
   slots = 1 if c.embeddings.optimizer.name == "rowwise_adagrad" else 0

@@ -331,8 +331,13 @@ def test_trainer_micro_batches_and_resume_on_another_mesh(cache_dir, tmp_path):
   ids = next(iter(loop.load_task(one, loop.config_mesh(one)).train_batches(5)))
   p = group.prepare({n: ids["ids"][n] for n in group.specs}, train=True)
   assert p["micro"][0]["idx"].shape[0] > 0
+  saved_hot = group.hot_set()
   res = loop.train(_trainer_config(cache_dir, (1, 1), hot), wd, resume=True)
   assert res.metrics["step"] == 12
+  # The hot set came back from the checkpoint (extras), not from a new profile of the
+  # resumed batches.
+  resumed_hot = res.plan.groups["hot_cold"].hot_set()
+  assert all(np.array_equal(resumed_hot[n], saved_hot[n]) for n in saved_hot)
   for x, y in zip(
     jax.tree.leaves(jax.device_get(ref.state.params)),
     jax.tree.leaves(jax.device_get(res.state.params)),

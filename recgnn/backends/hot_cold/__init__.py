@@ -16,16 +16,21 @@ How a batch flows:
 
   input thread, prepare(k)   counts accesses while profiling (recgnn.embeddings.access_counts);
                              maps each id to a hot slot or to the batch's list of distinct
-                             cold rows (padded to the batch's id count); splits a train
+                             cold rows (padded to a bucketed length: `hot_set.Buckets`);
+                             splits a train
                              batch's examples per device into the popular and the non-popular
                              micro-batch (the popular one's size fixed per hot set, the other
-                             the rest: the step compiles a few times per run, not per batch);
+                             the rest: the step compiles a few times per run, not per batch;
+                             when the popular size per device rounds to 0 the batch runs
+                             whole and the log says why: `micro.off_reason`);
                              when a profile completes, picks the hot set for the byte budget
                              and plans the migration (rows in / out of the hot arrays).
   step k, lookup             popular micro-batch: hot rows only (a masked gather on each
                              device's shard, a reduce-scatter of the rows: exact, every row
                              has one non-zero term). Non-popular: the same, plus the cold rows
-                             gathered from the host table (compute_on("device_host")).
+                             gathered from the host table (compute_on("device_host")) ONCE
+                             per step: the residuals carry them (and, on one device, the
+                             row list left on the host) to the update.
   step k, update             ONE sparse update for the whole batch, as `dense` applies it:
                              hot rows on their owner devices, cold rows on the gathered copy
                              and written back to the host table (exact: the same adds in the
@@ -43,8 +48,10 @@ of the input before training: the trainer gives a backend no look at the data be
 runs, so the sample is the head of the (shuffled) stream; `use_profile` takes a profile made
 elsewhere (e.g. `profile.profile_sample` over a 5 % sample) instead. `reprofile=N` re-picks
 the hot set every N train batches from the accesses counted since the last pick, for drifting
-popularity. A checkpoint holds the logical rows only (restorable into any "rows" backend, on
-any mesh): the hot set is re-profiled after `import_`.
+popularity. A checkpoint holds the logical rows (restorable into any "rows" backend, on any
+mesh) and the hot set (`extras`, the checkpoint's metadata): `restore_extras` migrates it in
+after `import_`, so a resumed run neither re-profiles nor starts all cold. hotline_kaggle
+sets `profile_batches` to a share of an epoch of its data (train rows // batch size).
 
 State {"tables": {table: {"hot": {"table": f32[Ha, D], slot: f32[Ha]}   rows over the mesh
                           "hot_rows": int32[Ha] (the row in each hot slot; N = empty)
@@ -62,6 +69,15 @@ Limits, and why:
     popular micro-batch never reads a host array, so XLA may run it while the cold gather is
     in flight (on an accelerator the host gather and copy are asynchronous); XLA:CPU runs
     host and device computations on the same cores, so nothing overlaps there.
+    tests/test_hot_cold_tiers.py checks the dependency on the step's HLO.
+  - The cold rows of batch k are gathered in step k (once), not during step k - 1: the
+    gather overlaps the popular micro-batch only, not the previous step.
+  - On a mesh the host table is split by rows and each device gathers the whole cold list
+    from its share (rows it does not own read as padding): each device's link moves the
+    list's length, not its own rows' share.
+  - The split is off (batches run whole, logged once per hot set) when the popular
+    micro-batch size rounds to 0 on the device with fewest popular examples: every device
+    runs the same sizes and the popular micro-batch holds popular examples only.
 
 Files: options.py (`HotColdOptions`), hot_set.py (the row <-> slot maps, profile, pick and
 migrations: `HotSetPlanning`), micro.py (the popular / non-popular split), device.py (the
@@ -73,6 +89,7 @@ microbatch).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -80,8 +97,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from recgnn import sharding
+from recgnn.backends.hot_cold import hot_set
 from recgnn.backends.hot_cold.device import DeviceSteps
 from recgnn.backends.hot_cold.hot_set import HotSetPlanning, TableRows, pad_to
 from recgnn.backends.hot_cold.micro import MARGIN, split
@@ -133,6 +152,11 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     self._pending: dict[str, np.ndarray] | None = None  # a hot set to migrate to
     self._p0: dict[int, int] = {}  # per-device batch size b -> popular micro-batch size
     self._counters = host_cache.Counters()
+    # The cold list's length per table, for train and eval batches apart (their steps are
+    # separate programs): bucketed, so each takes a few shapes per run.
+    grow = hot_set.SHRINK_AFTER
+    self._cold_len = {t: {n: hot_set.Buckets(grow) for n in self.specs} for t in (True, False)}
+    self.cold_shapes: set[tuple[int, ...]] = set()  # the train steps' cold-list lengths seen
     owner = f"hot_cold (tables {', '.join(self.specs)})"
     self._syncer = host_cache.Syncer(self._flush, owner, "hot / cold")
     self._initialised = False
@@ -306,6 +330,39 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     self._initialised = True
     return {**state, "tables": tables}
 
+  def extras(self, state):
+    """The hot set, saved beside the logical rows in the checkpoint's metadata: each table's
+    hot rows as the state holds them (its slot map, not the input thread's bookkeeping,
+    which may be ahead by a migration planned for a batch not yet run), delta-coded."""
+    out = {}
+    for name, t in state["tables"].items():
+      rows = np.asarray(jax.device_get(t["hot_rows"])).astype(np.int64)
+      out[name] = hot_set.encode_rows(np.sort(rows[rows < self.specs[name].num_rows]))
+    return {"hot_set": out}
+
+  def restore_extras(self, state, extras):
+    """The saved hot set migrated into the state `import_` built (every row on the host):
+    the resumed run computes from the same hot rows at once, with no new profile. A hot set
+    that does not fit this backend (another budget, other tables) is ignored: profiled
+    again."""
+    saved = extras.get("hot_set") or {}
+    rows = {}
+    for name, r in self._rows.items():
+      x = hot_set.decode_rows(saved[name]) if name in saved else None
+      if x is None or x.size > r.capacity or (x.size and x[-1] >= r.spec.num_rows):
+        logging.info("hot_cold: the checkpoint's hot set does not fit table %r: profiling", name)
+        return state
+      rows[name] = x
+    tables = dict(state["tables"])
+    repl = self._repl()
+    for name, r in self._rows.items():
+      packed = jax.device_put(self._pack_migration(name, self._migrate(r, rows[name])), repl)
+      move = jax.jit(functools.partial(self._migration, spec=r.spec))
+      tables[name] = move(tables[name], packed)
+    self._picked = bool(any(x.size for x in rows.values()))
+    self._since_pick, self._p0, self._pending = 0, {}, None
+    return {**state, "tables": tables}
+
   def _check_stale(self, state):
     self._syncer.check(state)
 
@@ -372,13 +429,14 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       hot_ids_total += int(hot.sum())
       ids_total += int(valid.sum())
     out = {"tables": {}}
+    lengths = []
     for name, (x, valid, slot, hot, cold, cold_rows, cold_pos) in per.items():
       r = self._rows[name]
-      # Every id of the batch may be cold: a cold list of that length has one shape for
-      # the whole run (a list sized to the batch's count recompiled the step whenever a
-      # batch had more distinct cold rows than any before; ~15 s each on CPU). Its padding
-      # costs O(batch) gathers, the bytes `dense` reads for the batch.
-      uc = min(x.size, r.spec.num_rows)
+      # The batch's distinct cold rows, padded to a bucketed length (`Buckets`: within
+      # 12.5 % of the need, grown at once, shrunk after a while), so the host traffic is
+      # what the cold ids need and the step compiles a few times per run, not per batch.
+      uc = self._cold_len[train][name](cold_rows.size, min(x.size, r.spec.num_rows))
+      lengths.append(uc)
       cold_ids = np.full(x.shape, uc, np.int32)
       cold_ids[cold] = cold_pos
       t = {
@@ -399,7 +457,14 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     )
     if micro is not None:
       out["micro"] = micro
+    if train:
+      self.cold_shapes.add(tuple(lengths))
     migrate = self._plan_profile(ids, train)
+    if any(m is not None for m in migrate.values()):
+      # A new hot set changes every later batch's cold rows: their lists start over (the
+      # next batch's need sets the length, instead of waiting out the old hot set's).
+      for b in self._cold_len[True].values():
+        b.reset()
     for name, t in out["tables"].items():
       t.update(self._pack_migration(name, migrate.get(name)))
     version = -1 if not train else self._version
@@ -420,6 +485,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       stats.update(
         steps=1,
         rows_h2d=cold_rows_n,
+        cold_list=sum(lengths),
         rows_d2h=cold_rows_n,
         bytes_h2d=cold_bytes,
         migrated_rows=sum(
@@ -452,8 +518,9 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
   def stats(self):
     """Since the last call, per train step: popular_fraction (examples whose ids are all
     hot), hot_coverage (ids served by a hot row), rows / bytes host -> device and back
-    (cold rows), migrated rows, micro-batch sizes (all devices), plan ms on the
-    input thread. Eval batches: eval_popular_fraction, eval_hot_coverage."""
+    (cold rows), the padded cold lists' rows and their distinct lengths so far, migrated
+    rows, micro-batch sizes (all devices), plan ms on the input thread. Eval batches:
+    eval_popular_fraction, eval_hot_coverage."""
     c = self._counters.take()
     out = {}
     steps = c.get("steps", 0)
@@ -462,6 +529,10 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         popular_fraction=c["popular"] / max(c["examples"], 1),
         hot_coverage=c["hot_ids"] / max(c["ids"], 1),
         h2d_rows_per_step=c["rows_h2d"] / steps,
+        # The cold lists' padded lengths (the rows the step's host gather really moves) and
+        # how many distinct lengths (step shapes) the run has compiled for so far.
+        cold_list_rows_per_step=c["cold_list"] / steps,
+        cold_list_shapes=len(self.cold_shapes),
         d2h_rows_per_step=c["rows_d2h"] / steps,
         # A cold row comes in and goes back once per step (rows + optimizer state).
         h2d_bytes_per_step=c["bytes_h2d"] / steps,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from recgnn import sharding
-from recgnn.embeddings import base, host_cache, microbatch, row_sharded
+from recgnn.embeddings import base, host_cache, host_table, microbatch, row_sharded
 
 P = sharding.P
 
@@ -81,11 +81,28 @@ class DeviceSteps:
     """The residuals: {table: the batch's cold rows and their optimizer state, gathered from
     the host table once ([Uc, D] / [Uc], replicated)}, read by the lookup and updated and
     written back by `update` (no second trip to host memory). An eval step drops them, and
-    XLA with them the slots' gather."""
-    return {
-      name: self._cold_rows(state, prepared, name, ("table", *spec.optimizer.slot_names()))
-      for name, spec in self.specs.items()
-    }
+    XLA with them the slots' gather. On an unsplit host table the row list goes to the host
+    once, with every array of the table gathered in one host computation; the residuals keep
+    it there ("host_rows") for the write-back."""
+    out = {}
+    for name, spec in self.specs.items():
+      keys = ("table", *spec.optimizer.slot_names())
+      if self.host.split or not self.host.offloaded:
+        out[name] = self._cold_rows(state, prepared, name, keys)
+        continue
+      t = state["tables"][name]
+      # Padding entries (past the table) are clamped by the gather and dropped by the scatter.
+      idx = self.host.to_host(prepared["tables"][name]["cold_rows"])
+      # The list comes back as a host-resident output: the write-back reads it there
+      # (passing `idx` again would move it to the host a second time).
+      idx, *got = host_table.host_compute(
+        lambda idx, *hs: (idx, *(host_table.gather_rows(h, idx) for h in hs)),
+        idx,
+        *[t["host"][k] for k in keys],
+      )
+      out[name] = {k: self.host.to_device(v) for k, v in zip(keys, got)}
+      out[name]["host_rows"] = idx
+    return out
 
   def lookup_micro(self, state, prepared) -> tuple[tuple[dict[str, jax.Array], ...], dict]:
     """-> ({table: f32[n * Pm, D]} pooled rows of each micro-batch's examples (padding:
@@ -197,6 +214,18 @@ class DeviceSteps:
     table, slots = base.sparse_sgd_or_adagrad(spec, got["table"], slots, lp, grads)
     host = dict(t["host"])
     new = {"table": table, **slots}
+    if "host_rows" in got:  # the row list already on the host: one host computation
+      keys = tuple(host)
+      vals = [self.host.to_host(new[k]) for k in keys]
+      out = host_table.host_compute(
+        lambda idx, *a: tuple(
+          host_table.scatter_rows(h, idx, v) for h, v in zip(a[: len(keys)], a[len(keys) :])
+        ),
+        got["host_rows"],
+        *[host[k] for k in keys],
+        *vals,
+      )
+      return dict(zip(keys, out))
     for k in host:
       host[k] = self.host.scatter(host[k], p["cold_rows"], new[k])
     return host

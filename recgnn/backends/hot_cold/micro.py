@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from absl import logging
 
 MARGIN = 4.0  # popular micro-batch size: the popular count less this many binomial std devs
 
@@ -22,7 +23,29 @@ def _popular_size(cnt: int, b: int) -> int:
   return max(0, math.floor(cnt - MARGIN * sd))
 
 
-def split(p0s: dict[int, int], tables, popular, n_dev, b):
+def off_reason(h: np.ndarray, b: int, n_dev: int) -> str:
+  """Why the popular micro-batch is empty, in words (logged: the split never switches off
+  silently). h: bool[n_dev, b], each device's popular examples."""
+  counts = h.sum(axis=1)
+  cnt, total = int(counts.min()), int(counts.sum())
+  where = f"{n_dev} device(s) x {b} examples" if n_dev > 1 else f"{b} examples"
+  if total == 0:
+    return (
+      f"no popular example in the batch ({where}): an example is popular only when all its "
+      "ids in the group's tables are hot (no hot set yet, or a budget too small for them)"
+    )
+  sd = math.sqrt(cnt * (1 - cnt / b)) if b else 0.0
+  return (
+    f"{total} popular example(s) in {where}, {cnt} on the device with fewest; its popular "
+    f"micro-batch size ({cnt} less {MARGIN:g} binomial std devs = {cnt - MARGIN * sd:.1f}) "
+    "rounds to 0, and every device runs the same size: batches run whole (same values) "
+    "until the next hot set. "
+    "More examples per device (a larger batch or fewer devices), fewer tables in the group "
+    "or a larger budget make examples popular enough to split"
+  )
+
+
+def split(p0s: dict, tables, popular, n_dev, b):
   """Per device, its first P0 popular examples (in batch order), then the rest (its other
   popular examples, then its non-popular ones), as two micro-batches of P0 and b - P0
   examples (every device the same; no padding). P0 (`_popular_size`) is fixed from the
@@ -37,6 +60,9 @@ def split(p0s: dict[int, int], tables, popular, n_dev, b):
   if p0 is None or cnt < p0:
     p0 = p0s[b] = _popular_size(cnt, b)
   if p0 == 0:
+    if ("off", b) not in p0s:  # once per hot set (p0s starts empty with each)
+      p0s[("off", b)] = True
+      logging.warning("hot_cold: popular / non-popular split off: %s", off_reason(h, b, n_dev))
     return None
   order = np.argsort(~h, axis=1, kind="stable")  # popular first, each in batch order
   micro = []

@@ -1,0 +1,374 @@
+"""hot_cold as a memory tier (issue 24, item 3), read off the step's HLO and the host side:
+the popular micro-batch never waits for the cold gather (Hotline's claim); the host link moves
+what the cold ids need (a bucketed cold list, gathered once per step); the cold list takes a
+few shapes per run; the split says why it is off; the hot set survives a checkpoint; the
+profile window comes from the data."""
+
+import json
+import logging
+
+import contract_lib as contract
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_hot_cold import ADAGRAD, SGD, SPLIT_BATCH, _assert_same, _batches, _run_group, _specs
+
+from recgnn import comms, hlo, sharding
+from recgnn.backends.hot_cold import hot_set, micro
+from recgnn.embeddings import base, microbatch
+
+
+def _offloaded_or_skip(group):
+  if not group.host.offloaded:
+    pytest.skip("no pinned_host memory on this platform")
+
+
+def _prepare_stream(group, batches):
+  """Every batch's prepare (train), in order; the last one's prepared pytree."""
+  for ids in batches:
+    p = group.prepare(ids, train=True)
+  return p
+
+
+# ----------------------------------------------------------------------------- the HLO
+
+
+def _micro_step(group, mesh):
+  """The trainer's micro-batched step, reduced to the embeddings: each micro-batch's loss and
+  its gradient (popular first), merged back in batch order, ONE update. Returns (state,
+  (loss, d loss / d pooled) of every micro-batch)."""
+
+  def step(state, prepared):
+    parts, residuals = group.lookup_micro(state, prepared)
+    outs = []
+    for part in parts:
+      loss = lambda p: sum(jnp.sum(jnp.sin(v)) for v in p.values())  # noqa: E731
+      outs.append(jax.value_and_grad(loss)(part))
+    idx = group.micro_batches(prepared)
+    batch = next(iter(prepared["tables"].values()))["hot_ids"].shape[0]
+    g = {
+      n: microbatch.merge(mesh, group.layout.split_batch, batch, idx, [o[1][n] for o in outs])
+      for n in group.specs
+    }
+    return group.update(state, prepared, residuals, g), tuple(outs)
+
+  return step
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (8, 1)], ids=lambda m: f"{m[0]}x{m[1]}")
+def test_popular_micro_batch_does_not_depend_on_the_cold_gather(mesh_shape):
+  """On the step's HLO: the popular micro-batch's loss and gradients use no host-resident
+  value (neither the host table nor anything gathered from it), so they can compute while
+  the cold rows cross the host link; the non-popular micro-batch's do (the control), and so
+  does the update."""
+  specs = _specs(SGD)
+  mesh = sharding.make_mesh(*mesh_shape)
+  group = base.make_group("hot_cold(budget=0.3, profile_batches=2)", specs, mesh)
+  _offloaded_or_skip(group)
+  state = group.init(jax.random.key(0))
+  prepared = _prepare_stream(group, _batches(specs, n=4, batch=SPLIT_BATCH))
+  assert len(prepared["micro"]) == 2  # a popular and a non-popular micro-batch
+  put = contract.put_prepared(group, prepared, mesh)
+  step = _micro_step(group, mesh)
+  lowered = jax.jit(step).lower(state, put)
+  module = hlo.parse(lowered.compiler_ir("hlo").as_hlo_text())
+  entry = module.instrs()
+  root = module.root(module.entry)
+  n_state = len(jax.tree.leaves(jax.eval_shape(step, state, put)[0]))
+  n_micro = 1 + len(specs)  # (loss, {table: grad}) per micro-batch
+  outs = root.operands[n_state:]
+  assert len(outs) == 2 * n_micro
+  popular, cold = outs[:n_micro], outs[n_micro:]
+  params = {i.parameter: n for n, i in entry.items() if i.op == "parameter"}
+  host = [params[k] for k in comms.host_params_of(lowered)]
+  assert host  # the host tables are parameters in host memory
+  # Every host computation of the entry (the cold gather, on one device) and every host
+  # parameter: none reaches the popular micro-batch.
+  host_calls = [t.value for t in comms.host_link_of(lowered).transfers if t.value in entry]
+  sources = host + [v for v in host_calls if v not in params]
+  for out in popular:
+    used = module.ancestors(out)
+    assert not used & set(sources), f"{out} uses {sorted(used & set(sources))}"
+  for out in cold[1:]:  # the non-popular micro-batch's gradients read the cold rows
+    assert module.ancestors(out) & set(host)
+  update = root.operands[:n_state]
+  assert any(module.ancestors(o) & set(host) for o in update)
+
+
+class _DlrmTask:
+  """A DLRM over the group's tables with weighted examples (the Task contract's loss), for
+  lowering the trainer's own step (recgnn.train.step.make_train_step)."""
+
+  def __new__(cls, specs, mesh):
+    import ml_collections
+    import optax
+
+    from recgnn.models.dlrm import DLRM
+    from recgnn.tasks.base import Task
+
+    class T(Task):
+      def __init__(self):
+        super().__init__(ml_collections.ConfigDict(), mesh)
+        self.model = DLRM(bottom=(16, 8), top=(16, 1))
+
+      def tables(self):
+        return specs
+
+      def init_params(self, key, batch, embeddings):
+        return self.model.init(key, batch["dense"], [embeddings[s.name] for s in specs])
+
+      def loss(self, params, batch, embeddings, key):
+        del key
+        logits = self.model.apply(params, batch["dense"], [embeddings[s.name] for s in specs])
+        w = batch["weight"]
+        ll = optax.sigmoid_binary_cross_entropy(logits, batch["label"])
+        return jnp.sum(ll * w) / jnp.maximum(jnp.sum(w), 1.0), {}
+
+      def predict(self, params, batch, embeddings):
+        raise NotImplementedError
+
+      def metrics(self, outputs):
+        raise NotImplementedError
+
+      def train_batches(self, start_step=0):
+        raise NotImplementedError
+
+      def eval_batches(self, split):
+        raise NotImplementedError
+
+    return T()
+
+
+def test_trainer_step_runs_the_popular_micro_batch_without_the_host():
+  """The trainer's own step (DLRM, two micro-batches): no matmul of the popular micro-batch's
+  forward or backward uses a host-resident value (the host tables, the cold rows gathered
+  from them), transitively; the non-popular micro-batch's do."""
+  import optax
+
+  from recgnn.train import step as step_lib
+
+  specs = [  # DLRM's interaction needs one dim
+    base.TableSpec(name="a", num_rows=1000, dim=8, optimizer=SGD),
+    base.TableSpec(name="b", num_rows=300, dim=8, optimizer=SGD),
+  ]
+  mesh = sharding.make_mesh(1, 1)
+  group = base.make_group("hot_cold(budget=0.3, profile_batches=2)", specs, mesh)
+  _offloaded_or_skip(group)
+  plan = base.Plan({group.name: group}, {s.name: group.name for s in specs}, mesh)
+  task = _DlrmTask(specs, mesh)
+  batches = _batches(specs, n=4, batch=SPLIT_BATCH)
+  rng = np.random.default_rng(0)
+  batch = {
+    "dense": rng.random((SPLIT_BATCH, 13), np.float32),
+    "label": (rng.random(SPLIT_BATCH) < 0.3).astype(np.float32),
+    "weight": np.ones(SPLIT_BATCH, np.float32),
+  }
+  tx = optax.sgd(0.1)
+  state = step_lib.init_state(task, plan, tx, jax.random.key(0), {**batch, "ids": batches[0]})
+  prepared = _prepare_stream(group, batches)
+  assert len(prepared["micro"]) == 2
+  put = {group.name: contract.put_prepared(group, prepared, mesh)}
+  lowered = jax.jit(step_lib.make_train_step(task, plan, tx)).lower(state, put, batch)
+  module = hlo.parse(lowered.compiler_ir("hlo").as_hlo_text())
+  entry = module.instrs()
+  params = {i.parameter: n for n, i in entry.items() if i.op == "parameter"}
+  host = {params[k] for k in comms.host_params_of(lowered)}
+  assert host
+  # Each micro-batch's examples are taken by its index list (a parameter named by its path):
+  # the matmuls that read micro-batch m's list are its forward and backward.
+  (idx0,) = [n for n in params.values() if "micro___0___idx" in n]
+  (idx1,) = [n for n in params.values() if "micro___1___idx" in n]
+  dots = {n: module.ancestors(n) for n, i in entry.items() if i.op == "dot"}
+  popular = [n for n, used in dots.items() if idx0 in used]
+  other = [n for n, used in dots.items() if idx1 in used]
+  assert popular and other and not set(popular) & set(other)
+  assert not any(dots[n] & host for n in popular)  # never waits for the host
+  assert any(dots[n] & host for n in other)  # the control: the cold rows feed these
+
+
+# ----------------------------------------------------------------------------- host link
+
+
+def _host_link(budget, mesh_shape=(1, 1), steps=60, measured=30):
+  """A Zipf stream through one table (row-wise Adagrad, D = 16: 68 bytes a row), its hot set
+  picked after 10 batches. For each of the last `measured` steps: the host-link figures of
+  its step's HLO (lowered once per cold-list length) and its distinct cold ids. -> (links,
+  cold ids per step, row bytes)."""
+  spec = base.TableSpec(name="t", num_rows=100_000, dim=16, optimizer=ADAGRAD)
+  mesh = sharding.make_mesh(*mesh_shape)
+  group = base.make_group(
+    f"hot_cold(budget={budget}, profile_batches=10, split=False)", [spec], mesh
+  )
+  _offloaded_or_skip(group)
+  state = group.init(jax.random.key(0))
+
+  def step(state, prepared):
+    pooled, res = group.lookup(state, prepared)
+    return group.update(state, prepared, res, {"t": pooled["t"]})
+
+  by_len, links, cold = {}, [], []
+  for k, ids in enumerate(contract.zipf_ids(0, steps, 512, 4, spec.num_rows)):
+    hot = group.hot_set()["t"]  # the layout this batch is prepared for
+    p = group.prepare({"t": ids}, train=True)
+    if k < steps - measured:
+      continue
+    valid = ids[ids >= 0]
+    cold.append(np.unique(valid[~np.isin(valid, hot)]).size)
+    n = p["tables"]["t"]["cold_rows"].shape[0]
+    if n not in by_len:
+      put = contract.put_prepared(group, p, mesh)
+      by_len[n] = comms.host_link_of(jax.jit(step).lower(state, put))
+    links.append(by_len[n])
+  return links, np.asarray(cold), spec.row_bytes
+
+
+def test_host_link_bytes_follow_the_cold_ids():
+  """Zipf ids, budgets 1 %, 5 %, 20 %: the bytes each way per step (from the HLO; the mean
+  over 30 steps after the hot set is in) within 1.25x of (the batch's distinct cold ids x
+  row bytes), never below it, and falling as the budget grows (the cold list used to be
+  the batch's id count whatever the budget)."""
+  got = {}
+  for budget in (0.01, 0.05, 0.2):
+    links, cold, row = _host_link(budget)
+    to_dev = np.array([x.to_device_bytes for x in links])
+    to_host = np.array([x.to_host_bytes for x in links])
+    assert (to_dev >= cold * row).all() and (to_host >= cold * row).all()
+    need = cold.mean() * row
+    got[budget] = (to_dev.mean() / need, to_host.mean() / need, cold.mean(), to_dev.mean())
+    assert to_dev.mean() <= 1.25 * need and to_host.mean() <= 1.25 * need, (budget, got)
+  print("budget: (to_device / need, to_host / need, cold ids, to_device bytes)", got)
+  dev = [got[b][3] for b in (0.01, 0.05, 0.2)]
+  assert dev[0] > dev[1] > dev[2], got
+
+
+def test_host_link_per_device_on_a_mesh():
+  """On 8 devices each device's link moves the cold list once (each reads its own rows of
+  the split host table, the others as padding): per device, as on one device."""
+  links, cold, row = _host_link(0.05, (8, 1), steps=20, measured=1)
+  assert links[0].devices == 8
+  per = links[0].to_device_bytes / links[0].devices
+  assert cold[0] * row <= per <= 1.25 * cold[0] * row
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+def test_bucket_sizes():
+  assert [hot_set.bucket(n) for n in (0, 1, 8, 9, 15, 16, 17, 33, 1000, 1025)] == [
+    8, 8, 8, 9, 15, 16, 18, 36, 1024, 1152,
+  ]  # fmt: skip
+  for n in range(1, 5000):
+    assert n <= hot_set.bucket(n) < 1.125 * n + 8
+
+
+def test_buckets_grow_at_once_and_shrink_after_a_while():
+  b = hot_set.Buckets(patience=3)
+  assert b(100, 10_000) == 104
+  assert b(500, 10_000) == 512  # grows at once
+  assert [b(100, 10_000) for _ in range(2)] == [512, 512]  # holds
+  assert b(130, 10_000) == 144  # the third low batch in a row: the largest of them
+  assert b(100, 50) == 50  # never more than the cap (the batch's ids / the table's rows)
+
+
+def test_zipf_stream_compiles_a_few_shapes():
+  """200 steps of a Zipf stream with a migration and re-picks: the cold lists take a few
+  lengths (the step's shapes), not one per batch. Printed for the report."""
+  specs = _specs(ADAGRAD)
+  group = base.make_group(
+    "hot_cold(budget=0.05, profile_batches=10, reprofile=50)", specs, base.default_mesh()
+  )
+  group.init(jax.random.key(0))
+  needs = set()
+  for ids in _batches(specs, n=200, batch=512, bag=3):
+    p = group.prepare(ids, train=True)
+    needs.add(tuple(int((p["tables"][n]["cold_rows"] < 1024).sum()) for n in group.specs))
+  shapes = group.cold_shapes
+  s = group.stats()
+  assert s["cold_list_shapes"] == len(shapes)
+  assert s["h2d_rows_per_step"] <= s["cold_list_rows_per_step"]
+  print(f"cold-list shapes over 200 steps: {len(shapes)} ({sorted(shapes)}); distinct needs "
+        f"{len(needs)}")  # fmt: skip
+  assert len(shapes) <= 12 and len(needs) > 5 * len(shapes)
+
+
+# ----------------------------------------------------------------------------- the split
+
+
+def test_split_off_says_why(caplog):
+  """Too few popular examples per device for a popular micro-batch: the batch runs whole and
+  the log says why (once per hot set), not silently."""
+  from absl import logging as absl_logging
+
+  h = np.zeros((8, 4), bool)
+  h[0, 0] = True
+  p0s = {}
+  tables = {"t": {"hot_ids": np.zeros((32, 1), np.int32), "cold_ids": np.zeros((32, 1))}}
+  with caplog.at_level(logging.WARNING):
+    absl_logging.use_python_logging()
+    assert micro.split(p0s, tables, h.reshape(-1), 8, 4) is None
+    assert micro.split(p0s, tables, h.reshape(-1), 8, 4) is None
+  msgs = [r.getMessage() for r in caplog.records if "split off" in r.getMessage()]
+  assert len(msgs) == 1 and "1 popular example(s)" in msgs[0] and "0 on the device" in msgs[0]
+  reason = micro.off_reason(np.zeros((8, 4), bool), 4, 8)
+  assert "no popular example" in reason
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+
+@pytest.mark.parametrize("save,resume", [((8, 1), (1, 1)), ((1, 1), (2, 4))], ids=str)
+def test_hot_set_in_the_checkpoint(save, resume):
+  """The hot set goes into the checkpoint's metadata (`extras`, JSON) and comes back on
+  another mesh (`restore_extras` after `import_`): the resumed run starts from the same hot
+  rows, without re-profiling, and stays bit-equal to dense."""
+  specs = _specs(ADAGRAD)
+  batches = _batches(specs, n=7)
+  text = "hot_cold(budget=0.1, profile_batches=2)"
+  ref = _run_group("dense", specs, batches, base.default_mesh())
+  first = _run_group(text, specs, batches, sharding.make_mesh(*save), stop=4)
+  g1, s1 = first[2], first[3]
+  hot = g1.hot_set()
+  assert hot["a"].size
+  saved = jax.device_get(g1.export(s1))
+  extras = json.loads(json.dumps(g1.extras(s1)))
+  g2 = base.make_group(text, specs, sharding.make_mesh(*resume))
+  target = g2.logical_target()
+  s2 = g2.import_(jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), saved, target))
+  s2 = g2.restore_extras(s2, extras)
+  assert all(np.array_equal(g2.hot_set()[n], hot[n]) for n in hot)
+  rest = _run_group(text, specs, batches, None, group=g2, state=s2, start=4)
+  _assert_same((first[0] + rest[0], rest[1]), ref[:2])
+  s = g2.stats()
+  assert s["popular_fraction"] > 0 and s["migrated_rows_per_step"] == 0  # no new profile
+
+
+def test_hot_set_that_does_not_fit_is_profiled_again():
+  specs = _specs(SGD)
+  g = base.make_group("hot_cold(budget=0.01, profile_batches=2)", specs, base.default_mesh())
+  state = g.init(jax.random.key(0))
+  big = {"hot_set": {"a": hot_set.encode_rows(np.arange(500)), "b": hot_set.encode_rows([])}}
+  assert g.restore_extras(state, big) is state and not g.hot_set()["a"].size
+
+
+def test_rows_encoding_round_trips():
+  rows = np.sort(np.random.default_rng(0).choice(10_000_000, 50_000, replace=False))
+  assert np.array_equal(hot_set.decode_rows(hot_set.encode_rows(rows)), rows)
+  assert hot_set.decode_rows(hot_set.encode_rows(np.zeros(0, np.int64))).size == 0
+
+
+# ----------------------------------------------------------------------------- profile window
+
+
+def test_hotline_profile_window_from_the_data():
+  from experiments import hotline_kaggle
+
+  c = hotline_kaggle.get_config()
+  steps = hotline_kaggle.steps_per_epoch(c)
+  assert steps == 1674  # the synthetic default: 4M rows, 6/7 train, batch 2048
+  assert f"profile_batches={round(0.05 * steps)}" in c.embeddings.plan[0][1]
+  c.data.synthetic.rows, c.train.batch_size = 700_000, 1000
+  assert hotline_kaggle.steps_per_epoch(c) == 600
+  assert "profile_batches=30" in hotline_kaggle.hot_cold_text(
+    hotline_kaggle.parse_arg(None), hotline_kaggle.steps_per_epoch(c)
+  )
