@@ -6,7 +6,9 @@ batch carries the layout version it was planned for; the step checks it against 
 and counts mismatches (`advance`), and `check_stale` refuses, at sync / save time, a run in
 which a prepared batch was skipped or ran out of order. `flush` writes the device copy back
 to the host table (sync before a checkpoint); `Counters` are the input thread's statistics,
-read and reset by `stats()` on the main thread.
+read and reset by `stats()` on the main thread. `octave_bucket` and `ListSizer` size the lists
+of rows a step moves over the host link (offload's exchanges, hot_cold's cold rows) by what the
+batch needs, in a few shapes.
 """
 
 from __future__ import annotations
@@ -81,3 +83,62 @@ class Syncer:
     if self._jitted is None:
       self._jitted = jax.jit(self._flush, donate_argnums=0)
     return self._jitted(state)
+
+
+def octave_bucket(n: int) -> int:
+  """Padded length of a list of n rows: 0, 8, or the smallest m * 2**k >= n with m in 8..15
+  (eighth-octave steps: at most 12.5% padding, and a stream of needs takes a few lengths)."""
+  n = int(n)
+  if n <= 0:
+    return 0
+  if n <= 8:
+    return 8
+  k = n.bit_length() - 4
+  return -(-n // (1 << k)) << k
+
+
+class ListSizer:
+  """Hysteresis over `octave_bucket`: a list's length grows at once to fit a larger need and
+  shrinks (to the bucket of the largest need meanwhile) only after `patience` consecutive
+  needs fit a smaller bucket. A steady stream keeps one length for long stretches, so the
+  step compiles a few times, not per batch.
+
+  start_at_cap: the first length is `cap` (offload: the first steps, whose cold cache misses
+  most, keep one shape) instead of the first need's bucket. `sizes`: every length handed out
+  (the step's shapes, for tests and stats)."""
+
+  def __init__(self, patience: int = 16, start_at_cap: bool = False):
+    self.patience = patience
+    self.start_at_cap = start_at_cap
+    self.width: int | None = None  # None: nothing sized yet (or reset)
+    self._low = 0  # consecutive needs that fit a smaller bucket
+    self._peak = 0  # the largest of them
+    self.sizes: set[int] = set()
+
+  def reset(self) -> None:
+    """Forget the length (the needs change at once, e.g. a new hot set)."""
+    self.width, self._low, self._peak = None, 0, 0
+
+  def __call__(self, need: int, cap: int) -> int:
+    """The length for a list of `need` entries, at most `cap` (the longest useful list)."""
+    b = min(octave_bucket(need), cap)
+    if self.width is None:
+      width = cap if self.start_at_cap else 0
+    else:
+      width = min(self.width, cap)
+    if b >= width:
+      width, self._low, self._peak = b, 0, 0
+    else:
+      self._low += 1
+      self._peak = max(self._peak, need)
+      if self._low >= self.patience:
+        width, self._low, self._peak = min(octave_bucket(self._peak), cap), 0, 0
+    self.width = width
+    self.sizes.add(width)
+    return width
+
+  def hold(self, cap: int) -> int:
+    """The current length, for a list with nothing planned that keeps the steady shapes."""
+    width = cap if self.width is None else min(self.width, cap)
+    self.sizes.add(width)
+    return width

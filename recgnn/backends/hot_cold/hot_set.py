@@ -17,51 +17,23 @@ import zlib
 import numpy as np
 
 from recgnn.embeddings import access_counts as profile
-from recgnn.embeddings import base
+from recgnn.embeddings import base, host_cache
 
 SHRINK_AFTER = 16  # batches in a row whose cold rows fit a smaller list before it shrinks
 
 
 def bucket(n: int) -> int:
-  """The smallest eighth-octave size >= n: m * 2**k with m in 8..15 (8 for n <= 8), so a size
-  overshoots its need by under 12.5 % and a stream of needs takes a few sizes."""
-  n = int(n)
-  if n <= 8:
-    return 8
-  k = (n - 1).bit_length() - 4  # 2**(k+3) < n <= 2**(k+4)
-  return -(-n // (1 << k)) << k
+  """A cold list's padded length: `host_cache.octave_bucket`, at least 8 (a list is never
+  empty: the step's shapes stay put when a batch has no cold row)."""
+  return host_cache.octave_bucket(max(int(n), 1))
 
 
-class Buckets:
-  """A cold list's length for one table, bucketed (`bucket`) with hysteresis: it grows at once
-  to the bucket of a batch's need, and shrinks only after `patience` batches in a row all fit
-  a smaller bucket (then to the largest of their buckets). Sized by the batch's distinct cold
-  rows, not by its id count: host traffic falls as the hot set covers more, and the step
-  compiles once per size (a few per run), not per batch."""
-
-  def __init__(self, patience: int):
-    self.patience = patience
-    self.size = 0
-    self._low: list[int] = []  # the buckets of the batches since the need last reached size
-    self.sizes: set[int] = set()  # every length handed out (the step's cold-list shapes)
-
-  def reset(self) -> None:
-    """Forget the current length (a new hot set: the needs change at once)."""
-    self.size, self._low = 0, []
-
-  def __call__(self, need: int, cap: int) -> int:
-    """The length for a batch of `need` distinct cold rows (need <= cap: a list never
-    longer than the batch's ids or the table's rows)."""
-    want = min(bucket(need), cap)
-    if want >= self.size:
-      self.size, self._low = want, []
-    else:
-      self._low.append(want)
-      if len(self._low) >= self.patience:
-        self.size, self._low = max(self._low), []
-    out = min(self.size, cap)
-    self.sizes.add(out)
-    return out
+def Buckets(patience: int) -> host_cache.ListSizer:  # noqa: N802  (a class-like factory)
+  """A cold list's length for one table: the shared host-link list sizer (grow at once to a
+  batch's need, shrink only after `patience` batches in a row fit a smaller bucket). Sized
+  by the batch's distinct cold rows, not by its id count: host traffic falls as the hot set
+  covers more."""
+  return host_cache.ListSizer(patience)
 
 
 def encode_rows(rows: np.ndarray) -> str:

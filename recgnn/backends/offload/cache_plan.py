@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from recgnn.embeddings import access_counts as profile
+from recgnn.embeddings import host_cache
 
 POLICIES = ("lru", "lfu", "lookahead")
 _PROTECTED = np.iinfo(np.int64).max
@@ -31,50 +32,9 @@ def _bucket(n: int) -> int:
   return 0 if n == 0 else max(16, 1 << (n - 1).bit_length())
 
 
-def octave_bucket(n: int) -> int:
-  """Padded length of an exchange list under `exchange=bucket`: 0, 8, or the smallest
-  m * 2**k >= n with m in 8..15 (eighth-octave steps: at most 12.5% padding)."""
-  if n <= 0:
-    return 0
-  if n <= 8:
-    return 8
-  k = n.bit_length() - 4
-  return -(-n // (1 << k)) << k
-
-
-class Sizer:
-  """Hysteresis over `octave_bucket` (exchange=bucket). The width starts at `cap` (the most
-  an exchange can load, `exchange=fixed`'s width: the first steps, whose cold cache misses
-  most, keep one shape); it grows at once to fit a larger need, and shrinks (to the bucket
-  of the largest need meanwhile) only after the needs stayed in smaller buckets for
-  `patience` consecutive steps. A steady stream keeps one shape for long stretches, so a
-  step holding many tables' lists does not recompile whenever one table's misses cross a
-  bucket edge."""
-
-  def __init__(self, patience: int | None = None):
-    self.patience = PATIENCE if patience is None else patience
-    self.width: int | None = None  # None: nothing sized yet
-    self._low = 0  # consecutive steps whose need fit a smaller bucket
-    self._peak = 0  # the largest need among them
-
-  def __call__(self, need: int, cap: int) -> int:
-    """The width for a list of `need` entries (at most `cap`, the largest useful width)."""
-    b = min(octave_bucket(need), cap)
-    width = cap if self.width is None else min(self.width, cap)
-    if b >= width:
-      width, self._low, self._peak = b, 0, 0
-    else:
-      self._low += 1
-      self._peak = max(self._peak, need)
-      if self._low >= self.patience:
-        width, self._low, self._peak = min(octave_bucket(self._peak), cap), 0, 0
-    self.width = width
-    return width
-
-  def hold(self, cap: int) -> int:
-    """The current width, for an exchange with nothing planned that keeps the steady shapes
-    (the last batch of a stream)."""
-    return cap if self.width is None else min(self.width, cap)
+# exchange=bucket's list sizing: the shared host-link list sizer (recgnn.embeddings.host_cache).
+Sizer = host_cache.ListSizer
+octave_bucket = host_cache.octave_bucket
 
 
 def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
@@ -139,7 +99,7 @@ class Planner:
     self.admitted: np.ndarray | None = None  # ids of the batch admitted ahead
     # exchange=bucket: list widths of the on-demand and the prefetch exchanges (both planners
     # size through these, so their prepared arrays stay equal).
-    self.sizers = {"now": Sizer(), "next": Sizer()}
+    self.sizers = {k: Sizer(PATIENCE, start_at_cap=True) for k in ("now", "next")}
 
   @classmethod
   def from_slots(cls, slot_rows: np.ndarray, num_rows: int, policy: str, version: int):
