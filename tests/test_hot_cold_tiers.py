@@ -198,7 +198,7 @@ def _host_link(budget, mesh_shape=(1, 1), steps=60, measured=30):
   spec = base.TableSpec(name="t", num_rows=100_000, dim=16, optimizer=ADAGRAD)
   mesh = sharding.make_mesh(*mesh_shape)
   group = base.make_group(
-    f"hot_cold(budget={budget}, profile_batches=10, split=False)", [spec], mesh
+    f"hot_cold(budget={budget}, profile_batches=10, split=False, cold_list=bucket)", [spec], mesh
   )
   _offloaded_or_skip(group)
   state = group.init(jax.random.key(0))
@@ -276,7 +276,9 @@ def test_zipf_stream_compiles_a_few_shapes():
   lengths (the step's shapes), not one per batch. Printed for the report."""
   specs = _specs(ADAGRAD)
   group = base.make_group(
-    "hot_cold(budget=0.05, profile_batches=10, reprofile=50)", specs, base.default_mesh()
+    "hot_cold(budget=0.05, profile_batches=10, reprofile=50, cold_list=bucket)",
+    specs,
+    base.default_mesh(),
   )
   group.init(jax.random.key(0))
   needs = set()

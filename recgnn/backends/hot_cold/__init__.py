@@ -435,7 +435,11 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       # The batch's distinct cold rows, padded to a bucketed length (`Buckets`: within
       # 12.5 % of the need, grown at once, shrunk after a while), so the host traffic is
       # what the cold ids need and the step compiles a few times per run, not per batch.
-      uc = self._cold_len[train][name](max(cold_rows.size, 1), min(x.size, r.spec.num_rows))
+      cap = min(x.size, r.spec.num_rows)
+      if self.options.cold_list == "fixed":
+        uc = cap
+      else:
+        uc = self._cold_len[train][name](max(cold_rows.size, 1), cap)
       lengths.append(uc)
       cold_ids = np.full(x.shape, uc, np.int32)
       cold_ids[cold] = cold_pos

@@ -8,6 +8,8 @@ from typing import ClassVar
 
 from recgnn.embeddings import base
 
+COLD_LISTS = ("fixed", "bucket")
+
 
 @dataclasses.dataclass(frozen=True)
 class HotColdOptions(base.BackendOptions):
@@ -24,6 +26,15 @@ class HotColdOptions(base.BackendOptions):
     split: run the batch as popular + non-popular micro-batches (the step's micro-batch
       feature). False: one lookup of the whole batch (same values).
     host_memory: `pinned_host` or `device` (no offload: benchmarks, debugging).
+    cold_list: the length of each table's list of cold rows, a shape of the step. `fixed`
+      (default): the batch's id count (at most the table's rows), one shape for the run, but
+      the host link carries that many rows whatever the hot set covers. `bucket`: the
+      batch's distinct cold rows, rounded up to an eighth-octave length with hysteresis
+      (`host_cache.ListSizer`): host-link bytes within ~1.15x of what the cold ids need
+      (tests/test_hot_cold_tiers.py), at the price of a compile per new combination of the
+      group's lengths (a few per table; with many tables in one group, more), which on this
+      CPU costs more than the bytes it saves; the default until a group's lengths move
+      together.
   """
 
   backend: ClassVar[str] = "hot_cold"
@@ -34,8 +45,13 @@ class HotColdOptions(base.BackendOptions):
   reprofile: int = 0
   split: bool = True
   host_memory: str = "pinned_host"
+  cold_list: str = "fixed"
 
   def __post_init__(self):
+    if self.cold_list not in COLD_LISTS:
+      raise ValueError(
+        f"hot_cold: cold_list must be one of {', '.join(COLD_LISTS)}, got {self.cold_list!r}"
+      )
     if self.budget is not None and self.hot_rows is not None:
       raise ValueError("hot_cold: give budget=FRACTION or hot_rows=ROWS, not both")
     if self.budget is not None and not 0 < self.budget <= 1:
