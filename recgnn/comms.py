@@ -175,6 +175,12 @@ _PASS_THROUGH = ("Sharding", "xla.sdy.GlobalToLocalShape", "xla.sdy.LocalToGloba
                  "SPMDFullToShardShape", "SPMDShardToFullShape")  # fmt: skip
 
 
+def _passes_through(target: str | None) -> bool:
+  """Custom calls that only annotate a value (placement, Shardy's shardings and shard_map
+  shapes): it stays in the memory it is in."""
+  return target in _PASS_THROUGH or (target or "").startswith("xla.sdy.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Transfer:
   """One array crossing the host link: `direction` "to_host" or "to_device"; `value`: the
@@ -260,11 +266,14 @@ def host_link(hlo_text: str, host_params: set[int] | frozenset[int] = frozenset(
         elif not to_host:
           fetch(src)
         where[ins.name] = to_host
-      elif ins.op == "custom-call" and ins.attr("custom_call_target") in _PASS_THROUGH:
+      elif ins.op == "custom-call" and _passes_through(ins.attr("custom_call_target")):
         res = [where.get(o, False) for o in ins.operands]
         where[ins.name] = res[0] if len(res) == 1 else tuple(res)
       elif ins.op == "tuple":
         where[ins.name] = tuple(where.get(o, False) for o in ins.operands)
+      elif ins.op in ("opt-barrier", "reshape", "bitcast"):
+        # An ordering barrier, or a new view of the same bytes: the value stays where it is.
+        where[ins.name] = where.get(ins.operands[0], False)
       elif ins.op == "get-tuple-element":
         res = where.get(ins.operands[0], False)
         where[ins.name] = res[ins.index] if isinstance(res, tuple) else res
