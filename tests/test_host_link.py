@@ -136,3 +136,33 @@ def test_parse_reads_compiled_hlo_operands_with_shapes():
   assert (ins.name, ins.op, ins.operands, ins.bytes) == ("add.1", "add", ("p.0", "p.1"), 24)
   t = hlo.parse_instr("  ROOT t = (f32[2]{0}, s32[]) tuple(a, b)")
   assert t.root and t.op == "tuple" and t.bytes == 12
+
+
+def test_trainer_step_of_an_offload_table_moves_rows_not_the_table(tmp_path):
+  """The trainer's own packed step (setup.build: the step a call inside the entry, Shardy's
+  result annotations, reshapes of the state's host arrays): no transfer is a whole host
+  table (they stay in host memory; once they were counted as read by the device), and the
+  step does move rows."""
+  import trainer_lib
+
+  from recgnn.train import setup
+
+  config = trainer_lib.smoke_config(
+    str(tmp_path / "data"),
+    mesh=(1, 1),  # (on a mesh each device's share of an exchange counts once per device)
+    plan=[(".*", "offload(cache_fraction=0.5, min_cache_rows=1024, lookahead=1)")],
+  )
+  run = setup.build(config)
+  group = next(iter(run.plan.groups.values()))
+  if not next(iter(group.members.values())).host.offloaded:
+    pytest.skip("no pinned_host memory on this platform")
+  it = run.task.train_batches(0)
+  batches = [next(it) for _ in range(3)]
+  state = run.state
+  for _, packed in run.feed([("train", None, b) for b in batches]):
+    state, _ = run.train_step(state, *packed)
+  link = comms.host_link_of(run.train_step.lower(state, *packed))
+  largest = max(s.num_rows for s in run.plan.specs.values())
+  big = max(s.table_bytes for s in run.plan.specs.values() if s.num_rows == largest)
+  assert link.to_device_bytes > 0
+  assert max(t.bytes for t in link.transfers) < big, [t for t in link.transfers if t.bytes >= big]
