@@ -438,22 +438,28 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
 
   total = total_steps
   shardings = step_lib.state_sharding(plan, state)
-  train_step = step_lib.jit_packed(
-    step_lib.make_train_step(task, plan, tx),
-    plan,
-    shardings,
-    donate_state=True,
-    out_state=True,
-    name="train_step",
-  )
-  eval_step = step_lib.jit_packed(
-    step_lib.make_eval_step(task, plan),
-    plan,
-    shardings,
-    donate_state=False,
-    out_state=False,
-    name="eval_step",
-  )
+
+  def build_steps():  # again when a group re-plans its static shapes (sharded's code widths)
+    train = step_lib.jit_packed(
+      step_lib.make_train_step(task, plan, tx),
+      plan,
+      shardings,
+      donate_state=True,
+      out_state=True,
+      name="train_step",
+    )
+    evaluate = step_lib.jit_packed(
+      step_lib.make_eval_step(task, plan),
+      plan,
+      shardings,
+      donate_state=False,
+      out_state=False,
+      name="eval_step",
+    )
+    return train, evaluate
+
+  train_step, eval_step = build_steps()
+  replanning = {k: g for k, g in plan.groups.items() if hasattr(g, "replan")}
   final_splits = tuple(tcfg.get("final_eval_splits", ("valid", "test")))
   end = total if stop_after is None else min(total, start + stop_after)
   stream = _stream(
@@ -543,6 +549,12 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
             state, m = train_step(state, *item.prepared)
           pending.append(m)
           step += 1
+          rebuild = False
+          for k, g in replanning.items():  # a no-op but every N steps (a host read then)
+            new, changed = g.replan(state.emb[k], step)
+            state, rebuild = state.replace(emb={**state.emb, k: new}), rebuild or changed
+          if rebuild:
+            train_step, eval_step = build_steps()
           dog.last_step = step
           pending_steps.append(step)
           examples += int(item.batch_size)
