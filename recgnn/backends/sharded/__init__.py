@@ -41,7 +41,12 @@ one placement for every table of the group (give tables different plan strings t
 Codecs: `codec=` for both directions, `fwd_codec=` / `bwd_codec=` to override one; the error-
 bounded `eb` takes `eb=<fixed bound>` (or `fwd_eb=`, `bwd_eb=`) or adapts per table and
 iteration (`codecs.BoundRule`: `bound=current` from each iteration's own ranges, the
-default, or `bound=ema`; `headroom=`). A segment (table) that `eb` cannot carry within its
+default, or `bound=ema`; `headroom=`; or `bound=rms`, a tolerance rel * each table's RMS,
+scheduled by `warmup=` / `ramp=` / `late=`). `widths=2|4|8|16|auto` carries `eb`'s codes
+bit-packed in that many bits per segment; `auto` re-plans them every `replan=` steps from
+the range / bound ratio the tables reached (`replan`, a host check the trainer calls after
+each step: the jitted steps close over `self.codecs` and are rebuilt when a width changes,
+a few recompiles per run). A segment (table) that `eb` cannot carry within its
 bound goes again as f32 that step (agreed over the mesh, so every device takes the same
 branch); the count of such fallbacks is in the state and in `report`.
 
