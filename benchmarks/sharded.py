@@ -61,6 +61,7 @@ RUNS = (
   # ramp over 400 to 3 rel).
   ("eb widths rms 0.1", "codec=eb, bound=rms, rel=0.1, widths=auto, replan=100"),
   ("eb widths rms 0.3", "codec=eb, bound=rms, rel=0.3, widths=auto, replan=100"),
+  ("eb widths rms 1.0", "codec=eb, bound=rms, rel=1.0, widths=auto, replan=100"),
   (
     "eb widths sched 0.1-0.3",
     "codec=eb, bound=rms, rel=0.1, warmup=200, ramp=400, late=3.0, widths=auto, replan=100",
