@@ -34,10 +34,13 @@ class ShardedOptions(base.BackendOptions):
       tolerates, rel * each table's RMS this iteration (the bits then follow the bound).
     headroom: the adaptive bound's headroom over the measured range (0.25 when not given);
       with widths=auto also the headroom of the width plan.
-    rel, fwd_rel, bwd_rel: bound=rms: the bound relative to each table's RMS (0.1 when not
-      given), for both directions or one.
-    warmup, ramp, late: bound=rms's iteration-wise schedule: rel for `warmup` steps, then a
-      linear ramp over `ramp` steps to rel * late (late=1: no schedule).
+    rel: bound=rms: the bound relative to each table's RMS (0.1 when not given), both
+      directions.
+    fwd_rel: the forward direction's rel, instead of `rel`.
+    bwd_rel: the backward direction's rel, instead of `rel`.
+    warmup: bound=rms's iteration-wise schedule: rel for the first `warmup` steps (0).
+    ramp: then a linear ramp over `ramp` steps (0: a jump) ...
+    late: ... to rel * late, kept after (1 when not given: no schedule).
     widths: eb only: the code width of the segments: auto (each segment's width planned from
       the range / bound ratio its tables saw, every `replan` steps; needs a bound not set
       from the range: eb= or bound=rms) or one of 2, 4, 8, 16 for every segment; not given:
