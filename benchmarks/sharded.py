@@ -56,6 +56,16 @@ RUNS = (
   ("eb fixed 2e-3/2e-6", "codec=eb, fwd_eb=2e-3, bwd_eb=2e-6"),
   ("eb fixed 1e-2/1e-5", "codec=eb, fwd_eb=1e-2, bwd_eb=1e-5"),
   ("bf16", "codec=bf16"),
+  # Code widths (issue 27): the tolerance rule (bound = rel * each table's RMS) with
+  # widths planned from it every 100 steps, and its schedule (rel for 200 steps, then a
+  # ramp over 400 to 3 rel).
+  ("eb widths rms 0.1", "codec=eb, bound=rms, rel=0.1, widths=auto, replan=100"),
+  ("eb widths rms 0.3", "codec=eb, bound=rms, rel=0.3, widths=auto, replan=100"),
+  ("eb widths rms 1.0", "codec=eb, bound=rms, rel=1.0, widths=auto, replan=100"),
+  (
+    "eb widths sched 0.1-0.3",
+    "codec=eb, bound=rms, rel=0.1, warmup=200, ramp=400, late=3.0, widths=auto, replan=100",
+  ),
 )
 
 
@@ -205,6 +215,10 @@ def section_auc(args) -> list[dict]:
         wire = logged[f"{d}_bytes_per_step"]
         bits = logged[f"{d}_bits_per_value"]
         full = wire * 32 / bits  # the message in f32
+        # widths=auto: the widths change with the plans; the run's mean coded bits per value.
+        mean_bits = res.get(f"emb/sharded/{d}/mean_bits_per_value")
+        if mean_bits:
+          wire = full * mean_bits / 32
         # Segments resent as f32 on fallback steps: their values per vector, summed over steps.
         resent = res.get(f"emb/sharded/{d}/fallback_values", 0) / max(steps, 1)
         if resent:
@@ -226,7 +240,11 @@ def section_auc(args) -> list[dict]:
         "fwd_fallback_values": res.get("emb/sharded/fwd/fallback_values"),
         "bwd_fallback_values": res.get("emb/sharded/bwd/fallback_values"),
         "f32_bytes_per_step": f32,
+        "width_changes": res.get("emb/sharded/fwd/width_changes"),
       }
+      for d in ("fwd", "bwd"):
+        if f"emb/sharded/{d}/mean_bits_per_value" in res:
+          row[f"{d}_mean_bits"] = res[f"emb/sharded/{d}/mean_bits_per_value"]
       for d in ("fwd", "bwd"):
         b = [v for k, v in res.items() if k.startswith(f"emb/sharded/{d}/bound/")]
         if b:

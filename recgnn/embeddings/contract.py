@@ -153,11 +153,15 @@ class Capabilities:
       recgnn.embeddings.microbatch): the step then runs the loss per micro-batch (hot_cold).
     plans_globally: `prepare` plans over the global batch (a cache, prefix trees), so it
       cannot run on one process's slice (`Layout.process_local`).
+    replans_shapes: the backend re-plans static shapes of its step while training (sharded's
+      code widths): the trainer calls `replan(state, step)` after every step and rebuilds
+      the jitted steps when it reports a change.
   """
 
   needs_split_ids: bool = False
   splits_batch: bool = False
   plans_globally: bool = False
+  replans_shapes: bool = False
 
 
 class Backend(abc.ABC):
@@ -203,6 +207,12 @@ class Backend(abc.ABC):
     """The capabilities of this backend with these plan-string options (no construction)."""
     del options
     return cls.capabilities
+
+  def replan(self, state: PyTree, step: int) -> tuple[PyTree, bool]:
+    """After train step `step` (capability `replans_shapes` only): (state, whether the step's
+    static shapes changed, so the trainer rebuilds its jitted steps)."""
+    del step
+    return state, False
 
   def __repr__(self):
     return f"{type(self).__name__}({', '.join(self.specs)}: {self.describe()})"

@@ -216,6 +216,9 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
 
   total = run.total_steps
   train_step, eval_step = run.train_step, run.eval_step
+  # Groups that re-plan static shapes while training (sharded's code widths): asked after
+  # every step, the jitted steps rebuilt when one changed.
+  replanning = {k: g for k, g in run.plan.groups.items() if g.capabilities.replans_shapes}
   final_splits = tuple(tcfg.get("final_eval_splits", ("valid", "test")))
   end = total if stop_after is None else min(total, start + stop_after)
   items = stream(
@@ -305,6 +308,12 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
             state, m = train_step(state, *item.prepared)
           pending.append(m)
           step += 1
+          rebuild = False
+          for k, g in replanning.items():  # a no-op but every N steps (a host read then)
+            new, changed = g.replan(state.emb[k], step)
+            state, rebuild = state.replace(emb={**state.emb, k: new}), rebuild or changed
+          if rebuild:
+            train_step, eval_step = setup.jit_steps(run.task, run.plan, run.tx, run.shardings)
           dog.last_step = step
           pending_steps.append(step)
           examples += int(item.batch_size)

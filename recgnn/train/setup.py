@@ -160,6 +160,28 @@ def _open_task(config, mesh, log) -> Task:
   return task
 
 
+def jit_steps(task: Task, plan: base.Plan, tx, shardings) -> tuple[Callable, Callable]:
+  """The jitted packed (train, eval) steps of a plan: built once by `build`, and again by the
+  loop when a group re-plans its static shapes (capability `replans_shapes`)."""
+  train_step = step_lib.jit_packed(
+    step_lib.make_train_step(task, plan, tx),
+    plan,
+    shardings,
+    donate_state=True,
+    out_state=True,
+    name="train_step",
+  )
+  eval_step = step_lib.jit_packed(
+    step_lib.make_eval_step(task, plan),
+    plan,
+    shardings,
+    donate_state=False,
+    out_state=False,
+    name="eval_step",
+  )
+  return train_step, eval_step
+
+
 def build(
   config: ml_collections.ConfigDict,
   *,
@@ -230,22 +252,7 @@ def build(
   state = init() if allocate else jax.eval_shape(init)
   log(f"Dense params: {sum(x.size for x in jax.tree.leaves(state.params)):,}")
   shardings = step_lib.state_sharding(plan, state)
-  train_step = step_lib.jit_packed(
-    step_lib.make_train_step(task, plan, tx),
-    plan,
-    shardings,
-    donate_state=True,
-    out_state=True,
-    name="train_step",
-  )
-  eval_step = step_lib.jit_packed(
-    step_lib.make_eval_step(task, plan),
-    plan,
-    shardings,
-    donate_state=False,
-    out_state=False,
-    name="eval_step",
-  )
+  train_step, eval_step = jit_steps(task, plan, tx, shardings)
   return Run(
     config=config,
     mesh=mesh,

@@ -41,7 +41,12 @@ one placement for every table of the group (give tables different plan strings t
 Codecs: `codec=` for both directions, `fwd_codec=` / `bwd_codec=` to override one; the error-
 bounded `eb` takes `eb=<fixed bound>` (or `fwd_eb=`, `bwd_eb=`) or adapts per table and
 iteration (`codecs.BoundRule`: `bound=current` from each iteration's own ranges, the
-default, or `bound=ema`; `headroom=`). A segment (table) that `eb` cannot carry within its
+default, or `bound=ema`; `headroom=`; or `bound=rms`, a tolerance rel * each table's RMS,
+scheduled by `warmup=` / `ramp=` / `late=`). `widths=2|4|8|16|auto` carries `eb`'s codes
+bit-packed in that many bits per segment; `auto` re-plans them every `replan=` steps from
+the range / bound ratio the tables reached (`replan`, a host check the trainer calls after
+each step: the jitted steps close over `self.codecs` and are rebuilt when a width changes,
+a few recompiles per run). A segment (table) that `eb` cannot carry within its
 bound goes again as f32 that step (agreed over the mesh, so every device takes the same
 branch); the count of such fallbacks is in the state and in `report`.
 
@@ -80,9 +85,19 @@ class Sharded(Routing, CodecExchange, Update, base.Backend):
   # Routes each device's ids to their owners; prepare is per example.
   capabilities = base.Capabilities(needs_split_ids=True)
 
+  @classmethod
+  def capabilities_for(cls, options):
+    return cls._capabilities(ShardedOptions.parse(options))
+
+  @staticmethod
+  def _capabilities(o: ShardedOptions) -> base.Capabilities:
+    # widths=auto re-plans the codes' widths (static shapes) while training.
+    return base.Capabilities(needs_split_ids=True, replans_shapes=o.widths == "auto")
+
   def __init__(self, specs, mesh, layout: base.Layout | None = None, text: str = "", **options):
     super().__init__(specs, mesh, layout, text, **options)
     o = self.options
+    self.capabilities = self._capabilities(o)
     if not self.layout.split_batch:
       raise ValueError(
         "sharded: this task's batches are replicated over the devices (split_batch=False); "
@@ -132,17 +147,29 @@ class Sharded(Routing, CodecExchange, Update, base.Backend):
     ]
     self.rows_tw = max(shard_rows + [1])
     self.table_index = {n: i for i, n in enumerate(self.specs)}
+    rels = o.rels
     self.rules = {
       d: codecs.BoundRule(
         fixed=float(bound),
         headroom=0.25 if o.headroom is None else float(o.headroom),
         mode=o.bound or "current",
+        rel=float(rels[d]),
+        warmup=o.warmup or 0,
+        ramp=o.ramp or 0,
+        late=1.0 if o.late is None else float(o.late),
       )
       for d, bound in o.fixed_bounds.items()
     }
+    nseg = len(self._segment_dims())
+    # Code widths (eb): static shapes of the step. widths=auto starts at 8 bits and is
+    # re-planned every `replan` steps by `replan` (a recompile when they change).
+    first = {None: (), "auto": (8,) * nseg}.get(o.widths, (o.widths,) * nseg)
     self.codecs = {
-      d: codecs.Codec(c, self._segment_dims()) for d, c in self.options.codec_names.items()
+      d: codecs.Codec(c, self._segment_dims(), first if c == "eb" else ())
+      for d, c in self.options.codec_names.items()
     }
+    self.replan_every = (o.replan or 100) if o.widths == "auto" else 0
+    self.width_changes = 0  # re-plans that changed some width (each a recompile)
     self._jitted = {}
     self._batch = 0  # the last prepared batch's size (for `stats`)
     logging.info("sharded placements:\n%s", self.format_placements())
@@ -246,7 +273,34 @@ class Sharded(Routing, CodecExchange, Update, base.Backend):
 
   def _codec_init(self):
     t = len(self.specs)
-    return {d: self.rules[d].init(t) for d, c in self.codecs.items() if c.needs_bound}
+    return {d: self.rules[d].init(t, c.widths) for d, c in self.codecs.items() if c.needs_bound}
+
+  def replan(self, state, step: int):
+    """widths=auto, every `replan` steps (the trainer calls it after each step; a host read
+    of T floats then): each segment's code width from the range / bound ratio its tables
+    reached since the last plan (`BoundRule.peak`), with the headroom. -> (state with the
+    new widths and the window reset, whether a width changed: the caller then rebuilds its
+    jitted steps, which close over `self.codecs`)."""
+    if not self.replan_every or step % self.replan_every or not state["codec"]:
+      return state, False
+    host = jax.device_get(state["codec"])
+    changed = False
+    for d, s in host.items():
+      if not self.codecs[d].widths:
+        continue
+      if int(s["steps"]) == 0:
+        continue
+      widths = self._plan_widths(np.asarray(s["peak"]), self.rules[d].headroom)
+      if widths != self.codecs[d].widths:
+        self.codecs[d] = codecs.Codec("eb", self._segment_dims(), widths)
+        changed = True
+      host[d] = {
+        **s,
+        "peak": np.zeros_like(s["peak"]),
+        "widths": np.asarray(widths, np.int32),
+      }
+    self.width_changes += int(changed)
+    return {**state, "codec": sharding.put(host, self.state_sharding()["codec"])}, changed
 
   def init(self, key):
     init = {n: base.init_table(base.table_key(key, n), s) for n, s in self.specs.items()}
@@ -413,9 +467,7 @@ class Sharded(Routing, CodecExchange, Update, base.Backend):
     def local(state, prepared):
       ids, count = prepared["ids"], prepared["count"]
       segs, routed = self._local_pool(state, ids)
-      bounds = self._bounds(state["codec"], "fwd") if bounds_on else None
-      if bounds_on and self.rules["fwd"].uses_current:
-        bounds = self._bounds_now("fwd", segs, True)
+      bounds = self._direction_bounds(state["codec"], "fwd", segs, True)
       recv, fell = self._exchange(
         self.codecs["fwd"],
         segs,
@@ -424,7 +476,8 @@ class Sharded(Routing, CodecExchange, Update, base.Backend):
       )
       res = {"routed": routed}
       if bounds_on:
-        res["fwd"] = {"max": self._wire_max(segs, True), "fell": fell}
+        t = len(self.specs)
+        res["fwd"] = {"max": self._wire_max(segs, True), "fell": fell, "bound": bounds[:t]}
       return self._assemble(recv, count), res
 
     return local(state, {"ids": ids, "count": count})
@@ -467,10 +520,20 @@ class Sharded(Routing, CodecExchange, Update, base.Backend):
     ):
       return state
     fresh = jax.device_get(state["codec"])
+    # Keys an older checkpoint lacks (peak, widths) start afresh.
     codec = {
-      d: {k: np.asarray(v, dtype=np.asarray(fresh[d][k]).dtype) for k, v in s.items()}
-      for d, s in extras["codec"].items()
+      d: {
+        k: np.asarray(extras["codec"][d].get(k, v), dtype=np.asarray(v).dtype)
+        for k, v in fresh[d].items()
+      }
+      for d in fresh
     }
+    for d, s in codec.items():
+      # The widths the saved run's step was compiled with: the step is built with them.
+      widths = tuple(int(w) for w in s["widths"] if w)
+      if self.codecs[d].widths and len(widths) == len(self.codecs[d].dims):
+        self.codecs[d] = codecs.Codec("eb", self._segment_dims(), widths)
+      s["widths"] = np.asarray(self.codecs[d].widths or (0,), np.int32)
     return {**state, "codec": sharding.put(codec, self.state_sharding()["codec"])}
 
   def report(self, state):
@@ -483,6 +546,12 @@ class Sharded(Routing, CodecExchange, Update, base.Backend):
       out[f"{d}/fallbacks"] = int(s["fallbacks"])
       out[f"{d}/fallback_values"] = int(s["fallback_values"])
       out[f"{d}/steps"] = int(s["steps"])
+      if self.codecs[d].widths:
+        # Coded bits per value, averaged over the steps (the widths change with re-plans).
+        out[f"{d}/mean_bits_per_value"] = float(s["wire_bits"]) / max(int(s["steps"]), 1)
+        out[f"{d}/width_changes"] = self.width_changes
+        for i, w in enumerate(self.codecs[d].widths):
+          out[f"{d}/width/{i}"] = w
       for n, i in self.table_index.items():
         out[f"{d}/bound/{n}"] = float(s["bound"][i])
     return out

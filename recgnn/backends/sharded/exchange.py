@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from recgnn import sharding
+from recgnn.embeddings import codecs
 
 FALLBACK_SCOPE = "codec_fallback"  # named scope of the f32 fallback all-to-all (comms.py)
 
@@ -73,10 +74,70 @@ class CodecExchange:
     out = [jax.lax.cond(bad[i] > 0, resend, lambda s, r: r, segs[i], recv[i]) for i in range(nseg)]
     return out, bad > 0
 
-  def _bounds_now(self, direction, segs, forward: bool):
-    """f32[T + 1] bounds from this message's largest |value| per table (mode "current")."""
-    step_max = self._wire_max(segs, forward)
-    return jnp.concatenate([self.rules[direction].from_max(step_max), jnp.ones((1,), jnp.float32)])
+  def _bounds_now(self, direction, segs, forward: bool, codec_state):
+    """f32[T + 1] bounds from this message's statistics per table: its largest |value|
+    (mode "current", filling each table's codes) or its RMS (mode "rms", the schedule's
+    rel at this iteration)."""
+    rule = self.rules[direction]
+    if rule.mode == "rms":
+      b = rule.from_rms(self._wire_rms(segs, forward), codec_state[direction]["steps"])
+    else:
+      b = rule.from_max(self._wire_max(segs, forward), self._table_qmax(direction))
+    return jnp.concatenate([b, jnp.ones((1,), jnp.float32)])
+
+  def _direction_bounds(self, codec_state, direction, segs, forward: bool):
+    """f32[T + 1] the bounds a direction's message is sent under this step, or None."""
+    if direction not in codec_state:
+      return None
+    if self.rules[direction].uses_current:
+      return self._bounds_now(direction, segs, forward, codec_state)
+    return self._bounds(codec_state, direction)
+
+  def _table_segment(self) -> list[int]:
+    """The segment of each table (index into the message's segments)."""
+    out = []
+    for n in self.specs:
+      p = self.placement[n]
+      if p.kind == "table":
+        out.append(p.slot)
+      elif p.kind == "row":
+        out.append(self.tmax + self.rw.index(n))
+      else:
+        out.append(self.tmax + len(self.rw) + self.cw.index(n))
+    return out
+
+  def _table_qmax(self, direction) -> np.ndarray | int:
+    """Each table's largest code (its segment's width), or int8's 127 without widths."""
+    widths = self.codecs[direction].widths
+    if not widths:
+      return codecs.QMAX
+    return np.asarray([codecs.qmax_of(widths[s]) for s in self._table_segment()], np.float32)
+
+  def _plan_widths(self, peak: np.ndarray, headroom: float) -> tuple[int, ...]:
+    """Each segment's code width: the widest of its tables' (a table-wise slot carries one
+    table of each shard), each the narrowest holding the table's peak range / bound."""
+    idx, t = self._segment_tables(), len(self.specs)
+    out = []
+    for s in range(idx.shape[1]):
+      tables = [int(i) for i in idx[:, s] if i < t]
+      out.append(max([codecs.width_for(float(peak[i]), headroom) for i in tables] + [2]))
+    return tuple(out)
+
+  def _wire_rms(self, segs, forward: bool):
+    """f32[T]: the RMS of each table's values on the wire this step (over the mesh)."""
+    t = len(self.specs)
+    idx = jnp.asarray(self._segment_tables())
+    if forward:
+      seg_idx = idx[jax.lax.axis_index(sharding.MODEL)]
+      sq = jnp.stack([jnp.sum(jnp.square(s)) for s in segs])
+      n = jnp.asarray([float(s.size) for s in segs], jnp.float32)
+    else:  # backward: segment s sent to peer j belongs to peer j's table
+      seg_idx = idx.T.reshape(-1)
+      sq = jnp.stack([jnp.sum(jnp.square(s), axis=(1, 2)) for s in segs]).reshape(-1)
+      n = jnp.asarray([float(s[0].size) for s in segs for _ in range(self.k)], jnp.float32)
+    acc = jnp.zeros((2, t + 1), jnp.float32).at[0, seg_idx].add(sq).at[1, seg_idx].add(n)
+    acc = jax.lax.psum(acc, (sharding.DATA, sharding.MODEL))[:, :t]
+    return jnp.sqrt(acc[0] / jnp.maximum(acc[1], 1.0))
 
   def _seg_bounds(self, bounds, sender: bool, owner_is_sender: bool):
     """Bounds f32 of each segment, broadcastable to [k, b, nseg], or None."""

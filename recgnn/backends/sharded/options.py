@@ -28,10 +28,25 @@ class ShardedOptions(base.BackendOptions):
       Refused when `fwd_eb` and `bwd_eb` both override it.
     fwd_eb: the forward direction's fixed bound, instead of `eb`.
     bwd_eb: the backward direction's fixed bound, instead of `eb`.
-    bound: current | ema: the adaptive bound's rule (`codecs.BoundRule`); current when not
-      given. Only where a direction adapts (codec=eb without a fixed bound).
-    headroom: the adaptive bound's headroom over the measured range (0.25 when not given).
-      Only where a direction adapts.
+    bound: current | ema | rms: the adaptive bound's rule (`codecs.BoundRule`); current when
+      not given. Only where a direction adapts (codec=eb without a fixed bound). current /
+      ema: the bound from the range (fills the codes); rms: the bound from what training
+      tolerates, rel * each table's RMS this iteration (the bits then follow the bound).
+    headroom: the adaptive bound's headroom over the measured range (0.25 when not given);
+      with widths=auto also the headroom of the width plan.
+    rel: bound=rms: the bound relative to each table's RMS (0.1 when not given), both
+      directions.
+    fwd_rel: the forward direction's rel, instead of `rel`.
+    bwd_rel: the backward direction's rel, instead of `rel`.
+    warmup: bound=rms's iteration-wise schedule: rel for the first `warmup` steps (0).
+    ramp: then a linear ramp over `ramp` steps (0: a jump) ...
+    late: ... to rel * late, kept after (1 when not given: no schedule).
+    widths: eb only: the code width of the segments: auto (each segment's width planned from
+      the range / bound ratio its tables saw, every `replan` steps; needs a bound not set
+      from the range: eb= or bound=rms) or one of 2, 4, 8, 16 for every segment; not given:
+      int8 codes.
+    replan: widths=auto: steps between width plans (100 when not given); each change of the
+      widths is a recompile of the step (the trainer calls `Sharded.replan`).
   """
 
   backend: ClassVar[str] = "sharded"
@@ -46,6 +61,14 @@ class ShardedOptions(base.BackendOptions):
   bwd_eb: float | None = None
   bound: str | None = None
   headroom: float | None = None
+  rel: float | None = None
+  fwd_rel: float | None = None
+  bwd_rel: float | None = None
+  warmup: int | None = None
+  ramp: int | None = None
+  late: float | None = None
+  widths: str | int | None = None
+  replan: int | None = None
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -83,6 +106,49 @@ class ShardedOptions(base.BackendOptions):
         f"(codecs {names}, fixed bounds fwd {fixed['fwd']:g} / bwd {fixed['bwd']:g}); drop "
         "them, or give codec=eb without eb= for adaptive bounds"
       )
+
+    schedule = [
+      f"{k}={getattr(self, k)}"
+      for k in ("rel", "fwd_rel", "bwd_rel", "warmup", "ramp", "late")
+      if getattr(self, k) is not None
+    ]
+    if schedule and self.bound != "rms":
+      raise ValueError(
+        f"sharded: {', '.join(schedule)} set the tolerance rule's bound (bound=rms); give "
+        "bound=rms, or drop them"
+      )
+    if self.widths is not None:
+      if self.widths != "auto" and self.widths not in codecs.WIDTHS:
+        raise ValueError(
+          f"sharded: widths={self.widths!r}: auto or one of {codecs.WIDTHS} (bits per code)"
+        )
+      if "eb" not in names.values():
+        raise ValueError(f"sharded: widths= are code widths of codec=eb; the codecs are {names}")
+      ranged = [d for d in adaptive if (self.bound or "current") != "rms"]
+      if self.widths == "auto" and ranged:
+        raise ValueError(
+          f"sharded: widths=auto plans the bits from the bound, but the {'/'.join(ranged)} "
+          f"bound (bound={self.bound or 'current'}) is set from the bits (it fills the codes): "
+          "give bound=rms (a tolerance) or a fixed eb="
+        )
+      if self.bound == "ema":
+        raise ValueError(
+          "sharded: widths= with bound=ema: the EMA's bound fills int8 codes; give bound=current, "
+          "bound=rms or eb="
+        )
+    if self.replan is not None and (self.widths != "auto" or self.replan < 1):
+      raise ValueError(
+        f"sharded: replan={self.replan} is the width plan's period (>= 1) of widths=auto"
+      )
+
+  @property
+  def rels(self) -> dict[str, float]:
+    """{"fwd" | "bwd": bound=rms's relative bound}."""
+    both = 0.1 if self.rel is None else self.rel
+    return {
+      "fwd": both if self.fwd_rel is None else self.fwd_rel,
+      "bwd": both if self.bwd_rel is None else self.bwd_rel,
+    }
 
   @property
   def codec_names(self) -> dict[str, str]:

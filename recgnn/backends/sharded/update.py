@@ -62,9 +62,7 @@ class Update:
       for n in self.cw:
         segs.append(jnp.transpose(g[n].reshape(b, self.k, -1), (1, 0, 2)))
       codec_state = state["codec"]
-      bounds = self._bounds(codec_state, "bwd")
-      if bounds is not None and self.rules["bwd"].uses_current:
-        bounds = self._bounds_now("bwd", segs, False)
+      bounds = self._direction_bounds(codec_state, "bwd", segs, False)
       recv, fell_b = self._exchange(
         self.codecs["bwd"],
         segs,
@@ -75,14 +73,24 @@ class Update:
       if "bwd" in codec_state:
         new["codec"] = dict(new["codec"])
         new["codec"]["bwd"] = self.rules["bwd"].next(
-          codec_state["bwd"], self._wire_max(segs, False), fell_b, self.codecs["bwd"].dims
+          codec_state["bwd"],
+          self._wire_max(segs, False),
+          fell_b,
+          self.codecs["bwd"].dims,
+          used=bounds[: len(names)],
+          bits=self.codecs["bwd"].bits_per_value(),
         )
       if "fwd" in codec_state:
         # The forward message's statistics and fallbacks, as the lookup measured them.
         fwd = residuals["fwd"]
         new["codec"] = dict(new["codec"])
         new["codec"]["fwd"] = self.rules["fwd"].next(
-          codec_state["fwd"], fwd["max"], fwd["fell"], self.codecs["fwd"].dims
+          codec_state["fwd"],
+          fwd["max"],
+          fwd["fell"],
+          self.codecs["fwd"].dims,
+          used=fwd["bound"],
+          bits=self.codecs["fwd"].bits_per_value(),
         )
       # Every example of the batch, in batch order: over DATA after the all-to-all.
       every = lambda x: jax.lax.all_gather(x, sharding.DATA, tiled=True)  # noqa: E731
