@@ -131,10 +131,11 @@ def test_cpu_trace_of_an_offload_run(tmp_path):
   # (table row + accumulator), averaged over the same steps.
   assert padded > 0
   np.testing.assert_allclose(s["mean"]["h2d_bytes"], padded, rtol=1e-6)
-  # Windows per execution of the update's module on the device (its run ids) instead of per
-  # host annotation: the same steps' worth of bytes.
+  # Windows per execution of the lookup's module on the device (its run ids) instead of per
+  # host annotation: the same steps' worth of bytes (offload reads its rows from host memory
+  # in lookup, as residuals; update only writes back).
   runs = trace_summary.summarize(
-    trace_summary.load(str(tmp_path / "profile")), trace_summary.host_ops(hlo), step_module="update"
+    trace_summary.load(str(tmp_path / "profile")), trace_summary.host_ops(hlo), step_module="lookup"
   )
   assert "run_id" in runs["windows"] and runs["steps"] >= stop - first
   assert all(r["step"] is not None for r in runs["per_step"])
