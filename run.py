@@ -24,7 +24,7 @@ import sys
 from recgnn import hostmem, xla_env
 
 xla_env.relax_simulated_device_timeouts()  # before jax initialises its backends
-hostmem.keep_freed_memory()  # before any thread allocates: every step's temporaries reused
+hostmem.keep_freed_memory()  # before jax's threads start: a step's temporaries reused
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402

@@ -81,9 +81,9 @@ TITLES = {"dlrm": ("DLRM", "TorchRec vs PyTorch"), "dcnv2": ("DLRM-DCNv2", "Torc
 # (recgnn/hostmem.py says how and why): ~11k minor faults and ~19 ms of kernel time per step.
 
 
-def keep_freed_memory(arenas: int = 1) -> str:
+def keep_freed_memory(arenas: int = 0) -> str:
   """recgnn.hostmem.keep_freed_memory for this process (torch's tensors included);
-  arenas=0: glibc's default arena count (per-thread arenas: blocks over 64 MiB mmapped)."""
+  arenas=1: one malloc arena (blocks over 64 MiB kept too; one lock for every thread)."""
   if not hostmem.keep_freed_memory(arenas=arenas):
     raise RuntimeError("mallopt failed; --malloc keep needs glibc")
   return (
@@ -963,10 +963,10 @@ def main(argv=None):
   p.add_argument("--trainer-steps", type=int, default=400, help="steps of each trainer run")
   p.add_argument(
     "--malloc",
-    choices=("default", "keep", "keep_thread_arenas"),
+    choices=("default", "keep", "keep_one_arena"),
     default="keep",
-    help="keep (what recgnn's trainer does): glibc malloc keeps freed memory, one arena; "
-    "keep_thread_arenas: the same with glibc's per-thread arenas; default: glibc's",
+    help="keep (what recgnn's trainer does): glibc malloc keeps freed memory; keep_one_arena: "
+    "the same in one malloc arena (for steps whose temporaries pass 64 MiB); default: glibc's",
   )
   p.add_argument(
     "--omp-wait-policy",
@@ -995,7 +995,7 @@ def main(argv=None):
   if (args.against or args.trainer) and not args.processes:
     p.error("--against and --trainer run in their own processes: --processes must be > 0")
   args.malloc_note = (
-    keep_freed_memory(arenas=int(args.malloc == "keep"))
+    keep_freed_memory(arenas=int(args.malloc == "keep_one_arena"))
     if args.malloc.startswith("keep")
     else "glibc default"
   )

@@ -17,13 +17,17 @@ time per step, measured with benchmarks/dlrm_throughput.py):
 3. A block larger than a thread heap (HEAP_MAX_SIZE, 64 MiB) never fits one: glibc mmaps it
    whatever the mmap threshold, and unmaps it on free. The DCNv2 benchmark step's temporaries
    are one 65.3 MiB block (benchmarks/dlrm_throughput.py --model=dcnv2): ~16,800 faults and
-   ~28 system ms per step until every thread allocated from the main arena
+   ~28 system ms per step, until every thread allocates from the main arena
    (glibc.malloc.arena_max=1: 2-4k faults, 3-8 ms), which grows by brk without a size limit.
+   That is `keep_freed_memory(arenas=1)`, not the default: one arena costs the dot DLRM's
+   step 9% (45.5k vs 49.9k samples/s, 3 interleaved processes each, 2026-11-25, load ~1.2:
+   XLA:CPU's threads then share one malloc lock), so it pays only for steps whose
+   temporaries pass 64 MiB.
 
-`keep_freed_memory()` sets the four knobs; afterwards the same strace shows no mmap, munmap,
-mprotect or page fault in the step loop. The arena limit acts on threads that have not yet
-allocated, so call it at process start, before jax starts its threads (run.py does, and the
-trainer again, harmlessly, for library callers).
+`keep_freed_memory()` sets the first three knobs; afterwards the same strace shows no mmap,
+munmap, mprotect or page fault in the step loop of a step under 64 MiB. The arena limit acts
+on threads that have not yet allocated, so it belongs at process start, before jax starts
+its threads (run.py calls keep_freed_memory there, and the trainer again, harmlessly).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ _HEAP_MAX_SIZE = 64 << 20
 _done = False
 
 
-def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30, arenas: int = 1) -> bool:
+def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30, arenas: int = 0) -> bool:
   """Make glibc malloc keep and reuse freed memory below `mmap_threshold_bytes`.
 
   Blocks smaller than the threshold come from the heaps and stay there when freed (no trim,
@@ -50,8 +54,8 @@ def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30, arenas: int = 1) -> b
   space (not memory: pages are committed only when touched) beyond what a heap holds.
   arenas: the most malloc arenas (glibc.malloc.arena_max; 0 leaves glibc's default of 8 per
   core): with 1 every thread that allocates after this call uses the main arena, which has
-  no 64 MiB limit per block (3. above); the price is one lock for all threads' mallocs,
-  which XLA:CPU's step does not feel (its temporaries are one block per execution).
+  no 64 MiB limit per block (3. above); the price is one lock for all threads' mallocs (9%
+  of the dot DLRM's step here).
   Process-wide, idempotent; returns False where libc is not glibc.
   """
   global _done
