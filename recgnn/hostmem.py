@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
@@ -45,7 +46,7 @@ _HEAP_MAX_SIZE = 64 << 20
 _done = False
 
 
-def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30, arenas: int = 0) -> bool:
+def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30, arenas: int | None = None) -> bool:
   """Make glibc malloc keep and reuse freed memory below `mmap_threshold_bytes`.
 
   Blocks smaller than the threshold come from the heaps and stay there when freed (no trim,
@@ -55,12 +56,15 @@ def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30, arenas: int = 0) -> b
   arenas: the most malloc arenas (glibc.malloc.arena_max; 0 leaves glibc's default of 8 per
   core): with 1 every thread that allocates after this call uses the main arena, which has
   no 64 MiB limit per block (3. above); the price is one lock for all threads' mallocs (9%
-  of the dot DLRM's step here).
+  of the dot DLRM's step here). None: the environment's RECGNN_MALLOC_ARENAS, else 0 (so
+  `RECGNN_MALLOC_ARENAS=1 python run.py ...` trains a DCNv2-size step without the faults).
   Process-wide, idempotent; returns False where libc is not glibc.
   """
   global _done
   if _done:
     return True
+  if arenas is None:
+    arenas = int(os.environ.get("RECGNN_MALLOC_ARENAS", "0") or 0)
   try:
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes) == 1
