@@ -234,38 +234,48 @@ def host_link(hlo_text: str, host_params: set[int] | frozenset[int] = frozenset(
   for n in module.mesh.values():
     devices *= n
   transfers: list[Transfer] = []
+  # A host-resident value is tracked by its origin (the host computation, placement or entry
+  # parameter that made it), so one buffer seen under several names (barriers, reshapes,
+  # calls) is read by the device once per scale; device-resident values are False.
+  fetched: set[tuple[str, int]] = set()
+
+  def host(res) -> bool:
+    return isinstance(res, str)
 
   def walk(comp: str, params: list, scale: int):
-    """Residency (True: host) of each value of `comp`, given its parameters' residency;
-    returns the root's (a tuple for a tuple)."""
+    """Residency (an origin string: host; False: device) of each value of `comp`, given its
+    parameters'; returns the root's (a tuple for a tuple)."""
     where: dict[str, object] = {}
-    fetched: set[str] = set()  # host values already counted as read by device code here
+    by_name = module.instrs(comp)
 
     def fetch(name: str):
       res = where.get(name, False)
-      if res is True and name not in fetched:
-        fetched.add(name)
+      if host(res) and (res, scale) not in fetched:
+        fetched.add((res, scale))
         transfers.append(Transfer("to_device", name, comp, by_name[name].bytes * scale))
 
-    by_name = module.instrs(comp)
     for ins in module.computations[comp]:
       if ins.op == "parameter":
         where[ins.name] = params[ins.parameter] if ins.parameter < len(params) else False
       elif ins.op == "call" and ins.attr("_xla_compute_type") == "host":
         for op in ins.operands:
-          if where.get(op, False) is not True:
+          if not host(where.get(op, False)):
             transfers.append(Transfer("to_host", op, comp, by_name[op].bytes * scale))
-        where[ins.name] = True
+        where[ins.name] = ins.name
       elif ins.op == "custom-call" and ins.attr("custom_call_target") == (
         "annotate_device_placement"
       ):
         to_host = ins.attr("_xla_buffer_placement") in ("pinned_host", "unpinned_host")
         src = ins.operands[0]
-        if to_host and where.get(src, False) is not True:
-          transfers.append(Transfer("to_host", src, comp, by_name[src].bytes * scale))
-        elif not to_host:
+        if to_host:
+          if not host(where.get(src, False)):
+            transfers.append(Transfer("to_host", src, comp, by_name[src].bytes * scale))
+            where[ins.name] = ins.name
+          else:
+            where[ins.name] = where[src]
+        else:
           fetch(src)
-        where[ins.name] = to_host
+          where[ins.name] = False
       elif ins.op == "custom-call" and _passes_through(ins.attr("custom_call_target")):
         res = [where.get(o, False) for o in ins.operands]
         where[ins.name] = res[0] if len(res) == 1 else tuple(res)
@@ -276,7 +286,10 @@ def host_link(hlo_text: str, host_params: set[int] | frozenset[int] = frozenset(
         where[ins.name] = where.get(ins.operands[0], False)
       elif ins.op == "get-tuple-element":
         res = where.get(ins.operands[0], False)
-        where[ins.name] = res[ins.index] if isinstance(res, tuple) else res
+        if isinstance(res, tuple):
+          where[ins.name] = res[ins.index]
+        else:  # an element of a host tuple: its own buffer
+          where[ins.name] = f"{res}#{ins.index}" if host(res) else False
       elif ins.op == "call" and len(ins.callees) == 1:
         callee = ins.callees[0]
         inner = scale
@@ -295,7 +308,7 @@ def host_link(hlo_text: str, host_params: set[int] | frozenset[int] = frozenset(
     root = module.root(comp)
     return where.get(root.name, False)
 
-  entry_params = [i in host_params for i in range(_num_params(module))]
+  entry_params = [f"param:{i}" if i in host_params else False for i in range(_num_params(module))]
   walk(module.entry, entry_params, 1)
   return HostLink(
     to_host_bytes=sum(t.bytes for t in transfers if t.direction == "to_host"),
