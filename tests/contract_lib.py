@@ -270,3 +270,18 @@ def assert_update_is_sparse(backend_text: str, spec: base.TableSpec, batch: np.n
     "it materialises something table-sized"
   )
   return temp
+
+
+def lowered_step(backend_text: str, spec: base.TableSpec, ids: np.ndarray, mesh=None):
+  """`jax.jit(lookup + update).lower(...)` of one table's first train step on `ids` (the
+  gradient is the pooled lookup itself), for tests that read the step's HLO. -> (backend,
+  lowered)."""
+  group = base.make_backend(backend_text, spec, base.default_mesh() if mesh is None else mesh)
+  state = group.init(jax.random.key(0))
+  prepared = jax.device_put(group.prepare({spec.name: ids}, [{spec.name: ids}], train=True))
+
+  def step(state, prepared):
+    pooled, res = group.lookup(state, prepared)
+    return group.update(state, prepared, res, {spec.name: pooled[spec.name]})
+
+  return group, jax.jit(step).lower(state, prepared)

@@ -1,6 +1,7 @@
 """The step-time model (recgnn.step_model): its arithmetic, and the costs it reads off a
 compiled step."""
 
+import contract_lib as contract
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,17 +45,10 @@ def test_offloaded_table_costs_link_time_that_dense_does_not():
   ids = np.random.default_rng(0).integers(0, 10_000, (256, 1)).astype(np.int32)
   preds = {}
   for text in ("dense", "offload(cache_rows=512)"):
-    group = base.make_backend(text, spec, base.default_mesh())
+    group, lowered = contract.lowered_step(text, spec, ids)
     if text != "dense" and not group.members["t"].host.offloaded:
       pytest.skip("no pinned_host memory on this platform")
-    state = group.init(jax.random.key(0))
-    prepared = jax.device_put(group.prepare({"t": ids}, [{"t": ids}], train=True))
-
-    def step(state, prepared, group=group):
-      pooled, res = group.lookup(state, prepared)
-      return group.update(state, prepared, res, {"t": pooled["t"]})
-
-    preds[text] = sm.predict(sm.step_cost(jax.jit(step).lower(state, prepared)), sm.H100)
+    preds[text] = sm.predict(sm.step_cost(lowered), sm.H100)
   assert preds["dense"].host_link_s == 0
   # 256 rows of 64 bytes at least, over 50 GB/s
   assert preds["offload(cache_rows=512)"].host_link_s >= 256 * 64 / sm.H100.host_link_bytes_per_s
