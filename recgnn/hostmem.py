@@ -20,9 +20,10 @@ time per step, measured with benchmarks/dlrm_throughput.py):
    ~28 system ms per step, until every thread allocates from the main arena
    (glibc.malloc.arena_max=1: 2-4k faults, 3-8 ms), which grows by brk without a size limit.
    That is `keep_freed_memory(arenas=1)`, not the default: one arena costs the dot DLRM's
-   step 9% (45.5k vs 49.9k samples/s, 3 interleaved processes each, 2026-11-25, load ~1.2:
-   XLA:CPU's threads then share one malloc lock), so it pays only for steps whose
-   temporaries pass 64 MiB.
+   step 9% (means 45.5k vs 49.9k samples/s, medians 45.4k vs 50.4k: 3 alternating
+   single-process runs each of benchmarks/dlrm_throughput.py --processes=0, batch 2048,
+   26 x 100k, dim 16, 2026-11-25, load ~1.2; XLA:CPU's threads then share one malloc
+   lock), so it pays only for steps whose temporaries pass 64 MiB.
 
 `keep_freed_memory()` sets the first three knobs; afterwards the same strace shows no mmap,
 munmap, mprotect or page fault in the step loop of a step under 64 MiB. The arena limit acts
