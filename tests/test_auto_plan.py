@@ -121,7 +121,7 @@ def test_trainer_auto_rule_places_two_tables_within_budget(tmp_path):
   """smoke with two tables under auto (measured on the run's batches) and the rest dense: the
   chosen plan fits the budget, trains, and its choice is written beside the results."""
   probe = trainer_lib.smoke_config(str(tmp_path / "cache"), mesh=(1, 1))
-  run = loop.setup.build(probe)
+  run = loop.setup.build(probe, allocate=False)
   names = list(run.plan.table_group)
   big = sorted(names, key=lambda n: -run.plan.specs[n].num_rows)[:2]
   dense_all = sum(g.device_bytes() for g in run.plan.groups.values())

@@ -412,8 +412,12 @@ def choose(
       if avail is not None and dev > avail:
         next(done)
         continue
-      step_s, prep_s = cost(text, spec)
-      cs.append(Candidate(spec.name, text, dev, host, step_s, prep_s))
+      try:
+        step_s, prep_s = cost(text, spec)
+      except ValueError as e:  # e.g. a cache smaller than one batch's distinct rows
+        log(f"auto: {spec.name}: {text} left out ({e})")
+      else:
+        cs.append(Candidate(spec.name, text, dev, host, step_s, prep_s))
       k = next(done)
       if k % 10 == 0 or k == n:
         log(f"auto: timed {k}/{n} candidates ({time.perf_counter() - t0:.0f} s)")

@@ -267,7 +267,11 @@ def build(
   def init():
     return step_lib.init_state(task, plan, tx, key, example)
 
-  state = init() if allocate else jax.eval_shape(init)
+  if allocate:
+    state = init()
+  else:
+    with base.shapes_only():  # (table values change no shape; a traced key cannot make them)
+      state = jax.eval_shape(init)
   log(f"Dense params: {sum(x.size for x in jax.tree.leaves(state.params)):,}")
   shardings = step_lib.state_sharding(plan, state)
   train_step, eval_step = jit_steps(task, plan, tx, shardings)
