@@ -42,10 +42,13 @@ def plan_text(rules) -> str:
   return "(" + "".join(f"({p!r}, {t!r}), " for p, t in rules) + ")"
 
 
-def hand_written(specs, dense_bytes: dict[str, int], budget: int, mesh) -> dict[str, list]:
+def hand_written(
+  specs, dense_bytes: dict[str, int], budget: int, mesh, batch: int
+) -> dict[str, list]:
   """{name: rules} of the hand-written plans that fit `budget` bytes per device: all dense,
   and for each host tier and fraction the largest tables moved to it, one by one, until the
-  plan fits (a table too small for the fraction stays dense)."""
+  plan fits (a table whose share would hold fewer rows than a batch's ids stays dense: its
+  cache could not hold one batch)."""
   plans = {}
   if sum(dense_bytes.values()) <= budget:
     plans["all dense"] = [(".*", "dense")]
@@ -58,7 +61,7 @@ def hand_written(specs, dense_bytes: dict[str, int], budget: int, mesh) -> dict[
       for s in by_size:
         if sum(used.values()) <= budget:
           break
-        if f * s.num_rows < 1:
+        if f * s.num_rows < batch:
           continue
         used[s.name] = auto_plan.memory_of(text, s, mesh, base.Layout())[0]
         moved.append(s.name)
@@ -129,7 +132,7 @@ def main(argv=None):
   contestants = []  # (budget, name, rules)
   for b in budgets:
     limit = int(total * b)
-    for name, rules in hand_written(specs, dense, limit, mesh).items():
+    for name, rules in hand_written(specs, dense, limit, mesh, config.train.batch_size).items():
       contestants.append((b, name, rules))
     contestants.append((b, "auto", [(".*", f"auto(budget={b})")]))
   runs: dict[tuple[float, str], list[dict]] = {(b, n): [] for b, n, _ in contestants}
