@@ -368,7 +368,12 @@ def choose(
   by_table: dict[str, list[tuple[str, int, int]]] = {}
   for spec in specs:
     rows = []
+    # An offload cache must hold one batch's distinct rows: smaller ones are not candidates.
+    need = max((np.unique(b[spec.name][b[spec.name] >= 0]).size for b in batches), default=0)
     for text in candidates(spec, options, mesh):
+      name, opts = plan_lib.parse_backend(text)
+      if name == "offload" and opts.get("cache_fraction", 1.0) * spec.num_rows < need:
+        continue
       try:
         dev, host = memo.setdefault((text, spec.name), memory_of(text, spec, mesh, layout))
       except ValueError as e:  # a placement this table cannot take (the backend says why)
