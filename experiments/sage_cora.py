@@ -27,6 +27,8 @@ def get_config(arg=None):
   c.sampler.split_devices = 0  # device, node: > 1 splits the adjacency's rows over devices
   c.sampler.split_exchange = "reduce_scatter"  # | all_to_all (requests to the rows' owners)
   c.sampler.split_capacity = 0.0  # all_to_all: x an even share per device pair; 0 = exact
+  # true: every device of the mesh samples and trains its own seeds (graph replicated).
+  c.sampler.data_parallel = False
   c.sampler.fanouts = (25, 10)
   c.sampler.layer_sizes = (512, 512)  # ladies only
   c.sampler.batch_size = 140  # the whole training set per step

@@ -150,6 +150,23 @@ class Task(abc.ABC):
     By default the first 'valid' batch; override for tasks without a 'valid' split."""
     return next(iter(self.eval_batches("valid")))
 
+  def step_inputs(self) -> dict[str, Any]:
+    """Arrays every train step reads besides its batch (host arrays), e.g. the graph each
+    device samples its own mini-batches from: `setup.build` places them on every device once
+    (replicated) and each step receives them as an argument, so they are neither sent with
+    every batch nor baked into the program as constants. By default none."""
+    return {}
+
+  def train_step(self, plan: base.Plan, tx) -> Any:
+    """None (the default): the trainer's shared step (`recgnn.train.step.make_train_step`:
+    lookup of the prepared ids, `loss`, optax, the groups' updates). A task whose batches are
+    built on the device (data-parallel GraphSAGE samples there) returns its own pure step
+    `(state, prepared, batch, step_inputs) -> (state, metrics)` over the same TrainState,
+    with metrics["loss"]; the trainer jits, checkpoints, logs and evaluates it as any other
+    (eval keeps the shared eval step)."""
+    del plan, tx
+    return None
+
   def describe(self) -> str:
     """Lines printed before training (dataset, sizes, baselines)."""
     return ""

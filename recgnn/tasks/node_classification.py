@@ -32,6 +32,13 @@ Config (the experiment's ConfigDict; see experiments/sage_*.py):
                        requested from their owners; sampler.split_capacity = x an even
                        share per device pair, None = all rows: exact; overflow counted as
                        dropped)
+  sampler.data_parallel  false (default): the trainer samples each mini-batch on the host (or
+                       with sampler.where=device, on one device) and every device gets the
+                       whole subgraph; true: data-parallel, every device of the mesh samples
+                       and trains its own ceil(batch_size / n) seeds on its replica of the
+                       graph (`recgnn.tasks.node_data_parallel`): the train batches are seed
+                       ids only, the node table's backend must prepare on the device (dense)
+                       and the graph is replicated (split_devices refused)
   sampler.fanouts      node: per layer, seeds outward (-1 = all neighbours)
   sampler.layer_sizes  ladies: nodes drawn per layer
   sampler.batch_size   seeds per mini-batch
@@ -144,6 +151,15 @@ class NodeClassification(base.Task):
     self.sampler = self._make_sampler(
       s.get("fanouts", None), self.batch_size, s.capacities, self.train_nodes, "capacities"
     )
+    self.device_samples = None
+    data_parallel = s.get("data_parallel", False)
+    if not isinstance(data_parallel, bool):
+      raise ValueError(f"sampler.data_parallel={data_parallel!r}: use true or false")
+    if data_parallel:
+      # (imported here: node_data_parallel builds on this module)
+      from recgnn.tasks import node_data_parallel
+
+      self.device_samples = node_data_parallel.DeviceSamples(self, mesh)
     eval_fanouts = s.get("eval_fanouts", None) or s.get("fanouts", None)
     self.eval_batch_size = int(s.get("eval_batch_size", None) or self.batch_size)
     eval_nodes = np.concatenate([self._labelled("valid"), self._labelled("test")])
@@ -275,6 +291,12 @@ class NodeClassification(base.Task):
       f"frontier sizes {self.sampler.sizes}, {self.bulk} mini-batches per product; "
       f"inputs: {self.inputs}"
     )
+    if self.device_samples is not None:
+      d = self.device_samples
+      lines.append(
+        f"data-parallel: each of {d.devices} devices samples and trains {d.per_device} seeds "
+        f"per step on its replica of the graph (frontier sizes {d.sampler.sizes})"
+      )
     lines.append(f"chance accuracy (majority class of test): {self.chance_accuracy():.4f}")
     return "\n".join(lines)
 
@@ -324,6 +346,9 @@ class NodeClassification(base.Task):
     return np.pad(flat.astype(np.int64), (0, self.batch_size - flat.size), constant_values=-1)
 
   def train_batches(self, start_step: int = 0) -> Iterator[base.Batch]:
+    if self.device_samples is not None:
+      yield from self._seed_batches(start_step)
+      return
     spe, k, bsz = self._steps_per_epoch(), self.bulk, self.batch_size
     step = start_step
     while True:
@@ -343,6 +368,32 @@ class NodeClassification(base.Task):
         yield self._make_batch(nodes, layers, seeds[i])
         step += 1
 
+  def _seed_batches(self, step: int) -> Iterator[base.Batch]:
+    """Data-parallel train batches: {"seeds": int32[n * b] (the step's `train_seeds`, -1
+    padded; device d samples from seeds [d * b, (d + 1) * b)), "weight": float32[n * b],
+    "ids": {TABLE: int32[n * b, 0]} with a node table}: the node ids are sampled on the
+    device, so their bags here are empty (the plan's prepare has nothing to do)."""
+    d = self.device_samples
+    size = d.devices * d.per_device
+    while True:
+      seeds = np.full(size, -1, np.int32)
+      seeds[: self.batch_size] = self.train_seeds(step)
+      ids = {TABLE: np.zeros((size, 0), np.int32)} if self.inputs != "features" else {}
+      yield {"ids": ids, "seeds": seeds, "weight": (seeds >= 0).astype(np.float32)}
+      step += 1
+
+  def step_inputs(self):
+    """Data-parallel: the graph every device samples from (CSR, features, labels), placed on
+    every device once (`DeviceSamples.graph_arrays`)."""
+    return {} if self.device_samples is None else self.device_samples.graph_arrays()
+
+  def train_step(self, plan, tx):
+    """Data-parallel: every device samples and trains its own seeds
+    (`DeviceSamples.trainer_step`); else the trainer's shared step."""
+    if self.device_samples is None:
+      return None
+    return self.device_samples.trainer_step(plan, tx)
+
   def eval_batches(self, split: str):
     ids = self._labelled(split)
     bsz, k = self.eval_batch_size, self.bulk
@@ -360,8 +411,10 @@ class NodeClassification(base.Task):
 
   def batch_spec(self, batch: base.Batch):
     """Every leaf but the node ids (`ids`, split by shard_batch = embeddings.split_ids) is
-    the subgraph's: every device gets it whole."""
-    return jax.tree.map(lambda _: sharding.REPLICATED, batch)
+    the subgraph's: every device gets it whole. A data-parallel train batch (seeds) is split
+    over the devices: each gets its own seeds."""
+    spec = sharding.BATCH_SPEC if "seeds" in batch else sharding.REPLICATED
+    return jax.tree.map(lambda _: spec, batch)
 
   def _inputs(self, batch, embeddings) -> jax.Array:
     parts = []

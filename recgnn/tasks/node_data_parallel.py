@@ -116,23 +116,25 @@ class DataParallelLoss:
     return local(params, batch, embeddings, key)
 
 
-class DataParallelSage:
-  """Data-parallel GraphSAGE training of a `NodeClassification` task (see the module).
+class DeviceSamples:
+  """Every device's mini-batches, sampled and built on the device from its replica of the
+  graph: the one mechanism of `DataParallelSage` (k steps per call) and of the trainer's
+  data-parallel node classification (`NodeClassification.train_step`, one step per call).
 
-  Args:
-    task: the node task (its graph, model, loss, eval batches; built on `mesh`).
-    mesh: every device trains (n = mesh.size); the global batch is sampler.batch_size.
-    k: steps per call: each device samples its next k mini-batches in one bulk call and the
-      step consumes them in a scan (no host round trip between them).
-    key: the run's key (params, tables, sampling and dropout keys).
-  """
+  n = mesh.size devices, b = ceil(B / n) seeds each of the task's global batch B; the
+  sampler is the task's law on the device (`where="device"`) for b seeds."""
 
-  def __init__(self, task: nc.NodeClassification, mesh: jax.sharding.Mesh, *, k: int, key):
-    self.task, self.mesh, self.k = task, mesh, int(k)
+  def __init__(self, task: nc.NodeClassification, mesh: jax.sharding.Mesh):
+    self.task, self.mesh = task, mesh
     self.devices = mesh.size
     self.per_device = -(-task.batch_size // self.devices)
-    cfg = task.config
-    s = cfg.sampler
+    s = task.config.sampler
+    if int(s.get("split_devices", 0) or 0) > 1:
+      raise ValueError(
+        "data-parallel GraphSAGE replicates the graph on every device; "
+        "sampler.split_devices > 1 (the split graph) is not wired into it: set "
+        "sampler.split_devices=0"
+      )
     self.sampler = task._make_sampler(
       s.get("fanouts", None),
       self.per_device,
@@ -141,35 +143,6 @@ class DataParallelSage:
       "capacities",
       where="device",
     )
-    rules = list(map(tuple, cfg.embeddings.plan))
-    self.plan = emb_base.resolve_plan(rules, task.tables(), mesh, emb_base.Layout(), log=False)
-    check_plan(self.plan)
-    self.tx = step_lib.make_optimizer(cfg.optimizer)
-    self.state = step_lib.init_state(task, self.plan, self.tx, key, task.example_batch())
-    self.state_sharding = step_lib.state_sharding(self.plan, self.state)
-    repl = sharding.named(mesh, P())
-    self.graph = sharding.put(self.graph_arrays(), repl)
-    self.seeds_sharding = sharding.named(mesh, P(BATCH))
-    self._train = step_lib.make_train_step(DataParallelLoss(task, mesh), self.plan, self.tx)
-    self._jitted = jax.jit(
-      self._step,
-      donate_argnums=0,
-      in_shardings=(self.state_sharding, repl, self.seeds_sharding),
-      out_shardings=(self.state_sharding, repl),
-    )
-    # Simulated CPU devices: one multi-device call in flight (sharding.OneInFlight).
-    self.step = sharding.OneInFlight(self._jitted, mesh)
-    self._eval = sharding.OneInFlight(
-      jax.jit(self._eval_step, in_shardings=(self.state_sharding, repl), out_shardings=repl),
-      mesh,
-    )
-
-  @classmethod
-  def from_config(cls, config, devices: int, *, k: int, seed: int = 0) -> DataParallelSage:
-    """The node task of `config` on a devices x 1 mesh of the first `devices` devices."""
-    mesh = sharding.make_mesh(devices, 1)
-    task = nc.NodeClassification(config, mesh)
-    return cls(task, mesh, k=k, key=jax.random.key(seed))
 
   def graph_arrays(self) -> dict[str, np.ndarray]:
     """What every device holds of the graph: the sampler's arrays (CSR), the node features
@@ -181,18 +154,10 @@ class DataParallelSage:
       out["features"] = np.asarray(g.features, np.float32)
     return out
 
-  def seeds(self, step: int) -> np.ndarray:
-    """int32[n, k, b]: device d's seeds of steps step .. step + k - 1 (the trainer's global
-    batch of each step, `task.train_seeds`, split into n slices of b)."""
-    n, b = self.devices, self.per_device
-    out = np.full((self.k, n * b), -1, np.int32)
-    for i in range(self.k):
-      seeds = self.task.train_seeds(step + i)
-      out[i, : seeds.size] = seeds
-    return out.reshape(self.k, n, b).transpose(1, 0, 2)
-
-  def _sample(self, graph, seeds, key):
-    """Every device's k mini-batches, sampled and built on the device: leaves [k, n * X]."""
+  def sample(self, graph, seeds, key):
+    """seeds int32[n, k, b] (split over the devices on axis 0) -> every device's k
+    mini-batches, sampled and built on the device: (batch leaves [k, n * X] split on axis 1,
+    stats float/int[n, 2]: sampled edges, dropped neighbours per device)."""
 
     @functools.partial(
       jax.shard_map,
@@ -216,20 +181,111 @@ class DataParallelSage:
 
     return local(graph, seeds, key)
 
-  def _step(self, state, graph, seeds):
-    key = jax.random.fold_in(jax.random.fold_in(state.key, SAMPLING), state.step)
-    batches, stats = self._sample(graph, seeds, key)
+  def make_step(self, plan: emb_base.Plan, tx):
+    """-> step(state, graph, seeds int32[n, k, b]) -> (state, metrics): k train steps, the
+    k mini-batches of every device sampled in one bulk call (key fold_in(fold_in(state.key,
+    SAMPLING), state.step)), then a lax.scan of the trainer's step with the loss as one
+    shard_map (`DataParallelLoss`) and the node ids prepared on the device."""
+    check_plan(plan)
+    train = step_lib.make_train_step(DataParallelLoss(self.task, self.mesh), plan, tx)
 
-    def one(state, batch):
-      batch = dict(batch)
-      prepared = device_prepared(self.plan, batch.pop("ids"))
-      return self._train(state, prepared, batch)
+    def step(state, graph, seeds):
+      key = jax.random.fold_in(jax.random.fold_in(state.key, SAMPLING), state.step)
+      batches, stats = self.sample(graph, seeds, key)
 
-    state, metrics = jax.lax.scan(one, state, batches)
-    metrics = {k: jnp.mean(v) for k, v in metrics.items()}
-    metrics["sampled_edges"] = jnp.sum(stats[:, 0])
-    metrics["dropped"] = jnp.sum(stats[:, 1])
-    return state, metrics
+      def one(state, batch):
+        batch = dict(batch)
+        prepared = device_prepared(plan, batch.pop("ids"))
+        return train(state, prepared, batch)
+
+      state, metrics = jax.lax.scan(one, state, batches)
+      metrics = {k: jnp.mean(v) for k, v in metrics.items()}
+      metrics["sampled_edges"] = jnp.sum(stats[:, 0])
+      metrics["dropped"] = jnp.sum(stats[:, 1])
+      return state, metrics
+
+    return step
+
+  def trainer_step(self, plan: emb_base.Plan, tx):
+    """The trainer's step (`Task.train_step`): (state, prepared, batch, graph) -> (state,
+    metrics), one step per call. batch["seeds"] int32[n * b] split over the devices (device d:
+    seeds [d * b, (d + 1) * b) of the step's padded global batch, as `DataParallelSage.seeds`
+    gives them); `prepared` holds nothing (the batch's node-id bags have width 0: the ids
+    exist only on the device)."""
+    step = self.make_step(plan, tx)
+    n, b = self.devices, self.per_device
+
+    def train(state, prepared, batch, graph):
+      del prepared
+      return step(state, graph, batch["seeds"].reshape(n, 1, b))
+
+    return train
+
+
+class DataParallelSage:
+  """Data-parallel GraphSAGE training of a `NodeClassification` task (see the module),
+  k steps per call, outside the trainer (benchmarks, tests; the trainer runs the same
+  `DeviceSamples` one step per call with sampler.data_parallel=true).
+
+  Args:
+    task: the node task (its graph, model, loss, eval batches; built on `mesh`).
+    mesh: every device trains (n = mesh.size); the global batch is sampler.batch_size.
+    k: steps per call: each device samples its next k mini-batches in one bulk call and the
+      step consumes them in a scan (no host round trip between them).
+    key: the run's key (params, tables, sampling and dropout keys).
+  """
+
+  def __init__(self, task: nc.NodeClassification, mesh: jax.sharding.Mesh, *, k: int, key):
+    self.task, self.mesh, self.k = task, mesh, int(k)
+    self.samples = DeviceSamples(task, mesh)
+    self.devices, self.per_device = self.samples.devices, self.samples.per_device
+    self.sampler = self.samples.sampler
+    cfg = task.config
+    rules = list(map(tuple, cfg.embeddings.plan))
+    self.plan = emb_base.resolve_plan(rules, task.tables(), mesh, emb_base.Layout(), log=False)
+    check_plan(self.plan)
+    self.tx = step_lib.make_optimizer(cfg.optimizer)
+    self.state = step_lib.init_state(task, self.plan, self.tx, key, task.example_batch())
+    self.state_sharding = step_lib.state_sharding(self.plan, self.state)
+    repl = sharding.named(mesh, P())
+    self.graph = sharding.put(self.graph_arrays(), repl)
+    self.seeds_sharding = sharding.named(mesh, P(BATCH))
+    self._jitted = jax.jit(
+      self.samples.make_step(self.plan, self.tx),
+      donate_argnums=0,
+      in_shardings=(self.state_sharding, repl, self.seeds_sharding),
+      out_shardings=(self.state_sharding, repl),
+    )
+    # Simulated CPU devices: one multi-device call in flight (sharding.OneInFlight).
+    self.step = sharding.OneInFlight(self._jitted, mesh)
+    self._eval = sharding.OneInFlight(
+      jax.jit(self._eval_step, in_shardings=(self.state_sharding, repl), out_shardings=repl),
+      mesh,
+    )
+
+  @classmethod
+  def from_config(cls, config, devices: int, *, k: int, seed: int = 0) -> DataParallelSage:
+    """The node task of `config` on a devices x 1 mesh of the first `devices` devices."""
+    mesh = sharding.make_mesh(devices, 1)
+    task = nc.NodeClassification(config, mesh)
+    return cls(task, mesh, k=k, key=jax.random.key(seed))
+
+  def graph_arrays(self) -> dict[str, np.ndarray]:
+    """What every device holds of the graph (`DeviceSamples.graph_arrays`)."""
+    return self.samples.graph_arrays()
+
+  def seeds(self, step: int) -> np.ndarray:
+    """int32[n, k, b]: device d's seeds of steps step .. step + k - 1 (the trainer's global
+    batch of each step, `task.train_seeds`, split into n slices of b)."""
+    n, b = self.devices, self.per_device
+    out = np.full((self.k, n * b), -1, np.int32)
+    for i in range(self.k):
+      seeds = self.task.train_seeds(step + i)
+      out[i, : seeds.size] = seeds
+    return out.reshape(self.k, n, b).transpose(1, 0, 2)
+
+  def _sample(self, graph, seeds, key):
+    return self.samples.sample(graph, seeds, key)
 
   def _eval_step(self, state, batch):
     batch = dict(batch)

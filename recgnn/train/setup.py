@@ -125,6 +125,7 @@ class Run:
   key: jax.Array  # the PRNG key of the initial state
   state: step_lib.TrainState | None
   shardings: step_lib.TrainState  # a NamedSharding per leaf of `state`
+  step_inputs: dict | None  # the task's step inputs on the devices (placed once), or None
   train_step: Callable  # (state, buffers, layout) -> (state, metrics); state donated
   eval_step: Callable  # (state, buffers, layout) -> the task's predict outputs
   total_steps: int
@@ -175,16 +176,36 @@ def _open_task(config, mesh, log) -> Task:
   return task
 
 
-def jit_steps(task: Task, plan: base.Plan, tx, shardings) -> tuple[Callable, Callable]:
+def place_step_inputs(task: Task, mesh: jax.sharding.Mesh) -> dict | None:
+  """`task.step_inputs()` on every device of `mesh` (replicated), once per run; None when the
+  task has none."""
+  host = task.step_inputs()
+  if not host:
+    return None
+  return sharding.put(host, sharding.named(mesh, sharding.REPLICATED))
+
+
+def jit_steps(
+  task: Task, plan: base.Plan, tx, shardings, step_inputs: dict | None = None
+) -> tuple[Callable, Callable]:
   """The jitted packed (train, eval) steps of a plan: built once by `build`, and again by the
-  loop when a group re-plans its static shapes (capability `replans_shapes`)."""
+  loop when a group re-plans its static shapes (capability `replans_shapes`). The train step
+  is the task's own when it has one (`Task.train_step`), which reads `step_inputs`
+  (`place_step_inputs`, the run's `Run.step_inputs`)."""
+  own = task.train_step(plan, tx)
+  if own is not None and step_inputs is None and task.step_inputs():
+    raise ValueError(
+      f"{type(task).__name__}'s train step reads step inputs: pass the run's placed ones "
+      "(Run.step_inputs) to jit_steps"
+    )
   train_step = step_lib.jit_packed(
-    step_lib.make_train_step(task, plan, tx),
+    step_lib.make_train_step(task, plan, tx) if own is None else own,
     plan,
     shardings,
     donate_state=True,
     out_state=True,
     name="train_step",
+    step_inputs=step_inputs if own is not None else None,
   )
   eval_step = step_lib.jit_packed(
     step_lib.make_eval_step(task, plan),
@@ -274,7 +295,8 @@ def build(
       state = jax.eval_shape(init)
   log(f"Dense params: {sum(x.size for x in jax.tree.leaves(state.params)):,}")
   shardings = step_lib.state_sharding(plan, state)
-  train_step, eval_step = jit_steps(task, plan, tx, shardings)
+  step_inputs = place_step_inputs(task, mesh)
+  train_step, eval_step = jit_steps(task, plan, tx, shardings, step_inputs)
   return Run(
     config=config,
     mesh=mesh,
@@ -288,6 +310,7 @@ def build(
     key=key,
     state=state,
     shardings=shardings,
+    step_inputs=step_inputs,
     train_step=train_step,
     eval_step=eval_step,
     total_steps=total_steps,

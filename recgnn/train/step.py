@@ -219,31 +219,56 @@ def jit_packed(
   donate_state: bool,
   out_state: bool,
   name: str = "packed",
+  step_inputs: PyTree | None = None,
 ):
   """step_fn(state, prepared, batch) -> jitted f(state, buffers, layout) over `inputs.pack`
   output, with explicit in / out shardings (state as `state_shardings`, buffers split over
   the mesh, metrics / predictions replicated). `name` names the XLA module (`jit_NAME`), so a
-  profiler trace or an HLO dump tells the train step from the eval step."""
+  profiler trace or an HLO dump tells the train step from the eval step.
+
+  step_inputs: device arrays, replicated, that every call reads besides its batch
+  (`Task.step_inputs`, e.g. the graph each device samples from): step_fn is then
+  step_fn(state, prepared, batch, step_inputs), and they are the jitted function's last
+  argument, bound here (f keeps the signature above). An argument, not a closure: a
+  closed-over array would be a constant of the program, the whole graph in its HLO."""
   mesh = plan.mesh
   buf = jax.sharding.NamedSharding(mesh, sharding.BATCH_SPEC)
   repl = jax.sharding.NamedSharding(mesh, sharding.REPLICATED)
 
-  def packed(state, buffers, layout):
+  def packed(state, buffers, layout, *extra):
     prepared, batch = inputs.unpack(buffers, layout, mesh)
-    return step_fn(state, prepared, batch)
+    return step_fn(state, prepared, batch, *extra)
 
   packed.__name__ = packed.__qualname__ = name
   out = (state_shardings, repl) if out_state else repl
+  in_shardings = (state_shardings, buf)
+  if step_inputs is not None:
+    in_shardings += (jax.tree.map(lambda _: repl, step_inputs),)
   jitted = jax.jit(
     packed,
     static_argnums=2,
     donate_argnums=0 if donate_state else (),
-    in_shardings=(state_shardings, buf),
+    in_shardings=in_shardings,
     out_shardings=out,
   )
   # Simulated CPU devices: one step in flight at a time (XLA:CPU deadlocks otherwise; see
   # sharding.OneInFlight).
-  return sharding.OneInFlight(jitted, mesh)
+  one = sharding.OneInFlight(jitted, mesh)
+  return one if step_inputs is None else _BoundInputs(one, step_inputs)
+
+
+class _BoundInputs:
+  """A `jit_packed` step with its step inputs bound as the last argument: called (and
+  lowered) as f(state, buffers, layout), like a step without them."""
+
+  def __init__(self, fn, step_inputs):
+    self._fn, self.step_inputs = fn, step_inputs
+
+  def __call__(self, state, buffers, layout):
+    return self._fn(state, buffers, layout, self.step_inputs)
+
+  def lower(self, state, buffers, layout):
+    return self._fn.lower(state, buffers, layout, self.step_inputs)
 
 
 class Feeder:
