@@ -2,6 +2,7 @@
 trains its own mini-batches; the step takes seed ids only; the bytes between devices are the
 dense-gradient all-reduce, flat in the graph's nodes; 8 devices train Cora as well as 1."""
 
+import functools
 import json
 
 import jax
@@ -11,6 +12,7 @@ import pytest
 from experiments import sage_cora
 from recgnn import comms, sharding
 from recgnn.embeddings import OptimizerSpec, TableSpec, base
+from recgnn.tasks import node_classification as nc
 from recgnn.tasks import node_data_parallel as dp
 from recgnn.train import loop, setup
 from tests.test_graphsage import small_config
@@ -203,14 +205,74 @@ def test_trainer_step_arguments_are_seeds_and_the_placed_graph():
 
 
 def test_trainer_refuses_what_data_parallel_cannot_honour():
-  """A node table on a backend that prepares ids on the host, or the split graph, is an
-  error at setup naming the fix."""
+  """A node table on a backend that prepares ids on the host, or a graph split over some of
+  the mesh's devices, is an error at setup naming the fix."""
   c = trainer_config("embeddings", 2)
   c.embeddings.plan = ((".*", "offload(cache_rows=512)"),)
   with pytest.raises(ValueError, match="prepares ids on the host"):
     setup.build(c)
   c = trainer_config("features", 2)
-  c.sampler.split_devices = 8
+  c.sampler.split_devices = 4  # not every device of the 8
   c.sampler.where = "device"
   with pytest.raises(ValueError, match="split_devices"):
     setup.build(c)
+
+
+def split_config(inputs: str, num_nodes: int = 3000, exchange: str = "reduce_scatter"):
+  c = synthetic_config(inputs, num_nodes)
+  c.sampler.where = "device"
+  c.sampler.split_devices = 8
+  c.sampler.split_exchange = exchange
+  return c
+
+
+@pytest.mark.parametrize("exchange", ["reduce_scatter", "all_to_all"])
+def test_split_graph_gives_the_replicated_sample(exchange):
+  """The graph's rows split over the 8 devices (each hop's reads exchanged): every device's
+  mini-batches are exactly those it samples from its own replica (same seeds, same key), and
+  the one-device sampler's for all devices' seeds."""
+  mesh = sharding.make_mesh(8, 1)
+  c = split_config("features", exchange=exchange)
+  replicated = dp.DeviceSamples(nc.NodeClassification(synthetic_config("features"), mesh), mesh)
+  split = dp.DeviceSamples(nc.NodeClassification(c, mesh), mesh)
+  assert split.split and not replicated.split
+  assert split.sampler.sizes == replicated.sampler.sizes
+  k, b = 2, replicated.per_device
+  rng = np.random.default_rng(0)
+  seeds = rng.choice(replicated.task.train_nodes, 8 * k * b, replace=False).astype(np.int32)
+  seeds = seeds.reshape(8, k, b)
+  seeds[3, 1, 5:] = -1  # padding
+  put = functools.partial(jax.device_put, device=sharding.named(mesh, sharding.BATCH_SPEC))
+  key = jax.random.key(7)
+  outs = []
+  for s in (replicated, split):
+    graph = setup.place_inputs(s.graph_arrays(), mesh)
+    outs.append(jax.device_get(jax.jit(s.sample)(graph, put(seeds), key)))
+  (a, sa), (b_, sb) = outs
+  assert jax.tree.structure(a) == jax.tree.structure(b_)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b_)):
+    np.testing.assert_array_equal(x, y)
+  np.testing.assert_array_equal(sa, sb)
+  assert sa[0] > 0 and sa[1] == 0
+  # One device, every device's batches in one call: device d's are batches d k .. d k + k - 1.
+  nodes, *_ = replicated.sampler.sample_device(seeds.reshape(8 * k, b), key)
+  frontier = np.asarray(a["frontier"])  # [k, 8 * n_L]
+  want = np.asarray(nodes).reshape(8, k, -1).transpose(1, 0, 2).reshape(k, -1)
+  np.testing.assert_array_equal(frontier, want)
+
+
+def test_split_graph_bytes_are_the_hops_exchange_flat_in_nodes():
+  """From the compiled step with the split graph: the dense gradients' all-reduce (as
+  replicated) plus exactly each hop's exchange (the sampler's own hops compiled alone: an
+  all_gather of the frontier, a reduce_scatter of the neighbours), the same at 10x the
+  nodes."""
+  small, big = (data_parallel(split_config("features", n), 8, k=1) for n in (3000, 30_000))
+  a, b = small.step_bytes(), big.step_bytes()
+  assert a == b, (a, b)
+  hops = small.sampler.hop_bytes(8)  # 8 batches: one per device
+  assert len(hops) == 2 and all(h["total_operand_bytes"] > 0 for h in hops)
+  for op in ("all-gather", "reduce-scatter"):
+    assert a["by_op"][op]["operand_bytes"] == sum(h["by_op"][op]["operand_bytes"] for h in hops)
+  param_bytes = sum(x.size * 4 for x in jax.tree.leaves(small.state.params))
+  assert set(a["by_op"]) == {"all-reduce", "all-gather", "reduce-scatter"}
+  assert param_bytes <= a["by_op"]["all-reduce"]["operand_bytes"] <= param_bytes + 64

@@ -143,10 +143,13 @@ def extend_batches(frontier, cand, cand_valid, n_next: int, num_nodes: int):
   )
 
 
-def _batch_uniforms(key: jax.Array, layer: int, k: int, shape) -> jax.Array:
-  """float32[k, *shape]: batch b's uniforms of `layer`, independent of k and padding."""
+def _batch_uniforms(key: jax.Array, layer: int, k: int, shape, first=0) -> jax.Array:
+  """float32[k, *shape]: the uniforms of `layer` of batches first .. first + k - 1,
+  independent of k and padding. `first` (may be traced): where a device's k batches sit in
+  a call that several devices share (data-parallel sampling: device d's are d k ..), so its
+  draws are the ones a single call over every device's batches makes."""
   keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, b), layer))(
-    jnp.arange(k, dtype=jnp.int32)
+    first + jnp.arange(k, dtype=jnp.int32)
   )
   return jax.vmap(lambda kb: jax.random.uniform(kb, shape))(keys)
 
@@ -263,13 +266,14 @@ class DeviceNeighborSampler:
     """The graph arrays `sample_arrays` reads: (indptr int32[N + 1], indices int32[nnz])."""
     return self.indptr, self.indices
 
-  def sample_arrays(self, indptr, indices, seeds, key):
+  def sample_arrays(self, indptr, indices, seeds, key, first=0):
     """The pure sampling function (jit-able, shard_map-able: the data-parallel step runs it
-    on every device over its replica of `arrays`): -> as `sample_device`."""
+    on every device over its replica of `arrays`): -> as `sample_device`. first: the index
+    of seeds' first batch in a call shared by several devices (`_batch_uniforms`)."""
     k = seeds.shape[0]
     frontier, layers, edges, dropped = seeds, [], [], jnp.int32(0)
     for layer, f in enumerate(self.fanouts):
-      u = _batch_uniforms(key, layer, k, (frontier.shape[1], f))
+      u = _batch_uniforms(key, layer, k, (frontier.shape[1], f), first)
       # A batch's frontier nodes are distinct: P's k batches hold at most k x the sum of
       # the n largest degrees.
       n = min(frontier.shape[1], self.num_nodes)
@@ -440,10 +444,10 @@ class DeviceLadiesSampler:
     caps = tuple(max(int(row_len[: host.sizes[i]].sum()), 1) for i in range(len(host.layer_sizes)))
     return host, caps
 
-  def _layer(self, layer, indptr, indices, data, frontier, key):
+  def _layer(self, layer, indptr, indices, data, frontier, key, first=0):
     k = frontier.shape[0]
     keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, b), layer))(
-      jnp.arange(k, dtype=jnp.int32)
+      first + jnp.arange(k, dtype=jnp.int32)
     )
     fn = functools.partial(
       _ladies_batch,
@@ -460,11 +464,12 @@ class DeviceLadiesSampler:
     chunk = _table_chunk(k, self.num_nodes)
     return jax.lax.map(lambda x: fn(x[0], key=x[1]), (frontier, keys), batch_size=chunk)
 
-  def sample_arrays(self, indptr, indices, data, seeds, key):
-    """The pure sampling function over `arrays` -> as `sample_device`."""
+  def sample_arrays(self, indptr, indices, data, seeds, key, first=0):
+    """The pure sampling function over `arrays` -> as `sample_device` (first: as
+    `DeviceNeighborSampler.sample_arrays`)."""
     frontier, layers, edges, dropped = seeds, [], [], jnp.int32(0)
     for layer in range(len(self.layer_sizes)):
-      frontier, lay, e, d, _ = self._layer(layer, indptr, indices, data, frontier, key)
+      frontier, lay, e, d, _ = self._layer(layer, indptr, indices, data, frontier, key, first)
       layers.append(lay)
       edges.append(e)
       dropped = dropped + d.sum()

@@ -70,9 +70,20 @@ class _SplitSampler:
     frontier = jax.device_put(
       jnp.asarray(seeds, jnp.int32), sharding.named(self.mesh, P(sharding.BATCH))
     )
+    return self.sample_arrays(*self._args(), frontier, key)
+
+  @property
+  def arrays(self) -> tuple[jax.Array, ...]:
+    """The split graph arrays `sample_arrays` reads (batch-split over the mesh)."""
+    return self._args()
+
+  def sample_arrays(self, *args):
+    """The pure sampling function (jit-able: the data-parallel step runs it inside its own
+    jit): (*arrays, seeds int32[k, batch_size] batch-split, key) -> as `sample_device`."""
+    *graph, frontier, key = args
     layers, edges, dropped = [], [], 0
     for hop in self._hops:
-      frontier, lay, e, d = hop(*self._args(), frontier, key)
+      frontier, lay, e, d = hop(*graph, frontier, key)
       layers.append(lay)
       edges.append(e)
       dropped = dropped + d.sum()

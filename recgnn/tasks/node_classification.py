@@ -37,8 +37,10 @@ Config (the experiment's ConfigDict; see experiments/sage_*.py):
                        whole subgraph; true: data-parallel, every device of the mesh samples
                        and trains its own ceil(batch_size / n) seeds on its replica of the
                        graph (`recgnn.tasks.node_data_parallel`): the train batches are seed
-                       ids only, the node table's backend must prepare on the device (dense)
-                       and the graph is replicated (split_devices refused)
+                       ids only, the node table's backend must prepare on the device
+                       (dense); the graph replicated, or with split_devices = the mesh's
+                       devices, its rows split over them (each hop's reads exchanged:
+                       split_exchange; node-wise only)
   sampler.fanouts      node: per layer, seeds outward (-1 = all neighbours)
   sampler.layer_sizes  ladies: nodes drawn per layer
   sampler.batch_size   seeds per mini-batch
@@ -148,9 +150,6 @@ class NodeClassification(base.Task):
     self.id_multiple = mesh.size if self.shard_batch else 1
     self.train_nodes = self._labelled("train")
     self.dropped = 0
-    self.sampler = self._make_sampler(
-      s.get("fanouts", None), self.batch_size, s.capacities, self.train_nodes, "capacities"
-    )
     self.device_samples = None
     data_parallel = s.get("data_parallel", False)
     if not isinstance(data_parallel, bool):
@@ -160,6 +159,12 @@ class NodeClassification(base.Task):
       from recgnn.tasks import node_data_parallel
 
       self.device_samples = node_data_parallel.DeviceSamples(self, mesh)
+      # Train batches are sampled per device (b seeds each): no sampler of the whole batch.
+      self.sampler = self.device_samples.sampler
+    else:
+      self.sampler = self._make_sampler(
+        s.get("fanouts", None), self.batch_size, s.capacities, self.train_nodes, "capacities"
+      )
     eval_fanouts = s.get("eval_fanouts", None) or s.get("fanouts", None)
     self.eval_batch_size = int(s.get("eval_batch_size", None) or self.batch_size)
     eval_nodes = np.concatenate([self._labelled("valid"), self._labelled("test")])
@@ -207,9 +212,12 @@ class NodeClassification(base.Task):
     trial_nodes: np.ndarray,
     option: str,
     where: str | None = None,
+    split_mesh: jax.sharding.Mesh | None = None,
   ):
     """The sampler of `fanouts` and `capacities` (the value of sampler.`option`: worst | auto
-    | sizes per layer), at `where` (None: sampler.where)."""
+    | sizes per layer), at `where` (None: sampler.where). split_mesh: the mesh whose devices
+    the graph's rows are split over (default: with sampler.split_devices = D > 1, a 1 x D mesh
+    of the trainer's first D devices)."""
     s = self.config.sampler
     capacities = parse_capacities(capacities, option)
     where = where or s.get("where", "host") or "host"
@@ -219,6 +227,7 @@ class NodeClassification(base.Task):
     # The sampler's own 1 x split mesh over the first `split` devices of the trainer's: it
     # splits the adjacency's rows, not the batch, so its shape is the sampler's choice.
     mesh = sharding.make_mesh(1, split, devices=self.mesh.devices.flat) if split > 1 else None
+    mesh = split_mesh or mesh
 
     def make(caps=None):
       return samplers.make(

@@ -1,17 +1,17 @@
 """Data-parallel GraphSAGE on the mesh: every device samples and trains its own mini-batches.
 
-The trainer's node classification (`node_classification.NodeClassification` through
-`recgnn.train.loop`) samples a mini-batch, packs it on the host and gives every device the
-whole subgraph: the mesh adds no training throughput. Here, with n devices (every device of
-the mesh: the batch axis `sharding.BATCH`) and the graph replicated on each (it fits), one
-jitted call (`DataParallelSage.step`) takes only seed ids, int32[n, k, b] (device d's seeds
-of the next k steps, b = ceil(B / n) of the global batch B each, -1 = padding), and runs:
+Node classification in the trainer by default samples a mini-batch, packs it on the host and
+gives every device the whole subgraph: the mesh adds no training throughput. Here, with n
+devices (every device of the mesh: the batch axis `sharding.BATCH`), every device samples
+and trains its own mini-batches. One jitted call takes only seed ids, int32[n, k, b] (device
+d's seeds of the next k steps, b = ceil(B / n) of the global batch B each, -1 = padding),
+besides the state and the graph (placed once), and runs:
 
-  sample   (shard_map, no communication) device d samples its k mini-batches in one bulk
-           call of the device sampler over its replica of the graph (`graph_arrays`: CSR,
-           features, labels), keys fold_in(step key, d), and builds its batches there
-           (`node_classification.make_batch`, features gathered on the device): [k, n * X]
-           arrays split over the devices on axis 1, which never leave them
+  sample   (`DeviceSamples`) device d samples its k mini-batches in one bulk call of the
+           device sampler, over its replica of the graph (no communication) or over the
+           graph's rows split over the devices (each hop's reads exchanged), and builds its
+           batches there (`node_classification.make_batch`, features gathered on the
+           device): [k, n * X] arrays split over the devices on axis 1, which never leave them
   k steps  (lax.scan, the trainer's own step, `recgnn.train.step.make_train_step`) per step:
            the rows of each device's sampled nodes through the embedding plan
            (`device_prepared`: the ids stay batch-split, so a replicated `dense` table is
@@ -20,15 +20,19 @@ of the next k steps, b = ceil(B / n) of the global batch B each, -1 = padding), 
            batch), so the dense gradients are all-reduced by the psum's transpose and the
            table's update gets each device's d loss / d rows
 
+The trainer runs it with sampler.data_parallel=true, k = 1 (`DeviceSamples.trainer_step`,
+through `Task.train_step` / `Task.step_inputs`); `DataParallelSage` runs k steps per call.
+
 Bytes between devices per step (read from the compiled step: `step_bytes`): the dense
-gradient all-reduce, the loss / metric sums, and with a learnable replicated table its
-update's gather of (ids, d loss / d rows), O(sampled nodes); none grows with the graph.
+gradient all-reduce, the loss / metric sums, with a learnable replicated table its update's
+gather of (ids, d loss / d rows), O(sampled nodes), and with the split graph each hop's
+exchange, O(k b n_l f_l); none grows with the graph.
 
 Limits: node tables whose backend plans on the host (`Capabilities.plans_globally`: tt,
 offload, hot_cold) or routes ids (sharded) need ids before the step and are refused: the
-ids here exist only on the device (`device_prepared`). The graph is replicated (the split
-graph of `recgnn.graphs.split_sampling` is not wired in). Eval runs the task's eval batches
-(host-sampled, deterministic with eval fanouts -1), replicated.
+ids here exist only on the device (`device_prepared`). The split graph is node-wise only and
+splits over every device of the mesh; features and labels stay replicated. Eval runs the
+task's eval batches (host-sampled, deterministic with eval fanouts -1), replicated.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from recgnn.embeddings import base as emb_base
 from recgnn.embeddings.contract import TableBackend
 from recgnn.embeddings.group import TableGroup
 from recgnn.tasks import node_classification as nc
+from recgnn.train import setup
 from recgnn.train import step as step_lib
 
 P = sharding.P
@@ -117,24 +122,37 @@ class DataParallelLoss:
 
 
 class DeviceSamples:
-  """Every device's mini-batches, sampled and built on the device from its replica of the
-  graph: the one mechanism of `DataParallelSage` (k steps per call) and of the trainer's
-  data-parallel node classification (`NodeClassification.train_step`, one step per call).
+  """Every device's mini-batches, sampled and built on the device: the one mechanism of
+  `DataParallelSage` (k steps per call) and of the trainer's data-parallel node
+  classification (`NodeClassification.train_step`, one step per call).
 
   n = mesh.size devices, b = ceil(B / n) seeds each of the task's global batch B; the
-  sampler is the task's law on the device (`where="device"`) for b seeds."""
+  sampler is the task's law on the device (`where="device"`) for b seeds, over
+
+    the graph replicated (sampler.split_devices = 0): each device samples from its own copy,
+      no communication;
+    the graph split (sampler.split_devices = n, node-wise): the adjacency's rows split over
+      the n devices (`split_sampling.SplitNeighborSampler` on this mesh, 1 / n of the edges
+      each), every hop's neighbour reads exchanged between the devices (sampler.
+      split_exchange: reduce_scatter or all_to_all), each device keeping its own batches.
+
+  Device d's k batches are batches d k .. d k + k - 1 of one call over all n k (their keys:
+  `device_sampling._batch_uniforms`), so both give exactly the sample one device draws for
+  every device's seeds with the same key (tested)."""
 
   def __init__(self, task: nc.NodeClassification, mesh: jax.sharding.Mesh):
     self.task, self.mesh = task, mesh
     self.devices = mesh.size
     self.per_device = -(-task.batch_size // self.devices)
     s = task.config.sampler
-    if int(s.get("split_devices", 0) or 0) > 1:
+    split = int(s.get("split_devices", 0) or 0)
+    if split > 1 and (split != self.devices or s.kind != "node"):
       raise ValueError(
-        "data-parallel GraphSAGE replicates the graph on every device; "
-        "sampler.split_devices > 1 (the split graph) is not wired into it: set "
-        "sampler.split_devices=0"
+        f"data-parallel GraphSAGE splits the graph over every device of the mesh, node-wise: "
+        f"sampler.split_devices={split} with sampler.kind={s.kind!r} on {self.devices} devices; "
+        f"set sampler.split_devices={self.devices} (sampler.kind=node) or 0 (replicated)"
       )
+    self.split = split > 1
     self.sampler = task._make_sampler(
       s.get("fanouts", None),
       self.per_device,
@@ -142,14 +160,18 @@ class DeviceSamples:
       task.train_nodes,
       "capacities",
       where="device",
+      split_mesh=mesh if self.split else None,
     )
 
-  def graph_arrays(self) -> dict[str, np.ndarray]:
-    """What every device holds of the graph: the sampler's arrays (CSR), the node features
-    (float32[N, F], without features: none) and labels int32[N]."""
+  def graph_arrays(self) -> dict:
+    """What the devices hold of the graph: the sampler's arrays (CSR: numpy, replicated; or
+    split, device arrays placed by the sampler), the node features (float32[N, F], without
+    features: none) and labels int32[N] (both replicated)."""
     g = self.task.graph
-    out = {"sampler": tuple(np.asarray(a) for a in self.sampler.arrays)}
-    out["labels"] = np.asarray(g.labels, np.int32)
+    arrays = self.sampler.arrays
+    if not self.split:
+      arrays = tuple(np.asarray(a) for a in arrays)
+    out = {"sampler": tuple(arrays), "labels": np.asarray(g.labels, np.int32)}
     if self.task.inputs != "embeddings":
       out["features"] = np.asarray(g.features, np.float32)
     return out
@@ -157,7 +179,34 @@ class DeviceSamples:
   def sample(self, graph, seeds, key):
     """seeds int32[n, k, b] (split over the devices on axis 0) -> every device's k
     mini-batches, sampled and built on the device: (batch leaves [k, n * X] split on axis 1,
-    stats float/int[n, 2]: sampled edges, dropped neighbours per device)."""
+    int32[2]: sampled edges and dropped neighbours of all devices)."""
+    rest = {name: v for name, v in graph.items() if name != "sampler"}
+    make = functools.partial(nc.make_batch, self.task.inputs, xp=jnp)
+
+    def build(rest, nodes, layers, seeds):  # one device's k batches
+      return jax.vmap(
+        lambda x, lay, s: make(x, lay, s, features=rest.get("features"), labels=rest["labels"])
+      )(nodes, layers, seeds)
+
+    if self.split:
+      n, k, b = seeds.shape
+      # [n k, b] split on axis 0: device d holds its own k batches, d k .. d k + k - 1.
+      nodes, layers, edges, dropped = self.sampler.sample_arrays(
+        *graph["sampler"], seeds.reshape(n * k, b), key
+      )
+
+      @functools.partial(
+        jax.shard_map,
+        mesh=self.mesh,
+        in_specs=(P(), P(BATCH), P(BATCH), P(BATCH)),
+        out_specs=P(None, BATCH),
+        check_vma=False,
+      )
+      def local_build(rest, nodes, layers, seeds):
+        return build(rest, nodes, layers, seeds[0])
+
+      batches = local_build(rest, nodes, layers, seeds)
+      return batches, jnp.stack([jnp.sum(edges), dropped.astype(jnp.int32)])
 
     @functools.partial(
       jax.shard_map,
@@ -170,16 +219,15 @@ class DeviceSamples:
     )
     def local(graph, seeds, key):
       seeds = seeds[0]  # [k, b]
-      key = jax.random.fold_in(key, jax.lax.axis_index(BATCH))
-      nodes, layers, edges, dropped = self.sampler.sample_arrays(*graph["sampler"], seeds, key)
-      make = functools.partial(
-        nc.make_batch, self.task.inputs, features=graph.get("features"), labels=graph["labels"]
+      first = jax.lax.axis_index(BATCH) * seeds.shape[0]
+      nodes, layers, edges, dropped = self.sampler.sample_arrays(
+        *graph["sampler"], seeds, key, first
       )
-      batches = jax.vmap(lambda x, lay, s: make(x, lay, s, xp=jnp))(nodes, layers, seeds)
       stats = jnp.stack([jnp.sum(edges), dropped])[None]
-      return batches, stats
+      return build(graph, nodes, layers, seeds), stats
 
-    return local(graph, seeds, key)
+    batches, stats = local(graph, seeds, key)
+    return batches, jnp.sum(stats, axis=0)
 
   def make_step(self, plan: emb_base.Plan, tx):
     """-> step(state, graph, seeds int32[n, k, b]) -> (state, metrics): k train steps, the
@@ -200,8 +248,7 @@ class DeviceSamples:
 
       state, metrics = jax.lax.scan(one, state, batches)
       metrics = {k: jnp.mean(v) for k, v in metrics.items()}
-      metrics["sampled_edges"] = jnp.sum(stats[:, 0])
-      metrics["dropped"] = jnp.sum(stats[:, 1])
+      metrics["sampled_edges"], metrics["dropped"] = stats[0], stats[1]
       return state, metrics
 
     return step
@@ -248,12 +295,13 @@ class DataParallelSage:
     self.state = step_lib.init_state(task, self.plan, self.tx, key, task.example_batch())
     self.state_sharding = step_lib.state_sharding(self.plan, self.state)
     repl = sharding.named(mesh, P())
-    self.graph = sharding.put(self.graph_arrays(), repl)
+    self.graph = setup.place_inputs(self.graph_arrays(), mesh)
     self.seeds_sharding = sharding.named(mesh, P(BATCH))
+    graph_sharding = jax.tree.map(lambda x: x.sharding, self.graph)
     self._jitted = jax.jit(
       self.samples.make_step(self.plan, self.tx),
       donate_argnums=0,
-      in_shardings=(self.state_sharding, repl, self.seeds_sharding),
+      in_shardings=(self.state_sharding, graph_sharding, self.seeds_sharding),
       out_shardings=(self.state_sharding, repl),
     )
     # Simulated CPU devices: one multi-device call in flight (sharding.OneInFlight).

@@ -177,12 +177,18 @@ def _open_task(config, mesh, log) -> Task:
 
 
 def place_step_inputs(task: Task, mesh: jax.sharding.Mesh) -> dict | None:
-  """`task.step_inputs()` on every device of `mesh` (replicated), once per run; None when the
-  task has none."""
+  """`task.step_inputs()` on the devices of `mesh`, once per run (`place_inputs`); None when
+  the task has none."""
   host = task.step_inputs()
-  if not host:
-    return None
-  return sharding.put(host, sharding.named(mesh, sharding.REPLICATED))
+  return place_inputs(host, mesh) if host else None
+
+
+def place_inputs(tree, mesh: jax.sharding.Mesh):
+  """Step inputs on the devices: host (numpy) leaves replicated on every device of `mesh`;
+  leaves that are device arrays already (e.g. a graph's rows split over the mesh) stay as
+  they were placed. Their shardings are the step's in_shardings (`step.jit_packed`)."""
+  repl = sharding.named(mesh, sharding.REPLICATED)
+  return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else sharding.put(x, repl), tree)
 
 
 def jit_steps(

@@ -226,7 +226,7 @@ def jit_packed(
   the mesh, metrics / predictions replicated). `name` names the XLA module (`jit_NAME`), so a
   profiler trace or an HLO dump tells the train step from the eval step.
 
-  step_inputs: device arrays, replicated, that every call reads besides its batch
+  step_inputs: device arrays (placed: `setup.place_inputs`) that every call reads besides its batch
   (`Task.step_inputs`, e.g. the graph each device samples from): step_fn is then
   step_fn(state, prepared, batch, step_inputs), and they are the jitted function's last
   argument, bound here (f keeps the signature above). An argument, not a closure: a
@@ -242,8 +242,8 @@ def jit_packed(
   packed.__name__ = packed.__qualname__ = name
   out = (state_shardings, repl) if out_state else repl
   in_shardings = (state_shardings, buf)
-  if step_inputs is not None:
-    in_shardings += (jax.tree.map(lambda _: repl, step_inputs),)
+  if step_inputs is not None:  # as placed (`setup.place_inputs`)
+    in_shardings += (jax.tree.map(lambda x: x.sharding, step_inputs),)
   jitted = jax.jit(
     packed,
     static_argnums=2,
