@@ -16,6 +16,13 @@ run it directly). Parts (--parts, comma list):
             devices, test accuracy per seed
   synthetic the same on the synthetic graph (--synthetic_nodes, noisy features: the
             neighbours carry the signal)
+  pyg       GraphSAGE on Cora trained by recgnn (data-parallel, 1 and 8 devices) and by PyG
+            (GraphSAGE + NeighborLoader, the peers' venv) with the same model (SAGE-mean, 2
+            layers, hidden 64, dropout 0.5), fanouts [25, 10], batch 140 (the whole train
+            split: one step per epoch), 200 steps, Adam 0.01 with L2 5e-4; eval over every
+            neighbour (recgnn: eval fanouts -1; PyG: the full graph): per seed the test
+            accuracy and the training throughput (seeds/s, sampled edges/s) of the steps
+            after the first call (compilation / warm-up), in the same process
 
 Simulated devices are XLA:CPU devices sharing this machine's cores (2 here, shared with other
 jobs): timings across device counts show the step's overheads, not a speed-up; the bytes
@@ -192,6 +199,95 @@ def bench_accuracy(what: str, config_of, seeds) -> dict:
   return out
 
 
+def bench_pyg(args) -> dict:
+  """recgnn data-parallel vs PyG GraphSAGE + NeighborLoader on Cora (see the module)."""
+  out: dict = {"pyg": sampling_bench.pyg_status() or "ran", "recgnn": {}, "PyG": {}}
+  for n in args.pyg_devices:
+    rows = []
+    for seed in args.pyg_seeds:
+      c = cora_config(seed)
+      run = dp.DataParallelSage.from_config(c, n, k=args.dp_k, seed=seed)
+      run.train(args.dp_k)  # the first call compiles
+      steps = c.train.steps - args.dp_k
+      calls, edges = -(-steps // args.dp_k), 0.0
+      t0 = time.perf_counter()
+      for _ in range(calls):
+        edges += run.train(args.dp_k)["sampled_edges"]
+      dt = time.perf_counter() - t0
+      acc = run.evaluate("test")["accuracy"]
+      done = calls * args.dp_k
+      rows.append(
+        {"seed": seed, "test_accuracy": acc, "steps_timed": done,
+         "seeds_per_s": done * run.task.batch_size / dt, "edges_per_s": edges / dt}
+      )  # fmt: skip
+      print(f"  recgnn {n} devices, seed {seed}: {rows[-1]}", flush=True)
+    out["recgnn"][n] = rows
+  if out["pyg"] != "ran":
+    return out
+  import torch
+  import torch.nn.functional as F
+  from torch_geometric.data import Data
+  from torch_geometric.loader import NeighborLoader
+  from torch_geometric.nn import GraphSAGE
+
+  c = cora_config(0)
+  task = dp.nc.NodeClassification(c, dp.sharding.make_mesh(1, 1))
+  g = task.graph
+  coo = g.adj.tocoo()
+  # Row v of adj aggregates from column u: PyG's message direction is u -> v.
+  edge_index = torch.from_numpy(np.stack([coo.col, coo.row]).astype(np.int64))
+  data = Data(
+    x=torch.from_numpy(np.asarray(g.features, np.float32)),
+    y=torch.from_numpy(np.maximum(g.labels, 0).astype(np.int64)),
+    edge_index=edge_index,
+    num_nodes=g.num_nodes,
+  )
+  train = torch.from_numpy(task.train_nodes.astype(np.int64))
+  test = torch.from_numpy(task._labelled("test").astype(np.int64))
+  rows = []
+  for seed in args.pyg_seeds:
+    torch.manual_seed(seed)
+    loader = NeighborLoader(
+      data, num_neighbors=list(c.sampler.fanouts), batch_size=task.batch_size,
+      input_nodes=train, shuffle=True,
+    )  # fmt: skip
+    model = GraphSAGE(
+      g.features.shape[1], c.model.hidden, num_layers=len(c.sampler.fanouts),
+      out_channels=g.num_classes, dropout=c.model.dropout,
+    )  # fmt: skip
+    opt = torch.optim.Adam(
+      model.parameters(), lr=c.optimizer.learning_rate, weight_decay=c.optimizer.weight_decay
+    )
+    batches = sampling_bench._endless(loader)
+
+    def step(batches=batches, model=model, opt=opt):
+      batch = next(batches)
+      model.train()
+      opt.zero_grad()
+      logits = model(batch.x, batch.edge_index)[: batch.batch_size]
+      F.cross_entropy(logits, batch.y[: batch.batch_size]).backward()
+      opt.step()
+      return int(batch.edge_index.shape[1])
+
+    for _ in range(args.dp_k):  # as recgnn's first call
+      step()
+    done = c.train.steps - args.dp_k
+    t0 = time.perf_counter()
+    edges = sum(step() for _ in range(done))
+    dt = time.perf_counter() - t0
+    model.eval()
+    with torch.no_grad():
+      pred = model(data.x, data.edge_index).argmax(-1)
+    acc = float((pred[test] == data.y[test]).float().mean())
+    rows.append(
+      {"seed": seed, "test_accuracy": acc, "steps_timed": done,
+       "seeds_per_s": done * task.batch_size / dt, "edges_per_s": edges / dt}
+    )  # fmt: skip
+    print(f"  PyG, seed {seed}: {rows[-1]}", flush=True)
+  out["PyG"][1] = rows
+  return out
+
+
 def cora_config(seed: int):
   c = sage_cora.get_config()
   c.seed = seed
@@ -290,6 +386,44 @@ def markdown(payload, shared: str) -> str:
       f"devices: {s['bytes_at_10x_nodes']['total_operand_bytes']:,} bytes per device per step.",
       "",
     ]
+  if "pyg" in payload:
+    q = payload["pyg"]
+    table = []
+    for system in ("recgnn", "PyG"):
+      for n, rows in q[system].items():
+        accs = [r["test_accuracy"] for r in rows]
+        table.append(
+          (
+            f"{system} data-parallel" if system == "recgnn" else "PyG + NeighborLoader",
+            n,
+            ", ".join(f"{x:.4f}" for x in accs),
+            f"{np.mean(accs):.4f} +- {np.std(accs):.4f}",
+            f"{np.median([r['seeds_per_s'] for r in rows]):,.0f}",
+            f"{np.median([r['edges_per_s'] for r in rows]):,.0f}",
+          )
+        )
+    lines += [
+      "## GraphSAGE on Cora: recgnn vs PyG (fanouts [25, 10], batch 140, 200 steps, Adam "
+      "0.01, L2 5e-4, hidden 64, dropout 0.5)",
+      "",
+      common.md_table(
+        [
+          "system",
+          "devices",
+          "test accuracy per seed",
+          "mean +- std",
+          "seeds/s (median)",
+          "sampled edges/s (median)",
+        ],  # fmt: skip
+        table,
+      ),
+      "",
+      f"PyG: {q['pyg']}. Throughput over the steps after the first call (compilation, "
+      "warm-up). PyG samples only the nodes new at each hop, recgnn every frontier node "
+      "(more edges per batch for the same fanouts): compare seeds/s. Simulated devices share "
+      "the same cores: 8 devices are not 8x the compute.",
+      "",
+    ]
   a = payload["args"]
   titles = {
     "cora": "Cora test accuracy, data-parallel (200 steps, global batch 140)",
@@ -345,11 +479,15 @@ def main(argv=None):
   p.add_argument("--synthetic_noise", type=float, default=4.0, help="feature noise std")
   p.add_argument("--synthetic_steps", type=int, default=200)
   p.add_argument("--synthetic_seeds", type=int, nargs="+", default=[0, 1])
+  p.add_argument("--pyg_seeds", type=int, nargs="+", default=[0, 1, 2])
+  p.add_argument("--pyg_devices", type=int, nargs="+", default=[1, 8])
   args = p.parse_args(argv)
   parts = args.parts.split(",")
-  unknown = set(parts) - {"product", "scaling", "cora", "synthetic"}
+  unknown = set(parts) - {"product", "scaling", "cora", "synthetic", "pyg"}
   if unknown:
-    raise SystemExit(f"unknown --parts {sorted(unknown)}; use product, scaling, cora, synthetic")
+    raise SystemExit(
+      f"unknown --parts {sorted(unknown)}; use product, scaling, cora, synthetic, pyg"
+    )
   machine = common.machine_info()
   shared = SHARED.format(cpus=machine["cpus"], load=machine["load_avg_at_start"][0])
   print(shared, flush=True)
@@ -363,6 +501,8 @@ def main(argv=None):
   if "synthetic" in parts:
     config_of = lambda seed: accuracy_config(args, seed)  # noqa: E731
     payload["synthetic"] = bench_accuracy("synthetic", config_of, args.synthetic_seeds)
+  if "pyg" in parts:
+    payload["pyg"] = bench_pyg(args)
   payload["load_avg_at_end"] = os.getloadavg()
   common.write_results(args.name, payload, markdown(payload, shared))
 
