@@ -223,6 +223,11 @@ def split_config(inputs: str, num_nodes: int = 3000, exchange: str = "reduce_sca
   c.sampler.where = "device"
   c.sampler.split_devices = 8
   c.sampler.split_exchange = exchange
+  # The eval sampler splits the graph too (the task's eval batches, host-side): keep it
+  # small, it only gives the example batch here.
+  c.sampler.eval_capacities = "worst"
+  c.sampler.eval_fanouts = (2, 2)
+  c.sampler.eval_batch_size = 64
   return c
 
 
