@@ -151,10 +151,11 @@ class Task(abc.ABC):
     return next(iter(self.eval_batches("valid")))
 
   def step_inputs(self) -> dict[str, Any]:
-    """Arrays every train step reads besides its batch (host arrays), e.g. the graph each
-    device samples its own mini-batches from: `setup.build` places them on every device once
-    (replicated) and each step receives them as an argument, so they are neither sent with
-    every batch nor baked into the program as constants. By default none."""
+    """Arrays every train step reads besides its batch, e.g. the graph each device samples
+    its own mini-batches from: `setup.build` places them once (`setup.place_inputs`: numpy
+    arrays replicated on every device, device arrays, e.g. a graph's rows split over the
+    mesh, as they are) and each step receives them as an argument, so they are neither sent
+    with every batch nor baked into the program as constants. By default none."""
     return {}
 
   def train_step(self, plan: base.Plan, tx) -> Any:
