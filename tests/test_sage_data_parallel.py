@@ -186,12 +186,24 @@ def _equal(a, b) -> bool:
   return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-def test_trainer_step_arguments_are_seeds_and_the_placed_graph():
+@pytest.mark.parametrize("graph", ["replicated", "split"])
+def test_trainer_step_arguments_are_seeds_and_the_placed_graph(graph):
   """The trainer's jitted data-parallel step (`setup.build`): its per-step arguments are the
   packed batch (seed ids and their weights: 2 x 4 bytes per seed) besides the state and the
-  graph, which the run placed once (`Run.step_inputs`); 0 bytes over the host link."""
+  graph, which the run placed once (`Run.step_inputs`: replicated, or its rows split over
+  the 8 devices); 0 bytes over the host link."""
   c = trainer_config("features", 2)
+  if graph == "split":
+    c = split_config("features")
+    c.sampler.data_parallel = True
+    c.train.steps = 2
   run = setup.build(c)
+  indptr = run.step_inputs["sampler"][0]
+  n = run.task.graph.num_nodes
+  if graph == "split":  # device d holds rows [d R, (d + 1) R) of the CSR
+    assert indptr.sharding.spec == sharding.BATCH_SPEC and indptr.shape == (8, -(-n // 8) + 1)
+  else:
+    assert indptr.sharding.is_fully_replicated and indptr.shape == (n + 1,)
   batch = next(run.task.train_batches(0))
   assert set(batch) == {"ids", "seeds", "weight"} and batch["ids"] == {}
   buffers, layout = run.packed(run.prepare(batch), batch)
