@@ -102,7 +102,7 @@ from absl import logging
 from recgnn import sharding
 from recgnn.backends.hot_cold import hot_set
 from recgnn.backends.hot_cold.device import DeviceSteps
-from recgnn.backends.hot_cold.hot_set import HotSetPlanning, TableRows, pad_to
+from recgnn.backends.hot_cold.hot_set import HotSetPlanning, TableRows, cold_cap, pad_to
 from recgnn.backends.hot_cold.micro import MARGIN, split
 from recgnn.backends.hot_cold.options import HotColdOptions
 from recgnn.embeddings import access_counts as profile
@@ -154,8 +154,16 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     self._counters = host_cache.Counters()
     # The cold list's length per table, for train and eval batches apart (their steps are
     # separate programs): bucketed, so each takes a few shapes per run.
+    # One cold list per stack of tables with the same row layout (dim, optimizer slots):
+    # every table's cold rows in one list, one length for the stack (`host_table.
+    # gather_segments`), so the step's shape follows the stack's total (which moves little)
+    # rather than every table's own.
+    self._stacks = hot_set.stacks(self.specs)
+    self._stack_of = {
+      n: (s, i) for s, names in enumerate(self._stacks) for i, n in enumerate(names)
+    }
     grow = hot_set.SHRINK_AFTER
-    self._cold_len = {t: {n: hot_set.Buckets(grow) for n in self.specs} for t in (True, False)}
+    self._cold_len = {t: [hot_set.Buckets(grow) for _ in self._stacks] for t in (True, False)}
     self.cold_shapes: set[tuple[int, ...]] = set()  # the train steps' cold-list lengths seen
     owner = f"hot_cold (tables {', '.join(self.specs)})"
     self._syncer = host_cache.Syncer(self._flush, owner, "hot / cold")
@@ -428,31 +436,34 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       per[name] = (x, valid, slot, hot, cold, cold_rows, cold_pos)
       hot_ids_total += int(hot.sum())
       ids_total += int(valid.sum())
-    out = {"tables": {}}
+    out = {"tables": {}, "cold": []}
     lengths = []
-    for name, (x, valid, slot, hot, cold, cold_rows, cold_pos) in per.items():
-      r = self._rows[name]
-      # The batch's distinct cold rows, padded to a bucketed length (`Buckets`: within
-      # 12.5 % of the need, grown at once, shrunk after a while), so the host traffic is
-      # what the cold ids need and the step compiles a few times per run, not per batch.
-      cap = min(x.size, r.spec.num_rows)
+    for stack, names in enumerate(self._stacks):
+      # The stack's distinct cold rows, table after table, in one list padded to a bucketed
+      # length (`Buckets`: within 12.5 % of the need, grown at once, shrunk after a while):
+      # host traffic is what the cold ids need, and the step compiles a few times per run.
+      segs = [per[n][5] for n in names]
+      off = np.cumsum([0] + [x.size for x in segs]).astype(np.int32)
+      caps = [cold_cap(per[n][0].shape, self.specs[n]) for n in names]
       if self.options.cold_list == "fixed":
-        uc = cap
+        uc = sum(caps)
       else:
-        uc = self._cold_len[train][name](max(cold_rows.size, 1), cap)
+        uc = self._cold_len[train][stack](max(int(off[-1]), 1), sum(caps))
       lengths.append(uc)
-      cold_ids = np.full(x.shape, uc, np.int32)
-      cold_ids[cold] = cold_pos
-      t = {
-        "hot_ids": np.where(hot, slot, r.alloc).astype(np.int32),
-        "cold_ids": cold_ids,
-        "cold_rows": pad_to(cold_rows, uc, base.aligned_rows(r.spec.num_rows)),
-      }
-      if r.spec.optimizer.needs_unique:
-        t["hot_unique"], t["hot_inverse"] = base.dedup(np.where(hot, slot, -1), r.alloc)
-      if r.spec.pooling == "mean":
-        t["count"] = valid.sum(axis=1).astype(np.int32)
-      out["tables"][name] = t
+      out["cold"].append({"rows": pad_to(np.concatenate(segs), uc, 0), "off": off})
+      for i, name in enumerate(names):
+        x, valid, slot, hot, cold, cold_rows, cold_pos = per[name]
+        r = self._rows[name]
+        cold_ids = np.full(x.shape, uc, np.int32)  # positions in the stack's list
+        cold_ids[cold] = off[i] + cold_pos
+        t = {"hot_ids": np.where(hot, slot, r.alloc).astype(np.int32), "cold_ids": cold_ids}
+        if r.spec.optimizer.needs_unique:
+          t["hot_unique"], t["hot_inverse"] = base.dedup(np.where(hot, slot, -1), r.alloc)
+        if r.spec.pooling == "mean":
+          t["count"] = valid.sum(axis=1).astype(np.int32)
+        out["tables"][name] = t
+    out["tables"] = {n: out["tables"][n] for n in self.specs}
+    out["cold"] = tuple(out["cold"])
     # Eval batches run whole: the eval step has no model to split, only lookups to merge.
     micro = (
       split(self._p0, out["tables"], ~example_cold, n_dev, b)
@@ -467,7 +478,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     if any(m is not None for m in migrate.values()):
       # A new hot set changes every later batch's cold rows: their lists start over (the
       # next batch's need sets the length, instead of waiting out the old hot set's).
-      for b in self._cold_len[True].values():
+      for b in self._cold_len[True]:
         b.reset()
     for name, t in out["tables"].items():
       t.update(self._pack_migration(name, migrate.get(name)))
@@ -514,6 +525,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         for n, t in prepared["tables"].items()
       },
       "version": sharding.REPLICATED,
+      "cold": jax.tree.map(lambda _: sharding.REPLICATED, prepared["cold"]),
     }
     if "micro" in prepared:
       out["micro"] = jax.tree.map(lambda _: batch, prepared["micro"])
