@@ -285,31 +285,49 @@ class HostTable:
     segment (rows past a table's end dropped; unique per table); values {k: [W, ...]} on
     the device, replicated. moved: `gather_segments`' list in host memory (not sent again).
     -> the new host arrays, per table. On a split table each device writes its own rows."""
+    return self.scatter_lists(tables, [(rows, off, values)], caps, moved)
+
+  def scatter_lists(self, tables, lists, caps, moved=None) -> list[dict]:
+    """`scatter_segments` of several lists [(rows int32[W], off int32[T + 1], values {k:
+    [W, ...]})] (each as `gather_segments` lays them out, W per list), written in order in
+    ONE host computation (one write-back per step)."""
     _check_segments(tables)
     caps = tuple(int(c) for c in caps)
     if not self.offloaded:
-      return _scatter_segments(tables, rows, off, caps, values, lambda x: x)
+      for rows, off, values in lists:
+        tables = _scatter_segments(tables, rows, off, caps, values, lambda x: x)
+      return tables
+
+    def write(t, lists, base=None, block_rows=None):
+      for r, o, v in lists:
+        t = _scatter_segments(t, r, o, caps, v, _host_const, base, block_rows)
+      return t
+
+    def to_host(lists, moved):
+      out = []
+      for i, (r, o, v) in enumerate(lists):
+        if i == 0 and moved is not None:
+          r, o = moved["rows"], moved["off"]
+        else:
+          r, o = self.to_host(r), self.to_host(o)
+        out.append((r, o, {k: self.to_host(x) for k, x in v.items()}))
+      return out
+
     if not self.split:
-      if moved is None:
-        moved = {"rows": self.to_host(rows), "off": self.to_host(off)}
-      write = lambda t, r, o, v: _scatter_segments(t, r, o, caps, v, _host_const)  # noqa: E731
-      values = {k: self.to_host(v) for k, v in values.items()}
-      return host_compute(write, tables, moved["rows"], moved["off"], values)
+      return host_compute(write, tables, to_host(lists, moved))
     block_rows = [next(iter(t.values())).shape[0] // self.mesh.size for t in tables]
 
-    def local(blocks, rows, off, values):
+    def local(blocks, lists):
       base = jnp.stack([lax.axis_index(sharding.BATCH) * r for r in block_rows]).astype(jnp.int32)
-      write = lambda b, r, o, v, s: _scatter_segments(b, r, o, caps, v, _host_const, s, block_rows)  # noqa: E731
-      values = {k: self.to_host(v) for k, v in values.items()}
-      args = (blocks, self.to_host(rows), self.to_host(off), values, self.to_host(base))
-      return host_compute(write, *args)
+      fn = lambda b, ls, s: write(b, ls, s, block_rows)  # noqa: E731
+      return host_compute(fn, blocks, to_host(lists, None), self.to_host(base))
 
     specs = [{k: host_spec(h) for k, h in t.items()} for t in tables]
+    lists = [tuple(x) for x in lists]
     return jax.shard_map(
-      local, mesh=self.mesh,
-      in_specs=(specs, sharding.REPLICATED, sharding.REPLICATED, sharding.REPLICATED),
+      local, mesh=self.mesh, in_specs=(specs, sharding.REPLICATED),
       out_specs=specs, check_vma=False,
-    )(tables, rows, off, values)  # fmt: skip
+    )(tables, lists)  # fmt: skip
 
 
 def _scatter_all(arrays: dict, idx: jax.Array, values: dict) -> dict:
@@ -360,9 +378,10 @@ def _windows(rows, off, caps, const, base=None, block_rows=None):
   return out
 
 
-def _assemble(parts, off, width: int):
-  """{k: [W, ...]} from each table's window of values (in table order: table i + 1's
-  write covers what table i's window read past its segment)."""
+def assemble(parts, off, width: int):
+  """{k: [W, ...]} from each table's window of values parts[i] {k: [cap_i, ...]} written at
+  off[i], in table order: table i + 1's write covers what table i's window holds past its
+  segment. Entries past the last segment are unspecified. (Host or device.)"""
   pad = max(p[next(iter(p))].shape[0] for p in parts)
   out = {}
   for k in parts[0]:
@@ -388,7 +407,7 @@ def _gather_segments(tables, rows, off, caps, const, base=None, block_rows=None)
         g = jnp.where(mask, g, const(jnp.zeros((), g.dtype)))
       got[k] = g
     parts.append(got)
-  return _assemble(parts, off, rows.shape[0])
+  return assemble(parts, off, rows.shape[0])
 
 
 def _scatter_segments(tables, rows, off, caps, values, const, base=None, block_rows=None):
@@ -408,6 +427,15 @@ def _scatter_segments(tables, rows, off, caps, values, const, base=None, block_r
       new[k] = scatter_rows(a, idx, win)
     out.append(new)
   return out
+
+
+def layouts(specs) -> tuple[tuple[str, ...], ...]:
+  """Table names (specs: {name: TableSpec}) grouped by row layout (dim, optimizer slots),
+  in order: the tables one host list can carry (`HostTable.gather_segments`)."""
+  out: dict[tuple, list[str]] = {}
+  for name, spec in specs.items():
+    out.setdefault((spec.dim, spec.optimizer.slot_names()), []).append(name)
+  return tuple(tuple(v) for v in out.values())
 
 
 def _check_segments(tables) -> None:

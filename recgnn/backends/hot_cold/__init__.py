@@ -158,7 +158,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     # every table's cold rows in one list, one length for the stack (`host_table.
     # gather_segments`), so the step's shape follows the stack's total (which moves little)
     # rather than every table's own.
-    self._stacks = hot_set.stacks(self.specs)
+    self._stacks = host_table.layouts(self.specs)
     self._stack_of = {
       n: (s, i) for s, names in enumerate(self._stacks) for i, n in enumerate(names)
     }

@@ -42,15 +42,6 @@ def cold_cap(ids_shape, spec: base.TableSpec) -> int:
   return int(min(int(np.prod(ids_shape)), spec.num_rows))
 
 
-def stacks(specs: dict[str, base.TableSpec]) -> tuple[tuple[str, ...], ...]:
-  """The group's tables by row layout (dim, optimizer slots), in plan order: each stack's
-  cold rows travel in one list (`host_table.HostTable.gather_segments` reads one layout)."""
-  out: dict[tuple, list[str]] = {}
-  for name, spec in specs.items():
-    out.setdefault((spec.dim, spec.optimizer.slot_names()), []).append(name)
-  return tuple(tuple(v) for v in out.values())
-
-
 def encode_rows(rows: np.ndarray) -> str:
   """Sorted row ids -> a short JSON-able string (zlib'd uint32 deltas, base64): a hot set of
   500k rows is a few hundred kB in a checkpoint's metadata."""
