@@ -240,6 +240,20 @@ class OffloadGroup(base.TableGroup):
       self._list_counters.add(steps=1, padded_rows_h2d=padded)
     return {"tables": per, "lists": tuple(lists)}
 
+  def table_exchanges(self, prepared: dict, table: str) -> dict[str, np.ndarray]:
+    """A prepared batch's exchanges of one table, as `Offload.prepare` planned them: {"now":
+    int32[4, n], "next": int32[5, m]} (its segments of its layout's lists; NEXT_FROM_NOW as
+    positions in its "now"). Host side (tests, inspection)."""
+    stack, i = next(
+      (s, names.index(table)) for s, names in enumerate(self._stacks) if table in names
+    )
+    lists = prepared["lists"][stack]
+    out = {}
+    for kind in ("now", "next"):
+      off = np.asarray(lists[f"{kind}_off"])
+      out[kind] = np.asarray(lists[kind])[:, off[i] : off[i + 1]]
+    return out
+
   def prepared_spec(self, prepared):
     return {
       "tables": super().prepared_spec(prepared["tables"]),
