@@ -340,6 +340,7 @@ def test_26_tables_one_list_few_shapes_bytes_follow_the_cold_ids(stream26):
     assert len(seen) <= 6, (budget, len(seen))
     assert 1 <= listed / need <= 1.25, (budget, listed / need)
     sigs[budget, "cold"] = need
+
   # The last step's HLO (one host read, one write-back for the 26 tables): the list's rows
   # each way, plus its indices and offsets to the host.
   def step(state, prepared):

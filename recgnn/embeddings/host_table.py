@@ -367,9 +367,11 @@ def _windows(rows, off, caps, const, base=None, block_rows=None):
   """Each table's window of the list: [(idx int32[cap_i], ok bool[cap_i])], ok where the
   entry is the table's own (and, with base / block_rows: owned by this device, idx local)."""
   out = []
-  padded = _padded(rows, max(caps))
+  single = len(caps) == 1  # one table: its segment starts the list, the window is the list
+  padded = rows if single else _padded(rows, max(caps))
   for i, cap in enumerate(caps):
-    idx = lax.dynamic_slice(padded, (off[i],), (cap,))
+    cap = rows.shape[0] if single else cap
+    idx = rows if single else lax.dynamic_slice(padded, (off[i],), (cap,))
     ok = const(lax.iota(jnp.int32, cap)) < off[i + 1] - off[i]
     if base is not None:
       idx = idx - base[i]
@@ -407,14 +409,15 @@ def _gather_segments(tables, rows, off, caps, const, base=None, block_rows=None)
         g = jnp.where(mask, g, const(jnp.zeros((), g.dtype)))
       got[k] = g
     parts.append(got)
-  return assemble(parts, off, rows.shape[0])
+  return parts[0] if len(parts) == 1 else assemble(parts, off, rows.shape[0])
 
 
 def _scatter_segments(tables, rows, off, caps, values, const, base=None, block_rows=None):
   """(host) tables[i][k][rows[j]] = values[k][j] for the entries j of table i's segment
   (and, split, owned here); entries past a table's end are dropped (padding)."""
-  pad = max(caps)
-  values = {k: _padded(v, pad) for k, v in values.items()}
+  single = len(caps) == 1
+  if not single:
+    values = {k: _padded(v, max(caps)) for k, v in values.items()}
   out = []
   windows = _windows(rows, off, caps, const, base, block_rows)
   for i, ((idx, ok), arrays) in enumerate(zip(windows, tables)):
@@ -423,7 +426,10 @@ def _scatter_segments(tables, rows, off, caps, values, const, base=None, block_r
     new = {}
     for k, a in arrays.items():
       v = values[k]
-      win = lax.dynamic_slice(v, (off[i],) + (0,) * (v.ndim - 1), (caps[i],) + v.shape[1:])
+      if single:
+        win = v
+      else:
+        win = lax.dynamic_slice(v, (off[i],) + (0,) * (v.ndim - 1), (caps[i],) + v.shape[1:])
       new[k] = scatter_rows(a, idx, win)
     out.append(new)
   return out

@@ -228,7 +228,14 @@ class OffloadGroup(base.TableGroup):
         lst = np.repeat(np.asarray(fill, np.int32)[:, None], width, axis=1)
         lst[:, : off[-1]] = np.concatenate(parts, axis=1)
         entry[kind], entry[f"{kind}_off"] = lst, off
-        padded += width if kind == "next" or train else 0
+        if train:
+          padded += width
+          # Each table's share of the list (its rows and of the padding, by its rows), so
+          # the tables' h2d_padded_bytes_per_step add up to the list's.
+          total = int(off[-1])
+          for n, c in zip(names, np.diff(off)):
+            share = c / total if total else 1 / len(names)
+            self.members[n]._count(padded_rows_h2d=int(c) + (width - total) * share)
       width, off = entry["now"].shape[1], entry["now_off"]
       for i, r in enumerate(rows):  # positions in the layout's "now" list (width: absent)
         pos = r["now_pos"]
@@ -282,12 +289,16 @@ class OffloadGroup(base.TableGroup):
     [cap, ...]}, its count); entries past its count are padding (slots C, rows past the
     host arrays, loads of row 0, NEXT_FROM_NOW absent)."""
     r = lst.shape[0]
+    if len(off) == 2:  # one table: its segment starts the list, the window is the list
+      cap = lst.shape[1]
     big = np.iinfo(np.int32).max
     pad = np.array(
       [member.cache_rows, base.aligned_rows(member.spec.num_rows), 0, member.cache_rows, big],
       np.int32,
     )[:r, None]
     count = off[i + 1] - off[i]
+    if len(off) == 2:
+      return jnp.where(jnp.arange(cap) < count, lst, pad), values, count
     win = jax.lax.dynamic_slice(
       jnp.concatenate([lst, jnp.broadcast_to(pad, (r, cap))], axis=1), (0, off[i]), (r, cap)
     )
@@ -352,12 +363,12 @@ class OffloadGroup(base.TableGroup):
         out[n], ev_now, ev_next = m.apply(state[n], rows, g, ex.get("now"), ex.get("next"))
         victims["now"].append(ev_now)
         victims["next"].append(ev_next)
-      writes = [
-        (b, lists[f"{kind}_off"],
-         host_table.assemble(victims[kind], lists[f"{kind}_off"], lists[kind].shape[1]))
-        for kind, b in zip(("now", "next"), back)
-        if lists[kind].shape[1]
-      ]  # fmt: skip
+      writes = []
+      for kind, b in zip(("now", "next"), back):
+        if lists[kind].shape[1]:
+          off, parts = lists[f"{kind}_off"], victims[kind]
+          values = parts[0] if len(parts) == 1 else host_table.assemble(parts, off, b.shape[0])
+          writes.append((b, off, values))
       if writes:
         host = self.members[names[0]].host
         new = host.scatter_lists([state[n]["host"] for n in names], writes, caps)
