@@ -16,8 +16,9 @@ How a batch flows:
 
   input thread, prepare(k)   counts accesses while profiling (recgnn.embeddings.access_counts);
                              maps each id to a hot slot or to the batch's list of distinct
-                             cold rows (padded to a bucketed length: `hot_set.Buckets`);
-                             splits a train
+                             cold rows: ONE list for every table of a row layout (dim,
+                             optimizer), table after table, padded to a bucketed length
+                             (`hot_set.Buckets` over the layout's total); splits a train
                              batch's examples per device into the popular and the non-popular
                              micro-batch (the popular one's size fixed per hot set, the other
                              the rest: the step compiles a few times per run, not per batch;
@@ -71,10 +72,15 @@ Limits, and why:
     host and device computations on the same cores, so nothing overlaps there.
     tests/test_hot_cold_tiers.py checks the dependency on the step's HLO.
   - The cold rows of batch k are gathered in step k (once), not during step k - 1: the
-    gather overlaps the popular micro-batch only, not the previous step.
-  - On a mesh the host table is split by rows and each device gathers the whole cold list
-    from its share (rows it does not own read as padding): each device's link moves the
-    list's length, not its own rows' share.
+    gather overlaps the popular micro-batch only, not the previous step. Prefetching them
+    needs a device buffer in the state that carries batch k + 1's rows from step k to step
+    k + 1 (its size the batch's ids, which the state does not know at init), the rows step k
+    updates taken from its updated copy (as offload's NEXT_FROM_NOW), and no prefetch across
+    a migration: not built.
+  - On a mesh the host table is split by rows and each device reads the whole cold list
+    against its share (rows it does not own come back as zeros, a psum adds them): each
+    device's link moves the list's indices to the host and the list's length of rows back,
+    not its own rows' share (tests/test_hot_cold_tiers.py measures it per device).
   - The split is off (batches run whole, logged once per hot set) when the popular
     micro-batch size rounds to 0 on the device with fewest popular examples: every device
     runs the same sizes and the popular micro-batch holds popular examples only.
@@ -185,6 +191,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     extra = f", reprofile={o.reprofile}" if o.reprofile else ""
     extra += "" if o.split else ", split=False"
     extra += "" if self.host.host_memory == "pinned_host" else ", host_memory=device"
+    extra += "" if o.cold_list == "bucket" else f", cold_list={o.cold_list}"
     return f"hot_cold({size}, profile_batches={o.profile_batches}{extra})"
 
   # --------------------------------------------------------------------------- placement
