@@ -284,10 +284,23 @@ class OffloadGroup(base.TableGroup):
     """Each table's window in its layout's lists: its ids per batch (static)."""
     return [int(np.prod(prepared["tables"][n]["rows"]["ids"].shape)) for n in names]
 
-  def _window(self, lst, off, i, cap, member, values=None):
-    """Table i's window of a list int32[r, W]: (int32[r, cap], its values' window {k:
-    [cap, ...]}, its count); entries past its count are padding (slots C, rows past the
-    host arrays, loads of row 0, NEXT_FROM_NOW absent)."""
+  @staticmethod
+  def _padded(lst, values, pad: int):
+    """A list int32[r, W] and its values {k: [W, ...]} with `pad` columns / rows after them
+    (once per list: every table's window is a slice of these)."""
+    if pad == 0:
+      return lst, values
+    lst = jnp.concatenate([lst, jnp.zeros((lst.shape[0], pad), lst.dtype)], axis=1)
+    values = {
+      k: jnp.concatenate([v, jnp.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in values.items()
+    }
+    return lst, values
+
+  def _window(self, lst, off, i, cap, member, values):
+    """Table i's window of a list int32[r, W] (padded by `_padded` when the layout has
+    several tables): (int32[r, cap], its values' window {k: [cap, ...]}, its count); entries
+    past its count are padding (slots C, rows past the host arrays, loads of row 0,
+    NEXT_FROM_NOW absent)."""
     r = lst.shape[0]
     if len(off) == 2:  # one table: its segment starts the list, the window is the list
       cap = lst.shape[1]
@@ -297,19 +310,13 @@ class OffloadGroup(base.TableGroup):
       np.int32,
     )[:r, None]
     count = off[i + 1] - off[i]
-    if len(off) == 2:
-      return jnp.where(jnp.arange(cap) < count, lst, pad), values, count
-    win = jax.lax.dynamic_slice(
-      jnp.concatenate([lst, jnp.broadcast_to(pad, (r, cap))], axis=1), (0, off[i]), (r, cap)
-    )
-    win = jnp.where(jnp.arange(cap) < count, win, pad)
-    got = None
-    if values is not None:
-      got = {}
-      for k, v in values.items():
-        v = jnp.concatenate([v, jnp.zeros((cap,) + v.shape[1:], v.dtype)])
-        got[k] = jax.lax.dynamic_slice(v, (off[i],) + (0,) * (v.ndim - 1), (cap,) + v.shape[1:])
-    return win, got, count
+    if len(off) > 2:
+      lst = jax.lax.dynamic_slice(lst, (0, off[i]), (r, cap))
+      values = {
+        k: jax.lax.dynamic_slice(v, (off[i],) + (0,) * (v.ndim - 1), (cap,) + v.shape[1:])
+        for k, v in values.items()
+      }
+    return jnp.where(jnp.arange(cap) < count, lst, pad), values, count
 
   def lookup(self, state, prepared):
     """-> (pooled {table: f32[B, D]}, residuals: per layout {"now" / "next": {k: f32[W,
@@ -351,14 +358,19 @@ class OffloadGroup(base.TableGroup):
       back = (now[EVICT_ROWS], nxt[EVICT_ROWS])
       back, res = jax.lax.optimization_barrier((back, residuals[stack]))
       victims = {"now": [], "next": []}
+      pad = max(caps) if len(names) > 1 else 0
+      padded = {
+        kind: self._padded(lists[kind], res[kind], pad)
+        for kind in ("now", "next")
+        if lists[kind].shape[1]
+      }
       for i, n in enumerate(names):
         m, p = self.members[n], prepared["tables"][n]
         g, rows, count = sharding.replicate((grads[n], p["rows"], p.get("count")), self.mesh)
         g = base.unpool(g, count, rows["ids"].shape[1])
         ex = {
-          kind: self._window(lists[kind], lists[f"{kind}_off"], i, caps[i], m, res[kind])
-          for kind in ("now", "next")
-          if lists[kind].shape[1]
+          kind: self._window(padded[kind][0], lists[f"{kind}_off"], i, caps[i], m, padded[kind][1])
+          for kind in padded
         }
         out[n], ev_now, ev_next = m.apply(state[n], rows, g, ex.get("now"), ex.get("next"))
         victims["now"].append(ev_now)
