@@ -43,7 +43,12 @@ for 26 tables, within 1.25x for one) and the step takes one or two shapes over 2
 26-table stream, since the group's total misses move ~sqrt(26) less than one table's relative
 to their size (sized per table, every new combination of the 26 widths was a new step: 33-106
 in 200 steps). `fixed` keeps one shape, the sum of min(ids per batch, C) over the tables,
-whatever the misses.
+whatever the misses. On a mesh the host arrays are split by rows over the devices and every
+device reads the whole list against its share (rows it does not own come back as zeros, a psum
+adds them) and sends the whole write-back list: each device's link carries the list's length,
+not its 1/n share (measured from the HLO, 4 tables, 8x1 and 2x4: per device exactly what one
+device carries on 1x1). Carrying only the share needs the lists split per owner device (a
+per-device length, an all-gather of the rows read): not built.
 
 Where the state lives, and why (measured on this CPU, jax 0.10; see tests/test_offload.py):
 the host table is a `pinned_host` jax.Array *inside* the state, not a numpy array owned by
