@@ -33,6 +33,10 @@ faults per step are reported: on a loaded machine they say what the wall time ca
   python benchmarks/dlrm_throughput.py --model=dcnv2 [--quick]   # DCNv2 vs TorchRec DLRM_DCN
   --omp-wait-policy passive   torch's idle threads sleep (fairer to torch under heavy load)
   --malloc default            glibc's default malloc (the trainer uses recgnn.hostmem's)
+  --allocators jemalloc=/path/libjemalloc.so.2,tcmalloc=/path/libtcmalloc_minimal.so.4
+                              also time recgnn's step with each allocator preloaded
+                              (LD_PRELOAD; a bare name is looked up with ldconfig), as
+                              contestants recgnn+NAME in the same rounds
 Writes benchmarks/results/NAME.{json,md}, NAME = --name or dlrm_throughput[_dcnv2]
 [_malloc_default][_omp_passive][_processes].
 """
@@ -649,6 +653,9 @@ def child_command(args, contestant: str, out: str, src: str = "") -> list[str]:
   """One process of the rounds: this script timing `contestant` alone, into `out`; src: the
   tree of an --against commit, whose own copy of the script runs instead."""
   peer = contestant if contestant in peers_dlrm.PEERS else ""
+  # recgnn+NAME: another allocator (preloaded by the caller's env) replaces glibc's malloc, so
+  # glibc's mallopt settings would act on nothing: that child runs with --malloc=default.
+  malloc = "default" if contestant.startswith("recgnn+") else args.malloc
   # (the DCNv2 options only where used: an --against commit from before them rejects them)
   model = (
     {"model": args.model, "cross-layers": args.cross_layers, "low-rank": args.low_rank}
@@ -668,7 +675,7 @@ def child_command(args, contestant: str, out: str, src: str = "") -> list[str]:
     "reps": args.reps,
     "steps-per-rep": args.steps_per_rep,
     "threads": args.threads,
-    "malloc": args.malloc,
+    "malloc": malloc,
     "omp-wait-policy": args.omp_wait_policy,
     "seed": args.seed,
     "processes": 0,
@@ -734,6 +741,28 @@ def cfg_of(args) -> peers_dlrm.DlrmConfig:
   return peers_dcn.DcnConfig(**sizes, cross_layers=args.cross_layers, low_rank=args.low_rank)
 
 
+def allocators(spec: str) -> dict[str, str]:
+  """--allocators: {name: shared library path}. NAME=PATH, or a bare name found by the
+  dynamic linker's cache (ctypes.util.find_library, e.g. jemalloc, tcmalloc_minimal)."""
+  import ctypes.util
+
+  out = {}
+  for item in [s for s in spec.split(",") if s]:
+    name, _, path = item.partition("=")
+    if not path:
+      found = ctypes.util.find_library(name)
+      if not found:
+        raise SystemExit(
+          f"--allocators: no library for {name!r} on the linker's path; give NAME=PATH "
+          "(e.g. jemalloc=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2)"
+        )
+      path = found
+    elif not os.path.exists(path):
+      raise SystemExit(f"--allocators: {name}={path}: no such file")
+    out[name] = path
+  return out
+
+
 def run_processes(args) -> dict:
   """Each contestant in args.processes separate processes, in rounds (every contestant once
   per round, the order rotated each round), so the machine's load and each process's memory
@@ -755,6 +784,9 @@ def _run_processes(args, tmp: str) -> dict:
     contestants.append(name)
     env_of[name] = {}
     src_of[name] = src
+  for name, lib in allocators(args.allocators).items():
+    contestants.append(f"recgnn+{name}")
+    env_of[f"recgnn+{name}"] = {"LD_PRELOAD": lib}
   if args.trainer:
     contestants.append("trainer")
     env_of["trainer"] = {}
@@ -824,6 +856,10 @@ def _run_processes(args, tmp: str) -> dict:
   if against:
     a, b = summary["recgnn"]["samples_per_s"], summary[contestants[1]]["samples_per_s"]
     ratios[f"recgnn median / {contestants[1]} median"] = a["median"] / b["median"]
+  for c in contestants:
+    if c.startswith("recgnn+"):
+      a, b = summary[c]["samples_per_s"], summary["recgnn"]["samples_per_s"]
+      ratios[f"{c} median / recgnn median"] = a["median"] / b["median"]
   if "trainer" in summary:
     a, b = summary["trainer"]["samples_per_s"], summary["recgnn"]["samples_per_s"]
     ratios["trainer median / recgnn step median"] = a["median"] / b["median"]
@@ -838,6 +874,7 @@ def _run_processes(args, tmp: str) -> dict:
     "machine": machine,
     "load_avg_at_end": os.getloadavg(),
     "against": against and {"commit": against["commit"]},
+    "allocators": {c: e["LD_PRELOAD"] for c, e in env_of.items() if "LD_PRELOAD" in e},
     "unavailable": skipped,
     "wall_seconds": time.perf_counter() - t_start,
     "runs": runs,
@@ -878,6 +915,16 @@ def markdown_processes(payload: dict) -> str:
         "",
       ]
       if "trainer" in payload["runs"]
+      else []
+    ),
+    *(
+      [
+        "recgnn+NAME: recgnn's step in a process started with LD_PRELOAD="
+        + ", ".join(f"`{v}` ({k})" for k, v in payload["allocators"].items())
+        + ", that allocator in place of glibc's malloc (no mallopt settings).",
+        "",
+      ]
+      if payload.get("allocators")
       else []
     ),
     "| contestant | " + " | ".join(f"{h} min / median / max" for _, h, _ in DIST_COLUMNS) + " |",
@@ -969,6 +1016,12 @@ def main(argv=None):
     "the same in one malloc arena (for steps whose temporaries pass 64 MiB); default: glibc's",
   )
   p.add_argument(
+    "--allocators",
+    default="",
+    help="also time recgnn's step with each of these allocators preloaded (LD_PRELOAD), "
+    "NAME=PATH or NAME (found by ldconfig), comma-separated: contestants recgnn+NAME",
+  )
+  p.add_argument(
     "--omp-wait-policy",
     choices=("", "active", "passive"),
     default="",
@@ -992,8 +1045,10 @@ def main(argv=None):
     args.processes = min(args.processes, 3)
   if args.profile and args.processes:
     p.error("--profile times recgnn's pieces in one process: add --processes=0")
-  if (args.against or args.trainer) and not args.processes:
-    p.error("--against and --trainer run in their own processes: --processes must be > 0")
+  if (args.against or args.trainer or args.allocators) and not args.processes:
+    p.error(
+      "--against, --trainer and --allocators run in their own processes: --processes must be > 0"
+    )
   args.malloc_note = (
     keep_freed_memory(arenas=int(args.malloc == "keep_one_arena"))
     if args.malloc.startswith("keep")

@@ -29,7 +29,6 @@ import argparse  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from unittest import mock  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -41,7 +40,6 @@ import dlrm_throughput as dt  # noqa: E402
 import peers_dlrm  # noqa: E402
 
 from recgnn import comms, sharding  # noqa: E402
-from recgnn.embeddings import base  # noqa: E402
 from recgnn.train import setup as train_setup  # noqa: E402
 
 # tt with pad=full: one shape, so the timed steps do not recompile as capacities grow.
@@ -66,13 +64,10 @@ def measure(cfg, backend: str, mesh_shape, batches, args) -> dict:
   task = dt.BenchCTR(config, cfg, mesh)
   host = [dt.to_recgnn_batch(b, task.names) for b in batches]
   t0 = time.perf_counter()
-  # The trainer's run with an abstract state (shapes and shardings only). Table values do not
-  # change the HLO, so zeros stand in for the (O(rows), traced-key) initial tables.
-  zeros = lambda key, spec: np.zeros((spec.num_rows, spec.dim), np.float32)  # noqa: E731
-  with mock.patch.object(base, "init_table", zeros):
-    run = train_setup.build(
-      config, mesh=mesh, task=task, example=host[0], key=jax.random.key(0), allocate=False
-    )
+  # The trainer's run with an abstract state (shapes and shardings only).
+  run = train_setup.build(
+    config, mesh=mesh, task=task, example=host[0], key=jax.random.key(0), allocate=False
+  )
   plan = run.plan
   per_device = sum(plan.backend_of(n).memory()[n].device_bytes for n in plan.table_group)
   state_bytes = per_device * mesh.size

@@ -58,6 +58,7 @@ from recgnn.embeddings.specs import (
   aligned_rows,
   init_rows,
   init_table,
+  shapes_only,
   table_key,
 )
 
@@ -95,6 +96,7 @@ __all__ = [
   "format_plan",
   "init_rows",
   "init_table",
+  "shapes_only",
   "make_backend",
   "make_group",
   "parse_backend",

@@ -240,6 +240,12 @@ def resolve_plan(
   """Pick each table's backend (`assign_rules`) and build one backend instance per distinct
   backend string, on `mesh`, fed as `layout` says (decided before: the trainer's
   `recgnn.train.inputs.choose_layout`)."""
+  if any(parse_backend(" ".join(t.split()))[0] == "auto" for _, t in rules):
+    raise ValueError(
+      "An auto(...) plan rule is resolved by recgnn.train.setup.build, which times the "
+      "candidates on the run's batches (recgnn.embeddings.auto_plan.plan_rules); "
+      "resolve_plan takes the rules it returns"
+    )
   by_text = assign_rules(rules, specs)
   mesh = default_mesh() if mesh is None else mesh
   layout = Layout() if layout is None else layout

@@ -9,6 +9,7 @@ to the rows a batch touched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import zlib
@@ -180,8 +181,27 @@ def init_rows(key: jax.Array, spec: TableSpec, start: int, stop: int) -> np.ndar
   return out
 
 
+_shapes_only = False
+
+
+@contextlib.contextmanager
+def shapes_only():
+  """Inside it, `init_table` gives zeros: for `jax.eval_shape` of an initial state, whose
+  table values cannot be computed on the host from a traced key and change no shape (the
+  trainer's `build(allocate=False)`)."""
+  global _shapes_only
+  old, _shapes_only = _shapes_only, True
+  try:
+    yield
+  finally:
+    _shapes_only = old
+
+
 def init_table(key: jax.Array, spec: TableSpec) -> np.ndarray:
-  """The whole initial table, float32[N, D] on the host (see `init_rows`)."""
+  """The whole initial table, float32[N, D] on the host (see `init_rows`); zeros inside
+  `shapes_only()`."""
+  if _shapes_only:
+    return np.zeros((spec.num_rows, spec.dim), np.float32)
   return init_rows(key, spec, 0, spec.num_rows)
 
 

@@ -235,6 +235,9 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
   main = distributed.is_main()  # only process 0 writes metrics, TensorBoard, results
   writer = _summary_writer(workdir) if main else None
   metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a") if main else None  # noqa: SIM115
+  if main and run.auto_plan is not None:  # what an auto(...) rule chose, with its figures
+    with open(os.path.join(workdir, "auto_plan.json"), "w") as f:
+      json.dump(run.auto_plan.as_dict(), f, indent=2)
 
   def write_scalars(step: int, scalars: dict[str, float]):
     if metrics_file is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import pkgutil
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -25,6 +26,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from recgnn import distributed, sharding
+from recgnn.embeddings import auto_plan as auto_plan_lib
 from recgnn.embeddings import base
 from recgnn.tasks.base import Task
 from recgnn.train import inputs
@@ -51,15 +53,27 @@ def load_task(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Tas
   return module.TASK(config, mesh)
 
 
-def parse_bytes(text: str | None) -> int | None:
-  """'512M', '2G', '1.5GiB', '1000000' -> bytes."""
-  if text in (None, ""):
-    return None
-  t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
-  mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-  if t and t[-1] in mult:
-    return int(float(t[:-1]) * mult[t[-1]])
-  return int(float(t))
+parse_bytes = auto_plan_lib.parse_bytes  # '512M', '2G', '1.5GiB', '1000000' -> bytes
+
+
+def _auto_plan(config, task, rules, specs, mesh, budget, log):
+  """The rules with the auto(...) rule's tables placed (recgnn.embeddings.auto_plan), timed
+  on the run's first training batches under the input layout that dense would take."""
+  options = auto_plan_lib.auto_options(rules)
+  layout, _, _ = inputs.choose_layout(
+    task,
+    auto_plan_lib.placeholder_rules(rules),
+    specs,
+    mesh,
+    config.train.get("process_input", "auto"),
+  )
+  batches = [b["ids"] for b in itertools.islice(task.train_batches(0), options.batches)]
+  log(f"auto plan: timing candidate placements on {len(batches)} training batches")
+  rules, choice = auto_plan_lib.plan_rules(
+    rules, specs, mesh, layout, batches, budget_bytes=budget, log=log
+  )
+  log(choice.report())
+  return rules, choice
 
 
 def training_length(tcfg, task: Task) -> tuple[int, str]:
@@ -115,6 +129,7 @@ class Run:
   eval_step: Callable  # (state, buffers, layout) -> the task's predict outputs
   total_steps: int
   length: str  # how total_steps was derived (a log line)
+  auto_plan: auto_plan_lib.PlanChoice | None = None  # what an auto(...) rule chose, and why
 
   def init_state(self) -> step_lib.TrainState:
     """A freshly allocated initial state, equal to `state` before any step."""
@@ -212,6 +227,11 @@ def build(
   tcfg = config.train
   specs = task.tables()
   rules = list(map(tuple, config.embeddings.plan))
+  if device_memory_budget is None and config.get("device_memory_budget"):
+    device_memory_budget = parse_bytes(config.device_memory_budget)
+  choice = None
+  if auto_plan_lib.auto_options(rules) is not None:
+    rules, choice = _auto_plan(config, task, rules, specs, mesh, device_memory_budget, log)
   # The input layout first (batch split; with many processes, whether each reads only its
   # slice of every batch): every backend receives it at construction, and a task that reads
   # process slices received its slice at construction from the same decision
@@ -229,8 +249,6 @@ def build(
     log(f"Input: {input_how}")
   plan = base.resolve_plan(rules, specs, mesh, layout, log=False)
   log("Embedding plan (bytes before allocation):\n" + base.format_plan(plan))
-  if device_memory_budget is None and config.get("device_memory_budget"):
-    device_memory_budget = parse_bytes(config.device_memory_budget)
   base.check_memory(plan, device_memory_budget)
   feeder = step_lib.Feeder(plan, task.batch_spec)
   total_steps, length = training_length(tcfg, task)
@@ -249,7 +267,11 @@ def build(
   def init():
     return step_lib.init_state(task, plan, tx, key, example)
 
-  state = init() if allocate else jax.eval_shape(init)
+  if allocate:
+    state = init()
+  else:
+    with base.shapes_only():  # (table values change no shape; a traced key cannot make them)
+      state = jax.eval_shape(init)
   log(f"Dense params: {sum(x.size for x in jax.tree.leaves(state.params)):,}")
   shardings = step_lib.state_sharding(plan, state)
   train_step, eval_step = jit_steps(task, plan, tx, shardings)
@@ -270,4 +292,5 @@ def build(
     eval_step=eval_step,
     total_steps=total_steps,
     length=length,
+    auto_plan=choice,
   )

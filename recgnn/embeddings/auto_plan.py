@@ -1,0 +1,529 @@
+"""`auto(...)`: pick each table's backend for a per-device memory budget from measured costs.
+
+A plan rule whose backend string is `auto(...)` hands its tables to this planner:
+
+  config.embeddings.plan = (("C(3|4)", "tt(rank=32)"), (".*", "auto(budget=0.25)"))
+
+For each such table the planner lists candidate placements (`candidates`): dense (and
+dense(shard=rows) / sharded when the mesh has a model axis), offload and hot_cold at a few cache
+/ hot fractions, tt at the ranks the user accepts (TT changes the model: only ranks named in
+`tt_ranks`, the quality constraint, are candidates). Each candidate's bytes per device and on
+the host come from the backend's own `memory()` (nothing allocated); its cost is the measured
+time of that table's train step (lookup + update, the backend alone on the run's mesh, on the
+run's first batches: `measure`) and the host time of its `prepare` (which the trainer's input
+thread runs beside the step). The search is a multiple-choice knapsack solved exactly as an
+integer program (scipy.optimize.milp, HiGHS): minimize the sum of step times (objective=time)
+or of device bytes (objective=memory) with one candidate per table and the bytes per device
+within the budget. A budget no choice can meet is refused before anything is allocated,
+naming the smallest budget that fits and the tables that force it.
+
+The per-table costs add: the step of the chosen plan is predicted as the sum of its tables'
+step times (the MLPs and the interaction are the same for every plan, so they do not move the
+choice). That ignores what XLA fuses across tables and what overlaps, which the plan report
+(`PlanChoice.report`) says next to the figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import jax
+import numpy as np
+
+from recgnn import sharding
+from recgnn.embeddings import plan as plan_lib
+from recgnn.embeddings.contract import BackendOptions, Layout
+from recgnn.embeddings.specs import TableSpec
+
+OBJECTIVES = ("time", "memory")
+KINDS = ("dense", "offload", "hot_cold", "tt", "sharded")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoOptions(BackendOptions):
+  """`auto(...)`'s options.
+
+  Attributes:
+    budget: bytes per device for every table of the plan (the rules' fixed tables included):
+      a fraction of the all-dense plan's bytes per device (0 < budget <= 1, e.g. 0.25), or a
+      size ('512MiB', '2G', a number of bytes). None: the run's `device_memory_budget`, else
+      no limit.
+    objective: `time` (the fastest plan that fits) or `memory` (the smallest plan; ties to
+      the faster).
+    kinds: the backends to consider, among dense, offload, hot_cold, tt, sharded (sharded
+      and dense(shard=rows) only on a mesh with a model axis).
+    fractions: offload's cache and hot_cold's hot budget, as shares of each table.
+    tt_ranks: the TT ranks allowed (the quality constraint: TT is a different model, so only
+      ranks whose accuracy the user accepts; empty = no TT).
+    batches: how many of the run's first training batches each candidate is timed on.
+    measure_rows: candidates are timed on tables of at most this many rows (ids folded into
+      them): past ~1M rows a sparse step's time no longer grows with the rows (DESIGN.md),
+      and timing a 40M-row dense table would allocate it.
+  """
+
+  backend: ClassVar[str] = "auto"
+
+  budget: float | str | None = None
+  objective: str = "time"
+  kinds: tuple[str, ...] = ("dense", "offload", "hot_cold")
+  fractions: tuple[float, ...] = (0.01, 0.05, 0.2)
+  tt_ranks: tuple[int, ...] = ()
+  batches: int = 6
+  measure_rows: int = 1_000_000
+
+  def __post_init__(self):
+    if self.objective not in OBJECTIVES:
+      raise ValueError(
+        f"auto: objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}"
+      )
+    bad = sorted(set(self.kinds) - set(KINDS))
+    if bad or not self.kinds:
+      raise ValueError(f"auto: kinds must be among {', '.join(KINDS)}, got {self.kinds!r}")
+    if "tt" in self.kinds and not self.tt_ranks:
+      raise ValueError(
+        "auto: kinds includes tt but tt_ranks is empty: name the TT ranks whose accuracy you "
+        "accept, e.g. tt_ranks=(16, 32)"
+      )
+    if any(not 0 < f < 1 for f in self.fractions):
+      raise ValueError(f"auto: fractions must be in (0, 1), got {self.fractions!r}")
+    numeric = isinstance(self.budget, float | int) and not isinstance(self.budget, bool)
+    if numeric and not 0 < self.budget <= 1:
+      raise ValueError(
+        f"auto: a numeric budget is a fraction of the all-dense bytes in (0, 1], got "
+        f"{self.budget!r}; give a size as a string ('512MiB')"
+      )
+    if self.batches < 1:
+      raise ValueError(f"auto: batches must be >= 1, got {self.batches}")
+
+
+def parse_bytes(text: str | int | None) -> int | None:
+  """'512M', '2G', '1.5GiB', '1000000' -> bytes."""
+  if text in (None, ""):
+    return None
+  t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+  mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+  if t and t[-1] in mult:
+    return int(float(t[:-1]) * mult[t[-1]])
+  return int(float(t))
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One placement of one table: its plan string, bytes and measured costs (seconds per step:
+  the device step of this table alone, and its host-side prepare)."""
+
+  table: str
+  text: str
+  device_bytes: int
+  host_bytes: int
+  step_s: float = float("nan")
+  prepare_s: float = float("nan")
+
+
+def candidates(spec: TableSpec, options: AutoOptions, mesh: jax.sharding.Mesh) -> list[str]:
+  """The plan strings worth trying for one table (duplicates and ones that are the same as
+  dense for this table, e.g. a cache holding every row, left out)."""
+  _, model = sharding.mesh_shape(mesh)
+  out = []
+  if "dense" in options.kinds:
+    out.append("dense")
+    if model > 1:
+      out.append("dense(shard=rows)")
+  if "sharded" in options.kinds and model > 1:
+    out.append("sharded")
+  for f in options.fractions:
+    if f * spec.num_rows < 1:
+      continue
+    if "offload" in options.kinds:
+      out.append(f"offload(cache_fraction={f})")
+    if "hot_cold" in options.kinds:
+      out.append(f"hot_cold(budget={f})")
+  if "tt" in options.kinds:
+    out += [f"tt(rank={r})" for r in options.tt_ranks]
+  return out
+
+
+def memory_of(text: str, spec: TableSpec, mesh, layout: Layout) -> tuple[int, int]:
+  """(bytes per device, host bytes) of `text` for `spec`, from the backend's own `memory`."""
+  group = plan_lib.make_group(text, [spec], mesh, layout)
+  mem = group.memory()[spec.name]
+  return mem.device_bytes, mem.host_bytes
+
+
+def measure(
+  text: str,
+  spec: TableSpec,
+  batches: Sequence[np.ndarray],
+  mesh,
+  layout: Layout,
+  measure_rows: int,
+) -> tuple[float, float]:
+  """(median device step seconds, median prepare seconds) of `text` for `spec` alone on
+  `mesh`: the backend's lookup and update (the gradient is the pooled lookup) on each of
+  `batches` (ids int[B] or [B, L]), the table folded to `measure_rows` rows; timed on a second
+  pass over the batches, after a first that compiled every step shape they need."""
+  rows = min(spec.num_rows, measure_rows)
+  small = dataclasses.replace(spec, num_rows=rows)
+  group = plan_lib.make_group(text, [small], mesh, layout)
+  ahead = group.lookahead
+  fold = [np.where(b >= 0, b % rows, b) if rows < spec.num_rows else b for b in batches]
+  state = group.init(jax.random.key(0))
+
+  @jax.jit
+  def step(state, prepared):
+    pooled, res = group.lookup(state, prepared)
+    return group.update(state, prepared, res, {small.name: pooled[small.name]})
+
+  steps, preps = [], []
+  # Two passes over the batches: the first compiles every step shape they need (and warms a
+  # cache), the second is timed.
+  for timed in (False, True):
+    for i, ids in enumerate(fold):
+      upcoming = [{small.name: u} for u in fold[i + 1 : i + 1 + ahead]]
+      t0 = time.perf_counter()
+      prepared = group.prepare({small.name: ids}, upcoming, train=True)
+      t1 = time.perf_counter()
+      prepared = jax.device_put(prepared)
+      jax.block_until_ready(prepared)
+      t2 = time.perf_counter()
+      state = step(state, prepared)
+      jax.block_until_ready(state)
+      t3 = time.perf_counter()
+      if timed:
+        steps.append(t3 - t2)
+        preps.append(t1 - t0)
+  return float(np.median(steps)), float(np.median(preps))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanChoice:
+  """The planner's answer: a rule per table, what was chosen and the runner-up of each."""
+
+  chosen: dict[str, Candidate]
+  runner_up: dict[str, Candidate | None]
+  fixed_bytes: int  # bytes per device of the tables the rules placed themselves
+  budget_bytes: int | None
+  all_dense_bytes: int
+  objective: str
+
+  @property
+  def rules(self) -> tuple[tuple[str, str], ...]:
+    return tuple((_exact(t), c.text) for t, c in self.chosen.items())
+
+  @property
+  def device_bytes(self) -> int:
+    return self.fixed_bytes + sum(c.device_bytes for c in self.chosen.values())
+
+  @property
+  def predicted_step_s(self) -> float:
+    """The chosen tables' step times added (see the module docstring for what that leaves out)."""
+    return sum(c.step_s for c in self.chosen.values())
+
+  def report(self) -> str:
+    budget = "none" if self.budget_bytes is None else _mib(self.budget_bytes)
+    lines = [
+      f"auto plan (objective={self.objective}): {_mib(self.device_bytes)} per device of budget "
+      f"{budget} (all dense: {_mib(self.all_dense_bytes)}); embedding step predicted "
+      f"{self.predicted_step_s * 1e3:.2f} ms (tables' measured steps added)",
+      f"{'table':<12} {'choice':<32} {'per device':>10} {'host':>10} {'step ms':>8} "
+      f"{'prep ms':>8}  runner-up",
+    ]
+    for t, c in self.chosen.items():
+      r = self.runner_up.get(t)
+      alt = f"{r.text} ({_mib(r.device_bytes)}, {r.step_s * 1e3:.2f} ms)" if r is not None else "-"
+      lines.append(
+        f"{t:<12} {c.text:<32} {_mib(c.device_bytes):>10} {_mib(c.host_bytes):>10} "
+        f"{c.step_s * 1e3:>8.2f} {c.prepare_s * 1e3:>8.2f}  {alt}"
+      )
+    return "\n".join(lines)
+
+  def as_dict(self) -> dict:
+    return {
+      "objective": self.objective,
+      "budget_bytes": self.budget_bytes,
+      "all_dense_bytes": self.all_dense_bytes,
+      "device_bytes": self.device_bytes,
+      "predicted_step_s": self.predicted_step_s,
+      "chosen": {t: dataclasses.asdict(c) for t, c in self.chosen.items()},
+      "runner_up": {
+        t: dataclasses.asdict(c) if c is not None else None for t, c in self.runner_up.items()
+      },
+    }
+
+
+def _exact(name: str) -> str:
+  return "".join("\\" + ch if not (ch.isalnum() or ch == "_") else ch for ch in name)
+
+
+def _mib(n: float) -> str:
+  return f"{n / 2**20:,.1f}M"
+
+
+def solve(
+  options_by_table: dict[str, list[Candidate]],
+  budget_bytes: int | None,
+  objective: str,
+) -> dict[str, Candidate]:
+  """One candidate per table minimizing the objective with the bytes per device within
+  `budget_bytes` (an integer program: binary x[t, c], sum_c x[t, c] = 1, sum bytes <= budget).
+  Refuses (PlanDoesNotFit) a budget below the smallest choice, naming the tables that force
+  it. Ties go to the other measure (time: fewer bytes; memory: less time)."""
+  from scipy import optimize, sparse
+
+  tables = list(options_by_table)
+  smallest = {t: min(c.device_bytes for c in cs) for t, cs in options_by_table.items()}
+  if budget_bytes is not None and sum(smallest.values()) > budget_bytes:
+    need = sum(smallest.values())
+    worst = sorted(smallest.items(), key=lambda kv: -kv[1])[:5]
+    raise plan_lib.PlanDoesNotFit(
+      f"auto plan: no choice of placements fits {_mib(budget_bytes)} per device; the smallest "
+      f"plan needs {_mib(need)} ({need:,} bytes). Tables forcing it (their smallest "
+      "placement): "
+      + ", ".join(
+        f"{t} {_mib(b)} ({min(options_by_table[t], key=lambda c: c.device_bytes).text})"
+        for t, b in worst
+      )
+      + ". Raise the budget, add smaller kinds (tt with tt_ranks, smaller fractions) or split "
+      "tables over a model axis of the mesh."
+    )
+  flat = [(i, c) for i, t in enumerate(tables) for c in options_by_table[t]]
+  nbytes = np.array([c.device_bytes for _, c in flat], float)
+  secs = np.array([c.step_s for _, c in flat], float)
+  if objective == "time":
+    # tie-break: among equal times, fewer bytes (a weight far below any measured difference)
+    cost = secs / max(secs.max(), 1e-12) + 1e-6 * nbytes / max(nbytes.max(), 1.0)
+  else:
+    cost = nbytes / max(nbytes.max(), 1.0) + 1e-6 * secs / max(secs.max(), 1e-12)
+  one = sparse.csr_array(
+    (np.ones(len(flat)), ([i for i, _ in flat], np.arange(len(flat)))),
+    shape=(len(tables), len(flat)),
+  )
+  constraints = [optimize.LinearConstraint(one, 1, 1)]
+  if budget_bytes is not None:
+    constraints.append(optimize.LinearConstraint(nbytes[None, :], -np.inf, budget_bytes))
+  res = optimize.milp(
+    cost,
+    constraints=constraints,
+    integrality=np.ones(len(flat)),
+    bounds=optimize.Bounds(0, 1),
+  )
+  if not res.success:  # (the feasibility check above makes this a solver failure)
+    raise RuntimeError(f"auto plan: the integer program failed: {res.message}")
+  pick = np.flatnonzero(res.x > 0.5)
+  return {tables[flat[k][0]]: flat[k][1] for k in pick}
+
+
+def runner_ups(
+  options_by_table: dict[str, list[Candidate]],
+  chosen: dict[str, Candidate],
+  budget_bytes: int | None,
+  objective: str,
+) -> dict[str, Candidate | None]:
+  """For each table, the best other candidate with every other table's choice kept, among
+  those that still fit the budget (what the plan would take if this one were ruled out)."""
+  total = sum(c.device_bytes for c in chosen.values())
+  key = (
+    (lambda c: (c.step_s, c.device_bytes))
+    if objective == "time"
+    else (lambda c: (c.device_bytes, c.step_s))
+  )
+  out = {}
+  for t, cs in options_by_table.items():
+    fits = [
+      c
+      for c in cs
+      if c.text != chosen[t].text
+      and (budget_bytes is None or total - chosen[t].device_bytes + c.device_bytes <= budget_bytes)
+    ]
+    out[t] = min(fits, key=key) if fits else None
+  return out
+
+
+def choose(
+  specs: Sequence[TableSpec],
+  options: AutoOptions,
+  mesh,
+  layout: Layout,
+  batches: Sequence[dict[str, np.ndarray]],
+  *,
+  fixed_bytes: int = 0,
+  all_dense_bytes: int | None = None,
+  budget_bytes: int | None = None,
+  cost: Callable[[str, TableSpec], tuple[float, float]] | None = None,
+  log: Callable[[str], None] = lambda s: None,
+) -> PlanChoice:
+  """The plan of `specs` (the tables the auto rule matched). batches: the run's first
+  training batches ({table: ids}); fixed_bytes: bytes per device of the tables other rules
+  placed (they count against the budget); all_dense_bytes: the all-dense plan's bytes per
+  device of every table (what a fractional budget is a fraction of; default: these tables').
+  budget_bytes: the budget when the options give none (the run's device_memory_budget).
+  cost: (text, spec) -> (step s, prepare s), default `measure` on `batches` (tests pass a
+  model)."""
+  memo: dict[tuple[str, str], tuple[int, int]] = {}
+  dense_bytes = 0
+  by_table: dict[str, list[tuple[str, int, int]]] = {}
+  for spec in specs:
+    rows = []
+    # An offload cache must hold one batch's distinct rows: smaller ones are not candidates.
+    need = max((np.unique(b[spec.name][b[spec.name] >= 0]).size for b in batches), default=0)
+    for text in candidates(spec, options, mesh):
+      name, opts = plan_lib.parse_backend(text)
+      if name == "offload" and opts.get("cache_fraction", 1.0) * spec.num_rows < need:
+        continue
+      try:
+        dev, host = memo.setdefault((text, spec.name), memory_of(text, spec, mesh, layout))
+      except ValueError as e:  # a placement this table cannot take (the backend says why)
+        log(f"auto: {spec.name}: {text} left out ({e})")
+        continue
+      rows.append((text, dev, host))
+    if not rows:
+      raise ValueError(f"auto: no candidate placement is valid for table {spec.name!r}")
+    by_table[spec.name] = rows
+    dense_bytes += memory_of("dense", spec, mesh, layout)[0]
+  all_dense = (dense_bytes + fixed_bytes) if all_dense_bytes is None else all_dense_bytes
+  budget = options.budget
+  if budget is None:
+    total_budget = budget_bytes
+  elif isinstance(budget, str) and budget.strip().endswith("%"):
+    total_budget = int(all_dense * float(budget.strip()[:-1]) / 100)
+  elif isinstance(budget, str):
+    total_budget = parse_bytes(budget)
+  else:
+    total_budget = int(all_dense * float(budget))
+  avail = None if total_budget is None else total_budget - fixed_bytes
+  if avail is not None and avail < 0:
+    raise plan_lib.PlanDoesNotFit(
+      f"auto plan: the tables other rules place take {_mib(fixed_bytes)} per device, more than "
+      f"the budget {_mib(total_budget)}"
+    )
+  # Time only what could be chosen: candidates smaller than the budget left.
+  if cost is None:
+
+    def cost(text, spec):
+      ids = [b[spec.name] for b in batches]
+      return measure(text, spec, ids, mesh, layout, options.measure_rows)
+
+  options_by_table: dict[str, list[Candidate]] = {}
+  n = sum(len(v) for v in by_table.values())
+  done = itertools.count(1)
+  t0 = time.perf_counter()
+  for spec in specs:
+    cs = []
+    for text, dev, host in by_table[spec.name]:
+      if avail is not None and dev > avail:
+        next(done)
+        continue
+      try:
+        step_s, prep_s = cost(text, spec)
+      except ValueError as e:  # e.g. a cache smaller than one batch's distinct rows
+        log(f"auto: {spec.name}: {text} left out ({e})")
+      else:
+        cs.append(Candidate(spec.name, text, dev, host, step_s, prep_s))
+      k = next(done)
+      if k % 10 == 0 or k == n:
+        log(f"auto: timed {k}/{n} candidates ({time.perf_counter() - t0:.0f} s)")
+    if not cs:  # every candidate of this table alone exceeds the budget
+      cs = [Candidate(spec.name, t, d, h) for t, d, h in by_table[spec.name]]
+    options_by_table[spec.name] = cs
+  chosen = solve(options_by_table, avail, options.objective)
+  chosen = {s.name: chosen[s.name] for s in specs}
+  return PlanChoice(
+    chosen=chosen,
+    runner_up=runner_ups(options_by_table, chosen, avail, options.objective),
+    fixed_bytes=fixed_bytes,
+    budget_bytes=total_budget,
+    all_dense_bytes=all_dense,
+    objective=options.objective,
+  )
+
+
+# ----------------------------------------------------------------------------- plan rules
+
+
+def is_auto(text: str) -> bool:
+  return plan_lib.parse_backend(" ".join(text.split()))[0] == "auto"
+
+
+def auto_options(rules: Sequence[tuple[str, str]]) -> AutoOptions | None:
+  """The options of the plan's `auto(...)` rule (None without one; one such rule at most:
+  the budget is the whole plan's)."""
+  texts = [t for _, t in rules if is_auto(t)]
+  if not texts:
+    return None
+  if len(set(" ".join(t.split()) for t in texts)) > 1:
+    raise ValueError(
+      f"A plan takes one auto(...) rule (its budget is the whole plan's); got {texts}: use one "
+      "regex for every table the planner may place"
+    )
+  return AutoOptions.parse(plan_lib.parse_backend(" ".join(texts[0].split()))[1])
+
+
+def placeholder_rules(rules: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+  """The rules with `auto(...)` read as `dense`: what the input layout is chosen from before
+  the planner runs (every candidate takes the batch split over the mesh, as dense does)."""
+  return [(p, "dense" if is_auto(t) else t) for p, t in rules]
+
+
+def plan_rules(
+  rules: Sequence[tuple[str, str]],
+  specs: Sequence[TableSpec],
+  mesh,
+  layout: Layout,
+  batches: Sequence[dict[str, np.ndarray]],
+  *,
+  budget_bytes: int | None = None,
+  log: Callable[[str], None] = lambda s: None,
+  cost: Callable[[str, TableSpec], tuple[float, float]] | None = None,
+) -> tuple[list[tuple[str, str]], PlanChoice]:
+  """Rules with the auto rule's tables placed by `choose`: one exact-name rule per table,
+  before the other rules (which keep their tables). With many processes every process
+  measures and process 0's choice is taken by all (the plan must be the same everywhere)."""
+  options = auto_options(rules)
+  assert options is not None
+  by_text = plan_lib.assign_rules(rules, specs)
+  auto_specs = [s for t, ss in by_text.items() if is_auto(t) for s in ss]
+  fixed = 0
+  for text, ss in by_text.items():
+    if not is_auto(text):
+      group = plan_lib.make_group(text, ss, mesh, layout)
+      fixed += group.device_bytes()
+  all_dense = sum(memory_of("dense", s, mesh, layout)[0] for s in specs)
+  choice = choose(
+    auto_specs,
+    options,
+    mesh,
+    layout,
+    batches,
+    fixed_bytes=fixed,
+    all_dense_bytes=all_dense,
+    budget_bytes=budget_bytes,
+    cost=cost,
+    log=log,
+  )
+  if jax.process_count() > 1:
+    choice = _agree(choice, auto_specs, options, mesh, layout)
+  # Exact names first: an auto table is matched by its own rule before any other rule's
+  # regex that also matches it; the other rules keep their tables.
+  kept = [(p, t) for p, t in rules if not is_auto(t)]
+  return [*choice.rules, *kept], choice
+
+
+def _agree(choice: PlanChoice, specs, options: AutoOptions, mesh, layout) -> PlanChoice:
+  """Process 0's choice on every process (sent as indices into each table's candidate list,
+  which every process builds alike); where this process measured another pick, process 0's
+  is taken with its bytes and this process's step time left unknown (nan)."""
+  from jax.experimental import multihost_utils
+
+  lists = [candidates(s, options, mesh) for s in specs]
+  idx = np.array([c.index(choice.chosen[s.name].text) for s, c in zip(specs, lists)], np.int32)
+  idx = np.asarray(multihost_utils.broadcast_one_to_all(idx))
+  chosen = dict(choice.chosen)
+  for s, c, i in zip(specs, lists, idx):
+    if c[i] != chosen[s.name].text:
+      dev, host = memory_of(c[i], s, mesh, layout)
+      chosen[s.name] = Candidate(s.name, c[i], dev, host)
+  return dataclasses.replace(choice, chosen=chosen)
