@@ -174,9 +174,13 @@ def _recorded_run(text, spec, batches):
   """contract.run, recording each batch's per-table prepared (the planner's exchange lists)
   in stream order."""
   record = []
-  trace = contract.run(
-    text, spec, batches, after=lambda item, _: record.append(item.prepared["t"]["rows"])
-  )
+  group = base.make_backend(text, spec)
+
+  def after(item, _):
+    p = item.prepared
+    record.append({**p["tables"]["t"]["rows"], **group.table_exchanges(p, "t")})
+
+  trace = contract.run(text, spec, batches, group=group, after=after)
   return trace, record
 
 
@@ -408,8 +412,8 @@ def test_update_never_copies_the_table():
   prepare(batches[0], batches[1])  # batch 1 is admitted by the next update
   p = prepare(batches[1], batches[0][::-1])  # evicts nothing yet, loads: exchange present
   p0 = prepare(batches[0][::-1], batches[1][:, ::-1])
-  for prepared in (p, p0):  # the exchange is compiled in (fixed-size lists, padded)
-    assert prepared["t"]["rows"]["next"].shape[1] > 0
+  for prepared in (p, p0):  # the exchange is compiled in
+    assert prepared["lists"][0]["next"].shape[1] > 0
   grads = {"t": np.ones((batches[0].shape[0], 16), np.float32)}
   for prepared in (p, p0):
     residuals = jax.eval_shape(b.lookup, state, prepared)[1]

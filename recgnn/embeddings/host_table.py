@@ -245,6 +245,210 @@ class HostTable:
       out_specs=specs, check_vma=False,
     )(hs, rows, values)  # fmt: skip
 
+  # ------------------------------------- one list for several tables (see `_gather_segments`)
+
+  def gather_segments(self, tables: list[dict], rows: jax.Array, off: jax.Array, caps):
+    """Rows of several tables' host arrays (same keys and row layout) listed in ONE list:
+    rows int32[W] (replicated; table i's own row indices at [off[i], off[i + 1])), off
+    int32[T + 1], caps: each table's most entries (static). -> ({k: f32[W, ...]} replicated
+    on the device, entries past the last segment unspecified; `moved`: the list and offsets
+    left in host memory for `scatter_segments`, or None). One host computation per device:
+    the list crosses the host link once, W rows come back. On a split host table each
+    device reads the rows it owns (zeros elsewhere) and a psum gives every device all."""
+    _check_segments(tables)
+    caps = tuple(int(c) for c in caps)
+    if not self.offloaded:
+      return _gather_segments(tables, rows, off, caps, lambda x: x), None
+    if not self.split:
+      rows, off = self.to_host(rows), self.to_host(off)
+      got, rows, off = host_compute(
+        lambda t, r, o: (_gather_segments(t, r, o, caps, _host_const), r, o), tables, rows, off
+      )
+      return {k: self.to_device(v) for k, v in got.items()}, {"rows": rows, "off": off}
+    block_rows = [next(iter(t.values())).shape[0] // self.mesh.size for t in tables]
+
+    def local(blocks, rows, off):
+      base = jnp.stack([lax.axis_index(sharding.BATCH) * r for r in block_rows]).astype(jnp.int32)
+      read = lambda b, r, o, s: _gather_segments(b, r, o, caps, _host_const, s, block_rows)  # noqa: E731
+      got = host_compute(read, blocks, self.to_host(rows), self.to_host(off), self.to_host(base))
+      return row_sharded.psum_rows({k: self.to_device(v) for k, v in got.items()}, sharding.BATCH)
+
+    specs = [{k: host_spec(h) for k, h in t.items()} for t in tables]
+    got = jax.shard_map(
+      local, mesh=self.mesh, in_specs=(specs, sharding.REPLICATED, sharding.REPLICATED),
+      out_specs=sharding.REPLICATED, check_vma=False,
+    )(tables, rows, off)  # fmt: skip
+    return got, None
+
+  def scatter_segments(self, tables, rows, off, caps, values: dict, moved=None) -> list[dict]:
+    """`gather_segments`' write: tables[i][k][rows[j]] = values[k][j] for table i's
+    segment (rows past a table's end dropped; unique per table); values {k: [W, ...]} on
+    the device, replicated. moved: `gather_segments`' list in host memory (not sent again).
+    -> the new host arrays, per table. On a split table each device writes its own rows."""
+    return self.scatter_lists(tables, [(rows, off, values)], caps, moved)
+
+  def scatter_lists(self, tables, lists, caps, moved=None) -> list[dict]:
+    """`scatter_segments` of several lists [(rows int32[W], off int32[T + 1], values {k:
+    [W, ...]})] (each as `gather_segments` lays them out, W per list), written in order in
+    ONE host computation (one write-back per step)."""
+    _check_segments(tables)
+    caps = tuple(int(c) for c in caps)
+    if not self.offloaded:
+      for rows, off, values in lists:
+        tables = _scatter_segments(tables, rows, off, caps, values, lambda x: x)
+      return tables
+
+    def write(t, lists, base=None, block_rows=None):
+      for r, o, v in lists:
+        t = _scatter_segments(t, r, o, caps, v, _host_const, base, block_rows)
+      return t
+
+    def to_host(lists, moved):
+      out = []
+      for i, (r, o, v) in enumerate(lists):
+        if i == 0 and moved is not None:
+          r, o = moved["rows"], moved["off"]
+        else:
+          r, o = self.to_host(r), self.to_host(o)
+        out.append((r, o, {k: self.to_host(x) for k, x in v.items()}))
+      return out
+
+    if not self.split:
+      return host_compute(write, tables, to_host(lists, moved))
+    block_rows = [next(iter(t.values())).shape[0] // self.mesh.size for t in tables]
+
+    def local(blocks, lists):
+      base = jnp.stack([lax.axis_index(sharding.BATCH) * r for r in block_rows]).astype(jnp.int32)
+      fn = lambda b, ls, s: write(b, ls, s, block_rows)  # noqa: E731
+      return host_compute(fn, blocks, to_host(lists, None), self.to_host(base))
+
+    specs = [{k: host_spec(h) for k, h in t.items()} for t in tables]
+    lists = [tuple(x) for x in lists]
+    return jax.shard_map(
+      local, mesh=self.mesh, in_specs=(specs, sharding.REPLICATED),
+      out_specs=specs, check_vma=False,
+    )(tables, lists)  # fmt: skip
+
 
 def _scatter_all(arrays: dict, idx: jax.Array, values: dict) -> dict:
   return {k: scatter_rows(a, idx, values[k]) for k, a in arrays.items()}
+
+
+# ------------------------------------------------- one list for a group's tables (segments)
+#
+# A step that moves rows of several tables over the host link moves them as ONE list per
+# group: table i's rows (its own row indices) at [off[i], off[i + 1]) of rows int32[W], the
+# list's length W one shape for the group (`host_cache.ListSizer` over the group's total
+# need). Sizing each table's list apart made the step's signature every table's width, and
+# with 26 tables one of them changes every few steps (33-106 compiles in 200 steps,
+# measured); the group's total moves ~sqrt(26) less, relative to its size.
+#
+# Inside the one host computation each table reads a static window of its own cap_i entries
+# at the dynamic offset off[i] (its count off[i + 1] - off[i] <= cap_i): O(sum cap_i) host
+# work, O(W) rows over the link. Windows overlap the next tables' segments: gathers read
+# those entries clipped and the next table's write overwrites them (tables in order),
+# scatters mask them. Constants are built in host memory (`_host_const`): a device-memory
+# constant inside a host computation is refused.
+
+
+def _host_const(x) -> jax.Array:
+  return jax.device_put(x, jax.memory.Space.Host)
+
+
+def _padded(x: jax.Array, pad: int) -> jax.Array:
+  """x [W, ...] then `pad` copies of x[0] (inside a host computation: no constant)."""
+  if pad == 0:
+    return x
+  tail = lax.broadcast_in_dim(x[0], (pad,) + x.shape[1:], tuple(range(1, x.ndim)))
+  return lax.concatenate([x, tail], 0)
+
+
+def _windows(rows, off, caps, const, base=None, block_rows=None):
+  """Each table's window of the list: [(idx int32[cap_i], ok bool[cap_i])], ok where the
+  entry is the table's own (and, with base / block_rows: owned by this device, idx local)."""
+  out = []
+  single = len(caps) == 1  # one table: its segment starts the list, the window is the list
+  padded = rows if single else _padded(rows, max(caps))
+  for i, cap in enumerate(caps):
+    cap = rows.shape[0] if single else cap
+    idx = rows if single else lax.dynamic_slice(padded, (off[i],), (cap,))
+    ok = const(lax.iota(jnp.int32, cap)) < off[i + 1] - off[i]
+    if base is not None:
+      idx = idx - base[i]
+      ok = ok & (idx >= 0) & (idx < block_rows[i])
+    out.append((idx, ok))
+  return out
+
+
+def assemble(parts, off, width: int):
+  """{k: [W, ...]} from each table's window of values parts[i] {k: [cap_i, ...]} written at
+  off[i], in table order: table i + 1's write covers what table i's window holds past its
+  segment. Entries past the last segment are unspecified. (Host or device.)"""
+  pad = max(p[next(iter(p))].shape[0] for p in parts)
+  out = {}
+  for k in parts[0]:
+    first = parts[0][k]
+    dims = tuple(range(1, first.ndim))
+    buf = lax.broadcast_in_dim(first[0], (width + pad,) + first.shape[1:], dims)
+    for i, p in enumerate(parts):
+      buf = lax.dynamic_update_slice(buf, p[k], (off[i],) + (0,) * (first.ndim - 1))
+    out[k] = buf[:width]
+  return out
+
+
+def _gather_segments(tables, rows, off, caps, const, base=None, block_rows=None):
+  """(host) {k: [W, ...]}: entry j of table i's segment = tables[i][k][rows[j]]; with base /
+  block_rows (split tables): this device's rows, zeros for the others."""
+  parts = []
+  for (idx, ok), arrays in zip(_windows(rows, off, caps, const, base, block_rows), tables):
+    got = {}
+    for k, a in arrays.items():
+      g = gather_rows(a, jnp.where(ok, idx, const(jnp.zeros((), jnp.int32))))
+      if base is not None:
+        mask = ok.reshape(ok.shape + (1,) * (g.ndim - 1))
+        g = jnp.where(mask, g, const(jnp.zeros((), g.dtype)))
+      got[k] = g
+    parts.append(got)
+  return parts[0] if len(parts) == 1 else assemble(parts, off, rows.shape[0])
+
+
+def _scatter_segments(tables, rows, off, caps, values, const, base=None, block_rows=None):
+  """(host) tables[i][k][rows[j]] = values[k][j] for the entries j of table i's segment
+  (and, split, owned here); entries past a table's end are dropped (padding)."""
+  single = len(caps) == 1
+  if not single:
+    values = {k: _padded(v, max(caps)) for k, v in values.items()}
+  out = []
+  windows = _windows(rows, off, caps, const, base, block_rows)
+  for i, ((idx, ok), arrays) in enumerate(zip(windows, tables)):
+    drop = const(jnp.full((), jnp.iinfo(jnp.int32).max, jnp.int32))
+    idx = jnp.where(ok, idx, drop)
+    new = {}
+    for k, a in arrays.items():
+      v = values[k]
+      if single:
+        win = v
+      else:
+        win = lax.dynamic_slice(v, (off[i],) + (0,) * (v.ndim - 1), (caps[i],) + v.shape[1:])
+      new[k] = scatter_rows(a, idx, win)
+    out.append(new)
+  return out
+
+
+def layouts(specs) -> tuple[tuple[str, ...], ...]:
+  """Table names (specs: {name: TableSpec}) grouped by row layout (dim, optimizer slots),
+  in order: the tables one host list can carry (`HostTable.gather_segments`)."""
+  out: dict[tuple, list[str]] = {}
+  for name, spec in specs.items():
+    out.setdefault((spec.dim, spec.optimizer.slot_names()), []).append(name)
+  return tuple(tuple(v) for v in out.values())
+
+
+def _check_segments(tables) -> None:
+  keys = [tuple(sorted(t)) for t in tables]
+  tails = [tuple((k, t[k].shape[1:], t[k].dtype) for k in sorted(t)) for t in tables]
+  if len(set(keys)) > 1 or len(set(tails)) > 1:
+    raise ValueError(
+      f"one host list for tables of different layouts ({tails}): group the tables by row "
+      "width and optimizer (one list per layout)"
+    )

@@ -16,8 +16,9 @@ How a batch flows:
 
   input thread, prepare(k)   counts accesses while profiling (recgnn.embeddings.access_counts);
                              maps each id to a hot slot or to the batch's list of distinct
-                             cold rows (padded to a bucketed length: `hot_set.Buckets`);
-                             splits a train
+                             cold rows: ONE list for every table of a row layout (dim,
+                             optimizer), table after table, padded to a bucketed length
+                             (`hot_set.Buckets` over the layout's total); splits a train
                              batch's examples per device into the popular and the non-popular
                              micro-batch (the popular one's size fixed per hot set, the other
                              the rest: the step compiles a few times per run, not per batch;
@@ -71,10 +72,15 @@ Limits, and why:
     host and device computations on the same cores, so nothing overlaps there.
     tests/test_hot_cold_tiers.py checks the dependency on the step's HLO.
   - The cold rows of batch k are gathered in step k (once), not during step k - 1: the
-    gather overlaps the popular micro-batch only, not the previous step.
-  - On a mesh the host table is split by rows and each device gathers the whole cold list
-    from its share (rows it does not own read as padding): each device's link moves the
-    list's length, not its own rows' share.
+    gather overlaps the popular micro-batch only, not the previous step. Prefetching them
+    needs a device buffer in the state that carries batch k + 1's rows from step k to step
+    k + 1 (its size the batch's ids, which the state does not know at init), the rows step k
+    updates taken from its updated copy (as offload's NEXT_FROM_NOW), and no prefetch across
+    a migration: not built.
+  - On a mesh the host table is split by rows and each device reads the whole cold list
+    against its share (rows it does not own come back as zeros, a psum adds them): each
+    device's link moves the list's indices to the host and the list's length of rows back,
+    not its own rows' share (tests/test_hot_cold_tiers.py measures it per device).
   - The split is off (batches run whole, logged once per hot set) when the popular
     micro-batch size rounds to 0 on the device with fewest popular examples: every device
     runs the same sizes and the popular micro-batch holds popular examples only.
@@ -102,7 +108,7 @@ from absl import logging
 from recgnn import sharding
 from recgnn.backends.hot_cold import hot_set
 from recgnn.backends.hot_cold.device import DeviceSteps
-from recgnn.backends.hot_cold.hot_set import HotSetPlanning, TableRows, pad_to
+from recgnn.backends.hot_cold.hot_set import HotSetPlanning, TableRows, cold_cap, pad_to
 from recgnn.backends.hot_cold.micro import MARGIN, split
 from recgnn.backends.hot_cold.options import HotColdOptions
 from recgnn.embeddings import access_counts as profile
@@ -154,8 +160,16 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     self._counters = host_cache.Counters()
     # The cold list's length per table, for train and eval batches apart (their steps are
     # separate programs): bucketed, so each takes a few shapes per run.
+    # One cold list per stack of tables with the same row layout (dim, optimizer slots):
+    # every table's cold rows in one list, one length for the stack (`host_table.
+    # gather_segments`), so the step's shape follows the stack's total (which moves little)
+    # rather than every table's own.
+    self._stacks = host_table.layouts(self.specs)
+    self._stack_of = {
+      n: (s, i) for s, names in enumerate(self._stacks) for i, n in enumerate(names)
+    }
     grow = hot_set.SHRINK_AFTER
-    self._cold_len = {t: {n: hot_set.Buckets(grow) for n in self.specs} for t in (True, False)}
+    self._cold_len = {t: [hot_set.Buckets(grow) for _ in self._stacks] for t in (True, False)}
     self.cold_shapes: set[tuple[int, ...]] = set()  # the train steps' cold-list lengths seen
     owner = f"hot_cold (tables {', '.join(self.specs)})"
     self._syncer = host_cache.Syncer(self._flush, owner, "hot / cold")
@@ -177,6 +191,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     extra = f", reprofile={o.reprofile}" if o.reprofile else ""
     extra += "" if o.split else ", split=False"
     extra += "" if self.host.host_memory == "pinned_host" else ", host_memory=device"
+    extra += "" if o.cold_list == "bucket" else f", cold_list={o.cold_list}"
     return f"hot_cold({size}, profile_batches={o.profile_batches}{extra})"
 
   # --------------------------------------------------------------------------- placement
@@ -428,31 +443,34 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       per[name] = (x, valid, slot, hot, cold, cold_rows, cold_pos)
       hot_ids_total += int(hot.sum())
       ids_total += int(valid.sum())
-    out = {"tables": {}}
+    out = {"tables": {}, "cold": []}
     lengths = []
-    for name, (x, valid, slot, hot, cold, cold_rows, cold_pos) in per.items():
-      r = self._rows[name]
-      # The batch's distinct cold rows, padded to a bucketed length (`Buckets`: within
-      # 12.5 % of the need, grown at once, shrunk after a while), so the host traffic is
-      # what the cold ids need and the step compiles a few times per run, not per batch.
-      cap = min(x.size, r.spec.num_rows)
+    for stack, names in enumerate(self._stacks):
+      # The stack's distinct cold rows, table after table, in one list padded to a bucketed
+      # length (`Buckets`: within 12.5 % of the need, grown at once, shrunk after a while):
+      # host traffic is what the cold ids need, and the step compiles a few times per run.
+      segs = [per[n][5] for n in names]
+      off = np.cumsum([0] + [x.size for x in segs]).astype(np.int32)
+      caps = [cold_cap(per[n][0].shape, self.specs[n]) for n in names]
       if self.options.cold_list == "fixed":
-        uc = cap
+        uc = sum(caps)
       else:
-        uc = self._cold_len[train][name](max(cold_rows.size, 1), cap)
+        uc = self._cold_len[train][stack](max(int(off[-1]), 1), sum(caps))
       lengths.append(uc)
-      cold_ids = np.full(x.shape, uc, np.int32)
-      cold_ids[cold] = cold_pos
-      t = {
-        "hot_ids": np.where(hot, slot, r.alloc).astype(np.int32),
-        "cold_ids": cold_ids,
-        "cold_rows": pad_to(cold_rows, uc, base.aligned_rows(r.spec.num_rows)),
-      }
-      if r.spec.optimizer.needs_unique:
-        t["hot_unique"], t["hot_inverse"] = base.dedup(np.where(hot, slot, -1), r.alloc)
-      if r.spec.pooling == "mean":
-        t["count"] = valid.sum(axis=1).astype(np.int32)
-      out["tables"][name] = t
+      out["cold"].append({"rows": pad_to(np.concatenate(segs), uc, 0), "off": off})
+      for i, name in enumerate(names):
+        x, valid, slot, hot, cold, cold_rows, cold_pos = per[name]
+        r = self._rows[name]
+        cold_ids = np.full(x.shape, uc, np.int32)  # positions in the stack's list
+        cold_ids[cold] = off[i] + cold_pos
+        t = {"hot_ids": np.where(hot, slot, r.alloc).astype(np.int32), "cold_ids": cold_ids}
+        if r.spec.optimizer.needs_unique:
+          t["hot_unique"], t["hot_inverse"] = base.dedup(np.where(hot, slot, -1), r.alloc)
+        if r.spec.pooling == "mean":
+          t["count"] = valid.sum(axis=1).astype(np.int32)
+        out["tables"][name] = t
+    out["tables"] = {n: out["tables"][n] for n in self.specs}
+    out["cold"] = tuple(out["cold"])
     # Eval batches run whole: the eval step has no model to split, only lookups to merge.
     micro = (
       split(self._p0, out["tables"], ~example_cold, n_dev, b)
@@ -467,7 +485,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     if any(m is not None for m in migrate.values()):
       # A new hot set changes every later batch's cold rows: their lists start over (the
       # next batch's need sets the length, instead of waiting out the old hot set's).
-      for b in self._cold_len[True].values():
+      for b in self._cold_len[True]:
         b.reset()
     for name, t in out["tables"].items():
       t.update(self._pack_migration(name, migrate.get(name)))
@@ -514,6 +532,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         for n, t in prepared["tables"].items()
       },
       "version": sharding.REPLICATED,
+      "cold": jax.tree.map(lambda _: sharding.REPLICATED, prepared["cold"]),
     }
     if "micro" in prepared:
       out["micro"] = jax.tree.map(lambda _: batch, prepared["micro"])

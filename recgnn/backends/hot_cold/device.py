@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from recgnn import sharding
-from recgnn.embeddings import base, host_cache, host_table, microbatch, row_sharded
+from recgnn.backends.hot_cold import hot_set
+from recgnn.embeddings import base, host_cache, microbatch, row_sharded
 
 P = sharding.P
 
@@ -61,15 +62,6 @@ class DeviceSteps:
 
     return local(hot, ids)
 
-  def _cold_rows(self, state, prepared, name, keys=("table",)) -> dict[str, jax.Array]:
-    """The batch's cold rows (and optimizer state) from the host table: replicated
-    [Uc, ...] arrays (the padding entries read row 0 ... and are never used)."""
-    t = state["tables"][name]
-    rows = prepared["tables"][name]["cold_rows"]
-    s = t["host"]["table"].shape[0]
-    rows = jnp.minimum(rows, s - 1)
-    return {k: self.host.gather(t["host"][k], rows) for k in keys}
-
   def micro_batches(self, prepared) -> tuple[jax.Array, ...] | None:
     """The step's micro-batch feature: int32[n * Pm] per micro-batch, batch-major, each
     device's local example indices (b = padding) in the order to run them: popular first."""
@@ -77,32 +69,34 @@ class DeviceSteps:
       return None
     return tuple(mb["idx"] for mb in prepared["micro"])
 
-  def _cold(self, state, prepared) -> dict[str, dict[str, jax.Array]]:
-    """The residuals: {table: the batch's cold rows and their optimizer state, gathered from
-    the host table once ([Uc, D] / [Uc], replicated)}, read by the lookup and updated and
-    written back by `update` (no second trip to host memory). An eval step drops them, and
-    XLA with them the slots' gather. On an unsplit host table the row list goes to the host
-    once, with every array of the table gathered in one host computation; the residuals keep
-    it there ("host_rows") for the write-back."""
-    out = {}
-    for name, spec in self.specs.items():
-      keys = ("table", *spec.optimizer.slot_names())
-      if self.host.split or not self.host.offloaded:
-        out[name] = self._cold_rows(state, prepared, name, keys)
-        continue
-      t = state["tables"][name]
-      # Padding entries (past the table) are clamped by the gather and dropped by the scatter.
-      idx = self.host.to_host(prepared["tables"][name]["cold_rows"])
-      # The list comes back as a host-resident output: the write-back reads it there
-      # (passing `idx` again would move it to the host a second time).
-      idx, *got = host_table.host_compute(
-        lambda idx, *hs: (idx, *(host_table.gather_rows(h, idx) for h in hs)),
-        idx,
-        *[t["host"][k] for k in keys],
-      )
-      out[name] = {k: self.host.to_device(v) for k, v in zip(keys, got)}
-      out[name]["host_rows"] = idx
-    return out
+  def _caps(self, prepared, names) -> tuple[int, ...]:
+    """Each table's window in its stack's cold list (static: from the batch's shape)."""
+    return tuple(
+      hot_set.cold_cap(prepared["tables"][n]["cold_ids"].shape, self.specs[n]) for n in names
+    )
+
+  def _cold(self, state, prepared) -> dict:
+    """The residuals: {"rows": per stack of tables (`hot_set.stacks`), the batch's cold rows
+    and their optimizer state gathered from the host tables ONCE ({k: [Uc, ...]}, replicated;
+    table i's at the positions its cold_ids give), "moved": per stack, the list left in host
+    memory for the write-back (one device; None on a mesh)}. Read by the lookup, updated and
+    written back by `update` (no second trip to host memory). One host computation per
+    stack: its list crosses the host link once, Uc rows come back. An eval step drops them,
+    and XLA with them the slots' gather."""
+    rows, moved = [], []
+    for stack, names in enumerate(self._stacks):
+      keys = ("table", *self.specs[names[0]].optimizer.slot_names())
+      tables = [{k: state["tables"][n]["host"][k] for k in keys} for n in names]
+      lst = prepared["cold"][stack]
+      caps = self._caps(prepared, names)
+      got, m = self.host.gather_segments(tables, lst["rows"], lst["off"], caps)
+      rows.append(got)
+      moved.append(m)
+    return {"rows": tuple(rows), "moved": tuple(moved)}
+
+  def _cold_table(self, cold, name) -> jax.Array:
+    """The cold rows f32[Uc, D] of `name`'s stack (its cold_ids index them)."""
+    return cold["rows"][self._stack_of[name][0]]["table"]
 
   def lookup_micro(self, state, prepared) -> tuple[tuple[dict[str, jax.Array], ...], dict]:
     """-> ({table: f32[n * Pm, D]} pooled rows of each micro-batch's examples (padding:
@@ -115,7 +109,7 @@ class DeviceSteps:
         e = mb[name]
         rows = self._hot_lookup(state["tables"][name]["hot"]["table"], e["hot"])
         if "cold" in e:
-          c = cold[name]["table"]
+          c = self._cold_table(cold, name)
           got = c.at[e["cold"]].get(mode="fill", fill_value=0.0)
           rows = jnp.where((e["cold"] < c.shape[0])[..., None], got, rows)
         count = e.get("count") if spec.pooling == "mean" else None
@@ -141,20 +135,22 @@ class DeviceSteps:
     for name, spec in self.specs.items():
       t = prepared["tables"][name]
       rows = self._hot_lookup(state["tables"][name]["hot"]["table"], t["hot_ids"])
-      cold = cold_rows[name]["table"]
+      cold = self._cold_table(cold_rows, name)
       got = cold.at[t["cold_ids"]].get(mode="fill", fill_value=0.0)
       rows = jnp.where((t["cold_ids"] < cold.shape[0])[..., None], got, rows)
       out[name] = base.pool_rows(rows, t.get("count") if spec.pooling == "mean" else None)
     return out
 
   def update(self, state, prepared, residuals, grads):
+    hosts = {}
+    for stack in range(len(self._stacks)):
+      hosts.update(self._update_cold(stack, state, prepared, grads, residuals))
     tables = {}
     for name, spec in self.specs.items():
       t, p = state["tables"][name], prepared["tables"][name]
       count = p.get("count") if spec.pooling == "mean" else None
       hot = self._update_hot(spec, t["hot"], p, grads[name], count)
-      host = self._update_cold(spec, state, prepared, name, grads[name], count, residuals[name])
-      tables[name] = self._migration({**t, "hot": hot, "host": host}, p, spec)
+      tables[name] = self._migration({**t, "hot": hot, "host": hosts[name]}, p, spec)
     return {"tables": tables, **host_cache.advance(state, prepared)}
 
   def _update_hot(self, spec, hot, p, g, count):
@@ -195,40 +191,38 @@ class DeviceSteps:
 
     return local(hot, sub, g, count)
 
-  def _update_cold(self, spec, state, prepared, name, g, count, got):
-    """The cold rows' update on the copy the lookup gathered (`got`, replicated: every device
-    applies the same), then written back to the host table (each device its own rows when it
-    is split)."""
-    t, p = state["tables"][name], prepared["tables"][name]
-    slot_names = spec.optimizer.slot_names()
-    g, ids, count = sharding.replicate((g, p["cold_ids"], count), self.mesh)
-    grads = base.unpool(g, count, ids.shape[1])
-    uc = p["cold_rows"].shape[0]
-    lp = {"ids": ids}
-    if spec.optimizer.needs_unique:
-      # The distinct cold rows are the gathered rows themselves; cold_ids index them, and
-      # every other position points at the filler entry uc (read as zeros, never written).
-      lp["unique"] = jnp.arange(uc + 1, dtype=jnp.int32)
-      lp["inverse"] = ids
-    slots = {k: got[k] for k in slot_names}
-    table, slots = base.sparse_sgd_or_adagrad(spec, got["table"], slots, lp, grads)
-    host = dict(t["host"])
-    new = {"table": table, **slots}
-    if "host_rows" in got:  # the row list already on the host: one host computation
-      keys = tuple(host)
-      vals = [self.host.to_host(new[k]) for k in keys]
-      out = host_table.host_compute(
-        lambda idx, *a: tuple(
-          host_table.scatter_rows(h, idx, v) for h, v in zip(a[: len(keys)], a[len(keys) :])
-        ),
-        got["host_rows"],
-        *[host[k] for k in keys],
-        *vals,
+  def _update_cold(self, stack, state, prepared, grads, residuals) -> dict[str, dict]:
+    """The cold rows' update on the copy the lookup gathered (the stack's [Uc, ...] arrays,
+    replicated: every device applies the same), table after table (their segments are
+    disjoint: each update touches its own), then written back to the host tables in one
+    host computation (each device its own rows when they are split). -> {table: host}."""
+    names = self._stacks[stack]
+    lst = prepared["cold"][stack]
+    got = residuals["rows"][stack]
+    uc = lst["rows"].shape[0]
+    off = lst["off"]
+    caps = self._caps(prepared, names)
+    for i, name in enumerate(names):
+      spec, p = self.specs[name], prepared["tables"][name]
+      count = p.get("count") if spec.pooling == "mean" else None
+      g, ids, count = sharding.replicate((grads[name], p["cold_ids"], count), self.mesh)
+      lp = {"ids": ids}
+      if spec.optimizer.needs_unique:
+        # The distinct cold rows are the table's segment of the list: cold_ids index it
+        # (minus its offset); the window's other entries, and padding, point at the filler
+        # entry uc (read as zeros, never written).
+        j = jnp.arange(caps[i] + 1, dtype=jnp.int32)
+        lp["unique"] = jnp.where(j < off[i + 1] - off[i], off[i] + j, uc)
+        lp["inverse"] = jnp.where(ids < uc, ids - off[i], caps[i])
+      slots = {k: got[k] for k in spec.optimizer.slot_names()}
+      table, slots = base.sparse_sgd_or_adagrad(
+        spec, got["table"], slots, lp, base.unpool(g, count, ids.shape[1])
       )
-      return dict(zip(keys, out))
-    for k in host:
-      host[k] = self.host.scatter(host[k], p["cold_rows"], new[k])
-    return host
+      got = {**got, "table": table, **slots}
+    keys = tuple(got)
+    tables = [{k: state["tables"][n]["host"][k] for k in keys} for n in names]
+    new = self.host.scatter_segments(tables, lst["rows"], off, caps, got, residuals["moved"][stack])
+    return {n: {**state["tables"][n]["host"], **h} for n, h in zip(names, new)}
 
   def _migration(self, t, p, spec):
     """Rows leaving the hot set -> host; rows joining it <- host (after this batch's cold

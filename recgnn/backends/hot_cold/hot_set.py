@@ -36,6 +36,12 @@ def Buckets(patience: int) -> host_cache.ListSizer:  # noqa: N802  (a class-like
   return host_cache.ListSizer(patience)
 
 
+def cold_cap(ids_shape, spec: base.TableSpec) -> int:
+  """The most distinct cold rows a batch of ids int[ids_shape] has in a table: its window in
+  the stack's cold list (a static shape of the step)."""
+  return int(min(int(np.prod(ids_shape)), spec.num_rows))
+
+
 def encode_rows(rows: np.ndarray) -> str:
   """Sorted row ids -> a short JSON-able string (zlib'd uint32 deltas, base64): a hot set of
   500k rows is a few hundred kB in a checkpoint's metadata."""

@@ -26,15 +26,16 @@ class HotColdOptions(base.BackendOptions):
     split: run the batch as popular + non-popular micro-batches (the step's micro-batch
       feature). False: one lookup of the whole batch (same values).
     host_memory: `pinned_host` or `device` (no offload: benchmarks, debugging).
-    cold_list: the length of each table's list of cold rows, a shape of the step. `fixed`
-      (default): the batch's id count (at most the table's rows), one shape for the run, but
-      the host link carries that many rows whatever the hot set covers. `bucket`: the
-      batch's distinct cold rows, rounded up to an eighth-octave length with hysteresis
-      (`host_cache.ListSizer`): host-link bytes within ~1.15x of what the cold ids need
-      (tests/test_hot_cold_tiers.py), at the price of a compile per new combination of the
-      group's lengths (a few per table; with many tables in one group, more), which on this
-      CPU costs more than the bytes it saves; the default until a group's lengths move
-      together.
+    cold_list: the length of the group's cold lists, a shape of the step. The cold rows of
+      every table with the same row layout (dim, optimizer) travel in ONE list, table after
+      table (`host_table.HostTable.gather_segments`), so the step's shape is one length per
+      layout, not one per table. `bucket` (default): the batch's distinct cold rows over the
+      group's tables, rounded up to an eighth-octave length with hysteresis
+      (`host_cache.ListSizer`): host-link bytes within ~1.1x of what the cold ids need and
+      falling as the budget grows (tests/test_hot_cold_tiers.py), a few lengths per run (26
+      tables, 200 Zipf steps: <= 6 step shapes). `fixed`: the batch's id count per table (at
+      most its rows), summed: one shape for the run, but the host link carries that many
+      rows whatever the hot set covers.
   """
 
   backend: ClassVar[str] = "hot_cold"
@@ -45,7 +46,7 @@ class HotColdOptions(base.BackendOptions):
   reprofile: int = 0
   split: bool = True
   host_memory: str = "pinned_host"
-  cold_list: str = "fixed"
+  cold_list: str = "bucket"
 
   def __post_init__(self):
     if self.cold_list not in COLD_LISTS:

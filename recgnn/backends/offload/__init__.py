@@ -31,12 +31,24 @@ before, dirty, needed back by k+1): the planner gives each "next" load its posit
 "now"'s write-backs (row NEXT_FROM_NOW of the "next" array) and update takes that row's value
 from the evicted cache row instead.
 
-Exchange sizes (`OffloadOptions.exchange`): with `exchange=bucket` the lists are as long as the
-real misses, rounded up to eighth-octave buckets with hysteresis (`cache_plan.Sizer`), so host-link
-bytes follow the hit rate (tests/test_offload_tiers.py: within 1.25x of rows moved x row bytes
-at 1%, 5% and 20% caches) and a steady stream compiles a few shapes per table, but a step of
-many tables compiles whenever their combination is new; `fixed` (the default) keeps one
-shape, min(ids per batch, C) rows per list whatever the misses.
+Exchange sizes (`OffloadOptions.exchange`): the group lays every table's exchange in ONE list
+per row layout (dim, optimizer) and direction, table after table with offsets ("now_off",
+"next_off"); one host computation reads each list (every table's rows: each table reads a
+static window of its ids per batch at its offset, inside the host computation) and one writes
+both lists' victims back (`host_table.HostTable.gather_segments` / `scatter_lists`). With
+`exchange=bucket` (the default) a list is as long as the group's real misses, rounded up to an
+eighth-octave bucket with hysteresis (`cache_plan.Sizer`): host-link bytes follow the hit rate
+(tests/test_offload_tiers.py: 1.05-1.09x the missed rows x row bytes at 1%, 5% and 20% caches
+for 26 tables, within 1.25x for one) and the step takes one or two shapes over 200 steps of a
+26-table stream, since the group's total misses move ~sqrt(26) less than one table's relative
+to their size (sized per table, every new combination of the 26 widths was a new step: 33-106
+in 200 steps). `fixed` keeps one shape, the sum of min(ids per batch, C) over the tables,
+whatever the misses. On a mesh the host arrays are split by rows over the devices and every
+device reads the whole list against its share (rows it does not own come back as zeros, a psum
+adds them) and sends the whole write-back list: each device's link carries the list's length,
+not its 1/n share (measured from the HLO, 4 tables, 8x1 and 2x4: per device exactly what one
+device carries on 1x1). Carrying only the share needs the lists split per owner device (a
+per-device length, an all-gather of the rows read): not built.
 
 Where the state lives, and why (measured on this CPU, jax 0.10; see tests/test_offload.py):
 the host table is a `pinned_host` jax.Array *inside* the state, not a numpy array owned by
@@ -66,11 +78,13 @@ would never execute. `prepare(ids, upcoming, train=False)` plans read-only (resi
 the cache, the others straight from the host table). If an update ever runs with a plan made
 for another layout, `stale` counts it and `sync` raises (never a silent wrong table).
 
-Residuals (lookup -> update): {"now": {"table": f32[M, D], "accum": f32[M]}, "next": the
-same for the next batch's rows}, present where that exchange is.
+Residuals (lookup -> update): per row layout, {"now": {"table": f32[M, D], "accum": f32[M]},
+"next": the same for the next batch's rows}, present where that exchange is; every table of
+the layout in one list (its rows at its offsets).
 
-Files: options.py (`OffloadOptions`), table.py (`Offload`, one table), group.py
-(`OffloadGroup`, the registered backend), cache_plan.py (the numpy cache planner, its
+Files: options.py (`OffloadOptions`), table.py (`Offload`, one table: its plan and its part
+of the step), group.py (`OffloadGroup`, the registered backend: the lists, the host reads and
+the write-back), cache_plan.py (the numpy cache planner, its
 `Exchange` and the list sizing `Sizer`), planner.py (its compiled kernels).
 """
 

@@ -97,9 +97,6 @@ class Planner:
     self.freq = self.lfu.counts if self.lfu is not None else None
     self.version = 0
     self.admitted: np.ndarray | None = None  # ids of the batch admitted ahead
-    # exchange=bucket: list widths of the on-demand and the prefetch exchanges (both planners
-    # size through these, so their prepared arrays stay equal).
-    self.sizers = {k: Sizer(PATIENCE, start_at_cap=True) for k in ("now", "next")}
 
   @classmethod
   def from_slots(cls, slot_rows: np.ndarray, num_rows: int, policy: str, version: int):

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from recgnn import sharding
+from recgnn.backends.offload import cache_plan
 from recgnn.backends.offload import planner as hostplan
-from recgnn.backends.offload.table import Offload
-from recgnn.embeddings import base
+from recgnn.backends.offload.cache_plan import EVICT_ROWS, LOAD_ROWS, Sizer, _bucket
+from recgnn.backends.offload.table import PLANNED, Offload
+from recgnn.embeddings import base, host_cache, host_table
+
+# Padding of a group's exchange lists, per row (EVICT_SLOTS, EVICT_ROWS, LOAD_ROWS,
+# LOAD_SLOTS, NEXT_FROM_NOW): past every table's window, never read as a table's entry.
+FILL = (np.iinfo(np.int32).max, np.iinfo(np.int32).max, 0, np.iinfo(np.int32).max, 0)
 
 
 @base.register_backend("offload")
@@ -38,6 +47,13 @@ class OffloadGroup(base.TableGroup):
     self._ring = None
     self._admitted = None  # the arrays of the batch the kernel admitted ahead
     self.fast_batches = 0  # batches planned by the compiled kernel (tests, benchmarks)
+    # One exchange list per row layout: the step's shapes are one (now, next) length pair
+    # per layout, sized over its tables together (their total moves little from batch to
+    # batch; each table sized apart changed the step's signature every few steps).
+    self._stacks = host_table.layouts({n: m.spec for n, m in self.members.items()})
+    self._sizers = []
+    self.list_widths: set[tuple[int, int]] = set()  # (now, next) lengths of train steps
+    self._list_counters = host_cache.Counters()
 
   # -- state: the planners' arrays as slices of flat ones
 
@@ -58,6 +74,11 @@ class OffloadGroup(base.TableGroup):
 
   def _adopt(self):
     self._flat, self._ring, self._admitted = None, None, None
+    # New cache bookkeeping: the lists start from the cap again (`Sizer(start_at_cap)`).
+    self._sizers = [
+      {k: Sizer(cache_plan.PATIENCE, start_at_cap=True) for k in ("now", "next")}
+      for _ in self._stacks
+    ]
     members = list(self.members.values())
     if not members or any(m._planner is None for m in members):
       return
@@ -151,13 +172,220 @@ class OffloadGroup(base.TableGroup):
   # -- prepare
 
   def prepare(self, ids, upcoming=(), *, train=True):
+    """ids {table: int[B, L]} -> {"tables": {table: {"rows": the table's prepared batch
+    (`Offload.prepare`, its exchanges moved to the lists), "count": int32[B] (mean
+    pooling)}}, "lists": per row layout (`host_table.layouts`), {"now": int32[4, Wn],
+    "now_off": int32[T + 1], "next": int32[5, Wx], "next_off": int32[T + 1]}: every table's
+    exchange in one list (table i's at [off[i], off[i + 1]), its own rows and slots)}."""
+    per = None
     if train and self._flat is not None and hostplan.enabled():
-      out = self._prepare_fast(ids, list(upcoming))
-      if out is not None:
-        return out
+      per = self._prepare_fast(ids, list(upcoming))
+    if per is None:
+      if train:
+        self._admitted = None  # the numpy planners admit (or not) the next batch themselves
+      per = super().prepare(ids, upcoming, train=train)
+    return self._lists(per, train)
+
+  # -- one exchange list per row layout
+
+  def _width(self, stack: int, kind: str, need: int | None, cap: int) -> int:
+    """Length of a layout's exchange list ("now" or "next") under the `exchange` option.
+    need: the rows it loads over the layout's tables (evictions never outnumber them: each
+    victim slot receives a missing row), None when no table planned one; cap: the most it
+    can load, the sum of min(ids per batch, C) over its tables. Both planners go through
+    here (their prepared batches stay equal)."""
+    mode = next(iter(self.members.values())).options.exchange
+    # Nothing planned: empty, except a "next" of a run with look-ahead (the last batch of a
+    # stream, or one before a batch that is not admitted ahead): the steady shapes, so it
+    # does not compile a train step of its own (10-40 s in the last interval here).
+    steady = kind == "next" and self.lookahead > 0
+    if mode == "fixed":
+      return cap if need is not None or steady else 0
+    if mode == "pow2":
+      return min(_bucket(need or 0), cap)
+    sizer = self._sizers[stack][kind]
+    if need is None:
+      return sizer.hold(cap) if steady else 0
+    return sizer(need, cap)
+
+  def _lists(self, per: dict, train: bool) -> dict:
+    """Move each table's exchanges (exact lengths) into its layout's lists."""
+    lists = []
+    padded = 0
+    for stack, names in enumerate(self._stacks):
+      rows = [per[n]["rows"] for n in names]
+      planned = [r.pop(PLANNED) for r in rows]
+      caps = [min(r["ids"].size, self.members[n].cache_rows) for n, r in zip(names, rows)]
+      entry = {}
+      for j, (kind, fill) in enumerate((("now", FILL[:4]), ("next", FILL))):
+        parts = [r.pop(kind) for r in rows]
+        off = np.cumsum([0] + [x.shape[1] for x in parts]).astype(np.int32)
+        if train:
+          need = int(off[-1]) if any(f[j] for f in planned) else None
+          width = self._width(stack, kind, need, sum(caps))
+        else:  # read-only: the batch's cold rows on demand, at most its ids (one shape)
+          width = sum(r["ids"].size for r in rows) if kind == "now" else 0
+        lst = np.repeat(np.asarray(fill, np.int32)[:, None], width, axis=1)
+        lst[:, : off[-1]] = np.concatenate(parts, axis=1)
+        entry[kind], entry[f"{kind}_off"] = lst, off
+        if train:
+          padded += width
+          # Each table's share of the list (its rows and of the padding, by its rows), so
+          # the tables' h2d_padded_bytes_per_step add up to the list's.
+          total = int(off[-1])
+          for n, c in zip(names, np.diff(off)):
+            share = c / total if total else 1 / len(names)
+            self.members[n]._count(padded_rows_h2d=int(c) + (width - total) * share)
+      width, off = entry["now"].shape[1], entry["now_off"]
+      for i, r in enumerate(rows):  # positions in the layout's "now" list (width: absent)
+        pos = r["now_pos"]
+        r["now_pos"] = np.where(pos < off[i + 1] - off[i], pos + off[i], width).astype(np.int32)
+      lists.append(entry)
+      if train:
+        self.list_widths.add(tuple(entry[k].shape[1] for k in ("now", "next")))
     if train:
-      self._admitted = None  # the numpy planners admit (or not) the next batch themselves
-    return super().prepare(ids, upcoming, train=train)
+      self._list_counters.add(steps=1, padded_rows_h2d=padded)
+    return {"tables": per, "lists": tuple(lists)}
+
+  def table_exchanges(self, prepared: dict, table: str) -> dict[str, np.ndarray]:
+    """A prepared batch's exchanges of one table, as `Offload.prepare` planned them: {"now":
+    int32[4, n], "next": int32[5, m]} (its segments of its layout's lists; NEXT_FROM_NOW as
+    positions in its "now"). Host side (tests, inspection)."""
+    stack, i = next(
+      (s, names.index(table)) for s, names in enumerate(self._stacks) if table in names
+    )
+    lists = prepared["lists"][stack]
+    out = {}
+    for kind in ("now", "next"):
+      off = np.asarray(lists[f"{kind}_off"])
+      out[kind] = np.asarray(lists[kind])[:, off[i] : off[i + 1]]
+    return out
+
+  def prepared_spec(self, prepared):
+    return {
+      "tables": super().prepared_spec(prepared["tables"]),
+      "lists": jax.tree.map(lambda _: sharding.REPLICATED, prepared["lists"]),
+    }
+
+  def stats(self):
+    """Every table's (`Offload.stats`), and the group's: list_rows_h2d_per_step (the rows
+    the host reads move per step, padding included: what the host link carries),
+    list_shapes (the distinct (now, next) list lengths so far: the step's shapes)."""
+    out = super().stats()
+    c = self._list_counters.take()
+    if c.get("steps"):
+      out["list_rows_h2d_per_step"] = c["padded_rows_h2d"] / c["steps"]
+      out["list_shapes"] = len(self.list_widths)
+    return out
+
+  # -- the step: one host read per exchange, one write-back, for every table of a layout
+
+  def _caps(self, prepared, names) -> list[int]:
+    """Each table's window in its layout's lists: its ids per batch (static)."""
+    return [int(np.prod(prepared["tables"][n]["rows"]["ids"].shape)) for n in names]
+
+  @staticmethod
+  def _padded(lst, values, pad: int):
+    """A list int32[r, W] and its values {k: [W, ...]} with `pad` columns / rows after them
+    (once per list: every table's window is a slice of these)."""
+    if pad == 0:
+      return lst, values
+    lst = jnp.concatenate([lst, jnp.zeros((lst.shape[0], pad), lst.dtype)], axis=1)
+    values = {
+      k: jnp.concatenate([v, jnp.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in values.items()
+    }
+    return lst, values
+
+  def _window(self, lst, off, i, cap, member, values):
+    """Table i's window of a list int32[r, W] (padded by `_padded` when the layout has
+    several tables): (int32[r, cap], its values' window {k: [cap, ...]}, its count); entries
+    past its count are padding (slots C, rows past the host arrays, loads of row 0,
+    NEXT_FROM_NOW absent)."""
+    r = lst.shape[0]
+    if len(off) == 2:  # one table: its segment starts the list, the window is the list
+      cap = lst.shape[1]
+    big = np.iinfo(np.int32).max
+    pad = np.array(
+      [member.cache_rows, base.aligned_rows(member.spec.num_rows), 0, member.cache_rows, big],
+      np.int32,
+    )[:r, None]
+    count = off[i + 1] - off[i]
+    if len(off) > 2:
+      lst = jax.lax.dynamic_slice(lst, (0, off[i]), (r, cap))
+      values = {
+        k: jax.lax.dynamic_slice(v, (off[i],) + (0,) * (v.ndim - 1), (cap,) + v.shape[1:])
+        for k, v in values.items()
+      }
+    return jnp.where(jnp.arange(cap) < count, lst, pad), values, count
+
+  def lookup(self, state, prepared):
+    """-> (pooled {table: f32[B, D]}, residuals: per layout {"now" / "next": {k: f32[W,
+    ...]}}, the rows this step reads from the host: the on-demand rows of this batch, also
+    looked up here, and the next batch's (prefetched). Both read the host arrays as they
+    came into the step (ONE host computation per exchange for every table of the layout),
+    so they depend on nothing the step computes; `update` places them in the caches. Each
+    read is materialized (an optimization barrier): no consumer may re-read the host arrays
+    later through a fused gather, after the write-back (XLA would then copy the whole table
+    to keep the old values; XLA:CPU fuses host gathers into their consumers)."""
+    pooled, residuals = {}, []
+    for stack, names in enumerate(self._stacks):
+      lists, caps = prepared["lists"][stack], self._caps(prepared, names)
+      host = self.members[names[0]].host
+      hosts = [state[n]["host"] for n in names]
+      res = {}
+      for kind in ("next", "now"):
+        if lists[kind].shape[1]:
+          got, _ = host.gather_segments(hosts, lists[kind][LOAD_ROWS], lists[f"{kind}_off"], caps)
+          res[kind] = jax.lax.optimization_barrier(got)
+      residuals.append(res)
+      for n in names:
+        p = prepared["tables"][n]
+        rows = self.members[n].lookup_cache(state[n], p["rows"], res.get("now"))
+        pooled[n] = base.pool_rows(rows, p.get("count"))
+    return pooled, tuple(residuals)
+
+  def update(self, state, prepared, residuals, grads):
+    """Each table's cache changes (`Offload.apply`, on its windows of the lists), then ONE
+    write-back (D2H, a scatter on the host) of every table's victims of both exchanges per
+    layout. Write after read on the donated host arrays: the write-back's row lists pass
+    through an optimization barrier with this step's host reads (the residuals), a
+    dependency on reads only, never on compute; the caches take the rows that came through
+    the barrier (read once, never again)."""
+    out = {}
+    for stack, names in enumerate(self._stacks):
+      lists, caps = prepared["lists"][stack], self._caps(prepared, names)
+      now, nxt = lists["now"], lists["next"]
+      back = (now[EVICT_ROWS], nxt[EVICT_ROWS])
+      back, res = jax.lax.optimization_barrier((back, residuals[stack]))
+      victims = {"now": [], "next": []}
+      pad = max(caps) if len(names) > 1 else 0
+      padded = {
+        kind: self._padded(lists[kind], res[kind], pad)
+        for kind in ("now", "next")
+        if lists[kind].shape[1]
+      }
+      for i, n in enumerate(names):
+        m, p = self.members[n], prepared["tables"][n]
+        g, rows, count = sharding.replicate((grads[n], p["rows"], p.get("count")), self.mesh)
+        g = base.unpool(g, count, rows["ids"].shape[1])
+        ex = {
+          kind: self._window(padded[kind][0], lists[f"{kind}_off"], i, caps[i], m, padded[kind][1])
+          for kind in padded
+        }
+        out[n], ev_now, ev_next = m.apply(state[n], rows, g, ex.get("now"), ex.get("next"))
+        victims["now"].append(ev_now)
+        victims["next"].append(ev_next)
+      writes = []
+      for kind, b in zip(("now", "next"), back):
+        if lists[kind].shape[1]:
+          off, parts = lists[f"{kind}_off"], victims[kind]
+          values = parts[0] if len(parts) == 1 else host_table.assemble(parts, off, b.shape[0])
+          writes.append((b, off, values))
+      if writes:
+        host = self.members[names[0]].host
+        new = host.scatter_lists([state[n]["host"] for n in names], writes, caps)
+        out.update({n: {**out[n], "host": h} for n, h in zip(names, new)})
+    return out
 
   def _prepare_fast(self, ids: dict, upcoming: list) -> dict | None:
     t0 = time.perf_counter()
@@ -217,10 +445,9 @@ class OffloadGroup(base.TableGroup):
       e = o + n
       hits, loads, back = (int(v) for v in stats[i])
       prep["now"] = now
-      w = m._width("next", loads, k)
-      nxt = out[e : e + 5 * k].reshape(5, k)
-      prep["next"] = nxt if w == k else np.ascontiguousarray(nxt[:, :w])
+      prep["next"] = np.ascontiguousarray(out[e : e + 5 * k].reshape(5, k)[:, :loads])
       prep["now_pos"] = np.zeros(shape, np.int32)
+      prep[PLANNED] = (False, True)
       prep["version"] = np.asarray(p.version, np.int32)
       p.version += 1
       p.admitted = admitted[id_off[i] : id_off[i + 1]].reshape(ring["shapes"][i])
@@ -229,7 +456,7 @@ class OffloadGroup(base.TableGroup):
         p.lfu.batches += 1
       m._count(
         hits=hits, misses=loads, steps=1, rows_h2d=loads, rows_h2d_on_demand=0,
-        rows_d2h=back, padded_rows_h2d=w, plan_seconds=dt,
+        rows_d2h=back, plan_seconds=dt,
       )  # fmt: skip
       entry = {"rows": prep}
       if m.spec.pooling == "mean":

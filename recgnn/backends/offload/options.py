@@ -25,20 +25,20 @@ class OffloadOptions(base.BackendOptions):
       can hold the window; then farthest next use first).
     lookahead: upcoming batches `prepare` wants (the trainer passes them). >= 1 prefetches
       batch k+1 inside step k; 0 loads every batch on demand inside its own step.
-    exchange: shapes of the exchange lists, which are jit arguments: each shape the step
-      sees compiles it once. `fixed` (default): every list holds min(ids per batch, C)
-      entries, padded, so a step compiles once however the misses vary, but moves that many
-      rows each step even at a high hit rate. `bucket`: sized by the real misses, in
-      eighth-octave buckets (8, 9, .., 15, 16, 18, .., 30, 32, 36, ..: at most 12.5%
+    exchange: the length of the exchange lists, which are shapes of the step (each new
+      one compiles it). Every table of the group with the same row layout (dim, optimizer)
+      has its exchange in ONE list per direction ("now": on demand, "next": prefetched),
+      table after table (`OffloadGroup`), so the step's shape is one length per list, not
+      one per table. `bucket` (default): the list holds the group's real misses, rounded up
+      to an eighth-octave length (8, 9, .., 15, 16, 18, .., 30, 32, 36, ..: at most 12.5%
       padding) with hysteresis (`cache_plan.Sizer`: grow at once, shrink only after
-      `cache_plan.PATIENCE` steps below), so the bytes a step moves follow the misses (fewer
-      as the cache grows; tests/test_offload_tiers.py) and one table compiles a few shapes.
-      Not the default yet: a step holding many tables compiles whenever the combination of
-      their widths is new (26 tables at a 5% cache: 33 combinations in 200 steps, measured),
-      which costs more than the bytes it saves on this CPU. `pow2`: the next power of two
-      >= the entries, no hysteresis (more padding and more shape changes than `bucket`).
-      Padding gathers row 0 on the host and is dropped on the device; stats count real rows
-      and padded rows apart.
+      `cache_plan.PATIENCE` steps below): the host link carries ~1.05-1.2x the missed rows,
+      fewer as the cache grows, and a 26-table group compiles a few shapes over a long
+      stream (tests/test_offload_tiers.py). `fixed`: the sum over the tables of min(ids per
+      batch, C): one shape, but that many rows move each step whatever the hit rate.
+      `pow2`: the next power of two >= the misses, no hysteresis (more padding and more
+      shape changes than `bucket`). Padding is dropped on the device and the host; stats
+      count real rows and the lists' rows apart.
     host_memory: `pinned_host` (falls back to `device` where the platform has no host
       memory space) or `device` (no offload: debugging, benchmarks).
   """
@@ -50,7 +50,7 @@ class OffloadOptions(base.BackendOptions):
   min_cache_rows: int = 0
   policy: str = "lru"
   lookahead: int = 8
-  exchange: str = "fixed"
+  exchange: str = "bucket"
   host_memory: str = "pinned_host"
 
   def __post_init__(self):
@@ -76,4 +76,6 @@ class OffloadOptions(base.BackendOptions):
     if self.policy == "lookahead" and self.lookahead < 1:
       raise ValueError("offload: policy=lookahead needs lookahead>=1 (its window)")
     if self.exchange not in EXCHANGES:
-      raise ValueError(f"offload: exchange must be 'fixed' or 'pow2', got {self.exchange!r}")
+      raise ValueError(
+        f"offload: unknown exchange {self.exchange!r}; available: {', '.join(EXCHANGES)}"
+      )

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from recgnn import sharding
 from recgnn.backends.offload.cache_plan import (
   EVICT_ROWS,
   EVICT_SLOTS,
@@ -21,13 +20,15 @@ from recgnn.backends.offload.cache_plan import (
   NEXT_FROM_NOW,
   Exchange,
   Planner,
-  _bucket,
   _pad,
 )
 from recgnn.backends.offload.options import OffloadOptions
 from recgnn.embeddings import base, host_cache, host_table
 
 HOST_MEMORIES = host_table.HOST_MEMORIES
+# Key of a per-table prepared batch, popped by the group: (now, next) whether each exchange
+# was planned (an unplanned "next" keeps the steady list length).
+PLANNED = "planned"
 
 
 def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -44,14 +45,12 @@ class Offload(base.TableBackend):
   """Table in host memory, a C-row device cache filled ahead of the step (cDLRM). Options:
   `OffloadOptions`.
 
-  Exchange lists (`exchange=`): `bucket` (opt-in) sizes each step's host reads and
-  write-backs by its real misses, rounded up to eighth-octave buckets with hysteresis: the
-  host link carries ~1.1-1.2x the rows that miss (measured at 1%, 5%, 20% caches, Zipf ids),
-  falling as the hit rate rises; cost: a compile per new width (2-3 per table over a long
-  stream), and with many tables per step, a compile whenever their combination of widths is
-  new (26 tables at a 5% cache: 33 signatures over 200 steps after warm-up). `fixed` (the
-  default until the widths of a group's tables move together) compiles once and always moves
-  min(ids per batch, C) rows each way, whatever the hit rate (5-8x the bytes at a 20% cache).
+  Exchanges (`exchange=`, `OffloadOptions`): the group (`OffloadGroup`) lays every table's
+  out in one list per row layout and direction, sized by the group's real misses
+  (`bucket`, the default: ~1.05-1.2x the missed rows over the host link, a few step shapes
+  for a 26-table group) or padded to the batch (`fixed`). This class plans the table's
+  exchanges (exact lengths) and applies its part of them (`apply`); the group reads and
+  writes the host arrays.
 
   A batch touching more distinct rows than the cache holds is an error at plan time that
   names the size needed (no micro-batching: exactness vs dense needs the whole batch's update
@@ -88,7 +87,7 @@ class Offload(base.TableBackend):
     else:
       size = f"cache_fraction={o.cache_fraction}"
       size += f", min_cache_rows={o.min_cache_rows}" if o.min_cache_rows else ""
-    extra = "" if o.exchange == "fixed" else f", exchange={o.exchange}"
+    extra = "" if o.exchange == "bucket" else f", exchange={o.exchange}"
     extra += "" if self.host_memory == "pinned_host" else f", host_memory={self.host_memory}"
     return f"offload({size}, policy={o.policy}, lookahead={self.lookahead}{extra})"
 
@@ -204,25 +203,6 @@ class Offload(base.TableBackend):
     self._window_cache[id(ids)] = (ids, u)
     return u
 
-  def _width(self, kind: str, need: int | None, cap: int) -> int:
-    """Length of an exchange list ("now" or "next") under the `exchange` option. need: the
-    rows it loads (evictions never outnumber them: each victim slot receives a missing row),
-    None when nothing is planned; cap: the most it can load, min(ids of its batch, C). The
-    numpy planner and the compiled one (group.py) both size through here."""
-    mode = self.options.exchange
-    # Nothing planned: empty, except a "next" of a run with look-ahead (the last batch of a
-    # stream, or one before a batch that is not admitted ahead): the steady shapes, so it
-    # does not compile a train step of its own (10-40 s in the last interval here).
-    steady = kind == "next" and self.lookahead > 0
-    if mode == "fixed":
-      return cap if need is not None or steady else 0
-    if mode == "pow2":
-      return min(_bucket(need or 0), cap)
-    sizer = self._planner.sizers[kind]
-    if need is None:
-      return sizer.hold(cap) if steady else 0
-    return sizer(need, cap)
-
   def _pack(self, ex: Exchange, width: int, now: np.ndarray | None = None) -> np.ndarray:
     """One exchange as int32[4, width] (rows EVICT_SLOTS, EVICT_ROWS, LOAD_ROWS, LOAD_SLOTS),
     padded; with `now` (the same step's packed "now" exchange), the "next" exchange as
@@ -262,7 +242,9 @@ class Offload(base.TableBackend):
     "now": int32[4, M] the on-demand exchange of this batch (rows EVICT_SLOTS, EVICT_ROWS,
     LOAD_ROWS, LOAD_SLOTS), "now_pos": int32[B, L] index into now[LOAD_ROWS] (M = cached),
     "next": int32[5, M'] the exchange admitting the next batch (+ NEXT_FROM_NOW),
-    "version": int32[] (-1: read-only)}. M, M': `_width` (the `exchange` option).
+    "version": int32[] (-1: read-only), PLANNED: (now, next) whether each exchange was
+    planned (popped by the group)}. M, M': the exchanges' exact lengths; the group lays every
+    table's out in one list per row layout (`OffloadGroup`), sized by the `exchange` option.
     """
     t0 = time.perf_counter()
     ids = np.asarray(ids)
@@ -275,14 +257,11 @@ class Offload(base.TableBackend):
     p.check_fits(rows.shape[0], self.spec.name)
     upcoming = list(upcoming)[: self.lookahead]
     t = p.version
-    cap = min(ids.size, self.cache_rows)
     if p.admitted is not None and p.admitted.shape == ids.shape and np.array_equal(p.admitted, ids):
-      now = Exchange.empty()  # admitted by the previous step's update
-      now_width = self._width("now", None, cap)
+      now, now_planned = Exchange.empty(), False  # admitted by the previous step's update
     else:
       window = [self._unique(u) for u in upcoming] if self.options.policy == "lookahead" else []
-      now = p.admit(rows, t, window)
-      now_width = self._width("now", now.load_rows.shape[0], cap)
+      now, now_planned = p.admit(rows, t, window), True
       self._count(hits=now.hits, misses=now.load_rows.shape[0])
     slots = np.where(ids >= 0, p.row_slot[np.maximum(ids, 0)], -1)
     row_slots = p.row_slot[rows]  # before admitting the next batch, which may evict them
@@ -290,27 +269,29 @@ class Offload(base.TableBackend):
     if p.lfu is not None:
       p.lfu.add_rows(rows)
     ahead = self._unique(upcoming[0]) if upcoming else None
-    if ahead is not None and ahead.shape[0] <= self.cache_rows:
-      # (A batch that does not fit is not admitted ahead: an eval batch need not fit, a
-      # train batch fails at its own prepare.)
+    # A batch that does not fit is not admitted ahead (an eval batch need not fit, a train
+    # batch fails at its own prepare), nor one with more ids than this batch: its loads
+    # travel in this step's list, whose window per table is this batch's id count.
+    if (
+      ahead is not None
+      and ahead.shape[0] <= self.cache_rows
+      and np.asarray(upcoming[0]).size <= ids.size
+    ):
       window = [self._unique(u) for u in upcoming[1:]] if self.options.policy == "lookahead" else []
-      nxt = p.admit(ahead, t + 1, window)
-      next_cap = min(np.asarray(upcoming[0]).size, self.cache_rows)
-      next_width = self._width("next", nxt.load_rows.shape[0], next_cap)
+      nxt, next_planned = p.admit(ahead, t + 1, window), True
       self._count(hits=nxt.hits, misses=nxt.load_rows.shape[0])
       p.admitted = np.array(upcoming[0], copy=True)
     else:
-      nxt = Exchange.empty()
-      next_width = self._width("next", None, cap)
+      nxt, next_planned = Exchange.empty(), False
       p.admitted = None
     p.version += 1
-    out = self._prepared(ids, (rows, row_slots), slots, now, nxt, t, now_width, next_width)
+    out = self._prepared(ids, (rows, row_slots), slots, now, nxt, t)
+    out[PLANNED] = (now_planned, next_planned)
     self._count(
       steps=1,
       rows_h2d=now.load_rows.shape[0] + nxt.load_rows.shape[0],
       rows_h2d_on_demand=now.load_rows.shape[0],
       rows_d2h=now.evict_rows.shape[0] + nxt.evict_rows.shape[0],
-      padded_rows_h2d=out["now"].shape[1] + out["next"].shape[1],
       plan_seconds=time.perf_counter() - t0,
     )
     return out
@@ -332,11 +313,14 @@ class Offload(base.TableBackend):
     if p is not None:
       self._count(eval_hits=int(resident.sum()), eval_misses=cold.shape[0])
       self._count(plan_seconds=time.perf_counter() - t0)
-    return self._prepared(ids, None, slots, ex, Exchange.empty(), -1, ids.size, 0)
+    out = self._prepared(ids, None, slots, ex, Exchange.empty(), -1)
+    out[PLANNED] = (True, False)
+    return out
 
-  def _prepared(self, ids, rows, slots, now, nxt, version: int, now_width: int, next_width: int):
-    """rows: (sorted distinct rows, their slots) of a train batch, None when read-only.
-    now_width / next_width: the exchange lists' lengths (`_width`)."""
+  def _prepared(self, ids, rows, slots, now, nxt, version: int):
+    """rows: (sorted distinct rows, their slots) of a train batch, None when read-only. The
+    exchanges are packed at their exact lengths: the group lays every table's out in one
+    list (`OffloadGroup`)."""
     c = self.cache_rows
     out = {"ids": np.where(slots >= 0, slots, c).astype(np.int32)}
     if self.spec.optimizer.needs_unique:
@@ -353,8 +337,8 @@ class Offload(base.TableBackend):
         out["unique"], out["inverse"] = unique, inverse.astype(np.int32)
       else:  # read-only: update never runs with it (placeholders of the right shapes)
         out["unique"], out["inverse"] = base.dedup(slots, c)
-    out["now"] = self._pack(now, now_width)
-    out["next"] = self._pack(nxt, next_width, out["now"])
+    out["now"] = self._pack(now, now.load_rows.shape[0])
+    out["next"] = self._pack(nxt, nxt.load_rows.shape[0], out["now"])
     m = out["now"].shape[1]
     now_pos = np.full(ids.shape, m, np.int32)
     if now.load_rows.shape[0]:
@@ -399,108 +383,75 @@ class Offload(base.TableBackend):
 
   # --------------------------------------------------------------------------- device side
 
-  def _read(self, host: dict, ex: jax.Array) -> dict:
-    """The rows an exchange loads, every cache array's (table + optimizer slots), read from
-    the host arrays as the step got them: {name: f32[M, ...]} on the device. Each read is
-    materialized (an optimization barrier of its own): no consumer may re-read the host
-    arrays later through a fused gather, after the write-back (XLA would then copy the whole
-    table to keep the old values; XLA:CPU fuses host gathers into their consumers)."""
-    return {
-      k: jax.lax.optimization_barrier(v)
-      for k, v in self.host.gather_many(host, ex[LOAD_ROWS]).items()
-    }
+  # The exchanges run per group (`OffloadGroup.lookup` / `update`): one host read per
+  # exchange and one write-back for every table of a row layout. A table's part of them is
+  # its window of each list (`OffloadGroup._window`): int32[4 or 5, K] (K: its ids per
+  # batch; entries past its count are padding: slots C, rows 0) and the values read for it.
 
-  def _lookup(self, state, prepared):
-    """-> (rows f32[B, L, D], residuals). The residuals are the host reads of this step:
-    "now": the rows loaded on demand (this batch's misses, also looked up here), "next": the
-    rows the next batch needs (prefetched). Both read the host arrays as they came into the
-    step, so they depend on nothing the step computes; `update` places them in the cache."""
+  def lookup_cache(self, state, prepared, now_values=None):
+    """-> rows f32[B, L, D] of a batch: from the cache, or, for the rows loaded on demand
+    ("now"), from now_values {"table": f32[Wn, D], ...} (the group's list, read from the
+    host by lookup; prepared["now_pos"] indexes it, Wn = absent)."""
     rows = state["cache"]["table"].at[prepared["ids"]].get(mode="fill", fill_value=0.0)
-    residuals = {}
-    now, nxt = prepared["now"], prepared["next"]
-    if nxt.shape[1]:
-      residuals["next"] = self._read(state["host"], nxt)
-    m = now.shape[1]
-    if m:
-      residuals["now"] = fresh = self._read(state["host"], now)
-      pos = prepared["now_pos"]
-      got = fresh["table"].at[pos].get(mode="fill", fill_value=0.0)
-      rows = jnp.where((pos < m)[..., None], got, rows)
-    return rows, residuals
+    if now_values is None:
+      return rows
+    fresh = now_values["table"]
+    pos = prepared["now_pos"]
+    got = fresh.at[pos].get(mode="fill", fill_value=0.0)
+    return jnp.where((pos < fresh.shape[0])[..., None], got, rows)
 
-  def _update(self, state, prepared, residuals, grads):
-    """The step's cache and host changes, given `_lookup`'s residuals:
+  def apply(self, state, prepared, grads, now=None, nxt=None):
+    """The step's cache changes for this table, given its windows of the group's exchanges
+    (now / nxt: (window int32[4|5, K], values {k: f32[K, ...]} read from the host by lookup,
+    count int32[] of real entries), or None):
       1. "now": the victims of this batch's misses are read from the cache, then their slots
-         take the on-demand rows (read by lookup);
+         take the on-demand rows;
       2. the row-wise optimizer on this batch's slots;
       3. "next": the victims of the next batch are read from the updated cache, then their
-         slots take the prefetched rows (read by lookup; a row that step 1 evicted and the
-         next batch needs back takes the value evicted in step 1, as its host copy is stale
-         until the write-back);
-      4. the write-back of both exchanges' victims to the host arrays, in one scatter per
-         array.
-    Reads of a buffer come before writes to it through data dependencies (optimization
-    barriers), so XLA updates the donated cache and host arrays in place: the host scatter
-    waits for the host reads (lookup's residuals), not for any compute."""
-    now, nxt = prepared["now"], prepared["next"]
-    # Write after read on the donated host arrays: the write-back's indices wait for this
-    # step's host reads (the residuals), a dependency on reads only, never on compute; the
-    # cache takes the rows that came through the barrier (read once, never again).
-    back_rows = jnp.concatenate([now[EVICT_ROWS], nxt[EVICT_ROWS]])
-    back_rows, residuals = jax.lax.optimization_barrier((back_rows, residuals))
+         slots take the prefetched rows (a row that step 1 evicted and the next batch needs
+         back takes the value evicted in step 1: its host copy is stale until the
+         write-back; NEXT_FROM_NOW, its position in this table's "now" window).
+    Reads of the cache come before writes to it through optimization barriers (in place on
+    the donated cache). -> (state without the host write-back, the victims' values of now
+    and of next ({k: f32[K, ...]} in window order, or None): the group writes them back)."""
     cache, slot_rows = dict(state["cache"]), state["slot_rows"]
-    backs = []  # {name: values} to write back, in the order of back_rows
-    evicted = None
-    if now.shape[1]:
-      evicted = {k: _take(v, now[EVICT_SLOTS]) for k, v in cache.items()}
+    evicted = out = None
+    if now is not None:
+      win, loaded, _ = now
+      evicted = {k: _take(v, win[EVICT_SLOTS]) for k, v in cache.items()}
       evicted, cache = jax.lax.optimization_barrier((evicted, cache))  # read, then overwrite
-      cache = {k: _put(v, now[LOAD_SLOTS], residuals["now"][k]) for k, v in cache.items()}
-      slot_rows = slot_rows.at[now[LOAD_SLOTS]].set(now[LOAD_ROWS], mode="drop")
-      backs.append(evicted)
+      cache = {k: _put(v, win[LOAD_SLOTS], loaded[k]) for k, v in cache.items()}
+      slot_rows = slot_rows.at[win[LOAD_SLOTS]].set(win[LOAD_ROWS], mode="drop")
     slots = {k: cache[k] for k in self.spec.optimizer.slot_names()}
     table, slots = base.sparse_sgd_or_adagrad(self.spec, cache["table"], slots, prepared, grads)
     cache = {"table": table, **slots}
-    if nxt.shape[1]:
-      loaded = residuals["next"]
+    if nxt is not None:
+      win, loaded, _ = nxt
       if evicted is not None:
-        pos = nxt[NEXT_FROM_NOW]
-        back = pos < now.shape[1]
+        pos = win[NEXT_FROM_NOW]
+        back = pos < now[2]
         loaded = {
           k: jnp.where(
-            back.reshape(back.shape + (1,) * (v.ndim - 1)),
-            _take(evicted[k], pos),
-            v,
+            back.reshape(back.shape + (1,) * (v.ndim - 1)), _take(evicted[k], pos), v
           )
           for k, v in loaded.items()
         }  # fmt: skip
-      out = {k: _take(v, nxt[EVICT_SLOTS]) for k, v in cache.items()}
+      out = {k: _take(v, win[EVICT_SLOTS]) for k, v in cache.items()}
       out, cache = jax.lax.optimization_barrier((out, cache))  # read, then overwrite
-      cache = {k: _put(v, nxt[LOAD_SLOTS], loaded[k]) for k, v in cache.items()}
-      slot_rows = slot_rows.at[nxt[LOAD_SLOTS]].set(nxt[LOAD_ROWS], mode="drop")
-      backs.append(out)
-    host = dict(state["host"])
-    if backs:
-      values = {k: jnp.concatenate([v[k] for v in backs]) for k in host}
-      host = self.host.scatter_many(host, back_rows, values)
-    state = {**state, "host": host, "cache": cache, "slot_rows": slot_rows}
-    return {**state, **host_cache.advance(state, prepared)}
+      cache = {k: _put(v, win[LOAD_SLOTS], loaded[k]) for k, v in cache.items()}
+      slot_rows = slot_rows.at[win[LOAD_SLOTS]].set(win[LOAD_ROWS], mode="drop")
+    state = {**state, "cache": cache, "slot_rows": slot_rows}
+    return {**state, **host_cache.advance(state, prepared)}, evicted, out
 
   def lookup(self, state, prepared):
-    return self._lookup(state, prepared)[0]
+    """The rows of a batch resident in the cache (a prepared batch without on-demand loads)."""
+    return self.lookup_cache(state, prepared)
 
   def update(self, state, prepared, grads):
-    """The per-table contract's update (unpooled grads): reads its residuals itself."""
-    return self._update(state, prepared, self._lookup(state, prepared)[1], grads)
-
-  def lookup_pooled(self, state, prepared, count):
-    rows, residuals = self._lookup(state, prepared)
-    return base.pool_rows(rows, count), residuals
-
-  def update_pooled(self, state, prepared, residuals, g, count):
-    """As `TableBackend.update_pooled`, with lookup's residuals (replicated already: host
-    reads land on every device)."""
-    g, prepared, count = sharding.replicate((g, prepared, count), self.mesh)
-    return self._update(state, prepared, residuals, base.unpool(g, count, prepared["ids"].shape[1]))
+    raise NotImplementedError(
+      "offload tables update through their group (OffloadGroup.update: the exchanges of "
+      "every table travel in one list); build it with base.make_backend / make_group"
+    )
 
   def _flush(self, state):
     # Empty slots hold N: the scatter (unique indices) drops them.
