@@ -403,7 +403,6 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
   results["input_thread_seconds"] = feed.busy_seconds
   # The last train step's program: its bytes over the host link and between devices.
   results.update(traffic.scalars())
-  results["link/programs"] = traffic.programs
   for key, group in plan.groups.items():  # e.g. a codec's bounds and fallbacks (a host read)
     results.update({f"emb/{key}/{k}": v for k, v in group.report(state.emb[key]).items()})
   if step == total:

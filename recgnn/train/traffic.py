@@ -49,40 +49,50 @@ def _signature(args) -> tuple:
   return tuple(out)
 
 
-class StepTraffic:
-  """The traffic of every train-step program a run has used (see the module docstring)."""
+class PerProgram:
+  """`read(lowered)` of each compiled program a jitted step runs, computed once per program
+  (the step function and the shapes / static values of its arguments pick the program)."""
 
-  def __init__(self):
+  def __init__(self, read: Callable[[Any], Any]):
+    self.read = read
     self._fn: Callable | None = None
-    self._seen: dict[tuple, dict[str, int]] = {}
+    self._seen: dict[tuple, Any] = {}
     self.programs = 0  # distinct programs read, over the run (re-jits included)
-    self.current: dict[str, int] | None = None  # the last step's
-    self._new: list[tuple[int, dict[str, int]]] = []  # read since the last `take_new`
+    self.current: Any = None  # the last step's
+    self._new: list[tuple[int, Any]] = []  # read since the last `take_new`
 
-  def observe(self, step_fn, state, args: tuple[Any, ...]) -> dict[str, int]:
-    """The traffic of `step_fn(state, *args)`'s program (state: any state of the run's shapes,
-    e.g. the one the step returned; it is only lowered, never donated)."""
+  def observe(self, step_fn, state, args: tuple[Any, ...]) -> Any:
+    """`read` of `step_fn(state, *args)`'s program (state: any state of the run's shapes, e.g.
+    the one the step returned; it is only lowered, never donated)."""
     if step_fn is not self._fn:  # a re-jit: its programs are new ones
       self._fn, self._seen = step_fn, {}
     key = _signature(args)
-    found = self._seen.get(key)
-    if found is None:
-      found = self._seen[key] = program_traffic(step_fn.lower(state, *args))
+    if key not in self._seen:
+      self._seen[key] = self.read(step_fn.lower(state, *args))
       self.programs += 1
-      self._new.append((self.programs, found))
-    self.current = found
-    return found
+      self._new.append((self.programs, self._seen[key]))
+    self.current = self._seen[key]
+    return self.current
 
-  def take_new(self) -> list[tuple[int, dict[str, int]]]:
-    """(number, traffic) of the programs read since the last call (each once), to log."""
+  def take_new(self) -> list[tuple[int, Any]]:
+    """(number, value) of the programs read since the last call (each once), to log."""
     new, self._new = self._new, []
     return new
 
+
+class StepTraffic(PerProgram):
+  """The trainer's: `program_traffic` of every train-step program (module docstring)."""
+
+  def __init__(self):
+    super().__init__(program_traffic)
+
   def scalars(self) -> dict[str, float]:
-    """The last step's figures as metrics ("link/..." keys); {} before any step."""
+    """The last step's figures as metrics ("link/..." keys) and `link/programs`, the programs
+    compiled so far (an interval in which it grew holds a compile); {} before any step."""
     if self.current is None:
       return {}
-    return {f"link/{k}": float(v) for k, v in self.current.items()}
+    return {**{f"link/{k}": float(v) for k, v in self.current.items()},
+            "link/programs": float(self.programs)}  # fmt: skip
 
 
 def describe(traffic: dict[str, int]) -> str:
