@@ -177,22 +177,22 @@ def memory_access(compiled_text: str) -> MemoryAccess:
   module = hlo.parse(compiled_text)
   totals = {True: [0, 0], False: [0, 0]}  # host? -> [bytes, kernels]
 
-  def walk(comp: str):
+  def walk(comp: str, on_host: bool):
     by_name = module.instrs(comp)
     for ins in module.computations[comp]:
       if ins.op in _NAMING:
         continue
       if ins.op in _CONTROL and ins.callees:
-        for callee in ins.callees:
-          walk(callee)
+        for callee in ins.callees:  # (a host call's body runs on the host whole)
+          walk(callee, on_host or is_host(ins))
         continue
       operands = [by_name[o].bytes if o in by_name else 0 for o in ins.operands]
       operands, result = _row_access(module, ins, operands, ins.bytes)
-      t = totals[is_host(ins)]
+      t = totals[on_host or is_host(ins)]
       t[0] += sum(operands) + result
       t[1] += 1
 
-  walk(module.entry)
+  walk(module.entry, False)
   return MemoryAccess(
     device_bytes=totals[False][0],
     host_bytes=totals[True][0],

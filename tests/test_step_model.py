@@ -136,6 +136,11 @@ def test_host_gather_is_host_work_and_link_time_not_device_memory():
   assert p_host.overlapped_s <= 1.25 * max(p_dense.serial_s, link_s, host_s)
   # XLA's own count of the same step, at HBM speed, is what this test refuses.
   assert host.xla_bytes_accessed / sm.H100.memory_bytes_per_s > 1.25 * expected
+  # Before XLA inlines it (and on platforms that keep it), the host computation is a call
+  # of compute type host: its body is host work whole.
+  pre = sm.memory_access(host_lowered.compiler_ir("hlo").as_hlo_text())
+  assert pre.host_kernels >= 1 and 2 * rows <= pre.host_bytes < BIG * DIM * 4
+  assert pre.device_bytes < BIG * DIM * 4
 
 
 def test_a_fused_slice_reads_only_what_it_keeps():
