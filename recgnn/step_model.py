@@ -137,6 +137,13 @@ _NAMING = frozenset(
 # Instructions that run other computations' kernels (their bodies are walked, each once).
 _CONTROL = frozenset({"call", "while", "conditional", "async-start", "async-done"})
 _VIEWS = frozenset({"bitcast", "reshape", "copy"})  # (copy: only inside a fusion's body)
+# Operations that read their operands whole whatever part of their result is used (inside a
+# fusion; the others pass the fraction of their result that is needed on to their operands).
+_WHOLE = frozenset(
+  {"dot", "convolution", "reduce", "reduce-window", "sort", "custom-call", "fusion", "scatter",
+   "select-and-scatter", "dynamic-update-slice", "concatenate", "pad", "broadcast", "iota",
+   "rng", "fft", "cholesky", "triangular-solve", "call", "map"}
+)  # fmt: skip
 
 
 def is_host(ins: hlo.Instr) -> bool:
@@ -202,6 +209,7 @@ def memory_access(compiled_text: str) -> MemoryAccess:
 
 
 def _elements(shape: str) -> int:
+  """Elements of every array shape in `shape` (a tuple: the sum)."""
   n = 0
   for _, dims in hlo._SHAPE.findall(shape):
     k = 1
@@ -264,18 +272,16 @@ def _row_access(module: hlo.Module, ins: hlo.Instr, operands: list[int], result:
       if src is None:
         continue
       if u.op == "tuple":
-        g = 1.0
+        frac = f
       elif k == 0 and u.op in ("slice", "gather", "dynamic-slice") and src.bytes:
-        g = u.bytes / src.bytes
+        frac = f * u.bytes / src.bytes
       elif u.name in in_place and k < _updated(u):
-        g = in_place[u.name]
-      elif _elements(src.shape) == _elements(u.shape):
-        g = 1.0
+        frac = in_place[u.name]
+      elif u.op not in _WHOLE and _elements(src.shape) == _elements(u.shape):
+        frac = f  # elementwise, a view, a transpose: the same part of the operand
       else:
-        f_o = 1.0  # read whole (a reduction, a dot, a broadcast, a concatenate, ...)
-        need[o] = max(need.get(o, 0.0), f_o)
-        continue
-      need[o] = max(need.get(o, 0.0), min(1.0, f * g))
+        frac = 1.0  # read whole (a reduction, a dot, a broadcast, a slice's indices, ...)
+      need[o] = max(need.get(o, 0.0), min(1.0, frac))
   for i in body:
     if i.op == "parameter" and i.parameter < len(operands):
       operands[i.parameter] = int(operands[i.parameter] * need.get(i.name, 0.0))
