@@ -3,10 +3,10 @@ step moves over the host link and what that would cost on a GPU.
 
 Every configuration is the trainer's own step (`recgnn.train.setup.build`) of the reference
 Kaggle DLRM (26 tables, dim 16, the MLPs of benchmarks/dlrm_throughput.py) over tables of
-`--rows` rows, on Zipf batches (`--zipf`) prepared in stream order with the look-ahead window,
-as the trainer's input thread does. `--warmup` steps first (hot_cold profiles, the caches
-fill, the bucketed lists shrink from their cap to the misses' size), then `--steps` timed
-steps. Per configuration:
+`--rows` rows, on a stream of Zipf batches (`--zipf`; the same hot rows in every batch, a new
+batch per step) prepared in stream order with the look-ahead window, as the trainer's input
+thread does. `--warmup` steps first (hot_cold profiles, the caches fill, the bucketed lists
+shrink from their cap to the misses' size), then `--steps` timed steps. Per configuration:
 
   cpu ms / step      measured here (median of the timed steps; host and device memory are the
                      same RAM on this CPU, so this says nothing about the host link)
@@ -251,14 +251,16 @@ def main(argv=None):
     f"which start at their cap and shrink after {cache_plan.PATIENCE} steps below a smaller "
     "bucket, settle to the misses' size (a few shrinks)",
   )
-  p.add_argument("--batches", type=int, default=16, help="distinct batches cycled over")
+  p.add_argument(
+    "--batches", type=int, default=0, help="distinct batches cycled over (0: one per step)"
+  )
   p.add_argument("--fixed", action="store_true", help="also offload's padded `fixed` exchange")
   p.add_argument("--name", default=None, help="results/NAME.* (memory_tiers[_quick])")
   p.add_argument("--quick", action="store_true")
   args = p.parse_args(argv)
   if args.quick:  # one shrink of the lists, a few timed steps: a smoke run
     # (the full run's tables: a 1% cache of fewer rows cannot hold a batch's distinct rows)
-    args.steps, args.warmup, args.batches = 5, 2 * cache_plan.PATIENCE + 4, 8
+    args.steps, args.warmup = 5, 2 * cache_plan.PATIENCE + 4
   args.name = args.name or ("memory_tiers_quick" if args.quick else "memory_tiers")
   hostmem.keep_freed_memory()
   cpu = step_model.measure_cpu()
@@ -271,7 +273,10 @@ def main(argv=None):
     "rows": [],
   }
   for z in args.zipf:
-    batches = peers_dlrm.make_batches(cfg, args.batch, args.batches, z, seed=0)
+    # One stream: the same hot rows in every batch (a fresh permutation per batch would
+    # give caches and hot sets nothing to reuse), a new batch per step unless --batches.
+    n = args.batches or args.warmup + args.steps
+    batches = peers_dlrm.make_batches(cfg, args.batch, n, z, seed=0, same_hot_rows=True)
     host = [dt.to_recgnn_batch(b, dt.table_names(cfg)) for b in batches]
     for label, text in plans(args.fractions, args.fixed):
       payload["rows"].append({**measure(label, text, cfg, host, args, cpu), "zipf": z})
