@@ -8,8 +8,9 @@ batch per step) prepared in stream order with the look-ahead window, as the trai
 thread does. `--warmup` steps first (hot_cold profiles, the caches fill, the bucketed lists
 shrink from their cap to the misses' size), then `--steps` timed steps. Per configuration:
 
-  cpu ms / step      measured here (median of the timed steps; host and device memory are the
-                     same RAM on this CPU, so this says nothing about the host link)
+  cpu ms / step      measured here (median of the timed steps that did not compile a new
+                     program; host and device memory are the same RAM on this CPU, so this
+                     says nothing about the host link)
   host link          bytes per step between host and device memory, from the HLO of the
                      program each timed step ran (recgnn.comms.host_link_of), each way, mean
   gpu ms / step      recgnn.step_model's prediction on an H100 (datasheet figures): serial (no
@@ -81,17 +82,25 @@ def measure(label: str, text: str, cfg, host: list[dict], args, cpu: step_model.
   run = train_setup.build(config, mesh=mesh, task=task, example=host[0])
   state = run.state
   stream = [("train", None, host[k % len(host)]) for k in range(args.warmup + args.steps)]
-  # The cost of the program each timed step ran (bucketed lists give a few programs): read
-  # once per program, after the step's timing.
+  # The cost of the program each step ran (bucketed lists give a few programs): read once
+  # per program, after the step's timing. Every step is shown, so a program new to `costs` is
+  # one the step compiled: such timed steps are left out of the CPU time (and counted).
   costs = traffic.PerProgram(step_model.step_cost)
-  times, ran = [], []
+  times, all_times, ran, compiled = [], [], [], 0
   for k, (_, packed) in enumerate(run.feed(stream)):
     t0 = time.perf_counter()
     state, metrics = run.train_step(state, *packed)
     jax.block_until_ready(metrics)
+    seconds = time.perf_counter() - t0
+    before = costs.programs
+    cost = costs.observe(run.train_step, state, packed)
     if k >= args.warmup:
-      times.append(time.perf_counter() - t0)
-      ran.append(costs.observe(run.train_step, state, packed))
+      ran.append(cost)
+      all_times.append(seconds)
+      if costs.programs > before:
+        compiled += 1
+      else:
+        times.append(seconds)
   gpu = [step_model.predict(c, step_model.H100) for c in ran]
   here = [step_model.predict(c, cpu) for c in ran]
   stats = {n: g.stats() for n, g in run.plan.groups.items() if hasattr(g, "stats")}
@@ -99,7 +108,9 @@ def measure(label: str, text: str, cfg, host: list[dict], args, cpu: step_model.
   out = {
     "label": label,
     "plan": text,
-    "cpu_ms_per_step": 1e3 * statistics.median(times),
+    # (every timed step compiled: their median, compiles and all; see timed_steps_compiling)
+    "cpu_ms_per_step": 1e3 * statistics.median(times or all_times),
+    "timed_steps_compiling": compiled,
     "cpu_ms_predicted": 1e3 * _mean([p.overlapped_s for p in here]),
     # Means over the timed steps of each step's program's figures.
     "host_to_device_bytes": _mean([c.host_to_device_bytes for c in ran]),
@@ -107,7 +118,8 @@ def measure(label: str, text: str, cfg, host: list[dict], args, cpu: step_model.
     "gpu_serial_ms": 1e3 * _mean([p.serial_s for p in gpu]),
     "gpu_overlapped_ms": 1e3 * _mean([p.overlapped_s for p in gpu]),
     "gpu_parts_ms": {k: 1e3 * _mean([getattr(p, k) for p in gpu]) for k in parts},
-    "programs_timed": costs.programs,
+    "programs_timed": len({id(c) for c in ran}),
+    "programs": costs.programs,
     "cost": {k: _mean([c.as_dict()[k] for c in ran]) for k in ran[0].as_dict()},
     "backend_stats": stats,
   }
@@ -115,7 +127,8 @@ def measure(label: str, text: str, cfg, host: list[dict], args, cpu: step_model.
     f"{label:>20}: cpu {out['cpu_ms_per_step']:.1f} ms, host link "
     f"{out['host_to_device_bytes'] / 1e6:.3f} MB in / {out['device_to_host_bytes'] / 1e6:.3f} MB "
     f"out, H100 {out['gpu_serial_ms']:.3f} ms serial / {out['gpu_overlapped_ms']:.3f} ms "
-    f"overlapped ({costs.programs} program(s) over the timed steps)",
+    f"overlapped ({out['programs_timed']} program(s) over the timed steps, {compiled} of them "
+    f"compiling; {costs.programs} over the run)",
     flush=True,
   )
   return out
@@ -165,7 +178,7 @@ def markdown(payload: dict) -> str:
       f"{r['gpu_overlapped_ms'] / dense[r['zipf']]:.2f}",
       f"{r['gpu_parts_ms']['memory_s']:.3f} / {r['gpu_parts_ms']['host_s']:.3f} / "
       f"{r['gpu_parts_ms']['host_link_s']:.3f} / {r['gpu_parts_ms']['launch_s']:.3f}",
-      str(r["programs_timed"]),
+      f"{r['programs_timed']} / {r['timed_steps_compiling']} / {r['programs']}",
     ]
     for r in payload["rows"]
   ]
@@ -193,15 +206,16 @@ def markdown(payload: dict) -> str:
             "H100 ms overlapped",
             "overlapped / dense",
             "H100 ms memory / host / link / launches",
-            "programs",
+            "programs timed / compiling / run",
           ],
           rows,
         ),  # fmt: skip
         "",
         "Host-link bytes are per step over the whole step (both exchanges of offload; the cold "
         "rows and their write-back of hot_cold), read off the compiled program, so they are the "
-        "GPU's too; means over the timed steps of the program each ran (`programs`: how many "
-        "distinct ones). The GPU figures are predictions, not measurements (no GPU here): memory "
+        "GPU's too; means over the timed steps of the program each ran (programs: distinct ones "
+        "over the timed steps / timed steps that compiled one, left out of the CPU time / over "
+        "the whole run). The GPU figures are predictions, not measurements (no GPU here): memory "
         "is what the device's kernels touch (gathers and scatters by the rows they touch), host "
         "what the host computations touch, at an assumed host memory bandwidth.",
         "",
