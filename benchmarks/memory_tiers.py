@@ -3,29 +3,40 @@ step moves over the host link and what that would cost on a GPU.
 
 Every configuration is the trainer's own step (`recgnn.train.setup.build`) of the reference
 Kaggle DLRM (26 tables, dim 16, the MLPs of benchmarks/dlrm_throughput.py) over tables of
-`--rows` rows, on Zipf batches (`--zipf`) prepared in stream order with the look-ahead window,
-as the trainer's input thread does. Per configuration:
+`--rows` rows, on a stream of Zipf batches (`--zipf`; the same hot rows in every batch, a new
+batch per step) prepared in stream order with the look-ahead window, as the trainer's input
+thread does. `--warmup` steps first (hot_cold profiles, the caches fill, the bucketed lists
+shrink from their cap to the misses' size), then `--steps` timed steps. Per configuration:
 
-  cpu ms / step      measured here (median of the timed steps; host and device memory are the
-                     same RAM on this CPU, so this says nothing about the host link)
-  host link          bytes per step between host and device memory, from the step's HLO
-                     (recgnn.comms.host_link_of), each way
+  cpu ms / step      measured here (median of the timed steps that did not compile a new
+                     program; host and device memory are the same RAM on this CPU, so this
+                     says nothing about the host link)
+  host link          bytes per step between host and device memory, from the HLO of the
+                     program each timed step ran (recgnn.comms.host_link_of), each way, mean
   gpu ms / step      recgnn.step_model's prediction on an H100 (datasheet figures): serial (no
                      overlap) and overlapped (the slowest part bounds the step), from the
-                     compiled step's flops and bytes, the host link and the collectives
+                     compiled step's flops, the bytes its device kernels touch (host
+                     computations apart, as host time), the host link and the collectives;
+                     mean over the timed steps' programs
   vs dense           predicted overlapped GPU time / dense's
+
+and the check issue 24 asks for: the predicted H100 step of offload at a 5% cache within
+1.3x of dense's (overlapped; serial printed beside it).
 
 The host-only table is `hot_cold(hot_rows=1)`: every row is read from host memory each step.
 offload runs with `exchange=bucket` and hot_cold with `cold_list=bucket` (lists sized by the
-real misses; the defaults move a batch's worth of rows whatever the hit rate, printed too).
+real misses); `--fixed` adds offload's padded `fixed` exchange (a batch's worth of rows
+whatever the hit rate) beside each.
 
-  python benchmarks/memory_tiers.py                 # ~5 minutes; results/memory_tiers.{json,md,png}
-  python benchmarks/memory_tiers.py --quick         # smaller tables and fewer steps (a smoke run)
+  python benchmarks/memory_tiers.py           # ~15-20 min quiet; results/memory_tiers.{json,md,png}
+  python benchmarks/memory_tiers.py --quick   # fewer steps: a smoke run, written
+                                              # as results/memory_tiers_quick.* (not the results)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import statistics
 import sys
@@ -40,19 +51,27 @@ import common  # noqa: E402  (benchmarks/common.py)
 import dlrm_throughput as dt  # noqa: E402
 import peers_dlrm  # noqa: E402
 
-from recgnn import comms, hostmem, sharding, step_model  # noqa: E402
+from recgnn import hostmem, sharding, step_model  # noqa: E402
+from recgnn.backends.offload import cache_plan  # noqa: E402
 from recgnn.train import setup as train_setup  # noqa: E402
+from recgnn.train import traffic  # noqa: E402
 
 
-def plans(fractions: list[float]) -> list[tuple[str, str]]:
-  """(label, plan string) of every configuration."""
+def plans(fractions: list[float], fixed: bool = False) -> list[tuple[str, str]]:
+  """(label, plan string) of every configuration (fixed: offload's padded `fixed` exchange
+  beside each bucketed one)."""
   out = [("dense", "dense"), ("host only", "hot_cold(hot_rows=1, profile_batches=4, split=False)")]
   for f in fractions:
     out.append((f"offload {f:g}", f"offload(cache_fraction={f}, lookahead=1, exchange=bucket)"))
-    out.append((f"offload {f:g} fixed", f"offload(cache_fraction={f}, lookahead=1)"))
+    if fixed:
+      out.append((f"offload {f:g} fixed", f"offload(cache_fraction={f}, lookahead=1)"))
   for f in fractions:
     out.append((f"hot_cold {f:g}", f"hot_cold(budget={f}, profile_batches=4, cold_list=bucket)"))
   return out
+
+
+def _mean(xs) -> float:
+  return float(np.mean(xs)) if xs else float("nan")
 
 
 def measure(label: str, text: str, cfg, host: list[dict], args, cpu: step_model.Profile) -> dict:
@@ -63,41 +82,85 @@ def measure(label: str, text: str, cfg, host: list[dict], args, cpu: step_model.
   run = train_setup.build(config, mesh=mesh, task=task, example=host[0])
   state = run.state
   stream = [("train", None, host[k % len(host)]) for k in range(args.warmup + args.steps)]
-  times, last = [], None
+  # The cost of the program each step ran (bucketed lists give a few programs): read once
+  # per program, after the step's timing. Every step is shown, so a program new to `costs` is
+  # one the step compiled: such timed steps are left out of the CPU time (and counted).
+  costs = traffic.PerProgram(step_model.step_cost)
+  times, all_times, ran, compiled = [], [], [], 0
   for k, (_, packed) in enumerate(run.feed(stream)):
     t0 = time.perf_counter()
     state, metrics = run.train_step(state, *packed)
     jax.block_until_ready(metrics)
+    seconds = time.perf_counter() - t0
+    before = costs.programs
+    cost = costs.observe(run.train_step, state, packed)
     if k >= args.warmup:
-      times.append(time.perf_counter() - t0)
-    last = packed
-  # The steady step's program (the last batch's shapes): its host link and predicted cost.
-  lowered = run.train_step.lower(state, *last)
-  link = comms.host_link_of(lowered)
-  cost = step_model.step_cost(lowered)
-  gpu = step_model.predict(cost, step_model.H100)
-  here = step_model.predict(cost, cpu)
+      ran.append(cost)
+      all_times.append(seconds)
+      if costs.programs > before:
+        compiled += 1
+      else:
+        times.append(seconds)
+  gpu = [step_model.predict(c, step_model.H100) for c in ran]
+  here = [step_model.predict(c, cpu) for c in ran]
   stats = {n: g.stats() for n, g in run.plan.groups.items() if hasattr(g, "stats")}
+  parts = ("compute_s", "memory_s", "host_s", "host_link_s", "collective_s", "launch_s")
   out = {
     "label": label,
     "plan": text,
-    "cpu_ms_per_step": 1e3 * statistics.median(times),
-    "cpu_ms_predicted": 1e3 * here.overlapped_s,
-    "host_to_device_bytes": link.to_device_bytes,
-    "device_to_host_bytes": link.to_host_bytes,
-    "gpu_serial_ms": 1e3 * gpu.serial_s,
-    "gpu_overlapped_ms": 1e3 * gpu.overlapped_s,
-    "gpu_parts_ms": {k: 1e3 * v for k, v in gpu.as_dict().items() if k.endswith("_s")},
-    "cost": cost.as_dict(),
+    # (every timed step compiled: their median, compiles and all; see timed_steps_compiling)
+    "cpu_ms_per_step": 1e3 * statistics.median(times or all_times),
+    "timed_steps_compiling": compiled,
+    "cpu_ms_predicted": 1e3 * _mean([p.overlapped_s for p in here]),
+    # Means over the timed steps of each step's program's figures.
+    "host_to_device_bytes": _mean([c.host_to_device_bytes for c in ran]),
+    "device_to_host_bytes": _mean([c.device_to_host_bytes for c in ran]),
+    "gpu_serial_ms": 1e3 * _mean([p.serial_s for p in gpu]),
+    "gpu_overlapped_ms": 1e3 * _mean([p.overlapped_s for p in gpu]),
+    "gpu_parts_ms": {k: 1e3 * _mean([getattr(p, k) for p in gpu]) for k in parts},
+    "programs_timed": len({id(c) for c in ran}),
+    "programs": costs.programs,
+    "cost": {k: _mean([c.as_dict()[k] for c in ran]) for k in ran[0].as_dict()},
     "backend_stats": stats,
   }
   print(
     f"{label:>20}: cpu {out['cpu_ms_per_step']:.1f} ms, host link "
-    f"{link.to_device_bytes / 1e6:.2f} MB in / {link.to_host_bytes / 1e6:.2f} MB out, "
-    f"H100 {out['gpu_serial_ms']:.3f} ms serial / {out['gpu_overlapped_ms']:.3f} ms overlapped",
+    f"{out['host_to_device_bytes'] / 1e6:.3f} MB in / {out['device_to_host_bytes'] / 1e6:.3f} MB "
+    f"out, H100 {out['gpu_serial_ms']:.3f} ms serial / {out['gpu_overlapped_ms']:.3f} ms "
+    f"overlapped ({out['programs_timed']} program(s) over the timed steps, {compiled} of them "
+    f"compiling; {costs.programs} over the run)",
     flush=True,
   )
   return out
+
+
+def _without_launches(row: dict) -> float:
+  """A row's overlapped H100 prediction without the per-kernel launch term."""
+  p = row["gpu_parts_ms"]
+  return max(p["compute_s"], p["memory_s"], p["host_s"], p["host_link_s"], p["collective_s"])
+
+
+def must_show(payload: dict) -> list[str]:
+  """Issue 24's check, per id skew: offload at a 5% cache predicted within 1.3x of dense's
+  H100 step (overlapped: the link hidden behind the step, what the memory tiers build;
+  serial beside it)."""
+  lines = []
+  for z in sorted({r["zipf"] for r in payload["rows"]}):
+    rows = {r["label"]: r for r in payload["rows"] if r["zipf"] == z}
+    if "dense" not in rows or "offload 0.05" not in rows:
+      continue
+    d, o = rows["dense"], rows["offload 0.05"]
+    over = o["gpu_overlapped_ms"] / d["gpu_overlapped_ms"]
+    serial = o["gpu_serial_ms"] / d["gpu_serial_ms"]
+    bare = _without_launches(o) / _without_launches(d)
+    verdict = "yes" if over <= 1.3 else "NO"
+    lines.append(
+      f"must-show (zipf {z:g}): predicted H100 step of offload at a 5% cache / dense's: "
+      f"{over:.2f}x overlapped ({serial:.2f}x serial); within 1.3x: {verdict}. Without the "
+      f"launch term (device kernels {o['cost']['kernels']:.0f} vs {d['cost']['kernels']:.0f}, "
+      f"as XLA:CPU fuses them, x {1e6 * step_model.H100.launch_s:g} us): {bare:.2f}x overlapped"
+    )
+  return lines
 
 
 def markdown(payload: dict) -> str:
@@ -113,6 +176,9 @@ def markdown(payload: dict) -> str:
       f"{r['gpu_serial_ms']:.3f}",
       f"{r['gpu_overlapped_ms']:.3f}",
       f"{r['gpu_overlapped_ms'] / dense[r['zipf']]:.2f}",
+      f"{r['gpu_parts_ms']['memory_s']:.3f} / {r['gpu_parts_ms']['host_s']:.3f} / "
+      f"{r['gpu_parts_ms']['host_link_s']:.3f} / {r['gpu_parts_ms']['launch_s']:.3f}",
+      f"{r['programs_timed']} / {r['timed_steps_compiling']} / {r['programs']}",
     ]
     for r in payload["rows"]
   ]
@@ -139,13 +205,21 @@ def markdown(payload: dict) -> str:
             "H100 ms serial",
             "H100 ms overlapped",
             "overlapped / dense",
+            "H100 ms memory / host / link / launches",
+            "programs timed / compiling / run",
           ],
           rows,
         ),  # fmt: skip
         "",
         "Host-link bytes are per step over the whole step (both exchanges of offload; the cold "
         "rows and their write-back of hot_cold), read off the compiled program, so they are the "
-        "GPU's too. The GPU figures are predictions, not measurements (no GPU here).",
+        "GPU's too; means over the timed steps of the program each ran (programs: distinct ones "
+        "over the timed steps / timed steps that compiled one, left out of the CPU time / over "
+        "the whole run). The GPU figures are predictions, not measurements (no GPU here): memory "
+        "is what the device's kernels touch (gathers and scatters by the rows they touch), host "
+        "what the host computations touch, at an assumed host memory bandwidth.",
+        "",
+        *payload.get("must_show", []),
       ]
     )
     + "\n"
@@ -182,14 +256,26 @@ def main(argv=None):
   p.add_argument("--batch", type=int, default=2048)
   p.add_argument("--zipf", type=float, nargs="+", default=[1.05], help="id skew exponent(s)")
   p.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.05, 0.2])
-  p.add_argument("--steps", type=int, default=20)
-  p.add_argument("--warmup", type=int, default=10, help="steps before timing (hot_cold profiles)")
-  p.add_argument("--batches", type=int, default=16, help="distinct batches cycled over")
-  p.add_argument("--name", default="memory_tiers")
+  p.add_argument("--steps", type=int, default=20, help="timed steps")
+  p.add_argument(
+    "--warmup",
+    type=int,
+    default=4 * cache_plan.PATIENCE,
+    help="steps before timing: hot_cold profiles, the caches fill, and the bucketed lists, "
+    f"which start at their cap and shrink after {cache_plan.PATIENCE} steps below a smaller "
+    "bucket, settle to the misses' size (a few shrinks)",
+  )
+  p.add_argument(
+    "--batches", type=int, default=0, help="distinct batches cycled over (0: one per step)"
+  )
+  p.add_argument("--fixed", action="store_true", help="also offload's padded `fixed` exchange")
+  p.add_argument("--name", default=None, help="results/NAME.* (memory_tiers[_quick])")
   p.add_argument("--quick", action="store_true")
   args = p.parse_args(argv)
-  if args.quick:
-    args.rows, args.steps, args.warmup, args.batches = 20_000, 5, 6, 8
+  if args.quick:  # one shrink of the lists, a few timed steps: a smoke run
+    # (the full run's tables: a 1% cache of fewer rows cannot hold a batch's distinct rows)
+    args.steps, args.warmup = 5, 2 * cache_plan.PATIENCE + 4
+  args.name = args.name or ("memory_tiers_quick" if args.quick else "memory_tiers")
   hostmem.keep_freed_memory()
   cpu = step_model.measure_cpu()
   cfg = peers_dlrm.DlrmConfig(num_rows=args.rows)
@@ -201,11 +287,17 @@ def main(argv=None):
     "rows": [],
   }
   for z in args.zipf:
-    batches = peers_dlrm.make_batches(cfg, args.batch, args.batches, z, seed=0)
+    # One stream: the same hot rows in every batch (a fresh permutation per batch would
+    # give caches and hot sets nothing to reuse), a new batch per step unless --batches.
+    n = args.batches or args.warmup + args.steps
+    batches = peers_dlrm.make_batches(cfg, args.batch, n, z, seed=0, same_hot_rows=True)
     host = [dt.to_recgnn_batch(b, dt.table_names(cfg)) for b in batches]
-    for label, text in plans(args.fractions):
+    for label, text in plans(args.fractions, args.fixed):
       payload["rows"].append({**measure(label, text, cfg, host, args, cpu), "zipf": z})
-  payload["load_avg_at_end"] = list(__import__("os").getloadavg())
+  payload["load_avg_at_end"] = list(os.getloadavg())
+  payload["must_show"] = must_show(payload)
+  for line in payload["must_show"]:
+    print(line)
   common.write_results(args.name, payload, markdown(payload))
   try:
     plot(payload, common.RESULTS / f"{args.name}.png")

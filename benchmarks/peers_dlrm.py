@@ -120,12 +120,23 @@ class Batch:
     return [self.ids[:, t : t + 1] for t in range(self.ids.shape[1])]
 
 
-def make_batches(cfg: DlrmConfig, batch: int, n: int, zipf: float, seed: int) -> list[Batch]:
-  """n identical-for-everyone batches: dense N(0,1), Zipf ids per table, Bernoulli labels."""
+def make_batches(
+  cfg: DlrmConfig, batch: int, n: int, zipf: float, seed: int, same_hot_rows: bool = False
+) -> list[Batch]:
+  """n identical-for-everyone batches: dense N(0,1), Zipf ids per table, Bernoulli labels.
+
+  same_hot_rows: one rank -> id permutation per table for the whole stream, so the popular
+  rows are the same in every batch (what a cache or a hot set can exploit: a real stream).
+  Default False: a fresh permutation per batch and table (the hot rows move every batch: a
+  cache sees no reuse across batches), as the throughput benchmarks have always drawn them."""
   rng = np.random.default_rng(seed)
+  perms = [rng.permutation(rows) for rows in cfg.rows] if same_hot_rows else [None] * len(cfg.rows)
   out = []
   for _ in range(n):
-    ids = np.stack([common.zipf_ids(rng, rows, (batch,), zipf) for rows in cfg.rows], axis=1)
+    ids = np.stack(
+      [common.zipf_ids(rng, rows, (batch,), zipf, perm=p) for rows, p in zip(cfg.rows, perms)],
+      axis=1,
+    )
     dense = rng.normal(size=(batch, cfg.num_dense)).astype(np.float32)
     labels = (rng.random(batch) < 0.25).astype(np.float32)
     out.append(Batch.of(dense, ids, labels))

@@ -160,3 +160,46 @@ def test_trainer_step_of_an_offload_table_moves_rows_not_the_table(tmp_path):
   big = max(s.table_bytes for s in run.plan.specs.values() if s.num_rows == largest)
   assert link.to_device_bytes > 0
   assert max(t.bytes for t in link.transfers) < big, [t for t in link.transfers if t.bytes >= big]
+
+
+def test_trainer_logs_and_saves_each_step_programs_traffic(tmp_path, capsys):
+  """The trainer reads the host-link and collective bytes of its train step's program once
+  (recgnn.train.traffic), logs them, and writes them to results.json: the same figures as
+  host_link_of / comms.summary of that step lowered again from the same batches."""
+  import json
+
+  import trainer_lib
+
+  from recgnn.train import loop, setup
+
+  config = trainer_lib.smoke_config(
+    str(tmp_path / "data"),
+    mesh=(2, 1),  # (two devices: the dense gradients' all-reduce is a collective)
+    # (two offloaded tables: the step compiles in a third of the time of 26)
+    plan=[
+      ("C(1|2)", "offload(cache_fraction=0.5, min_cache_rows=1024, lookahead=1)"),
+      (".*", "dense"),
+    ],
+    steps=2,
+    log_every=2,
+    final_eval_splits=(),
+  )
+  trainer_lib.skip_unless_devices(2, "a 2 x 1 mesh")
+  loop.train(config, str(tmp_path / "run"))
+  saved = json.loads((tmp_path / "run" / "results.json").read_text())
+  out = capsys.readouterr().out
+  assert out.count("Train step program ") == saved["link/programs"] >= 1, out
+
+  run = setup.build(config)  # the same run, its last step lowered again
+  if not next(iter(run.plan.groups["offload"].members.values())).host.offloaded:
+    pytest.skip("no pinned_host memory on this platform")
+  it = run.task.train_batches(0)
+  *_, (_, packed) = run.feed([("train", None, next(it)) for _ in range(2)])  # (prepared in order)
+  lowered = run.train_step.lower(run.state, *packed)  # (the steps' state has the same shapes)
+  link = comms.host_link_of(lowered)
+  collectives = comms.summary(lowered.compile().as_text())["total_operand_bytes"]
+  assert saved["link/host_to_device_bytes"] == link.to_device_bytes > 0
+  assert saved["link/device_to_host_bytes"] == link.to_host_bytes > 0
+  assert saved["link/collective_bytes_per_device"] == collectives > 0
+  metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [m["link/host_to_device_bytes"] for m in metrics if "loss" in m] == [link.to_device_bytes]

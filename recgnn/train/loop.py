@@ -41,6 +41,7 @@ from recgnn.embeddings import base
 from recgnn.train import checkpoint as ckpt_lib
 from recgnn.train import non_finite, setup, workdir_lock
 from recgnn.train import step as step_lib
+from recgnn.train import traffic as traffic_lib
 from recgnn.train import watchdog as watchdog_lib
 from recgnn.train.input_thread import InputThread, stream
 from recgnn.train.non_finite import NonFiniteLoss
@@ -249,6 +250,8 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
         writer.add_scalar(k, v, step)
 
   results: dict[str, Any] = {}
+  # Host-link and collective bytes of each train-step program, read once per program.
+  traffic = traffic_lib.StepTraffic()
   pending: list = []  # device metrics since the last log; read only at log time
   pending_steps: list[int] = []  # the step number after each of them
   failed = False  # a non-finite loss or a failed save: nothing more is written
@@ -309,6 +312,7 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
             jax.profiler.StepTraceAnnotation("train", step_num=step),
           ):
             state, m = train_step(state, *item.prepared)
+          traffic.observe(train_step, state, item.prepared)  # (a lookup but for a new program)
           pending.append(m)
           step += 1
           rebuild = False
@@ -340,7 +344,10 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
             scalars["samples_per_second"] = rate
             for g in plan.groups.values():
               scalars.update(g.stats())
+            scalars.update(traffic.scalars())
             write_scalars(step, scalars)
+            for n, program in traffic.take_new():  # at the first log line, then new programs
+              log(f"Train step program {n}: {traffic_lib.describe(program)}")
             unit = task.example_unit
             log(f"step {step:>7}/{total}  loss {scalars['loss']:.5f}  {rate:,.0f} {unit}/s")
             t_last = now
@@ -397,6 +404,8 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
 
   results["step"] = step
   results["input_thread_seconds"] = feed.busy_seconds
+  # The last train step's program: its bytes over the host link and between devices.
+  results.update(traffic.scalars())
   for key, group in plan.groups.items():  # e.g. a codec's bounds and fallbacks (a host read)
     results.update({f"emb/{key}/{k}": v for k, v in group.report(state.emb[key]).items()})
   if step == total:

@@ -1,0 +1,104 @@
+"""What each compiled train step moves: host-link and collective bytes, read off its HLO.
+
+The trainer keeps one `StepTraffic`: after every step it is shown the step function and its
+arguments; a program it has not seen (the first step, a re-jit after a group re-planned its
+shapes, new packed shapes such as a bucketed exchange list's) is lowered again (jax's caches
+make that, and its compile, a lookup) and read once:
+
+  host_to_device_bytes / device_to_host_bytes   recgnn.comms.host_link_of: per step, summed
+                                                over the devices of the mesh
+  collective_bytes_per_device                   recgnn.comms.summary of the compiled step:
+                                                operand bytes of its collectives, per device
+
+A step that has been seen costs a dict lookup. These are what the program asks to move, the
+same on a GPU as here (host and device memory are one RAM on this CPU, so no timing can).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from recgnn import comms
+
+KEYS = ("host_to_device_bytes", "device_to_host_bytes", "collective_bytes_per_device")
+
+
+def program_traffic(lowered) -> dict[str, int]:
+  """{KEYS: bytes} of one `jax.jit(...).lower(...)` step."""
+  link = comms.host_link_of(lowered)
+  collectives = comms.summary(lowered.compile().as_text())
+  return {
+    "host_to_device_bytes": int(link.to_device_bytes),
+    "device_to_host_bytes": int(link.to_host_bytes),
+    "collective_bytes_per_device": int(collectives["total_operand_bytes"]),
+  }
+
+
+def _signature(args) -> tuple:
+  """What picks the compiled program among the step's arguments after the state: array
+  shapes and dtypes, and the static values (the packed layout) as they are."""
+  out = []
+  for a in args:
+    if isinstance(a, (list, tuple)):
+      out.append(_signature(a))
+    elif hasattr(a, "shape") and hasattr(a, "dtype"):
+      out.append((tuple(a.shape), str(a.dtype)))
+    else:
+      out.append(a)
+  return tuple(out)
+
+
+class PerProgram:
+  """`read(lowered)` of each compiled program a jitted step runs, computed once per program
+  (the step function and the shapes / static values of its arguments pick the program)."""
+
+  def __init__(self, read: Callable[[Any], Any]):
+    self.read = read
+    self._fn: Callable | None = None
+    self._seen: dict[tuple, Any] = {}
+    self.programs = 0  # distinct programs read, over the run (re-jits included)
+    self.current: Any = None  # the last step's
+    self._new: list[tuple[int, Any]] = []  # read since the last `take_new`
+
+  def observe(self, step_fn, state, args: tuple[Any, ...]) -> Any:
+    """`read` of `step_fn(state, *args)`'s program (state: any state of the run's shapes, e.g.
+    the one the step returned; it is only lowered, never donated)."""
+    if step_fn is not self._fn:  # a re-jit: its programs are new ones
+      self._fn, self._seen = step_fn, {}
+    key = _signature(args)
+    if key not in self._seen:
+      self._seen[key] = self.read(step_fn.lower(state, *args))
+      self.programs += 1
+      self._new.append((self.programs, self._seen[key]))
+    self.current = self._seen[key]
+    return self.current
+
+  def take_new(self) -> list[tuple[int, Any]]:
+    """(number, value) of the programs read since the last call (each once), to log."""
+    new, self._new = self._new, []
+    return new
+
+
+class StepTraffic(PerProgram):
+  """The trainer's: `program_traffic` of every train-step program (module docstring)."""
+
+  def __init__(self):
+    super().__init__(program_traffic)
+
+  def scalars(self) -> dict[str, float]:
+    """The last step's figures as metrics ("link/..." keys) and `link/programs`, the programs
+    compiled so far (an interval in which it grew holds a compile); {} before any step."""
+    if self.current is None:
+      return {}
+    return {**{f"link/{k}": float(v) for k, v in self.current.items()},
+            "link/programs": float(self.programs)}  # fmt: skip
+
+
+def describe(traffic: dict[str, int]) -> str:
+  """One log line's worth."""
+  return (
+    f"host link {traffic['host_to_device_bytes'] / 1e6:.3f} MB to device / "
+    f"{traffic['device_to_host_bytes'] / 1e6:.3f} MB to host per step (all devices), "
+    f"collectives {traffic['collective_bytes_per_device'] / 1e6:.3f} MB per device"
+  )
