@@ -33,7 +33,14 @@ import numpy as np
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 # Environment variables that change what is measured; recorded with the results.
-ENV_RECORDED = ("XLA_FLAGS", "GLIBC_TUNABLES", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")
+ENV_RECORDED = (
+  "XLA_FLAGS",
+  "GLIBC_TUNABLES",
+  "OMP_WAIT_POLICY",
+  "OMP_NUM_THREADS",
+  "MALLOC_CONF",  # jemalloc's settings (dlrm_throughput --allocators)
+  "TCMALLOC_RELEASE_RATE",
+)
 
 
 # ----------------------------------------------------------------------------- the machine

@@ -904,7 +904,8 @@ def markdown_processes(payload: dict) -> str:
     f"round, order rotated); each process times {a['reps']} x {a['steps_per_rep']} steps after "
     f"{a['warmup']} warmup steps and reports its median. {m['cpus']} CPUs, load average "
     f"{min(loads):.1f}-{max(loads):.1f} at the processes' starts, {m['date_utc']}, jax "
-    f"{m['jax']}. malloc: {a['malloc_note']}. `{m['command']}`.",
+    f"{m['jax']}. malloc: {a['malloc_note']}. Environment: {m['env'] or 'none'}. "
+    f"`{m['command']}`.",
     "",
     *(
       [
