@@ -66,6 +66,13 @@ RUNS = (
     "eb widths sched 0.1-0.3",
     "codec=eb, bound=rms, rel=0.1, warmup=200, ramp=400, late=3.0, widths=auto, replan=100",
   ),
+  # Block-wise steps (issue 27): the table's bound fills the narrow codes (bound=current),
+  # and each block of `block` values steps at that step * 2^-j, following its own range;
+  # a one-byte header per block.
+  ("eb block w4 b32", "codec=eb, widths=4, block=32"),
+  ("eb block w4 b16", "codec=eb, widths=4, block=16"),
+  ("eb block f4 b2 b32", "codec=eb, fwd_widths=4, bwd_widths=2, block=32"),
+  ("eb block f8 b2 b32", "codec=eb, fwd_widths=8, bwd_widths=2, block=32"),
 )
 
 
