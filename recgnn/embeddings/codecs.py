@@ -26,13 +26,13 @@ arrays with the same leading dims (one all-to-all per payload array), and back.
                 `sharded` re-plans them every few steps, a recompile each time they change.
                 With `block` (values per block, from BLOCKS; needs `widths`): block-wise
                 steps. A segment's vectors are cut into blocks of `block` values (block / D
-                consecutive vectors), and each block carries a one-byte header j: its step
-                is the table's step * 2^(-j / 4), the finest that still holds the block's largest
-                |value| in the segment's codes (quarter-octave steps: 2^(-j / 4)). The
-                table's bound stays the ceiling (j >= 0),
-                so the bound holds for every value as before, and a block of small values
-                (a small gradient, a short vector) is carried with an error relative to its
-                own range instead of the table's: 8 / block bits more per value.
+                consecutive vectors of one destination), and each block carries a one-byte
+                header j: its step is the table's step * 2^(-j / 4), the finest that still
+                holds the block's largest |value| in the segment's codes. The table's bound
+                stays the ceiling (j >= 0), so the bound holds for every value as before,
+                and a block of small values (a small gradient, a short vector) is carried
+                with an error relative to its own range instead of the table's: 8 / block
+                bits more per value.
 
 Non-finite values cannot be carried within a bound: `check_finite` refuses them on concrete
 arrays with a clear error; inside a jitted step `eb` reports them not ok, the fallback

@@ -46,7 +46,12 @@ scheduled by `warmup=` / `ramp=` / `late=`). `widths=2|4|8|16|auto` carries `eb`
 bit-packed in that many bits per segment; `auto` re-plans them every `replan=` steps from
 the range / bound ratio the tables reached (`replan`, a host check the trainer calls after
 each step: the jitted steps close over `self.codecs` and are rebuilt when a width changes,
-a few recompiles per run). A segment (table) that `eb` cannot carry within its
+a few recompiles per run); `fwd_widths=` / `bwd_widths=` set one direction's. `block=16|32|
+64|128|256` adds block-wise steps: each block of that many values (whole vectors of a segment
+and destination) steps at its table's step * 2^(-j/4), j a one-byte header chosen from the
+block's own range, so the table's bound is a ceiling and a small block (a small gradient, a
+short pooled row) is carried relative to itself (codecs.Codec.block; 8 / block bits more per
+value). A segment (table) that `eb` cannot carry within its
 bound goes again as f32 that step (agreed over the mesh, so every device takes the same
 branch); the count of such fallbacks is in the state and in `report`.
 
