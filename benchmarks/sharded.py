@@ -169,6 +169,10 @@ def _train(label, options, seed, args) -> tuple[dict, float]:
     wd = pathlib.Path(args.workdir) / f"{name}_try{attempt}"
     if (wd / "results.json").exists():
       return _finished(wd)
+  if args.finished_only:
+    return None
+  for attempt in range(2):
+    wd = pathlib.Path(args.workdir) / f"{name}_try{attempt}"
     cmd = [
       sys.executable, str(ROOT / "run.py"), f"--experiment=dlrm_sharded:{options}",
       f"--workdir={wd}", f"--config.seed={seed}", f"--config.train.epochs={args.epochs}",
@@ -215,7 +219,11 @@ def section_auc(args) -> list[dict]:
   runs = [r for r in RUNS if not args.runs or r[0] in args.runs.split(",")]
   for seed in (int(s) for s in args.seeds.split(",")):
     for label, options in runs:
-      res, logged, took = _train(label, options, seed, args)
+      done = _train(label, options, seed, args)
+      if done is None:  # --finished_only: not run in --workdir
+        print(f"auc seed {seed} {label:>20}: not in {args.workdir}, skipped", flush=True)
+        continue
+      res, logged, took = done
       steps = int(res["step"])
       sent = f32 = 0.0
       for d in ("fwd", "bwd"):
@@ -291,6 +299,8 @@ def summarize(auc_rows):
 
 def markdown(payload) -> str:
   lines = [f"# sharded: all-to-all codecs ({payload['when']}, load {payload['load']})", ""]
+  if payload.get("command"):
+    lines += [f"`{payload['command']}`", ""]
   if payload.get("bytes"):
     lines += [
       "## Bytes per device per step, from the compiled HLO",
@@ -376,6 +386,11 @@ def main(argv=None):
   p.add_argument("--workdir", default="/tmp/recgnn_sharded_bench")
   p.add_argument("--cache_dir", default="")
   p.add_argument("--stall_s", type=float, default=300, help="kill a run silent this long")
+  p.add_argument(
+    "--finished_only",
+    action="store_true",
+    help="summarize the runs already finished in --workdir; train none",
+  )
   p.add_argument("--out", default=str(RESULTS / "sharded"))
   args = p.parse_args(argv)
   sections = set(args.sections.split(","))
@@ -385,6 +400,7 @@ def main(argv=None):
     "batch": args.batch,
     "epochs": args.epochs,
     "devices": jax.device_count(),
+    "command": "python benchmarks/sharded.py " + " ".join(sys.argv[1:] if argv is None else argv),
   }
   out = pathlib.Path(args.out)
   if out.with_suffix(".json").exists():  # keep sections not rerun
