@@ -136,7 +136,7 @@ def test_partial_blocks_refused():
 
 
 @pytest.mark.parametrize("bits, block", [(2, 16), (4, 32), (8, 128), (16, 16), (4, 16)])
-@hyp.settings(max_examples=60, derandomize=True, deadline=None)
+@hyp.settings(max_examples=30, derandomize=True, deadline=None)
 @hyp.given(
   x=hnp.arrays(
     np.float32, (2, 64, 26), elements=hst.floats(width=32, allow_nan=False, allow_infinity=False)

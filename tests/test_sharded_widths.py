@@ -184,13 +184,9 @@ def test_refused_options(text):
     base.make_group(f"sharded({text})", _specs(), _mesh())
 
 
-@pytest.mark.parametrize(
-  "widths",
-  [
-    "widths=auto",
-    "fwd_widths=auto, bwd_widths=2, block=16",  # block-wise steps, a fixed backward width
-  ],
-)
+# With block-wise steps (their headers are recomputed each step; the widths and bounds are
+# the state), one run for both: a second one costs a minute on 2 loaded cores.
+@pytest.mark.parametrize("widths", ["widths=auto, block=16"])
 def test_resume_bit_identical(widths):
   """Save the codec state (extras, as the checkpoint writes them, through JSON) mid-run and
   restore it into a fresh group: the widths it is compiled with, the bounds, peaks and
@@ -286,7 +282,7 @@ def test_trainer_resume_with_replanned_widths_is_bit_identical(tmp_path):
   assert m and m == {k: resumed.metrics[k] for k in m}
 
 
-@pytest.mark.parametrize("bits, block", [(4, 16), (2, 64)])
+@pytest.mark.parametrize("bits, block", [(4, 16)])  # other widths / blocks: test_codec_blocks
 def test_block_exchange_within_bound(bits, block):
   """Lookups through the all-to-all with block-wise steps stay within the fixed bound of
   dense, every value, and most blocks step finer than the table (their error far under it)."""
