@@ -66,6 +66,14 @@ RUNS = (
     "eb widths sched 0.1-0.3",
     "codec=eb, bound=rms, rel=0.1, warmup=200, ramp=400, late=3.0, widths=auto, replan=100",
   ),
+  # Block-wise steps (issue 27): the table's bound fills the narrow codes (bound=current),
+  # and each block of `block` values steps at that step * 2^-j, following its own range;
+  # a one-byte header per block.
+  ("eb block w4 b32", "codec=eb, widths=4, block=32"),
+  ("eb block w4 b16", "codec=eb, widths=4, block=16"),
+  ("eb block f4 b2 b32", "codec=eb, fwd_widths=4, bwd_widths=2, block=32"),
+  ("eb block f4 b2 b16", "codec=eb, fwd_widths=4, bwd_widths=2, block=16"),
+  ("eb block f8 b2 b32", "codec=eb, fwd_widths=8, bwd_widths=2, block=32"),
 )
 
 
@@ -162,6 +170,10 @@ def _train(label, options, seed, args) -> tuple[dict, float]:
     wd = pathlib.Path(args.workdir) / f"{name}_try{attempt}"
     if (wd / "results.json").exists():
       return _finished(wd)
+  if args.finished_only:
+    return None
+  for attempt in range(2):
+    wd = pathlib.Path(args.workdir) / f"{name}_try{attempt}"
     cmd = [
       sys.executable, str(ROOT / "run.py"), f"--experiment=dlrm_sharded:{options}",
       f"--workdir={wd}", f"--config.seed={seed}", f"--config.train.epochs={args.epochs}",
@@ -208,7 +220,11 @@ def section_auc(args) -> list[dict]:
   runs = [r for r in RUNS if not args.runs or r[0] in args.runs.split(",")]
   for seed in (int(s) for s in args.seeds.split(",")):
     for label, options in runs:
-      res, logged, took = _train(label, options, seed, args)
+      done = _train(label, options, seed, args)
+      if done is None:  # --finished_only: not run in --workdir
+        print(f"auc seed {seed} {label:>20}: not in {args.workdir}, skipped", flush=True)
+        continue
+      res, logged, took = done
       steps = int(res["step"])
       sent = f32 = 0.0
       for d in ("fwd", "bwd"):
@@ -262,10 +278,14 @@ def summarize(auc_rows):
   by = {}
   for r in auc_rows:
     by.setdefault(r["run"], []).append(r)
-  base_auc = np.mean([r["test_auc"] for r in by.get("none", [])]) if "none" in by else None
+  # vs none over the SAME seeds (a one-seed row against the mean of three would mix the
+  # seeds' spread into its delta).
+  none = {r["seed"]: r["test_auc"] for r in by.get("none", [])}
   out = []
   for label, rows in by.items():
     auc = np.mean([r["test_auc"] for r in rows])
+    same = [none[r["seed"]] for r in rows if r["seed"] in none]
+    base_auc = float(np.mean(same)) if len(same) == len(rows) else None
     out.append(
       {
         "run": label,
@@ -284,6 +304,8 @@ def summarize(auc_rows):
 
 def markdown(payload) -> str:
   lines = [f"# sharded: all-to-all codecs ({payload['when']}, load {payload['load']})", ""]
+  if payload.get("command"):
+    lines += [f"`{payload['command']}`", ""]
   if payload.get("bytes"):
     lines += [
       "## Bytes per device per step, from the compiled HLO",
@@ -316,7 +338,8 @@ def markdown(payload) -> str:
       "The synthetic default (planted model); batch 2048; payload = both all-to-alls; "
       f"started {payload.get('auc_when', '?')} at load {payload.get('auc_load', '?')}.",
       "",
-      "| run | seeds | mean test AUC | std | vs none | payload bytes/step | x fewer than f32 |",
+      "| run | seeds | mean test AUC | std | vs none (same seeds) | payload bytes/step "
+      "| x fewer than f32 |",
       "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in payload["summary"]:
@@ -369,6 +392,11 @@ def main(argv=None):
   p.add_argument("--workdir", default="/tmp/recgnn_sharded_bench")
   p.add_argument("--cache_dir", default="")
   p.add_argument("--stall_s", type=float, default=300, help="kill a run silent this long")
+  p.add_argument(
+    "--finished_only",
+    action="store_true",
+    help="summarize the runs already finished in --workdir; train none",
+  )
   p.add_argument("--out", default=str(RESULTS / "sharded"))
   args = p.parse_args(argv)
   sections = set(args.sections.split(","))
@@ -378,6 +406,7 @@ def main(argv=None):
     "batch": args.batch,
     "epochs": args.epochs,
     "devices": jax.device_count(),
+    "command": "python benchmarks/sharded.py " + " ".join(sys.argv[1:] if argv is None else argv),
   }
   out = pathlib.Path(args.out)
   if out.with_suffix(".json").exists():  # keep sections not rerun

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recgnn import sharding
+from recgnn import comms, sharding
+from recgnn.backends import sharded
 from recgnn.embeddings import base, codecs
 
 SGD = base.OptimizerSpec(name="sgd", learning_rate=1e-3)
@@ -170,6 +171,12 @@ def test_width_for():
     "codec=eb, bound=ema, widths=4",
     "codec=eb, rel=0.1",  # rel= without bound=rms
     "codec=eb, eb=1e-3, widths=4, replan=10",  # replan= without widths=auto
+    "codec=eb, block=16",  # block-wise steps without code widths
+    "codec=eb, widths=4, block=24",  # not a block size
+    "codec=eb, fwd_widths=4, bwd_codec=none, bwd_widths=2",  # widths for a direction without eb
+    "codec=eb, widths=8, fwd_widths=4, bwd_widths=2",  # widths= overridden both ways
+    "codec=eb, fwd_widths=auto",  # auto under the range rule
+    "codec=eb, fwd_widths=4, block=32",  # the bwd direction is eb without a width
   ],
 )
 def test_refused_options(text):
@@ -177,14 +184,17 @@ def test_refused_options(text):
     base.make_group(f"sharded({text})", _specs(), _mesh())
 
 
-def test_resume_bit_identical():
+# With block-wise steps (their headers are recomputed each step; the widths and bounds are
+# the state), one run for both: a second one costs a minute on 2 loaded cores.
+@pytest.mark.parametrize("widths", ["widths=auto, block=16"])
+def test_resume_bit_identical(widths):
   """Save the codec state (extras, as the checkpoint writes them, through JSON) mid-run and
   restore it into a fresh group: the widths it is compiled with, the bounds, peaks and
   counters, and the steps after, are bit-identical to the run that went on."""
   specs = _specs()
   text = (
     "sharded(kind=table, codec=eb, bound=rms, rel=0.2, warmup=2, ramp=2, late=2.0, "
-    "widths=auto, replan=2)"
+    f"{widths}, replan=2)"
   )
   batches = _batches(specs, 8)
   a = base.make_group(text, specs, _mesh())
@@ -209,13 +219,15 @@ def test_resume_bit_identical():
   assert a.codecs == b.codecs
 
 
-@pytest.mark.parametrize("bits", codecs.WIDTHS)
-def test_backward_exchange_within_bound(bits):
-  """The backward all-to-all (gradients to the owners, per-peer bounds) at every width:
-  every received value within its table's bound of the exact (f32) all-to-all, on
-  heavy-tailed values whose outliers force some segments to fall back."""
-  specs = _specs(dim=5)
-  group = base.make_group(f"sharded(kind=table, codec=eb, eb=1e-2, widths={bits})", specs, _mesh())
+@pytest.mark.parametrize("bits, block", [(b, 0) for b in codecs.WIDTHS] + [(4, 16), (2, 32)])
+def test_backward_exchange_within_bound(bits, block):
+  """The backward all-to-all (gradients to the owners, per-peer bounds) at every width, and
+  with block-wise steps: every received value within its table's bound of the exact (f32)
+  all-to-all, on heavy-tailed values whose outliers force some segments to fall back."""
+  specs = _specs(dim=8 if block else 5)
+  extra = f", block={block}" if block else ""
+  text = f"sharded(kind=table, codec=eb, eb=1e-2, widths={bits}{extra})"
+  group = base.make_group(text, specs, _mesh())
   codec, exact = group.codecs["bwd"], codecs.Codec("none", group._segment_dims())
   k, b, ndev = group.k, 4, group.mesh.size
   rng = np.random.default_rng(bits)
@@ -268,3 +280,53 @@ def test_trainer_resume_with_replanned_widths_is_bit_identical(tmp_path):
     np.testing.assert_array_equal(x, y)
   m = {k: v for k, v in whole.metrics.items() if "/width/" in k or "/bound/" in k}
   assert m and m == {k: resumed.metrics[k] for k in m}
+
+
+@pytest.mark.parametrize("bits, block", [(4, 16)])  # other widths / blocks: test_codec_blocks
+def test_block_exchange_within_bound(bits, block):
+  """Lookups through the all-to-all with block-wise steps stay within the fixed bound of
+  dense, every value, and most blocks step finer than the table (their error far under it)."""
+  specs = _specs()
+  batches = _batches(specs, 1)
+  ref, _, _ = _dense(specs, batches)
+  eb = 3e-2
+  text = f"sharded(kind=table, codec=eb, eb={eb}, widths={bits}, block={block})"
+  group = base.make_group(text, specs, _mesh())
+  assert group.codecs["fwd"].block == group.codecs["bwd"].block == block
+  looks, state = Driver(group).run(group.init(jax.random.key(0)), batches)
+  errs = []
+  for n in ref[0]:
+    err = np.abs(looks[0][n].astype(np.float64) - ref[0][n])
+    assert (err <= eb).all(), (bits, n, err.max())
+    errs.append(err.ravel())
+  assert np.median(np.concatenate(errs)) < eb / 4  # the blocks' own, finer steps
+  rep = group.codec_report(state)
+  assert rep["fwd/mean_bits_per_value"] == pytest.approx(bits + 8 / block)
+
+
+def test_block_wire_bytes_from_hlo():
+  """The compiled step's all-to-alls carry what `wire_bytes` counts for block-wise steps:
+  codes and one-byte headers in uint32 words (4-bit codes, blocks of 16: 4.5 bits per
+  value, 7.1x fewer than f32)."""
+  specs = _specs(dim=16)
+  mesh = sharding.make_mesh(1, 8)
+  batch = 256
+  out, wire = {}, {}
+  for codec in ("codec=none", "codec=eb, widths=4, block=16"):
+    group = base.make_group(f"sharded(kind=table, {codec})", specs, mesh)
+    state = group.init(jax.random.key(0))
+    prepared = contract.put_prepared(group, group.prepare(_batches(specs, 1, batch)[0]), mesh)
+
+    def step(state, prepared, group=group):
+      pooled, res = group.lookup(state, prepared)
+      return group.update(state, prepared, res, pooled)
+
+    hlo = jax.jit(step).lower(state, prepared).compile().as_text()
+    a2a = comms.summary(hlo, skip_scope=sharded.FALLBACK_SCOPE)["by_op"]["all-to-all"]
+    out[codec] = a2a["operand_bytes"]
+    wire[codec] = sum(group.wire_bytes(batch).values())
+  ids_bytes = out["codec=none"] - wire["codec=none"]  # the routed ids, the same in both
+  assert ids_bytes > 0
+  coded = out["codec=eb, widths=4, block=16"] - ids_bytes
+  assert coded == wire["codec=eb, widths=4, block=16"]
+  assert wire["codec=none"] / coded == pytest.approx(32 / 4.5)

@@ -24,6 +24,15 @@ arrays with the same leading dims (one all-to-all per payload array), and back.
                 each segment padded to whole words): a table whose range / bound needs
                 only 7 codes each side travels in 4 bits. Widths are static (shapes):
                 `sharded` re-plans them every few steps, a recompile each time they change.
+                With `block` (values per block, from BLOCKS; needs `widths`): block-wise
+                steps. A segment's vectors are cut into blocks of `block` values (block / D
+                consecutive vectors of one destination), and each block carries a one-byte
+                header j: its step is the table's step * 2^(-j / 4), the finest that still
+                holds the block's largest |value| in the segment's codes. The table's bound
+                stays the ceiling (j >= 0), so the bound holds for every value as before,
+                and a block of small values (a small gradient, a short vector) is carried
+                with an error relative to its own range instead of the table's: 8 / block
+                bits more per value.
 
 Non-finite values cannot be carried within a bound: `check_finite` refuses them on concrete
 arrays with a clear error; inside a jitted step `eb` reports them not ok, the fallback
@@ -44,6 +53,10 @@ _FLOAT = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 _FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 QMAX = 127  # largest int8 code used (the range is symmetric)
 WIDTHS = (2, 4, 8, 16)  # bit-packed code widths of `eb` with `widths`
+BLOCKS = (16, 32, 64, 128, 256)  # values per block of `eb` with `block`
+# A block's header j (step = table step * 2^(-j / 4)) is one byte: 0 .. 254, sent as the 8-bit code
+# j - 127 (`pack`). j is also capped so that the block step stays a normal f32.
+JMAX = 254
 BOUND_MODES = ("current", "ema", "rms")  # BoundRule.mode
 
 
@@ -99,6 +112,18 @@ STEP = 2.0 * (1.0 - 2.0**-12)
 STEP16 = 2.0 * (1.0 - 2.0**-7)
 
 
+# A block's step is the table's * 2^(-j / 4): quarter-octave headers, so the step is within
+# 19% of the finest that holds the block (a power of two alone wastes up to 2x: one bit).
+_QUARTER = np.float32([1.0, 2.0**-0.25, 2.0**-0.5, 2.0**-0.75])
+
+
+def block_step(table_step: jax.Array, j: jax.Array) -> jax.Array:
+  """table_step * 2^(-j / 4), the same f32 on both sides of the wire: one rounded product
+  (by 2^(-j % 4)), then an exact power of two (ldexp). Never above table_step."""
+  frac = jnp.asarray(_QUARTER)[j % 4]
+  return jnp.ldexp(table_step * frac, -(j // 4))
+
+
 def check_finite(x, what: str = "values") -> None:
   """Raise ValueError if a concrete array holds NaN or inf (no-op on tracers)."""
   if isinstance(x, jax.core.Tracer):
@@ -123,11 +148,14 @@ class Codec:
     dims: the width D_t of each segment.
     widths: `eb` only: the code width in bits of each segment (from WIDTHS), bit-packed;
       empty: int8 codes for every segment.
+    block: `eb` with widths only: values per block of the block-wise steps (from BLOCKS; a
+      multiple of every segment's dim); 0: one step per segment (the table's).
   """
 
   name: str
   dims: tuple[int, ...]
   widths: tuple[int, ...] = ()
+  block: int = 0
 
   def __post_init__(self):
     if self.name not in CODECS:
@@ -140,6 +168,17 @@ class Codec:
       bad = [w for w in self.widths if w not in WIDTHS]
       if bad:
         raise ValueError(f"eb codec: widths {bad} not in {WIDTHS}")
+    if self.block:
+      if not self.widths:
+        raise ValueError("eb codec: block-wise steps (block=) need code widths (widths=)")
+      if self.block not in BLOCKS:
+        raise ValueError(f"eb codec: block={self.block} values; one of {BLOCKS}")
+      odd = [d for d in self.dims if self.block % d]
+      if odd:
+        raise ValueError(
+          f"eb codec: a block of {self.block} values holds whole vectors, so it must be a "
+          f"multiple of every segment's dim; {odd} do not divide it (a larger block, or none)"
+        )
 
   @property
   def width(self) -> int:
@@ -156,6 +195,10 @@ class Codec:
     if self.name in _FLOAT:
       return 16.0
     if self.name == "eb":
+      if self.block:
+        # Codes fill whole words per block; headers are one byte per block (4 per word:
+        # exact when a message's block count is a multiple of 4, as at every batch we run).
+        return sum(d * w for d, w in zip(self.dims, self.widths)) / self.width + 8.0 / self.block
       if self.widths:
         words = sum(words_of(d, w) for d, w in zip(self.dims, self.widths))
         return 32.0 * words / self.width
@@ -176,6 +219,8 @@ class Codec:
       return {"v": x}, ok
     if self.name in _FLOAT:
       return {"v": x.astype(_FLOAT[self.name])}, ok
+    if self.name == "eb" and self.block:
+      return self._block_encode(segments, bounds)
     if self.name == "eb":
       q, okv = self._eb_codes(x, bounds)
       if self.widths:
@@ -231,6 +276,10 @@ class Codec:
     for `eb`; the other codecs always do)."""
     if self.name != "eb":
       return jnp.ones((len(self.dims),), bool)
+    if self.block:
+      return jnp.stack(
+        [jnp.all(self._block_codes(s, i, bounds)[2]) for i, s in enumerate(segments)]
+      )
     x = jnp.concatenate([s.astype(jnp.float32) for s in segments], axis=-1)
     _, okv = self._eb_codes(x, bounds)
     return jnp.stack([jnp.all(v) for v in self._split(okv)])
@@ -239,6 +288,8 @@ class Codec:
     self, payload: dict[str, jax.Array], bounds: jax.Array | None = None
   ) -> list[jax.Array]:
     """payload -> f32[..., D_t] per table."""
+    if self.name == "eb" and self.block:
+      return self._block_decode(payload, bounds)
     if self.name in ("none", *_FLOAT):
       x = payload["v"].astype(jnp.float32)
     elif self.name == "eb":
@@ -259,6 +310,84 @@ class Codec:
         [s * scale[..., i : i + 1] for i, s in enumerate(self._split(q))], axis=-1
       )
     return self._split(x)
+
+  # --------------------------------------------------------------- block-wise steps (block)
+
+  def _block_bound(self, i: int, bounds, vectors_shape) -> jax.Array:
+    """Segment i's bound per block f32[..., nb] (the smallest over the block's vectors:
+    `sharded` gives one bound per segment and destination, so they are all equal there)."""
+    b = jnp.asarray(bounds, jnp.float32)
+    if b.shape[-1] != len(self.dims):
+      raise ValueError(f"eb codec: {b.shape[-1]} bounds for {len(self.dims)} segments")
+    if not isinstance(b, jax.core.Tracer) and not bool(jnp.all(b > 0)):
+      raise ValueError(f"eb codec: error bounds must be > 0, got {np.asarray(b)}")
+    b = jnp.maximum(b[..., i], jnp.finfo(jnp.float32).tiny)
+    # bounds broadcast against the message's leading dims [..., V] (V: vectors).
+    b = jnp.broadcast_to(b, vectors_shape)
+    g = self.block // self.dims[i]
+    return jnp.min(b.reshape(*vectors_shape[:-1], -1, g), axis=-1)
+
+  def _block_codes(self, seg: jax.Array, i: int, bounds):
+    """Segment i, f32[..., V, D] -> (codes int32[..., nb, block], headers j int32[..., nb],
+    ok bool[..., nb, block]): V * D / block blocks of block / D vectors each.
+
+    Step of a block: the table's step (a hair under 2 eb) * 2^(-j/4), j >= 0 the largest that
+    still holds the block's largest |value| in qmax codes (one correction for log2's
+    rounding), capped so that the step stays a normal f32. Every value is then checked
+    against its bound as at any width; a block the table's step cannot hold (j = 0 and a
+    code beyond qmax) is not ok, so its segment falls back."""
+    *lead, v, d = seg.shape
+    if (v * d) % self.block:
+      raise ValueError(
+        f"eb codec: {v} vectors of {d} values do not fill whole blocks of {self.block}"
+      )
+    w = self.widths[i]
+    qmax = qmax_of(w)
+    x = seg.astype(jnp.float32).reshape(*lead, v * d // self.block, self.block)
+    eb = self._block_bound(i, bounds, (*lead, v))
+    st = step_factor(w) * eb
+    m = jnp.max(jnp.abs(x), axis=-1)
+    # j at most: st * 2^(-j / 4) >= 2^-125 (a normal f32: code * step loses no precision).
+    cap = jnp.clip(4 * (jnp.floor(jnp.log2(st)) + 125), 0, JMAX)
+    j = jnp.floor(4 * (jnp.log2(qmax * st) - jnp.log2(m)))  # m = 0: +inf, capped
+    j = jnp.where(jnp.isnan(j), 0, jnp.clip(j, 0, cap)).astype(jnp.int32)
+    over = jnp.round(m / block_step(st, j)) > qmax  # log2's rounding: one step back
+    j = jnp.where(over & (j > 0), j - 1, j)
+    sb = block_step(st, j)[..., None]
+    q = jnp.round(x / sb)
+    qc = jnp.clip(q, -qmax, qmax)
+    ok = (jnp.abs(q) <= qmax) & (jnp.abs(x - qc * sb) <= eb[..., None] * SAFETY)
+    return qc.astype(jnp.int32), j, ok
+
+  def _block_encode(self, segments, bounds):
+    """-> ({"w": uint32[..., code words], "h": uint32[..., header words]}, ok): the leading
+    dims of the segments without the vector axis (blocks span vectors)."""
+    words, heads, oks = [], [], []
+    for i, s in enumerate(segments):
+      q, j, ok = self._block_codes(s, i, bounds)
+      words.append(pack(q, self.widths[i]).reshape(*q.shape[:-2], -1))
+      heads.append(j - 127)  # 0 .. 254 as an 8-bit code
+      oks.append(jnp.all(ok))
+    h = pack(jnp.concatenate(heads, axis=-1), 8)
+    return {"w": jnp.concatenate(words, axis=-1), "h": h}, jnp.all(jnp.stack(oks))
+
+  def _block_decode(self, payload, bounds):
+    words, h = payload["w"], payload["h"]
+    per_vector = sum(d * w for d, w in zip(self.dims, self.widths))  # bits
+    v = words.shape[-1] * 32 // per_vector
+    lead = words.shape[:-1]
+    nbs = [v * d // self.block for d in self.dims]
+    j = unpack(h, 8, sum(nbs)) + 127
+    out, lo, hlo = [], 0, 0
+    for i, (d, w) in enumerate(zip(self.dims, self.widths)):
+      nb = nbs[i]
+      n = nb * self.block * w // 32
+      q = unpack(words[..., lo : lo + n].reshape(*lead, nb, -1), w, self.block)
+      eb = self._block_bound(i, bounds, (*lead, v))
+      sb = block_step(step_factor(w) * eb, j[..., hlo : hlo + nb])
+      out.append((q.astype(jnp.float32) * sb[..., None]).reshape(*lead, v, d))
+      lo, hlo = lo + n, hlo + nb
+    return out
 
   def _split(self, x):
     out, lo = [], 0

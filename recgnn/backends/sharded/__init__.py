@@ -46,7 +46,12 @@ scheduled by `warmup=` / `ramp=` / `late=`). `widths=2|4|8|16|auto` carries `eb`
 bit-packed in that many bits per segment; `auto` re-plans them every `replan=` steps from
 the range / bound ratio the tables reached (`replan`, a host check the trainer calls after
 each step: the jitted steps close over `self.codecs` and are rebuilt when a width changes,
-a few recompiles per run). A segment (table) that `eb` cannot carry within its
+a few recompiles per run); `fwd_widths=` / `bwd_widths=` set one direction's. `block=16|32|
+64|128|256` adds block-wise steps: each block of that many values (whole vectors of a segment
+and destination) steps at its table's step * 2^(-j/4), j a one-byte header chosen from the
+block's own range, so the table's bound is a ceiling and a small block (a small gradient, a
+short pooled row) is carried relative to itself (codecs.Codec.block; 8 / block bits more per
+value). A segment (table) that `eb` cannot carry within its
 bound goes again as f32 that step (agreed over the mesh, so every device takes the same
 branch); the count of such fallbacks is in the state and in `report`.
 
@@ -57,6 +62,7 @@ f32[S, D] P(None, MODEL), slots replicated}}, "codec": {"fwd"|"bwd": BoundRule s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -92,7 +98,7 @@ class Sharded(Routing, CodecExchange, Update, base.Backend):
   @staticmethod
   def _capabilities(o: ShardedOptions) -> base.Capabilities:
     # widths=auto re-plans the codes' widths (static shapes) while training.
-    return base.Capabilities(needs_split_ids=True, replans_shapes=o.widths == "auto")
+    return base.Capabilities(needs_split_ids=True, replans_shapes="auto" in o.code_widths.values())
 
   def __init__(self, specs, mesh, layout: base.Layout | None = None, text: str = "", **options):
     super().__init__(specs, mesh, layout, text, **options)
@@ -161,14 +167,19 @@ class Sharded(Routing, CodecExchange, Update, base.Backend):
       for d, bound in o.fixed_bounds.items()
     }
     nseg = len(self._segment_dims())
+
     # Code widths (eb): static shapes of the step. widths=auto starts at 8 bits and is
     # re-planned every `replan` steps by `replan` (a recompile when they change).
-    first = {None: (), "auto": (8,) * nseg}.get(o.widths, (o.widths,) * nseg)
+    def first(w):
+      return {None: (), "auto": (8,) * nseg}.get(w, (w,) * nseg)
+
     self.codecs = {
-      d: codecs.Codec(c, self._segment_dims(), first if c == "eb" else ())
+      d: codecs.Codec(c, self._segment_dims(), first(o.code_widths[d]), block=o.block or 0)
+      if c == "eb"
+      else codecs.Codec(c, self._segment_dims())
       for d, c in self.options.codec_names.items()
     }
-    self.replan_every = (o.replan or 100) if o.widths == "auto" else 0
+    self.replan_every = (o.replan or 100) if self.capabilities.replans_shapes else 0
     self.width_changes = 0  # re-plans that changed some width (each a recompile)
     self._jitted = {}
     self._batch = 0  # the last prepared batch's size (for `stats`)
@@ -286,13 +297,13 @@ class Sharded(Routing, CodecExchange, Update, base.Backend):
     host = jax.device_get(state["codec"])
     changed = False
     for d, s in host.items():
-      if not self.codecs[d].widths:
+      if self.options.code_widths[d] != "auto":
         continue
       if int(s["steps"]) == 0:
         continue
       widths = self._plan_widths(np.asarray(s["peak"]), self.rules[d].headroom)
       if widths != self.codecs[d].widths:
-        self.codecs[d] = codecs.Codec("eb", self._segment_dims(), widths)
+        self.codecs[d] = dataclasses.replace(self.codecs[d], widths=widths)
         changed = True
       host[d] = {
         **s,
@@ -532,7 +543,7 @@ class Sharded(Routing, CodecExchange, Update, base.Backend):
       # The widths the saved run's step was compiled with: the step is built with them.
       widths = tuple(int(w) for w in s["widths"] if w)
       if self.codecs[d].widths and len(widths) == len(self.codecs[d].dims):
-        self.codecs[d] = codecs.Codec("eb", self._segment_dims(), widths)
+        self.codecs[d] = dataclasses.replace(self.codecs[d], widths=widths)
       s["widths"] = np.asarray(self.codecs[d].widths or (0,), np.int32)
     return {**state, "codec": sharding.put(codec, self.state_sharding()["codec"])}
 

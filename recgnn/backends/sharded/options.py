@@ -47,6 +47,11 @@ class ShardedOptions(base.BackendOptions):
       int8 codes.
     replan: widths=auto: steps between width plans (100 when not given); each change of the
       widths is a recompile of the step (the trainer calls `Sharded.replan`).
+    fwd_widths: the forward (pooled rows) direction's code widths, instead of `widths`.
+    bwd_widths: the backward (pooled gradients) direction's code widths, instead of `widths`.
+    block: eb with widths only: block-wise steps, `block` values per block (16, 32, 64, 128,
+      256; a multiple of every segment's dim): each block's step follows its own range
+      under the table's bound, for a one-byte header per block (codecs.Codec.block).
   """
 
   backend: ClassVar[str] = "sharded"
@@ -69,6 +74,9 @@ class ShardedOptions(base.BackendOptions):
   late: float | None = None
   widths: str | int | None = None
   replan: int | None = None
+  fwd_widths: str | int | None = None
+  bwd_widths: str | int | None = None
+  block: int | None = None
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -117,18 +125,32 @@ class ShardedOptions(base.BackendOptions):
         f"sharded: {', '.join(schedule)} set the tolerance rule's bound (bound=rms); give "
         "bound=rms, or drop them"
       )
-    if self.widths is not None:
-      if self.widths != "auto" and self.widths not in codecs.WIDTHS:
+    if self.widths is not None and all(
+      getattr(self, d + "_widths") is not None for d in DIRECTIONS
+    ):
+      raise ValueError(
+        f"sharded: widths={self.widths} is overridden in both directions by fwd_widths= and "
+        "bwd_widths=, so nothing uses it: drop widths="
+      )
+    coded = self.code_widths
+    for d, w in coded.items():
+      if w is None:
+        continue
+      key = "widths" if getattr(self, d + "_widths") is None else d + "_widths"
+      if w != "auto" and w not in codecs.WIDTHS:
+        raise ValueError(f"sharded: {key}={w!r}: auto or one of {codecs.WIDTHS} (bits per code)")
+      if names[d] != "eb":
+        if key != "widths":
+          raise ValueError(
+            f"sharded: {key}= are code widths of codec=eb; the {d} codec is {names[d]}"
+          )
+        if "eb" not in names.values():
+          raise ValueError(f"sharded: widths= are code widths of codec=eb; the codecs are {names}")
+        continue
+      if w == "auto" and d in adaptive and (self.bound or "current") != "rms":
         raise ValueError(
-          f"sharded: widths={self.widths!r}: auto or one of {codecs.WIDTHS} (bits per code)"
-        )
-      if "eb" not in names.values():
-        raise ValueError(f"sharded: widths= are code widths of codec=eb; the codecs are {names}")
-      ranged = [d for d in adaptive if (self.bound or "current") != "rms"]
-      if self.widths == "auto" and ranged:
-        raise ValueError(
-          f"sharded: widths=auto plans the bits from the bound, but the {'/'.join(ranged)} "
-          f"bound (bound={self.bound or 'current'}) is set from the bits (it fills the codes): "
+          f"sharded: widths=auto plans the bits from the bound, but the {d} bound "
+          f"(bound={self.bound or 'current'}) is set from the bits (it fills the codes): "
           "give bound=rms (a tolerance) or a fixed eb="
         )
       if self.bound == "ema":
@@ -136,7 +158,18 @@ class ShardedOptions(base.BackendOptions):
           "sharded: widths= with bound=ema: the EMA's bound fills int8 codes; give bound=current, "
           "bound=rms or eb="
         )
-    if self.replan is not None and (self.widths != "auto" or self.replan < 1):
+    if self.block is not None:
+      if self.block not in codecs.BLOCKS:
+        raise ValueError(f"sharded: block={self.block} values; one of {codecs.BLOCKS}")
+      bare = [d for d in DIRECTIONS if names[d] == "eb" and coded[d] is None]
+      if "eb" not in names.values() or bare:
+        raise ValueError(
+          "sharded: block= sets the block-wise steps of codec=eb's bit-packed codes; every eb "
+          f"direction needs a code width (widths= or fwd_widths= / bwd_widths=): codecs {names}, "
+          f"widths {coded}"
+        )
+    auto = "auto" in [coded[d] for d in DIRECTIONS if names[d] == "eb"]
+    if self.replan is not None and (not auto or self.replan < 1):
       raise ValueError(
         f"sharded: replan={self.replan} is the width plan's period (>= 1) of widths=auto"
       )
@@ -149,6 +182,11 @@ class ShardedOptions(base.BackendOptions):
       "fwd": both if self.fwd_rel is None else self.fwd_rel,
       "bwd": both if self.bwd_rel is None else self.bwd_rel,
     }
+
+  @property
+  def code_widths(self) -> dict[str, str | int | None]:
+    """{"fwd" | "bwd": the direction's eb code width (auto, bits, or None: int8 codes)}."""
+    return {d: getattr(self, d + "_widths") or self.widths for d in DIRECTIONS}
 
   @property
   def codec_names(self) -> dict[str, str]:
