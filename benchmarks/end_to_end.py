@@ -329,43 +329,45 @@ def markdown(payload: dict) -> str:
     )
   lines.append("")
   lines += [f"- {x}" for x in must_show(payload["trainer"])]
-  lines += [
-    "",
-    "## Input thread per batch (ms, median; outside the trainer, same batches)",
-    "",
-    "| experiment | part | wall ms | CPU ms |",
-    "|---|---|---|---|",
-  ]
-  for name, parts in payload["breakdown"].items():
-    for k, v in parts.items():
-      if k.endswith(" cpu"):
-        continue
-      lines.append(f"| {name} | {k} | {v:.2f} | {parts[k + ' cpu']:.2f} |")
-  lines += [
-    "",
-    "## Planning throughput: cdlrm_kaggle's offload group (26 tables, batch 2048)",
-    "",
-    "`prepare` of every table of the group per batch, in stream order with the look-ahead "
-    "window (medians of the repetitions).",
-    "",
-    "| planner | cores | batches/s (wall) | per core | x 1 core | CPU ms / batch | "
-    "batches per CPU-second | kernel batches |",
-    "|---|---|---|---|---|---|---|---|",
-  ]
-  one = payload["planning"].get("compiled, 1 core", {}).get("batches_per_s_median")
-  for k, r in payload["planning"].items():
-    scale = f"{r['batches_per_s_median'] / one:.2f}" if one and k.startswith("compiled") else ""
-    lines.append(
-      f"| {k} | {r['cores']} | {r['batches_per_s_median']:,.0f} | {r['per_core']:,.0f} | "
-      f"{scale} | {r['cpu_ms_median']:.2f} | {1e3 / r['cpu_ms_median']:,.0f} | "
-      f"{r['fast_batches']} |"
-    )
-  lines += [
-    "",
-    "Wall batches/s depend on the load (a loaded 2-core machine gives a process a fraction of "
-    "a core); CPU ms per batch (all threads) does not: batches per CPU-second is the "
-    "throughput of one free core, what a GPU host's spare cores each add.",
-  ]
+  if "breakdown" in payload:  # (sections run: --sections)
+    lines += [
+      "",
+      "## Input thread per batch (ms, median; outside the trainer, same batches)",
+      "",
+      "| experiment | part | wall ms | CPU ms |",
+      "|---|---|---|---|",
+    ]
+    for name, parts in payload["breakdown"].items():
+      for k, v in parts.items():
+        if k.endswith(" cpu"):
+          continue
+        lines.append(f"| {name} | {k} | {v:.2f} | {parts[k + ' cpu']:.2f} |")
+  if "planning" in payload:
+    lines += [
+      "",
+      "## Planning throughput: cdlrm_kaggle's offload group (26 tables, batch 2048)",
+      "",
+      "`prepare` of every table of the group per batch, in stream order with the look-ahead "
+      "window (medians of the repetitions).",
+      "",
+      "| planner | cores | batches/s (wall) | per core | x 1 core | CPU ms / batch | "
+      "batches per CPU-second | kernel batches |",
+      "|---|---|---|---|---|---|---|---|",
+    ]
+    one = payload["planning"].get("compiled, 1 core", {}).get("batches_per_s_median")
+    for k, r in payload["planning"].items():
+      scale = f"{r['batches_per_s_median'] / one:.2f}" if one and k.startswith("compiled") else ""
+      lines.append(
+        f"| {k} | {r['cores']} | {r['batches_per_s_median']:,.0f} | {r['per_core']:,.0f} | "
+        f"{scale} | {r['cpu_ms_median']:.2f} | {1e3 / r['cpu_ms_median']:,.0f} | "
+        f"{r['fast_batches']} |"
+      )
+    lines += [
+      "",
+      "Wall batches/s depend on the load (a loaded 2-core machine gives a process a fraction of "
+      "a core); CPU ms per batch (all threads) does not: batches per CPU-second is the "
+      "throughput of one free core, what a GPU host's spare cores each add.",
+    ]
   return "\n".join(lines) + "\n"
 
 
@@ -443,7 +445,7 @@ def main():
       for line in must_show(trainer):
         print(line, flush=True)
   payload["load_avg_at_end"] = os.getloadavg()
-  if {"planning", "breakdown", "trainer"} <= sections:
+  if "trainer" in sections:
     common.write_results(args.name, payload, markdown(payload))
   else:
     print(json.dumps(payload, indent=1, default=str))
