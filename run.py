@@ -23,6 +23,9 @@ import sys
 
 from recgnn import hostmem, xla_env
 
+# Run as the program (not imported by a test): may re-execute this process under tcmalloc,
+# before anything loads.
+MALLOC = hostmem.preload_allocator() if __name__ == "__main__" else "as the importing process's"
 xla_env.relax_simulated_device_timeouts()  # before jax initialises its backends
 hostmem.keep_freed_memory()  # before jax's threads start: a step's temporaries reused
 
@@ -187,6 +190,7 @@ def main(argv):
   name = _EXPERIMENT.value.partition(":")[0]
   workdir = _WORKDIR.value or os.path.join("workdir", name)
   loop.log(f"Experiment {_EXPERIMENT.value}; workdir {os.path.abspath(workdir)}")
+  loop.log(f"malloc: {MALLOC}")
   from recgnn.train import checkpoint
 
   resume = "if_present" if _RESUME_IF_PRESENT.value else _RESUME.value

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
 
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
@@ -77,3 +78,79 @@ def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30, arenas: int | None = 
     return False
   _done = ok
   return ok
+
+
+# ----------------------------------------------------------------------------- allocator
+
+ALLOCATOR_ENV = "RECGNN_MALLOC"  # auto (default) | glibc | tcmalloc | jemalloc | a .so path
+_ACTIVE_ENV = "RECGNN_MALLOC_ACTIVE"  # set in the re-executed process: the library in use
+# What each library is called by the dynamic linker, and the settings that make it keep freed
+# memory (the point: a step's temporaries reused without page faults).
+_LIBRARIES = {
+  "tcmalloc": (("libtcmalloc_minimal.so.4", "tcmalloc_minimal", "tcmalloc"),
+               {"TCMALLOC_RELEASE_RATE": "0"}),
+  "jemalloc": (("libjemalloc.so.2", "jemalloc"),
+               {"MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}),
+}  # fmt: skip
+# Where benchmarks/get_allocators.sh unpacks them (a checkout without root access).
+_LOCAL_DIR = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".allocators"
+)
+
+
+def find_allocator(name: str) -> str | None:
+  """The shared library of allocator `name` (tcmalloc, jemalloc): the checkout's .allocators/
+  (benchmarks/get_allocators.sh), else the dynamic linker's cache; None if neither has it."""
+  files, _ = _LIBRARIES[name]
+  local = os.path.join(_LOCAL_DIR, files[0])
+  if os.path.exists(local):
+    return local
+  for f in files[1:]:
+    found = ctypes.util.find_library(f)
+    if found:
+      return found
+  return None
+
+
+def preload_allocator(argv: list[str] | None = None) -> str:
+  """Run this process under a maintained allocator: called first thing by run.py, before jax
+  loads. RECGNN_MALLOC=auto (default) re-executes the process (same pid, same arguments) with
+  tcmalloc preloaded when it is found (`find_allocator`), else keeps glibc's malloc (with
+  `keep_freed_memory`); `tcmalloc` / `jemalloc` / a path insist (an error if missing);
+  `glibc` never preloads. Returns what the process runs with, for the log.
+
+  Why (benchmarks/results/dlrm_throughput_allocators.md and ..._dcnv2_allocators.md,
+  2026-11-25): tcmalloc told to keep freed memory runs the dot DLRM step as fast as glibc with
+  `keep_freed_memory` (1.01x, 0 faults), and the DCNv2 step, whose 65 MiB of temporaries glibc
+  maps and unmaps every step (3. above), without its 17.5k faults and 33 ms of system time per
+  step: the one setting that serves both (one arena costs the dot step 9%)."""
+  active = os.environ.get(_ACTIVE_ENV)
+  if active:
+    return active
+  choice = os.environ.get(ALLOCATOR_ENV, "auto") or "auto"
+  if choice == "glibc":
+    return "glibc"
+  if choice in ("auto", *_LIBRARIES):
+    name = "tcmalloc" if choice == "auto" else choice
+    lib = find_allocator(name)
+    settings = _LIBRARIES[name][1]
+  elif os.path.exists(choice):
+    name, lib, settings = os.path.basename(choice), choice, {}
+  else:
+    raise SystemExit(
+      f"{ALLOCATOR_ENV}={choice!r}: use auto, glibc, {', '.join(_LIBRARIES)} or the path of an "
+      "allocator's shared library"
+    )
+  if lib is None:
+    if choice == "auto":
+      return "glibc (no tcmalloc found: bash benchmarks/get_allocators.sh installs one locally)"
+    raise SystemExit(
+      f"{ALLOCATOR_ENV}={choice}: no {name} library in .allocators/ or on the linker's path; "
+      "run bash benchmarks/get_allocators.sh, or give its path"
+    )
+  env = {**settings, **os.environ}  # the user's own settings win
+  env["LD_PRELOAD"] = ":".join(x for x in (lib, os.environ.get("LD_PRELOAD", "")) if x)
+  env[_ACTIVE_ENV] = f"{name} ({lib})"
+  argv = sys.argv if argv is None else argv
+  os.execve(sys.executable, [sys.executable, *argv], env)
+  raise AssertionError("unreachable")  # execve does not return
