@@ -114,7 +114,7 @@ def cora_accuracy(devices: int, seed: int) -> float:
   return run.evaluate("test")["accuracy"]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (pytest -m long: ~5 CPU minutes, too long for CI's 30 on 2 cores)
 @pytest.mark.timeout(2400)  # 10 runs of 200 steps: ~5 CPU minutes, far longer under load
 def test_cora_8_devices_match_1_device():
   """8 simulated devices, data-parallel (each samples and trains 18 of the 140 seeds per
