@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -82,19 +81,9 @@ def run_plan(args, rules, workdir: str) -> dict:
     "mesh.data": args.mesh[0],
     "mesh.model": args.mesh[1],
   }
-  cmd = [sys.executable, os.path.join(ROOT, "run.py"), f"--experiment={args.experiment}",
-         f"--workdir={workdir}", *[f"--config.{k}={v}" for k, v in flags.items()]]  # fmt: skip
   load = os.getloadavg()[0]
   t0 = time.perf_counter()
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-  if proc.returncode:
-    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-    raise SystemExit(f"plan {rules} failed (exit {proc.returncode}):\n{tail}")
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    rates = [json.loads(x).get("samples_per_second") for x in f if x.strip()]
-  steady = [r for r in rates if r is not None][1:]
-  if not steady:
-    raise SystemExit(f"plan {rules}: no steady interval logged; raise --steps")
+  steady = common.trainer_process(ROOT, args.experiment, workdir, flags)
   out = {"samples_per_s": statistics.median(steady), "load_before": load,
          "wall_s": time.perf_counter() - t0}  # fmt: skip
   choice = os.path.join(workdir, "auto_plan.json")

@@ -251,3 +251,25 @@ def extract_commit(commit: str, into: str) -> tuple[str, str]:
   ).stdout
   subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
   return out, sha
+
+
+# ----------------------------------------------------------------------------- trainer runs
+
+
+def trainer_process(root: str, experiment: str, workdir: str, flags: dict) -> list[float]:
+  """One `run.py` training run of `experiment` as its own process, from `root` (this tree or
+  an --against commit's), with `--config.K=V` for each of `flags`; the samples/s of its logged
+  intervals after the first (which holds the compile). Exits with the run's last lines if it
+  fails or logs no steady interval."""
+  cmd = [sys.executable, os.path.join(root, "run.py"), f"--experiment={experiment}",
+         f"--workdir={workdir}", *[f"--config.{k}={v}" for k, v in flags.items()]]  # fmt: skip
+  proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+  if proc.returncode:
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    raise SystemExit(f"{experiment} in {root} failed (exit {proc.returncode}):\n{tail}")
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rates = [json.loads(x).get("samples_per_second") for x in f if x.strip()]
+  steady = [r for r in rates if r is not None][1:]
+  if not steady:
+    raise SystemExit(f"{experiment} in {workdir}: no steady interval logged; raise the steps")
+  return steady

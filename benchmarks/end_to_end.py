@@ -38,7 +38,6 @@ import os
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -124,16 +123,9 @@ def run_trainer_process(name: str, args, root: str) -> dict:
     "train.eval_every": 0,
     "train.final_eval_splits": "()",
   }
-  cmd = [sys.executable, os.path.join(root, "run.py"), f"--experiment={name}",
-         f"--workdir={workdir}", *[f"--config.{k}={v}" for k, v in flags.items()]]  # fmt: skip
   load = os.getloadavg()[0]
   try:
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
-    if proc.returncode:
-      tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-      raise SystemExit(f"{name} in {root} failed (exit {proc.returncode}):\n{tail}")
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      _, steady, _ = steady_intervals([json.loads(x) for x in f if x.strip()])
+    steady = common.trainer_process(root, name, workdir, flags)
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
   return {"samples_per_s": statistics.median(steady), "intervals": steady, "load_before": load}
