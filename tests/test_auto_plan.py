@@ -113,6 +113,8 @@ def test_choose_real_backends_bytes_and_budgets():
   assert small.chosen["t2"].text == "dense"  # a 300-row table costs nothing to keep
   report = small.report()
   assert "runner-up" in report and "t0" in report
+  with pytest.raises(ValueError, match="no model axis"):
+    auto_plan.choose(specs, AutoOptions(kinds=("dense", "sharded")), mesh, base.Layout(), [])
   with pytest.raises(base.PlanDoesNotFit, match="smallest plan needs"):
     auto_plan.choose(specs, AutoOptions(budget=0.001), mesh, base.Layout(), [], cost=cost)
 

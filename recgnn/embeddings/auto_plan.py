@@ -363,6 +363,11 @@ def choose(
   budget_bytes: the budget when the options give none (the run's device_memory_budget).
   cost: (text, spec) -> (step s, prepare s), default `measure` on `batches` (tests pass a
   model)."""
+  if "sharded" in options.kinds and sharding.mesh_shape(mesh)[1] == 1:
+    raise ValueError(
+      f"auto: kinds includes sharded, but mesh {sharding.describe(mesh)} has no model axis to "
+      "shard over: drop it or set mesh.model > 1"
+    )
   memo: dict[tuple[str, str], tuple[int, int]] = {}
   dense_bytes = 0
   by_table: dict[str, list[tuple[str, int, int]]] = {}
