@@ -79,6 +79,13 @@ _PROFILE = flags.DEFINE_string(
 _BUDGET = flags.DEFINE_string(
   "device_memory_budget", None, "Refuse embedding plans needing more device memory (e.g. 2G)."
 )
+_PLAN_REPORT = flags.DEFINE_bool(
+  "plan_report",
+  False,
+  "Time each table's placement before training (as plan=auto does) and after it print the "
+  "predicted step time and bytes against the measured ones, per group "
+  "(workdir/plan_report.json). Always on with an auto(...) plan rule.",
+)
 
 
 def available_experiments() -> dict[str, str]:
@@ -200,7 +207,12 @@ def main(argv):
     fail(str(e))
   try:
     result = loop.train(
-      config, workdir, resume=resume, profile_steps=profile, device_memory_budget=budget
+      config,
+      workdir,
+      resume=resume,
+      profile_steps=profile,
+      device_memory_budget=budget,
+      plan_report=_PLAN_REPORT.value,
     )
   except (loop.NonFiniteLoss, checkpoint.CheckpointWriteError, checkpoint.CorruptCheckpoint) as e:
     # The message says what happened and what to do; a traceback would bury it.

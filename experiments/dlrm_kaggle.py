@@ -59,6 +59,9 @@ def get_config(arg=None):
   )
   # (regex over table names, backend); first match wins.
   c.embeddings.plan = ((".*", "dense"),)
+  # A JSON file keeping the measured costs of plan=auto's candidates (and --plan_report's)
+  # across runs: the same tables, ids, mesh and software are timed once. "" = none.
+  c.embeddings.cost_cache = ""
 
   c.optimizer = ml_collections.ConfigDict(
     {"name": "adam", "learning_rate": 1e-3, "weight_decay": 0.0, "warmup_steps": 0}

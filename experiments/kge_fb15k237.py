@@ -85,6 +85,7 @@ def get_config(arg=None):
     {"name": "rowwise_adagrad", "learning_rate": lr}
   )
   c.embeddings.plan = ((".*", "dense"),)
+  c.embeddings.cost_cache = ""  # plan=auto / --plan_report: measured costs kept here
 
   c.optimizer = ml_collections.ConfigDict(
     {"name": "adagrad", "learning_rate": lr, "weight_decay": 0.0, "warmup_steps": 0}

@@ -74,6 +74,56 @@ def test_solve_matches_brute_force(objective):
     assert got[0] == pytest.approx(want[0], rel=1e-9), (trial, got, want)
 
 
+@pytest.mark.parametrize("objective", ["time", "memory"])
+def test_solve_keeps_each_family_to_its_limit_of_backend_strings(objective):
+  """hot_cold-like candidates (split a batch into micro-batches) share one backend string
+  across the plan (a batch has one split): the solver's optimum equals the brute force over
+  the combinations that keep to the rule, and runner-ups keep to it too."""
+  rng = np.random.default_rng(1)
+  for trial in range(12):
+    cands = {}
+    for t in range(5):
+      cands[f"t{t}"] = [
+        Candidate(
+          f"t{t}",
+          f"c{k}",
+          int(rng.integers(1, 1000)),
+          0,
+          float(rng.uniform(1, 10)),
+          family="micro" if k >= 2 else None,
+        )  # fmt: skip
+        for k in range(5)
+      ]  # c2, c3, c4 split: at most one of them anywhere in the plan
+    lo = sum(min(c.device_bytes for c in cs) for cs in cands.values())
+    hi = sum(max(c.device_bytes for c in cs) for cs in cands.values())
+    budget = None if trial == 0 else int(rng.integers(lo, hi + 1))
+    best = None
+    for combo in itertools.product(*cands.values()):
+      b = sum(c.device_bytes for c in combo)
+      if (budget is not None and b > budget) or len({c.text for c in combo if c.family}) > 1:
+        continue
+      s = sum(c.step_s for c in combo)
+      key = (s, b) if objective == "time" else (b, s)
+      best = key if best is None or key < best else best
+    if best is None:
+      with pytest.raises(base.PlanDoesNotFit, match="one split"):
+        auto_plan.solve(cands, budget, objective, {"micro": 1})
+      continue
+    chosen = auto_plan.solve(cands, budget, objective, {"micro": 1})
+    assert len({c.text for c in chosen.values() if c.family}) <= 1
+    b = sum(c.device_bytes for c in chosen.values())
+    s = sum(c.step_s for c in chosen.values())
+    got = (s, b) if objective == "time" else (b, s)
+    assert got[0] == pytest.approx(best[0], rel=1e-9), (trial, got, best)
+    for t, r in auto_plan.runner_ups(cands, chosen, budget, objective, {"micro": 1}).items():
+      if r is not None and r.family:
+        others = {c.text for u, c in chosen.items() if u != t and c.family}
+        assert others <= {r.text}
+  # With a splitting group among the rules' own tables, no auto table may split.
+  chosen = auto_plan.solve(cands, None, objective, {"micro": 0})
+  assert not any(c.family for c in chosen.values())
+
+
 def test_infeasible_budget_names_the_smallest_plan_and_its_tables():
   cands = {
     "big": [Candidate("big", "dense", 900, 0, 1.0), Candidate("big", "offload", 300, 0, 2.0)],
@@ -150,3 +200,74 @@ def test_trainer_auto_rule_places_two_tables_within_budget(tmp_path):
     assert v["step_s"] > 0 and np.isfinite(v["step_s"])
   used = {n: result.plan.backend_of(n).describe(n) for n in big}
   assert any("offload" in d or "host" in d for d in used.values()), used
+
+
+def test_plan_report_of_a_written_plan_and_the_cost_cache(tmp_path):
+  """--plan_report on a plan without an auto rule: every table timed before training, the
+  report written after it with the predicted step beside a measured one, and the bytes the
+  state holds equal to the backends' predicted bytes (dense and offload). A second run with the
+  same cost cache times nothing again and predicts the same per-table costs."""
+  cache = str(tmp_path / "costs.json")
+  probe = loop.setup.build(trainer_lib.smoke_config(str(tmp_path / "cache")), allocate=False)
+  big = sorted(probe.plan.specs, key=lambda n: -probe.plan.specs[n].num_rows)[:2]
+  plan = (("|".join(big), "offload(cache_fraction=0.5)"), (".*", "dense"))
+  reports = []
+  for k in range(2):
+    c = trainer_lib.smoke_config(
+      str(tmp_path / "cache"), mesh=(1, 1), plan=plan, steps=6, log_every=2
+    )
+    c.embeddings.cost_cache = cache
+    workdir = str(tmp_path / f"run{k}")
+    loop.train(c, workdir, plan_report=True)
+    with open(os.path.join(workdir, "plan_report.json")) as f:
+      reports.append(json.load(f))
+    assert not os.path.exists(os.path.join(workdir, "auto_plan.json"))  # not an auto plan
+  first, second = reports
+  assert first["objective"] == "given"
+  assert first["measured_step_s"] > 0 and first["predicted_step_s"] > 0
+  assert first["model_s"] > 0 and len(first["interval_step_s"]) == 3
+  kinds = {k: g["backend"] for k, g in first["groups"].items()}
+  assert sorted(map(tuple, kinds.values())) == [("dense",), ("offload(cache_fraction=0.5)",)]
+  for g in first["groups"].values():
+    assert g["held_device_bytes"] == g["predicted_device_bytes"], g
+  # The cache: the same per-table step figures (read back, not timed again).
+  for key, g in first["groups"].items():
+    assert second["groups"][key]["table_step_s"] == g["table_step_s"]
+  with open(cache) as f:
+    entries = json.load(f)
+  tables = sum(len(g["tables"]) for g in first["groups"].values())
+  assert len(entries) == tables  # one timing per table, none added by the second run
+
+
+def test_auto_on_an_8_device_mesh_places_tables_over_model(tmp_path):
+  """The planner on a 2 x 4 mesh: dense(shard=rows) and sharded are candidates (per-device
+  bytes split over `model`), a budget below the replicated plan moves tables onto the model
+  axis, and the run trains."""
+  trainer_lib.skip_unless_devices(8, "a 2x4 mesh")
+  probe = trainer_lib.smoke_config(str(tmp_path / "cache"), mesh=(2, 4))
+  run = loop.setup.build(probe, allocate=False)
+  dense_all = sum(g.device_bytes() for g in run.plan.groups.values())
+  opts = (
+    f"auto(budget='{dense_all // 2}', kinds=('dense', 'sharded'), batches=2, measure_rows=20000)"
+  )
+  c = trainer_lib.smoke_config(
+    str(tmp_path / "cache"), mesh=(2, 4), plan=((".*", opts),), steps=4, log_every=2
+  )
+  workdir = str(tmp_path / "run")
+  result = loop.train(c, workdir)
+  assert result.metrics["step"] == 4
+  with open(os.path.join(workdir, "auto_plan.json")) as f:
+    choice = json.load(f)
+  assert choice["device_bytes"] <= dense_all // 2
+  texts = {v["text"] for v in choice["chosen"].values()}
+  assert texts & {"dense(shard=rows)", "sharded"}, texts
+  # The bytes the most loaded device holds, group by group: what the planner predicted for
+  # dense placements; at most that for sharded, whose per-table maxima (each table's device
+  # holding the most of it) add up to a bound on the group's most loaded device.
+  with open(os.path.join(workdir, "plan_report.json")) as f:
+    report = json.load(f)
+  for g in report["groups"].values():
+    if g["backend"] == ["sharded"]:
+      assert 0 < g["held_device_bytes"] <= g["predicted_device_bytes"], g
+    else:
+      assert g["held_device_bytes"] == g["predicted_device_bytes"], g

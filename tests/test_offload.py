@@ -371,10 +371,11 @@ def test_placement_and_memory_report(mesh_shape):
   assert b.members["t"].cache_rows == 1000
   state = b.init(jax.random.key(0))
   m = b.memory()["t"]
-  assert m.device_bytes == 1000 * spec.row_bytes + 1000 * 4
+  assert m.device_bytes == 1000 * spec.row_bytes + 1000 * 4 + 8
   assert m.host_bytes >= spec.table_bytes
-  # Per device: every device of the mesh holds the whole cache and slot map.
-  dev = jax.tree.leaves(state["t"]["cache"]) + [state["t"]["slot_rows"]]
+  # Per device: every device of the mesh holds the whole cache, slot map and scalars.
+  t = state["t"]
+  dev = jax.tree.leaves(t["cache"]) + [t["slot_rows"], t["version"], t["stale"]]
   for d in b.mesh.devices.flat:
     held = sum(s.data.nbytes for x in dev for s in x.addressable_shards if s.device == d)
     assert held == m.device_bytes

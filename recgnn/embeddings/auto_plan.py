@@ -41,6 +41,18 @@ from recgnn.embeddings.specs import TableSpec
 
 OBJECTIVES = ("time", "memory")
 KINDS = ("dense", "offload", "hot_cold", "tt", "sharded")
+# Backends whose groups re-plan their host lists' sizes (bucketed): each distinct string is a
+# group whose shapes move on their own, and every new combination is a step to compile.
+HOST_TIERS = ("offload", "hot_cold")
+MICRO_BATCHES = "micro-batches"  # the family of backends that split a batch (one per plan)
+
+
+def family_of(text: str) -> str | None:
+  """The family whose limit a candidate counts against (`Candidate.family`)."""
+  if plan_lib.capabilities_of(text).splits_batch:
+    return MICRO_BATCHES
+  name = plan_lib.parse_backend(text)[0]
+  return name if name in HOST_TIERS else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +75,12 @@ class AutoOptions(BackendOptions):
     measure_rows: candidates are timed on tables of at most this many rows (ids folded into
       them): past ~1M rows a sparse step's time no longer grows with the rows (DESIGN.md),
       and timing a 40M-row dense table would allocate it.
+    strings_per_kind: at most this many distinct offload (and hot_cold without a split)
+      strings, e.g. cache fractions, in one plan. Each is a group whose host lists are sized
+      on their own (bucketed), and each new combination of the groups' sizes is another step
+      program to compile: 8 host-tier groups compiled 11 programs in 200 steps of
+      dlrm_kaggle, against 1-2 for one group. hot_cold with its micro-batch split is always
+      one string (a batch has one split).
   """
 
   backend: ClassVar[str] = "auto"
@@ -70,10 +88,11 @@ class AutoOptions(BackendOptions):
   budget: float | str | None = None
   objective: str = "time"
   kinds: tuple[str, ...] = ("dense", "offload", "hot_cold")
-  fractions: tuple[float, ...] = (0.01, 0.05, 0.2)
+  fractions: tuple[float, ...] = (0.005, 0.01, 0.05, 0.2)
   tt_ranks: tuple[int, ...] = ()
   batches: int = 6
   measure_rows: int = 1_000_000
+  strings_per_kind: int = 2
 
   def __post_init__(self):
     if self.objective not in OBJECTIVES:
@@ -96,6 +115,8 @@ class AutoOptions(BackendOptions):
         f"auto: a numeric budget is a fraction of the all-dense bytes in (0, 1], got "
         f"{self.budget!r}; give a size as a string ('512MiB')"
       )
+    if self.strings_per_kind < 1:
+      raise ValueError(f"auto: strings_per_kind must be >= 1, got {self.strings_per_kind}")
     if self.batches < 1:
       raise ValueError(f"auto: batches must be >= 1, got {self.batches}")
 
@@ -122,6 +143,11 @@ class Candidate:
   host_bytes: int
   step_s: float = float("nan")
   prepare_s: float = float("nan")
+  # Candidates of one family share a limit on how many distinct backend strings (groups) the
+  # plan may hold (`solve`'s limits): those that split a batch into micro-batches (hot_cold;
+  # a batch has one split) and the host tiers, whose list sizes each group re-plans (every
+  # new combination of group shapes is a step program to compile). None: no limit.
+  family: str | None = None
 
 
 def candidates(spec: TableSpec, options: AutoOptions, mesh: jax.sharding.Mesh) -> list[str]:
@@ -199,6 +225,107 @@ def measure(
   return float(np.median(steps)), float(np.median(preps))
 
 
+class CostCache:
+  """Measured (step s, prepare s) of candidates, kept in a JSON file across runs: a second
+  run with the same tables, ids, mesh and software (every part of the key) reuses the first
+  run's figures instead of timing again, and so also makes the same choice. The file is
+  rewritten whole (a temporary file renamed over it), so a killed run leaves it readable."""
+
+  def __init__(self, path: str):
+    import json
+    import os
+
+    self.path = os.path.expanduser(path)
+    self.hits = self.misses = 0
+    try:
+      with open(self.path) as f:
+        self.entries: dict[str, list[float]] = json.load(f)
+    except FileNotFoundError:
+      self.entries = {}
+    except ValueError as e:
+      raise ValueError(f"auto: cost cache {self.path} is not readable JSON ({e}); remove it") from e
+
+  @staticmethod
+  def key(text, spec: TableSpec, ids: Sequence[np.ndarray], mesh, layout, measure_rows) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for b in ids:
+      a = np.ascontiguousarray(b)
+      h.update(str((a.dtype.str, a.shape)).encode())
+      h.update(a.tobytes())
+    dev = mesh.devices.flat[0]
+    parts = (
+      " ".join(text.split()),
+      repr(spec),
+      min(spec.num_rows, measure_rows),
+      h.hexdigest(),
+      tuple(mesh.devices.shape),
+      repr(layout),
+      dev.platform,
+      getattr(dev, "device_kind", ""),
+      jax.__version__,
+    )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+  def get(self, key: str) -> tuple[float, float] | None:
+    v = self.entries.get(key)
+    if v is None:
+      self.misses += 1
+      return None
+    self.hits += 1
+    return float(v[0]), float(v[1])
+
+  def put(self, key: str, value: tuple[float, float]) -> None:
+    import json
+    import os
+
+    self.entries[key] = [float(value[0]), float(value[1])]
+    os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+    tmp = f"{self.path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+      json.dump(self.entries, f)
+    os.replace(tmp, self.path)
+
+
+def timed_cost(
+  batches: Sequence[dict[str, np.ndarray]],
+  mesh,
+  layout: Layout,
+  measure_rows: int,
+  cache: CostCache | None = None,
+) -> Callable[[str, TableSpec], tuple[float, float]]:
+  """The planner's default cost: `measure` on the run's batches, through `cache` if given."""
+
+  def cost(text: str, spec: TableSpec) -> tuple[float, float]:
+    ids = [b[spec.name] for b in batches]
+    key = CostCache.key(text, spec, ids, mesh, layout, measure_rows) if cache else ""
+    hit = cache.get(key) if cache else None
+    if hit is not None:
+      return hit
+    out = measure(text, spec, ids, mesh, layout, measure_rows)
+    if cache:
+      cache.put(key, out)
+    return out
+
+  return cost
+
+
+def dispatch_seconds(mesh, calls: int = 50) -> float:
+  """Median seconds of a jitted call that computes nothing worth timing, on `mesh`."""
+  x = sharding.put(
+    np.zeros((8,), np.float32), jax.sharding.NamedSharding(mesh, sharding.REPLICATED)
+  )
+  f = jax.jit(lambda x: x + 1)
+  jax.block_until_ready(f(x))
+  times = []
+  for _ in range(calls):
+    t0 = time.perf_counter()
+    x = jax.block_until_ready(f(x))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanChoice:
   """The planner's answer: a rule per table, what was chosen and the runner-up of each."""
@@ -209,6 +336,13 @@ class PlanChoice:
   budget_bytes: int | None
   all_dense_bytes: int
   objective: str
+  # Seconds of the step's part every plan shares (the task's loss, gradient and dense update:
+  # `recgnn.train.step.model_step_seconds`), None when not measured.
+  model_s: float | None = None
+  # Seconds one jitted call costs with nothing to compute (dispatch, block_until_ready): in
+  # every table's timed step once, in the trainer's step once for all of them.
+  dispatch_s: float = 0.0
+  planning_s: float = 0.0  # wall time of the planning: memory, timing, solving
 
   @property
   def rules(self) -> tuple[tuple[str, str], ...]:
@@ -219,16 +353,41 @@ class PlanChoice:
     return self.fixed_bytes + sum(c.device_bytes for c in self.chosen.values())
 
   @property
+  def embedding_step_s(self) -> float:
+    """The chosen tables' step times added, each less one call's dispatch."""
+    return sum(max(c.step_s - self.dispatch_s, 0.0) for c in self.chosen.values())
+
+  @property
   def predicted_step_s(self) -> float:
-    """The chosen tables' step times added (see the module docstring for what that leaves out)."""
-    return sum(c.step_s for c in self.chosen.values())
+    """The whole train step: the shared model part, one dispatch and the chosen tables'
+    steps (see the module docstring for what that leaves out); the tables alone when the
+    model part was not measured."""
+    if self.model_s is None:
+      return self.embedding_step_s
+    return self.model_s + self.embedding_step_s
+
+  @property
+  def prepare_s(self) -> float:
+    """The chosen tables' host-side prepare per batch, added (the input thread's work)."""
+    return sum(c.prepare_s for c in self.chosen.values() if c.prepare_s == c.prepare_s)
 
   def report(self) -> str:
     budget = "none" if self.budget_bytes is None else _mib(self.budget_bytes)
+    model = (
+      ""
+      if self.model_s is None
+      else f" + model part {self.model_s * 1e3:.2f} ms = train step "
+      f"{self.predicted_step_s * 1e3:.2f} ms"
+    )
+    what = (
+      "plan as written" if self.objective == "given" else f"auto plan (objective={self.objective})"
+    )
     lines = [
-      f"auto plan (objective={self.objective}): {_mib(self.device_bytes)} per device of budget "
-      f"{budget} (all dense: {_mib(self.all_dense_bytes)}); embedding step predicted "
-      f"{self.predicted_step_s * 1e3:.2f} ms (tables' measured steps added)",
+      f"{what}: {_mib(self.device_bytes)} per device of budget "
+      f"{budget} (all dense: {_mib(self.all_dense_bytes)}); predicted: embeddings "
+      f"{self.embedding_step_s * 1e3:.2f} ms (tables' measured steps added){model}; input "
+      f"thread's prepare {self.prepare_s * 1e3:.2f} ms per batch; planned in "
+      f"{self.planning_s:.1f} s",
       f"{'table':<12} {'choice':<32} {'per device':>10} {'host':>10} {'step ms':>8} "
       f"{'prep ms':>8}  runner-up",
     ]
@@ -248,6 +407,11 @@ class PlanChoice:
       "all_dense_bytes": self.all_dense_bytes,
       "device_bytes": self.device_bytes,
       "predicted_step_s": self.predicted_step_s,
+      "embedding_step_s": self.embedding_step_s,
+      "model_s": self.model_s,
+      "dispatch_s": self.dispatch_s,
+      "prepare_s": self.prepare_s,
+      "planning_s": self.planning_s,
       "chosen": {t: dataclasses.asdict(c) for t, c in self.chosen.items()},
       "runner_up": {
         t: dataclasses.asdict(c) if c is not None else None for t, c in self.runner_up.items()
@@ -267,13 +431,17 @@ def solve(
   options_by_table: dict[str, list[Candidate]],
   budget_bytes: int | None,
   objective: str,
+  limits: dict[str, int] | None = None,
 ) -> dict[str, Candidate]:
   """One candidate per table minimizing the objective with the bytes per device within
-  `budget_bytes` (an integer program: binary x[t, c], sum_c x[t, c] = 1, sum bytes <= budget).
+  `budget_bytes`: an integer program, binary x[t, c], sum_c x[t, c] = 1, sum bytes <= budget;
+  and for each family f in `limits`, at most limits[f] distinct backend strings among its
+  candidates (binary y[s] >= x[t, c] for every c of string s, sum_{s in f} y[s] <= limits[f]).
   Refuses (PlanDoesNotFit) a budget below the smallest choice, naming the tables that force
   it. Ties go to the other measure (time: fewer bytes; memory: less time)."""
   from scipy import optimize, sparse
 
+  limits = limits or {}
   tables = list(options_by_table)
   smallest = {t: min(c.device_bytes for c in cs) for t, cs in options_by_table.items()}
   if budget_bytes is not None and sum(smallest.values()) > budget_bytes:
@@ -298,22 +466,47 @@ def solve(
     cost = secs / max(secs.max(), 1e-12) + 1e-6 * nbytes / max(nbytes.max(), 1.0)
   else:
     cost = nbytes / max(nbytes.max(), 1.0) + 1e-6 * secs / max(secs.max(), 1e-12)
+  # Variables: x (one per candidate), then y (one per distinct backend string of a limited
+  # family).
+  limited = sorted({(c.family, c.text) for _, c in flat if c.family in limits})
+  nx, ny = len(flat), len(limited)
   one = sparse.csr_array(
-    (np.ones(len(flat)), ([i for i, _ in flat], np.arange(len(flat)))),
-    shape=(len(tables), len(flat)),
+    (np.ones(nx), ([i for i, _ in flat], np.arange(nx))), shape=(len(tables), nx + ny)
   )
   constraints = [optimize.LinearConstraint(one, 1, 1)]
   if budget_bytes is not None:
-    constraints.append(optimize.LinearConstraint(nbytes[None, :], -np.inf, budget_bytes))
+    row = np.concatenate([nbytes, np.zeros(ny)])[None, :]
+    constraints.append(optimize.LinearConstraint(row, -np.inf, budget_bytes))
+  if ny:
+    # x[t, c] - y[string of c] <= 0; per family, sum of its y <= its limit.
+    ks = [k for k, (_, c) in enumerate(flat) if c.family in limits]
+    link = sparse.lil_array((len(ks), nx + ny))
+    for r, k in enumerate(ks):
+      c = flat[k][1]
+      link[r, k] = 1
+      link[r, nx + limited.index((c.family, c.text))] = -1
+    constraints.append(optimize.LinearConstraint(link.tocsr(), -np.inf, 0))
+    families = sorted({f for f, _ in limited})
+    count = sparse.lil_array((len(families), nx + ny))
+    for j, (f, _) in enumerate(limited):
+      count[families.index(f), nx + j] = 1
+    caps = np.array([limits[f] for f in families], float)
+    constraints.append(optimize.LinearConstraint(count.tocsr(), -np.inf, caps))
   res = optimize.milp(
-    cost,
+    np.concatenate([cost, np.zeros(ny)]),
     constraints=constraints,
-    integrality=np.ones(len(flat)),
+    integrality=np.ones(nx + ny),
     bounds=optimize.Bounds(0, 1),
   )
-  if not res.success:  # (the feasibility check above makes this a solver failure)
-    raise RuntimeError(f"auto plan: the integer program failed: {res.message}")
-  pick = np.flatnonzero(res.x > 0.5)
+  if not res.success:
+    # The byte check above cannot see the families' limits: name them.
+    raise plan_lib.PlanDoesNotFit(
+      f"auto plan: no plan fits {_mib(budget_bytes or 0)} per device within the limits on "
+      f"distinct backend strings {limits} (a batch has one micro-batch split; each host-tier "
+      f"group is its own set of step programs); solver: {res.message}. Raise the budget, "
+      "`strings_per_kind`, or allow other kinds."
+    )
+  pick = np.flatnonzero(res.x[:nx] > 0.5)
   return {tables[flat[k][0]]: flat[k][1] for k in pick}
 
 
@@ -322,15 +515,25 @@ def runner_ups(
   chosen: dict[str, Candidate],
   budget_bytes: int | None,
   objective: str,
+  limits: dict[str, int] | None = None,
 ) -> dict[str, Candidate | None]:
   """For each table, the best other candidate with every other table's choice kept, among
-  those that still fit the budget (what the plan would take if this one were ruled out)."""
+  those that still fit the budget and the families' limits (what the plan would take if this
+  one were ruled out)."""
+  limits = limits or {}
   total = sum(c.device_bytes for c in chosen.values())
   key = (
     (lambda c: (c.step_s, c.device_bytes))
     if objective == "time"
     else (lambda c: (c.device_bytes, c.step_s))
   )
+
+  def within_limits(t, c):
+    if c.family not in limits:
+      return True
+    strings = {d.text for u, d in chosen.items() if u != t and d.family == c.family}
+    return len(strings | {c.text}) <= limits[c.family]
+
   out = {}
   for t, cs in options_by_table.items():
     fits = [
@@ -338,6 +541,7 @@ def runner_ups(
       for c in cs
       if c.text != chosen[t].text
       and (budget_bytes is None or total - chosen[t].device_bytes + c.device_bytes <= budget_bytes)
+      and within_limits(t, c)
     ]
     out[t] = min(fits, key=key) if fits else None
   return out
@@ -351,23 +555,27 @@ def choose(
   batches: Sequence[dict[str, np.ndarray]],
   *,
   fixed_bytes: int = 0,
+  fixed_splits: bool = False,
   all_dense_bytes: int | None = None,
   budget_bytes: int | None = None,
   cost: Callable[[str, TableSpec], tuple[float, float]] | None = None,
+  cache: CostCache | None = None,
   log: Callable[[str], None] = lambda s: None,
 ) -> PlanChoice:
   """The plan of `specs` (the tables the auto rule matched). batches: the run's first
   training batches ({table: ids}); fixed_bytes: bytes per device of the tables other rules
-  placed (they count against the budget); all_dense_bytes: the all-dense plan's bytes per
-  device of every table (what a fractional budget is a fraction of; default: these tables').
-  budget_bytes: the budget when the options give none (the run's device_memory_budget).
-  cost: (text, spec) -> (step s, prepare s), default `measure` on `batches` (tests pass a
-  model)."""
+  placed (they count against the budget); fixed_splits: one of those splits batches into
+  micro-batches (then no auto table may: a batch has one split); all_dense_bytes: the
+  all-dense plan's bytes per device of every table (what a fractional budget is a fraction
+  of; default: these tables'). budget_bytes: the budget when the options give none (the
+  run's device_memory_budget). cost: (text, spec) -> (step s, prepare s), default `measure`
+  on `batches` through `cache` (tests pass a model)."""
   if "sharded" in options.kinds and sharding.mesh_shape(mesh)[1] == 1:
     raise ValueError(
       f"auto: kinds includes sharded, but mesh {sharding.describe(mesh)} has no model axis to "
       "shard over: drop it or set mesh.model > 1"
     )
+  started = time.perf_counter()
   memo: dict[tuple[str, str], tuple[int, int]] = {}
   dense_bytes = 0
   by_table: dict[str, list[tuple[str, int, int]]] = {}
@@ -406,11 +614,10 @@ def choose(
       f"the budget {_mib(total_budget)}"
     )
   # Time only what could be chosen: candidates smaller than the budget left.
+  dispatch = 0.0
   if cost is None:
-
-    def cost(text, spec):
-      ids = [b[spec.name] for b in batches]
-      return measure(text, spec, ids, mesh, layout, options.measure_rows)
+    dispatch = dispatch_seconds(mesh)
+    cost = timed_cost(batches, mesh, layout, options.measure_rows, cache)
 
   options_by_table: dict[str, list[Candidate]] = {}
   n = sum(len(v) for v in by_table.values())
@@ -427,22 +634,26 @@ def choose(
       except ValueError as e:  # e.g. a cache smaller than one batch's distinct rows
         log(f"auto: {spec.name}: {text} left out ({e})")
       else:
-        cs.append(Candidate(spec.name, text, dev, host, step_s, prep_s))
+        cs.append(Candidate(spec.name, text, dev, host, step_s, prep_s, family_of(text)))
       k = next(done)
       if k % 10 == 0 or k == n:
         log(f"auto: timed {k}/{n} candidates ({time.perf_counter() - t0:.0f} s)")
     if not cs:  # every candidate of this table alone exceeds the budget
-      cs = [Candidate(spec.name, t, d, h) for t, d, h in by_table[spec.name]]
+      cs = [Candidate(spec.name, t, d, h, family=family_of(t)) for t, d, h in by_table[spec.name]]
     options_by_table[spec.name] = cs
-  chosen = solve(options_by_table, avail, options.objective)
+  limits = {kind: options.strings_per_kind for kind in HOST_TIERS}
+  limits[MICRO_BATCHES] = 0 if fixed_splits else 1
+  chosen = solve(options_by_table, avail, options.objective, limits)
   chosen = {s.name: chosen[s.name] for s in specs}
   return PlanChoice(
     chosen=chosen,
-    runner_up=runner_ups(options_by_table, chosen, avail, options.objective),
+    runner_up=runner_ups(options_by_table, chosen, avail, options.objective, limits),
     fixed_bytes=fixed_bytes,
     budget_bytes=total_budget,
     all_dense_bytes=all_dense,
     objective=options.objective,
+    dispatch_s=dispatch,
+    planning_s=time.perf_counter() - started,
   )
 
 
@@ -483,6 +694,7 @@ def plan_rules(
   budget_bytes: int | None = None,
   log: Callable[[str], None] = lambda s: None,
   cost: Callable[[str, TableSpec], tuple[float, float]] | None = None,
+  cache: CostCache | None = None,
 ) -> tuple[list[tuple[str, str]], PlanChoice]:
   """Rules with the auto rule's tables placed by `choose`: one exact-name rule per table,
   before the other rules (which keep their tables). With many processes every process
@@ -491,11 +703,12 @@ def plan_rules(
   assert options is not None
   by_text = plan_lib.assign_rules(rules, specs)
   auto_specs = [s for t, ss in by_text.items() if is_auto(t) for s in ss]
-  fixed = 0
+  fixed, fixed_splits = 0, False
   for text, ss in by_text.items():
     if not is_auto(text):
       group = plan_lib.make_group(text, ss, mesh, layout)
       fixed += group.device_bytes()
+      fixed_splits = fixed_splits or group.capabilities.splits_batch
   all_dense = sum(memory_of("dense", s, mesh, layout)[0] for s in specs)
   choice = choose(
     auto_specs,
@@ -504,9 +717,11 @@ def plan_rules(
     layout,
     batches,
     fixed_bytes=fixed,
+    fixed_splits=fixed_splits,
     all_dense_bytes=all_dense,
     budget_bytes=budget_bytes,
     cost=cost,
+    cache=cache,
     log=log,
   )
   if jax.process_count() > 1:
@@ -530,5 +745,43 @@ def _agree(choice: PlanChoice, specs, options: AutoOptions, mesh, layout) -> Pla
   for s, c, i in zip(specs, lists, idx):
     if c[i] != chosen[s.name].text:
       dev, host = memory_of(c[i], s, mesh, layout)
-      chosen[s.name] = Candidate(s.name, c[i], dev, host)
+      chosen[s.name] = Candidate(s.name, c[i], dev, host, family=family_of(c[i]))
   return dataclasses.replace(choice, chosen=chosen)
+
+
+def predict_rules(
+  rules: Sequence[tuple[str, str]],
+  specs: Sequence[TableSpec],
+  mesh,
+  layout: Layout,
+  batches: Sequence[dict[str, np.ndarray]],
+  *,
+  measure_rows: int = AutoOptions.measure_rows,
+  cache: CostCache | None = None,
+  cost: Callable[[str, TableSpec], tuple[float, float]] | None = None,
+) -> PlanChoice:
+  """The planner's figures for a plan someone wrote (no auto rule): each table's bytes and
+  measured step under the backend its rule gives it, as `choose` would have them, so a
+  hand-written plan's prediction can be set against its measured step (`--plan_report`)."""
+  started = time.perf_counter()
+  dispatch = 0.0
+  if cost is None:
+    dispatch = dispatch_seconds(mesh)
+    cost = timed_cost(batches, mesh, layout, measure_rows, cache)
+  chosen = {}
+  for text, ss in plan_lib.assign_rules(rules, specs).items():
+    for spec in ss:
+      dev, host = memory_of(text, spec, mesh, layout)
+      step_s, prep_s = cost(text, spec)
+      chosen[spec.name] = Candidate(spec.name, text, dev, host, step_s, prep_s, family_of(text))
+  chosen = {s.name: chosen[s.name] for s in specs}
+  return PlanChoice(
+    chosen=chosen,
+    runner_up={t: None for t in chosen},
+    fixed_bytes=0,
+    budget_bytes=None,
+    all_dense_bytes=sum(memory_of("dense", s, mesh, layout)[0] for s in specs),
+    objective="given",
+    dispatch_s=dispatch,
+    planning_s=time.perf_counter() - started,
+  )

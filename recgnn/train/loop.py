@@ -40,6 +40,7 @@ from recgnn import distributed, hostmem
 from recgnn.embeddings import base
 from recgnn.train import checkpoint as ckpt_lib
 from recgnn.train import non_finite, setup, workdir_lock
+from recgnn.train import plan_report as plan_report_lib
 from recgnn.train import step as step_lib
 from recgnn.train import traffic as traffic_lib
 from recgnn.train import watchdog as watchdog_lib
@@ -113,6 +114,7 @@ def train(
   profile_steps: tuple[int, int] | None = None,
   device_memory_budget: int | None = None,
   stop_after: int | None = None,
+  plan_report: bool = False,
 ) -> Result:
   """Train `config` in `workdir`; returns the final metrics (also in workdir/results.json).
 
@@ -121,7 +123,10 @@ def train(
   fit `config`: ckpt_lib.IncompatibleCheckpoint names the keys); "if_present": continue if
   there is a checkpoint, else start at step 0 (a scheduler that reruns the same command).
   stop_after: stop (with a checkpoint) after this many steps of this call, as if killed;
-  used to test that resuming reproduces an uninterrupted run.
+  used to test that resuming reproduces an uninterrupted run. plan_report: time each table's
+  placement before training as the auto planner does and, after it, set the predicted step
+  and bytes against the measured ones (workdir/plan_report.json; always done for a plan with
+  an auto rule).
 
   Errors of the configuration, the plan, the data or the workdir raised before the first
   step carry `during_setup = True` (run.py prints them as one line).
@@ -135,17 +140,21 @@ def train(
     e.during_setup = True
     raise
   try:
-    return _train(config, workdir, resume, profile_steps, device_memory_budget, stop_after)
+    return _train(
+      config, workdir, resume, profile_steps, device_memory_budget, stop_after, plan_report
+    )
   finally:
     if lock is not None:
       lock.release()
 
 
-def _train(config, workdir, resume, profile_steps, device_memory_budget, stop_after) -> Result:
+def _train(
+  config, workdir, resume, profile_steps, device_memory_budget, stop_after, plan_report
+) -> Result:
   phase = _Setup()
   with phase:
     return _train_in(
-      config, workdir, resume, profile_steps, device_memory_budget, stop_after, phase
+      config, workdir, resume, profile_steps, device_memory_budget, stop_after, plan_report, phase
     )
 
 
@@ -165,7 +174,9 @@ class _Setup:
     return False
 
 
-def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop_after, phase):
+def _train_in(
+  config, workdir, resume, profile_steps, device_memory_budget, stop_after, plan_report, phase
+):
   # Before anything slow: a fresh run over another run's checkpoints would die at its first
   # save (Orbax StepAlreadyExistsError) or, resumed later, mix two runs.
   ckpt_lib.refuse_existing(workdir, bool(resume))
@@ -178,7 +189,9 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
   os.makedirs(workdir, exist_ok=True)
   hostmem.keep_freed_memory()  # reuse per-step temporaries instead of page-faulting them in
   tcfg = config.train
-  run = setup.build(config, device_memory_budget=device_memory_budget, log=log)
+  run = setup.build(
+    config, device_memory_budget=device_memory_budget, plan_report=plan_report, log=log
+  )
   # The loop owns the state from here (each step donates it, a resume replaces it): the run
   # keeps no reference that would hold the initial tables for the whole run.
   state, run = run.state, dataclasses.replace(run, state=None)
@@ -283,6 +296,8 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
   step = start
   t_last = time.perf_counter()
   examples = 0  # train examples since the last log (batches may vary in size)
+  interval_steps = 0  # train steps since the last log
+  interval_step_s: list[float] = []  # seconds per step of each logged interval
   profiling = False
   interrupted = False
   phase.done = True  # from here on an error is the run's, not the configuration's
@@ -324,6 +339,7 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
           dog.last_step = step
           pending_steps.append(step)
           examples += int(item.batch_size)
+          interval_steps += 1
           if profiling and step >= profile_steps[1]:
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
@@ -340,7 +356,8 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
             now = time.perf_counter()
             scalars = {k: float(np.mean([h[k] for h in host])) for k in host[0]}
             rate = examples / max(now - t_last, 1e-9)
-            examples = 0
+            interval_step_s.append((now - t_last) / max(interval_steps, 1))
+            examples = interval_steps = 0
             scalars["samples_per_second"] = rate
             for g in plan.groups.values():
               scalars.update(g.stats())
@@ -408,6 +425,13 @@ def _train_in(config, workdir, resume, profile_steps, device_memory_budget, stop
   results.update(traffic.scalars())
   for key, group in plan.groups.items():  # e.g. a codec's bounds and fallbacks (a host read)
     results.update({f"emb/{key}/{k}": v for k, v in group.report(state.emb[key]).items()})
+  if run.prediction is not None and main:
+    report = plan_report_lib.build(
+      run.prediction, plan, state.emb, interval_step_s, traffic.scalars()
+    )
+    with open(os.path.join(workdir, "plan_report.json"), "w") as f:
+      json.dump(report, f, indent=2)
+    log(plan_report_lib.describe(report))
   if step == total:
     results.update(task.final_report(results))
     if main:

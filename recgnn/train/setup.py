@@ -17,6 +17,7 @@ import dataclasses
 import importlib
 import itertools
 import pkgutil
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -56,10 +57,15 @@ def load_task(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Tas
 parse_bytes = auto_plan_lib.parse_bytes  # '512M', '2G', '1.5GiB', '1000000' -> bytes
 
 
-def _auto_plan(config, task, rules, specs, mesh, budget, log):
-  """The rules with the auto(...) rule's tables placed (recgnn.embeddings.auto_plan), timed
-  on the run's first training batches under the input layout that dense would take."""
+def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
+  """(rules, figures): with an auto(...) rule, its tables placed by the planner
+  (recgnn.embeddings.auto_plan) and its figures; with `report` (--plan_report) and no auto
+  rule, the planner's figures for the plan as written; else (rules, None). Candidates are
+  timed on the run's first training batches under the input layout dense would take,
+  through the cost cache `embeddings.cost_cache` names (a JSON file; "" for none)."""
   options = auto_plan_lib.auto_options(rules)
+  if options is None and not report:
+    return rules, None
   layout, _, _ = inputs.choose_layout(
     task,
     auto_plan_lib.placeholder_rules(rules),
@@ -67,12 +73,29 @@ def _auto_plan(config, task, rules, specs, mesh, budget, log):
     mesh,
     config.train.get("process_input", "auto"),
   )
-  batches = [b["ids"] for b in itertools.islice(task.train_batches(0), options.batches)]
-  log(f"auto plan: timing candidate placements on {len(batches)} training batches")
-  rules, choice = auto_plan_lib.plan_rules(
-    rules, specs, mesh, layout, batches, budget_bytes=budget, log=log
+  n = (options or auto_plan_lib.AutoOptions()).batches
+  batches = list(itertools.islice(task.train_batches(0), n))
+  ids = [b["ids"] for b in batches]
+  path = config.embeddings.get("cost_cache", "")
+  cache = auto_plan_lib.CostCache(path) if path else None
+  if options is not None:
+    log(f"auto plan: timing candidate placements on {len(batches)} training batches")
+    rules, choice = auto_plan_lib.plan_rules(
+      rules, specs, mesh, layout, ids, budget_bytes=budget, log=log, cache=cache
+    )
+  else:
+    log(f"plan report: timing each table's placement on {len(batches)} training batches")
+    choice = auto_plan_lib.predict_rules(rules, specs, mesh, layout, ids, cache=cache)
+  # The part of the step every plan shares, so that the prediction is of the whole step.
+  t0 = time.perf_counter()
+  tx = step_lib.make_optimizer(config.optimizer)
+  model_s = step_lib.model_step_seconds(task, tx, mesh, batches, {s.name: s.dim for s in specs})
+  choice = dataclasses.replace(
+    choice, model_s=model_s, planning_s=choice.planning_s + time.perf_counter() - t0
   )
   log(choice.report())
+  if cache is not None:
+    log(f"cost cache {cache.path}: {cache.hits} reused, {cache.misses} timed")
   return rules, choice
 
 
@@ -131,6 +154,9 @@ class Run:
   total_steps: int
   length: str  # how total_steps was derived (a log line)
   auto_plan: auto_plan_lib.PlanChoice | None = None  # what an auto(...) rule chose, and why
+  # The planner's figures of the plan (auto's choice, or with plan_report the plan as written):
+  # per table bytes and measured step, the predicted train step.
+  prediction: auto_plan_lib.PlanChoice | None = None
 
   def init_state(self) -> step_lib.TrainState:
     """A freshly allocated initial state, equal to `state` before any step."""
@@ -233,6 +259,7 @@ def build(
   key: jax.Array | None = None,
   device_memory_budget: int | None = None,
   allocate: bool = True,
+  plan_report: bool = False,
   log: Callable[[str], None] = _quiet,
 ) -> Run:
   """The run of `config`, ready for its first step.
@@ -244,7 +271,9 @@ def build(
   device_memory_budget: bytes per device the plan must fit (default
   `config.device_memory_budget`, else unchecked). allocate=False: `state` holds shapes and
   dtypes only (`jax.eval_shape`), enough to lower and compile the steps of a state that would
-  not fit; `init_state()` allocates one. log: progress lines (the trainer's prints
+  not fit; `init_state()` allocates one. plan_report: time each table's placement as the
+  auto planner would (`Run.prediction`), for a plan without an auto rule too (an auto rule's
+  figures are always there). log: progress lines (the trainer's prints
   from process 0; quiet by default).
   """
   mesh = config_mesh(config) if mesh is None else mesh
@@ -256,9 +285,10 @@ def build(
   rules = list(map(tuple, config.embeddings.plan))
   if device_memory_budget is None and config.get("device_memory_budget"):
     device_memory_budget = parse_bytes(config.device_memory_budget)
-  choice = None
-  if auto_plan_lib.auto_options(rules) is not None:
-    rules, choice = _auto_plan(config, task, rules, specs, mesh, device_memory_budget, log)
+  rules, choice = _plan_figures(
+    config, task, rules, specs, mesh, device_memory_budget, plan_report, log
+  )
+  auto = choice if auto_plan_lib.auto_options(list(map(tuple, config.embeddings.plan))) else None
   # The input layout first (batch split; with many processes, whether each reads only its
   # slice of every batch): every backend receives it at construction, and a task that reads
   # process slices received its slice at construction from the same decision
@@ -321,5 +351,6 @@ def build(
     eval_step=eval_step,
     total_steps=total_steps,
     length=length,
-    auto_plan=choice,
+    auto_plan=auto,
+    prediction=choice,
   )

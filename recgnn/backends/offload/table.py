@@ -175,14 +175,17 @@ class Offload(base.TableBackend):
 
   def memory(self):
     spec, c = self.spec, self.cache_rows
-    device = c * spec.row_bytes + c * 4  # cache rows + optimizer state, slot map
+    # cache rows + optimizer state, slot map, and the two int32 scalars (version, stale)
+    device = c * spec.row_bytes + c * 4 + 8
     planner = spec.num_rows * (
       4 + (8 if self.options.policy == "lfu" else 0)
     )  # row->slot (+ counts)
-    # One host copy in all: whole on one device, split by rows over the devices of a mesh.
-    host = spec.table_bytes + planner
+    # One host copy in all: whole on one device, split by rows over the devices of a mesh;
+    # its rows aligned as the checkpoint's logical shape is (`init`).
+    table = base.aligned_rows(spec.num_rows) * spec.row_bytes
+    host = table + planner
     if not self.offloaded:
-      device, host = device + spec.table_bytes, planner
+      device, host = device + table, planner
     where = self.host_memory if self.offloaded else "device (no offload)"
     return base.MemoryReport(
       device, host, f"{where} + {c}-row device cache ({self.options.policy})"

@@ -1,0 +1,125 @@
+"""`--plan_report`: the planner's predictions set against what a run measured.
+
+After training, per group of the plan: its tables, backend, the bytes per device and on the
+host the planner predicted (the backends' own `memory()` before allocation) against the
+bytes the trained state holds (read from its arrays, by memory kind), and the group's share
+of the predicted step (its tables' measured steps); for the whole step, the predicted time
+(the model part + the tables' steps, `recgnn.embeddings.auto_plan.PlanChoice`) against the
+measured median time per step of the run's logged intervals after the first (the first
+holds the compile), and the host-link and collective bytes per step the compiled program
+moves (`recgnn.train.traffic`). Written to workdir/plan_report.json and printed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import jax
+
+from recgnn.embeddings import auto_plan, base
+
+HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def held_bytes(state_of_group: Any) -> tuple[int, int]:
+  """(device bytes, host bytes) of a group's state on its most loaded device: each device's
+  shards summed by memory kind (device memory, or a host kind: pinned / unpinned host), the
+  largest sum of each kind. Host-side bookkeeping in numpy (e.g. offload's row -> slot map,
+  in its predicted host bytes) is not a device array and is not counted."""
+  device: dict[Any, int] = {}
+  host: dict[Any, int] = {}
+  for leaf in jax.tree.leaves(state_of_group):
+    if not isinstance(leaf, jax.Array):
+      continue
+    into = host if leaf.sharding.memory_kind in HOST_KINDS else device
+    for shard in leaf.addressable_shards:
+      into[shard.device] = into.get(shard.device, 0) + shard.data.nbytes
+  return max(device.values(), default=0), max(host.values(), default=0)
+
+
+def measured_step_s(interval_step_s: list[float]) -> float | None:
+  """The median seconds per step of the logged intervals after the first (which holds the
+  compile); all of them when there is one."""
+  if not interval_step_s:
+    return None
+  rest = interval_step_s[1:] or interval_step_s
+  return statistics.median(rest)
+
+
+def build(
+  prediction: auto_plan.PlanChoice,
+  plan: base.Plan,
+  emb_state: dict[str, Any],
+  interval_step_s: list[float],
+  traffic: dict[str, float],
+) -> dict:
+  """The report as a dict (what plan_report.json holds)."""
+  groups = {}
+  for key, group in plan.groups.items():
+    tables = list(group.specs)
+    chosen = [prediction.chosen[t] for t in tables if t in prediction.chosen]
+    dev, host = held_bytes(emb_state[key])
+    groups[key] = {
+      "tables": tables,
+      "backend": sorted({c.text for c in chosen}),
+      "predicted_device_bytes": sum(c.device_bytes for c in chosen),
+      "predicted_host_bytes": sum(c.host_bytes for c in chosen),
+      "held_device_bytes": dev,
+      "held_host_bytes": host,
+      "predicted_step_s": sum(max(c.step_s - prediction.dispatch_s, 0.0) for c in chosen),
+      "table_step_s": {c.table: c.step_s for c in chosen},  # as timed (dispatch included)
+      "predicted_prepare_s": sum(c.prepare_s for c in chosen),
+    }
+  measured = measured_step_s(interval_step_s)
+  predicted = prediction.predicted_step_s
+  return {
+    "objective": prediction.objective,
+    "predicted_step_s": predicted,
+    "model_s": prediction.model_s,
+    "dispatch_s": prediction.dispatch_s,
+    "measured_step_s": measured,
+    "predicted_over_measured": None if not measured else predicted / measured,
+    "interval_step_s": interval_step_s,
+    "link": traffic,
+    "groups": groups,
+  }
+
+
+def describe(report: dict) -> str:
+  """The report as log lines."""
+  m = report["measured_step_s"]
+  ratio = report["predicted_over_measured"]
+  model = report["model_s"]
+  lines = [
+    f"plan report: step predicted {report['predicted_step_s'] * 1e3:.2f} ms "
+    + (f"(model part {model * 1e3:.2f} ms) " if model is not None else "")
+    + (
+      f"vs measured {m * 1e3:.2f} ms (median of the logged intervals after the first): {ratio:.2f}x"
+      if m
+      else "(no step measured)"
+    ),  # fmt: skip
+    f"{'group':<14} {'tables':>6} {'pred. dev':>10} {'held dev':>10} {'pred. host':>10} "
+    f"{'held host':>10} {'pred. ms':>8}  backend",
+  ]
+  for key, g in report["groups"].items():
+    lines.append(
+      f"{key:<14} {len(g['tables']):>6} {_mib(g['predicted_device_bytes']):>10} "
+      f"{_mib(g['held_device_bytes']):>10} {_mib(g['predicted_host_bytes']):>10} "
+      f"{_mib(g['held_host_bytes']):>10} {g['predicted_step_s'] * 1e3:>8.2f}  "
+      + ", ".join(g["backend"])
+    )
+  link = report["link"]
+  if link:
+    lines.append(
+      "bytes per step of the last program: host link "
+      f"{link.get('link/host_to_device_bytes', 0) / 1e6:.3f} MB to device, "
+      f"{link.get('link/device_to_host_bytes', 0) / 1e6:.3f} MB to host; collectives "
+      f"{link.get('link/collective_bytes_per_device', 0) / 1e6:.3f} MB per device; "
+      f"{int(link.get('link/programs', 0))} program(s) compiled"
+    )
+  return "\n".join(lines)
+
+
+def _mib(n: float) -> str:
+  return f"{n / 2**20:,.2f}M"
