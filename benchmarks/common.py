@@ -256,13 +256,16 @@ def extract_commit(commit: str, into: str) -> tuple[str, str]:
 # ----------------------------------------------------------------------------- trainer runs
 
 
-def trainer_process(root: str, experiment: str, workdir: str, flags: dict) -> list[float]:
+def trainer_process(
+  root: str, experiment: str, workdir: str, flags: dict, args: tuple[str, ...] = ()
+) -> list[float]:
   """One `run.py` training run of `experiment` as its own process, from `root` (this tree or
-  an --against commit's), with `--config.K=V` for each of `flags`; the samples/s of its logged
-  intervals after the first (which holds the compile). Exits with the run's last lines if it
-  fails or logs no steady interval."""
+  an --against commit's), with `--config.K=V` for each of `flags` and run.py's own `args`;
+  the samples/s of its logged intervals after the first (which holds the compile). Exits with
+  the run's last lines if it fails or logs no steady interval."""
   cmd = [sys.executable, os.path.join(root, "run.py"), f"--experiment={experiment}",
-         f"--workdir={workdir}", *[f"--config.{k}={v}" for k, v in flags.items()]]  # fmt: skip
+         f"--workdir={workdir}", *[f"--config.{k}={v}" for k, v in flags.items()],
+         *args]  # fmt: skip
   proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
   if proc.returncode:
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
