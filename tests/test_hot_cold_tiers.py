@@ -391,8 +391,9 @@ def test_hot_set_holds_the_rows_the_profile_saw(caplog):
   assert short[0.05][0] == short[0.2][0]
   assert short[0.05][1] < 1 and short[0.2][1] < 1
   long = {b: _cold_rows_per_step(b, 40, batches) for b in (0.05, 0.2)}
-  print("budget: (cold-list rows per step, hot_fill, hot rows)",
-        {k: v[:2] + (v[2].size,) for k, v in {**short, **long}.items()})  # fmt: skip
+  show = lambda d: {k: v[:2] + (v[2].size,) for k, v in d.items()}  # noqa: E731
+  print("budget: (cold-list rows per step, hot_fill, hot rows), 1-batch profile:",
+        show(short), "40 batches:", show(long))  # fmt: skip
   assert long[0.05][1] == 1 and long[0.2][1] == 1
   assert long[0.05][0] > long[0.2][0]
   assert short[0.05][0] > long[0.05][0]
