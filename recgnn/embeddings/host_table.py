@@ -349,10 +349,10 @@ def _scatter_all(arrays: dict, idx: jax.Array, values: dict) -> dict:
 # work, O(W) rows over the link. The backends pass cap_i = min(the table's most entries, the
 # list's longest segment, bucketed): windows of each table's ids per batch made the host
 # touch tables x ids rows whatever the list's length (offload, 26 x 2048 ids at a 5% cache:
-# 33 MB a step for a 0.9 MB list; 11 MB with these windows). Windows overlap the next tables' segments: gathers read
-# those entries clipped and the next table's write overwrites them (tables in order),
-# scatters mask them. Constants are built in host memory (`_host_const`): a device-memory
-# constant inside a host computation is refused.
+# 33 MB a step for a 0.9 MB list; 11 MB with these windows). Windows overlap the next
+# tables' segments: gathers read those entries clipped and the next table's write
+# overwrites them (tables in order), scatters mask them. Constants are built in host
+# memory (`_host_const`): a device-memory constant inside a host computation is refused.
 
 
 def _host_const(x) -> jax.Array:
