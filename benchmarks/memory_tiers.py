@@ -57,16 +57,18 @@ from recgnn.train import setup as train_setup  # noqa: E402
 from recgnn.train import traffic  # noqa: E402
 
 
-def plans(fractions: list[float], fixed: bool = False) -> list[tuple[str, str]]:
+def plans(fractions: list[float], fixed: bool = False, profile: int = 4) -> list[tuple[str, str]]:
   """(label, plan string) of every configuration (fixed: offload's padded `fixed` exchange
-  beside each bucketed one)."""
+  beside each bucketed one; profile: hot_cold's profile_batches)."""
   out = [("dense", "dense"), ("host only", "hot_cold(hot_rows=1, profile_batches=4, split=False)")]
   for f in fractions:
     out.append((f"offload {f:g}", f"offload(cache_fraction={f}, lookahead=1, exchange=bucket)"))
     if fixed:
-      out.append((f"offload {f:g} fixed", f"offload(cache_fraction={f}, lookahead=1)"))
+      text = f"offload(cache_fraction={f}, lookahead=1, exchange=fixed)"
+      out.append((f"offload {f:g} fixed", text))
   for f in fractions:
-    out.append((f"hot_cold {f:g}", f"hot_cold(budget={f}, profile_batches=4, cold_list=bucket)"))
+    text = f"hot_cold(budget={f}, profile_batches={profile}, cold_list=bucket)"
+    out.append((f"hot_cold {f:g}", text))
   return out
 
 
@@ -132,6 +134,12 @@ def measure(label: str, text: str, cfg, host: list[dict], args, cpu: step_model.
     flush=True,
   )
   return out
+
+
+def _hot_fill(row: dict) -> float | None:
+  """A hot_cold row's hot rows / its hot arrays' capacity at the end of its run."""
+  fills = [s["hot_fill"] for s in row["backend_stats"].values() if "hot_fill" in s]
+  return fills[0] if fills else None
 
 
 def _without_launches(row: dict) -> float:
@@ -219,6 +227,16 @@ def markdown(payload: dict) -> str:
         "is what the device's kernels touch (gathers and scatters by the rows they touch), host "
         "what the host computations touch, at an assumed host memory bandwidth.",
         "",
+        f"hot_cold profiles {a['profile']} batches before picking its hot set (`--profile`): "
+        "a hot set holds only rows its profile saw, so a budget larger than those is not "
+        "filled (hot rows / capacity: "
+        + ", ".join(
+          f"{r['label']} {_hot_fill(r):.2f}"
+          for r in payload["rows"]
+          if r["label"].startswith("hot_cold") and _hot_fill(r) is not None
+        )
+        + ").",
+        "",
         *payload.get("must_show", []),
       ]
     )
@@ -269,6 +287,15 @@ def main(argv=None):
     "--batches", type=int, default=0, help="distinct batches cycled over (0: one per step)"
   )
   p.add_argument("--fixed", action="store_true", help="also offload's padded `fixed` exchange")
+  p.add_argument(
+    "--profile",
+    type=int,
+    default=None,
+    help="hot_cold's profile_batches (default: the warm-up less 2 x the lists' patience, so "
+    "the lists settle after the migration). A hot set holds only rows its profile saw: a "
+    "4-batch profile saw fewer rows than a 5%% budget holds, and 5%% and 20%% moved the same "
+    "bytes (stats' hot_fill, in the results)",
+  )
   p.add_argument("--name", default=None, help="results/NAME.* (memory_tiers[_quick])")
   p.add_argument("--quick", action="store_true")
   args = p.parse_args(argv)
@@ -276,6 +303,8 @@ def main(argv=None):
     # (the full run's tables: a 1% cache of fewer rows cannot hold a batch's distinct rows)
     args.steps, args.warmup = 5, 2 * cache_plan.PATIENCE + 4
   args.name = args.name or ("memory_tiers_quick" if args.quick else "memory_tiers")
+  if args.profile is None:
+    args.profile = max(4, args.warmup - 2 * cache_plan.PATIENCE)
   hostmem.keep_freed_memory()
   cpu = step_model.measure_cpu()
   cfg = peers_dlrm.DlrmConfig(num_rows=args.rows)
@@ -292,7 +321,7 @@ def main(argv=None):
     n = args.batches or args.warmup + args.steps
     batches = peers_dlrm.make_batches(cfg, args.batch, n, z, seed=0, same_hot_rows=True)
     host = [dt.to_recgnn_batch(b, dt.table_names(cfg)) for b in batches]
-    for label, text in plans(args.fractions, args.fixed):
+    for label, text in plans(args.fractions, args.fixed, args.profile):
       payload["rows"].append({**measure(label, text, cfg, host, args, cpu), "zipf": z})
   payload["load_avg_at_end"] = list(os.getloadavg())
   payload["must_show"] = must_show(payload)

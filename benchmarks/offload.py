@@ -11,7 +11,14 @@ Two measurements on the same Zipf id stream (one table, `--batch` x `--bag` ids 
               round-robin in the same process (the machine is shared: compare ratios). The
               offload step includes its cache exchange (write-back + load of the next batch's
               missing rows); `prepare` runs before timing, as the trainer's input thread runs
-              it ahead of the step. Its host cost is reported as plan_ms.
+              it ahead of the step. Its host cost is reported as plan_ms. Timed with
+              `exchange=fixed` (lists of a batch's ids whatever the misses: ONE program):
+              the default `bucket` sizes the lists by the misses, so its step takes a few
+              shapes and could compile inside the timed loop; memory_tiers.py measures what
+              bucket moves. The programs each step compiled are counted and reported
+              beside the times, with those compiled in the timed reps (0, or a rep holds a
+              compile; fixed's on-demand list is empty after the first batch: 2 programs,
+              both in the warm-up).
 
   python benchmarks/offload.py --quick     # ~1 minute
   python benchmarks/offload.py             # ~5 minutes
@@ -59,8 +66,9 @@ def spec_of(args) -> base.TableSpec:
   return base.TableSpec(name="t", num_rows=args.rows, dim=args.dim, optimizer=opt)
 
 
-def backend_text(fraction: float, policy: str, lookahead: int) -> str:
-  return f"offload(cache_fraction={fraction}, policy={policy}, lookahead={lookahead})"
+def backend_text(fraction: float, policy: str, lookahead: int, exchange: str = "") -> str:
+  more = f", exchange={exchange}" if exchange else ""
+  return f"offload(cache_fraction={fraction}, policy={policy}, lookahead={lookahead}{more})"
 
 
 def prepared_stream(group, batches):
@@ -111,6 +119,8 @@ def hit_rates(args, batches, key) -> list[dict]:
 
 
 def make_step(backend):
+  """The jitted train step (its `_cache_size()`: the programs it compiled)."""
+
   def step(state, inputs):
     prepared, target = inputs
     pooled, residuals = backend.lookup(state, prepared)
@@ -120,8 +130,9 @@ def make_step(backend):
   return jax.jit(step, donate_argnums=0)
 
 
-def ordered_runner(fn, state, inputs):
-  """Like common.jitted_runner but never wraps around: offload plans are a sequence."""
+def ordered_runner(fn, state, inputs, warmup: int = 0):
+  """Like common.jitted_runner but never wraps around: offload plans are a sequence.
+  `run.programs`: [programs fn compiled by the end of the warm-up, by the last call]."""
   box = {"state": state, "i": 0}
 
   def run(k: int):
@@ -130,7 +141,11 @@ def ordered_runner(fn, state, inputs):
       st = fn(st, inputs[box["i"]])
       box["i"] += 1
     box["state"] = jax.block_until_ready(st)
+    if box["i"] <= warmup:
+      run.programs[0] = fn._cache_size()
+    run.programs[1] = fn._cache_size()
 
+  run.programs = [0, 0]
   return run
 
 
@@ -144,16 +159,21 @@ def step_times(args, batches, key) -> tuple[dict, dict]:
   ]
   runners, plan_ms, contestants = {}, {}, {"dense": "dense"}
   for fraction in args.fractions:
-    contestants[f"offload {fraction:.0%}"] = backend_text(fraction, "lru", args.lookahead)
+    # exchange=fixed: one step shape, no compile inside the timed loop (module docstring).
+    text = backend_text(fraction, "lru", args.lookahead, exchange="fixed")
+    contestants[f"offload {fraction:.0%}"] = text
   for name, text in contestants.items():
     b = base.make_backend(text, spec)
     state = b.init(key)
     prepared, per = prepare_all(b, batches, n_steps)
     plan_ms[name] = 1e3 * per
     inputs = [(p, targets[i % 4]) for i, p in enumerate(prepared)]
-    runners[name] = ordered_runner(make_step(b), state, inputs)
+    runners[name] = ordered_runner(make_step(b), state, inputs, args.warmup)
     print(f"  prepared {name}: {plan_ms[name]:.2f} ms/step on the host", flush=True)
   timing = common.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
+  for name, run in runners.items():  # (compiled in the timed reps: 0, or a rep holds one)
+    timing[name]["programs"] = run.programs[1]
+    timing[name]["programs_compiled_timed"] = run.programs[1] - run.programs[0]
   return timing, plan_ms
 
 
@@ -190,16 +210,18 @@ def markdown(payload: dict) -> str:
   ]
   lines += [
     "",
-    "## Train-step time (lookup + grad + update, jitted, state donated), offload(policy=lru)",
+    "## Train-step time (lookup + grad + update, jitted, state donated), "
+    "offload(policy=lru, exchange=fixed)",
     "",
     "| backend | step ms (median) | vs dense (median of per-rep ratios) | plan ms/step "
-    "(input thread) |",
-    "|---|---|---|---|",
+    "(input thread) | programs (compiled in the timed reps) |",
+    "|---|---|---|---|---|",
   ]
   for name, t in payload["step"].items():
     lines.append(
       f"| {name} | {t['step_ms']:.3f} | {payload['ratio'][name]:.2f}x | "
-      f"{payload['plan_ms'][name]:.2f} |"
+      f"{payload['plan_ms'][name]:.2f} | {t.get('programs', '-')} "
+      f"({t.get('programs_compiled_timed', '-')}) |"
     )
   r = payload["ratio_5pct"]
   if r is not None:

@@ -167,7 +167,7 @@ class MemoryAccess:
   host_kernels: int
 
 
-def memory_access(compiled_text: str) -> MemoryAccess:
+def memory_access(compiled_text: str, kernels: list | None = None) -> MemoryAccess:
   """Bytes read and written by every kernel of a compiled HLO module (per device), as XLA's
   cost analysis counts them (each kernel reads its operands and writes its result), except
   where a kernel touches only rows of an operand, as a GPU does:
@@ -180,7 +180,9 @@ def memory_access(compiled_text: str) -> MemoryAccess:
   cost analysis charges a fused gather its whole table, the scatter twice). Kernels that run
   on the host (`is_host`) are counted apart: their traffic is on the host's memory.
   Computations called by call / while / conditional are walked once each time they are
-  called (a while body: once, as XLA's analysis counts it)."""
+  called (a while body: once, as XLA's analysis counts it). `kernels`, a list, receives
+  (on_host, bytes, instruction) of every kernel counted: which ones make the totals
+  (`host_kernels` lists the host ones, largest first)."""
   module = hlo.parse(compiled_text)
   totals = {True: [0, 0], False: [0, 0]}  # host? -> [bytes, kernels]
 
@@ -198,6 +200,8 @@ def memory_access(compiled_text: str) -> MemoryAccess:
       t = totals[on_host or is_host(ins)]
       t[0] += sum(operands) + result
       t[1] += 1
+      if kernels is not None:
+        kernels.append((on_host or is_host(ins), sum(operands) + result, ins))
 
   walk(module.entry, False)
   return MemoryAccess(
@@ -206,6 +210,16 @@ def memory_access(compiled_text: str) -> MemoryAccess:
     device_kernels=totals[False][1],
     host_kernels=totals[True][1],
   )
+
+
+def host_kernels(compiled_text: str) -> list[tuple[int, str, str, str]]:
+  """The host computations' kernels of a compiled step, largest first: (bytes touched, op,
+  shape, jax op_name), as `memory_access` charges them. What to shrink when the host term
+  of a prediction is large."""
+  kernels: list = []
+  memory_access(compiled_text, kernels)
+  out = [(b, i.op, i.shape, i.attr("op_name") or "") for host, b, i in kernels if host]
+  return sorted(out, key=lambda k: -k[0])
 
 
 def _elements(shape: str) -> int:

@@ -85,6 +85,20 @@ def test_metrics_read_back():
   assert "valid" not in s["tables"]
 
 
+def test_intervals_that_compiled_are_left_out_and_counted():
+  """A bucketed exchange list can give the step a new shape after the first interval: the
+  interval whose `link/programs` grew holds a compile, left out of 'steady' and counted."""
+  rows = [
+    {"step": 5, "samples_per_second": 100.0, "link/programs": 1.0},
+    {"step": 10, "samples_per_second": 300.0, "link/programs": 1.0},
+    {"step": 15, "samples_per_second": 50.0, "link/programs": 2.0},  # compiled
+    {"step": 20, "samples_per_second": 500.0, "link/programs": 2.0},
+  ]
+  t = gpu_check.throughput(rows)
+  assert t["steady"] == 400.0 and t["steady_intervals"] == 2
+  assert t["compiling_intervals"] == 1 and t["programs"] == 2
+
+
 def test_large_trace_is_trimmed_to_device_events(tmp_path, monkeypatch):
   events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
             {"ph": "X", "pid": 1, "tid": 1, "name": "k", "ts": 0, "dur": 1},

@@ -357,6 +357,48 @@ def test_26_tables_one_list_few_shapes_bytes_follow_the_cold_ids(stream26):
   assert sigs[0.01, "cold"] > sigs[0.05, "cold"] > sigs[0.2, "cold"]
 
 
+def _cold_rows_per_step(budget, profile_batches, batches):
+  """A one-table group's mean cold-list rows (what the host link carries each way, x row
+  bytes: the HLO tests above) over the batches after its hot set is in, and its hot_fill."""
+  spec = base.TableSpec(name="t", num_rows=20_000, dim=16, optimizer=ADAGRAD)
+  group = base.make_group(
+    f"hot_cold(budget={budget}, profile_batches={profile_batches}, split=False)",
+    [spec],
+    base.default_mesh(),
+  )
+  group.init(jax.random.key(0))
+  rows = []
+  for k, ids in enumerate(batches):
+    p = group.prepare({"t": ids}, train=True)
+    if k > profile_batches:
+      rows.append(p["cold"][0]["rows"].shape[0])
+  return float(np.mean(rows)), group.stats()["hot_fill"], group.hot_set()["t"]
+
+
+def test_hot_set_holds_the_rows_the_profile_saw(caplog):
+  """Why benchmarks/memory_tiers.py's hot_cold moved the same bytes at 5% and 20% budgets:
+  a hot set is picked among the rows its profile saw (a row never accessed has no claim),
+  and its 4-batch profile saw fewer rows than a 5% budget holds, so both budgets picked
+  the same rows. Here: a one-batch profile (at most 1024 ids) under both the 5% (1000
+  rows) and 20% (4000) budgets of a 20k-row table: the same hot set, the same cold lists,
+  hot_fill < 1, logged. A 40-batch profile fills both: the cold lists fall from 5% to 20%
+  (Zipf ids; the HLO's bytes follow the lists, test_host_link_bytes_follow_the_cold_ids)."""
+  batches = contract.zipf_ids(3, 80, 256, 4, 20_000)
+  with caplog.at_level(logging.INFO):
+    short = {b: _cold_rows_per_step(b, 1, batches) for b in (0.05, 0.2)}
+  assert "a longer profile_batches fills more" in caplog.text
+  np.testing.assert_array_equal(short[0.05][2], short[0.2][2])
+  assert short[0.05][0] == short[0.2][0]
+  assert short[0.05][1] < 1 and short[0.2][1] < 1
+  long = {b: _cold_rows_per_step(b, 40, batches) for b in (0.05, 0.2)}
+  show = lambda d: {k: v[:2] + (v[2].size,) for k, v in d.items()}  # noqa: E731
+  print("budget: (cold-list rows per step, hot_fill, hot rows), 1-batch profile:",
+        show(short), "40 batches:", show(long))  # fmt: skip
+  assert long[0.05][1] == 1 and long[0.2][1] == 1
+  assert long[0.05][0] > long[0.2][0]
+  assert short[0.05][0] > long[0.05][0]
+
+
 # ----------------------------------------------------------------------------- the split
 
 

@@ -273,6 +273,55 @@ def test_a_group_of_26_compiles_a_few_shapes_and_moves_its_misses():
   assert moved[0.01][2] > moved[0.05][2] > moved[0.2][2]
 
 
+def test_host_computations_touch_the_lists_not_the_batch_ids():
+  """The host computations of a 26-table group's step (gathers of both exchanges, their
+  assembly into one list, the write-back), as recgnn.step_model charges them: within a
+  constant of the lists' rows (x row bytes), whatever the batch's ids: each table's window
+  used to be its ids per batch whatever the misses (on benchmarks/memory_tiers.py's shapes,
+  26 x 2048 ids, a 5% cache: 33 MB a step, ~39x the lists' rows). The windows are now the
+  longest table segment of each list (bucketed), shorter than a batch's ids."""
+  from recgnn import step_model
+
+  t, n, warm = 26, 20_000, 60
+  specs = [_spec(n, DIM, name=f"t{i}") for i in range(t)]
+  data = [contract.zipf_ids(i, warm + 2, BATCH, BAG, n) for i in range(t)]
+  group = base.make_group("offload(cache_fraction=0.05, lookahead=1, exchange=bucket)", specs)
+  if not _offloaded(group):
+    pytest.skip("no pinned_host memory on this platform")
+  state = group.init(jax.random.key(0))
+  for k in range(warm):
+    p = group.prepare(
+      {f"t{i}": data[i][k] for i in range(t)}, [{f"t{i}": data[i][k + 1] for i in range(t)}]
+    )
+  (lists,) = p["lists"]
+  listed = sum(lists[k].shape[1] for k in ("now", "next"))
+  windows = {k: lists[f"{k}_win"].shape[1] for k in ("now", "next")}
+  assert 0 < windows["next"] < BATCH * BAG  # the window shrank below a batch's ids
+  for k in ("now", "next"):  # every table's segment fits its window
+    assert np.diff(lists[f"{k}_off"]).max() <= max(windows[k], 0)
+
+  def step(state, prepared):
+    pooled, residuals = group.lookup(state, prepared)
+    g = jax.grad(lambda q: sum(jnp.tanh(v).sum() for v in q.values()))(pooled)
+    return group.update(state, prepared, residuals, g)
+
+  put = contract.put_prepared(group, p, group.mesh)
+  text = jax.jit(step).lower(state, put).compile().as_text()
+  host = step_model.memory_access(text).host_bytes
+  row = specs[0].row_bytes
+  per_list_row = host / (listed * row)
+  per_id = host / (t * BATCH * BAG * row)
+  print(f"host bytes {host}, windows {windows}, lists {listed} rows: {per_list_row:.1f}x the "
+        f"lists' rows, {per_id:.2f}x the batch's ids' rows")  # fmt: skip
+  by = collections.Counter()
+  for b, _, shape, name in step_model.host_kernels(text):
+    by[name.rsplit("/", 1)[-1], shape.split("{")[0]] += b
+  print("host kernels' bytes by op:", by.most_common())
+  # (measured 13.0x: ~11 passes over the windows (gather, assembly, write-back) of ~1.1x the
+  # lists' rows; windows of the batch's ids made it ~3x that here)
+  assert per_list_row <= 16, by.most_common()
+
+
 # ----------------------------------------------------------------------------- (d) exactness
 
 

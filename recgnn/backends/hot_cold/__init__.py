@@ -72,11 +72,28 @@ Limits, and why:
     host and device computations on the same cores, so nothing overlaps there.
     tests/test_hot_cold_tiers.py checks the dependency on the step's HLO.
   - The cold rows of batch k are gathered in step k (once), not during step k - 1: the
-    gather overlaps the popular micro-batch only, not the previous step. Prefetching them
-    needs a device buffer in the state that carries batch k + 1's rows from step k to step
-    k + 1 (its size the batch's ids, which the state does not know at init), the rows step k
-    updates taken from its updated copy (as offload's NEXT_FROM_NOW), and no prefetch across
-    a migration: not built.
+    gather overlaps the popular micro-batch only, not the previous step. Not built; the
+    design (offload's next-batch loads, `recgnn/backends/offload/__init__.py`):
+      1. prepare(k) also lists batch k + 1's cold rows (`upcoming[0]`, which the trainer
+         already passes) as a second list per stack ("next": rows, off, win, bucketed by
+         its own sizer), unless a migration is planned with batch k (it changes k + 1's
+         layout; k + 1 then gathers on demand, as now), and gives each "next" entry its
+         position in batch k's list ("from_now", = Uc when absent).
+      2. The state gains, per stack, a device buffer of the longest "next" list (the sum of
+         the tables' cold caps: one batch's rows, known at init from the batch shape the
+         first prepare sees, or sized by an option) and its slots.
+      3. Step k reads "next" from the host tables as they came into the step (a host
+         computation depending on nothing the step computes; the write-back of k's cold
+         rows waits for it through an optimization barrier, as offload's update does), and
+         after k's update takes the entries with from_now < Uc from k's updated cold copy
+         (their host copy is stale until k's write-back, as offload's NEXT_FROM_NOW). A hot
+         row of k is never in k + 1's list: the layout changes only by a migration (1).
+      4. Step k + 1 reads its cold rows from the buffer, not the host (an empty "now"
+         list): two step programs (prefetched or on demand), picked by the prepared shapes.
+      5. Tests to add with it: exact vs dense on 1x1, 8x1, 2x4 over a stream whose
+         consecutive batches share cold rows, with a migration and an eval pass inside; the
+         HLO check that the next-batch gather depends on nothing the step computes
+         (tests/test_offload_tiers.py's); a stale read (from_now ignored) caught by it.
   - On a mesh the host table is split by rows and each device reads the whole cold list
     against its share (rows it does not own come back as zeros, a psum adds them): each
     device's link moves the list's indices to the host and the list's length of rows back,
@@ -170,6 +187,10 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     }
     grow = hot_set.SHRINK_AFTER
     self._cold_len = {t: [hot_set.Buckets(grow) for _ in self._stacks] for t in (True, False)}
+    # The window the step reads of each table's segment of the list: its longest segment,
+    # bucketed the same way. Windows of a batch's ids (whatever the hot set covers) made the
+    # host computations touch tables x ids rows, several times the list.
+    self._cold_win = {t: [hot_set.Buckets(grow) for _ in self._stacks] for t in (True, False)}
     self.cold_shapes: set[tuple[int, ...]] = set()  # the train steps' cold-list lengths seen
     owner = f"hot_cold (tables {', '.join(self.specs)})"
     self._syncer = host_cache.Syncer(self._flush, owner, "hot / cold")
@@ -452,12 +473,19 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       segs = [per[n][5] for n in names]
       off = np.cumsum([0] + [x.size for x in segs]).astype(np.int32)
       caps = [cold_cap(per[n][0].shape, self.specs[n]) for n in names]
+      most = max(int(np.diff(off).max()), 1)
       if self.options.cold_list == "fixed":
-        uc = sum(caps)
+        uc, win = sum(caps), max(caps)
       else:
         uc = self._cold_len[train][stack](max(int(off[-1]), 1), sum(caps))
+        win = min(self._cold_win[train][stack](most, max(caps)), uc)
       lengths.append(uc)
-      out["cold"].append({"rows": pad_to(np.concatenate(segs), uc, 0), "off": off})
+      out["cold"].append({
+        "rows": pad_to(np.concatenate(segs), uc, 0),
+        "off": off,
+        # (its shape only: the window the step reads per table, >= every segment)
+        "win": np.zeros((0, win), np.int32),
+      })  # fmt: skip
       for i, name in enumerate(names):
         x, valid, slot, hot, cold, cold_rows, cold_pos = per[name]
         r = self._rows[name]
@@ -485,7 +513,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     if any(m is not None for m in migrate.values()):
       # A new hot set changes every later batch's cold rows: their lists start over (the
       # next batch's need sets the length, instead of waiting out the old hot set's).
-      for b in self._cold_len[True]:
+      for b in (*self._cold_len[True], *self._cold_win[True]):
         b.reset()
     for name, t in out["tables"].items():
       t.update(self._pack_migration(name, migrate.get(name)))
@@ -542,10 +570,13 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     """Since the last call, per train step: popular_fraction (examples whose ids are all
     hot), hot_coverage (ids served by a hot row), rows / bytes host -> device and back
     (cold rows), the padded cold lists' rows and their distinct lengths so far, migrated
-    rows, micro-batch sizes (all devices), plan ms on the input thread. Eval batches:
+    rows, micro-batch sizes (all devices), plan ms on the input thread, hot_fill (hot rows /
+    the hot arrays' capacity, as later batches are prepared: below 1 when the profile saw
+    fewer rows than the budget holds, `HotSetPlanning._note_fill`). Eval batches:
     eval_popular_fraction, eval_hot_coverage."""
     c = self._counters.take()
-    out = {}
+    hot = sum(int((r.slot_row >= 0).sum()) for r in self._rows.values())
+    out = {"hot_fill": hot / max(sum(r.capacity for r in self._rows.values()), 1)}
     steps = c.get("steps", 0)
     if steps:
       out.update(

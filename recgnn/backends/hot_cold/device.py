@@ -69,10 +69,13 @@ class DeviceSteps:
       return None
     return tuple(mb["idx"] for mb in prepared["micro"])
 
-  def _caps(self, prepared, names) -> tuple[int, ...]:
-    """Each table's window in its stack's cold list (static: from the batch's shape)."""
+  def _caps(self, prepared, names, stack) -> tuple[int, ...]:
+    """Each table's window in its stack's cold list (static): its most cold rows (from the
+    batch's shape), at most the list's window (the shape of its "win", `prepare`)."""
+    win = prepared["cold"][stack]["win"].shape[1]
     return tuple(
-      hot_set.cold_cap(prepared["tables"][n]["cold_ids"].shape, self.specs[n]) for n in names
+      min(hot_set.cold_cap(prepared["tables"][n]["cold_ids"].shape, self.specs[n]), win)
+      for n in names
     )
 
   def _cold(self, state, prepared) -> dict:
@@ -88,7 +91,7 @@ class DeviceSteps:
       keys = ("table", *self.specs[names[0]].optimizer.slot_names())
       tables = [{k: state["tables"][n]["host"][k] for k in keys} for n in names]
       lst = prepared["cold"][stack]
-      caps = self._caps(prepared, names)
+      caps = self._caps(prepared, names, stack)
       got, m = self.host.gather_segments(tables, lst["rows"], lst["off"], caps)
       rows.append(got)
       moved.append(m)
@@ -201,7 +204,7 @@ class DeviceSteps:
     got = residuals["rows"][stack]
     uc = lst["rows"].shape[0]
     off = lst["off"]
-    caps = self._caps(prepared, names)
+    caps = self._caps(prepared, names, stack)
     for i, name in enumerate(names):
       spec, p = self.specs[name], prepared["tables"][name]
       count = p.get("count") if spec.pooling == "mean" else None

@@ -15,6 +15,7 @@ import dataclasses
 import zlib
 
 import numpy as np
+from absl import logging
 
 from recgnn.embeddings import access_counts as profile
 from recgnn.embeddings import base, host_cache
@@ -125,6 +126,7 @@ class HotSetPlanning:
       window = self.options.reprofile if self._picked else self.options.profile_batches
       if self._since_pick >= window:
         self._pending = self._choose({n: r.profile for n, r in self._rows.items()}).rows
+        self._note_fill(self._pending, window)
         for r in self._rows.values():
           r.profile.reset()
         self._since_pick, self._picked = 0, True
@@ -138,6 +140,21 @@ class HotSetPlanning:
     # popular micro-batch size again.
     self._p0 = {}
     return out
+
+  def _note_fill(self, chosen: dict[str, np.ndarray], window: int) -> None:
+    """Log a hot set that fills less of the hot arrays than the budget allows. Only rows the
+    profile saw can be picked (a row never accessed has no claim over another), so a window
+    of fewer accesses than the budget's rows leaves slots empty: a larger budget then picks
+    the same rows and moves the same cold rows (benchmarks/memory_tiers.py's 4-batch profile
+    did, at 5% and 20%). `stats()["hot_fill"]` reports it per step."""
+    rows = sum(int(x.size) for x in chosen.values())
+    cap = sum(r.capacity for r in self._rows.values())
+    if rows < cap:
+      logging.info(
+        "hot_cold: the profile of %d batch(es) saw %d distinct row(s) of the hot set's %d "
+        "slots: the hot set holds those (%.0f%% full); a longer profile_batches fills more",
+        window, rows, cap, 100 * rows / max(cap, 1),
+      )  # fmt: skip
 
   @staticmethod
   def _migrate(r: TableRows, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

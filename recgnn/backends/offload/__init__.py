@@ -34,7 +34,10 @@ from the evicted cache row instead.
 Exchange sizes (`OffloadOptions.exchange`): the group lays every table's exchange in ONE list
 per row layout (dim, optimizer) and direction, table after table with offsets ("now_off",
 "next_off"); one host computation reads each list (every table's rows: each table reads a
-static window of its ids per batch at its offset, inside the host computation) and one writes
+static window at its offset, inside the host computation: the list's longest table segment,
+bucketed with hysteresis ("now_win" / "next_win" carry it as a shape), not the table's ids
+per batch, so the host touches ~11 passes over ~1.1x the list's rows, never O(ids) or O(N):
+tests/test_offload_tiers.py, and recgnn.step_model.host_kernels lists them) and one writes
 both lists' victims back (`host_table.HostTable.gather_segments` / `scatter_lists`). With
 `exchange=bucket` (the default) a list is as long as the group's real misses, rounded up to an
 eighth-octave bucket with hysteresis (`cache_plan.Sizer`): host-link bytes follow the hit rate

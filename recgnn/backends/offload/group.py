@@ -79,6 +79,11 @@ class OffloadGroup(base.TableGroup):
       {k: Sizer(cache_plan.PATIENCE, start_at_cap=True) for k in ("now", "next")}
       for _ in self._stacks
     ]
+    # Each list's window: the most entries one table has in it (`_window_width`).
+    self._win_sizers = [
+      {k: Sizer(cache_plan.PATIENCE, start_at_cap=True) for k in ("now", "next")}
+      for _ in self._stacks
+    ]
     members = list(self.members.values())
     if not members or any(m._planner is None for m in members):
       return
@@ -175,8 +180,10 @@ class OffloadGroup(base.TableGroup):
     """ids {table: int[B, L]} -> {"tables": {table: {"rows": the table's prepared batch
     (`Offload.prepare`, its exchanges moved to the lists), "count": int32[B] (mean
     pooling)}}, "lists": per row layout (`host_table.layouts`), {"now": int32[4, Wn],
-    "now_off": int32[T + 1], "next": int32[5, Wx], "next_off": int32[T + 1]}: every table's
-    exchange in one list (table i's at [off[i], off[i + 1]), its own rows and slots)}."""
+    "now_off": int32[T + 1], "now_win": int32[0, wn], "next": int32[5, Wx], "next_off":
+    int32[T + 1], "next_win": int32[0, wx]}: every table's exchange in one list (table i's
+    at [off[i], off[i + 1]), its own rows and slots); `*_win` carries, as its shape only,
+    the window the step reads per table (`_window_width`)}."""
     per = None
     if train and self._flat is not None and hostplan.enabled():
       per = self._prepare_fast(ids, list(upcoming))
@@ -208,6 +215,23 @@ class OffloadGroup(base.TableGroup):
       return sizer.hold(cap) if steady else 0
     return sizer(need, cap)
 
+  def _window_width(self, stack: int, kind: str, most: int, width: int, cap: int, train: bool):
+    """The static window the step reads of each table's segment of a list (at most the
+    table's ids per batch): at least `most`, the longest segment of this list. Why: the step
+    reads and writes each table's window in the host computation, so windows of a batch's
+    ids (26 tables x 2048 ids at batch 2048, whatever the misses) made the host touch ~8x the
+    rows the list carries (tests/test_offload_tiers.py measures it); sized by the longest
+    segment (bucketed with hysteresis as the list, <= the list's length), the host touches
+    about the tables x the longest segment. `fixed` and eval keep the ids' window."""
+    mode = next(iter(self.members.values())).options.exchange
+    if width == 0:
+      return 0
+    if mode == "fixed" or not train:
+      return cap
+    if mode == "pow2":
+      return min(_bucket(most), cap, width)
+    return min(self._win_sizers[stack][kind](most, cap), width)
+
   def _lists(self, per: dict, train: bool) -> dict:
     """Move each table's exchanges (exact lengths) into its layout's lists."""
     lists = []
@@ -216,6 +240,7 @@ class OffloadGroup(base.TableGroup):
       rows = [per[n]["rows"] for n in names]
       planned = [r.pop(PLANNED) for r in rows]
       caps = [min(r["ids"].size, self.members[n].cache_rows) for n, r in zip(names, rows)]
+      ids_caps = [r["ids"].size for r in rows]
       entry = {}
       for j, (kind, fill) in enumerate((("now", FILL[:4]), ("next", FILL))):
         parts = [r.pop(kind) for r in rows]
@@ -228,6 +253,9 @@ class OffloadGroup(base.TableGroup):
         lst = np.repeat(np.asarray(fill, np.int32)[:, None], width, axis=1)
         lst[:, : off[-1]] = np.concatenate(parts, axis=1)
         entry[kind], entry[f"{kind}_off"] = lst, off
+        most = int(np.diff(off).max()) if len(off) > 1 else 0
+        win = self._window_width(stack, kind, most, width, max(ids_caps), train)
+        entry[f"{kind}_win"] = np.zeros((0, win), np.int32)
         if train:
           padded += width
           # Each table's share of the list (its rows and of the padding, by its rows), so
@@ -280,9 +308,11 @@ class OffloadGroup(base.TableGroup):
 
   # -- the step: one host read per exchange, one write-back, for every table of a layout
 
-  def _caps(self, prepared, names) -> list[int]:
-    """Each table's window in its layout's lists: its ids per batch (static)."""
-    return [int(np.prod(prepared["tables"][n]["rows"]["ids"].shape)) for n in names]
+  def _caps(self, prepared, names, lists, kind) -> list[int]:
+    """Each table's window in a list of its layout (static): its ids per batch, at most the
+    list's window (`_window_width`, the shape of `lists[kind + "_win"]`)."""
+    win = lists[f"{kind}_win"].shape[1]
+    return [min(int(np.prod(prepared["tables"][n]["rows"]["ids"].shape)), win) for n in names]
 
   @staticmethod
   def _padded(lst, values, pad: int):
@@ -329,12 +359,13 @@ class OffloadGroup(base.TableGroup):
     to keep the old values; XLA:CPU fuses host gathers into their consumers)."""
     pooled, residuals = {}, []
     for stack, names in enumerate(self._stacks):
-      lists, caps = prepared["lists"][stack], self._caps(prepared, names)
+      lists = prepared["lists"][stack]
       host = self.members[names[0]].host
       hosts = [state[n]["host"] for n in names]
       res = {}
       for kind in ("next", "now"):
         if lists[kind].shape[1]:
+          caps = self._caps(prepared, names, lists, kind)
           got, _ = host.gather_segments(hosts, lists[kind][LOAD_ROWS], lists[f"{kind}_off"], caps)
           res[kind] = jax.lax.optimization_barrier(got)
       residuals.append(res)
@@ -353,14 +384,14 @@ class OffloadGroup(base.TableGroup):
     the barrier (read once, never again)."""
     out = {}
     for stack, names in enumerate(self._stacks):
-      lists, caps = prepared["lists"][stack], self._caps(prepared, names)
+      lists = prepared["lists"][stack]
+      caps = {k: self._caps(prepared, names, lists, k) for k in ("now", "next")}
       now, nxt = lists["now"], lists["next"]
       back = (now[EVICT_ROWS], nxt[EVICT_ROWS])
       back, res = jax.lax.optimization_barrier((back, residuals[stack]))
       victims = {"now": [], "next": []}
-      pad = max(caps) if len(names) > 1 else 0
       padded = {
-        kind: self._padded(lists[kind], res[kind], pad)
+        kind: self._padded(lists[kind], res[kind], max(caps[kind]) if len(names) > 1 else 0)
         for kind in ("now", "next")
         if lists[kind].shape[1]
       }
@@ -369,7 +400,9 @@ class OffloadGroup(base.TableGroup):
         g, rows, count = sharding.replicate((grads[n], p["rows"], p.get("count")), self.mesh)
         g = base.unpool(g, count, rows["ids"].shape[1])
         ex = {
-          kind: self._window(padded[kind][0], lists[f"{kind}_off"], i, caps[i], m, padded[kind][1])
+          kind: self._window(
+            padded[kind][0], lists[f"{kind}_off"], i, caps[kind][i], m, padded[kind][1]
+          )
           for kind in padded
         }
         out[n], ev_now, ev_next = m.apply(state[n], rows, g, ex.get("now"), ex.get("next"))
@@ -380,10 +413,10 @@ class OffloadGroup(base.TableGroup):
         if lists[kind].shape[1]:
           off, parts = lists[f"{kind}_off"], victims[kind]
           values = parts[0] if len(parts) == 1 else host_table.assemble(parts, off, b.shape[0])
-          writes.append((b, off, values))
+          writes.append((b, off, values, caps[kind]))
       if writes:
         host = self.members[names[0]].host
-        new = host.scatter_lists([state[n]["host"] for n in names], writes, caps)
+        new = host.scatter_lists([state[n]["host"] for n in names], writes)
         out.update({n: {**out[n], "host": h} for n, h in zip(names, new)})
     return out
 
