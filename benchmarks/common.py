@@ -261,8 +261,8 @@ def trainer_process(
 ) -> list[float]:
   """One `run.py` training run of `experiment` as its own process, from `root` (this tree or
   an --against commit's), with `--config.K=V` for each of `flags` and run.py's own `args`;
-  the samples/s of its logged intervals after the first (which holds the compile). Exits with
-  the run's last lines if it fails or logs no steady interval."""
+  the samples/s of its logged intervals after the first that compiled no new program. Exits
+  with the run's last lines if it fails or logs no steady interval."""
   cmd = [sys.executable, os.path.join(root, "run.py"), f"--experiment={experiment}",
          f"--workdir={workdir}", *[f"--config.{k}={v}" for k, v in flags.items()],
          *args]  # fmt: skip
@@ -271,8 +271,17 @@ def trainer_process(
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
     raise SystemExit(f"{experiment} in {root} failed (exit {proc.returncode}):\n{tail}")
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    rates = [json.loads(x).get("samples_per_second") for x in f if x.strip()]
-  steady = [r for r in rates if r is not None][1:]
+    lines = [json.loads(x) for x in f if x.strip()]
+  lines = [x for x in lines if x.get("samples_per_second") is not None]
+  # Steady intervals: after the first, those in which the run compiled no new train-step
+  # program (`link/programs` did not grow; a memory tier's lists settle over its warm-up);
+  # all after the first where the run does not log it.
+  progs = [x.get("link/programs") for x in lines]
+  steady = [
+    x["samples_per_second"]
+    for i, x in enumerate(lines)
+    if i > 0 and (progs[i] is None or progs[i] == progs[i - 1])
+  ]
   if not steady:
     raise SystemExit(f"{experiment} in {workdir}: no steady interval logged; raise the steps")
   return steady

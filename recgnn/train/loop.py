@@ -298,6 +298,7 @@ def _train_in(
   examples = 0  # train examples since the last log (batches may vary in size)
   interval_steps = 0  # train steps since the last log
   interval_step_s: list[float] = []  # seconds per step of each logged interval
+  interval_programs: list[int] = []  # train-step programs compiled by the end of each
   profiling = False
   interrupted = False
   phase.done = True  # from here on an error is the run's, not the configuration's
@@ -357,6 +358,7 @@ def _train_in(
             scalars = {k: float(np.mean([h[k] for h in host])) for k in host[0]}
             rate = examples / max(now - t_last, 1e-9)
             interval_step_s.append((now - t_last) / max(interval_steps, 1))
+            interval_programs.append(traffic.programs)
             examples = interval_steps = 0
             scalars["samples_per_second"] = rate
             for g in plan.groups.values():
@@ -427,7 +429,7 @@ def _train_in(
     results.update({f"emb/{key}/{k}": v for k, v in group.report(state.emb[key]).items()})
   if run.prediction is not None and main:
     report = plan_report_lib.build(
-      run.prediction, plan, state.emb, interval_step_s, traffic.scalars()
+      run.prediction, plan, state.emb, interval_step_s, interval_programs, traffic.scalars()
     )
     with open(os.path.join(workdir, "plan_report.json"), "w") as f:
       json.dump(report, f, indent=2)

@@ -5,9 +5,10 @@ host the planner predicted (the backends' own `memory()` before allocation) agai
 bytes the trained state holds (read from its arrays, by memory kind), and the group's share
 of the predicted step (its tables' measured steps); for the whole step, the predicted time
 (the model part + the tables' steps, `recgnn.embeddings.auto_plan.PlanChoice`) against the
-measured median time per step of the run's logged intervals after the first (the first
-holds the compile), and the host-link and collective bytes per step the compiled program
-moves (`recgnn.train.traffic`). Written to workdir/plan_report.json and printed.
+measured median time per step of the run's logged intervals that compiled no program (the
+steady step; how many programs were compiled is reported beside it), and the host-link and
+collective bytes per step the compiled program moves (`recgnn.train.traffic`). Written to
+workdir/plan_report.json and printed.
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ def held_bytes(state_of_group: Any) -> tuple[int, int]:
   return max(device.values(), default=0), max(host.values(), default=0)
 
 
-def measured_step_s(interval_step_s: list[float]) -> float | None:
-  """The median seconds per step of the logged intervals after the first (which holds the
-  compile); all of them when there is one."""
-  if not interval_step_s:
-    return None
+def steady_intervals(interval_step_s: list[float], programs: list[int]) -> tuple[list[float], str]:
+  """The logged intervals in which no train-step program was compiled (the program count at
+  their end equals the one before; the first interval always compiles), and which rule chose
+  them. When every interval held a compile: those after the first, said so."""
+  steady = [s for i, s in enumerate(interval_step_s) if i > 0 and programs[i] == programs[i - 1]]
+  if steady:
+    return steady, f"{len(steady)} of {len(interval_step_s)} logged intervals compiled nothing"
   rest = interval_step_s[1:] or interval_step_s
-  return statistics.median(rest)
+  return rest, "every logged interval compiled a program: their median after the first"
 
 
 def build(
@@ -52,6 +55,7 @@ def build(
   plan: base.Plan,
   emb_state: dict[str, Any],
   interval_step_s: list[float],
+  interval_programs: list[int],
   traffic: dict[str, float],
 ) -> dict:
   """The report as a dict (what plan_report.json holds)."""
@@ -71,7 +75,8 @@ def build(
       "table_step_s": {c.table: c.step_s for c in chosen},  # as timed (dispatch included)
       "predicted_prepare_s": sum(c.prepare_s for c in chosen),
     }
-  measured = measured_step_s(interval_step_s)
+  steady, rule = steady_intervals(interval_step_s, interval_programs)
+  measured = statistics.median(steady) if steady else None
   predicted = prediction.predicted_step_s
   return {
     "objective": prediction.objective,
@@ -80,7 +85,9 @@ def build(
     "dispatch_s": prediction.dispatch_s,
     "measured_step_s": measured,
     "predicted_over_measured": None if not measured else predicted / measured,
+    "measured_from": rule,
     "interval_step_s": interval_step_s,
+    "interval_programs": interval_programs,
     "link": traffic,
     "groups": groups,
   }
@@ -95,7 +102,7 @@ def describe(report: dict) -> str:
     f"plan report: step predicted {report['predicted_step_s'] * 1e3:.2f} ms "
     + (f"(model part {model * 1e3:.2f} ms) " if model is not None else "")
     + (
-      f"vs measured {m * 1e3:.2f} ms (median of the logged intervals after the first): {ratio:.2f}x"
+      f"vs measured {m * 1e3:.2f} ms (median; {report['measured_from']}): {ratio:.2f}x"
       if m
       else "(no step measured)"
     ),  # fmt: skip
