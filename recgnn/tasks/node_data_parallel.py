@@ -20,8 +20,11 @@ besides the state and the graph (placed once), and runs:
            batch), so the dense gradients are all-reduced by the psum's transpose and the
            table's update gets each device's d loss / d rows
 
-The trainer runs it with sampler.data_parallel=true, k = 1 (`DeviceSamples.trainer_step`,
-through `Task.train_step` / `Task.step_inputs`); `DataParallelSage` runs k steps per call.
+The trainer runs it with sampler.data_parallel=true (`DeviceSamples.trainer_step`, through
+`Task.train_step` / `Task.step_inputs`), k = sampler.steps_per_call steps per call (default
+1; the loop counts k steps per call); `DataParallelSage` runs it outside the trainer. Step
+s's mini-batches are drawn with step s's key whichever call samples them, so k steps per
+call train bit-identically to k calls of one step (tested).
 
 Bytes between devices per step (read from the compiled step: `step_bytes`): the dense
 gradient all-reduce, the loss / metric sums, with a learnable replicated table its update's
@@ -123,8 +126,8 @@ class DataParallelLoss:
 
 class DeviceSamples:
   """Every device's mini-batches, sampled and built on the device: the one mechanism of
-  `DataParallelSage` (k steps per call) and of the trainer's data-parallel node
-  classification (`NodeClassification.train_step`, one step per call).
+  `DataParallelSage` and of the trainer's data-parallel node classification
+  (`NodeClassification.train_step`), k steps per call.
 
   n = mesh.size devices, b = ceil(B / n) seeds each of the task's global batch B; the
   sampler is the task's law on the device (`where="device"`) for b seeds, over
@@ -136,9 +139,9 @@ class DeviceSamples:
       each), every hop's neighbour reads exchanged between the devices (sampler.
       split_exchange: reduce_scatter or all_to_all), each device keeping its own batches.
 
-  Device d's k batches are batches d k .. d k + k - 1 of one call over all n k (their keys:
-  `device_sampling._batch_uniforms`), so both give exactly the sample one device draws for
-  every device's seeds with the same key (tested)."""
+  Device d's batch of step s draws with fold_in(step s's key, d) (`device_sampling.
+  batch_keys`): in both, step s's batches are exactly the sample one device draws for every
+  device's seeds of step s with step s's key (tested), however many steps one call samples."""
 
   def __init__(self, task: nc.NodeClassification, mesh: jax.sharding.Mesh):
     self.task, self.mesh = task, mesh
@@ -176,12 +179,30 @@ class DeviceSamples:
       out["features"] = np.asarray(g.features, np.float32)
     return out
 
-  def sample(self, graph, seeds, key):
-    """seeds int32[n, k, b] (split over the devices on axis 0) -> every device's k
+  def seeds(self, step: int, k: int) -> np.ndarray:
+    """int32[n, k, b]: device d's seeds of steps step .. step + k - 1 (each step's global
+    batch, `task.train_seeds`, -1 padded to n b and split into n slices of b)."""
+    n, b = self.devices, self.per_device
+    out = np.full((k, n * b), -1, np.int32)
+    for i in range(k):
+      seeds = self.task.train_seeds(step + i)
+      out[i, : seeds.size] = seeds
+    return out.reshape(k, n, b).transpose(1, 0, 2)
+
+  def sample(self, graph, seeds, keys):
+    """seeds int32[n, k, b] (split over the devices on axis 0), keys key[k] (step i's
+    sampling key; device d's batch of step i draws with fold_in(keys[i], d), so a step's
+    batches do not depend on how many steps its call samples) -> every device's k
     mini-batches, sampled and built on the device: (batch leaves [k, n * X] split on axis 1,
-    int32[2]: sampled edges and dropped neighbours of all devices)."""
+    {"sampled_edges": int32[k] per step, "dropped": int32[] neighbours dropped in the
+    call}, both over all devices)."""
     rest = {name: v for name, v in graph.items() if name != "sampler"}
     make = functools.partial(nc.make_batch, self.task.inputs, xp=jnp)
+    n, k, b = seeds.shape
+    # keys[d, i] = fold_in(keys[i], d): the key of device d's batch of step i.
+    per_device = jax.vmap(lambda d: jax.vmap(lambda key: jax.random.fold_in(key, d))(keys))(
+      jnp.arange(n, dtype=jnp.int32)
+    )
 
     def build(rest, nodes, layers, seeds):  # one device's k batches
       return jax.vmap(
@@ -189,10 +210,10 @@ class DeviceSamples:
       )(nodes, layers, seeds)
 
     if self.split:
-      n, k, b = seeds.shape
-      # [n k, b] split on axis 0: device d holds its own k batches, d k .. d k + k - 1.
+      # [n k, b] split on axis 0: device d holds its own k batches, d k .. d k + k - 1, and
+      # every batch's key (replicated: each hop draws the uniforms of the rows it serves).
       nodes, layers, edges, dropped = self.sampler.sample_arrays(
-        *graph["sampler"], seeds.reshape(n * k, b), key
+        *graph["sampler"], seeds.reshape(n * k, b), per_device.reshape(n * k)
       )
 
       @functools.partial(
@@ -206,40 +227,45 @@ class DeviceSamples:
         return build(rest, nodes, layers, seeds[0])
 
       batches = local_build(rest, nodes, layers, seeds)
-      return batches, jnp.stack([jnp.sum(edges), dropped.astype(jnp.int32)])
+      edges = jnp.sum(edges.reshape(n, k, -1), axis=(0, 2), dtype=jnp.int32)
+      return batches, {"sampled_edges": edges, "dropped": dropped.astype(jnp.int32)}
 
     @functools.partial(
       jax.shard_map,
       mesh=self.mesh,
-      in_specs=(P(), P(BATCH), P()),
-      out_specs=(P(None, BATCH), P(BATCH)),
+      in_specs=(P(), P(BATCH), P(BATCH)),
+      out_specs=(P(None, BATCH), P(BATCH), P(BATCH)),
       # The sampler's loops mix per-device and replicated values; nothing here is
       # differentiated or reduced across devices.
       check_vma=False,
     )
-    def local(graph, seeds, key):
-      seeds = seeds[0]  # [k, b]
-      first = jax.lax.axis_index(BATCH) * seeds.shape[0]
-      nodes, layers, edges, dropped = self.sampler.sample_arrays(
-        *graph["sampler"], seeds, key, first
-      )
-      stats = jnp.stack([jnp.sum(edges), dropped])[None]
-      return build(graph, nodes, layers, seeds), stats
+    def local(graph, seeds, keys):
+      seeds, keys = seeds[0], keys[0]  # [k, b], key[k]
+      nodes, layers, edges, dropped = self.sampler.sample_arrays(*graph["sampler"], seeds, keys)
+      edges = jnp.sum(edges, axis=1, dtype=jnp.int32)[None]  # [1, k]
+      return build(graph, nodes, layers, seeds), edges, dropped.astype(jnp.int32)[None]
 
-    batches, stats = local(graph, seeds, key)
-    return batches, jnp.sum(stats, axis=0)
+    batches, edges, dropped = local(graph, seeds, per_device)
+    return batches, {"sampled_edges": jnp.sum(edges, axis=0), "dropped": jnp.sum(dropped)}
 
   def make_step(self, plan: emb_base.Plan, tx):
-    """-> step(state, graph, seeds int32[n, k, b]) -> (state, metrics): k train steps, the
-    k mini-batches of every device sampled in one bulk call (key fold_in(fold_in(state.key,
-    SAMPLING), state.step)), then a lax.scan of the trainer's step with the loss as one
-    shard_map (`DataParallelLoss`) and the node ids prepared on the device."""
+    """-> step(state, graph, seeds int32[n, k, b]) -> (state, metrics [k] per step): k train
+    steps, the k mini-batches of every device sampled in one bulk call (step s's sampling
+    key fold_in(fold_in(state.key, SAMPLING), s), whichever call samples it: k steps per
+    call train exactly as k calls of one step), then a lax.scan of the trainer's step with
+    the loss as one shard_map (`DataParallelLoss`) and the node ids prepared on the device.
+    metrics: the task's loss and aux per step, sampled_edges per step, and the call's
+    dropped neighbours counted at its last step (the sampler counts them per call)."""
     check_plan(plan)
     train = step_lib.make_train_step(DataParallelLoss(self.task, self.mesh), plan, tx)
 
     def step(state, graph, seeds):
-      key = jax.random.fold_in(jax.random.fold_in(state.key, SAMPLING), state.step)
-      batches, stats = self.sample(graph, seeds, key)
+      k = seeds.shape[1]
+      base = jax.random.fold_in(state.key, SAMPLING)
+      keys = jax.vmap(lambda i: jax.random.fold_in(base, state.step + i))(
+        jnp.arange(k, dtype=state.step.dtype)
+      )
+      batches, stats = self.sample(graph, seeds, keys)
 
       def one(state, batch):
         batch = dict(batch)
@@ -247,24 +273,24 @@ class DeviceSamples:
         return train(state, prepared, batch)
 
       state, metrics = jax.lax.scan(one, state, batches)
-      metrics = {k: jnp.mean(v) for k, v in metrics.items()}
-      metrics["sampled_edges"], metrics["dropped"] = stats[0], stats[1]
+      metrics["sampled_edges"] = stats["sampled_edges"]
+      metrics["dropped"] = jnp.zeros(k, jnp.int32).at[-1].set(stats["dropped"])
       return state, metrics
 
     return step
 
   def trainer_step(self, plan: emb_base.Plan, tx):
     """The trainer's step (`Task.train_step`): (state, prepared, batch, graph) -> (state,
-    metrics), one step per call. batch["seeds"] int32[n * b] split over the devices (device d:
-    seeds [d * b, (d + 1) * b) of the step's padded global batch, as `DataParallelSage.seeds`
-    gives them); `prepared` holds nothing (the batch's node-id bags have width 0: the ids
-    exist only on the device)."""
+    metrics [k]), k = sampler.steps_per_call steps per call. batch["seeds"] int32[n * k * b]
+    split over the devices: device d's slice is its seeds of the call's k steps, [k, b]
+    (`seeds`, flattened); `prepared` holds nothing (the batch's node-id bags have width 0:
+    the ids exist only on the device)."""
     step = self.make_step(plan, tx)
     n, b = self.devices, self.per_device
 
     def train(state, prepared, batch, graph):
       del prepared
-      return step(state, graph, batch["seeds"].reshape(n, 1, b))
+      return step(state, graph, batch["seeds"].reshape(n, -1, b))
 
     return train
 
@@ -272,7 +298,7 @@ class DeviceSamples:
 class DataParallelSage:
   """Data-parallel GraphSAGE training of a `NodeClassification` task (see the module),
   k steps per call, outside the trainer (benchmarks, tests; the trainer runs the same
-  `DeviceSamples` one step per call with sampler.data_parallel=true).
+  `DeviceSamples.make_step` with sampler.data_parallel=true, k = sampler.steps_per_call).
 
   Args:
     task: the node task (its graph, model, loss, eval batches; built on `mesh`).
@@ -323,17 +349,12 @@ class DataParallelSage:
     return self.samples.graph_arrays()
 
   def seeds(self, step: int) -> np.ndarray:
-    """int32[n, k, b]: device d's seeds of steps step .. step + k - 1 (the trainer's global
-    batch of each step, `task.train_seeds`, split into n slices of b)."""
-    n, b = self.devices, self.per_device
-    out = np.full((self.k, n * b), -1, np.int32)
-    for i in range(self.k):
-      seeds = self.task.train_seeds(step + i)
-      out[i, : seeds.size] = seeds
-    return out.reshape(self.k, n, b).transpose(1, 0, 2)
+    """int32[n, k, b]: device d's seeds of steps step .. step + k - 1 (`DeviceSamples.seeds`,
+    as the trainer's batches hold them)."""
+    return self.samples.seeds(step, self.k)
 
-  def _sample(self, graph, seeds, key):
-    return self.samples.sample(graph, seeds, key)
+  def _sample(self, graph, seeds, keys):
+    return self.samples.sample(graph, seeds, keys)
 
   def _eval_step(self, state, batch):
     batch = dict(batch)
@@ -351,7 +372,7 @@ class DataParallelSage:
 
   def train(self, steps: int, log_every: int = 0, log=print) -> dict:
     """Run `steps` train steps (rounded up to calls of k) from the state's step; -> the last
-    call's metrics (host floats)."""
+    call's metrics, each the mean over its k steps (host floats)."""
     step = int(self.state.step)
     metrics = {}
     for call in range(-(-steps // self.k)):
@@ -359,8 +380,8 @@ class DataParallelSage:
       self.state, metrics = self.step(self.state, self.graph, seeds)
       step += self.k
       if log_every and (call + 1) % max(log_every // self.k, 1) == 0:
-        log(f"step {step}: " + ", ".join(f"{k} {float(v):.4g}" for k, v in metrics.items()))
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+        log(f"step {step}: " + ", ".join(f"{k} {np.mean(v):.4g}" for k, v in metrics.items()))
+    return {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items()}
 
   def evaluate(self, split: str) -> dict[str, float]:
     """The task's metrics on `split` with the current params and tables."""
