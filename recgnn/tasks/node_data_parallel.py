@@ -372,7 +372,8 @@ class DataParallelSage:
 
   def train(self, steps: int, log_every: int = 0, log=print) -> dict:
     """Run `steps` train steps (rounded up to calls of k) from the state's step; -> the last
-    call's metrics, each the mean over its k steps (host floats)."""
+    call's metrics (host floats): sampled_edges and dropped its totals, the others the mean
+    over its k steps."""
     step = int(self.state.step)
     metrics = {}
     for call in range(-(-steps // self.k)):
@@ -381,7 +382,10 @@ class DataParallelSage:
       step += self.k
       if log_every and (call + 1) % max(log_every // self.k, 1) == 0:
         log(f"step {step}: " + ", ".join(f"{k} {np.mean(v):.4g}" for k, v in metrics.items()))
-    return {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items()}
+    totals = ("sampled_edges", "dropped")
+    return {
+      k: float(np.sum(v) if k in totals else np.mean(v)) for k, v in jax.device_get(metrics).items()
+    }
 
   def evaluate(self, split: str) -> dict[str, float]:
     """The task's metrics on `split` with the current params and tables."""
