@@ -7,12 +7,14 @@ and trains its own mini-batches. One jitted call takes only seed ids, int32[n, k
 d's seeds of the next k steps, b = ceil(B / n) of the global batch B each, -1 = padding),
 besides the state and the graph (placed once), and runs:
 
-  sample   (`DeviceSamples`) device d samples its k mini-batches in one bulk call of the
-           device sampler, over its replica of the graph (no communication) or over the
-           graph's rows split over the devices (each hop's reads exchanged), and builds its
-           batches there (`node_classification.make_batch`, features gathered on the
-           device): [k, n * X] arrays split over the devices on axis 1, which never leave them
+  sample   (`DeviceSamples.sample_nodes`) device d samples its k mini-batches in one bulk
+           call of the device sampler, over its replica of the graph (no communication) or
+           over the graph's rows split over the devices (each hop's reads exchanged): their
+           node ids, [k, n * X] arrays split over the devices on axis 1, which never leave them
   k steps  (lax.scan, the trainer's own step, `recgnn.train.step.make_train_step`) per step:
+           its batch built on each device from its sampled ids (`DeviceSamples.build`,
+           `node_classification.make_batch`: features gathered there, one step's at a time,
+           so a call holds one step's frontier features per device, not k steps'),
            the rows of each device's sampled nodes through the embedding plan
            (`device_prepared`: the ids stay batch-split, so a replicated `dense` table is
            read where it is), the loss as one shard_map (`DataParallelLoss`: each device the
@@ -189,26 +191,19 @@ class DeviceSamples:
       out[i, : seeds.size] = seeds
     return out.reshape(k, n, b).transpose(1, 0, 2)
 
-  def sample(self, graph, seeds, keys):
-    """seeds int32[n, k, b] (split over the devices on axis 0), keys key[k] (step i's
-    sampling key; device d's batch of step i draws with fold_in(keys[i], d), so a step's
-    batches do not depend on how many steps its call samples) -> every device's k
-    mini-batches, sampled and built on the device: (batch leaves [k, n * X] split on axis 1,
-    {"sampled_edges": int32[k] per step, "dropped": int32[] neighbours dropped in the
-    call}, both over all devices)."""
-    rest = {name: v for name, v in graph.items() if name != "sampler"}
-    make = functools.partial(nc.make_batch, self.task.inputs, xp=jnp)
+  def sample_nodes(self, graph, seeds, keys):
+    """The bulk sampling of k steps: seeds int32[n, k, b] (split over the devices on axis
+    0), keys key[k] (step i's sampling key; device d's batch of step i draws with
+    fold_in(keys[i], d), so a step's batches do not depend on how many steps its call
+    samples) -> (sample: every device's k mini-batches' sampled ids, {"nodes": int32[k, n *
+    n_L], "layers": the sampler's layer arrays [k, n * n_l, ...], "seeds": int32[k, n * b]},
+    all split over the devices on axis 1; stats: {"sampled_edges": int32[k] per step,
+    "dropped": int32[] neighbours dropped in the call}, over all devices)."""
     n, k, b = seeds.shape
     # keys[d, i] = fold_in(keys[i], d): the key of device d's batch of step i.
     per_device = jax.vmap(lambda d: jax.vmap(lambda key: jax.random.fold_in(key, d))(keys))(
       jnp.arange(n, dtype=jnp.int32)
     )
-
-    def build(rest, nodes, layers, seeds):  # one device's k batches
-      return jax.vmap(
-        lambda x, lay, s: make(x, lay, s, features=rest.get("features"), labels=rest["labels"])
-      )(nodes, layers, seeds)
-
     if self.split:
       # [n k, b] split on axis 0: device d holds its own k batches, d k .. d k + k - 1, and
       # every batch's key (replicated: each hop draws the uniforms of the rows it serves).
@@ -216,19 +211,16 @@ class DeviceSamples:
         *graph["sampler"], seeds.reshape(n * k, b), per_device.reshape(n * k)
       )
 
+      # Device d's [k, ...] arrays as its slice of [k, n * ...] (axis 1): no data moves.
       @functools.partial(
-        jax.shard_map,
-        mesh=self.mesh,
-        in_specs=(P(), P(BATCH), P(BATCH), P(BATCH)),
-        out_specs=P(None, BATCH),
-        check_vma=False,
+        jax.shard_map, mesh=self.mesh, in_specs=P(BATCH), out_specs=P(None, BATCH), check_vma=False
       )
-      def local_build(rest, nodes, layers, seeds):
-        return build(rest, nodes, layers, seeds[0])
+      def steps_major(nodes, layers, seeds):
+        return {"nodes": nodes, "layers": layers, "seeds": seeds[0]}
 
-      batches = local_build(rest, nodes, layers, seeds)
+      sample = steps_major(nodes, layers, seeds)
       edges = jnp.sum(edges.reshape(n, k, -1), axis=(0, 2), dtype=jnp.int32)
-      return batches, {"sampled_edges": edges, "dropped": dropped.astype(jnp.int32)}
+      return sample, {"sampled_edges": edges, "dropped": dropped.astype(jnp.int32)}
 
     @functools.partial(
       jax.shard_map,
@@ -239,23 +231,54 @@ class DeviceSamples:
       # differentiated or reduced across devices.
       check_vma=False,
     )
-    def local(graph, seeds, keys):
+    def local(arrays, seeds, keys):
       seeds, keys = seeds[0], keys[0]  # [k, b], key[k]
-      nodes, layers, edges, dropped = self.sampler.sample_arrays(*graph["sampler"], seeds, keys)
+      nodes, layers, edges, dropped = self.sampler.sample_arrays(*arrays, seeds, keys)
       edges = jnp.sum(edges, axis=1, dtype=jnp.int32)[None]  # [1, k]
-      return build(graph, nodes, layers, seeds), edges, dropped.astype(jnp.int32)[None]
+      sample = {"nodes": nodes, "layers": layers, "seeds": seeds}
+      return sample, edges, dropped.astype(jnp.int32)[None]
 
-    batches, edges, dropped = local(graph, seeds, per_device)
-    return batches, {"sampled_edges": jnp.sum(edges, axis=0), "dropped": jnp.sum(dropped)}
+    sample, edges, dropped = local(graph["sampler"], seeds, per_device)
+    return sample, {"sampled_edges": jnp.sum(edges, axis=0), "dropped": jnp.sum(dropped)}
+
+  def build(self, graph, sample):
+    """Batches from sampled ids, on the device: `sample_nodes`' sample ([j, n * X] split
+    over the devices on axis 1, any j) -> the model's batches (`node_classification.
+    make_batch`: features and labels gathered from each device's replica), [j, n * X] split
+    on axis 1."""
+    rest = {name: v for name, v in graph.items() if name != "sampler"}
+    make = functools.partial(nc.make_batch, self.task.inputs, xp=jnp)
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(P(), P(None, BATCH)),
+      out_specs=P(None, BATCH),
+      check_vma=False,
+    )
+    def local(rest, sample):
+      return jax.vmap(
+        lambda x, lay, s: make(x, lay, s, features=rest.get("features"), labels=rest["labels"])
+      )(sample["nodes"], sample["layers"], sample["seeds"])
+
+    return local(rest, sample)
+
+  def sample(self, graph, seeds, keys):
+    """`sample_nodes` then `build`: every device's k mini-batches, sampled and built on the
+    device: (batch leaves [k, n * X] split on axis 1, stats as `sample_nodes`)."""
+    sample, stats = self.sample_nodes(graph, seeds, keys)
+    return self.build(graph, sample), stats
 
   def make_step(self, plan: emb_base.Plan, tx):
     """-> step(state, graph, seeds int32[n, k, b]) -> (state, metrics [k] per step): k train
-    steps, the k mini-batches of every device sampled in one bulk call (step s's sampling
-    key fold_in(fold_in(state.key, SAMPLING), s), whichever call samples it: k steps per
-    call train exactly as k calls of one step), then a lax.scan of the trainer's step with
-    the loss as one shard_map (`DataParallelLoss`) and the node ids prepared on the device.
-    metrics: the task's loss and aux per step, sampled_edges per step, and the call's
-    dropped neighbours counted at its last step (the sampler counts them per call)."""
+    steps, the k mini-batches of every device sampled in one bulk call (`sample_nodes`; step
+    s's sampling key fold_in(fold_in(state.key, SAMPLING), s), whichever call samples it: k
+    steps per call train exactly as k calls of one step), then a lax.scan of the trainer's
+    step, each building its own batch from the sampled ids (`build`: the features gathered
+    there, not k steps' at once, which would hold k x the frontier's features per device)
+    with the loss as one shard_map (`DataParallelLoss`) and the node ids prepared on the
+    device. metrics: the task's loss and aux per step, sampled_edges per step, and the
+    call's dropped neighbours counted at its last step (the sampler counts them per call)."""
     check_plan(plan)
     train = step_lib.make_train_step(DataParallelLoss(self.task, self.mesh), plan, tx)
 
@@ -265,14 +288,15 @@ class DeviceSamples:
       keys = jax.vmap(lambda i: jax.random.fold_in(base, state.step + i))(
         jnp.arange(k, dtype=state.step.dtype)
       )
-      batches, stats = self.sample(graph, seeds, keys)
+      samples, stats = self.sample_nodes(graph, seeds, keys)
 
-      def one(state, batch):
-        batch = dict(batch)
+      def one(state, sample):
+        one_step = jax.tree.map(lambda x: x[None], sample)
+        batch = jax.tree.map(lambda x: x[0], self.build(graph, one_step))
         prepared = device_prepared(plan, batch.pop("ids"))
         return train(state, prepared, batch)
 
-      state, metrics = jax.lax.scan(one, state, batches)
+      state, metrics = jax.lax.scan(one, state, samples)
       metrics["sampled_edges"] = stats["sampled_edges"]
       metrics["dropped"] = jnp.zeros(k, jnp.int32).at[-1].set(stats["dropped"])
       return state, metrics
