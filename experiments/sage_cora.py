@@ -29,6 +29,9 @@ def get_config(arg=None):
   c.sampler.split_capacity = 0.0  # all_to_all: x an even share per device pair; 0 = exact
   # true: every device of the mesh samples and trains its own seeds (graph replicated).
   c.sampler.data_parallel = False
+  # data_parallel: train steps per call (each device samples its next k mini-batches in one
+  # bulk call, the step scans k optimizer steps over them; the same result as 1).
+  c.sampler.steps_per_call = 1
   c.sampler.fanouts = (25, 10)
   c.sampler.layer_sizes = (512, 512)  # ladies only
   c.sampler.batch_size = 140  # the whole training set per step

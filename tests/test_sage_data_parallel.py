@@ -49,7 +49,7 @@ def test_step_arguments_are_seed_ids_only(inputs):
   # The graph arrays are whole-graph sized (CSR, features, labels), not sample sized.
   assert {s[0] for s in shapes(graph_info)} <= {n, n + 1, run.task.graph.adj.nnz}
   new_state, metrics = lowered.out_info
-  assert all(x.shape == () for x in jax.tree.leaves(metrics))
+  assert all(x.shape == (2,) for x in jax.tree.leaves(metrics))  # per step of the call
   assert comms.host_link_of(lowered).bytes == 0
   graph = jax.tree.leaves(run.graph)
   before = int(run.state.step)
@@ -64,7 +64,7 @@ def test_loss_is_the_global_batch_mean():
   run = data_parallel(synthetic_config("features"), 8, k=1)
   key = jax.random.key(3)
   seeds = jax.device_put(run.seeds(0), run.seeds_sharding)
-  batches, _ = jax.jit(run._sample)(run.graph, seeds, key)
+  batches, _ = jax.jit(run._sample)(run.graph, seeds, jax.random.split(key, 1))
   batch = jax.tree.map(lambda x: np.asarray(x[0]), batches)
   batch.pop("ids")
   params = run.state.params
@@ -186,17 +186,85 @@ def _equal(a, b) -> bool:
   return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("graph", ["replicated", "split"])
-def test_trainer_step_arguments_are_seeds_and_the_placed_graph(graph):
-  """The trainer's jitted data-parallel step (`setup.build`): its per-step arguments are the
-  packed batch (seed ids and their weights: 2 x 4 bytes per seed) besides the state and the
-  graph, which the run placed once (`Run.step_inputs`: replicated, or its rows split over
-  the 8 devices); 0 bytes over the host link."""
+def _logged(workdir) -> list[dict]:
+  with open(workdir / "metrics.jsonl") as f:
+    rows = [json.loads(line) for line in f]
+  # (The timing, and the program's bytes: a scan's body is read once from the HLO, so a
+  # 4-step call's collectives read as one step's plus its own few scalars.)
+  skip = lambda k: k == "samples_per_second" or k.startswith("link/")  # noqa: E731
+  return [{k: v for k, v in r.items() if not skip(k)} for r in rows if "loss" in r]
+
+
+def test_trainer_k_steps_per_call_are_k_calls_of_one_step(tmp_path):
+  """sampler.steps_per_call=4: each train batch holds 4 steps' seeds, one call samples the 4
+  steps' mini-batches of every device in bulk and scans 4 optimizer steps. Step s's batches
+  are drawn with step s's key whichever call samples them, so the run ends bit-identical to
+  the one-step-per-call run, and logs the same per-step means at the same steps. A 4-step run
+  stopped after one call and resumed ends bit-identical too, and so does a one-step run's
+  checkpoint resumed 4 steps per call (the step counts line up)."""
+  one = trainer_config("embeddings", 8)
+  one.train.log_every = 4
+  four = trainer_config("embeddings", 8)
+  four.train.log_every = 4
+  four.sampler.steps_per_call = 4
+  a = loop.train(one, str(tmp_path / "one"))
+  b = loop.train(four, str(tmp_path / "four"))
+  assert a.metrics["step"] == b.metrics["step"] == 8 and int(b.state.step) == 8
+  assert _equal(state_leaves(a.state), state_leaves(b.state))
+  assert _logged(tmp_path / "one") == _logged(tmp_path / "four")
+  assert [r["step"] for r in _logged(tmp_path / "four")] == [4, 8]
+  assert b.metrics["test/accuracy"] == a.metrics["test/accuracy"]
+
+  wd = str(tmp_path / "part")
+  assert loop.train(four, wd, stop_after=4).metrics["step"] == 4
+  resumed = loop.train(four, wd, resume=True)
+  assert resumed.metrics["step"] == 8
+  assert _equal(state_leaves(b.state), state_leaves(resumed.state))
+
+  wd = str(tmp_path / "from_one")
+  assert loop.train(one, wd, stop_after=4).metrics["step"] == 4
+  resumed = loop.train(four, wd, resume=True)
+  assert _equal(state_leaves(b.state), state_leaves(resumed.state))
+
+
+def test_trainer_refuses_steps_off_the_call_boundaries(tmp_path):
+  """With 4 steps per call the loop acts only between calls: a log / checkpoint / eval /
+  stop step, a total or a resumed step that is not a multiple of 4 is refused at setup,
+  naming the values; k > 1 without data_parallel (host-sampled batches) is refused too."""
+  c = trainer_config("features", 8)
+  c.sampler.steps_per_call = 4
+  c.train.log_every = 2
+  c.train.checkpoint_every = 6
+  with pytest.raises(ValueError, match=r"train.log_every=2, train.checkpoint_every=6 must"):
+    loop.train(c, str(tmp_path / "a"))
+  c.train.log_every, c.train.checkpoint_every = 4, 0
+  with pytest.raises(ValueError, match=r"stop_after=3 must be multiple\(s\) of 4"):
+    loop.train(c, str(tmp_path / "b"), stop_after=3)
+  wd = str(tmp_path / "c")
+  one = trainer_config("features", 8)
+  loop.train(one, wd, stop_after=2)  # a one-step run's checkpoint at step 2
+  with pytest.raises(ValueError, match=r"resumed step=2 must be"):
+    loop.train(c, wd, resume=True)
+  c = trainer_config("features", 8)
+  c.sampler.data_parallel = False
+  c.sampler.steps_per_call = 2
+  with pytest.raises(ValueError, match="steps_per_call=2.*data_parallel=true"):
+    setup.build(c)
+
+
+@pytest.mark.parametrize("graph,k", [("replicated", 1), ("split", 1), ("split", 4)])
+def test_trainer_step_arguments_are_seeds_and_the_placed_graph(graph, k):
+  """The trainer's jitted data-parallel step (`setup.build`): its per-call arguments are the
+  packed batch (seed ids and their weights: 2 x 4 bytes per seed, of k steps with k steps
+  per call) besides the state and the graph, which the run placed once (`Run.step_inputs`:
+  replicated, or its rows split over the 8 devices); 0 bytes over the host link. One call
+  runs k steps and returns each step's metrics."""
   c = trainer_config("features", 2)
   if graph == "split":
     c = split_config("features")
     c.sampler.data_parallel = True
     c.train.steps = 2
+  c.sampler.steps_per_call = k
   run = setup.build(c)
   indptr = run.step_inputs["sampler"][0]
   n = run.task.graph.num_nodes
@@ -206,6 +274,7 @@ def test_trainer_step_arguments_are_seeds_and_the_placed_graph(graph):
     assert indptr.sharding.is_fully_replicated and indptr.shape == (n + 1,)
   batch = next(run.task.train_batches(0))
   assert set(batch) == {"ids", "seeds", "weight"} and batch["ids"] == {}
+  assert batch["seeds"].shape == (8 * k * run.task.device_samples.per_device,)
   buffers, layout = run.packed(run.prepare(batch), batch)
   assert sum(b.nbytes for b in buffers) == 2 * 4 * batch["seeds"].size
   lowered = run.train_step.lower(run.state, buffers, layout)
@@ -213,7 +282,8 @@ def test_trainer_step_arguments_are_seeds_and_the_placed_graph(graph):
   placed = jax.tree.leaves(run.step_inputs)
   assert {x.shape for x in placed} >= {(run.task.graph.num_nodes, 16)}  # the features
   state, metrics = run.train_step(run.state, buffers, layout)
-  assert int(state.step) == 1 and float(metrics["sampled_edges"]) > 0
+  assert int(state.step) == k and metrics["loss"].shape == (k,)
+  assert np.all(np.asarray(metrics["sampled_edges"]) > 0)
 
 
 def test_trainer_refuses_what_data_parallel_cannot_honour():
@@ -246,8 +316,9 @@ def split_config(inputs: str, num_nodes: int = 3000, exchange: str = "reduce_sca
 @pytest.mark.parametrize("exchange", ["reduce_scatter", "all_to_all"])
 def test_split_graph_gives_the_replicated_sample(exchange):
   """The graph's rows split over the 8 devices (each hop's reads exchanged): every device's
-  mini-batches are exactly those it samples from its own replica (same seeds, same key), and
-  the one-device sampler's for all devices' seeds."""
+  mini-batches are exactly those it samples from its own replica (same seeds, same keys),
+  and each step's are the one-device sampler's for all devices' seeds of that step with
+  that step's key."""
   mesh = sharding.make_mesh(8, 1)
   c = split_config("features", exchange=exchange)
   replicated = dp.DeviceSamples(nc.NodeClassification(synthetic_config("features"), mesh), mesh)
@@ -260,22 +331,24 @@ def test_split_graph_gives_the_replicated_sample(exchange):
   seeds = seeds.reshape(8, k, b)
   seeds[3, 1, 5:] = -1  # padding
   put = functools.partial(jax.device_put, device=sharding.named(mesh, sharding.BATCH_SPEC))
-  key = jax.random.key(7)
+  keys = jax.random.split(jax.random.key(7), k)  # one per step
   outs = []
   for s in (replicated, split):
     graph = setup.place_inputs(s.graph_arrays(), mesh)
-    outs.append(jax.device_get(jax.jit(s.sample)(graph, put(seeds), key)))
+    outs.append(jax.device_get(jax.jit(s.sample)(graph, put(seeds), keys)))
   (a, sa), (b_, sb) = outs
   assert jax.tree.structure(a) == jax.tree.structure(b_)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b_)):
     np.testing.assert_array_equal(x, y)
-  np.testing.assert_array_equal(sa, sb)
-  assert sa[0] > 0 and sa[1] == 0
-  # One device, every device's batches in one call: device d's are batches d k .. d k + k - 1.
-  nodes, *_ = replicated.sampler.sample_device(seeds.reshape(8 * k, b), key)
+  np.testing.assert_array_equal(sa["sampled_edges"], sb["sampled_edges"])
+  assert sa["sampled_edges"].shape == (k,) and np.all(sa["sampled_edges"] > 0)
+  assert sa["dropped"] == sb["dropped"] == 0
+  # One device, step i's batches of every device in one call with step i's key: device d's
+  # is batch d.
   frontier = np.asarray(a["frontier"])  # [k, 8 * n_L]
-  want = np.asarray(nodes).reshape(8, k, -1).transpose(1, 0, 2).reshape(k, -1)
-  np.testing.assert_array_equal(frontier, want)
+  for i in range(k):
+    nodes, *_ = replicated.sampler.sample_device(seeds[:, i], keys[i])
+    np.testing.assert_array_equal(frontier[i], np.asarray(nodes).reshape(-1))
 
 
 def test_split_graph_bytes_are_the_hops_exchange_flat_in_nodes():

@@ -143,14 +143,23 @@ def extend_batches(frontier, cand, cand_valid, n_next: int, num_nodes: int):
   )
 
 
+def batch_keys(key: jax.Array, k: int, first=0) -> jax.Array:
+  """key[k]: the keys of batches first .. first + k - 1 of a call. `key` is the call's key
+  (a scalar key: batch b's is fold_in(key, b)) or every batch's own key (key[K], K >= first
+  + k: e.g. the data-parallel trainer's, where batch (step s, device d) has fold_in(the key
+  of step s, d), so that a call sampling k steps draws what k calls of one step draw).
+  `first` (may be traced): where a device's k batches sit in a call that several devices
+  share (device d's are d k ..), so its draws are the ones a single call over every
+  device's batches makes."""
+  if key.ndim:
+    return jax.lax.dynamic_slice_in_dim(key, first, k)
+  return jax.vmap(lambda b: jax.random.fold_in(key, b))(first + jnp.arange(k, dtype=jnp.int32))
+
+
 def _batch_uniforms(key: jax.Array, layer: int, k: int, shape, first=0) -> jax.Array:
-  """float32[k, *shape]: the uniforms of `layer` of batches first .. first + k - 1,
-  independent of k and padding. `first` (may be traced): where a device's k batches sit in
-  a call that several devices share (data-parallel sampling: device d's are d k ..), so its
-  draws are the ones a single call over every device's batches makes."""
-  keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, b), layer))(
-    first + jnp.arange(k, dtype=jnp.int32)
-  )
+  """float32[k, *shape]: the uniforms of `layer` of batches first .. first + k - 1
+  (`batch_keys`: key a call's key or every batch's), independent of k and padding."""
+  keys = jax.vmap(lambda kb: jax.random.fold_in(kb, layer))(batch_keys(key, k, first))
   return jax.vmap(lambda kb: jax.random.uniform(kb, shape))(keys)
 
 
@@ -268,8 +277,9 @@ class DeviceNeighborSampler:
 
   def sample_arrays(self, indptr, indices, seeds, key, first=0):
     """The pure sampling function (jit-able, shard_map-able: the data-parallel step runs it
-    on every device over its replica of `arrays`): -> as `sample_device`. first: the index
-    of seeds' first batch in a call shared by several devices (`_batch_uniforms`)."""
+    on every device over its replica of `arrays`): -> as `sample_device`. key: the call's
+    key, or every batch's own (key[k]: `batch_keys`); first: the index of seeds' first
+    batch in a call shared by several devices (`batch_keys`)."""
     k = seeds.shape[0]
     frontier, layers, edges, dropped = seeds, [], [], jnp.int32(0)
     for layer, f in enumerate(self.fanouts):
@@ -446,9 +456,7 @@ class DeviceLadiesSampler:
 
   def _layer(self, layer, indptr, indices, data, frontier, key, first=0):
     k = frontier.shape[0]
-    keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, b), layer))(
-      first + jnp.arange(k, dtype=jnp.int32)
-    )
+    keys = jax.vmap(lambda kb: jax.random.fold_in(kb, layer))(batch_keys(key, k, first))
     fn = functools.partial(
       _ladies_batch,
       indptr,

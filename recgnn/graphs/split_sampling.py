@@ -79,7 +79,8 @@ class _SplitSampler:
 
   def sample_arrays(self, *args):
     """The pure sampling function (jit-able: the data-parallel step runs it inside its own
-    jit): (*arrays, seeds int32[k, batch_size] batch-split, key) -> as `sample_device`."""
+    jit): (*arrays, seeds int32[k, batch_size] batch-split, key) -> as `sample_device`. key:
+    the call's key, or every batch's own (key[k], replicated: `device.batch_keys`)."""
     *graph, frontier, key = args
     layers, edges, dropped = [], [], 0
     for hop in self._hops:
@@ -355,9 +356,7 @@ class SplitLadiesSampler(_SplitSampler):
       val = jax.lax.psum_scatter(val, axis, scatter_dimension=0, tiled=True)
       row, _, valid = jax.vmap(layout)(local_frontier)
       col = jnp.where(valid, col - 1, num_nodes)
-      keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, b), layer))(
-        me * lb + jnp.arange(lb, dtype=jnp.int32)
-      )
+      keys = jax.vmap(lambda kb: jax.random.fold_in(kb, layer))(device.batch_keys(key, lb, me * lb))
       fn = functools.partial(
         device._ladies_from_entries,
         s=self.layer_sizes[layer],

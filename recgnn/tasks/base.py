@@ -70,7 +70,8 @@ class Task(abc.ABC):
   @abc.abstractmethod
   def train_batches(self, start_step: int = 0) -> Iterator[Batch]:
     """Training batches from step `start_step` on, deterministic given the config's seed,
-    so that a resumed run sees exactly the batches an uninterrupted one would."""
+    so that a resumed run sees exactly the batches an uninterrupted one would. One batch per
+    call of the train step: `steps_per_call` steps' worth (`start_step` a multiple of it)."""
 
   @abc.abstractmethod
   def eval_batches(self, split: str) -> Iterable[Batch]:
@@ -141,6 +142,14 @@ class Task(abc.ABC):
   def steps_per_epoch(self) -> int | None:
     """Train steps of one pass over the train split (for `train.epochs`), None if unknown."""
     return None
+
+  #: Train steps one call of the train step runs (`train_step`'s own step may scan several
+  #: over one train batch, e.g. data-parallel GraphSAGE's bulk k-step sampling): each item of
+  #: `train_batches` is one call, the loop counts this many steps per item, and every step
+  #: it acts at (logs, checkpoints, evals, the end) must be a multiple of it.
+  steps_per_call: int = 1
+  #: The config key that sets `steps_per_call` (named in the loop's errors).
+  steps_per_call_key: str = ""
 
   #: What one example is called in throughput logs ("samples", "edges", "nodes").
   example_unit: str = "samples"

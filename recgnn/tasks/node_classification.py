@@ -41,6 +41,13 @@ Config (the experiment's ConfigDict; see experiments/sage_*.py):
                        (dense); the graph replicated, or with split_devices = the mesh's
                        devices, its rows split over them (each hop's reads exchanged:
                        split_exchange; node-wise only)
+  sampler.steps_per_call  data_parallel: k, train steps per call of the trainer's step (default
+                       1): every device samples its next k mini-batches in one bulk call and
+                       the step scans k optimizer steps over them (no host round trip between
+                       them; a train batch holds the k steps' seeds). The same mini-batches
+                       and parameters as k = 1, bit for bit; the loop counts k steps per call,
+                       so train.steps, log_every, checkpoint_every, eval_every, stop_after and
+                       profile steps must be multiples of k (refused otherwise)
   sampler.fanouts      node: per layer, seeds outward (-1 = all neighbours)
   sampler.layer_sizes  ladies: nodes drawn per layer
   sampler.batch_size   seeds per mini-batch
@@ -159,9 +166,17 @@ class NodeClassification(base.Task):
       from recgnn.tasks import node_data_parallel
 
       self.device_samples = node_data_parallel.DeviceSamples(self, mesh)
+      self.steps_per_call = self._steps_per_call(s)
       # Train batches are sampled per device (b seeds each): no sampler of the whole batch.
       self.sampler = self.device_samples.sampler
     else:
+      if self._steps_per_call(s) != 1:
+        raise ValueError(
+          f"sampler.steps_per_call={s.steps_per_call}: k steps per call sample on the device "
+          "(every device its own mini-batches); set sampler.data_parallel=true, or "
+          "sampler.steps_per_call=1 (host-sampled batches are one step each; sampler.bulk "
+          "sets how many are sampled per product)"
+        )
       self.sampler = self._make_sampler(
         s.get("fanouts", None), self.batch_size, s.capacities, self.train_nodes, "capacities"
       )
@@ -180,6 +195,15 @@ class NodeClassification(base.Task):
     )
 
   # --------------------------------------------------------------------------- setup
+
+  steps_per_call_key = "sampler.steps_per_call"
+
+  @staticmethod
+  def _steps_per_call(s) -> int:
+    k = s.get("steps_per_call", 1)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+      raise ValueError(f"sampler.steps_per_call={k!r}: use an integer >= 1")
+    return k
 
   @staticmethod
   def _split_ids(config) -> bool:
@@ -304,7 +328,8 @@ class NodeClassification(base.Task):
       d = self.device_samples
       lines.append(
         f"data-parallel: each of {d.devices} devices samples and trains {d.per_device} seeds "
-        f"per step on its replica of the graph (frontier sizes {d.sampler.sizes})"
+        f"per step on its replica of the graph (frontier sizes {d.sampler.sizes}), "
+        f"{self.steps_per_call} step(s) per call"
       )
     lines.append(f"chance accuracy (majority class of test): {self.chance_accuracy():.4f}")
     return "\n".join(lines)
@@ -378,18 +403,20 @@ class NodeClassification(base.Task):
         step += 1
 
   def _seed_batches(self, step: int) -> Iterator[base.Batch]:
-    """Data-parallel train batches: {"seeds": int32[n * b] (the step's `train_seeds`, -1
-    padded; device d samples from seeds [d * b, (d + 1) * b)), "weight": float32[n * b],
-    "ids": {TABLE: int32[n * b, 0]} with a node table}: the node ids are sampled on the
-    device, so their bags here are empty (the plan's prepare has nothing to do)."""
-    d = self.device_samples
-    size = d.devices * d.per_device
+    """Data-parallel train batches, one per call of k = steps_per_call steps: {"seeds":
+    int32[n * k * b] (`DeviceSamples.seeds` of steps step .. step + k - 1 flattened: device
+    d's slice [d k b, (d + 1) k b) is its [k, b] seeds, from each step's `train_seeds`, -1
+    padded), "weight": float32[n * k * b], "ids": {TABLE: int32[n * k * b, 0]} with a node
+    table}: the node ids are sampled on the device, so their bags here are empty (the plan's
+    prepare has nothing to do)."""
+    d, k = self.device_samples, self.steps_per_call
+    if step % k:
+      raise ValueError(f"train_batches({step}): not a call boundary of {k} steps per call")
     while True:
-      seeds = np.full(size, -1, np.int32)
-      seeds[: self.batch_size] = self.train_seeds(step)
-      ids = {TABLE: np.zeros((size, 0), np.int32)} if self.inputs != "features" else {}
+      seeds = d.seeds(step, k).reshape(-1)
+      ids = {TABLE: np.zeros((seeds.size, 0), np.int32)} if self.inputs != "features" else {}
       yield {"ids": ids, "seeds": seeds, "weight": (seeds >= 0).astype(np.float32)}
-      step += 1
+      step += k
 
   def step_inputs(self):
     """Data-parallel: the graph every device samples from (CSR, features, labels), placed on

@@ -7,12 +7,14 @@ and trains its own mini-batches. One jitted call takes only seed ids, int32[n, k
 d's seeds of the next k steps, b = ceil(B / n) of the global batch B each, -1 = padding),
 besides the state and the graph (placed once), and runs:
 
-  sample   (`DeviceSamples`) device d samples its k mini-batches in one bulk call of the
-           device sampler, over its replica of the graph (no communication) or over the
-           graph's rows split over the devices (each hop's reads exchanged), and builds its
-           batches there (`node_classification.make_batch`, features gathered on the
-           device): [k, n * X] arrays split over the devices on axis 1, which never leave them
+  sample   (`DeviceSamples.sample_nodes`) device d samples its k mini-batches in one bulk
+           call of the device sampler, over its replica of the graph (no communication) or
+           over the graph's rows split over the devices (each hop's reads exchanged): their
+           node ids, [k, n * X] arrays split over the devices on axis 1, which never leave them
   k steps  (lax.scan, the trainer's own step, `recgnn.train.step.make_train_step`) per step:
+           its batch built on each device from its sampled ids (`DeviceSamples.build`,
+           `node_classification.make_batch`: features gathered there, one step's at a time,
+           so a call holds one step's frontier features per device, not k steps'),
            the rows of each device's sampled nodes through the embedding plan
            (`device_prepared`: the ids stay batch-split, so a replicated `dense` table is
            read where it is), the loss as one shard_map (`DataParallelLoss`: each device the
@@ -20,8 +22,11 @@ besides the state and the graph (placed once), and runs:
            batch), so the dense gradients are all-reduced by the psum's transpose and the
            table's update gets each device's d loss / d rows
 
-The trainer runs it with sampler.data_parallel=true, k = 1 (`DeviceSamples.trainer_step`,
-through `Task.train_step` / `Task.step_inputs`); `DataParallelSage` runs k steps per call.
+The trainer runs it with sampler.data_parallel=true (`DeviceSamples.trainer_step`, through
+`Task.train_step` / `Task.step_inputs`), k = sampler.steps_per_call steps per call (default
+1; the loop counts k steps per call); `DataParallelSage` runs it outside the trainer. Step
+s's mini-batches are drawn with step s's key whichever call samples them, so k steps per
+call train bit-identically to k calls of one step (tested).
 
 Bytes between devices per step (read from the compiled step: `step_bytes`): the dense
 gradient all-reduce, the loss / metric sums, with a learnable replicated table its update's
@@ -123,8 +128,8 @@ class DataParallelLoss:
 
 class DeviceSamples:
   """Every device's mini-batches, sampled and built on the device: the one mechanism of
-  `DataParallelSage` (k steps per call) and of the trainer's data-parallel node
-  classification (`NodeClassification.train_step`, one step per call).
+  `DataParallelSage` and of the trainer's data-parallel node classification
+  (`NodeClassification.train_step`), k steps per call.
 
   n = mesh.size devices, b = ceil(B / n) seeds each of the task's global batch B; the
   sampler is the task's law on the device (`where="device"`) for b seeds, over
@@ -136,9 +141,9 @@ class DeviceSamples:
       each), every hop's neighbour reads exchanged between the devices (sampler.
       split_exchange: reduce_scatter or all_to_all), each device keeping its own batches.
 
-  Device d's k batches are batches d k .. d k + k - 1 of one call over all n k (their keys:
-  `device_sampling._batch_uniforms`), so both give exactly the sample one device draws for
-  every device's seeds with the same key (tested)."""
+  Device d's batch of step s draws with fold_in(step s's key, d) (`device_sampling.
+  batch_keys`): in both, step s's batches are exactly the sample one device draws for every
+  device's seeds of step s with step s's key (tested), however many steps one call samples."""
 
   def __init__(self, task: nc.NodeClassification, mesh: jax.sharding.Mesh):
     self.task, self.mesh = task, mesh
@@ -176,95 +181,140 @@ class DeviceSamples:
       out["features"] = np.asarray(g.features, np.float32)
     return out
 
-  def sample(self, graph, seeds, key):
-    """seeds int32[n, k, b] (split over the devices on axis 0) -> every device's k
-    mini-batches, sampled and built on the device: (batch leaves [k, n * X] split on axis 1,
-    int32[2]: sampled edges and dropped neighbours of all devices)."""
-    rest = {name: v for name, v in graph.items() if name != "sampler"}
-    make = functools.partial(nc.make_batch, self.task.inputs, xp=jnp)
+  def seeds(self, step: int, k: int) -> np.ndarray:
+    """int32[n, k, b]: device d's seeds of steps step .. step + k - 1 (each step's global
+    batch, `task.train_seeds`, -1 padded to n b and split into n slices of b)."""
+    n, b = self.devices, self.per_device
+    out = np.full((k, n * b), -1, np.int32)
+    for i in range(k):
+      seeds = self.task.train_seeds(step + i)
+      out[i, : seeds.size] = seeds
+    return out.reshape(k, n, b).transpose(1, 0, 2)
 
-    def build(rest, nodes, layers, seeds):  # one device's k batches
-      return jax.vmap(
-        lambda x, lay, s: make(x, lay, s, features=rest.get("features"), labels=rest["labels"])
-      )(nodes, layers, seeds)
-
+  def sample_nodes(self, graph, seeds, keys):
+    """The bulk sampling of k steps: seeds int32[n, k, b] (split over the devices on axis
+    0), keys key[k] (step i's sampling key; device d's batch of step i draws with
+    fold_in(keys[i], d), so a step's batches do not depend on how many steps its call
+    samples) -> (sample: every device's k mini-batches' sampled ids, {"nodes": int32[k, n *
+    n_L], "layers": the sampler's layer arrays [k, n * n_l, ...], "seeds": int32[k, n * b]},
+    all split over the devices on axis 1; stats: {"sampled_edges": int32[k] per step,
+    "dropped": int32[] neighbours dropped in the call}, over all devices)."""
+    n, k, b = seeds.shape
+    # keys[d, i] = fold_in(keys[i], d): the key of device d's batch of step i.
+    per_device = jax.vmap(lambda d: jax.vmap(lambda key: jax.random.fold_in(key, d))(keys))(
+      jnp.arange(n, dtype=jnp.int32)
+    )
     if self.split:
-      n, k, b = seeds.shape
-      # [n k, b] split on axis 0: device d holds its own k batches, d k .. d k + k - 1.
+      # [n k, b] split on axis 0: device d holds its own k batches, d k .. d k + k - 1, and
+      # every batch's key (replicated: each hop draws the uniforms of the rows it serves).
       nodes, layers, edges, dropped = self.sampler.sample_arrays(
-        *graph["sampler"], seeds.reshape(n * k, b), key
+        *graph["sampler"], seeds.reshape(n * k, b), per_device.reshape(n * k)
       )
 
+      # Device d's [k, ...] arrays as its slice of [k, n * ...] (axis 1): no data moves.
       @functools.partial(
-        jax.shard_map,
-        mesh=self.mesh,
-        in_specs=(P(), P(BATCH), P(BATCH), P(BATCH)),
-        out_specs=P(None, BATCH),
-        check_vma=False,
+        jax.shard_map, mesh=self.mesh, in_specs=P(BATCH), out_specs=P(None, BATCH), check_vma=False
       )
-      def local_build(rest, nodes, layers, seeds):
-        return build(rest, nodes, layers, seeds[0])
+      def steps_major(nodes, layers, seeds):
+        return {"nodes": nodes, "layers": layers, "seeds": seeds[0]}
 
-      batches = local_build(rest, nodes, layers, seeds)
-      return batches, jnp.stack([jnp.sum(edges), dropped.astype(jnp.int32)])
+      sample = steps_major(nodes, layers, seeds)
+      edges = jnp.sum(edges.reshape(n, k, -1), axis=(0, 2), dtype=jnp.int32)
+      return sample, {"sampled_edges": edges, "dropped": dropped.astype(jnp.int32)}
 
     @functools.partial(
       jax.shard_map,
       mesh=self.mesh,
-      in_specs=(P(), P(BATCH), P()),
-      out_specs=(P(None, BATCH), P(BATCH)),
+      in_specs=(P(), P(BATCH), P(BATCH)),
+      out_specs=(P(None, BATCH), P(BATCH), P(BATCH)),
       # The sampler's loops mix per-device and replicated values; nothing here is
       # differentiated or reduced across devices.
       check_vma=False,
     )
-    def local(graph, seeds, key):
-      seeds = seeds[0]  # [k, b]
-      first = jax.lax.axis_index(BATCH) * seeds.shape[0]
-      nodes, layers, edges, dropped = self.sampler.sample_arrays(
-        *graph["sampler"], seeds, key, first
-      )
-      stats = jnp.stack([jnp.sum(edges), dropped])[None]
-      return build(graph, nodes, layers, seeds), stats
+    def local(arrays, seeds, keys):
+      seeds, keys = seeds[0], keys[0]  # [k, b], key[k]
+      nodes, layers, edges, dropped = self.sampler.sample_arrays(*arrays, seeds, keys)
+      edges = jnp.sum(edges, axis=1, dtype=jnp.int32)[None]  # [1, k]
+      sample = {"nodes": nodes, "layers": layers, "seeds": seeds}
+      return sample, edges, dropped.astype(jnp.int32)[None]
 
-    batches, stats = local(graph, seeds, key)
-    return batches, jnp.sum(stats, axis=0)
+    sample, edges, dropped = local(graph["sampler"], seeds, per_device)
+    return sample, {"sampled_edges": jnp.sum(edges, axis=0), "dropped": jnp.sum(dropped)}
+
+  def build(self, graph, sample):
+    """Batches from sampled ids, on the device: `sample_nodes`' sample ([j, n * X] split
+    over the devices on axis 1, any j) -> the model's batches (`node_classification.
+    make_batch`: features and labels gathered from each device's replica), [j, n * X] split
+    on axis 1."""
+    rest = {name: v for name, v in graph.items() if name != "sampler"}
+    make = functools.partial(nc.make_batch, self.task.inputs, xp=jnp)
+
+    @functools.partial(
+      jax.shard_map,
+      mesh=self.mesh,
+      in_specs=(P(), P(None, BATCH)),
+      out_specs=P(None, BATCH),
+      check_vma=False,
+    )
+    def local(rest, sample):
+      return jax.vmap(
+        lambda x, lay, s: make(x, lay, s, features=rest.get("features"), labels=rest["labels"])
+      )(sample["nodes"], sample["layers"], sample["seeds"])
+
+    return local(rest, sample)
+
+  def sample(self, graph, seeds, keys):
+    """`sample_nodes` then `build`: every device's k mini-batches, sampled and built on the
+    device: (batch leaves [k, n * X] split on axis 1, stats as `sample_nodes`)."""
+    sample, stats = self.sample_nodes(graph, seeds, keys)
+    return self.build(graph, sample), stats
 
   def make_step(self, plan: emb_base.Plan, tx):
-    """-> step(state, graph, seeds int32[n, k, b]) -> (state, metrics): k train steps, the
-    k mini-batches of every device sampled in one bulk call (key fold_in(fold_in(state.key,
-    SAMPLING), state.step)), then a lax.scan of the trainer's step with the loss as one
-    shard_map (`DataParallelLoss`) and the node ids prepared on the device."""
+    """-> step(state, graph, seeds int32[n, k, b]) -> (state, metrics [k] per step): k train
+    steps, the k mini-batches of every device sampled in one bulk call (`sample_nodes`; step
+    s's sampling key fold_in(fold_in(state.key, SAMPLING), s), whichever call samples it: k
+    steps per call train exactly as k calls of one step), then a lax.scan of the trainer's
+    step, each building its own batch from the sampled ids (`build`: the features gathered
+    there, not k steps' at once, which would hold k x the frontier's features per device)
+    with the loss as one shard_map (`DataParallelLoss`) and the node ids prepared on the
+    device. metrics: the task's loss and aux per step, sampled_edges per step, and the
+    call's dropped neighbours counted at its last step (the sampler counts them per call)."""
     check_plan(plan)
     train = step_lib.make_train_step(DataParallelLoss(self.task, self.mesh), plan, tx)
 
     def step(state, graph, seeds):
-      key = jax.random.fold_in(jax.random.fold_in(state.key, SAMPLING), state.step)
-      batches, stats = self.sample(graph, seeds, key)
+      k = seeds.shape[1]
+      base = jax.random.fold_in(state.key, SAMPLING)
+      keys = jax.vmap(lambda i: jax.random.fold_in(base, state.step + i))(
+        jnp.arange(k, dtype=state.step.dtype)
+      )
+      samples, stats = self.sample_nodes(graph, seeds, keys)
 
-      def one(state, batch):
-        batch = dict(batch)
+      def one(state, sample):
+        one_step = jax.tree.map(lambda x: x[None], sample)
+        batch = jax.tree.map(lambda x: x[0], self.build(graph, one_step))
         prepared = device_prepared(plan, batch.pop("ids"))
         return train(state, prepared, batch)
 
-      state, metrics = jax.lax.scan(one, state, batches)
-      metrics = {k: jnp.mean(v) for k, v in metrics.items()}
-      metrics["sampled_edges"], metrics["dropped"] = stats[0], stats[1]
+      state, metrics = jax.lax.scan(one, state, samples)
+      metrics["sampled_edges"] = stats["sampled_edges"]
+      metrics["dropped"] = jnp.zeros(k, jnp.int32).at[-1].set(stats["dropped"])
       return state, metrics
 
     return step
 
   def trainer_step(self, plan: emb_base.Plan, tx):
     """The trainer's step (`Task.train_step`): (state, prepared, batch, graph) -> (state,
-    metrics), one step per call. batch["seeds"] int32[n * b] split over the devices (device d:
-    seeds [d * b, (d + 1) * b) of the step's padded global batch, as `DataParallelSage.seeds`
-    gives them); `prepared` holds nothing (the batch's node-id bags have width 0: the ids
-    exist only on the device)."""
+    metrics [k]), k = sampler.steps_per_call steps per call. batch["seeds"] int32[n * k * b]
+    split over the devices: device d's slice is its seeds of the call's k steps, [k, b]
+    (`seeds`, flattened); `prepared` holds nothing (the batch's node-id bags have width 0:
+    the ids exist only on the device)."""
     step = self.make_step(plan, tx)
     n, b = self.devices, self.per_device
 
     def train(state, prepared, batch, graph):
       del prepared
-      return step(state, graph, batch["seeds"].reshape(n, 1, b))
+      return step(state, graph, batch["seeds"].reshape(n, -1, b))
 
     return train
 
@@ -272,7 +322,7 @@ class DeviceSamples:
 class DataParallelSage:
   """Data-parallel GraphSAGE training of a `NodeClassification` task (see the module),
   k steps per call, outside the trainer (benchmarks, tests; the trainer runs the same
-  `DeviceSamples` one step per call with sampler.data_parallel=true).
+  `DeviceSamples.make_step` with sampler.data_parallel=true, k = sampler.steps_per_call).
 
   Args:
     task: the node task (its graph, model, loss, eval batches; built on `mesh`).
@@ -323,17 +373,12 @@ class DataParallelSage:
     return self.samples.graph_arrays()
 
   def seeds(self, step: int) -> np.ndarray:
-    """int32[n, k, b]: device d's seeds of steps step .. step + k - 1 (the trainer's global
-    batch of each step, `task.train_seeds`, split into n slices of b)."""
-    n, b = self.devices, self.per_device
-    out = np.full((self.k, n * b), -1, np.int32)
-    for i in range(self.k):
-      seeds = self.task.train_seeds(step + i)
-      out[i, : seeds.size] = seeds
-    return out.reshape(self.k, n, b).transpose(1, 0, 2)
+    """int32[n, k, b]: device d's seeds of steps step .. step + k - 1 (`DeviceSamples.seeds`,
+    as the trainer's batches hold them)."""
+    return self.samples.seeds(step, self.k)
 
-  def _sample(self, graph, seeds, key):
-    return self.samples.sample(graph, seeds, key)
+  def _sample(self, graph, seeds, keys):
+    return self.samples.sample(graph, seeds, keys)
 
   def _eval_step(self, state, batch):
     batch = dict(batch)
@@ -351,7 +396,8 @@ class DataParallelSage:
 
   def train(self, steps: int, log_every: int = 0, log=print) -> dict:
     """Run `steps` train steps (rounded up to calls of k) from the state's step; -> the last
-    call's metrics (host floats)."""
+    call's metrics (host floats): sampled_edges and dropped its totals, the others the mean
+    over its k steps."""
     step = int(self.state.step)
     metrics = {}
     for call in range(-(-steps // self.k)):
@@ -359,8 +405,11 @@ class DataParallelSage:
       self.state, metrics = self.step(self.state, self.graph, seeds)
       step += self.k
       if log_every and (call + 1) % max(log_every // self.k, 1) == 0:
-        log(f"step {step}: " + ", ".join(f"{k} {float(v):.4g}" for k, v in metrics.items()))
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+        log(f"step {step}: " + ", ".join(f"{k} {np.mean(v):.4g}" for k, v in metrics.items()))
+    totals = ("sampled_edges", "dropped")
+    return {
+      k: float(np.sum(v) if k in totals else np.mean(v)) for k, v in jax.device_get(metrics).items()
+    }
 
   def evaluate(self, split: str) -> dict[str, float]:
     """The task's metrics on `split` with the current params and tables."""

@@ -31,11 +31,13 @@ class Item:
 
 
 def stream(task: Task, start: int, total: int, eval_every: int, eval_split: str, final):
-  """(kind, split, batch): train batches of steps [start, total) with an eval pass of
-  `eval_split` after every `eval_every` steps, then a pass of each split in `final`; each
-  pass ends with ("eval_end", split, None)."""
+  """(kind, split, batch): train batches of steps [start, total), one per call of k =
+  `task.steps_per_call` steps (start, total and eval_every multiples of k: the loop checks),
+  with an eval pass of `eval_split` after every `eval_every` steps, then a pass of each split
+  in `final`; each pass ends with ("eval_end", split, None)."""
   train = task.train_batches(start)
-  for s in range(start, total):
+  k = task.steps_per_call
+  for s in range(start, total, k):
     try:
       batch = next(train)
     except StopIteration:
@@ -43,7 +45,7 @@ def stream(task: Task, start: int, total: int, eval_every: int, eval_split: str,
         f"{type(task).__name__}.train_batches ended at step {s}; it must cycle over epochs"
       ) from None
     yield "train", None, batch
-    if eval_every and (s + 1) % eval_every == 0 and s + 1 < total:
+    if eval_every and (s + k) % eval_every == 0 and s + k < total:
       for b in task.eval_batches(eval_split):
         yield "eval", eval_split, b
       yield "eval_end", eval_split, None

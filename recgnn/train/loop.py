@@ -58,6 +58,22 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def check_call_boundaries(task, **steps: int | None) -> None:
+  """A task whose train step runs k > 1 steps per call (`Task.steps_per_call`) is only
+  between steps at multiples of k: every step the loop acts at (`steps`: name -> step count,
+  None / 0 = unused) must be one. Refused, naming each value and k, rather than running a
+  last partial call: that would be a second program to compile, and checkpoints off the
+  call boundaries could not resume into whole calls."""
+  k = task.steps_per_call
+  bad = [f"{name}={v}" for name, v in steps.items() if v and v % k]
+  if k > 1 and bad:
+    key = f" ({task.steps_per_call_key})" if task.steps_per_call_key else ""
+    raise ValueError(
+      f"{type(task).__name__} runs {k} train steps per call{key}, and the loop can act only "
+      f"between calls: {', '.join(bad)} must be multiple(s) of {k}"
+    )
+
+
 def parse_steps(text: str | None) -> tuple[int, int] | None:
   """'100:120' -> (100, 120): profile steps [100, 120)."""
   if not text:
@@ -219,6 +235,14 @@ def _train_in(
       )
     elif resume:
       log(f"--resume_if_present: no checkpoint in {ckpt.directory}; starting from step 0")
+    # A train step of k steps per call: every step the loop acts at on a call boundary.
+    check_call_boundaries(
+      task,
+      **{"resumed step" if start else "start": start},
+      **{"train.steps (total)": run.total_steps, "stop_after": stop_after},
+      **{f"train.{n}": tcfg.get(n, 0) for n in ("log_every", "checkpoint_every", "eval_every")},
+      **dict(zip(("profile start", "profile stop"), profile_steps or ())),
+    )
     # Only now: a refused resume leaves the config of the run that saved the checkpoints.
     if distributed.is_main():
       with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -230,6 +254,8 @@ def _train_in(
 
   total = run.total_steps
   train_step, eval_step = run.train_step, run.eval_step
+  # Steps per call of the train step (one per loop item): the loop counts them per item.
+  per_call = task.steps_per_call
   # Groups that re-plan static shapes while training (sharded's code widths): asked after
   # every step, the jitted steps rebuilt when one changed.
   replanning = {k: g for k, g in run.plan.groups.items() if g.capabilities.replans_shapes}
@@ -270,9 +296,11 @@ def _train_in(
   failed = False  # a non-finite loss or a failed save: nothing more is written
 
   def check_finite(host_losses) -> None:
-    """Stop on a NaN / inf loss before the state that follows it can be saved."""
+    """Stop on a NaN / inf loss before the state that follows it can be saved. host_losses:
+    the pending calls' losses (scalars, or [k] per call), in step order."""
     nonlocal failed
-    bad = non_finite.first_non_finite(pending_steps, host_losses)
+    losses = [v for x in host_losses for v in np.ravel(x)]
+    bad = non_finite.first_non_finite(pending_steps, losses)
     if bad is None:
       return
     failed = True
@@ -324,13 +352,15 @@ def _train_in(
             jax.profiler.start_trace(os.path.join(workdir, "profile"), create_perfetto_trace=True)
             profiling = True
           with (
-            dog.unit("step", f"step {step + 1}"),
+            dog.unit(
+              "step", f"step {step + 1}" if per_call == 1 else f"steps {step + 1}-{step + per_call}"
+            ),
             jax.profiler.StepTraceAnnotation("train", step_num=step),
           ):
             state, m = train_step(state, *item.prepared)
           traffic.observe(train_step, state, item.prepared)  # (a lookup but for a new program)
-          pending.append(m)
-          step += 1
+          pending.append(m)  # (with k > 1 steps per call: [k] arrays, one per step)
+          step += per_call
           rebuild = False
           for k, g in replanning.items():  # a no-op but every N steps (a host read then)
             new, changed = g.replan(state.emb[k], step)
@@ -338,7 +368,7 @@ def _train_in(
           if rebuild:
             train_step, eval_step = setup.jit_steps(run.task, run.plan, run.tx, run.shardings)
           dog.last_step = step
-          pending_steps.append(step)
+          pending_steps.extend(range(step - per_call + 1, step + 1))
           examples += int(item.batch_size)
           interval_steps += 1
           if profiling and step >= profile_steps[1]:
@@ -355,7 +385,11 @@ def _train_in(
             check_finite([h["loss"] for h in host])
             pending, pending_steps = [], []
             now = time.perf_counter()
-            scalars = {k: float(np.mean([h[k] for h in host])) for k in host[0]}
+            # The mean over the steps since the last log (each call's k steps).
+            scalars = {
+              name: float(np.mean(np.concatenate([np.ravel(h[name]) for h in host])))
+              for name in host[0]
+            }
             rate = examples / max(now - t_last, 1e-9)
             interval_step_s.append((now - t_last) / max(interval_steps, 1))
             interval_programs.append(traffic.programs)

@@ -10,7 +10,9 @@ make that, and its compile, a lookup) and read once:
   collective_bytes_per_device                   recgnn.comms.summary of the compiled step:
                                                 operand bytes of its collectives, per device
 
-A step that has been seen costs a dict lookup. These are what the program asks to move, the
+A step that runs k steps per call (`Task.steps_per_call`: a lax.scan) has its loop body read
+once: its collective bytes are then one scanned step's plus the call's own. A step that has
+been seen costs a dict lookup. These are what the program asks to move, the
 same on a GPU as here (host and device memory are one RAM on this CPU, so no timing can).
 """
 
