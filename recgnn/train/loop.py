@@ -370,7 +370,7 @@ def _train_in(
           dog.last_step = step
           pending_steps.extend(range(step - per_call + 1, step + 1))
           examples += int(item.batch_size)
-          interval_steps += 1
+          interval_steps += per_call
           if profiling and step >= profile_steps[1]:
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
