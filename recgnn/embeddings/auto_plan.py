@@ -311,6 +311,15 @@ def timed_cost(
   return cost
 
 
+def shared_cores(mesh) -> int | None:
+  """The host cores a CPU mesh computes on (which the input thread shares), else None."""
+  import os
+
+  if mesh.devices.flat[0].platform != "cpu":
+    return None
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def dispatch_seconds(mesh, calls: int = 50) -> float:
   """Median seconds of a jitted call that computes nothing worth timing, on `mesh`."""
   x = sharding.put(
@@ -343,6 +352,9 @@ class PlanChoice:
   # every table's timed step once, in the trainer's step once for all of them.
   dispatch_s: float = 0.0
   planning_s: float = 0.0  # wall time of the planning: memory, timing, solving
+  # Cores the step computes on when the devices are this host's CPU (the input thread's
+  # `prepare` then takes its time from them); None for accelerators (prepare runs beside).
+  shared_cores: int | None = None
 
   @property
   def rules(self) -> tuple[tuple[str, str], ...]:
@@ -358,13 +370,21 @@ class PlanChoice:
     return sum(max(c.step_s - self.dispatch_s, 0.0) for c in self.chosen.values())
 
   @property
+  def device_step_s(self) -> float:
+    """The step's device work: the shared model part and the chosen tables' steps (the
+    tables alone when the model part was not measured)."""
+    return (self.model_s or 0.0) + self.embedding_step_s
+
+  @property
   def predicted_step_s(self) -> float:
-    """The whole train step: the shared model part, one dispatch and the chosen tables'
-    steps (see the module docstring for what that leaves out); the tables alone when the
-    model part was not measured."""
-    if self.model_s is None:
-      return self.embedding_step_s
-    return self.model_s + self.embedding_step_s
+    """The whole train step with the input thread's `prepare` beside it. On CPU devices both
+    run on the same cores: by work conservation the step takes the device work plus the host
+    work spread over the cores (prepare / cores); on an accelerator the host prepares the next
+    batch while the device computes, and the slower of the two sets the pace. What this
+    leaves out: the module docstring."""
+    if self.shared_cores:
+      return self.device_step_s + self.prepare_s / self.shared_cores
+    return max(self.device_step_s, self.prepare_s)
 
   @property
   def prepare_s(self) -> float:
@@ -373,10 +393,13 @@ class PlanChoice:
 
   def report(self) -> str:
     budget = "none" if self.budget_bytes is None else _mib(self.budget_bytes)
+    beside = (
+      f" + prepare / {self.shared_cores} cores" if self.shared_cores else ", prepare beside it"
+    )
     model = (
       ""
       if self.model_s is None
-      else f" + model part {self.model_s * 1e3:.2f} ms = train step "
+      else f" + model part {self.model_s * 1e3:.2f} ms{beside} = train step "
       f"{self.predicted_step_s * 1e3:.2f} ms"
     )
     what = (
@@ -409,6 +432,8 @@ class PlanChoice:
       "predicted_step_s": self.predicted_step_s,
       "embedding_step_s": self.embedding_step_s,
       "model_s": self.model_s,
+      "device_step_s": self.device_step_s,
+      "shared_cores": self.shared_cores,
       "dispatch_s": self.dispatch_s,
       "prepare_s": self.prepare_s,
       "planning_s": self.planning_s,
@@ -654,6 +679,7 @@ def choose(
     objective=options.objective,
     dispatch_s=dispatch,
     planning_s=time.perf_counter() - started,
+    shared_cores=shared_cores(mesh),
   )
 
 
@@ -784,4 +810,5 @@ def predict_rules(
     objective="given",
     dispatch_s=dispatch,
     planning_s=time.perf_counter() - started,
+    shared_cores=shared_cores(mesh),
   )

@@ -4,7 +4,8 @@ After training, per group of the plan: its tables, backend, the bytes per device
 host the planner predicted (the backends' own `memory()` before allocation) against the
 bytes the trained state holds (read from its arrays, by memory kind), and the group's share
 of the predicted step (its tables' measured steps); for the whole step, the predicted time
-(the model part + the tables' steps, `recgnn.embeddings.auto_plan.PlanChoice`) against the
+(the model part + the tables' steps + their prepare where it shares the cores:
+`recgnn.embeddings.auto_plan.PlanChoice.predicted_step_s`) against the
 measured median time per step of the run's logged intervals that compiled no program (the
 steady step; how many programs were compiled is reported beside it), and the host-link and
 collective bytes per step the compiled program moves (`recgnn.train.traffic`). Written to
@@ -82,6 +83,9 @@ def build(
     "objective": prediction.objective,
     "predicted_step_s": predicted,
     "model_s": prediction.model_s,
+    "device_step_s": prediction.device_step_s,
+    "prepare_s": prediction.prepare_s,
+    "shared_cores": prediction.shared_cores,
     "dispatch_s": prediction.dispatch_s,
     "measured_step_s": measured,
     "predicted_over_measured": None if not measured else predicted / measured,
@@ -101,6 +105,9 @@ def describe(report: dict) -> str:
   lines = [
     f"plan report: step predicted {report['predicted_step_s'] * 1e3:.2f} ms "
     + (f"(model part {model * 1e3:.2f} ms) " if model is not None else "")
+    + f"(device {report['device_step_s'] * 1e3:.2f} ms, input thread's prepare "
+    f"{report['prepare_s'] * 1e3:.2f} ms"
+    + (f" over {report['shared_cores']} shared cores) " if report["shared_cores"] else ") ")
     + (
       f"vs measured {m * 1e3:.2f} ms (median; {report['measured_from']}): {ratio:.2f}x"
       if m
