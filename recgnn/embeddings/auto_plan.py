@@ -26,7 +26,10 @@ choice). That ignores what XLA fuses across tables and what overlaps, which the 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import ClassVar
@@ -232,9 +235,6 @@ class CostCache:
   rewritten whole (a temporary file renamed over it), so a killed run leaves it readable."""
 
   def __init__(self, path: str):
-    import json
-    import os
-
     self.path = os.path.expanduser(path)
     self.hits = self.misses = 0
     try:
@@ -247,8 +247,6 @@ class CostCache:
 
   @staticmethod
   def key(text, spec: TableSpec, ids: Sequence[np.ndarray], mesh, layout, measure_rows) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     for b in ids:
       a = np.ascontiguousarray(b)
@@ -277,9 +275,6 @@ class CostCache:
     return float(v[0]), float(v[1])
 
   def put(self, key: str, value: tuple[float, float]) -> None:
-    import json
-    import os
-
     self.entries[key] = [float(value[0]), float(value[1])]
     os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
     tmp = f"{self.path}.tmp{os.getpid()}"
@@ -313,8 +308,6 @@ def timed_cost(
 
 def shared_cores(mesh) -> int | None:
   """The host cores a CPU mesh computes on (which the input thread shares), else None."""
-  import os
-
   if mesh.devices.flat[0].platform != "cpu":
     return None
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
