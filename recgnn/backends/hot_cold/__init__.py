@@ -188,9 +188,12 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     grow = hot_set.SHRINK_AFTER
     self._cold_len = {t: [hot_set.Buckets(grow) for _ in self._stacks] for t in (True, False)}
     # The window the step reads of each table's segment of the list: its longest segment,
-    # bucketed the same way. Windows of a batch's ids (whatever the hot set covers) made the
-    # host computations touch tables x ids rows, several times the list.
-    self._cold_win = {t: [hot_set.Buckets(grow) for _ in self._stacks] for t in (True, False)}
+    # bucketed with more headroom (`host_cache.window_sizer`). Windows of a batch's ids
+    # (whatever the hot set covers) made the host computations touch tables x ids rows,
+    # several times the list.
+    self._cold_win = {
+      t: [host_cache.window_sizer(grow) for _ in self._stacks] for t in (True, False)
+    }
     self.cold_shapes: set[tuple[int, ...]] = set()  # the train steps' cold-list lengths seen
     owner = f"hot_cold (tables {', '.join(self.specs)})"
     self._syncer = host_cache.Syncer(self._flush, owner, "hot / cold")
