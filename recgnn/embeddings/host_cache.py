@@ -103,14 +103,15 @@ class ListSizer:
   length is a new static shape, so the whole jitted train step compiles again (~1-3 s for a
   DLRM step on CPU, against a step of ~0.1 s).
 
+  - every length is the bucket of a need plus `headroom` (0 for lists: their length is the
+    host-link bytes; more for windows, whose length costs host touches only);
   - the first need sets the first length; the first after `reset` (the needs change at
-    once: a new hot set) too, plus `headroom`: one sample of the steady needs that follow,
-    whose largest then fit the same bucket more often than not (hot_cold: 3 programs where
-    the bucket of the sample then of the largest made 4). The very first need's regime is
-    a warm-up (hot_cold's profile, every id cold; offload starts at the cap) that a shrink
-    by one bucket would only cost a compile;
-  - grow at once when a need does not fit (a list must hold every row it moves), to the
-    need's bucket (headroom there would go at the next decision point: one more compile);
+    once: a new hot set) too, with at least `reset_headroom`: one sample of the steady needs
+    that follow, whose largest then fit the same bucket more often than not (hot_cold on
+    dlrm_kaggle: one length where the sample's bucket then the largest's made two). The
+    very first need's regime is a warm-up (hot_cold's profile, every id cold; offload starts
+    at the cap), where headroom would only be shrunk away (a compile);
+  - grow at once when a need does not fit (a list must hold every row it moves);
   - shrink only at decision points, every `patience` calls counted from the first: the
     sizers of every group are called once a step from the same start, so their shrinks fall
     on the same steps and cost one recompile for all the groups instead of one each;
@@ -120,8 +121,8 @@ class ListSizer:
     2 x patience). A warming cache whose misses fall for a few steps then shrinks once, to
     the length that holds, instead of down every bucket on the way (one compile each);
     `slack`: only when that saves more than this fraction of the length (0: any bucket, the
-    bytes follow the needs; windows, whose cost is host touches, not link bytes, keep a
-    length that is a little long rather than compile again);
+    bytes follow the needs; windows keep a length that is a little long rather than compile
+    again);
   - a length already handed out (compiled) is taken instead of a new one when it holds the
     need and is at most one bucket longer.
 
@@ -133,12 +134,14 @@ class ListSizer:
     self,
     patience: int = 16,
     start_at_cap: bool = False,
-    headroom: float = 1 / 16,
+    headroom: float = 0.0,
+    reset_headroom: float = 1 / 16,
     slack: float = 0.0,
   ):
     self.patience = patience
     self.start_at_cap = start_at_cap
     self.headroom = headroom
+    self.reset_headroom = max(headroom, reset_headroom)
     self.slack = slack
     self.width: int | None = None  # None: nothing sized yet (or reset)
     self._needs: collections.deque = collections.deque(maxlen=patience)  # the latest needs
@@ -161,25 +164,27 @@ class ListSizer:
     known = [s for s in self.sizes if octave_bucket(need) <= s <= top]
     return min(min(known, default=b), cap)
 
-  def _tick(self) -> bool:
+  def tick(self) -> bool:
+    """A step that sizes nothing here (the clock of the decision points advances, so it
+    stays aligned with the other sizers'). -> whether it is a decision point."""
     self._calls += 1
     return self._calls % self.patience == 0
 
   def __call__(self, need: int, cap: int) -> int:
     """The length for a list of `need` entries, at most `cap` (the longest useful list)."""
-    decide = self._tick()
+    decide = self.tick()
     self._needs.append(need)
     if self.width is None:
-      first = self.headroom if self._reset else 0.0
+      first = self.reset_headroom if self._reset else self.headroom
       width = cap if self.start_at_cap else self._fit(need, cap, first)
     else:
       width = min(self.width, cap)
     if min(octave_bucket(need), cap) > width:
-      width, self._wanted = self._fit(need, cap, 0.0), False
+      width, self._wanted = self._fit(need, cap, self.headroom), False
     elif decide and len(self._needs) == self.patience:
       needs = list(self._needs)
-      target = self._fit(max(needs), cap, 0.0, below=width)
-      newer = self._fit(max(needs[len(needs) // 2 :]), cap, 0.0, below=width)
+      target = self._fit(max(needs), cap, self.headroom, below=width)
+      newer = self._fit(max(needs[len(needs) // 2 :]), cap, self.headroom, below=width)
       if target >= width * (1 - self.slack):
         self._wanted = False
       elif newer == target or self._wanted:
@@ -193,7 +198,7 @@ class ListSizer:
   def hold(self, cap: int) -> int:
     """The current length, for a list with nothing planned that keeps the steady shapes (a
     step all the same: the clock advances)."""
-    self._tick()
+    self.tick()
     width = cap if self.width is None else min(self.width, cap)
     self.sizes.add(width)
     return width
