@@ -264,11 +264,13 @@ def test_bucket_sizes():
 
 def test_buckets_grow_at_once_and_shrink_after_a_while():
   b = hot_set.Buckets(patience=3)
-  assert b(100, 10_000) == 104
+  assert b(100, 10_000) == 104  # the first need's bucket
   assert b(500, 10_000) == 512  # grows at once
-  assert [b(100, 10_000) for _ in range(2)] == [512, 512]  # holds
-  assert b(130, 10_000) == 144  # the third low batch in a row: the largest of them
+  assert b(100, 10_000) == 512  # a decision point: the window (100, 500, 100) needs 512
+  assert [b(130, 10_000) for _ in range(3)] == [512, 512, 144]  # stable: the largest's
   assert b(100, 50) == 50  # never more than the cap (the batch's ids / the table's rows)
+  b.reset()
+  assert b(300, 10_000) == 320  # a new regime: its first need + 1/16 sets the length
 
 
 def test_zipf_stream_compiles_a_few_shapes():

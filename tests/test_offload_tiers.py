@@ -418,12 +418,19 @@ def test_octave_buckets_and_hysteresis():
     0, 8, 8, 9, 15, 16, 18, 104, 1024,
   ]  # fmt: skip
   assert max(cache_plan.octave_bucket(n) / n for n in range(9, 5000)) <= 1.125
-  s = cache_plan.Sizer(patience=3, start_at_cap=True)  # (as the planner makes them)
-  assert s(10, 100) == 100  # starts at the cap (fixed's width)
-  assert [s(n, 100) for n in (40, 41)] == [100, 44]  # shrinks after 3 low steps
-  assert s(50, 100) == 52  # grows at once
-  assert [s(n, 100) for n in (20, 52, 20)] == [52, 52, 52]  # a need at the width resets
-  assert s.hold(100) == 52 and s.hold(30) == 30
+  s = cache_plan.Sizer(patience=4, start_at_cap=True)  # (as the planner makes them)
+  assert s(90, 100) == 100  # starts at the cap (fixed's width)
+  # Decision points every 4 calls. At the 4th the needs still fall (the newer half needs a
+  # shorter list than all four): it holds; at the 8th, the second in a row, it shrinks once,
+  # to the largest of the last four (41), not down every bucket on the way.
+  assert [s(n, 100) for n in (60, 41, 40)] == [100, 100, 100]
+  assert [s(n, 100) for n in (40, 41, 40)] == [100, 100, 100]
+  assert s(40, 100) == 44
+  assert s(50, 100) == 52  # grows at once, to the need's bucket
+  assert [s(n, 100) for n in (20, 20, 20)] == [52, 52, 52]  # not a decision point
+  assert [s(n, 100) for n in (20, 20, 20, 20)] == [52, 52, 52, 20]  # stable: shrinks
+  assert s(44, 100) == 44  # grows to a length handed out before (compiled): no new shape
+  assert s.hold(100) == 44 and s.hold(30) == 30
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 1), (2, 4)], ids=lambda m: f"{m[0]}x{m[1]}")

@@ -188,9 +188,12 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     grow = hot_set.SHRINK_AFTER
     self._cold_len = {t: [hot_set.Buckets(grow) for _ in self._stacks] for t in (True, False)}
     # The window the step reads of each table's segment of the list: its longest segment,
-    # bucketed the same way. Windows of a batch's ids (whatever the hot set covers) made the
-    # host computations touch tables x ids rows, several times the list.
-    self._cold_win = {t: [hot_set.Buckets(grow) for _ in self._stacks] for t in (True, False)}
+    # bucketed with more headroom (`host_cache.window_sizer`). Windows of a batch's ids
+    # (whatever the hot set covers) made the host computations touch tables x ids rows,
+    # several times the list.
+    self._cold_win = {
+      t: [host_cache.window_sizer(grow) for _ in self._stacks] for t in (True, False)
+    }
     self.cold_shapes: set[tuple[int, ...]] = set()  # the train steps' cold-list lengths seen
     owner = f"hot_cold (tables {', '.join(self.specs)})"
     self._syncer = host_cache.Syncer(self._flush, owner, "hot / cold")
@@ -474,8 +477,13 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       off = np.cumsum([0] + [x.size for x in segs]).astype(np.int32)
       caps = [cold_cap(per[n][0].shape, self.specs[n]) for n in names]
       most = max(int(np.diff(off).max()), 1)
-      if self.options.cold_list == "fixed":
+      # Before the first hot set (the profile) every id is cold, and the phase ends at the
+      # pick: one length for it, the batch's ids (as `fixed`), not the few a sizer takes
+      # over a phase of a few batches (each a compile; the pick's migration step is one).
+      if self.options.cold_list == "fixed" or (train and not self._picked):
         uc, win = sum(caps), max(caps)
+        self._cold_len[train][stack].tick()  # (decision points at the same steps as others')
+        self._cold_win[train][stack].tick()
       else:
         uc = self._cold_len[train][stack](max(int(off[-1]), 1), sum(caps))
         win = min(self._cold_win[train][stack](most, max(caps)), uc)

@@ -20,7 +20,7 @@ from absl import logging
 from recgnn.embeddings import access_counts as profile
 from recgnn.embeddings import base, host_cache
 
-SHRINK_AFTER = 16  # batches in a row whose cold rows fit a smaller list before it shrinks
+SHRINK_AFTER = 16  # batches between the cold lists' shrink decisions (`host_cache.ListSizer`)
 
 
 def bucket(n: int) -> int:
@@ -31,7 +31,7 @@ def bucket(n: int) -> int:
 
 def Buckets(patience: int) -> host_cache.ListSizer:  # noqa: N802  (a class-like factory)
   """A cold list's length for one table: the shared host-link list sizer (grow at once to a
-  batch's need, shrink only after `patience` batches in a row fit a smaller bucket). Sized
+  batch's need, shrink every `patience` batches to what the latest needs hold). Sized
   by the batch's distinct cold rows, not by its id count: host traffic falls as the hot set
   covers more."""
   return host_cache.ListSizer(patience)

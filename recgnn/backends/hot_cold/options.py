@@ -33,9 +33,10 @@ class HotColdOptions(base.BackendOptions):
       group's tables, rounded up to an eighth-octave length with hysteresis
       (`host_cache.ListSizer`): host-link bytes within ~1.1x of what the cold ids need and
       falling as the budget grows (tests/test_hot_cold_tiers.py), a few lengths per run (26
-      tables, 200 Zipf steps: <= 6 step shapes). `fixed`: the batch's id count per table (at
-      most its rows), summed: one shape for the run, but the host link carries that many
-      rows whatever the hot set covers.
+      tables, 200 Zipf steps: <= 6 step shapes; before the first hot set, when every id is
+      cold, the batch's ids: one length for the profile). `fixed`: the batch's id count per
+      table (at most its rows), summed: one shape for the run, but the host link carries
+      that many rows whatever the hot set covers.
   """
 
   backend: ClassVar[str] = "hot_cold"

@@ -23,7 +23,7 @@ EVICT_SLOTS, EVICT_ROWS, LOAD_ROWS, LOAD_SLOTS = range(4)
 # exchange evicts and the next batch needs back: its host copy is stale until that write-back,
 # so its value comes from the evicted cache row), or the "now" list's length when absent.
 NEXT_FROM_NOW = 4
-# exchange=bucket: steps a smaller size must hold before the lists shrink.
+# exchange=bucket: steps between the lists' shrink decisions (`host_cache.ListSizer`).
 PATIENCE = 16
 
 

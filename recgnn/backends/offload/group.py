@@ -81,7 +81,7 @@ class OffloadGroup(base.TableGroup):
     ]
     # Each list's window: the most entries one table has in it (`_window_width`).
     self._win_sizers = [
-      {k: Sizer(cache_plan.PATIENCE, start_at_cap=True) for k in ("now", "next")}
+      {k: host_cache.window_sizer(cache_plan.PATIENCE, start_at_cap=True) for k in ("now", "next")}
       for _ in self._stacks
     ]
     members = list(self.members.values())

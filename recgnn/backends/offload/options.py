@@ -31,8 +31,9 @@ class OffloadOptions(base.BackendOptions):
       table after table (`OffloadGroup`), so the step's shape is one length per list, not
       one per table. `bucket` (default): the list holds the group's real misses, rounded up
       to an eighth-octave length (8, 9, .., 15, 16, 18, .., 30, 32, 36, ..: at most 12.5%
-      padding) with hysteresis (`cache_plan.Sizer`: grow at once, shrink only after
-      `cache_plan.PATIENCE` steps below): the host link carries ~1.05-1.2x the missed rows,
+      padding) with hysteresis (`cache_plan.Sizer`: grow at once, shrink every
+      `cache_plan.PATIENCE` steps, once the misses are stable, straight to what the latest
+      ones need): the host link carries ~1.05-1.2x the missed rows,
       fewer as the cache grows, and a 26-table group compiles a few shapes over a long
       stream (tests/test_offload_tiers.py). `fixed`: the sum over the tables of min(ids per
       batch, C): one shape, but that many rows move each step whatever the hit rate.
