@@ -348,6 +348,9 @@ class PlanChoice:
   # Cores the step computes on when the devices are this host's CPU (the input thread's
   # `prepare` then takes its time from them); None for accelerators (prepare runs beside).
   shared_cores: int | None = None
+  # The tables other rules place, with the same figures (timed alike): in the predicted step
+  # and the report, not in `rules`.
+  fixed: dict[str, Candidate] = dataclasses.field(default_factory=dict)
 
   @property
   def rules(self) -> tuple[tuple[str, str], ...]:
@@ -360,7 +363,8 @@ class PlanChoice:
   @property
   def embedding_step_s(self) -> float:
     """The chosen tables' step times added, each less one call's dispatch."""
-    return sum(max(c.step_s - self.dispatch_s, 0.0) for c in self.chosen.values())
+    every = [*self.chosen.values(), *self.fixed.values()]
+    return sum(max(c.step_s - self.dispatch_s, 0.0) for c in every)
 
   @property
   def device_step_s(self) -> float:
@@ -382,7 +386,8 @@ class PlanChoice:
   @property
   def prepare_s(self) -> float:
     """The chosen tables' host-side prepare per batch, added (the input thread's work)."""
-    return sum(c.prepare_s for c in self.chosen.values() if c.prepare_s == c.prepare_s)
+    every = [*self.chosen.values(), *self.fixed.values()]
+    return sum(c.prepare_s for c in every if c.prepare_s == c.prepare_s)
 
   def report(self) -> str:
     budget = "none" if self.budget_bytes is None else _mib(self.budget_bytes)
@@ -431,6 +436,7 @@ class PlanChoice:
       "prepare_s": self.prepare_s,
       "planning_s": self.planning_s,
       "chosen": {t: dataclasses.asdict(c) for t, c in self.chosen.items()},
+      "fixed": {t: dataclasses.asdict(c) for t, c in self.fixed.items()},
       "runner_up": {
         t: dataclasses.asdict(c) if c is not None else None for t, c in self.runner_up.items()
       },
@@ -745,9 +751,15 @@ def plan_rules(
   )
   if jax.process_count() > 1:
     choice = _agree(choice, auto_specs, options, mesh, layout)
+  kept = [(p, t) for p, t in rules if not is_auto(t)]
+  others = [s for s in specs if s.name not in choice.chosen]
+  if others:  # their step is part of the predicted one too
+    given = predict_rules(
+      kept, others, mesh, layout, batches, measure_rows=options.measure_rows, cache=cache, cost=cost
+    )
+    choice = dataclasses.replace(choice, fixed=given.chosen)
   # Exact names first: an auto table is matched by its own rule before any other rule's
   # regex that also matches it; the other rules keep their tables.
-  kept = [(p, t) for p, t in rules if not is_auto(t)]
   return [*choice.rules, *kept], choice
 
 

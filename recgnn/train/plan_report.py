@@ -63,7 +63,8 @@ def build(
   groups = {}
   for key, group in plan.groups.items():
     tables = list(group.specs)
-    chosen = [prediction.chosen[t] for t in tables if t in prediction.chosen]
+    every = {**prediction.fixed, **prediction.chosen}
+    chosen = [every[t] for t in tables if t in every]
     dev, host = held_bytes(emb_state[key])
     groups[key] = {
       "tables": tables,
