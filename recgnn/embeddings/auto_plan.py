@@ -190,14 +190,18 @@ def measure(
   mesh,
   layout: Layout,
   measure_rows: int,
+  copies: int = 1,
 ) -> tuple[float, float]:
   """(median device step seconds, median prepare seconds) of `text` for `spec` alone on
   `mesh`: the backend's lookup and update (the gradient is the pooled lookup) on each of
   `batches` (ids int[B] or [B, L]), the table folded to `measure_rows` rows; timed on a second
-  pass over the batches, after a first that compiled every step shape they need."""
+  pass over the batches, after a first that compiled every step shape they need. copies > 1:
+  that many copies of the table in one group (same ids), for the group's own cost
+  (`group_overhead`)."""
   rows = min(spec.num_rows, measure_rows)
-  small = dataclasses.replace(spec, num_rows=rows)
-  group = plan_lib.make_group(text, [small], mesh, layout)
+  names = [spec.name] if copies == 1 else [f"{spec.name}__{i}" for i in range(copies)]
+  smalls = [dataclasses.replace(spec, name=n, num_rows=rows) for n in names]
+  group = plan_lib.make_group(text, smalls, mesh, layout)
   ahead = group.lookahead
   fold = [np.where(b >= 0, b % rows, b) if rows < spec.num_rows else b for b in batches]
   state = group.init(jax.random.key(0))
@@ -205,16 +209,16 @@ def measure(
   @jax.jit
   def step(state, prepared):
     pooled, res = group.lookup(state, prepared)
-    return group.update(state, prepared, res, {small.name: pooled[small.name]})
+    return group.update(state, prepared, res, {n: pooled[n] for n in names})
 
   steps, preps = [], []
   # Two passes over the batches: the first compiles every step shape they need (and warms a
   # cache), the second is timed.
   for timed in (False, True):
     for i, ids in enumerate(fold):
-      upcoming = [{small.name: u} for u in fold[i + 1 : i + 1 + ahead]]
+      upcoming = [{n: u for n in names} for u in fold[i + 1 : i + 1 + ahead]]
       t0 = time.perf_counter()
-      prepared = group.prepare({small.name: ids}, upcoming, train=True)
+      prepared = group.prepare({n: ids for n in names}, upcoming, train=True)
       t1 = time.perf_counter()
       prepared = jax.device_put(prepared)
       jax.block_until_ready(prepared)
@@ -289,21 +293,39 @@ def timed_cost(
   layout: Layout,
   measure_rows: int,
   cache: CostCache | None = None,
-) -> Callable[[str, TableSpec], tuple[float, float]]:
-  """The planner's default cost: `measure` on the run's batches, through `cache` if given."""
+) -> Callable[..., tuple[float, float]]:
+  """The planner's default cost, (text, spec, copies=1) -> (step s, prepare s): `measure` on
+  the run's batches, through `cache` if given."""
 
-  def cost(text: str, spec: TableSpec) -> tuple[float, float]:
+  def cost(text: str, spec: TableSpec, copies: int = 1) -> tuple[float, float]:
     ids = [b[spec.name] for b in batches]
-    key = CostCache.key(text, spec, ids, mesh, layout, measure_rows) if cache else ""
+    tag = text if copies == 1 else f"{text} x{copies}"
+    key = CostCache.key(tag, spec, ids, mesh, layout, measure_rows) if cache else ""
     hit = cache.get(key) if cache else None
     if hit is not None:
       return hit
-    out = measure(text, spec, ids, mesh, layout, measure_rows)
+    out = measure(text, spec, ids, mesh, layout, measure_rows, copies)
     if cache:
       cache.put(key, out)
     return out
 
   return cost
+
+
+GROUP_COPIES = 4  # tables in the group timed for each backend string's own cost
+
+
+def group_overhead(
+  alone: float, cost: Callable[..., tuple[float, float]], text: str, spec: TableSpec
+) -> float:
+  """Seconds a group of `text` costs whatever its tables (its program's fixed part, dispatch
+  included), from the step of `spec` alone (`alone`) and of GROUP_COPIES copies of it in one
+  group: with c(k) = a + k b, a = c(1) - (c(k) - c(1)) / (k - 1), kept within [0, c(1)]. A
+  table timed alone carries a; in the train step its group pays a once, however many tables
+  it holds (26 dense tables are one group, one gather, one scatter)."""
+  many = cost(text, spec, GROUP_COPIES)[0]
+  per_table = max(many - alone, 0.0) / (GROUP_COPIES - 1)
+  return min(max(alone - per_table, 0.0), alone)
 
 
 def shared_cores(mesh) -> int | None:
@@ -351,6 +373,10 @@ class PlanChoice:
   # The tables other rules place, with the same figures (timed alike): in the predicted step
   # and the report, not in `rules`.
   fixed: dict[str, Candidate] = dataclasses.field(default_factory=dict)
+  # Per backend string: what a group of it costs whatever its tables (`group_overhead`,
+  # dispatch included). A table's share of the step is its measured step less this; the
+  # step pays it once per group, less the one dispatch the model part already holds.
+  overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def rules(self) -> tuple[tuple[str, str], ...]:
@@ -362,9 +388,20 @@ class PlanChoice:
 
   @property
   def embedding_step_s(self) -> float:
-    """The chosen tables' step times added, each less one call's dispatch."""
+    """Every table's own share of the step (`marginal_s`) and each group's fixed part once
+    (its overhead less the dispatch the model part holds)."""
     every = [*self.chosen.values(), *self.fixed.values()]
-    return sum(max(c.step_s - self.dispatch_s, 0.0) for c in every)
+    tables = sum(self.marginal_s(c) for c in every)
+    groups = sum(
+      max(self.overhead_s.get(t, self.dispatch_s) - self.dispatch_s, 0.0)
+      for t in {c.text for c in every}
+    )
+    return tables + groups
+
+  def marginal_s(self, c: Candidate) -> float:
+    """A table's own share of the step: its measured step less its group's overhead (one
+    dispatch where the overhead was not measured)."""
+    return max(c.step_s - self.overhead_s.get(c.text, self.dispatch_s), 0.0)
 
   @property
   def device_step_s(self) -> float:
@@ -433,6 +470,7 @@ class PlanChoice:
       "device_step_s": self.device_step_s,
       "shared_cores": self.shared_cores,
       "dispatch_s": self.dispatch_s,
+      "overhead_s": self.overhead_s,
       "prepare_s": self.prepare_s,
       "planning_s": self.planning_s,
       "chosen": {t: dataclasses.asdict(c) for t, c in self.chosen.items()},
@@ -456,16 +494,19 @@ def solve(
   budget_bytes: int | None,
   objective: str,
   limits: dict[str, int] | None = None,
+  group_s: dict[str, float] | None = None,
 ) -> dict[str, Candidate]:
   """One candidate per table minimizing the objective with the bytes per device within
   `budget_bytes`: an integer program, binary x[t, c], sum_c x[t, c] = 1, sum bytes <= budget;
   and for each family f in `limits`, at most limits[f] distinct backend strings among its
   candidates (binary y[s] >= x[t, c] for every c of string s, sum_{s in f} y[s] <= limits[f]).
+  group_s: seconds a backend string costs once if any table takes it (a group's fixed part:
+  objective time adds group_s[s] y[s]); the candidates' step_s are then their own shares.
   Refuses (PlanDoesNotFit) a budget below the smallest choice, naming the tables that force
   it. Ties go to the other measure (time: fewer bytes; memory: less time)."""
   from scipy import optimize, sparse
 
-  limits = limits or {}
+  limits, group_s = limits or {}, group_s or {}
   tables = list(options_by_table)
   smallest = {t: min(c.device_bytes for c in cs) for t, cs in options_by_table.items()}
   if budget_bytes is not None and sum(smallest.values()) > budget_bytes:
@@ -485,15 +526,21 @@ def solve(
   flat = [(i, c) for i, t in enumerate(tables) for c in options_by_table[t]]
   nbytes = np.array([c.device_bytes for _, c in flat], float)
   secs = np.array([c.step_s for _, c in flat], float)
+  # Variables: x (one per candidate), then y (one per distinct backend string of a limited
+  # family or with a group cost).
+  limited = sorted(
+    {(c.family or "", c.text) for _, c in flat if c.family in limits or group_s.get(c.text)}
+  )
+  nx, ny = len(flat), len(limited)
+  ysecs = np.array([group_s.get(t, 0.0) for _, t in limited], float)
+  scale = max(secs.max(initial=0.0), ysecs.max(initial=0.0), 1e-12)
   if objective == "time":
     # tie-break: among equal times, fewer bytes (a weight far below any measured difference)
-    cost = secs / max(secs.max(), 1e-12) + 1e-6 * nbytes / max(nbytes.max(), 1.0)
+    cost = secs / scale + 1e-6 * nbytes / max(nbytes.max(), 1.0)
+    ycost = ysecs / scale
   else:
-    cost = nbytes / max(nbytes.max(), 1.0) + 1e-6 * secs / max(secs.max(), 1e-12)
-  # Variables: x (one per candidate), then y (one per distinct backend string of a limited
-  # family).
-  limited = sorted({(c.family, c.text) for _, c in flat if c.family in limits})
-  nx, ny = len(flat), len(limited)
+    cost = nbytes / max(nbytes.max(), 1.0) + 1e-6 * secs / scale
+    ycost = 1e-6 * ysecs / scale
   one = sparse.csr_array(
     (np.ones(nx), ([i for i, _ in flat], np.arange(nx))), shape=(len(tables), nx + ny)
   )
@@ -503,21 +550,24 @@ def solve(
     constraints.append(optimize.LinearConstraint(row, -np.inf, budget_bytes))
   if ny:
     # x[t, c] - y[string of c] <= 0; per family, sum of its y <= its limit.
-    ks = [k for k, (_, c) in enumerate(flat) if c.family in limits]
+    index = {key: j for j, key in enumerate(limited)}
+    ks = [k for k, (_, c) in enumerate(flat) if (c.family or "", c.text) in index]
     link = sparse.lil_array((len(ks), nx + ny))
     for r, k in enumerate(ks):
       c = flat[k][1]
       link[r, k] = 1
-      link[r, nx + limited.index((c.family, c.text))] = -1
+      link[r, nx + index[(c.family or "", c.text)]] = -1
     constraints.append(optimize.LinearConstraint(link.tocsr(), -np.inf, 0))
-    families = sorted({f for f, _ in limited})
-    count = sparse.lil_array((len(families), nx + ny))
-    for j, (f, _) in enumerate(limited):
-      count[families.index(f), nx + j] = 1
-    caps = np.array([limits[f] for f in families], float)
-    constraints.append(optimize.LinearConstraint(count.tocsr(), -np.inf, caps))
+    families = sorted({f for f, _ in limited if f in limits})
+    if families:
+      count = sparse.lil_array((len(families), nx + ny))
+      for j, (f, _) in enumerate(limited):
+        if f in limits:
+          count[families.index(f), nx + j] = 1
+      caps = np.array([limits[f] for f in families], float)
+      constraints.append(optimize.LinearConstraint(count.tocsr(), -np.inf, caps))
   res = optimize.milp(
-    np.concatenate([cost, np.zeros(ny)]),
+    np.concatenate([cost, ycost]),
     constraints=constraints,
     integrality=np.ones(nx + ny),
     bounds=optimize.Bounds(0, 1),
@@ -639,6 +689,7 @@ def choose(
     )
   # Time only what could be chosen: candidates smaller than the budget left.
   dispatch = 0.0
+  measured = cost is None
   if cost is None:
     dispatch = dispatch_seconds(mesh)
     cost = timed_cost(batches, mesh, layout, options.measure_rows, cache)
@@ -667,8 +718,17 @@ def choose(
     options_by_table[spec.name] = cs
   limits = {kind: options.strings_per_kind for kind in HOST_TIERS}
   limits[MICRO_BATCHES] = 0 if fixed_splits else 1
-  chosen = solve(options_by_table, avail, options.objective, limits)
-  chosen = {s.name: chosen[s.name] for s in specs}
+  overhead = overheads(options_by_table, {s.name: s for s in specs}, cost, measured, log)
+  # The solver sees each table's own share and each group's fixed part once (group_s).
+  shares = {
+    t: [dataclasses.replace(c, step_s=_share(c, overhead, dispatch)) for c in cs]
+    for t, cs in options_by_table.items()
+  }
+  group_s = {t: max(a - dispatch, 0.0) for t, a in overhead.items()}
+  picked = solve(shares, avail, options.objective, limits, group_s)
+  chosen = {}
+  for s in specs:  # the candidates as measured (their step alone), not their shares
+    chosen[s.name] = next(c for c in options_by_table[s.name] if c.text == picked[s.name].text)
   return PlanChoice(
     chosen=chosen,
     runner_up=runner_ups(options_by_table, chosen, avail, options.objective, limits),
@@ -679,7 +739,38 @@ def choose(
     dispatch_s=dispatch,
     planning_s=time.perf_counter() - started,
     shared_cores=shared_cores(mesh),
+    overhead_s=overhead,
   )
+
+
+def _share(c: Candidate, overhead: dict[str, float], dispatch: float) -> float:
+  return max(c.step_s - overhead.get(c.text, dispatch), 0.0)
+
+
+def overheads(
+  options_by_table: dict[str, list[Candidate]],
+  specs: dict[str, TableSpec],
+  cost,
+  measured: bool,
+  log: Callable[[str], None] = lambda s: None,
+) -> dict[str, float]:
+  """Each backend string's group overhead (`group_overhead`), measured on the largest table
+  that has it as a candidate; {} when the costs were not measured (a model's costs)."""
+  if not measured:
+    return {}
+  out = {}
+  by_text: dict[str, Candidate] = {}
+  for t, cs in options_by_table.items():
+    for c in cs:
+      if c.step_s == c.step_s:
+        best = by_text.get(c.text)
+        if best is None or specs[t].num_rows > specs[best.table].num_rows:
+          by_text[c.text] = c
+  for text, c in by_text.items():
+    out[text] = group_overhead(c.step_s, cost, text, specs[c.table])
+  if out:
+    log("auto: group overheads " + ", ".join(f"{t} {a * 1e3:.2f} ms" for t, a in out.items()))
+  return out
 
 
 # ----------------------------------------------------------------------------- plan rules
@@ -757,7 +848,9 @@ def plan_rules(
     given = predict_rules(
       kept, others, mesh, layout, batches, measure_rows=options.measure_rows, cache=cache, cost=cost
     )
-    choice = dataclasses.replace(choice, fixed=given.chosen)
+    choice = dataclasses.replace(
+      choice, fixed=given.chosen, overhead_s={**given.overhead_s, **choice.overhead_s}
+    )
   # Exact names first: an auto table is matched by its own rule before any other rule's
   # regex that also matches it; the other rules keep their tables.
   return [*choice.rules, *kept], choice
@@ -796,16 +889,30 @@ def predict_rules(
   hand-written plan's prediction can be set against its measured step (`--plan_report`)."""
   started = time.perf_counter()
   dispatch = 0.0
+  measured = cost is None
   if cost is None:
     dispatch = dispatch_seconds(mesh)
     cost = timed_cost(batches, mesh, layout, measure_rows, cache)
   chosen = {}
-  for text, ss in plan_lib.assign_rules(rules, specs).items():
+  by_text = plan_lib.assign_rules(rules, specs)
+  for text, ss in by_text.items():
     for spec in ss:
       dev, host = memory_of(text, spec, mesh, layout)
       step_s, prep_s = cost(text, spec)
       chosen[spec.name] = Candidate(spec.name, text, dev, host, step_s, prep_s, family_of(text))
   chosen = {s.name: chosen[s.name] for s in specs}
+  overhead = {}
+  if measured:
+    # Each string's group overhead on the largest table that can take it, as `choose` does
+    # (the same table and figures for a plan written by hand and one the planner made).
+    for text in by_text:
+      for spec in sorted(specs, key=lambda s: -s.num_rows):
+        try:
+          alone = cost(text, spec)[0]
+        except ValueError:  # e.g. a cache that cannot hold this table's batch
+          continue
+        overhead[text] = group_overhead(alone, cost, text, spec)
+        break
   return PlanChoice(
     chosen=chosen,
     runner_up={t: None for t in chosen},
@@ -816,4 +923,5 @@ def predict_rules(
     dispatch_s=dispatch,
     planning_s=time.perf_counter() - started,
     shared_cores=shared_cores(mesh),
+    overhead_s=overhead,
   )

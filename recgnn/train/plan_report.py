@@ -73,7 +73,11 @@ def build(
       "predicted_host_bytes": sum(c.host_bytes for c in chosen),
       "held_device_bytes": dev,
       "held_host_bytes": host,
-      "predicted_step_s": sum(max(c.step_s - prediction.dispatch_s, 0.0) for c in chosen),
+      "predicted_step_s": sum(prediction.marginal_s(c) for c in chosen)
+      + sum(
+        max(prediction.overhead_s.get(t, prediction.dispatch_s) - prediction.dispatch_s, 0.0)
+        for t in {c.text for c in chosen}
+      ),
       "table_step_s": {c.table: c.step_s for c in chosen},  # as timed (dispatch included)
       "predicted_prepare_s": sum(c.prepare_s for c in chosen),
     }
