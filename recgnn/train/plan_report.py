@@ -92,6 +92,7 @@ def build(
     "prepare_s": prediction.prepare_s,
     "shared_cores": prediction.shared_cores,
     "dispatch_s": prediction.dispatch_s,
+    "overhead_s": prediction.overhead_s,
     "measured_step_s": measured,
     "predicted_over_measured": None if not measured else predicted / measured,
     "measured_from": rule,
