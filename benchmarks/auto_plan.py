@@ -62,7 +62,7 @@ def hand_written(
   table goes to hot_cold at the fraction);
   then the largest tables alternately to offload and hot_cold; then a graded plan, the
   largest tables at the smallest fraction and the next ones at the next larger. need: each
-  table's most distinct ids in a batch (the planner does not try smaller caches either)."""
+  table's most distinct ids in a batch, with the planner's headroom (it tries no smaller cache)."""
   by_size = sorted(specs, key=lambda s: -dense_bytes[s.name])
   memo = {}
 
@@ -93,7 +93,7 @@ def hand_written(
     return f"{kind}({opt}={f})"
 
   def fits_batch(f, s, kind="offload"):
-    return kind != "offload" or f * s.num_rows >= need[s.name]
+    return kind != "offload" or f * s.num_rows >= need[s.name] * auto_plan.OFFLOAD_HEADROOM
 
   def placed(kind, f, s):
     """`kind` at f, or hot_cold at f where an offload cache of f could not hold a batch."""
