@@ -736,10 +736,17 @@ def choose(
   limits = {kind: options.strings_per_kind for kind in HOST_TIERS}
   limits[MICRO_BATCHES] = 0 if fixed_splits else 1
   overhead = overheads(options_by_table, {s.name: s for s in specs}, cost, measured, log)
-  # The solver sees each table's own share and each group's fixed part once (group_s).
+  # The solver sees what the predicted step counts (`PlanChoice.predicted_step_s`): each
+  # table's own share, its prepare spread over the cores on CPU devices (the input thread
+  # computes on the same cores), and each group's fixed part once (group_s).
+  cores = shared_cores(mesh)
+
+  def seen(c: Candidate) -> float:
+    prep = c.prepare_s / cores if cores and c.prepare_s == c.prepare_s else 0.0
+    return _share(c, overhead, dispatch) + prep
+
   shares = {
-    t: [dataclasses.replace(c, step_s=_share(c, overhead, dispatch)) for c in cs]
-    for t, cs in options_by_table.items()
+    t: [dataclasses.replace(c, step_s=seen(c)) for c in cs] for t, cs in options_by_table.items()
   }
   group_s = {t: max(a - dispatch, 0.0) for t, a in overhead.items()}
   picked = solve(shares, avail, options.objective, limits, group_s)
