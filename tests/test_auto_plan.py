@@ -34,6 +34,11 @@ def test_options_refused_with_the_reason():
     base.resolve_plan([(".*", "auto")], [base.TableSpec(name="t", num_rows=100, dim=4)])
 
 
+def _largest(run, k: int) -> list[str]:
+  """The k tables of a built run with the most rows."""
+  return sorted(run.plan.specs, key=lambda n: -run.plan.specs[n].num_rows)[:k]
+
+
 def _random_candidates(rng, tables=5, per=4):
   out = {}
   for t in range(tables):
@@ -174,8 +179,7 @@ def test_trainer_auto_rule_places_two_tables_within_budget(tmp_path):
   chosen plan fits the budget, trains, and its choice is written beside the results."""
   probe = trainer_lib.smoke_config(str(tmp_path / "cache"), mesh=(1, 1))
   run = loop.setup.build(probe, allocate=False)
-  names = list(run.plan.table_group)
-  big = sorted(names, key=lambda n: -run.plan.specs[n].num_rows)[:2]
+  big = _largest(run, 2)
   dense_all = sum(g.device_bytes() for g in run.plan.groups.values())
   big_bytes = sum(run.plan.backend_of(n).memory()[n].device_bytes for n in big)
   budget = dense_all - big_bytes // 2  # the two big tables cannot both stay dense
@@ -209,7 +213,7 @@ def test_plan_report_of_a_written_plan_and_the_cost_cache(tmp_path):
   same cost cache times nothing again and predicts the same per-table costs."""
   cache = str(tmp_path / "costs.json")
   probe = loop.setup.build(trainer_lib.smoke_config(str(tmp_path / "cache")), allocate=False)
-  big = sorted(probe.plan.specs, key=lambda n: -probe.plan.specs[n].num_rows)[:2]
+  big = _largest(probe, 2)
   plan = (("|".join(big), "offload(cache_fraction=0.5)"), (".*", "dense"))
   reports, sizes = [], []
   for k in range(2):
@@ -250,7 +254,7 @@ def test_auto_on_an_8_device_mesh_places_tables_over_model(tmp_path):
   run = loop.setup.build(probe, allocate=False)
   dense_all = sum(g.device_bytes() for g in run.plan.groups.values())
   # The three largest tables under auto (the rest dense: fewer candidates to time).
-  big = sorted(run.plan.specs, key=lambda n: -run.plan.specs[n].num_rows)[:3]
+  big = _largest(run, 3)
   big_bytes = sum(run.plan.backend_of(n).memory()[n].device_bytes for n in big)
   budget = dense_all - big_bytes // 2  # the three cannot all stay replicated
   opts = f"auto(budget='{budget}', kinds=('dense', 'sharded'), batches=2)"
