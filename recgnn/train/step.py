@@ -338,7 +338,9 @@ def init_state(
     n: jnp.zeros(example_batch["ids"][n].shape[:1] + (s.dim,), jnp.float32)
     for n, s in specs.items()
   }
-  params = task.init_params(k_params, device_batch(example_batch), zeros)
+  # Jitted: run eagerly, flax's init dispatches op by op (2.6 s for the reference DLRM's MLPs
+  # against 1.1 s compiled); the values are the same either way.
+  params = jax.jit(task.init_params)(k_params, device_batch(example_batch), zeros)
   repl = jax.sharding.NamedSharding(plan.mesh, sharding.REPLICATED)
   # sharding.put: with many processes each places its own devices' copies.
   params = sharding.put(jax.device_get(params), repl)
