@@ -32,7 +32,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar
 
 import jax
@@ -735,7 +735,11 @@ def choose(
     options_by_table[spec.name] = cs
   limits = {kind: options.strings_per_kind for kind in HOST_TIERS}
   limits[MICRO_BATCHES] = 0 if fixed_splits else 1
-  overhead = overheads(options_by_table, {s.name: s for s in specs}, cost, measured, log)
+  overhead = {}
+  if measured:  # (a model's costs have no group part)
+    timed = {(c.text, t): c.step_s for t, cs in options_by_table.items() for c in cs}
+    texts = [text for (text, _), v in timed.items() if v == v]
+    overhead = overheads(texts, specs, cost, lambda text, s: timed.get((text, s.name)), log)
   # The solver sees what the predicted step counts (`PlanChoice.predicted_step_s`): each
   # table's own share, its prepare spread over the cores on CPU devices (the input thread
   # computes on the same cores), and each group's fixed part once (group_s).
@@ -772,26 +776,32 @@ def _share(c: Candidate, overhead: dict[str, float], dispatch: float) -> float:
 
 
 def overheads(
-  options_by_table: dict[str, list[Candidate]],
-  specs: dict[str, TableSpec],
-  cost,
-  measured: bool,
+  texts: Iterable[str],
+  specs: Sequence[TableSpec],
+  cost: Callable[..., tuple[float, float]],
+  alone: Callable[[str, TableSpec], float | None] | None = None,
   log: Callable[[str], None] = lambda s: None,
 ) -> dict[str, float]:
   """Each backend string's group overhead (`group_overhead`), measured on the largest table
-  that has it as a candidate; {} when the costs were not measured (a model's costs)."""
-  if not measured:
-    return {}
+  that can take it: the one rule for a plan the planner makes (`choose`, whose `alone` gives
+  the steps it timed: candidates that fit the budget left) and one a person wrote
+  (`predict_rules`: any table whose cost can be measured). alone(text, spec): the step of
+  the table alone, None where it cannot be had; default `cost`'s (None on ValueError)."""
+
+  def measured_alone(text: str, spec: TableSpec) -> float | None:
+    try:
+      return cost(text, spec)[0]
+    except ValueError:  # e.g. a cache that cannot hold this table's batch
+      return None
+
+  alone = alone or measured_alone
   out = {}
-  by_text: dict[str, Candidate] = {}
-  for t, cs in options_by_table.items():
-    for c in cs:
-      if c.step_s == c.step_s:
-        best = by_text.get(c.text)
-        if best is None or specs[t].num_rows > specs[best.table].num_rows:
-          by_text[c.text] = c
-  for text, c in by_text.items():
-    out[text] = group_overhead(c.step_s, cost, text, specs[c.table])
+  for text in dict.fromkeys(texts):
+    for spec in sorted(specs, key=lambda s: -s.num_rows):
+      step_s = alone(text, spec)
+      if step_s is not None and step_s == step_s:
+        out[text] = group_overhead(step_s, cost, text, spec)
+        break
   if out:
     log("auto: group overheads " + ", ".join(f"{t} {a * 1e3:.2f} ms" for t, a in out.items()))
   return out
@@ -925,18 +935,8 @@ def predict_rules(
       step_s, prep_s = cost(text, spec)
       chosen[spec.name] = Candidate(spec.name, text, dev, host, step_s, prep_s, family_of(text))
   chosen = {s.name: chosen[s.name] for s in specs}
-  overhead = {}
-  if measured:
-    # Each string's group overhead on the largest table that can take it, as `choose` does
-    # (the same table and figures for a plan written by hand and one the planner made).
-    for text in by_text:
-      for spec in sorted(specs, key=lambda s: -s.num_rows):
-        try:
-          alone = cost(text, spec)[0]
-        except ValueError:  # e.g. a cache that cannot hold this table's batch
-          continue
-        overhead[text] = group_overhead(alone, cost, text, spec)
-        break
+  # The same rule as `choose`'s, so a hand-written plan and the planner's agree on it.
+  overhead = overheads(by_text, specs, cost) if measured else {}
   return PlanChoice(
     chosen=chosen,
     runner_up={t: None for t in chosen},
