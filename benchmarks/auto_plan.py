@@ -113,9 +113,7 @@ def hand_written(
         plans[f"{kind} {f:g} on the largest"] = rules
   for f in FRACTIONS:
     for first, second in (("offload", "hot_cold"), ("hot_cold", "offload")):
-      rules = fill(
-        lambda i, s, a=first, b=second, f=f: placed(a if i % 2 == 0 else b, f, s)
-      )
+      rules = fill(lambda i, s, a=first, b=second, f=f: placed(a if i % 2 == 0 else b, f, s))
       if rules:
         plans[f"{first} / {second} alternating {f:g}"] = rules
   for small, large in zip(FRACTIONS[1:], FRACTIONS[:-1]):

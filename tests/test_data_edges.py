@@ -104,8 +104,14 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, lines):
   """The command line: the message alone on stderr (no traceback), exit status 2;
   --verbose shows the traceback."""
   path = _file(tmp_path, "".join(lines[:100]))
-  cmd = [sys.executable, "run.py", "--experiment=smoke", f"--workdir={tmp_path / 'wd'}",
-         f"--config.data.path={path}", f"--config.data.cache_dir={tmp_path / 'cache'}"]
+  cmd = [
+    sys.executable,
+    "run.py",
+    "--experiment=smoke",
+    f"--workdir={tmp_path / 'wd'}",
+    f"--config.data.path={path}",
+    f"--config.data.cache_dir={tmp_path / 'cache'}",
+  ]
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 2, out.stderr[-3000:]

@@ -35,8 +35,9 @@ def _launch(workdir, cache_dir, port, extra=()):
       "--num_processes=2", f"--process_id={pid}", *extra,
     ]  # fmt: skip
     procs.append(
-      subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True)  # fmt: skip
+      subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+      )  # fmt: skip
     )
   return procs
 

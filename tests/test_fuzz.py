@@ -471,7 +471,9 @@ def test_plan_string_parses_to_its_options(case):
 @given(
   st.one_of(
     st.text(alphabet="abtr_(),=' \"0123456789.-+[]{}:*\\\n\x00", max_size=40),
-    _plan_string().map(lambda c: c[0]).flatmap(
+    _plan_string()
+    .map(lambda c: c[0])
+    .flatmap(
       lambda t: st.integers(0, len(t)).map(lambda i: t[:i])  # truncated
     ),
   )
@@ -552,8 +554,17 @@ def test_config_overrides_set_the_typed_value(smoke_cfg, data):
 @fuzz(300)
 @given(
   key=st.one_of(
-    st.sampled_from(["train.steps", "model.bottom", "train.shuffle", "optimizer.learning_rate",
-                     "data.path", "seed", "embeddings.plan"]),
+    st.sampled_from(
+      [
+        "train.steps",
+        "model.bottom",
+        "train.shuffle",
+        "optimizer.learning_rate",
+        "data.path",
+        "seed",
+        "embeddings.plan",
+      ]
+    ),
     st.from_regex(r"[a-z_.]{1,20}", fullmatch=True),
   ),
   text=st.text(alphabet="0123456789()[],.'\" abxTrueFalse-=e", max_size=16),

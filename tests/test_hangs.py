@@ -96,7 +96,7 @@ def test_sigterm_during_a_hung_step_exits_within_its_grace(tmp_path):
   assert not [s for s in steps if s.isdigit()], steps  # saved nothing
 
 
-HUNG_TEST = '''
+HUNG_TEST = """
 import threading
 
 import jax
@@ -119,7 +119,7 @@ def test_hung_collective():
 
   x = jax.device_put(np.arange(8.0), NamedSharding(mesh, P("d")))
   f(x).block_until_ready()
-'''
+"""
 
 
 def test_a_hung_collective_is_reported_by_pytest_timeout(tmp_path):

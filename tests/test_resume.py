@@ -93,7 +93,8 @@ EXPECTED = {
   ],
   "table_optimizer": [
     "config embeddings.optimizer.name: checkpoint rowwise_adagrad, this run sgd",
-    "tables C1, C2, C3, ", "C26 optimizer slots: checkpoint ['accum'], this run [] (sgd)",
+    "tables C1, C2, C3, ",
+    "C26 optimizer slots: checkpoint ['accum'], this run [] (sgd)",
   ],
   "backend_format": [
     "table C16 format: checkpoint 'rows' (dense), this run 'tt",
