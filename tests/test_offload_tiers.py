@@ -97,7 +97,7 @@ def test_next_batch_reads_depend_on_nothing_the_step_computes():
     ]
     next_reads = [r for r in reads if module.depends(r, nxt)]
     assert next_reads
-    cache = state["t"]["cache"]
+    cache = state["cache"][0]  # (one table: its stack's cache)
     cache_shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in cache.values()}
     computed = [
       i.name

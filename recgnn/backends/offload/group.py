@@ -393,7 +393,74 @@ class OffloadGroup(base.TableGroup):
         self.list_widths.add(tuple(entry[k].shape[1] for k in ("now", "next")))
     if train:
       self._list_counters.add(steps=1, padded_rows_h2d=padded)
-    return {"tables": per, "lists": tuple(lists)}
+    version = np.array([per[n]["rows"]["version"] for n in self.members], np.int32)
+    return {"batch": self._batch(per), "version": version, "lists": tuple(lists)}
+
+  def _batch(self, per: dict) -> tuple:
+    """Every table's prepared batch stacked per stack, its slots made the stack's (one
+    input leaf per kind for the tables, not one per table: each leaf is a slice of the
+    trainer's buffer inside the step, a kernel apiece). Per stack {"bags": {key: {"ids":
+    int32[B, T', L] (stack slots, ABSENT: padding), "now_pos": int32[B, T', L] (positions
+    in the stack's "now" list; its length: absent), "inverse": int32[B, T', L] (positions
+    in "unique"; row-wise optimizers), "count": int32[B, T'] (mean pooling in the stack)}},
+    "unique": int32[U] (the tables' distinct slots then ABSENT, table after table; U: the
+    sum of B x L)}: one bag per bag length L, key the indices of its tables in the stack
+    ("0,1,5": static, the step reads the tables off it)."""
+    out = []
+    for stack, names in enumerate(self._stacks):
+      first, rows = self._slot_off[stack], np.diff(self._slot_off[stack])
+      bags: dict[int, list[int]] = {}
+      for i, n in enumerate(names):
+        bags.setdefault(per[n]["rows"]["ids"].shape[1], []).append(i)
+      needs_unique = self.specs[names[0]].optimizer.needs_unique
+      mean = any(self.specs[n].pooling == "mean" for n in names)
+      entry, uniques, u_first = {}, [], 0
+      for idx in bags.values():
+        r = [per[names[i]]["rows"] for i in idx]
+        c, f = rows[idx][None, :, None], first[idx][None, :, None]
+        ids = np.stack([x["ids"] for x in r], axis=1)
+        bag = {
+          "ids": np.where(ids < c, ids + f, ABSENT).astype(np.int32),
+          "now_pos": np.stack([x["now_pos"] for x in r], axis=1),
+        }
+        if needs_unique:
+          size = r[0]["ids"].size  # each table's unique: int32[B * L]
+          start = u_first + size * np.arange(len(idx))[None, :, None]
+          bag["inverse"] = (np.stack([x["inverse"] for x in r], axis=1) + start).astype(np.int32)
+          u = np.stack([x["unique"] for x in r])
+          uniques.append(np.where(u < c[0], u + f[0], ABSENT).astype(np.int32).reshape(-1))
+          u_first += size * len(idx)
+        if mean:  # (tables pooled by sum: a count of 1, never read)
+          ones = np.ones(ids.shape[0], np.int32)
+          bag["count"] = np.stack([per[names[i]].get("count", ones) for i in idx], axis=1)
+        entry[",".join(map(str, idx))] = bag
+      out.append({"bags": entry, **({"unique": np.concatenate(uniques)} if uniques else {})})
+    return tuple(out)
+
+  @staticmethod
+  def _bag_tables(key: str) -> list[int]:
+    """A bag's tables (indices in the stack) from its key (`_batch`)."""
+    return [int(i) for i in key.split(",")]
+
+  def table_batch(self, prepared: dict, table: str) -> dict[str, np.ndarray]:
+    """A prepared batch of one table as `Offload.prepare` planned it: {"ids": int32[B, L]
+    (its own slots, C = padding), "now_pos": int32[B, L], "version": int32[]} (`_batch`
+    undone). Host side (tests, inspection)."""
+    stack, i = next(
+      (s, names.index(table)) for s, names in enumerate(self._stacks) if table in names
+    )
+    first, c = int(self._slot_off[stack][i]), self.members[table].cache_rows
+    for key, bag in prepared["batch"][stack]["bags"].items():
+      tabs = self._bag_tables(key)
+      if i in tabs:
+        j = tabs.index(i)
+        ids = np.asarray(bag["ids"])[:, j]
+        return {
+          "ids": np.where(ids == ABSENT, c, ids - first),
+          "now_pos": np.asarray(bag["now_pos"])[:, j],
+          "version": np.asarray(prepared["version"])[self._index[table]],
+        }
+    raise KeyError(table)
 
   def _to_stack(self, lst: np.ndarray, off: np.ndarray, stack: int, now_off=None) -> None:
     """In place, on a list int32[4|5, W] of per-table segments (table i's at [off[i],
@@ -439,8 +506,18 @@ class OffloadGroup(base.TableGroup):
     return out
 
   def prepared_spec(self, prepared):
+    """The bags' leaves are batch-major (axis 0: the batch) when the layout splits the
+    batch; "unique", the versions and the lists are global."""
+    batch = sharding.BATCH_SPEC if self.layout.split_batch else sharding.REPLICATED
     return {
-      "tables": super().prepared_spec(prepared["tables"]),
+      "batch": tuple(
+        {
+          "bags": jax.tree.map(lambda _: batch, s["bags"]),
+          **({"unique": sharding.REPLICATED} if "unique" in s else {}),
+        }
+        for s in prepared["batch"]
+      ),
+      "version": sharding.REPLICATED,
       "lists": jax.tree.map(lambda _: sharding.REPLICATED, prepared["lists"]),
     }
 
@@ -458,28 +535,15 @@ class OffloadGroup(base.TableGroup):
   # -- the step: per stack, one host read per exchange, one gather, one sparse update, one
   # set of exchange kernels and one write-back for all of its tables
 
-  def _caps(self, prepared, names, lists, kind) -> list[int]:
+  def _caps(self, prepared, stack: int, lists, kind) -> list[int]:
     """Each table's window in a list of its stack (static): its ids per batch, at most the
     list's window (`_window_width`, the shape of `lists[kind + "_win"]`)."""
     win = lists[f"{kind}_win"].shape[1]
-    return [min(int(np.prod(prepared["tables"][n]["rows"]["ids"].shape)), win) for n in names]
-
-  def _bags(self, prepared, names) -> dict[int, list[str]]:
-    """A stack's tables by bag length L (static): the tables one [T, B, L] gather takes."""
-    out: dict[int, list[str]] = {}
-    for n in names:
-      out.setdefault(prepared["tables"][n]["rows"]["ids"].shape[1], []).append(n)
-    return out
-
-  def _stacked(self, prepared, stack: int, names: list[str], key: str) -> jax.Array:
-    """Tables' int32[B, L] leaf `key` ("ids": slots, C = padding) stacked -> int32[T, B, L],
-    as slots of the stack's cache (+ each table's first slot; padding past every slot).
-    One fused elementwise op for the tables; the batch axis keeps its split on a mesh."""
-    i = [self._stacks[stack].index(n) for n in names]
-    first = self._slot_off[stack]
-    x = jnp.stack([prepared["tables"][n]["rows"][key] for n in names])
-    rows = np.diff(first)[i].astype(np.int32)[:, None, None]
-    return jnp.where(x < rows, x + first[i].astype(np.int32)[:, None, None], ABSENT)
+    ids = [0] * len(self._stacks[stack])
+    for key, bag in prepared["batch"][stack]["bags"].items():
+      for i in self._bag_tables(key):
+        ids[i] = bag["ids"].shape[0] * bag["ids"].shape[2]
+    return [min(n, win) for n in ids]
 
   def lookup(self, state, prepared):
     """-> (pooled {table: f32[B, D]}, residuals: per stack {"now" / "next": {k: f32[W,
@@ -490,8 +554,8 @@ class OffloadGroup(base.TableGroup):
     read is materialized (an optimization barrier): no consumer may re-read the host arrays
     later through a fused gather, after the write-back (XLA would then copy the whole table
     to keep the old values; XLA:CPU fuses host gathers into their consumers). The rows of
-    a stack's tables of one bag length come from its cache in one gather (int32[T, B, L]
-    slots -> f32[T, B, L, D], pooled over L): not a gather per table."""
+    a stack's tables of one bag length come from its cache in one gather (int32[B, T, L]
+    slots -> f32[B, T, L, D], pooled over L): not a gather per table."""
     pooled, residuals = {}, []
     for stack, names in enumerate(self._stacks):
       lists = prepared["lists"][stack]
@@ -500,69 +564,55 @@ class OffloadGroup(base.TableGroup):
       res = {}
       for kind in ("next", "now"):
         if lists[kind].shape[1]:
-          caps = self._caps(prepared, names, lists, kind)
+          caps = self._caps(prepared, stack, lists, kind)
           got, _ = host.gather_segments(hosts, lists[kind][LOAD_ROWS], lists[f"{kind}_off"], caps)
           res[kind] = jax.lax.optimization_barrier(got)
       residuals.append(res)
       cache = state["cache"][stack]["table"]
-      for bag in self._bags(prepared, names).values():
-        rows = _take(cache, self._stacked(prepared, stack, bag, "ids"))
+      for key, bag in prepared["batch"][stack]["bags"].items():
+        rows = _take(cache, bag["ids"])
         if (
           "now" in res
         ):  # rows loaded on demand: from the host read (the cache gets them in update)
-          fresh = res["now"]["table"]
-          pos = jnp.stack([prepared["tables"][n]["rows"]["now_pos"] for n in bag])
+          fresh, pos = res["now"]["table"], bag["now_pos"]
           rows = jnp.where((pos < fresh.shape[0])[..., None], _take(fresh, pos), rows)
         summed = jnp.sum(rows, axis=2)
-        for j, n in enumerate(bag):
-          pooled[n] = base.pool_rows(summed[j][:, None], prepared["tables"][n].get("count"))
+        for j, i in enumerate(self._bag_tables(key)):
+          n = names[i]
+          count = bag["count"][:, j] if self.specs[n].pooling == "mean" else None
+          pooled[n] = base.pool_rows(summed[:, j, None], count)
     return pooled, tuple(residuals)
 
-  def _optimizer_inputs(self, prepared, stack: int, names, grads):
+  def _optimizer_inputs(self, prepared, stack: int, grads):
     """A stack's batch for ONE sparse update of its cache (`base.sparse_sgd_or_adagrad`):
-    ({"ids": int32[n] and, for row-wise optimizers, "unique": int32[n], "inverse": int32[n]},
-    grads f32[n, D]) over every table (n = the sum of B x L), gathered on every device (one
-    all-gather per leaf for the stack, not per table). Each table's ids and unique are slots
-    of the stack's cache; its inverse indexes its own part of the stack's unique."""
-    unique = self.specs[names[0]].optimizer.needs_unique
-    ids, inverse, g, uniq = [], [], [], []
-    u_first = 0
-    for bag, tabs in self._bags(prepared, names).items():
-      t = {n: prepared["tables"][n] for n in tabs}
-      x = {
-        "ids": self._stacked(prepared, stack, tabs, "ids"),
-        "g": jnp.stack([grads[n] for n in tabs]),
-      }
-      if any("count" in p for p in t.values()):  # mean pooling (sum: a count of 1, exact)
-        x["count"] = jnp.stack(
-          [p.get("count", jnp.ones_like(p["rows"]["ids"][:, 0])) for p in t.values()]
-        )
-      if unique:
-        x["inverse"] = jnp.stack([p["rows"]["inverse"] for p in t.values()])
+    ({"ids": int32[n] and, for row-wise optimizers, "unique": int32[U], "inverse":
+    int32[n]}, grads f32[n, D]) over every table (n = the sum of B x L), gathered on every
+    device (an all-gather per leaf of the stack, not per table). Per row, its positions
+    keep their order within its table's batch: the same sums as `dense`'s, bit for bit."""
+    names = self._stacks[stack]
+    batch = prepared["batch"][stack]
+    ids, inverse, g = [], [], []
+    for key, bag in batch["bags"].items():
+      tabs = [names[i] for i in self._bag_tables(key)]
+      x = {k: v for k, v in bag.items() if k in ("ids", "inverse", "count")}
+      x["g"] = jnp.stack([grads[n] for n in tabs], axis=1)  # [B, T', D]
       x = sharding.replicate(x, self.mesh)
       gb = x["g"]
-      if "count" in x:
-        gb = gb / jnp.maximum(x["count"], 1).astype(gb.dtype)[..., None]
-      g.append(
-        jnp.broadcast_to(gb[:, :, None, :], gb.shape[:2] + (bag,) + gb.shape[2:]).reshape(
-          -1, gb.shape[-1]
-        )
-      )
+      if "count" in x:  # mean pooling; a sum-pooled table divides by 1 (exact)
+        mean = np.array([self.specs[n].pooling == "mean" for n in tabs])
+        count = jnp.where(mean, jnp.maximum(x["count"], 1), 1).astype(gb.dtype)
+        gb = gb / count[..., None]
+      bag_len = x["ids"].shape[2]
+      g.append(jnp.broadcast_to(gb[:, :, None], gb.shape[:2] + (bag_len,) + gb.shape[2:]))
       ids.append(x["ids"].reshape(-1))
-      if unique:
-        size = x["ids"][0].size  # each table's unique: int32[B * L]
-        starts = u_first + size * np.arange(len(tabs), dtype=np.int32)
-        inverse.append((x["inverse"] + starts[:, None, None]).reshape(-1))
-        u_first += size * len(tabs)
-        first, i = self._slot_off[stack], [self._stacks[stack].index(n) for n in tabs]
-        u = jnp.stack([p["rows"]["unique"] for p in t.values()])
-        rows = np.diff(first)[i].astype(np.int32)[:, None]
-        uniq.append(jnp.where(u < rows, u + first[i].astype(np.int32)[:, None], ABSENT).reshape(-1))
+      if "inverse" in x:
+        inverse.append(x["inverse"].reshape(-1))
     cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs)  # noqa: E731
-    batch = {"ids": cat(ids)}
-    if unique:
-      batch["unique"], batch["inverse"] = cat(uniq), cat(inverse)
-    return batch, cat(g)
+    out = {"ids": cat(ids)}
+    if inverse:
+      out["unique"], out["inverse"] = batch["unique"], cat(inverse)
+    d = g[0].shape[-1]
+    return out, cat([x.reshape(-1, d) for x in g])
 
   def update(self, state, prepared, residuals, grads):
     """Per stack, on its ONE cache array: the "now" exchange (victims read, on-demand rows
@@ -577,8 +627,7 @@ class OffloadGroup(base.TableGroup):
     an optimization barrier with this step's host reads (the residuals), a dependency on
     reads only, never on compute; the caches take the rows that came through the barrier
     (read once, never again)."""
-    version = jnp.stack([prepared["tables"][n]["rows"]["version"] for n in self.members])
-    out = {**state, **host_cache.advance(state, {"version": version})}
+    out = {**state, **host_cache.advance(state, prepared)}
     new_host, new_cache, new_slots = dict(state["host"]), [], []
     for stack, names in enumerate(self._stacks):
       lists = prepared["lists"][stack]
@@ -589,7 +638,7 @@ class OffloadGroup(base.TableGroup):
       victims = {}
       for kind, lst in (("now", now), ("next", nxt)):
         if kind == "next":  # after the optimizer on this batch's rows
-          batch, g = self._optimizer_inputs(prepared, stack, names, grads)
+          batch, g = self._optimizer_inputs(prepared, stack, grads)
           slots = {k: v for k, v in cache.items() if k != "table"}
           spec = self.specs[names[0]]
           table, slots = base.sparse_sgd_or_adagrad(spec, cache["table"], slots, batch, g)
@@ -610,7 +659,7 @@ class OffloadGroup(base.TableGroup):
         slot_rows = slot_rows.at[lst[LOAD_SLOTS]].set(lst[LOAD_ROWS], mode="drop")
         victims[kind] = evicted
       writes = [
-        (b, lists[f"{kind}_off"], victims[kind], self._caps(prepared, names, lists, kind))
+        (b, lists[f"{kind}_off"], victims[kind], self._caps(prepared, stack, lists, kind))
         for kind, b in zip(("now", "next"), back)
         if kind in victims
       ]
