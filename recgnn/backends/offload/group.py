@@ -50,7 +50,10 @@ def _rows_mask(mask: jax.Array, v: jax.Array) -> jax.Array:
 @base.register_backend("offload")
 class OffloadGroup(base.TableGroup):
   """The offload tables of one plan rule: `TableGroup` with the planning of a train batch
-  done for every table at once by the compiled kernel (`recgnn.backends.offload.planner.plan_step`).
+  done for every table at once by the compiled kernel (`recgnn.backends.offload.planner.plan_step`),
+  and the device state and step of the whole group: one cache array per stack of tables
+  (dim, optimizer), so a stack's lookup, sparse update and exchanges are one op each
+  whatever its number of tables (the package docstring: "One cache per stack").
 
   The kernel covers the steady state, a batch admitted by the previous step with the next
   one admitted now (its lists cut to each table's `Offload._width`, whose hysteresis state
@@ -296,13 +299,15 @@ class OffloadGroup(base.TableGroup):
   # -- prepare
 
   def prepare(self, ids, upcoming=(), *, train=True):
-    """ids {table: int[B, L]} -> {"tables": {table: {"rows": the table's prepared batch
-    (`Offload.prepare`, its exchanges moved to the lists), "count": int32[B] (mean
-    pooling)}}, "lists": per row layout (`host_table.layouts`), {"now": int32[4, Wn],
+    """ids {table: int[B, L]} -> {"batch": per stack, every table's batch stacked (`_batch`:
+    slots of the stack's cache), "version": int32[T] (each table's plan's, -1: read-only),
+    "lists": per stack (`host_table.layouts(.., by_optimizer=True)`), {"now": int32[4, Wn],
     "now_off": int32[T + 1], "now_win": int32[0, wn], "next": int32[5, Wx], "next_off":
     int32[T + 1], "next_win": int32[0, wx]}: every table's exchange in one list (table i's
-    at [off[i], off[i + 1]), its own rows and slots); `*_win` carries, as its shape only,
-    the window the step reads per table (`_window_width`)}."""
+    at [off[i], off[i + 1]), its own rows, the stack's slots: `_to_stack`); `*_win`
+    carries, as its shape only, the window the step reads per table (`_window_width`)}.
+    Each table plans as `Offload.prepare` (`table_batch` / `table_exchanges` give its
+    part back as it planned it)."""
     per = None
     if train and self._flat is not None and hostplan.enabled():
       per = self._prepare_fast(ids, list(upcoming))
@@ -415,7 +420,9 @@ class OffloadGroup(base.TableGroup):
       needs_unique = self.specs[names[0]].optimizer.needs_unique
       mean = any(self.specs[n].pooling == "mean" for n in names)
       entry, uniques, u_first = {}, [], 0
-      for idx in bags.values():
+      # In key order: a pytree's dict comes back sorted by key inside the step, where the
+      # unique list's blocks are read in that order (`_optimizer_inputs`).
+      for idx in sorted(bags.values(), key=lambda idx: ",".join(map(str, idx))):
         r = [per[names[i]]["rows"] for i in idx]
         c, f = rows[idx][None, :, None], first[idx][None, :, None]
         ids = np.stack([x["ids"] for x in r], axis=1)
@@ -588,12 +595,14 @@ class OffloadGroup(base.TableGroup):
     ({"ids": int32[n] and, for row-wise optimizers, "unique": int32[U], "inverse":
     int32[n]}, grads f32[n, D]) over every table (n = the sum of B x L), gathered on every
     device (an all-gather per leaf of the stack, not per table). Per row, its positions
-    keep their order within its table's batch: the same sums as `dense`'s, bit for bit."""
+    keep their order within its table's batch: the same sums as `dense`'s, bit for bit.
+    Third: the update's `mean_square` (row-wise Adagrad), or None."""
     names = self._stacks[stack]
     batch = prepared["batch"][stack]
-    ids, inverse, g = [], [], []
-    for key, bag in batch["bags"].items():
+    ids, inverse, g, blocks = [], [], [], []
+    for key, bag in sorted(batch["bags"].items()):  # (`_batch`'s order of "unique")
       tabs = [names[i] for i in self._bag_tables(key)]
+      blocks += [bag["ids"].shape[0] * bag["ids"].shape[2]] * len(tabs)
       x = {k: v for k, v in bag.items() if k in ("ids", "inverse", "count")}
       x["g"] = jnp.stack([grads[n] for n in tabs], axis=1)  # [B, T', D]
       x = sharding.replicate(x, self.mesh)
@@ -609,10 +618,21 @@ class OffloadGroup(base.TableGroup):
         inverse.append(x["inverse"].reshape(-1))
     cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs)  # noqa: E731
     out = {"ids": cat(ids)}
+    mean_square = None
     if inverse:
       out["unique"], out["inverse"] = batch["unique"], cat(inverse)
+      # Each row's mean squared gradient reduced per table, on its table's block of the
+      # stack's distinct rows (int32[B * L] each): XLA:CPU picks a reduction's summation
+      # order by the array's size ([256, 8] and [512, 8] differ in the last bit, measured),
+      # so one reduce over the stack's rows is not `dense`'s, whose arrays are per table.
+      # One small kernel per table, only for row-wise optimizers.
+      ends = np.cumsum(blocks).tolist()
+
+      def mean_square(grads):
+        return cat([jnp.mean(x * x, axis=-1) for x in jnp.split(grads, ends[:-1])])
+
     d = g[0].shape[-1]
-    return out, cat([x.reshape(-1, d) for x in g])
+    return out, cat([x.reshape(-1, d) for x in g]), mean_square
 
   def update(self, state, prepared, residuals, grads):
     """Per stack, on its ONE cache array: the "now" exchange (victims read, on-demand rows
@@ -638,10 +658,12 @@ class OffloadGroup(base.TableGroup):
       victims = {}
       for kind, lst in (("now", now), ("next", nxt)):
         if kind == "next":  # after the optimizer on this batch's rows
-          batch, g = self._optimizer_inputs(prepared, stack, grads)
+          batch, g, mean_square = self._optimizer_inputs(prepared, stack, grads)
           slots = {k: v for k, v in cache.items() if k != "table"}
           spec = self.specs[names[0]]
-          table, slots = base.sparse_sgd_or_adagrad(spec, cache["table"], slots, batch, g)
+          table, slots = base.sparse_sgd_or_adagrad(
+            spec, cache["table"], slots, batch, g, mean_square
+          )
           cache = {"table": table, **slots}
         if not lst.shape[1]:
           continue

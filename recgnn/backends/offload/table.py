@@ -1,6 +1,7 @@
-"""`Offload`: one table in host memory behind a device cache (the per-table backend; see the
-package docstring). Holds one concern: the table's host planning (`prepare`) and its device
-code (lookup, update, exchange, flush)."""
+"""`Offload`: one table in host memory behind a device cache (the per-table member of
+`OffloadGroup`; see the package docstring). Holds one concern: the table's host planning
+(`prepare`), its host arrays and its memory. Its cache is a slice of its stack's one cache
+array and its device code is the group's (one op per stack, not per table)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,11 @@ class Offload(base.TableBackend):
   `OffloadOptions`.
 
   Exchanges (`exchange=`, `OffloadOptions`): the group (`OffloadGroup`) lays every table's
-  out in one list per row layout and direction, sized by the group's real misses
-  (`bucket`, the default: ~1.05-1.2x the missed rows over the host link, a few step shapes
-  for a 26-table group) or padded to the batch (`fixed`). This class plans the table's
-  exchanges (exact lengths) and applies its part of them (`apply`); the group reads and
-  writes the host arrays.
+  out in one list per stack (dim, optimizer) and direction, sized by the group's real
+  misses (`bucket`, the default: ~1.05-1.2x the missed rows over the host link, a few step
+  shapes for a 26-table group) or padded to the batch (`fixed`). This class plans the
+  table's exchanges (exact lengths, its own slots 0..C-1); the group moves them into the
+  stack's slots, reads and writes the host arrays and runs the step on the stack's cache.
 
   A batch touching more distinct rows than the cache holds is an error at plan time that
   names the size needed (no micro-batching: exactness vs dense needs the whole batch's update
