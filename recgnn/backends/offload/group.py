@@ -317,7 +317,7 @@ class OffloadGroup(base.TableGroup):
       per = super().prepare(ids, upcoming, train=train)
     return self._lists(per, train)
 
-  # -- one exchange list per row layout
+  # -- one exchange list per stack (row layout and optimizer)
 
   def _width(self, stack: int, kind: str, need: int | None, cap: int) -> int:
     """Length of a layout's exchange list ("now" or "next") under the `exchange` option.
@@ -357,7 +357,8 @@ class OffloadGroup(base.TableGroup):
     return min(self._win_sizers[stack][kind](most, cap), width)
 
   def _lists(self, per: dict, train: bool) -> dict:
-    """Move each table's exchanges (exact lengths) into its layout's lists."""
+    """Move each table's exchanges (exact lengths) into its stack's lists, and its batch into
+    the stack's (`_batch`)."""
     lists = []
     padded = 0
     for stack, names in enumerate(self._stacks):

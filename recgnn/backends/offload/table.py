@@ -228,7 +228,7 @@ class Offload(base.TableBackend):
     "next": int32[5, M'] the exchange admitting the next batch (+ NEXT_FROM_NOW),
     "version": int32[] (-1: read-only), PLANNED: (now, next) whether each exchange was
     planned (popped by the group)}. M, M': the exchanges' exact lengths; the group lays every
-    table's out in one list per row layout (`OffloadGroup`), sized by the `exchange` option.
+    table's out in one list per stack (`OffloadGroup`), sized by the `exchange` option.
     """
     t0 = time.perf_counter()
     ids = np.asarray(ids)
