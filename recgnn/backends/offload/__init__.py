@@ -33,16 +33,17 @@ lookup ([B, T, L] slots -> [B, T, L, D], pooled over L: one per bag length), one
 (the tables' batches flattened, every row's positions in its table's order: `dense`'s sums bit
 for bit; row-wise Adagrad's mean squared gradient alone is reduced per table, a small kernel
 each, as XLA:CPU picks a reduction's order by the array's size), one gather and one scatter
-per array for each exchange, one write-back. The planner
-still plans each table in its own slots; the group makes them the stack's on the host (the
+per array for each exchange, one write-back. The planner still plans each table in its own
+slots; the group makes them the stack's on the host (the
 lists' slots and NEXT_FROM_NOW `OffloadGroup._to_stack`, the batch's ids, unique and
 inverse `OffloadGroup._batch`, one input leaf per kind for the stack: each leaf is a slice of
 the trainer's input buffer, a kernel apiece). Device kernels of a DLRM step, 26 tables
 (benchmarks/memory_tiers.py, XLA:CPU's fusion): 480 with a cache and its kernels per table
 (~11 per table more than `dense`, whose 189 are a gather and an update per table), 97 stacked
 (predicted H100 step 2.38x -> 0.57x dense's, results/memory_tiers.md);
-tests/test_offload_tiers.py pins that 16 tables run as many as 2. The host arrays stay one set
-per table (host computations are no device launches; split by rows over a mesh per table).
+tests/test_offload_tiers.py pins that 16 tables run as many as 2 (SGD; Adagrad: one more per
+table). The host arrays stay one set per table (host computations are no device launches;
+split by rows over a mesh per table).
 
 A row loaded for k+1 was not resident at k+1's admission, so step k's update does not touch it
 and its host copy is current, except a row the "now" exchange evicts in the same step (resident
