@@ -104,7 +104,7 @@ def test_checkpoint_and_resume_match_uninterrupted_dense(opt, save_mesh, resume_
       return None
     state = a.sync(state)
     # After sync the state alone describes the table.
-    np.testing.assert_array_equal(np.asarray(state["t"]["host"]["table"])[:1000], dense_at_k)
+    np.testing.assert_array_equal(np.asarray(state["host"]["t"]["table"])[:1000], dense_at_k)
     st, plan_a = train_state(a, state)
     ckpt.save(st, k, plan_a)
     saved.append(k)
@@ -118,7 +118,7 @@ def test_checkpoint_and_resume_match_uninterrupted_dense(opt, save_mesh, resume_
   b = base.make_backend(text, spec, sharding.make_mesh(*resume_mesh))
   abstract, plan_b = train_state(b, b.init(jax.random.key(123)))
   restored = ckpt.restore(abstract, plan_b, k).emb["g"]
-  host = restored["t"]["host"]["table"]
+  host = restored["host"]["t"]["table"]
   assert host.sharding.memory_kind == b.members["t"].host_memory
   assert host.sharding.mesh.devices.size == b.mesh.size
   run_b = contract.run(text, spec, batches, group=b, state=restored, start=k)
@@ -178,7 +178,7 @@ def _recorded_run(text, spec, batches):
 
   def after(item, _):
     p = item.prepared
-    record.append({**p["tables"]["t"]["rows"], **group.table_exchanges(p, "t")})
+    record.append({**group.table_batch(p, "t"), **group.table_exchanges(p, "t")})
 
   trace = contract.run(text, spec, batches, group=group, after=after)
   return trace, record
@@ -197,7 +197,7 @@ def test_rows_moved_equal_misses(text):
   assert steps == len(batches)
   assert sum(loaded) == s["t/h2d_rows_per_step"] * steps == s["t/misses_per_step"] * steps
   # The device agrees with the host bookkeeping about which row sits in which slot.
-  slot_rows = np.asarray(trace.state["t"]["slot_rows"])
+  slot_rows = np.asarray(trace.state["slot_rows"][0])
   planner = member._planner
   np.testing.assert_array_equal(
     slot_rows, np.where(planner.slot_row >= 0, planner.slot_row, spec.num_rows)
@@ -374,22 +374,21 @@ def test_placement_and_memory_report(mesh_shape):
   assert m.device_bytes == 1000 * spec.row_bytes + 1000 * 4 + 8
   assert m.host_bytes >= spec.table_bytes
   # Per device: every device of the mesh holds the whole cache, slot map and scalars.
-  t = state["t"]
-  dev = jax.tree.leaves(t["cache"]) + [t["slot_rows"], t["version"], t["stale"]]
+  dev = jax.tree.leaves([state[k] for k in ("cache", "slot_rows", "version", "stale")])
   for d in b.mesh.devices.flat:
     held = sum(s.data.nbytes for x in dev for s in x.addressable_shards if s.device == d)
     assert held == m.device_bytes
   kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
   if "pinned_host" in kinds:
-    assert state["t"]["host"]["table"].sharding.memory_kind == "pinned_host"
-    assert state["t"]["cache"]["table"].sharding.memory_kind == "device"
+    assert state["host"]["t"]["table"].sharding.memory_kind == "pinned_host"
+    assert state["cache"][0]["table"].sharding.memory_kind == "device"
     # Placement survives a step (no silent move of the table to device memory).
     ids = _batches(num_batches=2, num_rows=spec.num_rows)
     p = contract.put_prepared(b, b.prepare({"t": ids[0]}, [{"t": ids[1]}]), b.mesh)
     g = {"t": np.ones((ids[0].shape[0], 16), np.float32)}
     residuals = jax.jit(b.lookup)(state, p)[1]
     new = jax.jit(b.update, donate_argnums=0)(state, p, residuals, g)
-    assert new["t"]["host"]["table"].sharding.memory_kind == "pinned_host"
+    assert new["host"]["t"]["table"].sharding.memory_kind == "pinned_host"
   # A budget a tenth of the table: dense is refused, offload fits.
   budget = spec.table_bytes // 10
   with pytest.raises(base.PlanDoesNotFit):
@@ -483,9 +482,9 @@ def test_host_table_is_one_copy_split_over_the_mesh():
   device's pinned host memory), not replicated 8 times; memory() counts one copy."""
   mesh = sharding.make_mesh(8, 1)
   group = base.make_backend("offload(cache_rows=60)", _spec(ADAGRAD), mesh)
-  state = group.init(jax.random.key(0))["t"]
+  state = group.init(jax.random.key(0))["host"]["t"]
   for name in ("table", "accum"):
-    arr = state["host"][name]
+    arr = state[name]
     assert arr.sharding.memory_kind == "pinned_host"
     assert {s.data.shape[0] for s in arr.addressable_shards} == {128}, name
     assert len({s.device for s in arr.addressable_shards}) == 8

@@ -97,7 +97,7 @@ def test_next_batch_reads_depend_on_nothing_the_step_computes():
     ]
     next_reads = [r for r in reads if module.depends(r, nxt)]
     assert next_reads
-    cache = state["t"]["cache"]
+    cache = state["cache"][0]  # (one table: its stack's cache)
     cache_shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in cache.values()}
     computed = [
       i.name
@@ -456,3 +456,51 @@ def test_a_group_of_several_tables_and_layouts_is_exact(mesh_shape):
   s = group.stats()
   assert s["a/d2h_rows_per_step"] > 0 and s["b/d2h_rows_per_step"] > 0, "no eviction: too easy"
   _assert_same(got[:2], ref[:2])
+
+
+# ----------------------------------------------------------------------------- (e) kernels
+
+
+def _device_kernels(text: str, tables: int, opt) -> int:
+  """Device kernels (recgnn.step_model's count: host computations apart) of the compiled
+  train step (lookup, a model over every pooled table, its gradient, update) of one group
+  of `tables` tables of one row layout, on the batch that runs both exchanges (an
+  on-demand one and the next batch's, with write-backs)."""
+  from recgnn import step_model
+
+  # (names in sorted order: the model stacks the pooled dict in its key order)
+  specs = [_spec(2000, DIM, opt, name=f"t{i:02d}") for i in range(tables)]
+  data = [contract.zipf_ids(i, 3, 64, 2, 2000) for i in range(tables)]
+  group = base.make_group(text, specs)
+  state = group.init(jax.random.key(0))
+  batch = [{s.name: data[i][k] for i, s in enumerate(specs)} for k in range(3)]
+  prepared = contract.put_prepared(group, group.prepare(batch[0], batch[1:]), group.mesh)
+  w = jnp.ones((DIM, 8), jnp.float32)
+
+  def step(state, prepared):
+    pooled, residuals = group.lookup(state, prepared)
+    g = jax.grad(lambda p: jnp.tanh(jnp.stack(list(p.values()), 1) @ w).sum())(pooled)
+    return group.update(state, prepared, residuals, g)
+
+  text = jax.jit(step, donate_argnums=0).lower(state, prepared).compile().as_text()
+  return step_model.memory_access(text).device_kernels
+
+
+@pytest.mark.parametrize("opt", [SGD, ADAGRAD], ids=lambda o: o.name)
+def test_a_group_runs_a_few_kernels_whatever_its_tables(opt):
+  """An offload group's step launches as many device kernels for 16 tables of one layout
+  as for 2 (one cache array per stack: one gather, one sparse update, one gather + scatter
+  per exchange for all its tables, as FBGEMM's table-batched embeddings), and fewer than
+  dense's (a gather and an update per table). Row-wise Adagrad adds one small kernel per
+  table (each table's mean squared gradient reduced apart, `OffloadGroup._optimizer_inputs`:
+  exact against dense). With a cache, lookup, exchanges and update per table it was ~11
+  kernels a table more than dense (26 tables on benchmarks/memory_tiers.py: 480 vs 189;
+  the launch term alone made its predicted H100 step 2.38x dense's; here 2 -> 16 tables:
+  99 -> 661 kernels with Adagrad)."""
+  text = "offload(cache_rows=200, lookahead=1)"
+  kernels = {t: (_device_kernels(text, t, opt), _device_kernels("dense", t, opt)) for t in (2, 16)}
+  print("tables: (offload, dense) device kernels", kernels)
+  (few, _), (many, many_dense) = kernels[2], kernels[16]
+  per_table = 1 if opt.needs_unique else 0
+  assert many <= few + 2 + per_table * (16 - 2), kernels
+  assert many < many_dense, kernels

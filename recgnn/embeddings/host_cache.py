@@ -18,13 +18,15 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from recgnn.embeddings.specs import aligned_rows
 
 
 def advance(state: dict, prepared: dict) -> dict:
-  """In the step: {"version": int32[], "stale": int32[]} after a train batch prepared for
-  layout `prepared["version"]` (stale counts the batches planned for another layout)."""
+  """In the step: {"version": int32[...], "stale": int32[...]} after a train batch prepared
+  for layout `prepared["version"]` (stale counts the batches planned for another layout;
+  a scalar, or one entry per table: offload's group)."""
   ok = state["version"] == prepared["version"]
   return {
     "version": prepared["version"] + 1,
@@ -33,8 +35,9 @@ def advance(state: dict, prepared: dict) -> dict:
 
 
 def check_stale(state: dict, owner: str, layout: str) -> None:
-  """Refuse a state whose updates ran with batches planned for another layout."""
-  stale = int(jax.device_get(state["stale"]))
+  """Refuse a state whose updates ran with batches planned for another layout (stale: an
+  int32[] or one entry per table, int32[T])."""
+  stale = int(np.sum(jax.device_get(state["stale"])))
   if stale:
     raise RuntimeError(
       f"{owner}: {stale} update(s) ran with a batch prepared for another {layout} layout: a "

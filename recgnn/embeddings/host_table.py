@@ -440,12 +440,15 @@ def _scatter_segments(tables, rows, off, caps, values, const, base=None, block_r
   return out
 
 
-def layouts(specs) -> tuple[tuple[str, ...], ...]:
+def layouts(specs, by_optimizer: bool = False) -> tuple[tuple[str, ...], ...]:
   """Table names (specs: {name: TableSpec}) grouped by row layout (dim, optimizer slots),
-  in order: the tables one host list can carry (`HostTable.gather_segments`)."""
+  in order: the tables one host list can carry (`HostTable.gather_segments`). by_optimizer:
+  by the whole optimizer too (its learning rate, ...): tables one sparse update can take
+  (offload's stacked caches)."""
   out: dict[tuple, list[str]] = {}
   for name, spec in specs.items():
-    out.setdefault((spec.dim, spec.optimizer.slot_names()), []).append(name)
+    opt = spec.optimizer if by_optimizer else spec.optimizer.slot_names()
+    out.setdefault((spec.dim, opt), []).append(name)
   return tuple(tuple(v) for v in out.values())
 
 

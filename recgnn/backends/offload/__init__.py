@@ -13,7 +13,7 @@ How a batch flows (cDLRM, Balasubramanian et al., RecSys'21), and what moves whe
                              as they came into the step, the rows this step loads: batch k+1's
                              misses ("next", H2D) and, only for a batch the planner did not see
                              coming, batch k's own ("now": looked up from there). One host
-                             read per exchange for every array of the table (rows + optimizer
+                             read per exchange for every array of the tables (rows + optimizer
                              state, one index list). These reads depend on nothing the step
                              computes: on an accelerator they overlap the model.
   step k, update             takes those rows as lookup's residuals (never re-reads the host):
@@ -25,6 +25,26 @@ How a batch flows (cDLRM, Balasubramanian et al., RecSys'21), and what moves whe
                              optimization barrier on the reads (write after read on the donated
                              host arrays: no copy of the table, no dependency on compute).
 
+One cache per stack of tables, as FBGEMM's table-batched embeddings (TBE) and TorchRec's fused
+tables: the group's tables with the same dim and optimizer ("a stack") keep their caches in ONE
+device array, table after table (table i's C_i slots from its first slot, `_slot_off`), so the
+step runs a stack's work as one op each, whatever its number of tables: one gather for the
+lookup ([B, T, L] slots -> [B, T, L, D], pooled over L: one per bag length), one sparse update
+(the tables' batches flattened, every row's positions in its table's order: `dense`'s sums bit
+for bit; row-wise Adagrad's mean squared gradient alone is reduced per table, a small kernel
+each, as XLA:CPU picks a reduction's order by the array's size), one gather and one scatter
+per array for each exchange, one write-back. The planner still plans each table in its own
+slots; the group makes them the stack's on the host (the
+lists' slots and NEXT_FROM_NOW `OffloadGroup._to_stack`, the batch's ids, unique and
+inverse `OffloadGroup._batch`, one input leaf per kind for the stack: each leaf is a slice of
+the trainer's input buffer, a kernel apiece). Device kernels of a DLRM step, 26 tables
+(benchmarks/memory_tiers.py, XLA:CPU's fusion): 480 with a cache and its kernels per table
+(~11 per table more than `dense`, whose 189 are a gather and an update per table), 97 stacked
+(predicted H100 step 2.38x -> 0.57x dense's, results/memory_tiers.md);
+tests/test_offload_tiers.py pins that 16 tables run as many as 2 (SGD; Adagrad: one more per
+table). The host arrays stay one set per table (host computations are no device launches;
+split by rows over a mesh per table).
+
 A row loaded for k+1 was not resident at k+1's admission, so step k's update does not touch it
 and its host copy is current, except a row the "now" exchange evicts in the same step (resident
 before, dirty, needed back by k+1): the planner gives each "next" load its position among
@@ -32,7 +52,7 @@ before, dirty, needed back by k+1): the planner gives each "next" load its posit
 from the evicted cache row instead.
 
 Exchange sizes (`OffloadOptions.exchange`): the group lays every table's exchange in ONE list
-per row layout (dim, optimizer) and direction, table after table with offsets ("now_off",
+per stack (dim, optimizer) and direction, table after table with offsets ("now_off",
 "next_off"); one host computation reads each list (every table's rows: each table reads a
 static window at its offset, inside the host computation: the list's longest table segment,
 bucketed with hysteresis ("now_win" / "next_win" carry it as a shape), not the table's ids
@@ -69,26 +89,28 @@ table.
 a `device_put` inside the step (small int arrays), because a device_put per table on the
 input thread cost ~0.8 ms of Python each (26 tables: the input thread fell behind the step).
 
-State:
-  host:      {"table": float32[N, D], "accum": float32[N] (row-wise Adagrad)}  pinned_host
-  cache:     {"table": float32[C, D], "accum": float32[C]}                      device
-  slot_rows: int32[C], the row in each slot (N = empty)                          device
-  version:   int32[], train batches applied; stale: int32[], updates that ran with a plan
-             made for another cache layout (checked by `sync`, which raises).
+State (the group's: `OffloadGroup.state_sharding`):
+  host:      {table: {"table": float32[N, D], "accum": float32[N] (row-wise Adagrad)}}  pinned_host
+  cache:     per stack {"table": float32[C, D], "accum": float32[C]}, C = the sum of its
+             tables' cache rows                                                   device
+  slot_rows: per stack int32[C], the row of its table in each slot (that table's N = empty)
+  version:   int32[T], train batches applied per table; stale: int32[T], updates that ran
+             with a plan made for another cache layout (checked by `sync`, which raises).
 
 Eval batches: the trainer runs `lookup` without `update` for them, so a plan that moves rows
 would never execute. `prepare(ids, upcoming, train=False)` plans read-only (resident rows from
 the cache, the others straight from the host table). If an update ever runs with a plan made
 for another layout, `stale` counts it and `sync` raises (never a silent wrong table).
 
-Residuals (lookup -> update): per row layout, {"now": {"table": f32[M, D], "accum": f32[M]},
+Residuals (lookup -> update): per stack, {"now": {"table": f32[M, D], "accum": f32[M]},
 "next": the same for the next batch's rows}, present where that exchange is; every table of
-the layout in one list (its rows at its offsets).
+the stack in one list (its rows at its offsets).
 
-Files: options.py (`OffloadOptions`), table.py (`Offload`, one table: its plan and its part
-of the step), group.py (`OffloadGroup`, the registered backend: the lists, the host reads and
-the write-back), cache_plan.py (the numpy cache planner, its
-`Exchange` and the list sizing `Sizer`), planner.py (its compiled kernels).
+Files: options.py (`OffloadOptions`), table.py (`Offload`, one table: its plan, its host
+arrays and its memory), group.py (`OffloadGroup`, the registered backend: the state, the
+stacked caches and the step, the lists, the host reads and the write-back), cache_plan.py (the
+numpy cache planner, its `Exchange` and the list sizing `Sizer`), planner.py (its compiled
+kernels).
 """
 
 from recgnn.backends.offload import planner

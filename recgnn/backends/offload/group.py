@@ -12,19 +12,48 @@ import numpy as np
 from recgnn import sharding
 from recgnn.backends.offload import cache_plan
 from recgnn.backends.offload import planner as hostplan
-from recgnn.backends.offload.cache_plan import EVICT_ROWS, LOAD_ROWS, Sizer, _bucket
+from recgnn.backends.offload.cache_plan import (
+  EVICT_ROWS,
+  EVICT_SLOTS,
+  LOAD_ROWS,
+  LOAD_SLOTS,
+  NEXT_FROM_NOW,
+  Sizer,
+  _bucket,
+)
 from recgnn.backends.offload.table import PLANNED, Offload
 from recgnn.embeddings import base, host_cache, host_table
 
+# An absent slot or position in a stack's lists: past every cache and list (gathers read
+# zeros, scatters drop it).
+ABSENT = np.iinfo(np.int32).max
 # Padding of a group's exchange lists, per row (EVICT_SLOTS, EVICT_ROWS, LOAD_ROWS,
 # LOAD_SLOTS, NEXT_FROM_NOW): past every table's window, never read as a table's entry.
-FILL = (np.iinfo(np.int32).max, np.iinfo(np.int32).max, 0, np.iinfo(np.int32).max, 0)
+FILL = (ABSENT, ABSENT, 0, ABSENT, ABSENT)
+
+
+def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x[idx], zeros where idx is out of range (padding, ABSENT)."""
+  return x.at[idx].get(mode="fill", fill_value=0.0)
+
+
+def _put(x: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
+  """x[idx] = values, out-of-range idx (padding, ABSENT) dropped."""
+  return x.at[idx].set(values, mode="drop")
+
+
+def _rows_mask(mask: jax.Array, v: jax.Array) -> jax.Array:
+  """bool[W] -> bool[W, 1, ...], broadcastable against v [W, ...]."""
+  return mask.reshape(mask.shape + (1,) * (v.ndim - 1))
 
 
 @base.register_backend("offload")
 class OffloadGroup(base.TableGroup):
   """The offload tables of one plan rule: `TableGroup` with the planning of a train batch
-  done for every table at once by the compiled kernel (`recgnn.backends.offload.planner.plan_step`).
+  done for every table at once by the compiled kernel (`recgnn.backends.offload.planner.plan_step`),
+  and the device state and step of the whole group: one cache array per stack of tables
+  (dim, optimizer), so a stack's lookup, sparse update and exchanges are one op each
+  whatever its number of tables (the package docstring: "One cache per stack").
 
   The kernel covers the steady state, a batch admitted by the previous step with the next
   one admitted now (its lists cut to each table's `Offload._width`, whose hysteresis state
@@ -47,30 +76,123 @@ class OffloadGroup(base.TableGroup):
     self._ring = None
     self._admitted = None  # the arrays of the batch the kernel admitted ahead
     self.fast_batches = 0  # batches planned by the compiled kernel (tests, benchmarks)
-    # One exchange list per row layout: the step's shapes are one (now, next) length pair
-    # per layout, sized over its tables together (their total moves little from batch to
-    # batch; each table sized apart changed the step's signature every few steps).
-    self._stacks = host_table.layouts({n: m.spec for n, m in self.members.items()})
+    # One stack per row layout and optimizer (its tables' caches in ONE device array, table
+    # after table: one gather, one sparse update, one set of exchange kernels for all of
+    # them, as FBGEMM's table-batched embeddings; one optimizer, as the update is one) and
+    # one exchange list per stack and direction: the step's shapes are one (now, next)
+    # length pair per stack, sized over its tables together (their total moves little from
+    # batch to batch; each table sized apart changed the step's signature every few steps).
+    self._stacks = host_table.layouts({n: m.spec for n, m in self.members.items()}, True)
+    self._index = {n: i for i, n in enumerate(self.members)}  # in the version / stale vectors
+    # Each table's first slot in its stack's cache, and the stack's rows (the last entry).
+    self._slot_off = [
+      np.cumsum([0] + [self.members[n].cache_rows for n in names]).astype(np.int64)
+      for names in self._stacks
+    ]
+    self._syncer = host_cache.Syncer(
+      self._flush, f"offload (tables {', '.join(self.members)})", "cache"
+    )
     self._sizers = []
     self.list_widths: set[tuple[int, int]] = set()  # (now, next) lengths of train steps
     self._list_counters = host_cache.Counters()
 
-  # -- state: the planners' arrays as slices of flat ones
+  # -- state: one cache array per stack; the planners' arrays as slices of flat ones
+
+  def state_sharding(self):
+    """{"host": {table: its host arrays' shardings (`Offload.host_sharding`)}, "cache": per
+    stack {"table": .., slot: ..}, "slot_rows": per stack, "version", "stale"}: the caches,
+    slot maps and counters replicated in device memory (every device holds the same cache,
+    so lookups of its examples are local, and applies the same update to it: exact, as
+    `dense` replicated)."""
+    dev = jax.sharding.NamedSharding(self.mesh, sharding.REPLICATED, memory_kind="device")
+    caches = tuple(
+      {k: dev for k in ("table", *self.specs[names[0]].optimizer.slot_names())}
+      for names in self._stacks
+    )
+    return {
+      "host": {n: m.host_sharding() for n, m in self.members.items()},
+      "cache": caches,
+      "slot_rows": tuple(dev for _ in self._stacks),
+      "version": dev,
+      "stale": dev,
+    }
+
+  def _state(self, host: dict) -> dict:
+    """The group's state holding each table's placed host arrays, empty caches (stacked:
+    table after table at `_slot_off`) and zero counters."""
+    parts = {n: m.empty_cache() for n, m in self.members.items()}
+    caches, slot_rows = [], []
+    for names in self._stacks:
+      caches.append(
+        {k: np.concatenate([parts[n]["cache"][k] for n in names]) for k in parts[names[0]]["cache"]}
+      )
+      slot_rows.append(np.concatenate([parts[n]["slot_rows"] for n in names]))
+    t = len(self.members)
+    dev = {
+      "cache": tuple(caches),
+      "slot_rows": tuple(slot_rows),
+      "version": np.zeros(t, np.int32),
+      "stale": np.zeros(t, np.int32),
+    }
+    dev = sharding.put(dev, {k: v for k, v in self.state_sharding().items() if k != "host"})
+    return {"host": host, **dev}
 
   def init(self, key):
-    state = super().init(key)
-    self._adopt()
-    return state
-
-  def restore(self, state):
-    state = super().restore(state)
+    host = {n: m.init(base.table_key(key, n)) for n, m in self.members.items()}
+    state = self._state(host)
     self._adopt()
     return state
 
   def import_(self, logical):
-    state = super().import_(logical)
+    state = self._state({n: m.import_(logical[n]) for n, m in self.members.items()})
     self._adopt()
     return state
+
+  def restore(self, state):
+    """Reset host bookkeeping to a restored state's caches (history of LRU/LFU is lost)."""
+    self._syncer.check(state)
+    sh = self.state_sharding()["host"]
+    host = {n: m.host.place(state["host"][n], sh[n]) for n, m in self.members.items()}
+    version = np.asarray(jax.device_get(state["version"]))
+    for s, names in enumerate(self._stacks):
+      slot_rows = np.asarray(jax.device_get(state["slot_rows"][s]))
+      for n, (a, b) in zip(names, self._slices(s)):
+        self.members[n].restore_planner(slot_rows[a:b], int(version[self._index[n]]))
+    self._adopt()
+    return {**state, "host": host}
+
+  def _slices(self, stack: int) -> list[tuple[int, int]]:
+    """Each table's rows [a, b) of its stack's cache (static)."""
+    off = self._slot_off[stack]
+    return [(int(off[i]), int(off[i + 1])) for i in range(len(off) - 1)]
+
+  def _flush(self, state):
+    """Every resident cache row written back to its table's host arrays (O(C))."""
+    host = dict(state["host"])
+    for s, names in enumerate(self._stacks):
+      cache, slot_rows = state["cache"][s], state["slot_rows"][s]
+      for n, (a, b) in zip(names, self._slices(s)):
+        m = self.members[n]
+        values = {k: v[a:b] for k, v in cache.items()}
+        host[n] = host_cache.flush(m.host, host[n], slot_rows[a:b], m.spec.num_rows, values)
+    return {**state, "host": host}
+
+  def sync(self, state):
+    """Write every resident cache row back to the host tables (O(C)); the caches stay."""
+    return self._syncer(state)
+
+  def export(self, state):
+    self._syncer.check(state)
+    return {n: m.export(state["host"][n]) for n, m in self.members.items()}
+
+  def tables(self, state):
+    out = {}
+    for s, names in enumerate(self._stacks):
+      slot_rows = np.asarray(jax.device_get(state["slot_rows"][s]))
+      cache = np.asarray(jax.device_get(state["cache"][s]["table"]))
+      for n, (a, b) in zip(names, self._slices(s)):
+        out[n] = self.members[n].table_of(state["host"][n], slot_rows[a:b], cache[a:b])
+    return out
 
   def _adopt(self):
     self._flat, self._ring, self._admitted = None, None, None
@@ -177,13 +299,15 @@ class OffloadGroup(base.TableGroup):
   # -- prepare
 
   def prepare(self, ids, upcoming=(), *, train=True):
-    """ids {table: int[B, L]} -> {"tables": {table: {"rows": the table's prepared batch
-    (`Offload.prepare`, its exchanges moved to the lists), "count": int32[B] (mean
-    pooling)}}, "lists": per row layout (`host_table.layouts`), {"now": int32[4, Wn],
+    """ids {table: int[B, L]} -> {"batch": per stack, every table's batch stacked (`_batch`:
+    slots of the stack's cache), "version": int32[T] (each table's plan's, -1: read-only),
+    "lists": per stack (`host_table.layouts(.., by_optimizer=True)`), {"now": int32[4, Wn],
     "now_off": int32[T + 1], "now_win": int32[0, wn], "next": int32[5, Wx], "next_off":
     int32[T + 1], "next_win": int32[0, wx]}: every table's exchange in one list (table i's
-    at [off[i], off[i + 1]), its own rows and slots); `*_win` carries, as its shape only,
-    the window the step reads per table (`_window_width`)}."""
+    at [off[i], off[i + 1]), its own rows, the stack's slots: `_to_stack`); `*_win`
+    carries, as its shape only, the window the step reads per table (`_window_width`)}.
+    Each table plans as `Offload.prepare` (`table_batch` / `table_exchanges` give its
+    part back as it planned it)."""
     per = None
     if train and self._flat is not None and hostplan.enabled():
       per = self._prepare_fast(ids, list(upcoming))
@@ -193,7 +317,7 @@ class OffloadGroup(base.TableGroup):
       per = super().prepare(ids, upcoming, train=train)
     return self._lists(per, train)
 
-  # -- one exchange list per row layout
+  # -- one exchange list per stack (row layout and optimizer)
 
   def _width(self, stack: int, kind: str, need: int | None, cap: int) -> int:
     """Length of a layout's exchange list ("now" or "next") under the `exchange` option.
@@ -233,7 +357,8 @@ class OffloadGroup(base.TableGroup):
     return min(self._win_sizers[stack][kind](most, cap), width)
 
   def _lists(self, per: dict, train: bool) -> dict:
-    """Move each table's exchanges (exact lengths) into its layout's lists."""
+    """Move each table's exchanges (exact lengths) into its stack's lists, and its batch into
+    the stack's (`_batch`)."""
     lists = []
     padded = 0
     for stack, names in enumerate(self._stacks):
@@ -252,6 +377,7 @@ class OffloadGroup(base.TableGroup):
           width = sum(r["ids"].size for r in rows) if kind == "now" else 0
         lst = np.repeat(np.asarray(fill, np.int32)[:, None], width, axis=1)
         lst[:, : off[-1]] = np.concatenate(parts, axis=1)
+        self._to_stack(lst, off, stack, entry.get("now_off"))
         entry[kind], entry[f"{kind}_off"] = lst, off
         most = int(np.diff(off).max()) if len(off) > 1 else 0
         win = self._window_width(stack, kind, most, width, max(ids_caps), train)
@@ -273,25 +399,133 @@ class OffloadGroup(base.TableGroup):
         self.list_widths.add(tuple(entry[k].shape[1] for k in ("now", "next")))
     if train:
       self._list_counters.add(steps=1, padded_rows_h2d=padded)
-    return {"tables": per, "lists": tuple(lists)}
+    version = np.array([per[n]["rows"]["version"] for n in self.members], np.int32)
+    return {"batch": self._batch(per), "version": version, "lists": tuple(lists)}
+
+  def _batch(self, per: dict) -> tuple:
+    """Every table's prepared batch stacked per stack, its slots made the stack's (one
+    input leaf per kind for the tables, not one per table: each leaf is a slice of the
+    trainer's buffer inside the step, a kernel apiece). Per stack {"bags": {key: {"ids":
+    int32[B, T', L] (stack slots, ABSENT: padding), "now_pos": int32[B, T', L] (positions
+    in the stack's "now" list; its length: absent), "inverse": int32[B, T', L] (positions
+    in "unique"; row-wise optimizers), "count": int32[B, T'] (mean pooling in the stack)}},
+    "unique": int32[U] (the tables' distinct slots then ABSENT, table after table; U: the
+    sum of B x L)}: one bag per bag length L, key the indices of its tables in the stack
+    ("0,1,5": static, the step reads the tables off it)."""
+    out = []
+    for stack, names in enumerate(self._stacks):
+      first, rows = self._slot_off[stack], np.diff(self._slot_off[stack])
+      bags: dict[int, list[int]] = {}
+      for i, n in enumerate(names):
+        bags.setdefault(per[n]["rows"]["ids"].shape[1], []).append(i)
+      needs_unique = self.specs[names[0]].optimizer.needs_unique
+      mean = any(self.specs[n].pooling == "mean" for n in names)
+      entry, uniques, u_first = {}, [], 0
+      # In key order: a pytree's dict comes back sorted by key inside the step, where the
+      # unique list's blocks are read in that order (`_optimizer_inputs`).
+      for idx in sorted(bags.values(), key=lambda idx: ",".join(map(str, idx))):
+        r = [per[names[i]]["rows"] for i in idx]
+        c, f = rows[idx][None, :, None], first[idx][None, :, None]
+        ids = np.stack([x["ids"] for x in r], axis=1)
+        bag = {
+          "ids": np.where(ids < c, ids + f, ABSENT).astype(np.int32),
+          "now_pos": np.stack([x["now_pos"] for x in r], axis=1),
+        }
+        if needs_unique:
+          size = r[0]["ids"].size  # each table's unique: int32[B * L]
+          start = u_first + size * np.arange(len(idx))[None, :, None]
+          bag["inverse"] = (np.stack([x["inverse"] for x in r], axis=1) + start).astype(np.int32)
+          u = np.stack([x["unique"] for x in r])
+          uniques.append(np.where(u < c[0], u + f[0], ABSENT).astype(np.int32).reshape(-1))
+          u_first += size * len(idx)
+        if mean:  # (tables pooled by sum: a count of 1, never read)
+          ones = np.ones(ids.shape[0], np.int32)
+          bag["count"] = np.stack([per[names[i]].get("count", ones) for i in idx], axis=1)
+        entry[",".join(map(str, idx))] = bag
+      out.append({"bags": entry, **({"unique": np.concatenate(uniques)} if uniques else {})})
+    return tuple(out)
+
+  @staticmethod
+  def _bag_tables(key: str) -> list[int]:
+    """A bag's tables (indices in the stack) from its key (`_batch`)."""
+    return [int(i) for i in key.split(",")]
+
+  def table_batch(self, prepared: dict, table: str) -> dict[str, np.ndarray]:
+    """A prepared batch of one table as `Offload.prepare` planned it: {"ids": int32[B, L]
+    (its own slots, C = padding), "now_pos": int32[B, L], "version": int32[]} (`_batch`
+    undone). Host side (tests, inspection)."""
+    stack, i = next(
+      (s, names.index(table)) for s, names in enumerate(self._stacks) if table in names
+    )
+    first, c = int(self._slot_off[stack][i]), self.members[table].cache_rows
+    for key, bag in prepared["batch"][stack]["bags"].items():
+      tabs = self._bag_tables(key)
+      if i in tabs:
+        j = tabs.index(i)
+        ids = np.asarray(bag["ids"])[:, j]
+        return {
+          "ids": np.where(ids == ABSENT, c, ids - first),
+          "now_pos": np.asarray(bag["now_pos"])[:, j],
+          "version": np.asarray(prepared["version"])[self._index[table]],
+        }
+    raise KeyError(table)
+
+  def _to_stack(self, lst: np.ndarray, off: np.ndarray, stack: int, now_off=None) -> None:
+    """In place, on a list int32[4|5, W] of per-table segments (table i's at [off[i],
+    off[i + 1]), as each table planned them): slots (EVICT_SLOTS, LOAD_SLOTS) to the stack's
+    cache (+ the table's first slot; its padding C to ABSENT) and, given now_off (the "now"
+    list's offsets: a "next" list), NEXT_FROM_NOW to positions in the "now" list (ABSENT
+    where the table's "now" has no such entry). Why here: the step then reads and writes
+    the stack's cache with the whole list in one op each, no per-table window."""
+    n = int(off[-1])
+    if n == 0:
+      return
+    tab = np.repeat(np.arange(len(off) - 1), np.diff(off))
+    first = self._slot_off[stack]
+    rows = np.diff(first)[tab]
+    for r in (EVICT_SLOTS, LOAD_SLOTS):
+      x = lst[r, :n]
+      lst[r, :n] = np.where(x < rows, x + first[tab], ABSENT)
+    if now_off is not None:
+      x = lst[NEXT_FROM_NOW, :n]
+      lst[NEXT_FROM_NOW, :n] = np.where(x < np.diff(now_off)[tab], x + now_off[tab], ABSENT)
 
   def table_exchanges(self, prepared: dict, table: str) -> dict[str, np.ndarray]:
     """A prepared batch's exchanges of one table, as `Offload.prepare` planned them: {"now":
-    int32[4, n], "next": int32[5, m]} (its segments of its layout's lists; NEXT_FROM_NOW as
-    positions in its "now"). Host side (tests, inspection)."""
+    int32[4, n], "next": int32[5, m]} (its segments of its stack's lists, slots its own
+    (C: padding), NEXT_FROM_NOW as positions in its "now" (n: absent); `_to_stack`
+    undone). Host side (tests, inspection)."""
     stack, i = next(
       (s, names.index(table)) for s, names in enumerate(self._stacks) if table in names
     )
     lists = prepared["lists"][stack]
+    first, c = int(self._slot_off[stack][i]), self.members[table].cache_rows
     out = {}
     for kind in ("now", "next"):
       off = np.asarray(lists[f"{kind}_off"])
-      out[kind] = np.asarray(lists[kind])[:, off[i] : off[i + 1]]
+      seg = np.array(lists[kind])[:, off[i] : off[i + 1]]
+      for r in (EVICT_SLOTS, LOAD_SLOTS):
+        seg[r] = np.where(seg[r] == ABSENT, c, seg[r] - first)
+      if kind == "next":
+        now_off = np.asarray(lists["now_off"])
+        pos = seg[NEXT_FROM_NOW]
+        seg[NEXT_FROM_NOW] = np.where(pos == ABSENT, now_off[i + 1] - now_off[i], pos - now_off[i])
+      out[kind] = seg
     return out
 
   def prepared_spec(self, prepared):
+    """The bags' leaves are batch-major (axis 0: the batch) when the layout splits the
+    batch; "unique", the versions and the lists are global."""
+    batch = sharding.BATCH_SPEC if self.layout.split_batch else sharding.REPLICATED
     return {
-      "tables": super().prepared_spec(prepared["tables"]),
+      "batch": tuple(
+        {
+          "bags": jax.tree.map(lambda _: batch, s["bags"]),
+          **({"unique": sharding.REPLICATED} if "unique" in s else {}),
+        }
+        for s in prepared["batch"]
+      ),
+      "version": sharding.REPLICATED,
       "lists": jax.tree.map(lambda _: sharding.REPLICATED, prepared["lists"]),
     }
 
@@ -306,119 +540,159 @@ class OffloadGroup(base.TableGroup):
       out["list_shapes"] = len(self.list_widths)
     return out
 
-  # -- the step: one host read per exchange, one write-back, for every table of a layout
+  # -- the step: per stack, one host read per exchange, one gather, one sparse update, one
+  # set of exchange kernels and one write-back for all of its tables
 
-  def _caps(self, prepared, names, lists, kind) -> list[int]:
-    """Each table's window in a list of its layout (static): its ids per batch, at most the
+  def _caps(self, prepared, stack: int, lists, kind) -> list[int]:
+    """Each table's window in a list of its stack (static): its ids per batch, at most the
     list's window (`_window_width`, the shape of `lists[kind + "_win"]`)."""
     win = lists[f"{kind}_win"].shape[1]
-    return [min(int(np.prod(prepared["tables"][n]["rows"]["ids"].shape)), win) for n in names]
-
-  @staticmethod
-  def _padded(lst, values, pad: int):
-    """A list int32[r, W] and its values {k: [W, ...]} with `pad` columns / rows after them
-    (once per list: every table's window is a slice of these)."""
-    if pad == 0:
-      return lst, values
-    lst = jnp.concatenate([lst, jnp.zeros((lst.shape[0], pad), lst.dtype)], axis=1)
-    values = {
-      k: jnp.concatenate([v, jnp.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in values.items()
-    }
-    return lst, values
-
-  def _window(self, lst, off, i, cap, member, values):
-    """Table i's window of a list int32[r, W] (padded by `_padded` when the layout has
-    several tables): (int32[r, cap], its values' window {k: [cap, ...]}, its count); entries
-    past its count are padding (slots C, rows past the host arrays, loads of row 0,
-    NEXT_FROM_NOW absent)."""
-    r = lst.shape[0]
-    if len(off) == 2:  # one table: its segment starts the list, the window is the list
-      cap = lst.shape[1]
-    big = np.iinfo(np.int32).max
-    pad = np.array(
-      [member.cache_rows, base.aligned_rows(member.spec.num_rows), 0, member.cache_rows, big],
-      np.int32,
-    )[:r, None]
-    count = off[i + 1] - off[i]
-    if len(off) > 2:
-      lst = jax.lax.dynamic_slice(lst, (0, off[i]), (r, cap))
-      values = {
-        k: jax.lax.dynamic_slice(v, (off[i],) + (0,) * (v.ndim - 1), (cap,) + v.shape[1:])
-        for k, v in values.items()
-      }
-    return jnp.where(jnp.arange(cap) < count, lst, pad), values, count
+    ids = [0] * len(self._stacks[stack])
+    for key, bag in prepared["batch"][stack]["bags"].items():
+      for i in self._bag_tables(key):
+        ids[i] = bag["ids"].shape[0] * bag["ids"].shape[2]
+    return [min(n, win) for n in ids]
 
   def lookup(self, state, prepared):
-    """-> (pooled {table: f32[B, D]}, residuals: per layout {"now" / "next": {k: f32[W,
+    """-> (pooled {table: f32[B, D]}, residuals: per stack {"now" / "next": {k: f32[W,
     ...]}}, the rows this step reads from the host: the on-demand rows of this batch, also
     looked up here, and the next batch's (prefetched). Both read the host arrays as they
-    came into the step (ONE host computation per exchange for every table of the layout),
+    came into the step (ONE host computation per exchange for every table of the stack),
     so they depend on nothing the step computes; `update` places them in the caches. Each
     read is materialized (an optimization barrier): no consumer may re-read the host arrays
     later through a fused gather, after the write-back (XLA would then copy the whole table
-    to keep the old values; XLA:CPU fuses host gathers into their consumers)."""
+    to keep the old values; XLA:CPU fuses host gathers into their consumers). The rows of
+    a stack's tables of one bag length come from its cache in one gather (int32[B, T, L]
+    slots -> f32[B, T, L, D], pooled over L): not a gather per table."""
     pooled, residuals = {}, []
     for stack, names in enumerate(self._stacks):
       lists = prepared["lists"][stack]
       host = self.members[names[0]].host
-      hosts = [state[n]["host"] for n in names]
+      hosts = [state["host"][n] for n in names]
       res = {}
       for kind in ("next", "now"):
         if lists[kind].shape[1]:
-          caps = self._caps(prepared, names, lists, kind)
+          caps = self._caps(prepared, stack, lists, kind)
           got, _ = host.gather_segments(hosts, lists[kind][LOAD_ROWS], lists[f"{kind}_off"], caps)
           res[kind] = jax.lax.optimization_barrier(got)
       residuals.append(res)
-      for n in names:
-        p = prepared["tables"][n]
-        rows = self.members[n].lookup_cache(state[n], p["rows"], res.get("now"))
-        pooled[n] = base.pool_rows(rows, p.get("count"))
+      cache = state["cache"][stack]["table"]
+      for key, bag in prepared["batch"][stack]["bags"].items():
+        rows = _take(cache, bag["ids"])
+        if (
+          "now" in res
+        ):  # rows loaded on demand: from the host read (the cache gets them in update)
+          fresh, pos = res["now"]["table"], bag["now_pos"]
+          rows = jnp.where((pos < fresh.shape[0])[..., None], _take(fresh, pos), rows)
+        summed = jnp.sum(rows, axis=2)
+        for j, i in enumerate(self._bag_tables(key)):
+          n = names[i]
+          count = bag["count"][:, j] if self.specs[n].pooling == "mean" else None
+          pooled[n] = base.pool_rows(summed[:, j, None], count)
     return pooled, tuple(residuals)
 
+  def _optimizer_inputs(self, prepared, stack: int, grads):
+    """A stack's batch for ONE sparse update of its cache (`base.sparse_sgd_or_adagrad`):
+    ({"ids": int32[n] and, for row-wise optimizers, "unique": int32[U], "inverse":
+    int32[n]}, grads f32[n, D]) over every table (n = the sum of B x L), gathered on every
+    device (an all-gather per leaf of the stack, not per table). Per row, its positions
+    keep their order within its table's batch: the same sums as `dense`'s, bit for bit.
+    Third: the update's `mean_square` (row-wise Adagrad), or None."""
+    names = self._stacks[stack]
+    batch = prepared["batch"][stack]
+    ids, inverse, g, blocks = [], [], [], []
+    for key, bag in sorted(batch["bags"].items()):  # (`_batch`'s order of "unique")
+      tabs = [names[i] for i in self._bag_tables(key)]
+      blocks += [bag["ids"].shape[0] * bag["ids"].shape[2]] * len(tabs)
+      x = {k: v for k, v in bag.items() if k in ("ids", "inverse", "count")}
+      x["g"] = jnp.stack([grads[n] for n in tabs], axis=1)  # [B, T', D]
+      x = sharding.replicate(x, self.mesh)
+      gb = x["g"]
+      if "count" in x:  # mean pooling; a sum-pooled table divides by 1 (exact)
+        mean = np.array([self.specs[n].pooling == "mean" for n in tabs])
+        count = jnp.where(mean, jnp.maximum(x["count"], 1), 1).astype(gb.dtype)
+        gb = gb / count[..., None]
+      bag_len = x["ids"].shape[2]
+      g.append(jnp.broadcast_to(gb[:, :, None], gb.shape[:2] + (bag_len,) + gb.shape[2:]))
+      ids.append(x["ids"].reshape(-1))
+      if "inverse" in x:
+        inverse.append(x["inverse"].reshape(-1))
+    cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs)  # noqa: E731
+    out = {"ids": cat(ids)}
+    mean_square = None
+    if inverse:
+      out["unique"], out["inverse"] = batch["unique"], cat(inverse)
+      # Each row's mean squared gradient reduced per table, on its table's block of the
+      # stack's distinct rows (int32[B * L] each): XLA:CPU picks a reduction's summation
+      # order by the array's size ([256, 8] and [512, 8] differ in the last bit, measured),
+      # so one reduce over the stack's rows is not `dense`'s, whose arrays are per table.
+      # One small kernel per table, only for row-wise optimizers.
+      ends = np.cumsum(blocks).tolist()
+
+      def mean_square(grads):
+        return cat([jnp.mean(x * x, axis=-1) for x in jnp.split(grads, ends[:-1])])
+
+    d = g[0].shape[-1]
+    return out, cat([x.reshape(-1, d) for x in g]), mean_square
+
   def update(self, state, prepared, residuals, grads):
-    """Each table's cache changes (`Offload.apply`, on its windows of the lists), then ONE
-    write-back (D2H, a scatter on the host) of every table's victims of both exchanges per
-    layout. Write after read on the donated host arrays: the write-back's row lists pass
-    through an optimization barrier with this step's host reads (the residuals), a
-    dependency on reads only, never on compute; the caches take the rows that came through
-    the barrier (read once, never again)."""
-    out = {}
+    """Per stack, on its ONE cache array: the "now" exchange (victims read, on-demand rows
+    placed), the sparse update of every table's batch, the "next" exchange (victims read
+    from the updated cache, prefetched rows placed; a row "now" evicted and the next batch
+    needs back takes the evicted value, NEXT_FROM_NOW: its host copy is stale until the
+    write-back), then ONE write-back (D2H, a scatter on the host) of both exchanges'
+    victims, read off the cache in list order. Each exchange is one gather and one scatter
+    per array for every table (slots of the stack's cache, `_to_stack`). Reads of the cache
+    come before writes to it through optimization barriers (in place on the donated cache).
+    Write after read on the donated host arrays: the write-back's row lists pass through
+    an optimization barrier with this step's host reads (the residuals), a dependency on
+    reads only, never on compute; the caches take the rows that came through the barrier
+    (read once, never again)."""
+    out = {**state, **host_cache.advance(state, prepared)}
+    new_host, new_cache, new_slots = dict(state["host"]), [], []
     for stack, names in enumerate(self._stacks):
       lists = prepared["lists"][stack]
-      caps = {k: self._caps(prepared, names, lists, k) for k in ("now", "next")}
       now, nxt = lists["now"], lists["next"]
       back = (now[EVICT_ROWS], nxt[EVICT_ROWS])
       back, res = jax.lax.optimization_barrier((back, residuals[stack]))
-      victims = {"now": [], "next": []}
-      padded = {
-        kind: self._padded(lists[kind], res[kind], max(caps[kind]) if len(names) > 1 else 0)
-        for kind in ("now", "next")
-        if lists[kind].shape[1]
-      }
-      for i, n in enumerate(names):
-        m, p = self.members[n], prepared["tables"][n]
-        g, rows, count = sharding.replicate((grads[n], p["rows"], p.get("count")), self.mesh)
-        g = base.unpool(g, count, rows["ids"].shape[1])
-        ex = {
-          kind: self._window(
-            padded[kind][0], lists[f"{kind}_off"], i, caps[kind][i], m, padded[kind][1]
+      cache, slot_rows = dict(state["cache"][stack]), state["slot_rows"][stack]
+      victims = {}
+      for kind, lst in (("now", now), ("next", nxt)):
+        if kind == "next":  # after the optimizer on this batch's rows
+          batch, g, mean_square = self._optimizer_inputs(prepared, stack, grads)
+          slots = {k: v for k, v in cache.items() if k != "table"}
+          spec = self.specs[names[0]]
+          table, slots = base.sparse_sgd_or_adagrad(
+            spec, cache["table"], slots, batch, g, mean_square
           )
-          for kind in padded
-        }
-        out[n], ev_now, ev_next = m.apply(state[n], rows, g, ex.get("now"), ex.get("next"))
-        victims["now"].append(ev_now)
-        victims["next"].append(ev_next)
-      writes = []
-      for kind, b in zip(("now", "next"), back):
-        if lists[kind].shape[1]:
-          off, parts = lists[f"{kind}_off"], victims[kind]
-          values = parts[0] if len(parts) == 1 else host_table.assemble(parts, off, b.shape[0])
-          writes.append((b, off, values, caps[kind]))
+          cache = {"table": table, **slots}
+        if not lst.shape[1]:
+          continue
+        loaded = res[kind]
+        if kind == "next" and "now" in victims:  # rows "now" evicted that the next batch needs
+          pos = lst[NEXT_FROM_NOW]
+          again = pos < now.shape[1]
+          loaded = {
+            k: jnp.where(_rows_mask(again, v), _take(victims["now"][k], pos), v)
+            for k, v in loaded.items()
+          }
+        evicted = {k: _take(v, lst[EVICT_SLOTS]) for k, v in cache.items()}
+        evicted, cache = jax.lax.optimization_barrier((evicted, cache))  # read, then overwrite
+        cache = {k: _put(v, lst[LOAD_SLOTS], loaded[k]) for k, v in cache.items()}
+        slot_rows = slot_rows.at[lst[LOAD_SLOTS]].set(lst[LOAD_ROWS], mode="drop")
+        victims[kind] = evicted
+      writes = [
+        (b, lists[f"{kind}_off"], victims[kind], self._caps(prepared, stack, lists, kind))
+        for kind, b in zip(("now", "next"), back)
+        if kind in victims
+      ]
       if writes:
         host = self.members[names[0]].host
-        new = host.scatter_lists([state[n]["host"] for n in names], writes)
-        out.update({n: {**out[n], "host": h} for n, h in zip(names, new)})
-    return out
+        written = host.scatter_lists([state["host"][n] for n in names], writes)
+        new_host.update(zip(names, written))
+      new_cache.append(cache)
+      new_slots.append(slot_rows)
+    return {**out, "host": new_host, "cache": tuple(new_cache), "slot_rows": tuple(new_slots)}
 
   def _prepare_fast(self, ids: dict, upcoming: list) -> dict | None:
     t0 = time.perf_counter()

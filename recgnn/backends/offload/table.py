@@ -1,6 +1,7 @@
-"""`Offload`: one table in host memory behind a device cache (the per-table backend; see the
-package docstring). Holds one concern: the table's host planning (`prepare`) and its device
-code (lookup, update, exchange, flush)."""
+"""`Offload`: one table in host memory behind a device cache (the per-table member of
+`OffloadGroup`; see the package docstring). Holds one concern: the table's host planning
+(`prepare`), its host arrays and its memory. Its cache is a slice of its stack's one cache
+array and its device code is the group's (one op per stack, not per table)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,10 @@ import math
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from recgnn.backends.offload.cache_plan import (
   EVICT_ROWS,
-  EVICT_SLOTS,
-  LOAD_ROWS,
-  LOAD_SLOTS,
-  NEXT_FROM_NOW,
   Exchange,
   Planner,
   _pad,
@@ -31,26 +27,16 @@ HOST_MEMORIES = host_table.HOST_MEMORIES
 PLANNED = "planned"
 
 
-def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
-  """x[idx], zeros where idx is out of range (padding)."""
-  return x.at[idx].get(mode="fill", fill_value=0.0)
-
-
-def _put(x: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
-  """x[idx] = values, out-of-range idx (padding) dropped."""
-  return x.at[idx].set(values, mode="drop")
-
-
 class Offload(base.TableBackend):
   """Table in host memory, a C-row device cache filled ahead of the step (cDLRM). Options:
   `OffloadOptions`.
 
   Exchanges (`exchange=`, `OffloadOptions`): the group (`OffloadGroup`) lays every table's
-  out in one list per row layout and direction, sized by the group's real misses
-  (`bucket`, the default: ~1.05-1.2x the missed rows over the host link, a few step shapes
-  for a 26-table group) or padded to the batch (`fixed`). This class plans the table's
-  exchanges (exact lengths) and applies its part of them (`apply`); the group reads and
-  writes the host arrays.
+  out in one list per stack (dim, optimizer) and direction, sized by the group's real
+  misses (`bucket`, the default: ~1.05-1.2x the missed rows over the host link, a few step
+  shapes for a 26-table group) or padded to the batch (`fixed`). This class plans the
+  table's exchanges (exact lengths, its own slots 0..C-1); the group moves them into the
+  stack's slots, reads and writes the host arrays and runs the step on the stack's cache.
 
   A batch touching more distinct rows than the cache holds is an error at plan time that
   names the size needed (no micro-batching: exactness vs dense needs the whole batch's update
@@ -75,9 +61,7 @@ class Offload(base.TableBackend):
     self.host = host_table.HostTable(o.host_memory, f"offload (table {spec.name!r})", mesh)
     self.host_memory = self.host.host_memory  # pinned_host falls back to device without one
     self._planner: Planner | None = None  # O(N) host bookkeeping: allocated by init
-    self._host_sharding = self._dev_sharding = None
     self._counters = host_cache.Counters()
-    self._syncer = host_cache.Syncer(self._flush, f"offload (table {spec.name!r})", "cache")
     self._window_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
   def describe(self) -> str:
@@ -97,6 +81,12 @@ class Offload(base.TableBackend):
 
   # --------------------------------------------------------------------------- placement
 
+  # The table's state lives in its group's (`OffloadGroup`): its host arrays under
+  # state["host"][name], its cache rows as a slice of its stack's one cache array (every
+  # table of the group with its dim and optimizer: one gather, one update, one exchange per
+  # stack in the step). This class gives its parts: the host arrays and their placement, an
+  # empty cache, and its planner's reset.
+
   @property
   def host_split(self) -> bool:
     """Whether the host arrays are split by rows over the devices of the mesh: ONE host copy
@@ -104,28 +94,22 @@ class Offload(base.TableBackend):
     replica per device."""
     return self.host.split
 
-  def state_sharding(self):
-    """The cache in device memory, replicated over the mesh: every device holds the same
-    cache, so lookups of its examples are local, and every device applies the same update
-    to it (exact, as `dense` replicated). The host arrays in `host_memory`: on one device,
-    whole; on a mesh, split by rows over every device (one table in all; an exchange moves
-    each row between its owner's host memory and the replicated cache)."""
-    host, host_vec = self.row_sharding()
-    dev = self.replicated("device")
-    slots = self.spec.optimizer.slot_names()
-    return {
-      "host": {"table": host, **{s: host_vec for s in slots}},
-      "cache": {"table": dev, **{s: dev for s in slots}},
-      "slot_rows": dev,
-      "version": dev,
-      "stale": dev,
-    }
+  def host_sharding(self) -> dict:
+    """The host arrays in `host_memory`: on one device, whole; on a mesh, split by rows over
+    every device (one table in all; an exchange moves each row between its owner's host
+    memory and the replicated cache)."""
+    return self.host.sharding(self.spec.optimizer.slot_names())
 
-  def init(self, key):
+  def state_sharding(self):
+    """This table's part of its group's state: its host arrays (`host_sharding`)."""
+    return self.host_sharding()
+
+  def init_host(self, key) -> dict:
+    """The table's initial host arrays (numpy): {"table": f32[S, D], slot: f32[S]}, with S =
+    base.aligned_rows(N) (the checkpoint's logical shape; the padding rows are never
+    addressed by an id)."""
     spec = self.spec
     opt = spec.optimizer
-    # Host arrays have base.aligned_rows(N) rows (the checkpoint's logical shape); the
-    # padding rows are never addressed by an id.
     pad = base.aligned_rows(spec.num_rows) - spec.num_rows
     table = base.init_table(key, spec)
     host = {"table": np.concatenate([table, np.zeros((pad, spec.dim), np.float32)])}
@@ -133,55 +117,52 @@ class Offload(base.TableBackend):
       {s: np.full(spec.num_rows + pad, opt.initial_accumulator, np.float32)
        for s in opt.slot_names()}
     )  # fmt: skip
-    return self._fresh(host)
+    return host
 
-  def _fresh(self, host: dict) -> dict:
-    """A state holding `host` (the whole table, numpy or placed) and an empty cache; new
-    host bookkeeping."""
-    spec, c = self.spec, self.cache_rows
-    sh = self.state_sharding()
-    self._host_sharding, self._dev_sharding = sh["host"]["table"], sh["cache"]["table"]
-    self._planner = Planner(spec.num_rows, c, self.options.policy)
+  def init(self, key):
+    """The table's placed host arrays and a fresh planner (its cache: `empty_cache`)."""
+    return self.fresh(self.init_host(key))
+
+  def fresh(self, host: dict) -> dict:
+    """`host` (the whole table, numpy or placed) placed in host memory; new host bookkeeping
+    (an empty cache: the group pairs it with `empty_cache`)."""
+    self._planner = Planner(self.spec.num_rows, self.cache_rows, self.options.policy)
     self._window_cache.clear()
+    return self.host.place(host, self.host_sharding())
+
+  def empty_cache(self) -> dict:
+    """An empty cache (numpy): {"cache": {"table": f32[C, D], slot: f32[C]}, "slot_rows":
+    int32[C] (N: empty)}; the group stacks these per stack."""
+    spec, c = self.spec, self.cache_rows
     opt = spec.optimizer
     cache = {"table": np.zeros((c, spec.dim), np.float32)}
     cache.update({s: np.full(c, opt.initial_accumulator, np.float32) for s in opt.slot_names()})
-    rest = {
-      "cache": cache,
-      "slot_rows": np.full(c, spec.num_rows, np.int32),
-      "version": np.zeros((), np.int32),
-      "stale": np.zeros((), np.int32),
-    }
-    rest = jax.device_put(rest, {k: v for k, v in sh.items() if k != "host"})
-    return {"host": self._placed_host(host, sh["host"]), **rest}
-
-  def _placed_host(self, host: dict, shardings: dict) -> dict:
-    return self.host.place(host, shardings)
+    return {"cache": cache, "slot_rows": np.full(c, spec.num_rows, np.int32)}
 
   def row_sharding(self):
     return self.host.row_sharding()
 
-  def export(self, state):
-    """The host arrays of a synced state (every resident row written back by `sync`)."""
-    self._check_stale(state)
-    host = state["host"]
+  def export(self, host: dict):
+    """The logical form of a synced state's host arrays (every resident row written back
+    by the group's `sync`)."""
     return {"rows": host["table"], **{k: host[k] for k in self.spec.optimizer.slot_names()}}
 
   def import_(self, logical):
-    """The table in host memory, an empty device cache (it refills from the next batch:
-    hit rates restart, values do not change)."""
+    """The table in host memory (placed), new bookkeeping: its cache starts empty and refills
+    from the next batch (hit rates restart, values do not change)."""
     host = {"table": logical["rows"], **{k: logical[k] for k in self.spec.optimizer.slot_names()}}
-    return self._fresh(host)
+    return self.fresh(host)
 
   def memory(self):
     spec, c = self.spec, self.cache_rows
-    # cache rows + optimizer state, slot map, and the two int32 scalars (version, stale)
+    # Its rows of the stack's cache + optimizer state and slot map, and its entries of the
+    # group's version / stale vectors (int32 each).
     device = c * spec.row_bytes + c * 4 + 8
     planner = spec.num_rows * (
       4 + (8 if self.options.policy == "lfu" else 0)
     )  # row->slot (+ counts)
     # One host copy in all: whole on one device, split by rows over the devices of a mesh;
-    # its rows aligned as the checkpoint's logical shape is (`init`).
+    # its rows aligned as the checkpoint's logical shape is (`init_host`).
     table = base.aligned_rows(spec.num_rows) * spec.row_bytes
     host = table + planner
     if not self.offloaded:
@@ -247,7 +228,7 @@ class Offload(base.TableBackend):
     "next": int32[5, M'] the exchange admitting the next batch (+ NEXT_FROM_NOW),
     "version": int32[] (-1: read-only), PLANNED: (now, next) whether each exchange was
     planned (popped by the group)}. M, M': the exchanges' exact lengths; the group lays every
-    table's out in one list per row layout (`OffloadGroup`), sized by the `exchange` option.
+    table's out in one list per stack (`OffloadGroup`), sized by the `exchange` option.
     """
     t0 = time.perf_counter()
     ids = np.asarray(ids)
@@ -386,69 +367,15 @@ class Offload(base.TableBackend):
 
   # --------------------------------------------------------------------------- device side
 
-  # The exchanges run per group (`OffloadGroup.lookup` / `update`): one host read per
-  # exchange and one write-back for every table of a row layout. A table's part of them is
-  # its window of each list (`OffloadGroup._window`): int32[4 or 5, K] (K: its ids per
-  # batch; entries past its count are padding: slots C, rows 0) and the values read for it.
-
-  def lookup_cache(self, state, prepared, now_values=None):
-    """-> rows f32[B, L, D] of a batch: from the cache, or, for the rows loaded on demand
-    ("now"), from now_values {"table": f32[Wn, D], ...} (the group's list, read from the
-    host by lookup; prepared["now_pos"] indexes it, Wn = absent)."""
-    rows = state["cache"]["table"].at[prepared["ids"]].get(mode="fill", fill_value=0.0)
-    if now_values is None:
-      return rows
-    fresh = now_values["table"]
-    pos = prepared["now_pos"]
-    got = fresh.at[pos].get(mode="fill", fill_value=0.0)
-    return jnp.where((pos < fresh.shape[0])[..., None], got, rows)
-
-  def apply(self, state, prepared, grads, now=None, nxt=None):
-    """The step's cache changes for this table, given its windows of the group's exchanges
-    (now / nxt: (window int32[4|5, K], values {k: f32[K, ...]} read from the host by lookup,
-    count int32[] of real entries), or None):
-      1. "now": the victims of this batch's misses are read from the cache, then their slots
-         take the on-demand rows;
-      2. the row-wise optimizer on this batch's slots;
-      3. "next": the victims of the next batch are read from the updated cache, then their
-         slots take the prefetched rows (a row that step 1 evicted and the next batch needs
-         back takes the value evicted in step 1: its host copy is stale until the
-         write-back; NEXT_FROM_NOW, its position in this table's "now" window).
-    Reads of the cache come before writes to it through optimization barriers (in place on
-    the donated cache). -> (state without the host write-back, the victims' values of now
-    and of next ({k: f32[K, ...]} in window order, or None): the group writes them back)."""
-    cache, slot_rows = dict(state["cache"]), state["slot_rows"]
-    evicted = out = None
-    if now is not None:
-      win, loaded, _ = now
-      evicted = {k: _take(v, win[EVICT_SLOTS]) for k, v in cache.items()}
-      evicted, cache = jax.lax.optimization_barrier((evicted, cache))  # read, then overwrite
-      cache = {k: _put(v, win[LOAD_SLOTS], loaded[k]) for k, v in cache.items()}
-      slot_rows = slot_rows.at[win[LOAD_SLOTS]].set(win[LOAD_ROWS], mode="drop")
-    slots = {k: cache[k] for k in self.spec.optimizer.slot_names()}
-    table, slots = base.sparse_sgd_or_adagrad(self.spec, cache["table"], slots, prepared, grads)
-    cache = {"table": table, **slots}
-    if nxt is not None:
-      win, loaded, _ = nxt
-      if evicted is not None:
-        pos = win[NEXT_FROM_NOW]
-        back = pos < now[2]
-        loaded = {
-          k: jnp.where(
-            back.reshape(back.shape + (1,) * (v.ndim - 1)), _take(evicted[k], pos), v
-          )
-          for k, v in loaded.items()
-        }  # fmt: skip
-      out = {k: _take(v, win[EVICT_SLOTS]) for k, v in cache.items()}
-      out, cache = jax.lax.optimization_barrier((out, cache))  # read, then overwrite
-      cache = {k: _put(v, win[LOAD_SLOTS], loaded[k]) for k, v in cache.items()}
-      slot_rows = slot_rows.at[win[LOAD_SLOTS]].set(win[LOAD_ROWS], mode="drop")
-    state = {**state, "cache": cache, "slot_rows": slot_rows}
-    return {**state, **host_cache.advance(state, prepared)}, evicted, out
+  # The step runs per group (`OffloadGroup.lookup` / `update`): one gather, one sparse
+  # update and one set of exchange kernels per stack of tables, one host read per exchange
+  # and one write-back. A table alone has no step of its own.
 
   def lookup(self, state, prepared):
-    """The rows of a batch resident in the cache (a prepared batch without on-demand loads)."""
-    return self.lookup_cache(state, prepared)
+    raise NotImplementedError(
+      "offload tables look up through their group (OffloadGroup.lookup: one cache array per "
+      "stack of tables); build it with base.make_backend / make_group"
+    )
 
   def update(self, state, prepared, grads):
     raise NotImplementedError(
@@ -456,39 +383,21 @@ class Offload(base.TableBackend):
       "every table travel in one list); build it with base.make_backend / make_group"
     )
 
-  def _flush(self, state):
-    # Empty slots hold N: the scatter (unique indices) drops them.
-    host = host_cache.flush(
-      self.host, state["host"], state["slot_rows"], self.spec.num_rows, state["cache"]
-    )
-    return {**state, "host": host}
-
-  def _check_stale(self, state):
-    self._syncer.check(state)
-
-  def sync(self, state):
-    """Write every resident cache row back to the host table (O(C)); the cache stays."""
-    return self._syncer(state)
-
-  def restore(self, state):
-    """Reset host bookkeeping to a restored state's cache (history of LRU/LFU is lost)."""
-    self._check_stale(state)
-    state = {**state, "host": self._placed_host(state["host"], self.state_sharding()["host"])}
-    sh = jax.tree.map(lambda x: x.sharding, state)
-    self._host_sharding, self._dev_sharding = sh["host"]["table"], sh["cache"]["table"]
-    self._planner = Planner.from_slots(
-      np.asarray(jax.device_get(state["slot_rows"])),
-      self.spec.num_rows,
-      self.options.policy,
-      int(jax.device_get(state["version"])),
-    )
+  def restore_planner(self, slot_rows: np.ndarray, version: int) -> None:
+    """Host bookkeeping from a restored state's slot map (int32[C], N = empty) and version
+    (history of LRU/LFU is lost)."""
+    self._planner = Planner.from_slots(slot_rows, self.spec.num_rows, self.options.policy, version)
     self._window_cache.clear()
-    return state
 
   def table(self, state):
-    out = np.array(jax.device_get(state["host"]["table"]))[: self.spec.num_rows]
-    slot_rows = np.asarray(jax.device_get(state["slot_rows"]))
-    cache = np.asarray(jax.device_get(state["cache"]["table"]))
+    raise NotImplementedError(
+      "an offload table's rows: OffloadGroup.tables (its cache is a stack's slice)"
+    )
+
+  def table_of(self, host: dict, slot_rows: np.ndarray, cache: np.ndarray) -> np.ndarray:
+    """The logical table f32[N, D] from its host array and its cache (slot_rows int32[C],
+    cache f32[C, D], numpy). O(N): tests and export only."""
+    out = np.array(jax.device_get(host["table"]))[: self.spec.num_rows]
     resident = slot_rows < self.spec.num_rows
     out[slot_rows[resident]] = cache[resident]
     return out
