@@ -458,6 +458,39 @@ def test_a_group_of_several_tables_and_layouts_is_exact(mesh_shape):
   _assert_same(got[:2], ref[:2])
 
 
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (2, 4)], ids=lambda m: f"{m[0]}x{m[1]}")
+def test_a_stack_of_mixed_bag_lengths_and_poolings_is_exact(mesh_shape):
+  """One stack (same dim and optimizer) whose tables have bags of 1, 2 and 3 ids, summed or
+  averaged: the stacked cache gathers and pools each bag length apart. Bit-equal to dense,
+  lookups and tables, with evictions and an eval pass inside."""
+  from test_hot_cold import _assert_same, _run_group
+
+  from recgnn import sharding
+
+  tables = (
+    ("a", 900, 1, "sum"),
+    ("b", 400, 2, "mean"),
+    ("c", 1500, 3, "sum"),
+    ("d", 700, 3, "mean"),
+  )
+  specs = [
+    base.TableSpec(name=n, num_rows=r, dim=8, optimizer=ADAGRAD, pooling=pool)
+    for n, r, _, pool in tables
+  ]
+  batches = [dict() for _ in range(8)]
+  for i, (n, r, bag, _) in enumerate(tables):
+    for k, ids in enumerate(contract.zipf_ids(3 + i, 8, 32, bag, r)):
+      batches[k][n] = ids
+  ref = _run_group("dense", specs, batches, base.default_mesh(), evals=(4,))
+  got = _run_group(
+    "offload(cache_rows=80, policy=lru, lookahead=2)", specs, batches,
+    sharding.make_mesh(*mesh_shape), evals=(4,),
+  )  # fmt: skip
+  assert [len(x) for x in got[2]._stacks] == [4]
+  assert sum(got[2].stats()[f"{n}/d2h_rows_per_step"] for n, *_ in tables) > 0, "no eviction"
+  _assert_same(got[:2], ref[:2])
+
+
 # ----------------------------------------------------------------------------- (e) kernels
 
 
