@@ -1,9 +1,9 @@
 """`hot_cold`: Hotline / FAE. Popular rows row-sharded over the mesh, the rest in host memory.
 
-Plan string: `hot_cold(budget=0.05, profile_batches=20, reprofile=0, split=True)`; options in
-`HotColdOptions`. One instance per GROUP of tables: an example is popular only when ALL its ids in
-the group's tables are hot (FAE's rule), so put the large tables in one hot_cold rule and the
-small ones (wholly on the devices anyway) under `dense`.
+Plan string: `hot_cold(budget=0.05, profile_batches=20, reprofile=0, split=True,
+prefetch=True)`; options in `HotColdOptions`. One instance per GROUP of tables: an example
+is popular only when ALL its ids in the group's tables are hot (FAE's rule), so put the large
+tables in one hot_cold rule and the small ones (wholly on the devices anyway) under `dense`.
 
 Why (Adnan et al., ISCA'24 "Hotline"; FAE, VLDB'22): a few rows take most accesses. Those
 rows, with their optimizer state, live in one device array per table, split by rows over every
@@ -26,16 +26,29 @@ How a batch flows:
                              whole and the log says why: `micro.off_reason`);
                              when a profile completes, picks the hot set for the byte budget
                              and plans the migration (rows in / out of the hot arrays).
+                             Prefetch (once a hot set is in): also lists batch k + 1's
+                             cold rows ("next", under the hot set k + 1 is prepared for),
+                             each with its position in k's list ("from_now") and, when k
+                             plans a migration, the hot slot a row leaving the hot set had
+                             ("from_hot"); k + 1's prepare then finds its rows gathered.
   step k, lookup             popular micro-batch: hot rows only (a masked gather on each
                              device's shard, a reduce-scatter of the rows: exact, every row
                              has one non-zero term). Non-popular: the same, plus the cold rows
                              gathered from the host table (compute_on("device_host")) ONCE
-                             per step: the residuals carry them (and, on one device, the
-                             row list left on the host) to the update.
+                             per step, or with prefetch taken from the state's buffer (the
+                             step before gathered them): the residuals carry them (and, on
+                             one device, the row list left on the host) to the update.
+                             Prefetch: batch k + 1's rows read from the host tables as they
+                             came into the step (depends on nothing the step computes).
   step k, update             ONE sparse update for the whole batch, as `dense` applies it:
                              hot rows on their owner devices, cold rows on the gathered copy
                              and written back to the host table (exact: the same adds in the
-                             same order as dense's). Then the migration planned with batch k.
+                             same order as dense's), ordered after the next batch's read by
+                             an optimization barrier (write after read on the donated host
+                             arrays, as offload's). The next batch's rows, with those of
+                             from_now / from_hot taken from k's updated cold / hot rows
+                             (their host copies are stale until the write-back / migration),
+                             become the state's buffer. Then the migration planned with k.
 
 Exact under the trainer's run-ahead of `prepare`: a step reads the host table and writes its
 cold rows back within itself (the state carries them in order); the hot / cold layout changes
@@ -57,9 +70,15 @@ sets `profile_batches` to a share of an epoch of its data (train rows // batch s
 State {"tables": {table: {"hot": {"table": f32[Ha, D], slot: f32[Ha]}   rows over the mesh
                           "hot_rows": int32[Ha] (the row in each hot slot; N = empty)
                           "host": {"table": f32[S, D], slot: f32[S]}}}  host_table placement
-       "version": int32[], "stale": int32[]}
+       "version": int32[], "stale": int32[],
+       "next": per stack {"table": f32[C, D], slot: f32[C]},   the next batch's cold rows
+       "next_for": int32[]}                                    (their batch's version; -1)
 Ha = the hot capacity rounded up to a multiple of the devices; S = base.aligned_rows(N). The
-host table holds every row; a hot row's host copy is stale until `sync` writes it back.
+host table holds every row; a hot row's host copy is stale until `sync` writes it back. C =
+the most distinct cold rows a batch has in the stack (its tables' ids, at most their rows):
+one length for the run, so the state keeps its shapes ([0, ...] until the first prefetch);
+replicated, as the gathered cold rows. Not checkpointed: after every step the host tables
+hold every cold row's value, so a resumed run's first batch gathers its own.
 
 Limits, and why:
   - The budget is per table (each table's hot array holds `budget` of its rows), not FAE's one
@@ -71,29 +90,29 @@ Limits, and why:
     in flight (on an accelerator the host gather and copy are asynchronous); XLA:CPU runs
     host and device computations on the same cores, so nothing overlaps there.
     tests/test_hot_cold_tiers.py checks the dependency on the step's HLO.
-  - The cold rows of batch k are gathered in step k (once), not during step k - 1: the
-    gather overlaps the popular micro-batch only, not the previous step. Not built; the
-    design (offload's next-batch loads, `recgnn/backends/offload/__init__.py`):
-      1. prepare(k) also lists batch k + 1's cold rows (`upcoming[0]`, which the trainer
-         already passes) as a second list per stack ("next": rows, off, win, bucketed by
-         its own sizer), unless a migration is planned with batch k (it changes k + 1's
-         layout; k + 1 then gathers on demand, as now), and gives each "next" entry its
-         position in batch k's list ("from_now", = Uc when absent).
-      2. The state gains, per stack, a device buffer of the longest "next" list (the sum of
-         the tables' cold caps: one batch's rows, known at init from the batch shape the
-         first prepare sees, or sized by an option) and its slots.
-      3. Step k reads "next" from the host tables as they came into the step (a host
-         computation depending on nothing the step computes; the write-back of k's cold
-         rows waits for it through an optimization barrier, as offload's update does), and
-         after k's update takes the entries with from_now < Uc from k's updated cold copy
-         (their host copy is stale until k's write-back, as offload's NEXT_FROM_NOW). A hot
-         row of k is never in k + 1's list: the layout changes only by a migration (1).
-      4. Step k + 1 reads its cold rows from the buffer, not the host (an empty "now"
-         list): two step programs (prefetched or on demand), picked by the prepared shapes.
-      5. Tests to add with it: exact vs dense on 1x1, 8x1, 2x4 over a stream whose
-         consecutive batches share cold rows, with a migration and an eval pass inside; the
-         HLO check that the next-batch gather depends on nothing the step computes
-         (tests/test_offload_tiers.py's); a stale read (from_now ignored) caught by it.
+  - Prefetch (issue 24): the cold rows of batch k + 1 are read during step k, from the host
+    tables as they came into it, so on an accelerator the host-link copy overlaps step k's
+    compute (offload's next-batch loads, `recgnn/backends/offload/__init__.py`), and step
+    k + 1's micro-batches read no host value (tests/test_hot_cold_prefetch.py checks the
+    HLO: the read depends on no dot, scatter or write-back, the write-backs depend on it, no
+    host array is copied; and exactness vs dense on 1x1, 8x1, 2x4 with migrations, eval
+    passes and a resume on another mesh; ignoring from_now fails it). Where it differs from
+    the design first written here: (a) a batch planning a migration still prefetches the
+    next one, under the new hot set: a row leaving the hot set is taken from the updated hot
+    arrays ("from_hot", gathered on migration steps only), so a re-pick costs no on-demand
+    step (and no extra step program); (b) the batch's own list, which its step writes back,
+    takes the next list's length whenever that holds it (the sizers' lengths hold their
+    latest needs, so always but after a new hot set): a step's shapes are then one length
+    per stack, not the pair (k's, k + 1's), which made one more program at every change of
+    length; (c) the buffer has a fixed length C (the batch's ids), not the longest list,
+    for the same reason; the step slices it to the list's length. Not prefetched: the
+    profile phase (every id cold: its steps gather their own, the batch's ids, as before;
+    prefetching it needs a program for its first batch too, and tests/test_tier_warmup.py
+    holds a warm-up to 4), the first batch after init / a restore, and a batch shaped
+    otherwise than the one before. `prefetch=False` gathers on demand throughout. Host-link
+    bytes are those of on demand (the same rows, a step earlier); a prefetched step sends
+    its write-back's indices again (4 bytes a row: the read's list is the next batch's).
+    The buffer costs C rows of device memory per device (26 x 2048 rows x 68 bytes: 3.6 MB).
   - On a mesh the host table is split by rows and each device reads the whole cold list
     against its share (rows it does not own come back as zeros, a psum adds them): each
     device's link moves the list's indices to the host and the list's length of rows back,
@@ -559,8 +578,11 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       for s in (*self._cold_len[True], *self._cold_win[True]):
         s.reset()
     nxt = None
-    if train and self.options.prefetch and self._picked and upcoming:
-      nxt = self._next_lists(upcoming[0], ids, per, migrate, own, tick=ahead is not None)
+    if train and self.options.prefetch and self._picked:
+      if upcoming:
+        nxt = self._next_lists(upcoming[0], ids, per, migrate, own, tick=ahead is not None)
+      elif not any(m is not None for m in migrate.values()):
+        nxt = self._idle_next(own, tick=ahead is not None)
     out = {"tables": {}, "cold": []}
     lengths = []
     for stack, names in enumerate(self._stacks):
@@ -601,9 +623,10 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         lst["from_now"] = np.where(lst["from_now"] < 0, lengths[stack], lst["from_now"])
         lst["from_now"] = lst["from_now"].astype(np.int32)
       out["next"] = tuple(nxt["prepared"])
-      self._ahead = {
-        "ids": upcoming[0], "version": self._version + 1, "lists": nxt["lists"],
-      }  # fmt: skip
+      if upcoming:
+        self._ahead = {
+          "ids": upcoming[0], "version": self._version + 1, "lists": nxt["lists"],
+        }  # fmt: skip
     # Eval batches run whole: the eval step has no model to split, only lookups to merge.
     micro = (
       split(p0s, out["tables"], ~example_cold, n_dev, b) if self.options.split and train else None
@@ -708,6 +731,30 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
             from_hot[i, off[i] : off[i + 1]][hit] = m[2][order][pos[hit]]
         lst["from_hot"] = from_hot
       prepared.append(lst)
+      lists.append((length, win))
+    return {"prepared": prepared, "lists": lists}
+
+  def _idle_next(self, own, tick: bool) -> dict | None:
+    """A next list with no rows, at the lengths in use (`_next_lists`' form): for a batch
+    with no next train batch in sight (the last before an eval pass or the stream's end), so
+    its step keeps the steady shapes instead of compiling a program of its own (10-40 s on
+    CPU); it reads the list's length of padding rows once. None before any length."""
+    prepared, lists = [], []
+    for stack, names in enumerate(self._stacks):
+      sizers = (self._cold_len[True][stack], self._cold_win[True][stack])
+      if any(z.width is None for z in sizers):
+        return None
+      if tick:
+        for z in sizers:
+          z.tick()
+      length = min(sizers[0].width, sum(own[stack][2]))
+      win = min(sizers[1].width, length)
+      prepared.append({
+        "rows": np.zeros(length, np.int32),
+        "off": np.zeros(len(names) + 1, np.int32),
+        "win": np.zeros((0, win), np.int32),
+        "from_now": np.full(length, -1, np.int32),
+      })  # fmt: skip
       lists.append((length, win))
     return {"prepared": prepared, "lists": lists}
 
