@@ -587,8 +587,10 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     if train and self.options.prefetch and self._picked:
       if upcoming:
         nxt = self._next_lists(upcoming[0], ids, per, migrate, own, tick=ahead is not None)
-      elif not any(m is not None for m in migrate.values()):
-        nxt = self._idle_next(own, tick=ahead is not None)
+      elif ahead is not None and not any(m is not None for m in migrate.values()):
+        # (only where a chain of prefetches breaks: a caller that never looks ahead gets
+        # on-demand steps, with no list of padding read each step)
+        nxt = self._idle_next(own, tick=True)
     out = {"tables": {}, "cold": []}
     lengths = []
     for stack, names in enumerate(self._stacks):
@@ -741,10 +743,11 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     return {"prepared": prepared, "lists": lists}
 
   def _idle_next(self, own, tick: bool) -> dict | None:
-    """A next list with no rows, at the lengths in use (`_next_lists`' form): for a batch
-    with no next train batch in sight (the last before an eval pass or the stream's end), so
-    its step keeps the steady shapes instead of compiling a program of its own (10-40 s on
-    CPU); it reads the list's length of padding rows once. None before any length."""
+    """A next list with no rows, at the lengths in use (`_next_lists`' form): for a
+    prefetched batch with no next train batch in sight (the last before an eval pass or the
+    stream's end), so its step keeps the steady shapes instead of compiling a program of its
+    own (10-40 s on CPU); it reads the list's length of padding rows once. None before any
+    length."""
     prepared, lists = [], []
     for stack, names in enumerate(self._stacks):
       sizers = (self._cold_len[True][stack], self._cold_win[True][stack])
