@@ -188,7 +188,8 @@ def markdown(payload: dict) -> str:
       f"{r['device_to_host_bytes'] / 1e6:.3f}",
       f"{r['gpu_serial_ms']:.3f}",
       f"{r['gpu_overlapped_ms']:.3f}",
-      f"{r['gpu_overlapped_ms'] / dense[r['zipf']]:.2f}",
+      # (no dense row with --only)
+      f"{r['gpu_overlapped_ms'] / dense[r['zipf']]:.2f}" if r["zipf"] in dense else "-",
       f"{r['gpu_parts_ms']['memory_s']:.3f} / {r['gpu_parts_ms']['host_s']:.3f} / "
       f"{r['gpu_parts_ms']['host_link_s']:.3f} / {r['gpu_parts_ms']['launch_s']:.3f}",
       f"{r['programs_timed']} / {r['timed_steps_compiling']} / {r['programs']}",
