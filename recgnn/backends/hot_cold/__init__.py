@@ -94,9 +94,10 @@ Limits, and why:
     tables as they came into it, so on an accelerator the host-link copy overlaps step k's
     compute (offload's next-batch loads, `recgnn/backends/offload/__init__.py`), and step
     k + 1's micro-batches read no host value (tests/test_hot_cold_prefetch.py checks the
-    HLO: the read depends on no dot, scatter or write-back, the write-backs depend on it, no
-    host array is copied; and exactness vs dense on 1x1, 8x1, 2x4 with migrations, eval
-    passes and a resume on another mesh; ignoring from_now fails it). Where it differs from
+    HLO of a one-device step: the read depends on no dot, scatter or write-back, each
+    write-back depends on its row layout's read, no host array is copied; and exactness vs
+    dense on 1x1, 8x1, 2x4 with migrations, eval passes and a resume on another mesh;
+    ignoring from_now fails it). Where it differs from
     the design first written here: (a) a batch planning a migration still prefetches the
     next one, under the new hot set: a row leaving the hot set is taken from the updated hot
     arrays ("from_hot", gathered on migration steps only), so a re-pick costs no on-demand
