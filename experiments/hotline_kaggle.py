@@ -23,7 +23,8 @@ with the same --device_memory_budget) is refused before allocating.
 
 Arg (optional, comma-separated): budget=F (share of the K tables' bytes on the devices),
 tables=K, profile=F (share of an epoch profiled), reprofile=N (re-pick every N steps),
-split=False (no micro-batches).
+split=False (no micro-batches), prefetch=False (each step gathers its own cold rows instead of
+the step before gathering them: hot_cold's `prefetch`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from experiments import _options, dlrm_kaggle, ttrec_kaggle
 from recgnn.data import ctr_dataset
 from recgnn.embeddings import base
 
-DEFAULTS = {"budget": 0.05, "tables": 7, "profile": 0.05, "reprofile": 0, "split": True}
+DEFAULTS = {
+  "budget": 0.05, "tables": 7, "profile": 0.05, "reprofile": 0, "split": True, "prefetch": True,
+}  # fmt: skip
 KAGGLE_TRAIN_TXT_ROWS = 45_840_617  # Criteo Kaggle's train.txt (Display Advertising Challenge)
 
 
@@ -74,6 +77,8 @@ def hot_cold_text(options: dict, epoch_steps: int) -> str:
     text += f", reprofile={options['reprofile']}"
   if not options["split"]:
     text += ", split=False"
+  if not options["prefetch"]:
+    text += ", prefetch=False"
   return text + ")"
 
 

@@ -173,9 +173,11 @@ class ListSizer:
     self._calls += 1
     return self._calls % self.patience == 0
 
-  def __call__(self, need: int, cap: int) -> int:
-    """The length for a list of `need` entries, at most `cap` (the longest useful list)."""
-    decide = self.tick()
+  def __call__(self, need: int, cap: int, tick: bool = True) -> int:
+    """The length for a list of `need` entries, at most `cap` (the longest useful list).
+    tick=False: a second list sized in the same step (hot_cold's on-demand list beside its
+    prefetched one): the clock of the decision points advances once per step."""
+    decide = self.tick() if tick else False
     self._needs.append(need)
     if self.width is None:
       first = self.reset_headroom if self._reset else self.headroom

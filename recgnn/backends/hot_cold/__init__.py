@@ -1,9 +1,9 @@
 """`hot_cold`: Hotline / FAE. Popular rows row-sharded over the mesh, the rest in host memory.
 
-Plan string: `hot_cold(budget=0.05, profile_batches=20, reprofile=0, split=True)`; options in
-`HotColdOptions`. One instance per GROUP of tables: an example is popular only when ALL its ids in
-the group's tables are hot (FAE's rule), so put the large tables in one hot_cold rule and the
-small ones (wholly on the devices anyway) under `dense`.
+Plan string: `hot_cold(budget=0.05, profile_batches=20, reprofile=0, split=True,
+prefetch=True)`; options in `HotColdOptions`. One instance per GROUP of tables: an example
+is popular only when ALL its ids in the group's tables are hot (FAE's rule), so put the large
+tables in one hot_cold rule and the small ones (wholly on the devices anyway) under `dense`.
 
 Why (Adnan et al., ISCA'24 "Hotline"; FAE, VLDB'22): a few rows take most accesses. Those
 rows, with their optimizer state, live in one device array per table, split by rows over every
@@ -26,16 +26,29 @@ How a batch flows:
                              whole and the log says why: `micro.off_reason`);
                              when a profile completes, picks the hot set for the byte budget
                              and plans the migration (rows in / out of the hot arrays).
+                             Prefetch (once a hot set is in): also lists batch k + 1's
+                             cold rows ("next", under the hot set k + 1 is prepared for),
+                             each with its position in k's list ("from_now") and, when k
+                             plans a migration, the hot slot a row leaving the hot set had
+                             ("from_hot"); k + 1's prepare then finds its rows gathered.
   step k, lookup             popular micro-batch: hot rows only (a masked gather on each
                              device's shard, a reduce-scatter of the rows: exact, every row
                              has one non-zero term). Non-popular: the same, plus the cold rows
                              gathered from the host table (compute_on("device_host")) ONCE
-                             per step: the residuals carry them (and, on one device, the
-                             row list left on the host) to the update.
+                             per step, or with prefetch taken from the state's buffer (the
+                             step before gathered them): the residuals carry them (and, on
+                             one device, the row list left on the host) to the update.
+                             Prefetch: batch k + 1's rows read from the host tables as they
+                             came into the step (depends on nothing the step computes).
   step k, update             ONE sparse update for the whole batch, as `dense` applies it:
                              hot rows on their owner devices, cold rows on the gathered copy
                              and written back to the host table (exact: the same adds in the
-                             same order as dense's). Then the migration planned with batch k.
+                             same order as dense's), ordered after the next batch's read by
+                             an optimization barrier (write after read on the donated host
+                             arrays, as offload's). The next batch's rows, with those of
+                             from_now / from_hot taken from k's updated cold / hot rows
+                             (their host copies are stale until the write-back / migration),
+                             become the state's buffer. Then the migration planned with k.
 
 Exact under the trainer's run-ahead of `prepare`: a step reads the host table and writes its
 cold rows back within itself (the state carries them in order); the hot / cold layout changes
@@ -57,9 +70,15 @@ sets `profile_batches` to a share of an epoch of its data (train rows // batch s
 State {"tables": {table: {"hot": {"table": f32[Ha, D], slot: f32[Ha]}   rows over the mesh
                           "hot_rows": int32[Ha] (the row in each hot slot; N = empty)
                           "host": {"table": f32[S, D], slot: f32[S]}}}  host_table placement
-       "version": int32[], "stale": int32[]}
+       "version": int32[], "stale": int32[],
+       "next": per stack {"table": f32[C, D], slot: f32[C]},   the next batch's cold rows
+       "next_for": int32[]}                                    (their batch's version; -1)
 Ha = the hot capacity rounded up to a multiple of the devices; S = base.aligned_rows(N). The
-host table holds every row; a hot row's host copy is stale until `sync` writes it back.
+host table holds every row; a hot row's host copy is stale until `sync` writes it back. C =
+the most distinct cold rows a batch has in the stack (its tables' ids, at most their rows):
+one length for the run, so the state keeps its shapes ([0, ...] until the first prefetch);
+replicated, as the gathered cold rows. Not checkpointed: after every step the host tables
+hold every cold row's value, so a resumed run's first batch gathers its own.
 
 Limits, and why:
   - The budget is per table (each table's hot array holds `budget` of its rows), not FAE's one
@@ -71,29 +90,36 @@ Limits, and why:
     in flight (on an accelerator the host gather and copy are asynchronous); XLA:CPU runs
     host and device computations on the same cores, so nothing overlaps there.
     tests/test_hot_cold_tiers.py checks the dependency on the step's HLO.
-  - The cold rows of batch k are gathered in step k (once), not during step k - 1: the
-    gather overlaps the popular micro-batch only, not the previous step. Not built; the
-    design (offload's next-batch loads, `recgnn/backends/offload/__init__.py`):
-      1. prepare(k) also lists batch k + 1's cold rows (`upcoming[0]`, which the trainer
-         already passes) as a second list per stack ("next": rows, off, win, bucketed by
-         its own sizer), unless a migration is planned with batch k (it changes k + 1's
-         layout; k + 1 then gathers on demand, as now), and gives each "next" entry its
-         position in batch k's list ("from_now", = Uc when absent).
-      2. The state gains, per stack, a device buffer of the longest "next" list (the sum of
-         the tables' cold caps: one batch's rows, known at init from the batch shape the
-         first prepare sees, or sized by an option) and its slots.
-      3. Step k reads "next" from the host tables as they came into the step (a host
-         computation depending on nothing the step computes; the write-back of k's cold
-         rows waits for it through an optimization barrier, as offload's update does), and
-         after k's update takes the entries with from_now < Uc from k's updated cold copy
-         (their host copy is stale until k's write-back, as offload's NEXT_FROM_NOW). A hot
-         row of k is never in k + 1's list: the layout changes only by a migration (1).
-      4. Step k + 1 reads its cold rows from the buffer, not the host (an empty "now"
-         list): two step programs (prefetched or on demand), picked by the prepared shapes.
-      5. Tests to add with it: exact vs dense on 1x1, 8x1, 2x4 over a stream whose
-         consecutive batches share cold rows, with a migration and an eval pass inside; the
-         HLO check that the next-batch gather depends on nothing the step computes
-         (tests/test_offload_tiers.py's); a stale read (from_now ignored) caught by it.
+  - Prefetch (issue 24): the cold rows of batch k + 1 are read during step k, from the host
+    tables as they came into it, so on an accelerator the host-link copy overlaps step k's
+    compute (offload's next-batch loads, `recgnn/backends/offload/__init__.py`), and step
+    k + 1's micro-batches read no host value (tests/test_hot_cold_prefetch.py checks the
+    HLO of a one-device step: the read depends on no dot, scatter or write-back, each
+    write-back depends on its row layout's read, no host array is copied; and exactness vs
+    dense on 1x1, 8x1, 2x4 with migrations, eval passes and a resume on another mesh;
+    ignoring from_now fails it). Where it differs from
+    the design first written here: (a) a batch planning a migration still prefetches the
+    next one, under the new hot set: a row leaving the hot set is taken from the updated hot
+    arrays ("from_hot", gathered on migration steps only), so a re-pick costs no on-demand
+    step (and no extra step program); (b) the batch's own list, which its step writes back,
+    takes the next list's length whenever that holds it (the sizers' lengths hold their
+    latest needs, so always but after a new hot set): a step's shapes are then one length
+    per stack, not the pair (k's, k + 1's), which made one more program at every change of
+    length; (c) the buffer has a fixed length C (the batch's ids), not the longest list,
+    for the same reason; the step slices it to the list's length. Not prefetched: the
+    profile phase (every id cold: its steps gather their own, the batch's ids, as before;
+    prefetching it needs a program for its first batch too, and tests/test_tier_warmup.py
+    holds a warm-up to 4), the first batch after init / a restore, and a batch shaped
+    otherwise than the one before. `prefetch=False` gathers on demand throughout. Host-link
+    bytes to the device are those of on demand (the same rows, a step earlier); to the host
+    a prefetched step sends its write-back's indices again (4 bytes a list entry: on demand
+    the read leaves its list in host memory for the write-back, prefetched the list read is
+    the next batch's): 1.27x / 1.30x / 1.22x the cold ids x row bytes at 1 / 5 / 20 %
+    budgets (one 16-dim Adagrad table), against 1.20x / 1.23x / 1.15x on demand. Keeping
+    the list in host memory between steps (a host array in the state) would remove it; a
+    first try made XLA:CPU return that array in device memory when lookup and update are
+    jitted apart (a PjRt memory-kind error): not built.
+    The buffer costs C rows of device memory per device (26 x 2048 rows x 68 bytes: 3.6 MB).
   - On a mesh the host table is split by rows and each device reads the whole cold list
     against its share (rows it does not own come back as zeros, a psum adds them): each
     device's link moves the list's indices to the host and the list's length of rows back,
@@ -198,6 +224,11 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     owner = f"hot_cold (tables {', '.join(self.specs)})"
     self._syncer = host_cache.Syncer(self._flush, owner, "hot / cold")
     self._initialised = False
+    # Prefetch: prepare(k) lists batch k + 1's cold rows, so it looks one batch ahead. The
+    # lists it made for k + 1 ("_ahead": k + 1's ids, version and own list lengths) tell
+    # prepare(k + 1) that its rows are in the state's buffer.
+    self.lookahead = 1 if o.prefetch else 0
+    self._ahead: dict | None = None
 
   @classmethod
   def capabilities_for(cls, options):
@@ -216,6 +247,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     extra += "" if o.split else ", split=False"
     extra += "" if self.host.host_memory == "pinned_host" else ", host_memory=device"
     extra += "" if o.cold_list == "bucket" else f", cold_list={o.cold_list}"
+    extra += "" if o.prefetch else ", prefetch=False"
     return f"hot_cold({size}, profile_batches={o.profile_batches}{extra})"
 
   # --------------------------------------------------------------------------- placement
@@ -239,7 +271,24 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         "hot_rows": self._repl(),
         "host": self.host.sharding(slots),
       }
-    return {"tables": out, "version": self._repl(), "stale": self._repl()}
+    return {
+      "tables": out,
+      "version": self._repl(),
+      "stale": self._repl(),
+      # the next batch's cold rows, per stack (replicated, as the gathered cold rows), and
+      # the version of the batch they are for (-1: none)
+      "next": tuple(
+        {"table": self._repl(), **{s: self._repl() for s in self._slots(names)}}
+        for names in self._stacks
+      ),
+      "next_for": self._repl(),
+    }
+
+  def _allocs(self, names) -> np.ndarray:
+    return np.array([self._rows[n].alloc for n in names], np.int64)
+
+  def _slots(self, names) -> tuple[str, ...]:
+    return self.specs[names[0]].optimizer.slot_names()
 
   def memory(self):
     out = {}
@@ -303,13 +352,32 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         "host": placed,
       }
     self._version, self._since_pick, self._p0 = 0, 0, {}
-    self._pending = None
+    self._pending, self._ahead = None, None
     for r in self._rows.values():
       r.profile.reset()
     self._initialised = True
     # Two buffers: the state is donated, and one buffer donated twice is an error.
     zero = lambda: jax.device_put(np.zeros((), np.int32), self._repl())  # noqa: E731
-    return {"tables": tables, "version": zero(), "stale": zero()}
+    return {
+      "tables": tables,
+      "version": zero(),
+      "stale": zero(),
+      "next": self._empty_next(),
+      "next_for": jax.device_put(np.full((), -1, np.int32), self._repl()),
+    }
+
+  def _empty_next(self) -> tuple[dict, ...]:
+    """The prefetch buffers before any step filled them: [0, ...] per stack (the first step
+    that prefetches sets their length, the batch's most cold rows: `DeviceSteps._buffer`)."""
+    out = []
+    for names in self._stacks:
+      d = self.specs[names[0]].dim
+      b = {
+        "table": np.zeros((0, d), np.float32),
+        **{k: np.zeros(0, np.float32) for k in self._slots(names)},
+      }
+      out.append(jax.device_put(b, self._repl()))
+    return tuple(out)
 
   def logical_format(self, table):
     return "rows"
@@ -365,8 +433,11 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       r.profile.reset()
     self._picked = any((r.slot_row >= 0).any() for r in self._rows.values())
     self._version = int(jax.device_get(state["version"]))
-    self._since_pick, self._p0, self._pending = 0, {}, None
+    self._since_pick, self._p0, self._pending, self._ahead = 0, {}, None, None
     self._initialised = True
+    if "next" not in state:  # (a state saved before prefetch existed)
+      state = {**state, "next": self._empty_next(), "next_for": jax.device_put(
+        np.full((), -1, np.int32), self._repl())}  # fmt: skip
     return {**state, "tables": tables}
 
   def extras(self, state):
@@ -399,7 +470,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       move = jax.jit(functools.partial(self._migration, spec=r.spec))
       tables[name] = move(tables[name], packed)
     self._picked = bool(any(x.size for x in rows.values()))
-    self._since_pick, self._p0, self._pending = 0, {}, None
+    self._since_pick, self._p0, self._pending, self._ahead = 0, {}, None, None
     return {**state, "tables": tables}
 
   def _check_stale(self, state):
@@ -440,14 +511,22 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     self._counters.add(**kv)
 
   def prepare(self, ids, upcoming=(), *, train=True):
-    """ids {table: int[B, L]} (PAD = -1) -> the prepared pytree (see `prepared_spec`).
+    """ids {table: int[B, L]} (PAD = -1) -> the prepared pytree: {"tables": {table:
+    {"hot_ids": int32[B, L] (hot slot; Ha: none), "cold_ids": int32[B, L] (position in its
+    stack's cold list; W: none), ...}}, "cold": per stack {"rows": int32[W] (the batch's
+    distinct cold rows, table after table), "off": int32[T + 1], "win": int32[0, w]},
+    "micro": the split (`micro.split`), "version": int32[], the migration's arrays, and
+    with prefetch: "prefetched": int32[0] (present: the batch's cold rows are in the state's
+    buffer, gathered by the previous step; "cold" lists them for the write-back), "next":
+    per stack, batch k + 1's list (`_next_lists`)}.
 
+    upcoming: the next train batches' ids (the first is prefetched during this step).
     train=False (eval): read-only; neither counts toward the profile nor migrates.
     """
-    del upcoming
     t0 = time.perf_counter()
     if train and not self._initialised:
       raise RuntimeError("hot_cold: call init (or import_ / restore) before prepare(train=True)")
+    given = ids
     ids = {n: np.asarray(ids[n]).astype(np.int64) for n in self.specs}
     batch = next(iter(ids.values())).shape[0]
     n_dev = self._devices()
@@ -467,26 +546,65 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       per[name] = (x, valid, slot, hot, cold, cold_rows, cold_pos)
       hot_ids_total += int(hot.sum())
       ids_total += int(valid.sum())
-    out = {"tables": {}, "cold": []}
-    lengths = []
+    # Was this batch's cold list gathered by the previous step (listed by the previous
+    # prepare, for this version: nothing ran in between)? Eval batches leave it alone.
+    ahead = None
+    if train:
+      ahead, self._ahead = self._ahead, None
+      if ahead is not None and not (
+        ahead["version"] == self._version and _same_ids(ahead["ids"], given, self.specs)
+      ):
+        ahead = None
+    # Each stack's list: its distinct cold rows, table after table, padded to a bucketed
+    # length (`Buckets`: within 12.5 % of the need, grown at once, shrunk after a while):
+    # host traffic is what the cold ids need, and the step compiles a few times per run.
+    own = []  # per stack: (segments, offsets, caps, need, most, length, window)
     for stack, names in enumerate(self._stacks):
-      # The stack's distinct cold rows, table after table, in one list padded to a bucketed
-      # length (`Buckets`: within 12.5 % of the need, grown at once, shrunk after a while):
-      # host traffic is what the cold ids need, and the step compiles a few times per run.
       segs = [per[n][5] for n in names]
       off = np.cumsum([0] + [x.size for x in segs]).astype(np.int32)
       caps = [cold_cap(per[n][0].shape, self.specs[n]) for n in names]
       most = max(int(np.diff(off).max()), 1)
+      if ahead is not None:  # sized by the prepare that listed it
+        uc, win = ahead["lists"][stack]
       # Before the first hot set (the profile) every id is cold, and the phase ends at the
       # pick: one length for it, the batch's ids (as `fixed`), not the few a sizer takes
       # over a phase of a few batches (each a compile; the pick's migration step is one).
-      if self.options.cold_list == "fixed" or (train and not self._picked):
+      elif self.options.cold_list == "fixed" or (train and not self._picked):
         uc, win = sum(caps), max(caps)
         self._cold_len[train][stack].tick()  # (decision points at the same steps as others')
         self._cold_win[train][stack].tick()
       else:
         uc = self._cold_len[train][stack](max(int(off[-1]), 1), sum(caps))
         win = min(self._cold_win[train][stack](most, max(caps)), uc)
+      own.append((segs, off, caps, int(off[-1]), most, uc, win))
+    p0s = self._p0  # (the split of a batch planning a migration keeps the old hot set's)
+    migrate = self._plan_profile(ids, train)
+    if any(m is not None for m in migrate.values()):
+      # A new hot set changes every later batch's cold rows: their lists start over (the
+      # next batch's need sets the length, instead of waiting out the old hot set's).
+      for s in (*self._cold_len[True], *self._cold_win[True]):
+        s.reset()
+    nxt = None
+    if train and self.options.prefetch and self._picked:
+      if upcoming:
+        nxt = self._next_lists(upcoming[0], ids, per, migrate, own, tick=ahead is not None)
+      elif ahead is not None and not any(m is not None for m in migrate.values()):
+        # (only where a chain of prefetches breaks: a caller that never looks ahead gets
+        # on-demand steps, with no list of padding read each step)
+        nxt = self._idle_next(own, tick=True)
+    out = {"tables": {}, "cold": []}
+    lengths = []
+    for stack, names in enumerate(self._stacks):
+      segs, off, caps, need, most, uc, win = own[stack]
+      if nxt is not None:
+        # This batch's list takes the next one's length (and window) when they hold it: the
+        # step writes this batch's rows back and reads the next's, and one length for both
+        # keeps the step's shapes those of one list (two would make a program per pair of
+        # lengths: one more at every change). They hold it but after a new hot set, since
+        # the sizer's lengths hold the latest needs (`host_cache.ListSizer`).
+        n_len, n_win = nxt["lists"][stack]
+        if need <= n_len <= sum(caps):
+          uc, win = n_len, (n_win if most <= n_win else min(win, n_len))
       lengths.append(uc)
       out["cold"].append({
         "rows": pad_to(np.concatenate(segs), uc, 0),
@@ -507,22 +625,27 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         out["tables"][name] = t
     out["tables"] = {n: out["tables"][n] for n in self.specs}
     out["cold"] = tuple(out["cold"])
+    if ahead is not None:
+      out["prefetched"] = np.zeros(0, np.int32)
+    if nxt is not None:
+      for stack, lst in enumerate(nxt["prepared"]):  # absent in this batch's list: past it
+        lst["from_now"] = np.where(lst["from_now"] < 0, lengths[stack], lst["from_now"])
+        lst["from_now"] = lst["from_now"].astype(np.int32)
+      out["next"] = tuple(nxt["prepared"])
+      if upcoming:
+        self._ahead = {
+          "ids": upcoming[0], "version": self._version + 1, "lists": nxt["lists"],
+        }  # fmt: skip
     # Eval batches run whole: the eval step has no model to split, only lookups to merge.
     micro = (
-      split(self._p0, out["tables"], ~example_cold, n_dev, b)
-      if self.options.split and train
-      else None
+      split(p0s, out["tables"], ~example_cold, n_dev, b) if self.options.split and train else None
     )
     if micro is not None:
       out["micro"] = micro
+    nl_lists = out.get("next", ())
     if train:
-      self.cold_shapes.add(tuple(lengths))
-    migrate = self._plan_profile(ids, train)
-    if any(m is not None for m in migrate.values()):
-      # A new hot set changes every later batch's cold rows: their lists start over (the
-      # next batch's need sets the length, instead of waiting out the old hot set's).
-      for b in (*self._cold_len[True], *self._cold_win[True]):
-        b.reset()
+      nl = tuple(x["rows"].shape[0] for x in nl_lists)
+      self.cold_shapes.add(tuple(lengths) + nl)
     for name, t in out["tables"].items():
       t.update(self._pack_migration(name, migrate.get(name)))
     version = -1 if not train else self._version
@@ -543,11 +666,20 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       stats.update(
         steps=1,
         rows_h2d=cold_rows_n,
-        cold_list=sum(lengths),
+        # the rows the step reads from the host: its own list (on demand) or none
+        # (prefetched), and the next batch's
+        cold_list=(0 if ahead is not None else sum(lengths)) + sum(nl),
         rows_d2h=cold_rows_n,
         bytes_h2d=cold_bytes,
         migrated_rows=sum(
           int(m[1].size) + int(m[0].size) for m in migrate.values() if m is not None
+        ),
+        prefetched=int(ahead is not None),
+        next_from_now=sum(int((x["from_now"] < w).sum()) for x, w in zip(nl_lists, lengths)),
+        next_from_hot=sum(
+          int((x["from_hot"] < self._allocs(names)[:, None]).sum())
+          for x, names in zip(nl_lists, self._stacks)
+          if "from_hot" in x
         ),
       )
       if self.options.split:
@@ -557,6 +689,84 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       stats = {f"eval_{k}": v for k, v in stats.items()}
     self._count(**stats)
     return out
+
+  def _next_lists(self, up, ids, per, migrate, own, tick: bool) -> dict | None:
+    """Batch k + 1's cold lists (up: its ids), listed by prepare(k) for step k to gather
+    into the state's buffer, under the hot set k + 1 is prepared for (after the migration
+    this batch plans, if any). -> {"prepared": per stack {"rows": int32[L], "off":
+    int32[T + 1], "win": int32[0, w] (as "cold"), "from_now": int32[L] (the row's position
+    in batch k's list, -1 absent: prepare sets the list's length there), with a migration
+    "from_hot": int32[T, L] (table i's row: the hot slot a row leaving the hot set had,
+    Ha_i: none)}, "lists": per stack (L, w)}, or None (k + 1 is shaped otherwise: its
+    windows and buffer are sized from k's shapes).
+
+    A row of k + 1's list is current in the host table as step k starts, but for a row in
+    batch k's list (updated by step k, written back after the read: "from_now") or leaving
+    the hot set at k's migration (its value in the hot arrays: "from_hot"). A row hot in k
+    and staying hot is not in k + 1's list. O(k + 1's ids + the rows migrating)."""
+    up = {n: np.asarray(up[n]).astype(np.int64) for n in self.specs}
+    if any(up[n].shape != ids[n].shape for n in self.specs):
+      return None
+    moving = any(m is not None for m in migrate.values())
+    prepared, lists = [], []
+    for stack, names in enumerate(self._stacks):
+      segs, from_now = [], []
+      _, off_k, caps, *_ = own[stack]
+      for i, n in enumerate(names):
+        x = up[n]
+        rows = np.unique(x[x >= 0])
+        rows = rows[self._rows[n].row_slot[rows] < 0]
+        segs.append(rows)
+        pos, hit = _find(per[n][5], rows)  # in batch k's cold rows of the table (sorted)
+        from_now.append(np.where(hit, off_k[i] + pos, -1))
+      off = np.cumsum([0] + [x.size for x in segs]).astype(np.int32)
+      most = max(int(np.diff(off).max()), 1)
+      length = self._cold_len[True][stack](max(int(off[-1]), 1), sum(caps), tick=tick)
+      win = min(self._cold_win[True][stack](most, max(caps), tick=tick), length)
+      lst = {
+        "rows": pad_to(np.concatenate(segs), length, 0),
+        "off": off,
+        "win": np.zeros((0, win), np.int32),
+        "from_now": pad_to(np.concatenate(from_now), length, -1),
+      }
+      if moving:
+        from_hot = np.empty((len(names), length), np.int32)
+        for i, n in enumerate(names):
+          from_hot[i] = self._rows[n].alloc
+          m = migrate.get(n)
+          if m is not None and m[3].size:
+            order = np.argsort(m[3])
+            pos, hit = _find(m[3][order], segs[i])
+            from_hot[i, off[i] : off[i + 1]][hit] = m[2][order][pos[hit]]
+        lst["from_hot"] = from_hot
+      prepared.append(lst)
+      lists.append((length, win))
+    return {"prepared": prepared, "lists": lists}
+
+  def _idle_next(self, own, tick: bool) -> dict | None:
+    """A next list with no rows, at the lengths in use (`_next_lists`' form): for a
+    prefetched batch with no next train batch in sight (the last before an eval pass or the
+    stream's end), so its step keeps the steady shapes instead of compiling a program of its
+    own (10-40 s on CPU); it reads the list's length of padding rows once. None before any
+    length."""
+    prepared, lists = [], []
+    for stack, names in enumerate(self._stacks):
+      sizers = (self._cold_len[True][stack], self._cold_win[True][stack])
+      if any(z.width is None for z in sizers):
+        return None
+      if tick:
+        for z in sizers:
+          z.tick()
+      length = min(sizers[0].width, sum(own[stack][2]))
+      win = min(sizers[1].width, length)
+      prepared.append({
+        "rows": np.zeros(length, np.int32),
+        "off": np.zeros(len(names) + 1, np.int32),
+        "win": np.zeros((0, win), np.int32),
+        "from_now": np.full(length, -1, np.int32),
+      })  # fmt: skip
+      lists.append((length, win))
+    return {"prepared": prepared, "lists": lists}
 
   _BATCH_MAJOR = ("hot_ids", "cold_ids", "hot_inverse", "count")
 
@@ -570,6 +780,9 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       "version": sharding.REPLICATED,
       "cold": jax.tree.map(lambda _: sharding.REPLICATED, prepared["cold"]),
     }
+    for k in ("next", "prefetched"):
+      if k in prepared:
+        out[k] = jax.tree.map(lambda _: sharding.REPLICATED, prepared[k])
     if "micro" in prepared:
       out["micro"] = jax.tree.map(lambda _: batch, prepared["micro"])
     return out
@@ -601,6 +814,11 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         d2h_bytes_per_step=c["bytes_h2d"] / steps,
         migrated_rows_per_step=c["migrated_rows"] / steps,
         plan_ms_per_step=1e3 * c["plan_seconds"] / steps,
+        # prefetch: the steps whose cold rows the step before gathered, and the next
+        # batch's rows taken from this step's cold rows / its migration's hot rows
+        prefetched_fraction=c["prefetched"] / steps,
+        next_from_now_per_step=c["next_from_now"] / steps,
+        next_from_hot_per_step=c["next_from_hot"] / steps,
         steps=steps,
       )
       if "micro_popular" in c:
@@ -610,3 +828,19 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
       out["eval_popular_fraction"] = c["eval_popular"] / c["eval_examples"]
       out["eval_hot_coverage"] = c["eval_hot_ids"] / max(c["eval_ids"], 1)
     return out
+
+
+def _find(sorted_rows: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Each of `rows` in `sorted_rows` (int64[n], sorted): (its position, whether there)."""
+  pos = np.searchsorted(sorted_rows, rows)
+  hit = pos < sorted_rows.size
+  hit[hit] = sorted_rows[pos[hit]] == rows[hit]
+  return pos, hit
+
+
+def _same_ids(a: dict, b: dict, names) -> bool:
+  """Whether two batches' ids are the same (the arrays themselves, as the trainer passes a
+  batch's ids to the prepare before it and to its own; else compared)."""
+  return all(
+    a[n] is b[n] or (np.shape(a[n]) == np.shape(b[n]) and np.array_equal(a[n], b[n])) for n in names
+  )

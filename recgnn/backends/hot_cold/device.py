@@ -69,10 +69,11 @@ class DeviceSteps:
       return None
     return tuple(mb["idx"] for mb in prepared["micro"])
 
-  def _caps(self, prepared, names, stack) -> tuple[int, ...]:
+  def _caps(self, prepared, names, stack, win=None) -> tuple[int, ...]:
     """Each table's window in its stack's cold list (static): its most cold rows (from the
-    batch's shape), at most the list's window (the shape of its "win", `prepare`)."""
-    win = prepared["cold"][stack]["win"].shape[1]
+    batch's shape), at most the list's window (the shape of its "win", `prepare`; of the
+    next batch's list: `win`, the next batch shaped as this one)."""
+    win = (prepared["cold"][stack]["win"] if win is None else win).shape[1]
     return tuple(
       min(hot_set.cold_cap(prepared["tables"][n]["cold_ids"].shape, self.specs[n]), win)
       for n in names
@@ -80,22 +81,48 @@ class DeviceSteps:
 
   def _cold(self, state, prepared) -> dict:
     """The residuals: {"rows": per stack of tables (`hot_set.stacks`), the batch's cold rows
-    and their optimizer state gathered from the host tables ONCE ({k: [Uc, ...]}, replicated;
-    table i's at the positions its cold_ids give), "moved": per stack, the list left in host
-    memory for the write-back (one device; None on a mesh)}. Read by the lookup, updated and
-    written back by `update` (no second trip to host memory). One host computation per
-    stack: its list crosses the host link once, Uc rows come back. An eval step drops them,
-    and XLA with them the slots' gather."""
-    rows, moved = [], []
+    and their optimizer state ({k: [W, ...]}, replicated; table i's at the positions its
+    cold_ids give), "moved": per stack, the list left in host memory for the write-back (one
+    device; None on a mesh or prefetched), "next": per stack, the next batch's cold rows
+    read from the host ({k: [L, ...]}; None without prefetch)}. Read by the lookup, updated
+    and written back by `update` (no second trip to host memory). An eval step drops them,
+    and XLA with them the slots' gather.
+
+    The batch's rows come from the state's buffer when the previous step gathered them
+    ("prefetched"), else from the host tables: one host computation per stack, its list
+    crosses the host link once, W rows come back. The next batch's are read from the host
+    tables as they came into the step (a read depending on nothing the step computes: on an
+    accelerator it overlaps the step), materialized by an optimization barrier: no consumer
+    re-reads the host through a fused gather after the write-back (XLA would copy the table
+    to keep the old values)."""
+    rows, moved, nxt = [], [], []
     for stack, names in enumerate(self._stacks):
       keys = ("table", *self.specs[names[0]].optimizer.slot_names())
       tables = [{k: state["tables"][n]["host"][k] for k in keys} for n in names]
       lst = prepared["cold"][stack]
-      caps = self._caps(prepared, names, stack)
-      got, m = self.host.gather_segments(tables, lst["rows"], lst["off"], caps)
-      rows.append(got)
-      moved.append(m)
-    return {"rows": tuple(rows), "moved": tuple(moved)}
+      if "prefetched" in prepared:
+        buf, w = state["next"][stack], lst["rows"].shape[0]
+        if buf["table"].shape[0] < w:
+          raise ValueError(
+            f"hot_cold: a batch prepared as prefetched ({w} cold rows) but the state's buffer "
+            f"holds {buf['table'].shape[0]}: the state is not the one the previous prepared "
+            "batch's step returned"
+          )
+        rows.append({k: v[:w] for k, v in buf.items()})
+        moved.append(None)
+      else:
+        caps = self._caps(prepared, names, stack)
+        got, m = self.host.gather_segments(tables, lst["rows"], lst["off"], caps)
+        rows.append(got)
+        moved.append(m)
+      if "next" in prepared:
+        nl = prepared["next"][stack]
+        caps = self._caps(prepared, names, stack, nl["win"])
+        got, _ = self.host.gather_segments(tables, nl["rows"], nl["off"], caps)
+        nxt.append(jax.lax.optimization_barrier(got))
+      else:
+        nxt.append(None)
+    return {"rows": tuple(rows), "moved": tuple(moved), "next": tuple(nxt)}
 
   def _cold_table(self, cold, name) -> jax.Array:
     """The cold rows f32[Uc, D] of `name`'s stack (its cold_ids index them)."""
@@ -145,16 +172,65 @@ class DeviceSteps:
     return out
 
   def update(self, state, prepared, residuals, grads):
-    hosts = {}
-    for stack in range(len(self._stacks)):
-      hosts.update(self._update_cold(stack, state, prepared, grads, residuals))
-    tables = {}
+    """The hot rows' update, the cold rows' (written back), the next batch's buffer (with
+    prefetch), then the migration planned with this batch."""
+    hot = {}
     for name, spec in self.specs.items():
       t, p = state["tables"][name], prepared["tables"][name]
       count = p.get("count") if spec.pooling == "mean" else None
-      hot = self._update_hot(spec, t["hot"], p, grads[name], count)
-      tables[name] = self._migration({**t, "hot": hot, "host": hosts[name]}, p, spec)
-    return {"tables": tables, **host_cache.advance(state, prepared)}
+      hot[name] = self._update_hot(spec, t["hot"], p, grads[name], count)
+    hosts, buffers = {}, []
+    for stack in range(len(self._stacks)):
+      h, cold = self._update_cold(stack, state, prepared, grads, residuals)
+      hosts.update(h)
+      buffers.append(self._buffer(stack, state, prepared, residuals, cold, hot))
+    tables = {}
+    for name, spec in self.specs.items():
+      t, p = state["tables"][name], prepared["tables"][name]
+      tables[name] = self._migration({**t, "hot": hot[name], "host": hosts[name]}, p, spec)
+    out = {"tables": tables, **host_cache.advance(state, prepared)}
+    if "prefetched" in prepared:  # the buffer must hold this very batch's rows
+      wrong = state["next_for"] != prepared["version"]
+      out["stale"] = out["stale"] + wrong.astype(jnp.int32)
+    nxt = "next" in prepared
+    out["next"] = tuple(buffers) if nxt else state["next"]
+    out["next_for"] = prepared["version"] + 1 if nxt else jnp.full((), -1, jnp.int32)
+    return out
+
+  def _buffer(self, stack, state, prepared, residuals, cold, hot) -> dict | None:
+    """The next batch's cold rows {k: [C, ...]} (C: the most cold rows a batch shaped as
+    this one has, one length for the run, so the state keeps its shapes): read from the host
+    as the step came in, but the rows this step updated (from_now: this batch's updated cold
+    rows `cold`) and the rows leaving the hot set at this step's migration (from_hot: the
+    updated hot arrays `hot`), whose host copies are stale until the write-back /
+    migration. None without a next list."""
+    if "next" not in prepared:
+      return None
+    names = self._stacks[stack]
+    nl = prepared["next"][stack]
+    got = residuals["next"][stack]
+    w = next(iter(cold.values())).shape[0]
+    fn = nl["from_now"]
+    now = (fn < w)[:, None]
+    out = {}
+    for k, v in got.items():
+      mine = cold[k].at[fn].get(mode="fill", fill_value=0.0)
+      out[k] = jnp.where(now if v.ndim == 2 else now[:, 0], mine, v)
+    if "from_hot" in nl:
+      for i, name in enumerate(names):
+        slots = nl["from_hot"][i]
+        was_hot = (slots < hot[name]["table"].shape[0])[:, None]
+        for k in out:
+          h = self._hot_get(hot[name][k], slots)
+          out[k] = jnp.where(was_hot if h.ndim == 2 else was_hot[:, 0], h, out[k])
+    cap = sum(
+      hot_set.cold_cap(prepared["tables"][n]["cold_ids"].shape, self.specs[n]) for n in names
+    )
+    length = nl["rows"].shape[0]
+    return {
+      k: jnp.concatenate([v, jnp.zeros((cap - length,) + v.shape[1:], v.dtype)])
+      for k, v in out.items()
+    }
 
   def _update_hot(self, spec, hot, p, g, count):
     """dense(shard=rows)'s update on the hot slots: the batch's (ids, pooled grads) on
@@ -194,11 +270,15 @@ class DeviceSteps:
 
     return local(hot, sub, g, count)
 
-  def _update_cold(self, stack, state, prepared, grads, residuals) -> dict[str, dict]:
+  def _update_cold(self, stack, state, prepared, grads, residuals) -> tuple[dict, dict]:
     """The cold rows' update on the copy the lookup gathered (the stack's [Uc, ...] arrays,
     replicated: every device applies the same), table after table (their segments are
     disjoint: each update touches its own), then written back to the host tables in one
-    host computation (each device its own rows when they are split). -> {table: host}."""
+    host computation (each device its own rows when they are split). With a next batch's
+    read, the write-back's row list passes through an optimization barrier with the rows
+    read: write after read on the donated host arrays, ordered by a dependency on the read
+    only (never on compute), so XLA neither copies the table nor delays the read. -> ({table:
+    host}, the updated cold rows {k: [Uc, ...]})."""
     names = self._stacks[stack]
     lst = prepared["cold"][stack]
     got = residuals["rows"][stack]
@@ -224,8 +304,13 @@ class DeviceSteps:
       got = {**got, "table": table, **slots}
     keys = tuple(got)
     tables = [{k: state["tables"][n]["host"][k] for k in keys} for n in names]
-    new = self.host.scatter_segments(tables, lst["rows"], off, caps, got, residuals["moved"][stack])
-    return {n: {**state["tables"][n]["host"], **h} for n, h in zip(names, new)}
+    back, moved = lst["rows"], residuals["moved"][stack]
+    if residuals["next"][stack] is not None:
+      # (the list in host memory, `moved`, would bypass the barrier: sent again instead)
+      back, _ = jax.lax.optimization_barrier((back, residuals["next"][stack]))
+      moved = None
+    new = self.host.scatter_segments(tables, back, off, caps, got, moved)
+    return {n: {**state["tables"][n]["host"], **h} for n, h in zip(names, new)}, got
 
   def _migration(self, t, p, spec):
     """Rows leaving the hot set -> host; rows joining it <- host (after this batch's cold

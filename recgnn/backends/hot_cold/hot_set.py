@@ -157,9 +157,10 @@ class HotSetPlanning:
       )  # fmt: skip
 
   @staticmethod
-  def _migrate(r: TableRows, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  def _migrate(r: TableRows, new: np.ndarray) -> tuple[np.ndarray, ...]:
     """Make `new` (sorted rows) the hot set: rows staying keep their slots. -> (rows in,
-    their slots, slots out) with the row map updated for the batches after this one."""
+    their slots, slots out, the rows leaving them) with the row map updated for the batches
+    after this one."""
     old_slots = np.flatnonzero(r.slot_row >= 0)
     old_rows = r.slot_row[old_slots]
     stay = np.isin(old_rows, new)
@@ -170,15 +171,15 @@ class HotSetPlanning:
     free = np.flatnonzero(r.slot_row < 0)[: incoming.size]
     r.slot_row[free] = incoming
     r.row_slot[incoming] = free.astype(np.int32)
-    out_rows = None  # (the rows leaving are read from the state's slot map)
-    del out_rows
-    return incoming, free, out_slots
+    # (the step reads the rows leaving from the state's slot map; the host side needs them
+    # for the next batch's prefetch: their values come from the hot arrays, `_next_lists`)
+    return incoming, free, out_slots, old_rows[~stay]
 
   def _pack_migration(self, name, m) -> dict:
     r = self._rows[name]
     if m is None:
       m = (np.zeros(0, np.int64),) * 3
-    incoming, slots_in, slots_out = m
+    incoming, slots_in, slots_out = m[:3]
     # Every migration's lists have the hot capacity's length: one more step shape per run
     # (migrations are rare; an exact-size list would recompile the step at each one).
     k_in = r.alloc if incoming.size else 0

@@ -37,6 +37,12 @@ class HotColdOptions(base.BackendOptions):
       cold, the batch's ids: one length for the profile). `fixed`: the batch's id count per
       table (at most its rows), summed: one shape for the run, but the host link carries
       that many rows whatever the hot set covers.
+    prefetch: gather the next train batch's cold rows during this step (from the host
+      tables as they come into it, a host read depending on nothing the step computes: on
+      an accelerator the copy overlaps the step's compute), into a device buffer the next
+      step reads instead of the host. Once a hot set is in (the profile phase gathers on
+      demand); a batch not seen coming (the first, one after a restore) gathers its own.
+      False: every step gathers its own cold rows (one step later; same values).
   """
 
   backend: ClassVar[str] = "hot_cold"
@@ -48,6 +54,7 @@ class HotColdOptions(base.BackendOptions):
   split: bool = True
   host_memory: str = "pinned_host"
   cold_list: str = "bucket"
+  prefetch: bool = True
 
   def __post_init__(self):
     if self.cold_list not in COLD_LISTS:
