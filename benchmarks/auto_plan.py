@@ -168,64 +168,9 @@ def run_plan(args, rules, workdir: str, cache: str) -> dict:
   return out
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--experiment", default="dlrm_kaggle")
-  p.add_argument("--budgets", default="1,0.25,0.05,0.01")
-  p.add_argument("--steps", type=int, default=300)
-  p.add_argument("--log_every", type=int, default=20)
-  p.add_argument("--rounds", type=int, default=4)
-  p.add_argument("--mesh", default="1x1", help="DATAxMODEL")
-  p.add_argument("--scale", type=float, default=1.0, help="data.synthetic.scale")
-  p.add_argument("--max_hand", type=int, default=5, help="hand-written plans per budget")
-  p.add_argument("--quick", action="store_true")
-  p.add_argument("--name", default="")
-  args = p.parse_args(argv)
-  if args.quick:
-    args.budgets, args.steps, args.log_every, args.rounds = "1,0.05", 60, 20, 1
-  args.mesh = tuple(int(x) for x in args.mesh.split("x"))
-  budgets = [float(b) for b in args.budgets.split(",")]
-
-  config = importlib.import_module(f"experiments.{args.experiment}").get_config()
-  config.mesh = {"data": args.mesh[0], "model": args.mesh[1]}
-  config.data.synthetic.scale = args.scale
-  mesh = setup.config_mesh(config)
-  task = setup.load_task(config, mesh)
-  specs = task.tables()
-  dense = {s.name: auto_plan.memory_of("dense", s, mesh, base.Layout())[0] for s in specs}
-  total = sum(dense.values())
-  print(f"{args.experiment}: {len(specs)} tables, all dense {total / 2**20:,.1f} MiB per device")
-
-  batch = config.train.batch_size
-  first = [x["ids"] for x, _ in zip(task.train_batches(0), range(6))]
-  need = {s.name: max(int(np.unique(x[s.name][x[s.name] >= 0]).size) for x in first)
-          for s in specs}  # fmt: skip
-  contestants = []  # (budget, name, rules)
-  for b in budgets:
-    limit = int(total * b)
-    for name, rules in hand_written(specs, dense, limit, mesh, need, args.max_hand).items():
-      contestants.append((b, name, rules))
-    contestants.append((b, "auto", [(".*", f"auto(budget={b})")]))
-  runs: dict[tuple[float, str], list[dict]] = {(b, n): [] for b, n, _ in contestants}
-  tmp = tempfile.mkdtemp(prefix="auto_plan_")
-  cache = os.path.join(tmp, "costs.json")  # one cost cache for every run of the benchmark
-  t_start = time.perf_counter()
-  try:
-    for r in range(args.rounds):
-      k = (r * len(contestants)) // max(args.rounds, 1)
-      for b, name, rules in contestants[k:] + contestants[:k]:
-        workdir = os.path.join(tmp, f"{r}_{b}_{name.replace(' ', '_').replace('/', '_')}")
-        res = run_plan(args, rules, workdir, cache)
-        shutil.rmtree(workdir, ignore_errors=True)
-        runs[(b, name)].append(res)
-        pred = res.get("plan_report", {}).get("predicted_step_s")
-        print(f"round {r + 1} budget {b:g} {name}: {res['samples_per_s']:,.0f} samples/s "
-              f"({1e3 * batch / res['samples_per_s']:.1f} ms; predicted "
-              f"{1e3 * pred if pred else float('nan'):.1f} ms), load {res['load_before']:.1f}, "
-              f"{res['wall_s']:.0f} s", flush=True)  # fmt: skip
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-
+def summarize(args, budgets, runs, total: int, batch: int, t_start: float, done: int) -> None:
+  """Write the results of the `done` rounds run so far (after every round: a benchmark
+  stopped early keeps what it measured)."""
   rows, checks, worst = [], [], 0.0
   ms_of = {k: [1e3 * batch / x["samples_per_s"] for x in rs] for k, rs in runs.items()}
   # One plan's typical run-to-run spread: the median over plans of slowest / fastest - 1.
@@ -297,7 +242,7 @@ def main(argv=None):
     "# plan=auto against hand-written plans at the same budget",
     "",
     f"{args.experiment} (data.synthetic.scale={args.scale:g}), mesh {args.mesh[0]}x"
-    f"{args.mesh[1]}, {args.steps} steps per run logged every {args.log_every}, {args.rounds} "
+    f"{args.mesh[1]}, {args.steps} steps per run logged every {args.log_every}, {done} "
     f"round(s) interleaved; all dense {total / 2**20:,.1f} MiB per device; ms per step = each "
     f"run's median of its logged intervals after the first (min / median / max over rounds); "
     f"predicted = the planner's figures (model part + each table's measured step; the same "
@@ -313,6 +258,68 @@ def main(argv=None):
   payload = {"config": vars(args), "machine": m, "all_dense_bytes": total, "checks": checks,
              "runs": {f"{b:g}|{n}": rs for (b, n), rs in runs.items()}}  # fmt: skip
   common.write_results(args.name or ("auto_plan" + "_quick" * args.quick), payload, md)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--experiment", default="dlrm_kaggle")
+  p.add_argument("--budgets", default="1,0.25,0.05,0.01")
+  p.add_argument("--steps", type=int, default=300)
+  p.add_argument("--log_every", type=int, default=20)
+  p.add_argument("--rounds", type=int, default=4)
+  p.add_argument("--mesh", default="1x1", help="DATAxMODEL")
+  p.add_argument("--scale", type=float, default=1.0, help="data.synthetic.scale")
+  p.add_argument("--max_hand", type=int, default=5, help="hand-written plans per budget")
+  p.add_argument("--quick", action="store_true")
+  p.add_argument("--name", default="")
+  args = p.parse_args(argv)
+  if args.quick:
+    args.budgets, args.steps, args.log_every, args.rounds = "1,0.05", 60, 20, 1
+  args.mesh = tuple(int(x) for x in args.mesh.split("x"))
+  budgets = [float(b) for b in args.budgets.split(",")]
+
+  config = importlib.import_module(f"experiments.{args.experiment}").get_config()
+  config.mesh = {"data": args.mesh[0], "model": args.mesh[1]}
+  config.data.synthetic.scale = args.scale
+  mesh = setup.config_mesh(config)
+  task = setup.load_task(config, mesh)
+  specs = task.tables()
+  dense = {s.name: auto_plan.memory_of("dense", s, mesh, base.Layout())[0] for s in specs}
+  total = sum(dense.values())
+  print(f"{args.experiment}: {len(specs)} tables, all dense {total / 2**20:,.1f} MiB per device")
+
+  batch = config.train.batch_size
+  first = [x["ids"] for x, _ in zip(task.train_batches(0), range(6))]
+  need = {s.name: max(int(np.unique(x[s.name][x[s.name] >= 0]).size) for x in first)
+          for s in specs}  # fmt: skip
+  contestants = []  # (budget, name, rules)
+  for b in budgets:
+    limit = int(total * b)
+    for name, rules in hand_written(specs, dense, limit, mesh, need, args.max_hand).items():
+      contestants.append((b, name, rules))
+    contestants.append((b, "auto", [(".*", f"auto(budget={b})")]))
+  runs: dict[tuple[float, str], list[dict]] = {(b, n): [] for b, n, _ in contestants}
+  tmp = tempfile.mkdtemp(prefix="auto_plan_")
+  cache = os.path.join(tmp, "costs.json")  # one cost cache for every run of the benchmark
+  t_start = time.perf_counter()
+  rounds_done = 0
+  try:
+    for r in range(args.rounds):
+      k = (r * len(contestants)) // max(args.rounds, 1)
+      for b, name, rules in contestants[k:] + contestants[:k]:
+        workdir = os.path.join(tmp, f"{r}_{b}_{name.replace(' ', '_').replace('/', '_')}")
+        res = run_plan(args, rules, workdir, cache)
+        shutil.rmtree(workdir, ignore_errors=True)
+        runs[(b, name)].append(res)
+        pred = res.get("plan_report", {}).get("predicted_step_s")
+        print(f"round {r + 1} budget {b:g} {name}: {res['samples_per_s']:,.0f} samples/s "
+              f"({1e3 * batch / res['samples_per_s']:.1f} ms; predicted "
+              f"{1e3 * pred if pred else float('nan'):.1f} ms), load {res['load_before']:.1f}, "
+              f"{res['wall_s']:.0f} s", flush=True)  # fmt: skip
+      rounds_done = r + 1
+      summarize(args, budgets, runs, total, batch, t_start, rounds_done)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
