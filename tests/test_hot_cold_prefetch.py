@@ -20,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_hot_cold import ADAGRAD, SGD, SPLIT_BATCH, _assert_same, _batches, _run_group, _specs
+from test_hot_cold_tiers import _micro_step
 
 from recgnn import comms, hlo, sharding
 from recgnn.backends.hot_cold import HotCold
-from recgnn.embeddings import base, microbatch
+from recgnn.embeddings import base
 
 TEXT = "hot_cold(budget=0.3, profile_batches=3, reprofile=5)"
 MESHES = [(1, 1), (8, 1), (2, 4)]
@@ -164,25 +165,11 @@ def _sized(group, state, caps):
 
 
 def _step(group, mesh, w):
-  """The micro-batched step reduced to the embeddings: per micro-batch a dense layer on the
-  pooled rows (a dot) and its gradient, merged, ONE update. -> (state, each micro-batch's
-  (loss, grads))."""
-
-  def step(state, prepared):
-    parts, residuals = group.lookup_micro(state, prepared)
-    outs = []
-    for part in parts:
-      loss = lambda p: sum(jnp.tanh(v @ w[v.shape[1]]).sum() for v in p.values())  # noqa: E731
-      outs.append(jax.value_and_grad(loss)(part))
-    idx = group.micro_batches(prepared)
-    batch = next(iter(prepared["tables"].values()))["hot_ids"].shape[0]
-    g = {
-      n: microbatch.merge(mesh, group.layout.split_batch, batch, idx, [o[1][n] for o in outs])
-      for n in group.specs
-    }
-    return group.update(state, prepared, residuals, g), tuple(outs)
-
-  return step
+  """The micro-batched step (test_hot_cold_tiers._micro_step) with a dense layer on the
+  pooled rows per micro-batch (a dot the HLO checks can name)."""
+  return _micro_step(
+    group, mesh, lambda p: sum(jnp.tanh(v @ w[v.shape[1]]).sum() for v in p.values())
+  )
 
 
 def test_next_batch_read_depends_on_nothing_the_step_computes():

@@ -34,16 +34,17 @@ def _prepare_stream(group, batches):
 # ----------------------------------------------------------------------------- the HLO
 
 
-def _micro_step(group, mesh):
+def _micro_step(group, mesh, loss=None):
   """The trainer's micro-batched step, reduced to the embeddings: each micro-batch's loss and
   its gradient (popular first), merged back in batch order, ONE update. Returns (state,
-  (loss, d loss / d pooled) of every micro-batch)."""
+  (loss, d loss / d pooled) of every micro-batch). loss({table: pooled}) -> scalar (default:
+  a sum of sines)."""
+  loss = loss or (lambda p: sum(jnp.sum(jnp.sin(v)) for v in p.values()))
 
   def step(state, prepared):
     parts, residuals = group.lookup_micro(state, prepared)
     outs = []
     for part in parts:
-      loss = lambda p: sum(jnp.sum(jnp.sin(v)) for v in p.values())  # noqa: E731
       outs.append(jax.value_and_grad(loss)(part))
     idx = group.micro_batches(prepared)
     batch = next(iter(prepared["tables"].values()))["hot_ids"].shape[0]
