@@ -12,15 +12,13 @@ host tables as they came into it, into a device buffer step k + 1 reads.
 The warm-up's step programs: tests/test_tier_warmup.py (prefetch is on by default).
 """
 
-import json
-
 import contract_lib as contract
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_hot_cold import ADAGRAD, SGD, SPLIT_BATCH, _assert_same, _batches, _run_group, _specs
-from test_hot_cold_tiers import _micro_step
+from test_hot_cold_tiers import _micro_step, restored
 
 from recgnn import comms, hlo, sharding
 from recgnn.backends.hot_cold import HotCold
@@ -83,12 +81,7 @@ def test_resume_on_another_mesh(save, resume):
   first = _run_group(TEXT, specs, batches, contract.mesh_or_skip(*save), stop=7)
   g1, s1 = first[2], first[3]
   assert g1.stats()["prefetched_fraction"] > 0
-  saved = jax.device_get(g1.export(s1))
-  extras = json.loads(json.dumps(g1.extras(s1)))
-  g2 = base.make_group(TEXT, specs, contract.mesh_or_skip(*resume))
-  target = g2.logical_target()
-  s2 = g2.import_(jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), saved, target))
-  s2 = g2.restore_extras(s2, extras)
+  g2, s2 = restored(g1, s1, TEXT, specs, contract.mesh_or_skip(*resume))
   rest = _run_group(TEXT, specs, batches, None, group=g2, state=s2, start=7)
   _assert_same((first[0] + rest[0], rest[1]), ref[:2])
   assert g2.stats()["prefetched_fraction"] == 4 / 5

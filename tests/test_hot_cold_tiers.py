@@ -427,6 +427,17 @@ def test_split_off_says_why(caplog):
 # ----------------------------------------------------------------------------- checkpoint
 
 
+def restored(group, state, text, specs, mesh):
+  """(group, state) of `text` on `mesh` restored from `group`'s `state` as a checkpoint holds
+  it: the logical tables (export / import_) and the JSON extras (restore_extras)."""
+  saved = jax.device_get(group.export(state))
+  extras = json.loads(json.dumps(group.extras(state)))
+  g = base.make_group(text, specs, mesh)
+  target = g.logical_target()
+  s = g.import_(jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), saved, target))
+  return g, g.restore_extras(s, extras)
+
+
 @pytest.mark.parametrize("save,resume", [((8, 1), (1, 1)), ((1, 1), (2, 4))], ids=str)
 def test_hot_set_in_the_checkpoint(save, resume):
   """The hot set goes into the checkpoint's metadata (`extras`, JSON) and comes back on
@@ -440,12 +451,7 @@ def test_hot_set_in_the_checkpoint(save, resume):
   g1, s1 = first[2], first[3]
   hot = g1.hot_set()
   assert hot["a"].size
-  saved = jax.device_get(g1.export(s1))
-  extras = json.loads(json.dumps(g1.extras(s1)))
-  g2 = base.make_group(text, specs, sharding.make_mesh(*resume))
-  target = g2.logical_target()
-  s2 = g2.import_(jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), saved, target))
-  s2 = g2.restore_extras(s2, extras)
+  g2, s2 = restored(g1, s1, text, specs, sharding.make_mesh(*resume))
   assert all(np.array_equal(g2.hot_set()[n], hot[n]) for n in hot)
   rest = _run_group(text, specs, batches, None, group=g2, state=s2, start=4)
   _assert_same((first[0] + rest[0], rest[1]), ref[:2])
