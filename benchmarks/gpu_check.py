@@ -163,6 +163,10 @@ def detect(allow_cpu: bool) -> int:
     gpus, info["gpu_error"] = [], str(e).splitlines()[0][:300]
   if gpus:
     devs, platform_name = gpus, gpus[0].platform  # "cuda" or "rocm": the JAX_PLATFORMS value
+    if platform_name == "gpu":  # jax 0.11 names CUDA devices "gpu"; JAX_PLATFORMS=gpu then
+      # also asks for rocm and fails ("Unable to initialize backend 'rocm'", seen on an H100)
+      ver = str(getattr(gpus[0].client, "platform_version", "")).lower()
+      platform_name = "rocm" if ("rocm" in ver or "hip" in ver) else "cuda"
   elif allow_cpu:
     devs, platform_name = jax.devices("cpu"), "cpu"
   else:
