@@ -94,7 +94,11 @@ def measure(label: str, text: str, cfg, host: list[dict], args, cpu: step_model.
   # one the step compiled: such timed steps are left out of the CPU time (and counted).
   costs = traffic.PerProgram(step_model.step_cost)
   times, all_times, ran, compiled = [], [], [], 0
+  groups = [g for g in run.plan.groups.values() if hasattr(g, "stats")]
   for k, (_, packed) in enumerate(run.feed(stream)):
+    if k == args.warmup:  # the backends' counters from here: the timed steps' rows
+      for g in groups:  # (counted as prepared, a few batches ahead: the same steady state)
+        g.stats()
     t0 = time.perf_counter()
     state, metrics = run.train_step(state, *packed)
     jax.block_until_ready(metrics)
@@ -129,7 +133,13 @@ def measure(label: str, text: str, cfg, host: list[dict], args, cpu: step_model.
     "programs": costs.programs,
     "cost": {k: _mean([c.as_dict()[k] for c in ran]) for k in ran[0].as_dict()},
     "backend_stats": stats,
+    # What the host link must carry per timed step: the rows read / written back (cold ids
+    # of hot_cold, misses and evictions of offload) x their row bytes; the bytes above / these.
+    **_needed(stats),
   }
+  for d in ("host_to_device", "device_to_host"):
+    need = out[f"needed_{d}_bytes"]
+    out[f"{d}_over_needed"] = out[f"{d}_bytes"] / need if need else None
   print(
     f"{label:>20}: cpu {out['cpu_ms_per_step']:.1f} ms, host link "
     f"{out['host_to_device_bytes'] / 1e6:.3f} MB in / {out['device_to_host_bytes'] / 1e6:.3f} MB "
@@ -139,6 +149,20 @@ def measure(label: str, text: str, cfg, host: list[dict], args, cpu: step_model.
     flush=True,
   )
   return out
+
+
+def _needed(stats: dict) -> dict:
+  """Bytes per step the rows a step must move take (no padding, no indices), from the
+  backends' counters: hot_cold's cold rows (read, then written back), offload's misses
+  (host -> device) and dirty evictions (device -> host)."""
+  h2d = d2h = 0.0
+  for s in stats.values():
+    if "h2d_bytes_per_step" in s:  # hot_cold
+      h2d += s["h2d_bytes_per_step"]
+      d2h += s["d2h_bytes_per_step"]
+    h2d += sum(v for k, v in s.items() if k.endswith("/h2d_bytes_per_step"))  # offload
+    d2h += sum(v for k, v in s.items() if k.endswith("/d2h_bytes_per_step"))
+  return {"needed_host_to_device_bytes": h2d, "needed_device_to_host_bytes": d2h}
 
 
 def _hot_fill(row: dict) -> float | None:
@@ -158,6 +182,15 @@ def must_show(payload: dict) -> list[str]:
   H100 step (overlapped: the link hidden behind the step, what the memory tiers build;
   serial beside it)."""
   lines = []
+  for r in payload["rows"]:  # host-link bytes within 1.25x of the rows' own bytes
+    got = [r.get(f"{d}_over_needed") for d in ("host_to_device", "device_to_host")]
+    if any(g is not None for g in got):
+      worst = max(g for g in got if g is not None)
+      lines.append(
+        f"must-show ({r['label']}, zipf {r['zipf']:g}): host-link bytes / the rows' bytes: "
+        + " / ".join("-" if g is None else f"{g:.2f}x" for g in got)
+        + f" (host->device / device->host); within 1.25x: {'yes' if worst <= 1.25 else 'NO'}"
+      )
   for z in sorted({r["zipf"] for r in payload["rows"]}):
     rows = {r["label"]: r for r in payload["rows"] if r["zipf"] == z}
     if "dense" not in rows or "offload 0.05" not in rows:
@@ -176,6 +209,11 @@ def must_show(payload: dict) -> list[str]:
   return lines
 
 
+def _ratios(r: dict) -> str:
+  got = [r.get(f"{d}_over_needed") for d in ("host_to_device", "device_to_host")]
+  return " / ".join("-" if g is None else f"{g:.2f}" for g in got)
+
+
 def markdown(payload: dict) -> str:
   m, a = payload["machine"], payload["args"]
   dense = {r["zipf"]: r["gpu_overlapped_ms"] for r in payload["rows"] if r["label"] == "dense"}
@@ -186,6 +224,7 @@ def markdown(payload: dict) -> str:
       f"{r['cpu_ms_per_step']:.1f}",
       f"{r['host_to_device_bytes'] / 1e6:.3f}",
       f"{r['device_to_host_bytes'] / 1e6:.3f}",
+      _ratios(r),
       f"{r['gpu_serial_ms']:.3f}",
       f"{r['gpu_overlapped_ms']:.3f}",
       # (no dense row with --only)
@@ -216,6 +255,7 @@ def markdown(payload: dict) -> str:
             "cpu ms / step",
             "host->device MB",
             "device->host MB",
+            "/ the rows' bytes (in / out)",
             "H100 ms serial",
             "H100 ms overlapped",
             "overlapped / dense",
@@ -229,7 +269,9 @@ def markdown(payload: dict) -> str:
         "rows and their write-back of hot_cold), read off the compiled program, so they are the "
         "GPU's too; means over the timed steps of the program each ran (programs: distinct ones "
         "over the timed steps / timed steps that compiled one, left out of the CPU time / over "
-        "the whole run). The GPU figures are predictions, not measurements (no GPU here): memory "
+        "the whole run); beside them, over the rows' own bytes (the rows the timed steps "
+        "read and write back, from the backends' counters: no padding, no indices). The GPU "
+        "figures are predictions, not measurements (no GPU here): memory "
         "is what the device's kernels touch (gathers and scatters by the rows they touch), host "
         "what the host computations touch, at an assumed host memory bandwidth.",
         "",

@@ -22,6 +22,20 @@ BATCH_SPEC = P(BATCH)  # a batch-major array: axis 0 split over every device
 REPLICATED = P()
 
 
+class _HostSpec:
+  """The placement of an input leaf that only host computations read (a host table's index
+  list): replicated in pinned host memory, put there by the input transfer, so it never
+  crosses the host link to the device and back (`Backend.prepared_spec`; `named`). A marker,
+  not a PartitionSpec (jax forbids subclassing one): a pytree leaf, equal to no spec."""
+
+  def __repr__(self) -> str:
+    return "HOST_SPEC"
+
+
+HOST_SPEC = _HostSpec()
+HOST_MEMORY = "pinned_host"  # the memory kind of HOST_SPEC leaves
+
+
 def make_mesh(data: int = 1, model: int | None = None, devices=None) -> jax.sharding.Mesh:
   """A (DATA, MODEL) mesh with Auto axes over the first data * model devices.
 
@@ -75,7 +89,10 @@ def describe(mesh: jax.sharding.Mesh) -> str:
   return f"{d}x{m} (data x model) over {mesh.size} {'/'.join(kinds)} device(s)"
 
 
-def named(mesh: jax.sharding.Mesh, spec: PartitionSpec, memory_kind: str | None = None):
+def named(mesh: jax.sharding.Mesh, spec, memory_kind: str | None = None):
+  """NamedSharding of a PartitionSpec, or of HOST_SPEC (replicated, pinned host memory)."""
+  if spec is HOST_SPEC:
+    return NamedSharding(mesh, REPLICATED, memory_kind=HOST_MEMORY)
   return NamedSharding(mesh, spec, memory_kind=memory_kind)
 
 

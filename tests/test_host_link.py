@@ -203,3 +203,42 @@ def test_trainer_logs_and_saves_each_step_programs_traffic(tmp_path, capsys):
   assert saved["link/collective_bytes_per_device"] == collectives > 0
   metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert [m["link/host_to_device_bytes"] for m in metrics if "loss" in m] == [link.to_device_bytes]
+
+
+def test_trainer_step_of_hot_cold_sends_no_index_over_the_link(tmp_path):
+  """hot_cold's cold lists (this batch's, written back; the next batch's, read ahead) are put
+  in pinned host memory by the input transfer (`sharding.HOST_SPEC`): the step's host
+  computations read them there, so nothing int crosses the link in either direction (they
+  went to the device with the batch and back, once or twice a step); the rows still do."""
+  import trainer_lib
+
+  from recgnn.train import setup
+
+  config = trainer_lib.smoke_config(
+    str(tmp_path / "data"),
+    mesh=(1, 1),
+    plan=[(".*", "hot_cold(budget=0.05, profile_batches=2)")],
+  )
+  run = setup.build(config)
+  group = next(iter(run.plan.groups.values()))
+  if not group.host.offloaded:
+    pytest.skip("no pinned_host memory on this platform")
+  it = run.task.train_batches(0)
+  batches = [next(it) for _ in range(8)]
+  state = run.state
+  for _, packed in run.feed([("train", None, b) for b in batches]):
+    state, _ = run.train_step(state, *packed)
+  (_, host), _ = packed
+  assert host and all(x.sharding.memory_kind == "pinned_host" for x in host)
+  assert all(np.issubdtype(x.dtype, np.integer) for x in host)
+  lowered = run.train_step.lower(state, *packed)
+  link = comms.host_link_of(lowered)
+  text = lowered.compile().as_text()
+  shapes = {}
+  for line in text.splitlines():  # each instruction's result type, by name
+    name, _, rest = line.strip().partition(" = ")
+    if rest:
+      shapes[name.split()[-1].lstrip("%")] = rest.split()[0]
+  ints = [t for t in link.transfers if shapes.get(t.value, "").startswith(("s32", "u32", "s64"))]
+  assert link.to_host_bytes > 0 and link.to_device_bytes > 0  # the rows, both ways
+  assert not ints, ints

@@ -242,7 +242,10 @@ class Backend(abc.ABC):
   @abc.abstractmethod
   def prepared_spec(self, prepared: PyTree) -> PyTree:
     """PartitionSpec of each prepared leaf: sharding.BATCH_SPEC for batch-major leaves (axis 0
-    split over every device with the batch), sharding.REPLICATED for global ones."""
+    split over every device with the batch), sharding.REPLICATED for global ones, or
+    sharding.HOST_SPEC for a leaf that only host computations read (an index list of a host
+    table): the input transfer puts it in pinned host memory, replicated, so it never
+    crosses the host link (to the device and back)."""
 
   @abc.abstractmethod
   def lookup(self, state: PyTree, prepared: PyTree) -> tuple[dict[str, jax.Array], PyTree]:

@@ -109,24 +109,32 @@ def _is_spec(x) -> bool:
   return isinstance(x, jax.sharding.PartitionSpec)
 
 
-def pack(tree: PyTree, specs: PyTree, devices: int) -> tuple[list[np.ndarray], tuple]:
-  """A pytree of numpy arrays -> (one [devices, n] buffer per dtype, static layout).
+def pack(tree: PyTree, specs: PyTree, devices: int) -> tuple[tuple[list, list], tuple]:
+  """A pytree of numpy arrays -> ((one [devices, n] buffer per dtype, the host leaves), static
+  layout).
 
   specs: a PartitionSpec per leaf (BATCH_SPEC: axis 0 split over the devices; REPLICATED:
-  copied to each). A batch and its prepared ids are ~100 small arrays; one device_put each
-  costs more than the step on CPU (measured: 25 ms for a 26-table Criteo batch), hence one
-  buffer per dtype.
+  copied to each), or HOST_SPEC (the leaf as it is, for pinned host memory: `put`). A batch
+  and its prepared ids are ~100 small arrays; one device_put each costs more than the step on
+  CPU (measured: 25 ms for a 26-table Criteo batch), hence one buffer per dtype; the host
+  leaves are a few index lists (one per host-table stack), put one by one.
   """
   leaves, treedef = jax.tree.flatten(tree)
   spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
   if len(spec_leaves) != len(leaves):
     raise ValueError(f"pack: {len(leaves)} leaves but {len(spec_leaves)} specs")
-  dtypes = sorted({np.dtype(np.asarray(x).dtype).str for x in leaves})
+  on_device = [np.asarray(x) for x, s in zip(leaves, spec_leaves) if s is not sharding.HOST_SPEC]
+  dtypes = sorted({x.dtype.str for x in on_device})
   parts: dict[str, list] = {d: [] for d in dtypes}
   offsets = dict.fromkeys(dtypes, 0)
   where = []
+  host: list[np.ndarray] = []
   for x, s in zip(leaves, spec_leaves):
     x = np.asarray(x)
+    if s is sharding.HOST_SPEC:
+      where.append((-1, len(host), x.shape, False))  # (-1: the host leaves, their index)
+      host.append(x)
+      continue
     d = x.dtype.str
     split = s == sharding.BATCH_SPEC
     if split:
@@ -140,13 +148,16 @@ def pack(tree: PyTree, specs: PyTree, devices: int) -> tuple[list[np.ndarray], t
     parts[d].append(rows)
     offsets[d] += rows.shape[1]
   buffers = [np.concatenate(parts[d], axis=1) for d in dtypes]
-  return buffers, (treedef, tuple(where))
+  return (buffers, host), (treedef, tuple(where))
 
 
 def unpack(buffers, layout, mesh) -> PyTree:
-  """Inverse of `pack`, inside jit: each device slices its own row (free in XLA)."""
+  """Inverse of `pack`, inside jit: each device slices its own row (free in XLA); the host
+  leaves are the jitted function's arguments as they are (in host memory)."""
   treedef, where = layout
-  out_specs = tuple(sharding.BATCH_SPEC if split else sharding.REPLICATED for *_, split in where)
+  buffers, host = buffers
+  dev = [w for w in where if w[0] >= 0]
+  out_specs = tuple(sharding.BATCH_SPEC if split else sharding.REPLICATED for *_, split in dev)
 
   @functools.partial(
     jax.shard_map,
@@ -158,24 +169,32 @@ def unpack(buffers, layout, mesh) -> PyTree:
   def local(*bufs):
     return tuple(
       jax.lax.slice(bufs[i][0], (off,), (off + int(np.prod(shape)),)).reshape(shape)
-      for i, off, shape, _ in where
+      for i, off, shape, _ in dev
     )
 
-  return jax.tree.unflatten(treedef, local(*buffers))
+  sliced = iter(local(*buffers) if dev else ())
+  return jax.tree.unflatten(treedef, [host[w[1]] if w[0] < 0 else next(sliced) for w in where])
 
 
-def put(buffers: list[np.ndarray], mesh, local: bool = False) -> list[jax.Array]:
-  """The one host -> device transfer of a batch: row i of each buffer to device i. With
-  many processes, each transfers only the rows of its own devices; `local`: the buffers
-  hold only those rows ([local devices, n], from a process-local slice of the batch)."""
+def put(buffers: tuple[list, list], mesh, local: bool = False) -> tuple[list, list]:
+  """The one host -> device transfer of a batch: row i of each buffer to device i; the host
+  leaves to pinned host memory (a copy within the host). With many processes, each
+  transfers only the rows of its own devices; `local`: the buffers hold only those rows
+  ([local devices, n], from a process-local slice of the batch; never host leaves: they
+  are replicated, which a process-local batch refuses)."""
+  buffers, host = buffers
   sh = sharding.named(mesh, sharding.BATCH_SPEC)
+  hs = sharding.named(mesh, sharding.HOST_SPEC)
   if local:
     return [
       jax.make_array_from_process_local_data(sh, b, (mesh.size,) + b.shape[1:]) for b in buffers
-    ]
+    ], []
   if jax.process_count() == 1:
-    return jax.device_put(buffers, sh)
-  return [jax.make_array_from_callback(b.shape, sh, lambda idx, b=b: b[idx]) for b in buffers]
+    return jax.device_put(buffers, sh), jax.device_put(host, hs)
+  return (
+    [jax.make_array_from_callback(b.shape, sh, lambda idx, b=b: b[idx]) for b in buffers],
+    [jax.make_array_from_callback(h.shape, hs, lambda idx, h=h: h[idx]) for h in host],
+  )
 
 
 # ----------------------------------------------------------------------------- processes

@@ -242,7 +242,8 @@ def jit_packed(
 
   packed.__name__ = packed.__qualname__ = name
   out = (state_shardings, repl) if out_state else repl
-  in_shardings = (state_shardings, buf)
+  # (the packed buffers split over the mesh; the host leaves in pinned host memory)
+  in_shardings = (state_shardings, (buf, sharding.named(mesh, sharding.HOST_SPEC)))
   if step_inputs is not None:  # as placed (`setup.place_inputs`)
     in_shardings += (jax.tree.map(lambda x: x.sharding, step_inputs),)
   jitted = jax.jit(

@@ -770,6 +770,15 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
 
   _BATCH_MAJOR = ("hot_ids", "cold_ids", "hot_inverse", "count")
 
+  def _list_spec(self, lst: dict) -> dict:
+    """A cold list's leaves: its rows only host computations read (the host gather and the
+    write-back), so with one host table (unsplit, in host memory) they are put in host
+    memory by the input transfer and never cross the host link; offsets, windows and
+    from_now / from_hot are read on the device. On a split table every device reads its own
+    rows of the replicated list inside a shard_map: there it stays on the devices."""
+    host = self.host.offloaded and not self.host.split
+    return {k: sharding.HOST_SPEC if k == "rows" and host else sharding.REPLICATED for k in lst}
+
   def prepared_spec(self, prepared):
     batch = sharding.BATCH_SPEC if self.layout.split_batch else sharding.REPLICATED
     out = {
@@ -778,11 +787,12 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         for n, t in prepared["tables"].items()
       },
       "version": sharding.REPLICATED,
-      "cold": jax.tree.map(lambda _: sharding.REPLICATED, prepared["cold"]),
+      "cold": tuple(self._list_spec(x) for x in prepared["cold"]),
     }
-    for k in ("next", "prefetched"):
-      if k in prepared:
-        out[k] = jax.tree.map(lambda _: sharding.REPLICATED, prepared[k])
+    if "next" in prepared:
+      out["next"] = tuple(self._list_spec(x) for x in prepared["next"])
+    if "prefetched" in prepared:
+      out["prefetched"] = sharding.REPLICATED
     if "micro" in prepared:
       out["micro"] = jax.tree.map(lambda _: batch, prepared["micro"])
     return out

@@ -275,9 +275,9 @@ class DeviceSteps:
     replicated: every device applies the same), table after table (their segments are
     disjoint: each update touches its own), then written back to the host tables in one
     host computation (each device its own rows when they are split). With a next batch's
-    read, the write-back's row list passes through an optimization barrier with the rows
-    read: write after read on the donated host arrays, ordered by a dependency on the read
-    only (never on compute), so XLA neither copies the table nor delays the read. -> ({table:
+    read, the values written back pass through an optimization barrier with the rows read:
+    write after read on the donated host arrays, ordered by a dependency on the read only
+    (never on compute), so XLA neither copies the table nor delays the read. -> ({table:
     host}, the updated cold rows {k: [Uc, ...]})."""
     names = self._stacks[stack]
     lst = prepared["cold"][stack]
@@ -304,12 +304,14 @@ class DeviceSteps:
       got = {**got, "table": table, **slots}
     keys = tuple(got)
     tables = [{k: state["tables"][n]["host"][k] for k in keys} for n in names]
-    back, moved = lst["rows"], residuals["moved"][stack]
+    moved = residuals["moved"][stack]
     if residuals["next"][stack] is not None:
-      # (the list in host memory, `moved`, would bypass the barrier: sent again instead)
-      back, _ = jax.lax.optimization_barrier((back, residuals["next"][stack]))
-      moved = None
-    new = self.host.scatter_segments(tables, back, off, caps, got, moved)
+      # The values written back wait for the next batch's read (write after read on the
+      # donated host arrays): a dependency on the read only, never on compute. On the
+      # values, not the row list: the list may be in host memory already (an input or
+      # `moved`), where a barrier with device arrays would send it to the device and back.
+      got, _ = jax.lax.optimization_barrier((got, residuals["next"][stack]))
+    new = self.host.scatter_segments(tables, lst["rows"], off, caps, got, moved)
     return {n: {**state["tables"][n]["host"], **h} for n, h in zip(names, new)}, got
 
   def _migration(self, t, p, spec):
