@@ -1,0 +1,155 @@
+"""The step model's H100 prediction beside what a GPU trace measured, for the same runs.
+
+`benchmarks/gpu_check.sh --stage=trace` profiles steps (110:115 by default) of `cdlrm_kaggle`
+(offload) and `hotline_kaggle` (hot_cold) on a GPU and summarizes each trace
+(`recgnn.trace_summary`: kernel time, kernels, host <-> device copies, other copies, the step's
+span). This script rebuilds each of those runs here (the experiment, batch size, synthetic
+rows and steps the trace stage used, from its `trace.json`), trains up to the first profiled
+step on this CPU, compiles the train step of each profiled step and puts
+`recgnn.step_model`'s H100 prediction (serial and overlapped; compute / device memory / host
+memory / host link / launches) beside the trace's measurement of the same step. The HLO is
+XLA:CPU's, not XLA:GPU's: its kernel count and fusions differ (the prediction's launch term
+counts XLA:CPU's kernels), which the table shows beside the GPU's.
+
+  python benchmarks/gpu_vs_model.py                            # results/gpu_h100
+  python benchmarks/gpu_vs_model.py --results=benchmarks/results/gpu_h200 --name=gpu_vs_model_h200
+
+Writes benchmarks/results/gpu_vs_model.{json,md} (`--name`). A few minutes on 2 cores (the
+runs' data, 1M synthetic rows, is built once in a temporary cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+
+import jax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import common  # noqa: E402  (benchmarks/common.py)
+
+import run as run_py  # noqa: E402  (the repository's run.py: its experiment loader)
+from recgnn import comms, step_model  # noqa: E402
+from recgnn.train import setup as train_setup  # noqa: E402
+
+
+def experiment_spec(name: str, batch: int) -> str:
+  """The experiment string the trace stage ran (benchmarks/gpu_check.py experiment_args)."""
+  return f"cdlrm_kaggle:min_rows={batch}" if name == "cdlrm_kaggle" else name
+
+
+def predicted(name: str, settings: dict, profile: tuple[int, int], cache_dir: str) -> list[dict]:
+  """Train `name` as the trace stage did up to the first profiled step; then, per profiled
+  step, the compiled step's cost and its H100 prediction."""
+  config = run_py.load_config(experiment_spec(name, settings["batch"]))
+  config.train.batch_size = settings["batch"]
+  config.data.synthetic.rows = settings["rows"]
+  config.data.cache_dir = cache_dir
+  config.train.checkpoint_every = 0
+  run = train_setup.build(config)
+  it = run.task.train_batches(0)
+  stream = [("train", None, next(it)) for _ in range(profile[1])]
+  state = run.state
+  out = []
+  for k, (_, packed) in enumerate(run.feed(stream)):
+    if k >= profile[0]:
+      lowered = run.train_step.lower(state, *packed)
+      cost = step_model.step_cost(lowered)
+      p = step_model.predict(cost, step_model.H100)
+      link = comms.host_link_of(lowered)
+      out.append({
+        "step": k,
+        "kernels": cost.kernels,
+        "host_to_device_bytes": link.to_device_bytes,
+        "device_to_host_bytes": link.to_host_bytes,
+        "serial_ms": 1e3 * p.serial_s,
+        "overlapped_ms": 1e3 * p.overlapped_s,
+        "parts_ms": {
+          k: 1e3 * getattr(p, k)
+          for k in ("compute_s", "memory_s", "host_s", "host_link_s", "launch_s")
+        },
+      })  # fmt: skip
+    state, _ = run.train_step(state, *packed)
+    if k % 20 == 0:
+      print(f"[{name}] step {k} of {profile[1]}", flush=True)
+  return out
+
+
+def _mean(rows: list[dict], key) -> float:
+  vals = [key(r) for r in rows]
+  return sum(vals) / len(vals) if vals else float("nan")
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--results", default="benchmarks/results/gpu_h100", help="a gpu_check folder")
+  ap.add_argument("--name", default="gpu_vs_model")
+  ap.add_argument("--experiments", default=None, help="comma list (default: the trace's)")
+  args = ap.parse_args()
+  trace = json.loads((pathlib.Path(args.results) / "trace.json").read_text())
+  s = trace["settings"]
+  profile = tuple(int(x) for x in s["profile"].split(":"))
+  names = args.experiments.split(",") if args.experiments else list(trace["experiments"])
+  device = trace.get("device", {}).get("kind", "a GPU")
+  rows, payload = [], {"machine": common.machine_info(), "gpu_results": args.results}
+  payload["settings"], payload["experiments"] = s, {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for name in names:
+      measured = trace["experiments"][name]["trace_summary"]
+      pred = predicted(name, s, profile, tmp)
+      payload["experiments"][name] = {"measured": measured, "predicted": pred}
+      m = measured["mean"]
+      rows.append([
+        name,
+        f"{_mean(pred, lambda r: r['serial_ms']):.3f} / "
+        f"{_mean(pred, lambda r: r['overlapped_ms']):.3f}",
+        " / ".join(
+          f"{_mean(pred, lambda r, k=k: r['parts_ms'][k]):.3f}"
+          for k in ("compute_s", "memory_s", "host_s", "host_link_s", "launch_s")
+        ),
+        f"{m['busy_us'] / 1e3:.3f}",
+        f"{m.get('other_copy_us', 0.0) / 1e3:.3f}",
+        f"{m['span_us'] / 1e3:.2f}",
+        f"{_mean(pred, lambda r: r['kernels']):.0f} / {m['kernels']:.0f}",
+        f"{_mean(pred, lambda r: r['host_to_device_bytes']) / 1024:.1f} / "
+        f"{_mean(pred, lambda r: r['device_to_host_bytes']) / 1024:.1f}",
+        f"{m['h2d_bytes'] / 1024:.1f} / {m['d2h_bytes'] / 1024:.1f}",
+      ])  # fmt: skip
+  md = "\n".join([
+    f"# The step model's H100 prediction beside the measured {device} trace",
+    "",
+    f"`{payload['machine']['command']}`, jax {jax.__version__} here, "
+    f"{payload['machine']['date_utc']}; the trace: `{args.results}/trace.md` "
+    f"(steps {s['profile']} of {s['steps']}, batch {s['batch']}, synthetic {s['rows']:,} rows). "
+    "Predicted: means over the same steps' programs compiled here (XLA:CPU's HLO). Measured: "
+    "the trace's means per step (kernels busy: the union of kernel time on the GPU; other "
+    "copies: pinned host -> pinned host copies inside the step, which the model does not count; "
+    "span: the host's step annotation, host work included). Link bytes: predicted = the step "
+    "program's own transfers; measured = every copy in the step, the batch's input transfer "
+    "included.",
+    "",
+    common.md_table(
+      [
+        "experiment",
+        "predicted ms serial / overlapped",
+        "predicted ms compute / memory / host / link / launches",
+        "measured kernels busy ms",
+        "measured other copies ms",
+        "measured step span ms",
+        "kernels predicted (XLA:CPU) / measured",
+        "link KiB predicted in / out",
+        "link KiB measured in / out",
+      ],
+      rows,
+    ),
+    "",
+  ])  # fmt: skip
+  common.write_results(args.name, payload, md)
+
+
+if __name__ == "__main__":
+  main()
