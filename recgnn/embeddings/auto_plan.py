@@ -18,8 +18,10 @@ within the budget. A budget no choice can meet is refused before anything is all
 naming the smallest budget that fits and the tables that force it.
 
 The per-table costs add: the step of the chosen plan is predicted as the sum of its tables'
-step times (the MLPs and the interaction are the same for every plan, so they do not move the
-choice). That ignores what XLA fuses across tables and what overlaps, which the plan report
+own shares of their steps and each group's fixed part once (`group_overhead`), plus the model
+part (the MLPs and the interaction: the same for every plan, timed once and kept in the cost
+cache with the tables' figures, `cached_model_seconds`) and the input thread's prepare. That
+ignores what XLA fuses across tables and what overlaps, which the plan report
 (`PlanChoice.report`) says next to the figures.
 """
 
