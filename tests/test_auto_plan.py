@@ -210,7 +210,7 @@ def test_plan_report_of_a_written_plan_and_the_cost_cache(tmp_path):
   """--plan_report on a plan without an auto rule: every table timed before training, the
   report written after it with the predicted step beside a measured one, and the bytes the
   state holds equal to the backends' predicted bytes (dense and offload). A second run with the
-  same cost cache times nothing again and predicts the same per-table costs."""
+  same cost cache times nothing again and predicts the same per-table costs and model part."""
   cache = str(tmp_path / "costs.json")
   probe = loop.setup.build(trainer_lib.smoke_config(str(tmp_path / "cache")), allocate=False)
   big = _largest(probe, 2)
@@ -236,13 +236,15 @@ def test_plan_report_of_a_written_plan_and_the_cost_cache(tmp_path):
   assert sorted(map(tuple, kinds.values())) == [("dense",), ("offload(cache_fraction=0.5)",)]
   for g in first["groups"].values():
     assert g["held_device_bytes"] == g["predicted_device_bytes"], g
-  # The cache: the same per-table step figures (read back, not timed again).
+  # The cache: the same per-table step figures and the same model part (read back, not timed
+  # again).
   for key, g in first["groups"].items():
     assert second["groups"][key]["table_step_s"] == g["table_step_s"]
+  assert second["model_s"] == first["model_s"]
   # One timing per table, plus each string's group timing (GROUP_COPIES copies of the largest
-  # table that takes it, and that table alone); the second run adds none.
+  # table that takes it, and that table alone), and the model part; the second run adds none.
   tables = sum(len(g["tables"]) for g in first["groups"].values())
-  assert tables + 2 <= sizes[0] <= tables + 4 and sizes[1] == sizes[0], sizes
+  assert tables + 3 <= sizes[0] <= tables + 5 and sizes[1] == sizes[0], sizes
 
 
 def test_auto_on_an_8_device_mesh_places_tables_over_model(tmp_path):
@@ -306,3 +308,21 @@ def test_solve_pays_each_used_group_once():
     got = sum(c.step_s for c in chosen.values())
     got += sum(group_s[x] for x in {c.text for c in chosen.values()})
     assert got == pytest.approx(best, rel=1e-9), (trial, got, best)
+
+
+def test_model_part_through_the_cost_cache(tmp_path):
+  """The model part is timed once per key and read back by a second planning with the same
+  cache file; its key moves with what sets its cost (model config, batch), not otherwise."""
+  mesh = base.default_mesh()
+  path = str(tmp_path / "costs.json")
+  batches = [{"ids": {"t0": np.arange(8)}, "dense": np.ones((8, 3), np.float32)}]
+  key = auto_plan.CostCache.model_key("ctr (512, 256)", batches, mesh)
+  times = iter([0.010, 0.020, 0.030])
+  first = auto_plan.cached_model_seconds(auto_plan.CostCache(path), key, lambda: next(times))
+  second = auto_plan.cached_model_seconds(auto_plan.CostCache(path), key, lambda: next(times))
+  assert first == second == 0.010
+  assert auto_plan.cached_model_seconds(None, key, lambda: next(times)) == 0.020  # no cache
+  assert auto_plan.CostCache.model_key("ctr (512, 256)", batches, mesh) == key
+  assert auto_plan.CostCache.model_key("ctr (256, 256)", batches, mesh) != key
+  bigger = [{"ids": {"t0": np.arange(16)}, "dense": np.ones((16, 3), np.float32)}]
+  assert auto_plan.CostCache.model_key("ctr (512, 256)", bigger, mesh) != key

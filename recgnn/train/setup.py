@@ -86,10 +86,20 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
   else:
     log(f"plan report: timing each table's placement on {len(batches)} training batches")
     choice = auto_plan_lib.predict_rules(rules, specs, mesh, layout, ids, cache=cache)
-  # The part of the step every plan shares, so that the prediction is of the whole step.
+  # The part of the step every plan shares, so that the prediction is of the whole step:
+  # through the cost cache like the tables' costs (every plan of the experiment, every run,
+  # the same figure), keyed by what sets its cost and never by the plan.
   t0 = time.perf_counter()
   tx = step_lib.make_optimizer(config.optimizer)
-  model_s = step_lib.model_step_seconds(task, tx, mesh, batches, {s.name: s.dim for s in specs})
+  dims = {s.name: s.dim for s in specs}
+  what = repr(
+    (config.task, _config_text(config.get("model")), _config_text(config.optimizer), dims)
+  )
+  model_s = auto_plan_lib.cached_model_seconds(
+    cache,
+    auto_plan_lib.CostCache.model_key(what, batches, mesh),
+    lambda: step_lib.model_step_seconds(task, tx, mesh, batches, dims),
+  )
   choice = dataclasses.replace(
     choice, model_s=model_s, planning_s=choice.planning_s + time.perf_counter() - t0
   )
@@ -97,6 +107,13 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
   if cache is not None:
     log(f"cost cache {cache.path}: {cache.hits} reused, {cache.misses} timed")
   return rules, choice
+
+
+def _config_text(section) -> str:
+  """A config section as text that is the same for the same values (a cache key's part)."""
+  if isinstance(section, ml_collections.ConfigDict):
+    return section.to_json_best_effort(sort_keys=True)
+  return repr(section)
 
 
 def training_length(tcfg, task: Task) -> tuple[int, str]:

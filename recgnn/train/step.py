@@ -354,13 +354,17 @@ def init_state(
   )
 
 
-def model_step_seconds(task: Task, tx, mesh, batches: list[dict], dims: dict[str, int]) -> float:
+def model_step_seconds(
+  task: Task, tx, mesh, batches: list[dict], dims: dict[str, int], repeats: int = 3
+) -> float:
   """Median seconds of the step's part that is not an embedding backend's: the task's loss
   and its gradient w.r.t. the dense params and the pooled lookups, and the optax update (what
   every plan of the same task shares; `recgnn.embeddings.auto_plan` adds each table's own
   step to it). Pooled lookups stand in as arrays of the real shapes ({table: f32[B, dim]}),
-  the batch split over the mesh as the trainer splits it; timed on a second pass over
-  `batches` (task batches), after one that compiled."""
+  the batch split over the mesh as the trainer splits it; timed on `repeats` passes over
+  `batches` (task batches), after one that compiled, the median of every timed step (one
+  pass of a few batches moved with the load of the moment; the planner also keeps the figure
+  in its cost cache: `auto_plan.cached_model_seconds`)."""
   if not batches:
     raise ValueError("model_step_seconds needs at least one batch")
   rng = np.random.default_rng(0)
@@ -402,7 +406,7 @@ def model_step_seconds(task: Task, tx, mesh, batches: list[dict], dims: dict[str
     placed.append((rest, pooled))
   key = jax.random.key(1)
   times = []
-  for timed in (False, True):
+  for timed in (False, *[True] * max(repeats, 1)):
     for rest, pooled in placed:
       t0 = time.perf_counter()
       params, opt_state, g, loss = step(params, opt_state, pooled, rest, key)
