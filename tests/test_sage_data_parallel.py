@@ -276,7 +276,7 @@ def test_trainer_step_arguments_are_seeds_and_the_placed_graph(graph, k):
   assert set(batch) == {"ids", "seeds", "weight"} and batch["ids"] == {}
   assert batch["seeds"].shape == (8 * k * run.task.device_samples.per_device,)
   buffers, layout = run.packed(run.prepare(batch), batch)
-  assert sum(b.nbytes for b in buffers) == 2 * 4 * batch["seeds"].size
+  assert sum(b.nbytes for b in jax.tree.leaves(buffers)) == 2 * 4 * batch["seeds"].size
   lowered = run.train_step.lower(run.state, buffers, layout)
   assert comms.host_link_of(lowered).bytes == 0
   placed = jax.tree.leaves(run.step_inputs)
