@@ -205,23 +205,28 @@ def test_trainer_logs_and_saves_each_step_programs_traffic(tmp_path, capsys):
   assert [m["link/host_to_device_bytes"] for m in metrics if "loss" in m] == [link.to_device_bytes]
 
 
-def test_trainer_step_of_hot_cold_sends_no_index_over_the_link(tmp_path):
-  """hot_cold's cold lists (this batch's, written back; the next batch's, read ahead) are put
-  in pinned host memory by the input transfer (`sharding.HOST_SPEC`): the step's host
-  computations read them there, so nothing int crosses the link in either direction (they
-  went to the device with the batch and back, once or twice a step); the rows still do."""
+@pytest.mark.parametrize(
+  "plan",
+  [
+    "hot_cold(budget=0.05, profile_batches=2)",
+    "offload(cache_fraction=0.5, min_cache_rows=1024, lookahead=1)",
+  ],
+)
+def test_trainer_step_of_a_host_tier_sends_no_index_over_the_link(tmp_path, plan):
+  """The host tiers' row lists (hot_cold's cold lists, this batch's and the next's; offload's
+  exchanges' loads and write-backs) are put in pinned host memory by the input transfer
+  (`sharding.HOST_SPEC`): the step's host computations read them there, so nothing int
+  crosses the link in either direction (they went to the device with the batch and back,
+  once or twice a step); the rows still do."""
   import trainer_lib
 
   from recgnn.train import setup
 
-  config = trainer_lib.smoke_config(
-    str(tmp_path / "data"),
-    mesh=(1, 1),
-    plan=[(".*", "hot_cold(budget=0.05, profile_batches=2)")],
-  )
+  config = trainer_lib.smoke_config(str(tmp_path / "data"), mesh=(1, 1), plan=[(".*", plan)])
   run = setup.build(config)
   group = next(iter(run.plan.groups.values()))
-  if not group.host.offloaded:
+  member = next(iter(getattr(group, "members", {None: group}).values()))
+  if not member.host.offloaded:
     pytest.skip("no pinned_host memory on this platform")
   it = run.task.train_batches(0)
   batches = [next(it) for _ in range(8)]

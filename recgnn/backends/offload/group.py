@@ -305,7 +305,10 @@ class OffloadGroup(base.TableGroup):
     "now_off": int32[T + 1], "now_win": int32[0, wn], "next": int32[5, Wx], "next_off":
     int32[T + 1], "next_win": int32[0, wx]}: every table's exchange in one list (table i's
     at [off[i], off[i + 1]), its own rows, the stack's slots: `_to_stack`); `*_win`
-    carries, as its shape only, the window the step reads per table (`_window_width`)}.
+    carries, as its shape only, the window the step reads per table (`_window_width`);
+    with one host table (`_lists_on_host`) also "now_load_rows", "now_evict_rows",
+    "next_load_rows", "next_evict_rows": int32[W] each, the lists' host rows for the host
+    computations, put in host memory (HOST_SPEC)}.
     Each table plans as `Offload.prepare` (`table_batch` / `table_exchanges` give its
     part back as it planned it)."""
     per = None
@@ -379,6 +382,9 @@ class OffloadGroup(base.TableGroup):
         lst[:, : off[-1]] = np.concatenate(parts, axis=1)
         self._to_stack(lst, off, stack, entry.get("now_off"))
         entry[kind], entry[f"{kind}_off"] = lst, off
+        if self._lists_on_host(stack):  # (`prepared_spec`: HOST_SPEC)
+          entry[f"{kind}_load_rows"] = lst[LOAD_ROWS].copy()
+          entry[f"{kind}_evict_rows"] = lst[EVICT_ROWS].copy()
         most = int(np.diff(off).max()) if len(off) > 1 else 0
         win = self._window_width(stack, kind, most, width, max(ids_caps), train)
         entry[f"{kind}_win"] = np.zeros((0, win), np.int32)
@@ -526,8 +532,29 @@ class OffloadGroup(base.TableGroup):
         for s in prepared["batch"]
       ),
       "version": sharding.REPLICATED,
-      "lists": jax.tree.map(lambda _: sharding.REPLICATED, prepared["lists"]),
+      "lists": tuple(
+        {k: sharding.HOST_SPEC if k in self._HOST_ONLY else sharding.REPLICATED for k in x}
+        for x in prepared["lists"]
+      ),
     }
+
+  # The host table's row indices of each exchange, which only its host computations read
+  # (the reads' rows, the write-back's rows): with one host table (unsplit, in host memory)
+  # `prepare` lists them apart and the input transfer puts them in host memory, so no index
+  # crosses the host link (they went to the devices with the batch and came back in the
+  # step). LOAD_ROWS stays in the device list too: the cache's slot -> row map takes it.
+  _HOST_ONLY = ("now_load_rows", "now_evict_rows", "next_load_rows", "next_evict_rows")
+
+  def _lists_on_host(self, stack: int) -> bool:
+    host = self.members[self._stacks[stack][0]].host
+    return host.offloaded and not host.split
+
+  @staticmethod
+  def _rows_of(lists: dict, kind: str, which: str, row: int) -> jax.Array:
+    """An exchange's host rows (`which`: "load" / "evict"): the host leaf where `prepare`
+    listed one, else the device list's row."""
+    key = f"{kind}_{which}_rows"
+    return lists[key] if key in lists else lists[kind][row]
 
   def stats(self):
     """Every table's (`Offload.stats`), and the group's: list_rows_h2d_per_step (the rows
@@ -573,7 +600,8 @@ class OffloadGroup(base.TableGroup):
       for kind in ("next", "now"):
         if lists[kind].shape[1]:
           caps = self._caps(prepared, stack, lists, kind)
-          got, _ = host.gather_segments(hosts, lists[kind][LOAD_ROWS], lists[f"{kind}_off"], caps)
+          rows = self._rows_of(lists, kind, "load", LOAD_ROWS)
+          got, _ = host.gather_segments(hosts, rows, lists[f"{kind}_off"], caps)
           res[kind] = jax.lax.optimization_barrier(got)
       residuals.append(res)
       cache = state["cache"][stack]["table"]
@@ -644,17 +672,17 @@ class OffloadGroup(base.TableGroup):
     victims, read off the cache in list order. Each exchange is one gather and one scatter
     per array for every table (slots of the stack's cache, `_to_stack`). Reads of the cache
     come before writes to it through optimization barriers (in place on the donated cache).
-    Write after read on the donated host arrays: the write-back's row lists pass through
-    an optimization barrier with this step's host reads (the residuals), a dependency on
-    reads only, never on compute; the caches take the rows that came through the barrier
-    (read once, never again)."""
+    Write after read on the donated host arrays: the write-back's values pass through an
+    optimization barrier with this step's host reads (the residuals), a dependency on
+    reads only, never on compute; the caches take the rows the reads materialized (read
+    once, never again)."""
     out = {**state, **host_cache.advance(state, prepared)}
     new_host, new_cache, new_slots = dict(state["host"]), [], []
     for stack, names in enumerate(self._stacks):
       lists = prepared["lists"][stack]
       now, nxt = lists["now"], lists["next"]
-      back = (now[EVICT_ROWS], nxt[EVICT_ROWS])
-      back, res = jax.lax.optimization_barrier((back, residuals[stack]))
+      back = tuple(self._rows_of(lists, k, "evict", EVICT_ROWS) for k in ("now", "next"))
+      res = residuals[stack]
       cache, slot_rows = dict(state["cache"][stack]), state["slot_rows"][stack]
       victims = {}
       for kind, lst in (("now", now), ("next", nxt)):
@@ -687,6 +715,12 @@ class OffloadGroup(base.TableGroup):
         if kind in victims
       ]
       if writes:
+        # Write after read on the donated host arrays: the values written back wait for
+        # this step's host reads (a dependency on the reads only, never on compute). On the
+        # values, not the row lists: those may be in host memory already (HOST_SPEC), where
+        # a barrier with device arrays would send them to the device and back.
+        vals, _ = jax.lax.optimization_barrier(([w[2] for w in writes], res))
+        writes = [(b, o, v, c) for (b, o, _, c), v in zip(writes, vals)]
         host = self.members[names[0]].host
         written = host.scatter_lists([state["host"][n] for n in names], writes)
         new_host.update(zip(names, written))
