@@ -205,10 +205,12 @@ def test_trainer_logs_and_saves_each_step_programs_traffic(tmp_path, capsys):
   assert [m["link/host_to_device_bytes"] for m in metrics if "loss" in m] == [link.to_device_bytes]
 
 
+# (hot_cold through the trainer too: 32 s of CI for the same Feeder path; its group-level
+# step is checked to the byte in test_hot_cold_tiers, lists placed as the trainer places them)
 @pytest.mark.parametrize(
   "plan",
   [
-    "hot_cold(budget=0.05, profile_batches=2)",
+    pytest.param("hot_cold(budget=0.05, profile_batches=2)", marks=pytest.mark.long),
     "offload(cache_fraction=0.5, min_cache_rows=1024, lookahead=1)",
   ],
 )
