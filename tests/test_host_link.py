@@ -132,29 +132,36 @@ def test_parse_reads_compiled_hlo_operands_with_shapes():
   assert t.root and t.op == "tuple" and t.bytes == 12
 
 
+def _trained(tmp_path, plan: str, steps: int):
+  """The trainer's own run (`setup.build` of the smoke experiment on 1x1, every table under
+  `plan`, a host tier) after `steps` train steps: (run, state, the last step's packed
+  arguments). Skips where the platform has no pinned_host memory."""
+  import trainer_lib
+
+  from recgnn.train import setup
+
+  config = trainer_lib.smoke_config(str(tmp_path / "data"), mesh=(1, 1), plan=[(".*", plan)])
+  run = setup.build(config)
+  group = next(iter(run.plan.groups.values()))
+  member = next(iter(getattr(group, "members", {None: group}).values()))
+  if not member.host.offloaded:
+    pytest.skip("no pinned_host memory on this platform")
+  it = run.task.train_batches(0)
+  state = run.state
+  for _, packed in run.feed([("train", None, next(it)) for _ in range(steps)]):
+    state, _ = run.train_step(state, *packed)
+  return run, state, packed
+
+
 def test_trainer_step_of_an_offload_table_moves_rows_not_the_table(tmp_path):
   """The trainer's own packed step (setup.build: the step a call inside the entry, Shardy's
   result annotations, reshapes of the state's host arrays): no transfer is a whole host
   table (they stay in host memory; once they were counted as read by the device), and the
   step does move rows."""
-  import trainer_lib
-
-  from recgnn.train import setup
-
-  config = trainer_lib.smoke_config(
-    str(tmp_path / "data"),
-    mesh=(1, 1),  # (on a mesh each device's share of an exchange counts once per device)
-    plan=[(".*", "offload(cache_fraction=0.5, min_cache_rows=1024, lookahead=1)")],
+  # (1x1: on a mesh each device's share of an exchange counts once per device)
+  run, state, packed = _trained(
+    tmp_path, "offload(cache_fraction=0.5, min_cache_rows=1024, lookahead=1)", 3
   )
-  run = setup.build(config)
-  group = next(iter(run.plan.groups.values()))
-  if not next(iter(group.members.values())).host.offloaded:
-    pytest.skip("no pinned_host memory on this platform")
-  it = run.task.train_batches(0)
-  batches = [next(it) for _ in range(3)]
-  state = run.state
-  for _, packed in run.feed([("train", None, b) for b in batches]):
-    state, _ = run.train_step(state, *packed)
   link = comms.host_link_of(run.train_step.lower(state, *packed))
   largest = max(s.num_rows for s in run.plan.specs.values())
   big = max(s.table_bytes for s in run.plan.specs.values() if s.num_rows == largest)
@@ -220,21 +227,7 @@ def test_trainer_step_of_a_host_tier_sends_no_index_over_the_link(tmp_path, plan
   (`sharding.HOST_SPEC`): the step's host computations read them there, so nothing int
   crosses the link in either direction (they went to the device with the batch and back,
   once or twice a step); the rows still do."""
-  import trainer_lib
-
-  from recgnn.train import setup
-
-  config = trainer_lib.smoke_config(str(tmp_path / "data"), mesh=(1, 1), plan=[(".*", plan)])
-  run = setup.build(config)
-  group = next(iter(run.plan.groups.values()))
-  member = next(iter(getattr(group, "members", {None: group}).values()))
-  if not member.host.offloaded:
-    pytest.skip("no pinned_host memory on this platform")
-  it = run.task.train_batches(0)
-  batches = [next(it) for _ in range(8)]
-  state = run.state
-  for _, packed in run.feed([("train", None, b) for b in batches]):
-    state, _ = run.train_step(state, *packed)
+  run, state, packed = _trained(tmp_path, plan, 8)
   (_, host), _ = packed
   assert host and all(x.sharding.memory_kind == "pinned_host" for x in host)
   assert all(np.issubdtype(x.dtype, np.integer) for x in host)

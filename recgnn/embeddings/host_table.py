@@ -111,6 +111,14 @@ class HostTable:
     """Whether the host arrays are split by rows over the devices of the mesh."""
     return self.offloaded and self.mesh.size > 1
 
+  @property
+  def list_spec(self):
+    """The input placement (`Backend.prepared_spec`) of an index list only this table's host
+    computations read: in host memory (sharding.HOST_SPEC) for one host table (unsplit, in
+    host memory), so it never crosses the host link; on the devices otherwise (a split table's
+    devices read their own rows of the replicated list inside a shard_map)."""
+    return sharding.HOST_SPEC if self.offloaded and not self.split else sharding.REPLICATED
+
   def _check_mesh(self, mesh: jax.sharding.Mesh) -> None:
     if self.offloaded and not all(
       d.process_index == jax.process_index() for d in mesh.devices.flat

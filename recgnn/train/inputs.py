@@ -186,6 +186,8 @@ def put(buffers: tuple[list, list], mesh, local: bool = False) -> tuple[list, li
   sh = sharding.named(mesh, sharding.BATCH_SPEC)
   hs = sharding.named(mesh, sharding.HOST_SPEC)
   if local:
+    if host:  # (Feeder.pack refuses them first: every leaf of a local batch is batch-major)
+      raise ValueError(f"a process-local batch cannot carry {len(host)} host leaves")
     return [
       jax.make_array_from_process_local_data(sh, b, (mesh.size,) + b.shape[1:]) for b in buffers
     ], []

@@ -772,12 +772,9 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
 
   def _list_spec(self, lst: dict) -> dict:
     """A cold list's leaves: its rows only host computations read (the host gather and the
-    write-back), so with one host table (unsplit, in host memory) they are put in host
-    memory by the input transfer and never cross the host link; offsets, windows and
-    from_now / from_hot are read on the device. On a split table every device reads its own
-    rows of the replicated list inside a shard_map: there it stays on the devices."""
-    host = self.host.offloaded and not self.host.split
-    return {k: sharding.HOST_SPEC if k == "rows" and host else sharding.REPLICATED for k in lst}
+    write-back: `HostTable.list_spec`); offsets, windows and from_now / from_hot are read on
+    the device."""
+    return {k: self.host.list_spec if k == "rows" else sharding.REPLICATED for k in lst}
 
   def prepared_spec(self, prepared):
     batch = sharding.BATCH_SPEC if self.layout.split_batch else sharding.REPLICATED

@@ -535,7 +535,7 @@ class OffloadGroup(base.TableGroup):
       "lists": tuple(
         {k: sharding.HOST_SPEC if k in self._HOST_ONLY else sharding.REPLICATED for k in x}
         for x in prepared["lists"]
-      ),
+      ),  # (the _HOST_ONLY leaves exist only where `_lists_on_host`)
     }
 
   # The host table's row indices of each exchange, which only its host computations read
@@ -547,7 +547,7 @@ class OffloadGroup(base.TableGroup):
 
   def _lists_on_host(self, stack: int) -> bool:
     host = self.members[self._stacks[stack][0]].host
-    return host.offloaded and not host.split
+    return host.list_spec is sharding.HOST_SPEC
 
   @staticmethod
   def _rows_of(lists: dict, kind: str, which: str, row: int) -> jax.Array:
