@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import sys
 import tempfile
 
@@ -79,6 +80,47 @@ def predicted(name: str, settings: dict, profile: tuple[int, int], cache_dir: st
   return out
 
 
+def host_side(trace_path: pathlib.Path) -> dict:
+  """What the trace says beyond `trace_summary`'s means, per step of the step program (its
+  executions: `GpuExecutable::ExecuteThunks` on the launching thread): that thread's time in
+  the executable, in CUDA-graph launches (`command_buffer::execute`) and waiting for host
+  computations (`...call-done`); the pinned -> pinned copies (`MemcpyOther`): count and
+  bytes."""
+  import gzip
+
+  with gzip.open(trace_path, "rt") as f:
+    events = json.load(f)["traceEvents"]
+  runs = [e for e in events if e.get("ph") == "X" and e["name"].endswith("ExecuteThunks")]
+  if not runs:
+    return {}
+  out = {"executions": len(runs), "execute_ms": 0.0, "graph_launch_ms": 0.0, "host_wait_ms": 0.0}
+  for r in runs:
+    t0, t1 = r["ts"], r["ts"] + r["dur"]
+    out["execute_ms"] += r["dur"] / 1e3
+    for e in events:
+      if e.get("ph") != "X" or (e["pid"], e["tid"]) != (r["pid"], r["tid"]) or e is r:
+        continue
+      if t0 <= e["ts"] and e["ts"] + e.get("dur", 0) <= t1:
+        if e["name"] == "command_buffer::execute":
+          out["graph_launch_ms"] += e["dur"] / 1e3
+        elif e["name"].endswith("call-done") or ".call-done." in e["name"]:
+          out["host_wait_ms"] += e["dur"] / 1e3
+  copies = [e for e in events if e.get("ph") == "X" and e["name"] == "MemcpyOther"]
+  sizes = [
+    int(m.group(1))
+    for e in copies
+    if (m := re.search(r"size:(\d+)", str((e.get("args") or {}).get("memcpy_details", ""))))
+  ]
+  n = len(runs)
+  out.update(
+    {k: v / n for k, v in out.items() if k.endswith("_ms")},
+    other_copies=len(copies) / n,
+    other_copy_bytes=sum(sizes) / n,
+    other_copy_ms=sum(e["dur"] for e in copies) / 1e3 / n,
+  )
+  return out
+
+
 def _mean(rows: list[dict], key) -> float:
   vals = [key(r) for r in rows]
   return sum(vals) / len(vals) if vals else float("nan")
@@ -95,13 +137,25 @@ def main() -> None:
   profile = tuple(int(x) for x in s["profile"].split(":"))
   names = args.experiments.split(",") if args.experiments else list(trace["experiments"])
   device = trace.get("device", {}).get("kind", "a GPU")
-  rows, payload = [], {"machine": common.machine_info(), "gpu_results": args.results}
+  rows, sides = [], []
+  payload = {"machine": common.machine_info(), "gpu_results": args.results}
   payload["settings"], payload["experiments"] = s, {}
   with tempfile.TemporaryDirectory() as tmp:
     for name in names:
       measured = trace["experiments"][name]["trace_summary"]
+      tfile = trace["experiments"][name].get("trace_file")
+      side = host_side(pathlib.Path(args.results) / tfile) if tfile else {}
       pred = predicted(name, s, profile, tmp)
-      payload["experiments"][name] = {"measured": measured, "predicted": pred}
+      payload["experiments"][name] = {"measured": measured, "host_side": side, "predicted": pred}
+      sides.append([
+        name,
+        f"{side.get('execute_ms', float('nan')):.2f}",
+        f"{side.get('graph_launch_ms', float('nan')):.2f}",
+        f"{side.get('host_wait_ms', float('nan')):.2f}",
+        f"{side.get('other_copies', float('nan')):.0f} x "
+        f"{side.get('other_copy_bytes', 0) / max(side.get('other_copies', 0), 1) / 1024:.1f} KiB",
+        f"{side.get('other_copy_ms', float('nan')):.2f}",
+      ])  # fmt: skip
       m = measured["mean"]
       rows.append([
         name,
@@ -145,6 +199,23 @@ def main() -> None:
         "link KiB measured in / out",
       ],
       rows,
+    ),
+    "",
+    "The trace's step program beyond the means, per execution (from the returned trace: "
+    "`host_side`): the launching thread's time in the executable, in CUDA-graph launches "
+    "(`command_buffer::execute`) and waiting for host computations (`call-done`); the "
+    "pinned -> pinned copies (`MemcpyOther`).",
+    "",
+    common.md_table(
+      [
+        "experiment",
+        "executable ms",
+        "graph launches ms",
+        "host computation waits ms",
+        "pinned -> pinned copies",
+        "their ms",
+      ],
+      sides,
     ),
     "",
   ])  # fmt: skip
