@@ -202,6 +202,13 @@ def summarize(args, budgets, runs, total: int, batch: int, t_start: float, done:
         if plan_s:
           later = statistics.median(plan_s[1:] or plan_s)
           chosen += f"; planned in {plan_s[0]:.0f} s (round 1), then {later:.0f} s (cache)"
+        last = next((x["auto_plan"] for x in reversed(rs) if "auto_plan" in x), {})
+        if last.get("finalists"):  # each finalist's whole step as the planner timed it
+          chosen += "; finalists, whole step ms (predicted): " + ", ".join(
+            f"{f['label']} {f['whole_step_s'] * 1e3:.1f} ({f['predicted_step_s'] * 1e3:.1f})"
+            + (" taken" if f["label"] == last["label"] else "")
+            for f in last["finalists"]
+          )
       rows.append((f"{b:g}", name, f"{held:,.2f}", f"{ms[0]:.1f} / {med:.1f} / {ms[-1]:.1f}",
                    f"{pred:.1f}", f"{pred / med:.2f}", chosen))  # fmt: skip
     auto_ms = ms_of[(b, "auto")]

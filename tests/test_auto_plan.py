@@ -1,9 +1,10 @@
 """plan=auto (recgnn/embeddings/auto_plan.py): the options, the integer program against brute
-force, the refusal of a budget nothing fits, real candidates' bytes from the backends, and a
-trainer run whose auto rule places two tables within a budget."""
+force, the refusal of a budget nothing fits, real candidates' bytes from the backends, the
+finalists timed whole, and trainer runs whose auto rule places tables within a budget."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -174,38 +175,6 @@ def test_choose_real_backends_bytes_and_budgets():
     auto_plan.choose(specs, AutoOptions(budget=0.001), mesh, base.Layout(), [], cost=cost)
 
 
-def test_trainer_auto_rule_places_two_tables_within_budget(tmp_path):
-  """smoke with two tables under auto (measured on the run's batches) and the rest dense: the
-  chosen plan fits the budget, trains, and its choice is written beside the results."""
-  probe = trainer_lib.smoke_config(str(tmp_path / "cache"), mesh=(1, 1))
-  run = loop.setup.build(probe, allocate=False)
-  big = _largest(run, 2)
-  dense_all = sum(g.device_bytes() for g in run.plan.groups.values())
-  big_bytes = sum(run.plan.backend_of(n).memory()[n].device_bytes for n in big)
-  budget = dense_all - big_bytes // 2  # the two big tables cannot both stay dense
-  pattern = "|".join(big)
-  opts = f"auto(budget='{budget}', kinds=('dense', 'offload'), fractions=(0.2,), batches=3)"
-  c = trainer_lib.smoke_config(
-    str(tmp_path / "cache"),
-    mesh=(1, 1),
-    plan=((pattern, opts), (".*", "dense")),
-    steps=4,
-    log_every=2,
-  )
-  workdir = str(tmp_path / "run")
-  result = loop.train(c, workdir)
-  assert result.metrics["step"] == 4
-  with open(os.path.join(workdir, "auto_plan.json")) as f:
-    choice = json.load(f)
-  assert choice["device_bytes"] <= budget
-  assert set(choice["chosen"]) == set(big)
-  assert any(v["text"].startswith("offload") for v in choice["chosen"].values())
-  for v in choice["chosen"].values():
-    assert v["step_s"] > 0 and np.isfinite(v["step_s"])
-  used = {n: result.plan.backend_of(n).describe(n) for n in big}
-  assert any("offload" in d or "host" in d for d in used.values()), used
-
-
 def test_plan_report_of_a_written_plan_and_the_cost_cache(tmp_path):
   """--plan_report on a plan without an auto rule: every table timed before training, the
   report written after it with the predicted step beside a measured one, and the bytes the
@@ -326,3 +295,121 @@ def test_model_part_through_the_cost_cache(tmp_path):
   assert auto_plan.CostCache.model_key("ctr (256, 256)", batches, mesh) != key
   bigger = [{"ids": {"t0": np.arange(16)}, "dense": np.ones((16, 3), np.float32)}]
   assert auto_plan.CostCache.model_key("ctr (512, 256)", bigger, mesh) != key
+
+
+def test_finalists_are_distinct_plans_that_fit_each_of_its_variant():
+  """The solver's finalists (`choose_finalists`) on real backends' bytes and a model cost:
+  the first is `choose`'s plan; every one fits the budget; they are distinct; a host tier
+  alone holds one backend string of that tier and no other tier; each names its variant."""
+  specs = [
+    base.TableSpec(name=f"t{i}", num_rows=n, dim=8)
+    for i, n in enumerate([50_000, 40_000, 30_000, 300])
+  ]
+  mesh = base.default_mesh()
+
+  def cost(text, spec):  # hot_cold the cheaper tier for t0, offload for the others: mixed
+    if text == "dense":
+      return 1.0, 0.0
+    frac = float(text.split("=")[1].rstrip(")"))
+    cheap = "hot_cold" if spec.name == "t0" else "offload"
+    return 1.0 + (0.3 if text.startswith(cheap) else 0.4) / frac**0.1, 0.0
+
+  opts = AutoOptions(budget=0.1, fractions=(0.01, 0.05))
+  finalists = auto_plan.choose_finalists(specs, opts, mesh, base.Layout(), [], cost=cost)
+  assert (
+    finalists[0].rules == auto_plan.choose(specs, opts, mesh, base.Layout(), [], cost=cost).rules
+  )
+  labels = [c.label for c in finalists]
+  assert labels[0] == "every kind" and len(set(labels)) == len(labels)
+  assert "offload alone, one string" in labels and "hot_cold alone, one string" in labels
+  assert len({c.rules for c in finalists}) == len(finalists)  # distinct plans
+  for c in finalists:
+    assert c.device_bytes <= 0.1 * c.all_dense_bytes, c.label
+    tiers = {x.text for x in c.chosen.values() if x.text != "dense"}
+    if c.label.endswith("alone, one string"):
+      tier = c.label.split()[0]
+      assert len(tiers) == 1 and tiers.pop().startswith(tier + "("), (c.label, tiers)
+  assert len(auto_plan.choose_finalists(
+    specs, dataclasses.replace(opts, finalists=2), mesh, base.Layout(), [], cost=cost
+  )) == 2  # fmt: skip
+  # No host tier fits 10%: not a finalist; at 100% it is (all dense), and the first.
+  full = auto_plan.choose_finalists(
+    specs, AutoOptions(budget=1.0, fractions=(0.01, 0.05)), mesh, base.Layout(), [], cost=cost
+  )
+  assert "no host tier" not in labels and full[0].placed == "4 x dense"
+  with pytest.raises(ValueError, match="finalists must be >= 1"):
+    AutoOptions(finalists=0)
+
+
+def test_pick_measured_takes_the_fastest_whole_step():
+  """The finalist measured fastest is taken, whatever the solver's order, carrying every
+  finalist's label, predicted and measured step."""
+  a = Candidate("t", "dense", 10, 0, 1.0)
+  b = Candidate("t", "offload(cache_fraction=0.1)", 1, 9, 2.0)
+
+  def plan(c, label, whole):
+    return auto_plan.PlanChoice(
+      chosen={"t": c}, runner_up={"t": None}, fixed_bytes=0, budget_bytes=None,
+      all_dense_bytes=10, objective="time", label=label, whole_step_s=whole,
+    )  # fmt: skip
+
+  timed = [plan(a, "every kind", 0.050), plan(b, "offload alone, one string", 0.045)]
+  best = auto_plan.pick_measured(timed)
+  assert best.label == "offload alone, one string" and best.whole_step_s == 0.045
+  assert [f[0] for f in best.finalists] == ["every kind", "offload alone, one string"]
+  assert [f[3] for f in best.finalists] == [0.050, 0.045]
+  assert "finalists timed whole (2; the fastest taken)" in best.report()
+  assert best.as_dict()["finalists"][1]["whole_step_s"] == 0.045
+
+
+def test_trainer_times_the_finalists_whole_and_takes_the_fastest(tmp_path):
+  """smoke with its three largest tables under auto (the rest dense) with both host tiers at a
+  budget no plan without one fits: two or more finalists are built and timed as the trainer's
+  train step (`recgnn.train.plan_timing`), the fastest is taken, fits and trains, and the
+  figures are in auto_plan.json; a second run with the same cost cache times nothing again
+  and takes the same plan."""
+  probe = trainer_lib.smoke_config(str(tmp_path / "cache"), mesh=(1, 1))
+  run = loop.setup.build(probe, allocate=False)
+  big = _largest(run, 3)
+  dense_all = sum(g.device_bytes() for g in run.plan.groups.values())
+  big_bytes = sum(run.plan.backend_of(n).memory()[n].device_bytes for n in big)
+  budget = dense_all - big_bytes // 2
+  opts = f"auto(budget='{budget}', fractions=(0.2, 0.5), batches=2)"
+  cache = str(tmp_path / "costs.json")
+  choices, sizes = [], []
+  for k in range(2):
+    c = trainer_lib.smoke_config(
+      str(tmp_path / "cache"),
+      mesh=(1, 1),
+      plan=(("|".join(big), opts), (".*", "dense")),
+      steps=4,
+      log_every=2,
+      final_eval_splits=(),
+    )
+    c.embeddings.cost_cache = cache
+    workdir = str(tmp_path / f"run{k}")
+    assert loop.train(c, workdir).metrics["step"] == 4
+    with open(os.path.join(workdir, "auto_plan.json")) as f:
+      choices.append(json.load(f))
+    with open(cache) as f:
+      sizes.append(len(json.load(f)))
+  first, second = choices
+  finalists = first["finalists"]
+  assert len(finalists) >= 2, finalists
+  wholes = [f["whole_step_s"] for f in finalists]
+  assert all(w > 0 and np.isfinite(w) for w in wholes)
+  assert first["whole_step_s"] == min(wholes) and first["device_bytes"] <= budget
+  assert first["label"] == finalists[wholes.index(min(wholes))]["label"]
+  assert set(first["chosen"]) == set(big)
+  for v in first["chosen"].values():
+    assert v["step_s"] > 0 and np.isfinite(v["step_s"])
+  # The second run: every figure from the cache (nothing added), the same plan and figures.
+  assert sizes[1] == sizes[0]
+  # (the predictions differ by the dispatch time, which each run measures)
+  keep = ("label", "placed", "whole_step_s")
+  assert [{k: f[k] for k in keep} for f in second["finalists"]] == [
+    {k: f[k] for k in keep} for f in finalists
+  ]
+  assert {t: v["text"] for t, v in second["chosen"].items()} == {
+    t: v["text"] for t, v in first["chosen"].items()
+  }

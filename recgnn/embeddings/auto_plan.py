@@ -91,6 +91,13 @@ class AutoOptions(BackendOptions):
       program to compile: 8 host-tier groups compiled 11 programs in 200 steps of
       dlrm_kaggle, against 1-2 for one group. hot_cold with its micro-batch split is always
       one string (a batch has one split).
+    finalists: how many whole plans to time as the trainer's own train step before taking
+      one (`finalist_plans`: the solver's best, its best with one string per host tier, with
+      each host tier alone at one string, and with no host tier; the distinct ones that fit),
+      the fastest measured taken (`recgnn.train.plan_timing`). The sum of the
+      tables' steps ranks plans whose groups differ in number and kind less well than a
+      whole step does (multi-group plans of dlrm_kaggle measured 11-19% above their sum,
+      single-group ones within ~10%). 1: the solver's plan, untimed.
   """
 
   backend: ClassVar[str] = "auto"
@@ -103,6 +110,7 @@ class AutoOptions(BackendOptions):
   batches: int = 6
   measure_rows: int = 1_000_000
   strings_per_kind: int = 2
+  finalists: int = 5
 
   def __post_init__(self):
     if self.objective not in OBJECTIVES:
@@ -129,6 +137,8 @@ class AutoOptions(BackendOptions):
       raise ValueError(f"auto: strings_per_kind must be >= 1, got {self.strings_per_kind}")
     if self.batches < 1:
       raise ValueError(f"auto: batches must be >= 1, got {self.batches}")
+    if self.finalists < 1:
+      raise ValueError(f"auto: finalists must be >= 1, got {self.finalists}")
 
 
 def parse_bytes(text: str | int | None) -> int | None:
@@ -335,8 +345,9 @@ class CostCache:
 
 
 def cached_model_seconds(cache: CostCache | None, key: str, measure: Callable[[], float]) -> float:
-  """The model part's seconds (`PlanChoice.model_s`) through `cache` under `key`
-  (`CostCache.model_key`): timed once, then the same figure for every run of the experiment.
+  """The model part's seconds (`PlanChoice.model_s`), or a finalist's whole step
+  (`PlanChoice.whole_step_s`), through `cache` under `key` (`CostCache.model_key`): timed
+  once, then the same figure for every run of the experiment.
   Timed in each run's own process it moved from run to run more than any plan's tables did
   (two runs of dlrm_kaggle predicted 36% and 46% high from it alone, the same plans within
   13% in the next round), and it is in every plan's prediction."""
@@ -439,10 +450,26 @@ class PlanChoice:
   # dispatch included). A table's share of the step is its measured step less this; the
   # step pays it once per group, less the one dispatch the model part already holds.
   overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
+  # Which of the solver's finalists this is (`finalist_plans`), e.g. "every kind".
+  label: str = ""
+  # This plan's train step as the trainer runs it, timed whole while planning (the finalists'
+  # ranking: `pick_measured`); None when not timed.
+  whole_step_s: float | None = None
+  # Every finalist timed whole, this one included: (label, what it placed, predicted s,
+  # measured s), in the solver's order.
+  finalists: tuple[tuple[str, str, float, float], ...] = ()
 
   @property
   def rules(self) -> tuple[tuple[str, str], ...]:
     return tuple((_exact(t), c.text) for t, c in self.chosen.items())
+
+  @property
+  def placed(self) -> str:
+    """What the plan placed, counted: '13 x dense, 13 x hot_cold(budget=0.005)'."""
+    counts: dict[str, int] = {}
+    for c in [*self.chosen.values(), *self.fixed.values()]:
+      counts[c.text] = counts.get(c.text, 0) + 1
+    return ", ".join(f"{n} x {t}" for t, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
   @property
   def device_bytes(self) -> int:
@@ -511,6 +538,14 @@ class PlanChoice:
       f"{'table':<12} {'choice':<32} {'per device':>10} {'host':>10} {'step ms':>8} "
       f"{'prep ms':>8}  runner-up",
     ]
+    if self.finalists:
+      lines[1:1] = [
+        f"finalists timed whole ({len(self.finalists)}; the fastest taken): "
+        + "; ".join(
+          f"{label}: {what}, predicted {p * 1e3:.1f} ms, measured {m * 1e3:.1f} ms"
+          for label, what, p, m in self.finalists
+        )
+      ]
     for t, c in self.chosen.items():
       r = self.runner_up.get(t)
       alt = f"{r.text} ({_mib(r.device_bytes)}, {r.step_s * 1e3:.2f} ms)" if r is not None else "-"
@@ -535,6 +570,12 @@ class PlanChoice:
       "overhead_s": self.overhead_s,
       "prepare_s": self.prepare_s,
       "planning_s": self.planning_s,
+      "label": self.label,
+      "whole_step_s": self.whole_step_s,
+      "finalists": [
+        {"label": a, "placed": b, "predicted_step_s": p, "whole_step_s": m}
+        for a, b, p, m in self.finalists
+      ],
       "chosen": {t: dataclasses.asdict(c) for t, c in self.chosen.items()},
       "fixed": {t: dataclasses.asdict(c) for t, c in self.fixed.items()},
       "runner_up": {
@@ -683,7 +724,12 @@ def runner_ups(
   return out
 
 
-def choose(
+def choose(specs: Sequence[TableSpec], options: AutoOptions, mesh, layout: Layout, batches, **kw):
+  """The solver's plan of `specs` (`choose_finalists`' first: no whole step timed)."""
+  return choose_finalists(specs, options, mesh, layout, batches, **kw)[0]
+
+
+def choose_finalists(
   specs: Sequence[TableSpec],
   options: AutoOptions,
   mesh,
@@ -697,8 +743,10 @@ def choose(
   cost: Callable[[str, TableSpec], tuple[float, float]] | None = None,
   cache: CostCache | None = None,
   log: Callable[[str], None] = lambda s: None,
-) -> PlanChoice:
-  """The plan of `specs` (the tables the auto rule matched). batches: the run's first
+) -> list[PlanChoice]:
+  """Up to `options.finalists` plans of `specs` (the tables the auto rule matched), distinct,
+  each the solver's best of one variant of the candidates (`finalist_plans`), the best over
+  every kind first (which a budget nothing fits refuses, with the numbers). batches: the run's first
   training batches ({table: ids}); fixed_bytes: bytes per device of the tables other rules
   placed (they count against the budget); fixed_splits: one of those splits batches into
   micro-batches (then no auto table may: a batch has one split); all_dense_bytes: the
@@ -801,22 +849,75 @@ def choose(
     t: [dataclasses.replace(c, step_s=seen(c)) for c in cs] for t, cs in options_by_table.items()
   }
   group_s = {t: max(a - dispatch, 0.0) for t, a in overhead.items()}
-  picked = solve(shares, avail, options.objective, limits, group_s)
-  chosen = {}
-  for s in specs:  # the candidates as measured (their step alone), not their shares
-    chosen[s.name] = next(c for c in options_by_table[s.name] if c.text == picked[s.name].text)
-  return PlanChoice(
-    chosen=chosen,
-    runner_up=runner_ups(options_by_table, chosen, avail, options.objective, limits),
-    fixed_bytes=fixed_bytes,
-    budget_bytes=total_budget,
-    all_dense_bytes=all_dense,
-    objective=options.objective,
-    dispatch_s=dispatch,
-    planning_s=time.perf_counter() - started,
-    shared_cores=shared_cores(mesh),
-    overhead_s=overhead,
-  )
+  out = []
+  for label, kept, lims in finalist_plans(shares, options, limits):
+    try:
+      picked = solve(kept, avail, options.objective, lims, group_s)
+    except plan_lib.PlanDoesNotFit:
+      if not out:  # the solver's own plan: a budget nothing fits, refused with the numbers
+        raise
+      continue
+    if any(all(picked[s.name].text == c.chosen[s.name].text for s in specs) for c in out):
+      continue  # the same plan as an earlier finalist's
+    # the candidates as measured (their step alone), not their shares
+    chosen = {
+      s.name: next(c for c in options_by_table[s.name] if c.text == picked[s.name].text)
+      for s in specs
+    }
+    allowed = {
+      t: [c for c in cs if c.text in {k.text for k in kept[t]}]
+      for t, cs in options_by_table.items()
+    }
+    out.append(
+      PlanChoice(
+        chosen=chosen,
+        runner_up=runner_ups(allowed, chosen, avail, options.objective, lims),
+        fixed_bytes=fixed_bytes,
+        budget_bytes=total_budget,
+        all_dense_bytes=all_dense,
+        objective=options.objective,
+        dispatch_s=dispatch,
+        shared_cores=cores,
+        overhead_s=overhead,
+        label=label,
+      )
+    )
+    if len(out) == options.finalists:
+      break
+  elapsed = time.perf_counter() - started
+  return [dataclasses.replace(c, planning_s=elapsed) for c in out]
+
+
+def finalist_plans(
+  options_by_table: dict[str, list[Candidate]], options: AutoOptions, limits: dict[str, int]
+) -> list[tuple[str, dict[str, list[Candidate]], dict[str, int]]]:
+  """(label, candidates per table, the families' limits) of each plan the solver gives a
+  finalist for, in order: every kind under `limits`; every kind with one backend string per
+  host tier (fewer groups: fewer step programs and fixed parts); for each host tier among the kinds,
+  that tier alone at one backend string (the plan a person writes: the tables that gain the
+  most moved to one cache fraction); no host tier at all. A variant that leaves a table no
+  candidate is skipped; one the budget cannot meet is skipped by the caller."""
+
+  def kind(c: Candidate) -> str:
+    return plan_lib.parse_backend(c.text)[0]
+
+  def only(keep: Callable[[Candidate], bool]) -> dict[str, list[Candidate]] | None:
+    out = {t: [c for c in cs if keep(c)] for t, cs in options_by_table.items()}
+    return out if all(out.values()) else None
+
+  one = {f: min(n, 1) for f, n in limits.items()}
+  out = [("every kind", options_by_table, limits)]
+  if one != limits:
+    out.append(("one string per tier", options_by_table, one))
+  for tier in HOST_TIERS:
+    if tier in options.kinds:
+      kept = only(lambda c, tier=tier: kind(c) == tier or kind(c) not in HOST_TIERS)
+      if kept is not None:
+        out.append((f"{tier} alone, one string", kept, one))
+  kept = only(lambda c: kind(c) not in HOST_TIERS)
+  if kept is not None and any(k in options.kinds for k in HOST_TIERS):
+    out.append(("no host tier", kept, limits))
+  return out
 
 
 def _share(c: Candidate, overhead: dict[str, float], dispatch: float) -> float:
@@ -893,10 +994,17 @@ def plan_rules(
   log: Callable[[str], None] = lambda s: None,
   cost: Callable[[str, TableSpec], tuple[float, float]] | None = None,
   cache: CostCache | None = None,
+  model_s: float | None = None,
+  time_plan: Callable[[list[tuple[str, str]], PlanChoice], float] | None = None,
 ) -> tuple[list[tuple[str, str]], PlanChoice]:
-  """Rules with the auto rule's tables placed by `choose`: one exact-name rule per table,
-  before the other rules (which keep their tables). With many processes every process
-  measures and process 0's choice is taken by all (the plan must be the same everywhere)."""
+  """Rules with the auto rule's tables placed by the planner: one exact-name rule per table,
+  before the other rules (which keep their tables). The solver's finalists
+  (`choose_finalists`) are each timed whole by `time_plan(rules, choice)` (seconds per train
+  step as the trainer runs it) and the fastest taken (`pick_measured`); without `time_plan`,
+  or with one finalist, the solver's own plan. model_s: the model part's seconds, in every
+  finalist's prediction. With many processes every process measures the tables and process
+  0's solver plan is taken by all, untimed (the plan must be the same everywhere, and a
+  whole-step timing would have to run in lockstep on every process)."""
   options = auto_options(rules)
   assert options is not None
   by_text = plan_lib.assign_rules(rules, specs)
@@ -908,7 +1016,7 @@ def plan_rules(
       fixed += group.device_bytes()
       fixed_splits = fixed_splits or group.capabilities.splits_batch
   all_dense = sum(memory_of("dense", s, mesh, layout)[0] for s in specs)
-  choice = choose(
+  finalists = choose_finalists(
     auto_specs,
     options,
     mesh,
@@ -923,19 +1031,40 @@ def plan_rules(
     log=log,
   )
   if jax.process_count() > 1:
-    choice = _agree(choice, auto_specs, options, mesh, layout)
+    finalists = [_agree(finalists[0], auto_specs, options, mesh, layout)]
   kept = [(p, t) for p, t in rules if not is_auto(t)]
-  others = [s for s in specs if s.name not in choice.chosen]
+  others = [s for s in specs if s.name not in finalists[0].chosen]
   if others:  # their step is part of the predicted one too
     given = predict_rules(
       kept, others, mesh, layout, batches, measure_rows=options.measure_rows, cache=cache, cost=cost
     )
+    finalists = [
+      dataclasses.replace(c, fixed=given.chosen, overhead_s={**given.overhead_s, **c.overhead_s})
+      for c in finalists
+    ]
+  finalists = [dataclasses.replace(c, model_s=model_s) for c in finalists]
+  choice = finalists[0]
+  if time_plan is not None and len(finalists) > 1:
+    started = time.perf_counter()
+    timed = []
+    for k, c in enumerate(finalists, 1):
+      log(f"auto: timing finalist {k}/{len(finalists)} whole ({c.label}: {c.placed})")
+      timed.append(dataclasses.replace(c, whole_step_s=time_plan([*c.rules, *kept], c)))
+    choice = pick_measured(timed)
     choice = dataclasses.replace(
-      choice, fixed=given.chosen, overhead_s={**given.overhead_s, **choice.overhead_s}
+      choice, planning_s=choice.planning_s + time.perf_counter() - started
     )
   # Exact names first: an auto table is matched by its own rule before any other rule's
   # regex that also matches it; the other rules keep their tables.
   return [*choice.rules, *kept], choice
+
+
+def pick_measured(timed: Sequence[PlanChoice]) -> PlanChoice:
+  """The finalist whose whole step measured fastest (ties: the solver's order), carrying
+  every finalist's figures (`PlanChoice.finalists`)."""
+  best = min(range(len(timed)), key=lambda i: (timed[i].whole_step_s, i))
+  summary = tuple((c.label, c.placed, c.predicted_step_s, c.whole_step_s) for c in timed)
+  return dataclasses.replace(timed[best], finalists=summary)
 
 
 def _agree(choice: PlanChoice, specs, options: AutoOptions, mesh, layout) -> PlanChoice:

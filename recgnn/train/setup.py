@@ -30,7 +30,7 @@ from recgnn import distributed, sharding
 from recgnn.embeddings import auto_plan as auto_plan_lib
 from recgnn.embeddings import base
 from recgnn.tasks.base import Task
-from recgnn.train import inputs
+from recgnn.train import inputs, plan_timing
 from recgnn.train import step as step_lib
 
 
@@ -74,18 +74,11 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
     config.train.get("process_input", "auto"),
   )
   n = (options or auto_plan_lib.AutoOptions()).batches
-  batches = list(itertools.islice(task.train_batches(0), n))
-  ids = [b["ids"] for b in batches]
+  timing = plan_timing.batches_needed() if options is not None and options.finalists > 1 else 0
+  batches = list(itertools.islice(task.train_batches(0), max(n, timing)))
+  ids = [b["ids"] for b in batches[:n]]
   path = config.embeddings.get("cost_cache", "")
   cache = auto_plan_lib.CostCache(path) if path else None
-  if options is not None:
-    log(f"auto plan: timing candidate placements on {len(batches)} training batches")
-    rules, choice = auto_plan_lib.plan_rules(
-      rules, specs, mesh, layout, ids, budget_bytes=budget, log=log, cache=cache
-    )
-  else:
-    log(f"plan report: timing each table's placement on {len(batches)} training batches")
-    choice = auto_plan_lib.predict_rules(rules, specs, mesh, layout, ids, cache=cache)
   # The part of the step every plan shares, so that the prediction is of the whole step:
   # through the cost cache like the tables' costs (every plan of the experiment, every run,
   # the same figure), keyed by what sets its cost and never by the plan.
@@ -97,12 +90,50 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
   )
   model_s = auto_plan_lib.cached_model_seconds(
     cache,
-    auto_plan_lib.CostCache.model_key(what, batches, mesh),
-    lambda: step_lib.model_step_seconds(task, tx, mesh, batches, dims),
+    auto_plan_lib.CostCache.model_key(what, batches[:n], mesh),
+    lambda: step_lib.model_step_seconds(task, tx, mesh, batches[:n], dims),
   )
-  choice = dataclasses.replace(
-    choice, model_s=model_s, planning_s=choice.planning_s + time.perf_counter() - t0
-  )
+  model_time = time.perf_counter() - t0
+
+  def time_plan(plan_rules: list[tuple[str, str]], choice) -> float:
+    """A finalist's whole train step (`plan_timing`), through the cost cache: keyed by its
+    rules and everything the model part's key holds, the timing batches all."""
+    key = auto_plan_lib.CostCache.model_key(
+      repr(("whole step", plan_timing.VERSION, plan_rules, what)), batches, mesh
+    )
+
+    def measure() -> float:
+      cfg = config.copy_and_resolve_references()
+      with cfg.unlocked():
+        cfg.embeddings.plan = tuple(plan_rules)
+      run = build(cfg, mesh=mesh, task=task, device_memory_budget=budget)
+      return plan_timing.whole_step_seconds(run, batches)
+
+    out = auto_plan_lib.cached_model_seconds(cache, key, measure)
+    log(
+      f"auto: {choice.label}: whole step {out * 1e3:.2f} ms (predicted "
+      f"{choice.predicted_step_s * 1e3:.2f} ms)"
+    )
+    return out
+
+  if options is not None:
+    log(f"auto plan: timing candidate placements on {len(ids)} training batches")
+    rules, choice = auto_plan_lib.plan_rules(
+      rules,
+      specs,
+      mesh,
+      layout,
+      ids,
+      budget_bytes=budget,
+      log=log,
+      cache=cache,
+      model_s=model_s,
+      time_plan=time_plan if timing else None,
+    )
+  else:
+    log(f"plan report: timing each table's placement on {len(ids)} training batches")
+    choice = auto_plan_lib.predict_rules(rules, specs, mesh, layout, ids, cache=cache)
+  choice = dataclasses.replace(choice, model_s=model_s, planning_s=choice.planning_s + model_time)
   log(choice.report())
   if cache is not None:
     log(f"cost cache {cache.path}: {cache.hits} reused, {cache.misses} timed")
