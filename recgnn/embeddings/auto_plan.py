@@ -92,8 +92,9 @@ class AutoOptions(BackendOptions):
       dlrm_kaggle, against 1-2 for one group. hot_cold with its micro-batch split is always
       one string (a batch has one split).
     finalists: how many whole plans to time as the trainer's own train step before taking
-      one (`finalist_plans`: the solver's best, its best with one string per host tier, with
-      each host tier alone at one string, and with no host tier; the distinct ones that fit),
+      one (`finalist_plans`: the solver's best, then of its best with one string per host
+      tier, with each host tier at each fraction first, and with no host tier, the distinct
+      ones that fit, the best of each kind first),
       the fastest measured taken (`recgnn.train.plan_timing`). The sum of the
       tables' steps ranks plans whose groups differ in number and kind less well than a
       whole step does (multi-group plans of dlrm_kaggle measured 11-19% above their sum,
@@ -849,16 +850,28 @@ def choose_finalists(
     t: [dataclasses.replace(c, step_s=seen(c)) for c in cs] for t, cs in options_by_table.items()
   }
   group_s = {t: max(a - dispatch, 0.0) for t, a in overhead.items()}
-  out = []
+  solved = []  # (label, picked, limits, kept) of each variant the budget can meet, distinct
   for label, kept, lims in finalist_plans(shares, options, limits):
     try:
       picked = solve(kept, avail, options.objective, lims, group_s)
-    except plan_lib.PlanDoesNotFit:
-      if not out:  # the solver's own plan: a budget nothing fits, refused with the numbers
+    except plan_lib.PlanDoesNotFit as e:
+      if not solved:  # the solver's own plan: a budget nothing fits, refused with the numbers
         raise
+      log(f"auto: no {label} plan fits ({str(e).split(';')[0]})")
       continue
-    if any(all(picked[s.name].text == c.chosen[s.name].text for s in specs) for c in out):
-      continue  # the same plan as an earlier finalist's
+    if any(all(picked[s.name].text == p[s.name].text for s in specs) for _, p, _, _ in solved):
+      continue  # the same plan as another variant's
+    solved.append((label, picked, lims, kept))
+  # The solver's own plan; then the best of each kind of variant (one string per tier, each
+  # tier first, no host tier: the sum may misrank a whole kind, and a whole step is timed to
+  # catch that), then the rest, each by what the solver minimized.
+  rest = sorted(solved[1:], key=lambda v: _objective(v[1], group_s, options.objective))
+  kinds = {}
+  for v in rest:
+    kinds.setdefault(v[0].split()[0] if v[0].endswith(" first") else v[0], v)
+  ordered = [solved[0], *kinds.values(), *[v for v in rest if v not in kinds.values()]]
+  out = []
+  for label, picked, lims, kept in ordered[: options.finalists]:
     # the candidates as measured (their step alone), not their shares
     chosen = {
       s.name: next(c for c in options_by_table[s.name] if c.text == picked[s.name].text)
@@ -882,8 +895,11 @@ def choose_finalists(
         label=label,
       )
     )
-    if len(out) == options.finalists:
-      break
+  if len(solved) > len(out):
+    log(
+      f"auto: {len(solved)} distinct finalist plans, the {len(out)} the solver ranks first kept "
+      f"(finalists={options.finalists})"
+    )
   elapsed = time.perf_counter() - started
   return [dataclasses.replace(c, planning_s=elapsed) for c in out]
 
@@ -892,32 +908,61 @@ def finalist_plans(
   options_by_table: dict[str, list[Candidate]], options: AutoOptions, limits: dict[str, int]
 ) -> list[tuple[str, dict[str, list[Candidate]], dict[str, int]]]:
   """(label, candidates per table, the families' limits) of each plan the solver gives a
-  finalist for, in order: every kind under `limits`; every kind with one backend string per
-  host tier (fewer groups: fewer step programs and fixed parts); for each host tier among the kinds,
-  that tier alone at one backend string (the plan a person writes: the tables that gain the
-  most moved to one cache fraction); no host tier at all. A variant that leaves a table no
-  candidate is skipped; one the budget cannot meet is skipped by the caller."""
+  finalist for: every kind under `limits` (the solver's own plan, first); every kind with one
+  backend string per host tier (fewer groups: fewer step programs and fixed parts); for each
+  host tier and fraction, that tier at that fraction first (the plans a person writes: a table
+  that leaves device memory goes to it, and to the other tier at the same fraction only where
+  it has no such candidate, e.g. an offload cache too small for a batch's rows); no host tier
+  at all. A variant that leaves a table no candidate is left out; one the budget cannot meet
+  is skipped by the caller."""
 
   def kind(c: Candidate) -> str:
     return plan_lib.parse_backend(c.text)[0]
 
-  def only(keep: Callable[[Candidate], bool]) -> dict[str, list[Candidate]] | None:
-    out = {t: [c for c in cs if keep(c)] for t, cs in options_by_table.items()}
+  def fraction(c: Candidate) -> float | None:
+    name, opts = plan_lib.parse_backend(c.text)
+    return opts.get("cache_fraction" if name == "offload" else "budget")
+
+  def only(keep: Callable[[str, Candidate], bool]) -> dict[str, list[Candidate]] | None:
+    out = {t: [c for c in cs if keep(t, c)] for t, cs in options_by_table.items()}
     return out if all(out.values()) else None
+
+  def first(tier: str, f: float) -> Callable[[str, Candidate], bool]:
+    has = {
+      t
+      for t, cs in options_by_table.items()
+      if any(kind(c) == tier and fraction(c) == f for c in cs)
+    }
+
+    def keep(t: str, c: Candidate) -> bool:
+      if kind(c) not in HOST_TIERS:
+        return True
+      return fraction(c) == f and (kind(c) == tier or t not in has)
+
+    return keep
 
   one = {f: min(n, 1) for f, n in limits.items()}
   out = [("every kind", options_by_table, limits)]
   if one != limits:
     out.append(("one string per tier", options_by_table, one))
   for tier in HOST_TIERS:
-    if tier in options.kinds:
-      kept = only(lambda c, tier=tier: kind(c) == tier or kind(c) not in HOST_TIERS)
+    for f in options.fractions if tier in options.kinds else ():
+      kept = only(first(tier, f))
       if kept is not None:
-        out.append((f"{tier} alone, one string", kept, one))
-  kept = only(lambda c: kind(c) not in HOST_TIERS)
+        out.append((f"{tier} {f:g} first", kept, one))
+  kept = only(lambda t, c: kind(c) not in HOST_TIERS)
   if kept is not None and any(k in options.kinds for k in HOST_TIERS):
     out.append(("no host tier", kept, limits))
   return out
+
+
+def _objective(picked: dict[str, Candidate], group_s: dict[str, float], objective: str):
+  """What the solver minimized for `picked` (candidates with their shares as step_s): the
+  finalists after the solver's own are taken in this order."""
+  secs = sum(c.step_s for c in picked.values())
+  secs += sum(group_s.get(t, 0.0) for t in {c.text for c in picked.values()})
+  nbytes = sum(c.device_bytes for c in picked.values())
+  return (secs, nbytes) if objective == "time" else (nbytes, secs)
 
 
 def _share(c: Candidate, overhead: dict[str, float], dispatch: float) -> float:
