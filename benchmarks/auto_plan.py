@@ -57,7 +57,13 @@ def plan_text(rules) -> str:
 
 
 def hand_written(
-  specs, dense_bytes: dict[str, int], budget: int, mesh, need: dict[str, int], most: int
+  specs,
+  dense_bytes: dict[str, int],
+  budget: int,
+  mesh,
+  need: dict[str, int],
+  most: int,
+  shapes: dict | None = None,
 ) -> dict[str, list]:
   """{name: rules} of up to `most` hand-written plans that fit `budget` bytes per device, in
   the order a person would try them: all dense; the largest tables moved one by one (at
@@ -66,16 +72,29 @@ def hand_written(
   table goes to hot_cold at the fraction);
   then the largest tables alternately to offload and hot_cold; then a graded plan, the
   largest tables at the smallest fraction and the next ones at the next larger. need: each
-  table's most distinct ids in a batch, with the planner's headroom (it tries no smaller cache)."""
+  table's most distinct ids in a batch, with the planner's headroom (it tries no smaller cache);
+  shapes: a train batch's ids shapes, for the buffers a plan's state holds per batch (hot_cold's
+  prefetch): a plan that fits only with hot_cold's prefetch off is written with it off."""
   by_size = sorted(specs, key=lambda s: -dense_bytes[s.name])
   memo = {}
 
   def nbytes(text, s):
     if (text, s.name) not in memo:
-      memo[text, s.name] = auto_plan.memory_of(text, s, mesh, base.Layout())[0]
+      memo[text, s.name] = auto_plan.memory_of(
+        text, s, mesh, base.Layout(), (shapes or {}).get(s.name)
+      )[0]
     return memo[text, s.name]
 
-  def fill(texts_of):  # texts_of(i, f_ok) -> the i-th moved table's backend string
+  def fill(texts_of):  # texts_of(i, s) -> the i-th moved table's backend string
+    got = fill_one(texts_of)
+    if got is None:  # the same with hot_cold's prefetch off (no buffer of a batch's rows)
+      got = fill_one(lambda i, s: no_prefetch(texts_of(i, s)))
+    return got
+
+  def no_prefetch(text):
+    return text[:-1] + ", prefetch=False)" if text and text.startswith("hot_cold(") else text
+
+  def fill_one(texts_of):
     used, moved = dict(dense_bytes), {}
     for s in by_size:
       if moved and sum(used.values()) <= budget:
@@ -120,7 +139,11 @@ def hand_written(
     rules = fill(lambda i, s, a=small, b=large: placed("offload", a if i < 2 else b, s))
     if rules:
       plans[f"offload {small:g} on the 2 largest, {large:g} on more"] = rules
-  return dict(list(plans.items())[:most])
+  out = {}
+  for name, rules in list(plans.items())[:most]:
+    off = any("prefetch=False" in t for _, t in rules)
+    out[name + (" (hot_cold without prefetch)" if off else "")] = rules
+  return out
 
 
 def same_plan_as_auto(runs: dict, budget: float) -> tuple[str, float] | None:
@@ -300,9 +323,11 @@ def main(argv=None):
   need = {s.name: max(int(np.unique(x[s.name][x[s.name] >= 0]).size) for x in first)
           for s in specs}  # fmt: skip
   contestants = []  # (budget, name, rules)
+  shapes = auto_plan.ids_shapes(first)
   for b in budgets:
     limit = int(total * b)
-    for name, rules in hand_written(specs, dense, limit, mesh, need, args.max_hand).items():
+    plans = hand_written(specs, dense, limit, mesh, need, args.max_hand, shapes)
+    for name, rules in plans.items():
       contestants.append((b, name, rules))
     contestants.append((b, "auto", [(".*", f"auto(budget={b})")]))
   runs: dict[tuple[float, str], list[dict]] = {(b, n): [] for b, n, _ in contestants}

@@ -222,6 +222,36 @@ def test_hot_rows_are_row_sharded_and_memory_reported():
   assert g.memory()["a"].device_bytes == 13 * (8 * 4 + 4) + 104 * 4
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_batch_memory_is_the_prefetch_buffer_the_state_holds(prefetch):
+  """After steps that prefetched, the state holds on each device what `memory()` reports
+  plus `batch_memory` for the batches' ids shapes (the next batch's cold rows, replicated:
+  min(ids, rows) rows per table); without prefetch, `memory()` alone. The planner and the
+  trainer's budget check count it (auto_plan.memory_of, plan.check_memory)."""
+  from recgnn.train import plan_report
+
+  specs = _specs(ADAGRAD)
+  batches = _batches(specs, n=6)
+  text = f"hot_cold(budget=0.1, profile_batches=2, prefetch={prefetch})"
+  *_, g, state = _run_group(text, specs, batches, base.default_mesh())
+  shapes = {s.name: batches[0][s.name].shape for s in specs}
+  extra = g.batch_memory(shapes)
+  if prefetch:  # 64 x 3 = 192 ids a batch, fewer than either table's rows
+    assert extra == {"a": 192 * specs[0].row_bytes, "b": 192 * specs[1].row_bytes}
+  else:
+    assert extra == {}
+  held, _ = plan_report.held_bytes(state)
+  scalars = 3 * 4  # the group's version, stale and next_for counters (int32[] each)
+  assert held == g.device_bytes() + sum(extra.values()) + scalars
+  plan = base.Plan({g.name: g}, {s.name: g.name for s in specs}, g.mesh)
+  total = base.check_memory(plan, None, shapes)
+  assert total == held - scalars
+  if prefetch:
+    with pytest.raises(base.PlanDoesNotFit, match="buffers sized by the batch"):
+      base.check_memory(plan, total - 1, shapes)
+  assert base.check_memory(plan, held) == g.device_bytes()  # (no shapes: memory() alone)
+
+
 def test_update_is_sparse():
   spec = base.TableSpec(name="t", num_rows=200_000, dim=16, optimizer=ADAGRAD)
   batch = contract.zipf_ids(seed=0, num_batches=1, batch=256, bag=2, num_rows=spec.num_rows)[0]

@@ -78,7 +78,9 @@ class AutoOptions(BackendOptions):
       the faster).
     kinds: the backends to consider, among dense, offload, hot_cold, tt, sharded (sharded
       and dense(shard=rows) only on a mesh with a model axis).
-    fractions: offload's cache and hot_cold's hot budget, as shares of each table.
+    fractions: offload's cache and hot_cold's hot budget, as shares of each table (hot_cold
+      at each with its prefetch and without: `prefetch=False` holds no buffer of a batch's
+      cold rows, `Backend.batch_memory`).
     tt_ranks: the TT ranks allowed (the quality constraint: TT is a different model, so only
       ranks whose accuracy the user accepts; empty = no TT).
     batches: how many of the run's first training batches each candidate is timed on.
@@ -188,17 +190,34 @@ def candidates(spec: TableSpec, options: AutoOptions, mesh: jax.sharding.Mesh) -
     if "offload" in options.kinds:
       out.append(f"offload(cache_fraction={f})")
     if "hot_cold" in options.kinds:
-      out.append(f"hot_cold(budget={f})")
+      # and without its prefetch buffer (a batch's cold rows on every device: at small
+      # budgets more than the hot rows themselves)
+      out += [f"hot_cold(budget={f})", f"hot_cold(budget={f}, prefetch=False)"]
   if "tt" in options.kinds:
     out += [f"tt(rank={r})" for r in options.tt_ranks]
   return out
 
 
-def memory_of(text: str, spec: TableSpec, mesh, layout: Layout) -> tuple[int, int]:
-  """(bytes per device, host bytes) of `text` for `spec`, from the backend's own `memory`."""
+def memory_of(
+  text: str, spec: TableSpec, mesh, layout: Layout, ids_shape: tuple[int, ...] | None = None
+) -> tuple[int, int]:
+  """(bytes per device, host bytes) of `text` for `spec`, from the backend's own `memory`,
+  and with ids_shape (a train batch's ids of this table, global) the buffers its state
+  comes to hold for such batches (`batch_memory`, e.g. hot_cold's prefetch)."""
   group = plan_lib.make_group(text, [spec], mesh, layout)
   mem = group.memory()[spec.name]
-  return mem.device_bytes, mem.host_bytes
+  extra = group.batch_memory({spec.name: tuple(ids_shape)}) if ids_shape is not None else {}
+  return mem.device_bytes + extra.get(spec.name, 0), mem.host_bytes
+
+
+def ids_shapes(batches: Sequence[dict[str, np.ndarray]]) -> dict[str, tuple[int, ...]]:
+  """{table: the largest ids shape of `batches`} (train batches' ids)."""
+  out: dict[str, tuple[int, ...]] = {}
+  for b in batches:
+    for t, ids in b.items():
+      shape = tuple(np.shape(ids))
+      out[t] = max(out.get(t, shape), shape, key=lambda x: int(np.prod(x)))
+  return out
 
 
 def measure(
@@ -762,6 +781,7 @@ def choose_finalists(
     )
   started = time.perf_counter()
   memo: dict[tuple[str, str], tuple[int, int]] = {}
+  shapes = ids_shapes(batches)
   dense_bytes = 0
   by_table: dict[str, list[tuple[str, int, int]]] = {}
   for spec in specs:
@@ -776,7 +796,9 @@ def choose_finalists(
       if name == "offload" and opts.get("cache_fraction", 1.0) * spec.num_rows < need:
         continue
       try:
-        dev, host = memo.setdefault((text, spec.name), memory_of(text, spec, mesh, layout))
+        dev, host = memo.setdefault(
+          (text, spec.name), memory_of(text, spec, mesh, layout, shapes.get(spec.name))
+        )
       except ValueError as e:  # a placement this table cannot take (the backend says why)
         log(f"auto: {spec.name}: {text} left out ({e})")
         continue
@@ -1076,7 +1098,7 @@ def plan_rules(
     log=log,
   )
   if jax.process_count() > 1:
-    finalists = [_agree(finalists[0], auto_specs, options, mesh, layout)]
+    finalists = [_agree(finalists[0], auto_specs, options, mesh, layout, batches)]
   kept = [(p, t) for p, t in rules if not is_auto(t)]
   others = [s for s in specs if s.name not in finalists[0].chosen]
   if others:  # their step is part of the predicted one too
@@ -1112,7 +1134,9 @@ def pick_measured(timed: Sequence[PlanChoice]) -> PlanChoice:
   return dataclasses.replace(timed[best], finalists=summary)
 
 
-def _agree(choice: PlanChoice, specs, options: AutoOptions, mesh, layout) -> PlanChoice:
+def _agree(
+  choice: PlanChoice, specs, options: AutoOptions, mesh, layout, batches: Sequence[dict]
+) -> PlanChoice:
   """Process 0's choice on every process (sent as indices into each table's candidate list,
   which every process builds alike); where this process measured another pick, process 0's
   is taken with its bytes and this process's step time left unknown (nan)."""
@@ -1124,7 +1148,7 @@ def _agree(choice: PlanChoice, specs, options: AutoOptions, mesh, layout) -> Pla
   chosen = dict(choice.chosen)
   for s, c, i in zip(specs, lists, idx):
     if c[i] != chosen[s.name].text:
-      dev, host = memory_of(c[i], s, mesh, layout)
+      dev, host = memory_of(c[i], s, mesh, layout, ids_shapes(batches).get(s.name))
       chosen[s.name] = Candidate(s.name, c[i], dev, host, family=family_of(c[i]))
   return dataclasses.replace(choice, chosen=chosen)
 
@@ -1150,10 +1174,11 @@ def predict_rules(
     dispatch = dispatch_seconds(mesh)
     cost = timed_cost(batches, mesh, layout, measure_rows, cache)
   chosen = {}
+  shapes = ids_shapes(batches)
   by_text = plan_lib.assign_rules(rules, specs)
   for text, ss in by_text.items():
     for spec in ss:
-      dev, host = memory_of(text, spec, mesh, layout)
+      dev, host = memory_of(text, spec, mesh, layout, shapes.get(spec.name))
       step_s, prep_s = cost(text, spec)
       chosen[spec.name] = Candidate(spec.name, text, dev, host, step_s, prep_s, family_of(text))
   chosen = {s.name: chosen[s.name] for s in specs}

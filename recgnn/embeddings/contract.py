@@ -267,6 +267,14 @@ class Backend(abc.ABC):
   def memory(self) -> dict[str, MemoryReport]:
     """Per table: bytes PER DEVICE and on the host, known before anything is allocated."""
 
+  def batch_memory(self, ids_shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Per table: bytes PER DEVICE the state comes to hold beyond `memory()` once it trains
+    on batches whose ids are shaped ids_shapes[table] (the global train batch): buffers
+    sized by the batch, not by the table (hot_cold's prefetched cold rows of the next
+    batch). Known before anything is allocated, as `memory`; a table left out holds none."""
+    del ids_shapes
+    return {}
+
   @abc.abstractmethod
   def tables(self, state: PyTree) -> dict[str, np.ndarray]:
     """The logical f32[N, D] tables (tests and export; O(N), never called by the trainer)."""

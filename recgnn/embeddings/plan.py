@@ -302,16 +302,29 @@ class PlanDoesNotFit(ValueError):
   """The plan needs more device memory than the budget allows."""
 
 
-def check_memory(plan: Plan, device_budget_bytes: int | None) -> int:
+def batch_bytes(plan: Plan, ids_shapes: dict[str, tuple[int, ...]] | None) -> int:
+  """Bytes per device the plan's state comes to hold beyond its `memory()` for train batches
+  of ids shaped `ids_shapes` (`Backend.batch_memory`: e.g. hot_cold's prefetch buffer)."""
+  if not ids_shapes:
+    return 0
+  return sum(sum(g.batch_memory(ids_shapes).values()) for g in plan.groups.values())
+
+
+def check_memory(
+  plan: Plan, device_budget_bytes: int | None, ids_shapes: dict[str, tuple] | None = None
+) -> int:
   """Refuse, before allocating, a plan whose bytes on one device exceed the budget (per
-  device). Returns the plan's bytes per device."""
+  device), with ids_shapes (a train batch's ids, {table: shape}) the buffers the state comes
+  to hold for such batches included (`batch_bytes`). Returns the plan's bytes per device."""
   per_table = {n: (g, g.memory()[n]) for n in plan.table_group for g in [plan.backend_of(n)]}
-  total = sum(g.device_bytes() for g in plan.groups.values())
+  buffers = batch_bytes(plan, ids_shapes)
+  total = sum(g.device_bytes() for g in plan.groups.values()) + buffers
   if device_budget_bytes is not None and total > device_budget_bytes:
     worst = sorted(per_table.items(), key=lambda kv: -kv[1][1].device_bytes)[:5]
     raise PlanDoesNotFit(
-      f"Embedding plan needs {_mib(total)} per device on mesh {sharding.describe(plan.mesh)}, "
-      f"budget is {_mib(device_budget_bytes)} per device. Largest tables: "
+      f"Embedding plan needs {_mib(total)} per device on mesh {sharding.describe(plan.mesh)}"
+      + (f" ({_mib(buffers)} of it buffers sized by the batch)" if buffers else "")
+      + f", budget is {_mib(device_budget_bytes)} per device. Largest tables: "
       + ", ".join(f"{n} {_mib(m.device_bytes)} ({g.describe(n)})" for n, (g, m) in worst)
       + ". Split large tables over the devices ('dense(shard=rows)' with --config.mesh.model=N)"
       " or move them to host memory or a compressed backend in config.embeddings.plan, e.g. "

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
@@ -138,6 +139,18 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
   if cache is not None:
     log(f"cost cache {cache.path}: {cache.hits} reused, {cache.misses} timed")
   return rules, choice
+
+
+def _train_ids_shapes(plan: base.Plan, task: Task, budget: int | None) -> dict | None:
+  """A train batch's ids shapes ({table: shape}) when the plan has a budget to meet and a
+  group holds buffers sized by the batch (`Backend.batch_memory`, asked with the example
+  batch's shapes first): one batch read; else None (nothing to add)."""
+  if budget is None:
+    return None
+  probe = {t: tuple(np.shape(x)) for t, x in task.example_batch()["ids"].items()}
+  if not base.batch_bytes(plan, probe):
+    return None
+  return auto_plan_lib.ids_shapes([next(task.train_batches(0))["ids"]])
 
 
 def _config_text(section) -> str:
@@ -354,7 +367,7 @@ def build(
     log(f"Input: {input_how}")
   plan = base.resolve_plan(rules, specs, mesh, layout, log=False)
   log("Embedding plan (bytes before allocation):\n" + base.format_plan(plan))
-  base.check_memory(plan, device_memory_budget)
+  base.check_memory(plan, device_memory_budget, _train_ids_shapes(plan, task, device_memory_budget))
   feeder = step_lib.Feeder(plan, task.batch_spec)
   total_steps, length = training_length(tcfg, task)
   log(f"Mesh {sharding.describe(mesh)}; training {length}")

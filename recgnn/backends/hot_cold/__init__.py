@@ -290,6 +290,18 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
   def _slots(self, names) -> tuple[str, ...]:
     return self.specs[names[0]].optimizer.slot_names()
 
+  def batch_memory(self, ids_shapes):
+    """The prefetch buffer (`DeviceSteps._buffer`): the next batch's cold rows with their
+    optimizer state, as many as a batch has ids (at most the table's rows), replicated on
+    every device; none without prefetch."""
+    if not self.options.prefetch:
+      return {}
+    return {
+      n: hot_set.cold_cap(ids_shapes[n], spec) * spec.row_bytes
+      for n, spec in self.specs.items()
+      if n in ids_shapes
+    }
+
   def memory(self):
     out = {}
     n = self.mesh.size
