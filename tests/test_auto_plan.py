@@ -382,7 +382,7 @@ def test_trainer_times_the_finalists_whole_and_takes_the_fastest(tmp_path):
   dense_all = sum(g.device_bytes() for g in run.plan.groups.values())
   big_bytes = sum(run.plan.backend_of(n).memory()[n].device_bytes for n in big)
   budget = dense_all - big_bytes // 2
-  opts = f"auto(budget='{budget}', fractions=(0.2, 0.5), batches=2, finalists=2)"
+  opts = f"auto(budget='{budget}', fractions=(0.2,), batches=2, finalists=2)"
   cache = str(tmp_path / "costs.json")
   c = trainer_lib.smoke_config(
     str(tmp_path / "cache"),
