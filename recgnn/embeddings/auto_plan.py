@@ -888,10 +888,11 @@ def choose_finalists(
   # tier first, no host tier: the sum may misrank a whole kind, and a whole step is timed to
   # catch that), then the rest, each by what the solver minimized.
   rest = sorted(solved[1:], key=lambda v: _objective(v[1], group_s, options.objective))
-  kinds = {}
+  best_of_kind: dict[str, tuple] = {}
   for v in rest:
-    kinds.setdefault(v[0].split()[0] if v[0].endswith(" first") else v[0], v)
-  ordered = [solved[0], *kinds.values(), *[v for v in rest if v not in kinds.values()]]
+    best_of_kind.setdefault(v[0].split()[0] if v[0].endswith(" first") else v[0], v)
+  firsts = {id(v) for v in best_of_kind.values()}
+  ordered = [solved[0], *best_of_kind.values(), *[v for v in rest if id(v) not in firsts]]
   out = []
   for label, picked, lims, kept in ordered[: options.finalists]:
     # the candidates as measured (their step alone), not their shares
@@ -1098,6 +1099,11 @@ def plan_rules(
     log=log,
   )
   if jax.process_count() > 1:
+    if len(finalists) > 1 and time_plan is not None:
+      log(
+        f"auto: {jax.process_count()} processes: the solver's plan is taken untimed (the "
+        f"{len(finalists)} finalists' whole-step timing runs on one process only)"
+      )
     finalists = [_agree(finalists[0], auto_specs, options, mesh, layout, batches)]
   kept = [(p, t) for p, t in rules if not is_auto(t)]
   others = [s for s in specs if s.name not in finalists[0].chosen]
@@ -1145,10 +1151,10 @@ def _agree(
   lists = [candidates(s, options, mesh) for s in specs]
   idx = np.array([c.index(choice.chosen[s.name].text) for s, c in zip(specs, lists)], np.int32)
   idx = np.asarray(multihost_utils.broadcast_one_to_all(idx))
-  chosen = dict(choice.chosen)
+  chosen, shapes = dict(choice.chosen), ids_shapes(batches)
   for s, c, i in zip(specs, lists, idx):
     if c[i] != chosen[s.name].text:
-      dev, host = memory_of(c[i], s, mesh, layout, ids_shapes(batches).get(s.name))
+      dev, host = memory_of(c[i], s, mesh, layout, shapes.get(s.name))
       chosen[s.name] = Candidate(s.name, c[i], dev, host, family=family_of(c[i]))
   return dataclasses.replace(choice, chosen=chosen)
 

@@ -141,13 +141,13 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
   return rules, choice
 
 
-def _train_ids_shapes(plan: base.Plan, task: Task, budget: int | None) -> dict | None:
+def _train_ids_shapes(plan: base.Plan, task: Task, example: dict, budget: int | None):
   """A train batch's ids shapes ({table: shape}) when the plan has a budget to meet and a
-  group holds buffers sized by the batch (`Backend.batch_memory`, asked with the example
+  group holds buffers sized by the batch (`Backend.batch_memory`, asked with the `example`
   batch's shapes first): one batch read; else None (nothing to add)."""
   if budget is None:
     return None
-  probe = {t: tuple(np.shape(x)) for t, x in task.example_batch()["ids"].items()}
+  probe = {t: tuple(np.shape(x)) for t, x in example["ids"].items()}
   if not base.batch_bytes(plan, probe):
     return None
   return auto_plan_lib.ids_shapes([next(task.train_batches(0))["ids"]])
@@ -367,13 +367,15 @@ def build(
     log(f"Input: {input_how}")
   plan = base.resolve_plan(rules, specs, mesh, layout, log=False)
   log("Embedding plan (bytes before allocation):\n" + base.format_plan(plan))
-  base.check_memory(plan, device_memory_budget, _train_ids_shapes(plan, task, device_memory_budget))
+  example = task.example_batch() if example is None else example
+  base.check_memory(
+    plan, device_memory_budget, _train_ids_shapes(plan, task, example, device_memory_budget)
+  )
   feeder = step_lib.Feeder(plan, task.batch_spec)
   total_steps, length = training_length(tcfg, task)
   log(f"Mesh {sharding.describe(mesh)}; training {length}")
 
   tx = step_lib.make_optimizer(config.optimizer)
-  example = task.example_batch() if example is None else example
   # Fail on a batch that cannot be split over the mesh now, before allocating anything
   # (train batches are checked as they are packed).
   ids, rest = {k: v for k, v in example.items() if k == "ids"}, step_lib.device_batch(example)
