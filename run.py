@@ -77,7 +77,10 @@ _PROFILE = flags.DEFINE_string(
   "profile_steps", None, "START:STOP: write an XLA profiler trace of these train steps."
 )
 _BUDGET = flags.DEFINE_string(
-  "device_memory_budget", None, "Refuse embedding plans needing more device memory (e.g. 2G)."
+  "device_memory_budget",
+  None,
+  "Refuse embedding plans needing more device memory per device (e.g. 2G; 'plan+10%': the "
+  "plan's own bytes plus 10%, logged in bytes).",
 )
 _PLAN_REPORT = flags.DEFINE_bool(
   "plan_report",
@@ -202,7 +205,7 @@ def main(argv):
 
   resume = "if_present" if _RESUME_IF_PRESENT.value else _RESUME.value
   try:
-    profile, budget = loop.parse_steps(_PROFILE.value), loop.parse_bytes(_BUDGET.value)
+    profile, budget = loop.parse_steps(_PROFILE.value), loop.parse_budget(_BUDGET.value)
   except ValueError as e:
     fail(str(e))
   try:

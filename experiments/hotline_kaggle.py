@@ -16,10 +16,10 @@ float summation order (tests/test_hot_cold.py; bit for bit for the embedding upd
   python run.py --experiment=hotline_kaggle --workdir=/tmp/hotline
   python run.py --experiment=hotline_kaggle:budget=0.01,tables=10 --workdir=/tmp/hotline1
 
-`device_memory_budget` is what this plan needs per device (one device) plus 10 %, for the
-synthetic default's sizes (the real data's with --config.data.path: set the budget on the
-command line then, as get_config runs before overrides): the all-dense plan (`dlrm_kaggle`
-with the same --device_memory_budget) is refused before allocating.
+`device_memory_budget` is 'plan+10%': what this plan needs per device (its backends' own
+memory report, hot_cold's prefetch buffer included) plus 10 %, resolved by the trainer on the
+run's mesh, data and batch size and logged in bytes; the all-dense plan (`dlrm_kaggle` with
+that --device_memory_budget) is refused before allocating (tests/test_experiments.py).
 
 Arg (optional, comma-separated): budget=F (share of the K tables' bytes on the devices),
 tables=K, profile=F (share of an epoch profiled), reprofile=N (re-pick every N steps),
@@ -28,8 +28,6 @@ the step before gathering them: hot_cold's `prefetch`).
 """
 
 from __future__ import annotations
-
-import math
 
 from experiments import _options, dlrm_kaggle, ttrec_kaggle
 from recgnn.data import ctr_dataset
@@ -91,22 +89,6 @@ def make_plan(options: dict, cardinalities, epoch_steps: int) -> list[tuple[str,
   return rules
 
 
-def device_bytes(cardinalities, options: dict, dim: int, slots: int, devices: int = 1) -> int:
-  """Per-device bytes of the plan (computed from the sizes, nothing allocated): the dense
-  tables whole (aligned rows), the hot_cold tables' hot rows split over the devices."""
-  chosen = set(ttrec_kaggle.largest(cardinalities, options["tables"]))
-  row = 4 * (dim + slots)
-  total = 0
-  for name, n in zip(ttrec_kaggle.table_names(len(cardinalities)), cardinalities):
-    if name in chosen:
-      hot = max(1, min(math.ceil(options["budget"] * n), n))
-      alloc = -(-hot // devices) * devices
-      total += alloc // devices * row + alloc * 4
-    else:
-      total += base.aligned_rows(n) * row
-  return total
-
-
 def get_config(arg=None):
   options = parse_arg(arg)
   c = dlrm_kaggle.get_config()
@@ -114,7 +96,7 @@ def get_config(arg=None):
   c.embeddings.plan = tuple(make_plan(options, cards, steps_per_epoch(c)))
   # Fail now, not after the data is loaded, on a bad option.
   base.make_backend(c.embeddings.plan[0][1], base.TableSpec(name="C3", num_rows=1000, dim=16))
-  slots = 1 if c.embeddings.optimizer.name == "rowwise_adagrad" else 0
-  need = device_bytes(cards, options, c.embeddings.dim, slots)
-  c.device_memory_budget = str(int(need * 1.1))
+  # The plan's own bytes per device (its backends' memory() and the buffers a train batch
+  # sizes: hot_cold's prefetch), resolved by the trainer on the run's mesh and data, + 10%.
+  c.device_memory_budget = "plan+10%"
   return c

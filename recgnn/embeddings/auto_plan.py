@@ -144,15 +144,7 @@ class AutoOptions(BackendOptions):
       raise ValueError(f"auto: finalists must be >= 1, got {self.finalists}")
 
 
-def parse_bytes(text: str | int | None) -> int | None:
-  """'512M', '2G', '1.5GiB', '1000000' -> bytes."""
-  if text in (None, ""):
-    return None
-  t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
-  mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-  if t and t[-1] in mult:
-    return int(float(t[:-1]) * mult[t[-1]])
-  return int(float(t))
+parse_bytes = plan_lib.parse_bytes  # '512M', '2G', '1.5GiB', '1000000' -> bytes
 
 
 @dataclasses.dataclass(frozen=True)

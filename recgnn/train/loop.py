@@ -49,6 +49,7 @@ from recgnn.train.non_finite import NonFiniteLoss
 
 # Names callers reach through `loop` (tests, benchmarks, run.py).
 config_mesh, load_task, parse_bytes = setup.config_mesh, setup.load_task, setup.parse_bytes
+parse_budget = setup.parse_budget
 training_length = setup.training_length
 
 
@@ -128,7 +129,7 @@ def train(
   *,
   resume: bool | str = False,
   profile_steps: tuple[int, int] | None = None,
-  device_memory_budget: int | None = None,
+  device_memory_budget: int | base.RelativeBudget | None = None,
   stop_after: int | None = None,
   plan_report: bool = False,
 ) -> Result:

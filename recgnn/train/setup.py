@@ -55,7 +55,9 @@ def load_task(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Tas
   return module.TASK(config, mesh)
 
 
-parse_bytes = auto_plan_lib.parse_bytes  # '512M', '2G', '1.5GiB', '1000000' -> bytes
+parse_bytes = base.parse_bytes  # '512M', '2G', '1.5GiB', '1000000' -> bytes
+# ...and 'plan+10%': the plan's own bytes plus a margin (base.RelativeBudget)
+parse_budget = base.parse_budget
 
 
 def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
@@ -318,7 +320,7 @@ def build(
   task: Task | None = None,
   example: dict | None = None,
   key: jax.Array | None = None,
-  device_memory_budget: int | None = None,
+  device_memory_budget: int | base.RelativeBudget | None = None,
   allocate: bool = True,
   plan_report: bool = False,
   log: Callable[[str], None] = _quiet,
@@ -329,7 +331,8 @@ def build(
   `config.task`'s (e.g. a benchmark's task over given table sizes, without a dataset); built
   on `mesh`. example: the batch the dense params are initialised from (default
   `task.example_batch()`). key: the initial state's PRNG key (default: `config.seed`'s).
-  device_memory_budget: bytes per device the plan must fit (default
+  device_memory_budget: bytes per device the plan must fit, or a `base.RelativeBudget`
+  ('plan+10%', resolved against the plan's own bytes and logged; default
   `config.device_memory_budget`, else unchecked). allocate=False: `state` holds shapes and
   dtypes only (`jax.eval_shape`), enough to lower and compile the steps of a state that would
   not fit; `init_state()` allocates one. plan_report: time each table's placement as the
@@ -345,10 +348,17 @@ def build(
   specs = task.tables()
   rules = list(map(tuple, config.embeddings.plan))
   if device_memory_budget is None and config.get("device_memory_budget"):
-    device_memory_budget = parse_bytes(config.device_memory_budget)
+    device_memory_budget = parse_budget(config.device_memory_budget)
+  relative = isinstance(device_memory_budget, base.RelativeBudget)
+  if relative and auto_plan_lib.auto_options(rules) is not None:
+    raise ValueError(
+      f"device_memory_budget={device_memory_budget} is relative to the plan, which an "
+      "auto(...) rule has yet to choose: give plan=auto a budget in bytes (e.g. 64M)"
+    )
   rules, choice = _plan_figures(
-    config, task, rules, specs, mesh, device_memory_budget, plan_report, log
-  )
+    config, task, rules, specs, mesh, None if relative else device_memory_budget,
+    plan_report, log,
+  )  # fmt: skip
   auto = choice if auto_plan_lib.auto_options(list(map(tuple, config.embeddings.plan))) else None
   # The input layout first (batch split; with many processes, whether each reads only its
   # slice of every batch): every backend receives it at construction, and a task that reads
@@ -368,9 +378,16 @@ def build(
   plan = base.resolve_plan(rules, specs, mesh, layout, log=False)
   log("Embedding plan (bytes before allocation):\n" + base.format_plan(plan))
   example = task.example_batch() if example is None else example
-  base.check_memory(
-    plan, device_memory_budget, _train_ids_shapes(plan, task, example, device_memory_budget)
-  )
+  ids_shapes = _train_ids_shapes(plan, task, example, device_memory_budget)
+  if relative:
+    need = base.check_memory(plan, None, ids_shapes)
+    given, device_memory_budget = device_memory_budget, device_memory_budget.bytes_for(need)
+    log(
+      f"Device memory budget {given}: {device_memory_budget:,} bytes per device (the plan "
+      f"needs {need:,}; pass --device_memory_budget={device_memory_budget} to hold another "
+      "plan to the same budget)"
+    )
+  base.check_memory(plan, device_memory_budget, ids_shapes)
   feeder = step_lib.Feeder(plan, task.batch_spec)
   total_steps, length = training_length(tcfg, task)
   log(f"Mesh {sharding.describe(mesh)}; training {length}")
