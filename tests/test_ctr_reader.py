@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from recgnn.data import ctr_reader, ctr_schema
+from recgnn.data import criteo, ctr_reader, ctr_schema
 from recgnn.data.ctr_cache import MalformedDataError
 
 pa = pytest.importorskip("pyarrow")
@@ -276,7 +276,7 @@ def test_schema_errors_name_the_valid_choices(tmp_path):
   with pytest.raises(ValueError, match="Unknown categorical column 'a' vocab 'freq'.*frequency"):
     ctr_schema.Schema.from_dict({"label": "y", "header": True, "categorical": [
       {"name": "a", "vocab": "freq"}]})  # fmt: skip
-  with pytest.raises(ValueError, match="neither a predefined schema \\(criteo\\)"):
+  with pytest.raises(ValueError, match="neither a JSON file nor inline JSON"):
     ctr_schema.load("critео")
   path = str(tmp_path / "x.tsv")
   with open(path, "w") as f:
@@ -290,8 +290,8 @@ def test_schema_errors_name_the_valid_choices(tmp_path):
     ctr_reader.open_ctr(empty, str(tmp_path / "c"), schema, progress=None)
 
 
-def test_criteo_is_a_predefined_schema():
-  s = ctr_schema.load("criteo")
+def test_criteo_is_a_schema():
+  s = criteo.schema()
   assert s.table_names == tuple(f"C{i}" for i in range(1, 27)) and s.bag_lengths == (1,) * 26
   assert len(s.dense) == 13 and s.format == "tsv" and not s.header
 

@@ -206,7 +206,7 @@ def _nc_graph(**data):
   """The node task's graph for a data config (data.source=tfds selects the builders)."""
   import ml_collections
 
-  from recgnn.graphs import loading
+  from recgnn.data import graph_loading as loading
 
   return loading.load_raw_graph(ml_collections.ConfigDict(data))
 

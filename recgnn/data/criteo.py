@@ -20,7 +20,7 @@ Preprocessing follows the DLRM reference (facebookresearch/dlrm `data_utils.py`)
     "hash":      id = FIRST_ID + raw % (size - FIRST_ID), size from `hash_sizes`.
   In both modes an empty field gets MISSING_ID = 0.
 
-Criteo is one schema among others (`schema()`, registered as ctr_schema.SCHEMAS["criteo"]);
+Criteo is one schema among others (`schema()`; data.schema="criteo" in a config);
 this module is its fast format: the files stream in blocks (`block_bytes`, default 8 MiB)
 parsed with numpy on their bytes (no per-line Python; optionally in `num_workers` processes)
 through the generic converter (`ctr_cache`), writing .npy files under a cache directory:

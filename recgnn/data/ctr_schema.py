@@ -21,9 +21,10 @@ integer, mod 2^64), then ids by `vocab`:
 Dense fields: decimal numbers, empty -> 0, transformed by `dense_transform` ("log":
 log(max(x, 0) + 1) as DLRM does for Criteo; "none"). The label is 0 or 1.
 
-Schemas come from config (`data.schema`): the name of a predefined one (`SCHEMAS`), a JSON
-file, inline JSON, or a dict (`Schema.from_dict`); unknown keys and column names fail naming
-the valid ones.
+Schemas come from config (`data.schema`): a JSON file, inline JSON, or a dict
+(`Schema.from_dict`); unknown keys and column names fail naming the valid ones. Criteo's own
+schema is `recgnn.data.criteo.schema()` (data.schema="criteo" opens it through the Criteo
+reader, `recgnn.tasks.ctr`).
 """
 
 from __future__ import annotations
@@ -255,8 +256,8 @@ class Schema:
 
 
 def load(spec: Any) -> Schema:
-  """A schema from config: a Schema, a predefined name (`SCHEMAS`), a JSON file path, inline
-  JSON (a string starting with "{"), or a dict (ml_collections.ConfigDict too)."""
+  """A schema from config: a Schema, a JSON file path, inline JSON (a string starting with
+  "{"), or a dict (ml_collections.ConfigDict too)."""
   if isinstance(spec, Schema):
     return spec
   if hasattr(spec, "to_dict"):
@@ -264,8 +265,6 @@ def load(spec: Any) -> Schema:
   if isinstance(spec, str):
     if spec.lstrip().startswith("{"):  # inline JSON (a config's string field, the CLI)
       return Schema.from_dict(json.loads(spec))
-    if spec in SCHEMAS:
-      return SCHEMAS[spec]()
     if os.path.isfile(spec):
       with open(spec) as f:
         d = json.load(f)
@@ -273,16 +272,8 @@ def load(spec: Any) -> Schema:
       d.setdefault("name", os.path.splitext(os.path.basename(spec))[0])
       return Schema.from_dict(d)
     raise ValueError(
-      f"Unknown schema {spec!r}: neither a predefined schema ({', '.join(SCHEMAS)}) nor a JSON file"
+      f"Unknown schema {spec!r}: neither a JSON file nor inline JSON (Criteo's own: "
+      "data.schema='criteo', recgnn.data.criteo.schema())"
     )
   return Schema.from_dict(spec)
 
-
-def _criteo() -> Schema:
-  from recgnn.data import criteo
-
-  return criteo.schema()
-
-
-# Predefined schemas by name (data.schema="criteo").
-SCHEMAS = {"criteo": _criteo}

@@ -3,7 +3,7 @@
 Config keys used (see experiments/dlrm_kaggle.py, experiments/dlrmv2_criteo1tb.py): data.*,
 model.bottom/top, embeddings.dim / initializer / optimizer, train.batch_size /
 eval_batch_size / shuffle, seed. Optional (defaults keep the DLRM Kaggle behaviour):
-  data.schema       "criteo" (the default), another predefined schema, a JSON file or a dict
+  data.schema       "criteo" (the default: the Criteo reader), a JSON file or a dict
                     (recgnn.data.ctr_schema): any TSV / CSV / Parquet at data.path.
   data.num_workers  conversion processes for a schema's files.
   data.multi_hot    {sizes: () | "mlperf" | [ints], distribution: uniform | pareto, seed}:

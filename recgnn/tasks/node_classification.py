@@ -87,9 +87,9 @@ import optax
 from absl import logging
 
 from recgnn import hostmem, sharding
+from recgnn.data.graph_loading import load_graph, write_eigen_init
 from recgnn.embeddings import OptimizerSpec, TableSpec, capabilities_of
 from recgnn.graphs import samplers, sampling
-from recgnn.graphs.loading import load_graph, write_eigen_init
 from recgnn.models import graphsage
 from recgnn.tasks import base
 
