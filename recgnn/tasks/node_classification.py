@@ -91,9 +91,9 @@ from recgnn.data.graph_loading import load_graph, write_eigen_init
 from recgnn.embeddings import OptimizerSpec, TableSpec, capabilities_of
 from recgnn.graphs import samplers, sampling
 from recgnn.models import graphsage
-from recgnn.tasks import base
+from recgnn.tasks import base, node_data_parallel
+from recgnn.tasks.node_batch import TABLE, make_batch
 
-TABLE = "node"
 INPUTS = ("features", "embeddings", "both")
 SAMPLERS = ("node", "ladies")
 
@@ -162,9 +162,6 @@ class NodeClassification(base.Task):
     if not isinstance(data_parallel, bool):
       raise ValueError(f"sampler.data_parallel={data_parallel!r}: use true or false")
     if data_parallel:
-      # (imported here: node_data_parallel builds on this module)
-      from recgnn.tasks import node_data_parallel
-
       self.device_samples = node_data_parallel.DeviceSamples(self, mesh)
       self.steps_per_call = self._steps_per_call(s)
       # Train batches are sampled per device (b seeds each): no sampler of the whole batch.
@@ -536,43 +533,6 @@ class NodeClassification(base.Task):
     labels = np.concatenate([np.asarray(o["labels"]) for o in outputs])
     w = np.concatenate([np.asarray(o["weight"]) for o in outputs])
     return {"accuracy": float(np.sum((pred == labels) * w) / max(w.sum(), 1.0))}
-
-
-def make_batch(
-  inputs: str, nodes, layers, seeds, features, labels, *, id_multiple: int = 1, xp=np
-) -> base.Batch:
-  """One sampled mini-batch as the model's batch, on the host (xp = numpy: the trainer's
-  input thread) or on the device (xp = jax.numpy, inside the data-parallel step: the samples
-  never leave the device).
-
-  Args:
-    inputs: model.inputs (features | embeddings | both).
-    nodes: int32[n_L] the deepest frontier (-1 = padding); layers: its Blocks layers.
-    seeds: int[n_0] (-1 = padding); features float32[N, F] (None without features);
-    labels int[N] (-1 = unlabelled).
-    id_multiple: the node-id bags are padded to a multiple of it (split ids, see the module).
-  Returns:
-    {"ids": {TABLE: int32[n_L', 1]} or {}, "x": float32[n_L, F], "frontier": int32[n_L],
-    "nbr{l}" / "mask{l}" (or "src{l}" / "dst{l}" / "weight{l}"), "labels": int32[n_0],
-    "node": int32[n_0], "weight": float32[n_0]}.
-  """
-  # "ids" always present (empty without tables): the trainer's input thread reads it.
-  batch: base.Batch = {"ids": {}}
-  valid = nodes >= 0
-  if inputs != "embeddings":
-    batch["x"] = xp.where(valid[:, None], features[xp.where(valid, nodes, 0)], 0.0)
-  if inputs != "features":
-    pad = -(-nodes.shape[0] // id_multiple) * id_multiple - nodes.shape[0]
-    batch["ids"] = {TABLE: xp.pad(nodes.astype(xp.int32), (0, pad), constant_values=-1)[:, None]}
-  batch["frontier"] = nodes.astype(xp.int32)
-  for depth, layer in enumerate(layers):
-    for key, v in layer.items():
-      batch[f"{key}{depth}"] = v
-  lab = xp.where(seeds >= 0, labels[xp.maximum(seeds, 0)], -1)
-  batch["labels"] = xp.maximum(lab, 0).astype(xp.int32)
-  batch["node"] = seeds.astype(xp.int32)  # the seeds' ids (-1: padding), for predictions
-  batch["weight"] = (lab >= 0).astype(xp.float32)
-  return batch
 
 
 TASK = NodeClassification

@@ -13,7 +13,7 @@ besides the state and the graph (placed once), and runs:
            node ids, [k, n * X] arrays split over the devices on axis 1, which never leave them
   k steps  (lax.scan, the trainer's own step, `recgnn.train.step.make_train_step`) per step:
            its batch built on each device from its sampled ids (`DeviceSamples.build`,
-           `node_classification.make_batch`: features gathered there, one step's at a time,
+           `node_batch.make_batch`: features gathered there, one step's at a time,
            so a call holds one step's frontier features per device, not k steps'),
            the rows of each device's sampled nodes through the embedding plan
            (`device_prepared`: the ids stay batch-split, so a replicated `dense` table is
@@ -52,7 +52,8 @@ from recgnn import comms, sharding
 from recgnn.embeddings import base as emb_base
 from recgnn.embeddings.contract import TableBackend
 from recgnn.embeddings.group import TableGroup
-from recgnn.tasks import node_classification as nc
+from recgnn.tasks import node_batch
+from recgnn.tasks.base import Task
 from recgnn.train import setup
 from recgnn.train import step as step_lib
 
@@ -103,7 +104,7 @@ class DataParallelLoss:
   the devices' sums are psum'd into the weighted mean over the global batch, whose
   gradient w.r.t. the replicated params is the all-reduce of the devices' gradients."""
 
-  def __init__(self, task: nc.NodeClassification, mesh: jax.sharding.Mesh):
+  def __init__(self, task: Task, mesh: jax.sharding.Mesh):
     self.task, self.mesh = task, mesh
 
   def loss(self, params, batch, embeddings, key):
@@ -145,7 +146,7 @@ class DeviceSamples:
   batch_keys`): in both, step s's batches are exactly the sample one device draws for every
   device's seeds of step s with step s's key (tested), however many steps one call samples."""
 
-  def __init__(self, task: nc.NodeClassification, mesh: jax.sharding.Mesh):
+  def __init__(self, task: Task, mesh: jax.sharding.Mesh):
     self.task, self.mesh = task, mesh
     self.devices = mesh.size
     self.per_device = -(-task.batch_size // self.devices)
@@ -243,11 +244,11 @@ class DeviceSamples:
 
   def build(self, graph, sample):
     """Batches from sampled ids, on the device: `sample_nodes`' sample ([j, n * X] split
-    over the devices on axis 1, any j) -> the model's batches (`node_classification.
+    over the devices on axis 1, any j) -> the model's batches (`node_batch.
     make_batch`: features and labels gathered from each device's replica), [j, n * X] split
     on axis 1."""
     rest = {name: v for name, v in graph.items() if name != "sampler"}
-    make = functools.partial(nc.make_batch, self.task.inputs, xp=jnp)
+    make = functools.partial(node_batch.make_batch, self.task.inputs, xp=jnp)
 
     @functools.partial(
       jax.shard_map,
@@ -332,7 +333,7 @@ class DataParallelSage:
     key: the run's key (params, tables, sampling and dropout keys).
   """
 
-  def __init__(self, task: nc.NodeClassification, mesh: jax.sharding.Mesh, *, k: int, key):
+  def __init__(self, task: Task, mesh: jax.sharding.Mesh, *, k: int, key):
     self.task, self.mesh, self.k = task, mesh, int(k)
     self.samples = DeviceSamples(task, mesh)
     self.devices, self.per_device = self.samples.devices, self.samples.per_device
@@ -365,7 +366,7 @@ class DataParallelSage:
   def from_config(cls, config, devices: int, *, k: int, seed: int = 0) -> DataParallelSage:
     """The node task of `config` on a devices x 1 mesh of the first `devices` devices."""
     mesh = sharding.make_mesh(devices, 1)
-    task = nc.NodeClassification(config, mesh)
+    task = setup.load_task(config, mesh)
     return cls(task, mesh, k=k, key=jax.random.key(seed))
 
   def graph_arrays(self) -> dict[str, np.ndarray]:
