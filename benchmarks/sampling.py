@@ -65,64 +65,13 @@ import numpy as np
 # Runnable as `python benchmarks/sampling.py` from a checkout without installing recgnn.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import common  # noqa: E402  (benchmarks/common.py)
+import sampling_pyg  # noqa: E402  (benchmarks/sampling_pyg.py: the PyG contestant)
 
 from recgnn import hostmem  # noqa: E402
 from recgnn.graphs import sampling, synthetic  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 TARGET_RATIO = 2.5  # k=16 edges/s over PyG's
-
-
-def pyg_status() -> str | None:
-  """None when PyG's NeighborLoader can run here, else why not."""
-  try:
-    import torch  # noqa: F401
-    import torch_geometric  # noqa: F401
-    import torch_sparse  # noqa: F401
-  except Exception as e:  # noqa: BLE001 (any import failure means: no peer)
-    return f"{type(e).__name__}: {e}"
-  return None
-
-
-def pyg_loader(graph, fanouts, batch_size, seed, with_features=False):
-  import torch
-  from torch_geometric.data import Data
-  from torch_geometric.loader import NeighborLoader
-
-  coo = graph.adj.tocoo()
-  # Row v of adj aggregates from column u: PyG's message direction is u -> v.
-  edge_index = torch.from_numpy(np.stack([coo.col, coo.row]).astype(np.int64))
-  data = Data(edge_index=edge_index, num_nodes=graph.num_nodes)
-  if with_features:
-    data.x = torch.from_numpy(graph.features)
-    data.y = torch.from_numpy(graph.labels.astype(np.int64))
-  torch.manual_seed(seed)
-  return NeighborLoader(
-    data,
-    num_neighbors=list(fanouts),
-    batch_size=batch_size,
-    input_nodes=torch.from_numpy(graph.splits["train"]),
-    shuffle=True,
-  )
-
-
-def _endless(loader):
-  while True:
-    yield from loader
-
-
-def pyg_method(graph, fanouts, bsz: int, batches: int):
-  """A timed contestant: `batches` of PyG's NeighborLoader -> (edges, batches, seconds)."""
-  it = _endless(pyg_loader(graph, fanouts, bsz, seed=0))
-
-  def pyg():
-    t0 = time.perf_counter()
-    edges = 0
-    for _ in range(batches):
-      edges += int(next(it).edge_index.shape[1])
-    return edges, batches, time.perf_counter() - t0
-
-  return pyg
 
 
 def bench_sampling(graph, args) -> dict[str, Any]:
@@ -154,9 +103,9 @@ def bench_sampling(graph, args) -> dict[str, Any]:
   methods = {f"recgnn k={k}": ours(k, fitted) for k in ks}
   methods[f"recgnn k={args.product_k}, worst-case padding"] = ours(args.product_k, worst)
   methods[f"recgnn k={args.product_k}, scipy Q@A"] = ours(args.product_k, product)
-  peer = pyg_status()
+  peer = sampling_pyg.status()
   if peer is None:
-    methods["PyG NeighborLoader"] = pyg_method(graph, fanouts, bsz, args.pyg_batches)
+    methods["PyG NeighborLoader"] = sampling_pyg.method(graph, fanouts, bsz, args.pyg_batches)
 
   out = _round_robin(methods, args.rounds, "sampling")
   for r in out.values():
@@ -199,7 +148,7 @@ def bench_training(graph_spec, args) -> dict[str, Any]:
   rates = [r["samples_per_second"] for r in rows if "samples_per_second" in r]
   out["recgnn"] = {"seeds_per_second": rates[-1], "intervals": rates}
 
-  peer = pyg_status()
+  peer = sampling_pyg.status()
   if peer is not None:
     out["PyG"] = f"not run: {peer}"
     return out
@@ -208,8 +157,8 @@ def bench_training(graph_spec, args) -> dict[str, Any]:
   from torch_geometric.nn import GraphSAGE
 
   graph = synthetic.generate(graph_spec)
-  loader = _endless(
-    pyg_loader(graph, args.train_fanouts, args.batch_size, seed=0, with_features=True)
+  loader = sampling_pyg.endless(
+    sampling_pyg.loader(graph, args.train_fanouts, args.batch_size, seed=0, with_features=True)
   )
   torch.manual_seed(0)
   model = GraphSAGE(
@@ -323,9 +272,9 @@ def bench_device(graph, args) -> dict[str, Any]:
   ldev = device_sampling.DeviceLadiesSampler(graph.adj, layer_sizes=lsizes, batch_size=bsz)
   methods[f"ladies host k={lk}"] = host_run(lk, lhost)
   methods[f"ladies device k={lk}"] = device_run(lk, ldev, f"ladies device k={lk}")
-  peer = pyg_status()
+  peer = sampling_pyg.status()
   if peer is None:
-    methods["PyG NeighborLoader"] = pyg_method(graph, fanouts, bsz, args.pyg_batches)
+    methods["PyG NeighborLoader"] = sampling_pyg.method(graph, fanouts, bsz, args.pyg_batches)
   load_before = os.getloadavg()[0]
   out = _round_robin(methods, args.rounds, "device")
   return {

@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import common  # noqa: E402  (benchmarks/common.py)
 import jax  # noqa: E402
-import sampling as sampling_bench  # noqa: E402  (benchmarks/sampling.py: the PyG contestant)
+import sampling_pyg  # noqa: E402  (benchmarks/sampling_pyg.py: the PyG contestant)
 
 from experiments import sage_cora, sage_synthetic  # noqa: E402
 from recgnn.graphs import device_sampling, sampling, synthetic  # noqa: E402
@@ -82,7 +82,7 @@ def bench_product(args) -> dict:
   out = {"graph": graph.describe(), "capacities": list(caps), "by_k": {}}
   n = graph.num_nodes
   # PyG's NeighborLoader (where torch is installed: the peers' venv) in the same rounds.
-  out["pyg"] = sampling_bench.pyg_status() or "ran"
+  out["pyg"] = sampling_pyg.status() or "ran"
   for k in args.product_ks:
     seeds = rng.choice(n, (k, args.batch_size), replace=k * args.batch_size > n)
     key = jax.random.key(k)
@@ -99,7 +99,7 @@ def bench_product(args) -> dict:
     times = {name: [] for name in samplers}
     pyg, pyg_runs = None, []
     if out["pyg"] == "ran":
-      pyg = sampling_bench.pyg_method(graph, args.fanouts, args.batch_size, k)
+      pyg = sampling_pyg.method(graph, args.fanouts, args.batch_size, k)
       pyg()  # warm-up
     for _ in range(args.rounds):
       for name, s in samplers.items():
@@ -201,7 +201,7 @@ def bench_accuracy(what: str, config_of, seeds) -> dict:
 
 def bench_pyg(args) -> dict:
   """recgnn data-parallel vs PyG GraphSAGE + NeighborLoader on Cora (see the module)."""
-  out: dict = {"pyg": sampling_bench.pyg_status() or "ran", "recgnn": {}, "PyG": {}}
+  out: dict = {"pyg": sampling_pyg.status() or "ran", "recgnn": {}, "PyG": {}}
   for n in args.pyg_devices:
     rows = []
     for seed in args.pyg_seeds:
@@ -258,7 +258,7 @@ def bench_pyg(args) -> dict:
     opt = torch.optim.Adam(
       model.parameters(), lr=c.optimizer.learning_rate, weight_decay=c.optimizer.weight_decay
     )
-    batches = sampling_bench._endless(loader)
+    batches = sampling_pyg.endless(loader)
 
     def step(batches=batches, model=model, opt=opt):
       batch = next(batches)
