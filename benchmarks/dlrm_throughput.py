@@ -72,9 +72,9 @@ from recgnn import hostmem, sharding  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402
 from recgnn.models import dlrm as dlrm_lib  # noqa: E402
 from recgnn.tasks import ctr  # noqa: E402
-from recgnn.tasks.base import Task  # noqa: E402
 from recgnn.train import setup as train_setup  # noqa: E402
 from recgnn.train import step as step_lib  # noqa: E402
+from recgnn.train.task import Task  # noqa: E402
 
 # --model: the peers' module (its PEERS, available(), runner()) and the names in result files.
 PEER_MODULES = {"dlrm": peers_dlrm, "dcnv2": peers_dcn}

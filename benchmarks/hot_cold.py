@@ -50,9 +50,9 @@ from recgnn.data import criteo  # noqa: E402
 from recgnn.embeddings import access_counts as profile  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402
 from recgnn.models.dlrm import DLRM  # noqa: E402
-from recgnn.tasks.base import Task  # noqa: E402
 from recgnn.train import inputs as inputs_lib  # noqa: E402
 from recgnn.train import step as step_lib  # noqa: E402
+from recgnn.train.task import Task  # noqa: E402
 
 RESULTS = common.RESULTS
 TARGET_RATIO = 1.3

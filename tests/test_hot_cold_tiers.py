@@ -106,7 +106,7 @@ class _DlrmTask:
     import optax
 
     from recgnn.models.dlrm import DLRM
-    from recgnn.tasks.base import Task
+    from recgnn.train.task import Task
 
     class T(Task):
       def __init__(self):

@@ -29,7 +29,7 @@ from recgnn.data import criteo
 from recgnn.embeddings import OptimizerSpec, TableSpec
 from recgnn.models.dcn import DCN
 from recgnn.models.dlrm import DLRM
-from recgnn.tasks.base import Task
+from recgnn.train.task import Task
 
 INTERACTIONS = ("dot", "dcn")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recgnn.tasks import base
+from recgnn.train.task import Batch
 
 #: The node-id table's name (model.inputs embeddings | both): batch["ids"][TABLE].
 TABLE = "node"
@@ -14,7 +14,7 @@ TABLE = "node"
 
 def make_batch(
   inputs: str, nodes, layers, seeds, features, labels, *, id_multiple: int = 1, xp=np
-) -> base.Batch:
+) -> Batch:
   """One sampled mini-batch as the model's batch, on the host (xp = numpy: the trainer's
   input thread) or on the device (xp = jax.numpy, inside the data-parallel step: the samples
   never leave the device).
@@ -31,7 +31,7 @@ def make_batch(
     "node": int32[n_0], "weight": float32[n_0]}.
   """
   # "ids" always present (empty without tables): the trainer's input thread reads it.
-  batch: base.Batch = {"ids": {}}
+  batch: Batch = {"ids": {}}
   valid = nodes >= 0
   if inputs != "embeddings":
     batch["x"] = xp.where(valid[:, None], features[xp.where(valid, nodes, 0)], 0.0)

@@ -91,8 +91,9 @@ from recgnn.data.graph_loading import load_graph, write_eigen_init
 from recgnn.embeddings import OptimizerSpec, TableSpec, capabilities_of
 from recgnn.graphs import samplers, sampling
 from recgnn.models import graphsage
-from recgnn.tasks import base, node_data_parallel
+from recgnn.tasks import node_data_parallel
 from recgnn.tasks.node_batch import TABLE, make_batch
+from recgnn.train.task import Batch, Task
 
 INPUTS = ("features", "embeddings", "both")
 SAMPLERS = ("node", "ladies")
@@ -115,7 +116,7 @@ def parse_capacities(value, option: str):
   return sizes
 
 
-class NodeClassification(base.Task):
+class NodeClassification(Task):
   """GraphSAGE node classification on features and / or learnable node embeddings."""
 
   # A sampled mini-batch is one subgraph, not independent examples: every device gets the
@@ -337,7 +338,7 @@ class NodeClassification(base.Task):
 
   # --------------------------------------------------------------------------- batches
 
-  def _make_batch(self, nodes: np.ndarray, layers, seeds: np.ndarray) -> base.Batch:
+  def _make_batch(self, nodes: np.ndarray, layers, seeds: np.ndarray) -> Batch:
     return make_batch(
       self.inputs,
       nodes,
@@ -376,7 +377,7 @@ class NodeClassification(base.Task):
     flat = self._epoch_order(epoch)[within * self.batch_size : (within + 1) * self.batch_size]
     return np.pad(flat.astype(np.int64), (0, self.batch_size - flat.size), constant_values=-1)
 
-  def train_batches(self, start_step: int = 0) -> Iterator[base.Batch]:
+  def train_batches(self, start_step: int = 0) -> Iterator[Batch]:
     if self.device_samples is not None:
       yield from self._seed_batches(start_step)
       return
@@ -399,7 +400,7 @@ class NodeClassification(base.Task):
         yield self._make_batch(nodes, layers, seeds[i])
         step += 1
 
-  def _seed_batches(self, step: int) -> Iterator[base.Batch]:
+  def _seed_batches(self, step: int) -> Iterator[Batch]:
     """Data-parallel train batches, one per call of k = steps_per_call steps: {"seeds":
     int32[n * k * b] (`DeviceSamples.seeds` of steps step .. step + k - 1 flattened: device
     d's slice [d k b, (d + 1) k b) is its [k, b] seeds, from each step's `train_seeds`, -1
@@ -442,7 +443,7 @@ class NodeClassification(base.Task):
 
   # --------------------------------------------------------------------------- model
 
-  def batch_spec(self, batch: base.Batch):
+  def batch_spec(self, batch: Batch):
     """Every leaf but the node ids (`ids`, split by shard_batch = embeddings.split_ids) is
     the subgraph's: every device gets it whole. A data-parallel train batch (seeds) is split
     over the devices: each gets its own seeds."""

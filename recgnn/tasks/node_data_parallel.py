@@ -53,9 +53,9 @@ from recgnn.embeddings import base as emb_base
 from recgnn.embeddings.contract import TableBackend
 from recgnn.embeddings.group import TableGroup
 from recgnn.tasks import node_batch
-from recgnn.tasks.base import Task
 from recgnn.train import setup
 from recgnn.train import step as step_lib
+from recgnn.train.task import Task
 
 P = sharding.P
 BATCH = sharding.BATCH

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from recgnn.embeddings import base
-from recgnn.tasks.base import Task
 from recgnn.train import inputs
 from recgnn.train import step as step_lib
+from recgnn.train.task import Task
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import itertools
 import pkgutil
 import time
@@ -30,15 +31,21 @@ from jax.experimental import multihost_utils
 from recgnn import distributed, sharding
 from recgnn.embeddings import auto_plan as auto_plan_lib
 from recgnn.embeddings import base
-from recgnn.tasks.base import Task
 from recgnn.train import inputs, plan_timing
 from recgnn.train import step as step_lib
+from recgnn.train.task import Task
+
+#: Where tasks live: `config.task` names a module of this package whose TASK is the task's
+#: class. The trainer finds a task by that name only (tasks import the trainer's contract,
+#: `recgnn.train.task`, so the trainer never imports them: docs/architecture.md, "Layers").
+TASKS_PACKAGE = "recgnn.tasks"
 
 
 def available_tasks() -> list[str]:
-  import recgnn.tasks as pkg
-
-  return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name != "base")
+  """The modules of `TASKS_PACKAGE` (a task's name is its module's), found without importing
+  any of them."""
+  spec = importlib.util.find_spec(TASKS_PACKAGE)
+  return sorted(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations))
 
 
 def config_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
@@ -51,7 +58,7 @@ def load_task(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Tas
   names = available_tasks()
   if config.task not in names:
     raise ValueError(f"Unknown task {config.task!r}; available: {', '.join(names)}")
-  module = importlib.import_module(f"recgnn.tasks.{config.task}")
+  module = importlib.import_module(f"{TASKS_PACKAGE}.{config.task}")
   return module.TASK(config, mesh)
 
 

@@ -27,8 +27,8 @@ from jax.sharding import PartitionSpec as P
 
 from recgnn import sharding
 from recgnn.embeddings import base, microbatch
-from recgnn.tasks.base import Task
 from recgnn.train import inputs
+from recgnn.train.task import Task
 
 PyTree = Any
 

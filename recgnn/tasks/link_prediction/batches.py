@@ -10,8 +10,8 @@ import numpy as np
 
 from recgnn import sharding
 from recgnn.data import kg as kg_lib
-from recgnn.tasks import base
 from recgnn.tasks.link_prediction.options import TABLE, check_choice
+from recgnn.train.task import Batch
 
 
 class Batches:
@@ -32,7 +32,7 @@ class Batches:
     # Static label capacity: the B largest answer sets together (any batch fits).
     self.label_cap = int(np.sort(cnt)[::-1][: self.batch_size].sum())
 
-  def _grouped_batch(self, sel: np.ndarray) -> base.Batch:
+  def _grouped_batch(self, sel: np.ndarray) -> Batch:
     B = self.batch_size
     cnt = self.q_count[sel]
     lab_q = np.repeat(np.arange(len(sel), dtype=np.int32), cnt)
@@ -79,7 +79,7 @@ class Batches:
   # batch or every row, so every device gets them whole.
   BATCH_MAJOR = frozenset(("h", "rel", "t", "weight", "cnt", "neg", "anchor", "target", "side"))
 
-  def batch_spec(self, batch: base.Batch):
+  def batch_spec(self, batch: Batch):
     if self.shard_batch and not (self.parallel and "anchor" in batch):
       return super().batch_spec(batch)  # partition-parallel train batches: all split
     shared_neg = "neg" in batch and np.ndim(batch["neg"]) == 1
@@ -135,7 +135,7 @@ class Batches:
       batch["neg"] = self._negatives(rng, batch["rel"], rows_pool)
     return batch
 
-  def train_batches(self, start_step: int = 0) -> Iterator[base.Batch]:
+  def train_batches(self, start_step: int = 0) -> Iterator[Batch]:
     if self.parallel:
       yield from self._parallel_batches(start_step)
       return
@@ -252,7 +252,7 @@ class Batches:
       out.append([sl[i] for i in perm] + [None] * (steps - len(sl)))
     return [list(x) for x in zip(*out)]
 
-  def parallel_batch(self, epoch: int, within: int) -> base.Batch:
+  def parallel_batch(self, epoch: int, within: int) -> Batch:
     """Step `within` of `epoch`: G partition batches (each padded to the largest partition)
     stacked on a leading axis; ids concatenated: int32[G * max_nodes, 1]."""
     B = self.batch_size
@@ -281,7 +281,7 @@ class Batches:
       yield self.parallel_batch(epoch, within)
       step += 1
 
-  def _eval_batches_list(self, split: str) -> list[base.Batch]:
+  def _eval_batches_list(self, split: str) -> list[Batch]:
     if split in self._eval_cache:
       return self._eval_cache[split]
     q = kg_lib.queries(self.kg, split)
@@ -330,7 +330,7 @@ class Batches:
   def eval_batches(self, split: str):
     return iter(self._eval_batches_list(split))
 
-  def example_batch(self) -> base.Batch:
+  def example_batch(self) -> Batch:
     # The encoder's params do not depend on the graph's size; any train batch has every leaf.
     return next(self.train_batches(0))
 

@@ -12,7 +12,6 @@ from recgnn.data import kg as kg_lib
 from recgnn.embeddings import OptimizerSpec, TableSpec
 from recgnn.graphs import kg_partition
 from recgnn.models import kge, rgcn
-from recgnn.tasks import base
 from recgnn.tasks.link_prediction import sources
 from recgnn.tasks.link_prediction.batches import Batches
 from recgnn.tasks.link_prediction.losses import Losses
@@ -24,9 +23,10 @@ from recgnn.tasks.link_prediction.options import (
   check_choice,
   negative_options,
 )
+from recgnn.train.task import Task
 
 
-class LinkPrediction(Batches, Losses, base.Task):
+class LinkPrediction(Batches, Losses, Task):
   """Link prediction on a knowledge graph with a KGE decoder and optional R-GCN encoder."""
 
   example_unit = "edges"

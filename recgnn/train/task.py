@@ -1,4 +1,6 @@
-"""What the shared trainer needs from a problem (CTR prediction, node classification, ...).
+"""The task contract: what the shared trainer needs from a problem (CTR prediction, node
+classification, ...). The trainer owns it; a task (`recgnn.tasks.<name>`) implements it and
+the trainer finds the task by its config name (`setup.load_task`), never by an import.
 
 The trainer (`recgnn.train.setup` builds, `recgnn.train.loop` runs) owns the embedding
 backends, the optax optimizer of the dense params, the jitted steps, checkpoints, profiling
