@@ -44,7 +44,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common  # noqa: E402
-from recgnn.embeddings import auto_plan, base  # noqa: E402
+from recgnn.embeddings import base  # noqa: E402
+from recgnn.planner import auto_plan  # noqa: E402
 from recgnn.train import setup  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -45,7 +45,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402  (benchmarks/common.py)
 
 from experiments import ttrec_kaggle  # noqa: E402
-from recgnn import sharding  # noqa: E402
+from recgnn import (
+  planner,  # noqa: E402
+  sharding,  # noqa: E402
+)
 from recgnn.data import criteo  # noqa: E402
 from recgnn.embeddings import access_counts as profile  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402
@@ -169,7 +172,7 @@ def contestants(args, group) -> dict[str, tuple[str, float | None]]:
 
 
 def build_runner(args, name, rules, specs, stream, sample, mesh, key):
-  plan = base.resolve_plan(rules, specs, mesh, log=False)
+  plan = planner.resolve_plan(rules, specs, mesh, log=False)
   task = BenchTask(specs, tuple(args.bottom), tuple(args.top), mesh)
   tx = optax.adam(1e-3)
   for g in plan.groups.values():

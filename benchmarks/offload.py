@@ -42,6 +42,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402  (benchmarks/common.py)
 import sparse_update  # noqa: E402  (its loss of pooled rows)
 
+from recgnn import planner  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402
 from recgnn.train import inputs as inputs_lib  # noqa: E402
 
@@ -74,7 +75,7 @@ def backend_text(fraction: float, policy: str, lookahead: int, exchange: str = "
 def prepared_stream(group, batches):
   """The group's prepared pytree of each batch, in order, each prepared with its look-ahead
   window from the whole stream: the trainer's own driver (inputs.prepare_stream)."""
-  plan = base.Plan({group.name: group}, {n: group.name for n in group.specs}, group.mesh)
+  plan = planner.Plan({group.name: group}, {n: group.name for n in group.specs}, group.mesh)
   stream = (("train", None, {"ids": {"t": ids}}) for ids in batches)
   for item in inputs_lib.prepare_stream(plan, stream):
     yield item.prepared[group.name]
@@ -98,7 +99,7 @@ def hit_rates(args, batches, key) -> list[dict]:
   rows = []
   for fraction in args.fractions:
     for policy in POLICIES:
-      b = base.make_backend(backend_text(fraction, policy, args.lookahead), spec)
+      b = planner.make_backend(backend_text(fraction, policy, args.lookahead), spec)
       b.init(key)
       for i, _ in enumerate(prepared_stream(b, batches)):
         if i + 1 == args.warmup_batches:
@@ -108,7 +109,7 @@ def hit_rates(args, batches, key) -> list[dict]:
       rows.append({"fraction": fraction, "cache_rows": cache_rows, "policy": policy, **s})
       print(f"  hit rate {policy:>9} cache {fraction:>5.0%}: {s['hit_rate']:.3f}", flush=True)
   # The ceiling: a cache holding every row misses only first touches (compulsory misses).
-  b = base.make_backend(backend_text(1.0, "lru", args.lookahead), spec)
+  b = planner.make_backend(backend_text(1.0, "lru", args.lookahead), spec)
   b.init(key)
   for i, _ in enumerate(prepared_stream(b, batches)):
     if i + 1 == args.warmup_batches:
@@ -163,7 +164,7 @@ def step_times(args, batches, key) -> tuple[dict, dict]:
     text = backend_text(fraction, "lru", args.lookahead, exchange="fixed")
     contestants[f"offload {fraction:.0%}"] = text
   for name, text in contestants.items():
-    b = base.make_backend(text, spec)
+    b = planner.make_backend(text, spec)
     state = b.init(key)
     prepared, per = prepare_all(b, batches, n_steps)
     plan_ms[name] = 1e3 * per

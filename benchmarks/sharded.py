@@ -40,7 +40,11 @@ sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402  (benchmarks/common.py)
 
-from recgnn import comms, sharding  # noqa: E402
+from recgnn import (  # noqa: E402
+  comms,
+  planner,  # noqa: E402
+  sharding,
+)
 from recgnn.backends import sharded  # noqa: E402
 from recgnn.embeddings import base, codecs  # noqa: E402
 
@@ -104,7 +108,7 @@ def section_bytes(args) -> list[dict]:
     d, m = (int(x) for x in mesh_text.split("x"))
     mesh = sharding.make_mesh(d, m)
     for codec in CODECS:
-      group = base.make_group(f"sharded(codec={codec})", specs, mesh)
+      group = planner.make_group(f"sharded(codec={codec})", specs, mesh)
       state = group.init(jax.random.key(0))  # host-initialised (20 MB at scale 0.01)
       prepared = group.prepare(ids)
       split = sharding.named(mesh, sharding.BATCH_SPEC)
@@ -133,7 +137,7 @@ def section_bytes(args) -> list[dict]:
 
 def section_codec(args) -> list[dict]:
   specs = kaggle_specs()
-  group = base.make_group("sharded", specs, sharding.make_mesh(1, 8))
+  group = planner.make_group("sharded", specs, sharding.make_mesh(1, 8))
   dims = group._segment_dims()
   rng = np.random.default_rng(0)
   b = args.batch // 8

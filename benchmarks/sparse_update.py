@@ -37,6 +37,7 @@ import optax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import common  # noqa: E402  (benchmarks/common.py)
 
+from recgnn import planner  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402
 
 TARGET_RATIO = 1.3
@@ -96,7 +97,7 @@ def build_runners(num_rows: int, args, rng: np.random.Generator) -> dict[str, Ca
     dim=args.dim,
     optimizer=base.OptimizerSpec(name="sgd", learning_rate=args.lr),
   )
-  backend = base.make_backend("dense", spec)
+  backend = planner.make_backend("dense", spec)
   ids = [make_ids(args, rng, num_rows) for _ in range(args.num_batches)]
   targets = [
     jax.device_put(rng.normal(size=(args.batch, args.dim)).astype(np.float32)) for _ in ids
@@ -160,7 +161,7 @@ def check_same_update(args) -> float:
   spec = base.TableSpec(
     name="t", num_rows=n, dim=args.dim, optimizer=base.OptimizerSpec(learning_rate=args.lr)
   )
-  backend = base.make_backend("dense", spec)
+  backend = planner.make_backend("dense", spec)
   rng = np.random.default_rng(1)
   tx = optax.sgd(args.lr)
   dstep, nstep = make_dense_step(backend), make_naive_step(tx)

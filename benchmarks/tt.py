@@ -73,6 +73,7 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "benchmarks"))
 import common  # noqa: E402  (benchmarks/common.py)
 
+from recgnn import planner  # noqa: E402
 from recgnn.backends import tt  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402
 
@@ -167,7 +168,7 @@ class Runner:
   """One variant, compiled and warmed up; `run(steps)` times `steps` steps (donated state)."""
 
   def __init__(self, text, spec, batches, warmup):
-    backend = base.make_backend(text, spec)
+    backend = planner.make_backend(text, spec)
     self.state = backend.init(jax.random.key(0))
     t0 = time.perf_counter()
     prepared = [backend.prepare({spec.name: b}) for b in batches]
@@ -275,7 +276,7 @@ def _packed_run(config, task, batches):
   from recgnn.train import setup
 
   run = setup.build(
-    config, mesh=base.default_mesh(), task=task, example=batches[0], key=jax.random.key(0)
+    config, mesh=planner.default_mesh(), task=task, example=batches[0], key=jax.random.key(0)
   )
   t0 = time.perf_counter()
   stream = [("train", None, x) for x in batches]

@@ -13,6 +13,7 @@ device are printed before allocating. Arg (optional): the backend's options, e.g
 """
 
 from experiments import _options, dlrm_kaggle
+from recgnn import planner
 from recgnn.embeddings import base
 
 
@@ -25,7 +26,7 @@ def backend(arg: str | None, default: str = "", name: str = "dlrm_sharded") -> s
 
 def check_backend(text: str) -> None:
   """Fail now, not after the data is loaded, on an option the backend refuses."""
-  base.make_backend(text, base.TableSpec(name="C1", num_rows=1000, dim=16))
+  planner.make_backend(text, base.TableSpec(name="C1", num_rows=1000, dim=16))
 
 
 def get_config(arg=None):

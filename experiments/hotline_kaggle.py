@@ -30,6 +30,7 @@ the step before gathering them: hot_cold's `prefetch`).
 from __future__ import annotations
 
 from experiments import _options, dlrm_kaggle, ttrec_kaggle
+from recgnn import planner
 from recgnn.data import ctr_dataset
 from recgnn.embeddings import base
 
@@ -95,7 +96,7 @@ def get_config(arg=None):
   cards = dlrm_kaggle.KAGGLE_CARDINALITIES if c.data.path else ttrec_kaggle._synthetic_sizes(c)
   c.embeddings.plan = tuple(make_plan(options, cards, steps_per_epoch(c)))
   # Fail now, not after the data is loaded, on a bad option.
-  base.make_backend(c.embeddings.plan[0][1], base.TableSpec(name="C3", num_rows=1000, dim=16))
+  planner.make_backend(c.embeddings.plan[0][1], base.TableSpec(name="C3", num_rows=1000, dim=16))
   # The plan's own bytes per device (its backends' memory() and the buffers a train batch
   # sizes: hot_cold's prefetch), resolved by the trainer on the run's mesh and data, + 10%.
   c.device_memory_budget = "plan+10%"

@@ -21,6 +21,7 @@ specs, nothing allocated).
 from __future__ import annotations
 
 from experiments import _options, sage_synthetic
+from recgnn import planner
 from recgnn.embeddings import base
 
 DEFAULTS = {"order": "partition", "init": "sampled_gaussian", "table": "tt", "rank": 8, "cores": 3}
@@ -54,9 +55,9 @@ def node_plan(c, options: dict, name: str) -> None:
 def compression(num_rows: int, dim: int, plan) -> dict:
   """Floats of the node table under `plan` vs the full table (nothing allocated)."""
   spec = base.TableSpec(name="node", num_rows=num_rows, dim=dim)
-  name, opts = base.parse_backend(plan[0][1])
+  name, opts = planner.parse_backend(plan[0][1])
   opts = {k: v for k, v in opts.items() if k not in ("init", "init_path")}  # no file read
-  b = base.make_backend(name + "(" + ", ".join(f"{k}={v}" for k, v in opts.items()) + ")", spec)
+  b = planner.make_backend(name + "(" + ", ".join(f"{k}={v}" for k, v in opts.items()) + ")", spec)
   floats = b.num_params()["node"]
   return {"floats": floats, "full_floats": num_rows * dim, "ratio": num_rows * dim / floats}
 

@@ -18,6 +18,7 @@ shows the tables actually trained.
 from __future__ import annotations
 
 from experiments import _options, dlrm_kaggle
+from recgnn import planner
 from recgnn.embeddings import base
 
 KAGGLE_CARDINALITIES = dlrm_kaggle.KAGGLE_CARDINALITIES
@@ -58,7 +59,7 @@ def compression_report(cardinalities, plan, dim: int = 16) -> dict:
     base.TableSpec(name=n, num_rows=int(c), dim=dim)
     for n, c in zip(table_names(len(cardinalities)), cardinalities)
   ]
-  resolved = base.resolve_plan(plan, specs, log=False)
+  resolved = planner.resolve_plan(plan, specs, log=False)
   per_table = {}
   for n, spec in resolved.specs.items():
     g = resolved.backend_of(n)
@@ -102,7 +103,7 @@ def get_config(arg=None):
   c = dlrm_kaggle.get_config()
   c.embeddings.plan = tuple(make_plan(options))  # a tuple: overridable from the CLI
   # Fail now, not after the data is loaded, on a bad tt option.
-  base.make_backend(c.embeddings.plan[0][1], base.TableSpec(name="C3", num_rows=1000, dim=16))
+  planner.make_backend(c.embeddings.plan[0][1], base.TableSpec(name="C3", num_rows=1000, dim=16))
   dim = c.embeddings.dim
   kaggle = compression_report(KAGGLE_CARDINALITIES, c.embeddings.plan, dim)
   print(format_report("Kaggle (real cardinalities)", kaggle))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recgnn import sharding
+from recgnn import planner, sharding
 from recgnn.embeddings import base
 from recgnn.train import inputs
 
@@ -153,7 +153,7 @@ def run(
 
   evals: {step: ids} eval batches (lookup only) inserted before train step `step`; their
   pooled lookups are returned in `Trace.lookups` in stream order too.
-  group, state: drive this backend (made by `base.make_backend(backend_text, spec, mesh)`)
+  group, state: drive this backend (made by `planner.make_backend(backend_text, spec, mesh)`)
     from this state (e.g. restored from a checkpoint) instead of a fresh one from `key`.
   start, stop: run train steps [start, stop) of `batches` (a fresh input pipeline started at
     `start`; batches prepared beyond `stop` are dropped, as when the trainer stops). The
@@ -165,10 +165,10 @@ def run(
   """
   stop = len(batches) if stop is None else stop
   if group is None:
-    mesh = base.default_mesh() if mesh is None else mesh
-    group = base.make_backend(backend_text, spec, mesh)
+    mesh = planner.default_mesh() if mesh is None else mesh
+    group = planner.make_backend(backend_text, spec, mesh)
   mesh = group.mesh
-  plan = base.Plan({group.name: group}, {spec.name: group.name}, mesh)
+  plan = planner.Plan({group.name: group}, {spec.name: group.name}, mesh)
   if state is None:
     state = group.init(jax.random.key(0) if key is None else key)
   lookup = jax.jit(group.lookup)
@@ -259,7 +259,7 @@ def update_temp_bytes(group: base.Backend, state, prepared, grads) -> int:
 def assert_update_is_sparse(backend_text: str, spec: base.TableSpec, batch: np.ndarray) -> int:
   """An update's scratch memory must not scale with the table: it is compared against a
   table-sized buffer (a dense gradient would need num_rows * dim * 4 bytes)."""
-  group = base.make_backend(backend_text, spec)
+  group = planner.make_backend(backend_text, spec)
   state = group.init(jax.random.key(0))
   prepared = group.prepare({spec.name: batch}, [])
   grads = {spec.name: jnp.ones((batch.shape[0], spec.dim), jnp.float32)}
@@ -276,7 +276,7 @@ def lowered_step(backend_text: str, spec: base.TableSpec, ids: np.ndarray, mesh=
   """`jax.jit(lookup + update).lower(...)` of one table's first train step on `ids` (the
   gradient is the pooled lookup itself), for tests that read the step's HLO. -> (backend,
   lowered)."""
-  group = base.make_backend(backend_text, spec, base.default_mesh() if mesh is None else mesh)
+  group = planner.make_backend(backend_text, spec, planner.default_mesh() if mesh is None else mesh)
   state = group.init(jax.random.key(0))
   prepared = jax.device_put(group.prepare({spec.name: ids}, [{spec.name: ids}], train=True))
 

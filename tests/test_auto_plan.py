@@ -1,4 +1,4 @@
-"""plan=auto (recgnn/embeddings/auto_plan.py): the options, the integer program against brute
+"""plan=auto (recgnn/planner/auto_plan.py): the options, the integer program against brute
 force, the refusal of a budget nothing fits, real candidates' bytes from the backends, the
 finalists timed whole, and trainer runs whose auto rule places tables within a budget."""
 
@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import trainer_lib
 
-from recgnn.embeddings import auto_plan, base
-from recgnn.embeddings.auto_plan import AutoOptions, Candidate
+from recgnn import planner
+from recgnn.embeddings import base
+from recgnn.planner import auto_plan
+from recgnn.planner.auto_plan import AutoOptions, Candidate
 from recgnn.train import loop
 
 
@@ -32,7 +34,7 @@ def test_options_refused_with_the_reason():
   with pytest.raises(ValueError, match="one auto"):
     auto_plan.auto_options([("a", "auto(budget=0.5)"), ("b", "auto(budget=0.25)")])
   with pytest.raises(ValueError, match="resolved by recgnn.train.setup.build"):
-    base.resolve_plan([(".*", "auto")], [base.TableSpec(name="t", num_rows=100, dim=4)])
+    planner.resolve_plan([(".*", "auto")], [base.TableSpec(name="t", num_rows=100, dim=4)])
 
 
 def _read_json(path: str):
@@ -117,7 +119,7 @@ def test_solve_keeps_each_family_to_its_limit_of_backend_strings(objective):
       key = (s, b) if objective == "time" else (b, s)
       best = key if best is None or key < best else best
     if best is None:
-      with pytest.raises(base.PlanDoesNotFit, match="one split"):
+      with pytest.raises(planner.PlanDoesNotFit, match="one split"):
         auto_plan.solve(cands, budget, objective, {"micro": 1})
       continue
     chosen = auto_plan.solve(cands, budget, objective, {"micro": 1})
@@ -140,7 +142,7 @@ def test_infeasible_budget_names_the_smallest_plan_and_its_tables():
     "big": [Candidate("big", "dense", 900, 0, 1.0), Candidate("big", "offload", 300, 0, 2.0)],
     "small": [Candidate("small", "dense", 50, 0, 1.0)],
   }
-  with pytest.raises(base.PlanDoesNotFit) as e:
+  with pytest.raises(planner.PlanDoesNotFit) as e:
     auto_plan.solve(cands, 200, "time")
   msg = str(e.value)
   assert "350 bytes" in msg and "big" in msg and "(offload)" in msg
@@ -155,7 +157,7 @@ def test_choose_real_backends_bytes_and_budgets():
   specs = [
     base.TableSpec(name=f"t{i}", num_rows=n, dim=8) for i, n in enumerate([50_000, 20_000, 300])
   ]
-  mesh = base.default_mesh()
+  mesh = planner.default_mesh()
 
   def cost(text, spec):
     if text == "dense":
@@ -176,7 +178,7 @@ def test_choose_real_backends_bytes_and_budgets():
   assert "runner-up" in report and "t0" in report
   with pytest.raises(ValueError, match="no model axis"):
     auto_plan.choose(specs, AutoOptions(kinds=("dense", "sharded")), mesh, base.Layout(), [])
-  with pytest.raises(base.PlanDoesNotFit, match="smallest plan needs"):
+  with pytest.raises(planner.PlanDoesNotFit, match="smallest plan needs"):
     auto_plan.choose(specs, AutoOptions(budget=0.001), mesh, base.Layout(), [], cost=cost)
 
 
@@ -287,7 +289,7 @@ def test_solve_pays_each_used_group_once():
 def test_model_part_through_the_cost_cache(tmp_path):
   """The model part is timed once per key and read back by a second planning with the same
   cache file; its key moves with what sets its cost (model config, batch), not otherwise."""
-  mesh = base.default_mesh()
+  mesh = planner.default_mesh()
   path = str(tmp_path / "costs.json")
   batches = [{"ids": {"t0": np.arange(8)}, "dense": np.ones((8, 3), np.float32)}]
   key = auto_plan.CostCache.model_key("ctr (512, 256)", batches, mesh)
@@ -311,7 +313,7 @@ def test_finalists_are_distinct_plans_that_fit_each_of_its_variant():
     base.TableSpec(name=f"t{i}", num_rows=n, dim=8)
     for i, n in enumerate([50_000, 40_000, 30_000, 300])
   ]
-  mesh = base.default_mesh()
+  mesh = planner.default_mesh()
 
   def cost(text, spec):  # hot_cold the cheaper tier for t0, offload for the others: mixed
     if text == "dense":

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from recgnn import sharding
+from recgnn import planner, sharding
 from recgnn.embeddings import base
 
 # Plan strings that must reproduce `dense` bit for bit.
@@ -79,7 +79,7 @@ def test_row_sharded_state_is_split():
   """dense(shard=rows) really splits the rows over MODEL: each device holds 1/4 of them
   (of the 1024 aligned rows: base.ROW_ALIGN)."""
   mesh = contract.mesh_or_skip(2, 4)
-  group = base.make_backend("dense(shard=rows)", _spec(OPTIMIZERS[1]), mesh)
+  group = planner.make_backend("dense(shard=rows)", _spec(OPTIMIZERS[1]), mesh)
   state = group.init(jax.random.key(0))
   table = state["t"]["table"]
   assert table.sharding.spec == sharding.P(sharding.MODEL, None)

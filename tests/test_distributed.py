@@ -122,7 +122,7 @@ def test_device_blocks_decide_each_process_slice():
 
 
 def test_process_local_input_is_refused_with_the_groups_that_plan_over_the_batch(monkeypatch):
-  from recgnn import sharding
+  from recgnn import planner, sharding
   from recgnn.embeddings import OptimizerSpec, TableSpec, base
   from recgnn.train import inputs
 
@@ -149,14 +149,14 @@ def test_process_local_input_is_refused_with_the_groups_that_plan_over_the_batch
   assert "embedding group" not in str(e.value) and "contiguous block" in str(e.value)
   # A backend that plans over the batch refuses a process-local layout at construction.
   with pytest.raises(ValueError, match="cannot read process-local batches"):
-    base.make_group("tt(rank=4)", specs[:1], mesh, base.Layout(process_local=True))
+    planner.make_group("tt(rank=4)", specs[:1], mesh, base.Layout(process_local=True))
 
 
 @pytest.mark.parametrize("shard", ["none", "rows"])
 def test_device_dedup_updates_rows_as_the_host_dedup_does(shard):
   """Process-local input moves dense's Adagrad dedup from the host to the device: the
   same tables bit for bit (on 1x1 and, row-sharded, on 2x4)."""
-  from recgnn import sharding
+  from recgnn import planner, sharding
   from recgnn.embeddings import OptimizerSpec, TableSpec, base
 
   opt = OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1)
@@ -167,7 +167,7 @@ def test_device_dedup_updates_rows_as_the_host_dedup_does(shard):
   tables = []
   for local in (False, True):
     layout = base.Layout(process_local=local)
-    plan = base.resolve_plan([(".*", f"dense(shard={shard})")], [spec], mesh, layout, log=False)
+    plan = planner.resolve_plan([(".*", f"dense(shard={shard})")], [spec], mesh, layout, log=False)
     (group,) = plan.groups.values()
     state = group.init(jax.random.key(0))
     rng = np.random.default_rng(0)

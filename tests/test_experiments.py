@@ -79,24 +79,24 @@ def test_experiment_starts_from_its_defaults(name, cache_dir, tmp_path):
 def test_relative_budget_holds_other_plans_to_the_same_bytes(cache_dir, tmp_path):
   """hotline_kaggle's 'plan+10%' resolves to bytes that the all-dense plan of the same
   model and data exceeds (the experiment's point), refused before allocating."""
-  from recgnn.embeddings import base
+  from recgnn import planner
   from recgnn.train import setup
 
   config = small_config("hotline_kaggle", cache_dir)
-  assert str(base.parse_budget(config.device_memory_budget)) == "plan+10%"
+  assert str(planner.parse_budget(config.device_memory_budget)) == "plan+10%"
   lines: list[str] = []
   run_ = setup.build(config, allocate=False, log=lines.append)
   said = [x for x in lines if x.startswith("Device memory budget plan+10%")]
   assert len(said) == 1, lines
   budget = int(said[0].split("--device_memory_budget=")[1].split(" ")[0].rstrip(")"))
-  need = base.check_memory(run_.plan, None, setup._train_ids_shapes(
+  need = planner.check_memory(run_.plan, None, setup._train_ids_shapes(
     run_.plan, run_.task, run_.example, budget))  # fmt: skip
-  assert budget == int(need * 1.1) and base.batch_bytes(run_.plan, {
+  assert budget == int(need * 1.1) and planner.batch_bytes(run_.plan, {
     t: (2048, 1) for t in run_.plan.table_group}) > 0  # fmt: skip
   dense = config.copy_and_resolve_references()
   with dense.unlocked():
     dense.embeddings.plan = ((".*", "dense"),)
-  with pytest.raises(base.PlanDoesNotFit, match="budget is"):
+  with pytest.raises(planner.PlanDoesNotFit, match="budget is"):
     setup.build(dense, task=run_.task, device_memory_budget=budget, allocate=False)
 
 
@@ -105,21 +105,21 @@ def test_relative_budget_holds_other_plans_to_the_same_bytes(cache_dir, tmp_path
   [("2G", 2 * 2**30), ("1.5MiB", int(1.5 * 2**20)), ("1000", 1000), ("", None), (None, None)],
 )
 def test_parse_budget_bytes(text, want):
-  from recgnn.embeddings import base
+  from recgnn import planner
 
-  assert base.parse_budget(text) == want
+  assert planner.parse_budget(text) == want
 
 
 def test_parse_budget_relative_and_malformed():
-  from recgnn.embeddings import base
+  from recgnn import planner
 
-  assert base.parse_budget("plan+10%") == base.RelativeBudget(0.1)
-  assert base.parse_budget(" Plan + 2.5 % ") == base.RelativeBudget(0.025)
-  assert base.parse_budget("plan") == base.RelativeBudget(0.0)
-  assert base.RelativeBudget(0.1).bytes_for(1000) == 1100
+  assert planner.parse_budget("plan+10%") == planner.RelativeBudget(0.1)
+  assert planner.parse_budget(" Plan + 2.5 % ") == planner.RelativeBudget(0.025)
+  assert planner.parse_budget("plan") == planner.RelativeBudget(0.0)
+  assert planner.RelativeBudget(0.1).bytes_for(1000) == 1100
   for bad in ("plan-10%", "plan+ten%", "lots"):
     with pytest.raises(ValueError, match="expected"):
-      base.parse_budget(bad)
+      planner.parse_budget(bad)
 
 
 @pytest.mark.long

@@ -461,10 +461,10 @@ def _plan_string(draw):
 @fuzz(300)
 @given(_plan_string())
 def test_plan_string_parses_to_its_options(case):
-  from recgnn.embeddings import base
+  from recgnn import planner
 
   text, name, opts = case
-  assert base.parse_backend(text) == (name, opts)
+  assert planner.parse_backend(text) == (name, opts)
 
 
 @fuzz(400)
@@ -481,10 +481,10 @@ def test_plan_string_parses_to_its_options(case):
 def test_plan_string_is_parsed_or_refused_naming_it(text):
   """Anything: a (name, options) pair, or ValueError quoting the string; never another
   exception (SyntaxError, TypeError, ...) from deep inside the parser."""
-  from recgnn.embeddings import base
+  from recgnn import planner
 
   try:
-    name, opts = base.parse_backend(text)
+    name, opts = planner.parse_backend(text)
   except ValueError as e:
     assert repr(text) in str(e), str(e)
     return

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from recgnn import sharding
+from recgnn import planner, sharding
 from recgnn.embeddings import access_counts as profile
 from recgnn.embeddings import base
 from recgnn.train import inputs
@@ -42,9 +42,9 @@ def _run_group(text, specs, batches, mesh, *, evals=(), group=None, state=None, 
   jitted lookup / update (donated), eval batches (lookup only) before the listed steps."""
   stop = len(batches) if stop is None else stop
   if group is None:
-    group = base.make_group(text, specs, mesh)
+    group = planner.make_group(text, specs, mesh)
     state = group.init(jax.random.key(0))
-  plan = base.Plan({group.name: group}, {s.name: group.name for s in specs}, group.mesh)
+  plan = planner.Plan({group.name: group}, {s.name: group.name for s in specs}, group.mesh)
   lookup = jax.jit(group.lookup)
   update = jax.jit(group.update, donate_argnums=0)
   stream = []
@@ -87,7 +87,7 @@ def test_group_matches_dense(opt, pooling, mesh_shape):
   specs = _specs(opt, pooling)
   batches = _batches(specs, batch=SPLIT_BATCH if opt is SGD else 64)
   mesh = sharding.make_mesh(*mesh_shape)
-  ref = _run_group("dense", specs, batches, base.default_mesh(), evals=(1, 4))
+  ref = _run_group("dense", specs, batches, planner.default_mesh(), evals=(1, 4))
   got = _run_group(TEXT, specs, batches, mesh, evals=(1, 4))
   _assert_same(got[:2], ref[:2])
   s = got[2].stats()
@@ -102,7 +102,7 @@ def test_split_option_same_values(split):
   batches = _batches(specs, n=4, batch=SPLIT_BATCH)
   mesh = sharding.make_mesh(8, 1)
   text = f"hot_cold(budget=0.4, profile_batches=1, split={split})"
-  ref = _run_group("dense", specs, batches, base.default_mesh())
+  ref = _run_group("dense", specs, batches, planner.default_mesh())
   got = _run_group(text, specs, batches, mesh)
   _assert_same(got[:2], ref[:2])
   assert (got[2].stats().get("micro_popular_size", 0) > 0) == split
@@ -114,7 +114,7 @@ def test_all_popular_batch_is_one_micro_batch(mesh_shape):
   of 0 examples), equal to dense."""
   specs = _specs(ADAGRAD)
   batches = [_batches(specs, n=1)[0]] * 4  # profiled once: every id of the later ones hot
-  ref = _run_group("dense", specs, batches, base.default_mesh(), evals=(2,))
+  ref = _run_group("dense", specs, batches, planner.default_mesh(), evals=(2,))
   text = "hot_cold(budget=1.0, profile_batches=1)"
   got = _run_group(text, specs, batches, sharding.make_mesh(*mesh_shape), evals=(2,))
   _assert_same(got[:2], ref[:2])
@@ -133,11 +133,11 @@ def test_checkpoint_resume_on_another_mesh(save, resume):
   uninterrupted dense run; the resumed backend re-profiles and migrates again."""
   specs = _specs(ADAGRAD)
   batches = _batches(specs, n=7)
-  ref = _run_group("dense", specs, batches, base.default_mesh())
+  ref = _run_group("dense", specs, batches, planner.default_mesh())
   first = _run_group(TEXT, specs, batches, sharding.make_mesh(*save), stop=3)
   g1, s1 = first[2], first[3]
   saved = jax.device_get(g1.export(s1))
-  g2 = base.make_group(TEXT, specs, sharding.make_mesh(*resume))
+  g2 = planner.make_group(TEXT, specs, sharding.make_mesh(*resume))
   target = g2.logical_target()
   logical = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), saved, target)
   s2 = g2.import_(logical)
@@ -151,10 +151,10 @@ def test_restore_rebuilds_hot_set():
   specs = _specs(SGD)
   batches = _batches(specs, n=6)
   mesh = sharding.make_mesh(8, 1)
-  ref = _run_group("dense", specs, batches, base.default_mesh())
+  ref = _run_group("dense", specs, batches, planner.default_mesh())
   first = _run_group("hot_cold(budget=0.1, profile_batches=2)", specs, batches, mesh, stop=3)
   hot = first[2].hot_set()
-  g2 = base.make_group("hot_cold(budget=0.1, profile_batches=2)", specs, mesh)
+  g2 = planner.make_group("hot_cold(budget=0.1, profile_batches=2)", specs, mesh)
   s2 = g2.restore(first[3])
   assert all(np.array_equal(g2.hot_set()[n], hot[n]) for n in hot) and hot["a"].size
   rest = _run_group("", specs, batches, None, group=g2, state=s2, start=3)
@@ -172,7 +172,7 @@ def test_popular_split_and_stats_match_numpy():
   batch, n_dev = 1024, 8
   batches = _batches(specs, n=4, batch=batch)
   mesh = sharding.make_mesh(n_dev, 1)
-  g = base.make_group("hot_cold(budget=0.2, profile_batches=1)", specs, mesh)
+  g = planner.make_group("hot_cold(budget=0.2, profile_batches=1)", specs, mesh)
   g.init(jax.random.key(0))
   g.prepare(batches[0])  # profiles, picks the hot set
   g.stats()
@@ -211,7 +211,7 @@ def test_popular_split_and_stats_match_numpy():
 def test_hot_rows_are_row_sharded_and_memory_reported():
   specs = _specs(ADAGRAD)
   mesh = sharding.make_mesh(2, 4)
-  g = base.make_group("hot_cold(budget=0.1)", specs, mesh)
+  g = planner.make_group("hot_cold(budget=0.1)", specs, mesh)
   state = g.init(jax.random.key(0))
   hot = state["tables"]["a"]["hot"]["table"]
   assert hot.sharding.spec == sharding.P(sharding.BATCH, None)
@@ -233,7 +233,7 @@ def test_batch_memory_is_the_prefetch_buffer_the_state_holds(prefetch):
   specs = _specs(ADAGRAD)
   batches = _batches(specs, n=6)
   text = f"hot_cold(budget=0.1, profile_batches=2, prefetch={prefetch})"
-  *_, g, state = _run_group(text, specs, batches, base.default_mesh())
+  *_, g, state = _run_group(text, specs, batches, planner.default_mesh())
   shapes = {s.name: batches[0][s.name].shape for s in specs}
   extra = g.batch_memory(shapes)
   if prefetch:  # 64 x 3 = 192 ids a batch, fewer than either table's rows
@@ -243,13 +243,13 @@ def test_batch_memory_is_the_prefetch_buffer_the_state_holds(prefetch):
   held, _ = plan_report.held_bytes(state)
   scalars = 3 * 4  # the group's version, stale and next_for counters (int32[] each)
   assert held == g.device_bytes() + sum(extra.values()) + scalars
-  plan = base.Plan({g.name: g}, {s.name: g.name for s in specs}, g.mesh)
-  total = base.check_memory(plan, None, shapes)
+  plan = planner.Plan({g.name: g}, {s.name: g.name for s in specs}, g.mesh)
+  total = planner.check_memory(plan, None, shapes)
   assert total == held - scalars
   if prefetch:
-    with pytest.raises(base.PlanDoesNotFit, match="buffers sized by the batch"):
-      base.check_memory(plan, total - 1, shapes)
-  assert base.check_memory(plan, held) == g.device_bytes()  # (no shapes: memory() alone)
+    with pytest.raises(planner.PlanDoesNotFit, match="buffers sized by the batch"):
+      planner.check_memory(plan, total - 1, shapes)
+  assert planner.check_memory(plan, held) == g.device_bytes()  # (no shapes: memory() alone)
 
 
 def test_update_is_sparse():
@@ -261,7 +261,7 @@ def test_update_is_sparse():
 def test_skipped_batch_is_detected():
   specs = _specs(SGD)
   batches = _batches(specs, n=3)
-  g = base.make_group("hot_cold(budget=0.1, profile_batches=1)", specs, base.default_mesh())
+  g = planner.make_group("hot_cold(budget=0.1, profile_batches=1)", specs, planner.default_mesh())
   state = g.init(jax.random.key(0))
   g.prepare(batches[0])  # prepared, never run
   p = contract.put_prepared(g, g.prepare(batches[1]), g.mesh)
@@ -274,9 +274,9 @@ def test_skipped_batch_is_detected():
 
 def test_bad_options_name_the_fix():
   with pytest.raises(ValueError, match="budget must be in"):
-    base.make_group("hot_cold(budget=2)", _specs(SGD))
+    planner.make_group("hot_cold(budget=2)", _specs(SGD))
   with pytest.raises(ValueError, match="not both"):
-    base.make_group("hot_cold(budget=0.1, hot_rows=5)", _specs(SGD))
+    planner.make_group("hot_cold(budget=0.1, hot_rows=5)", _specs(SGD))
 
 
 # ----------------------------------------------------------------------------- profiler
@@ -313,13 +313,13 @@ def test_profile_sample_takes_the_fraction():
 
 def test_offload_lfu_and_tt_cache_use_the_profiler():
   """One profiler: offload's LFU counts and tt's warm-up are AccessProfiles."""
-  off = base.make_backend("offload(cache_rows=10, policy=lfu)", _specs(SGD)[0])
+  off = planner.make_backend("offload(cache_rows=10, policy=lfu)", _specs(SGD)[0])
   off.init(jax.random.key(0))
   off.prepare({"a": np.array([[1, 1], [2, -1]])}, [])
   lfu = off.members["a"]._planner.lfu
   assert isinstance(lfu, profile.AccessProfile)
   assert lfu.count_of(np.array([1, 2, 3])).tolist() == [1, 1, 0]  # once per batch
-  tt = base.make_backend("tt(rank=4, cache_rows=2, cache_warmup=2)", _specs(SGD)[0])
+  tt = planner.make_backend("tt(rank=4, cache_rows=2, cache_warmup=2)", _specs(SGD)[0])
   member = tt.members["a"]
   assert isinstance(member._warm, profile.AccessProfile)
   member.prepare(np.array([[5, 5], [6, -1]]))

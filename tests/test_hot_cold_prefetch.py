@@ -20,7 +20,7 @@ import pytest
 from test_hot_cold import ADAGRAD, SGD, SPLIT_BATCH, _assert_same, _batches, _run_group, _specs
 from test_hot_cold_tiers import _micro_step, restored
 
-from recgnn import comms, hlo, sharding
+from recgnn import comms, hlo, planner, sharding
 from recgnn.backends.hot_cold import HotCold
 from recgnn.embeddings import base
 
@@ -40,7 +40,7 @@ def test_prefetch_matches_dense(mesh_shape):
   specs = _specs(SGD)
   batches = _batches(specs, n=14, batch=SPLIT_BATCH)
   mesh = contract.mesh_or_skip(*mesh_shape)
-  ref = _run_group("dense", specs, batches, base.default_mesh(), evals=(2, 6, 9))
+  ref = _run_group("dense", specs, batches, planner.default_mesh(), evals=(2, 6, 9))
   got = _run_group(TEXT, specs, batches, mesh, evals=(2, 6, 9))
   _assert_same(got[:2], ref[:2])
   s = got[2].stats()
@@ -53,7 +53,7 @@ def test_prefetch_matches_dense_adagrad_mean():
   """Row-wise Adagrad (its accumulators travel with the rows) and mean pooling."""
   specs = _specs(ADAGRAD, "mean")
   batches = _batches(specs, n=12)
-  ref = _run_group("dense", specs, batches, base.default_mesh(), evals=(4,))
+  ref = _run_group("dense", specs, batches, planner.default_mesh(), evals=(4,))
   got = _run_group(TEXT, specs, batches, sharding.make_mesh(1, 1), evals=(4,))
   _assert_same(got[:2], ref[:2])
   assert got[2].stats()["next_from_now_per_step"] > 0
@@ -62,7 +62,7 @@ def test_prefetch_matches_dense_adagrad_mean():
 def test_prefetch_off_is_the_same():
   specs = _specs(SGD)
   batches = _batches(specs, n=8, batch=SPLIT_BATCH)
-  ref = _run_group("dense", specs, batches, base.default_mesh())
+  ref = _run_group("dense", specs, batches, planner.default_mesh())
   got = _run_group(TEXT[:-1] + ", prefetch=False)", specs, batches, sharding.make_mesh(1, 1))
   _assert_same(got[:2], ref[:2])
   assert got[2].lookahead == 0 and got[2].stats()["prefetched_fraction"] == 0
@@ -77,7 +77,7 @@ def test_resume_on_another_mesh(save, resume):
   to an uninterrupted dense run."""
   specs = _specs(ADAGRAD)
   batches = _batches(specs, n=12)
-  ref = _run_group("dense", specs, batches, base.default_mesh())
+  ref = _run_group("dense", specs, batches, planner.default_mesh())
   first = _run_group(TEXT, specs, batches, contract.mesh_or_skip(*save), stop=7)
   g1, s1 = first[2], first[3]
   assert g1.stats()["prefetched_fraction"] > 0
@@ -102,7 +102,7 @@ def test_ignoring_from_now_is_caught(monkeypatch):
   monkeypatch.setattr(HotCold, "_next_lists", stale)
   specs = _specs(SGD)
   batches = _batches(specs, n=8, batch=SPLIT_BATCH)
-  ref = _run_group("dense", specs, batches, base.default_mesh())
+  ref = _run_group("dense", specs, batches, planner.default_mesh())
   got = _run_group(TEXT, specs, batches, sharding.make_mesh(1, 1))
   assert not all(np.array_equal(got[1][n], ref[1][n]) for n in ref[1])
 
@@ -111,7 +111,7 @@ def test_a_batch_prefetched_for_another_state_is_counted_stale():
   """A prepared batch marked prefetched run on a state whose buffer holds another batch's
   rows (its step skipped): `stale` counts it and sync refuses the state."""
   specs = _specs(SGD)
-  group = base.make_group(TEXT, specs, base.default_mesh())
+  group = planner.make_group(TEXT, specs, planner.default_mesh())
   state = group.init(jax.random.key(0))
   batches = _batches(specs, n=8)
   prepared = [group.prepare(batches[k], [batches[k + 1]]) for k in range(7)]
@@ -175,7 +175,7 @@ def test_next_batch_read_depends_on_nothing_the_step_computes():
   bodies; tests/test_hot_cold_tiers.py reads a mesh's link)."""
   specs = _specs(SGD)
   mesh = sharding.make_mesh(1, 1)
-  group = base.make_group("hot_cold(budget=0.3, profile_batches=2)", specs, mesh)
+  group = planner.make_group("hot_cold(budget=0.3, profile_batches=2)", specs, mesh)
   if not group.host.offloaded:
     pytest.skip("no pinned_host memory on this platform")
   state, p = _steady(group, specs)
@@ -236,7 +236,7 @@ def _link(budget, prefetch, steps=50, measured=25):
   spec = base.TableSpec(name="t", num_rows=100_000, dim=16, optimizer=ADAGRAD)
   mesh = sharding.make_mesh(1, 1)
   text = f"hot_cold(budget={budget}, profile_batches=10, split=False, prefetch={prefetch})"
-  group = base.make_group(text, [spec], mesh)
+  group = planner.make_group(text, [spec], mesh)
   if not group.host.offloaded:
     pytest.skip("no pinned_host memory on this platform")
   state = group.init(jax.random.key(0))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_hot_cold import ADAGRAD, SGD, SPLIT_BATCH, _assert_same, _batches, _run_group, _specs
 
-from recgnn import comms, hlo, sharding
+from recgnn import comms, hlo, planner, sharding
 from recgnn.backends.hot_cold import hot_set, micro
 from recgnn.embeddings import base, microbatch
 
@@ -65,7 +65,7 @@ def test_popular_micro_batch_does_not_depend_on_the_cold_gather(mesh_shape):
   does the update."""
   specs = _specs(SGD)
   mesh = sharding.make_mesh(*mesh_shape)
-  group = base.make_group("hot_cold(budget=0.3, profile_batches=2)", specs, mesh)
+  group = planner.make_group("hot_cold(budget=0.3, profile_batches=2)", specs, mesh)
   _offloaded_or_skip(group)
   state = group.init(jax.random.key(0))
   prepared = _prepare_stream(group, _batches(specs, n=4, batch=SPLIT_BATCH))
@@ -154,9 +154,9 @@ def test_trainer_step_runs_the_popular_micro_batch_without_the_host():
     base.TableSpec(name="b", num_rows=300, dim=8, optimizer=SGD),
   ]
   mesh = sharding.make_mesh(1, 1)
-  group = base.make_group("hot_cold(budget=0.3, profile_batches=2)", specs, mesh)
+  group = planner.make_group("hot_cold(budget=0.3, profile_batches=2)", specs, mesh)
   _offloaded_or_skip(group)
-  plan = base.Plan({group.name: group}, {s.name: group.name for s in specs}, mesh)
+  plan = planner.Plan({group.name: group}, {s.name: group.name for s in specs}, mesh)
   task = _DlrmTask(specs, mesh)
   batches = _batches(specs, n=4, batch=SPLIT_BATCH)
   rng = np.random.default_rng(0)
@@ -198,7 +198,7 @@ def _host_link(budget, mesh_shape=(1, 1), steps=60, measured=30):
   cold ids per step, row bytes)."""
   spec = base.TableSpec(name="t", num_rows=100_000, dim=16, optimizer=ADAGRAD)
   mesh = sharding.make_mesh(*mesh_shape)
-  group = base.make_group(
+  group = planner.make_group(
     f"hot_cold(budget={budget}, profile_batches=10, split=False)", [spec], mesh
   )
   _offloaded_or_skip(group)
@@ -279,8 +279,8 @@ def test_zipf_stream_compiles_a_few_shapes():
   (two cold lists): the cold lists take a few lengths (the step's shapes), not one per
   batch. Printed for the report."""
   specs = _specs(ADAGRAD)
-  group = base.make_group(
-    "hot_cold(budget=0.05, profile_batches=10, reprofile=50)", specs, base.default_mesh()
+  group = planner.make_group(
+    "hot_cold(budget=0.05, profile_batches=10, reprofile=50)", specs, planner.default_mesh()
   )
   group.init(jax.random.key(0))
   needs = set()
@@ -319,8 +319,8 @@ def test_26_tables_one_list_few_shapes_bytes_follow_the_cold_ids(stream26):
   specs, batches = stream26
   rows, sigs = {}, {}
   for budget in (0.01, 0.05, 0.2):
-    group = base.make_group(
-      f"hot_cold(budget={budget}, profile_batches=40)", specs, base.default_mesh()
+    group = planner.make_group(
+      f"hot_cold(budget={budget}, profile_batches=40)", specs, planner.default_mesh()
     )
     state = group.init(jax.random.key(0))
     listed = need = 0
@@ -365,10 +365,10 @@ def _cold_rows_per_step(budget, profile_batches, batches):
   """A one-table group's mean cold-list rows (what the host link carries each way, x row
   bytes: the HLO tests above) over the batches after its hot set is in, and its hot_fill."""
   spec = base.TableSpec(name="t", num_rows=20_000, dim=16, optimizer=ADAGRAD)
-  group = base.make_group(
+  group = planner.make_group(
     f"hot_cold(budget={budget}, profile_batches={profile_batches}, split=False)",
     [spec],
-    base.default_mesh(),
+    planner.default_mesh(),
   )
   group.init(jax.random.key(0))
   rows = []
@@ -433,7 +433,7 @@ def restored(group, state, text, specs, mesh):
   it: the logical tables (export / import_) and the JSON extras (restore_extras)."""
   saved = jax.device_get(group.export(state))
   extras = json.loads(json.dumps(group.extras(state)))
-  g = base.make_group(text, specs, mesh)
+  g = planner.make_group(text, specs, mesh)
   target = g.logical_target()
   s = g.import_(jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), saved, target))
   return g, g.restore_extras(s, extras)
@@ -447,7 +447,7 @@ def test_hot_set_in_the_checkpoint(save, resume):
   specs = _specs(ADAGRAD)
   batches = _batches(specs, n=7)
   text = "hot_cold(budget=0.1, profile_batches=2)"
-  ref = _run_group("dense", specs, batches, base.default_mesh())
+  ref = _run_group("dense", specs, batches, planner.default_mesh())
   first = _run_group(text, specs, batches, sharding.make_mesh(*save), stop=4)
   g1, s1 = first[2], first[3]
   hot = g1.hot_set()
@@ -462,7 +462,7 @@ def test_hot_set_in_the_checkpoint(save, resume):
 
 def test_hot_set_that_does_not_fit_is_profiled_again():
   specs = _specs(SGD)
-  g = base.make_group("hot_cold(budget=0.01, profile_batches=2)", specs, base.default_mesh())
+  g = planner.make_group("hot_cold(budget=0.01, profile_batches=2)", specs, planner.default_mesh())
   state = g.init(jax.random.key(0))
   big = {"hot_set": {"a": hot_set.encode_rows(np.arange(500)), "b": hot_set.encode_rows([])}}
   assert g.restore_extras(state, big) is state and not g.hot_set()["a"].size

@@ -10,6 +10,7 @@ import scipy.sparse.csgraph as csgraph
 import scipy.sparse.linalg as spla
 
 from experiments import sage_cora, sage_tt_synthetic
+from recgnn import planner
 from recgnn.backends import tt
 from recgnn.embeddings import base
 from recgnn.graphs import reorder, spectral, store, synthetic
@@ -148,7 +149,7 @@ def test_tt_svd_init_from_a_file_through_the_plan(tmp_path):
   target = 37.0 * np.asarray(tt.reconstruct(_random_tt(low, 5), 1000))  # a rank-4 TT
   path = tmp_path / "init.npy"
   np.save(path, target.astype(np.float32))
-  b = base.make_backend(f"tt(rank=4, init=tt_svd, init_path='{path}')", spec)
+  b = planner.make_backend(f"tt(rank=4, init=tt_svd, init_path='{path}')", spec)
   state = b.init(jax.random.key(0))
   table = b.tables(state)["node"]
   assert abs(table.var() - 1 / 8) < 0.01 / 8  # normal initializer: Var 1/dim
@@ -156,9 +157,9 @@ def test_tt_svd_init_from_a_file_through_the_plan(tmp_path):
   assert corr > 0.9999
   assert "init=tt_svd" in b.describe("node")
   with pytest.raises(ValueError, match="go together"):
-    base.make_backend("tt(rank=4, init=tt_svd)", spec)
+    planner.make_backend("tt(rank=4, init=tt_svd)", spec)
   np.save(tmp_path / "bad.npy", target[:10].astype(np.float32))
-  bad = base.make_backend(f"tt(rank=4, init=tt_svd, init_path='{tmp_path / 'bad.npy'}')", spec)
+  bad = planner.make_backend(f"tt(rank=4, init=tt_svd, init_path='{tmp_path / 'bad.npy'}')", spec)
   with pytest.raises(ValueError, match="need"):
     bad.init(jax.random.key(0))
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recgnn import sharding
+from recgnn import planner, sharding
 from recgnn.backends import offload
 from recgnn.embeddings import base
 from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
@@ -38,8 +38,8 @@ def _batches(num_batches=12, batch=32, bag=2, num_rows=1000, seed=5):
   return contract.zipf_ids(seed, num_batches, batch, bag, num_rows)
 
 
-def _plan(group: base.Backend) -> base.Plan:
-  return base.Plan({group.name: group}, {n: group.name for n in group.specs}, group.mesh)
+def _plan(group: base.Backend) -> planner.Plan:
+  return planner.Plan({group.name: group}, {n: group.name for n in group.specs}, group.mesh)
 
 
 def _assert_same_run(lookups, table, ref: contract.Trace, what):
@@ -87,7 +87,7 @@ def test_checkpoint_and_resume_match_uninterrupted_dense(opt, save_mesh, resume_
 
   def train_state(group, emb):
     # The checkpoint of a trainer state whose only table is this group's.
-    plan = base.Plan({"g": group}, {"t": "g"}, group.mesh)
+    plan = planner.Plan({"g": group}, {"t": "g"}, group.mesh)
     params = {"w": jnp.zeros((2,), jnp.float32)}
     st = step_lib.TrainState(
       step=jnp.zeros((), jnp.int32), params=params, opt_state=(), emb={"g": emb},
@@ -96,7 +96,7 @@ def test_checkpoint_and_resume_match_uninterrupted_dense(opt, save_mesh, resume_
     return st, plan
 
   # Run A: sync mid-run while batches k..k+PREFETCH are already prepared, then continue.
-  a = base.make_backend(text, spec, sharding.make_mesh(*save_mesh))
+  a = planner.make_backend(text, spec, sharding.make_mesh(*save_mesh))
   saved = []
 
   def sync_and_save(item, state):
@@ -115,7 +115,7 @@ def test_checkpoint_and_resume_match_uninterrupted_dense(opt, save_mesh, resume_
   _assert_same_run(run_a.lookups, run_a.table, ref, "sync mid-run")
 
   # Run B: a fresh process restores the checkpoint and resumes at step k.
-  b = base.make_backend(text, spec, sharding.make_mesh(*resume_mesh))
+  b = planner.make_backend(text, spec, sharding.make_mesh(*resume_mesh))
   abstract, plan_b = train_state(b, b.init(jax.random.key(123)))
   restored = ckpt.restore(abstract, plan_b, k).emb["g"]
   host = restored["host"]["t"]["table"]
@@ -174,7 +174,7 @@ def _recorded_run(text, spec, batches):
   """contract.run, recording each batch's per-table prepared (the planner's exchange lists)
   in stream order."""
   record = []
-  group = base.make_backend(text, spec)
+  group = planner.make_backend(text, spec)
 
   def after(item, _):
     p = item.prepared
@@ -280,7 +280,7 @@ def test_lookahead_keeps_rows_needed_in_window():
 
 
 def test_batch_larger_than_cache_names_the_size():
-  backend = base.make_backend("offload(cache_rows=10)", _spec(SGD))
+  backend = planner.make_backend("offload(cache_rows=10)", _spec(SGD))
   backend.init(jax.random.key(0))
   ids = np.arange(24, dtype=np.int32).reshape(12, 2)
   with pytest.raises(ValueError, match=r"touches 24 distinct rows.*cache_rows>=24"):
@@ -297,7 +297,7 @@ def test_batch_larger_than_cache_names_the_size():
 )
 def test_bad_options_name_the_fix(text, match):
   with pytest.raises(ValueError, match=match):
-    base.make_backend(text, _spec(SGD))
+    planner.make_backend(text, _spec(SGD))
 
 
 # ----------------------------------------------------------------------------- eval batches
@@ -313,7 +313,7 @@ def test_eval_batches_read_only_and_stale_plans_detected(prefetch):
   # An eval batch before train step 3, prepared with train=False in stream order by the
   # shared driver (with and without run-ahead): its lookups equal the table, and training
   # continues exactly. Sync right after it, while train batches are prepared ahead.
-  group = base.make_backend(text, spec)
+  group = planner.make_backend(text, spec)
   checked = []
 
   def sync_and_check_eval(item, state):
@@ -334,7 +334,7 @@ def test_eval_batches_read_only_and_stale_plans_detected(prefetch):
   assert 0 <= group.stats()["t/eval_hit_rate"] < 1
 
   # The same eval batch prepared as a train batch and never updated: sync refuses.
-  group = base.make_backend(text, spec)
+  group = planner.make_backend(text, spec)
 
   def stray_train_prepare(item, state):
     if item.kind == "train" and item.step == 2:
@@ -348,7 +348,7 @@ def test_read_only_prepare_before_init_has_the_shapes_of_one_after():
   """The trainer prepares an example eval batch before `init` (to lay out and check its
   transfer); a train batch before init is an error."""
   spec, ids = _spec(SGD), _batches(num_batches=1, batch=64)[0]
-  b = base.make_backend("offload(cache_rows=60)", spec)
+  b = planner.make_backend("offload(cache_rows=60)", spec)
   with pytest.raises(RuntimeError, match="call init"):
     b.prepare({"t": ids})
   before = b.prepare({"t": ids}, train=False)
@@ -367,7 +367,7 @@ def test_read_only_prepare_before_init_has_the_shapes_of_one_after():
 @pytest.mark.parametrize("mesh_shape", [(1, 1), (8, 1)], ids=lambda m: f"{m[0]}x{m[1]}")
 def test_placement_and_memory_report(mesh_shape):
   spec = _spec(ADAGRAD, num_rows=100_000, dim=16)
-  b = base.make_backend("offload(cache_fraction=0.01)", spec, sharding.make_mesh(*mesh_shape))
+  b = planner.make_backend("offload(cache_fraction=0.01)", spec, sharding.make_mesh(*mesh_shape))
   assert b.members["t"].cache_rows == 1000
   state = b.init(jax.random.key(0))
   m = b.memory()["t"]
@@ -391,9 +391,9 @@ def test_placement_and_memory_report(mesh_shape):
     assert new["host"]["t"]["table"].sharding.memory_kind == "pinned_host"
   # A budget a tenth of the table: dense is refused, offload fits.
   budget = spec.table_bytes // 10
-  with pytest.raises(base.PlanDoesNotFit):
-    base.check_memory(base.resolve_plan([(".*", "dense")], [spec], b.mesh, log=False), budget)
-  assert base.check_memory(_plan(b), budget) == m.device_bytes
+  with pytest.raises(planner.PlanDoesNotFit):
+    planner.check_memory(planner.resolve_plan([(".*", "dense")], [spec], b.mesh, log=False), budget)
+  assert planner.check_memory(_plan(b), budget) == m.device_bytes
 
 
 def test_update_never_copies_the_table():
@@ -403,7 +403,7 @@ def test_update_never_copies_the_table():
   text = "offload(cache_rows=4000, lookahead=1)"
   batches = contract.zipf_ids(0, 2, 256, 2, spec.num_rows)
   contract.assert_update_is_sparse(text, spec, batches[0])
-  b = base.make_backend(text, spec)
+  b = planner.make_backend(text, spec)
   state = b.init(jax.random.key(0))
 
   def prepare(ids, upcoming):
@@ -481,14 +481,14 @@ def test_host_table_is_one_copy_split_over_the_mesh():
   """On 8 devices the host table is split by rows (128 of the 1024 aligned rows in each
   device's pinned host memory), not replicated 8 times; memory() counts one copy."""
   mesh = sharding.make_mesh(8, 1)
-  group = base.make_backend("offload(cache_rows=60)", _spec(ADAGRAD), mesh)
+  group = planner.make_backend("offload(cache_rows=60)", _spec(ADAGRAD), mesh)
   state = group.init(jax.random.key(0))["host"]["t"]
   for name in ("table", "accum"):
     arr = state[name]
     assert arr.sharding.memory_kind == "pinned_host"
     assert {s.data.shape[0] for s in arr.addressable_shards} == {128}, name
     assert len({s.device for s in arr.addressable_shards}) == 8
-  one = base.make_backend("offload(cache_rows=60)", _spec(ADAGRAD)).memory()["t"]
+  one = planner.make_backend("offload(cache_rows=60)", _spec(ADAGRAD)).memory()["t"]
   assert group.memory()["t"].host_bytes == one.host_bytes
 
 
@@ -515,7 +515,7 @@ def _group_stream(text, opt, compiled, monkeypatch, threads=1):
   specs = [
     base.TableSpec(name=f"t{i}", num_rows=n, dim=4, optimizer=opt) for i, n in enumerate(sizes)
   ]
-  group = base.make_group(text, specs)
+  group = planner.make_group(text, specs)
   group.init(jax.random.key(0))
   tabs = [contract.zipf_ids(i, 16, 32, 2, n) for i, n in enumerate(sizes)]
   stream = []
@@ -526,7 +526,7 @@ def _group_stream(text, opt, compiled, monkeypatch, threads=1):
       stream.append(("eval_end", "valid", None))
   monkeypatch.setattr(hostplan, "enabled", lambda: compiled)
   monkeypatch.setattr(hostplan, "_THREADS", threads)
-  plan = base.Plan({"g": group}, {s.name: "g" for s in specs}, group.mesh)
+  plan = planner.Plan({"g": group}, {s.name: "g" for s in specs}, group.mesh)
   out = [x.prepared for x in inputs.prepare_stream(plan, stream) if x.prepared is not None]
   return out, group
 
@@ -571,7 +571,7 @@ def test_compiled_planner_runs_in_the_contract(monkeypatch):
 
 
 def test_compiled_planner_names_an_out_of_range_id():
-  group = base.make_backend("offload(cache_rows=60, lookahead=2)", _spec(SGD))
+  group = planner.make_backend("offload(cache_rows=60, lookahead=2)", _spec(SGD))
   group.init(jax.random.key(0))
   ids = _batches(num_batches=4)
   group.prepare({"t": ids[0]}, [{"t": ids[1]}, {"t": ids[2]}])
@@ -584,7 +584,7 @@ def test_compiled_planner_names_an_out_of_range_id():
 def test_last_batch_keeps_the_steady_shapes():
   """The last batch of a stream (nothing upcoming to admit) is prepared with the shapes of
   the batches before it: no train-step compile of its own at the end of a run."""
-  group = base.make_backend("offload(cache_rows=60, lookahead=2)", _spec(ADAGRAD))
+  group = planner.make_backend("offload(cache_rows=60, lookahead=2)", _spec(ADAGRAD))
   group.init(jax.random.key(0))
   ids = _batches(num_batches=4)
   shapes = []

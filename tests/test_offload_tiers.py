@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recgnn import comms, hlo
+from recgnn import comms, hlo, planner
 from recgnn.backends import offload
 from recgnn.backends.offload import cache_plan
 from recgnn.embeddings import base
@@ -74,7 +74,7 @@ def test_next_batch_reads_depend_on_nothing_the_step_computes():
   each row is read from the host once per step (update reads none: lookup's residuals); the
   compiled step copies neither host array."""
   spec = _spec(200_000)
-  group = base.make_backend("offload(cache_rows=4000, lookahead=1)", spec)
+  group = planner.make_backend("offload(cache_rows=4000, lookahead=1)", spec)
   if not _offloaded(group):
     pytest.skip("no pinned_host memory on this platform")
   state = group.init(jax.random.key(0))
@@ -128,7 +128,7 @@ def test_update_reads_nothing_from_the_host():
   """`update` alone (jitted apart from lookup, the residuals as arguments) has no host read:
   the rows loaded this step come from lookup; its one host computation is the write-back."""
   spec = _spec(20_000)
-  group = base.make_backend("offload(cache_rows=1000, lookahead=1)", spec)
+  group = planner.make_backend("offload(cache_rows=1000, lookahead=1)", spec)
   if not _offloaded(group):
     pytest.skip("no pinned_host memory on this platform")
   state = group.init(jax.random.key(0))
@@ -156,7 +156,7 @@ def _link_per_step(text, batches, spec=None):
   (lowered once per distinct prepared shape). -> (to_device, to_host per step after WARM,
   the backend's stats over those steps, the shapes seen after WARM)."""
   spec = spec or _spec(N, DIM)
-  group = base.make_backend(text, spec)
+  group = planner.make_backend(text, spec)
   state = group.init(jax.random.key(0))
   step = _step(group, jnp.ones((DIM, 8), jnp.float32))
   links, shapes, total = {}, collections.Counter(), np.zeros(2)
@@ -188,7 +188,7 @@ FRACTIONS = (0.01, 0.05, 0.2)
 
 @pytest.fixture(scope="module")
 def measured(zipf_stream):
-  if not _offloaded(base.make_backend("offload(cache_rows=8)", _spec(100))):
+  if not _offloaded(planner.make_backend("offload(cache_rows=8)", _spec(100))):
     pytest.skip("no pinned_host memory on this platform")
   return {
     f: _link_per_step(f"offload(cache_fraction={f}, lookahead=1, exchange=bucket)", zipf_stream)
@@ -253,7 +253,7 @@ def test_a_group_of_26_compiles_a_few_shapes_and_moves_its_misses():
   data = [contract.zipf_ids(i, steps + 1, BATCH, BAG, n) for i in range(t)]
   moved = {}
   for f in FRACTIONS:
-    group = base.make_group(f"offload(cache_fraction={f}, lookahead=1)", specs)
+    group = planner.make_group(f"offload(cache_fraction={f}, lookahead=1)", specs)
     group.init(jax.random.key(0))
     sigs = set()
     for k in range(steps):
@@ -288,7 +288,7 @@ def test_host_computations_touch_the_lists_not_the_batch_ids():
   t, n, warm = 26, 20_000, 60
   specs = [_spec(n, DIM, name=f"t{i}") for i in range(t)]
   data = [contract.zipf_ids(i, warm + 2, BATCH, BAG, n) for i in range(t)]
-  group = base.make_group("offload(cache_fraction=0.05, lookahead=1, exchange=bucket)", specs)
+  group = planner.make_group("offload(cache_fraction=0.05, lookahead=1, exchange=bucket)", specs)
   if not _offloaded(group):
     pytest.skip("no pinned_host memory on this platform")
   state = group.init(jax.random.key(0))
@@ -333,7 +333,7 @@ def _drive(text, spec, batches, breaks, lookahead=2):
   prepared with nothing upcoming (so the batch after each goes through the on-demand
   exchange, which evicts dirty rows the batch after it may need back). -> (lookups, table,
   rows taken from now's victims)."""
-  group = base.make_backend(text, spec)
+  group = planner.make_backend(text, spec)
   state = group.init(jax.random.key(0))
   lookup = jax.jit(group.lookup)
   update = jax.jit(group.update, donate_argnums=0)
@@ -450,7 +450,7 @@ def test_a_group_of_several_tables_and_layouts_is_exact(mesh_shape):
     for n, r, d in (("a", 1000, 8), ("b", 300, 8), ("c", 2000, 4), ("d", 600, 8))
   ]
   batches = _batches(specs, n=8, batch=32, bag=2)
-  ref = _run_group("dense", specs, batches, base.default_mesh(), evals=(4,))
+  ref = _run_group("dense", specs, batches, planner.default_mesh(), evals=(4,))
   mesh = sharding.make_mesh(*mesh_shape)
   text = "offload(cache_rows=70, policy=lru, lookahead=2)"
   got = _run_group(text, specs, batches, mesh, evals=(4,))
@@ -484,7 +484,7 @@ def test_a_stack_of_mixed_bag_lengths_and_poolings_is_exact(mesh_shape):
   for i, (n, r, bag, _) in enumerate(tables):
     for k, ids in enumerate(contract.zipf_ids(3 + i, 8, 32, bag, r)):
       batches[k][n] = ids
-  ref = _run_group("dense", specs, batches, base.default_mesh(), evals=(4,))
+  ref = _run_group("dense", specs, batches, planner.default_mesh(), evals=(4,))
   got = _run_group(
     "offload(cache_rows=80, policy=lru, lookahead=2)", specs, batches,
     sharding.make_mesh(*mesh_shape), evals=(4,),
@@ -507,7 +507,7 @@ def _device_kernels(text: str, tables: int, opt) -> int:
   # (names in sorted order: the model stacks the pooled dict in its key order)
   specs = [_spec(2000, DIM, opt, name=f"t{i:02d}") for i in range(tables)]
   data = [contract.zipf_ids(i, 3, 64, 2, 2000) for i in range(tables)]
-  group = base.make_group(text, specs)
+  group = planner.make_group(text, specs)
   state = group.init(jax.random.key(0))
   batch = [{s.name: data[i][k] for i, s in enumerate(specs)} for k in range(3)]
   prepared = contract.put_prepared(group, group.prepare(batch[0], batch[1:]), group.mesh)

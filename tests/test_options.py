@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from recgnn import sharding
+from recgnn import planner, sharding
 from recgnn.backends import offload
 from recgnn.embeddings import base
 
@@ -15,26 +15,30 @@ SPEC = base.TableSpec(name="t", num_rows=1000, dim=8)
 
 def test_offload_min_cache_rows_is_a_floor_under_cache_fraction_only():
   with pytest.raises(ValueError, match="min_cache_rows=50 is a floor under cache_fraction"):
-    base.make_backend("offload(cache_rows=100, min_cache_rows=50)", SPEC)
-  g = base.make_backend("offload(cache_fraction=0.01, min_cache_rows=50)", SPEC)
+    planner.make_backend("offload(cache_rows=100, min_cache_rows=50)", SPEC)
+  g = planner.make_backend("offload(cache_fraction=0.01, min_cache_rows=50)", SPEC)
   assert g.members["t"].cache_rows == 50  # honoured: 1% of 1000 rows is 10
 
 
 def test_tt_cores_must_agree_with_row_factors():
   with pytest.raises(ValueError, match=r"cores=4 but row_factors=\(10, 10, 10\) give 3 cores"):
-    base.make_backend("tt(rank=4, cores=4, row_factors=(10, 10, 10), dim_factors=(2, 2, 2))", SPEC)
-  g = base.make_backend(
+    planner.make_backend(
+      "tt(rank=4, cores=4, row_factors=(10, 10, 10), dim_factors=(2, 2, 2))", SPEC
+    )
+  g = planner.make_backend(
     "tt(rank=4, cores=3, row_factors=(10, 10, 10), dim_factors=(2, 2, 2))", SPEC
   )
   assert g.members["t"].shape.num_cores == 3
-  assert base.make_backend("tt(rank=4, cores=2)", SPEC).members["t"].shape.num_cores == 2
+  assert planner.make_backend("tt(rank=4, cores=2)", SPEC).members["t"].shape.num_cores == 2
 
 
 def test_tt_cache_warmup_needs_a_cache():
   with pytest.raises(ValueError, match="cache_warmup=5 .* no cache"):
-    base.make_backend("tt(rank=4, cache_warmup=5)", SPEC)
+    planner.make_backend("tt(rank=4, cache_warmup=5)", SPEC)
   assert (
-    base.make_backend("tt(rank=4, cache_rows=10, cache_warmup=5)", SPEC).members["t"].cache_warmup
+    planner.make_backend("tt(rank=4, cache_rows=10, cache_warmup=5)", SPEC)
+    .members["t"]
+    .cache_warmup
     == 5
   )
 
@@ -46,8 +50,8 @@ def test_sharded_profile_only_with_table_wise_placement(tmp_path, kind):
   profile.write_text(json.dumps({"T0": 40, "T1": 40, "T2": 1, "T3": 1}))
   mesh = sharding.make_mesh(1, 2)
   with pytest.raises(ValueError, match=f"profile=.*kind={kind}.*drop profile="):
-    base.make_group(f"sharded(kind={kind}, profile='{profile}')", specs, mesh)
-  base.make_group(f"sharded(kind=table, profile='{profile}')", specs, mesh)  # honoured
+    planner.make_group(f"sharded(kind={kind}, profile='{profile}')", specs, mesh)
+  planner.make_group(f"sharded(kind=table, profile='{profile}')", specs, mesh)  # honoured
 
 
 @pytest.mark.parametrize(
@@ -63,7 +67,7 @@ def test_sharded_profile_only_with_table_wise_placement(tmp_path, kind):
 def test_unknown_option_lists_the_valid_ones(text, valid):
   mesh = sharding.make_mesh(1, 2) if text.startswith("sharded") else None
   with pytest.raises(ValueError, match=f"valid options: .*{valid}"):
-    base.make_group(text, [SPEC], mesh)
+    planner.make_group(text, [SPEC], mesh)
 
 
 @pytest.mark.parametrize(
@@ -78,14 +82,14 @@ def test_unknown_option_lists_the_valid_ones(text, valid):
 )
 def test_sharded_codec_options_that_nothing_uses_are_refused(text, match):
   with pytest.raises(ValueError, match=match):
-    base.make_group(text, [SPEC], sharding.make_mesh(1, 2))
-  base.make_group("sharded(codec=int8, fwd_codec=fp16)", [SPEC], sharding.make_mesh(1, 2))
+    planner.make_group(text, [SPEC], sharding.make_mesh(1, 2))
+  planner.make_group("sharded(codec=int8, fwd_codec=fp16)", [SPEC], sharding.make_mesh(1, 2))
 
 
 def test_hot_cold_reprofile_needs_a_budget_under_one():
   with pytest.raises(ValueError, match="reprofile=2 re-picks the hot set, but budget=1"):
-    base.make_group("hot_cold(budget=1.0, reprofile=2)", [SPEC])
-  base.make_group("hot_cold(budget=0.5, reprofile=2)", [SPEC])  # honoured
+    planner.make_group("hot_cold(budget=1.0, reprofile=2)", [SPEC])
+  planner.make_group("hot_cold(budget=0.5, reprofile=2)", [SPEC])  # honoured
 
 
 @pytest.mark.parametrize(
@@ -99,7 +103,7 @@ def test_hot_cold_reprofile_needs_a_budget_under_one():
 )
 def test_an_option_of_the_wrong_type_names_the_type(text, match):
   with pytest.raises(ValueError, match=match):
-    base.make_group(text, [SPEC])
+    planner.make_group(text, [SPEC])
 
 
 @pytest.mark.parametrize("name", ["dense", "tt", "offload", "hot_cold", "sharded"])
@@ -107,7 +111,7 @@ def test_each_backend_declares_its_options_in_one_frozen_dataclass(name):
   """Every option has a default and a line in the dataclass's docstring; the backend keeps
   the parsed options."""
   # offload's registered class is the group of its per-table backends.
-  cls = offload.Offload if name == "offload" else base.backend_class(name)
+  cls = offload.Offload if name == "offload" else planner.backend_class(name)
   options = cls.Options
   assert dataclasses.is_dataclass(options) and options.__dataclass_params__.frozen
   for f in dataclasses.fields(options):

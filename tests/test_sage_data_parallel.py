@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from experiments import sage_cora
-from recgnn import comms, sharding
-from recgnn.embeddings import OptimizerSpec, TableSpec, base
+from recgnn import comms, planner, sharding
+from recgnn.embeddings import OptimizerSpec, TableSpec
 from recgnn.tasks import node_classification as nc
 from recgnn.tasks import node_data_parallel as dp
 from recgnn.train import loop, setup
@@ -136,7 +136,7 @@ def test_backends_that_prepare_on_the_host_are_refused(text):
   prefix trees) cannot serve them and is refused, naming it."""
   opt = OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1)
   spec = TableSpec(name="node", num_rows=4096, dim=8, optimizer=opt)
-  plan = base.resolve_plan([(".*", text)], [spec], sharding.make_mesh(1, 1), log=False)
+  plan = planner.resolve_plan([(".*", text)], [spec], sharding.make_mesh(1, 1), log=False)
   if text.startswith("dense"):
     dp.check_plan(plan)
   else:

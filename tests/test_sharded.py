@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recgnn import comms, sharding
+from recgnn import comms, planner, sharding
 from recgnn.backends import sharded
 from recgnn.embeddings import base, codecs
 
@@ -59,8 +59,8 @@ def _drive(group, batches, state=None):
 def _compare(text, mesh_shape, opt, atol=0.0, rtol=0.0, steps=5):
   specs = _specs(opt)
   batches = _batches(specs, steps)
-  ref_looks, ref_tables, _ = _drive(base.make_group("dense", specs), batches)
-  group = base.make_group(text, specs, sharding.make_mesh(*mesh_shape))
+  ref_looks, ref_tables, _ = _drive(planner.make_group("dense", specs), batches)
+  group = planner.make_group(text, specs, sharding.make_mesh(*mesh_shape))
   looks, tables, state = _drive(group, batches)
   for step, (a, b) in enumerate(zip(looks, ref_looks)):
     for n in b:
@@ -114,24 +114,24 @@ def test_planner_balances_and_refuses_impossible_plans():
   mesh = sharding.make_mesh(1, 8)
   odd = [base.TableSpec(name="a", num_rows=10, dim=12)]
   with pytest.raises(ValueError, match="dim 12, which does not split over the 8 devices"):
-    base.make_group("sharded(kind=column)", odd, mesh)
+    planner.make_group("sharded(kind=column)", odd, mesh)
   mixed = [
     base.TableSpec(name="a", num_rows=10, dim=8),
     base.TableSpec(name="b", num_rows=10, dim=16),
   ]
   with pytest.raises(ValueError, match="need one dim"):
-    base.make_group("sharded(kind=table)", mixed, mesh)
+    planner.make_group("sharded(kind=table)", mixed, mesh)
   with pytest.raises(ValueError, match="unknown kind 'diagonal'; available: auto, table"):
-    base.make_group("sharded(kind=diagonal)", mixed, mesh)
+    planner.make_group("sharded(kind=diagonal)", mixed, mesh)
   with pytest.raises(ValueError, match="Unknown codec 'zip'"):
-    base.make_group("sharded(codec=zip)", odd, mesh)
+    planner.make_group("sharded(codec=zip)", odd, mesh)
   # Options of the adaptive bound where nothing adapts: refused, not ignored.
   one = [base.TableSpec(name="a", num_rows=10, dim=8)]
   for text in ("sharded(codec=eb, eb=1e-3, headroom=0.5)", "sharded(bound=ema)",
                "sharded(codec=eb, fwd_eb=1e-3, bwd_codec=none, bound=ema)"):  # fmt: skip
     with pytest.raises(ValueError, match="no direction adapts"):
-      base.make_group(text, one, mesh)
-  base.make_group("sharded(codec=eb, fwd_eb=1e-3, headroom=0.5)", one, mesh)  # bwd adapts
+      planner.make_group(text, one, mesh)
+  planner.make_group("sharded(codec=eb, fwd_eb=1e-3, headroom=0.5)", one, mesh)  # bwd adapts
 
 
 def test_memory_per_device_and_budget():
@@ -139,14 +139,14 @@ def test_memory_per_device_and_budget():
   numbers, before allocating."""
   specs = _specs(ADAGRAD)
   mesh = sharding.make_mesh(2, 4)
-  plan = base.resolve_plan([(".*", "sharded")], specs, mesh, log=False)
+  plan = planner.resolve_plan([(".*", "sharded")], specs, mesh, log=False)
   group = plan.groups["sharded"]
   per_shard = group.device_bytes_by_shard()
   t4 = base.aligned_rows(20_000) // 4 * specs[4].row_bytes
   assert per_shard[0] == t4 + group.rows_tw * (8 * 4 + 4)
-  assert base.check_memory(plan, None) == max(per_shard)
-  with pytest.raises(base.PlanDoesNotFit, match="per device on mesh"):
-    base.check_memory(plan, max(per_shard) - 1)
+  assert planner.check_memory(plan, None) == max(per_shard)
+  with pytest.raises(planner.PlanDoesNotFit, match="per device on mesh"):
+    planner.check_memory(plan, max(per_shard) - 1)
 
 
 def test_export_import_on_another_mesh():
@@ -154,11 +154,11 @@ def test_export_import_on_another_mesh():
   and into dense on 1x1 with the same tables and optimizer slots."""
   specs = _specs(ADAGRAD)
   batches = _batches(specs, 3)
-  a = base.make_group("sharded", specs, sharding.make_mesh(2, 4))
+  a = planner.make_group("sharded", specs, sharding.make_mesh(2, 4))
   _, tables, state = _drive(a, batches)
   logical = jax.device_get(a.export(state))
   for text, shape in (("sharded(kind=column)", (1, 8)), ("dense", (1, 1))):
-    b = base.make_group(text, specs, sharding.make_mesh(*shape))
+    b = planner.make_group(text, specs, sharding.make_mesh(*shape))
     target = b.logical_target()
     placed = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), logical, target)
     got = b.tables(b.import_(placed))
@@ -257,10 +257,10 @@ def test_eb_lookup_within_bound_and_fallback():
   fine for the values makes the step fall back to f32 (exact), counted in the state."""
   specs = _specs(SGD)
   batches = _batches(specs, 3)
-  ref_looks, _, _ = _drive(base.make_group("dense", specs), batches[:1])
+  ref_looks, _, _ = _drive(planner.make_group("dense", specs), batches[:1])
   mesh = sharding.make_mesh(2, 4)
   eb = 2e-3
-  group = base.make_group(f"sharded(kind=table, codec=eb, eb={eb})", specs, mesh)
+  group = planner.make_group(f"sharded(kind=table, codec=eb, eb={eb})", specs, mesh)
   looks, _, state = _drive(group, batches[:1])
   for n in ref_looks[0]:
     err = np.abs(looks[0][n] - ref_looks[0][n])
@@ -270,7 +270,7 @@ def test_eb_lookup_within_bound_and_fallback():
     assert err.max() > 0  # really quantized
   rep = group.codec_report(state)
   assert rep["fwd/fallbacks"] == 0 and rep["fwd/steps"] == 1
-  fine = base.make_group("sharded(kind=table, codec=eb, eb=1e-9)", specs, mesh)
+  fine = planner.make_group("sharded(kind=table, codec=eb, eb=1e-9)", specs, mesh)
   looks, _, state = _drive(fine, batches[:1])
   for n in ref_looks[0]:
     np.testing.assert_array_equal(looks[0][n], ref_looks[0][n])
@@ -284,7 +284,7 @@ def test_adaptive_bounds_follow_each_table():
   move the ranges by more than the headroom every step, which training does not."""
   specs = _specs(base.OptimizerSpec(name="sgd", learning_rate=1e-3))
   batches = _batches(specs, 4)
-  group = base.make_group("sharded(kind=table, codec=eb)", specs, sharding.make_mesh(2, 4))
+  group = planner.make_group("sharded(kind=table, codec=eb)", specs, sharding.make_mesh(2, 4))
   state = group.init(jax.random.key(0))
   state["tw"]["rows"] = state["tw"]["rows"] * jnp.where(
     jnp.arange(group.k)[:, None, None] == group.placement["T0"].shard, 1000.0, 1.0
@@ -302,7 +302,7 @@ def test_wire_bytes_from_hlo():
   mesh = sharding.make_mesh(1, 8)
   out = {}
   for codec in ("none", "eb"):
-    group = base.make_group(f"sharded(kind=table, codec={codec})", specs, mesh)
+    group = planner.make_group(f"sharded(kind=table, codec={codec})", specs, mesh)
     state = group.init(jax.random.key(0))
     ids = _batches(specs, 1, batch=64)[0]
     prepared = contract.put_prepared(group, group.prepare(ids), mesh)
@@ -321,12 +321,12 @@ def test_access_profile_spreads_hot_tables(tmp_path):
   specs = [base.TableSpec(name=f"T{i}", num_rows=100, dim=8) for i in range(4)]
   profile = tmp_path / "profile.json"
   profile.write_text('{"T0": 40, "T1": 40, "T2": 1, "T3": 1}')
-  group = base.make_group(
+  group = planner.make_group(
     f"sharded(kind=table, profile='{profile}')", specs, sharding.make_mesh(1, 2)
   )
   assert group.placement["T0"].shard != group.placement["T1"].shard
   with pytest.raises(FileNotFoundError):
-    base.make_group("sharded(profile='/nonexistent.json')", specs, sharding.make_mesh(1, 2))
+    planner.make_group("sharded(profile='/nonexistent.json')", specs, sharding.make_mesh(1, 2))
 
 
 @hyp.settings(max_examples=300, derandomize=True, deadline=None)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recgnn import comms, sharding
+from recgnn import comms, planner, sharding
 from recgnn.backends import sharded
 from recgnn.embeddings import base, codecs
 
@@ -75,7 +75,9 @@ def test_exchange_within_bound_at_every_width(bits):
   batches = _batches(specs, 1)
   ref, _, _ = _dense(specs, batches)
   eb = 3e-3
-  group = base.make_group(f"sharded(kind=table, codec=eb, eb={eb}, widths={bits})", specs, _mesh())
+  group = planner.make_group(
+    f"sharded(kind=table, codec=eb, eb={eb}, widths={bits})", specs, _mesh()
+  )
   assert group.codecs["fwd"].widths == (bits,) * len(group._segment_dims())
   looks, state = Driver(group).run(group.init(jax.random.key(0)), batches)
   for n in ref[0]:
@@ -87,7 +89,7 @@ def test_exchange_within_bound_at_every_width(bits):
 
 
 def _dense(specs, batches):
-  group = base.make_group("dense", specs)
+  group = planner.make_group("dense", specs)
   state = group.init(jax.random.key(0))
   looks = []
   for ids in batches:
@@ -107,7 +109,9 @@ def test_exchange_bound_property(scale, eb, bits):
   """Any table scale, bound and width: every value of the exchange within the bound."""
   specs = _specs(dim=5)  # segments that do not fill whole words
   batches = _batches(specs, 1)
-  group = base.make_group(f"sharded(kind=table, codec=eb, eb={eb}, widths={bits})", specs, _mesh())
+  group = planner.make_group(
+    f"sharded(kind=table, codec=eb, eb={eb}, widths={bits})", specs, _mesh()
+  )
   state = group.init(jax.random.key(0))
   state["tw"]["rows"] = state["tw"]["rows"] * scale
   prepared = contract.put_prepared(group, group.prepare(batches[0]), group.mesh)
@@ -126,7 +130,7 @@ def test_auto_widths_replan_with_few_recompiles():
   the step is traced once per distinct plan, not once per step; no value misses its bound."""
   specs = _specs()
   text = "sharded(kind=table, codec=eb, bound=rms, rel=0.3, widths=auto, replan=2)"
-  group = base.make_group(text, specs, _mesh())
+  group = planner.make_group(text, specs, _mesh())
   drv = Driver(group)
   _, state = drv.run(group.init(jax.random.key(0)), _batches(specs, 8))
   _, state = drv.run(state, _batches(specs, 1, start=8), first_step=8)  # (no plan at 9)
@@ -181,7 +185,7 @@ def test_width_for():
 )
 def test_refused_options(text):
   with pytest.raises(ValueError):
-    base.make_group(f"sharded({text})", _specs(), _mesh())
+    planner.make_group(f"sharded({text})", _specs(), _mesh())
 
 
 # With block-wise steps (their headers are recomputed each step; the widths and bounds are
@@ -197,14 +201,14 @@ def test_resume_bit_identical(widths):
     f"{widths}, replan=2)"
   )
   batches = _batches(specs, 8)
-  a = base.make_group(text, specs, _mesh())
+  a = planner.make_group(text, specs, _mesh())
   drv = Driver(a)
   _, state = drv.run(a.init(jax.random.key(0)), batches[:5])
   saved = json.loads(json.dumps(a.extras(state)))
   tables = a.export(state)
   looks_a, state_a = drv.run(state, batches[5:], first_step=5)
 
-  b = base.make_group(text, specs, _mesh())
+  b = planner.make_group(text, specs, _mesh())
   fresh = b.import_(jax.device_get(tables))
   fresh = b.restore_extras(fresh, saved)
   assert b.codecs["fwd"].widths == tuple(saved["codec"]["fwd"]["widths"])
@@ -227,7 +231,7 @@ def test_backward_exchange_within_bound(bits, block):
   specs = _specs(dim=8 if block else 5)
   extra = f", block={block}" if block else ""
   text = f"sharded(kind=table, codec=eb, eb=1e-2, widths={bits}{extra})"
-  group = base.make_group(text, specs, _mesh())
+  group = planner.make_group(text, specs, _mesh())
   codec, exact = group.codecs["bwd"], codecs.Codec("none", group._segment_dims())
   k, b, ndev = group.k, 4, group.mesh.size
   rng = np.random.default_rng(bits)
@@ -291,7 +295,7 @@ def test_block_exchange_within_bound(bits, block):
   ref, _, _ = _dense(specs, batches)
   eb = 3e-2
   text = f"sharded(kind=table, codec=eb, eb={eb}, widths={bits}, block={block})"
-  group = base.make_group(text, specs, _mesh())
+  group = planner.make_group(text, specs, _mesh())
   assert group.codecs["fwd"].block == group.codecs["bwd"].block == block
   looks, state = Driver(group).run(group.init(jax.random.key(0)), batches)
   errs = []
@@ -313,7 +317,7 @@ def test_block_wire_bytes_from_hlo():
   batch = 256
   out, wire = {}, {}
   for codec in ("codec=none", "codec=eb, widths=4, block=16"):
-    group = base.make_group(f"sharded(kind=table, {codec})", specs, mesh)
+    group = planner.make_group(f"sharded(kind=table, {codec})", specs, mesh)
     state = group.init(jax.random.key(0))
     prepared = contract.put_prepared(group, group.prepare(_batches(specs, 1, batch)[0]), mesh)
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from recgnn import planner
 from recgnn.backends.offload import cache_plan
 from recgnn.embeddings import base
 
@@ -32,7 +33,7 @@ def _signatures(texts, stream):
   groups = []
   for j, text in enumerate(texts):
     specs = [base.TableSpec(name=f"g{j}t{i}", num_rows=ROWS, dim=16) for i in range(TABLES)]
-    group = base.make_group(text, specs, base.default_mesh())
+    group = planner.make_group(text, specs, planner.default_mesh())
     group.init(jax.random.key(0))
     groups.append((group, specs))
   sigs = []

@@ -8,8 +8,9 @@ import contract_lib as contract
 import pytest
 import toy_backend  # noqa: F401  (registers "toy")
 
-from recgnn.embeddings import base
-from recgnn.embeddings import plan as plan_lib
+from recgnn import planner
+from recgnn.embeddings import base, registry
+from recgnn.planner import plan as plan_lib
 
 MESHES = [(1, 1), (8, 1), (2, 4)]
 OPTIMIZERS = [
@@ -39,19 +40,19 @@ def test_toy_mean_pooling_on_mesh():
 
 
 def test_toy_is_registered_and_named_in_a_plan():
-  assert "toy" in base.available_backends()
-  assert base.capabilities_of("toy") == base.Capabilities()
+  assert "toy" in planner.available_backends()
+  assert planner.capabilities_of("toy") == base.Capabilities()
   specs = [_spec(OPTIMIZERS[0]), base.TableSpec(name="u", num_rows=10, dim=8)]
-  plan = base.resolve_plan([("t", "toy"), (".*", "dense")], specs, log=False)
+  plan = planner.resolve_plan([("t", "toy"), (".*", "dense")], specs, log=False)
   assert plan.backend_of("t").name == "toy" and plan.backend_of("u").name == "dense"
-  assert base.check_memory(plan, None) > 0
+  assert planner.check_memory(plan, None) > 0
   with pytest.raises(ValueError, match="takes no options"):
-    base.make_backend("toy(rank=3)", specs[0])
+    planner.make_backend("toy(rank=3)", specs[0])
 
 
 def test_unknown_backend_lists_the_registered_ones():
   with pytest.raises(ValueError, match=r"Unknown backend 'toy2'; available: .*dense.*toy"):
-    base.make_backend("toy2", _spec(OPTIMIZERS[0]))
+    planner.make_backend("toy2", _spec(OPTIMIZERS[0]))
 
 
 def test_a_name_cannot_be_taken_twice():
@@ -69,17 +70,17 @@ def test_entry_point_registers_an_installed_backend(monkeypatch):
   class Installed(toy_backend.Toy):
     pass
 
-  ep = importlib.metadata.EntryPoint("toy_ep", "toy_backend:Toy", base.ENTRY_POINT_GROUP)
+  ep = importlib.metadata.EntryPoint("toy_ep", "toy_backend:Toy", planner.ENTRY_POINT_GROUP)
   monkeypatch.setattr(ep.__class__, "load", lambda self: Installed)
   monkeypatch.setattr(
     plan_lib.importlib.metadata,
     "entry_points",
-    lambda group: [ep] if group == base.ENTRY_POINT_GROUP else [],
+    lambda group: [ep] if group == planner.ENTRY_POINT_GROUP else [],
   )
   monkeypatch.setattr(plan_lib, "_loaded", False)
-  monkeypatch.delitem(plan_lib._REGISTRY, "toy_ep", raising=False)
+  monkeypatch.delitem(registry.REGISTRY, "toy_ep", raising=False)
   try:
-    assert "toy_ep" in base.available_backends()
-    assert base.backend_class("toy_ep") is Installed
+    assert "toy_ep" in planner.available_backends()
+    assert planner.backend_class("toy_ep") is Installed
   finally:
-    plan_lib._REGISTRY.pop("toy_ep", None)
+    registry.REGISTRY.pop("toy_ep", None)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from recgnn import trace_summary
+from recgnn import planner, trace_summary
 from recgnn.embeddings import base
 from recgnn.train import inputs
 
@@ -90,9 +90,9 @@ def test_cpu_trace_of_an_offload_run(tmp_path):
   opt = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
   spec = base.TableSpec(name="t", num_rows=1000, dim=8, optimizer=opt)
   # A 64-row cache for batches touching ~100 distinct rows: every step loads and evicts.
-  group = base.make_backend("offload(cache_rows=128, policy=lookahead, lookahead=2)", spec)
+  group = planner.make_backend("offload(cache_rows=128, policy=lookahead, lookahead=2)", spec)
   mesh = group.mesh
-  plan = base.Plan({group.name: group}, {spec.name: group.name}, mesh)
+  plan = planner.Plan({group.name: group}, {spec.name: group.name}, mesh)
   batches = contract.zipf_ids(seed=4, num_batches=8, batch=64, bag=2, num_rows=1000)
   state = group.init(jax.random.key(0))
   lookup = jax.jit(group.lookup)

@@ -13,8 +13,7 @@ import pytest
 import sklearn.metrics
 
 import run as run_lib
-from recgnn import metrics, sharding
-from recgnn.embeddings import base
+from recgnn import metrics, planner, sharding
 from recgnn.train import loop
 from tests.trainer_lib import (
   skip_unless_deterministic,
@@ -71,7 +70,7 @@ def test_results_and_scalars_written(cache_dir, tmp_path):
 
 def test_memory_budget_refuses_before_allocating(cache_dir, tmp_path):
   config = _config(cache_dir)
-  with pytest.raises(base.PlanDoesNotFit, match="budget"):
+  with pytest.raises(planner.PlanDoesNotFit, match="budget"):
     loop.train(config, str(tmp_path), device_memory_budget=1000)
   assert not os.path.exists(tmp_path / "checkpoints" / "0")
 
@@ -203,12 +202,12 @@ def test_budget_refuses_replicated_then_row_sharded_fits(cache_dir, tmp_path):
 
   def per_device(data, model, plan):
     mesh = sharding.make_mesh(data, model)
-    return base.check_memory(base.resolve_plan(plan, task.tables(), mesh, log=False), None)
+    return planner.check_memory(planner.resolve_plan(plan, task.tables(), mesh, log=False), None)
 
   full, split = per_device(8, 1, ((".*", "dense"),)), per_device(1, 8, rows_plan)
   assert split < full / 4  # (tiny tables pad to base.ROW_ALIGN rows, hence not full / 8)
   budget = (full + split) // 2
-  with pytest.raises(base.PlanDoesNotFit, match=r"per device on mesh 8x1.*budget is"):
+  with pytest.raises(planner.PlanDoesNotFit, match=r"per device on mesh 8x1.*budget is"):
     loop.train(replicated, str(tmp_path / "a"), device_memory_budget=budget)
   assert not os.path.exists(tmp_path / "a" / "checkpoints" / "0")
   sharded = _on_mesh(config, 1, 8, plan=rows_plan)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recgnn import sharding
+from recgnn import planner, sharding
 from recgnn.backends import tt
 from recgnn.embeddings import base
 
@@ -47,7 +47,7 @@ def _batches(num_rows=1000, n=6, seed=1, batch=64, bag=3):
 
 def _member(text, spec, mesh=None) -> tt.TT:
   """The per-table TT backend of a group of one (its unpooled rows, cores and options)."""
-  return base.make_backend(text, spec, mesh).members[spec.name]
+  return planner.make_backend(text, spec, mesh).members[spec.name]
 
 
 def _numpy_rows(cores, ids, num_rows):
@@ -74,7 +74,7 @@ def _drive(backend_text, spec, batches, prefetch=contract.PREFETCH, eval_at=(), 
   `eval_at`: steps before which an eval batch (that step's batch reversed) is prepared with
   train=False and looked up but never updated. Returns the train steps' lookups.
   """
-  group = base.make_backend(backend_text, spec, mesh)
+  group = planner.make_backend(backend_text, spec, mesh)
   rows_of = jax.jit(group.members[spec.name].lookup)
   kinds = []
 
@@ -131,15 +131,15 @@ def test_plan_string_options():
   spec = _spec(num_rows=50_000, dim=16)
   b = _member("tt(rank=16, cores=3, init=sampled_gaussian, cache_rows=10000, kernel=prefix)", spec)
   assert b.shape.ranks == (1, 16, 16, 1) and b.cache_rows == 10000 and b.options.kernel == "prefix"
-  assert base.make_backend(b.describe(), spec).describe() == b.describe()
+  assert planner.make_backend(b.describe(), spec).describe() == b.describe()
   b4 = _member("tt(rank=(4, 8, 4), cores=4, init=orthogonal, kernel=naive)", spec)
   assert b4.shape.ranks == (1, 4, 8, 4, 1) and b4.options.init == "orthogonal"
   for text in [
     b4.describe(),
     "tt(rank=8, row_factors=(50, 40, 30), dim_factors=(4, 2, 2), cache_rows=5, cache_warmup=7)",
   ]:
-    again = _member(base.make_backend(text, spec).describe(), spec)
-    assert again.describe() == base.make_backend(text, spec).describe()
+    again = _member(planner.make_backend(text, spec).describe(), spec)
+    assert again.describe() == planner.make_backend(text, spec).describe()
     assert again.shape == _member(text, spec).shape
   assert "cache_warmup=7" in again.describe() and again.shape.dim_factors == (4, 2, 2)
   for bad, msg in [
@@ -149,9 +149,9 @@ def test_plan_string_options():
     ("tt(pad=full, lookahead=8)", "pad=full has none to size"),
   ]:
     with pytest.raises(ValueError, match=msg):
-      base.make_backend(bad, spec)
+      planner.make_backend(bad, spec)
   with pytest.raises(ValueError, match="initializer='uniform'"):
-    base.make_backend("tt", _spec(initializer="zeros"))
+    planner.make_backend("tt", _spec(initializer="zeros"))
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 1), (8, 1)], ids=lambda m: f"{m[0]}x{m[1]}")
@@ -159,7 +159,7 @@ def test_memory_matches_allocation(mesh_shape):
   """memory() is per device; on a mesh every device holds the whole (replicated) state."""
   mesh = sharding.make_mesh(*mesh_shape)
   for text, opt in [("tt(rank=8)", SGD), ("tt(rank=8, cache_rows=100)", ADAGRAD)]:
-    b = base.make_backend(text, _spec(opt, num_rows=5000, dim=16), mesh)
+    b = planner.make_backend(text, _spec(opt, num_rows=5000, dim=16), mesh)
     state = b.init(jax.random.key(0))
     leaves = jax.tree.leaves(state)
     assert all(x.sharding.is_fully_replicated for x in leaves)
@@ -178,7 +178,7 @@ def test_init_variance_matches_dense_initializer(init, initializer, num_rows):
   spec = _spec(num_rows=num_rows, dim=16, initializer=initializer)
   target = 1 / (3 * num_rows) if initializer == "uniform" else 1 / 16
   assert tt.target_variance(spec) == pytest.approx(target)
-  b = base.make_backend(f"tt(rank=16, init={init})", spec)
+  b = planner.make_backend(f"tt(rank=16, init={init})", spec)
   tables = [b.tables(b.init(jax.random.key(s)))["t"] for s in range(6)]
   var = np.mean([np.var(t) for t in tables])
   assert abs(np.mean([t.mean() for t in tables])) < 0.1 * math.sqrt(target)
@@ -386,7 +386,7 @@ def test_committed_cost_file_is_valid():
 def test_prefix_kernel_shares_prefixes():
   """Rows of one (i_1, i_2) block share a prefix: the tree has fewer level-2 nodes than rows."""
   spec = _spec(num_rows=1000, dim=8)
-  b = base.make_backend("tt(rank=4, pad=full)", spec)
+  b = planner.make_backend("tt(rank=4, pad=full)", spec)
   ids = np.array([[0, 1, 2, 3, 10, 11, 999, -1]])  # n = (10, 10, 10): prefixes 00, 01, 99
   p = b.prepare({"t": ids})["t"]["rows"]
   assert (p["parent2"][:7] == [0, 0, 0, 0, 1, 1, 2]).all()
@@ -419,8 +419,8 @@ def test_cached_rows_train_like_dense_rows(opt):
   starting from the cores' reconstruction and fresh optimizer state."""
   spec = _spec(opt)
   batches = _batches(n=6)
-  b = base.make_backend("tt(rank=4, cache_rows=1000, cache_warmup=2)", spec)
-  dense = base.make_backend("dense", spec)
+  b = planner.make_backend("tt(rank=4, cache_rows=1000, cache_warmup=2)", spec)
+  dense = planner.make_backend("dense", spec)
   hot = np.unique(np.concatenate([x[x >= 0] for x in batches[:2]]))  # every row seen is hot
   state, ref = b.init(jax.random.key(0)), None
   for step, ids in enumerate(batches):
@@ -444,14 +444,14 @@ def test_restore_rebuilds_hot_set():
   spec = _spec(ADAGRAD)
   batches = _batches(n=6)
   text = "tt(rank=4, cache_rows=30, cache_warmup=2)"
-  a = base.make_backend(text, spec)
+  a = planner.make_backend(text, spec)
   state = a.init(jax.random.key(0))
   for step, ids in enumerate(batches[:4]):
     p = a.prepare({"t": ids})
     pooled, residuals = a.lookup(state, p)
     state = a.update(state, p, residuals, {"t": contract.grads_for(step, pooled["t"])})
   state = a.sync(state)
-  b = base.make_backend(text, spec)
+  b = planner.make_backend(text, spec)
   state_b = b.restore(jax.tree.map(jnp.array, state))
   for ids in batches[4:]:
     pa, pb = a.prepare({"t": ids}), b.prepare({"t": ids})
@@ -541,7 +541,7 @@ def test_lookahead_sizes_capacities_from_upcoming_batches():
     later = b.prepare(big, [])
     assert (_shapes(first) != _shapes(later)) == grows, look
   b = _member("tt(rank=4)", spec)
-  assert b.lookahead == 16 and base.make_backend("tt(rank=4)", spec).lookahead == 16
+  assert b.lookahead == 16 and planner.make_backend("tt(rank=4)", spec).lookahead == 16
 
 
 @pytest.mark.parametrize("kernel", ["prefix", "unique"])

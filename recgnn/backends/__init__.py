@@ -1,5 +1,5 @@
 """The built-in embedding backends: this package is their registry. Importing it registers
-each (`@register_backend`); `recgnn.embeddings.plan` imports it before the first look-up.
+each (`@register_backend`); `recgnn.planner` imports it before the first look-up.
 
   dense      one array per table, replicated or row-sharded over the mesh (bit-exact ref.)
   tt         tensor-train compressed tables (TT-Rec), prefix-tree kernels, a hot-row cache

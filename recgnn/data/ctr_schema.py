@@ -276,4 +276,3 @@ def load(spec: Any) -> Schema:
       "data.schema='criteo', recgnn.data.criteo.schema())"
     )
   return Schema.from_dict(spec)
-

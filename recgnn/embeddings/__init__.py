@@ -1,6 +1,7 @@
-"""Embedding tables: specs, the backend contract (v3), the plan and registry, and the
-mechanisms backends share (row-sharded arrays, host tables, access counts, codecs,
-micro-batches). The backends themselves live in `recgnn.backends`."""
+"""Embedding tables: specs, the backend contract (v3), `register_backend`, and the mechanisms
+backends share (row-sharded arrays, host tables, access counts, codecs, micro-batches). The
+backends themselves live in `recgnn.backends`; the plan (which backend serves each table, the
+registry's lookup, the memory budget) in `recgnn.planner`."""
 
 from recgnn.embeddings.base import (
   PAD,
@@ -9,19 +10,9 @@ from recgnn.embeddings.base import (
   Layout,
   MemoryReport,
   OptimizerSpec,
-  Plan,
-  PlanDoesNotFit,
   TableBackend,
   TableSpec,
-  available_backends,
-  capabilities_of,
-  check_memory,
-  format_plan,
-  make_backend,
-  make_group,
-  parse_backend,
   register_backend,
-  resolve_plan,
   unpool,
 )
 
@@ -32,18 +23,8 @@ __all__ = [
   "Layout",
   "MemoryReport",
   "OptimizerSpec",
-  "Plan",
-  "PlanDoesNotFit",
   "TableBackend",
   "TableSpec",
-  "available_backends",
-  "capabilities_of",
-  "check_memory",
-  "format_plan",
-  "make_backend",
-  "make_group",
-  "parse_backend",
   "register_backend",
-  "resolve_plan",
   "unpool",
 ]

@@ -72,7 +72,8 @@ class BackendOptions:
 
   @classmethod
   def parse(cls, options: dict[str, Any]):
-    """{name: value} (a plan string's options, `plan.parse_backend`) -> the frozen options."""
+    """{name: value} (a plan string's options, `recgnn.planner.parse_backend`) -> the frozen
+    options."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(options) - set(names))
@@ -143,7 +144,7 @@ class Layout:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Capabilities:
   """What a backend declares about itself, read by the trainer and the tasks before anything
-  is constructed (`recgnn.embeddings.plan.capabilities_of`): never found by `hasattr` or by
+  is constructed (`recgnn.planner.capabilities_of`): never found by `hasattr` or by
   matching plan strings.
 
   Attributes:

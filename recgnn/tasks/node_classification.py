@@ -86,9 +86,9 @@ import numpy as np
 import optax
 from absl import logging
 
-from recgnn import hostmem, sharding
+from recgnn import hostmem, planner, sharding
 from recgnn.data.graph_loading import load_graph, write_eigen_init
-from recgnn.embeddings import OptimizerSpec, TableSpec, capabilities_of
+from recgnn.embeddings import OptimizerSpec, TableSpec
 from recgnn.graphs import samplers, sampling
 from recgnn.models import graphsage
 from recgnn.tasks import node_data_parallel
@@ -220,7 +220,7 @@ class NodeClassification(Task):
     if mode != "auto":
       raise ValueError(f"Unknown embeddings.split_ids {mode!r}; available: auto, true, false")
     plan = emb.get("plan", ()) if emb is not None else ()
-    return any(capabilities_of(str(rule[1])).needs_split_ids for rule in plan)
+    return any(planner.capabilities_of(str(rule[1])).needs_split_ids for rule in plan)
 
   def _labelled(self, split: str) -> np.ndarray:
     ids = self.graph.splits[split]

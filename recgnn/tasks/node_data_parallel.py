@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from recgnn import comms, sharding
+from recgnn import comms, planner, sharding
 from recgnn.embeddings import base as emb_base
 from recgnn.embeddings.contract import TableBackend
 from recgnn.embeddings.group import TableGroup
@@ -63,7 +63,7 @@ BATCH = sharding.BATCH
 SAMPLING = 0x5A4D
 
 
-def device_prepared(plan: emb_base.Plan, ids: dict[str, jax.Array]) -> dict:
+def device_prepared(plan: planner.Plan, ids: dict[str, jax.Array]) -> dict:
   """Inside jit: the prepared arrays of the default `TableBackend.prepare` from device ids
   ({table: int32[R, L]}, -1 = padding, batch-split): the id map to the backend's padding
   row, and `count` for mean pooling. The row-wise Adagrad dedup the host prepare would add
@@ -80,7 +80,7 @@ def device_prepared(plan: emb_base.Plan, ids: dict[str, jax.Array]) -> dict:
   return out
 
 
-def check_plan(plan: emb_base.Plan) -> None:
+def check_plan(plan: planner.Plan) -> None:
   """Refuse groups whose ids must be prepared on the host (see the module docstring)."""
   for key, group in plan.groups.items():
     ok = isinstance(group, TableGroup) and not (
@@ -270,7 +270,7 @@ class DeviceSamples:
     sample, stats = self.sample_nodes(graph, seeds, keys)
     return self.build(graph, sample), stats
 
-  def make_step(self, plan: emb_base.Plan, tx):
+  def make_step(self, plan: planner.Plan, tx):
     """-> step(state, graph, seeds int32[n, k, b]) -> (state, metrics [k] per step): k train
     steps, the k mini-batches of every device sampled in one bulk call (`sample_nodes`; step
     s's sampling key fold_in(fold_in(state.key, SAMPLING), s), whichever call samples it: k
@@ -304,7 +304,7 @@ class DeviceSamples:
 
     return step
 
-  def trainer_step(self, plan: emb_base.Plan, tx):
+  def trainer_step(self, plan: planner.Plan, tx):
     """The trainer's step (`Task.train_step`): (state, prepared, batch, graph) -> (state,
     metrics [k]), k = sampler.steps_per_call steps per call. batch["seeds"] int32[n * k * b]
     split over the devices: device d's slice is its seeds of the call's k steps, [k, b]
@@ -340,7 +340,7 @@ class DataParallelSage:
     self.sampler = self.samples.sampler
     cfg = task.config
     rules = list(map(tuple, cfg.embeddings.plan))
-    self.plan = emb_base.resolve_plan(rules, task.tables(), mesh, emb_base.Layout(), log=False)
+    self.plan = planner.resolve_plan(rules, task.tables(), mesh, emb_base.Layout(), log=False)
     check_plan(self.plan)
     self.tx = step_lib.make_optimizer(cfg.optimizer)
     self.state = step_lib.init_state(task, self.plan, self.tx, key, task.example_batch())

@@ -52,8 +52,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from recgnn import sharding
-from recgnn.embeddings import base
+from recgnn import planner, sharding
 
 CHECKSUMS = "recgnn_checksums.json"
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -223,7 +222,7 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def save(
-    self, state, step: int, plan: base.Plan, wait: bool = True, data_state: dict | None = None
+    self, state, step: int, plan: planner.Plan, wait: bool = True, data_state: dict | None = None
   ) -> None:
     """Save a synced TrainState: the dense part and every table's logical form; `data_state`
     (the input pipeline's iterator state, JSON) goes into the meta item."""
@@ -290,7 +289,7 @@ class Checkpointer:
       raise FileNotFoundError(f"No checkpoint in {self.directory}")
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-  def restore(self, state, plan: base.Plan, step: int | None = None, log=print):
+  def restore(self, state, plan: planner.Plan, step: int | None = None, log=print):
     """Restore the newest readable checkpoint (or `step`) into `state`'s structure: the dense
     part as `state` places it, each table into the placement of `plan` (which may differ
     from the one that saved it).
@@ -341,7 +340,7 @@ class Checkpointer:
     tree = ocp.StandardCheckpointHandler().metadata(path)
     return meta, tree["train"]
 
-  def differences(self, state, plan: base.Plan, meta: dict, dense: dict[str, tuple]) -> list:
+  def differences(self, state, plan: planner.Plan, meta: dict, dense: dict[str, tuple]) -> list:
     """[(key, checkpoint's value, this run's value)] for everything that makes checkpoint
     (`meta`, its dense leaf shapes `dense`) unfit for `state` and `plan`: each table's rows,
     dim, format and optimizer slots, every dense param / optimizer-state leaf's shape, and the
@@ -423,7 +422,7 @@ class Checkpointer:
       multihost_utils.sync_global_devices(f"recgnn: quarantined checkpoint {step}")
     self.manager.reload()
 
-  def _restore_step(self, state, plan: base.Plan, step: int, meta: dict):
+  def _restore_step(self, state, plan: planner.Plan, step: int, meta: dict):
     """Read checkpoint `step` (already checked against this run by `differences`)."""
     tables_target = {}
     for group in plan.groups.values():

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from recgnn.embeddings import base
+from recgnn import planner
 from recgnn.train import inputs
 from recgnn.train import step as step_lib
 from recgnn.train.task import Task
@@ -66,7 +66,7 @@ class InputThread:
   def __init__(
     self,
     items: Iterator,
-    plan: base.Plan,
+    plan: planner.Plan,
     feeder: step_lib.Feeder,
     depth: int,
     task: Task,

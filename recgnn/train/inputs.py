@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from recgnn import sharding
+from recgnn import planner, sharding
 from recgnn.embeddings import base
 
 PyTree = Any
@@ -41,7 +41,7 @@ class Prepared:
   prepared: dict[str, PyTree] | None  # {group key: the group's prepared pytree}
 
 
-def prepare_one(plan: base.Plan, batch: dict, upcoming: list[dict], train: bool) -> dict:
+def prepare_one(plan: planner.Plan, batch: dict, upcoming: list[dict], train: bool) -> dict:
   """Every group's `prepare` for one batch. upcoming: the next train batches' ids dicts."""
   out = {}
   for key, group in plan.groups.items():
@@ -51,7 +51,7 @@ def prepare_one(plan: base.Plan, batch: dict, upcoming: list[dict], train: bool)
   return out
 
 
-def prepare_stream(plan: base.Plan, stream: Iterable[tuple[str, str | None, Any]]) -> Iterator:
+def prepare_stream(plan: planner.Plan, stream: Iterable[tuple[str, str | None, Any]]) -> Iterator:
   """(kind, split, batch) items -> `Prepared` items, prepared in order with the look-ahead
   window (the ids of the next `plan.lookahead` train batches of the stream)."""
   window: collections.deque = collections.deque()
@@ -222,7 +222,7 @@ def choose_layout(
 ) -> tuple[base.Layout, tuple[int, int] | None, str]:
   """How batches reach the embedding backends, decided BEFORE the plan is built (every backend
   receives the layout at construction): from the task's `shard_batch` and
-  `reads_process_slice`, the plan rules' declared capabilities (`base.capabilities_of`, nothing
+  `reads_process_slice`, the plan rules' declared capabilities (`planner.capabilities_of`, nothing
   constructed) and the mesh's device order.
 
   -> (the `base.Layout`; (index, count) for `Task.process_shard` when each process reads and
@@ -246,8 +246,8 @@ def choose_layout(
     why.append(f"{type(task).__name__} reads whole batches")
   if not split:
     why.append("the task's batches are replicated over the devices, not split")
-  for text in base.assign_rules(rules, specs):
-    if base.capabilities_of(text).plans_globally:
+  for text in planner.assign_rules(rules, specs):
+    if planner.capabilities_of(text).plans_globally:
       why.append(f"backend {text!r}: its prepare plans over the whole batch")
   owners = [d.process_index for d in mesh.devices.flat]
   index = device_block(owners, jax.process_index(), count)

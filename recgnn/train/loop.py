@@ -36,7 +36,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from recgnn import distributed, hostmem
+from recgnn import distributed, hostmem, planner
 from recgnn.embeddings import base
 from recgnn.train import checkpoint as ckpt_lib
 from recgnn.train import non_finite, setup, workdir_lock
@@ -129,7 +129,7 @@ def train(
   *,
   resume: bool | str = False,
   profile_steps: tuple[int, int] | None = None,
-  device_memory_budget: int | base.RelativeBudget | None = None,
+  device_memory_budget: int | planner.RelativeBudget | None = None,
   stop_after: int | None = None,
   plan_report: bool = False,
 ) -> Result:
@@ -483,4 +483,4 @@ class Result:
 
   metrics: dict[str, Any]
   state: step_lib.TrainState
-  plan: base.Plan
+  plan: planner.Plan

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from recgnn.embeddings import base
+from recgnn import planner
 from recgnn.train import step as step_lib
 
 
@@ -22,7 +22,7 @@ def first_non_finite(steps: list[int], losses) -> tuple[int, float] | None:
   return None
 
 
-def report(plan: base.Plan, state: step_lib.TrainState) -> str:
+def report(plan: planner.Plan, state: step_lib.TrainState) -> str:
   """Which tables and dense params of a (synced) state hold NaN / inf (their stored form:
   rows, slots, cores)."""
   parts = []

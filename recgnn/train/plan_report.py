@@ -5,7 +5,7 @@ host the planner predicted (the backends' own `memory()` before allocation) agai
 bytes the trained state holds (read from its arrays, by memory kind), and the group's share
 of the predicted step (its tables' measured steps); for the whole step, the predicted time
 (the model part + the tables' steps + their prepare where it shares the cores:
-`recgnn.embeddings.auto_plan.PlanChoice.predicted_step_s`) against the
+`recgnn.planner.auto_plan.PlanChoice.predicted_step_s`) against the
 measured median time per step of the run's logged intervals that compiled no program (the
 steady step; how many programs were compiled is reported beside it), and the host-link and
 collective bytes per step the compiled program moves (`recgnn.train.traffic`). Written to
@@ -19,7 +19,8 @@ from typing import Any
 
 import jax
 
-from recgnn.embeddings import auto_plan, base
+from recgnn import planner
+from recgnn.planner import auto_plan
 
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
@@ -53,7 +54,7 @@ def steady_intervals(interval_step_s: list[float], programs: list[int]) -> tuple
 
 def build(
   prediction: auto_plan.PlanChoice,
-  plan: base.Plan,
+  plan: planner.Plan,
   emb_state: dict[str, Any],
   interval_step_s: list[float],
   interval_programs: list[int],

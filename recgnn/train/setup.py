@@ -2,7 +2,7 @@
 benchmarks, so none of them rebuilds the chain by hand.
 
   mesh -> task (its mesh, config and process slice given at construction) -> input layout
-  (`Task.input_layout`: batch split, process-local input) -> plan (`base.resolve_plan`, every
+  (`Task.input_layout`: batch split, process-local input) -> plan (`planner.resolve_plan`, every
   backend given the mesh and layout) -> memory check -> Feeder -> optax -> initial state
   (tables placed by their groups, dense params replicated) -> state shardings -> the jitted
   packed train / eval steps (explicit in / out shardings, the train state donated).
@@ -28,9 +28,9 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from recgnn import distributed, sharding
-from recgnn.embeddings import auto_plan as auto_plan_lib
+from recgnn import distributed, planner, sharding
 from recgnn.embeddings import base
+from recgnn.planner import auto_plan as auto_plan_lib
 from recgnn.train import inputs, plan_timing
 from recgnn.train import step as step_lib
 from recgnn.train.task import Task
@@ -62,14 +62,14 @@ def load_task(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Tas
   return module.TASK(config, mesh)
 
 
-parse_bytes = base.parse_bytes  # '512M', '2G', '1.5GiB', '1000000' -> bytes
-# ...and 'plan+10%': the plan's own bytes plus a margin (base.RelativeBudget)
-parse_budget = base.parse_budget
+parse_bytes = planner.parse_bytes  # '512M', '2G', '1.5GiB', '1000000' -> bytes
+# ...and 'plan+10%': the plan's own bytes plus a margin (planner.RelativeBudget)
+parse_budget = planner.parse_budget
 
 
 def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
   """(rules, figures): with an auto(...) rule, its tables placed by the planner
-  (recgnn.embeddings.auto_plan) and its figures; with `report` (--plan_report) and no auto
+  (recgnn.planner.auto_plan) and its figures; with `report` (--plan_report) and no auto
   rule, the planner's figures for the plan as written; else (rules, None). Candidates are
   timed on the run's first training batches under the input layout dense would take,
   through the cost cache `embeddings.cost_cache` names (a JSON file; "" for none)."""
@@ -150,14 +150,14 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
   return rules, choice
 
 
-def _train_ids_shapes(plan: base.Plan, task: Task, example: dict, budget: int | None):
+def _train_ids_shapes(plan: planner.Plan, task: Task, example: dict, budget: int | None):
   """A train batch's ids shapes ({table: shape}) when the plan has a budget to meet and a
   group holds buffers sized by the batch (`Backend.batch_memory`, asked with the `example`
   batch's shapes first): one batch read; else None (nothing to add)."""
   if budget is None:
     return None
   probe = {t: tuple(np.shape(x)) for t, x in example["ids"].items()}
-  if not base.batch_bytes(plan, probe):
+  if not planner.batch_bytes(plan, probe):
     return None
   return auto_plan_lib.ids_shapes([next(task.train_batches(0))["ids"]])
 
@@ -211,7 +211,7 @@ class Run:
   task: Task
   layout: base.Layout
   input_how: str  # which input layout and why (a log line)
-  plan: base.Plan
+  plan: planner.Plan
   feeder: step_lib.Feeder
   tx: optax.GradientTransformation
   example: dict  # the batch the dense params are initialised from
@@ -288,7 +288,7 @@ def place_inputs(tree, mesh: jax.sharding.Mesh):
 
 
 def jit_steps(
-  task: Task, plan: base.Plan, tx, shardings, step_inputs: dict | None = None
+  task: Task, plan: planner.Plan, tx, shardings, step_inputs: dict | None = None
 ) -> tuple[Callable, Callable]:
   """The jitted packed (train, eval) steps of a plan: built once by `build`, and again by the
   loop when a group re-plans its static shapes (capability `replans_shapes`). The train step
@@ -327,7 +327,7 @@ def build(
   task: Task | None = None,
   example: dict | None = None,
   key: jax.Array | None = None,
-  device_memory_budget: int | base.RelativeBudget | None = None,
+  device_memory_budget: int | planner.RelativeBudget | None = None,
   allocate: bool = True,
   plan_report: bool = False,
   log: Callable[[str], None] = _quiet,
@@ -338,7 +338,7 @@ def build(
   `config.task`'s (e.g. a benchmark's task over given table sizes, without a dataset); built
   on `mesh`. example: the batch the dense params are initialised from (default
   `task.example_batch()`). key: the initial state's PRNG key (default: `config.seed`'s).
-  device_memory_budget: bytes per device the plan must fit, or a `base.RelativeBudget`
+  device_memory_budget: bytes per device the plan must fit, or a `planner.RelativeBudget`
   ('plan+10%', resolved against the plan's own bytes and logged; default
   `config.device_memory_budget`, else unchecked). allocate=False: `state` holds shapes and
   dtypes only (`jax.eval_shape`), enough to lower and compile the steps of a state that would
@@ -356,7 +356,7 @@ def build(
   rules = list(map(tuple, config.embeddings.plan))
   if device_memory_budget is None and config.get("device_memory_budget"):
     device_memory_budget = parse_budget(config.device_memory_budget)
-  relative = isinstance(device_memory_budget, base.RelativeBudget)
+  relative = isinstance(device_memory_budget, planner.RelativeBudget)
   if relative and auto_plan_lib.auto_options(rules) is not None:
     raise ValueError(
       f"device_memory_budget={device_memory_budget} is relative to the plan, which an "
@@ -382,19 +382,19 @@ def build(
     )
   if jax.process_count() > 1:
     log(f"Input: {input_how}")
-  plan = base.resolve_plan(rules, specs, mesh, layout, log=False)
-  log("Embedding plan (bytes before allocation):\n" + base.format_plan(plan))
+  plan = planner.resolve_plan(rules, specs, mesh, layout, log=False)
+  log("Embedding plan (bytes before allocation):\n" + planner.format_plan(plan))
   example = task.example_batch() if example is None else example
   ids_shapes = _train_ids_shapes(plan, task, example, device_memory_budget)
   if relative:
-    need = base.check_memory(plan, None, ids_shapes)
+    need = planner.check_memory(plan, None, ids_shapes)
     given, device_memory_budget = device_memory_budget, device_memory_budget.bytes_for(need)
     log(
       f"Device memory budget {given}: {device_memory_budget:,} bytes per device (the plan "
       f"needs {need:,}; pass --device_memory_budget={device_memory_budget} to hold another "
       "plan to the same budget)"
     )
-  base.check_memory(plan, device_memory_budget, ids_shapes)
+  planner.check_memory(plan, device_memory_budget, ids_shapes)
   feeder = step_lib.Feeder(plan, task.batch_spec)
   total_steps, length = training_length(tcfg, task)
   log(f"Mesh {sharding.describe(mesh)}; training {length}")

@@ -25,8 +25,8 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from recgnn import sharding
-from recgnn.embeddings import base, microbatch
+from recgnn import planner, sharding
+from recgnn.embeddings import microbatch
 from recgnn.train import inputs
 from recgnn.train.task import Task
 
@@ -64,7 +64,7 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
   return tx
 
 
-def lookup_all(plan: base.Plan, emb, prepared) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+def lookup_all(plan: planner.Plan, emb, prepared) -> tuple[dict[str, jax.Array], dict[str, Any]]:
   """-> ({table: f32[B, D]} pooled embeddings of every group, {group key: its residuals})."""
   out, residuals = {}, {}
   for key, group in plan.groups.items():
@@ -73,7 +73,7 @@ def lookup_all(plan: base.Plan, emb, prepared) -> tuple[dict[str, jax.Array], di
   return out, residuals
 
 
-def splitting_group(plan: base.Plan) -> str | None:
+def splitting_group(plan: planner.Plan) -> str | None:
   """The key of the group that declares micro-batches (`Capabilities.splits_batch`,
   recgnn.embeddings.microbatch), if any, and if the batches are split per example (a
   replicated batch, e.g. one subgraph, runs whole)."""
@@ -151,7 +151,7 @@ def _micro_loss_and_grads(task, plan, skey, idxs, state, prepared, batch, key):
   return loss, aux, g_params, g_pooled, residuals
 
 
-def make_train_step(task: Task, plan: base.Plan, tx):
+def make_train_step(task: Task, plan: planner.Plan, tx):
   """(state, prepared, batch) -> (state, metrics). Jit it with the state donated.
 
   A group that declares micro-batches (`hot_cold`: popular / non-popular examples) has the
@@ -190,7 +190,7 @@ def make_train_step(task: Task, plan: base.Plan, tx):
   return step
 
 
-def make_eval_step(task: Task, plan: base.Plan):
+def make_eval_step(task: Task, plan: planner.Plan):
   """(state, prepared, batch) -> the task's predict outputs."""
 
   def step(state: TrainState, prepared, batch):
@@ -206,7 +206,7 @@ def device_batch(batch: dict) -> dict:
   return {k: v for k, v in batch.items() if k != "ids"}
 
 
-def state_sharding(plan: base.Plan, abstract_state: TrainState) -> TrainState:
+def state_sharding(plan: planner.Plan, abstract_state: TrainState) -> TrainState:
   """NamedShardings of a TrainState: the groups' for `emb`, replicated for the rest."""
   repl = jax.sharding.NamedSharding(plan.mesh, sharding.REPLICATED)
   out = jax.tree.map(lambda _: repl, abstract_state)
@@ -215,7 +215,7 @@ def state_sharding(plan: base.Plan, abstract_state: TrainState) -> TrainState:
 
 def jit_packed(
   step_fn,
-  plan: base.Plan,
+  plan: planner.Plan,
   state_shardings,
   donate_state: bool,
   out_state: bool,
@@ -276,7 +276,7 @@ class _BoundInputs:
 class Feeder:
   """Packs (prepared, batch) for the step: the specs of every leaf, checked and cached."""
 
-  def __init__(self, plan: base.Plan, batch_spec=None):
+  def __init__(self, plan: planner.Plan, batch_spec=None):
     """The layout is the plan's (`plan.layout`, given to every backend at construction):
     split_batch says whether the embedding ids are batch-major, process_local whether
     batches are this process's slice, for its devices only. batch_spec(batch): the
@@ -326,7 +326,7 @@ class Feeder:
 
 def init_state(
   task: Task,
-  plan: base.Plan,
+  plan: planner.Plan,
   tx,
   key: jax.Array,
   example_batch,
@@ -359,7 +359,7 @@ def model_step_seconds(
 ) -> float:
   """Median seconds of the step's part that is not an embedding backend's: the task's loss
   and its gradient w.r.t. the dense params and the pooled lookups, and the optax update (what
-  every plan of the same task shares; `recgnn.embeddings.auto_plan` adds each table's own
+  every plan of the same task shares; `recgnn.planner.auto_plan` adds each table's own
   step to it). Pooled lookups stand in as arrays of the real shapes ({table: f32[B, dim]}),
   the batch split over the mesh as the trainer splits it; timed on `repeats` passes over
   `batches` (task batches), after one that compiled, the median of every timed step (one

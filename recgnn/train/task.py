@@ -25,7 +25,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from recgnn import sharding
+from recgnn import planner, sharding
 from recgnn.embeddings import TableSpec, base
 from recgnn.train import inputs
 
@@ -169,7 +169,7 @@ class Task(abc.ABC):
     with every batch nor baked into the program as constants. By default none."""
     return {}
 
-  def train_step(self, plan: base.Plan, tx) -> Any:
+  def train_step(self, plan: planner.Plan, tx) -> Any:
     """None (the default): the trainer's shared step (`recgnn.train.step.make_train_step`:
     lookup of the prepared ids, `loss`, optax, the groups' updates). A task whose batches are
     built on the device (data-parallel GraphSAGE samples there) returns its own pure step

@@ -374,13 +374,13 @@ class Offload(base.TableBackend):
   def lookup(self, state, prepared):
     raise NotImplementedError(
       "offload tables look up through their group (OffloadGroup.lookup: one cache array per "
-      "stack of tables); build it with base.make_backend / make_group"
+      "stack of tables); build it with recgnn.planner.make_backend / make_group"
     )
 
   def update(self, state, prepared, grads):
     raise NotImplementedError(
       "offload tables update through their group (OffloadGroup.update: the exchanges of "
-      "every table travel in one list); build it with base.make_backend / make_group"
+      "every table travel in one list); build it with recgnn.planner.make_backend / make_group"
     )
 
   def restore_planner(self, slot_rows: np.ndarray, version: int) -> None:

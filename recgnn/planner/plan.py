@@ -1,13 +1,15 @@
-"""The per-table plan, the backend registry, and the memory budget.
+"""The per-table plan and the backend registry's lookup.
 
 A plan is a list of (regex over table names, backend string) rules, first match wins:
   [("C(3|4|10)", "tt(rank=32)"), (".*", "dense")]
 The backend string's name is a registry key. Backends register themselves with
-`@register_backend("name")` (the built-in ones in `recgnn.backends`, a researcher's in their
-own file, imported before the plan is resolved) or, from an installed package, through the
-`recgnn.backends` entry-point group (`[project.entry-points."recgnn.backends"]
-toy = "mypkg.toy:Toy"`). `capabilities_of(text)` answers from a plan string without
-constructing anything.
+`@register_backend("name")` (`recgnn.embeddings.registry`: the built-in ones in
+`recgnn.backends`, a researcher's in their own file, imported before the plan is resolved) or,
+from an installed package, through the `recgnn.backends` entry-point group
+(`[project.entry-points."recgnn.backends"] toy = "mypkg.toy:Toy"`). The first look-up loads
+the built-in backends (the planner sits above them: docs/architecture.md, "Layers") and the
+entry points. `capabilities_of(text)` answers from a plan string without constructing
+anything.
 """
 
 from __future__ import annotations
@@ -32,36 +34,13 @@ from recgnn.embeddings.contract import (
   valid_options,
 )
 from recgnn.embeddings.group import TableGroup
+from recgnn.embeddings.registry import REGISTRY, register_backend
 from recgnn.embeddings.specs import TableSpec
 
 # ----------------------------------------------------------------------------- registry
 
 ENTRY_POINT_GROUP = "recgnn.backends"
-_REGISTRY: dict[str, type] = {}
 _loaded = False
-
-
-def register_backend(name: str):
-  """Class decorator: register a `Backend` (a group of tables) or a `TableBackend` (one
-  table; grouped by `TableGroup`) under `name`, the word a plan string starts with.
-
-    @register_backend("toy")
-    class Toy(TableBackend): ...
-  """
-  if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-    raise ValueError(f"Backend name {name!r} is not an identifier")
-
-  def register(cls):
-    if not (isinstance(cls, type) and issubclass(cls, (Backend, TableBackend))):
-      raise TypeError(f"@register_backend({name!r}): {cls!r} is not a Backend or TableBackend")
-    old = _REGISTRY.get(name)
-    if old is not None and old.__qualname__ != cls.__qualname__:
-      raise ValueError(f"Backend {name!r} is already registered ({old.__module__}.{old.__name__})")
-    cls.name = name
-    _REGISTRY[name] = cls
-    return cls
-
-  return register
 
 
 def _load_registry() -> None:
@@ -70,29 +49,29 @@ def _load_registry() -> None:
   if _loaded:
     return
   _loaded = True
-  importlib.import_module("recgnn.backends")
+  importlib.import_module("recgnn.backends")  # registers the built-in backends
   for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
     obj = ep.load()  # a module that registers on import, or the class itself
-    if isinstance(obj, type) and ep.name not in _REGISTRY:
+    if isinstance(obj, type) and ep.name not in REGISTRY:
       register_backend(ep.name)(obj)
 
 
 def available_backends() -> list[str]:
   """The registered backend names."""
   _load_registry()
-  return sorted(_REGISTRY)
+  return sorted(REGISTRY)
 
 
 def backend_class(name: str) -> type:
   """The class registered under `name`; an unknown name lists the valid ones."""
   _load_registry()
-  if name not in _REGISTRY:
+  if name not in REGISTRY:
     raise ValueError(
-      f"Unknown backend {name!r}; available: {', '.join(sorted(_REGISTRY))}. A backend of your "
+      f"Unknown backend {name!r}; available: {', '.join(sorted(REGISTRY))}. A backend of your "
       "own registers with @recgnn.embeddings.register_backend(NAME) in a module imported "
       f"before the plan is resolved, or through the {ENTRY_POINT_GROUP!r} entry-point group."
     )
-  return _REGISTRY[name]
+  return REGISTRY[name]
 
 
 def capabilities_of(text: str) -> Capabilities:
@@ -243,7 +222,7 @@ def resolve_plan(
   if any(parse_backend(" ".join(t.split()))[0] == "auto" for _, t in rules):
     raise ValueError(
       "An auto(...) plan rule is resolved by recgnn.train.setup.build, which times the "
-      "candidates on the run's batches (recgnn.embeddings.auto_plan.plan_rules); "
+      "candidates on the run's batches (recgnn.planner.auto_plan.plan_rules); "
       "resolve_plan takes the rules it returns"
     )
   by_text = assign_rules(rules, specs)
@@ -283,10 +262,10 @@ def format_plan(plan: Plan) -> str:
     dense += spec.num_rows * spec.dim
     lines.append(
       f"{name:<12} {spec.num_rows:>12,} {spec.dim:>4} {g.describe(name):<40} "
-      f"{_mib(mem.device_bytes):>10} {_mib(mem.host_bytes):>10}"
+      f"{mib(mem.device_bytes):>10} {mib(mem.host_bytes):>10}"
     )
   dev = sum(g.device_bytes() for g in plan.groups.values())
-  lines.append(f"{'total':<12} {'':>12} {'':>4} {'':<40} {_mib(dev):>10} {_mib(host):>10}")
+  lines.append(f"{'total':<12} {'':>12} {'':>4} {'':<40} {mib(dev):>10} {mib(host):>10}")
   if params:
     lines.append(
       f"embedding parameters: {params:,} ({dense / params:,.1f}x fewer than all-dense {dense:,})"
@@ -294,94 +273,6 @@ def format_plan(plan: Plan) -> str:
   return "\n".join(lines)
 
 
-def _mib(n: int) -> str:
+def mib(n: int) -> str:
+  """Bytes as MiB for the plan's tables and messages ('12.5M')."""
   return f"{n / 2**20:,.1f}M"
-
-
-class PlanDoesNotFit(ValueError):
-  """The plan needs more device memory than the budget allows."""
-
-
-_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def parse_bytes(text: str | int | None) -> int | None:
-  """'512M', '2G', '1.5GiB', '1000000' -> bytes; '' / None -> None."""
-  if text in (None, ""):
-    return None
-  t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
-  try:
-    if t and t[-1] in _UNITS:
-      return int(float(t[:-1]) * _UNITS[t[-1]])
-    return int(float(t))
-  except ValueError:
-    raise ValueError(
-      f"Cannot read {text!r} as bytes; expected a number with an optional unit (512M, 2G, "
-      "1.5GiB, 1000000)"
-    ) from None
-
-
-@dataclasses.dataclass(frozen=True)
-class RelativeBudget:
-  """A device budget relative to the plan: 'plan+10%' is the plan's own bytes per device
-  (every group's `memory()` plus the buffers sized by a train batch, `batch_bytes`) on the
-  run's mesh, plus 10%. For an experiment whose point is a budget its own plan fits and a
-  larger plan does not (hotline_kaggle): the bytes come from the backends' own reports and
-  follow the mesh, the data and the batch size of the run, overrides included, where a
-  number written in the experiment file would be a second formula that drifts from them."""
-
-  margin: float  # 0.1 for 'plan+10%'
-
-  def bytes_for(self, plan_bytes: int) -> int:
-    return int(plan_bytes * (1 + self.margin))
-
-  def __str__(self) -> str:
-    return f"plan+{self.margin * 100:g}%" if self.margin else "plan"
-
-
-_RELATIVE_RE = re.compile(r"\s*plan\s*(?:\+\s*(\d+(?:\.\d*)?|\.\d+)\s*%)?\s*", re.I)
-
-
-def parse_budget(text: str | int | None) -> int | RelativeBudget | None:
-  """A device memory budget: bytes ('2G', `parse_bytes`), or relative to the plan ('plan',
-  'plan+10%': `RelativeBudget`); '' / None: no budget."""
-  if isinstance(text, str) and text.strip().lower().startswith("plan"):
-    m = _RELATIVE_RE.fullmatch(text)
-    if not m:
-      raise ValueError(
-        f"Cannot read budget {text!r}; expected bytes (512M, 2G) or the plan's own bytes "
-        "plus a margin ('plan+10%')"
-      )
-    return RelativeBudget(float(m.group(1) or 0) / 100)
-  return parse_bytes(text)
-
-
-def batch_bytes(plan: Plan, ids_shapes: dict[str, tuple[int, ...]] | None) -> int:
-  """Bytes per device the plan's state comes to hold beyond its `memory()` for train batches
-  of ids shaped `ids_shapes` (`Backend.batch_memory`: e.g. hot_cold's prefetch buffer)."""
-  if not ids_shapes:
-    return 0
-  return sum(sum(g.batch_memory(ids_shapes).values()) for g in plan.groups.values())
-
-
-def check_memory(
-  plan: Plan, device_budget_bytes: int | None, ids_shapes: dict[str, tuple] | None = None
-) -> int:
-  """Refuse, before allocating, a plan whose bytes on one device exceed the budget (per
-  device), with ids_shapes (a train batch's ids, {table: shape}) the buffers the state comes
-  to hold for such batches included (`batch_bytes`). Returns the plan's bytes per device."""
-  per_table = {n: (g, g.memory()[n]) for n in plan.table_group for g in [plan.backend_of(n)]}
-  buffers = batch_bytes(plan, ids_shapes)
-  total = sum(g.device_bytes() for g in plan.groups.values()) + buffers
-  if device_budget_bytes is not None and total > device_budget_bytes:
-    worst = sorted(per_table.items(), key=lambda kv: -kv[1][1].device_bytes)[:5]
-    raise PlanDoesNotFit(
-      f"Embedding plan needs {_mib(total)} per device on mesh {sharding.describe(plan.mesh)}"
-      + (f" ({_mib(buffers)} of it buffers sized by the batch)" if buffers else "")
-      + f", budget is {_mib(device_budget_bytes)} per device. Largest tables: "
-      + ", ".join(f"{n} {_mib(m.device_bytes)} ({g.describe(n)})" for n, (g, m) in worst)
-      + ". Split large tables over the devices ('dense(shard=rows)' with --config.mesh.model=N)"
-      " or move them to host memory or a compressed backend in config.embeddings.plan, e.g. "
-      "('C(3|4|10)', 'offload(cache_rows=100_000)') or 'tt(rank=32)'."
-    )
-  return total

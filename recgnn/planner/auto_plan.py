@@ -41,9 +41,10 @@ import jax
 import numpy as np
 
 from recgnn import sharding
-from recgnn.embeddings import plan as plan_lib
 from recgnn.embeddings.contract import BackendOptions, Layout
 from recgnn.embeddings.specs import TableSpec
+from recgnn.planner import budget as budget_lib
+from recgnn.planner import plan as plan_lib
 
 OBJECTIVES = ("time", "memory")
 KINDS = ("dense", "offload", "hot_cold", "tt", "sharded")
@@ -144,7 +145,7 @@ class AutoOptions(BackendOptions):
       raise ValueError(f"auto: finalists must be >= 1, got {self.finalists}")
 
 
-parse_bytes = plan_lib.parse_bytes  # '512M', '2G', '1.5GiB', '1000000' -> bytes
+parse_bytes = budget_lib.parse_bytes  # '512M', '2G', '1.5GiB', '1000000' -> bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -627,7 +628,7 @@ def solve(
   if budget_bytes is not None and sum(smallest.values()) > budget_bytes:
     need = sum(smallest.values())
     worst = sorted(smallest.items(), key=lambda kv: -kv[1])[:5]
-    raise plan_lib.PlanDoesNotFit(
+    raise budget_lib.PlanDoesNotFit(
       f"auto plan: no choice of placements fits {_mib(budget_bytes)} per device; the smallest "
       f"plan needs {_mib(need)} ({need:,} bytes). Tables forcing it (their smallest "
       "placement): "
@@ -689,7 +690,7 @@ def solve(
   )
   if not res.success:
     # The byte check above cannot see the families' limits: name them.
-    raise plan_lib.PlanDoesNotFit(
+    raise budget_lib.PlanDoesNotFit(
       f"auto plan: no plan fits {_mib(budget_bytes or 0)} per device within the limits on "
       f"distinct backend strings {limits} (a batch has one micro-batch split; each host-tier "
       f"group is its own set of step programs); solver: {res.message}. Raise the budget, "
@@ -811,7 +812,7 @@ def choose_finalists(
     total_budget = int(all_dense * float(budget))
   avail = None if total_budget is None else total_budget - fixed_bytes
   if avail is not None and avail < 0:
-    raise plan_lib.PlanDoesNotFit(
+    raise budget_lib.PlanDoesNotFit(
       f"auto plan: the tables other rules place take {_mib(fixed_bytes)} per device, more than "
       f"the budget {_mib(total_budget)}"
     )
@@ -868,7 +869,7 @@ def choose_finalists(
   for label, kept, lims in finalist_plans(shares, options, limits):
     try:
       picked = solve(kept, avail, options.objective, lims, group_s)
-    except plan_lib.PlanDoesNotFit as e:
+    except budget_lib.PlanDoesNotFit as e:
       if not solved:  # the solver's own plan: a budget nothing fits, refused with the numbers
         raise
       log(f"auto: no {label} plan fits ({str(e).split(';')[0]})")
