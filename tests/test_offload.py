@@ -198,9 +198,9 @@ def test_rows_moved_equal_misses(text):
   assert sum(loaded) == s["t/h2d_rows_per_step"] * steps == s["t/misses_per_step"] * steps
   # The device agrees with the host bookkeeping about which row sits in which slot.
   slot_rows = np.asarray(trace.state["slot_rows"][0])
-  planner = member._planner
+  host_plan = member._planner
   np.testing.assert_array_equal(
-    slot_rows, np.where(planner.slot_row >= 0, planner.slot_row, spec.num_rows)
+    slot_rows, np.where(host_plan.slot_row >= 0, host_plan.slot_row, spec.num_rows)
   )
 
 
