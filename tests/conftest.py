@@ -1,16 +1,144 @@
-"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
+"""Test setup, before jax is imported anywhere: 8 simulated CPU devices and a persistent XLA
+compilation cache shared by the whole suite, its workers and the processes tests start; the
+run's compile time summed at the end; a lock for tests that need the machine to themselves.
+tests/README.md says how the suite runs and what it costs."""
 
+import fcntl
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# The persistent compilation cache. Tests compile the same programs again and again (the
+# trainer's step for one config in a resume, a crash and an equality check; the contract's
+# steps per backend and mesh), and every run of the suite compiles what the last one did:
+# XLA's compile is most of the suite's time (the summary at the end says how much). jax reads
+# these variables at import, and so does every `run.py` / python process a test starts, which
+# inherits them. The cache lives outside the checkout, keyed by jax on the program, jax and
+# XLA versions and flags; bounded and file-locked (`jax_compilation_cache_max_size`: entries
+# evicted least-recently-used, and parallel workers never read a half-written entry).
+# RECGNN_TEST_XLA_CACHE=DIR moves it, =off turns it off.
+CACHE_ENV = "RECGNN_TEST_XLA_CACHE"
+_cache = os.environ.get(CACHE_ENV) or os.path.join(
+  os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "recgnn", "xla-tests"
+)
+if _cache.lower() != "off":
+  os.environ[CACHE_ENV] = _cache
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+
 from recgnn import xla_env  # noqa: E402
 
 xla_env.relax_simulated_device_timeouts()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+
+# ----------------------------------------------------------------------------- workers
+# `-n auto` (pyproject's addopts) asks this hook: two workers on a CPU-only run (measured on
+# 2 cores: tests/README.md), none where jax runs on an accelerator (one device, which
+# workers would share and whose memory each would preallocate).
+def pytest_xdist_auto_num_workers(config):
+  if os.environ.get("JAX_PLATFORMS", "cpu") != "cpu":
+    return 0
+  return min(2, os.cpu_count() or 1)
+
+
+# Tests marked `serial` (timing bounds, many processes) run alone: a reader-writer lock over
+# the run's workers, every test a reader and a serial one the writer, so a serial test starts
+# only when no other test runs and none starts until it ends. A turnstile taken before either
+# keeps readers from overtaking a waiting writer. Without workers it does nothing.
+def _lock_paths() -> tuple[str, str] | None:
+  uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+  if not uid:
+    return None
+  stem = os.path.join(tempfile.gettempdir(), f"recgnn-pytest-{uid}")
+  return f"{stem}.turnstile", f"{stem}.lock"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  paths = _lock_paths()
+  if paths is None:
+    yield
+    return
+  serial = item.get_closest_marker("serial") is not None
+  with open(paths[0], "a") as turnstile, open(paths[1], "a") as lock:
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    fcntl.flock(lock, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+    fcntl.flock(turnstile, fcntl.LOCK_UN)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# ----------------------------------------------------------------------------- where the time goes
+# Every test's share of JAX's own compile phases (trace to jaxpr, lower to MLIR, XLA's
+# backend compile), from jax.monitoring's duration events, attached to the test's report
+# (so pytest-xdist carries it from the workers) and summed at the end of the run: what a
+# persistent compilation cache or shared fixtures could save, beside what the run cost.
+import time  # noqa: E402
+
+from jax import monitoring  # noqa: E402
+
+_PHASES = {
+  "/jax/core/compile/jaxpr_trace_duration": "trace",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+  "/jax/core/compile/backend_compile_duration": "compile",
+}
+_spent = dict.fromkeys(_PHASES.values(), 0.0)
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+  phase = _PHASES.get(event)
+  if phase is not None:
+    _spent[phase] += seconds
+
+
+monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  before = dict(_spent) if call.when == "setup" else getattr(item, "_jax_before", None)
+  if call.when == "setup":
+    item._jax_before = before
+  outcome = yield
+  if call.when == "teardown" and before is not None:
+    report = outcome.get_result()
+    report.user_properties.extend((f"jax_{k}_s", _spent[k] - before[k]) for k in _spent)
+
+
+_totals: dict[str, float] = {}
+_by_test: dict[str, float] = {}
+_t0 = time.perf_counter()
+
+
+def pytest_runtest_logreport(report):
+  for k, v in report.user_properties:
+    if isinstance(k, str) and k.startswith("jax_"):
+      _totals[k] = _totals.get(k, 0.0) + v
+      if k == "jax_compile_s":
+        _by_test[report.nodeid] = v
+
+
+def pytest_terminal_summary(terminalreporter):
+  if not _totals:
+    return
+  tr = terminalreporter
+  wall = time.perf_counter() - _t0
+  parts = ", ".join(f"{k[4:-2]} {v:,.0f} s" for k, v in sorted(_totals.items()))
+  tr.write_sep("=", "JAX compile phases (summed over tests and workers)")
+  tr.write_line(f"{parts}; the run took {wall:,.0f} s wall")
+  top = sorted(_by_test.items(), key=lambda kv: -kv[1])[:10]
+  for nodeid, s in top:
+    tr.write_line(f"{s:7.1f} s XLA compile  {nodeid}")

@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 
 from recgnn.train import checkpoint, loop
-from tests import xla_cache
 from tests.trainer_lib import smoke_config, state_leaves
-from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILL_STEP = 8  # the save that is interrupted; checkpoint 4 is the last complete one
@@ -171,8 +169,6 @@ def test_non_finite_loss_stops_with_step_and_tables(cache_dir, tmp_path, monkeyp
 if __name__ == "__main__":  # the killed run of test_sigkill_during_save_then_resume_is_identical
   _, what, workdir, cache = sys.argv
   assert what == "kill"
-  if os.environ.get(xla_cache.ENV):
-    xla_cache.enable(os.environ[xla_cache.ENV])
   target, name, hook = _finalize_hook(lambda: os.kill(os.getpid(), signal.SIGKILL))
   setattr(target, name, hook)
   loop.train(_config(cache), workdir)

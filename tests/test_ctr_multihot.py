@@ -10,7 +10,6 @@ import pytest
 from recgnn.data import multihot
 from recgnn.train import loop
 from tests.trainer_lib import skip_unless_devices, smoke_config
-from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
 
 
 @pytest.fixture(scope="module")

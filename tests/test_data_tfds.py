@@ -17,7 +17,6 @@ pytest.importorskip("grain")
 from recgnn.data import criteo, criteo_synthetic, kg, ogb, pipeline, planetoid, tfds_builders  # noqa: E402, I001
 from recgnn.train import loop  # noqa: E402
 from tests.trainer_lib import smoke_config, state_leaves  # noqa: E402
-from tests.xla_cache import compilation_cache  # noqa: E402, F401 (an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = 20_000

@@ -14,7 +14,8 @@ import pytest
 from recgnn.train import checkpoint, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.slow
+# Many processes with deadlines: alone on the machine (conftest's `serial` lock).
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def _free_port() -> int:

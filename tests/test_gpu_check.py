@@ -27,6 +27,7 @@ def _ctx(tmp_path):
   return ctx
 
 
+@pytest.mark.serial  # a 2 s limit enforced within 10 s
 def test_stage_limit_stops_a_command_and_files_are_written(tmp_path, monkeypatch):
   monkeypatch.setattr(gpu_check, "KILL_GRACE", 2)
   st = gpu_check.Stage(_ctx(tmp_path), "probe")

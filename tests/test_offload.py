@@ -18,7 +18,6 @@ import pytest
 from recgnn import planner, sharding
 from recgnn.backends import offload
 from recgnn.embeddings import base
-from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
 
 SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
 ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)

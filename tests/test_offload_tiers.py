@@ -26,7 +26,6 @@ from recgnn import comms, hlo, planner
 from recgnn.backends import offload
 from recgnn.backends.offload import cache_plan
 from recgnn.embeddings import base
-from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
 
 ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
 SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)

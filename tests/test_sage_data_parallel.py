@@ -17,7 +17,6 @@ from recgnn.tasks import node_data_parallel as dp
 from recgnn.train import loop, setup
 from tests.test_graphsage import small_config
 from tests.trainer_lib import state_leaves
-from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
 
 
 def synthetic_config(inputs: str, num_nodes: int = 3000):

@@ -21,7 +21,6 @@ from tests.trainer_lib import (
   smoke_config,
   state_leaves,
 )
-from tests.xla_cache import compilation_cache  # noqa: F401 (an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
