@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402
-from recgnn.planner import auto_plan  # noqa: E402
+from recgnn.planner import auto  # noqa: E402
 from recgnn.train import setup  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +81,7 @@ def hand_written(
 
   def nbytes(text, s):
     if (text, s.name) not in memo:
-      memo[text, s.name] = auto_plan.memory_of(
+      memo[text, s.name] = auto.memory_of(
         text, s, mesh, base.Layout(), (shapes or {}).get(s.name)
       )[0]
     return memo[text, s.name]
@@ -117,7 +117,7 @@ def hand_written(
     return f"{kind}({opt}={f})"
 
   def fits_batch(f, s, kind="offload"):
-    return kind != "offload" or f * s.num_rows >= need[s.name] * auto_plan.OFFLOAD_HEADROOM
+    return kind != "offload" or f * s.num_rows >= need[s.name] * auto.OFFLOAD_HEADROOM
 
   def placed(kind, f, s):
     """`kind` at f, or hot_cold at f where an offload cache of f could not hold a batch."""
@@ -315,7 +315,7 @@ def main(argv=None):
   mesh = setup.config_mesh(config)
   task = setup.load_task(config, mesh)
   specs = task.tables()
-  dense = {s.name: auto_plan.memory_of("dense", s, mesh, base.Layout())[0] for s in specs}
+  dense = {s.name: auto.memory_of("dense", s, mesh, base.Layout())[0] for s in specs}
   total = sum(dense.values())
   print(f"{args.experiment}: {len(specs)} tables, all dense {total / 2**20:,.1f} MiB per device")
 
@@ -324,7 +324,7 @@ def main(argv=None):
   need = {s.name: max(int(np.unique(x[s.name][x[s.name] >= 0]).size) for x in first)
           for s in specs}  # fmt: skip
   contestants = []  # (budget, name, rules)
-  shapes = auto_plan.ids_shapes(first)
+  shapes = auto.ids_shapes(first)
   for b in budgets:
     limit = int(total * b)
     plans = hand_written(specs, dense, limit, mesh, need, args.max_hand, shapes)

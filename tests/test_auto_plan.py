@@ -1,4 +1,4 @@
-"""plan=auto (recgnn/planner/auto_plan.py): the options, the integer program against brute
+"""plan=auto (recgnn/planner/auto/): the options, the integer program against brute
 force, the refusal of a budget nothing fits, real candidates' bytes from the backends, the
 finalists timed whole, and trainer runs whose auto rule places tables within a budget."""
 
@@ -15,8 +15,8 @@ import trainer_lib
 
 from recgnn import planner
 from recgnn.embeddings import base
-from recgnn.planner import auto_plan
-from recgnn.planner.auto_plan import AutoOptions, Candidate
+from recgnn.planner import auto
+from recgnn.planner.auto import AutoOptions, Candidate
 from recgnn.train import loop
 
 
@@ -32,7 +32,7 @@ def test_options_refused_with_the_reason():
   with pytest.raises(ValueError, match="unknown option"):
     AutoOptions.parse({"budgt": 0.5})
   with pytest.raises(ValueError, match="one auto"):
-    auto_plan.auto_options([("a", "auto(budget=0.5)"), ("b", "auto(budget=0.25)")])
+    auto.auto_options([("a", "auto(budget=0.5)"), ("b", "auto(budget=0.25)")])
   with pytest.raises(ValueError, match="resolved by recgnn.train.setup.build"):
     planner.resolve_plan([(".*", "auto")], [base.TableSpec(name="t", num_rows=100, dim=4)])
 
@@ -78,7 +78,7 @@ def test_solve_matches_brute_force(objective):
     lo = sum(min(c.device_bytes for c in cs) for cs in cands.values())
     hi = sum(max(c.device_bytes for c in cs) for cs in cands.values())
     budget = None if trial == 0 else int(rng.integers(lo, hi + 1))
-    chosen = auto_plan.solve(cands, budget, objective)
+    chosen = auto.solve(cands, budget, objective)
     b = sum(c.device_bytes for c in chosen.values())
     s = sum(c.step_s for c in chosen.values())
     assert budget is None or b <= budget
@@ -120,20 +120,20 @@ def test_solve_keeps_each_family_to_its_limit_of_backend_strings(objective):
       best = key if best is None or key < best else best
     if best is None:
       with pytest.raises(planner.PlanDoesNotFit, match="one split"):
-        auto_plan.solve(cands, budget, objective, {"micro": 1})
+        auto.solve(cands, budget, objective, {"micro": 1})
       continue
-    chosen = auto_plan.solve(cands, budget, objective, {"micro": 1})
+    chosen = auto.solve(cands, budget, objective, {"micro": 1})
     assert len({c.text for c in chosen.values() if c.family}) <= 1
     b = sum(c.device_bytes for c in chosen.values())
     s = sum(c.step_s for c in chosen.values())
     got = (s, b) if objective == "time" else (b, s)
     assert got[0] == pytest.approx(best[0], rel=1e-9), (trial, got, best)
-    for t, r in auto_plan.runner_ups(cands, chosen, budget, objective, {"micro": 1}).items():
+    for t, r in auto.runner_ups(cands, chosen, budget, objective, {"micro": 1}).items():
       if r is not None and r.family:
         others = {c.text for u, c in chosen.items() if u != t and c.family}
         assert others <= {r.text}
   # With a splitting group among the rules' own tables, no auto table may split.
-  chosen = auto_plan.solve(cands, None, objective, {"micro": 0})
+  chosen = auto.solve(cands, None, objective, {"micro": 0})
   assert not any(c.family for c in chosen.values())
 
 
@@ -143,10 +143,10 @@ def test_infeasible_budget_names_the_smallest_plan_and_its_tables():
     "small": [Candidate("small", "dense", 50, 0, 1.0)],
   }
   with pytest.raises(planner.PlanDoesNotFit) as e:
-    auto_plan.solve(cands, 200, "time")
+    auto.solve(cands, 200, "time")
   msg = str(e.value)
   assert "350 bytes" in msg and "big" in msg and "(offload)" in msg
-  chosen = auto_plan.solve(cands, 350, "time")
+  chosen = auto.solve(cands, 350, "time")
   assert chosen["big"].text == "offload" and chosen["small"].text == "dense"
 
 
@@ -166,20 +166,20 @@ def test_choose_real_backends_bytes_and_budgets():
     return 1.0 + (0.5 if text.startswith("offload") else 0.6) / frac**0.1, 0.0
 
   opts = AutoOptions(budget=1.0)
-  full = auto_plan.choose(specs, opts, mesh, base.Layout(), [], cost=cost)
+  full = auto.choose(specs, opts, mesh, base.Layout(), [], cost=cost)
   assert {c.text for c in full.chosen.values()} == {"dense"}
   dense_bytes = full.all_dense_bytes
   assert full.device_bytes == dense_bytes
-  small = auto_plan.choose(specs, AutoOptions(budget=0.1), mesh, base.Layout(), [], cost=cost)
+  small = auto.choose(specs, AutoOptions(budget=0.1), mesh, base.Layout(), [], cost=cost)
   assert small.device_bytes <= 0.1 * dense_bytes
   assert small.chosen["t0"].text != "dense"
   assert small.chosen["t2"].text == "dense"  # a 300-row table costs nothing to keep
   report = small.report()
   assert "runner-up" in report and "t0" in report
   with pytest.raises(ValueError, match="no model axis"):
-    auto_plan.choose(specs, AutoOptions(kinds=("dense", "sharded")), mesh, base.Layout(), [])
+    auto.choose(specs, AutoOptions(kinds=("dense", "sharded")), mesh, base.Layout(), [])
   with pytest.raises(planner.PlanDoesNotFit, match="smallest plan needs"):
-    auto_plan.choose(specs, AutoOptions(budget=0.001), mesh, base.Layout(), [], cost=cost)
+    auto.choose(specs, AutoOptions(budget=0.001), mesh, base.Layout(), [], cost=cost)
 
 
 def test_plan_report_of_a_written_plan_and_the_cost_cache(tmp_path):
@@ -280,7 +280,7 @@ def test_solve_pays_each_used_group_once():
         continue
       t = sum(c.step_s for c in combo) + sum(group_s[x] for x in {c.text for c in combo})
       best = t if best is None or t < best else best
-    chosen = auto_plan.solve(cands, budget, "time", group_s=group_s)
+    chosen = auto.solve(cands, budget, "time", group_s=group_s)
     got = sum(c.step_s for c in chosen.values())
     got += sum(group_s[x] for x in {c.text for c in chosen.values()})
     assert got == pytest.approx(best, rel=1e-9), (trial, got, best)
@@ -292,16 +292,16 @@ def test_model_part_through_the_cost_cache(tmp_path):
   mesh = planner.default_mesh()
   path = str(tmp_path / "costs.json")
   batches = [{"ids": {"t0": np.arange(8)}, "dense": np.ones((8, 3), np.float32)}]
-  key = auto_plan.CostCache.model_key("ctr (512, 256)", batches, mesh)
+  key = auto.CostCache.model_key("ctr (512, 256)", batches, mesh)
   times = iter([0.010, 0.020, 0.030])
-  first = auto_plan.cached_model_seconds(auto_plan.CostCache(path), key, lambda: next(times))
-  second = auto_plan.cached_model_seconds(auto_plan.CostCache(path), key, lambda: next(times))
+  first = auto.cached_model_seconds(auto.CostCache(path), key, lambda: next(times))
+  second = auto.cached_model_seconds(auto.CostCache(path), key, lambda: next(times))
   assert first == second == 0.010
-  assert auto_plan.cached_model_seconds(None, key, lambda: next(times)) == 0.020  # no cache
-  assert auto_plan.CostCache.model_key("ctr (512, 256)", batches, mesh) == key
-  assert auto_plan.CostCache.model_key("ctr (256, 256)", batches, mesh) != key
+  assert auto.cached_model_seconds(None, key, lambda: next(times)) == 0.020  # no cache
+  assert auto.CostCache.model_key("ctr (512, 256)", batches, mesh) == key
+  assert auto.CostCache.model_key("ctr (256, 256)", batches, mesh) != key
   bigger = [{"ids": {"t0": np.arange(16)}, "dense": np.ones((16, 3), np.float32)}]
-  assert auto_plan.CostCache.model_key("ctr (512, 256)", bigger, mesh) != key
+  assert auto.CostCache.model_key("ctr (512, 256)", bigger, mesh) != key
 
 
 def test_finalists_are_distinct_plans_that_fit_each_of_its_variant():
@@ -323,9 +323,9 @@ def test_finalists_are_distinct_plans_that_fit_each_of_its_variant():
     return 1.0 + (0.3 if text.startswith(cheap) else 0.4) / frac**0.1, 0.0
 
   opts = AutoOptions(budget=0.1, fractions=(0.01, 0.05))
-  finalists = auto_plan.choose_finalists(specs, opts, mesh, base.Layout(), [], cost=cost)
+  finalists = auto.choose_finalists(specs, opts, mesh, base.Layout(), [], cost=cost)
   assert (
-    finalists[0].rules == auto_plan.choose(specs, opts, mesh, base.Layout(), [], cost=cost).rules
+    finalists[0].rules == auto.choose(specs, opts, mesh, base.Layout(), [], cost=cost).rules
   )
   labels = [c.label for c in finalists]
   assert labels[0] == "every kind" and len(set(labels)) == len(labels)
@@ -339,11 +339,11 @@ def test_finalists_are_distinct_plans_that_fit_each_of_its_variant():
       tier, f = c.label.split()[:2]
       assert len(tiers) == 1 and tiers.pop().startswith(tier + "("), (c.label, tiers)
       assert all(f"={f})" in x.text for x in c.chosen.values() if x.text != "dense")
-  assert len(auto_plan.choose_finalists(
+  assert len(auto.choose_finalists(
     specs, dataclasses.replace(opts, finalists=2), mesh, base.Layout(), [], cost=cost
   )) == 2  # fmt: skip
   # No host tier fits 10%: not a finalist; at 100% it is (all dense), and the first.
-  full = auto_plan.choose_finalists(
+  full = auto.choose_finalists(
     specs, AutoOptions(budget=1.0, fractions=(0.01, 0.05)), mesh, base.Layout(), [], cost=cost
   )
   assert "no host tier" not in labels and full[0].placed == "4 x dense"
@@ -358,13 +358,13 @@ def test_pick_measured_takes_the_fastest_whole_step():
   b = Candidate("t", "offload(cache_fraction=0.1)", 1, 9, 2.0)
 
   def plan(c, label, whole):
-    return auto_plan.PlanChoice(
+    return auto.PlanChoice(
       chosen={"t": c}, runner_up={"t": None}, fixed_bytes=0, budget_bytes=None,
       all_dense_bytes=10, objective="time", label=label, whole_step_s=whole,
     )  # fmt: skip
 
   timed = [plan(a, "every kind", 0.050), plan(b, "offload first", 0.045)]
-  best = auto_plan.pick_measured(timed)
+  best = auto.pick_measured(timed)
   assert best.label == "offload first" and best.whole_step_s == 0.045
   assert [f[0] for f in best.finalists] == ["every kind", "offload first"]
   assert [f[3] for f in best.finalists] == [0.050, 0.045]

@@ -227,7 +227,7 @@ def test_batch_memory_is_the_prefetch_buffer_the_state_holds(prefetch):
   """After steps that prefetched, the state holds on each device what `memory()` reports
   plus `batch_memory` for the batches' ids shapes (the next batch's cold rows, replicated:
   min(ids, rows) rows per table); without prefetch, `memory()` alone. The planner and the
-  trainer's budget check count it (auto_plan.memory_of, plan.check_memory)."""
+  trainer's budget check count it (auto.memory_of, plan.check_memory)."""
   from recgnn.train import plan_report
 
   specs = _specs(ADAGRAD)

@@ -6,8 +6,8 @@
              `format_plan`
   budget     device budgets (`parse_bytes`, `parse_budget`, `RelativeBudget`) and
              `check_memory` (`PlanDoesNotFit`)
-  auto_plan  `auto(...)`: each table's backend for a memory budget from measured costs
-             (`from recgnn.planner import auto_plan`)
+  auto       `auto(...)`: each table's backend for a memory budget from measured costs
+             (a package, one module a concern: `from recgnn.planner import auto`)
 
 It sits above the backends and below the trainer and the tasks (docs/architecture.md,
 "Layers"); `from recgnn import planner` gives this module's names.

@@ -222,7 +222,7 @@ def resolve_plan(
   if any(parse_backend(" ".join(t.split()))[0] == "auto" for _, t in rules):
     raise ValueError(
       "An auto(...) plan rule is resolved by recgnn.train.setup.build, which times the "
-      "candidates on the run's batches (recgnn.planner.auto_plan.plan_rules); "
+      "candidates on the run's batches (recgnn.planner.auto.plan_rules); "
       "resolve_plan takes the rules it returns"
     )
   by_text = assign_rules(rules, specs)

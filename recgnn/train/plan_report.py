@@ -5,7 +5,7 @@ host the planner predicted (the backends' own `memory()` before allocation) agai
 bytes the trained state holds (read from its arrays, by memory kind), and the group's share
 of the predicted step (its tables' measured steps); for the whole step, the predicted time
 (the model part + the tables' steps + their prepare where it shares the cores:
-`recgnn.planner.auto_plan.PlanChoice.predicted_step_s`) against the
+`recgnn.planner.auto.PlanChoice.predicted_step_s`) against the
 measured median time per step of the run's logged intervals that compiled no program (the
 steady step; how many programs were compiled is reported beside it), and the host-link and
 collective bytes per step the compiled program moves (`recgnn.train.traffic`). Written to
@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from recgnn import planner
-from recgnn.planner import auto_plan
+from recgnn.planner import auto
 
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
@@ -53,7 +53,7 @@ def steady_intervals(interval_step_s: list[float], programs: list[int]) -> tuple
 
 
 def build(
-  prediction: auto_plan.PlanChoice,
+  prediction: auto.PlanChoice,
   plan: planner.Plan,
   emb_state: dict[str, Any],
   interval_step_s: list[float],

@@ -1,7 +1,7 @@
 """A plan's whole train step, timed as the trainer runs it (`plan=auto`'s finalists).
 
 The planner ranks plans by a sum: each table's step timed alone, each group's fixed part once,
-the model part once (`recgnn.planner.auto_plan.PlanChoice.predicted_step_s`). What the sum
+the model part once (`recgnn.planner.auto.PlanChoice.predicted_step_s`). What the sum
 cannot see (what XLA fuses or serializes across groups, a micro-batch split running the model
 in pieces, the input thread's prepare competing for the cores, host-tier groups each
 compiling their own list sizes) is in the trainer's step: so the planner's few finalists are

@@ -30,7 +30,7 @@ from jax.experimental import multihost_utils
 
 from recgnn import distributed, planner, sharding
 from recgnn.embeddings import base
-from recgnn.planner import auto_plan as auto_plan_lib
+from recgnn.planner import auto as auto_lib
 from recgnn.train import inputs, plan_timing
 from recgnn.train import step as step_lib
 from recgnn.train.task import Task
@@ -69,26 +69,26 @@ parse_budget = planner.parse_budget
 
 def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
   """(rules, figures): with an auto(...) rule, its tables placed by the planner
-  (recgnn.planner.auto_plan) and its figures; with `report` (--plan_report) and no auto
+  (recgnn.planner.auto) and its figures; with `report` (--plan_report) and no auto
   rule, the planner's figures for the plan as written; else (rules, None). Candidates are
   timed on the run's first training batches under the input layout dense would take,
   through the cost cache `embeddings.cost_cache` names (a JSON file; "" for none)."""
-  options = auto_plan_lib.auto_options(rules)
+  options = auto_lib.auto_options(rules)
   if options is None and not report:
     return rules, None
   layout, _, _ = inputs.choose_layout(
     task,
-    auto_plan_lib.placeholder_rules(rules),
+    auto_lib.placeholder_rules(rules),
     specs,
     mesh,
     config.train.get("process_input", "auto"),
   )
-  n = (options or auto_plan_lib.AutoOptions()).batches
+  n = (options or auto_lib.AutoOptions()).batches
   timing = plan_timing.batches_needed() if options is not None and options.finalists > 1 else 0
   batches = list(itertools.islice(task.train_batches(0), max(n, timing)))
   ids = [b["ids"] for b in batches[:n]]
   path = config.embeddings.get("cost_cache", "")
-  cache = auto_plan_lib.CostCache(path) if path else None
+  cache = auto_lib.CostCache(path) if path else None
   # The part of the step every plan shares, so that the prediction is of the whole step:
   # through the cost cache like the tables' costs (every plan of the experiment, every run,
   # the same figure), keyed by what sets its cost and never by the plan.
@@ -98,9 +98,9 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
   what = repr(
     (config.task, _config_text(config.get("model")), _config_text(config.optimizer), dims)
   )
-  model_s = auto_plan_lib.cached_model_seconds(
+  model_s = auto_lib.cached_model_seconds(
     cache,
-    auto_plan_lib.CostCache.model_key(what, batches[:n], mesh),
+    auto_lib.CostCache.model_key(what, batches[:n], mesh),
     lambda: step_lib.model_step_seconds(task, tx, mesh, batches[:n], dims),
   )
   model_time = time.perf_counter() - t0
@@ -108,7 +108,7 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
   def time_plan(plan_rules: list[tuple[str, str]], choice) -> float:
     """A finalist's whole train step (`plan_timing`), through the cost cache: keyed by its
     rules and everything the model part's key holds, the timing batches all."""
-    key = auto_plan_lib.CostCache.model_key(
+    key = auto_lib.CostCache.model_key(
       repr(("whole step", plan_timing.VERSION, plan_rules, what)), batches, mesh
     )
 
@@ -119,7 +119,7 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
       run = build(cfg, mesh=mesh, task=task, device_memory_budget=budget)
       return plan_timing.whole_step_seconds(run, batches)
 
-    out = auto_plan_lib.cached_model_seconds(cache, key, measure)
+    out = auto_lib.cached_model_seconds(cache, key, measure)
     log(
       f"auto: {choice.label}: whole step {out * 1e3:.2f} ms (predicted "
       f"{choice.predicted_step_s * 1e3:.2f} ms)"
@@ -128,7 +128,7 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
 
   if options is not None:
     log(f"auto plan: timing candidate placements on {len(ids)} training batches")
-    rules, choice = auto_plan_lib.plan_rules(
+    rules, choice = auto_lib.plan_rules(
       rules,
       specs,
       mesh,
@@ -142,7 +142,7 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
     )
   else:
     log(f"plan report: timing each table's placement on {len(ids)} training batches")
-    choice = auto_plan_lib.predict_rules(rules, specs, mesh, layout, ids, cache=cache)
+    choice = auto_lib.predict_rules(rules, specs, mesh, layout, ids, cache=cache)
   choice = dataclasses.replace(choice, model_s=model_s, planning_s=choice.planning_s + model_time)
   log(choice.report())
   if cache is not None:
@@ -159,7 +159,7 @@ def _train_ids_shapes(plan: planner.Plan, task: Task, example: dict, budget: int
   probe = {t: tuple(np.shape(x)) for t, x in example["ids"].items()}
   if not planner.batch_bytes(plan, probe):
     return None
-  return auto_plan_lib.ids_shapes([next(task.train_batches(0))["ids"]])
+  return auto_lib.ids_shapes([next(task.train_batches(0))["ids"]])
 
 
 def _config_text(section) -> str:
@@ -223,10 +223,10 @@ class Run:
   eval_step: Callable  # (state, buffers, layout) -> the task's predict outputs
   total_steps: int
   length: str  # how total_steps was derived (a log line)
-  auto_plan: auto_plan_lib.PlanChoice | None = None  # what an auto(...) rule chose, and why
+  auto_plan: auto_lib.PlanChoice | None = None  # what an auto(...) rule chose, and why
   # The planner's figures of the plan (auto's choice, or with plan_report the plan as written):
   # per table bytes and measured step, the predicted train step.
-  prediction: auto_plan_lib.PlanChoice | None = None
+  prediction: auto_lib.PlanChoice | None = None
 
   def init_state(self) -> step_lib.TrainState:
     """A freshly allocated initial state, equal to `state` before any step."""
@@ -357,7 +357,7 @@ def build(
   if device_memory_budget is None and config.get("device_memory_budget"):
     device_memory_budget = parse_budget(config.device_memory_budget)
   relative = isinstance(device_memory_budget, planner.RelativeBudget)
-  if relative and auto_plan_lib.auto_options(rules) is not None:
+  if relative and auto_lib.auto_options(rules) is not None:
     raise ValueError(
       f"device_memory_budget={device_memory_budget} is relative to the plan, which an "
       "auto(...) rule has yet to choose: give plan=auto a budget in bytes (e.g. 64M)"
@@ -366,7 +366,7 @@ def build(
     config, task, rules, specs, mesh, None if relative else device_memory_budget,
     plan_report, log,
   )  # fmt: skip
-  auto = choice if auto_plan_lib.auto_options(list(map(tuple, config.embeddings.plan))) else None
+  auto = choice if auto_lib.auto_options(list(map(tuple, config.embeddings.plan))) else None
   # The input layout first (batch split; with many processes, whether each reads only its
   # slice of every batch): every backend receives it at construction, and a task that reads
   # process slices received its slice at construction from the same decision

@@ -359,12 +359,12 @@ def model_step_seconds(
 ) -> float:
   """Median seconds of the step's part that is not an embedding backend's: the task's loss
   and its gradient w.r.t. the dense params and the pooled lookups, and the optax update (what
-  every plan of the same task shares; `recgnn.planner.auto_plan` adds each table's own
+  every plan of the same task shares; `recgnn.planner.auto` adds each table's own
   step to it). Pooled lookups stand in as arrays of the real shapes ({table: f32[B, dim]}),
   the batch split over the mesh as the trainer splits it; timed on `repeats` passes over
   `batches` (task batches), after one that compiled, the median of every timed step (one
   pass of a few batches moved with the load of the moment; the planner also keeps the figure
-  in its cost cache: `auto_plan.cached_model_seconds`)."""
+  in its cost cache: `auto.cached_model_seconds`)."""
   if not batches:
     raise ValueError("model_step_seconds needs at least one batch")
   rng = np.random.default_rng(0)

@@ -1,0 +1,284 @@
+"""The planner's choice for the auto rule's tables: candidates' bytes, then their timing, then
+the solver's finalists (`choose_finalists`: the solver's best of each variant,
+`finalist_plans`), and the fastest measured whole (`pick_measured`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from recgnn import sharding
+from recgnn.embeddings.contract import Layout
+from recgnn.embeddings.specs import TableSpec
+from recgnn.planner import budget as budget_lib
+from recgnn.planner import plan as plan_lib
+from recgnn.planner.auto.candidates import Candidate, candidates, ids_shapes, memory_of
+from recgnn.planner.auto.cost_cache import CostCache
+from recgnn.planner.auto.cost_model import PlanChoice, _share
+from recgnn.planner.auto.measure import dispatch_seconds, overheads, shared_cores, timed_cost
+from recgnn.planner.auto.options import (
+  HOST_TIERS,
+  MICRO_BATCHES,
+  OFFLOAD_HEADROOM,
+  AutoOptions,
+  family_of,
+  parse_bytes,
+)
+from recgnn.planner.auto.report import mib as _mib
+from recgnn.planner.auto.solve import runner_ups, solve
+
+
+def choose(specs: Sequence[TableSpec], options: AutoOptions, mesh, layout: Layout, batches, **kw):
+  """The solver's plan of `specs` (`choose_finalists`' first: no whole step timed)."""
+  return choose_finalists(specs, options, mesh, layout, batches, **kw)[0]
+
+
+def choose_finalists(
+  specs: Sequence[TableSpec],
+  options: AutoOptions,
+  mesh,
+  layout: Layout,
+  batches: Sequence[dict[str, np.ndarray]],
+  *,
+  fixed_bytes: int = 0,
+  fixed_splits: bool = False,
+  all_dense_bytes: int | None = None,
+  budget_bytes: int | None = None,
+  cost: Callable[[str, TableSpec], tuple[float, float]] | None = None,
+  cache: CostCache | None = None,
+  log: Callable[[str], None] = lambda s: None,
+) -> list[PlanChoice]:
+  """Up to `options.finalists` plans of `specs` (the tables the auto rule matched), distinct,
+  each the solver's best of one variant of the candidates (`finalist_plans`), the best over
+  every kind first (which a budget nothing fits refuses, with the numbers). batches: the run's first
+  training batches ({table: ids}); fixed_bytes: bytes per device of the tables other rules
+  placed (they count against the budget); fixed_splits: one of those splits batches into
+  micro-batches (then no auto table may: a batch has one split); all_dense_bytes: the
+  all-dense plan's bytes per device of every table (what a fractional budget is a fraction
+  of; default: these tables'). budget_bytes: the budget when the options give none (the
+  run's device_memory_budget). cost: (text, spec) -> (step s, prepare s), default `measure`
+  on `batches` through `cache` (tests pass a model)."""
+  if "sharded" in options.kinds and sharding.mesh_shape(mesh)[1] == 1:
+    raise ValueError(
+      f"auto: kinds includes sharded, but mesh {sharding.describe(mesh)} has no model axis to "
+      "shard over: drop it or set mesh.model > 1"
+    )
+  started = time.perf_counter()
+  memo: dict[tuple[str, str], tuple[int, int]] = {}
+  shapes = ids_shapes(batches)
+  dense_bytes = 0
+  by_table: dict[str, list[tuple[str, int, int]]] = {}
+  for spec in specs:
+    rows = []
+    # An offload cache must hold one batch's distinct rows (the backend refuses a batch that
+    # touches more): caches short of the first batches' most, with headroom for the later
+    # batches' spread, are not candidates.
+    most = max((np.unique(b[spec.name][b[spec.name] >= 0]).size for b in batches), default=0)
+    need = most * OFFLOAD_HEADROOM
+    for text in candidates(spec, options, mesh):
+      name, opts = plan_lib.parse_backend(text)
+      if name == "offload" and opts.get("cache_fraction", 1.0) * spec.num_rows < need:
+        continue
+      try:
+        dev, host = memo.setdefault(
+          (text, spec.name), memory_of(text, spec, mesh, layout, shapes.get(spec.name))
+        )
+      except ValueError as e:  # a placement this table cannot take (the backend says why)
+        log(f"auto: {spec.name}: {text} left out ({e})")
+        continue
+      rows.append((text, dev, host))
+    if not rows:
+      raise ValueError(f"auto: no candidate placement is valid for table {spec.name!r}")
+    by_table[spec.name] = rows
+    dense_bytes += memory_of("dense", spec, mesh, layout)[0]
+  all_dense = (dense_bytes + fixed_bytes) if all_dense_bytes is None else all_dense_bytes
+  budget = options.budget
+  if budget is None:
+    total_budget = budget_bytes
+  elif isinstance(budget, str) and budget.strip().endswith("%"):
+    total_budget = int(all_dense * float(budget.strip()[:-1]) / 100)
+  elif isinstance(budget, str):
+    total_budget = parse_bytes(budget)
+  else:
+    total_budget = int(all_dense * float(budget))
+  avail = None if total_budget is None else total_budget - fixed_bytes
+  if avail is not None and avail < 0:
+    raise budget_lib.PlanDoesNotFit(
+      f"auto plan: the tables other rules place take {_mib(fixed_bytes)} per device, more than "
+      f"the budget {_mib(total_budget)}"
+    )
+  # Time only what could be chosen: candidates smaller than the budget left.
+  dispatch = 0.0
+  measured = cost is None
+  if cost is None:
+    dispatch = dispatch_seconds(mesh)
+    cost = timed_cost(batches, mesh, layout, options.measure_rows, cache)
+
+  options_by_table: dict[str, list[Candidate]] = {}
+  n = sum(len(v) for v in by_table.values())
+  done = itertools.count(1)
+  t0 = time.perf_counter()
+  for spec in specs:
+    cs = []
+    for text, dev, host in by_table[spec.name]:
+      if avail is not None and dev > avail:
+        next(done)
+        continue
+      try:
+        step_s, prep_s = cost(text, spec)
+      except ValueError as e:  # e.g. a cache smaller than one batch's distinct rows
+        log(f"auto: {spec.name}: {text} left out ({e})")
+      else:
+        cs.append(Candidate(spec.name, text, dev, host, step_s, prep_s, family_of(text)))
+      k = next(done)
+      if k % 10 == 0 or k == n:
+        log(f"auto: timed {k}/{n} candidates ({time.perf_counter() - t0:.0f} s)")
+    if not cs:  # every candidate of this table alone exceeds the budget
+      cs = [Candidate(spec.name, t, d, h, family=family_of(t)) for t, d, h in by_table[spec.name]]
+    options_by_table[spec.name] = cs
+  limits = {kind: options.strings_per_kind for kind in HOST_TIERS}
+  limits[MICRO_BATCHES] = 0 if fixed_splits else 1
+  overhead = {}
+  if measured:  # (a model's costs have no group part)
+    timed = {(c.text, t): c.step_s for t, cs in options_by_table.items() for c in cs}
+    texts = [text for (text, _), v in timed.items() if v == v]
+    overhead = overheads(texts, specs, cost, lambda text, s: timed.get((text, s.name)), log)
+  # The solver sees what the predicted step counts (`PlanChoice.predicted_step_s`): each
+  # table's own share, its prepare spread over the cores on CPU devices (the input thread
+  # computes on the same cores), and each group's fixed part once (group_s).
+  cores = shared_cores(mesh)
+
+  def seen(c: Candidate) -> float:
+    prep = c.prepare_s / cores if cores and c.prepare_s == c.prepare_s else 0.0
+    return _share(c, overhead, dispatch) + prep
+
+  shares = {
+    t: [dataclasses.replace(c, step_s=seen(c)) for c in cs] for t, cs in options_by_table.items()
+  }
+  group_s = {t: max(a - dispatch, 0.0) for t, a in overhead.items()}
+  solved = []  # (label, picked, limits, kept) of each variant the budget can meet, distinct
+  for label, kept, lims in finalist_plans(shares, options, limits):
+    try:
+      picked = solve(kept, avail, options.objective, lims, group_s)
+    except budget_lib.PlanDoesNotFit as e:
+      if not solved:  # the solver's own plan: a budget nothing fits, refused with the numbers
+        raise
+      log(f"auto: no {label} plan fits ({str(e).split(';')[0]})")
+      continue
+    if any(all(picked[s.name].text == p[s.name].text for s in specs) for _, p, _, _ in solved):
+      continue  # the same plan as another variant's
+    solved.append((label, picked, lims, kept))
+  # The solver's own plan; then the best of each kind of variant (one string per tier, each
+  # tier first, no host tier: the sum may misrank a whole kind, and a whole step is timed to
+  # catch that), then the rest, each by what the solver minimized.
+  rest = sorted(solved[1:], key=lambda v: _objective(v[1], group_s, options.objective))
+  best_of_kind: dict[str, tuple] = {}
+  for v in rest:
+    best_of_kind.setdefault(v[0].split()[0] if v[0].endswith(" first") else v[0], v)
+  firsts = {id(v) for v in best_of_kind.values()}
+  ordered = [solved[0], *best_of_kind.values(), *[v for v in rest if id(v) not in firsts]]
+  out = []
+  for label, picked, lims, kept in ordered[: options.finalists]:
+    # the candidates as measured (their step alone), not their shares
+    chosen = {
+      s.name: next(c for c in options_by_table[s.name] if c.text == picked[s.name].text)
+      for s in specs
+    }
+    allowed = {
+      t: [c for c in cs if c.text in {k.text for k in kept[t]}]
+      for t, cs in options_by_table.items()
+    }
+    out.append(
+      PlanChoice(
+        chosen=chosen,
+        runner_up=runner_ups(allowed, chosen, avail, options.objective, lims),
+        fixed_bytes=fixed_bytes,
+        budget_bytes=total_budget,
+        all_dense_bytes=all_dense,
+        objective=options.objective,
+        dispatch_s=dispatch,
+        shared_cores=cores,
+        overhead_s=overhead,
+        label=label,
+      )
+    )
+  if len(solved) > len(out):
+    log(
+      f"auto: {len(solved)} distinct finalist plans, the {len(out)} the solver ranks first kept "
+      f"(finalists={options.finalists})"
+    )
+  elapsed = time.perf_counter() - started
+  return [dataclasses.replace(c, planning_s=elapsed) for c in out]
+
+
+def finalist_plans(
+  options_by_table: dict[str, list[Candidate]], options: AutoOptions, limits: dict[str, int]
+) -> list[tuple[str, dict[str, list[Candidate]], dict[str, int]]]:
+  """(label, candidates per table, the families' limits) of each plan the solver gives a
+  finalist for: every kind under `limits` (the solver's own plan, first); every kind with one
+  backend string per host tier (fewer groups: fewer step programs and fixed parts); for each
+  host tier and fraction, that tier at that fraction first (the plans a person writes: a table
+  that leaves device memory goes to it, and to the other tier at the same fraction only where
+  it has no such candidate, e.g. an offload cache too small for a batch's rows); no host tier
+  at all. A variant that leaves a table no candidate is left out; one the budget cannot meet
+  is skipped by the caller."""
+
+  def kind(c: Candidate) -> str:
+    return plan_lib.parse_backend(c.text)[0]
+
+  def fraction(c: Candidate) -> float | None:
+    name, opts = plan_lib.parse_backend(c.text)
+    return opts.get("cache_fraction" if name == "offload" else "budget")
+
+  def only(keep: Callable[[str, Candidate], bool]) -> dict[str, list[Candidate]] | None:
+    out = {t: [c for c in cs if keep(t, c)] for t, cs in options_by_table.items()}
+    return out if all(out.values()) else None
+
+  def first(tier: str, f: float) -> Callable[[str, Candidate], bool]:
+    has = {
+      t
+      for t, cs in options_by_table.items()
+      if any(kind(c) == tier and fraction(c) == f for c in cs)
+    }
+
+    def keep(t: str, c: Candidate) -> bool:
+      if kind(c) not in HOST_TIERS:
+        return True
+      return fraction(c) == f and (kind(c) == tier or t not in has)
+
+    return keep
+
+  one = {f: min(n, 1) for f, n in limits.items()}
+  out = [("every kind", options_by_table, limits)]
+  if one != limits:
+    out.append(("one string per tier", options_by_table, one))
+  for tier in HOST_TIERS:
+    for f in options.fractions if tier in options.kinds else ():
+      kept = only(first(tier, f))
+      if kept is not None:
+        out.append((f"{tier} {f:g} first", kept, one))
+  kept = only(lambda t, c: kind(c) not in HOST_TIERS)
+  if kept is not None and any(k in options.kinds for k in HOST_TIERS):
+    out.append(("no host tier", kept, limits))
+  return out
+
+
+def _objective(picked: dict[str, Candidate], group_s: dict[str, float], objective: str):
+  """What the solver minimized for `picked` (candidates with their shares as step_s): the
+  finalists after the solver's own are taken in this order."""
+  secs = sum(c.step_s for c in picked.values())
+  secs += sum(group_s.get(t, 0.0) for t in {c.text for c in picked.values()})
+  nbytes = sum(c.device_bytes for c in picked.values())
+  return (secs, nbytes) if objective == "time" else (nbytes, secs)
+
+
+def pick_measured(timed: Sequence[PlanChoice]) -> PlanChoice:
+  """The finalist whose whole step measured fastest (ties: the solver's order), carrying
+  every finalist's figures (`PlanChoice.finalists`)."""
+  best = min(range(len(timed)), key=lambda i: (timed[i].whole_step_s, i))
+  summary = tuple((c.label, c.placed, c.predicted_step_s, c.whole_step_s) for c in timed)
+  return dataclasses.replace(timed[best], finalists=summary)
