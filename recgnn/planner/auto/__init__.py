@@ -28,18 +28,18 @@ The package, one concern a module, each importing only those above it in this li
 
   options     `AutoOptions`, the kinds and families; the auto rule of a plan's rules
   report      a plan's figures as text and JSON
-  candidates  a table's candidate placements and their bytes (`memory_of`)
+  placements  a table's candidate placements (`Candidate`, `candidates`) and their bytes
   cost_cache  the JSON cost cache (`CostCache`, `cached_model_seconds`)
-  measure     timing a candidate (`measure`, `timed_cost`), group overheads, dispatch
+  timing      timing a candidate (`measure`, `timed_cost`), group overheads, dispatch
   cost_model  `PlanChoice`: the predicted step of a plan from its tables' costs
-  solve       the integer program (`solve`) and the runner-ups
+  milp        the integer program (`solve`) and the runner-ups
   finalists   `choose_finalists`: bytes, the budget, timing, the solver's finalists
   rules       `plan_rules` (an auto rule's tables placed) and `predict_rules` (a written plan)
 
-(listed bottom first: `rules` imports the rest, `options` and `report` nothing of the package).
+No module is named as a function the package exports (`auto.solve` is the function).
+`rules` imports the rest; `options` and `report` nothing of the package.
 """
 
-from recgnn.planner.auto.candidates import Candidate, candidates, ids_shapes, memory_of
 from recgnn.planner.auto.cost_cache import (
   MEASURE_VERSION,
   MODEL_VERSION,
@@ -48,15 +48,7 @@ from recgnn.planner.auto.cost_cache import (
 )
 from recgnn.planner.auto.cost_model import PlanChoice
 from recgnn.planner.auto.finalists import choose, choose_finalists, finalist_plans, pick_measured
-from recgnn.planner.auto.measure import (
-  GROUP_COPIES,
-  dispatch_seconds,
-  group_overhead,
-  measure,
-  overheads,
-  shared_cores,
-  timed_cost,
-)
+from recgnn.planner.auto.milp import runner_ups, solve
 from recgnn.planner.auto.options import (
   HOST_TIERS,
   KINDS,
@@ -70,8 +62,17 @@ from recgnn.planner.auto.options import (
   parse_bytes,
   placeholder_rules,
 )
+from recgnn.planner.auto.placements import Candidate, candidates, ids_shapes, memory_of
 from recgnn.planner.auto.rules import plan_rules, predict_rules
-from recgnn.planner.auto.solve import runner_ups, solve
+from recgnn.planner.auto.timing import (
+  GROUP_COPIES,
+  dispatch_seconds,
+  group_overhead,
+  measure,
+  overheads,
+  shared_cores,
+  timed_cost,
+)
 
 __all__ = [
   "GROUP_COPIES",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from recgnn.planner.auto import report as report_lib
-from recgnn.planner.auto.candidates import Candidate
+from recgnn.planner.auto.placements import Candidate
 
 
 @dataclasses.dataclass(frozen=True)

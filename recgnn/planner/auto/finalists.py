@@ -16,10 +16,9 @@ from recgnn.embeddings.contract import Layout
 from recgnn.embeddings.specs import TableSpec
 from recgnn.planner import budget as budget_lib
 from recgnn.planner import plan as plan_lib
-from recgnn.planner.auto.candidates import Candidate, candidates, ids_shapes, memory_of
 from recgnn.planner.auto.cost_cache import CostCache
 from recgnn.planner.auto.cost_model import PlanChoice, _share
-from recgnn.planner.auto.measure import dispatch_seconds, overheads, shared_cores, timed_cost
+from recgnn.planner.auto.milp import runner_ups, solve
 from recgnn.planner.auto.options import (
   HOST_TIERS,
   MICRO_BATCHES,
@@ -28,8 +27,9 @@ from recgnn.planner.auto.options import (
   family_of,
   parse_bytes,
 )
+from recgnn.planner.auto.placements import Candidate, candidates, ids_shapes, memory_of
 from recgnn.planner.auto.report import mib as _mib
-from recgnn.planner.auto.solve import runner_ups, solve
+from recgnn.planner.auto.timing import dispatch_seconds, overheads, shared_cores, timed_cost
 
 
 def choose(specs: Sequence[TableSpec], options: AutoOptions, mesh, layout: Layout, batches, **kw):

@@ -13,12 +13,12 @@ import numpy as np
 from recgnn.embeddings.contract import Layout
 from recgnn.embeddings.specs import TableSpec
 from recgnn.planner import plan as plan_lib
-from recgnn.planner.auto.candidates import Candidate, candidates, ids_shapes, memory_of
 from recgnn.planner.auto.cost_cache import CostCache
 from recgnn.planner.auto.cost_model import PlanChoice
 from recgnn.planner.auto.finalists import choose_finalists, pick_measured
-from recgnn.planner.auto.measure import dispatch_seconds, overheads, shared_cores, timed_cost
 from recgnn.planner.auto.options import AutoOptions, auto_options, family_of, is_auto
+from recgnn.planner.auto.placements import Candidate, candidates, ids_shapes, memory_of
+from recgnn.planner.auto.timing import dispatch_seconds, overheads, shared_cores, timed_cost
 
 
 def plan_rules(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from recgnn.planner import budget as budget_lib
-from recgnn.planner.auto.candidates import Candidate
+from recgnn.planner.auto.placements import Candidate
 from recgnn.planner.auto.report import mib as _mib
 
 
