@@ -117,3 +117,42 @@ def test_each_backend_declares_its_options_in_one_frozen_dataclass(name):
   for f in dataclasses.fields(options):
     assert f.default is not dataclasses.MISSING, f.name
     assert f"    {f.name}: " in options.__doc__, f"{name}: option {f.name} is not documented"
+
+
+# ----------------------------------------------------------------------------- plan form
+
+
+@pytest.mark.parametrize(
+  "plan,rules",
+  [
+    ("auto", [(".*", "auto")]),
+    (("auto",), [(".*", "auto")]),  # what --config.embeddings.plan=auto gives
+    (("tt(rank=8)",), [(".*", "tt(rank=8)")]),
+    (((".*", "dense"),), [(".*", "dense")]),
+    ([["C1", "offload(cache_fraction=0.1)"], [".*", "dense"]],  # as config.json holds it
+     [("C1", "offload(cache_fraction=0.1)"), (".*", "dense")]),
+  ],
+)  # fmt: skip
+def test_a_plan_is_rules_or_one_backend_for_every_table(plan, rules):
+  assert planner.rules_of(plan) == rules
+
+
+@pytest.mark.parametrize(
+  "plan", [(".*", "dense"), ((".*",),), ((".*", "dense", "x"),), (), ("",), 5, ((1, "dense"),)]
+)
+def test_a_malformed_plan_is_refused_naming_the_form(plan):
+  with pytest.raises(ValueError, match=r"expected a list of \(regex over table names, backend"):
+    planner.rules_of(plan)
+
+
+def test_plan_auto_on_the_command_line_reads_as_one_rule():
+  """`--config.embeddings.plan=auto` (a tuple field given one string) is auto for every table,
+  and a resume's config comparison reads it as the rules it means."""
+  import run
+  from recgnn.train import checkpoint
+
+  config = run.apply_overrides(run.load_config("dlrm_kaggle"), ["--config.embeddings.plan=auto"])
+  assert planner.rules_of(config.embeddings.plan) == [(".*", "auto")]
+  saved = {"embeddings": {"plan": [[".*", "auto"]]}}
+  assert checkpoint.config_differences(saved, {"embeddings": {"plan": ["auto"]}}) == []
+  assert checkpoint.config_differences(saved, {"embeddings": {"plan": ["dense"]}})

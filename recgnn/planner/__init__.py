@@ -3,7 +3,7 @@
   plan       the registry's lookup (`backend_class`, `available_backends`, `capabilities_of`,
              loading the built-in backends and the entry points), plan strings
              (`parse_backend`), `make_group` / `make_backend`, `Plan`, `resolve_plan`,
-             `format_plan`
+             `format_plan`, `rules_of` (a config's plan read as rules)
   budget     device budgets (`parse_bytes`, `parse_budget`, `RelativeBudget`) and
              `check_memory` (`PlanDoesNotFit`)
   auto       `auto(...)`: each table's backend for a memory budget from measured costs
@@ -35,6 +35,7 @@ from recgnn.planner.plan import (
   make_group,
   parse_backend,
   resolve_plan,
+  rules_of,
 )
 
 __all__ = [
@@ -57,4 +58,5 @@ __all__ = [
   "parse_budget",
   "parse_bytes",
   "resolve_plan",
+  "rules_of",
 ]

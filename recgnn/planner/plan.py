@@ -184,6 +184,41 @@ class Plan:
     return max([g.lookahead for g in self.groups.values()] + [0])
 
 
+PLAN_FORM = (
+  'a list of (regex over table names, backend string) pairs, e.g. ((".*", "dense"),) or '
+  '(("C(3|4)", "tt(rank=32)"), (".*", "auto(budget=0.25)")), or one backend string for every '
+  "table (plan=auto, plan=dense, plan='tt(rank=8)')"
+)
+
+
+def rules_of(plan: Any) -> list[tuple[str, str]]:
+  """A config's `embeddings.plan` as rules [(regex, backend string)]: the one place a plan is
+  read (the trainer, a task's input layout, a resume's config comparison). One backend string
+  (`--config.embeddings.plan=auto` arrives as ("auto",), a config may hold "auto") is that
+  backend for every table: [(".*", text)]. Anything else but a sequence of (str, str) pairs is
+  refused naming the expected form."""
+  if isinstance(plan, str):
+    plan = (plan,)
+  if isinstance(plan, Sequence) and len(plan) == 1 and isinstance(plan[0], str):
+    text = plan[0]
+    if not text.strip():
+      raise ValueError(f"embeddings.plan is an empty backend string; expected {PLAN_FORM}")
+    return [(".*", text)]
+  if not isinstance(plan, Sequence) or not plan:
+    raise ValueError(f"embeddings.plan is {plan!r}; expected {PLAN_FORM}")
+  out = []
+  for rule in plan:
+    if (
+      isinstance(rule, str)
+      or not isinstance(rule, Sequence)
+      or len(rule) != 2
+      or not all(isinstance(x, str) for x in rule)
+    ):
+      raise ValueError(f"embeddings.plan has rule {rule!r} in {plan!r}; expected {PLAN_FORM}")
+    out.append((rule[0], rule[1]))
+  return out
+
+
 def assign_rules(
   rules: Sequence[tuple[str, str]], specs: Sequence[TableSpec]
 ) -> dict[str, list[TableSpec]]:

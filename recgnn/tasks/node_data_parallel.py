@@ -339,7 +339,7 @@ class DataParallelSage:
     self.devices, self.per_device = self.samples.devices, self.samples.per_device
     self.sampler = self.samples.sampler
     cfg = task.config
-    rules = list(map(tuple, cfg.embeddings.plan))
+    rules = planner.rules_of(cfg.embeddings.plan)
     self.plan = planner.resolve_plan(rules, task.tables(), mesh, emb_base.Layout(), log=False)
     check_plan(self.plan)
     self.tx = step_lib.make_optimizer(cfg.optimizer)

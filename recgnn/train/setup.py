@@ -353,7 +353,7 @@ def build(
     log(task.describe())
   tcfg = config.train
   specs = task.tables()
-  rules = list(map(tuple, config.embeddings.plan))
+  rules = planner.rules_of(config.embeddings.plan)
   if device_memory_budget is None and config.get("device_memory_budget"):
     device_memory_budget = parse_budget(config.device_memory_budget)
   relative = isinstance(device_memory_budget, planner.RelativeBudget)
@@ -366,7 +366,7 @@ def build(
     config, task, rules, specs, mesh, None if relative else device_memory_budget,
     plan_report, log,
   )  # fmt: skip
-  auto = choice if auto_lib.auto_options(list(map(tuple, config.embeddings.plan))) else None
+  auto = choice if auto_lib.auto_options(planner.rules_of(config.embeddings.plan)) else None
   # The input layout first (batch split; with many processes, whether each reads only its
   # slice of every batch): every backend receives it at construction, and a task that reads
   # process slices received its slice at construction from the same decision

@@ -118,7 +118,7 @@ class Task(abc.ABC):
     process reads only its own, else None; a line saying which and why)."""
     return inputs.choose_layout(
       self,
-      list(map(tuple, self.config.embeddings.plan)),
+      planner.rules_of(self.config.embeddings.plan),
       self.tables(),
       self.mesh if mesh is None else mesh,
       self.config.train.get("process_input", "auto"),
