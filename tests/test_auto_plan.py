@@ -182,6 +182,30 @@ def test_choose_real_backends_bytes_and_budgets():
     auto.choose(specs, AutoOptions(budget=0.001), mesh, base.Layout(), [], cost=cost)
 
 
+def test_a_budget_below_the_smallest_plan_is_refused_before_any_timing():
+  """Bytes are known without timing: a budget below every table at its smallest candidate is
+  refused with the numbers before a candidate, the model part or a finalist is timed (the
+  cost functions fail if called), by `choose_finalists` and by the trainer's `plan_rules`
+  (a device_memory_budget and another rule's tables taking part of it)."""
+  specs = [
+    base.TableSpec(name=f"t{i}", num_rows=n, dim=8) for i, n in enumerate([50_000, 20_000, 300])
+  ]
+  mesh = planner.default_mesh()
+
+  def never(*args, **kw):
+    raise AssertionError("timed before the budget was checked")
+
+  with pytest.raises(planner.PlanDoesNotFit, match=r"smallest plan needs .*x the budget"):
+    auto.choose_finalists(specs, AutoOptions(budget="1K"), mesh, base.Layout(), [], cost=never)
+  fixed = planner.make_group("dense", specs[2:], mesh, base.Layout()).device_bytes()
+  rules = [("t0|t1", "auto"), (".*", "dense")]
+  with pytest.raises(planner.PlanDoesNotFit, match=r"the other rules' tables take\); the smallest"):
+    auto.plan_rules(
+      rules, specs, mesh, base.Layout(), [], budget_bytes=fixed + 1000, cost=never,
+      model_s=never, time_plan=never,
+    )  # fmt: skip
+
+
 def test_plan_report_of_a_written_plan_and_the_cost_cache(tmp_path):
   """--plan_report on a plan without an auto rule: every table timed before training, the
   report written after it with the predicted step beside a measured one, and the bytes the
@@ -324,9 +348,7 @@ def test_finalists_are_distinct_plans_that_fit_each_of_its_variant():
 
   opts = AutoOptions(budget=0.1, fractions=(0.01, 0.05))
   finalists = auto.choose_finalists(specs, opts, mesh, base.Layout(), [], cost=cost)
-  assert (
-    finalists[0].rules == auto.choose(specs, opts, mesh, base.Layout(), [], cost=cost).rules
-  )
+  assert finalists[0].rules == auto.choose(specs, opts, mesh, base.Layout(), [], cost=cost).rules
   labels = [c.label for c in finalists]
   assert labels[0] == "every kind" and len(set(labels)) == len(labels)
   for tier in ("offload", "hot_cold"):  # a tier at a fraction first

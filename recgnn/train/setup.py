@@ -92,18 +92,25 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
   # The part of the step every plan shares, so that the prediction is of the whole step:
   # through the cost cache like the tables' costs (every plan of the experiment, every run,
   # the same figure), keyed by what sets its cost and never by the plan.
-  t0 = time.perf_counter()
+  # Timed when first asked: after the candidates' bytes are checked against the budget (an
+  # auto plan no budget fits is refused before anything is timed).
   tx = step_lib.make_optimizer(config.optimizer)
   dims = {s.name: s.dim for s in specs}
   what = repr(
     (config.task, _config_text(config.get("model")), _config_text(config.optimizer), dims)
   )
-  model_s = auto_lib.cached_model_seconds(
-    cache,
-    auto_lib.CostCache.model_key(what, batches[:n], mesh),
-    lambda: step_lib.model_step_seconds(task, tx, mesh, batches[:n], dims),
-  )
-  model_time = time.perf_counter() - t0
+  model_time = 0.0
+
+  def model_seconds() -> float:
+    nonlocal model_time
+    t0 = time.perf_counter()
+    out = auto_lib.cached_model_seconds(
+      cache,
+      auto_lib.CostCache.model_key(what, batches[:n], mesh),
+      lambda: step_lib.model_step_seconds(task, tx, mesh, batches[:n], dims),
+    )
+    model_time += time.perf_counter() - t0
+    return out
 
   def time_plan(plan_rules: list[tuple[str, str]], choice) -> float:
     """A finalist's whole train step (`plan_timing`), through the cost cache: keyed by its
@@ -137,11 +144,13 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
       budget_bytes=budget,
       log=log,
       cache=cache,
-      model_s=model_s,
+      model_s=model_seconds,
       time_plan=time_plan if timing else None,
     )
+    model_s = choice.model_s
   else:
     log(f"plan report: timing each table's placement on {len(ids)} training batches")
+    model_s = model_seconds()
     choice = auto_lib.predict_rules(rules, specs, mesh, layout, ids, cache=cache)
   choice = dataclasses.replace(choice, model_s=model_s, planning_s=choice.planning_s + model_time)
   log(choice.report())

@@ -18,7 +18,7 @@ from recgnn.planner import budget as budget_lib
 from recgnn.planner import plan as plan_lib
 from recgnn.planner.auto.cost_cache import CostCache
 from recgnn.planner.auto.cost_model import PlanChoice, _share
-from recgnn.planner.auto.milp import runner_ups, solve
+from recgnn.planner.auto.milp import check_fits, runner_ups, solve
 from recgnn.planner.auto.options import (
   HOST_TIERS,
   MICRO_BATCHES,
@@ -111,6 +111,16 @@ def choose_finalists(
       f"auto plan: the tables other rules place take {_mib(fixed_bytes)} per device, more than "
       f"the budget {_mib(total_budget)}"
     )
+  # Bytes are known without timing: a budget below the smallest plan is refused before any
+  # candidate (or the dispatch) is timed.
+  check_fits(
+    {
+      t: [Candidate(t, text, dev, host) for text, dev, host in rows] for t, rows in by_table.items()
+    },
+    avail,
+    fixed_bytes=fixed_bytes,
+    total_budget=total_budget,
+  )
   # Time only what could be chosen: candidates smaller than the budget left.
   dispatch = 0.0
   measured = cost is None

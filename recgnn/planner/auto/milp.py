@@ -10,6 +10,40 @@ from recgnn.planner.auto.placements import Candidate
 from recgnn.planner.auto.report import mib as _mib
 
 
+def check_fits(
+  options_by_table: dict[str, list[Candidate]],
+  budget_bytes: int | None,
+  *,
+  fixed_bytes: int = 0,
+  total_budget: int | None = None,
+) -> None:
+  """Refuses (PlanDoesNotFit) a budget below the smallest choice (every table at its smallest
+  candidate), with the numbers and the tables that force it. Bytes only: `choose_finalists`
+  asks before timing anything, `solve` again. fixed_bytes / total_budget: the other rules'
+  tables' bytes and the whole budget, named when given."""
+  smallest = {t: min(c.device_bytes for c in cs) for t, cs in options_by_table.items()}
+  if budget_bytes is not None and sum(smallest.values()) > budget_bytes:
+    need = sum(smallest.values())
+    worst = sorted(smallest.items(), key=lambda kv: -kv[1])[:5]
+    of = (
+      f": the budget's {total_budget:,} less the {fixed_bytes:,} the other rules' tables take"
+      if fixed_bytes and total_budget is not None
+      else ""
+    )
+    raise budget_lib.PlanDoesNotFit(
+      f"auto plan: no choice of placements fits {_mib(budget_bytes)} per device "
+      f"({budget_bytes:,} bytes{of}); the smallest plan needs {_mib(need)} ({need:,} bytes), "
+      f"{need / max(budget_bytes, 1):.1f}x the budget. Tables forcing it (their smallest "
+      "placement): "
+      + ", ".join(
+        f"{t} {_mib(b)} ({min(options_by_table[t], key=lambda c: c.device_bytes).text})"
+        for t, b in worst
+      )
+      + ". Raise the budget, add smaller kinds (tt with tt_ranks, smaller fractions) or split "
+      "tables over a model axis of the mesh."
+    )
+
+
 def solve(
   options_by_table: dict[str, list[Candidate]],
   budget_bytes: int | None,
@@ -29,21 +63,7 @@ def solve(
 
   limits, group_s = limits or {}, group_s or {}
   tables = list(options_by_table)
-  smallest = {t: min(c.device_bytes for c in cs) for t, cs in options_by_table.items()}
-  if budget_bytes is not None and sum(smallest.values()) > budget_bytes:
-    need = sum(smallest.values())
-    worst = sorted(smallest.items(), key=lambda kv: -kv[1])[:5]
-    raise budget_lib.PlanDoesNotFit(
-      f"auto plan: no choice of placements fits {_mib(budget_bytes)} per device; the smallest "
-      f"plan needs {_mib(need)} ({need:,} bytes). Tables forcing it (their smallest "
-      "placement): "
-      + ", ".join(
-        f"{t} {_mib(b)} ({min(options_by_table[t], key=lambda c: c.device_bytes).text})"
-        for t, b in worst
-      )
-      + ". Raise the budget, add smaller kinds (tt with tt_ranks, smaller fractions) or split "
-      "tables over a model axis of the mesh."
-    )
+  check_fits(options_by_table, budget_bytes)
   flat = [(i, c) for i, t in enumerate(tables) for c in options_by_table[t]]
   nbytes = np.array([c.device_bytes for _, c in flat], float)
   secs = np.array([c.step_s for _, c in flat], float)

@@ -32,7 +32,7 @@ def plan_rules(
   log: Callable[[str], None] = lambda s: None,
   cost: Callable[[str, TableSpec], tuple[float, float]] | None = None,
   cache: CostCache | None = None,
-  model_s: float | None = None,
+  model_s: float | Callable[[], float] | None = None,
   time_plan: Callable[[list[tuple[str, str]], PlanChoice], float] | None = None,
 ) -> tuple[list[tuple[str, str]], PlanChoice]:
   """Rules with the auto rule's tables placed by the planner: one exact-name rule per table,
@@ -40,9 +40,11 @@ def plan_rules(
   (`choose_finalists`) are each timed whole by `time_plan(rules, choice)` (seconds per train
   step as the trainer runs it) and the fastest taken (`pick_measured`); without `time_plan`,
   or with one finalist, the solver's own plan. model_s: the model part's seconds, in every
-  finalist's prediction. With many processes every process measures the tables and process
-  0's solver plan is taken by all, untimed (the plan must be the same everywhere, and a
-  whole-step timing would have to run in lockstep on every process)."""
+  finalist's prediction, or a function timing them (called after the candidates, so that a
+  budget no plan fits is refused before anything is timed). With many processes every process
+  measures the tables and process 0's solver plan is taken by all, untimed (the plan must be
+  the same everywhere, and a whole-step timing would have to run in lockstep on every
+  process)."""
   options = auto_options(rules)
   assert options is not None
   by_text = plan_lib.assign_rules(rules, specs)
@@ -85,6 +87,8 @@ def plan_rules(
       dataclasses.replace(c, fixed=given.chosen, overhead_s={**given.overhead_s, **c.overhead_s})
       for c in finalists
     ]
+  if callable(model_s):  # timed once the budget is known to fit (choose_finalists refuses first)
+    model_s = model_s()
   finalists = [dataclasses.replace(c, model_s=model_s) for c in finalists]
   choice = finalists[0]
   if time_plan is not None and len(finalists) > 1:
