@@ -406,11 +406,12 @@ def test_hot_set_holds_the_rows_the_profile_saw(caplog):
 # ----------------------------------------------------------------------------- the split
 
 
-def test_split_off_says_why(caplog):
+def test_split_off_says_why(caplog, monkeypatch):
   """Too few popular examples per device for a popular micro-batch: the batch runs whole and
-  the log says why (once per hot set), not silently."""
+  the log says why (once per group), not silently."""
   from absl import logging as absl_logging
 
+  monkeypatch.setattr(micro, "OFF_LOG", micro.OffLog())
   h = np.zeros((8, 4), bool)
   h[0, 0] = True
   p0s = {}
@@ -423,6 +424,46 @@ def test_split_off_says_why(caplog):
   assert len(msgs) == 1 and "1 popular example(s)" in msgs[0] and "0 on the device" in msgs[0]
   reason = micro.off_reason(np.zeros((8, 4), bool), 4, 8)
   assert "no popular example" in reason
+
+
+def test_split_off_logged_once_per_group_then_counted(caplog, monkeypatch):
+  """The split-off warning: the first batch a group (its backend string) runs whole, with the
+  reason, then a count every OFF_EVERY such batches; not again for a new hot set (p0s starts
+  over) or another group built with the same string (the planner builds one per candidate it
+  times, and each runs before any hot set: 129 lines in a 100-step plan=auto run). Through the
+  backend too: two groups of one string preparing their profile phase's batches log once."""
+  from absl import logging as absl_logging
+
+  monkeypatch.setattr(micro, "OFF_LOG", micro.OffLog(every=10))
+  nobody = np.zeros(8 * 4, bool)
+  tables = {"t": {"hot_ids": np.zeros((32, 1), np.int32), "cold_ids": np.zeros((32, 1))}}
+  with caplog.at_level(logging.WARNING):
+    absl_logging.use_python_logging()
+    p0s: dict = {}
+    for k in range(25):
+      if k % 5 == 0:  # a new hot set every 5 batches
+        p0s = {}
+      assert micro.split(p0s, tables, nobody, 8, 4, "hot_cold(budget=0.1)") is None
+    assert micro.split({}, tables, nobody, 8, 4, "hot_cold(budget=0.2)") is None
+  msgs = [r.getMessage() for r in caplog.records if "split off" in r.getMessage()]
+  first = [m for m in msgs if "logged once for this group" in m]
+  counts = [m for m in msgs if "batches run whole so far" in m]
+  assert [m.split(":")[0] for m in first] == ["hot_cold(budget=0.1)", "hot_cold(budget=0.2)"]
+  assert "no popular example" in first[0]
+  assert ["10 batches" in counts[0], "20 batches" in counts[1], len(counts)] == [True, True, 2]
+  assert micro.OFF_LOG.counts == {"hot_cold(budget=0.1)": 25, "hot_cold(budget=0.2)": 1}
+
+  specs = _specs(SGD)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    for _ in range(2):  # two groups of one string, each in its profile phase (nothing hot)
+      group = planner.make_group("hot_cold(budget=0.1)", specs, sharding.make_mesh(1, 1))
+      group.init(jax.random.key(0))
+      for ids in _batches(specs, n=3):
+        assert "micro" not in group.prepare(ids, train=True)
+  msgs = [r.getMessage() for r in caplog.records if "split off" in r.getMessage()]
+  assert len(msgs) == 1 and msgs[0].startswith(group.describe()), msgs
+  assert micro.OFF_LOG.counts[group.describe()] == 6
 
 
 # ----------------------------------------------------------------------------- checkpoint

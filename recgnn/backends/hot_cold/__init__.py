@@ -124,7 +124,7 @@ Limits, and why:
     against its share (rows it does not own come back as zeros, a psum adds them): each
     device's link moves the list's indices to the host and the list's length of rows back,
     not its own rows' share (tests/test_hot_cold_tiers.py measures it per device).
-  - The split is off (batches run whole, logged once per hot set) when the popular
+  - The split is off (batches run whole, logged once per group, then a count) when the popular
     micro-batch size rounds to 0 on the device with fewest popular examples: every device
     runs the same sizes and the popular micro-batch holds popular examples only.
 
@@ -229,6 +229,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     # prepare(k + 1) that its rows are in the state's buffer.
     self.lookahead = 1 if o.prefetch else 0
     self._ahead: dict | None = None
+    self._off_key = self.describe()  # the split-off warning's group (`micro.OFF_LOG`)
 
   @classmethod
   def capabilities_for(cls, options):
@@ -650,7 +651,9 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         }  # fmt: skip
     # Eval batches run whole: the eval step has no model to split, only lookups to merge.
     micro = (
-      split(p0s, out["tables"], ~example_cold, n_dev, b) if self.options.split and train else None
+      split(p0s, out["tables"], ~example_cold, n_dev, b, self._off_key)
+      if self.options.split and train
+      else None
     )
     if micro is not None:
       out["micro"] = micro

@@ -12,6 +12,41 @@ import numpy as np
 from absl import logging
 
 MARGIN = 4.0  # popular micro-batch size: the popular count less this many binomial std devs
+#: The split-off warning: once per group (its backend string), then a count every this many
+#: batches it ran whole (`OffLog`).
+OFF_EVERY = 100
+
+
+class OffLog:
+  """The "split off" warning, process-wide: the first batch a group (keyed by its backend
+  string: one group per string in a plan) runs whole is logged with the reason, then every
+  OFF_EVERY-th such batch as a count, not one line per hot set or per group built. A key, not
+  the group instance: the planner times each candidate as a group of its own (before any hot
+  set is picked, so nothing is popular) and a finalist's timing builds the plan's groups
+  again; a 100-step dlrm_kaggle run with plan=auto logged the warning 129 times."""
+
+  def __init__(self, every: int = OFF_EVERY):
+    self.every = every
+    self.counts: dict[str, int] = {}
+
+  def note(self, group: str, reason) -> None:
+    """One batch of `group` run whole; reason() says why (asked for the first line only)."""
+    n = self.counts[group] = self.counts.get(group, 0) + 1
+    if n == 1:
+      logging.warning(
+        "%s: popular / non-popular split off: %s (logged once for this group; a count every "
+        "%d batches run whole follows)",
+        group, reason(), self.every,
+      )  # fmt: skip
+    elif n % self.every == 0:
+      logging.warning(
+        "%s: popular / non-popular split off: %d batches run whole so far (the first's reason "
+        "logged above)",
+        group, n,
+      )  # fmt: skip
+
+
+OFF_LOG = OffLog()
 
 
 def _popular_size(cnt: int, b: int) -> int:
@@ -45,7 +80,7 @@ def off_reason(h: np.ndarray, b: int, n_dev: int) -> str:
   )
 
 
-def split(p0s: dict, tables, popular, n_dev, b):
+def split(p0s: dict, tables, popular, n_dev, b, group: str = "hot_cold"):
   """Per device, its first P0 popular examples (in batch order), then the rest (its other
   popular examples, then its non-popular ones), as two micro-batches of P0 and b - P0
   examples (every device the same; no padding). P0 (`_popular_size`) is fixed from the
@@ -53,16 +88,15 @@ def split(p0s: dict, tables, popular, n_dev, b):
   examples on some device: a few step shapes per run. None (run the batch whole) while
   P0 is 0; the popular micro-batch alone when P0 = b. Each micro-batch: {"idx":
   int32[n * Pm] local example index, table: {"hot": int32[n * Pm, L], "cold":
-  int32[n * Pm, L] (non-popular only), "count": int32[n * Pm] (mean pooling)}}."""
+  int32[n * Pm, L] (non-popular only), "count": int32[n * Pm] (mean pooling)}}. group: the
+  backend string a batch run whole is counted under (`OFF_LOG`)."""
   h = popular.reshape(n_dev, b)
   cnt = int(h.sum(axis=1).min())
   p0 = p0s.get(b)
   if p0 is None or cnt < p0:
     p0 = p0s[b] = _popular_size(cnt, b)
   if p0 == 0:
-    if ("off", b) not in p0s:  # once per hot set (p0s starts empty with each)
-      p0s[("off", b)] = True
-      logging.warning("hot_cold: popular / non-popular split off: %s", off_reason(h, b, n_dev))
+    OFF_LOG.note(group, lambda: off_reason(h, b, n_dev))
     return None
   order = np.argsort(~h, axis=1, kind="stable")  # popular first, each in batch order
   micro = []
