@@ -3,6 +3,7 @@ compilation cache shared by the whole suite, its workers and the processes tests
 run's compile time summed at the end; a lock for tests that need the machine to themselves.
 tests/README.md says how the suite runs and what it costs."""
 
+import contextlib
 import fcntl
 import os
 import tempfile
@@ -17,11 +18,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # steps per backend and mesh), and every run of the suite compiles what the last one did:
 # XLA's compile is most of the suite's time (the summary at the end says how much). jax reads
 # these variables at import, and so does every `run.py` / python process a test starts, which
-# inherits them. The cache lives outside the checkout, keyed by jax on the program, jax and
-# XLA versions and flags; bounded and file-locked (`jax_compilation_cache_max_size`: entries
-# evicted least-recently-used, and parallel workers never read a half-written entry).
-# RECGNN_TEST_XLA_CACHE=DIR moves it, =off turns it off.
+# inherits them. The cache lives outside the checkout, keyed by jax on the program, the jax
+# and XLA versions and the flags. Not jax's bounded cache (`jax_compilation_cache_max_size`):
+# it sizes the whole directory under a file lock at every write, which at the suite's ~2,600
+# entries cost ~0.2 s per write with the other worker waiting; `_prune_cache` bounds it once
+# per run instead. A worker that reads an entry another is still writing fails its zlib check
+# and compiles (jax warns). RECGNN_TEST_XLA_CACHE=DIR moves it, =off turns it off.
 CACHE_ENV = "RECGNN_TEST_XLA_CACHE"
+CACHE_MAX_BYTES = 2 << 30
 _cache = os.environ.get(CACHE_ENV) or os.path.join(
   os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "recgnn", "xla-tests"
 )
@@ -30,7 +34,34 @@ if _cache.lower() != "off":
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+
+# XLA:CPU's LLVM backend at -O0: half the compile time of a trainer test (measured: 58 -> 31 s
+# of compile in tests/test_node_tables.py's every-backend test) for programs whose run time,
+# at the tests' shapes, is a small part of it. XLA's HLO passes, what the HLO-reading tests
+# inspect, are the same; every program of a run, its subprocesses' too, is built so.
+# RECGNN_TEST_XLA_OPT=default keeps XLA's level.
+if os.environ.get("RECGNN_TEST_XLA_OPT", "0") != "default":
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
+
+def _prune_cache(path: str, max_bytes: int = CACHE_MAX_BYTES) -> None:
+  """Oldest-written entries removed until the directory holds at most `max_bytes`."""
+  try:
+    entries = [e for e in os.scandir(path) if e.is_file()]
+  except OSError:
+    return
+  stats = sorted((e.stat().st_mtime, e.stat().st_size, e.path) for e in entries)
+  total = sum(size for _, size, _ in stats)
+  for _, size, name in stats:
+    if total <= max_bytes:
+      break
+    with contextlib.suppress(OSError):
+      os.remove(name)
+      total -= size
+
+
+if _cache.lower() != "off" and not os.environ.get("PYTEST_XDIST_WORKER"):
+  _prune_cache(_cache)  # once per run, before the workers start
 
 from recgnn import xla_env  # noqa: E402
 

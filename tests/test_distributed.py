@@ -25,8 +25,9 @@ def _free_port() -> int:
 
 
 def _launch(workdir, cache_dir, port, extra=()):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}  # fmt: skip
+  from tests.trainer_lib import xla_flags
+
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(4)}
   procs = []
   for pid in range(2):
     cmd = [

@@ -14,10 +14,10 @@ import time
 import pytest
 
 from recgnn.train import watchdog
+from tests.trainer_lib import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
-       "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}  # fmt: skip
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "XLA_FLAGS": xla_flags(8)}
 
 
 def _stalled_run(workdir, cache, stall_after, **train):

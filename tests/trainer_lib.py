@@ -33,6 +33,15 @@ def smoke_config(cache_dir, *, rows=20_000, mesh=None, plan=None, data=None, **t
   return c
 
 
+def xla_flags(devices: int) -> str:
+  """This run's XLA_FLAGS (conftest's: the backend's optimisation level too) with `devices`
+  simulated CPU devices, for a process a test starts: its programs are built as the test's
+  own, which it is compared with."""
+  keep = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
+  return " ".join([*keep, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def make_task(cls, config):
   """`cls(config, mesh)`: a task built outside the trainer, on the trainer's mesh."""
   return cls(config, loop.config_mesh(config))
