@@ -395,15 +395,16 @@ def build(
   log("Embedding plan (bytes before allocation):\n" + planner.format_plan(plan))
   example = task.example_batch() if example is None else example
   ids_shapes = _train_ids_shapes(plan, task, example, device_memory_budget)
-  if relative:
+  if relative:  # (a budget of the plan's own bytes plus a margin: it fits by construction)
     need = planner.check_memory(plan, None, ids_shapes)
-    given, device_memory_budget = device_memory_budget, device_memory_budget.bytes_for(need)
+    held = device_memory_budget.bytes_for(need)
     log(
-      f"Device memory budget {given}: {device_memory_budget:,} bytes per device (the plan "
-      f"needs {need:,}; pass --device_memory_budget={device_memory_budget} to hold another "
-      "plan to the same budget)"
+      f"Device memory budget {device_memory_budget}: {held:,} bytes per device (the plan "
+      f"needs {need:,}; pass --device_memory_budget={held} to hold another plan to the same "
+      "budget)"
     )
-  planner.check_memory(plan, device_memory_budget, ids_shapes)
+  else:
+    planner.check_memory(plan, device_memory_budget, ids_shapes)
   feeder = step_lib.Feeder(plan, task.batch_spec)
   total_steps, length = training_length(tcfg, task)
   log(f"Mesh {sharding.describe(mesh)}; training {length}")
