@@ -40,7 +40,10 @@ if _cache.lower() != "off":
 # at the tests' shapes, is a small part of it. XLA's HLO passes, what the HLO-reading tests
 # inspect, are the same; every program of a run, its subprocesses' too, is built so.
 # RECGNN_TEST_XLA_OPT=default keeps XLA's level.
-if os.environ.get("RECGNN_TEST_XLA_OPT", "0") != "default":
+_opt = os.environ.get("RECGNN_TEST_XLA_OPT", "0")
+if _opt not in ("0", "default"):
+  raise ValueError(f"RECGNN_TEST_XLA_OPT={_opt!r}: use 0 (the default) or default (XLA's level)")
+if _opt == "0":
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 
