@@ -194,6 +194,7 @@ def run(
       check(info, state)
     if item.kind == "train":
       state = update(state, prepared, residuals, {spec.name: grads(step, pooled[spec.name])})
+      state = group.after_update(state)  # (a host tier's rows to its writer)
       step += 1
     if after is not None:
       new = after(info, state)

@@ -12,12 +12,14 @@ Each concern lives in its own module (docs/architecture.md, "Package layout"):
 """
 
 from recgnn.embeddings.contract import (
+  TO_HOST,
   Backend,
   BackendOptions,
   Capabilities,
   Layout,
   PyTree,
   TableBackend,
+  split_to_host,
 )
 from recgnn.embeddings.group import TableGroup
 from recgnn.embeddings.kernels import (
@@ -55,6 +57,7 @@ __all__ = [
   "POOLINGS",
   "PREFETCH",
   "ROW_ALIGN",
+  "TO_HOST",
   "Backend",
   "BackendOptions",
   "Capabilities",
@@ -75,6 +78,7 @@ __all__ = [
   "register_backend",
   "segment_rows",
   "sparse_sgd_or_adagrad",
+  "split_to_host",
   "table_key",
   "unpool",
 ]

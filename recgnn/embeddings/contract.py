@@ -157,12 +157,28 @@ class Capabilities:
     replans_shapes: the backend re-plans static shapes of its step while training (sharded's
       code widths): the trainer calls `replan(state, step)` after every step and rebuilds
       the jitted steps when it reports a change.
+    writes_host: `update` returns rows for the host (TO_HOST: offload's evicted rows): whoever
+      runs the step hands them to `after_update` (the trainer's step does).
   """
 
   needs_split_ids: bool = False
   splits_batch: bool = False
   plans_globally: bool = False
   replans_shapes: bool = False
+  writes_host: bool = False
+
+
+# Key of an updated state's output for the host (`Backend.update`): the rows a host tier
+# takes back, written into its host tables by its writer, off the step.
+TO_HOST = "to_host"
+
+
+def split_to_host(state: PyTree) -> tuple[PyTree, PyTree]:
+  """(the updated state without TO_HOST, its TO_HOST output or None)."""
+  if isinstance(state, dict) and TO_HOST in state:
+    state = dict(state)
+    return state, state.pop(TO_HOST)
+  return state, None
 
 
 class Backend(abc.ABC):
@@ -262,7 +278,19 @@ class Backend(abc.ABC):
     self, state: PyTree, prepared: PyTree, residuals: PyTree, grads: dict[str, jax.Array]
   ) -> PyTree:
     """grads {table: d loss / d pooled, f32[B, D]} -> new state. Jit-able, sparse (cost
-    O(B * L * D), never O(rows)), state donated. `residuals`: this batch's `lookup`'s."""
+    O(B * L * D), never O(rows)), state donated. `residuals`: this batch's `lookup`'s.
+
+    A backend with rows in host memory returns what the host must take back (rows it
+    evicted / updated) under the state's key TO_HOST: the train step returns it as an
+    output of its own (`split_to_host`) and whoever runs the step hands it to
+    `after_update` (a state never carries it into the next step)."""
+
+  def after_update(self, state: PyTree, to_host: PyTree | None = None) -> PyTree:
+    """Host side, after a jitted `update` (O(1): no wait for the step): takes the step's
+    TO_HOST output (from `state`, or given apart by a train step that split it off) and
+    hands it to the backend's host writer. -> the state without it. Default: nothing."""
+    del to_host
+    return state
 
   @abc.abstractmethod
   def memory(self) -> dict[str, MemoryReport]:

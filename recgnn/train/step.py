@@ -26,7 +26,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from recgnn import planner, sharding
-from recgnn.embeddings import microbatch
+from recgnn.embeddings import base, microbatch
 from recgnn.train import inputs
 from recgnn.train.task import Task
 
@@ -152,7 +152,9 @@ def _micro_loss_and_grads(task, plan, skey, idxs, state, prepared, batch, key):
 
 
 def make_train_step(task: Task, plan: planner.Plan, tx):
-  """(state, prepared, batch) -> (state, metrics). Jit it with the state donated.
+  """(state, prepared, batch) -> (state, metrics, to_host). Jit it with the state donated;
+  hand to_host ({group key: its update's TO_HOST output}; empty without a host tier) to
+  `hand_to_host` after each call (`jit_packed`'s step does).
 
   A group that declares micro-batches (`hot_cold`: popular / non-popular examples) has the
   loss run per micro-batch, in its order, with one embedding update for the whole batch
@@ -178,14 +180,16 @@ def make_train_step(task: Task, plan: planner.Plan, tx):
       )
     updates, opt_state = tx.update(g_params, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    emb = {
-      key: group.update(
+    emb, to_host = {}, {}
+    for key, group in plan.groups.items():
+      new_emb = group.update(
         state.emb[key], prepared[key], residuals[key], {t: g_pooled[t] for t in group.specs}
       )
-      for key, group in plan.groups.items()
-    }
+      emb[key], out = base.split_to_host(new_emb)
+      if out is not None:  # a host tier's rows: an output of the step, not state
+        to_host[key] = out
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, emb=emb)
-    return new, {"loss": loss, **aux}
+    return new, {"loss": loss, **aux}, to_host
 
   return step
 
@@ -238,10 +242,15 @@ def jit_packed(
 
   def packed(state, buffers, layout, *extra):
     prepared, batch = inputs.unpack(buffers, layout, mesh)
-    return step_fn(state, prepared, batch, *extra)
+    out = step_fn(state, prepared, batch, *extra)
+    if not out_state:
+      return out
+    new, metrics, *to_host = out  # (a task's own train step may have no host tier's output)
+    return new, metrics, to_host[0] if to_host else {}
 
   packed.__name__ = packed.__qualname__ = name
-  out = (state_shardings, repl) if out_state else repl
+  # (the host tiers' rows replicated: every device holds the same cache / cold rows)
+  out = (state_shardings, repl, repl) if out_state else repl
   # (the packed buffers split over the mesh; the host leaves in pinned host memory)
   in_shardings = (state_shardings, (buf, sharding.named(mesh, sharding.HOST_SPEC)))
   if step_inputs is not None:  # as placed (`setup.place_inputs`)
@@ -256,7 +265,33 @@ def jit_packed(
   # Simulated CPU devices: one step in flight at a time (XLA:CPU deadlocks otherwise; see
   # sharding.OneInFlight).
   one = sharding.OneInFlight(jitted, mesh)
-  return one if step_inputs is None else _BoundInputs(one, step_inputs)
+  one = one if step_inputs is None else _BoundInputs(one, step_inputs)
+  return _HandsToHost(one, plan) if out_state else one
+
+
+def hand_to_host(plan: planner.Plan, to_host: dict) -> None:
+  """A train step's host-tier output to each group's writer (`Backend.after_update`: O(1)
+  per group, no wait for the step)."""
+  for key, out in to_host.items():
+    plan.groups[key].after_update(None, out)
+
+
+class _HandsToHost:
+  """A jitted train step called as f(state, buffers, layout) -> (state, metrics): its third
+  output (the host tiers' rows) handed to their writers on the way out (`hand_to_host`)."""
+
+  def __init__(self, fn, plan: planner.Plan):
+    self._fn, self._plan = fn, plan
+    self._hands = any(g.capabilities.writes_host for g in plan.groups.values())
+
+  def __call__(self, state, buffers, layout):
+    state, metrics, to_host = self._fn(state, buffers, layout)
+    if self._hands:
+      hand_to_host(self._plan, to_host)
+    return state, metrics
+
+  def __getattr__(self, name):  # .lower(), .trace(), ... of the jitted step
+    return getattr(self._fn, name)
 
 
 class _BoundInputs:

@@ -22,7 +22,7 @@ from recgnn.backends.offload.cache_plan import (
   _bucket,
 )
 from recgnn.backends.offload.table import PLANNED, Offload
-from recgnn.embeddings import base, host_cache, host_table
+from recgnn.embeddings import base, host_cache, host_table, host_tier
 
 # An absent slot or position in a stack's lists: past every cache and list (gathers read
 # zeros, scatters drop it).
@@ -30,6 +30,11 @@ ABSENT = np.iinfo(np.int32).max
 # Padding of a group's exchange lists, per row (EVICT_SLOTS, EVICT_ROWS, LOAD_ROWS,
 # LOAD_SLOTS, NEXT_FROM_NOW): past every table's window, never read as a table's entry.
 FILL = (ABSENT, ABSENT, 0, ABSENT, ABSENT)
+# The device ring of recent write-backs (`host_tier.Recent`) holds this many times a stack's
+# most loads per batch (the sum of min(ids per batch, C) over its tables): at least two
+# steps' evictions even when both exchanges evict all they can, many more in practice (the
+# misses). A row evicted before that is read from the host, after its write-back landed.
+RING_BATCHES = 4
 
 
 def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -89,37 +94,50 @@ class OffloadGroup(base.TableGroup):
       np.cumsum([0] + [self.members[n].cache_rows for n in names]).astype(np.int64)
       for names in self._stacks
     ]
-    self._syncer = host_cache.Syncer(
-      self._flush, f"offload (tables {', '.join(self.members)})", "cache"
-    )
+    self._syncer = host_cache.Syncer(None, f"offload (tables {', '.join(self.members)})", "cache")
     self._sizers = []
     self.list_widths: set[tuple[int, int]] = set()  # (now, next) lengths of train steps
     self._list_counters = host_cache.Counters()
+    # The host tier (recgnn.embeddings.host_tier): the tables' rows in host RAM (numpy, in
+    # `_index` order), read on the input thread and written by one writer thread; per stack,
+    # the ring of recent write-backs (rows numbered table after table: `_row_base`); the
+    # write-backs planned for steps not yet handed over.
+    owner = f"offload (tables {', '.join(self.members)})"
+    self._host = host_tier.HostRows(owner)
+    self._row_base = [
+      np.cumsum([0] + [self.specs[n].num_rows for n in names]).astype(np.int64)
+      for names in self._stacks
+    ]
+    self._recent: list[host_tier.Recent] = []
+    self._outbox = host_tier.Outbox()
+    self._written = 0  # the writer's jobs handed over before the last init / restore
 
   # -- state: one cache array per stack; the planners' arrays as slices of flat ones
 
   def state_sharding(self):
-    """{"host": {table: its host arrays' shardings (`Offload.host_sharding`)}, "cache": per
-    stack {"table": .., slot: ..}, "slot_rows": per stack, "version", "stale"}: the caches,
-    slot maps and counters replicated in device memory (every device holds the same cache,
-    so lookups of its examples are local, and applies the same update to it: exact, as
-    `dense` replicated)."""
+    """{"cache": per stack {"table": .., slot: ..}, "ring": per stack, the same (the recent
+    write-backs, `host_tier.Recent`), "slot_rows": per stack, "version", "stale"}: the
+    caches, rings, slot maps and counters replicated in device memory (every device holds
+    the same cache, so lookups of its examples are local, and applies the same update to it:
+    exact, as `dense` replicated). The host tables are not state: numpy, in the group's
+    host tier, never an argument of the step."""
     dev = jax.sharding.NamedSharding(self.mesh, sharding.REPLICATED, memory_kind="device")
     caches = tuple(
       {k: dev for k in ("table", *self.specs[names[0]].optimizer.slot_names())}
       for names in self._stacks
     )
     return {
-      "host": {n: m.host_sharding() for n, m in self.members.items()},
       "cache": caches,
+      "ring": caches,
       "slot_rows": tuple(dev for _ in self._stacks),
       "version": dev,
       "stale": dev,
     }
 
   def _state(self, host: dict) -> dict:
-    """The group's state holding each table's placed host arrays, empty caches (stacked:
-    table after table at `_slot_off`) and zero counters."""
+    """The group's state: empty caches (stacked: table after table at `_slot_off`), empty
+    rings (`RING_BATCHES`: sized by the first train batch) and zero counters; `host` (each
+    table's numpy arrays) goes to the host tier."""
     parts = {n: m.empty_cache() for n, m in self.members.items()}
     caches, slot_rows = [], []
     for names in self._stacks:
@@ -128,14 +146,16 @@ class OffloadGroup(base.TableGroup):
       )
       slot_rows.append(np.concatenate([parts[n]["slot_rows"] for n in names]))
     t = len(self.members)
+    rings = tuple({k: np.zeros((0,) + v.shape[1:], v.dtype) for k, v in c.items()} for c in caches)
     dev = {
       "cache": tuple(caches),
+      "ring": rings,
       "slot_rows": tuple(slot_rows),
       "version": np.zeros(t, np.int32),
       "stale": np.zeros(t, np.int32),
     }
-    dev = sharding.put(dev, {k: v for k, v in self.state_sharding().items() if k != "host"})
-    return {"host": host, **dev}
+    self._host.set([host[n] for n in self.members])
+    return sharding.put(dev, self.state_sharding())
 
   def init(self, key):
     host = {n: m.init(base.table_key(key, n)) for n, m in self.members.items()}
@@ -149,61 +169,94 @@ class OffloadGroup(base.TableGroup):
     return state
 
   def restore(self, state):
-    """Reset host bookkeeping to a restored state's caches (history of LRU/LFU is lost)."""
+    """Reset host bookkeeping to a state's caches (history of LRU/LFU is lost); the host
+    tables are the group's, after every write-back handed over."""
     self._syncer.check(state)
-    sh = self.state_sharding()["host"]
-    host = {n: m.host.place(state["host"][n], sh[n]) for n, m in self.members.items()}
+    self._host.writer.drain()
     version = np.asarray(jax.device_get(state["version"]))
     for s, names in enumerate(self._stacks):
       slot_rows = np.asarray(jax.device_get(state["slot_rows"][s]))
       for n, (a, b) in zip(names, self._slices(s)):
         self.members[n].restore_planner(slot_rows[a:b], int(version[self._index[n]]))
     self._adopt()
-    return {**state, "host": host}
+    return state
 
   def _slices(self, stack: int) -> list[tuple[int, int]]:
     """Each table's rows [a, b) of its stack's cache (static)."""
     off = self._slot_off[stack]
     return [(int(off[i]), int(off[i + 1])) for i in range(len(off) - 1)]
 
-  def _flush(self, state):
-    """Every resident cache row written back to its table's host arrays (O(C))."""
-    host = dict(state["host"])
-    for s, names in enumerate(self._stacks):
-      cache, slot_rows = state["cache"][s], state["slot_rows"][s]
-      for n, (a, b) in zip(names, self._slices(s)):
-        m = self.members[n]
-        values = {k: v[a:b] for k, v in cache.items()}
-        host[n] = host_cache.flush(m.host, host[n], slot_rows[a:b], m.spec.num_rows, values)
-    return {**state, "host": host}
+  def _host_of(self, name: str) -> dict:
+    return self._host.arrays[self._index[name]]
 
   def sync(self, state):
-    """Write every resident cache row back to the host tables (O(C)); the caches stay."""
-    return self._syncer(state)
+    """Every write-back handed over applied, then every resident cache row written to the
+    host tables (O(C), a host read of the caches); the caches and the state stay."""
+    self._syncer.check(state)
+    self._host.writer.drain()
+    for s, names in enumerate(self._stacks):
+      cache, slot_rows = jax.device_get((state["cache"][s], state["slot_rows"][s]))
+      for n, (a, b) in zip(names, self._slices(s)):
+        rows, host = slot_rows[a:b], self._host_of(n)
+        resident = rows < self.specs[n].num_rows
+        for k, v in host.items():
+          v[rows[resident]] = cache[k][a:b][resident]
+    return state
 
   def export(self, state):
     self._syncer.check(state)
-    return {n: m.export(state["host"][n]) for n, m in self.members.items()}
+    self._host.writer.drain()
+    return {n: m.export(self._host_of(n)) for n, m in self.members.items()}
 
   def tables(self, state):
+    self._host.writer.drain()
     out = {}
     for s, names in enumerate(self._stacks):
       slot_rows = np.asarray(jax.device_get(state["slot_rows"][s]))
       cache = np.asarray(jax.device_get(state["cache"][s]["table"]))
       for n, (a, b) in zip(names, self._slices(s)):
-        out[n] = self.members[n].table_of(state["host"][n], slot_rows[a:b], cache[a:b])
+        out[n] = self.members[n].table_of(self._host_of(n), slot_rows[a:b], cache[a:b])
     return out
+
+  def batch_memory(self, ids_shapes):
+    """The device ring of recent write-backs (`RING_BATCHES` x each table's most loads per
+    batch, min(ids, C), with its optimizer state), replicated on every device."""
+    return {
+      n: RING_BATCHES * min(int(np.prod(ids_shapes[n])), m.cache_rows) * m.spec.row_bytes
+      for n, m in self.members.items()
+      if n in ids_shapes
+    }
+
+  def after_update(self, state, to_host=None):
+    """The step's evicted rows (TO_HOST: per stack {"now" / "next": {k: f32[W, ...]}}, in
+    list order) to the writer thread, with the rows the prepare of that step listed
+    (`_outbox`): it copies them to the host and writes them into the tables in place, in
+    step order. O(1) here: no wait for the step."""
+    if to_host is None:
+      state, to_host = base.split_to_host(state)
+    writes = self._outbox.take()
+    for x in jax.tree.leaves(to_host):
+      x.copy_to_host_async()  # (the copy starts when the step ends, not when the writer asks)
+    host = self._host
+
+    def write():
+      values = host_tier.to_host(to_host)
+      for stack, kinds in enumerate(writes):
+        for kind, w in kinds.items():
+          host.scatter(w, values[stack][kind])
+
+    host.writer.submit(write)
+    return state
 
   def _adopt(self):
     self._flat, self._ring, self._admitted = None, None, None
+    self._host.writer.drain()
+    self._written = self._host.writer.submitted
+    self._outbox.clear()
+    self._recent = [host_tier.Recent(int(b[-1])) for b in self._row_base]
     # New cache bookkeeping: the lists start from the cap again (`Sizer(start_at_cap)`).
     self._sizers = [
       {k: Sizer(cache_plan.PATIENCE, start_at_cap=True) for k in ("now", "next")}
-      for _ in self._stacks
-    ]
-    # Each list's window: the most entries one table has in it (`_window_width`).
-    self._win_sizers = [
-      {k: host_cache.window_sizer(cache_plan.PATIENCE, start_at_cap=True) for k in ("now", "next")}
       for _ in self._stacks
     ]
     members = list(self.members.values())
@@ -302,13 +355,11 @@ class OffloadGroup(base.TableGroup):
     """ids {table: int[B, L]} -> {"batch": per stack, every table's batch stacked (`_batch`:
     slots of the stack's cache), "version": int32[T] (each table's plan's, -1: read-only),
     "lists": per stack (`host_table.layouts(.., by_optimizer=True)`), {"now": int32[4, Wn],
-    "now_off": int32[T + 1], "now_win": int32[0, wn], "next": int32[5, Wx], "next_off":
-    int32[T + 1], "next_win": int32[0, wx]}: every table's exchange in one list (table i's
-    at [off[i], off[i + 1]), its own rows, the stack's slots: `_to_stack`); `*_win`
-    carries, as its shape only, the window the step reads per table (`_window_width`);
-    with one host table (`_lists_on_host`) also "now_load_rows", "now_evict_rows",
-    "next_load_rows", "next_evict_rows": int32[W] each, the lists' host rows for the host
-    computations, put in host memory (HOST_SPEC)}.
+    "now_off": int32[T + 1], "next": int32[5, Wx], "next_off": int32[T + 1]: every table's
+    exchange in one list (table i's at [off[i], off[i + 1]), its own rows, the stack's
+    slots: `_to_stack`), and the host tier's part (`_stage`): "now_rows" / "next_rows" {k:
+    f32[W, ...]} the rows loaded, read from the host tables here; "now_src" / "next_src"
+    int32[W] ring slots; train: "now_dst" / "next_dst" int32[W], "ring" int32[0, V]}.
     Each table plans as `Offload.prepare` (`table_batch` / `table_exchanges` give its
     part back as it planned it)."""
     per = None
@@ -342,33 +393,15 @@ class OffloadGroup(base.TableGroup):
       return sizer.hold(cap) if steady else 0
     return sizer(need, cap)
 
-  def _window_width(self, stack: int, kind: str, most: int, width: int, cap: int, train: bool):
-    """The static window the step reads of each table's segment of a list (at most the
-    table's ids per batch): at least `most`, the longest segment of this list. Why: the step
-    reads and writes each table's window in the host computation, so windows of a batch's
-    ids (26 tables x 2048 ids at batch 2048, whatever the misses) made the host touch ~8x the
-    rows the list carries (tests/test_offload_tiers.py measures it); sized by the longest
-    segment (bucketed with hysteresis as the list, <= the list's length), the host touches
-    about the tables x the longest segment. `fixed` and eval keep the ids' window."""
-    mode = next(iter(self.members.values())).options.exchange
-    if width == 0:
-      return 0
-    if mode == "fixed" or not train:
-      return cap
-    if mode == "pow2":
-      return min(_bucket(most), cap, width)
-    return min(self._win_sizers[stack][kind](most, cap), width)
-
   def _lists(self, per: dict, train: bool) -> dict:
     """Move each table's exchanges (exact lengths) into its stack's lists, and its batch into
     the stack's (`_batch`)."""
-    lists = []
+    lists, writes = [], []
     padded = 0
     for stack, names in enumerate(self._stacks):
       rows = [per[n]["rows"] for n in names]
       planned = [r.pop(PLANNED) for r in rows]
       caps = [min(r["ids"].size, self.members[n].cache_rows) for n, r in zip(names, rows)]
-      ids_caps = [r["ids"].size for r in rows]
       entry = {}
       for j, (kind, fill) in enumerate((("now", FILL[:4]), ("next", FILL))):
         parts = [r.pop(kind) for r in rows]
@@ -382,12 +415,6 @@ class OffloadGroup(base.TableGroup):
         lst[:, : off[-1]] = np.concatenate(parts, axis=1)
         self._to_stack(lst, off, stack, entry.get("now_off"))
         entry[kind], entry[f"{kind}_off"] = lst, off
-        if self._lists_on_host(stack):  # (`prepared_spec`: HOST_SPEC)
-          entry[f"{kind}_load_rows"] = lst[LOAD_ROWS].copy()
-          entry[f"{kind}_evict_rows"] = lst[EVICT_ROWS].copy()
-        most = int(np.diff(off).max()) if len(off) > 1 else 0
-        win = self._window_width(stack, kind, most, width, max(ids_caps), train)
-        entry[f"{kind}_win"] = np.zeros((0, win), np.int32)
         if train:
           padded += width
           # Each table's share of the list (its rows and of the padding, by its rows), so
@@ -400,13 +427,77 @@ class OffloadGroup(base.TableGroup):
       for i, r in enumerate(rows):  # positions in the layout's "now" list (width: absent)
         pos = r["now_pos"]
         r["now_pos"] = np.where(pos < off[i + 1] - off[i], pos + off[i], width).astype(np.int32)
+      writes.append(self._stage(entry, stack, train, sum(caps)))
       lists.append(entry)
       if train:
         self.list_widths.add(tuple(entry[k].shape[1] for k in ("now", "next")))
     if train:
       self._list_counters.add(steps=1, padded_rows_h2d=padded)
+      self._outbox.plan(writes)
     version = np.array([per[n]["rows"]["version"] for n in self.members], np.int32)
     return {"batch": self._batch(per), "version": version, "lists": tuple(lists)}
+
+  def _stage(self, entry: dict, stack: int, train: bool, cap: int) -> dict | None:
+    """The host tier's part of a stack's lists (in place on `entry`), on the input thread:
+    per exchange "{kind}_rows" {k: f32[W, ...]}, the rows it loads read from the host tables
+    (zeros past the list's entries), and "{kind}_src" int32[W], where the device ring of
+    recent write-backs holds a row's current value instead (`host_tier.Recent`; ABSENT: the
+    host's is current). A train batch also gets "{kind}_dst" int32[W], the ring slot each
+    evicted row is written to (ABSENT: no write-back), and "ring" int32[0, V] (V, the ring's
+    rows, as a shape). -> train: the write-backs of the step, per exchange [(table index in
+    the host tier, rows, positions in the list)], for the writer (`after_update`)."""
+    names = self._stacks[stack]
+    tabs = [self._index[n] for n in names]
+    num_rows = np.array([self.specs[n].num_rows for n in names], np.int64)
+    first_row = self._row_base[stack]
+    recent = self._recent[stack] if self._recent else None
+    if train:
+      if recent.size == 0:
+        recent.resize(RING_BATCHES * cap)
+      entry["ring"] = np.zeros((0, recent.size), np.int32)
+    kinds = [k for k in ("now", "next") if k in entry and entry[k].shape[1]]
+    segs, need = {}, 0
+    for kind in kinds:  # where each load comes from, before this step writes back anything
+      lst, off = entry[kind], entry[f"{kind}_off"]
+      n = int(off[-1])
+      tab = np.repeat(np.arange(len(off) - 1), np.diff(off))
+      rows = lst[LOAD_ROWS, :n].astype(np.int64)
+      src = np.full(lst.shape[1], host_tier.ABSENT, np.int32)
+      if recent is not None and n:
+        src[:n], k_need = recent.sources(first_row[tab] + rows)
+        need = max(need, k_need)
+      segs[kind] = (tab, rows, src, off)
+    if need:  # a host read of a row written back by a step that may still be in flight
+      self._host.writer.wait(self._written + need, f" after {self._written} before")
+    spec = self.specs[names[0]]
+    for kind in kinds:
+      tab, rows, src, off = segs[kind]
+      width = entry[kind].shape[1]
+      if self._host.arrays:
+        got = self._host.gather(
+          [(tabs[i], rows[off[i] : off[i + 1]]) for i in range(len(tabs))], width
+        )
+      else:  # (an example batch prepared before init: shapes only)
+        got = {"table": np.zeros((width, spec.dim), np.float32)}
+        got.update({k: np.zeros(width, np.float32) for k in spec.optimizer.slot_names()})
+      entry[f"{kind}_rows"], entry[f"{kind}_src"] = got, src
+    if not train:
+      return None
+    writes = {}
+    for kind in kinds:  # ring slots of this step's write-backs, "now"'s then "next"'s
+      lst, off = entry[kind], entry[f"{kind}_off"]
+      n = int(off[-1])
+      tab = np.repeat(np.arange(len(off) - 1), np.diff(off))
+      evicted = lst[EVICT_ROWS, :n].astype(np.int64)
+      pos = np.flatnonzero(evicted < num_rows[tab])  # (padding: past the table)
+      dst = np.full(lst.shape[1], host_tier.ABSENT, np.int32)
+      dst[pos] = recent.assign(first_row[tab[pos]] + evicted[pos])
+      entry[f"{kind}_dst"] = dst
+      writes[kind] = [
+        (tabs[i], evicted[pos[tab[pos] == i]], pos[tab[pos] == i]) for i in range(len(tabs))
+      ]
+    recent.end_step()
+    return writes
 
   def _batch(self, per: dict) -> tuple:
     """Every table's prepared batch stacked per stack, its slots made the stack's (one
@@ -532,29 +623,9 @@ class OffloadGroup(base.TableGroup):
         for s in prepared["batch"]
       ),
       "version": sharding.REPLICATED,
-      "lists": tuple(
-        {k: sharding.HOST_SPEC if k in self._HOST_ONLY else sharding.REPLICATED for k in x}
-        for x in prepared["lists"]
-      ),  # (the _HOST_ONLY leaves exist only where `_lists_on_host`)
+      # (the lists and the rows read from the host: every device gets them whole)
+      "lists": jax.tree.map(lambda _: sharding.REPLICATED, prepared["lists"]),
     }
-
-  # The host table's row indices of each exchange, which only its host computations read
-  # (the reads' rows, the write-back's rows): with one host table (unsplit, in host memory)
-  # `prepare` lists them apart and the input transfer puts them in host memory, so no index
-  # crosses the host link (they went to the devices with the batch and came back in the
-  # step). LOAD_ROWS stays in the device list too: the cache's slot -> row map takes it.
-  _HOST_ONLY = ("now_load_rows", "now_evict_rows", "next_load_rows", "next_evict_rows")
-
-  def _lists_on_host(self, stack: int) -> bool:
-    host = self.members[self._stacks[stack][0]].host
-    return host.list_spec is sharding.HOST_SPEC
-
-  @staticmethod
-  def _rows_of(lists: dict, kind: str, which: str, row: int) -> jax.Array:
-    """An exchange's host rows (`which`: "load" / "evict"): the host leaf where `prepare`
-    listed one, else the device list's row."""
-    key = f"{kind}_{which}_rows"
-    return lists[key] if key in lists else lists[kind][row]
 
   def stats(self):
     """Every table's (`Offload.stats`), and the group's: list_rows_h2d_per_step (the rows
@@ -570,16 +641,6 @@ class OffloadGroup(base.TableGroup):
   # -- the step: per stack, one host read per exchange, one gather, one sparse update, one
   # set of exchange kernels and one write-back for all of its tables
 
-  def _caps(self, prepared, stack: int, lists, kind) -> list[int]:
-    """Each table's window in a list of its stack (static): its ids per batch, at most the
-    list's window (`_window_width`, the shape of `lists[kind + "_win"]`)."""
-    win = lists[f"{kind}_win"].shape[1]
-    ids = [0] * len(self._stacks[stack])
-    for key, bag in prepared["batch"][stack]["bags"].items():
-      for i in self._bag_tables(key):
-        ids[i] = bag["ids"].shape[0] * bag["ids"].shape[2]
-    return [min(n, win) for n in ids]
-
   def lookup(self, state, prepared):
     """-> (pooled {table: f32[B, D]}, residuals: per stack {"now" / "next": {k: f32[W,
     ...]}}, the rows this step reads from the host: the on-demand rows of this batch, also
@@ -594,15 +655,18 @@ class OffloadGroup(base.TableGroup):
     pooled, residuals = {}, []
     for stack, names in enumerate(self._stacks):
       lists = prepared["lists"][stack]
-      host = self.members[names[0]].host
-      hosts = [state["host"][n] for n in names]
+      ring = state["ring"][stack]
       res = {}
       for kind in ("next", "now"):
         if lists[kind].shape[1]:
-          caps = self._caps(prepared, stack, lists, kind)
-          rows = self._rows_of(lists, kind, "load", LOAD_ROWS)
-          got, _ = host.gather_segments(hosts, rows, lists[f"{kind}_off"], caps)
-          res[kind] = jax.lax.optimization_barrier(got)
+          got = lists[f"{kind}_rows"]
+          if ring["table"].shape[0]:  # rows whose write-back may not have reached the host
+            src = lists[f"{kind}_src"]
+            held = src < ring["table"].shape[0]
+            got = {
+              k: jnp.where(_rows_mask(held, v), _take(ring[k], src), v) for k, v in got.items()
+            }
+          res[kind] = got
       residuals.append(res)
       cache = state["cache"][stack]["table"]
       for key, bag in prepared["batch"][stack]["bags"].items():
@@ -676,12 +740,16 @@ class OffloadGroup(base.TableGroup):
     optimization barrier with this step's host reads (the residuals), a dependency on
     reads only, never on compute; the caches take the rows the reads materialized (read
     once, never again)."""
+    if base.TO_HOST in state:
+      raise ValueError(
+        "offload: the state still holds the previous step's rows for the host: hand them to "
+        "after_update(state) after each update"
+      )
     out = {**state, **host_cache.advance(state, prepared)}
-    new_host, new_cache, new_slots = dict(state["host"]), [], []
+    new_cache, new_slots, new_ring, to_host = [], [], [], []
     for stack, names in enumerate(self._stacks):
       lists = prepared["lists"][stack]
       now, nxt = lists["now"], lists["next"]
-      back = tuple(self._rows_of(lists, k, "evict", EVICT_ROWS) for k in ("now", "next"))
       res = residuals[stack]
       cache, slot_rows = dict(state["cache"][stack]), state["slot_rows"][stack]
       victims = {}
@@ -709,24 +777,31 @@ class OffloadGroup(base.TableGroup):
         cache = {k: _put(v, lst[LOAD_SLOTS], loaded[k]) for k, v in cache.items()}
         slot_rows = slot_rows.at[lst[LOAD_SLOTS]].set(lst[LOAD_ROWS], mode="drop")
         victims[kind] = evicted
-      writes = [
-        (b, lists[f"{kind}_off"], victims[kind], self._caps(prepared, stack, lists, kind))
-        for kind, b in zip(("now", "next"), back)
-        if kind in victims
-      ]
-      if writes:
-        # Write after read on the donated host arrays: the values written back wait for
-        # this step's host reads (a dependency on the reads only, never on compute). On the
-        # values, not the row lists: those may be in host memory already (HOST_SPEC), where
-        # a barrier with device arrays would send them to the device and back.
-        vals, _ = jax.lax.optimization_barrier(([w[2] for w in writes], res))
-        writes = [(b, o, v, c) for (b, o, _, c), v in zip(writes, vals)]
-        host = self.members[names[0]].host
-        written = host.scatter_lists([state["host"][n] for n in names], writes)
-        new_host.update(zip(names, written))
+      # The write-backs: into the ring of recent ones (a later step may load a row before
+      # its write-back reaches the host: `host_tier.Recent`), and out of the step for the
+      # host writer (TO_HOST, list order). The ring is written after this step's reads of
+      # it (the residuals) and sized by the first train batch (`_stage`).
+      ring = state["ring"][stack]
+      width = lists["ring"].shape[1]
+      if ring["table"].shape[0] != width:
+        ring = {k: jnp.zeros((width,) + v.shape[1:], v.dtype) for k, v in ring.items()}
+      else:
+        _, ring = jax.lax.optimization_barrier((res, ring))
+      for kind in ("now", "next"):
+        if kind in victims:
+          dst = lists[f"{kind}_dst"]
+          ring = {k: _put(v, dst, victims[kind][k]) for k, v in ring.items()}
       new_cache.append(cache)
       new_slots.append(slot_rows)
-    return {**out, "host": new_host, "cache": tuple(new_cache), "slot_rows": tuple(new_slots)}
+      new_ring.append(ring)
+      to_host.append(victims)
+    return {
+      **out,
+      "cache": tuple(new_cache),
+      "slot_rows": tuple(new_slots),
+      "ring": tuple(new_ring),
+      base.TO_HOST: tuple(to_host),
+    }
 
   def _prepare_fast(self, ids: dict, upcoming: list) -> dict | None:
     t0 = time.perf_counter()

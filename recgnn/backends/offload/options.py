@@ -40,8 +40,10 @@ class OffloadOptions(base.BackendOptions):
       `pow2`: the next power of two >= the misses, no hysteresis (more padding and more
       shape changes than `bucket`). Padding is dropped on the device and the host; stats
       count real rows and the lists' rows apart.
-    host_memory: `pinned_host` (falls back to `device` where the platform has no host
-      memory space) or `device` (no offload: debugging, benchmarks).
+    host_memory: `pinned_host`: the rows in host RAM, read for a batch on the input
+      thread and moved with its transfer, written back by a host writer
+      (recgnn.embeddings.host_tier). `device` (no offload) went with the host computations
+      inside the step (issue 42): a table on the device is `dense`.
   """
 
   backend: ClassVar[str] = "offload"
@@ -76,6 +78,12 @@ class OffloadOptions(base.BackendOptions):
       raise ValueError(f"offload: lookahead must be >= 0, got {self.lookahead}")
     if self.policy == "lookahead" and self.lookahead < 1:
       raise ValueError("offload: policy=lookahead needs lookahead>=1 (its window)")
+    if self.host_memory != "pinned_host":
+      raise ValueError(
+        f"offload: host_memory={self.host_memory!r} is not available: the rows live in host "
+        "RAM (pinned_host, the default) and move with the batch; for a table on the device "
+        "use dense"
+      )
     if self.exchange not in EXCHANGES:
       raise ValueError(
         f"offload: unknown exchange {self.exchange!r}; available: {', '.join(EXCHANGES)}"

@@ -19,9 +19,11 @@ from recgnn.backends.offload.cache_plan import (
   _pad,
 )
 from recgnn.backends.offload.options import OffloadOptions
-from recgnn.embeddings import base, host_cache, host_table
+from recgnn.embeddings import base, host_cache
 
-HOST_MEMORIES = host_table.HOST_MEMORIES
+# Where the rows live: host RAM, moved with the batch (recgnn.embeddings.host_tier). The
+# option keeps its old name; `device` (no offload) went with the host computations.
+HOST_MEMORIES = ("pinned_host",)
 # Key of a per-table prepared batch, popped by the group: (now, next) whether each exchange
 # was planned (an unplanned "next" keeps the steady list length).
 PLANNED = "planned"
@@ -45,7 +47,8 @@ class Offload(base.TableBackend):
 
   name = "offload"  # the member class; `OffloadGroup` is what the registry names
   Options = OffloadOptions
-  capabilities = base.Capabilities(plans_globally=True)  # the cache plan is global
+  # The cache plan is global; the step returns the rows it evicts (TO_HOST).
+  capabilities = base.Capabilities(plans_globally=True, writes_host=True)
   batch_major = ("ids", "inverse", "now_pos")
 
   def __init__(self, spec: base.TableSpec, mesh, layout: base.Layout | None = None, **options):
@@ -57,9 +60,14 @@ class Offload(base.TableBackend):
       rows = max(math.ceil(o.cache_fraction * spec.num_rows), o.min_cache_rows)
     self.cache_rows = min(rows, spec.num_rows)
     self.lookahead = o.lookahead
-    # The host arrays' placement and in-step access (shared with hot_cold).
-    self.host = host_table.HostTable(o.host_memory, f"offload (table {spec.name!r})", mesh)
-    self.host_memory = self.host.host_memory  # pinned_host falls back to device without one
+    self.host_memory = o.host_memory
+    if not all(d.process_index == jax.process_index() for d in mesh.devices.flat):
+      raise ValueError(
+        f"offload (table {spec.name!r}) runs within one process: its host table and planner "
+        "live in this process's memory; a mesh over several processes needs a table split "
+        "per process (not built yet). Use dense / dense(shard=rows) for this table, or run "
+        "one process."
+      )
     self._planner: Planner | None = None  # O(N) host bookkeeping: allocated by init
     self._counters = host_cache.Counters()
     self._window_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -72,37 +80,20 @@ class Offload(base.TableBackend):
       size = f"cache_fraction={o.cache_fraction}"
       size += f", min_cache_rows={o.min_cache_rows}" if o.min_cache_rows else ""
     extra = "" if o.exchange == "bucket" else f", exchange={o.exchange}"
-    extra += "" if self.host_memory == "pinned_host" else f", host_memory={self.host_memory}"
     return f"offload({size}, policy={o.policy}, lookahead={self.lookahead}{extra})"
 
-  @property
-  def offloaded(self) -> bool:
-    return self.host.offloaded
+  offloaded = True  # (every offload table's rows are in host RAM)
 
   # --------------------------------------------------------------------------- placement
 
-  # The table's state lives in its group's (`OffloadGroup`): its host arrays under
-  # state["host"][name], its cache rows as a slice of its stack's one cache array (every
-  # table of the group with its dim and optimizer: one gather, one update, one exchange per
-  # stack in the step). This class gives its parts: the host arrays and their placement, an
-  # empty cache, and its planner's reset.
-
-  @property
-  def host_split(self) -> bool:
-    """Whether the host arrays are split by rows over the devices of the mesh: ONE host copy
-    of the table in all (each device's pinned host memory holds S / n rows), instead of a
-    replica per device."""
-    return self.host.split
-
-  def host_sharding(self) -> dict:
-    """The host arrays in `host_memory`: on one device, whole; on a mesh, split by rows over
-    every device (one table in all; an exchange moves each row between its owner's host
-    memory and the replicated cache)."""
-    return self.host.sharding(self.spec.optimizer.slot_names())
+  # The table's device state lives in its group's (`OffloadGroup`): its cache rows as a
+  # slice of its stack's one cache array (every table of the group with its dim and
+  # optimizer: one gather, one update, one exchange per stack in the step); its host arrays
+  # are numpy, in the group's `host_tier.HostRows` (never an argument of the step). This
+  # class gives its parts: the host arrays, an empty cache, and its planner's reset.
 
   def state_sharding(self):
-    """This table's part of its group's state: its host arrays (`host_sharding`)."""
-    return self.host_sharding()
+    return {}
 
   def init_host(self, key) -> dict:
     """The table's initial host arrays (numpy): {"table": f32[S, D], slot: f32[S]}, with S =
@@ -120,15 +111,16 @@ class Offload(base.TableBackend):
     return host
 
   def init(self, key):
-    """The table's placed host arrays and a fresh planner (its cache: `empty_cache`)."""
+    """The table's host arrays (numpy) and a fresh planner (its cache: `empty_cache`)."""
     return self.fresh(self.init_host(key))
 
   def fresh(self, host: dict) -> dict:
-    """`host` (the whole table, numpy or placed) placed in host memory; new host bookkeeping
-    (an empty cache: the group pairs it with `empty_cache`)."""
+    """`host` (the whole table: numpy, or arrays restored from a checkpoint) as writable numpy
+    arrays (one copy, O(N), at init / restore only); new host bookkeeping (an empty cache:
+    the group pairs it with `empty_cache`)."""
     self._planner = Planner(self.spec.num_rows, self.cache_rows, self.options.policy)
     self._window_cache.clear()
-    return self.host.place(host, self.host_sharding())
+    return {k: np.array(jax.device_get(v), np.float32) for k, v in host.items()}
 
   def empty_cache(self) -> dict:
     """An empty cache (numpy): {"cache": {"table": f32[C, D], slot: f32[C]}, "slot_rows":
@@ -140,12 +132,16 @@ class Offload(base.TableBackend):
     return {"cache": cache, "slot_rows": np.full(c, spec.num_rows, np.int32)}
 
   def row_sharding(self):
-    return self.host.row_sharding()
+    repl = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    return repl, repl
 
   def export(self, host: dict):
-    """The logical form of a synced state's host arrays (every resident row written back
-    by the group's `sync`)."""
-    return {"rows": host["table"], **{k: host[k] for k in self.spec.optimizer.slot_names()}}
+    """The logical form of the host arrays after the group's `sync` (every resident row
+    written back): copies, as the writer keeps writing the arrays while a checkpoint saves."""
+    return {
+      "rows": host["table"].copy(),
+      **{k: host[k].copy() for k in self.spec.optimizer.slot_names()},
+    }
 
   def import_(self, logical):
     """The table in host memory (placed), new bookkeeping: its cache starts empty and refills
@@ -161,15 +157,13 @@ class Offload(base.TableBackend):
     planner = spec.num_rows * (
       4 + (8 if self.options.policy == "lfu" else 0)
     )  # row->slot (+ counts)
-    # One host copy in all: whole on one device, split by rows over the devices of a mesh;
-    # its rows aligned as the checkpoint's logical shape is (`init_host`).
+    # One host copy in all (numpy, this process's RAM); its rows aligned as the
+    # checkpoint's logical shape is (`init_host`); the device ring of recent write-backs is
+    # the batch's (`OffloadGroup.batch_memory`).
     table = base.aligned_rows(spec.num_rows) * spec.row_bytes
     host = table + planner
-    if not self.offloaded:
-      device, host = device + table, planner
-    where = self.host_memory if self.offloaded else "device (no offload)"
     return base.MemoryReport(
-      device, host, f"{where} + {c}-row device cache ({self.options.policy})"
+      device, host, f"host RAM + {c}-row device cache ({self.options.policy})"
     )
 
   # --------------------------------------------------------------------------- host side
@@ -397,7 +391,7 @@ class Offload(base.TableBackend):
   def table_of(self, host: dict, slot_rows: np.ndarray, cache: np.ndarray) -> np.ndarray:
     """The logical table f32[N, D] from its host array and its cache (slot_rows int32[C],
     cache f32[C, D], numpy). O(N): tests and export only."""
-    out = np.array(jax.device_get(host["table"]))[: self.spec.num_rows]
+    out = np.array(host["table"][: self.spec.num_rows])
     resident = slot_rows < self.spec.num_rows
     out[slot_rows[resident]] = cache[resident]
     return out

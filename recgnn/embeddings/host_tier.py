@@ -1,0 +1,228 @@
+"""Rows in host RAM behind a device tier, moved with the batch, never inside the step.
+
+Shared by the backends that keep rows on the host (`offload`: the table behind a device cache;
+`hot_cold`: the cold rows). Why this shape (issue 42, ../shared/DESIGN.md "Data flow"): on the
+one GPU measured (H100), host computations inside the jitted step (`compute_on` gathers and
+scatters on pinned host tables) made every launch wait ~1 ms per host call, and XLA:GPU copied
+every host table whole into the write-back (pinned -> pinned, 17-19 MB per step at 1% of
+Kaggle's sizes): O(rows) per step, which XLA:CPU's program never showed. So:
+
+  prepare (input thread)   plans which rows move; reads the rows a step loads from the numpy
+                           tables (`HostRows.gather`) into the prepared batch: they reach the
+                           devices with the batch's own transfer, issued ahead of the step
+  step (jitted)            takes the loaded rows as an input and returns the rows it evicts /
+                           updated as an output (`contract.TO_HOST`): no host computation, no
+                           host array among its arguments
+  after the step           `Backend.after_update` (O(1), main thread) hands that output to
+                           the writer thread, which copies it to the host and writes it into
+                           the numpy tables in place, in step order (`Writer`)
+
+Ordering: the input thread runs ahead of the step (prepare(k + PREFETCH) may run before step k
+does), so a row a step wrote back may be read for a later step before the write-back reached
+the host. `Recent` makes that exact without waiting: the step also writes what it evicts into
+a device ring of the last V rows written back (in the backend's state), and a load planned
+while its row's write-back may still be in flight is taken from the ring instead of the
+host (a position per loaded row, `Recent.sources`). A row whose ring entry has been
+overwritten since is read from the host, after the writer has applied the step that wrote it
+back (`Writer.wait`: in practice long done; correct in any case). The ring is O(batch): V is a
+few steps' exchanges.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+ABSENT = np.iinfo(np.int32).max  # no ring position: the row comes from the host
+
+# How long `Writer.wait` waits for a write-back before it calls the order broken: a step's
+# write-back arrives once that step ran, so only a driver that prepares more train batches
+# ahead than the ring covers, without running their steps, or skips one, ever waits this long.
+WAIT_SECONDS = 300.0
+
+
+class Writer:
+  """One thread applying the steps' write-backs to host arrays, in the order submitted.
+
+  `submit(job)`: job() runs on the writer thread (it may block on device arrays: it copies
+  them to the host first). `applied` counts the jobs done; `wait(n)` blocks until n are;
+  `drain()` until all are. An error in a job is re-raised by the next call on any thread."""
+
+  def __init__(self, owner: str):
+    self.owner = owner
+    self._jobs: queue.Queue = queue.Queue()
+    self._cond = threading.Condition()
+    self.submitted = 0
+    self.applied = 0
+    self.busy_seconds = 0.0
+    self._error: BaseException | None = None
+    self._thread: threading.Thread | None = None
+
+  def _run(self):
+    while True:
+      job = self._jobs.get()
+      if job is None:
+        return
+      t0 = time.perf_counter()
+      try:
+        if self._error is None:
+          job()
+      except BaseException as e:  # re-raised on the next submit / wait / drain
+        self._error = e
+      self.busy_seconds += time.perf_counter() - t0
+      with self._cond:
+        self.applied += 1
+        self._cond.notify_all()
+
+  def _check(self):
+    if self._error is not None:
+      raise RuntimeError(f"{self.owner}: a host write-back failed") from self._error
+
+  def submit(self, job: Callable[[], None]) -> None:
+    self._check()
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, name=f"{self.owner} writer", daemon=True)
+      self._thread.start()
+    self.submitted += 1
+    self._jobs.put(job)
+
+  def wait(self, n: int, why: str = "") -> None:
+    """Block until `n` jobs are applied (no wait when they are)."""
+    if self.applied >= n:
+      self._check()
+      return
+    with self._cond:
+      if n > self.submitted:
+        raise RuntimeError(
+          f"{self.owner}: a read needs the write-back of train step {n} (counted from the last "
+          f"init / restore), whose step has not run ({self.submitted} handed over{why}). A "
+          "prepared train batch was skipped, or its update's output was not handed to "
+          "`after_update`, or more batches were prepared ahead than the device ring covers."
+        )
+      if not self._cond.wait_for(lambda: self.applied >= n, timeout=WAIT_SECONDS):
+        raise RuntimeError(f"{self.owner}: write-back {n} not applied in {WAIT_SECONDS} s")
+    self._check()
+
+  def drain(self) -> None:
+    self.wait(self.submitted)
+
+
+class HostRows:
+  """Row arrays of a set of tables in host RAM (numpy, written in place by one `Writer`).
+
+  arrays: per table {"table": f32[S, D], slot: f32[S]} (S = aligned rows). The reads run on
+  the input thread, the writes on the writer thread; the ordering that keeps a read from
+  racing a write of the same row is the caller's (`Recent`: a row with a write-back in
+  flight is read from the device ring, or after `Writer.wait`)."""
+
+  def __init__(self, owner: str):
+    self.owner = owner
+    self.arrays: list[dict[str, np.ndarray]] = []
+    self.writer = Writer(owner)
+
+  def set(self, arrays: list[dict[str, np.ndarray]]) -> None:
+    """Own these arrays (after any write-back in flight has landed)."""
+    self.writer.drain()
+    self.arrays = [{k: np.ascontiguousarray(v) for k, v in a.items()} for a in arrays]
+
+  def gather(self, segments: list[tuple[int, np.ndarray]], width: int) -> dict[str, np.ndarray]:
+    """{k: [width, ...]}: the rows of segments [(table index, rows int[n_i])] one after
+    another, then zeros. O(width) (the rows a list carries, never a table's)."""
+    first = self.arrays[segments[0][0]] if segments else self.arrays[0]
+    out = {k: np.zeros((width,) + v.shape[1:], v.dtype) for k, v in first.items()}
+    at = 0
+    for t, rows in segments:
+      n = rows.shape[0]
+      if n:
+        for k, v in self.arrays[t].items():
+          np.take(v, rows, axis=0, out=out[k][at : at + n])
+      at += n
+    return out
+
+  def scatter(self, writes: list[tuple[int, np.ndarray, np.ndarray]], values: dict) -> None:
+    """arrays[t][k][rows] = values[k][positions] for writes [(t, rows, positions)], in order.
+    (Writer thread.)"""
+    for t, rows, pos in writes:
+      if rows.shape[0]:
+        for k, v in self.arrays[t].items():
+          v[rows] = values[k][pos]
+
+
+class Recent:
+  """Where the device still holds a row a step wrote back: a ring of `size` rows in the
+  backend's state, written by each step with what it evicts (positions handed out here, in
+  step order, on the input thread), read by a later step's loads.
+
+  Rows are numbered over the tables of one ring (table t's row r: `row_off[t] + r`). A ring
+  position is a counter (its slot: the counter modulo `size`); a position is still held at
+  step k when fewer than `size` positions were handed out after it before step k."""
+
+  def __init__(self, total_rows: int):
+    self.last_pos = np.full(total_rows, -1, np.int64)  # the latest write-back's position
+    self.last_step = np.full(total_rows, -1, np.int64)  # ... and its step
+    self.head = 0  # positions handed out so far
+    self.size = 0  # ring rows (set by the first train batch: `resize`)
+    self.step = 0  # train steps planned so far (the writer's job count at their end)
+
+  def resize(self, size: int) -> None:
+    """A ring of `size` rows (positions handed out before are no longer held)."""
+    if size != self.size:
+      self.size = int(size)
+      self.head += self.size  # nothing older is held any more
+      self.last_pos[:] = -1
+
+  def sources(self, rows: np.ndarray) -> tuple[np.ndarray, int]:
+    """rows int64[n] (numbered over the ring's tables) loaded by the next step planned ->
+    (int32[n] their ring slots, ABSENT where the host holds the current value; the write-back
+    count the host reads need: every step that wrote back a host-read row applied)."""
+    pos = self.last_pos[rows]
+    held = (pos >= 0) & (pos >= self.head - self.size)
+    src = np.where(held, pos % max(self.size, 1), ABSENT).astype(np.int32)
+    steps = self.last_step[rows][~held]
+    return src, int(steps.max()) + 1 if steps.shape[0] else 0
+
+  def assign(self, rows: np.ndarray) -> np.ndarray:
+    """Ring slots for the rows the planned step writes back (int64[n], numbered over the
+    ring's tables, distinct) -> int32[n]."""
+    n = rows.shape[0]
+    pos = self.head + np.arange(n, dtype=np.int64)
+    self.head += n
+    self.last_pos[rows] = pos
+    self.last_step[rows] = self.step
+    return (pos % max(self.size, 1)).astype(np.int32)
+
+  def end_step(self) -> None:
+    self.step += 1
+
+
+class Outbox:
+  """The write-backs planned for train steps not yet handed to the writer, in order: each
+  prepare(train) adds one (`plan`), each update's output takes the oldest (`take`)."""
+
+  def __init__(self):
+    self._plans: collections.deque = collections.deque()
+
+  def plan(self, writes) -> None:
+    self._plans.append(writes)
+
+  def take(self):
+    if not self._plans:
+      raise RuntimeError(
+        "a step's write-back arrived with no prepared train batch left for it: every "
+        "update must run on a batch prepare(train=True) returned, in order"
+      )
+    return self._plans.popleft()
+
+  def clear(self) -> None:
+    self._plans.clear()
+
+
+def to_host(values) -> dict:
+  """The step's output copied to host memory (writer thread; waits for the step)."""
+  return jax.device_get(values)
