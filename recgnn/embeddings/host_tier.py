@@ -82,7 +82,7 @@ class Writer:
 
   def _check(self):
     if self._error is not None:
-      raise RuntimeError(f"{self.owner}: a host write-back failed") from self._error
+      raise RuntimeError(f"{self.owner}: a host write-back failed: {self._error}") from self._error
 
   def submit(self, job: Callable[[], None]) -> None:
     self._check()

@@ -242,8 +242,18 @@ class OffloadGroup(base.TableGroup):
     def write():
       values = host_tier.to_host(to_host)
       for stack, kinds in enumerate(writes):
+        got = values[stack]
+        if set(kinds) != set(got) or any(
+          max((p.max(initial=-1) for _, _, p in w), default=-1) >= got[k]["table"].shape[0]
+          for k, w in kinds.items()
+        ):
+          raise RuntimeError(
+            "a step's evicted rows do not match the write-back its prepare planned: a "
+            "prepared train batch was skipped or ran out of order (batches that only run "
+            "lookup, e.g. eval, must be prepared with prepare(ids, upcoming, train=False))"
+          )
         for kind, w in kinds.items():
-          host.scatter(w, values[stack][kind])
+          host.scatter(w, got[kind])
 
     host.writer.submit(write)
     return state
@@ -481,6 +491,8 @@ class OffloadGroup(base.TableGroup):
         got = {"table": np.zeros((width, spec.dim), np.float32)}
         got.update({k: np.zeros(width, np.float32) for k in spec.optimizer.slot_names()})
       entry[f"{kind}_rows"], entry[f"{kind}_src"] = got, src
+      if train:
+        self._list_counters.add(ring_rows=int(np.sum(src != host_tier.ABSENT)))
     if not train:
       return None
     writes = {}
@@ -636,6 +648,9 @@ class OffloadGroup(base.TableGroup):
     if c.get("steps"):
       out["list_rows_h2d_per_step"] = c["padded_rows_h2d"] / c["steps"]
       out["list_shapes"] = len(self.list_widths)
+      # Rows loaded from the device ring of recent write-backs, not the host (their
+      # write-back may have been in flight when their step was prepared).
+      out["ring_rows_per_step"] = c.get("ring_rows", 0) / c["steps"]
     return out
 
   # -- the step: per stack, one host read per exchange, one gather, one sparse update, one
