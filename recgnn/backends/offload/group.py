@@ -31,10 +31,11 @@ ABSENT = np.iinfo(np.int32).max
 # LOAD_SLOTS, NEXT_FROM_NOW): past every table's window, never read as a table's entry.
 FILL = (ABSENT, ABSENT, 0, ABSENT, ABSENT)
 # The device ring of recent write-backs (`host_tier.Recent`) holds this many times a stack's
-# most loads per batch (the sum of min(ids per batch, C) over its tables): at least two
-# steps' evictions even when both exchanges evict all they can, many more in practice (the
+# most loads per batch (the sum of min(ids per batch, C) over its tables; at most its tables'
+# rows): the input thread's run-ahead (PREFETCH batches prepared before the step of the first
+# of them runs) even when every step evicts all it can, many more steps in practice (the
 # misses). A row evicted before that is read from the host, after its write-back landed.
-RING_BATCHES = 4
+RING_BATCHES = base.PREFETCH
 
 
 def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -462,8 +463,8 @@ class OffloadGroup(base.TableGroup):
     first_row = self._row_base[stack]
     recent = self._recent[stack] if self._recent else None
     if train:
-      if recent.size == 0:
-        recent.resize(RING_BATCHES * cap)
+      if recent.size == 0:  # (never more rows than the stack's tables have)
+        recent.resize(min(RING_BATCHES * cap, int(first_row[-1])))
       entry["ring"] = np.zeros((0, recent.size), np.int32)
     kinds = [k for k in ("now", "next") if k in entry and entry[k].shape[1]]
     segs, need = {}, 0

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from recgnn import sharding
-from recgnn.embeddings.contract import Layout
+from recgnn.embeddings.contract import Layout, split_to_host
 from recgnn.embeddings.specs import TableSpec
 from recgnn.planner import plan as plan_lib
 from recgnn.planner.auto.cost_cache import CostCache
@@ -49,7 +49,8 @@ def measure(
   @functools.partial(jax.jit, donate_argnums=0)
   def step(state, prepared):
     pooled, res = group.lookup(state, prepared)
-    return group.update(state, prepared, res, {n: pooled[n] for n in names})
+    # (a host tier's evicted rows: an output, handed to its writer as the trainer does)
+    return split_to_host(group.update(state, prepared, res, {n: pooled[n] for n in names}))
 
   steps, preps = [], []
   # Two passes over the batches: the first compiles every step shape they need (and warms a
@@ -63,7 +64,9 @@ def measure(
       prepared = jax.device_put(prepared)
       jax.block_until_ready(prepared)
       t2 = time.perf_counter()
-      state = step(state, prepared)
+      state, to_host = step(state, prepared)
+      if to_host is not None:
+        group.after_update(state, to_host)
       jax.block_until_ready(state)
       t3 = time.perf_counter()
       if timed:
