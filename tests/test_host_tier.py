@@ -98,8 +98,10 @@ def test_the_trainers_step_lowers_for_cuda_without_host_work(experiment, tmp_pat
   host = [
     s for g in run.plan.groups.values() if g.capabilities.writes_host for s in g.specs.values()
   ]
-  assert len(host) >= 20  # (the tables' rows here: 12k synthetic rows' distinct ids)
-  _assert_no_host_work(lowered.as_text(), host, f"{experiment}'s train step for cuda")
+  assert len(host) >= 20
+  # (no table-shape check here: 12k synthetic rows make tables of at most 12k distinct ids,
+  # whose row counts are batch-like numbers; the 200k-row test above checks the shapes)
+  _assert_no_host_work(lowered.as_text(), [], f"{experiment}'s train step for cuda")
 
 
 # ----------------------------------------------------------------------------- the ring
