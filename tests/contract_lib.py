@@ -97,6 +97,24 @@ def _target(step: int, shape: tuple[int, ...]) -> np.ndarray:
   return np.random.default_rng(1000 + step).standard_normal(shape, dtype=np.float32)
 
 
+def planned_only(group: base.Backend, prepared) -> None:
+  """For tests that only plan (prepare a stream, never run its steps): hand a host tier
+  (`Capabilities.writes_host`: offload) what the step of this train batch would return, zeros
+  of its shapes (the rows each exchange loads, the rows it evicts have), so later prepares
+  find every write-back they wait for. The host tables' values are then meaningless."""
+  if not group.capabilities.writes_host:
+    return
+  out = tuple(
+    {
+      kind: {k: np.zeros_like(v) for k, v in lists[f"{kind}_rows"].items()}
+      for kind in ("now", "next")
+      if lists[kind].shape[1]
+    }
+    for lists in prepared["lists"]
+  )
+  group.after_update(None, out)
+
+
 def grads_for(step: int, pooled: jax.Array) -> jax.Array:
   """d/d pooled of sum(pooled * T_step) + 0.5 * sum(pooled**2): depends on the values, so
   a backend that serves a stale row produces a different gradient and fails the check.

@@ -61,7 +61,7 @@ def _run_group(text, specs, batches, mesh, *, evals=(), group=None, state=None, 
     looked.append({n: np.asarray(v) for n, v in pooled.items()})
     if item.kind == "train":
       g = {n: contract.grads_for(k * 7 + i, v) for i, (n, v) in enumerate(sorted(pooled.items()))}
-      state = update(state, prepared, residuals, g)
+      state = group.after_update(update(state, prepared, residuals, g))
       k += 1
   state = group.sync(state)
   return looked, group.tables(state), group, state

@@ -508,7 +508,12 @@ def _group_stream(text, opt, compiled, monkeypatch, threads=1):
   monkeypatch.setattr(hostplan, "enabled", lambda: compiled)
   monkeypatch.setattr(hostplan, "_THREADS", threads)
   plan = planner.Plan({"g": group}, {s.name: "g" for s in specs}, group.mesh)
-  out = [x.prepared for x in inputs.prepare_stream(plan, stream) if x.prepared is not None]
+  out = []
+  for x in inputs.prepare_stream(plan, stream):
+    if x.prepared is not None:
+      out.append(x.prepared)
+      if x.kind == "train":
+        contract.planned_only(group, x.prepared["g"])  # (as if its step ran)
   return out, group
 
 

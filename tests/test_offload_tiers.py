@@ -1,10 +1,9 @@
-"""offload moves only what it must, while the step computes (issue 24, item 2).
+"""offload moves only what it must (issue 24, item 2; issue 42).
 
-Read off the step's HLO (`recgnn.hlo`, `recgnn.comms.host_link_of`), not only by equality:
-  - the host reads of the next batch's rows depend on nothing the step computes (the model,
-    the sparse update's scatters into the cache, the write-backs), and the write-backs wait
-    for every read (write after read on the donated host arrays, no copy of the table);
-  - lookup reads each row from the host once: `update` gets the rows as residuals;
+  - the step holds no host work and no table (tests/test_host_tier.py reads the lowered
+    step): the rows a step loads are inputs, read from the host tables on the input thread,
+    and the rows it evicts are an output, applied by the host writer;
+  - lookup gets each loaded row once: `update` takes the rows as residuals;
   - host-link bytes per step follow the misses (exchange=bucket): within 1.25x of the rows
     moved x row bytes at 1%, 5% and 20% caches with Zipf ids, falling as the cache grows;
   - a few shapes per table over a long stream (compiles counted);
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recgnn import comms, hlo, planner
+from recgnn import planner
 from recgnn.backends import offload
 from recgnn.backends.offload import cache_plan
 from recgnn.embeddings import base
@@ -33,10 +32,6 @@ SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
 
 def _spec(num_rows, dim=16, opt=ADAGRAD, name="t"):
   return base.TableSpec(name=name, num_rows=num_rows, dim=dim, optimizer=opt)
-
-
-def _offloaded(group) -> bool:
-  return all(m.host.offloaded for m in group.members.values())
 
 
 def _step(group, w):
@@ -51,97 +46,8 @@ def _step(group, w):
   return step
 
 
-# ----------------------------------------------------------------------------- (a) the HLO
-
-
-def _host_calls(module: hlo.Module, table_bytes: int):
-  """Entry host computations: (reads, writes), writes being those returning the host arrays."""
-  calls = [
-    i
-    for i in module.computations[module.entry]
-    if i.op == "call" and i.attr("_xla_compute_type") == "host"
-  ]
-  writes = [i.name for i in calls if i.bytes >= table_bytes]
-  reads = [i.name for i in calls if i.bytes < table_bytes]
-  return reads, writes
-
-
-def test_next_batch_reads_depend_on_nothing_the_step_computes():
-  """On a 1x1 step (lookup, a matmul and its gradient, update): the host reads of the next
-  batch's rows depend on no dot, no scatter into the cache and no write-back; every
-  write-back depends on every host read (the order on the donated host arrays is explicit);
-  each row is read from the host once per step (update reads none: lookup's residuals); the
-  compiled step copies neither host array."""
-  spec = _spec(200_000)
-  group = planner.make_backend("offload(cache_rows=4000, lookahead=1)", spec)
-  if not _offloaded(group):
-    pytest.skip("no pinned_host memory on this platform")
-  state = group.init(jax.random.key(0))
-  batches = contract.zipf_ids(0, 4, 256, 2, spec.num_rows)
-  first = group.prepare({"t": batches[0]}, [{"t": batches[1]}])  # on demand + prefetch
-  steady = group.prepare({"t": batches[1]}, [{"t": batches[2]}])  # prefetch only
-  assert first["lists"][0]["now"].shape[1] > 0 and steady["lists"][0]["now"].shape[1] == 0
-  w = jnp.ones((spec.dim, 8), jnp.float32)
-  rows = base.aligned_rows(spec.num_rows)
-  table_bytes = rows * spec.dim * 4
-  for prepared, exchanges in ((first, 2), (steady, 1)):
-    lowered = jax.jit(_step(group, w), donate_argnums=0).lower(state, prepared)
-    module = hlo.parse(lowered.compiler_ir("hlo").as_hlo_text())
-    entry = module.computations[module.entry]
-    reads, writes = _host_calls(module, table_bytes)
-    assert len(reads) == exchanges, "one host read per exchange (all arrays, one index list)"
-    assert len(writes) == 1, "one write-back per step (both exchanges, all arrays)"
-    (nxt,) = [  # the next batch's host rows (a list of their own: `OffloadGroup._HOST_ONLY`)
-      i.name for i in entry if i.op == "parameter" and "next_load_rows" in i.name
-    ]
-    next_reads = [r for r in reads if module.depends(r, nxt)]
-    assert next_reads
-    cache = state["cache"][0]  # (one table: its stack's cache)
-    cache_shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in cache.values()}
-    computed = [
-      i.name
-      for i in entry
-      if i.op == "dot" or (i.op == "scatter" and i.shape.split("{")[0] in cache_shapes)
-    ]
-    assert any(entry_i.op == "dot" for entry_i in entry)
-    assert any(module.instrs()[c].op == "scatter" for c in computed)
-    for r in next_reads:
-      for c in computed + writes:
-        assert not module.depends(r, c), f"the next batch's host read {r} waits for {c}"
-    for wb in writes:
-      for r in reads:
-        assert module.depends(wb, r), f"the write-back {wb} is not ordered after the read {r}"
-    # Host traffic: the rows come to the device once each (lookup's read is update's too).
-    link = comms.host_link_of(lowered)
-    p = prepared["lists"][0]
-    loaded = p["now"].shape[1] + p["next"].shape[1]
-    assert link.to_device_bytes == loaded * spec.row_bytes
-    compiled = lowered.compile()
-    text = compiled.as_text().replace(":S(5)", "")
-    for shape in (f"f32[{rows},{spec.dim}]{{1,0}}", f"f32[{rows}]{{0}}"):
-      assert f"{shape} copy(" not in text, f"XLA copies a host array ({shape})"
-    assert compiled.memory_analysis().temp_size_in_bytes < table_bytes / 4
-
-
-def test_update_reads_nothing_from_the_host():
-  """`update` alone (jitted apart from lookup, the residuals as arguments) has no host read:
-  the rows loaded this step come from lookup; its one host computation is the write-back."""
-  spec = _spec(20_000)
-  group = planner.make_backend("offload(cache_rows=1000, lookahead=1)", spec)
-  if not _offloaded(group):
-    pytest.skip("no pinned_host memory on this platform")
-  state = group.init(jax.random.key(0))
-  batches = contract.zipf_ids(0, 2, 128, 2, spec.num_rows)
-  prepared = group.prepare({"t": batches[0]}, [{"t": batches[1]}])
-  residuals = jax.eval_shape(group.lookup, state, prepared)[1]
-  assert set(residuals[0]) == {"now", "next"}
-  assert set(residuals[0]["next"]) == {"table", "accum"}
-  grads = {"t": jnp.ones((128, spec.dim), jnp.float32)}
-  lowered = jax.jit(group.update, donate_argnums=0).lower(state, prepared, residuals, grads)
-  module = hlo.parse(lowered.compiler_ir("hlo").as_hlo_text())
-  reads, writes = _host_calls(module, base.aligned_rows(spec.num_rows) * spec.dim * 4)
-  assert reads == [] and len(writes) == 1
-  assert comms.host_link_of(lowered).to_device_bytes == 0
+# (a) The step itself (no host computation, no host array, no table-sized argument, for CPU
+# and CUDA lowering; the ring of recent write-backs): tests/test_host_tier.py.
 
 
 # ----------------------------------------------------------------------------- (b) bytes
@@ -150,27 +56,41 @@ N, DIM, BATCH, BAG = 100_000, 16, 256, 4
 WARM, STEPS = 160, 300  # a 20% cache is full (every load evicts) after ~100 steps
 
 
+def _link(group, state, prepared) -> tuple[int, int]:
+  """(bytes to the device, to the host) the host tier moves in one step: the rows read from
+  the host tables for it (the prepared "*_rows" leaves, moved with the batch) and the rows
+  its update returns for the host writer (TO_HOST)."""
+  down = sum(
+    x.nbytes
+    for lists in prepared["lists"]
+    for k in ("now_rows", "next_rows")
+    for x in jax.tree.leaves(lists.get(k, {}))
+  )
+  out = jax.eval_shape(_step(group, jnp.ones((DIM, 8), jnp.float32)), state, prepared)
+  up = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out[base.TO_HOST]))
+  return down, up
+
+
 def _link_per_step(text, batches, spec=None):
-  """Prepare the stream (look-ahead 1) and read each step's host-link bytes off its HLO
-  (lowered once per distinct prepared shape). -> (to_device, to_host per step after WARM,
-  the backend's stats over those steps, the shapes seen after WARM)."""
+  """Prepare the stream (look-ahead 1) and read each step's host-link bytes off its inputs
+  and outputs (`_link`, once per distinct prepared shape). -> (to_device, to_host per step
+  after WARM, the backend's stats over those steps, the shapes seen after WARM)."""
   spec = spec or _spec(N, DIM)
   group = planner.make_backend(text, spec)
   state = group.init(jax.random.key(0))
-  step = _step(group, jnp.ones((DIM, 8), jnp.float32))
   links, shapes, total = {}, collections.Counter(), np.zeros(2)
   for k in range(len(batches) - 1):
     p = group.prepare({"t": batches[k]}, [{"t": batches[k + 1]}])
+    contract.planned_only(group, p)  # (as if its step ran)
     if k < WARM:
       if k == WARM - 1:
         group.stats()  # counters from here on
       continue
     sig = tuple(np.shape(x) for x in jax.tree.leaves(p))
     shapes[sig] += 1
-    if sig not in links:  # (placed as the trainer places it: its host rows in host memory)
-      placed = contract.put_prepared(group, p, group.mesh)
-      links[sig] = comms.host_link_of(jax.jit(step).lower(state, placed))
-    total += (links[sig].to_device_bytes, links[sig].to_host_bytes)
+    if sig not in links:
+      links[sig] = _link(group, state, p)
+    total += links[sig]
   stats = group.stats()
   n = stats["t/steps"]
   assert n == len(batches) - 1 - WARM
@@ -187,8 +107,6 @@ FRACTIONS = (0.01, 0.05, 0.2)
 
 @pytest.fixture(scope="module")
 def measured(zipf_stream):
-  if not _offloaded(planner.make_backend("offload(cache_rows=8)", _spec(100))):
-    pytest.skip("no pinned_host memory on this platform")
   return {
     f: _link_per_step(f"offload(cache_fraction={f}, lookahead=1, exchange=bucket)", zipf_stream)
     for f in FRACTIONS
@@ -196,11 +114,10 @@ def measured(zipf_stream):
 
 
 def test_host_link_bytes_follow_the_misses(measured):
-  """Per step, from the HLO: bytes to the device within 1.25x of the rows loaded (the misses)
-  x row bytes; bytes to the host within 1.25x of the rows written back x row bytes (the
-  lists' row indices are put in host memory with the batch, `sharding.HOST_SPEC`: none
-  crosses the link; they were 4 bytes per row moved, each way); both fall as the cache
-  grows."""
+  """Per step, from the step's inputs and outputs (`_link`): bytes to the device within
+  1.25x of the rows loaded (the misses) x row bytes; bytes to the host within 1.25x of the
+  rows written back x row bytes (no index crosses the link: the host keeps the lists it
+  planned); both fall as the cache grows."""
   row = _spec(N, DIM).row_bytes
   to_device = []
   for f in FRACTIONS:
@@ -259,6 +176,7 @@ def test_a_group_of_26_compiles_a_few_shapes_and_moves_its_misses():
       p = group.prepare(
         {f"t{i}": data[i][k] for i in range(t)}, [{f"t{i}": data[i][k + 1] for i in range(t)}]
       )
+      contract.planned_only(group, p)  # (as if its step ran)
       if k == warm - 1:
         group.stats()  # counters from here on
       if k >= warm:
@@ -273,55 +191,6 @@ def test_a_group_of_26_compiles_a_few_shapes_and_moves_its_misses():
     assert 1 <= ratio <= 1.25, (f, ratio)
   print("fraction: (signatures, list rows / missed rows, list rows per step)", moved)
   assert moved[0.01][2] > moved[0.05][2] > moved[0.2][2]
-
-
-def test_host_computations_touch_the_lists_not_the_batch_ids():
-  """The host computations of a 26-table group's step (gathers of both exchanges, their
-  assembly into one list, the write-back), as recgnn.step_model charges them: within a
-  constant of the lists' rows (x row bytes), whatever the batch's ids: each table's window
-  used to be its ids per batch whatever the misses (on benchmarks/memory_tiers.py's shapes,
-  26 x 2048 ids, a 5% cache: 33 MB a step, ~39x the lists' rows). The windows are now the
-  longest table segment of each list (bucketed), shorter than a batch's ids."""
-  from recgnn import step_model
-
-  t, n, warm = 26, 20_000, 60
-  specs = [_spec(n, DIM, name=f"t{i}") for i in range(t)]
-  data = [contract.zipf_ids(i, warm + 2, BATCH, BAG, n) for i in range(t)]
-  group = planner.make_group("offload(cache_fraction=0.05, lookahead=1, exchange=bucket)", specs)
-  if not _offloaded(group):
-    pytest.skip("no pinned_host memory on this platform")
-  state = group.init(jax.random.key(0))
-  for k in range(warm):
-    p = group.prepare(
-      {f"t{i}": data[i][k] for i in range(t)}, [{f"t{i}": data[i][k + 1] for i in range(t)}]
-    )
-  (lists,) = p["lists"]
-  listed = sum(lists[k].shape[1] for k in ("now", "next"))
-  windows = {k: lists[f"{k}_win"].shape[1] for k in ("now", "next")}
-  assert 0 < windows["next"] < BATCH * BAG  # the window shrank below a batch's ids
-  for k in ("now", "next"):  # every table's segment fits its window
-    assert np.diff(lists[f"{k}_off"]).max() <= max(windows[k], 0)
-
-  def step(state, prepared):
-    pooled, residuals = group.lookup(state, prepared)
-    g = jax.grad(lambda q: sum(jnp.tanh(v).sum() for v in q.values()))(pooled)
-    return group.update(state, prepared, residuals, g)
-
-  put = contract.put_prepared(group, p, group.mesh)
-  text = jax.jit(step).lower(state, put).compile().as_text()
-  host = step_model.memory_access(text).host_bytes
-  row = specs[0].row_bytes
-  per_list_row = host / (listed * row)
-  per_id = host / (t * BATCH * BAG * row)
-  print(f"host bytes {host}, windows {windows}, lists {listed} rows: {per_list_row:.1f}x the "
-        f"lists' rows, {per_id:.2f}x the batch's ids' rows")  # fmt: skip
-  by = collections.Counter()
-  for b, _, shape, name in step_model.host_kernels(text):
-    by[name.rsplit("/", 1)[-1], shape.split("{")[0]] += b
-  print("host kernels' bytes by op:", by.most_common())
-  # (measured 13.0x: ~11 passes over the windows (gather, assembly, write-back) of ~1.1x the
-  # lists' rows; windows of the batch's ids made it ~3x that here)
-  assert per_list_row <= 16, by.most_common()
 
 
 # ----------------------------------------------------------------------------- (d) exactness
@@ -346,6 +215,7 @@ def _drive(text, spec, batches, breaks, lookahead=2):
     pooled, residuals = lookup(state, prepared)
     lookups.append(np.asarray(pooled["t"]))
     state = update(state, prepared, residuals, {"t": contract.grads_for(k, pooled["t"])})
+    state = group.after_update(state)
   state = group.sync(state)
   return lookups, group.tables(state)["t"], from_victims
 

@@ -237,7 +237,8 @@ class OffloadGroup(base.TableGroup):
       state, to_host = base.split_to_host(state)
     writes = self._outbox.take()
     for x in jax.tree.leaves(to_host):
-      x.copy_to_host_async()  # (the copy starts when the step ends, not when the writer asks)
+      if isinstance(x, jax.Array):  # (the copy starts when the step ends, not when asked)
+        x.copy_to_host_async()
     host = self._host
 
     def write():
@@ -491,6 +492,10 @@ class OffloadGroup(base.TableGroup):
       else:  # (an example batch prepared before init: shapes only)
         got = {"table": np.zeros((width, spec.dim), np.float32)}
         got.update({k: np.zeros(width, np.float32) for k in spec.optimizer.slot_names()})
+      held = src != host_tier.ABSENT
+      if held.any():  # (the ring's value wins; the host's may be mid-write: not shipped)
+        for v in got.values():
+          v[held] = 0
       entry[f"{kind}_rows"], entry[f"{kind}_src"] = got, src
       if train:
         self._list_counters.add(ring_rows=int(np.sum(src != host_tier.ABSENT)))
