@@ -125,6 +125,7 @@ class HostRows:
     self.owner = owner
     self.arrays: list[dict[str, np.ndarray]] = []
     self.writer = Writer(owner)
+    self.write_seconds = 0.0  # the writer's copies to the host and scatters (not its waits)
 
   def set(self, arrays: list[dict[str, np.ndarray]]) -> None:
     """Own these arrays (after any write-back in flight has landed)."""
