@@ -178,3 +178,20 @@ def test_the_writer_applies_in_order_and_reports_errors():
     writer.drain()
   with pytest.raises(RuntimeError, match="has not run"):
     host_tier.Writer("u").wait(1)
+
+
+def test_row_copies_off_the_gil_equal_numpys():
+  """The compiled row copies (no GIL: the input and writer threads do not hold it against the
+  launching thread) read and write what numpy's fancy indexing does, 1-D and 2-D rows."""
+  rng = np.random.default_rng(0)
+  for shape in ((1000,), (1000, 16)):
+    src = rng.normal(size=shape).astype(np.float32)
+    rows = rng.choice(1000, 300, replace=False)
+    out = np.zeros((300,) + shape[1:], np.float32)
+    host_tier._take(src, rows, out)
+    np.testing.assert_array_equal(out, src[rows])
+    dst, want = src.copy(), src.copy()
+    pos = rng.permutation(300)
+    host_tier._put(dst, rows, out, pos)
+    want[rows] = out[pos]
+    np.testing.assert_array_equal(dst, want)
