@@ -115,13 +115,15 @@ def _stream():
   return _spec(1000, 4, SGD), contract.zipf_ids(5, 16, 32, 2, 1000)
 
 
-def test_rows_written_back_then_read_ahead_come_from_the_ring():
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (2, 4)], ids=lambda m: f"{m[0]}x{m[1]}")
+def test_rows_written_back_then_read_ahead_come_from_the_ring(mesh_shape):
   """With the input RUN_AHEAD batches ahead of the step, a row step k evicts and step k + 1
   loads was read on the input thread before step k ran: the device ring of recent
-  write-backs supplies it. Bit-equal to dense, and the case occurs in the stream."""
+  write-backs supplies it. Bit-equal to single-device dense, and the case occurs."""
   spec, batches = _stream()
   ref = contract.run("dense", spec, batches)
-  got = contract.run(TEXT, spec, batches, prefetch=RUN_AHEAD)
+  mesh = contract.mesh_or_skip(*mesh_shape)
+  got = contract.run(TEXT, spec, batches, mesh=mesh, prefetch=RUN_AHEAD)
   stats = got.backend.stats()
   assert stats["ring_rows_per_step"] > 0, "no load came from the ring: test too easy"
   assert stats["t/d2h_rows_per_step"] > 0
