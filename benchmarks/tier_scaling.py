@@ -88,13 +88,8 @@ class Config:
     self.step_s, self.input_s, self.writer_s = [], [], []
 
   def writer_seconds(self) -> float:
-    out = 0.0
-    for g in self.run.plan.groups.values():
-      host = getattr(g, "_host", None)
-      if host is not None:
-        host.writer.drain()
-        out += host.write_seconds
-    return out
+    groups = self.run.plan.groups.values()
+    return sum(g.host_write_seconds() for g in groups if hasattr(g, "host_write_seconds"))
 
   def steps(self, n: int, timed: bool) -> None:
     w0 = self.writer_seconds()

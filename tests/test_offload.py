@@ -466,7 +466,7 @@ def test_host_table_is_one_copy_whatever_the_mesh():
   group = planner.make_backend("offload(cache_rows=60)", _spec(ADAGRAD), mesh)
   state = group.init(jax.random.key(0))
   assert "host" not in state
-  assert [{k: v.shape for k, v in a.items()} for a in group._host.arrays] == [
+  assert [{k: v.shape for k, v in a.items()} for a in group._tier.rows.arrays] == [
     {"table": (1024, 4), "accum": (1024,)}
   ]
   one = planner.make_backend("offload(cache_rows=60)", _spec(ADAGRAD)).memory()["t"]

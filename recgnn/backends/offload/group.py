@@ -13,7 +13,6 @@ from recgnn import sharding
 from recgnn.backends.offload import cache_plan
 from recgnn.backends.offload import planner as hostplan
 from recgnn.backends.offload.cache_plan import (
-  EVICT_ROWS,
   EVICT_SLOTS,
   LOAD_ROWS,
   LOAD_SLOTS,
@@ -21,8 +20,9 @@ from recgnn.backends.offload.cache_plan import (
   Sizer,
   _bucket,
 )
+from recgnn.backends.offload.host_side import HostSide
 from recgnn.backends.offload.table import PLANNED, Offload
-from recgnn.embeddings import base, host_cache, host_table, host_tier
+from recgnn.embeddings import base, host_cache, host_table
 
 # An absent slot or position in a stack's lists: past every cache and list (gathers read
 # zeros, scatters drop it).
@@ -30,13 +30,6 @@ ABSENT = np.iinfo(np.int32).max
 # Padding of a group's exchange lists, per row (EVICT_SLOTS, EVICT_ROWS, LOAD_ROWS,
 # LOAD_SLOTS, NEXT_FROM_NOW): past every table's window, never read as a table's entry.
 FILL = (ABSENT, ABSENT, 0, ABSENT, ABSENT)
-# The device ring of recent write-backs (`host_tier.Recent`) holds this many times a stack's
-# most loads per batch (the sum of min(ids per batch, C) over its tables), at most its rows
-# (`_ring_rows`): the input thread's run-ahead (PREFETCH batches prepared before the step of
-# the first of them runs) when every step evicts all it can, many more steps in practice (the
-# misses). A row evicted before that is read from the host, after its write-back landed.
-# Device memory: PREFETCH batches of rows (`batch_memory`), beside the cache.
-RING_BATCHES = base.PREFETCH
 
 
 def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -100,19 +93,11 @@ class OffloadGroup(base.TableGroup):
     self._sizers = []
     self.list_widths: set[tuple[int, int]] = set()  # (now, next) lengths of train steps
     self._list_counters = host_cache.Counters()
-    # The host tier (recgnn.embeddings.host_tier): the tables' rows in host RAM (numpy, in
-    # `_index` order), read on the input thread and written by one writer thread; per stack,
-    # the ring of recent write-backs (rows numbered table after table: `_row_base`); the
-    # write-backs planned for steps not yet handed over.
-    owner = f"offload (tables {', '.join(self.members)})"
-    self._host = host_tier.HostRows(owner)
-    self._row_base = [
-      np.cumsum([0] + [self.specs[n].num_rows for n in names]).astype(np.int64)
-      for names in self._stacks
-    ]
-    self._recent: list[host_tier.Recent] = []
-    self._outbox = host_tier.Outbox()
-    self._written = 0  # the writer's jobs handed over before the last init / restore
+    # The host tier: the tables' rows in host RAM, what each step loads and writes back, and
+    # the device ring's bookkeeping (`HostSide`, recgnn.embeddings.host_tier).
+    self._tier = HostSide(
+      f"offload (tables {', '.join(self.members)})", self._stacks, self.specs, self._index
+    )
 
   # -- state: one cache array per stack; the planners' arrays as slices of flat ones
 
@@ -138,7 +123,7 @@ class OffloadGroup(base.TableGroup):
 
   def _state(self, host: dict) -> dict:
     """The group's state: empty caches (stacked: table after table at `_slot_off`), empty
-    rings (`RING_BATCHES`: sized by the first train batch) and zero counters; `host` (each
+    rings (`host_side.RING_BATCHES`: sized by the first train batch) and zero counters; `host` (each
     table's numpy arrays) goes to the host tier."""
     parts = {n: m.empty_cache() for n, m in self.members.items()}
     caches, slot_rows = [], []
@@ -156,7 +141,7 @@ class OffloadGroup(base.TableGroup):
       "version": np.zeros(t, np.int32),
       "stale": np.zeros(t, np.int32),
     }
-    self._host.set([host[n] for n in self.members])
+    self._tier.set_tables([host[n] for n in self.members])
     return sharding.put(dev, self.state_sharding())
 
   def init(self, key):
@@ -174,7 +159,7 @@ class OffloadGroup(base.TableGroup):
     """Reset host bookkeeping to a state's caches (history of LRU/LFU is lost); the host
     tables are the group's, after every write-back handed over."""
     self._syncer.check(state)
-    self._host.writer.drain()
+    self._tier.drain()
     version = np.asarray(jax.device_get(state["version"]))
     for s, names in enumerate(self._stacks):
       slot_rows = np.asarray(jax.device_get(state["slot_rows"][s]))
@@ -188,45 +173,31 @@ class OffloadGroup(base.TableGroup):
     off = self._slot_off[stack]
     return [(int(off[i]), int(off[i + 1])) for i in range(len(off) - 1)]
 
-  def _host_of(self, name: str) -> dict:
-    return self._host.arrays[self._index[name]]
-
   def sync(self, state):
     """Every write-back handed over applied, then every resident cache row written to the
     host tables (O(C), a host read of the caches); the caches and the state stay."""
     self._syncer.check(state)
-    self._host.writer.drain()
+    self._tier.drain()
     for s, names in enumerate(self._stacks):
       cache, slot_rows = jax.device_get((state["cache"][s], state["slot_rows"][s]))
       for n, (a, b) in zip(names, self._slices(s)):
-        rows, host = slot_rows[a:b], self._host_of(n)
-        resident = rows < self.specs[n].num_rows
-        for k, v in host.items():
-          v[rows[resident]] = cache[k][a:b][resident]
+        self._tier.write_resident(n, slot_rows[a:b], {k: v[a:b] for k, v in cache.items()})
     return state
 
   def export(self, state):
     self._syncer.check(state)
-    self._host.writer.drain()
-    return {n: m.export(self._host_of(n)) for n, m in self.members.items()}
+    self._tier.drain()
+    return {n: m.export(self._tier.table(n)) for n, m in self.members.items()}
 
   def tables(self, state):
-    self._host.writer.drain()
+    self._tier.drain()
     out = {}
     for s, names in enumerate(self._stacks):
       slot_rows = np.asarray(jax.device_get(state["slot_rows"][s]))
       cache = np.asarray(jax.device_get(state["cache"][s]["table"]))
       for n, (a, b) in zip(names, self._slices(s)):
-        out[n] = self.members[n].table_of(self._host_of(n), slot_rows[a:b], cache[a:b])
+        out[n] = self.members[n].table_of(self._tier.table(n), slot_rows[a:b], cache[a:b])
     return out
-
-  def _ring_rows(self, stack: int, cap: int) -> int:
-    """The ring's rows for a stack whose most loads per batch are `cap` (the sum of min(ids
-    per batch, C) over its tables): RING_BATCHES x cap, at most the stack's rows. (At most
-    its cache's rows was tried: the run-ahead's steps then overwrite ring entries a prepared
-    batch still needs whenever a step evicts most of a small cache, and the input side must
-    wait for the step: what the ring is for.)"""
-    return int(min(RING_BATCHES * cap, self._row_base[stack][-1]))
 
   def batch_memory(self, ids_shapes):
     """The device ring of recent write-backs (`_ring_rows`, with its optimizer state),
@@ -235,53 +206,29 @@ class OffloadGroup(base.TableGroup):
     for stack, names in enumerate(self._stacks):
       known = [n for n in names if n in ids_shapes]
       caps = {n: min(int(np.prod(ids_shapes[n])), self.members[n].cache_rows) for n in known}
-      rows = self._ring_rows(stack, sum(caps.values()))
+      rows = self._tier.ring_rows(stack, sum(caps.values()))
       total = max(sum(caps.values()), 1)
       for n in known:
         out[n] = int(rows * caps[n] / total) * self.specs[n].row_bytes
     return out
 
+  def host_write_seconds(self) -> float:
+    """Seconds the host writer spent copying rows to the host and writing them back (not its
+    waits for the steps), since this group was built; after every write-back handed over."""
+    self._tier.drain()
+    return self._tier.rows.write_seconds
+
   def after_update(self, state, to_host=None):
     """The step's evicted rows (TO_HOST: per stack {"now" / "next": {k: f32[W, ...]}}, in
-    list order) to the writer thread, with the rows the prepare of that step listed
-    (`_outbox`): it copies them to the host and writes them into the tables in place, in
-    step order. O(1) here: no wait for the step."""
+    list order) to the host writer (`HostSide.hand_over`). O(1) here: no wait for the step."""
     if to_host is None:
       state, to_host = base.split_to_host(state)
-    writes = self._outbox.take()
-    for x in jax.tree.leaves(to_host):
-      if isinstance(x, jax.Array):  # (the copy starts when the step ends, not when asked)
-        x.copy_to_host_async()
-    host = self._host
-
-    def write():
-      jax.block_until_ready(to_host)  # (the step's own time: not the writer's work)
-      t0 = time.perf_counter()
-      values = host_tier.to_host(to_host)
-      for stack, kinds in enumerate(writes):
-        got = values[stack]
-        if set(kinds) != set(got) or any(
-          max((p.max(initial=-1) for _, _, p in w), default=-1) >= got[k]["table"].shape[0]
-          for k, w in kinds.items()
-        ):
-          raise RuntimeError(
-            "a step's evicted rows do not match the write-back its prepare planned: a "
-            "prepared train batch was skipped or ran out of order (batches that only run "
-            "lookup, e.g. eval, must be prepared with prepare(ids, upcoming, train=False))"
-          )
-        for kind, w in kinds.items():
-          host.scatter(w, got[kind])
-      host.write_seconds += time.perf_counter() - t0
-
-    host.writer.submit(write)
+    self._tier.hand_over(to_host)
     return state
 
   def _adopt(self):
     self._flat, self._ring, self._admitted = None, None, None
-    self._host.writer.drain()
-    self._written = self._host.writer.submitted
-    self._outbox.clear()
-    self._recent = [host_tier.Recent(int(b[-1])) for b in self._row_base]
+    self._tier.reset()
     # New cache bookkeeping: the lists start from the cap again (`Sizer(start_at_cap)`).
     self._sizers = [
       {k: Sizer(cache_plan.PATIENCE, start_at_cap=True) for k in ("now", "next")}
@@ -385,7 +332,7 @@ class OffloadGroup(base.TableGroup):
     "lists": per stack (`host_table.layouts(.., by_optimizer=True)`), {"now": int32[4, Wn],
     "now_off": int32[T + 1], "next": int32[5, Wx], "next_off": int32[T + 1]: every table's
     exchange in one list (table i's at [off[i], off[i + 1]), its own rows, the stack's
-    slots: `_to_stack`), and the host tier's part (`_stage`): "now_rows" / "next_rows" {k:
+    slots: `_to_stack`), and the host tier's part (`HostSide.stage`): "now_rows" / "next_rows" {k:
     f32[W, ...]} the rows loaded, read from the host tables here; "now_src" / "next_src"
     int32[W] ring slots; train: "now_dst" / "next_dst" int32[W], "ring" int32[0, V]}.
     Each table plans as `Offload.prepare` (`table_batch` / `table_exchanges` give its
@@ -455,83 +402,15 @@ class OffloadGroup(base.TableGroup):
       for i, r in enumerate(rows):  # positions in the layout's "now" list (width: absent)
         pos = r["now_pos"]
         r["now_pos"] = np.where(pos < off[i + 1] - off[i], pos + off[i], width).astype(np.int32)
-      writes.append(self._stage(entry, stack, train, sum(caps)))
+      writes.append(self._tier.stage(entry, stack, train, sum(caps), self._list_counters))
       lists.append(entry)
       if train:
         self.list_widths.add(tuple(entry[k].shape[1] for k in ("now", "next")))
     if train:
       self._list_counters.add(steps=1, padded_rows_h2d=padded)
-      self._outbox.plan(writes)
+      self._tier.plan(writes)
     version = np.array([per[n]["rows"]["version"] for n in self.members], np.int32)
     return {"batch": self._batch(per), "version": version, "lists": tuple(lists)}
-
-  def _stage(self, entry: dict, stack: int, train: bool, cap: int) -> dict | None:
-    """The host tier's part of a stack's lists (in place on `entry`), on the input thread:
-    per exchange "{kind}_rows" {k: f32[W, ...]}, the rows it loads read from the host tables
-    (zeros past the list's entries), and "{kind}_src" int32[W], where the device ring of
-    recent write-backs holds a row's current value instead (`host_tier.Recent`; ABSENT: the
-    host's is current). A train batch also gets "{kind}_dst" int32[W], the ring slot each
-    evicted row is written to (ABSENT: no write-back), and "ring" int32[0, V] (V, the ring's
-    rows, as a shape). -> train: the write-backs of the step, per exchange [(table index in
-    the host tier, rows, positions in the list)], for the writer (`after_update`)."""
-    names = self._stacks[stack]
-    tabs = [self._index[n] for n in names]
-    num_rows = np.array([self.specs[n].num_rows for n in names], np.int64)
-    first_row = self._row_base[stack]
-    recent = self._recent[stack] if self._recent else None
-    if train:
-      if recent.size == 0:
-        recent.resize(self._ring_rows(stack, cap))
-      entry["ring"] = np.zeros((0, recent.size), np.int32)
-    kinds = [k for k in ("now", "next") if k in entry and entry[k].shape[1]]
-    segs, need = {}, 0
-    for kind in kinds:  # where each load comes from, before this step writes back anything
-      lst, off = entry[kind], entry[f"{kind}_off"]
-      n = int(off[-1])
-      tab = np.repeat(np.arange(len(off) - 1), np.diff(off))
-      rows = lst[LOAD_ROWS, :n].astype(np.int64)
-      src = np.full(lst.shape[1], host_tier.ABSENT, np.int32)
-      if recent is not None and n:
-        src[:n], k_need = recent.sources(first_row[tab] + rows)
-        need = max(need, k_need)
-      segs[kind] = (tab, rows, src, off)
-    if need:  # a host read of a row written back by a step that may still be in flight
-      self._host.writer.wait(self._written + need, f" after {self._written} before")
-    spec = self.specs[names[0]]
-    for kind in kinds:
-      tab, rows, src, off = segs[kind]
-      width = entry[kind].shape[1]
-      if self._host.arrays:
-        got = self._host.gather(
-          [(tabs[i], rows[off[i] : off[i + 1]]) for i in range(len(tabs))], width
-        )
-      else:  # (an example batch prepared before init: shapes only)
-        got = {"table": np.zeros((width, spec.dim), np.float32)}
-        got.update({k: np.zeros(width, np.float32) for k in spec.optimizer.slot_names()})
-      held = src != host_tier.ABSENT
-      if held.any():  # (the ring's value wins; the host's may be mid-write: not shipped)
-        for v in got.values():
-          v[held] = 0
-      entry[f"{kind}_rows"], entry[f"{kind}_src"] = got, src
-      if train:
-        self._list_counters.add(ring_rows=int(np.sum(src != host_tier.ABSENT)))
-    if not train:
-      return None
-    writes = {}
-    for kind in kinds:  # ring slots of this step's write-backs, "now"'s then "next"'s
-      lst, off = entry[kind], entry[f"{kind}_off"]
-      n = int(off[-1])
-      tab = np.repeat(np.arange(len(off) - 1), np.diff(off))
-      evicted = lst[EVICT_ROWS, :n].astype(np.int64)
-      pos = np.flatnonzero(evicted < num_rows[tab])  # (padding: past the table)
-      dst = np.full(lst.shape[1], host_tier.ABSENT, np.int32)
-      dst[pos] = recent.assign(first_row[tab[pos]] + evicted[pos])
-      entry[f"{kind}_dst"] = dst
-      writes[kind] = [
-        (tabs[i], evicted[pos[tab[pos] == i]], pos[tab[pos] == i]) for i in range(len(tabs))
-      ]
-    recent.end_step()
-    return writes
 
   def _batch(self, per: dict) -> tuple:
     """Every table's prepared batch stacked per stack, its slots made the stack's (one
@@ -817,7 +696,7 @@ class OffloadGroup(base.TableGroup):
       # The write-backs: into the ring of recent ones (a later step may load a row before
       # its write-back reaches the host: `host_tier.Recent`), and out of the step for the
       # host writer (TO_HOST, list order). The ring is written after this step's reads of
-      # it (the residuals) and sized by the first train batch (`_stage`).
+      # it (the residuals) and sized by the first train batch (`HostSide.stage`).
       ring = state["ring"][stack]
       width = lists["ring"].shape[1]
       if ring["table"].shape[0] != width:

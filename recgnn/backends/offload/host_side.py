@@ -1,0 +1,189 @@
+"""`HostSide`: offload's host tier (issue 42): the tables' rows in host RAM, what each step
+loads (read on the input thread into the prepared batch) and writes back (by the writer
+thread, from the rows the step returns), and the bookkeeping of the device ring of recent
+write-backs, per stack of tables. One object with one job, composed into `OffloadGroup`
+(which keeps the device state and the step); the mechanisms are recgnn.embeddings.host_tier's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from recgnn.backends.offload.cache_plan import EVICT_ROWS, LOAD_ROWS
+from recgnn.embeddings import base, host_cache, host_tier
+
+# The device ring of recent write-backs (`host_tier.Recent`) holds this many times a stack's
+# most loads per batch (the sum of min(ids per batch, C) over its tables), at most its rows
+# (`ring_rows`): the input thread's run-ahead (PREFETCH batches prepared before the step of
+# the first of them runs) when every step evicts all it can, many more steps in practice (the
+# misses). A row evicted before that is read from the host, after its write-back landed.
+# Device memory: PREFETCH batches of rows (`OffloadGroup.batch_memory`), beside the cache.
+RING_BATCHES = base.PREFETCH
+
+
+class HostSide:
+  """The host tier of one offload group.
+
+  stacks: the group's stacks of tables (names; `host_table.layouts`), specs: {name: TableSpec},
+  index: {name: its position in the group} (the host arrays' order)."""
+
+  def __init__(self, owner: str, stacks, specs: dict, index: dict[str, int]):
+    self.owner = owner
+    self.stacks, self.specs, self.index = stacks, specs, index
+    self.rows = host_tier.HostRows(owner)
+    # Per stack, each table's first row in the ring's numbering (table after table).
+    self.row_base = [
+      np.cumsum([0] + [specs[n].num_rows for n in names]).astype(np.int64) for names in stacks
+    ]
+    self.recent: list[host_tier.Recent] = []
+    self.outbox = host_tier.Outbox()
+    self.written = 0  # the writer's jobs handed over before the last reset
+
+  # -- the tables
+
+  def set_tables(self, arrays: list[dict]) -> None:
+    """Own these host arrays (numpy, in the group's order)."""
+    self.rows.set(arrays)
+
+  def table(self, name: str) -> dict:
+    """A table's host arrays (numpy; current once `drain` returned)."""
+    return self.rows.arrays[self.index[name]]
+
+  def drain(self) -> None:
+    """Every write-back handed over applied."""
+    self.rows.writer.drain()
+
+  def reset(self) -> None:
+    """New cache bookkeeping (init / restore): no write-back in flight, none planned, the
+    rings empty (their rows sized again by the next train batch)."""
+    self.drain()
+    self.written = self.rows.writer.submitted
+    self.outbox.clear()
+    self.recent = [host_tier.Recent(int(b[-1])) for b in self.row_base]
+
+  def write_resident(self, name: str, slot_rows: np.ndarray, cache: dict) -> None:
+    """table[slot_rows[s]] = cache[s] for every occupied slot (the device copy written back
+    before a checkpoint; slot_rows int32[C], N = empty). Call after `drain`."""
+    resident = slot_rows < self.specs[name].num_rows
+    for k, v in self.table(name).items():
+      v[slot_rows[resident]] = cache[k][resident]
+
+  def ring_rows(self, stack: int, cap: int) -> int:
+    """The ring's rows for a stack whose most loads per batch are `cap` (the sum of min(ids
+    per batch, C) over its tables): RING_BATCHES x cap, at most the stack's rows. (At most
+    its cache's rows was tried: the run-ahead's steps then overwrite ring entries a prepared
+    batch still needs whenever a step evicts most of a small cache, and the input side must
+    wait for the step: what the ring is for.)"""
+    return int(min(RING_BATCHES * cap, self.row_base[stack][-1]))
+
+  # -- the input thread
+
+  def stage(
+    self, entry: dict, stack: int, train: bool, cap: int, counters: host_cache.Counters
+  ) -> dict | None:
+    """The host tier's part of a stack's lists (in place on `entry`), on the input thread:
+    per exchange "{kind}_rows" {k: f32[W, ...]}, the rows it loads read from the host tables
+    (zeros past the list's entries), and "{kind}_src" int32[W], where the device ring of
+    recent write-backs holds a row's current value instead (`host_tier.Recent`; ABSENT: the
+    host's is current). A train batch also gets "{kind}_dst" int32[W], the ring slot each
+    evicted row is written to (ABSENT: no write-back), and "ring" int32[0, V] (V, the ring's
+    rows, as a shape). -> train: the write-backs of the step, per exchange [(table index in
+    the host tier, rows, positions in the list)], for the writer (`plan`, `hand_over`)."""
+    names = self.stacks[stack]
+    tabs = [self.index[n] for n in names]
+    num_rows = np.array([self.specs[n].num_rows for n in names], np.int64)
+    first_row = self.row_base[stack]
+    recent = self.recent[stack] if self.recent else None
+    if train:
+      if recent.size == 0:
+        recent.resize(self.ring_rows(stack, cap))
+      entry["ring"] = np.zeros((0, recent.size), np.int32)
+    kinds = [k for k in ("now", "next") if k in entry and entry[k].shape[1]]
+    segs, need = {}, 0
+    for kind in kinds:  # where each load comes from, before this step writes back anything
+      lst, off = entry[kind], entry[f"{kind}_off"]
+      n = int(off[-1])
+      tab = np.repeat(np.arange(len(off) - 1), np.diff(off))
+      rows = lst[LOAD_ROWS, :n].astype(np.int64)
+      src = np.full(lst.shape[1], host_tier.ABSENT, np.int32)
+      if recent is not None and n:
+        src[:n], k_need = recent.sources(first_row[tab] + rows)
+        need = max(need, k_need)
+      segs[kind] = (rows, src, off)
+    if need:  # a host read of a row written back by a step that may still be in flight
+      self.rows.writer.wait(self.written + need, f" after {self.written} before")
+    spec = self.specs[names[0]]
+    for kind in kinds:
+      rows, src, off = segs[kind]
+      width = entry[kind].shape[1]
+      if self.rows.arrays:
+        got = self.rows.gather(
+          [(tabs[i], rows[off[i] : off[i + 1]]) for i in range(len(tabs))], width
+        )
+      else:  # (an example batch prepared before init: shapes only)
+        got = {"table": np.zeros((width, spec.dim), np.float32)}
+        got.update({k: np.zeros(width, np.float32) for k in spec.optimizer.slot_names()})
+      held = src != host_tier.ABSENT
+      if held.any():  # (the ring's value wins; the host's may be mid-write: not shipped)
+        for v in got.values():
+          v[held] = 0
+      entry[f"{kind}_rows"], entry[f"{kind}_src"] = got, src
+      if train:
+        counters.add(ring_rows=int(held.sum()))
+    if not train:
+      return None
+    writes = {}
+    for kind in kinds:  # ring slots of this step's write-backs, "now"'s then "next"'s
+      lst, off = entry[kind], entry[f"{kind}_off"]
+      n = int(off[-1])
+      tab = np.repeat(np.arange(len(off) - 1), np.diff(off))
+      evicted = lst[EVICT_ROWS, :n].astype(np.int64)
+      pos = np.flatnonzero(evicted < num_rows[tab])  # (padding: past the table)
+      dst = np.full(lst.shape[1], host_tier.ABSENT, np.int32)
+      dst[pos] = recent.assign(first_row[tab[pos]] + evicted[pos])
+      entry[f"{kind}_dst"] = dst
+      writes[kind] = [
+        (tabs[i], evicted[pos[tab[pos] == i]], pos[tab[pos] == i]) for i in range(len(tabs))
+      ]
+    recent.end_step()
+    return writes
+
+  def plan(self, writes: list) -> None:
+    """A train batch's write-backs (per stack, `stage`'s), for its step's `hand_over`."""
+    self.outbox.plan(writes)
+
+  # -- after the step (main thread), then the writer thread
+
+  def hand_over(self, to_host) -> None:
+    """A step's evicted rows (per stack {"now" / "next": {k: f32[W, ...]}}, in list order)
+    to the writer thread with the rows its prepare listed: it copies them to the host and
+    writes them into the tables in place, in step order. O(1) here: no wait for the step."""
+    writes = self.outbox.take()
+    for x in jax.tree.leaves(to_host):
+      if isinstance(x, jax.Array):  # (the copy starts when the step ends, not when asked)
+        x.copy_to_host_async()
+    host = self.rows
+
+    def write():
+      jax.block_until_ready(to_host)  # (the step's own time: not the writer's work)
+      t0 = time.perf_counter()
+      values = host_tier.to_host(to_host)
+      for stack, kinds in enumerate(writes):
+        got = values[stack]
+        if set(kinds) != set(got) or any(
+          max((p.max(initial=-1) for _, _, p in w), default=-1) >= got[k]["table"].shape[0]
+          for k, w in kinds.items()
+        ):
+          raise RuntimeError(
+            "a step's evicted rows do not match the write-back its prepare planned: a "
+            "prepared train batch was skipped or ran out of order (batches that only run "
+            "lookup, e.g. eval, must be prepared with prepare(ids, upcoming, train=False))"
+          )
+        for kind, w in kinds.items():
+          host.scatter(w, got[kind])
+      host.write_seconds += time.perf_counter() - t0
+
+    host.writer.submit(write)
