@@ -328,6 +328,39 @@ def test_cache_reuse_and_invalidation(tmp_path):
   assert not third.reused_cache and third.num_rows == 350
 
 
+def test_a_damaged_cache_is_refused_or_rebuilt_never_read(tmp_path):
+  """A converted dataset's array truncated to half its bytes (a copy cut short, a full disk),
+  or swapped with another cache's: opening the dataset with its source at hand rebuilds the
+  cache (and says why); opening the cache alone refuses it naming the file and the fix. It
+  was `ValueError: mmap length is greater than file size` and nothing else, or, for a
+  same-sized file, wrong data read silently."""
+  cfg = cs.SyntheticConfig(num_rows=700, scale=1e-4, seed=1, calibration_rows=10_000)
+  path = str(tmp_path / "train.txt")
+  cs.generate_tsv(path, cfg, quiet)
+  cache = str(tmp_path / "cache")
+  good = criteo.open_criteo(path, cache, progress=quiet)
+  want = np.array(good.sparse)
+  sparse = os.path.join(good.path, "sparse.npy")
+  size = os.path.getsize(sparse)
+  del good
+  with open(sparse, "r+b") as f:
+    f.truncate(size // 2)
+  with pytest.raises(ValueError, match=r"sparse\.npy has .* bytes where its manifest records"):
+    criteo.CriteoDataset(os.path.dirname(sparse))
+  said = []
+  again = criteo.open_criteo(path, cache, progress=said.append)
+  assert not again.reused_cache and any("the cache is damaged" in m for m in said), said
+  np.testing.assert_array_equal(again.sparse, want)
+  # The same bytes, other contents (another cache's array): refused too.
+  labels = os.path.join(again.path, "labels.npy")
+  del again
+  with open(labels, "r+b") as f:
+    f.seek(200)
+    f.write(bytes([1 - f.read(1)[0] % 2]))
+  with pytest.raises(ValueError, match="first bytes differ"):
+    criteo.CriteoDataset(os.path.dirname(labels))
+
+
 # ----------------------------------------------------------------------------- batches
 
 

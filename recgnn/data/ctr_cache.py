@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import multiprocessing
 import os
@@ -31,7 +32,11 @@ import numpy as np
 
 from recgnn.data.ctr_schema import FIRST_ID, MISSING_ID, PAD, UNKNOWN_ID, Categorical
 
-CACHE_VERSION = 1
+# 2: the manifest lists each array's bytes and a checksum of its head (`file_records`), checked
+# before the arrays are trusted (a cache of version 1 is rebuilt from its sources).
+CACHE_VERSION = 2
+ARRAYS = ("labels.npy", "dense.npy", "sparse.npy")
+HEAD_BYTES = 1 << 16  # the bytes of each array whose checksum the manifest records
 MAX_EXAMPLES = 10  # malformed lines quoted in reports
 SORTED_LOOKUP = 512  # vocabularies larger than this are searched with sorted queries
 
@@ -113,8 +118,43 @@ def source_stats(paths: Sequence[str]) -> list[dict[str, Any]]:
   return out
 
 
+def _head_sha256(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
+
+
+def file_records(path: str) -> dict[str, dict[str, Any]]:
+  """{array file: {"bytes", "head_sha256"}} of a cache directory's arrays: what the manifest
+  records at conversion and `check_files` compares before the arrays are read."""
+  return {
+    name: {"bytes": os.path.getsize(os.path.join(path, name)),
+           "head_sha256": _head_sha256(os.path.join(path, name))}
+    for name in ARRAYS
+  }  # fmt: skip
+
+
+def check_files(path: str, manifest: dict[str, Any]) -> str | None:
+  """None if every array of the cache at `path` has the bytes and head checksum its manifest
+  recorded, else what differs (a truncated copy, a half-written file, another cache's array:
+  never read as data). O(arrays): a stat and 64 KiB read each."""
+  want = manifest.get("files")
+  if not isinstance(want, dict):
+    return "its manifest records no array sizes (written before they were checked)"
+  for name in ARRAYS:
+    f = os.path.join(path, name)
+    if not os.path.isfile(f):
+      return f"{f} is missing"
+    size, rec = os.path.getsize(f), want.get(name, {})
+    if size != rec.get("bytes"):
+      return f"{f} has {size:,} bytes where its manifest records {rec.get('bytes', 0):,}"
+    if _head_sha256(f) != rec.get("head_sha256"):
+      return f"{f}'s first bytes differ from what its manifest records (another file?)"
+  return None
+
+
 def cache_valid(path: str, paths: Sequence[str], key: dict[str, Any]) -> str | None:
-  """None if the cache at `path` matches the sources and the id settings `key`, else why not."""
+  """None if the cache at `path` matches the sources and the id settings `key` and its arrays
+  are whole (`check_files`), else why not (the caller converts again)."""
   try:
     with open(os.path.join(path, "manifest.json")) as f:
       manifest = json.load(f)
@@ -126,6 +166,9 @@ def cache_valid(path: str, paths: Sequence[str], key: dict[str, Any]) -> str | N
     return "reader settings changed"
   if manifest.get("sources") != source_stats(paths):
     return "a source file changed (size or mtime)"
+  bad = check_files(path, manifest)
+  if bad is not None:
+    return f"the cache is damaged: {bad}"
   return None
 
 
@@ -491,6 +534,7 @@ def convert(
     # What padding costs: the share of each table's id slots that hold an id.
     manifest["bag_fill"] = _bag_fill(os.path.join(tmp, "sparse.npy"), columns)
   manifest.update(extra or {})
+  manifest["files"] = file_records(tmp)
   with open(os.path.join(tmp, "manifest.json"), "w") as f:
     json.dump(manifest, f, indent=1)
   shutil.rmtree(out_dir, ignore_errors=True)

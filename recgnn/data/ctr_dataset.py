@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from recgnn.data import ctr_cache
 from recgnn.data.ctr_schema import MISSING_ID, PAD
 
 KAGGLE_DAYS = 7
@@ -81,6 +82,12 @@ class CTRDataset:
       raise ValueError(f"Unknown split {split!r}; available: {', '.join(SPLITS)}")
     with open(os.path.join(path, "manifest.json")) as f:
       self.manifest = json.load(f)
+    bad = ctr_cache.check_files(path, self.manifest)
+    if bad is not None:  # (never read a damaged array as data)
+      raise ValueError(
+        f"CTR cache {path} is damaged: {bad}. Delete the directory and open the dataset "
+        "again: it is rebuilt from its source files."
+      )
     self.path = path
     self.reused_cache = reused_cache
     self.labels = np.load(os.path.join(path, "labels.npy"), mmap_mode="r")
