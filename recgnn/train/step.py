@@ -254,8 +254,8 @@ def jit_packed(
     out_shardings=out,
   )
   # Simulated CPU devices: one step in flight at a time (XLA:CPU deadlocks otherwise; see
-  # sharding.OneInFlight).
-  one = sharding.OneInFlight(jitted, mesh)
+  # sharding.OneInFlight). Elsewhere the jitted function itself: no Python frame per call.
+  one = sharding.OneInFlight(jitted, mesh) if sharding.needs_one_in_flight(mesh) else jitted
   return one if step_inputs is None else _BoundInputs(one, step_inputs)
 
 
@@ -274,7 +274,18 @@ class _BoundInputs:
 
 
 class Feeder:
-  """Packs (prepared, batch) for the step: the specs of every leaf, checked and cached."""
+  """Packs (prepared, batch) for the step: the specs of every leaf, checked and cached.
+
+  Specs, checks and the packed layout depend only on the tree's structure and its leaves'
+  shapes and dtypes (a group's `prepared_spec` reads keys, never values), so they are
+  computed once per such signature (`inputs.Packer`, kept here) and each batch costs a
+  flatten, the signature and one copy per leaf. Every batch of one signature carries the same
+  `inputs.PackLayout` object: jit's static-argument lookup and the trainer's traffic reader
+  then cost a hash already computed and an identity check."""
+
+  #: Packers kept (distinct signatures: a train and an eval batch shape, bucketed list
+  #: lengths); the cache restarts past this rather than grow without bound.
+  MAX_PACKERS = 512
 
   def __init__(self, plan: planner.Plan, batch_spec=None):
     """The layout is the plan's (`plan.layout`, given to every backend at construction):
@@ -284,6 +295,7 @@ class Feeder:
     self.plan, self.batch_spec = plan, batch_spec
     self.shard_batch = plan.layout.split_batch
     self.local = plan.layout.process_local
+    self._packers: dict[tuple, inputs.Packer] = {}
 
   def specs(self, prepared, batch):
     p = {k: self.plan.groups[k].prepared_spec(v) for k, v in prepared.items()}
@@ -298,13 +310,25 @@ class Feeder:
 
   def pack(self, prepared, batch, what: str = "batch"):
     """-> (host buffers, layout): everything but the transfer (host work only, so the
-    trainer runs it on its input thread; `put` runs on the thread that launches steps)."""
-    batch = device_batch(batch)
-    specs = self.specs(prepared, batch)
+    trainer runs it on its input thread)."""
+    tree = (prepared, device_batch(batch))
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = [x if type(x) is np.ndarray else np.asarray(x) for x in leaves]
+    key = (treedef, inputs.leaf_signature(leaves))
+    packer = self._packers.get(key)
+    if packer is None:  # a new signature: specs and checks once
+      if len(self._packers) >= self.MAX_PACKERS:
+        self._packers.clear()
+      packer = self._packers[key] = self._packer(tree, treedef, leaves, what)
+    return packer(leaves), packer.layout
+
+  def _packer(self, tree, treedef, leaves, what: str) -> inputs.Packer:
+    specs = self.specs(*tree)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     mesh = self.plan.mesh
     if not self.local:
-      inputs.check_split((prepared, batch), specs, mesh, what)
-      return inputs.pack((prepared, batch), specs, mesh.size)
+      inputs.check_split(tree, specs, mesh, what)
+      return inputs.Packer(treedef, leaves, spec_leaves, mesh.size)
     # A process-local slice: a leaf every device needs whole would differ between
     # processes, so every leaf must be batch-major (the groups promised it).
     flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
@@ -314,10 +338,9 @@ class Feeder:
         f"process-local {what}: leaves {whole[:6]} are not batch-major; they would differ "
         "between processes. Use train.process_input=global."
       )
-    local_devices = mesh.size // jax.process_count()
-    for x in jax.tree.leaves((prepared, batch)):
+    for x in leaves:
       sharding.check_batch(np.shape(x)[0] * jax.process_count(), mesh, what)
-    return inputs.pack((prepared, batch), specs, local_devices)
+    return inputs.Packer(treedef, leaves, spec_leaves, mesh.size // jax.process_count())
 
   def put(self, buffers):
     """The host -> device transfer of `pack`'s buffers."""
