@@ -49,6 +49,9 @@ def get_config(arg=None):
   c.model.interaction = "dot"  # or "dcn": DCN-v2 cross layers (recgnn/models/dcn.py)
   c.model.cross_layers = 3  # dcn
   c.model.low_rank = 512  # dcn: rank of W = U V^T (0: full rank)
+  # Compute dtype of the MLPs and interaction: "float32" or "bfloat16" (params, optimizer and
+  # embedding state and the loss stay float32).
+  c.model.dtype = "float32"
 
   c.embeddings = ml_collections.ConfigDict()
   c.embeddings.dim = 16
