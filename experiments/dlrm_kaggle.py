@@ -83,6 +83,10 @@ def get_config(arg=None):
   c.train.eval_split = "valid"
   c.train.final_eval_splits = ("valid", "test")
   c.train.checkpoint_every = 1000
+  # Train steps per call of the jitted step: k batches in one transfer, one lax.scan over
+  # their optimizer steps (fewer launches; logs, evals and checkpoints at multiples of k).
+  # dense, tt and sharded; offload and hot_cold refuse k > 1 for now.
+  c.train.steps_per_call = 1
   c.train.keep_checkpoints = 2
   # Many processes: "auto" = each reads only its slice of every batch when every embedding
   # group's prepare is per example (dense, sharded), else the whole batch; "local" refuses

@@ -187,6 +187,8 @@ def test_stacked_dedup_updates_the_tables_bit_for_bit_as_sorted_dedup():
 
 
 class _Task:
+  batches_per_call = 1
+
   def num_examples(self, batch):
     return len(batch["weight"])
 

@@ -247,6 +247,7 @@ class CTR(Task):
   """DLRM / DCNv2 on CTR data: dense features, one-hot or multi-hot tables, a binary label."""
 
   reads_process_slice = True  # memmap and TFDS sources read only a process's rows
+  steps_per_call_key = "train.steps_per_call"
 
   def __init__(self, config, mesh):
     super().__init__(config, mesh)
@@ -256,6 +257,12 @@ class CTR(Task):
     # ids per example of each table (the batches' ids[t] are int32[B, L_t]).
     self.bag_lengths = tuple(getattr(self.data, "bag_lengths", (1,) * len(self.names)))
     self.model = make_model(config.model)
+    # train.steps_per_call = k: k batches per call of the train step, one transfer, one
+    # lax.scan over the k optimizer steps (Task.batches_per_call).
+    k = config.train.get("steps_per_call", 1)
+    if not isinstance(k, int) or k < 1:
+      raise ValueError(f"train.steps_per_call={k!r}: use an integer >= 1")
+    self.steps_per_call = self.batches_per_call = k
     # With many processes, each may read only its slice of every batch (decided from the
     # config, the mesh and these tables: the trainer's layout is the same decision).
     self.process_shard = self.input_layout()[1] or (0, 1)

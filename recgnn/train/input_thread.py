@@ -38,20 +38,22 @@ class Item:
 
 
 def stream(task: Task, start: int, total: int, eval_every: int, eval_split: str, final):
-  """(kind, split, batch): train batches of steps [start, total), one per call of k =
-  `task.steps_per_call` steps (start, total and eval_every multiples of k: the loop checks),
+  """(kind, split, batch): train batches of steps [start, total), `task.batches_per_call` per
+  call of k = `task.steps_per_call` steps (start, total and eval_every multiples of k: the
+  loop checks),
   with an eval pass of `eval_split` after every `eval_every` steps, then a pass of each split
   in `final`; each pass ends with ("eval_end", split, None)."""
   train = task.train_batches(start)
   k = task.steps_per_call
   for s in range(start, total, k):
-    try:
-      batch = next(train)
-    except StopIteration:
-      raise RuntimeError(
-        f"{type(task).__name__}.train_batches ended at step {s}; it must cycle over epochs"
-      ) from None
-    yield "train", None, batch
+    for _ in range(task.batches_per_call):  # (k > 1: InputThread stacks them into one call)
+      try:
+        batch = next(train)
+      except StopIteration:
+        raise RuntimeError(
+          f"{type(task).__name__}.train_batches ended at step {s}; it must cycle over epochs"
+        ) from None
+      yield "train", None, batch
     if eval_every and (s + k) % eval_every == 0 and s + k < total:
       for b in task.eval_batches(eval_split):
         yield "eval", eval_split, b
@@ -100,19 +102,32 @@ class InputThread:
   def _run(self, items):
     try:
       prepared = inputs.prepare_stream(self._plan, items)
+      per_call = self._task.batches_per_call
+      call: list = []  # train batches of the call being gathered (per_call > 1)
       while not self._stop.is_set():
         t0 = time.perf_counter()
         try:
           it = next(prepared)  # prepare runs here
         except StopIteration:
           break
-        host = None
+        host, size = None, 0
         if it.batch is not None:
+          size = self._task.num_examples(it.batch) * self._scale
+        if it.kind == "train" and per_call > 1:
+          # Each batch packed as alone (every batch's prepare in stream order), the call's
+          # k batches stacked into one transfer.
+          call.append((self._feeder.pack(it.prepared, it.batch, "train batch"), size))
+          self.busy_seconds += time.perf_counter() - t0
+          if len(call) < per_call:
+            continue
+          t0 = time.perf_counter()
+          host = self._feeder.stack([c[0] for c in call])
+          size, call = sum(c[1] for c in call), []
+        elif it.batch is not None:
           host = self._feeder.pack(it.prepared, it.batch, f"{it.kind} batch")
-          if self.put_here:
-            host = (self._feeder.put(host[0]), host[1])
+        if host is not None and self.put_here:
+          host = (self._feeder.put(host[0]), host[1])
         self.busy_seconds += time.perf_counter() - t0
-        size = self._task.num_examples(it.batch) * self._scale if it.batch is not None else 0
         self._put(Item(it.kind, it.split, size, host, self.put_here))
       self._put(None)
     except BaseException as e:  # forwarded to the main thread, which re-raises

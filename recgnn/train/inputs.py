@@ -230,6 +230,10 @@ def unpack(buffers, layout, mesh) -> PyTree:
   return jax.tree.unflatten(treedef, [host[w[1]] if w[0] < 0 else next(sliced) for w in where])
 
 
+# A call's k stacked batches: axis 0 the call's steps, axis 1 the devices.
+STACKED_SPEC = jax.sharding.PartitionSpec(None, sharding.BATCH)
+
+
 def put(buffers: tuple[list, list], mesh, local: bool = False) -> tuple[list, list]:
   """The one host -> device transfer of a batch: row i of each buffer to device i; the host
   leaves to pinned host memory (a copy within the host). With many processes, each
@@ -237,13 +241,17 @@ def put(buffers: tuple[list, list], mesh, local: bool = False) -> tuple[list, li
   ([local devices, n], from a process-local slice of the batch; never host leaves: they
   are replicated, which a process-local batch refuses)."""
   buffers, host = buffers
-  sh = sharding.named(mesh, sharding.BATCH_SPEC)
+  # [devices, n] buffers, or a call's k batches stacked ([k, devices, n]: `Feeder.stack`)
+  stacked = bool(buffers) and buffers[0].ndim == 3
+  sh = sharding.named(mesh, STACKED_SPEC if stacked else sharding.BATCH_SPEC)
   hs = sharding.named(mesh, sharding.HOST_SPEC)
   if local:
     if host:  # (Feeder.pack refuses them first: every leaf of a local batch is batch-major)
       raise ValueError(f"a process-local batch cannot carry {len(host)} host leaves")
+    lead = (buffers[0].shape[0],) if stacked else ()
     return [
-      jax.make_array_from_process_local_data(sh, b, (mesh.size,) + b.shape[1:]) for b in buffers
+      jax.make_array_from_process_local_data(sh, b, lead + (mesh.size,) + b.shape[-1:])
+      for b in buffers
     ], []
   if jax.process_count() == 1:
     return jax.device_put(buffers, sh), jax.device_put(host, hs)

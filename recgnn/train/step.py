@@ -221,6 +221,7 @@ def jit_packed(
   out_state: bool,
   name: str = "packed",
   step_inputs: PyTree | None = None,
+  stacked: int = 1,
 ):
   """step_fn(state, prepared, batch) -> jitted f(state, buffers, layout) over `inputs.pack`
   output, with explicit in / out shardings (state as `state_shardings`, buffers split over
@@ -231,12 +232,26 @@ def jit_packed(
   (`Task.step_inputs`, e.g. the graph each device samples from): step_fn is then
   step_fn(state, prepared, batch, step_inputs), and they are the jitted function's last
   argument, bound here (f keeps the signature above). An argument, not a closure: a
-  closed-over array would be a constant of the program, the whole graph in its HLO."""
+  closed-over array would be a constant of the program, the whole graph in its HLO.
+
+  stacked: k > 1 train steps per call over k batches (`Feeder.stack`: buffers [k, devices,
+  n], one layout, no host leaves): one `lax.scan` of step_fn over them, the state carried,
+  metrics stacked ([k] per key). Each iteration is the one-step program's body on batch i,
+  so k calls of one step and one call of k end bit-identical (tests/test_steps_per_call.py)."""
   mesh = plan.mesh
-  buf = jax.sharding.NamedSharding(mesh, sharding.BATCH_SPEC)
+  spec = inputs.STACKED_SPEC if stacked > 1 else sharding.BATCH_SPEC
+  buf = jax.sharding.NamedSharding(mesh, spec)
   repl = jax.sharding.NamedSharding(mesh, sharding.REPLICATED)
 
   def packed(state, buffers, layout, *extra):
+    if stacked > 1:
+      bufs, host = buffers
+
+      def body(state, bufs_i):
+        prepared, batch = inputs.unpack((bufs_i, host), layout, mesh)
+        return step_fn(state, prepared, batch, *extra)
+
+      return jax.lax.scan(body, state, bufs)
     prepared, batch = inputs.unpack(buffers, layout, mesh)
     return step_fn(state, prepared, batch, *extra)
 
@@ -342,8 +357,26 @@ class Feeder:
       sharding.check_batch(np.shape(x)[0] * jax.process_count(), mesh, what)
     return inputs.Packer(treedef, leaves, spec_leaves, mesh.size // jax.process_count())
 
+  def stack(self, packed: list) -> tuple[tuple[list, list], inputs.PackLayout]:
+    """k `pack` outputs of one call's train batches -> ((buffers [k, devices, n] per dtype,
+    no host leaves), their one layout): the input of a `jit_packed(stacked=k)` step, one
+    transfer for the k batches."""
+    layout = packed[0][1]
+    if any(p[1] is not layout for p in packed):
+      raise ValueError(
+        "the train batches of one call differ in structure or shapes; k steps per call "
+        "(train.steps_per_call) needs batches of one shape (drop the remainder)"
+      )
+    if packed[0][0][1]:
+      raise ValueError(
+        f"k steps per call cannot stack {len(packed[0][0][1])} host-memory leaves "
+        "(train.steps_per_call=1 for host-tier plans)"
+      )
+    bufs = [np.stack([p[0][0][i] for p in packed]) for i in range(len(packed[0][0][0]))]
+    return (bufs, []), layout
+
   def put(self, buffers):
-    """The host -> device transfer of `pack`'s buffers."""
+    """The host -> device transfer of `pack`'s (or `stack`'s) buffers."""
     return inputs.put(buffers, self.plan.mesh, local=self.local)
 
 
