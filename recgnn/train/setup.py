@@ -84,7 +84,8 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
     config.train.get("process_input", "auto"),
   )
   n = (options or auto_lib.AutoOptions()).batches
-  timing = plan_timing.batches_needed() if options is not None and options.finalists > 1 else 0
+  finalists = options is not None and options.finalists > 1
+  timing = plan_timing.batches_needed(task.batches_per_call) if finalists else 0
   batches = list(itertools.islice(task.train_batches(0), max(n, timing)))
   ids = [b["ids"] for b in batches[:n]]
   path = config.embeddings.get("cost_cache", "")
