@@ -1231,19 +1231,24 @@ def perf_torch(args) -> int:
     modes += [("compiled", True, False), ("compiled_bf16", True, True)]
   else:
     out["note"] = "CPU test mode: eager only (torch.compile's CPU build is not what is measured)"
-  for batch, steps in zip((int(x) for x in args.batches.split(",")),
-                          (int(x) for x in args.steps.split(","))):  # fmt: skip
+  # Every batch size eagerly first, then compiled, then bf16: a stage that runs out of time
+  # still has the eager figures at both sizes.
+  sizes = [int(x) for x in args.batches.split(",")]
+  steps_of = dict(zip(sizes, (int(x) for x in args.steps.split(","))))
+  batches_of = {}
+  for batch in sizes:
     it = data.batches("train", batch, start_step=0, shuffle_seed=c.seed, num_epochs=None)
-    batches = []
-    for _ in range(min(steps, 8)):
+    batches_of[batch] = []
+    for _ in range(min(steps_of[batch], 8)):
       b = next(it)
       ids = [b["ids"][n][:, 0] for n in data.table_names]
-      batches.append(peers_dlrm.Batch.of(b["dense"], ids, b["label"]))
-    for mode, compiled, bf16 in modes:
-      name = f"b{batch}_{mode}"
+      batches_of[batch].append(peers_dlrm.Batch.of(b["dense"], ids, b["label"]))
+  for mode, compiled, bf16 in modes:
+    for batch in sizes:
+      name, steps = f"b{batch}_{mode}", steps_of[batch]
       try:
         to_inputs, step, sync = peers_dlrm.build_pytorch_on(cfg, device, 0, compiled, bf16)
-        inputs = [to_inputs(b) for b in batches]
+        inputs = [to_inputs(b) for b in batches_of[batch]]
         r = peers_dlrm.time_steps(step, inputs, batch, warmup=3, reps=3,
                                   steps_per_rep=max(1, steps // 3), sync=sync)  # fmt: skip
         r["final_loss"] = float(step(inputs[0]).item())
