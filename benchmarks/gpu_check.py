@@ -19,6 +19,11 @@ Stages (benchmarks/GPU.md: the commands in order, their times, where results go)
   trace      profiled steps of cdlrm_kaggle (offload) and hotline_kaggle (hot_cold):
              recgnn.trace_summary per step (kernels, H2D / D2H copies, overlap), the trace
   calibrate  tt's contract=auto cost model fitted on this platform (benchmarks/tt.py levels)
+  perf       issue 43: dlrm_kaggle (dense) at batch 2048 (k = 1, and 8 where the tree has
+             train.steps_per_call) and 65536, f32 and bf16, steady samples/s; 5 traced steps
+             of the 2048 f32 and 65536 bf16 runs (GPU-busy fraction, gaps); the PyTorch peer
+             (benchmarks/peers_dlrm.build_pytorch_on: eager, torch.compile, bf16 autocast) on
+             the same batches; the issue's targets checked (`checks`)
 
 Every stage writes DIR/STAGE.json, DIR/STAGE.md and DIR/STAGE.log (trimmed), plus: trace
 DIR/trace_EXPERIMENT.trace.json.gz (the Perfetto trace, trimmed to the device's and the
@@ -56,7 +61,7 @@ import time
 
 NO_GPU = 3  # exit status of `detect` when jax sees no GPU
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = ("env", "contract", "trainer", "train", "trace", "calibrate", "tiers")
+STAGES = ("env", "contract", "trainer", "train", "trace", "calibrate", "tiers", "perf")
 EXPERIMENTS = ("dlrm_kaggle", "cdlrm_kaggle", "ttrec_kaggle", "hotline_kaggle")
 TRACED = ("cdlrm_kaggle", "hotline_kaggle")
 # The tiers stage (issue 42): every table dense, offloaded, hot / cold; at Kaggle's table sizes.
@@ -1057,6 +1062,282 @@ def stage_tiers(ctx: Ctx, st: Stage) -> str:
   return "ok" if ok else "failed"
 
 
+# ------------------------------------------------------------------------------ perf
+# Issue 43's GPU targets, checked against what this stage measures.
+PERF_TARGETS = {"small": 2_000_000, "large": 10_000_000, "busy": 0.70, "vs_torch": 1.5}
+
+
+def perf_sizes(ctx: Ctx) -> dict:
+  """The perf stage's runs: dlrm_kaggle (dense tables) at a small and a large batch."""
+  if ctx.mode == "gpu":
+    return {"small": 2048, "large": 65536, "rows": 1_000_000, "k": (1, 8),
+            "steps": {2048: 400, 65536: 60}, "log_every": {2048: 40, 65536: 10},
+            "torch_steps": {2048: 60, 65536: 12}, "trace_at": {2048: 200, 65536: 30}}  # fmt: skip
+  return {"small": 512, "large": 4096, "rows": 20_000, "k": (1, 8),
+          "steps": {512: 32, 4096: 16}, "log_every": {512: 8, 4096: 4},
+          "torch_steps": {512: 8, 4096: 4}, "trace_at": {512: 16, 4096: 8}}  # fmt: skip
+
+
+def perf_args(ctx: Ctx, s: dict, batch: int, dtype: str, k: int, wd: str, trace: bool):
+  steps, log_every = s["steps"][batch], s["log_every"][batch]
+  if k > 1:  # whole calls of k steps: every count a multiple of k
+    log_every = max(k, log_every // k * k)
+    steps = steps // log_every * log_every
+  args = [
+    sys.executable, "run.py", "--experiment=dlrm_kaggle", f"--workdir={wd}",
+    f"--config.train.steps={steps}", f"--config.train.log_every={log_every}",
+    f"--config.train.batch_size={batch}", f"--config.data.synthetic.rows={s['rows']}",
+    f"--config.data.cache_dir={os.path.join(ctx.work, 'data_cache')}",
+    "--config.train.checkpoint_every=0", "--config.train.eval_every=0",
+    "--config.train.final_eval_splits=()", f"--config.model.dtype={dtype}",
+  ]  # fmt: skip
+  if k > 1:
+    args.append(f"--config.train.steps_per_call={k}")
+  if trace:
+    a = s["trace_at"][batch] // max(k, 1) * max(k, 1)
+    args.append(f"--profile_steps={a}:{a + 5 * max(k, 1)}")
+  return args
+
+
+def perf_runs(s: dict) -> list[tuple[int, str, int, bool]]:
+  """(batch, dtype, k, traced) of each recgnn run, the traced ones first (they matter most
+  if the stage runs out of time): the small batch's f32 step, the large batch's bf16 step."""
+  small, large = s["small"], s["large"]
+  return [
+    (small, "float32", 1, True),
+    (large, "bfloat16", 1, True),
+    (small, "bfloat16", 1, False),
+    (large, "float32", 1, False),
+    *[(small, "float32", k, False) for k in s["k"] if k > 1],
+  ]
+
+
+def _busy(summary: dict) -> dict:
+  """GPU-busy fraction of the step and the gaps, from a trace summary's mean."""
+  m = summary["mean"]
+  span = m["span_us"] or float("nan")
+  return {"busy_fraction": m["busy_us"] / span, "step_ms": span / 1e3,
+          "busy_ms": m["busy_us"] / 1e3, "gap_ms": (span - m["busy_us"]) / 1e3,
+          "kernels": m["kernels"], "h2d_ms": m["h2d_us"] / 1e3}  # fmt: skip
+
+
+def stage_perf(ctx: Ctx, st: Stage) -> str:
+  """dlrm_kaggle's throughput at two batches, f32 and bf16 (and k steps per call where the
+  tree has train.steps_per_call), two of them traced (5 steps, recgnn.trace_summary: the
+  GPU-busy fraction and gaps), and the PyTorch peer on the same batches."""
+  sys.path.insert(0, ROOT)
+  from recgnn import trace_summary  # stdlib only
+
+  s = perf_sizes(ctx)
+  st.result["settings"] = {k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
+                           for k, v in s.items()}  # fmt: skip
+  res: dict = {}
+  st.result["recgnn"] = res
+  # The PyTorch peer first runs last; it gets what the recgnn runs leave, at least this.
+  torch_min = 120 if ctx.mode == "gpu" else 60
+  runs = perf_runs(s)
+  for i, (batch, dtype, k, traced) in enumerate(runs):
+    name = f"b{batch}_{dtype}_k{k}"
+    wd = os.path.join(ctx.work, f"perf_{name}")
+    shutil.rmtree(wd, ignore_errors=True)
+    left = st.left() - torch_min - 20 * (len(runs) - i - 1)
+    if left < 30:
+      res[name] = {"status": "skipped", "why": "the stage's time ran out"}
+      continue
+    r = st.run(f"perf_{name}", perf_args(ctx, s, batch, dtype, k, wd, traced), left)
+    log = _read(r["log"])
+    if r["status"] != "ok" and k > 1 and "steps_per_call" in log:
+      res[name] = {**r, "status": "not built",
+                   "why": "this tree has no train.steps_per_call (issue 43 item 2)"}  # fmt: skip
+      continue
+    prof = None
+    if traced:
+      a = s["trace_at"][batch] // k * k
+      prof = (a, a + 5 * k)
+    e = _experiment_result(ctx, name, r, wd, prof)
+    e.update(batch=batch, dtype=dtype, k=k)
+    if traced and r["status"] == "ok":
+      try:
+        summ = trace_summary.summarize(trace_summary.load(os.path.join(wd, "profile")))
+        e["trace"] = {**_busy(summ), "steps": summ["steps"], "windows": summ["windows"]}
+        e["trace_md"] = trace_summary.markdown(summ, title=name)
+      except (FileNotFoundError, ValueError, OSError) as err:
+        e["trace"] = {"error": f"{type(err).__name__}: {err}"}
+    res[name] = e
+    st.md[:] = perf_markdown(ctx, s, res, st.result.get("torch"))
+    st.write()
+  # The PyTorch peer on the same batches (a process of its own: torch and jax apart).
+  out = os.path.join(ctx.work, "perf_torch.json")
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(out)
+  argv = [sys.executable, os.path.abspath(__file__), "perf-torch", out, "--mode", ctx.mode,
+          "--rows", str(s["rows"]), "--cache_dir", os.path.join(ctx.work, "data_cache"),
+          "--batches", f"{s['small']},{s['large']}",
+          "--steps", f"{s['torch_steps'][s['small']]},{s['torch_steps'][s['large']]}"]  # fmt: skip
+  r = st.run("perf_torch", argv, st.left() - 10)
+  torch_res = json.loads(_read(out)) if os.path.exists(out) else {"status": r["status"]}
+  st.result["torch"] = torch_res
+  st.md[:] = perf_markdown(ctx, s, res, torch_res)
+  st.result["checks"] = perf_checks(ctx, s, res, torch_res)
+  st.md += ["", *[f"- {x}" for x in st.result["checks"]]]
+  for e in res.values():
+    if e.get("trace_md"):
+      st.md += ["", e.pop("trace_md")]
+  ok = all(e.get("status") in ("ok", "not built") for e in res.values())
+  return "ok" if ok else "failed"
+
+
+def _steady(e: dict) -> float | None:
+  return e.get("samples_per_second", {}).get("steady")
+
+
+def perf_markdown(ctx: Ctx, s: dict, res: dict, torch_res: dict | None) -> list[str]:
+  lines = [
+    f"dlrm_kaggle (26 dense tables, synthetic {s['rows']:,} rows) through run.py; samples/s: "
+    "median of the logged intervals after the first that compiled nothing and held no "
+    "profiled step. Traced runs: 5 steps, GPU-busy = device busy / step window "
+    "(recgnn.trace_summary).",
+    "",
+    "| run | status | samples/s | final loss | step ms (traced) | busy | gap ms |",
+    "|---|---|---:|---:|---:|---:|---:|",
+  ]
+  for name, e in res.items():
+    sps = _steady(e)
+    t = e.get("trace", {})
+    loss = e.get("samples_per_second", {}).get("final_loss")
+    lines.append(
+      f"| {name} | {e.get('status')} | {f'{sps:,.0f}' if sps else '-'} | "
+      f"{f'{loss:.4f}' if loss is not None else '-'} | "
+      + (
+        f"{t['step_ms']:.3f} | {100 * t['busy_fraction']:.0f}% | {t['gap_ms']:.3f} |"
+        if "step_ms" in t
+        else "- | - | - |"
+      )  # fmt: skip
+    )
+  if torch_res:
+    lines += ["", "PyTorch peer (peers_dlrm.build_pytorch_on: EmbeddingBag sum + sparse SGD, "
+              "reference MLPs, dot interaction; batches copied from pinned memory per step), "
+              "the same batches:", ""]  # fmt: skip
+    if torch_res.get("skipped"):
+      lines.append(f"- not run: {torch_res['skipped']}")
+    for name, t in torch_res.get("runs", {}).items():
+      if "samples_per_s" in t:
+        lines.append(f"- {name}: {t['samples_per_s']:,.0f} samples/s (loss {t['final_loss']:.4f})")
+      else:
+        lines.append(f"- {name}: {t.get('error', 'not run')}")
+  return lines
+
+
+def perf_checks(ctx: Ctx, s: dict, res: dict, torch_res: dict) -> list[str]:
+  """Issue 43's GPU targets against this run's figures (on CPU: printed, not targets)."""
+
+  def best(batch, dtype=None):
+    v = [_steady(e) for e in res.values() if e.get("batch") == batch
+         and (dtype is None or e.get("dtype") == dtype) and _steady(e)]  # fmt: skip
+    return max(v) if v else None
+
+  note = "" if ctx.mode == "gpu" else " (CPU test mode: the targets are a GPU's)"
+  out = []
+  small, large = best(s["small"]), best(s["large"], "bfloat16")
+  for label, v, target in (("small", small, PERF_TARGETS["small"]),
+                           ("large", large, PERF_TARGETS["large"])):  # fmt: skip
+    b = s[label]
+    if v is None:
+      out.append(f"batch {b}: no steady figure{note}")
+    else:
+      out.append(f"batch {b}: {v:,.0f} samples/s (target >= {target:,}): "
+                 f"{'yes' if v >= target else 'NO'}{note}")  # fmt: skip
+  traced = [e for e in res.values() if e.get("batch") == s["large"] and "busy_fraction"
+            in e.get("trace", {})]  # fmt: skip
+  if traced:
+    f = traced[0]["trace"]["busy_fraction"]
+    out.append(f"batch {s['large']} bf16: GPU busy {100 * f:.0f}% of the step (target >= "
+               f"{100 * PERF_TARGETS['busy']:.0f}%): {'yes' if f >= PERF_TARGETS['busy'] else 'NO'}"
+               f"{note}")  # fmt: skip
+  peer = torch_res.get("runs", {}) if torch_res else {}
+  for b in (s["small"], s["large"]):
+    mine = best(b)
+    theirs = [t["samples_per_s"] for n, t in peer.items() if n.startswith(f"b{b}_")
+              and "samples_per_s" in t]  # fmt: skip
+    if mine and theirs:
+      r = mine / max(theirs)
+      out.append(f"batch {b}: recgnn / best PyTorch = {r:.2f} (target >= "
+                 f"{PERF_TARGETS['vs_torch']}): {'yes' if r >= PERF_TARGETS['vs_torch'] else 'NO'}"
+                 f"{note}")  # fmt: skip
+    elif mine:
+      out.append(f"batch {b}: no PyTorch figure to compare "
+                 f"({(torch_res or {}).get('skipped', 'peer not run')})")  # fmt: skip
+  return out
+
+
+def perf_torch(args) -> int:
+  """(The perf stage's subprocess.) The PyTorch peer on dlrm_kaggle's batches: the same
+  synthetic data (recgnn's reader, seed 0, shuffled as the trainer reads it); eager, then
+  torch.compile of the dense part (GPU), then that under bf16 autocast (GPU); each result
+  written as it finishes."""
+  out: dict = {"runs": {}}
+
+  def save():
+    with open(args.out, "w") as f:
+      json.dump(out, f, indent=1)
+
+  try:
+    import torch
+  except Exception as e:  # noqa: BLE001 (any failure: the peer cannot run here)
+    out["skipped"] = f"torch does not import here ({type(e).__name__}: {e})"
+    print(out["skipped"], flush=True)
+    save()
+    return 0
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  sys.path.insert(0, ROOT)
+  import peers_dlrm
+
+  from experiments import dlrm_kaggle
+  from recgnn.tasks import ctr
+
+  device = "cuda" if args.mode == "gpu" and torch.cuda.is_available() else "cpu"
+  out["torch"] = torch.__version__
+  out["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+  c = dlrm_kaggle.get_config()
+  c.data.synthetic.rows = args.rows
+  c.data.cache_dir = args.cache_dir
+  data, _ = ctr.open_dataset(c.data)
+  cfg = peers_dlrm.DlrmConfig(num_rows=tuple(int(x) for x in data.cardinalities))
+  modes = [("eager", False, False)]
+  if device == "cuda":
+    modes += [("compiled", True, False), ("compiled_bf16", True, True)]
+  else:
+    out["note"] = "CPU test mode: eager only (torch.compile's CPU build is not what is measured)"
+  # Every batch size eagerly first, then compiled, then bf16: a stage that runs out of time
+  # still has the eager figures at both sizes.
+  sizes = [int(x) for x in args.batches.split(",")]
+  steps_of = dict(zip(sizes, (int(x) for x in args.steps.split(","))))
+  batches_of = {}
+  for batch in sizes:
+    it = data.batches("train", batch, start_step=0, shuffle_seed=c.seed, num_epochs=None)
+    batches_of[batch] = []
+    for _ in range(min(steps_of[batch], 8)):
+      b = next(it)
+      ids = [b["ids"][n][:, 0] for n in data.table_names]
+      batches_of[batch].append(peers_dlrm.Batch.of(b["dense"], ids, b["label"]))
+  for mode, compiled, bf16 in modes:
+    for batch in sizes:
+      name, steps = f"b{batch}_{mode}", steps_of[batch]
+      try:
+        to_inputs, step, sync = peers_dlrm.build_pytorch_on(cfg, device, 0, compiled, bf16)
+        inputs = [to_inputs(b) for b in batches_of[batch]]
+        r = peers_dlrm.time_steps(step, inputs, batch, warmup=3, reps=3,
+                                  steps_per_rep=max(1, steps // 3), sync=sync)  # fmt: skip
+        r["final_loss"] = float(step(inputs[0]).item())
+        out["runs"][name] = r
+        print(f"{name}: {r['samples_per_s']:,.0f} samples/s", flush=True)
+      except Exception as e:  # noqa: BLE001 (one mode failing leaves the others)
+        out["runs"][name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"{name}: {type(e).__name__}: {e}", flush=True)
+      save()
+  return 0
+
+
 # Small levels beside benchmarks/tt.py's: where a fixed (launch) cost shows against the
 # per-product terms. (p_prev, a, r, d, r1, p)
 CALIBRATE_EXTRA = [(8, 2, 32, 2, 32, 16), (16, 4, 32, 4, 1, 64), (64, 2, 32, 2, 32, 128)]
@@ -1159,6 +1440,7 @@ STAGE_FNS = {
   "trace": stage_trace,
   "calibrate": stage_calibrate,
   "tiers": stage_tiers,
+  "perf": stage_perf,
 }
 
 
@@ -1277,6 +1559,13 @@ def main(argv=None) -> int:
   m.add_argument("file")
   m.add_argument("--into")
   m.add_argument("--force", action="store_true", help="merge a CPU fit too")
+  t = sub.add_parser("perf-torch")
+  t.add_argument("out")
+  t.add_argument("--mode", default="gpu")
+  t.add_argument("--rows", type=int, required=True)
+  t.add_argument("--cache_dir", required=True)
+  t.add_argument("--batches", required=True)
+  t.add_argument("--steps", required=True)
   r = sub.add_parser("report")
   r.add_argument("folder")
   args = p.parse_args(argv)
@@ -1290,6 +1579,8 @@ def main(argv=None) -> int:
     return merge_tt_cost(args.file, args.into, args.force)
   if args.cmd == "report":
     return report(args.folder)
+  if args.cmd == "perf-torch":
+    return perf_torch(args)
   return run_stages(args)
 
 

@@ -252,6 +252,70 @@ def _build_pytorch(cfg: DlrmConfig, seed: int):
   return model, to_inputs, step
 
 
+def build_pytorch_on(
+  cfg: DlrmConfig, device: str, seed: int = 0, compiled: bool = False, bf16: bool = False
+):
+  """The `pytorch` peer on `device` ("cuda" / "cpu") for benchmarks/gpu_check.py's perf stage:
+  the same model (one `nn.EmbeddingBag(mode="sum", sparse=True)` per table, the reference
+  MLPs, dot interaction, SGD with sparse row gradients for the tables), its batches kept in
+  pinned host memory and copied to the device inside each step (as recgnn's step receives
+  its batch), so both sides pay their own host -> device traffic.
+
+  compiled: `torch.compile` of the dense part (bottom MLP, interaction, top MLP, loss): the
+  EmbeddingBags stay eager (sparse gradients). bf16: that part under CUDA autocast (bf16
+  matmuls, float32 params and tables), as recgnn's model.dtype=bfloat16.
+  -> (to_inputs(Batch) -> pinned host tensors, step(inputs) -> loss, sync())."""
+  import torch
+
+  nn = torch.nn
+  torch.manual_seed(seed)
+  dev = torch.device(device)
+  tables = nn.ModuleList()
+  for n in cfg.rows:
+    eb = nn.EmbeddingBag(n, cfg.dim, mode="sum", sparse=True)
+    nn.init.uniform_(eb.weight, -(n**-0.5), n**-0.5)
+    tables.append(eb)
+  bottom = _mlp(torch, (cfg.num_dense, *cfg.bottom), last_relu=True)
+  top = _mlp(torch, (cfg.interaction_width, *cfg.top), last_relu=False)
+  tables, bottom, top = tables.to(dev), bottom.to(dev), top.to(dev)
+  f = cfg.num_tables + 1
+  triu = torch.triu_indices(f, f, offset=1, device=dev)
+  loss_fn = nn.BCEWithLogitsLoss()
+
+  def dense_part(dense, sparse, labels):
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+      logits = top(_interact(torch, bottom(dense), sparse, triu)).squeeze(1)
+    return loss_fn(logits.float(), labels)
+
+  dense_fn = torch.compile(dense_part) if compiled else dense_part
+  params = [*tables.parameters(), *bottom.parameters(), *top.parameters()]
+  opt = torch.optim.SGD(params, lr=cfg.learning_rate)
+  pin = dev.type == "cuda"
+
+  def to_inputs(b: Batch):
+    out = (
+      torch.from_numpy(b.dense),
+      torch.from_numpy(np.ascontiguousarray(b.ids)),
+      torch.from_numpy(b.labels),
+    )
+    return tuple(x.pin_memory() for x in out) if pin else out
+
+  def step(inputs):
+    dense, ids, labels = (x.to(dev, non_blocking=True) for x in inputs)
+    opt.zero_grad(set_to_none=True)
+    sparse = torch.stack([t(ids[:, i : i + 1]) for i, t in enumerate(tables)], dim=1)
+    loss = dense_fn(dense, sparse, labels)
+    loss.backward()
+    opt.step()
+    return loss
+
+  def sync():
+    if pin:
+      torch.cuda.synchronize()
+
+  return to_inputs, step, sync
+
+
 def build_torchrec(cfg: DlrmConfig, seed: int, make_model: Callable[[Any], Any] | None = None):
   """TorchRec's model over a FusedEmbeddingBagCollection (fused SGD), its inputs and step.
 
@@ -343,8 +407,10 @@ def time_steps(
   warmup: int = 3,
   reps: int = 5,
   steps_per_rep: int | None = None,
+  sync: Callable[[], Any] = lambda: None,
 ) -> dict[str, Any]:
-  """Times `step` cycling over `inputs`; torch runs eagerly, so a step is done when it returns.
+  """Times `step` cycling over `inputs`; torch runs eagerly, so a step is done when it returns
+  (on CPU; on a GPU `sync` waits for the device before and after each timed repetition).
 
   Returns {"samples_per_s": median over reps, "step_ms": median ms/step, "per_rep_ms": [...]}.
   """
@@ -355,10 +421,12 @@ def time_steps(
   per_step = []
   k = 0
   for _ in range(reps):
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps_per_rep):
       step(inputs[k % n])
       k += 1
+    sync()
     per_step.append((time.perf_counter() - t0) / steps_per_rep)
   med = statistics.median(per_step)
   return {

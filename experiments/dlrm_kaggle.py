@@ -49,6 +49,9 @@ def get_config(arg=None):
   c.model.interaction = "dot"  # or "dcn": DCN-v2 cross layers (recgnn/models/dcn.py)
   c.model.cross_layers = 3  # dcn
   c.model.low_rank = 512  # dcn: rank of W = U V^T (0: full rank)
+  # Compute dtype of the MLPs and interaction: "float32" or "bfloat16" (params, optimizer and
+  # embedding state and the loss stay float32).
+  c.model.dtype = "float32"
 
   c.embeddings = ml_collections.ConfigDict()
   c.embeddings.dim = 16
@@ -80,6 +83,10 @@ def get_config(arg=None):
   c.train.eval_split = "valid"
   c.train.final_eval_splits = ("valid", "test")
   c.train.checkpoint_every = 1000
+  # Train steps per call of the jitted step: k batches in one transfer, one lax.scan over
+  # their optimizer steps (fewer launches; logs, evals and checkpoints at multiples of k).
+  # dense, tt and sharded; offload and hot_cold refuse k > 1 for now.
+  c.train.steps_per_call = 1
   c.train.keep_checkpoints = 2
   # Many processes: "auto" = each reads only its slice of every batch when every embedding
   # group's prepare is per example (dense, sharded), else the whole batch; "local" refuses

@@ -20,6 +20,7 @@ def get_config(arg=None):
   c.model.inputs = "features"  # features | embeddings | both
   c.model.hidden = 64
   c.model.dropout = 0.5
+  c.model.dtype = "float32"  # the layers' compute dtype: float32 | bfloat16 (params float32)
 
   c.sampler = ml_collections.ConfigDict()
   c.sampler.kind = "node"  # node (GraphSAGE) | ladies

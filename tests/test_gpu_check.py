@@ -118,3 +118,45 @@ def test_large_trace_is_trimmed_to_device_events(tmp_path, monkeypatch):
   with gzip.open(tmp_path / "c.json.gz", "rt") as f:
     kept = json.load(f)["traceEvents"]
   assert "trimmed" in how and [e["name"] for e in kept] == ["process_name", "k", "train"]
+
+
+def _perf_result(batch, dtype, k, sps, busy=None):
+  e = {"status": "ok", "batch": batch, "dtype": dtype, "k": k,
+       "samples_per_second": {"steady": sps, "final_loss": 0.5}}  # fmt: skip
+  if busy is not None:
+    e["trace"] = {"busy_fraction": busy, "step_ms": 1.0, "gap_ms": 1.0 - busy}
+  return e
+
+
+def test_perf_stage_runs_and_checks_name_each_target(tmp_path):
+  """The perf stage (issue 43): its runs (traced ones first, k > 1 at the small batch), its
+  run.py arguments (k: counts rounded to whole calls), and its checks: each GPU target met
+  or not, the PyTorch ratio only where the peer ran (else why not)."""
+  ctx = _ctx(tmp_path)
+  ctx.mode = "gpu"
+  s = gpu_check.perf_sizes(ctx)
+  runs = gpu_check.perf_runs(s)
+  assert runs[:2] == [(2048, "float32", 1, True), (65536, "bfloat16", 1, True)]
+  assert (2048, "float32", 8, False) in runs and (65536, "float32", 1, False) in runs
+  args = gpu_check.perf_args(ctx, s, 2048, "bfloat16", 8, "/w", trace=True)
+  assert "--config.train.steps_per_call=8" in args and "--config.model.dtype=bfloat16" in args
+  steps = int(next(a for a in args if a.startswith("--config.train.steps=")).split("=")[1])
+  log = int(next(a for a in args if a.startswith("--config.train.log_every=")).split("=")[1])
+  assert steps % 8 == 0 and log % 8 == 0 and steps % log == 0
+  prof = next(a for a in args if a.startswith("--profile_steps="))
+  a, b = (int(x) for x in prof.split("=")[1].split(":"))
+  assert a % 8 == 0 and b - a == 40  # 5 calls of 8 steps
+  res = {
+    "a": _perf_result(2048, "float32", 1, 2.5e6, busy=0.4),
+    "b": _perf_result(65536, "bfloat16", 1, 9e6, busy=0.75),
+  }
+  peer = {"runs": {"b2048_eager": {"samples_per_s": 1e6, "final_loss": 0.5},
+                   "b2048_compiled": {"samples_per_s": 2e6, "final_loss": 0.5}}}  # fmt: skip
+  checks = gpu_check.perf_checks(ctx, s, res, peer)
+  assert "batch 2048: 2,500,000 samples/s (target >= 2,000,000): yes" in checks
+  assert "batch 65536: 9,000,000 samples/s (target >= 10,000,000): NO" in checks
+  assert any("GPU busy 75%" in c and c.endswith("yes") for c in checks)
+  assert "batch 2048: recgnn / best PyTorch = 1.25 (target >= 1.5): NO" in checks
+  assert any(c.startswith("batch 65536: no PyTorch figure") for c in checks)
+  md = "\n".join(gpu_check.perf_markdown(ctx, s, res, {"skipped": "torch does not import"}))
+  assert "| a | ok | 2,500,000 |" in md and "not run: torch does not import" in md

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from recgnn import sharding
+from recgnn.embeddings import kernels
 from recgnn.embeddings.contract import Backend, Layout, TableBackend, valid_options
 from recgnn.embeddings.specs import table_key
 
@@ -39,6 +40,19 @@ class TableGroup(Backend):
         ) from None
       self.members[spec.name] = member
     self.lookahead = max([m.lookahead for m in self.members.values()] + [0])
+    # Members whose prepare is the contract's default (map padding, dedup for per-row
+    # optimizer state: dense) are prepared together, in one pass over the group's ids.
+    default = [
+      type(m).prepare is TableBackend.prepare
+      and m.spec.optimizer.needs_unique
+      and not m.process_local
+      for m in self.members.values()
+    ]
+    self._stacked = (
+      kernels.StackedDedup([m.pad_id for m in self.members.values()])
+      if self.members and all(default) and kernels.stacked_dedup_kernel() is not None
+      else None
+    )
 
   def describe(self, table=None):
     if table is not None:
@@ -53,12 +67,28 @@ class TableGroup(Backend):
     return {n: m.state_sharding() for n, m in self.members.items()}
 
   def prepare(self, ids, upcoming=(), *, train=True):
+    if self._stacked is not None:
+      arrays = [np.asarray(ids[n]) for n in self.members]
+      if len({x.shape for x in arrays}) == 1:  # (bags of one length: one-hot, or equal)
+        return self._prepare_stacked(arrays)
     out = {}
     for n, m in self.members.items():
       x = np.asarray(ids[n])
       p = {"rows": m.prepare(x, [u[n] for u in upcoming[: m.lookahead]], train=train)}
       if m.spec.pooling == "mean":
         p["count"] = np.sum(x >= 0, axis=1).astype(np.int32)
+      out[n] = p
+    return out
+
+  def _prepare_stacked(self, arrays: list) -> dict:
+    """The default prepare of every member at once (`kernels.StackedDedup`): the same
+    arrays, each table's a view of one [T, ...] array, but `unique`'s order (see there)."""
+    mapped, unique, inverse = self._stacked(np.stack(arrays))
+    out = {}
+    for i, (n, m) in enumerate(self.members.items()):
+      p = {"rows": {"ids": mapped[i], "unique": unique[i], "inverse": inverse[i]}}
+      if m.spec.pooling == "mean":
+        p["count"] = np.sum(arrays[i] >= 0, axis=1).astype(np.int32)
       out[n] = p
     return out
 

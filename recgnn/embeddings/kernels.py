@@ -6,6 +6,8 @@ Shapes: B = batch, L = bag length, D = dim, U = distinct rows of a batch.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -33,6 +35,87 @@ def dedup(ids: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
   unique = np.full(flat.shape[0], num_rows, np.int32)
   unique[: uniq.shape[0]] = uniq
   return unique, inverse.reshape(ids.shape).astype(np.int32)
+
+
+def _stacked_dedup_kernel(ids, fillers, offsets, mark, mapped, unique, inverse):  # pragma: no cover
+  """StackedDedup's loop (compiled by numba; see there): per table, two passes over its ids."""
+  t_count, n = ids.shape
+  for t in range(t_count):
+    f, off = fillers[t], offsets[t]
+    for i in range(n):  # padding -> the filler; every key of the batch unmarked
+      x = ids[t, i]
+      if x < 0:
+        x = f
+      mapped[t, i] = x
+      mark[off + x] = -1
+    u = 0
+    for i in range(n):  # first occurrences numbered in batch order
+      x = mapped[t, i]
+      j = mark[off + x]
+      if j < 0:
+        j = u
+        mark[off + x] = u
+        unique[t, u] = x
+        u += 1
+      inverse[t, i] = j
+    for i in range(u, n):
+      unique[t, i] = f
+
+
+_compiled_stacked_dedup = None
+
+
+def stacked_dedup_kernel():
+  """The compiled kernel (numba, GIL released while it runs), or None without numba."""
+  global _compiled_stacked_dedup
+  if _compiled_stacked_dedup is None:
+    try:
+      import numba
+    except ImportError:
+      return None
+    _compiled_stacked_dedup = numba.njit(nogil=True, cache=True)(_stacked_dedup_kernel)
+  return _compiled_stacked_dedup
+
+
+class StackedDedup:
+  """`dedup` of T tables' ids in one call without a sort: the prepare of a group of
+  per-example tables (`TableGroup`). One `np.unique` per table cost 2.2 ms of a 26-table batch
+  of 2048 here (~85 us each, nearly all of it sorting); a vectorized numpy form of the loop
+  below (scatter, gather, cumsum, nonzero over [T, n]) was no faster (2 ms: ~12 passes over
+  53k ids); this compiled loop is two passes, with the GIL released.
+
+  Each table's ids live in their own range of one scratch array `mark` (int32, one entry per
+  row of every table plus its filler: 4 bytes per row on the host, allocated once per
+  preparing thread, never cleared: a batch first unmarks every key it will read).
+
+  `unique` lists a table's distinct ids in the order they first occur, not sorted as
+  `dedup`'s: the sparse update reads and writes each row of `unique` once and sums a row's
+  gradients in batch order either way, so its result is the same bit for bit."""
+
+  def __init__(self, fillers: Sequence[int]):
+    """fillers: int[T] each table's out-of-range id (its rows, or its padded rows), which
+    padding ids become and which fills `unique` after the distinct ids."""
+    self.kernel = stacked_dedup_kernel()
+    if self.kernel is None:
+      raise RuntimeError("StackedDedup needs numba (stacked_dedup_kernel() is None)")
+    self.fillers = np.asarray(fillers, np.int64)
+    self.offsets = np.concatenate([[0], np.cumsum(self.fillers + 1)[:-1]]).astype(np.int64)
+    self._total = int(np.sum(self.fillers + 1))
+    self._local = threading.local()  # one scratch per thread that prepares
+
+  def __call__(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ids int[T, B, L] (< 0: padding) -> (ids with padding -> filler int32[T, B, L],
+    unique int32[T, B * L], inverse int32[T, B, L])."""
+    t = ids.shape[0]
+    flat = np.ascontiguousarray(ids.reshape(t, -1))
+    mark = getattr(self._local, "mark", None)
+    if mark is None:
+      mark = self._local.mark = np.empty(self._total, np.int32)
+    mapped = np.empty(flat.shape, np.int32)
+    unique = np.empty(flat.shape, np.int32)
+    inverse = np.empty(flat.shape, np.int32)
+    self.kernel(flat, self.fillers, self.offsets, mark, mapped, unique, inverse)
+    return mapped.reshape(ids.shape), unique, inverse.reshape(ids.shape)
 
 
 def device_dedup(ids: jax.Array, filler: int) -> tuple[jax.Array, jax.Array]:

@@ -15,12 +15,13 @@ top 1024-1024-512-256-1, embedding dim 128. Takes activations, never ids or a ba
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from recgnn.models.dlrm import MLP, _dlrm_kernel_init
+from recgnn.models.dlrm import MLP, _dlrm_kernel_init, compute_inputs
 
 # Xavier normal, as torch.nn.init.xavier_normal_ (what TorchRec's cross nets use): the DLRM
 # reference's dense-layer draw is the same N(0, sqrt(2 / (fan_in + fan_out))).
@@ -38,19 +39,21 @@ class CrossNet(nn.Module):
 
   num_layers: int = 3
   low_rank: int = 0
+  dtype: Any = jnp.float32  # the computation's; params float32
 
   @nn.compact
   def __call__(self, x0: jax.Array) -> jax.Array:
     n = x0.shape[-1]
     x = x0
+    c = self.dtype
     for layer in range(self.num_layers):
       if self.low_rank:
-        v = self.param(f"V_{layer}", xavier_normal, (n, self.low_rank))
-        u = self.param(f"U_{layer}", xavier_normal, (self.low_rank, n))
+        v = self.param(f"V_{layer}", xavier_normal, (n, self.low_rank)).astype(c)
+        u = self.param(f"U_{layer}", xavier_normal, (self.low_rank, n)).astype(c)
         xw = (x @ v) @ u
       else:
-        xw = x @ self.param(f"W_{layer}", xavier_normal, (n, n))
-      b = self.param(f"b_{layer}", nn.initializers.zeros_init(), (n,))
+        xw = x @ self.param(f"W_{layer}", xavier_normal, (n, n)).astype(c)
+      b = self.param(f"b_{layer}", nn.initializers.zeros_init(), (n,)).astype(c)
       x = x0 * (xw + b) + x
     return x
 
@@ -66,10 +69,13 @@ class DCN(nn.Module):
   top: Sequence[int] = (1024, 1024, 512, 256, 1)
   cross_layers: int = 3
   low_rank: int = 512
+  dtype: Any = jnp.float32  # the computation's (dlrm.DLRM's dtype)
 
   @nn.compact
   def __call__(self, dense: jax.Array, embeddings: Sequence[jax.Array]) -> jax.Array:
-    x = MLP(self.bottom, relu_last=True, name="bottom")(dense)
+    dense, embeddings = compute_inputs(self.dtype, dense, embeddings)
+    x = MLP(self.bottom, relu_last=True, name="bottom", dtype=self.dtype)(dense)
     x0 = jnp.concatenate([x, *embeddings], axis=1)
-    z = CrossNet(self.cross_layers, self.low_rank, name="cross")(x0)
-    return MLP(self.top, relu_last=False, name="top")(z)[:, 0]
+    z = CrossNet(self.cross_layers, self.low_rank, name="cross", dtype=self.dtype)(x0)
+    out = MLP(self.top, relu_last=False, name="top", dtype=self.dtype)(z)[:, 0]
+    return out.astype(jnp.float32)

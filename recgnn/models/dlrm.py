@@ -4,6 +4,7 @@ pooled embeddings, top MLP to one logit. Takes activations, never ids or a backe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -25,18 +26,40 @@ def _dlrm_bias_init(fan_in: int):
 
 
 class MLP(nn.Module):
-  """Dense layers with ReLU; `relu_last=False` leaves the last layer linear (logits)."""
+  """Dense layers with ReLU; `relu_last=False` leaves the last layer linear (logits).
+  dtype: the computation's (params stay float32: `param_dtype`)."""
 
   features: Sequence[int]
   relu_last: bool = True
+  dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     for i, f in enumerate(self.features):
-      x = nn.Dense(f, kernel_init=_dlrm_kernel_init, bias_init=_dlrm_bias_init(f))(x)
+      x = nn.Dense(
+        f, kernel_init=_dlrm_kernel_init, bias_init=_dlrm_bias_init(f), dtype=self.dtype
+      )(x)
       if i < len(self.features) - 1 or self.relu_last:
         x = nn.relu(x)
     return x
+
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def compute_dtype(name: str) -> Any:
+  """config.model.dtype -> the computation dtype of a model (params stay float32)."""
+  if name not in DTYPES:
+    raise ValueError(f"Unknown model.dtype {name!r}; available: {', '.join(DTYPES)}")
+  return DTYPES[name]
+
+
+def compute_inputs(dtype, dense: jax.Array, embeddings: Sequence[jax.Array]):
+  """The model's inputs cast to its computation dtype (d loss / d embeddings comes back in
+  float32 through the cast: the embedding backends' updates stay float32)."""
+  if dtype == jnp.float32:
+    return dense, embeddings
+  return dense.astype(dtype), [e.astype(dtype) for e in embeddings]
 
 
 def dot_interaction(features: jax.Array) -> jax.Array:
@@ -55,14 +78,18 @@ class DLRM(nn.Module):
   """dense float32[B, 13], embeddings [float32[B, D]] * T -> logits float32[B].
 
   The bottom MLP's last width must equal the embedding dim D (the dot interaction needs it).
+  dtype: the computation's (`compute_dtype`): the MLPs and the interaction run in it, the
+  params, the embeddings' state and the logits stay float32.
   """
 
   bottom: Sequence[int] = (512, 256, 64, 16)
   top: Sequence[int] = (512, 256, 1)
+  dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, dense: jax.Array, embeddings: Sequence[jax.Array]) -> jax.Array:
-    x = MLP(self.bottom, relu_last=True, name="bottom")(dense)
+    dense, embeddings = compute_inputs(self.dtype, dense, embeddings)
+    x = MLP(self.bottom, relu_last=True, name="bottom", dtype=self.dtype)(dense)
     if embeddings and embeddings[0].shape[-1] != x.shape[-1]:
       raise ValueError(
         f"DLRM: bottom MLP ends at {x.shape[-1]} but embeddings have dim "
@@ -70,4 +97,4 @@ class DLRM(nn.Module):
       )
     feats = jnp.stack([x, *embeddings], axis=1)
     z = jnp.concatenate([x, dot_interaction(feats)], axis=1)
-    return MLP(self.top, relu_last=False, name="top")(z)[:, 0]
+    return MLP(self.top, relu_last=False, name="top", dtype=self.dtype)(z)[:, 0].astype(jnp.float32)

@@ -10,6 +10,8 @@ eval_batch_size / shuffle, seed. Optional (defaults keep the DLRM Kaggle behavio
                     MLPerf's one-hot -> multi-hot expansion (recgnn.data.multihot).
   model.interaction "dot" (DLRM) or "dcn" (DCNv2: model.cross_layers, model.low_rank; 0 = full
                     rank).
+  model.dtype       "float32" (default) or "bfloat16": the MLPs' and interaction's compute
+                    dtype; params, optimizer and embedding state and the loss stay float32.
   embeddings.pooling "sum" (default) or "mean": how a table's bag is reduced (a schema column's
                     own `pooling` wins).
 Batches carry ids[t] int32[B, L_t] per table (L_t = 1 one-hot; PAD after a shorter bag).
@@ -28,7 +30,7 @@ from recgnn import metrics as metrics_lib
 from recgnn.data import criteo
 from recgnn.embeddings import OptimizerSpec, TableSpec
 from recgnn.models.dcn import DCN
-from recgnn.models.dlrm import DLRM
+from recgnn.models.dlrm import DLRM, compute_dtype
 from recgnn.train.task import Task
 
 INTERACTIONS = ("dot", "dcn")
@@ -223,6 +225,9 @@ def _tfds_dataset_type():
 def make_model(model):
   """config.model -> the Flax model: DLRM (interaction="dot") or DCN (interaction="dcn")."""
   interaction = model.get("interaction", "dot")
+  # model.dtype: the computation's (bfloat16: the MLPs and the interaction; params, optimizer
+  # state, embedding tables and the loss stay float32).
+  dtype = compute_dtype(model.get("dtype", "float32"))
   if interaction not in INTERACTIONS:
     raise ValueError(
       f"Unknown model.interaction {interaction!r}; available: {', '.join(INTERACTIONS)}"
@@ -233,14 +238,16 @@ def make_model(model):
       top=tuple(model.top),
       cross_layers=int(model.get("cross_layers", 3)),
       low_rank=int(model.get("low_rank", 512)),
+      dtype=dtype,
     )
-  return DLRM(bottom=tuple(model.bottom), top=tuple(model.top))
+  return DLRM(bottom=tuple(model.bottom), top=tuple(model.top), dtype=dtype)
 
 
 class CTR(Task):
   """DLRM / DCNv2 on CTR data: dense features, one-hot or multi-hot tables, a binary label."""
 
   reads_process_slice = True  # memmap and TFDS sources read only a process's rows
+  steps_per_call_key = "train.steps_per_call"
 
   def __init__(self, config, mesh):
     super().__init__(config, mesh)
@@ -250,6 +257,12 @@ class CTR(Task):
     # ids per example of each table (the batches' ids[t] are int32[B, L_t]).
     self.bag_lengths = tuple(getattr(self.data, "bag_lengths", (1,) * len(self.names)))
     self.model = make_model(config.model)
+    # train.steps_per_call = k: k batches per call of the train step, one transfer, one
+    # lax.scan over the k optimizer steps (Task.batches_per_call).
+    k = config.train.get("steps_per_call", 1)
+    if not isinstance(k, int) or k < 1:
+      raise ValueError(f"train.steps_per_call={k!r}: use an integer >= 1")
+    self.steps_per_call = self.batches_per_call = k
     # With many processes, each may read only its slice of every batch (decided from the
     # config, the mesh and these tables: the trainer's layout is the same decision).
     self.process_shard = self.input_layout()[1] or (0, 1)

@@ -19,7 +19,8 @@ Config (the experiment's ConfigDict; see experiments/sage_*.py):
                        them into the TT cores (Nimble's eigen init). The file is the whole
                        interface: the task never sees a backend
   model.inputs         features | embeddings | both (learnable node embeddings: table `node`)
-  model.hidden, model.dropout (L2: the trainer's optimizer.weight_decay)
+  model.hidden, model.dropout (L2: the trainer's optimizer.weight_decay), model.dtype
+                       (float32 | bfloat16: the layers' compute dtype; params float32)
   sampler.kind         node (GraphSAGE fanouts) | ladies (layer-wise)
   sampler.where        host (numpy / scipy, default) | device (jitted JAX over the CSR in
                        device memory; recgnn/graphs/device_sampling.py, split_sampling.py
@@ -90,7 +91,7 @@ from recgnn import hostmem, planner, sharding
 from recgnn.data.graph_loading import load_graph, write_eigen_init
 from recgnn.embeddings import OptimizerSpec, TableSpec
 from recgnn.graphs import samplers, sampling
-from recgnn.models import graphsage
+from recgnn.models import dlrm, graphsage
 from recgnn.tasks import node_data_parallel
 from recgnn.tasks.node_batch import TABLE, make_batch
 from recgnn.train.task import Batch, Task
@@ -190,6 +191,8 @@ class NodeClassification(Task):
       hidden=int(config.model.hidden),
       num_classes=self.graph.num_classes,
       dropout=float(config.model.dropout),
+      # model.dtype: the layers' compute dtype (params, tables and the loss stay float32)
+      dtype=dlrm.compute_dtype(config.model.get("dtype", "float32")),
     )
 
   # --------------------------------------------------------------------------- setup

@@ -1,9 +1,15 @@
 """The trainer's input thread: the stream of train and eval batches, each prepared (every
-group's `prepare`, in stream order) and packed into per-dtype host buffers on a background
-thread, ahead of the step; the transfer happens on the main thread (`InputThread.get`).
+group's `prepare`, in stream order), packed into per-dtype host buffers and, where the
+platform allows it, transferred to the devices on a background thread, ahead of the step.
 
-The thread never calls into the devices: on CPU devices, 8-device runs hung in XLA:CPU while
-a transfer was made during a step's launch (recgnn.train.loop's docstring, issue 30).
+Where the transfer is made, by platform (`sharding.needs_one_in_flight`):
+  one device, or GPUs / TPUs   on the input thread, right after packing: batch k+1 is on its
+                               way before step k's results are waited on, and the launching
+                               thread does no per-batch work but take it (the H100 traces:
+                               0.6-1.1 ms of main-thread `device_put` per step)
+  several XLA:CPU devices      on the main thread (`InputThread.get`): 8-device runs hung in
+                               XLA:CPU while a transfer was made during a step's launch
+                               (recgnn.train.loop's docstring, issue 30)
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from recgnn import planner
+from recgnn import planner, sharding
 from recgnn.train import inputs
 from recgnn.train import step as step_lib
 from recgnn.train.task import Task
@@ -26,25 +32,28 @@ class Item:
   kind: str  # "train" | "eval" | "eval_end"
   split: str | None
   batch_size: int
-  prepared: Any  # (buffers, layout) of (prepared ids, batch), step.Feeder.pack: host buffers
-  # on the queue, device buffers once `InputThread.get` transferred them
+  prepared: Any  # (buffers, layout) of (prepared ids, batch), step.Feeder.pack: device
+  # buffers once transferred (by the input thread, or by `InputThread.get`: module docstring)
+  on_device: bool = False
 
 
 def stream(task: Task, start: int, total: int, eval_every: int, eval_split: str, final):
-  """(kind, split, batch): train batches of steps [start, total), one per call of k =
-  `task.steps_per_call` steps (start, total and eval_every multiples of k: the loop checks),
+  """(kind, split, batch): train batches of steps [start, total), `task.batches_per_call` per
+  call of k = `task.steps_per_call` steps (start, total and eval_every multiples of k: the
+  loop checks),
   with an eval pass of `eval_split` after every `eval_every` steps, then a pass of each split
   in `final`; each pass ends with ("eval_end", split, None)."""
   train = task.train_batches(start)
   k = task.steps_per_call
   for s in range(start, total, k):
-    try:
-      batch = next(train)
-    except StopIteration:
-      raise RuntimeError(
-        f"{type(task).__name__}.train_batches ended at step {s}; it must cycle over epochs"
-      ) from None
-    yield "train", None, batch
+    for _ in range(task.batches_per_call):  # (k > 1: InputThread stacks them into one call)
+      try:
+        batch = next(train)
+      except StopIteration:
+        raise RuntimeError(
+          f"{type(task).__name__}.train_batches ended at step {s}; it must cycle over epochs"
+        ) from None
+      yield "train", None, batch
     if eval_every and (s + k) % eval_every == 0 and s + k < total:
       for b in task.eval_batches(eval_split):
         yield "eval", eval_split, b
@@ -56,12 +65,18 @@ def stream(task: Task, start: int, total: int, eval_every: int, eval_split: str,
 
 
 class InputThread:
-  """Runs every group's `prepare` (inputs.prepare_stream) and the packing of each batch into
-  per-dtype host buffers ahead of the step on a background thread; `get` (main thread) makes
-  the transfer. The thread never calls into the devices (see the module docstring).
+  """Runs every group's `prepare` (inputs.prepare_stream), the packing of each batch into
+  per-dtype host buffers and, where the platform allows (module docstring), its transfer,
+  ahead of the step on a background thread; `get` (main thread) takes the next batch (and
+  transfers it where the input thread may not).
 
   scale: examples counted per example of a batch (a process-local batch is 1 / processes of
   the global one; samples/s counts global examples)."""
+
+  # How often a full queue is looked at again (the input thread is then `depth` batches
+  # ahead). A polled bound keeps `get` one C call (`queue.SimpleQueue`): a `queue.Queue`'s
+  # condition variable cost the main thread ~20 Python calls per step.
+  POLL_S = 0.0005
 
   def __init__(
     self,
@@ -76,8 +91,10 @@ class InputThread:
     self._scale = scale
     self._feeder = feeder
     self._task = task
-    self._queue: queue.Queue = queue.Queue(maxsize=depth)
+    self._depth = max(1, depth)
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
     self._stop = threading.Event()
+    self.put_here = not sharding.needs_one_in_flight(plan.mesh)
     self.busy_seconds = 0.0
     self._thread = threading.Thread(target=self._run, args=(items,), daemon=True)
     self._thread.start()
@@ -85,38 +102,53 @@ class InputThread:
   def _run(self, items):
     try:
       prepared = inputs.prepare_stream(self._plan, items)
+      per_call = self._task.batches_per_call
+      call: list = []  # train batches of the call being gathered (per_call > 1)
       while not self._stop.is_set():
         t0 = time.perf_counter()
         try:
           it = next(prepared)  # prepare runs here
         except StopIteration:
           break
-        host = None
+        host, size = None, 0
         if it.batch is not None:
+          size = self._task.num_examples(it.batch) * self._scale
+        if it.kind == "train" and per_call > 1:
+          # Each batch packed as alone (every batch's prepare in stream order), the call's
+          # k batches stacked into one transfer.
+          call.append((self._feeder.pack(it.prepared, it.batch, "train batch"), size))
+          self.busy_seconds += time.perf_counter() - t0
+          if len(call) < per_call:
+            continue
+          t0 = time.perf_counter()
+          host = self._feeder.stack([c[0] for c in call])
+          size, call = sum(c[1] for c in call), []
+        elif it.batch is not None:
           host = self._feeder.pack(it.prepared, it.batch, f"{it.kind} batch")
+        if host is not None and self.put_here:
+          host = (self._feeder.put(host[0]), host[1])
         self.busy_seconds += time.perf_counter() - t0
-        size = self._task.num_examples(it.batch) * self._scale if it.batch is not None else 0
-        self._put(Item(it.kind, it.split, size, host))
+        self._put(Item(it.kind, it.split, size, host, self.put_here))
       self._put(None)
     except BaseException as e:  # forwarded to the main thread, which re-raises
       self._put(e)
 
   def _put(self, item):
-    while not self._stop.is_set():
-      try:
-        self._queue.put(item, timeout=0.1)
-        return
-      except queue.Full:
-        continue
+    while self._queue.qsize() >= self._depth and not self._stop.is_set():
+      time.sleep(self.POLL_S)
+    if not self._stop.is_set():
+      self._queue.put(item)
 
   def get(self) -> Item | None:
-    """The next item, its batch transferred to the devices (from the calling thread)."""
+    """The next item, its batch on the devices (transferred here where the input thread may
+    not: several XLA:CPU devices)."""
     item = self._queue.get()
     if isinstance(item, BaseException):
       raise item
-    if item is not None and item.prepared is not None:
+    if item is not None and item.prepared is not None and not item.on_device:
       buffers, layout = item.prepared
       item.prepared = (self._feeder.put(buffers), layout)
+      item.on_device = True
     return item
 
   def close(self):

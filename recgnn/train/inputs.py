@@ -109,7 +109,86 @@ def _is_spec(x) -> bool:
   return isinstance(x, jax.sharding.PartitionSpec)
 
 
-def pack(tree: PyTree, specs: PyTree, devices: int) -> tuple[tuple[list, list], tuple]:
+class PackLayout:
+  """The static half of a packed batch: the pytree's structure and, per leaf, where it lives
+  (dtype buffer, column offset, per-device shape, split or copied; or -1 and its index among
+  the host leaves). The packed step's static argument: jit hashes it at every call and
+  `traffic.PerProgram` keys programs by it, so its hash is computed once here, equality
+  short-cuts on identity, and a `Packer` hands out one instance per structure (the buffers'
+  shapes follow from it and the device count)."""
+
+  __slots__ = ("_hash", "treedef", "where")
+
+  def __init__(self, treedef, where: tuple):
+    self.treedef, self.where = treedef, where
+    self._hash = hash((treedef, where))
+
+  def __hash__(self):
+    return self._hash
+
+  def __eq__(self, other):
+    if self is other:
+      return True
+    return (
+      isinstance(other, PackLayout)
+      and self._hash == other._hash
+      and (self.treedef, self.where) == (other.treedef, other.where)
+    )
+
+  def __iter__(self):  # treedef, where = layout
+    return iter((self.treedef, self.where))
+
+  def __repr__(self):
+    return f"PackLayout({len(self.where)} leaves)"
+
+
+def leaf_signature(leaves: list) -> tuple:
+  """What picks a `Packer` besides the tree structure: each leaf's shape and dtype."""
+  return tuple([(x.shape, x.dtype) for x in leaves])
+
+
+class Packer:
+  """`pack` for one tree structure, leaf shapes and dtypes: the layout and each leaf's slot
+  computed once, so a batch costs one buffer per dtype and one copy per leaf (no specs, no
+  checks, no layout built per batch)."""
+
+  def __init__(self, treedef, leaves: list, spec_leaves: list, devices: int):
+    if len(spec_leaves) != len(leaves):
+      raise ValueError(f"pack: {len(leaves)} leaves but {len(spec_leaves)} specs")
+    self.devices = devices
+    on_device = [x for x, s in zip(leaves, spec_leaves) if s is not sharding.HOST_SPEC]
+    self.dtypes = sorted({x.dtype.str for x in on_device})
+    widths = dict.fromkeys(self.dtypes, 0)
+    where, slots, hosts = [], [], 0
+    for i, (x, s) in enumerate(zip(leaves, spec_leaves)):
+      if s is sharding.HOST_SPEC:
+        where.append((-1, hosts, x.shape, False))  # (-1: the host leaves, their index)
+        hosts += 1
+        continue
+      d = x.dtype.str
+      split = s == sharding.BATCH_SPEC
+      # Device i's examples are rows [i*b, (i+1)*b): contiguous, so a reshape splits them.
+      local = (x.shape[0] // devices,) + x.shape[1:] if split else x.shape
+      n = x.size // devices if split else x.size
+      k = self.dtypes.index(d)
+      where.append((k, widths[d], local, split))
+      slots.append((i, k, widths[d], widths[d] + n, (devices, n) if split else (1, n)))
+      widths[d] += n
+    self.widths = [widths[d] for d in self.dtypes]
+    self.slots = tuple(slots)
+    self.host = tuple(i for i, s in enumerate(spec_leaves) if s is sharding.HOST_SPEC)
+    self.layout = PackLayout(treedef, tuple(where))
+
+  def __call__(self, leaves: list) -> tuple[list, list]:
+    """Leaves (numpy, this packer's shapes) -> (one [devices, n] buffer per dtype, the host
+    leaves)."""
+    bufs = [np.empty((self.devices, w), d) for d, w in zip(self.dtypes, self.widths)]
+    for i, k, a, b, shape in self.slots:
+      bufs[k][:, a:b] = leaves[i].reshape(shape)  # (a (1, n) row: copied to every device)
+    return bufs, [leaves[i] for i in self.host]
+
+
+def pack(tree: PyTree, specs: PyTree, devices: int) -> tuple[tuple[list, list], PackLayout]:
   """A pytree of numpy arrays -> ((one [devices, n] buffer per dtype, the host leaves), static
   layout).
 
@@ -117,38 +196,13 @@ def pack(tree: PyTree, specs: PyTree, devices: int) -> tuple[tuple[list, list], 
   copied to each), or HOST_SPEC (the leaf as it is, for pinned host memory: `put`). A batch
   and its prepared ids are ~100 small arrays; one device_put each costs more than the step on
   CPU (measured: 25 ms for a 26-table Criteo batch), hence one buffer per dtype; the host
-  leaves are a few index lists (one per host-table stack), put one by one.
+  leaves are a few index lists (one per host-table stack), put one by one. A caller packing
+  many batches of one structure keeps its `Packer` (`step.Feeder` does).
   """
   leaves, treedef = jax.tree.flatten(tree)
-  spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
-  if len(spec_leaves) != len(leaves):
-    raise ValueError(f"pack: {len(leaves)} leaves but {len(spec_leaves)} specs")
-  on_device = [np.asarray(x) for x, s in zip(leaves, spec_leaves) if s is not sharding.HOST_SPEC]
-  dtypes = sorted({x.dtype.str for x in on_device})
-  parts: dict[str, list] = {d: [] for d in dtypes}
-  offsets = dict.fromkeys(dtypes, 0)
-  where = []
-  host: list[np.ndarray] = []
-  for x, s in zip(leaves, spec_leaves):
-    x = np.asarray(x)
-    if s is sharding.HOST_SPEC:
-      where.append((-1, len(host), x.shape, False))  # (-1: the host leaves, their index)
-      host.append(x)
-      continue
-    d = x.dtype.str
-    split = s == sharding.BATCH_SPEC
-    if split:
-      local = (x.shape[0] // devices,) + x.shape[1:]
-      # Device i's examples are rows [i*b, (i+1)*b): contiguous, so a reshape splits them.
-      rows = x.reshape(devices, x.size // devices)
-    else:
-      local = x.shape
-      rows = np.broadcast_to(x.reshape(1, x.size), (devices, x.size))
-    where.append((dtypes.index(d), offsets[d], local, split))
-    parts[d].append(rows)
-    offsets[d] += rows.shape[1]
-  buffers = [np.concatenate(parts[d], axis=1) for d in dtypes]
-  return (buffers, host), (treedef, tuple(where))
+  leaves = [np.asarray(x) for x in leaves]
+  packer = Packer(treedef, leaves, jax.tree.leaves(specs, is_leaf=_is_spec), devices)
+  return packer(leaves), packer.layout
 
 
 def unpack(buffers, layout, mesh) -> PyTree:
@@ -176,6 +230,10 @@ def unpack(buffers, layout, mesh) -> PyTree:
   return jax.tree.unflatten(treedef, [host[w[1]] if w[0] < 0 else next(sliced) for w in where])
 
 
+# A call's k stacked batches: axis 0 the call's steps, axis 1 the devices.
+STACKED_SPEC = jax.sharding.PartitionSpec(None, sharding.BATCH)
+
+
 def put(buffers: tuple[list, list], mesh, local: bool = False) -> tuple[list, list]:
   """The one host -> device transfer of a batch: row i of each buffer to device i; the host
   leaves to pinned host memory (a copy within the host). With many processes, each
@@ -183,13 +241,17 @@ def put(buffers: tuple[list, list], mesh, local: bool = False) -> tuple[list, li
   ([local devices, n], from a process-local slice of the batch; never host leaves: they
   are replicated, which a process-local batch refuses)."""
   buffers, host = buffers
-  sh = sharding.named(mesh, sharding.BATCH_SPEC)
+  # [devices, n] buffers, or a call's k batches stacked ([k, devices, n]: `Feeder.stack`)
+  stacked = bool(buffers) and buffers[0].ndim == 3
+  sh = sharding.named(mesh, STACKED_SPEC if stacked else sharding.BATCH_SPEC)
   hs = sharding.named(mesh, sharding.HOST_SPEC)
   if local:
     if host:  # (Feeder.pack refuses them first: every leaf of a local batch is batch-major)
       raise ValueError(f"a process-local batch cannot carry {len(host)} host leaves")
+    lead = (buffers[0].shape[0],) if stacked else ()
     return [
-      jax.make_array_from_process_local_data(sh, b, (mesh.size,) + b.shape[1:]) for b in buffers
+      jax.make_array_from_process_local_data(sh, b, lead + (mesh.size,) + b.shape[-1:])
+      for b in buffers
     ], []
   if jax.process_count() == 1:
     return jax.device_put(buffers, sh), jax.device_put(host, hs)

@@ -23,6 +23,7 @@ launching each step after the previous one finished was (issue 30; README "Many 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -280,14 +281,11 @@ def _train_in(
     with open(os.path.join(workdir, "auto_plan.json"), "w") as f:
       json.dump(run.auto_plan.as_dict(), f, indent=2)
 
+  scalars_out = _ScalarWriter(metrics_file, writer) if metrics_file is not None else None
+
   def write_scalars(step: int, scalars: dict[str, float]):
-    if metrics_file is None:
-      return
-    metrics_file.write(json.dumps({"step": step, **scalars}) + "\n")
-    metrics_file.flush()
-    if writer is not None:
-      for k, v in scalars.items():
-        writer.add_scalar(k, v, step)
+    if scalars_out is not None:
+      scalars_out.write(step, scalars)
 
   results: dict[str, Any] = {}
   # Host-link and collective bytes of each train-step program, read once per program.
@@ -451,6 +449,8 @@ def _train_in(
     finally:
       dog.close()
       ckpt.close()
+      if scalars_out is not None:
+        scalars_out.close()  # (every line written before the files close)
       if metrics_file is not None:
         metrics_file.close()
       if writer is not None:
@@ -475,6 +475,38 @@ def _train_in(
       with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(results, f, indent=2, sort_keys=True)
   return Result(metrics=results, state=state, plan=plan)
+
+
+class _ScalarWriter:
+  """metrics.jsonl and TensorBoard, written on a thread of their own in call order: a log
+  line's scalars (hundreds with a host tier's per-table counters) cost ~20 Python calls each
+  in tensorboardX, ~110 per step amortized on the launching thread for cdlrm_kaggle's 26
+  offloaded tables at log_every=48 (benchmarks/host_path.py). A failed write is raised at
+  the next `write` or at `close`."""
+
+  def __init__(self, metrics_file, writer):
+    self._file, self._writer = metrics_file, writer
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recgnn-scalars")
+    self._pending: list[concurrent.futures.Future] = []
+
+  def _write(self, step: int, scalars: dict[str, float]) -> None:
+    self._file.write(json.dumps({"step": step, **scalars}) + "\n")
+    self._file.flush()
+    if self._writer is not None:
+      for k, v in scalars.items():
+        self._writer.add_scalar(k, v, step)
+
+  def write(self, step: int, scalars: dict[str, float]) -> None:
+    self._check(done_only=True)
+    self._pending.append(self._pool.submit(self._write, step, scalars))
+
+  def _check(self, done_only: bool) -> None:
+    while self._pending and (not done_only or self._pending[0].done()):
+      self._pending.pop(0).result()  # (re-raises a write's error)
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=True)
+    self._check(done_only=False)
 
 
 @dataclasses.dataclass

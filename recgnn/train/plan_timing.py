@@ -32,21 +32,21 @@ CHUNK_CALLS = 3
 CHUNKS = 8
 
 
-def batches_needed() -> int:
-  """Train batches (calls) `whole_step_seconds` runs."""
-  return WARM_CALLS + CHUNK_CALLS * CHUNKS
+def batches_needed(batches_per_call: int = 1) -> int:
+  """Train batches `whole_step_seconds` runs (its calls x `Task.batches_per_call`)."""
+  return (WARM_CALLS + CHUNK_CALLS * CHUNKS) * batches_per_call
 
 
 def whole_step_seconds(run, batches: Sequence[dict]) -> float:
   """Median seconds per train step of `run` (a `recgnn.train.setup.Run`, its initial state
-  donated) over `batches` (task batches, one per call; `batches_needed()` of them, in order),
+  donated) over `batches` (task batches, `Task.batches_per_call` per call;
+  `batches_needed(batches_per_call)` of them, in order),
   each chunk of CHUNK_CALLS calls timed after the first WARM_CALLS, batches prepared and
   packed ahead on the trainer's input thread (`InputThread`), steps dispatched without a
   sync between them."""
-  if len(batches) < WARM_CALLS + CHUNK_CALLS:
-    raise ValueError(
-      f"whole_step_seconds needs at least {WARM_CALLS + CHUNK_CALLS} batches, got {len(batches)}"
-    )
+  need = (WARM_CALLS + CHUNK_CALLS) * run.task.batches_per_call  # (k batches per call: k > 1)
+  if len(batches) < need:
+    raise ValueError(f"whole_step_seconds needs at least {need} batches, got {len(batches)}")
   items = iter([("train", None, b) for b in batches])
   feed = InputThread(items, run.plan, run.feeder, depth=base.PREFETCH, task=run.task)
   per_call = run.task.steps_per_call

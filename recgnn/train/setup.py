@@ -84,7 +84,8 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
     config.train.get("process_input", "auto"),
   )
   n = (options or auto_lib.AutoOptions()).batches
-  timing = plan_timing.batches_needed() if options is not None and options.finalists > 1 else 0
+  finalists = options is not None and options.finalists > 1
+  timing = plan_timing.batches_needed(task.batches_per_call) if finalists else 0
   batches = list(itertools.islice(task.train_batches(0), max(n, timing)))
   ids = [b["ids"] for b in batches[:n]]
   path = config.embeddings.get("cost_cache", "")
@@ -296,6 +297,32 @@ def place_inputs(tree, mesh: jax.sharding.Mesh):
   return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else sharding.put(x, repl), tree)
 
 
+# Backends whose prepare plans against device state the step changes (a cache, a hot set)
+# and whose steps hand the host rows back per step (`Capabilities.writes_host`): one call of
+# k stacked batches needs their lists padded to one width per call, hot_cold's split fixed
+# per call and k write-backs handed over per call. Not built yet.
+NO_STACKED_CALLS = ("offload", "hot_cold")
+
+
+def refuse_stacked_calls(task: Task, plan: planner.Plan) -> None:
+  """k > 1 batches per call (`Task.batches_per_call`) with a host-tier group: refused, named."""
+  if task.batches_per_call <= 1:
+    return
+  bad = [
+    g.text or g.name
+    for g in plan.groups.values()
+    if g.capabilities.writes_host or g.name in NO_STACKED_CALLS
+  ]
+  if bad:
+    key = task.steps_per_call_key or "steps_per_call"
+    raise ValueError(
+      f"{key}={task.batches_per_call} with host-tier embedding groups {bad}: offload and "
+      "hot_cold run one step per call (each step's lists, ring slots and write-back are "
+      "planned and handed over per step; k per call needs them stacked per call: not built "
+      f"yet). Use {key}=1 with this plan, or dense / tt / sharded tables."
+    )
+
+
 def jit_steps(
   task: Task, plan: planner.Plan, tx, shardings, step_inputs: dict | None = None
 ) -> tuple[Callable, Callable]:
@@ -309,6 +336,11 @@ def jit_steps(
       f"{type(task).__name__}'s train step reads step inputs: pass the run's placed ones "
       "(Run.step_inputs) to jit_steps"
     )
+  if own is not None and task.batches_per_call > 1:
+    raise ValueError(
+      f"{type(task).__name__} has a train step of its own and batches_per_call="
+      f"{task.batches_per_call}: only the shared step stacks batches"
+    )
   train_step = step_lib.jit_packed(
     step_lib.make_train_step(task, plan, tx) if own is None else own,
     plan,
@@ -317,6 +349,7 @@ def jit_steps(
     out_state=True,
     name="train_step",
     step_inputs=step_inputs if own is not None else None,
+    stacked=task.batches_per_call,
   )
   eval_step = step_lib.jit_packed(
     step_lib.make_eval_step(task, plan),
@@ -393,6 +426,7 @@ def build(
     log(f"Input: {input_how}")
   plan = planner.resolve_plan(rules, specs, mesh, layout, log=False)
   log("Embedding plan (bytes before allocation):\n" + planner.format_plan(plan))
+  refuse_stacked_calls(task, plan)
   example = task.example_batch() if example is None else example
   ids_shapes = _train_ids_shapes(plan, task, example, device_memory_budget)
   if relative:  # (a budget of the plan's own bytes plus a margin: it fits by construction)

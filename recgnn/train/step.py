@@ -225,6 +225,7 @@ def jit_packed(
   out_state: bool,
   name: str = "packed",
   step_inputs: PyTree | None = None,
+  stacked: int = 1,
 ):
   """step_fn(state, prepared, batch) -> jitted f(state, buffers, layout) over `inputs.pack`
   output, with explicit in / out shardings (state as `state_shardings`, buffers split over
@@ -235,22 +236,41 @@ def jit_packed(
   (`Task.step_inputs`, e.g. the graph each device samples from): step_fn is then
   step_fn(state, prepared, batch, step_inputs), and they are the jitted function's last
   argument, bound here (f keeps the signature above). An argument, not a closure: a
-  closed-over array would be a constant of the program, the whole graph in its HLO."""
+  closed-over array would be a constant of the program, the whole graph in its HLO.
+
+  stacked: k > 1 train steps per call over k batches (`Feeder.stack`: buffers [k, devices,
+  n], one layout, no host leaves): one `lax.scan` of step_fn over them, the state carried,
+  metrics stacked ([k] per key). Each iteration is the one-step program's body on batch i,
+  so k calls of one step and one call of k end bit-identical (tests/test_steps_per_call.py)."""
   mesh = plan.mesh
-  buf = jax.sharding.NamedSharding(mesh, sharding.BATCH_SPEC)
+  spec = inputs.STACKED_SPEC if stacked > 1 else sharding.BATCH_SPEC
+  buf = jax.sharding.NamedSharding(mesh, spec)
   repl = jax.sharding.NamedSharding(mesh, sharding.REPLICATED)
 
+  # A train step of a plan with a host tier returns the rows the host takes back as a third
+  # output (`make_train_step`), handed to the writers by `_HandsToHost`.
+  hands = out_state and any(g.capabilities.writes_host for g in plan.groups.values())
+
   def packed(state, buffers, layout, *extra):
+    if stacked > 1:  # (no host tier: setup.refuse_stacked_calls)
+      bufs, host = buffers
+
+      def body(state, bufs_i):
+        prepared, batch = inputs.unpack((bufs_i, host), layout, mesh)
+        new, metrics, *_ = step_fn(state, prepared, batch, *extra)
+        return new, metrics
+
+      return jax.lax.scan(body, state, bufs)
     prepared, batch = inputs.unpack(buffers, layout, mesh)
     out = step_fn(state, prepared, batch, *extra)
     if not out_state:
       return out
     new, metrics, *to_host = out  # (a task's own train step may have no host tier's output)
-    return new, metrics, to_host[0] if to_host else {}
+    return (new, metrics, to_host[0] if to_host else {}) if hands else (new, metrics)
 
   packed.__name__ = packed.__qualname__ = name
   # (the host tiers' rows replicated: every device holds the same cache / cold rows)
-  out = (state_shardings, repl, repl) if out_state else repl
+  out = ((state_shardings, repl, repl) if hands else (state_shardings, repl)) if out_state else repl
   # (the packed buffers split over the mesh; the host leaves in pinned host memory)
   in_shardings = (state_shardings, (buf, sharding.named(mesh, sharding.HOST_SPEC)))
   if step_inputs is not None:  # as placed (`setup.place_inputs`)
@@ -263,10 +283,10 @@ def jit_packed(
     out_shardings=out,
   )
   # Simulated CPU devices: one step in flight at a time (XLA:CPU deadlocks otherwise; see
-  # sharding.OneInFlight).
-  one = sharding.OneInFlight(jitted, mesh)
+  # sharding.OneInFlight). Elsewhere the jitted function itself: no Python frame per call.
+  one = sharding.OneInFlight(jitted, mesh) if sharding.needs_one_in_flight(mesh) else jitted
   one = one if step_inputs is None else _BoundInputs(one, step_inputs)
-  return _HandsToHost(one, plan) if out_state else one
+  return _HandsToHost(one, plan) if hands else one
 
 
 def hand_to_host(plan: planner.Plan, to_host: dict) -> None:
@@ -277,17 +297,17 @@ def hand_to_host(plan: planner.Plan, to_host: dict) -> None:
 
 
 class _HandsToHost:
-  """A jitted train step called as f(state, buffers, layout) -> (state, metrics): its third
-  output (the host tiers' rows) handed to their writers on the way out (`hand_to_host`)."""
+  """A jitted train step of a plan with a host tier, called as f(state, buffers, layout) ->
+  (state, metrics): its third output (the host tiers' rows) handed to their writers on the
+  way out (`hand_to_host`). Plans without one return (state, metrics) from the jitted
+  function itself (no Python frame per call)."""
 
   def __init__(self, fn, plan: planner.Plan):
     self._fn, self._plan = fn, plan
-    self._hands = any(g.capabilities.writes_host for g in plan.groups.values())
 
   def __call__(self, state, buffers, layout):
     state, metrics, to_host = self._fn(state, buffers, layout)
-    if self._hands:
-      hand_to_host(self._plan, to_host)
+    hand_to_host(self._plan, to_host)
     return state, metrics
 
   def __getattr__(self, name):  # .lower(), .trace(), ... of the jitted step
@@ -309,7 +329,18 @@ class _BoundInputs:
 
 
 class Feeder:
-  """Packs (prepared, batch) for the step: the specs of every leaf, checked and cached."""
+  """Packs (prepared, batch) for the step: the specs of every leaf, checked and cached.
+
+  Specs, checks and the packed layout depend only on the tree's structure and its leaves'
+  shapes and dtypes (a group's `prepared_spec` reads keys, never values), so they are
+  computed once per such signature (`inputs.Packer`, kept here) and each batch costs a
+  flatten, the signature and one copy per leaf. Every batch of one signature carries the same
+  `inputs.PackLayout` object: jit's static-argument lookup and the trainer's traffic reader
+  then cost a hash already computed and an identity check."""
+
+  #: Packers kept (distinct signatures: a train and an eval batch shape, bucketed list
+  #: lengths); the cache restarts past this rather than grow without bound.
+  MAX_PACKERS = 512
 
   def __init__(self, plan: planner.Plan, batch_spec=None):
     """The layout is the plan's (`plan.layout`, given to every backend at construction):
@@ -319,6 +350,7 @@ class Feeder:
     self.plan, self.batch_spec = plan, batch_spec
     self.shard_batch = plan.layout.split_batch
     self.local = plan.layout.process_local
+    self._packers: dict[tuple, inputs.Packer] = {}
 
   def specs(self, prepared, batch):
     p = {k: self.plan.groups[k].prepared_spec(v) for k, v in prepared.items()}
@@ -333,13 +365,25 @@ class Feeder:
 
   def pack(self, prepared, batch, what: str = "batch"):
     """-> (host buffers, layout): everything but the transfer (host work only, so the
-    trainer runs it on its input thread; `put` runs on the thread that launches steps)."""
-    batch = device_batch(batch)
-    specs = self.specs(prepared, batch)
+    trainer runs it on its input thread)."""
+    tree = (prepared, device_batch(batch))
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = [x if type(x) is np.ndarray else np.asarray(x) for x in leaves]
+    key = (treedef, inputs.leaf_signature(leaves))
+    packer = self._packers.get(key)
+    if packer is None:  # a new signature: specs and checks once
+      if len(self._packers) >= self.MAX_PACKERS:
+        self._packers.clear()
+      packer = self._packers[key] = self._packer(tree, treedef, leaves, what)
+    return packer(leaves), packer.layout
+
+  def _packer(self, tree, treedef, leaves, what: str) -> inputs.Packer:
+    specs = self.specs(*tree)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     mesh = self.plan.mesh
     if not self.local:
-      inputs.check_split((prepared, batch), specs, mesh, what)
-      return inputs.pack((prepared, batch), specs, mesh.size)
+      inputs.check_split(tree, specs, mesh, what)
+      return inputs.Packer(treedef, leaves, spec_leaves, mesh.size)
     # A process-local slice: a leaf every device needs whole would differ between
     # processes, so every leaf must be batch-major (the groups promised it).
     flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
@@ -349,13 +393,30 @@ class Feeder:
         f"process-local {what}: leaves {whole[:6]} are not batch-major; they would differ "
         "between processes. Use train.process_input=global."
       )
-    local_devices = mesh.size // jax.process_count()
-    for x in jax.tree.leaves((prepared, batch)):
+    for x in leaves:
       sharding.check_batch(np.shape(x)[0] * jax.process_count(), mesh, what)
-    return inputs.pack((prepared, batch), specs, local_devices)
+    return inputs.Packer(treedef, leaves, spec_leaves, mesh.size // jax.process_count())
+
+  def stack(self, packed: list) -> tuple[tuple[list, list], inputs.PackLayout]:
+    """k `pack` outputs of one call's train batches -> ((buffers [k, devices, n] per dtype,
+    no host leaves), their one layout): the input of a `jit_packed(stacked=k)` step, one
+    transfer for the k batches."""
+    layout = packed[0][1]
+    if any(p[1] is not layout for p in packed):
+      raise ValueError(
+        "the train batches of one call differ in structure or shapes; k steps per call "
+        "(train.steps_per_call) needs batches of one shape (drop the remainder)"
+      )
+    if packed[0][0][1]:
+      raise ValueError(
+        f"k steps per call cannot stack {len(packed[0][0][1])} host-memory leaves "
+        "(train.steps_per_call=1 for host-tier plans)"
+      )
+    bufs = [np.stack([p[0][0][i] for p in packed]) for i in range(len(packed[0][0][0]))]
+    return (bufs, []), layout
 
   def put(self, buffers):
-    """The host -> device transfer of `pack`'s buffers."""
+    """The host -> device transfer of `pack`'s (or `stack`'s) buffers."""
     return inputs.put(buffers, self.plan.mesh, local=self.local)
 
 

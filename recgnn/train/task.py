@@ -152,6 +152,12 @@ class Task(abc.ABC):
   steps_per_call: int = 1
   #: The config key that sets `steps_per_call` (named in the loop's errors).
   steps_per_call_key: str = ""
+  #: Train batches (items of `train_batches`) one call of the trainer's shared step takes:
+  #: k > 1 (CTR's train.steps_per_call) stacks k host batches, each prepared and packed as
+  #: alone, into one transfer ([k, devices, n] buffers), and the step scans its k optimizer
+  #: steps over them (`step.jit_packed(stacked=k)`); steps_per_call is then k too. 1: a
+  #: batch per call (which may itself hold several steps, as data-parallel GraphSAGE's).
+  batches_per_call: int = 1
 
   #: What one example is called in throughput logs ("samples", "edges", "nodes").
   example_unit: str = "samples"

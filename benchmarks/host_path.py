@@ -1,0 +1,400 @@
+"""The host path of a CTR train step: what the host costs per step when the step costs nothing.
+
+Question (issue 43): is the trainer's host side (reader, prepare, pack, transfer, launch,
+metrics) fast enough that an accelerator's step, not the host, sets the pace? Per experiment
+(`dlrm_kaggle`: 26 dense tables; `cdlrm_kaggle`: the same tables offloaded), batch 2048, on the
+synthetic Criteo-format data at `--scale` x Kaggle's cardinalities (1.0: Kaggle's 33.8M rows):
+
+  input     the input side alone, on one thread, in stream order: the task's batch iterator
+            (read), every group's `prepare` (with the look-ahead window), `Feeder.pack`; ms of
+            CPU (time.thread_time) and wall per batch, medians after the first few batches.
+  ceiling   `recgnn.train.loop.train` (the real loop: input thread, transfer, launch, traffic,
+            metrics every `--log_every` steps) with the jitted train step swapped for one of the
+            same signature and shardings that does no work (the state with step + 1, a zero
+            loss; its batch is transferred and passed in as the real step's): samples/s over
+            the logged intervals after the first; the main thread's CPU ms per step
+            (time.thread_time between two calls of the step, over `--steady` steps after
+            `--warmup`), the input thread's busy ms per batch (its wall time: GIL waits count).
+  calls     the same loop run again with a counting profiler on the main thread only
+            (sys.setprofile; threads keep none) over the same steady steps: Python function
+            calls ("call" events) and C calls per step. A separate run: the profiler slows the
+            thread it counts.
+
+Every (experiment, tree) measurement is its own process, `--processes` rounds of them
+interleaved (the machine is shared: each round runs every contestant once), so the figures
+are min / median / max over processes. With `--against=COMMIT` the same script runs over
+COMMIT's `recgnn` (a `git archive` of it first on the path) in alternating order, and the
+ratios of medians are printed beside the figures they come from.
+
+  python benchmarks/host_path.py                       # results/host_path.{json,md}
+  python benchmarks/host_path.py --against=HEAD~3 --processes=5
+  python benchmarks/host_path.py --quick               # one process each, a smoke run
+
+The no-work step is the host path's ceiling, not a throughput: a real step adds its compute,
+and on CPU its host work competes with the step for the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+# A child measuring an --against tree imports that tree's recgnn: first on the path.
+_TREE = os.environ.get("HOST_PATH_TREE") or str(pathlib.Path(__file__).resolve().parents[1])
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, _TREE)
+import common  # noqa: E402  (benchmarks/common.py)
+
+EXPERIMENTS = ("dlrm_kaggle", "cdlrm_kaggle")
+# Issue 43's must-show on this CPU (k = 1): the main thread's work per step, the input side.
+MAIN_CALLS_MAX = 150
+MAIN_CPU_MS_MAX = 0.3
+INPUT_MS_MAX = 1.5
+# ... and the ceiling at k = 8 (dense) / k = 1 (cdlrm).
+CEILING_MIN = {"dlrm_kaggle": 1_000_000, "cdlrm_kaggle": 300_000}
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+def config_of(name: str, args):
+  c = importlib.import_module(f"experiments.{name}").get_config()
+  c.data.synthetic.scale = args.scale
+  # (cdlrm_kaggle's budget is a tenth of its dense tables at the default scale: not measured)
+  c.device_memory_budget = ""
+  c.train.batch_size = args.batch
+  c.train.steps = args.warmup + args.steady + args.log_every
+  c.train.log_every = args.log_every
+  c.train.checkpoint_every = 0
+  c.train.eval_every = 0
+  c.train.final_eval_splits = ()
+  if args.k > 1:
+    c.train.steps_per_call = args.k
+  return c
+
+
+def measure_input(name: str, args) -> dict:
+  """ms per batch of read, prepare and pack on this thread, CPU and wall."""
+  from recgnn.train import inputs
+  from recgnn.train import setup as train_setup
+
+  run = train_setup.build(config_of(name, args), allocate=False)  # (no tables: not used)
+  batches = run.task.train_batches(0)
+  acc: dict[str, list[float]] = {}
+
+  def timed(part, fn, *a):
+    c, w = time.thread_time(), time.perf_counter()
+    out = fn(*a)
+    acc.setdefault(part + " cpu", []).append(1e3 * (time.thread_time() - c))
+    acc.setdefault(part + " wall", []).append(1e3 * (time.perf_counter() - w))
+    return out
+
+  def read():
+    for _ in range(args.input_batches):
+      yield "train", None, timed("read", next, batches)
+
+  items = inputs.prepare_stream(run.plan, read())
+  for _ in range(args.input_batches - run.plan.lookahead):
+    item = timed("read+prepare", next, items)
+    timed("pack", run.feeder.pack, item.prepared, item.batch)
+  skip = 3  # the first batches: caches filling, numba's first call
+  out = {k: statistics.median(v[skip:]) for k, v in acc.items()}
+  # read is also inside read+prepare (the look-ahead pulls it): prepare = the difference.
+  for t in ("cpu", "wall"):
+    out[f"prepare {t}"] = out[f"read+prepare {t}"] - out[f"read {t}"]
+    out[f"input {t}"] = out[f"read+prepare {t}"] + out[f"pack {t}"]
+  return out
+
+
+class _Probe:
+  """The loop's train step, wrapped: the main thread's CPU time between call `warmup` and
+  call `warmup + steady`, and with `count` the Python / C calls on the main thread between
+  them (the probe's own few calls per step included)."""
+
+  def __init__(self, fn, warmup: int, steady: int, count: bool):
+    self.fn, self.warmup, self.steady, self.count = fn, warmup, steady, count
+    self.calls = 0
+    self.events = {"call": 0, "c_call": 0}
+    self.cpu = self.wall = None
+
+  def _profile(self, frame, event, arg):
+    del frame, arg
+    if event in self.events:
+      self.events[event] += 1
+
+  def __call__(self, state, *args):
+    i, self.calls = self.calls, self.calls + 1
+    if i == self.warmup:
+      self._c, self._w = time.thread_time(), time.perf_counter()
+      if self.count:
+        sys.setprofile(self._profile)
+    elif i == self.warmup + self.steady:
+      if self.count:
+        sys.setprofile(None)
+      self.cpu, self.wall = time.thread_time() - self._c, time.perf_counter() - self._w
+    return self.fn(state, *args)
+
+  def __getattr__(self, name):  # .lower() for the traffic reader
+    return getattr(self.fn, name)
+
+
+def measure_loop(name: str, args, count: bool) -> dict:
+  """The trainer's loop over the no-work step: samples/s, main-thread CPU (or calls)."""
+  import jax.numpy as jnp
+
+  from recgnn.train import checkpoint as ckpt_lib
+  from recgnn.train import loop
+  from recgnn.train import setup as train_setup
+  from recgnn.train import step as step_lib
+
+  config = config_of(name, args)
+  k = args.k
+  calls = (args.warmup + args.steady) // k
+  probes = []
+
+  def nowork(state, prepared, batch, *extra):
+    del prepared, batch, extra
+    return state.replace(step=state.step + 1), {"loss": jnp.zeros((), jnp.float32)}
+
+  real_jit_steps = train_setup.jit_steps
+
+  def jit_steps(task, plan, tx, shardings, step_inputs=None):
+    _, evaluate = real_jit_steps(task, plan, tx, shardings, step_inputs)
+    # The same signature, shardings and donation as the real step (k > 1: the same scan
+    # over the call's stacked batches, of a body that does nothing).
+    stacked = {"stacked": k} if k > 1 else {}  # (a tree before k steps per call: k = 1)
+    fake = step_lib.jit_packed(nowork, plan, shardings, True, True, "train_step", **stacked)
+    probes.append(_Probe(fake, args.warmup // k, args.steady // k, count))
+    return probes[-1], evaluate
+
+  workdir = tempfile.mkdtemp(prefix=f"host_path_{name}_")
+  patches = [
+    (train_setup, "jit_steps", jit_steps),
+    # The final checkpoint is not the host path (and 2.3 GB of tables at scale 1).
+    (ckpt_lib.Checkpointer, "save", lambda *a, **kw: None),
+  ]
+  old = [(o, a, getattr(o, a)) for o, a, _ in patches]
+  try:
+    for o, a, v in patches:
+      setattr(o, a, v)
+    with contextlib.redirect_stdout(sys.stderr):  # the loop's log lines: not our output
+      res = loop.train(config, workdir)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      lines = [json.loads(x) for x in f if x.strip()]
+  finally:
+    for o, a, v in old:
+      setattr(o, a, v)
+    shutil.rmtree(workdir, ignore_errors=True)
+  (probe,) = probes
+  if probe.cpu is None:
+    raise SystemExit(f"{name}: the loop ran {probe.calls} calls, fewer than {calls}")
+  rates = [x["samples_per_second"] for x in lines if "samples_per_second" in x]
+  steps = config.train.steps
+  # (the input thread's busy seconds cover every batch of the run: one per step)
+  out = {"input_thread_ms_per_batch": 1e3 * res.metrics["input_thread_seconds"] / steps}
+  if count:
+    out.update({
+      "main_python_calls_per_step": probe.events["call"] / args.steady,
+      "main_c_calls_per_step": probe.events["c_call"] / args.steady,
+    })  # fmt: skip
+  else:
+    out.update({
+      "samples_per_s": statistics.median(rates[1:]),
+      "samples_per_s_intervals": rates,
+      "main_cpu_ms_per_step": 1e3 * probe.cpu / args.steady,
+      "main_wall_ms_per_step": 1e3 * probe.wall / args.steady,
+    })  # fmt: skip
+  return out
+
+
+def child(args) -> None:
+  out = {"machine": common.machine_info(), "tree": _TREE}
+  out["input"] = measure_input(args.experiment, args)
+  out["loop"] = measure_loop(args.experiment, args, count=False)
+  out["calls"] = measure_loop(args.experiment, args, count=True)
+  import jax
+
+  out["machine"] = {**common.machine_info(), "jax": jax.__version__}
+  with open(args.child_out, "w") as f:
+    json.dump(out, f)
+
+
+# ----------------------------------------------------------------------------- rounds
+
+# (section, key, header, format) of the distribution table
+COLUMNS = (
+  ("input", "input cpu", "input CPU ms / batch", "{:.2f}"),
+  ("input", "read cpu", "read", "{:.2f}"),
+  ("input", "prepare cpu", "prepare", "{:.2f}"),
+  ("input", "pack cpu", "pack", "{:.2f}"),
+  ("loop", "samples_per_s", "ceiling samples/s", "{:,.0f}"),
+  ("loop", "main_cpu_ms_per_step", "main CPU ms / step", "{:.3f}"),
+  ("calls", "main_python_calls_per_step", "main Python calls / step", "{:.0f}"),
+  ("calls", "main_c_calls_per_step", "main C calls / step", "{:.0f}"),
+  ("loop", "input_thread_ms_per_batch", "input thread busy ms / batch", "{:.2f}"),
+)
+
+
+def child_command(args, name: str, out: str) -> list[str]:
+  opts = {
+    "experiment": name,
+    "scale": args.scale,
+    "batch": args.batch,
+    "k": args.k,
+    "warmup": args.warmup,
+    "steady": args.steady,
+    "log_every": args.log_every,
+    "input-batches": args.input_batches,
+    "child-out": out,
+  }
+  return [sys.executable, str(pathlib.Path(__file__).resolve())] + [
+    f"--{k}={v}" for k, v in opts.items()
+  ]
+
+
+def rounds(args, names: list[str], tmp: str) -> dict:
+  trees = {"this": str(pathlib.Path(__file__).resolve().parents[1])}
+  if args.against:
+    src, sha = common.extract_commit(args.against, tmp)
+    trees[sha[:10]] = src
+  runs = {n: {t: [] for t in trees} for n in names}
+  for r in range(args.processes):
+    for n in names:
+      order = list(trees) if r % 2 == 0 else list(trees)[::-1]
+      for t in order:
+        out = os.path.join(tmp, f"{r}_{n}_{t}.json")
+        load = os.getloadavg()[0]
+        env = {**os.environ, "HOST_PATH_TREE": trees[t]}
+        proc = subprocess.run(child_command(args, n, out), env=env, capture_output=True, text=True)
+        if proc.returncode:
+          tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
+          raise SystemExit(f"{n} @ {t} failed (exit {proc.returncode}):\n{tail}")
+        with open(out) as f:
+          res = json.load(f)
+        res["load_before"] = load
+        runs[n][t].append(res)
+        print(f"round {r + 1}/{args.processes} {n} @ {t} (load {load:.1f}): " + ", ".join(
+          f"{h} {fmt.format(res[s][k])}" for s, k, h, fmt in COLUMNS if k in res[s]
+        ), flush=True)  # fmt: skip
+  summary = {}
+  for n in names:
+    summary[n] = {}
+    for t, xs in runs[n].items():
+      summary[n][t] = {}
+      for s, k, _, _ in COLUMNS:
+        v = [x[s][k] for x in xs if k in x[s]]
+        if v:
+          summary[n][t][k] = {"min": min(v), "median": statistics.median(v), "max": max(v)}
+  return {"trees": {t: p for t, p in trees.items()}, "runs": runs, "summary": summary}
+
+
+def checks(args, summary: dict) -> list[str]:
+  """Issue 43's must-show lines, from this tree's medians (and its slowest process)."""
+  out = []
+  for n, per in summary.items():
+    s = per["this"]
+    calls = s["main_python_calls_per_step"]["max"]
+    cpu = s["main_cpu_ms_per_step"]["max"]
+    ceiling = s["samples_per_s"]["min"]
+    if args.k == 1:
+      out.append(f"{n}: main thread {calls:.0f} Python calls / step (worst process; target < "
+                 f"{MAIN_CALLS_MAX}): {'yes' if calls < MAIN_CALLS_MAX else 'NO'}; "
+                 f"{cpu:.3f} ms CPU / step (target < {MAIN_CPU_MS_MAX}): "
+                 f"{'yes' if cpu < MAIN_CPU_MS_MAX else 'NO'}")  # fmt: skip
+    if n == "dlrm_kaggle":
+      ms = s["input cpu"]["max"]
+      out.append(f"{n}: input side {ms:.2f} CPU ms / batch of {args.batch} (worst process; "
+                 f"target <= {INPUT_MS_MAX}): {'yes' if ms <= INPUT_MS_MAX else 'NO'}")  # fmt: skip
+    target = CEILING_MIN.get(n)
+    if target and (n != "dlrm_kaggle" or args.k == 8):
+      out.append(f"{n}: ceiling {ceiling:,.0f} samples/s at k = {args.k} (slowest process; "
+                 f"target >= {target:,}): {'yes' if ceiling >= target else 'NO'}")  # fmt: skip
+  return out
+
+
+def markdown(payload: dict) -> str:
+  m, a = payload["machine"], payload["args"]
+  loads = [x["load_before"] for r in payload["runs"].values() for xs in r.values() for x in xs]
+  lines = [
+    "# The host path of a CTR step (benchmarks/host_path.py)",
+    "",
+    f"`{m['command']}` on {m['cpus']} CPUs ({m['cpu_model']}), {m['date_utc']}; "
+    f"{a['processes']} process(es) per experiment and tree, interleaved; load average before "
+    f"each: {min(loads):.1f} - {max(loads):.1f}. Batch {a['batch']}, k = {a['k']} step(s) per "
+    f"call, synthetic data at scale {a['scale']}; {a['steady']} steady steps after "
+    f"{a['warmup']}. Cells: min / median / max over processes.",
+    "",
+  ]
+  trees = list(payload["trees"])
+  for n, per in payload["summary"].items():
+    lines += [f"## {n}", ""]
+    header = ["measure", *[f"{t}" for t in trees]]
+    if len(trees) > 1:
+      header.append(f"median this / {trees[1]}")
+    rows = []
+    for _, k, h, fmt in COLUMNS:
+      if k not in per["this"]:
+        continue
+      cells = []
+      for t in trees:
+        d = per[t].get(k)
+        cells.append(" / ".join(fmt.format(d[q]) for q in ("min", "median", "max")) if d else "")
+      if len(trees) > 1:
+        a_, b_ = per["this"].get(k), per[trees[1]].get(k)
+        cells.append(f"{a_['median'] / b_['median']:.3f}" if a_ and b_ and b_["median"] else "")
+      rows.append([h, *cells])
+    lines += [common.md_table(header, rows), ""]
+  lines += [f"- {x}" for x in payload["checks"]]
+  return "\n".join(lines) + "\n"
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--experiments", default=",".join(EXPERIMENTS))
+  ap.add_argument("--scale", type=float, default=1.0, help="x Kaggle's table cardinalities")
+  ap.add_argument("--batch", type=int, default=2048)
+  ap.add_argument("--k", type=int, default=1, help="train steps per call (train.steps_per_call)")
+  ap.add_argument("--warmup", type=int, default=96, help="steps before the measured ones")
+  ap.add_argument("--steady", type=int, default=400, help="steps measured (multiple of k)")
+  ap.add_argument("--log_every", type=int, default=48)
+  ap.add_argument("--input-batches", dest="input_batches", type=int, default=60)
+  ap.add_argument("--processes", type=int, default=3)
+  ap.add_argument("--against", default="", metavar="COMMIT")
+  ap.add_argument("--name", default="")
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--experiment", default="", help=argparse.SUPPRESS)  # a child's
+  ap.add_argument("--child-out", dest="child_out", default="", help=argparse.SUPPRESS)
+  args = ap.parse_args()
+  if args.quick:
+    args.processes, args.steady, args.warmup, args.input_batches = 1, 96, 48, 24
+  for v in ("warmup", "steady", "log_every"):
+    if getattr(args, v) % args.k:
+      ap.error(f"--{v}={getattr(args, v)} must be a multiple of --k={args.k}")
+  if args.child_out:
+    child(args)
+    return
+  names = [n for n in args.experiments.split(",") if n]
+  with tempfile.TemporaryDirectory(prefix="host_path_") as tmp:
+    payload = {"machine": common.machine_info(), "args": vars(args)}
+    payload.update(rounds(args, names, tmp))
+  payload["load_avg_at_end"] = os.getloadavg()
+  payload["checks"] = checks(args, payload["summary"])
+  for line in payload["checks"]:
+    print(line, flush=True)
+  name = args.name or ("host_path" + (f"_k{args.k}" if args.k > 1 else "")
+                       + ("_against" if args.against else ""))  # fmt: skip
+  common.write_results(name, payload, markdown(payload))
+
+
+if __name__ == "__main__":
+  main()
