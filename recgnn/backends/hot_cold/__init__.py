@@ -778,7 +778,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         t = tables[n]
         t["out_dst"] = np.full(t["out_slots"].shape[0], ABSENT, np.int32)
         if m is not None and m[3].size:
-          t["out_dst"][: m[3].size] = _assign(recent, first_row[i] + m[3])
+          t["out_dst"][: m[3].size] = self._leaving_slots(recent, first_row[i] + m[3])
           w["out"][n] = [(self._index[n], m[3], np.arange(m[3].size))]
       recent.end_step()
     if need:  # a host read of a row written back by a step that may still be in flight
@@ -794,6 +794,12 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         got = self._read([n], np.zeros(rows_in.size, np.int64), rows_in, k_in, t["in_src"])
         t["in_vals"] = got
     return lst, w, int(np.sum(src != ABSENT))
+
+  def _leaving_slots(self, recent: host_tier.Recent, rows: np.ndarray) -> np.ndarray:
+    """Ring slots for the rows a migration moves out of the hot set (`_assign`): they may be
+    read cold by batches prepared before the step runs."""
+    del self
+    return _assign(recent, rows)
 
   def _read(self, names, tab, rows, width, src) -> dict:
     """{k: [width, ...]}: the rows (of table names[tab]) read from the host tables, then
