@@ -56,9 +56,13 @@ import time
 
 NO_GPU = 3  # exit status of `detect` when jax sees no GPU
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = ("env", "contract", "trainer", "train", "trace", "calibrate")
+STAGES = ("env", "contract", "trainer", "train", "trace", "calibrate", "tiers")
 EXPERIMENTS = ("dlrm_kaggle", "cdlrm_kaggle", "ttrec_kaggle", "hotline_kaggle")
 TRACED = ("cdlrm_kaggle", "hotline_kaggle")
+# The tiers stage (issue 42): every table dense, offloaded, hot / cold; at Kaggle's table sizes.
+TIERS = ("dlrm_kaggle", "cdlrm_kaggle", "hotline_kaggle")
+# Its second setting: XLA:GPU's CUDA graphs off (the H100 trace updated them every step).
+NO_COMMAND_BUFFER = "--xla_gpu_enable_command_buffer="
 # A device command may run 10 minutes, machine start and file transfers not counted: a stage
 # must end by 9; 510 s leaves a minute for pytest / run.py to answer SIGTERM and for writing.
 STAGE_SECONDS = float(os.environ.get("RECGNN_GPU_CHECK_STAGE_SECONDS", "510"))
@@ -918,38 +922,51 @@ def _small_trace(src: str, dst: str) -> str:
   return f"trimmed to device events, steps and XLA ops ({len(keep)} of {len(events)} events)"
 
 
+def _traced_run(
+  ctx: Ctx, st: Stage, key: str, name: str, s: dict, extra: list[str], env: dict, limit: float
+) -> dict:
+  """One experiment run with the profiler on steps s["profile"] and the train step's HLO
+  dumped (which XLA ops are the host exchange, where there is one): its result with the
+  trace's summary (recgnn.trace_summary) and the trace returned under $OUT (trimmed)."""
+  sys.path.insert(0, ROOT)
+  from recgnn import trace_summary  # stdlib only: importable before jax
+
+  prof = tuple(int(x) for x in s["profile"].split(":"))
+  wd = os.path.join(ctx.work, f"trace_{key}")
+  hlo = os.path.join(ctx.work, f"hlo_{key}")
+  shutil.rmtree(wd, ignore_errors=True)
+  shutil.rmtree(hlo, ignore_errors=True)
+  flags = f"--xla_dump_to={hlo} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_train_step"
+  xla = " ".join(x for x in (ctx.env.get("XLA_FLAGS", ""), env.get("XLA_FLAGS", ""), flags) if x)
+  r = st.run(f"trace_{key}", experiment_args(ctx, name, s, wd) + extra, limit,
+             {**env, "XLA_FLAGS": xla})  # fmt: skip
+  e = _experiment_result(ctx, name, r, wd, prof)
+  try:
+    summ = trace_summary.summarize(
+      trace_summary.load(os.path.join(wd, "profile")),
+      trace_summary.host_ops(trace_summary.read_hlo([hlo])),
+    )
+    e["trace_summary"] = {k: v for k, v in summ.items()}
+    dst = os.path.join(ctx.out, f"trace_{key}.trace.json.gz")
+    e["trace_returned"] = _small_trace(summ["trace"], dst)
+    e["trace_file"] = os.path.basename(dst) if os.path.exists(dst) else None
+  except (FileNotFoundError, ValueError, OSError) as err:
+    e["trace_summary"] = {"error": f"{type(err).__name__}: {err}"}
+  return e
+
+
 def stage_trace(ctx: Ctx, st: Stage) -> str:
   sys.path.insert(0, ROOT)
   from recgnn import trace_summary  # stdlib only: importable before jax
 
   s = sizes(ctx, traced=True)
   names = ctx.experiments or list(TRACED)
-  prof = tuple(int(x) for x in s["profile"].split(":"))
   st.result["settings"] = s
   res: dict = {}
   st.result["experiments"] = res
   for i, name in enumerate(names):
-    wd = os.path.join(ctx.work, f"trace_{name}")
-    hlo = os.path.join(ctx.work, f"hlo_{name}")
-    shutil.rmtree(wd, ignore_errors=True)
-    shutil.rmtree(hlo, ignore_errors=True)
-    # The train step's compiled HLO: which XLA ops are the host exchange (CPU's copies).
-    flags = f"--xla_dump_to={hlo} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_train_step"
-    env = {"XLA_FLAGS": (ctx.env.get("XLA_FLAGS", "") + " " + flags).strip()}
     limit = min(s["cap"] + (60 if i == 0 else 0), st.left() - 20 - s["min"] * (len(names) - i - 1))
-    r = st.run(f"trace_{name}", experiment_args(ctx, name, s, wd), limit, env)
-    e = _experiment_result(ctx, name, r, wd, prof)
-    try:
-      summ = trace_summary.summarize(
-        trace_summary.load(os.path.join(wd, "profile")),
-        trace_summary.host_ops(trace_summary.read_hlo([hlo])),
-      )
-      e["trace_summary"] = {k: v for k, v in summ.items()}
-      dst = os.path.join(ctx.out, f"trace_{name}.trace.json.gz")
-      e["trace_returned"] = _small_trace(summ["trace"], dst)
-      e["trace_file"] = os.path.basename(dst) if os.path.exists(dst) else None
-    except (FileNotFoundError, ValueError, OSError) as err:
-      e["trace_summary"] = {"error": f"{type(err).__name__}: {err}"}
+    e = _traced_run(ctx, st, name, name, s, [], {}, limit)
     res[name] = e
     md = [
       f"run.py with --profile_steps={s['profile']}: {s['steps']} steps, batch {s['batch']}, "
@@ -977,6 +994,66 @@ def stage_trace(ctx: Ctx, st: Stage) -> str:
     st.md[:] = md
     st.write()
   ok = all(e["status"] == "ok" and "mean" in e.get("trace_summary", {}) for e in res.values())
+  return "ok" if ok else "failed"
+
+
+def _tier_row(key: str, e: dict) -> str:
+  t = e.get("samples_per_second", {})
+  m = e.get("trace_summary", {}).get("mean")
+  sps = f"{t['steady']:,.0f}" if "steady" in t else "-"
+  if not m:
+    return f"| {key} | {e['status']} | {sps} | - | - | - | - | - |"
+  busy = m["busy_us"] / m["span_us"] if m["span_us"] else 0.0
+  return (
+    f"| {key} | {e['status']} | {sps} | {m['span_us'] / 1e3:.3f} | {m['busy_us'] / 1e3:.3f} "
+    f"({100 * busy:.0f}%) | {m['other_copy_count']:.0f} / {_fmt_bytes(m['other_copy_bytes'])} "
+    f"| {m['h2d_count']:.0f} / {_fmt_bytes(m['h2d_bytes'])}, {m['d2h_count']:.0f} / "
+    f"{_fmt_bytes(m['d2h_bytes'])} | {m['graph_updates']:.0f} ({m['graph_update_us'] / 1e3:.3f} "
+    "ms) |"
+  )
+
+
+def stage_tiers(ctx: Ctx, st: Stage) -> str:
+  """Issue 42's check: dense, offload and hot_cold (dlrm_kaggle, cdlrm_kaggle,
+  hotline_kaggle) at Kaggle's table sizes (synthetic scale 1.0 on a GPU) and batch 2048,
+  steady samples/s and a 5-step trace of each, summarized: the device's busy share of a step,
+  pinned -> pinned copies (the whole-table copies of the first H100 run: zero is the
+  target), host <-> device copies, CUDA graph updates; then again with XLA's command buffers
+  off (NO_COMMAND_BUFFER). The budget is shared: runs that do not fit are marked skipped."""
+  s = sizes(ctx, traced=True)
+  scale = 1.0 if ctx.mode == "gpu" else 0.01
+  settings = [("default", {}), ("no_command_buffer", {"XLA_FLAGS": NO_COMMAND_BUFFER})]
+  names = ctx.experiments or list(TIERS)
+  # (cdlrm_kaggle's budget is a tenth of its default scale's tables: none here)
+  extra = [f"--config.data.synthetic.scale={scale}", "--config.device_memory_budget="]
+  st.result["settings"] = {**s, "scale": scale}
+  res: dict = {}
+  st.result["runs"] = res
+  todo = [(setting, env, name) for setting, env in settings for name in names]
+  for i, (setting, env, name) in enumerate(todo):
+    key = f"{name}/{setting}"
+    left = st.left() - 20 - s["min"] * (len(todo) - i - 1)
+    if left < s["min"]:
+      res[key] = {"status": "skipped (no time left)", "seconds": 0.0}
+      continue
+    limit = min(s["cap"] + (60 if i == 0 else 0), left)
+    res[key] = _traced_run(ctx, st, key.replace("/", "_"), name, s, extra, env, limit)
+    st.md[:] = [
+      f"run.py with --profile_steps={s['profile']}: {s['steps']} steps, batch {s['batch']}, "
+      f"synthetic {s['rows']:,} rows at Kaggle's cardinalities x {scale}; settings: default, "
+      f"and {NO_COMMAND_BUFFER} (XLA:GPU's CUDA graphs off). Per step (the trace's mean over "
+      "its whole steps): the step's window, the device busy in it, pinned -> pinned copies "
+      "(MemcpyOther: the whole-table copies of the first H100 run; target 0), H2D / D2H "
+      "copies, CUDA graph updates.",
+      "",
+      "| run | status | samples/s (steady) | step ms | busy ms (share) | pinned->pinned n / "
+      "bytes | H2D n / bytes, D2H n / bytes | graph updates (ms) |",
+      "|---|---|---:|---:|---:|---:|---:|---:|",
+      *[_tier_row(k, e) for k, e in res.items()],
+    ]
+    st.write()
+  ran = [e for e in res.values() if not e["status"].startswith("skipped")]
+  ok = ran and all(e["status"] == "ok" and "mean" in e.get("trace_summary", {}) for e in ran)
   return "ok" if ok else "failed"
 
 
@@ -1081,6 +1158,7 @@ STAGE_FNS = {
   "train": stage_train,
   "trace": stage_trace,
   "calibrate": stage_calibrate,
+  "tiers": stage_tiers,
 }
 
 

@@ -6,8 +6,9 @@
 #   bash benchmarks/gpu_check.sh --stage=contract --out=DIR      # one stage (or a,b,c / all)
 #   bash benchmarks/gpu_check.sh --allow-cpu --stage=train --out=DIR   # CPU test mode
 #
-# Stages: env contract trainer train trace calibrate (or all). Each writes DIR/STAGE.json,
-# DIR/STAGE.md, DIR/STAGE.log; trace also DIR/trace_EXPERIMENT.trace.json.gz. Full logs,
+# Stages: env contract trainer train trace calibrate tiers (or all). Each writes
+# DIR/STAGE.json, DIR/STAGE.md, DIR/STAGE.log; trace and tiers also
+# DIR/trace_EXPERIMENT[_SETTING].trace.json.gz. Full logs,
 # workdirs and the dataset stay in --work (/tmp/recgnn_gpu_check).
 #
 # Options: --stage=S (required), --out=DIR (required), --allow-cpu (no GPU: the same stages

@@ -11,8 +11,10 @@ shrink from their cap to the misses' size), then `--steps` timed steps. Per conf
   cpu ms / step      measured here (median of the timed steps that did not compile a new
                      program; host and device memory are the same RAM on this CPU, so this
                      says nothing about the host link)
-  host link          bytes per step between host and device memory, from the HLO of the
-                     program each timed step ran (recgnn.comms.host_link_of), each way, mean
+  host link          bytes per step between host and device memory of the program each
+                     timed step ran, each way, mean: its batch's transfer with the host
+                     tier's rows, and the rows it returns for the host writer
+                     (recgnn.train.traffic.step_io; nothing crosses inside the step)
   gpu ms / step      recgnn.step_model's prediction on an H100 (datasheet figures): serial (no
                      overlap) and overlapped (the slowest part bounds the step), from the
                      compiled step's flops, the bytes its device kernels touch (host
@@ -92,7 +94,8 @@ def measure(label: str, text: str, cfg, host: list[dict], args, cpu: step_model.
   # The cost of the program each step ran (bucketed lists give a few programs): read once
   # per program, after the step's timing. Every step is shown, so a program new to `costs` is
   # one the step compiled: such timed steps are left out of the CPU time (and counted).
-  costs = traffic.PerProgram(step_model.step_cost)
+  # (a host tier's rows move with the batch and back after the step: `traffic.step_io`)
+  costs = traffic.PerProgram(lambda lo: step_model.step_cost(lo, io=traffic.step_io(lo)))
   times, all_times, ran, compiled = [], [], [], 0
   groups = [g for g in run.plan.groups.values() if hasattr(g, "stats")]
   for k, (_, packed) in enumerate(run.feed(stream)):

@@ -302,8 +302,12 @@ def _row_access(module: hlo.Module, ins: hlo.Instr, operands: list[int], result:
   return operands, result
 
 
-def step_cost(lowered, compiled=None) -> StepCost:
-  """The cost of a `jax.jit(...).lower(...)` step (compiled here unless given)."""
+def step_cost(lowered, compiled=None, io: tuple[int, int] = (0, 0)) -> StepCost:
+  """The cost of a `jax.jit(...).lower(...)` step (compiled here unless given). io: bytes
+  (to the device, to the host) the step's arguments and results move besides its state, all
+  devices together (a host tier's rows, read for the batch and returned for the host writer:
+  recgnn.train.traffic.step_io of a trainer's step); added to what crosses the link inside
+  the step (`comms.host_link_of`)."""
   compiled = compiled if compiled is not None else lowered.compile()
   ca = compiled.cost_analysis()
   ca = ca[0] if isinstance(ca, list) else ca  # (a list of one per program in older jax)
@@ -316,8 +320,8 @@ def step_cost(lowered, compiled=None) -> StepCost:
     device_bytes=float(access.device_bytes),
     host_bytes=float(access.host_bytes),
     xla_bytes_accessed=float(ca.get("bytes accessed", 0.0)),
-    host_to_device_bytes=link.to_device_bytes / devices,
-    device_to_host_bytes=link.to_host_bytes / devices,
+    host_to_device_bytes=(link.to_device_bytes + io[0]) / devices,
+    device_to_host_bytes=(link.to_host_bytes + io[1]) / devices,
     collective_bytes=float(comms.summary(text)["total_operand_bytes"]),
     # Kernels the device launches (host computations are not device launches).
     kernels=access.device_kernels,

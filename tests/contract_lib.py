@@ -308,3 +308,19 @@ def lowered_step(backend_text: str, spec: base.TableSpec, ids: np.ndarray, mesh=
     return group.update(state, prepared, res, {spec.name: pooled[spec.name]})
 
   return group, jax.jit(step).lower(state, prepared)
+
+
+def host_tier_io(lowered) -> tuple[int, int]:
+  """(bytes to the device, to the host) a `lowered_step`'s host tier moves besides the step:
+  the rows its prepare read for the batch (the lists' "*_rows" leaves) and the rows its
+  update returns for the host writer (TO_HOST). (0, 0) for other backends."""
+
+  def nbytes(tree):
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+  (state, prepared), _ = lowered.args_info
+  lists = prepared.get("lists", ()) if isinstance(prepared, dict) else ()
+  into = sum(nbytes(v) for x in lists for k, v in x.items() if k.endswith("_rows"))
+  out = lowered.out_info
+  back = nbytes(out.get(base.TO_HOST, ())) if isinstance(out, dict) else 0
+  return into, back

@@ -150,13 +150,15 @@ def _stream():
   return _spec(1000, 4, SGD), contract.zipf_ids(5, 16, 32, 2, 1000)
 
 
-def test_rows_written_back_then_read_ahead_come_from_the_ring():
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (2, 4)], ids=lambda m: f"{m[0]}x{m[1]}")
+def test_rows_written_back_then_read_ahead_come_from_the_ring(mesh_shape):
   """With the input RUN_AHEAD batches ahead of the step, a row step k evicts and step k + 1
   loads was read on the input thread before step k ran: the device ring of recent
-  write-backs supplies it. Bit-equal to dense, and the case occurs in the stream."""
+  write-backs supplies it. Bit-equal to single-device dense, and the case occurs."""
   spec, batches = _stream()
   ref = contract.run("dense", spec, batches)
-  got = contract.run(TEXT, spec, batches, prefetch=RUN_AHEAD)
+  mesh = contract.mesh_or_skip(*mesh_shape)
+  got = contract.run(TEXT, spec, batches, mesh=mesh, prefetch=RUN_AHEAD)
   stats = got.backend.stats()
   assert stats["ring_rows_per_step"] > 0, "no load came from the ring: test too easy"
   assert stats["t/d2h_rows_per_step"] > 0
@@ -213,3 +215,20 @@ def test_the_writer_applies_in_order_and_reports_errors():
     writer.drain()
   with pytest.raises(RuntimeError, match="has not run"):
     host_tier.Writer("u").wait(1)
+
+
+def test_row_copies_off_the_gil_equal_numpys():
+  """The compiled row copies (no GIL: the input and writer threads do not hold it against the
+  launching thread) read and write what numpy's fancy indexing does, 1-D and 2-D rows."""
+  rng = np.random.default_rng(0)
+  for shape in ((1000,), (1000, 16)):
+    src = rng.normal(size=shape).astype(np.float32)
+    rows = rng.choice(1000, 300, replace=False)
+    out = np.zeros((300,) + shape[1:], np.float32)
+    host_tier._take(src, rows, out)
+    np.testing.assert_array_equal(out, src[rows])
+    dst, want = src.copy(), src.copy()
+    pos = rng.permutation(300)
+    host_tier._put(dst, rows, out, pos)
+    want[rows] = out[pos]
+    np.testing.assert_array_equal(dst, want)

@@ -9,7 +9,6 @@ import json
 
 import contract_lib as contract
 import jax
-import numpy as np
 import pytest
 
 from recgnn import planner, trace_summary
@@ -85,8 +84,9 @@ def test_missing_trace_names_the_flag(tmp_path):
 
 
 def test_cpu_trace_of_an_offload_run(tmp_path):
-  """A profiled offload run on XLA:CPU: every step's exchange shows up as host gathers (H2D)
-  and host scatters (D2H) of exactly the bytes the backend reports it pads its loads to."""
+  """A profiled offload run on XLA:CPU, every step loading and evicting rows: since its rows
+  move with the batch and back after the step (issue 42), its steps hold no host gather or
+  scatter (they held one per exchange and array: the H100 trace's copies)."""
   opt = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
   spec = base.TableSpec(name="t", num_rows=1000, dim=8, optimizer=opt)
   # A 64-row cache for batches touching ~100 distinct rows: every step loads and evicts.
@@ -112,7 +112,7 @@ def test_cpu_trace_of_an_offload_run(tmp_path):
       if first <= step < stop and not hlo:
         hlo = [f.lower(state, prepared, *a).compile().as_text()
                for f, a in ((lookup, ()), (update, (residuals, grads)))]  # fmt: skip
-      state = update(state, prepared, residuals, grads)
+      state = group.after_update(update(state, prepared, residuals, grads))
     if step == stop - 1:
       jax.block_until_ready(state)
       jax.profiler.stop_trace()
@@ -121,25 +121,9 @@ def test_cpu_trace_of_an_offload_run(tmp_path):
     trace_summary.load(str(tmp_path / "profile")), trace_summary.host_ops(hlo)
   )
   assert s["platform"] == "cpu" and s["steps"] == stop - first
-  assert "host gather" in s["copies_from"]
+  assert padded > 0  # (rows did move: with the batch, and back after the step)
+  ops = trace_summary.host_ops(hlo)  # (the host ops' sizes, per module: none)
+  assert all(not d for sizes in ops.sizes.values() for d in sizes), ops.sizes
   for row in s["per_step"]:
-    # One exchange per step: table and accumulator rows, gathered (H2D) and scattered (D2H).
-    assert row["h2d_count"] >= 2 and row["d2h_count"] >= 2, row
-    assert row["h2d_us"] > 0 and row["h2d_overlap_us"] <= row["h2d_us"]
+    assert row["h2d_count"] == 0 and row["d2h_count"] == 0, row
     assert row["busy_us"] > 0 and row["busy_us"] <= row["kernel_us"] + 1e-6
-  # Bytes from the HLO's gathers equal the backend's count of padded loaded rows x row bytes
-  # (table row + accumulator), averaged over the same steps.
-  assert padded > 0
-  np.testing.assert_allclose(s["mean"]["h2d_bytes"], padded, rtol=1e-6)
-  # Windows per execution of the lookup's module on the device (its run ids) instead of per
-  # host annotation: the same steps' worth of bytes (offload reads its rows from host memory
-  # in lookup, as residuals; update only writes back).
-  runs = trace_summary.summarize(
-    trace_summary.load(str(tmp_path / "profile")), trace_summary.host_ops(hlo), step_module="lookup"
-  )
-  assert "run_id" in runs["windows"] and runs["steps"] >= stop - first
-  assert all(r["step"] is not None for r in runs["per_step"])
-  np.testing.assert_allclose(runs["mean"]["h2d_bytes"], padded, rtol=1e-6)
-  # Without the HLO, XLA:CPU's trace has no copies to find, and says so.
-  bare = trace_summary.summarize(trace_summary.load(str(tmp_path / "profile")))
-  assert bare["mean"]["h2d_us"] == 0 and "give --hlo" in bare["copies_from"]

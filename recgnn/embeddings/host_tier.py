@@ -41,6 +41,45 @@ import numpy as np
 
 ABSENT = np.iinfo(np.int32).max  # no ring position: the row comes from the host
 
+
+def _numpy_take(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+  np.take(src, rows, axis=0, out=out)
+
+
+def _numpy_put(dst: np.ndarray, rows: np.ndarray, values: np.ndarray, pos: np.ndarray) -> None:
+  dst[rows] = values[pos]
+
+
+# The row copies run on the input thread (reads) and the writer thread (writes), beside the
+# thread that launches steps: compiled without the GIL (numba, nogil) they do not hold it
+# against that thread (numpy's fancy indexing does, for the whole copy). numpy where numba
+# is missing: the same copies.
+try:
+  from numba import njit
+
+  @njit(nogil=True, cache=True)
+  def _take_2d(src, rows, out):  # pragma: no cover (compiled)
+    for i in range(rows.shape[0]):
+      out[i, :] = src[rows[i], :]
+
+  @njit(nogil=True, cache=True)
+  def _put_2d(dst, rows, values, pos):  # pragma: no cover (compiled)
+    for i in range(rows.shape[0]):
+      dst[rows[i], :] = values[pos[i], :]
+
+  def _take(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = src[rows[i]] (rows in range), without the GIL."""
+    _take_2d(src.reshape(src.shape[0], -1), rows.astype(np.int64, copy=False),
+             out.reshape(out.shape[0], -1))  # fmt: skip
+
+  def _put(dst: np.ndarray, rows: np.ndarray, values: np.ndarray, pos: np.ndarray) -> None:
+    """dst[rows[i]] = values[pos[i]], without the GIL."""
+    _put_2d(dst.reshape(dst.shape[0], -1), rows.astype(np.int64, copy=False),
+            values.reshape(values.shape[0], -1), pos.astype(np.int64, copy=False))  # fmt: skip
+
+except ImportError:  # pragma: no cover
+  _take, _put = _numpy_take, _numpy_put
+
 # How long `Writer.wait` waits for a write-back before it calls the order broken: a step's
 # write-back arrives once that step ran, so only a driver that prepares more train batches
 # ahead than the ring covers, without running their steps, or skips one, ever waits this long.
@@ -125,6 +164,7 @@ class HostRows:
     self.owner = owner
     self.arrays: list[dict[str, np.ndarray]] = []
     self.writer = Writer(owner)
+    self.write_seconds = 0.0  # the writer's copies to the host and scatters (not its waits)
 
   def set(self, arrays: list[dict[str, np.ndarray]]) -> None:
     """Own these arrays (after any write-back in flight has landed)."""
@@ -141,7 +181,7 @@ class HostRows:
       n = rows.shape[0]
       if n:
         for k, v in self.arrays[t].items():
-          np.take(v, rows, axis=0, out=out[k][at : at + n])
+          _take(v, rows, out[k][at : at + n])
       at += n
     return out
 
@@ -151,7 +191,7 @@ class HostRows:
     for t, rows, pos in writes:
       if rows.shape[0]:
         for k, v in self.arrays[t].items():
-          v[rows] = values[k][pos]
+          _put(v, rows, np.ascontiguousarray(values[k]), pos)
 
 
 class Recent:

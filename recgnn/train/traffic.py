@@ -5,8 +5,11 @@ arguments; a program it has not seen (the first step, a re-jit after a group re-
 shapes, new packed shapes such as a bucketed exchange list's) is lowered again (jax's caches
 make that, and its compile, a lookup) and read once:
 
-  host_to_device_bytes / device_to_host_bytes   recgnn.comms.host_link_of: per step, summed
-                                                over the devices of the mesh
+  host_to_device_bytes / device_to_host_bytes   per step, summed over the devices of the
+                                                mesh: the batch's transfer (with the host
+                                                tiers' rows) / the host tiers' rows back
+                                                (`step_io`), plus any transfer inside the
+                                                step (recgnn.comms.host_link_of)
   collective_bytes_per_device                   recgnn.comms.summary of the compiled step:
                                                 operand bytes of its collectives, per device
 
@@ -18,21 +21,46 @@ same on a GPU as here (host and device memory are one RAM on this CPU, so no tim
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
+
+import jax
+import numpy as np
 
 from recgnn import comms
 
 KEYS = ("host_to_device_bytes", "device_to_host_bytes", "collective_bytes_per_device")
 
 
+def _nbytes(tree) -> int:
+  avals = [getattr(x, "_aval", x) for x in jax.tree.leaves(tree)]  # (ArgInfo holds its aval)
+  return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals)
+
+
+def step_io(lowered) -> tuple[int, int]:
+  """(bytes in, bytes out) of a packed train step f(state, buffers, layout) -> (state,
+  metrics, to_host) over the host link, besides the state: the batch's one transfer (ids,
+  features and the host tiers' rows read for it: `buffers`; step inputs placed once are not
+  counted) and the rows the host tiers take back (the third output, `step.hand_to_host`).
+  Other steps: (0, 0)."""
+  (args, _) = lowered.args_info
+  out = lowered.out_info
+  if len(args) < 2 or not isinstance(out, tuple) or len(out) != 3:
+    return 0, 0
+  return _nbytes(args[1]), _nbytes(out[2])
+
+
 def program_traffic(lowered) -> dict[str, int]:
-  """{KEYS: bytes} of one `jax.jit(...).lower(...)` step."""
+  """{KEYS: bytes} of one `jax.jit(...).lower(...)` step: its batch's transfer and its host
+  tiers' rows (`step_io`), plus any transfer inside the step (`comms.host_link_of`: none in
+  this project's steps since the host tiers moved out of them, issue 42)."""
   link = comms.host_link_of(lowered)
+  into, out = step_io(lowered)
   collectives = comms.summary(lowered.compile().as_text())
   return {
-    "host_to_device_bytes": int(link.to_device_bytes),
-    "device_to_host_bytes": int(link.to_host_bytes),
+    "host_to_device_bytes": int(link.to_device_bytes) + into,
+    "device_to_host_bytes": int(link.to_host_bytes) + out,
     "collective_bytes_per_device": int(collectives["total_operand_bytes"]),
   }
 

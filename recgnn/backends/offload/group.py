@@ -31,10 +31,11 @@ ABSENT = np.iinfo(np.int32).max
 # LOAD_SLOTS, NEXT_FROM_NOW): past every table's window, never read as a table's entry.
 FILL = (ABSENT, ABSENT, 0, ABSENT, ABSENT)
 # The device ring of recent write-backs (`host_tier.Recent`) holds this many times a stack's
-# most loads per batch (the sum of min(ids per batch, C) over its tables; at most its tables'
-# rows): the input thread's run-ahead (PREFETCH batches prepared before the step of the first
-# of them runs) even when every step evicts all it can, many more steps in practice (the
+# most loads per batch (the sum of min(ids per batch, C) over its tables), at most its rows
+# (`_ring_rows`): the input thread's run-ahead (PREFETCH batches prepared before the step of
+# the first of them runs) when every step evicts all it can, many more steps in practice (the
 # misses). A row evicted before that is read from the host, after its write-back landed.
+# Device memory: PREFETCH batches of rows (`batch_memory`), beside the cache.
 RING_BATCHES = base.PREFETCH
 
 
@@ -219,14 +220,26 @@ class OffloadGroup(base.TableGroup):
         out[n] = self.members[n].table_of(self._host_of(n), slot_rows[a:b], cache[a:b])
     return out
 
+  def _ring_rows(self, stack: int, cap: int) -> int:
+    """The ring's rows for a stack whose most loads per batch are `cap` (the sum of min(ids
+    per batch, C) over its tables): RING_BATCHES x cap, at most the stack's rows. (At most
+    its cache's rows was tried: the run-ahead's steps then overwrite ring entries a prepared
+    batch still needs whenever a step evicts most of a small cache, and the input side must
+    wait for the step: what the ring is for.)"""
+    return int(min(RING_BATCHES * cap, self._row_base[stack][-1]))
+
   def batch_memory(self, ids_shapes):
-    """The device ring of recent write-backs (`RING_BATCHES` x each table's most loads per
-    batch, min(ids, C), with its optimizer state), replicated on every device."""
-    return {
-      n: RING_BATCHES * min(int(np.prod(ids_shapes[n])), m.cache_rows) * m.spec.row_bytes
-      for n, m in self.members.items()
-      if n in ids_shapes
-    }
+    """The device ring of recent write-backs (`_ring_rows`, with its optimizer state),
+    replicated on every device; each table's share by its most loads per batch."""
+    out = {}
+    for stack, names in enumerate(self._stacks):
+      known = [n for n in names if n in ids_shapes]
+      caps = {n: min(int(np.prod(ids_shapes[n])), self.members[n].cache_rows) for n in known}
+      rows = self._ring_rows(stack, sum(caps.values()))
+      total = max(sum(caps.values()), 1)
+      for n in known:
+        out[n] = int(rows * caps[n] / total) * self.specs[n].row_bytes
+    return out
 
   def after_update(self, state, to_host=None):
     """The step's evicted rows (TO_HOST: per stack {"now" / "next": {k: f32[W, ...]}}, in
@@ -242,6 +255,8 @@ class OffloadGroup(base.TableGroup):
     host = self._host
 
     def write():
+      jax.block_until_ready(to_host)  # (the step's own time: not the writer's work)
+      t0 = time.perf_counter()
       values = host_tier.to_host(to_host)
       for stack, kinds in enumerate(writes):
         got = values[stack]
@@ -256,6 +271,7 @@ class OffloadGroup(base.TableGroup):
           )
         for kind, w in kinds.items():
           host.scatter(w, got[kind])
+      host.write_seconds += time.perf_counter() - t0
 
     host.writer.submit(write)
     return state
@@ -464,8 +480,8 @@ class OffloadGroup(base.TableGroup):
     first_row = self._row_base[stack]
     recent = self._recent[stack] if self._recent else None
     if train:
-      if recent.size == 0:  # (never more rows than the stack's tables have)
-        recent.resize(min(RING_BATCHES * cap, int(first_row[-1])))
+      if recent.size == 0:
+        recent.resize(self._ring_rows(stack, cap))
       entry["ring"] = np.zeros((0, recent.size), np.int32)
     kinds = [k for k in ("now", "next") if k in entry and entry[k].shape[1]]
     segs, need = {}, 0
