@@ -763,7 +763,6 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         "cold": [(self._index[n], rows[tab == i], pos[tab == i]) for i, n in enumerate(names)],
         "out": {},
       }
-      joining = []
       for i, n in enumerate(names):  # rows joining: after this step's cold write-back
         m = migrate.get(n)
         t = tables[n]
@@ -772,7 +771,6 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         if m is not None and m[0].size:
           t["in_src"][: m[0].size], k_need = recent.sources(first_row[i] + m[0])
           need = max(need, k_need)
-          joining.append((n, m[0]))
       for i, n in enumerate(names):  # rows leaving: written last
         m = migrate.get(n)
         t = tables[n]
