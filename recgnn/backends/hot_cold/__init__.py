@@ -554,6 +554,8 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
     host = self._host
 
     def write():
+      jax.block_until_ready(to_host)  # (the step's own time: not the writer's work)
+      t0 = time.perf_counter()
       values = host_tier.to_host(to_host)
       if len(values) != len(writes):
         raise RuntimeError("hot_cold: a step's rows for the host do not match its stacks")
@@ -570,6 +572,7 @@ class HotCold(HotSetPlanning, DeviceSteps, base.Backend):
         host.scatter(w["cold"], got["cold"])
         for name, ww in w["out"].items():
           host.scatter(ww, got["out"][name])
+      host.write_seconds += time.perf_counter() - t0
 
     host.writer.submit(write)
     return state
