@@ -22,7 +22,8 @@ class HotColdOptions(base.BackendOptions):
     profile_batches: train batches profiled before the first hot set is picked (>= 1).
     reprofile: re-pick the hot set every this many train batches from the accesses counted
       since the last pick, migrating rows (0 = never). Refused with budget=1: every row is
-      hot, so no pick can differ.
+      hot, so no pick can differ. The device ring of recent write-backs then also holds the
+      hot slots a re-pick may empty (`host_side.HostTier._ring_rows`).
     split: run the batch as popular + non-popular micro-batches (the step's micro-batch
       feature). False: one lookup of the whole batch (same values).
     host_memory: `pinned_host`: the cold rows in host RAM, read for a batch on the input
@@ -31,7 +32,7 @@ class HotColdOptions(base.BackendOptions):
       inside the step (issue 42): tables wholly on the devices are `dense`.
     cold_list: the length of the group's cold lists, a shape of the step. The cold rows of
       every table with the same row layout (dim, optimizer) travel in ONE list, table after
-      table (`host_table.HostTable.gather_segments`), so the step's shape is one length per
+      table (read by prepare, `host_side.HostTier._stage`), so the step's shape is one length per
       layout, not one per table. `bucket` (default): the batch's distinct cold rows over the
       group's tables, rounded up to an eighth-octave length with hysteresis
       (`host_cache.ListSizer`): host-link bytes within ~1.1x of what the cold ids need and
