@@ -99,10 +99,14 @@ def _target(step: int, shape: tuple[int, ...]) -> np.ndarray:
 
 def planned_only(group: base.Backend, prepared) -> None:
   """For tests that only plan (prepare a stream, never run its steps): hand a host tier
-  (`Capabilities.writes_host`: offload) what the step of this train batch would return, zeros
-  of its shapes (the rows each exchange loads, the rows it evicts have), so later prepares
-  find every write-back they wait for. The host tables' values are then meaningless."""
+  (`Capabilities.writes_host`: offload, hot_cold) what the step of this train batch would
+  return, zeros of its shapes (the rows each exchange loads, the rows it evicts have), so
+  later prepares find every write-back they wait for. The host tables' values are then
+  meaningless."""
   if not group.capabilities.writes_host:
+    return
+  if hasattr(group, "planned_to_host"):  # (hot_cold: its cold lists, rows leaving the hot set)
+    group.after_update(None, group.planned_to_host(prepared))
     return
   out = tuple(
     {

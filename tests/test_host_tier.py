@@ -27,7 +27,14 @@ from recgnn.train import setup
 ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
 SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
 ROWS = 200_000
-HOST_TIERS = ["offload(cache_rows=4000, lookahead=1)"]
+HOST_TIERS = [
+  "offload(cache_rows=4000, lookahead=1)",
+  # a hot set picked after one batch: the step lowered is the pick's (its migration: rows
+  # joining the hot set from the ring or the host) and the next (popular / non-popular
+  # micro-batches, cold rows through the ring)
+  "hot_cold(budget=0.01, profile_batches=1)",
+  "hot_cold(budget=0.01, profile_batches=1, reprofile=1)",
+]
 
 
 def _spec(num_rows=ROWS, dim=16, opt=ADAGRAD):
@@ -55,25 +62,52 @@ def _assert_no_host_work(text: str, specs, what: str) -> None:
   assert not lead & tables, f"{what}: tensors with a table's rows: {sorted(lead & tables)}"
 
 
+def _steps(text, spec):
+  """(group, [(state, prepared, rows)]) of the train steps to lower: offload's batch that
+  runs both exchanges (on-demand and the next batch's, with write-backs); hot_cold's pick
+  (batch 0 is profiled and plans the migration; with reprofile=1 every batch re-picks: rows
+  leave the hot set too) and the batches after it, each with the state its step would get
+  (rings sized); rows: what its TO_HOST returns."""
+  group = planner.make_backend(text, spec)
+  state = group.init(jax.random.key(0))
+  batches = contract.zipf_ids(0, 5, 256, 2, spec.num_rows)
+  if text.startswith("offload"):
+    prepared = group.prepare({"t": batches[0]}, [{"t": batches[1]}])
+    lists = prepared["lists"][0]
+    return group, [(state, prepared, lists["now"].shape[1] + lists["next"].shape[1])]
+  from test_hot_cold import planned_only
+  from test_hot_cold_tiers import sized
+
+  out = []
+  for k in range(3):
+    prepared = planned_only(group, group.prepare({"t": batches[k]}))
+    t = prepared["tables"]["t"]
+    rows = prepared["cold"][0]["src"].shape[0] + t["out_slots"].shape[0]
+    out.append((sized(state, prepared), prepared, rows))
+  assert any(p["tables"]["t"]["in_rows"].shape[0] for _, p, _ in out), "no migration"
+  assert any("micro" in p for _, p, _ in out), "no micro-batches"
+  if "reprofile" in text:
+    assert any(p["tables"]["t"]["out_slots"].shape[0] for _, p, _ in out), "no row left"
+  return group, out
+
+
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
 @pytest.mark.parametrize("text", HOST_TIERS)
 def test_the_step_holds_no_host_work_and_no_table(text, platform):
-  """One table of 200k rows, a batch that runs both exchanges (on-demand and the next
-  batch's, with write-backs): the lowered step has no host computation, no host-memory array,
-  nothing table-sized; its TO_HOST output is the exchanges' rows (x their optimizer state)."""
+  """One table of 200k rows, steps that write rows back (offload: both exchanges; hot_cold:
+  its cold rows, a migration, micro-batches): the lowered step has no host computation, no
+  host-memory array, nothing table-sized; its TO_HOST output is the rows it writes back (x
+  their optimizer state: offload's exchanges, hot_cold's cold list and rows leaving the hot
+  set)."""
   spec = _spec()
-  group = planner.make_backend(text, spec)
-  state = group.init(jax.random.key(0))
-  batches = contract.zipf_ids(0, 3, 256, 2, spec.num_rows)
-  prepared = group.prepare({"t": batches[0]}, [{"t": batches[1]}])
-  traced = jax.jit(_step(group), donate_argnums=0).trace(state, prepared)
-  lowered = traced.lower(lowering_platforms=(platform,))
-  _assert_no_host_work(lowered.as_text(), [spec], f"{text} lowered for {platform}")
-  out = jax.eval_shape(_step(group), state, prepared)[1]
-  moved = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out))
-  lists = prepared["lists"][0]
-  width = lists["now"].shape[1] + lists["next"].shape[1]
-  assert 0 < moved == width * spec.row_bytes  # the exchanges' rows, no more
+  group, steps = _steps(text, spec)
+  for state, prepared, width in steps:
+    traced = jax.jit(_step(group), donate_argnums=0).trace(state, prepared)
+    lowered = traced.lower(lowering_platforms=(platform,))
+    _assert_no_host_work(lowered.as_text(), [spec], f"{text} lowered for {platform}")
+    out = jax.eval_shape(_step(group), state, prepared)[1]
+    moved = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out))
+    assert 0 < moved == width * spec.row_bytes  # the rows written back, no more
   if platform == "cpu":  # and what XLA:CPU compiled of it: no table-sized buffer either
     compiled = lowered.compile()
     assert f"f32[{spec.num_rows}" not in compiled.as_text()
@@ -82,10 +116,11 @@ def test_the_step_holds_no_host_work_and_no_table(text, platform):
     assert ma.argument_size_in_bytes + ma.temp_size_in_bytes < spec.table_bytes / 4
 
 
-@pytest.mark.parametrize("experiment", ["cdlrm_kaggle"])
-def test_the_trainers_step_lowers_for_cuda_without_host_work(experiment, tmp_path):
-  """The trainer's own packed train step of an experiment with every large table offloaded
-  (the issue's reading of the H100 run: 159 host call sites, 108 pinned host arguments, a
+@pytest.mark.parametrize("experiment, most", [("cdlrm_kaggle", 20), ("hotline_kaggle", 7)])
+def test_the_trainers_step_lowers_for_cuda_without_host_work(experiment, most, tmp_path):
+  """The trainer's own packed train step of an experiment with its large tables in a host
+  tier (cdlrm_kaggle: offload; hotline_kaggle: hot_cold, the profile's step) (the issue's
+  reading of the H100 run: 159 host call sites, 108 pinned host arguments, a
   host call returning 52 tables), lowered for CUDA on this CPU: none of them."""
   config = small_config(experiment, str(tmp_path / "cache"))
   run = setup.build(config)
@@ -98,7 +133,7 @@ def test_the_trainers_step_lowers_for_cuda_without_host_work(experiment, tmp_pat
   host = [
     s for g in run.plan.groups.values() if g.capabilities.writes_host for s in g.specs.values()
   ]
-  assert len(host) >= 20
+  assert len(host) >= most
   # (no table-shape check here: 12k synthetic rows make tables of at most 12k distinct ids,
   # whose row counts are batch-like numbers; the 200k-row test above checks the shapes)
   _assert_no_host_work(lowered.as_text(), [], f"{experiment}'s train step for cuda")

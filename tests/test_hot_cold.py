@@ -67,6 +67,14 @@ def _run_group(text, specs, batches, mesh, *, evals=(), group=None, state=None, 
   return looked, group.tables(state), group, state
 
 
+def planned_only(group, prepared):
+  """For tests that only prepare train batches (their steps never run): hand the writer zeros
+  of what each step would return (`HotCold.planned_to_host`), so later prepares find every
+  write-back they wait for (the host tables' values are then meaningless)."""
+  group.after_update(None, group.planned_to_host(prepared))
+  return prepared
+
+
 def _assert_same(got, ref):
   (la, ta), (lb, tb) = got, ref
   assert len(la) == len(lb)
@@ -147,15 +155,19 @@ def test_checkpoint_resume_on_another_mesh(save, resume):
 
 
 def test_restore_rebuilds_hot_set():
-  """A state restored as is (same mesh) keeps its hot set and continues exactly."""
+  """A state restored as is (same mesh, the group's own host tables: they are numpy in the
+  group, never state) keeps its hot set and continues exactly, though the input thread had
+  prepared batches (and planned a migration) past the state's step: restore drops that
+  bookkeeping and rebuilds it from the state's hot slots."""
   specs = _specs(SGD)
   batches = _batches(specs, n=6)
   mesh = sharding.make_mesh(8, 1)
   ref = _run_group("dense", specs, batches, planner.default_mesh())
   first = _run_group("hot_cold(budget=0.1, profile_batches=2)", specs, batches, mesh, stop=3)
-  hot = first[2].hot_set()
-  g2 = planner.make_group("hot_cold(budget=0.1, profile_batches=2)", specs, mesh)
-  s2 = g2.restore(first[3])
+  g2 = first[2]
+  g2.restore(first[3])
+  hot = g2.hot_set()
+  s2 = first[3]
   assert all(np.array_equal(g2.hot_set()[n], hot[n]) for n in hot) and hot["a"].size
   rest = _run_group("", specs, batches, None, group=g2, state=s2, start=3)
   _assert_same((first[0] + rest[0], rest[1]), ref[:2])
@@ -174,11 +186,11 @@ def test_popular_split_and_stats_match_numpy():
   mesh = sharding.make_mesh(n_dev, 1)
   g = planner.make_group("hot_cold(budget=0.2, profile_batches=1)", specs, mesh)
   g.init(jax.random.key(0))
-  g.prepare(batches[0])  # profiles, picks the hot set
+  planned_only(g, g.prepare(batches[0]))  # profiles, picks the hot set
   g.stats()
   hot = g.hot_set()
   ids = batches[1]
-  p = g.prepare(ids)
+  p = planned_only(g, g.prepare(ids))
   is_hot = {n: (ids[n] < 0) | np.isin(ids[n], hot[n]) for n in ids}
   popular = np.all([v.all(axis=1) for v in is_hot.values()], axis=0)
   s = g.stats()
@@ -204,7 +216,9 @@ def test_popular_split_and_stats_match_numpy():
   # Popular examples never read a cold row: their micro-batch carries no cold ids at all.
   assert all("cold" not in e for k, e in p["micro"][0].items() if k != "idx")
   # The size holds for the next batch (one step shape); eval batches run whole.
-  assert g.prepare(batches[2])["micro"][0]["idx"].shape == p["micro"][0]["idx"].shape
+  assert planned_only(g, g.prepare(batches[2]))["micro"][0]["idx"].shape == (
+    p["micro"][0]["idx"].shape
+  )
   assert "micro" not in g.prepare(batches[3], train=False)
 
 
@@ -217,38 +231,39 @@ def test_hot_rows_are_row_sharded_and_memory_reported():
   assert hot.sharding.spec == sharding.P(sharding.BATCH, None)
   assert {s.data.shape for s in hot.addressable_shards} == {(hot.shape[0] // 8, 8)}
   assert hot.shape[0] == 104  # 10 % of 1000 rows = 100, rounded up to a multiple of 8
-  host = state["tables"]["a"]["host"]["table"]
-  assert host.sharding.memory_kind == g.host.host_memory
+  # The host tables are the group's (numpy, one copy), never state.
+  assert set(state["tables"]["a"]) == {"hot", "hot_rows"}
   assert g.memory()["a"].device_bytes == 13 * (8 * 4 + 4) + 104 * 4
+  assert g.memory()["a"].host_bytes == base.aligned_rows(1000) * (8 * 4 + 4) + 1000 * 12
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_batch_memory_is_the_prefetch_buffer_the_state_holds(prefetch):
-  """After steps that prefetched, the state holds on each device what `memory()` reports
-  plus `batch_memory` for the batches' ids shapes (the next batch's cold rows, replicated:
-  min(ids, rows) rows per table); without prefetch, `memory()` alone. The planner and the
-  trainer's budget check count it (auto.memory_of, plan.check_memory)."""
+@pytest.mark.parametrize("reprofile", [0, 2])
+def test_batch_memory_is_the_ring_the_state_holds(reprofile):
+  """After train steps, the state holds on each device what `memory()` reports plus
+  `batch_memory` for the batches' ids shapes: the device ring of recent write-backs
+  (replicated: RING_BATCHES x min(ids, rows) rows per table, and with reprofile its hot
+  slots too, each with its optimizer state). The planner and the trainer's budget check
+  count it (auto.memory_of, plan.check_memory)."""
+  from recgnn.backends.hot_cold import RING_BATCHES
   from recgnn.train import plan_report
 
   specs = _specs(ADAGRAD)
   batches = _batches(specs, n=6)
-  text = f"hot_cold(budget=0.1, profile_batches=2, prefetch={prefetch})"
+  text = f"hot_cold(budget=0.1, profile_batches=2, reprofile={reprofile})"
   *_, g, state = _run_group(text, specs, batches, planner.default_mesh())
   shapes = {s.name: batches[0][s.name].shape for s in specs}
   extra = g.batch_memory(shapes)
-  if prefetch:  # 64 x 3 = 192 ids a batch, fewer than either table's rows
-    assert extra == {"a": 192 * specs[0].row_bytes, "b": 192 * specs[1].row_bytes}
-  else:
-    assert extra == {}
+  hot = {"a": 100, "b": 30} if reprofile else {"a": 0, "b": 0}  # 10 % of the rows (1 device)
+  # 64 x 3 = 192 ids a batch, fewer than either table's rows
+  assert extra == {s.name: RING_BATCHES * (192 + hot[s.name]) * s.row_bytes for s in specs}, extra
   held, _ = plan_report.held_bytes(state)
-  scalars = 3 * 4  # the group's version, stale and next_for counters (int32[] each)
+  scalars = 2 * 4  # the group's version and stale counters (int32[] each)
   assert held == g.device_bytes() + sum(extra.values()) + scalars
   plan = planner.Plan({g.name: g}, {s.name: g.name for s in specs}, g.mesh)
   total = planner.check_memory(plan, None, shapes)
   assert total == held - scalars
-  if prefetch:
-    with pytest.raises(planner.PlanDoesNotFit, match="buffers sized by the batch"):
-      planner.check_memory(plan, total - 1, shapes)
+  with pytest.raises(planner.PlanDoesNotFit, match="buffers sized by the batch"):
+    planner.check_memory(plan, total - 1, shapes)
   assert planner.check_memory(plan, held) == g.device_bytes()  # (no shapes: memory() alone)
 
 

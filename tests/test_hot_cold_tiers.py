@@ -1,8 +1,11 @@
-"""hot_cold as a memory tier (issue 24, item 3), read off the step's HLO and the host side:
-the popular micro-batch never waits for the cold gather (Hotline's claim); the host link moves
-what the cold ids need (a bucketed cold list, gathered once per step); the cold list takes a
-few shapes per run; the split says why it is off; the hot set survives a checkpoint; the
-profile window comes from the data."""
+"""hot_cold as a memory tier (issues 24 and 42), read off the step's HLO and the host side:
+the popular micro-batch never uses a cold row (Hotline's claim: it computes from device
+memory only); the host link moves what the cold ids need (a bucketed cold list read by
+prepare, moved with the batch, and returned updated by the step); the cold list takes a few
+shapes per run; the split says why it is off; the hot set survives a checkpoint; the profile
+window comes from the data. The step holds no host computation, no host array and no table:
+tests/test_host_tier.py (CPU and CUDA lowering); the ring of recent write-backs:
+tests/test_hot_cold_prefetch.py."""
 
 import json
 import logging
@@ -12,23 +15,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_hot_cold import ADAGRAD, SGD, SPLIT_BATCH, _assert_same, _batches, _run_group, _specs
+from test_hot_cold import (
+  ADAGRAD,
+  SGD,
+  SPLIT_BATCH,
+  _assert_same,
+  _batches,
+  _run_group,
+  _specs,
+  planned_only,
+)
 
-from recgnn import comms, hlo, planner, sharding
+from recgnn import hlo, planner, sharding
 from recgnn.backends.hot_cold import hot_set, micro
 from recgnn.embeddings import base, microbatch
 
 
-def _offloaded_or_skip(group):
-  if not group.host.offloaded:
-    pytest.skip("no pinned_host memory on this platform")
-
-
 def _prepare_stream(group, batches):
-  """Every batch's prepare (train), in order; the last one's prepared pytree."""
+  """Every batch's prepare (train), in order, its step's write-back handed over as zeros
+  (`planned_only`); the last one's prepared pytree."""
   for ids in batches:
-    p = group.prepare(ids, train=True)
+    p = planned_only(group, group.prepare(ids, train=True))
   return p
+
+
+def sized(state, prepared):
+  """The state with its rings at the length the first train step gives them (the prepared
+  batch's "ring" shape), so that a lowered step reads them as a steady one does."""
+  rings = tuple(
+    jax.tree.map(lambda x, v=lst["ring"].shape[1]: jnp.zeros((v,) + x.shape[1:], x.dtype), r)
+    for r, lst in zip(state["ring"], prepared["cold"])
+  )
+  return {**state, "ring": rings}
+
+
+def _cold_sources(names) -> list[str]:
+  """The HLO parameters that carry cold rows: the rows prepare read from the host tables
+  (the cold lists' "vals") and the device ring of recent write-backs."""
+  return [n for n in names if ("cold" in n and "vals" in n) or n.startswith("state__ring")]
 
 
 # ----------------------------------------------------------------------------- the HLO
@@ -58,17 +82,17 @@ def _micro_step(group, mesh, loss=None):
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 1), (8, 1)], ids=lambda m: f"{m[0]}x{m[1]}")
-def test_popular_micro_batch_does_not_depend_on_the_cold_gather(mesh_shape):
-  """On the step's HLO: the popular micro-batch's loss and gradients use no host-resident
-  value (neither the host table nor anything gathered from it), so they can compute while
-  the cold rows cross the host link; the non-popular micro-batch's do (the control), and so
-  does the update."""
+def test_popular_micro_batch_does_not_depend_on_the_cold_rows(mesh_shape):
+  """On the step's HLO: the popular micro-batch's loss and gradients use no cold row (neither
+  the rows the batch brought from the host tables nor the device ring), so they compute from
+  device memory only; the non-popular micro-batch's do (the control), and so does the
+  update."""
   specs = _specs(SGD)
   mesh = sharding.make_mesh(*mesh_shape)
   group = planner.make_group("hot_cold(budget=0.3, profile_batches=2)", specs, mesh)
-  _offloaded_or_skip(group)
   state = group.init(jax.random.key(0))
   prepared = _prepare_stream(group, _batches(specs, n=4, batch=SPLIT_BATCH))
+  state = sized(state, prepared)
   assert len(prepared["micro"]) == 2  # a popular and a non-popular micro-batch
   put = contract.put_prepared(group, prepared, mesh)
   step = _micro_step(group, mesh)
@@ -82,12 +106,9 @@ def test_popular_micro_batch_does_not_depend_on_the_cold_gather(mesh_shape):
   assert len(outs) == 2 * n_micro
   popular, cold = outs[:n_micro], outs[n_micro:]
   params = {i.parameter: n for n, i in entry.items() if i.op == "parameter"}
-  host = [params[k] for k in comms.host_params_of(lowered)]
-  assert host  # the host tables are parameters in host memory
-  # Every host computation of the entry (the cold gather, on one device) and every host
-  # parameter: none reaches the popular micro-batch.
-  host_calls = [t.value for t in comms.host_link_of(lowered).transfers if t.value in entry]
-  sources = host + [v for v in host_calls if v not in params]
+  host = _cold_sources(params.values())
+  assert len(host) == 2 * len(group._stacks)  # each layout's rows and its ring
+  sources = host
   for out in popular:
     used = module.ancestors(out)
     assert not used & set(sources), f"{out} uses {sorted(used & set(sources))}"
@@ -141,10 +162,10 @@ class _DlrmTask:
     return T()
 
 
-def test_trainer_step_runs_the_popular_micro_batch_without_the_host():
+def test_trainer_step_runs_the_popular_micro_batch_without_the_cold_rows():
   """The trainer's own step (DLRM, two micro-batches): no matmul of the popular micro-batch's
-  forward or backward uses a host-resident value (the host tables, the cold rows gathered
-  from them), transitively; the non-popular micro-batch's do."""
+  forward or backward uses a cold row (the rows the batch brought from the host tables, the
+  ring), transitively; the non-popular micro-batch's do."""
   import optax
 
   from recgnn.train import step as step_lib
@@ -155,7 +176,6 @@ def test_trainer_step_runs_the_popular_micro_batch_without_the_host():
   ]
   mesh = sharding.make_mesh(1, 1)
   group = planner.make_group("hot_cold(budget=0.3, profile_batches=2)", specs, mesh)
-  _offloaded_or_skip(group)
   plan = planner.Plan({group.name: group}, {s.name: group.name for s in specs}, mesh)
   task = _DlrmTask(specs, mesh)
   batches = _batches(specs, n=4, batch=SPLIT_BATCH)
@@ -169,12 +189,13 @@ def test_trainer_step_runs_the_popular_micro_batch_without_the_host():
   state = step_lib.init_state(task, plan, tx, jax.random.key(0), {**batch, "ids": batches[0]})
   prepared = _prepare_stream(group, batches)
   assert len(prepared["micro"]) == 2
+  state = state.replace(emb={group.name: sized(state.emb[group.name], prepared)})
   put = {group.name: contract.put_prepared(group, prepared, mesh)}
   lowered = jax.jit(step_lib.make_train_step(task, plan, tx)).lower(state, put, batch)
   module = hlo.parse(lowered.compiler_ir("hlo").as_hlo_text())
   entry = module.instrs()
   params = {i.parameter: n for n, i in entry.items() if i.op == "parameter"}
-  host = {params[k] for k in comms.host_params_of(lowered)}
+  host = set(_cold_sources(params.values()))
   assert host
   # Each micro-batch's examples are taken by its index list (a parameter named by its path):
   # the matmuls that read micro-batch m's list are its forward and backward.
@@ -191,49 +212,56 @@ def test_trainer_step_runs_the_popular_micro_batch_without_the_host():
 # ----------------------------------------------------------------------------- host link
 
 
-def _host_link(budget, mesh_shape=(1, 1), steps=60, measured=30):
-  """A Zipf stream through one table (row-wise Adagrad, D = 16: 68 bytes a row), its hot set
-  picked after 10 batches. For each of the last `measured` steps: the host-link figures of
-  its step's HLO (lowered once per cold-list length) and its distinct cold ids. -> (links,
-  cold ids per step, row bytes)."""
-  spec = base.TableSpec(name="t", num_rows=100_000, dim=16, optimizer=ADAGRAD)
-  mesh = sharding.make_mesh(*mesh_shape)
-  group = planner.make_group(
-    f"hot_cold(budget={budget}, profile_batches=10, split=False)", [spec], mesh
-  )
-  _offloaded_or_skip(group)
-  state = group.init(jax.random.key(0))
+def link_of(group, state, prepared) -> tuple[int, int]:
+  """(bytes to the device, to the host) the host tier moves in one step: the rows prepare
+  read from the host tables for it (the cold lists' "vals" and the migration's "in_vals",
+  moved with the batch) and the rows its update returns for the host writer (TO_HOST)."""
+  down = sum(x.nbytes for lst in prepared["cold"] for x in jax.tree.leaves(lst["vals"]))
+  down += sum(x.nbytes for t in prepared["tables"].values() for x in jax.tree.leaves(t["in_vals"]))
 
   def step(state, prepared):
     pooled, res = group.lookup(state, prepared)
-    return group.update(state, prepared, res, {"t": pooled["t"]})
+    return group.update(state, prepared, res, pooled)
 
+  out = jax.eval_shape(step, state, prepared)[base.TO_HOST]
+  return down, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out))
+
+
+def _host_link(budget, steps=60, measured=30):
+  """A Zipf stream through one table (row-wise Adagrad, D = 16: 68 bytes a row), its hot set
+  picked after 10 batches. For each of the last `measured` steps: its host-link bytes each
+  way (`link_of`, once per cold-list length) and its distinct cold ids. -> (links, cold ids
+  per step, row bytes)."""
+  spec = base.TableSpec(name="t", num_rows=100_000, dim=16, optimizer=ADAGRAD)
+  group = planner.make_group(
+    f"hot_cold(budget={budget}, profile_batches=10, split=False)", [spec], sharding.make_mesh(1, 1)
+  )
+  state = group.init(jax.random.key(0))
   by_len, links, cold = {}, [], []
   for k, ids in enumerate(contract.zipf_ids(0, steps, 512, 4, spec.num_rows)):
     hot = group.hot_set()["t"]  # the layout this batch is prepared for
-    p = group.prepare({"t": ids}, train=True)
+    p = planned_only(group, group.prepare({"t": ids}, train=True))
     if k < steps - measured:
       continue
     valid = ids[ids >= 0]
     cold.append(np.unique(valid[~np.isin(valid, hot)]).size)
-    n = p["cold"][0]["rows"].shape[0]
+    n = p["cold"][0]["src"].shape[0]
     if n not in by_len:
-      put = contract.put_prepared(group, p, mesh)
-      by_len[n] = comms.host_link_of(jax.jit(step).lower(state, put))
+      by_len[n] = link_of(group, sized(state, p), p)
     links.append(by_len[n])
-  return links, np.asarray(cold), spec.row_bytes
+  return np.asarray(links), np.asarray(cold), spec.row_bytes
 
 
 def test_host_link_bytes_follow_the_cold_ids():
-  """Zipf ids, budgets 1 %, 5 %, 20 %: the bytes each way per step (from the HLO; the mean
-  over 30 steps after the hot set is in) within 1.25x of (the batch's distinct cold ids x
-  row bytes), never below it, and falling as the budget grows (the cold list used to be
-  the batch's id count whatever the budget)."""
+  """Zipf ids, budgets 1 %, 5 %, 20 %: the bytes each way per step (the rows the batch
+  brings, the rows the step returns; the mean over 30 steps after the hot set is in) within
+  1.25x of (the batch's distinct cold ids x row bytes), never below it, and falling as the
+  budget grows (the cold list used to be the batch's id count whatever the budget). No index
+  crosses the link: the host keeps the lists it planned."""
   got = {}
   for budget in (0.01, 0.05, 0.2):
     links, cold, row = _host_link(budget)
-    to_dev = np.array([x.to_device_bytes for x in links])
-    to_host = np.array([x.to_host_bytes for x in links])
+    to_dev, to_host = links[:, 0], links[:, 1]
     assert (to_dev >= cold * row).all() and (to_host >= cold * row).all()
     need = cold.mean() * row
     got[budget] = (to_dev.mean() / need, to_host.mean() / need, cold.mean(), to_dev.mean())
@@ -241,15 +269,6 @@ def test_host_link_bytes_follow_the_cold_ids():
   print("budget: (to_device / need, to_host / need, cold ids, to_device bytes)", got)
   dev = [got[b][3] for b in (0.01, 0.05, 0.2)]
   assert dev[0] > dev[1] > dev[2], got
-
-
-def test_host_link_per_device_on_a_mesh():
-  """On 8 devices each device's link moves the cold list once (each reads its own rows of
-  the split host table, the others as padding): per device, as on one device."""
-  links, cold, row = _host_link(0.05, (8, 1), steps=20, measured=1)
-  assert links[0].devices == 8
-  per = links[0].to_device_bytes / links[0].devices
-  assert cold[0] * row <= per <= 1.25 * cold[0] * row
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -285,7 +304,7 @@ def test_zipf_stream_compiles_a_few_shapes():
   group.init(jax.random.key(0))
   needs = set()
   for ids in _batches(specs, n=200, batch=512, bag=3):
-    p = group.prepare(ids, train=True)
+    p = planned_only(group, group.prepare(ids, train=True))
     assert len(p["cold"]) == 2  # one list per row layout (dims 8 and 4)
     needs.add(tuple(int(c["off"][-1]) for c in p["cold"]))
   shapes = group.cold_shapes
@@ -313,9 +332,9 @@ def test_26_tables_one_list_few_shapes_bytes_follow_the_cold_ids(stream26):
   """A dlrm_kaggle-like group (26 tables, Zipf ids, batch 256 x 4) at 1 %, 5 %, 20 % budgets,
   200 steps after the hot set is in: at most 6 distinct step signatures (every prepared
   leaf's shape; measured: 1), and the cold list's rows (x row bytes: what the host link
-  carries each way, checked on the last step's HLO) within 1.25x of the batches' distinct
-  cold ids (measured 1.05-1.14x), falling as the budget grows. Each table sized apart made
-  a signature per combination of the 26 widths."""
+  carries each way, checked on the last step's inputs and outputs) within 1.25x of the
+  batches' distinct cold ids (measured 1.05-1.14x), falling as the budget grows. Each table
+  sized apart made a signature per combination of the 26 widths."""
   specs, batches = stream26
   rows, sigs = {}, {}
   for budget in (0.01, 0.05, 0.2):
@@ -327,12 +346,12 @@ def test_26_tables_one_list_few_shapes_bytes_follow_the_cold_ids(stream26):
     seen = set()
     for k, ids in enumerate(batches):
       hot = group.hot_set()
-      p = group.prepare(ids, train=True)
+      p = planned_only(group, group.prepare(ids, train=True))
       if k < WARM26:
         continue
       seen.add(tuple(np.shape(x) for x in jax.tree.leaves(p)))
       (cold,) = p["cold"]  # one layout: one list
-      listed += cold["rows"].shape[0]
+      listed += cold["src"].shape[0]
       for n, x in ids.items():
         v = x[x >= 0]
         need += np.unique(v[~np.isin(v, hot[n])]).size
@@ -344,19 +363,10 @@ def test_26_tables_one_list_few_shapes_bytes_follow_the_cold_ids(stream26):
     assert 1 <= listed / need <= 1.25, (budget, listed / need)
     sigs[budget, "cold"] = need
 
-  # The last step's HLO (one host read, one write-back for the 26 tables): the list's rows
-  # each way, plus its offsets to the host; its indices are put in host memory with the
-  # batch (`sharding.HOST_SPEC`), never on the link.
-  def step(state, prepared):
-    pooled, res = group.lookup(state, prepared)
-    return group.update(state, prepared, res, pooled)
-
-  put = contract.put_prepared(group, p, group.mesh)
-  link = comms.host_link_of(jax.jit(step).lower(state, put))
-  w = cold["rows"].shape[0]
-  if group.host.offloaded:
-    assert link.to_device_bytes == w * specs[0].row_bytes
-    assert link.to_host_bytes == w * specs[0].row_bytes + 4 * (T26 + 1)
+  # The last step's link (one list for the 26 tables): the list's rows each way, nothing
+  # else (no index: the host keeps the lists it planned).
+  w = cold["src"].shape[0]
+  assert link_of(group, sized(state, p), p) == (w * specs[0].row_bytes, w * specs[0].row_bytes)
   print("list rows / cold ids:", rows, "signatures:", sigs)
   assert sigs[0.01, "cold"] > sigs[0.05, "cold"] > sigs[0.2, "cold"]
 
@@ -373,9 +383,9 @@ def _cold_rows_per_step(budget, profile_batches, batches):
   group.init(jax.random.key(0))
   rows = []
   for k, ids in enumerate(batches):
-    p = group.prepare({"t": ids}, train=True)
+    p = planned_only(group, group.prepare({"t": ids}, train=True))
     if k > profile_batches:
-      rows.append(p["cold"][0]["rows"].shape[0])
+      rows.append(p["cold"][0]["src"].shape[0])
   return float(np.mean(rows)), group.stats()["hot_fill"], group.hot_set()["t"]
 
 
@@ -460,7 +470,7 @@ def test_split_off_logged_once_per_group_then_counted(caplog, monkeypatch):
       group = planner.make_group("hot_cold(budget=0.1)", specs, sharding.make_mesh(1, 1))
       group.init(jax.random.key(0))
       for ids in _batches(specs, n=3):
-        assert "micro" not in group.prepare(ids, train=True)
+        assert "micro" not in planned_only(group, group.prepare(ids, train=True))
   msgs = [r.getMessage() for r in caplog.records if "split off" in r.getMessage()]
   assert len(msgs) == 1 and msgs[0].startswith(group.describe()), msgs
   assert micro.OFF_LOG.counts[group.describe()] == 6

@@ -97,7 +97,7 @@ def test_k_steps_per_call_resume_exactly(cache_dir, tmp_path):
 
 def test_k_steps_per_call_refused_where_not_built(cache_dir, tmp_path):
   c = _config(cache_dir, 4, plan=((".*", "offload(cache_rows=2048)"),))
-  with pytest.raises(ValueError, match=r"train.steps_per_call=4 with host-tier .*one step per call"):
+  with pytest.raises(ValueError, match=r"steps_per_call=4 with host-tier .*one step per call"):
     loop.train(c, str(tmp_path / "a"))
   c = _config(cache_dir, 4)
   c.train.log_every = 6

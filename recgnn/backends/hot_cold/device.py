@@ -1,9 +1,12 @@
 """hot_cold's device code (jit-able): the hot rows' lookup and update over the mesh, the cold
-rows gathered from and written back to the host table, the migration of rows between them.
+rows (read by prepare, moved with the batch) updated and returned for the host writer, the
+device ring of recent write-backs, the migration of rows between the hot arrays and the host.
+No host computation and no host array: the step's inputs and outputs are its only link to
+the host tables (recgnn.embeddings.host_tier).
 
 One concern: what runs inside the step. `DeviceSteps` is one part of the `HotCold` class
 (recgnn/backends/hot_cold/__init__.py): it reads the attributes HotCold's constructor sets
-(`mesh`, `layout`, `specs`, `host`, `_BATCH_MAJOR`).
+(`mesh`, `layout`, `specs`, `_stacks`, `_stack_of`, `_BATCH_MAJOR`).
 """
 
 from __future__ import annotations
@@ -69,60 +72,20 @@ class DeviceSteps:
       return None
     return tuple(mb["idx"] for mb in prepared["micro"])
 
-  def _caps(self, prepared, names, stack, win=None) -> tuple[int, ...]:
-    """Each table's window in its stack's cold list (static): its most cold rows (from the
-    batch's shape), at most the list's window (the shape of its "win", `prepare`; of the
-    next batch's list: `win`, the next batch shaped as this one)."""
-    win = (prepared["cold"][stack]["win"] if win is None else win).shape[1]
-    return tuple(
-      min(hot_set.cold_cap(prepared["tables"][n]["cold_ids"].shape, self.specs[n]), win)
-      for n in names
-    )
-
   def _cold(self, state, prepared) -> dict:
     """The residuals: {"rows": per stack of tables (`hot_set.stacks`), the batch's cold rows
     and their optimizer state ({k: [W, ...]}, replicated; table i's at the positions its
-    cold_ids give), "moved": per stack, the list left in host memory for the write-back (one
-    device; None on a mesh or prefetched), "next": per stack, the next batch's cold rows
-    read from the host ({k: [L, ...]}; None without prefetch)}. Read by the lookup, updated
-    and written back by `update` (no second trip to host memory). An eval step drops them,
-    and XLA with them the slots' gather.
-
-    The batch's rows come from the state's buffer when the previous step gathered them
-    ("prefetched"), else from the host tables: one host computation per stack, its list
-    crosses the host link once, W rows come back. The next batch's are read from the host
-    tables as they came into the step (a read depending on nothing the step computes: on an
-    accelerator it overlaps the step), materialized by an optimization barrier: no consumer
-    re-reads the host through a fused gather after the write-back (XLA would copy the table
-    to keep the old values)."""
-    rows, moved, nxt = [], [], []
-    for stack, names in enumerate(self._stacks):
-      keys = ("table", *self.specs[names[0]].optimizer.slot_names())
-      tables = [{k: state["tables"][n]["host"][k] for k in keys} for n in names]
-      lst = prepared["cold"][stack]
-      if "prefetched" in prepared:
-        buf, w = state["next"][stack], lst["rows"].shape[0]
-        if buf["table"].shape[0] < w:
-          raise ValueError(
-            f"hot_cold: a batch prepared as prefetched ({w} cold rows) but the state's buffer "
-            f"holds {buf['table'].shape[0]}: the state is not the one the previous prepared "
-            "batch's step returned"
-          )
-        rows.append({k: v[:w] for k, v in buf.items()})
-        moved.append(None)
-      else:
-        caps = self._caps(prepared, names, stack)
-        got, m = self.host.gather_segments(tables, lst["rows"], lst["off"], caps)
-        rows.append(got)
-        moved.append(m)
-      if "next" in prepared:
-        nl = prepared["next"][stack]
-        caps = self._caps(prepared, names, stack, nl["win"])
-        got, _ = self.host.gather_segments(tables, nl["rows"], nl["off"], caps)
-        nxt.append(jax.lax.optimization_barrier(got))
-      else:
-        nxt.append(None)
-    return {"rows": tuple(rows), "moved": tuple(moved), "next": tuple(nxt)}
+    cold_ids give)}: the rows prepare read from the host tables ("vals", moved with the
+    batch), but where the device ring of recent write-backs holds a newer value ("src", a
+    ring slot: a row some step wrote back while this batch was prepared ahead of it,
+    `host_tier.Recent`). Read by the lookup, updated by `update`. An eval step drops them."""
+    rows = []
+    for stack, lst in enumerate(prepared["cold"]):
+      got, ring = lst["vals"], state["ring"][stack]
+      if ring["table"].shape[0]:
+        got = _from_ring(got, ring, lst["src"])
+      rows.append(got)
+    return {"rows": tuple(rows)}
 
   def _cold_table(self, cold, name) -> jax.Array:
     """The cold rows f32[Uc, D] of `name`'s stack (its cold_ids index them)."""
@@ -172,64 +135,51 @@ class DeviceSteps:
     return out
 
   def update(self, state, prepared, residuals, grads):
-    """The hot rows' update, the cold rows' (written back), the next batch's buffer (with
-    prefetch), then the migration planned with this batch."""
+    """The hot rows' update, the cold rows' (written into the device ring and returned for
+    the host writer), then the migration planned with this batch: rows joining the hot set
+    read from the ring (this step's cold rows are in it by then, and earlier write-backs
+    still in flight) or from the values prepare staged, rows leaving it written into the
+    ring and returned for the host. -> the new state with TO_HOST: per stack {"cold": {k:
+    [W, ...]} (list order), "out": {table: {k: [Ko, ...]}} (the rows leaving)}."""
+    if base.TO_HOST in state:
+      raise ValueError(
+        "hot_cold: the state still holds the previous step's rows for the host: hand them to "
+        "after_update(state) after each update"
+      )
     hot = {}
     for name, spec in self.specs.items():
       t, p = state["tables"][name], prepared["tables"][name]
       count = p.get("count") if spec.pooling == "mean" else None
       hot[name] = self._update_hot(spec, t["hot"], p, grads[name], count)
-    hosts, buffers = {}, []
-    for stack in range(len(self._stacks)):
-      h, cold = self._update_cold(stack, state, prepared, grads, residuals)
-      hosts.update(h)
-      buffers.append(self._buffer(stack, state, prepared, residuals, cold, hot))
-    tables = {}
-    for name, spec in self.specs.items():
-      t, p = state["tables"][name], prepared["tables"][name]
-      tables[name] = self._migration({**t, "hot": hot[name], "host": hosts[name]}, p, spec)
-    out = {"tables": tables, **host_cache.advance(state, prepared)}
-    if "prefetched" in prepared:  # the buffer must hold this very batch's rows
-      wrong = state["next_for"] != prepared["version"]
-      out["stale"] = out["stale"] + wrong.astype(jnp.int32)
-    nxt = "next" in prepared
-    out["next"] = tuple(buffers) if nxt else state["next"]
-    out["next_for"] = prepared["version"] + 1 if nxt else jnp.full((), -1, jnp.int32)
-    return out
-
-  def _buffer(self, stack, state, prepared, residuals, cold, hot) -> dict | None:
-    """The next batch's cold rows {k: [C, ...]} (C: the most cold rows a batch shaped as
-    this one has, one length for the run, so the state keeps its shapes): read from the host
-    as the step came in, but the rows this step updated (from_now: this batch's updated cold
-    rows `cold`) and the rows leaving the hot set at this step's migration (from_hot: the
-    updated hot arrays `hot`), whose host copies are stale until the write-back /
-    migration. None without a next list."""
-    if "next" not in prepared:
-      return None
-    names = self._stacks[stack]
-    nl = prepared["next"][stack]
-    got = residuals["next"][stack]
-    w = next(iter(cold.values())).shape[0]
-    fn = nl["from_now"]
-    now = (fn < w)[:, None]
-    out = {}
-    for k, v in got.items():
-      mine = cold[k].at[fn].get(mode="fill", fill_value=0.0)
-      out[k] = jnp.where(now if v.ndim == 2 else now[:, 0], mine, v)
-    if "from_hot" in nl:
-      for i, name in enumerate(names):
-        slots = nl["from_hot"][i]
-        was_hot = (slots < hot[name]["table"].shape[0])[:, None]
-        for k in out:
-          h = self._hot_get(hot[name][k], slots)
-          out[k] = jnp.where(was_hot if h.ndim == 2 else was_hot[:, 0], h, out[k])
-    cap = sum(
-      hot_set.cold_cap(prepared["tables"][n]["cold_ids"].shape, self.specs[n]) for n in names
-    )
-    length = nl["rows"].shape[0]
+    tables, rings, to_host = {}, [], []
+    for stack, names in enumerate(self._stacks):
+      lst = prepared["cold"][stack]
+      cold = self._update_cold(stack, prepared, grads, residuals)
+      # The ring: sized by the first train batch (its "ring" shape), written after this
+      # step's reads of it (the residuals: in place on the donated ring).
+      ring = state["ring"][stack]
+      width = lst["ring"].shape[1]
+      if ring["table"].shape[0] != width:
+        ring = {k: jnp.zeros((width,) + v.shape[1:], v.dtype) for k, v in cold.items()}
+      else:
+        _, ring = jax.lax.optimization_barrier((residuals["rows"][stack], ring))
+      ring = _to_ring(ring, lst["dst"], cold)
+      out, leaving = {}, {}
+      for name in names:
+        t, p = state["tables"][name], prepared["tables"][name]
+        tables[name], gone = self._migration({**t, "hot": hot[name]}, p, ring, self.specs[name])
+        if gone is not None:
+          leaving[name] = gone
+      for name, gone in leaving.items():  # (after every read of the ring for rows joining)
+        ring = _to_ring(ring, prepared["tables"][name]["out_dst"], gone)
+        out[name] = gone
+      rings.append(ring)
+      to_host.append({"cold": cold, "out": out})
     return {
-      k: jnp.concatenate([v, jnp.zeros((cap - length,) + v.shape[1:], v.dtype)])
-      for k, v in out.items()
+      "tables": tables,
+      "ring": tuple(rings),
+      **host_cache.advance(state, prepared),
+      base.TO_HOST: tuple(to_host),
     }
 
   def _update_hot(self, spec, hot, p, g, count):
@@ -270,21 +220,16 @@ class DeviceSteps:
 
     return local(hot, sub, g, count)
 
-  def _update_cold(self, stack, state, prepared, grads, residuals) -> tuple[dict, dict]:
-    """The cold rows' update on the copy the lookup gathered (the stack's [Uc, ...] arrays,
+  def _update_cold(self, stack, prepared, grads, residuals) -> dict:
+    """The cold rows' update on the copy the lookup took (the stack's [W, ...] arrays,
     replicated: every device applies the same), table after table (their segments are
-    disjoint: each update touches its own), then written back to the host tables in one
-    host computation (each device its own rows when they are split). With a next batch's
-    read, the values written back pass through an optimization barrier with the rows read:
-    write after read on the donated host arrays, ordered by a dependency on the read only
-    (never on compute), so XLA neither copies the table nor delays the read. -> ({table:
-    host}, the updated cold rows {k: [Uc, ...]})."""
+    disjoint: each update touches its own): the same adds in the same order as dense's.
+    -> the updated cold rows {k: [W, ...]}."""
     names = self._stacks[stack]
     lst = prepared["cold"][stack]
     got = residuals["rows"][stack]
-    uc = lst["rows"].shape[0]
+    uc = lst["src"].shape[0]
     off = lst["off"]
-    caps = self._caps(prepared, names, stack)
     for i, name in enumerate(names):
       spec, p = self.specs[name], prepared["tables"][name]
       count = p.get("count") if spec.pooling == "mean" else None
@@ -293,43 +238,59 @@ class DeviceSteps:
       if spec.optimizer.needs_unique:
         # The distinct cold rows are the table's segment of the list: cold_ids index it
         # (minus its offset); the window's other entries, and padding, point at the filler
-        # entry uc (read as zeros, never written).
-        j = jnp.arange(caps[i] + 1, dtype=jnp.int32)
+        # entry uc (read as zeros, never written). The window: the most distinct rows a
+        # batch of these ids has (static), at most the list.
+        cap = min(hot_set.cold_cap(p["cold_ids"].shape, spec), uc)
+        j = jnp.arange(cap + 1, dtype=jnp.int32)
         lp["unique"] = jnp.where(j < off[i + 1] - off[i], off[i] + j, uc)
-        lp["inverse"] = jnp.where(ids < uc, ids - off[i], caps[i])
+        lp["inverse"] = jnp.where(ids < uc, ids - off[i], cap)
       slots = {k: got[k] for k in spec.optimizer.slot_names()}
       table, slots = base.sparse_sgd_or_adagrad(
         spec, got["table"], slots, lp, base.unpool(g, count, ids.shape[1])
       )
       got = {**got, "table": table, **slots}
-    keys = tuple(got)
-    tables = [{k: state["tables"][n]["host"][k] for k in keys} for n in names]
-    moved = residuals["moved"][stack]
-    if residuals["next"][stack] is not None:
-      # The values written back wait for the next batch's read (write after read on the
-      # donated host arrays): a dependency on the read only, never on compute. On the
-      # values, not the row list: the list may be in host memory already (an input or
-      # `moved`), where a barrier with device arrays would send it to the device and back.
-      got, _ = jax.lax.optimization_barrier((got, residuals["next"][stack]))
-    new = self.host.scatter_segments(tables, lst["rows"], off, caps, got, moved)
-    return {n: {**state["tables"][n]["host"], **h} for n, h in zip(names, new)}, got
+    return got
 
-  def _migration(self, t, p, spec):
-    """Rows leaving the hot set -> host; rows joining it <- host (after this batch's cold
-    write-back, so a row cold in this batch and hot from the next moves its new value)."""
+  def _migration(self, t, p, ring, spec) -> tuple[dict, dict | None]:
+    """Rows leaving the hot set (their values read off the updated hot arrays) and rows
+    joining it (after this batch's cold update, so a row cold in this batch and hot from the
+    next moves its new value): each joining row from the ring where prepare found it there
+    ("in_src": this step's cold rows, or an earlier write-back maybe still in flight), else
+    the value prepare read from the host ("in_vals"). -> (the table's state, the leaving
+    rows {k: [Ko, ...]} for the ring and the host, or None)."""
     if p["in_rows"].shape[0] == 0 and p["out_slots"].shape[0] == 0:
-      return t
-    n = spec.num_rows
-    hot, host = dict(t["hot"]), dict(t["host"])
+      return t, None
+    hot = dict(t["hot"])
     hot_rows = t["hot_rows"]
+    gone = None
     if p["out_slots"].shape[0]:
-      rows = hot_rows.at[p["out_slots"]].get(mode="fill", fill_value=n)
-      rows = jnp.where(rows < n, rows, base.aligned_rows(n))  # empty / padding: dropped
-      for k in hot:
-        host[k] = self.host.scatter(host[k], rows, self._hot_get(hot[k], p["out_slots"]))
-      hot_rows = hot_rows.at[p["out_slots"]].set(n, mode="drop")
+      gone = {k: self._hot_get(v, p["out_slots"]) for k, v in hot.items()}
+      hot_rows = hot_rows.at[p["out_slots"]].set(spec.num_rows, mode="drop")
     if p["in_rows"].shape[0]:
+      vals = p["in_vals"]
+      if ring["table"].shape[0]:
+        vals = _from_ring(vals, ring, p["in_src"])
       for k in hot:
-        hot[k] = self._hot_set(hot[k], p["in_slots"], self.host.gather(host[k], p["in_rows"]))
+        hot[k] = self._hot_set(hot[k], p["in_slots"], vals[k])
       hot_rows = hot_rows.at[p["in_slots"]].set(p["in_rows"], mode="drop")
-    return {**t, "hot": hot, "host": host, "hot_rows": hot_rows}
+    return {**t, "hot": hot, "hot_rows": hot_rows}, gone
+
+
+def _rows_mask(mask: jax.Array, v: jax.Array) -> jax.Array:
+  """bool[W] -> bool[W, 1, ...], broadcastable against v [W, ...]."""
+  return mask.reshape(mask.shape + (1,) * (v.ndim - 1))
+
+
+def _from_ring(vals: dict, ring: dict, src: jax.Array) -> dict:
+  """vals {k: [W, ...]}, each row replaced by ring[src] where src holds a ring slot (ABSENT:
+  past the ring, the staged value stands)."""
+  held = src < ring["table"].shape[0]
+  return {
+    k: jnp.where(_rows_mask(held, v), ring[k].at[src].get(mode="fill", fill_value=0.0), v)
+    for k, v in vals.items()
+  }
+
+
+def _to_ring(ring: dict, dst: jax.Array, vals: dict) -> dict:
+  """ring[dst] = vals (ABSENT / padding: dropped)."""
+  return {k: v.at[dst].set(vals[k], mode="drop") for k, v in ring.items()}

@@ -172,7 +172,7 @@ class HotSetPlanning:
     r.slot_row[free] = incoming
     r.row_slot[incoming] = free.astype(np.int32)
     # (the step reads the rows leaving from the state's slot map; the host side needs them
-    # for the next batch's prefetch: their values come from the hot arrays, `_next_lists`)
+    # for the write-back: the writer puts their values into the host tables)
     return incoming, free, out_slots, old_rows[~stay]
 
   def _pack_migration(self, name, m) -> dict:

@@ -22,13 +22,17 @@ class HotColdOptions(base.BackendOptions):
     profile_batches: train batches profiled before the first hot set is picked (>= 1).
     reprofile: re-pick the hot set every this many train batches from the accesses counted
       since the last pick, migrating rows (0 = never). Refused with budget=1: every row is
-      hot, so no pick can differ.
+      hot, so no pick can differ. The device ring of recent write-backs then also holds the
+      hot slots a re-pick may empty (`host_side.HostTier._ring_rows`).
     split: run the batch as popular + non-popular micro-batches (the step's micro-batch
       feature). False: one lookup of the whole batch (same values).
-    host_memory: `pinned_host` or `device` (no offload: benchmarks, debugging).
+    host_memory: `pinned_host`: the cold rows in host RAM, read for a batch on the input
+      thread and moved with its transfer, written back by a host writer
+      (recgnn.embeddings.host_tier). `device` (no offload) went with the host computations
+      inside the step (issue 42): tables wholly on the devices are `dense`.
     cold_list: the length of the group's cold lists, a shape of the step. The cold rows of
       every table with the same row layout (dim, optimizer) travel in ONE list, table after
-      table (`host_table.HostTable.gather_segments`), so the step's shape is one length per
+      table (read by prepare, `host_side.HostTier._stage`), so the step's shape is one length per
       layout, not one per table. `bucket` (default): the batch's distinct cold rows over the
       group's tables, rounded up to an eighth-octave length with hysteresis
       (`host_cache.ListSizer`): host-link bytes within ~1.1x of what the cold ids need and
@@ -37,12 +41,11 @@ class HotColdOptions(base.BackendOptions):
       cold, the batch's ids: one length for the profile). `fixed`: the batch's id count per
       table (at most its rows), summed: one shape for the run, but the host link carries
       that many rows whatever the hot set covers.
-    prefetch: gather the next train batch's cold rows during this step (from the host
-      tables as they come into it, a host read depending on nothing the step computes: on
-      an accelerator the copy overlaps the step's compute), into a device buffer the next
-      step reads instead of the host. Once a hot set is in (the profile phase gathers on
-      demand); a batch not seen coming (the first, one after a restore) gathers its own.
-      False: every step gathers its own cold rows (one step later; same values).
+    prefetch: a no-op, kept so that plan strings written before issue 42 still parse (the
+      planner's candidates, experiments/hotline_kaggle.py and saved configs carry it). It
+      read the next batch's cold rows during a step into a device buffer; now every batch's
+      cold rows are read by its own prepare, ahead of its step, on the input thread (the
+      package docstring): what prefetch did for some batches, every batch gets.
   """
 
   backend: ClassVar[str] = "hot_cold"
@@ -60,6 +63,12 @@ class HotColdOptions(base.BackendOptions):
     if self.cold_list not in COLD_LISTS:
       raise ValueError(
         f"hot_cold: cold_list must be one of {', '.join(COLD_LISTS)}, got {self.cold_list!r}"
+      )
+    if self.host_memory != "pinned_host":
+      raise ValueError(
+        f"hot_cold: host_memory={self.host_memory!r} is not available: the cold rows live in "
+        "host RAM (pinned_host, the default) and move with the batch; for tables wholly on "
+        "the devices use dense"
       )
     if self.budget is not None and self.hot_rows is not None:
       raise ValueError("hot_cold: give budget=FRACTION or hot_rows=ROWS, not both")

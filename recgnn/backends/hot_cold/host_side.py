@@ -1,0 +1,265 @@
+"""hot_cold's host tier (host side): the cold rows in host RAM (numpy, recgnn.embeddings.
+host_tier), read for a batch on the input thread, written back by one writer thread after its
+step, and the device ring of recent write-backs that keeps reads ahead of a step exact.
+
+One concern: what moves between the host tables and the step, and in which order (the package
+docstring: "How a batch flows", "Ordering"). `HostTier` is one part of the `HotCold` class
+(recgnn/backends/hot_cold/__init__.py): it reads the attributes HotCold's constructor sets
+(`specs`, `options`, `_rows`, `_stacks`, `_index`, `_host`, `_row_base`, `_recent`,
+`_outbox`, `_written`, `_syncer`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from recgnn.backends.hot_cold.hot_set import cold_cap
+from recgnn.embeddings import base, host_tier
+
+ABSENT = host_tier.ABSENT
+
+# The device ring of recent write-backs (`host_tier.Recent`, one per stack) holds this many
+# times what one train step writes back at most: its cold list's cap (the sum of min(ids per
+# batch, rows) over the stack's tables) and, with reprofile, the hot slots a re-pick may
+# empty. The input thread prepares PREFETCH batches ahead of the step (`inputs.run_ahead`),
+# so the write-backs of every step not run when a batch is prepared are in it.
+RING_BATCHES = base.PREFETCH
+
+
+class HostTier:
+  """The host-tier half of `HotCold`: staging a batch's rows, the writer, sync / export."""
+
+  def _ring_rows(self, caps: Sequence[int], names) -> int:
+    """The ring's rows for a stack whose tables' cold caps (min(ids per batch, rows)) are
+    `caps`: RING_BATCHES steps' write-backs (their cold rows, and with reprofile the hot
+    slots a re-pick may empty). Not capped at the stack's rows: the ring is a FIFO of
+    write-backs, not a map of rows, so two steps writing back most of a small table's rows
+    each fill twice its rows before the older is on the host."""
+    out = sum(self._rows[n].alloc for n in names) if self.options.reprofile else 0
+    return int(RING_BATCHES * (sum(caps) + out))
+
+  def batch_memory(self, ids_shapes):
+    """The device ring of recent write-backs (`RING_BATCHES` x a step's most write-backs),
+    with its optimizer state, replicated on every device: each
+    stack's ring split over its tables by their cold caps."""
+    out = {}
+    for names in self._stacks:
+      if not all(n in ids_shapes for n in names):
+        continue
+      caps = [cold_cap(ids_shapes[n], self.specs[n]) for n in names]
+      ring = self._ring_rows(caps, names)
+      left = ring
+      for i, n in enumerate(names):
+        share = left if i == len(names) - 1 else ring * caps[i] // max(sum(caps), 1)
+        left -= share
+        out[n] = share * self.specs[n].row_bytes
+    return out
+
+  def _adopt(self) -> None:
+    """New host-tier bookkeeping for the state just built or restored: every write-back
+    handed over applied, no write-back planned, no ring position held."""
+    self._host.writer.drain()
+    self._written = self._host.writer.submitted
+    self._outbox.clear()
+    self._recent = [host_tier.Recent(int(b[-1])) for b in self._row_base]
+
+  def _host_of(self, name: str) -> dict:
+    return self._host.arrays[self._index[name]]
+
+  def export(self, state):
+    """The logical rows of a synced state (`sync` wrote every hot row back): copies of the
+    host tables, as the writer keeps writing them while a checkpoint saves."""
+    self._check_stale(state)
+    self._host.writer.drain()
+    out = {}
+    for name, spec in self.specs.items():
+      h = self._host_of(name)
+      slots = spec.optimizer.slot_names()
+      out[name] = {"rows": h["table"].copy(), **{k: h[k].copy() for k in slots}}
+    return out
+
+  def sync(self, state):
+    """Every write-back handed over applied, then every hot row written to the host tables
+    (O(hot rows), a host read of the hot arrays); the state stays as it is."""
+    self._check_stale(state)
+    self._host.writer.drain()
+    for name, t in state["tables"].items():
+      hot_rows, hot = jax.device_get((t["hot_rows"], t["hot"]))
+      filled = hot_rows < self.specs[name].num_rows
+      host = self._host_of(name)
+      for k, v in host.items():
+        v[hot_rows[filled]] = hot[k][filled]
+    return state
+
+  def tables(self, state):
+    self._host.writer.drain()
+    out = {}
+    for name, t in state["tables"].items():
+      n = self.specs[name].num_rows
+      table = self._host_of(name)["table"][:n].copy()
+      hot_rows, hot = jax.device_get((t["hot_rows"], t["hot"]["table"]))
+      filled = hot_rows < n
+      table[hot_rows[filled]] = hot[filled]
+      out[name] = table
+    return out
+
+  def after_update(self, state, to_host=None):
+    """The step's rows for the host (TO_HOST: per stack {"cold": the updated cold rows, in
+    list order; "out": {table: the rows leaving the hot set}}) to the writer thread, with
+    the rows the prepare of that step listed (`_outbox`): it copies them to the host and
+    writes them into the tables in place, in step order. O(1) here: no wait for the step."""
+    if to_host is None:
+      state, to_host = base.split_to_host(state)
+    writes = self._outbox.take()
+    for x in jax.tree.leaves(to_host):
+      if isinstance(x, jax.Array):  # (the copy starts when the step ends, not when asked)
+        x.copy_to_host_async()
+    host = self._host
+
+    def write():
+      jax.block_until_ready(to_host)  # (the step's own time: not the writer's work)
+      t0 = time.perf_counter()
+      values = host_tier.to_host(to_host)
+      if len(values) != len(writes):
+        raise RuntimeError("hot_cold: a step's rows for the host do not match its stacks")
+      for w, got in zip(writes, values):
+        width = got["cold"]["table"].shape[0]
+        if set(w["out"]) != set(got["out"]) or any(
+          p.max(initial=-1) >= width for _, _, p in w["cold"]
+        ):
+          raise RuntimeError(
+            "hot_cold: a step's cold rows do not match the write-back its prepare planned: "
+            "a prepared train batch was skipped or ran out of order (batches that only run "
+            "lookup, e.g. eval, must be prepared with prepare(ids, train=False))"
+          )
+        host.scatter(w["cold"], got["cold"])
+        for name, ww in w["out"].items():
+          host.scatter(ww, got["out"][name])
+      host.write_seconds += time.perf_counter() - t0
+
+    host.writer.submit(write)
+    return state
+
+  def planned_to_host(self, prepared) -> tuple:
+    """For drivers that prepare a train batch whose step never runs (prepare-only tests and
+    measurements): zeros of the TO_HOST its step would return, to hand to `after_update`,
+    so later prepares find every write-back they wait for. The host tables' values are
+    then meaningless."""
+    out = []
+    for names, lst in zip(self._stacks, prepared["cold"]):
+      cold = {k: np.zeros_like(v) for k, v in lst["vals"].items()}
+      gone = {}
+      for n in names:
+        k_out = prepared["tables"][n]["out_slots"].shape[0]
+        if k_out:
+          gone[n] = {k: np.zeros((k_out,) + v.shape[1:], v.dtype) for k, v in cold.items()}
+      out.append({"cold": cold, "out": gone})
+    return tuple(out)
+
+  def _stage(self, stack, segs, off, caps, uc, migrate, tables, train):
+    """The host tier's part of a stack's batch, on the input thread: the cold list's rows
+    read from the host tables, the ring slots where a newer value is held, and (train) the
+    ring slots of this step's write-backs; the same for the migration's rows joining and
+    leaving the hot set (in `tables`, in place). -> (the list {"off", "vals", "src"[, "dst",
+    "ring"]}, the step's write-backs {"cold": [(host index, rows, positions)], "out": {table:
+    [...]}} (None for eval), the loads the ring serves).
+
+    Order (the step's): this batch's cold loads see earlier steps' write-backs; its cold
+    rows are written into the ring; the rows joining the hot set see those (a row cold in
+    this batch and hot from the next takes its new value); the rows leaving are written
+    last."""
+    names = self._stacks[stack]
+    tab = np.repeat(np.arange(len(names)), np.diff(off))
+    rows = np.concatenate(segs).astype(np.int64)
+    first_row = self._row_base[stack]
+    recent = self._recent[stack] if self._recent else None
+    lst = {"off": off}
+    need = 0
+    src = np.full(uc, ABSENT, np.int32)
+    if recent is not None and rows.size:
+      src[: rows.size], need = recent.sources(first_row[tab] + rows)
+    w = None
+    if train:
+      if recent.size == 0:  # (the first train batch since init / restore sizes the ring)
+        recent.resize(self._ring_rows(caps, names))
+      lst["ring"] = np.zeros((0, recent.size), np.int32)
+      dst = np.full(uc, ABSENT, np.int32)
+      dst[: rows.size] = _assign(recent, first_row[tab] + rows)
+      lst["dst"] = dst
+      pos = np.arange(rows.size)
+      w = {
+        "cold": [(self._index[n], rows[tab == i], pos[tab == i]) for i, n in enumerate(names)],
+        "out": {},
+      }
+      for i, n in enumerate(names):  # rows joining: after this step's cold write-back
+        m = migrate.get(n)
+        t = tables[n]
+        k_in = t["in_rows"].shape[0]
+        t["in_src"] = np.full(k_in, ABSENT, np.int32)
+        if m is not None and m[0].size:
+          t["in_src"][: m[0].size], k_need = recent.sources(first_row[i] + m[0])
+          need = max(need, k_need)
+      for i, n in enumerate(names):  # rows leaving: written last
+        m = migrate.get(n)
+        t = tables[n]
+        t["out_dst"] = np.full(t["out_slots"].shape[0], ABSENT, np.int32)
+        if m is not None and m[3].size:
+          t["out_dst"][: m[3].size] = self._leaving_slots(recent, first_row[i] + m[3])
+          w["out"][n] = [(self._index[n], m[3], np.arange(m[3].size))]
+      recent.end_step()
+    if need:  # a host read of a row written back by a step that may still be in flight
+      self._host.writer.wait(self._written + need, f" after {self._written} before")
+    lst["vals"] = self._read(names, tab, rows, uc, src)
+    lst["src"] = src
+    if train:
+      for n in names:
+        t = tables[n]
+        k_in = t["in_rows"].shape[0]
+        m = migrate.get(n)
+        rows_in = m[0] if m is not None else np.zeros(0, np.int64)
+        got = self._read([n], np.zeros(rows_in.size, np.int64), rows_in, k_in, t["in_src"])
+        t["in_vals"] = got
+    return lst, w, int(np.sum(src != ABSENT))
+
+  def _leaving_slots(self, recent: host_tier.Recent, rows: np.ndarray) -> np.ndarray:
+    """Ring slots for the rows a migration moves out of the hot set (`_assign`): they may be
+    read cold by batches prepared before the step runs."""
+    del self
+    return _assign(recent, rows)
+
+  def _read(self, names, tab, rows, width, src) -> dict:
+    """{k: [width, ...]}: the rows (of table names[tab]) read from the host tables, then
+    zeros; zeros too where the ring holds the current value (src: the host's may be
+    mid-write, and a deterministic batch is easier to test)."""
+    if self._host.arrays:
+      off = np.searchsorted(tab, np.arange(len(names) + 1)) if tab.size else None
+      segs = [
+        (self._index[n], rows[off[i] : off[i + 1]] if off is not None else rows[:0])
+        for i, n in enumerate(names)
+      ]
+      got = self._host.gather(segs, width)
+    else:  # (a batch prepared before init: shapes only)
+      spec = self.specs[names[0]]
+      got = {"table": np.zeros((width, spec.dim), np.float32)}
+      got.update({k: np.zeros(width, np.float32) for k in spec.optimizer.slot_names()})
+    held = src != ABSENT
+    if held.any():
+      for v in got.values():
+        v[held] = 0
+    return got
+
+
+def _assign(recent: host_tier.Recent, rows: np.ndarray) -> np.ndarray:
+  """`Recent.assign`, but with no two of its slots the same: when one step writes back more
+  rows than the ring holds, the first ones' slots (overwritten by the later ones, so no
+  longer held, `Recent.sources`) are dropped (ABSENT), so one scatter never writes a slot
+  twice (XLA leaves the winner unspecified)."""
+  dst = recent.assign(rows)
+  extra = rows.shape[0] - recent.size
+  if extra > 0:
+    dst[:extra] = ABSENT
+  return dst
