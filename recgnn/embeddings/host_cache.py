@@ -4,8 +4,8 @@ copy planned on the input thread (offload's cache, hot_cold's hot rows).
 The host plans batch k + PREFETCH before the device has run batch k, so every prepared train
 batch carries the layout version it was planned for; the step checks it against the state's
 and counts mismatches (`advance`), and `check_stale` refuses, at sync / save time, a run in
-which a prepared batch was skipped or ran out of order. `flush` writes the device copy back
-to the host table (sync before a checkpoint); `Counters` are the input thread's statistics,
+which a prepared batch was skipped or ran out of order (`StaleCheck`); `Counters` are the
+input thread's statistics,
 read and reset by `stats()` on the main thread. `octave_bucket` and `ListSizer` size the lists
 of rows a step moves over the host link (offload's exchanges, hot_cold's cold rows) by what the
 batch needs, in a few shapes.
@@ -19,8 +19,6 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from recgnn.embeddings.specs import aligned_rows
 
 
 def advance(state: dict, prepared: dict) -> dict:
@@ -46,13 +44,6 @@ def check_stale(state: dict, owner: str, layout: str) -> None:
     )
 
 
-def flush(host_table, host: dict, slot_rows: jax.Array, num_rows: int, values: dict) -> dict:
-  """Write the device copy back: host[k][slot_rows[s]] = values[k][s] for every occupied slot
-  s (slot_rows int32[S], N = empty: past the host arrays, so the scatter drops it). O(S)."""
-  rows = jnp.where(slot_rows < num_rows, slot_rows, aligned_rows(num_rows))
-  return {**host, **{k: host_table.scatter(host[k], rows, v) for k, v in values.items()}}
-
-
 class Counters:
   """Statistics bumped on the input thread (`add`), taken and reset by `stats()` (`take`)."""
 
@@ -71,22 +62,15 @@ class Counters:
     return c
 
 
-class Syncer:
-  """A host-cached backend's `sync`: refuse a stale state (`check`), then the flush, jitted
-  once with the state donated. flush(state) -> state with the device copy written back."""
+class StaleCheck:
+  """A host-cached backend's refusal, at sync / export time, of a state whose updates ran
+  with batches prepared for another layout (`check_stale`), naming the backend."""
 
-  def __init__(self, flush, owner: str, layout: str):
-    self._flush, self.owner, self.layout = flush, owner, layout
-    self._jitted = None
+  def __init__(self, owner: str, layout: str):
+    self.owner, self.layout = owner, layout
 
   def check(self, state: dict) -> None:
     check_stale(state, self.owner, self.layout)
-
-  def __call__(self, state: dict) -> dict:
-    self.check(state)
-    if self._jitted is None:
-      self._jitted = jax.jit(self._flush, donate_argnums=0)
-    return self._jitted(state)
 
 
 def octave_bucket(n: int) -> int:

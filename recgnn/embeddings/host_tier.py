@@ -266,3 +266,15 @@ class Outbox:
 def to_host(values) -> dict:
   """The step's output copied to host memory (writer thread; waits for the step)."""
   return jax.device_get(values)
+
+
+def layouts(specs, by_optimizer: bool = False) -> tuple[tuple[str, ...], ...]:
+  """Table names (specs: {name: TableSpec}) grouped by row layout (dim, optimizer slots), in
+  order: the tables one host list can carry (one array per key for all of them). by_optimizer:
+  by the whole optimizer too (its learning rate, ...): tables one sparse update can take
+  (offload's stacked caches)."""
+  out: dict[tuple, list[str]] = {}
+  for name, spec in specs.items():
+    opt = spec.optimizer if by_optimizer else spec.optimizer.slot_names()
+    out.setdefault((spec.dim, opt), []).append(name)
+  return tuple(tuple(v) for v in out.values())

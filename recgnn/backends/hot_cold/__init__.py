@@ -155,7 +155,7 @@ from recgnn.backends.hot_cold.hot_set import HotSetPlanning, TableRows, cold_cap
 from recgnn.backends.hot_cold.micro import MARGIN, split
 from recgnn.backends.hot_cold.options import HotColdOptions
 from recgnn.embeddings import access_counts as profile
-from recgnn.embeddings import base, host_cache, host_table, host_tier
+from recgnn.embeddings import base, host_cache, host_tier
 
 P = sharding.P
 ABSENT = host_tier.ABSENT
@@ -205,7 +205,7 @@ class HotCold(HotSetPlanning, HostTier, DeviceSteps, base.Backend):
     # follows the stack's total (which moves little) rather than every table's own. Its
     # length per stack, for train and eval batches apart (their steps are separate
     # programs): bucketed, so each takes a few shapes per run.
-    self._stacks = host_table.layouts(self.specs)
+    self._stacks = host_tier.layouts(self.specs)
     self._stack_of = {
       n: (s, i) for s, names in enumerate(self._stacks) for i, n in enumerate(names)
     }
@@ -214,7 +214,7 @@ class HotCold(HotSetPlanning, HostTier, DeviceSteps, base.Backend):
     self._cold_len = {t: [hot_set.Buckets(grow) for _ in self._stacks] for t in (True, False)}
     self.cold_shapes: set[tuple[int, ...]] = set()  # the train steps' cold-list lengths seen
     owner = f"hot_cold (tables {', '.join(self.specs)})"
-    self._syncer = host_cache.Syncer(None, owner, "hot / cold")
+    self._syncer = host_cache.StaleCheck(owner, "hot / cold")
     # The host tier (recgnn.embeddings.host_tier): every row in host RAM (numpy, in `specs`
     # order), read on the input thread, written by one writer thread; per stack, the ring of
     # recent write-backs (rows numbered table after table: `_row_base`); the write-backs

@@ -22,7 +22,7 @@ from recgnn.backends.offload.cache_plan import (
 )
 from recgnn.backends.offload.host_side import HostSide
 from recgnn.backends.offload.table import PLANNED, Offload
-from recgnn.embeddings import base, host_cache, host_table
+from recgnn.embeddings import base, host_cache, host_tier
 
 # An absent slot or position in a stack's lists: past every cache and list (gathers read
 # zeros, scatters drop it).
@@ -82,14 +82,14 @@ class OffloadGroup(base.TableGroup):
     # one exchange list per stack and direction: the step's shapes are one (now, next)
     # length pair per stack, sized over its tables together (their total moves little from
     # batch to batch; each table sized apart changed the step's signature every few steps).
-    self._stacks = host_table.layouts({n: m.spec for n, m in self.members.items()}, True)
+    self._stacks = host_tier.layouts({n: m.spec for n, m in self.members.items()}, True)
     self._index = {n: i for i, n in enumerate(self.members)}  # in the version / stale vectors
     # Each table's first slot in its stack's cache, and the stack's rows (the last entry).
     self._slot_off = [
       np.cumsum([0] + [self.members[n].cache_rows for n in names]).astype(np.int64)
       for names in self._stacks
     ]
-    self._syncer = host_cache.Syncer(None, f"offload (tables {', '.join(self.members)})", "cache")
+    self._syncer = host_cache.StaleCheck(f"offload (tables {', '.join(self.members)})", "cache")
     self._sizers = []
     self.list_widths: set[tuple[int, int]] = set()  # (now, next) lengths of train steps
     self._list_counters = host_cache.Counters()
@@ -329,7 +329,7 @@ class OffloadGroup(base.TableGroup):
   def prepare(self, ids, upcoming=(), *, train=True):
     """ids {table: int[B, L]} -> {"batch": per stack, every table's batch stacked (`_batch`:
     slots of the stack's cache), "version": int32[T] (each table's plan's, -1: read-only),
-    "lists": per stack (`host_table.layouts(.., by_optimizer=True)`), {"now": int32[4, Wn],
+    "lists": per stack (`host_tier.layouts(.., by_optimizer=True)`), {"now": int32[4, Wn],
     "now_off": int32[T + 1], "next": int32[5, Wx], "next_off": int32[T + 1]: every table's
     exchange in one list (table i's at [off[i], off[i + 1]), its own rows, the stack's
     slots: `_to_stack`), and the host tier's part (`HostSide.stage`): "now_rows" / "next_rows" {k:

@@ -27,7 +27,7 @@ RING_BATCHES = base.PREFETCH
 class HostSide:
   """The host tier of one offload group.
 
-  stacks: the group's stacks of tables (names; `host_table.layouts`), specs: {name: TableSpec},
+  stacks: the group's stacks of tables (names; `host_tier.layouts`), specs: {name: TableSpec},
   index: {name: its position in the group} (the host arrays' order)."""
 
   def __init__(self, owner: str, stacks, specs: dict, index: dict[str, int]):
