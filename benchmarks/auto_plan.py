@@ -74,28 +74,19 @@ def hand_written(
   then the largest tables alternately to offload and hot_cold; then a graded plan, the
   largest tables at the smallest fraction and the next ones at the next larger. need: each
   table's most distinct ids in a batch, with the planner's headroom (it tries no smaller cache);
-  shapes: a train batch's ids shapes, for the buffers a plan's state holds per batch (hot_cold's
-  prefetch): a plan that fits only with hot_cold's prefetch off is written with it off."""
+  shapes: a train batch's ids shapes, for the buffers a plan's state holds per batch (the
+  host tiers' rings of recent write-backs)."""
   by_size = sorted(specs, key=lambda s: -dense_bytes[s.name])
   memo = {}
 
   def nbytes(text, s):
     if (text, s.name) not in memo:
-      memo[text, s.name] = auto.memory_of(
-        text, s, mesh, base.Layout(), (shapes or {}).get(s.name)
-      )[0]
+      memo[text, s.name] = auto.memory_of(text, s, mesh, base.Layout(), (shapes or {}).get(s.name))[
+        0
+      ]
     return memo[text, s.name]
 
   def fill(texts_of):  # texts_of(i, s) -> the i-th moved table's backend string
-    got = fill_one(texts_of)
-    if got is None:  # the same with hot_cold's prefetch off (no buffer of a batch's rows)
-      got = fill_one(lambda i, s: no_prefetch(texts_of(i, s)))
-    return got
-
-  def no_prefetch(text):
-    return text[:-1] + ", prefetch=False)" if text and text.startswith("hot_cold(") else text
-
-  def fill_one(texts_of):
     used, moved = dict(dense_bytes), {}
     for s in by_size:
       if moved and sum(used.values()) <= budget:
@@ -142,8 +133,7 @@ def hand_written(
       plans[f"offload {small:g} on the 2 largest, {large:g} on more"] = rules
   out = {}
   for name, rules in list(plans.items())[:most]:
-    off = any("prefetch=False" in t for _, t in rules)
-    out[name + (" (hot_cold without prefetch)" if off else "")] = rules
+    out[name] = rules
   return out
 
 

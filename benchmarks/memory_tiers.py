@@ -59,12 +59,9 @@ from recgnn.train import setup as train_setup  # noqa: E402
 from recgnn.train import traffic  # noqa: E402
 
 
-def plans(
-  fractions: list[float], fixed: bool = False, profile: int = 4, on_demand: bool = False
-) -> list[tuple[str, str]]:
+def plans(fractions: list[float], fixed: bool = False, profile: int = 4) -> list[tuple[str, str]]:
   """(label, plan string) of every configuration (fixed: offload's padded `fixed` exchange
-  beside each bucketed one; profile: hot_cold's profile_batches; on_demand: hot_cold without
-  its next-batch prefetch beside each, `prefetch=False`)."""
+  beside each bucketed one; profile: hot_cold's profile_batches."""
   out = [("dense", "dense"), ("host only", "hot_cold(hot_rows=1, profile_batches=4, split=False)")]
   for f in fractions:
     out.append((f"offload {f:g}", f"offload(cache_fraction={f}, lookahead=1, exchange=bucket)"))
@@ -74,8 +71,6 @@ def plans(
   for f in fractions:
     text = f"hot_cold(budget={f}, profile_batches={profile}, cold_list=bucket)"
     out.append((f"hot_cold {f:g}", text))
-    if on_demand:
-      out.append((f"hot_cold {f:g} on demand", text[:-1] + ", prefetch=False)"))
   return out
 
 
@@ -339,9 +334,6 @@ def main(argv=None):
   )
   p.add_argument("--fixed", action="store_true", help="also offload's padded `fixed` exchange")
   p.add_argument(
-    "--on_demand", action="store_true", help="also hot_cold without prefetch (prefetch=False)"
-  )
-  p.add_argument(
     "--only", default=None, help="only the configurations whose label starts with this"
   )
   p.add_argument(
@@ -378,7 +370,7 @@ def main(argv=None):
     n = args.batches or args.warmup + args.steps
     batches = peers_dlrm.make_batches(cfg, args.batch, n, z, seed=0, same_hot_rows=True)
     host = [dt.to_recgnn_batch(b, dt.table_names(cfg)) for b in batches]
-    for label, text in plans(args.fractions, args.fixed, args.profile, args.on_demand):
+    for label, text in plans(args.fractions, args.fixed, args.profile):
       if args.only and not label.startswith(args.only):
         continue
       payload["rows"].append({**measure(label, text, cfg, host, args, cpu), "zipf": z})

@@ -17,14 +17,15 @@ float summation order (tests/test_hot_cold.py; bit for bit for the embedding upd
   python run.py --experiment=hotline_kaggle:budget=0.01,tables=10 --workdir=/tmp/hotline1
 
 `device_memory_budget` is 'plan+10%': what this plan needs per device (its backends' own
-memory report, hot_cold's prefetch buffer included) plus 10 %, resolved by the trainer on the
-run's mesh, data and batch size and logged in bytes; the all-dense plan (`dlrm_kaggle` with
-that --device_memory_budget) is refused before allocating (tests/test_experiments.py).
+memory report, hot_cold's ring of recent write-backs included) plus 10 %, resolved by the
+trainer on the run's mesh, data and batch size and logged in bytes; the all-dense plan
+(`dlrm_kaggle` with that --device_memory_budget) is refused before allocating
+(tests/test_experiments.py).
 
 Arg (optional, comma-separated): budget=F (share of the K tables' bytes on the devices),
 tables=K, profile=F (share of an epoch profiled), reprofile=N (re-pick every N steps),
-split=False (no micro-batches), prefetch=False (each step gathers its own cold rows instead of
-the step before gathering them: hot_cold's `prefetch`).
+split=False (no micro-batches). (prefetch=False went with issue 42: every batch's cold rows are
+read by the input thread ahead of its step.)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from recgnn.data import ctr_dataset
 from recgnn.embeddings import base
 
 DEFAULTS = {
-  "budget": 0.05, "tables": 7, "profile": 0.05, "reprofile": 0, "split": True, "prefetch": True,
+  "budget": 0.05, "tables": 7, "profile": 0.05, "reprofile": 0, "split": True,
 }  # fmt: skip
 KAGGLE_TRAIN_TXT_ROWS = 45_840_617  # Criteo Kaggle's train.txt (Display Advertising Challenge)
 
@@ -76,8 +77,6 @@ def hot_cold_text(options: dict, epoch_steps: int) -> str:
     text += f", reprofile={options['reprofile']}"
   if not options["split"]:
     text += ", split=False"
-  if not options["prefetch"]:
-    text += ", prefetch=False"
   return text + ")"
 
 
@@ -98,6 +97,6 @@ def get_config(arg=None):
   # Fail now, not after the data is loaded, on a bad option.
   planner.make_backend(c.embeddings.plan[0][1], base.TableSpec(name="C3", num_rows=1000, dim=16))
   # The plan's own bytes per device (its backends' memory() and the buffers a train batch
-  # sizes: hot_cold's prefetch), resolved by the trainer on the run's mesh and data, + 10%.
+  # sizes: hot_cold's ring), resolved by the trainer on the run's mesh and data, + 10%.
   c.device_memory_budget = "plan+10%"
   return c

@@ -76,9 +76,9 @@ def test_experiment_starts_from_its_defaults(name, cache_dir, tmp_path):
   assert all(v == v for v in losses), result.metrics  # finite: no NaN from the defaults
 
 
-def test_relative_budget_holds_other_plans_to_the_same_bytes(cache_dir, tmp_path):
-  """hotline_kaggle's 'plan+10%' resolves to bytes that the all-dense plan of the same
-  model and data exceeds (the experiment's point), refused before allocating."""
+def test_relative_budget_resolves_to_the_plans_bytes(cache_dir, tmp_path):
+  """hotline_kaggle's 'plan+10%' resolves to the plan's own bytes + 10%, logged with the
+  flag that holds another plan to them."""
   from recgnn import planner
   from recgnn.train import setup
 
@@ -93,11 +93,10 @@ def test_relative_budget_holds_other_plans_to_the_same_bytes(cache_dir, tmp_path
     run_.plan, run_.task, run_.example, budget))  # fmt: skip
   assert budget == int(need * 1.1) and planner.batch_bytes(run_.plan, {
     t: (2048, 1) for t in run_.plan.table_group}) > 0  # fmt: skip
-  dense = config.copy_and_resolve_references()
-  with dense.unlocked():
-    dense.embeddings.plan = ((".*", "dense"),)
-  with pytest.raises(planner.PlanDoesNotFit, match="budget is"):
-    setup.build(dense, task=run_.task, device_memory_budget=budget, allocate=False)
+  # The same bytes refuse the all-dense plan at the experiment's own scale
+  # (`test_experiment_plan_fits_at_its_own_scale`, long). Not at this small scale: with
+  # tables of a few thousand rows the batch's rows hot_cold's device ring of recent
+  # write-backs holds (issue 42) outweigh the tables themselves.
 
 
 @pytest.mark.parametrize(
@@ -131,12 +130,23 @@ def test_experiment_plan_fits_at_its_own_scale(name, tmp_path):
   refused its own plan at 4M rows while fitting at 12k); this one can, at minutes of data
   generation (the synthetic CTR default: ~60 s once, cached under the user's
   data.cache_dir as `run.py` does)."""
+  from recgnn import planner
   from recgnn.train import setup
 
   config = run.load_config(name)
   config = run.apply_overrides(config, ["--config.mesh.data=1", "--config.mesh.model=1"])
+  lines: list[str] = []
   try:
-    setup.build(config, allocate=False)
+    built = setup.build(config, allocate=False, log=lines.append)
   except Exception as e:
     if not any(need in str(e) for need in NEEDS):
       raise
+    return
+  said = [x for x in lines if x.startswith("Device memory budget plan+10%")]
+  if said:  # a budget relative to the plan: the all-dense plan exceeds it (the point)
+    budget = int(said[0].split("--device_memory_budget=")[1].split(" ")[0].rstrip(")"))
+    dense = config.copy_and_resolve_references()
+    with dense.unlocked():
+      dense.embeddings.plan = ((".*", "dense"),)
+    with pytest.raises(planner.PlanDoesNotFit, match="budget is"):
+      setup.build(dense, task=built.task, device_memory_budget=budget, allocate=False)

@@ -70,7 +70,8 @@ def parse_budget(text: str | int | None) -> int | RelativeBudget | None:
 
 def batch_bytes(plan: Plan, ids_shapes: dict[str, tuple[int, ...]] | None) -> int:
   """Bytes per device the plan's state comes to hold beyond its `memory()` for train batches
-  of ids shaped `ids_shapes` (`Backend.batch_memory`: e.g. hot_cold's prefetch buffer)."""
+  of ids shaped `ids_shapes` (`Backend.batch_memory`: e.g. the host tiers' rings of recent
+  write-backs)."""
   if not ids_shapes:
     return 0
   return sum(sum(g.batch_memory(ids_shapes).values()) for g in plan.groups.values())

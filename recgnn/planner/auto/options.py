@@ -44,9 +44,7 @@ class AutoOptions(BackendOptions):
       the faster).
     kinds: the backends to consider, among dense, offload, hot_cold, tt, sharded (sharded
       and dense(shard=rows) only on a mesh with a model axis).
-    fractions: offload's cache and hot_cold's hot budget, as shares of each table (hot_cold
-      at each with its prefetch and without: `prefetch=False` holds no buffer of a batch's
-      cold rows, `Backend.batch_memory`).
+    fractions: offload's cache and hot_cold's hot budget, as shares of each table.
     tt_ranks: the TT ranks allowed (the quality constraint: TT is a different model, so only
       ranks whose accuracy the user accepts; empty = no TT).
     batches: how many of the run's first training batches each candidate is timed on.

@@ -51,9 +51,7 @@ def candidates(spec: TableSpec, options: AutoOptions, mesh: jax.sharding.Mesh) -
     if "offload" in options.kinds:
       out.append(f"offload(cache_fraction={f})")
     if "hot_cold" in options.kinds:
-      # and without its prefetch buffer (a batch's cold rows on every device: at small
-      # budgets more than the hot rows themselves)
-      out += [f"hot_cold(budget={f})", f"hot_cold(budget={f}, prefetch=False)"]
+      out.append(f"hot_cold(budget={f})")
   if "tt" in options.kinds:
     out += [f"tt(rank={r})" for r in options.tt_ranks]
   return out
@@ -64,7 +62,7 @@ def memory_of(
 ) -> tuple[int, int]:
   """(bytes per device, host bytes) of `text` for `spec`, from the backend's own `memory`,
   and with ids_shape (a train batch's ids of this table, global) the buffers its state
-  comes to hold for such batches (`batch_memory`, e.g. hot_cold's prefetch)."""
+  comes to hold for such batches (`batch_memory`, e.g. the host tiers' rings)."""
   group = plan_lib.make_group(text, [spec], mesh, layout)
   mem = group.memory()[spec.name]
   extra = group.batch_memory({spec.name: tuple(ids_shape)}) if ids_shape is not None else {}
