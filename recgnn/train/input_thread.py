@@ -3,10 +3,13 @@ group's `prepare`, in stream order), packed into per-dtype host buffers and, whe
 platform allows it, transferred to the devices on a background thread, ahead of the step.
 
 Where the transfer is made, by platform (`sharding.needs_one_in_flight`):
-  one device, or GPUs / TPUs   on the input thread, right after packing: batch k+1 is on its
-                               way before step k's results are waited on, and the launching
-                               thread does no per-batch work but take it (the H100 traces:
-                               0.6-1.1 ms of main-thread `device_put` per step)
+  one device, or GPUs / TPUs   on a transfer thread of its own, as each batch is packed:
+                               batch k+1 is on its way before step k's results are waited
+                               on, the launching thread does no per-batch work but take it
+                               (the H100 traces: 0.6-1.1 ms of main-thread `device_put` per
+                               step), and the input thread, the slower stage for host-tier
+                               plans, does not carry it either (on the input thread it cost
+                               cdlrm_kaggle's no-work ceiling ~10%: benchmarks/host_path.py)
   several XLA:CPU devices      on the main thread (`InputThread.get`): 8-device runs hung in
                                XLA:CPU while a transfer was made during a step's launch
                                (recgnn.train.loop's docstring, issue 30)
@@ -96,8 +99,14 @@ class InputThread:
     self._stop = threading.Event()
     self.put_here = not sharding.needs_one_in_flight(plan.mesh)
     self.busy_seconds = 0.0
+    # Packed batches on their way to the transfer thread (None: get() transfers them).
+    self._packed: queue.SimpleQueue | None = queue.SimpleQueue() if self.put_here else None
     self._thread = threading.Thread(target=self._run, args=(items,), daemon=True)
     self._thread.start()
+    self._transfer = None
+    if self._packed is not None:
+      self._transfer = threading.Thread(target=self._transfers, daemon=True)
+      self._transfer.start()
 
   def _run(self, items):
     try:
@@ -125,19 +134,35 @@ class InputThread:
           size, call = sum(c[1] for c in call), []
         elif it.batch is not None:
           host = self._feeder.pack(it.prepared, it.batch, f"{it.kind} batch")
-        if host is not None and self.put_here:
-          host = (self._feeder.put(host[0]), host[1])
         self.busy_seconds += time.perf_counter() - t0
-        self._put(Item(it.kind, it.split, size, host, self.put_here))
-      self._put(None)
+        self._put(Item(it.kind, it.split, size, host), self._packed)
+      self._put(None, self._packed)
     except BaseException as e:  # forwarded to the main thread, which re-raises
-      self._put(e)
+      self._put(e, self._packed)
 
-  def _put(self, item):
-    while self._queue.qsize() >= self._depth and not self._stop.is_set():
+  def _transfers(self):
+    """The transfer thread: each packed batch to the devices, in order, then on to `get`."""
+    while not self._stop.is_set():
+      item = self._packed.get()
+      if isinstance(item, Item):
+        try:
+          if item.prepared is not None:
+            item.prepared = (self._feeder.put(item.prepared[0]), item.prepared[1])
+          item.on_device = True
+        except BaseException as e:  # forwarded to the main thread, which re-raises
+          item = e
+      self._put(item)
+      if item is None or isinstance(item, BaseException):
+        return
+
+  def _put(self, item, into: queue.SimpleQueue | None = None):
+    """`item` onto `into` (default: the queue `get` reads), once it holds fewer than
+    `depth` items."""
+    into = self._queue if into is None else into
+    while into.qsize() >= self._depth and not self._stop.is_set():
       time.sleep(self.POLL_S)
     if not self._stop.is_set():
-      self._queue.put(item)
+      into.put(item)
 
   def get(self) -> Item | None:
     """The next item, its batch on the devices (transferred here where the input thread may
@@ -153,4 +178,8 @@ class InputThread:
 
   def close(self):
     self._stop.set()
+    if self._packed is not None:
+      self._packed.put(None)  # (wakes the transfer thread if it waits for a batch)
     self._thread.join(timeout=5)
+    if self._transfer is not None:
+      self._transfer.join(timeout=5)
