@@ -13,6 +13,7 @@ ahead for step k + 1, before step k ran) is checked by exactness with the forwar
 """
 
 import re
+import threading
 
 import contract_lib as contract
 import jax
@@ -194,6 +195,7 @@ def test_a_host_read_before_its_write_back_is_refused(monkeypatch):
 
   real = host_tier.Recent.sources
   monkeypatch.setattr(host_tier.Recent, "sources", host_only)
+  monkeypatch.setattr(host_tier, "WAIT_SECONDS", 0.5)  # (one thread: nobody runs the step)
   spec, batches = _stream()
   with pytest.raises(RuntimeError, match="has not run"):
     contract.run(TEXT, spec, batches, prefetch=RUN_AHEAD)
@@ -213,8 +215,18 @@ def test_the_writer_applies_in_order_and_reports_errors():
   writer.submit(fail)
   with pytest.raises(RuntimeError, match="boom"):
     writer.drain()
-  with pytest.raises(RuntimeError, match="has not run"):
-    host_tier.Writer("u").wait(1)
+  host_tier.WAIT_SECONDS, saved = 0.2, host_tier.WAIT_SECONDS
+  try:
+    with pytest.raises(RuntimeError, match="has not run"):
+      host_tier.Writer("u").wait(1)
+  finally:
+    host_tier.WAIT_SECONDS = saved
+  # A write-back handed over after the wait began (the trainer's main thread behind the
+  # input thread) is waited for, not refused.
+  late = host_tier.Writer("v")
+  threading.Timer(0.3, lambda: late.submit(lambda: None)).start()
+  late.wait(1)
+  assert late.applied == 1
 
 
 def test_row_copies_off_the_gil_equal_numpys():

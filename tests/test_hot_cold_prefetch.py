@@ -150,11 +150,12 @@ def test_loads_that_ignore_the_ring_are_refused(monkeypatch):
     return np.full_like(src, host_tier.ABSENT), max(need, int(steps.max(initial=-1)) + 1)
 
   monkeypatch.setattr(host_tier.Recent, "sources", host_only)
+  monkeypatch.setattr(host_tier, "WAIT_SECONDS", 0.5)  # (one thread: nobody runs the step)
   with pytest.raises(RuntimeError, match="has not run"):
     _exact()
 
 
-def test_a_skipped_step_is_refused():
+def test_a_skipped_step_is_refused(monkeypatch):
   """A prepared train batch skipped (its step never run), the input two batches ahead: the
   next step's version check counts it stale and sync refuses the state, or a later prepare
   finds a write-back it needs was never handed over; never a silently stale row."""
@@ -170,6 +171,7 @@ def test_a_skipped_step_is_refused():
     out = update(state, put, res, {n: contract.grads_for(k, v) for n, v in pooled.items()})
     return group.after_update(out)
 
+  monkeypatch.setattr(host_tier, "WAIT_SECONDS", 0.5)  # (one thread: nobody runs the step)
   prepared = [group.prepare(batches[k]) for k in range(2)]
   with pytest.raises(RuntimeError, match="another hot / cold layout|has not run"):
     for k in range(7):

@@ -81,9 +81,10 @@ except ImportError:  # pragma: no cover
   _take, _put = _numpy_take, _numpy_put
 
 # How long `Writer.wait` waits for a write-back before it calls the order broken: a step's
-# write-back arrives once that step ran, so only a driver that prepares more train batches
-# ahead than the ring covers, without running their steps, or skips one, ever waits this long.
-WAIT_SECONDS = 300.0
+# write-back arrives once that step ran (the trainer's main thread may first compile it), so
+# only a driver that prepares more train batches ahead than the ring covers, on the thread
+# that runs their steps, or skips one, ever waits this long.
+WAIT_SECONDS = 600.0
 
 
 class Writer:
@@ -128,23 +129,32 @@ class Writer:
     if self._thread is None:
       self._thread = threading.Thread(target=self._run, name=f"{self.owner} writer", daemon=True)
       self._thread.start()
-    self.submitted += 1
+    with self._cond:
+      self.submitted += 1
+      self._cond.notify_all()
     self._jobs.put(job)
 
   def wait(self, n: int, why: str = "") -> None:
-    """Block until `n` jobs are applied (no wait when they are)."""
+    """Block until `n` jobs are applied (no wait when they are). A job not handed over yet
+    is waited for too: on the trainer's input thread the step it needs may not have been
+    launched yet (the main thread is behind by the run-ahead, or compiling). A driver that
+    runs steps on the same thread as prepare never hands it over: refused after
+    WAIT_SECONDS, saying so."""
     if self.applied >= n:
       self._check()
       return
     with self._cond:
-      if n > self.submitted:
-        raise RuntimeError(
-          f"{self.owner}: a read needs the write-back of train step {n} (counted from the last "
-          f"init / restore), whose step has not run ({self.submitted} handed over{why}). A "
-          "prepared train batch was skipped, or its update's output was not handed to "
-          "`after_update`, or more batches were prepared ahead than the device ring covers."
-        )
-      if not self._cond.wait_for(lambda: self.applied >= n, timeout=WAIT_SECONDS):
+      if not self._cond.wait_for(
+        lambda: self.applied >= n or self._error is not None, timeout=WAIT_SECONDS
+      ):
+        if n > self.submitted:
+          raise RuntimeError(
+            f"{self.owner}: a read needs the write-back of train step {n} (counted from the "
+            f"last init / restore), whose step has not run ({self.submitted} handed over"
+            f"{why}; waited {WAIT_SECONDS:.0f} s). A prepared train batch was skipped, or its "
+            "update's output was not handed to `after_update`, or more batches were prepared "
+            "ahead, on the thread that runs the steps, than the device ring covers."
+          )
         raise RuntimeError(f"{self.owner}: write-back {n} not applied in {WAIT_SECONDS} s")
     self._check()
 

@@ -295,7 +295,8 @@ class DeviceSamples:
         one_step = jax.tree.map(lambda x: x[None], sample)
         batch = jax.tree.map(lambda x: x[0], self.build(graph, one_step))
         prepared = device_prepared(plan, batch.pop("ids"))
-        return train(state, prepared, batch)
+        state, metrics, _ = train(state, prepared, batch)  # (no host tier: `check_plan`)
+        return state, metrics
 
       state, metrics = jax.lax.scan(one, state, samples)
       metrics["sampled_edges"] = stats["sampled_edges"]
