@@ -107,6 +107,12 @@ class HostTier:
       out[name] = table
     return out
 
+  def host_write_seconds(self) -> float:
+    """Seconds the host writer spent copying rows to the host and writing them back (not its
+    waits for the steps), since this group was built; after every write-back handed over."""
+    self._host.writer.drain()
+    return self._host.write_seconds
+
   def after_update(self, state, to_host=None):
     """The step's rows for the host (TO_HOST: per stack {"cold": the updated cold rows, in
     list order; "out": {table: the rows leaving the hot set}}) to the writer thread, with
