@@ -195,6 +195,23 @@ class HostRows:
       at += n
     return out
 
+  def write_back(self, to_host, apply: Callable[[dict], None]) -> None:
+    """A step's output for the host (device arrays, O(1) here: no wait for the step) to the
+    writer thread: its copy to the host starts as soon as the step ends; the writer waits
+    for it, then `apply(values)` (numpy) scatters it into the tables, in step order.
+    `write_seconds` counts the copy and the scatter, not the wait for the step."""
+    for x in jax.tree.leaves(to_host):
+      if isinstance(x, jax.Array):
+        x.copy_to_host_async()
+
+    def job():
+      jax.block_until_ready(to_host)  # (the step's own time: not the writer's work)
+      t0 = time.perf_counter()
+      apply(to_host_values(to_host))
+      self.write_seconds += time.perf_counter() - t0
+
+    self.writer.submit(job)
+
   def scatter(self, writes: list[tuple[int, np.ndarray, np.ndarray]], values: dict) -> None:
     """arrays[t][k][rows] = values[k][positions] for writes [(t, rows, positions)], in order.
     (Writer thread.)"""
@@ -273,7 +290,7 @@ class Outbox:
     self._plans.clear()
 
 
-def to_host(values) -> dict:
+def to_host_values(values) -> dict:
   """The step's output copied to host memory (writer thread; waits for the step)."""
   return jax.device_get(values)
 

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from recgnn import planner, sharding
 from recgnn.embeddings import base, microbatch
-from recgnn.train import inputs
+from recgnn.train import host_handoff, inputs
 from recgnn.train.task import Task
 
 PyTree = Any
@@ -154,7 +154,7 @@ def _micro_loss_and_grads(task, plan, skey, idxs, state, prepared, batch, key):
 def make_train_step(task: Task, plan: planner.Plan, tx):
   """(state, prepared, batch) -> (state, metrics, to_host). Jit it with the state donated;
   hand to_host ({group key: its update's TO_HOST output}; empty without a host tier) to
-  `hand_to_host` after each call (`jit_packed`'s step does).
+  `host_handoff.hand_to_host` after each call (`jit_packed`'s step does).
 
   A group that declares micro-batches (`hot_cold`: popular / non-popular examples) has the
   loss run per micro-batch, in its order, with one embedding update for the whole batch
@@ -248,7 +248,7 @@ def jit_packed(
   repl = jax.sharding.NamedSharding(mesh, sharding.REPLICATED)
 
   # A train step of a plan with a host tier returns the rows the host takes back as a third
-  # output (`make_train_step`), handed to the writers by `_HandsToHost`.
+  # output (`make_train_step`), handed to the writers by `host_handoff.HandsToHost`.
   hands = out_state and any(g.capabilities.writes_host for g in plan.groups.values())
 
   def packed(state, buffers, layout, *extra):
@@ -286,32 +286,7 @@ def jit_packed(
   # sharding.OneInFlight). Elsewhere the jitted function itself: no Python frame per call.
   one = sharding.OneInFlight(jitted, mesh) if sharding.needs_one_in_flight(mesh) else jitted
   one = one if step_inputs is None else _BoundInputs(one, step_inputs)
-  return _HandsToHost(one, plan) if hands else one
-
-
-def hand_to_host(plan: planner.Plan, to_host: dict) -> None:
-  """A train step's host-tier output to each group's writer (`Backend.after_update`: O(1)
-  per group, no wait for the step)."""
-  for key, out in to_host.items():
-    plan.groups[key].after_update(None, out)
-
-
-class _HandsToHost:
-  """A jitted train step of a plan with a host tier, called as f(state, buffers, layout) ->
-  (state, metrics): its third output (the host tiers' rows) handed to their writers on the
-  way out (`hand_to_host`). Plans without one return (state, metrics) from the jitted
-  function itself (no Python frame per call)."""
-
-  def __init__(self, fn, plan: planner.Plan):
-    self._fn, self._plan = fn, plan
-
-  def __call__(self, state, buffers, layout):
-    state, metrics, to_host = self._fn(state, buffers, layout)
-    hand_to_host(self._plan, to_host)
-    return state, metrics
-
-  def __getattr__(self, name):  # .lower(), .trace(), ... of the jitted step
-    return getattr(self._fn, name)
+  return host_handoff.HandsToHost(one, plan) if hands else one
 
 
 class _BoundInputs:

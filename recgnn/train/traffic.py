@@ -49,7 +49,7 @@ def step_io(lowered) -> tuple[int, int]:
   to_host]) over the host link, besides the state: the batch's one transfer (ids, features
   and the host tiers' rows read for it: `buffers`, every batch of a call of k; step inputs
   placed once are not counted) and the rows the host tiers take back (the third output of a
-  plan with a host tier, `step.hand_to_host`). Per call."""
+  plan with a host tier, `host_handoff.hand_to_host`). Per call."""
   (args, _) = lowered.args_info
   out = lowered.out_info
   into = _nbytes(args[1]) if len(args) >= 2 else 0

@@ -11,7 +11,6 @@ docstring: "How a batch flows", "Ordering"). `HostTier` is one part of the `HotC
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import jax
@@ -121,15 +120,9 @@ class HostTier:
     if to_host is None:
       state, to_host = base.split_to_host(state)
     writes = self._outbox.take()
-    for x in jax.tree.leaves(to_host):
-      if isinstance(x, jax.Array):  # (the copy starts when the step ends, not when asked)
-        x.copy_to_host_async()
     host = self._host
 
-    def write():
-      jax.block_until_ready(to_host)  # (the step's own time: not the writer's work)
-      t0 = time.perf_counter()
-      values = host_tier.to_host(to_host)
+    def apply(values):
       if len(values) != len(writes):
         raise RuntimeError("hot_cold: a step's rows for the host do not match its stacks")
       for w, got in zip(writes, values):
@@ -145,9 +138,8 @@ class HostTier:
         host.scatter(w["cold"], got["cold"])
         for name, ww in w["out"].items():
           host.scatter(ww, got["out"][name])
-      host.write_seconds += time.perf_counter() - t0
 
-    host.writer.submit(write)
+    host.write_back(to_host, apply)
     return state
 
   def planned_to_host(self, prepared) -> tuple:

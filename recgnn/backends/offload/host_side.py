@@ -7,9 +7,6 @@ write-backs, per stack of tables. One object with one job, composed into `Offloa
 
 from __future__ import annotations
 
-import time
-
-import jax
 import numpy as np
 
 from recgnn.backends.offload.cache_plan import EVICT_ROWS, LOAD_ROWS
@@ -162,15 +159,9 @@ class HostSide:
     to the writer thread with the rows its prepare listed: it copies them to the host and
     writes them into the tables in place, in step order. O(1) here: no wait for the step."""
     writes = self.outbox.take()
-    for x in jax.tree.leaves(to_host):
-      if isinstance(x, jax.Array):  # (the copy starts when the step ends, not when asked)
-        x.copy_to_host_async()
     host = self.rows
 
-    def write():
-      jax.block_until_ready(to_host)  # (the step's own time: not the writer's work)
-      t0 = time.perf_counter()
-      values = host_tier.to_host(to_host)
+    def apply(values):
       for stack, kinds in enumerate(writes):
         got = values[stack]
         if set(kinds) != set(got) or any(
@@ -184,6 +175,5 @@ class HostSide:
           )
         for kind, w in kinds.items():
           host.scatter(w, got[kind])
-      host.write_seconds += time.perf_counter() - t0
 
-    host.writer.submit(write)
+    host.write_back(to_host, apply)
