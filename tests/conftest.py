@@ -176,3 +176,12 @@ def pytest_terminal_summary(terminalreporter):
   top = sorted(_by_test.items(), key=lambda kv: -kv[1])[:10]
   for nodeid, s in top:
     tr.write_line(f"{s:7.1f} s XLA compile  {nodeid}")
+
+
+@pytest.fixture(scope="session")
+def ctr_cache(tmp_path_factory):
+  """One data cache for the CTR tests of this process (each xdist worker has its own): the
+  synthetic Criteo-format files and their converted arrays are written once, not once per
+  test module (a few seconds each). Entries are keyed by the data's config, so tests with
+  other rows / schemas / bags share it safely; a test that damages a cache makes its own."""
+  return str(tmp_path_factory.mktemp("ctr_cache"))

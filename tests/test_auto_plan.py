@@ -206,19 +206,19 @@ def test_a_budget_below_the_smallest_plan_is_refused_before_any_timing():
     )  # fmt: skip
 
 
-def test_plan_report_of_a_written_plan_and_the_cost_cache(tmp_path):
+def test_plan_report_of_a_written_plan_and_the_cost_cache(ctr_cache, tmp_path):
   """--plan_report on a plan without an auto rule: every table timed before training, the
   report written after it with the predicted step beside a measured one, and the bytes the
   state holds equal to the backends' predicted bytes (dense and offload). A second run with the
   same cost cache times nothing again and predicts the same per-table costs and model part."""
   cache = str(tmp_path / "costs.json")
-  probe = loop.setup.build(trainer_lib.smoke_config(str(tmp_path / "cache")), allocate=False)
+  probe = loop.setup.build(trainer_lib.smoke_config(ctr_cache), allocate=False)
   big = _largest(probe, 2)
   plan = (("|".join(big), "offload(cache_fraction=0.5)"), (".*", "dense"))
   reports, sizes = [], []
   for k in range(2):
     c = trainer_lib.smoke_config(
-      str(tmp_path / "cache"), mesh=(1, 1), plan=plan, steps=6, log_every=2
+      ctr_cache, mesh=(1, 1), plan=plan, steps=6, log_every=2
     )
     c.embeddings.cost_cache = cache
     workdir = str(tmp_path / f"run{k}")
@@ -247,12 +247,12 @@ def test_plan_report_of_a_written_plan_and_the_cost_cache(tmp_path):
   assert tables + 3 <= sizes[0] <= tables + 5 and sizes[1] == sizes[0], sizes
 
 
-def test_auto_on_an_8_device_mesh_places_tables_over_model(tmp_path):
+def test_auto_on_an_8_device_mesh_places_tables_over_model(ctr_cache, tmp_path):
   """The planner on a 2 x 4 mesh: dense(shard=rows) and sharded are candidates (per-device
   bytes split over `model`), a budget below the replicated plan moves tables onto the model
   axis, and the run trains."""
   trainer_lib.skip_unless_devices(8, "a 2x4 mesh")
-  probe = trainer_lib.smoke_config(str(tmp_path / "cache"), mesh=(2, 4))
+  probe = trainer_lib.smoke_config(ctr_cache, mesh=(2, 4))
   run = loop.setup.build(probe, allocate=False)
   dense_all = sum(g.device_bytes() for g in run.plan.groups.values())
   # The three largest tables under auto (the rest dense: fewer candidates to time).
@@ -261,7 +261,7 @@ def test_auto_on_an_8_device_mesh_places_tables_over_model(tmp_path):
   budget = dense_all - big_bytes // 2  # the three cannot all stay replicated
   opts = f"auto(budget='{budget}', kinds=('dense', 'sharded'), batches=2)"
   c = trainer_lib.smoke_config(
-    str(tmp_path / "cache"),
+    ctr_cache,
     mesh=(2, 4),
     plan=(("|".join(big), opts), (".*", "dense")),
     steps=4,
@@ -394,13 +394,13 @@ def test_pick_measured_takes_the_fastest_whole_step():
   assert best.as_dict()["finalists"][1]["whole_step_s"] == 0.045
 
 
-def test_trainer_times_the_finalists_whole_and_takes_the_fastest(tmp_path):
+def test_trainer_times_the_finalists_whole_and_takes_the_fastest(ctr_cache, tmp_path):
   """smoke with its three largest tables under auto (the rest dense) with both host tiers at a
   budget no plan without one fits: two or more finalists are built and timed as the trainer's
   train step (`recgnn.train.plan_timing`), the fastest is taken, fits and trains, and the
   figures are in auto_plan.json; a second run with the same cost cache times nothing again
   and takes the same plan."""
-  probe = trainer_lib.smoke_config(str(tmp_path / "cache"), mesh=(1, 1))
+  probe = trainer_lib.smoke_config(ctr_cache, mesh=(1, 1))
   run = loop.setup.build(probe, allocate=False)
   big = _largest(run, 3)
   dense_all = sum(g.device_bytes() for g in run.plan.groups.values())
@@ -409,7 +409,7 @@ def test_trainer_times_the_finalists_whole_and_takes_the_fastest(tmp_path):
   opts = f"auto(budget='{budget}', fractions=(0.2,), batches=2, finalists=2)"
   cache = str(tmp_path / "costs.json")
   c = trainer_lib.smoke_config(
-    str(tmp_path / "cache"),
+    ctr_cache,
     mesh=(1, 1),
     plan=(("|".join(big), opts), (".*", "dense")),
     steps=4,

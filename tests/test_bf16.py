@@ -71,12 +71,12 @@ def _final_losses(res_dir):
 
 
 @pytest.mark.parametrize("interaction", ["dot", "dcn"])
-def test_ctr_trains_in_bf16_with_losses_near_float32(tmp_path, interaction):
+def test_ctr_trains_in_bf16_with_losses_near_float32(ctr_cache, tmp_path, interaction):
   """The trainer's smoke run (DLRM / DCNv2) with bf16 compute: float32 tables and params in
   the state; every logged loss within 2% of the float32 run's, and both learn."""
   losses, states = {}, {}
   for dtype in ("float32", "bfloat16"):
-    c = smoke_config(str(tmp_path / "data"), steps=40, log_every=10)
+    c = smoke_config(ctr_cache, steps=40, log_every=10)
     c.model.dtype = dtype
     c.model.interaction = interaction
     if interaction == "dcn":

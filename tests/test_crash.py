@@ -50,8 +50,8 @@ def _finalize_hook(action):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("crash_cache"))
+def cache_dir(ctr_cache):
+  return ctr_cache  # (conftest: one per process)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from tests.trainer_lib import skip_unless_devices, smoke_config
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("ctr_multihot_cache"))
+def cache_dir(ctr_cache):
+  return ctr_cache  # (conftest: one per process)
 
 
 def test_recipe_keeps_the_id_first_and_is_a_fixed_function():

@@ -14,8 +14,10 @@ import pytest
 from recgnn.train import checkpoint, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Many processes with deadlines: alone on the machine (conftest's `serial` lock).
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow]
+# The many-process tests (deadlines, heartbeats) run alone on the machine (conftest's
+# `serial` lock); the one-process checks below them need no such quiet.
+many_processes = pytest.mark.serial
 
 
 def _free_port() -> int:
@@ -55,6 +57,7 @@ def _config(cache_dir, steps):
   return smoke_config(cache_dir, steps=steps, mesh=(2, 4), plan=PLAN, final_eval_splits=())
 
 
+@many_processes
 def test_two_processes_match_one_process_with_8_devices(tmp_path):
   cache = str(tmp_path / "cache")
   steps = 12
@@ -88,6 +91,7 @@ def test_two_processes_match_one_process_with_8_devices(tmp_path):
       np.testing.assert_allclose(ta[n], tb[n], rtol=1e-5, atol=1e-7, err_msg=n)
 
 
+@many_processes
 def test_killing_one_process_ends_the_other_with_a_clear_error(tmp_path):
   # --heartbeat_timeout=10: the survivor notices sooner (the default 30 s made the test wait
   # ~21 s after the kill); still well above what a loaded CI machine delays a heartbeat.

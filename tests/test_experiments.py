@@ -55,8 +55,8 @@ def small_config(name: str, cache_dir: str):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("data_cache"))
+def cache_dir(ctr_cache):
+  return ctr_cache  # (conftest: one per process)
 
 
 @pytest.mark.parametrize("name", sorted(run.available_experiments()))

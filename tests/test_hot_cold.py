@@ -346,8 +346,8 @@ def test_offload_lfu_and_tt_cache_use_the_profiler():
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("criteo_cache"))
+def cache_dir(ctr_cache):
+  return ctr_cache  # (conftest: one per process)
 
 
 def _trainer_config(cache_dir, mesh, plan):

@@ -23,8 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("resume_cache"))
+def cache_dir(ctr_cache):
+  return ctr_cache  # (conftest: one per process)
 
 
 def _config(cache_dir, **train):

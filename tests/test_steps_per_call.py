@@ -18,8 +18,8 @@ from tests.trainer_lib import (
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("criteo_cache"))
+def cache_dir(ctr_cache):
+  return ctr_cache  # (conftest: one per process)
 
 
 def _config(cache_dir, k, mesh=(1, 1), plan=None, steps=8):

@@ -26,8 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("criteo_cache"))
+def cache_dir(ctr_cache):
+  return ctr_cache  # (conftest: one per process)
 
 
 def _config(cache_dir, **train):
@@ -100,6 +100,16 @@ def test_auc_matches_sklearn():
   )
   p = np.clip(s / 1.5, 0.01, 0.99)
   assert metrics.logloss(y, p) == pytest.approx(sklearn.metrics.log_loss(y, p), rel=1e-9)
+
+
+def test_average_ranks_are_scipys():
+  """metrics.average_ranks (numpy, for the trainer's start-up) = scipy.stats.rankdata."""
+  import scipy.stats
+
+  rng = np.random.default_rng(1)
+  for x in (np.round(rng.random(3000), 2), rng.random(100), np.zeros(7), np.array([2.0])):
+    np.testing.assert_array_equal(metrics.average_ranks(x), scipy.stats.rankdata(x))
+  assert np.isnan(metrics.average_ranks(np.array([1.0, np.nan]))).all()
 
 
 def test_unknown_experiment_lists_valid_ones():
