@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from recgnn.data import ctr_cache
+from recgnn.data import batch_gather, ctr_cache
 from recgnn.data.ctr_schema import MISSING_ID, PAD
 
 KAGGLE_DAYS = 7
@@ -182,12 +182,29 @@ class CTRDataset:
     b = n if batch_size is None else batch_size
     if n > b:
       raise ValueError(f"{n} rows do not fit a batch of {b}")
+    one_hot = all(x == 1 for x in self.bag_lengths)
     if n and np.all(np.diff(rows) == 1):  # contiguous: slices, no fancy-index gather
       sl = slice(int(rows[0]), int(rows[0]) + n)
       label, dense, sparse = self.labels[sl], self.dense[sl], self.sparse[sl]
+    elif one_hot and batch_gather.AVAILABLE:  # (a shuffled train batch: every step's read)
+      return self._gather_one_hot(np.asarray(rows, np.int64), b)
     else:
       label, dense, sparse = self.labels[rows], self.dense[rows], self.sparse[rows]
     return padded_batch(b, dense, label, sparse, self.table_names, self.bag_lengths)
+
+  def _gather_one_hot(self, rows: np.ndarray, batch_size: int) -> Batch:
+    """`gather` of one-hot rows in one compiled pass without the GIL (`batch_gather`):
+    the same arrays as `padded_batch` of numpy's fancy-index reads."""
+    out_dense = np.zeros((batch_size, self.dense.shape[1]), np.float32)
+    label = np.zeros(batch_size, np.float32)
+    weight = np.zeros(batch_size, np.float32)
+    ids = np.full((len(self.table_names), batch_size), MISSING_ID, np.int32)
+    batch_gather.gather_one_hot(
+      np.asarray(self.labels), np.asarray(self.dense), np.asarray(self.sparse), rows,
+      label, out_dense, weight, ids,
+    )  # fmt: skip
+    out_ids = {name: ids[t][:, None] for t, name in enumerate(self.table_names)}
+    return {"dense": out_dense, "label": label, "weight": weight, "ids": out_ids}
 
   def batch(
     self,
