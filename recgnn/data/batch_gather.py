@@ -11,8 +11,6 @@ the GIL is also fewer bytes touched. Without numba the same function runs as Pyt
 
 from __future__ import annotations
 
-import numpy as np
-
 try:
   from numba import njit
 
