@@ -41,11 +41,12 @@ class HotColdOptions(base.BackendOptions):
       cold, the batch's ids: one length for the profile). `fixed`: the batch's id count per
       table (at most its rows), summed: one shape for the run, but the host link carries
       that many rows whatever the hot set covers.
-    prefetch: a no-op, kept so that plan strings written before issue 42 still parse (the
-      planner's candidates, experiments/hotline_kaggle.py and saved configs carry it). It
-      read the next batch's cold rows during a step into a device buffer; now every batch's
-      cold rows are read by its own prepare, ahead of its step, on the input thread (the
-      package docstring): what prefetch did for some batches, every batch gets.
+    prefetch: the cold rows read ahead of their step. Always so since issue 42: every
+      batch's cold rows are read by its own prepare on the input thread, ahead of its step,
+      and move with the batch (the package docstring); what `prefetch=True` did for the next
+      batch, every batch gets. Kept so that plan strings written before then parse;
+      `prefetch=False` (read them inside the step, on demand) is refused: no step reads the
+      host any more.
   """
 
   backend: ClassVar[str] = "hot_cold"
@@ -60,6 +61,12 @@ class HotColdOptions(base.BackendOptions):
   prefetch: bool = True
 
   def __post_init__(self):
+    if not self.prefetch:
+      raise ValueError(
+        "hot_cold: prefetch=False cannot be honoured: the cold rows are always read ahead of "
+        "their step (every batch's by its own prepare on the input thread, moved with the "
+        "batch; issue 42 removed the step's on-demand host reads). Drop prefetch=False"
+      )
     if self.cold_list not in COLD_LISTS:
       raise ValueError(
         f"hot_cold: cold_list must be one of {', '.join(COLD_LISTS)}, got {self.cold_list!r}"
