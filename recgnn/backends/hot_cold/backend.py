@@ -47,7 +47,7 @@ class HotCold(base.Backend):
     self.capabilities = self._capabilities(o)
     self.geometry = Geometry.build(self.specs, mesh, self.layout, o)
     self._hot = HotSet(self.geometry, o)
-    self._host = HostTier(self.geometry, bool(o.reprofile), self.geometry.owner)
+    self._host = HostTier(self.geometry, bool(o.reprofile))
     self._device = DeviceStep(self.geometry)
     # (the split-off warning's group is the backend string: `micro.OFF_LOG`)
     self._prep = Preparer(self.geometry, o, self._hot, self._host, self.describe())

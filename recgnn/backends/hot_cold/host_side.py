@@ -38,10 +38,10 @@ class HostTier:
   reprofile: the hot set is re-picked while training, so the ring also holds the hot slots a
   re-pick may empty."""
 
-  def __init__(self, geometry: Geometry, reprofile: bool, owner: str):
+  def __init__(self, geometry: Geometry, reprofile: bool):
     self._g = geometry
     self._reprofile = reprofile
-    self._host = host_tier.HostRows(owner)
+    self._host = host_tier.HostRows(geometry.owner)
     self._recent: list[host_tier.Recent] = []
     self._outbox = host_tier.Outbox()
     self._written = 0  # the writer's jobs handed over before the last init / restore
