@@ -68,12 +68,7 @@ class HotCold(base.Backend):
 
   def describe(self, table=None):
     del table
-    o = self.options
-    size = f"hot_rows={o.hot_rows}" if o.fraction is None else f"budget={o.fraction}"
-    extra = f", reprofile={o.reprofile}" if o.reprofile else ""
-    extra += "" if o.split else ", split=False"
-    extra += "" if o.cold_list == "bucket" else f", cold_list={o.cold_list}"
-    return f"hot_cold({size}, profile_batches={o.profile_batches}{extra})"
+    return self.options.describe()
 
   # ------------------------------------------------------------------ layout and state
   def state_sharding(self):

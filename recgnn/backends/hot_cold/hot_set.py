@@ -184,6 +184,11 @@ class HotSet:
       {n: profiles[n] for n in specs}, row_bytes, budget, capacity=caps
     )
 
+  def slot_of(self, name: str, ids: np.ndarray) -> np.ndarray:
+    """int64[...] ids of table `name` (PAD = -1) -> int32[...] their hot slots (-1: cold or
+    padding), as batches prepared now see them."""
+    return np.where(ids >= 0, self.rows[name].row_slot[np.maximum(ids, 0)], -1)
+
   def hot_set(self) -> dict[str, np.ndarray]:
     """The current hot rows of each table (as prepared batches see them), sorted."""
     return {n: r.hot for n, r in self.rows.items()}

@@ -32,7 +32,7 @@ class HotColdOptions(base.BackendOptions):
       inside the step (issue 42): tables wholly on the devices are `dense`.
     cold_list: the length of the group's cold lists, a shape of the step. The cold rows of
       every table with the same row layout (dim, optimizer) travel in ONE list, table after
-      table (read by prepare, `host_side.HostTier._stage`), so the step's shape is one length per
+      table (read by prepare, `host_side.HostTier.stage`), so the step's shape is one length per
       layout, not one per table. `bucket` (default): the batch's distinct cold rows over the
       group's tables, rounded up to an eighth-octave length with hysteresis
       (`host_cache.ListSizer`): host-link bytes within ~1.1x of what the cold ids need and
@@ -93,6 +93,14 @@ class HotColdOptions(base.BackendOptions):
         f"hot_cold: reprofile={self.reprofile} re-picks the hot set, but budget=1 keeps every "
         "row hot, so a new pick never differs: drop reprofile= or give a budget under 1"
       )
+
+  def describe(self) -> str:
+    """The plan string of what these options do (`prefetch`, always so, left out)."""
+    size = f"hot_rows={self.hot_rows}" if self.fraction is None else f"budget={self.fraction}"
+    extra = f", reprofile={self.reprofile}" if self.reprofile else ""
+    extra += "" if self.split else ", split=False"
+    extra += "" if self.cold_list == "bucket" else f", cold_list={self.cold_list}"
+    return f"hot_cold({size}, profile_batches={self.profile_batches}{extra})"
 
   @property
   def fraction(self) -> float | None:

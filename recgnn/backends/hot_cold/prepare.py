@@ -79,9 +79,8 @@ class Preparer:
     per, example_cold = {}, np.zeros(batch, bool)
     hot_ids_total = ids_total = 0
     for name, x in ids.items():
-      r = hot_set.rows[name]
       valid = x >= 0
-      slot = np.where(valid, r.row_slot[np.maximum(x, 0)], -1)
+      slot = hot_set.slot_of(name, x)
       hot = slot >= 0
       cold = valid & ~hot
       example_cold |= cold.any(axis=1)
