@@ -138,7 +138,7 @@ def section_bytes(args) -> list[dict]:
 def section_codec(args) -> list[dict]:
   specs = kaggle_specs()
   group = planner.make_group("sharded", specs, sharding.make_mesh(1, 8))
-  dims = group._segment_dims()
+  dims = group.geometry.segment_dims()
   rng = np.random.default_rng(0)
   b = args.batch // 8
   segs = [jnp.asarray(rng.standard_normal((8, b, d)).astype(np.float32) * 0.05) for d in dims]

@@ -2,15 +2,18 @@
 
   python tests/planted_bug.py                     # offload, the contract's exactness tests
   python tests/planted_bug.py --backend=hot_cold
+  python tests/planted_bug.py --backend=sharded   # sharded(kind=table), the exact placement
 
 The bug: every row the backend's sparse update changes comes out one float32 ulp above the
 right value (`jnp.nextafter` toward +inf), in that backend's module only (dense, the
-reference, is untouched). The exactness tests compare bit for bit on CPU, so they must fail
-with the bug and pass without it; the script runs both in fresh processes (no workers, the
-persistent compilation cache as the suite has it) and exits 1 unless both hold.
+reference, is untouched): the shared update it calls (`base.sparse_sgd_or_adagrad`, or
+sharded's `row_sharded.update`) as that module sees it. The exactness tests compare bit for
+bit on CPU, so they must fail with the bug and pass without it; the script runs both in fresh
+processes (no workers, the persistent compilation cache as the suite has it) and exits 1
+unless both hold.
 
-As a pytest plugin (`-p tests.planted_bug`, with RECGNN_PLANT_ULP_BUG=<backend module>) it
-plants the bug at import; without the variable it does nothing. Not collected as a test file
+As a pytest plugin (`-p tests.planted_bug`, with RECGNN_PLANT_ULP_BUG=<backend>) it plants the
+bug at import; without the variable it does nothing. Not collected as a test file
 and not in CI: a check of the suite, run by hand after changing the contract tests.
 """
 
@@ -23,32 +26,48 @@ import subprocess
 import sys
 
 ENV = "RECGNN_PLANT_ULP_BUG"
-# backend -> (its module that calls the shared sparse update, the contract tests' -k filter)
+# backend -> (its module that calls the shared sparse update, the name it imports the update's
+# module by, the update's name there, the contract tests' -k filter)
 TARGETS = {
-  "offload": ("recgnn.backends.offload.group", "test_matches_dense and offload"),
-  "hot_cold": ("recgnn.backends.hot_cold.device", "test_matches_dense and hot_cold"),
-}
+  "offload": (
+    "recgnn.backends.offload.group", "base", "sparse_sgd_or_adagrad",
+    "test_matches_dense and offload",
+  ),
+  "hot_cold": (
+    "recgnn.backends.hot_cold.device", "base", "sparse_sgd_or_adagrad",
+    "test_matches_dense and hot_cold",
+  ),
+  "sharded": (
+    "recgnn.backends.sharded.step", "row_sharded", "update",
+    "test_matches_dense and sharded and table",
+  ),
+}  # fmt: skip
 
 
 class _OneUlpHigh:
-  """`recgnn.embeddings.base` as seen by one backend module, its sparse update one ulp off."""
+  """A shared module as one backend module sees it, its sparse update `fn` one ulp off."""
 
-  def __init__(self, base):
-    self._base = base
+  def __init__(self, module, fn: str):
+    self._module, self._fn = module, fn
 
   def __getattr__(self, name):
-    return getattr(self._base, name)
+    got = getattr(self._module, name)
+    if name != self._fn:
+      return got
 
-  def sparse_sgd_or_adagrad(self, spec, table, *args, **kwargs):
-    import jax.numpy as jnp
+    def one_ulp_high(spec, table, *args, **kwargs):
+      import jax.numpy as jnp
 
-    new, slots = self._base.sparse_sgd_or_adagrad(spec, table, *args, **kwargs)
-    return jnp.where(new != table, jnp.nextafter(new, jnp.inf), new), slots
+      new, slots = got(spec, table, *args, **kwargs)
+      return jnp.where(new != table, jnp.nextafter(new, jnp.inf), new), slots
+
+    return one_ulp_high
 
 
-def _plant(module_name: str) -> None:
+def _plant(target: str) -> None:
+  module_name, attr, fn, _ = TARGETS[target]
   module = importlib.import_module(module_name)
-  module.base = _OneUlpHigh(module.base)
+  setattr(module, attr, _OneUlpHigh(getattr(module, attr), fn))
 
 
 if os.environ.get(ENV):  # imported as a plugin with the bug asked for
@@ -56,11 +75,11 @@ if os.environ.get(ENV):  # imported as a plugin with the bug asked for
 
 
 def _run(backend: str, planted: bool) -> int:
-  module, selection = TARGETS[backend]
+  selection = TARGETS[backend][-1]
   env = dict(os.environ)
   env.pop(ENV, None)
   if planted:
-    env[ENV] = module
+    env[ENV] = backend
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-x",
          "-p", "tests.planted_bug", "tests/test_contract.py", "-k", selection]  # fmt: skip
   print(("planted: " if planted else "clean:   ") + " ".join(cmd[1:]), flush=True)

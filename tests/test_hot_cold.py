@@ -336,10 +336,10 @@ def test_offload_lfu_and_tt_cache_use_the_profiler():
   assert lfu.count_of(np.array([1, 2, 3])).tolist() == [1, 1, 0]  # once per batch
   tt = planner.make_backend("tt(rank=4, cache_rows=2, cache_warmup=2)", _specs(SGD)[0])
   member = tt.members["a"]
-  assert isinstance(member._warm, profile.AccessProfile)
+  assert isinstance(member._prep.warm, profile.AccessProfile)
   member.prepare(np.array([[5, 5], [6, -1]]))
   member.prepare(np.array([[7, 6], [6, 5]]))
-  assert member._hot.tolist() == [5, 6]
+  assert member._prep.hot.tolist() == [5, 6]
 
 
 # ----------------------------------------------------------------------------- trainer

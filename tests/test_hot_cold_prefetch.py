@@ -23,6 +23,7 @@ from test_hot_cold_tiers import restored
 
 import recgnn.backends.hot_cold as hot_cold
 from recgnn import planner, sharding
+from recgnn.backends.hot_cold import HotColdOptions, host_side
 from recgnn.embeddings import base, host_tier
 
 TEXT = "hot_cold(budget=0.3, profile_batches=3, reprofile=5)"
@@ -66,18 +67,18 @@ def test_read_ahead_matches_dense_adagrad_mean():
   assert got[2].stats()["ring_rows_per_step"] > 0
 
 
-def test_prefetch_option_is_a_no_op():
-  """`prefetch=False` (old plan strings, the planner's candidates) parses and changes
-  nothing: every batch's rows are read by its own prepare."""
+def test_prefetch_false_is_refused_with_the_reason():
+  """An option the backend cannot honour is an error: `prefetch=False` asked for the cold rows
+  read inside the step, on demand, which no step does since issue 42 (every batch's are read
+  ahead by its prepare). `prefetch=True` (old plan strings) parses and changes nothing."""
   specs = _specs(SGD)
-  batches = _batches(specs, n=8, batch=SPLIT_BATCH)
-  ref = _run_group("dense", specs, batches, planner.default_mesh())
-  got = _run_group(TEXT[:-1] + ", prefetch=False)", specs, batches, sharding.make_mesh(1, 1))
-  _assert_same(got[:2], ref[:2])
-  assert (
-    got[2].lookahead == 0
-    and got[2].describe() == planner.make_group(TEXT, specs, sharding.make_mesh(1, 1)).describe()
-  )
+  mesh = sharding.make_mesh(1, 1)
+  with pytest.raises(ValueError, match=r"prefetch=False cannot be honoured.*read ahead"):
+    planner.make_group(TEXT[:-1] + ", prefetch=False)", specs, mesh)
+  with pytest.raises(ValueError, match="prefetch=False cannot be honoured"):
+    HotColdOptions.parse({"prefetch": False})
+  kept = planner.make_group(TEXT[:-1] + ", prefetch=True)", specs, mesh)
+  assert kept.lookahead == 0 and kept.describe() == planner.make_group(TEXT, specs, mesh).describe()
 
 
 @pytest.mark.parametrize("save,resume", [((2, 4), (8, 1)), ((1, 1), (2, 4))], ids=str)
@@ -128,13 +129,13 @@ def test_rows_leaving_the_hot_set_never_in_the_ring_break_it(monkeypatch):
   """Mutation check: only the rows leaving the hot set at a re-pick are not written into the
   ring (their slots handed out all the same): a batch prepared before that step ran reads
   them cold from a slot that does not hold them."""
-  real = hot_cold.HotCold._leaving_slots
+  real = host_side.HostTier._leaving_slots
 
   def nowhere(self, recent, rows):
     real(self, recent, rows)
     return np.full(rows.shape[0], host_tier.ABSENT, np.int32)
 
-  monkeypatch.setattr(hot_cold.HotCold, "_leaving_slots", nowhere)
+  monkeypatch.setattr(host_side.HostTier, "_leaving_slots", nowhere)
   assert not _exact()
 
 

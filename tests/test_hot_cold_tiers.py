@@ -107,7 +107,7 @@ def test_popular_micro_batch_does_not_depend_on_the_cold_rows(mesh_shape):
   popular, cold = outs[:n_micro], outs[n_micro:]
   params = {i.parameter: n for n, i in entry.items() if i.op == "parameter"}
   host = _cold_sources(params.values())
-  assert len(host) == 2 * len(group._stacks)  # each layout's rows and its ring
+  assert len(host) == 2 * len(group.geometry.stacks)  # each layout's rows and its ring
   sources = host
   for out in popular:
     used = module.ancestors(out)

@@ -85,7 +85,7 @@ def test_table_wise_group_equals_dense(mesh_shape, opt):
   differ as much as rows touched often)."""
   tol = {} if opt.name == "sgd" else dict(rtol=1e-5, atol=1e-7)
   group, _ = _compare("sharded(kind=table)", mesh_shape, opt, **tol)
-  owners = {p.shard for p in group.placement.values()}
+  owners = {p.shard for p in group.geometry.placement.values()}
   assert len(owners) == min(5, mesh_shape[1])  # the tables really are spread
 
 
@@ -94,7 +94,7 @@ def test_auto_mixes_row_and_table_wise(mesh_shape):
   """auto: the table holding most of the group's bytes goes row-wise, the rest table-wise;
   equal to dense up to the order of the row-wise partial sums."""
   group, state = _compare("sharded", mesh_shape, ADAGRAD, rtol=1e-5, atol=1e-7)
-  assert group.rw == ["T4"] and sorted(group.tw) == ["T0", "T1", "T2", "T3"]
+  assert group.geometry.rw == ["T4"] and sorted(group.geometry.tw) == ["T0", "T1", "T2", "T3"]
   rows = state["rw"]["T4"]["rows"]
   k = mesh_shape[1]
   assert {s.data.shape for s in rows.addressable_shards} == {(base.aligned_rows(20_000) // k, 8)}
@@ -143,7 +143,7 @@ def test_memory_per_device_and_budget():
   group = plan.groups["sharded"]
   per_shard = group.device_bytes_by_shard()
   t4 = base.aligned_rows(20_000) // 4 * specs[4].row_bytes
-  assert per_shard[0] == t4 + group.rows_tw * (8 * 4 + 4)
+  assert per_shard[0] == t4 + group.geometry.rows_tw * (8 * 4 + 4)
   assert planner.check_memory(plan, None) == max(per_shard)
   with pytest.raises(planner.PlanDoesNotFit, match="per device on mesh"):
     planner.check_memory(plan, max(per_shard) - 1)
@@ -287,7 +287,7 @@ def test_adaptive_bounds_follow_each_table():
   group = planner.make_group("sharded(kind=table, codec=eb)", specs, sharding.make_mesh(2, 4))
   state = group.init(jax.random.key(0))
   state["tw"]["rows"] = state["tw"]["rows"] * jnp.where(
-    jnp.arange(group.k)[:, None, None] == group.placement["T0"].shard, 1000.0, 1.0
+    jnp.arange(group.geometry.k)[:, None, None] == group.geometry.placement["T0"].shard, 1000.0, 1.0
   )
   _, _, state = _drive(group, batches, state=state)
   rep = group.codec_report(state)
@@ -311,7 +311,7 @@ def test_wire_bytes_from_hlo():
   assert out["eb"]["dtypes"] == ["s32", "s8"]
   f32 = out["none"]["operand_bytes"]
   s8 = out["eb"]["operand_bytes"]
-  ids_bytes = 8 * (64 // 8) * group.tmax * 4 * 4  # routed ids int32[k, b, Tmax, L=4]
+  ids_bytes = 8 * (64 // 8) * group.geometry.tmax * 4 * 4  # routed ids int32[k, b, Tmax, L=4]
   assert (f32 - ids_bytes) == 4 * (s8 - ids_bytes)
 
 
@@ -324,7 +324,7 @@ def test_access_profile_spreads_hot_tables(tmp_path):
   group = planner.make_group(
     f"sharded(kind=table, profile='{profile}')", specs, sharding.make_mesh(1, 2)
   )
-  assert group.placement["T0"].shard != group.placement["T1"].shard
+  assert group.geometry.placement["T0"].shard != group.geometry.placement["T1"].shard
   with pytest.raises(FileNotFoundError):
     planner.make_group("sharded(profile='/nonexistent.json')", specs, sharding.make_mesh(1, 2))
 

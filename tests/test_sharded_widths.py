@@ -78,7 +78,7 @@ def test_exchange_within_bound_at_every_width(bits):
   group = planner.make_group(
     f"sharded(kind=table, codec=eb, eb={eb}, widths={bits})", specs, _mesh()
   )
-  assert group.codecs["fwd"].widths == (bits,) * len(group._segment_dims())
+  assert group.codecs["fwd"].widths == (bits,) * len(group.geometry.segment_dims())
   looks, state = Driver(group).run(group.init(jax.random.key(0)), batches)
   for n in ref[0]:
     err = np.abs(looks[0][n].astype(np.float64) - ref[0][n])
@@ -232,8 +232,8 @@ def test_backward_exchange_within_bound(bits, block):
   extra = f", block={block}" if block else ""
   text = f"sharded(kind=table, codec=eb, eb=1e-2, widths={bits}{extra})"
   group = planner.make_group(text, specs, _mesh())
-  codec, exact = group.codecs["bwd"], codecs.Codec("none", group._segment_dims())
-  k, b, ndev = group.k, 4, group.mesh.size
+  codec, exact = group.codecs["bwd"], codecs.Codec("none", group.geometry.segment_dims())
+  k, b, ndev = group.geometry.k, 4, group.mesh.size
   rng = np.random.default_rng(bits)
   segs = [
     jnp.asarray(rng.standard_t(2, (ndev * k, b, d)).astype(np.float32) * 0.05) for d in codec.dims
@@ -246,10 +246,10 @@ def test_backward_exchange_within_bound(bits, block):
     jax.shard_map, mesh=group.mesh, in_specs=(spec,), out_specs=(spec, spec), check_vma=False
   )
   def ratio(segs):
-    send = group._seg_bounds(bounds, sender=True, owner_is_sender=False)
-    recv_b = group._seg_bounds(bounds, sender=False, owner_is_sender=False)
-    got, fell = group._exchange(codec, segs, send, recv_b)
-    want, _ = group._exchange(exact, segs, None, None)
+    send = group._device.exchange.seg_bounds(bounds, sender=True, owner_is_sender=False)
+    recv_b = group._device.exchange.seg_bounds(bounds, sender=False, owner_is_sender=False)
+    got, fell = group._device.exchange.exchange(codec, segs, send, recv_b)
+    want, _ = group._device.exchange.exchange(exact, segs, None, None)
     r = jnp.stack([jnp.max(jnp.abs(g - w)) / recv_b[i] for i, (g, w) in enumerate(zip(got, want))])
     return r[None], fell[None]
 

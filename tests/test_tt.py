@@ -552,8 +552,8 @@ def test_prefix_tree_equals_np_unique_reference(kernel):
   rng = np.random.default_rng(3)
   for size in (0, 1, 37, 900):
     rows = np.unique(rng.integers(0, 5000, size))
-    b._batch_size = 1000
-    _, levels = b._tree(rows, 1000)
+    b._prep.batch_size = 1000
+    _, levels = b._prep.tree(rows, 1000)
     for k, (keys, slices, slice_idx, _, _) in enumerate(levels):
       want = rows // b.shape.strides[k]
       if kernel == "prefix" and k < b.shape.num_cores - 1:

@@ -4,9 +4,9 @@ device ring of recent write-backs, the migration of rows between the hot arrays 
 No host computation and no host array: the step's inputs and outputs are its only link to
 the host tables (recgnn.embeddings.host_tier).
 
-One concern: what runs inside the step. `DeviceSteps` is one part of the `HotCold` class
-(recgnn/backends/hot_cold/__init__.py): it reads the attributes HotCold's constructor sets
-(`mesh`, `layout`, `specs`, `_stacks`, `_stack_of`, `_BATCH_MAJOR`).
+One concern: what runs inside the step. `DeviceStep` is an object the `HotCold` front holds
+(recgnn/backends/hot_cold/backend.py): pure functions of the state and the prepared batch
+over the frozen `Geometry`, no host bookkeeping.
 """
 
 from __future__ import annotations
@@ -18,13 +18,18 @@ import jax.numpy as jnp
 
 from recgnn import sharding
 from recgnn.backends.hot_cold import hot_set
+from recgnn.backends.hot_cold.geometry import BATCH_MAJOR, Geometry
 from recgnn.embeddings import base, host_cache, microbatch, row_sharded
 
 P = sharding.P
 
 
-class DeviceSteps:
-  """The device half of `HotCold`: lookup (whole or per micro-batch), update, migration."""
+class DeviceStep:
+  """hot_cold's step: lookup (whole or per micro-batch), update, migration."""
+
+  def __init__(self, geometry: Geometry):
+    self._g = geometry
+    self.mesh = geometry.mesh
 
   def _hot_get(self, hot: jax.Array, slots: jax.Array) -> jax.Array:
     """hot[slots] (slots >= Ha: zeros) as a replicated array: each device gathers the slots
@@ -44,7 +49,7 @@ class DeviceSteps:
     """Rows of hot slots ids int32[B, L] (batch-split; >= Ha: zeros) -> f32[B, L, D]. Each
     device gathers the rows it owns for the ids of every device and a reduce-scatter hands
     each device its examples' rows (one non-zero term per row: exact)."""
-    split = self.layout.split_batch
+    split = self._g.split_batch
     ids_spec = P(sharding.BATCH, None) if split else sharding.REPLICATED
     out_spec = P(sharding.BATCH, None, None) if split else sharding.REPLICATED
 
@@ -89,7 +94,7 @@ class DeviceSteps:
 
   def _cold_table(self, cold, name) -> jax.Array:
     """The cold rows f32[Uc, D] of `name`'s stack (its cold_ids index them)."""
-    return cold["rows"][self._stack_of[name][0]]["table"]
+    return cold["rows"][self._g.stack_of[name][0]]["table"]
 
   def lookup_micro(self, state, prepared) -> tuple[tuple[dict[str, jax.Array], ...], dict]:
     """-> ({table: f32[n * Pm, D]} pooled rows of each micro-batch's examples (padding:
@@ -98,7 +103,7 @@ class DeviceSteps:
     parts = []
     for mb in prepared["micro"]:
       out = {}
-      for name, spec in self.specs.items():
+      for name, spec in self._g.specs.items():
         e = mb[name]
         rows = self._hot_lookup(state["tables"][name]["hot"]["table"], e["hot"])
         if "cold" in e:
@@ -117,15 +122,16 @@ class DeviceSteps:
     parts, cold = self.lookup_micro(state, prepared)
     idx = [mb["idx"] for mb in prepared["micro"]]
     batch = next(iter(prepared["tables"].values()))["hot_ids"].shape[0]
-    split = self.layout.split_batch
+    split = self._g.split_batch
     pooled = {
-      n: microbatch.merge(self.mesh, split, batch, idx, [p[n] for p in parts]) for n in self.specs
+      n: microbatch.merge(self.mesh, split, batch, idx, [p[n] for p in parts])
+      for n in self._g.specs
     }
     return pooled, cold
 
   def _lookup_whole(self, state, prepared, cold_rows):
     out = {}
-    for name, spec in self.specs.items():
+    for name, spec in self._g.specs.items():
       t = prepared["tables"][name]
       rows = self._hot_lookup(state["tables"][name]["hot"]["table"], t["hot_ids"])
       cold = self._cold_table(cold_rows, name)
@@ -146,13 +152,14 @@ class DeviceSteps:
         "hot_cold: the state still holds the previous step's rows for the host: hand them to "
         "after_update(state) after each update"
       )
+    specs = self._g.specs
     hot = {}
-    for name, spec in self.specs.items():
+    for name, spec in specs.items():
       t, p = state["tables"][name], prepared["tables"][name]
       count = p.get("count") if spec.pooling == "mean" else None
       hot[name] = self._update_hot(spec, t["hot"], p, grads[name], count)
     tables, rings, to_host = {}, [], []
-    for stack, names in enumerate(self._stacks):
+    for stack, names in enumerate(self._g.stacks):
       lst = prepared["cold"][stack]
       cold = self._update_cold(stack, prepared, grads, residuals)
       # The ring: sized by the first train batch (its "ring" shape), written after this
@@ -167,7 +174,7 @@ class DeviceSteps:
       out, leaving = {}, {}
       for name in names:
         t, p = state["tables"][name], prepared["tables"][name]
-        tables[name], gone = self._migration({**t, "hot": hot[name]}, p, ring, self.specs[name])
+        tables[name], gone = self.migration({**t, "hot": hot[name]}, p, ring, specs[name])
         if gone is not None:
           leaving[name] = gone
       for name, gone in leaving.items():  # (after every read of the ring for rows joining)
@@ -190,9 +197,9 @@ class DeviceSteps:
     sub = {k: p[k] for k in keys}
     mean = count is not None
     count = count if mean else jnp.zeros((g.shape[0],), jnp.int32)
-    split = self.layout.split_batch
+    split = self._g.split_batch
     bspec = P(sharding.BATCH) if split else sharding.REPLICATED
-    p_specs = {k: bspec if k in self._BATCH_MAJOR else sharding.REPLICATED for k in sub}
+    p_specs = {k: bspec if k in BATCH_MAJOR else sharding.REPLICATED for k in sub}
     row_spec = {"table": P(sharding.BATCH, None), **{s: P(sharding.BATCH) for s in slot_names}}
     bag = p["hot_ids"].shape[1]
 
@@ -206,7 +213,7 @@ class DeviceSteps:
     def local(hot, sub, g, count):
       if split:
         every = functools.partial(row_sharded.every, axis=sharding.BATCH)
-        sub = {k: every(v) if k in self._BATCH_MAJOR else v for k, v in sub.items()}
+        sub = {k: every(v) if k in BATCH_MAJOR else v for k, v in sub.items()}
         g, count = every(g), every(count)
       grads = base.unpool(g, count if mean else None, bag)
       h = hot["table"].shape[0]
@@ -225,13 +232,13 @@ class DeviceSteps:
     replicated: every device applies the same), table after table (their segments are
     disjoint: each update touches its own): the same adds in the same order as dense's.
     -> the updated cold rows {k: [W, ...]}."""
-    names = self._stacks[stack]
+    names = self._g.stacks[stack]
     lst = prepared["cold"][stack]
     got = residuals["rows"][stack]
     uc = lst["src"].shape[0]
     off = lst["off"]
     for i, name in enumerate(names):
-      spec, p = self.specs[name], prepared["tables"][name]
+      spec, p = self._g.specs[name], prepared["tables"][name]
       count = p.get("count") if spec.pooling == "mean" else None
       g, ids, count = sharding.replicate((grads[name], p["cold_ids"], count), self.mesh)
       lp = {"ids": ids}
@@ -251,7 +258,7 @@ class DeviceSteps:
       got = {**got, "table": table, **slots}
     return got
 
-  def _migration(self, t, p, ring, spec) -> tuple[dict, dict | None]:
+  def migration(self, t, p, ring, spec) -> tuple[dict, dict | None]:
     """Rows leaving the hot set (their values read off the updated hot arrays) and rows
     joining it (after this batch's cold update, so a row cold in this batch and hot from the
     next moves its new value): each joining row from the ring where prepare found it there

@@ -3,10 +3,8 @@ host_tier), read for a batch on the input thread, written back by one writer thr
 step, and the device ring of recent write-backs that keeps reads ahead of a step exact.
 
 One concern: what moves between the host tables and the step, and in which order (the package
-docstring: "How a batch flows", "Ordering"). `HostTier` is one part of the `HotCold` class
-(recgnn/backends/hot_cold/__init__.py): it reads the attributes HotCold's constructor sets
-(`specs`, `options`, `_rows`, `_stacks`, `_index`, `_host`, `_row_base`, `_recent`,
-`_outbox`, `_written`, `_syncer`).
+docstring: "How a batch flows", "Ordering"). `HostTier` is an object the `HotCold` front holds
+(recgnn/backends/hot_cold/backend.py); the preparer stages a batch's rows through it.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from recgnn.backends.hot_cold.geometry import Geometry
 from recgnn.backends.hot_cold.hot_set import cold_cap
 from recgnn.embeddings import base, host_tier
 
@@ -30,7 +29,22 @@ RING_BATCHES = base.PREFETCH
 
 
 class HostTier:
-  """The host-tier half of `HotCold`: staging a batch's rows, the writer, sync / export."""
+  """hot_cold's host tier: every row in host RAM (numpy, in `specs` order, `host_tier.
+  HostRows`), read on the input thread, written by one writer thread; per stack, the ring of
+  recent write-backs (rows numbered table after table: `Geometry.row_base`); the write-backs
+  planned for steps not yet handed over (`host_tier.Outbox`). Staging a batch's rows, the
+  writer, sync / export.
+
+  reprofile: the hot set is re-picked while training, so the ring also holds the hot slots a
+  re-pick may empty."""
+
+  def __init__(self, geometry: Geometry, reprofile: bool):
+    self._g = geometry
+    self._reprofile = reprofile
+    self._host = host_tier.HostRows(geometry.owner)
+    self._recent: list[host_tier.Recent] = []
+    self._outbox = host_tier.Outbox()
+    self._written = 0  # the writer's jobs handed over before the last init / restore
 
   def _ring_rows(self, caps: Sequence[int], names) -> int:
     """The ring's rows for a stack whose tables' cold caps (min(ids per batch, rows)) are
@@ -38,7 +52,7 @@ class HostTier:
     slots a re-pick may empty). Not capped at the stack's rows: the ring is a FIFO of
     write-backs, not a map of rows, so two steps writing back most of a small table's rows
     each fill twice its rows before the older is on the host."""
-    out = sum(self._rows[n].alloc for n in names) if self.options.reprofile else 0
+    out = sum(self._g.alloc[n] for n in names) if self._reprofile else 0
     return int(RING_BATCHES * (sum(caps) + out))
 
   def batch_memory(self, ids_shapes):
@@ -46,37 +60,47 @@ class HostTier:
     with its optimizer state, replicated on every device: each
     stack's ring split over its tables by their cold caps."""
     out = {}
-    for names in self._stacks:
+    specs = self._g.specs
+    for names in self._g.stacks:
       if not all(n in ids_shapes for n in names):
         continue
-      caps = [cold_cap(ids_shapes[n], self.specs[n]) for n in names]
+      caps = [cold_cap(ids_shapes[n], specs[n]) for n in names]
       ring = self._ring_rows(caps, names)
       left = ring
       for i, n in enumerate(names):
         share = left if i == len(names) - 1 else ring * caps[i] // max(sum(caps), 1)
         left -= share
-        out[n] = share * self.specs[n].row_bytes
+        out[n] = share * specs[n].row_bytes
     return out
 
-  def _adopt(self) -> None:
+  def set(self, host: dict) -> None:
+    """Every table's rows ({table: {"table": f32[N', D], slot: f32[N']}}, numpy, N' the
+    aligned rows) become the host tables."""
+    self._host.set([host[n] for n in self._g.specs])
+
+  def drain(self) -> None:
+    """Every write-back handed over applied."""
+    self._host.writer.drain()
+
+  def adopt(self) -> None:
     """New host-tier bookkeeping for the state just built or restored: every write-back
     handed over applied, no write-back planned, no ring position held."""
     self._host.writer.drain()
     self._written = self._host.writer.submitted
     self._outbox.clear()
-    self._recent = [host_tier.Recent(int(b[-1])) for b in self._row_base]
+    self._recent = [host_tier.Recent(int(b[-1])) for b in self._g.row_base]
 
-  def _host_of(self, name: str) -> dict:
-    return self._host.arrays[self._index[name]]
+  def host_of(self, name: str) -> dict:
+    """{k: f32[N', ...]}: table `name`'s host arrays (numpy, written in place)."""
+    return self._host.arrays[self._g.index[name]]
 
-  def export(self, state):
+  def export(self):
     """The logical rows of a synced state (`sync` wrote every hot row back): copies of the
     host tables, as the writer keeps writing them while a checkpoint saves."""
-    self._check_stale(state)
     self._host.writer.drain()
     out = {}
-    for name, spec in self.specs.items():
-      h = self._host_of(name)
+    for name, spec in self._g.specs.items():
+      h = self.host_of(name)
       slots = spec.optimizer.slot_names()
       out[name] = {"rows": h["table"].copy(), **{k: h[k].copy() for k in slots}}
     return out
@@ -84,12 +108,11 @@ class HostTier:
   def sync(self, state):
     """Every write-back handed over applied, then every hot row written to the host tables
     (O(hot rows), a host read of the hot arrays); the state stays as it is."""
-    self._check_stale(state)
     self._host.writer.drain()
     for name, t in state["tables"].items():
       hot_rows, hot = jax.device_get((t["hot_rows"], t["hot"]))
-      filled = hot_rows < self.specs[name].num_rows
-      host = self._host_of(name)
+      filled = hot_rows < self._g.specs[name].num_rows
+      host = self.host_of(name)
       for k, v in host.items():
         v[hot_rows[filled]] = hot[k][filled]
     return state
@@ -98,8 +121,8 @@ class HostTier:
     self._host.writer.drain()
     out = {}
     for name, t in state["tables"].items():
-      n = self.specs[name].num_rows
-      table = self._host_of(name)["table"][:n].copy()
+      n = self._g.specs[name].num_rows
+      table = self.host_of(name)["table"][:n].copy()
       hot_rows, hot = jax.device_get((t["hot_rows"], t["hot"]["table"]))
       filled = hot_rows < n
       table[hot_rows[filled]] = hot[filled]
@@ -142,13 +165,18 @@ class HostTier:
     host.write_back(to_host, apply)
     return state
 
+  def plan_writes(self, writes: list) -> None:
+    """A train batch's write-backs ({"cold": ..., "out": ...} per stack, `stage`), for
+    `after_update` to hand over with its step's rows."""
+    self._outbox.plan(writes)
+
   def planned_to_host(self, prepared) -> tuple:
     """For drivers that prepare a train batch whose step never runs (prepare-only tests and
     measurements): zeros of the TO_HOST its step would return, to hand to `after_update`,
     so later prepares find every write-back they wait for. The host tables' values are
     then meaningless."""
     out = []
-    for names, lst in zip(self._stacks, prepared["cold"]):
+    for names, lst in zip(self._g.stacks, prepared["cold"]):
       cold = {k: np.zeros_like(v) for k, v in lst["vals"].items()}
       gone = {}
       for n in names:
@@ -158,7 +186,7 @@ class HostTier:
       out.append({"cold": cold, "out": gone})
     return tuple(out)
 
-  def _stage(self, stack, segs, off, caps, uc, migrate, tables, train):
+  def stage(self, stack, segs, off, caps, uc, migrate, tables, train):
     """The host tier's part of a stack's batch, on the input thread: the cold list's rows
     read from the host tables, the ring slots where a newer value is held, and (train) the
     ring slots of this step's write-backs; the same for the migration's rows joining and
@@ -170,10 +198,11 @@ class HostTier:
     rows are written into the ring; the rows joining the hot set see those (a row cold in
     this batch and hot from the next takes its new value); the rows leaving are written
     last."""
-    names = self._stacks[stack]
+    names = self._g.stacks[stack]
+    index = self._g.index
     tab = np.repeat(np.arange(len(names)), np.diff(off))
     rows = np.concatenate(segs).astype(np.int64)
-    first_row = self._row_base[stack]
+    first_row = self._g.row_base[stack]
     recent = self._recent[stack] if self._recent else None
     lst = {"off": off}
     need = 0
@@ -190,7 +219,7 @@ class HostTier:
       lst["dst"] = dst
       pos = np.arange(rows.size)
       w = {
-        "cold": [(self._index[n], rows[tab == i], pos[tab == i]) for i, n in enumerate(names)],
+        "cold": [(index[n], rows[tab == i], pos[tab == i]) for i, n in enumerate(names)],
         "out": {},
       }
       for i, n in enumerate(names):  # rows joining: after this step's cold write-back
@@ -207,7 +236,7 @@ class HostTier:
         t["out_dst"] = np.full(t["out_slots"].shape[0], ABSENT, np.int32)
         if m is not None and m[3].size:
           t["out_dst"][: m[3].size] = self._leaving_slots(recent, first_row[i] + m[3])
-          w["out"][n] = [(self._index[n], m[3], np.arange(m[3].size))]
+          w["out"][n] = [(index[n], m[3], np.arange(m[3].size))]
       recent.end_step()
     if need:  # a host read of a row written back by a step that may still be in flight
       self._host.writer.wait(self._written + need, f" after {self._written} before")
@@ -229,6 +258,12 @@ class HostTier:
     del self
     return _assign(recent, rows)
 
+  def scatter_leaving(self, name: str, rows: np.ndarray, values: dict) -> None:
+    """The rows a migration outside a step moved out of the hot set (`restore_extras`):
+    their values ({k: [>= rows, ...]}) into the host tables."""
+    for k, v in self.host_of(name).items():
+      v[rows] = values[k][: rows.size]
+
   def _read(self, names, tab, rows, width, src) -> dict:
     """{k: [width, ...]}: the rows (of table names[tab]) read from the host tables, then
     zeros; zeros too where the ring holds the current value (src: the host's may be
@@ -236,12 +271,12 @@ class HostTier:
     if self._host.arrays:
       off = np.searchsorted(tab, np.arange(len(names) + 1)) if tab.size else None
       segs = [
-        (self._index[n], rows[off[i] : off[i + 1]] if off is not None else rows[:0])
+        (self._g.index[n], rows[off[i] : off[i + 1]] if off is not None else rows[:0])
         for i, n in enumerate(names)
       ]
       got = self._host.gather(segs, width)
     else:  # (a batch prepared before init: shapes only)
-      spec = self.specs[names[0]]
+      spec = self._g.specs[names[0]]
       got = {"table": np.zeros((width, spec.dim), np.float32)}
       got.update({k: np.zeros(width, np.float32) for k in spec.optimizer.slot_names()})
     held = src != ABSENT

@@ -2,10 +2,8 @@
 picks the hot rows for the byte budget, and the migrations (rows in / out of the hot arrays)
 a new pick plans.
 
-One concern: which rows are hot, and when that changes. `HotSetPlanning` is one part of the
-`HotCold` class (recgnn/backends/hot_cold/__init__.py): it reads the attributes HotCold's
-constructor sets (`specs`, `options`, `_rows`, the profile window's `_since_pick`,
-`_picked`, `_pending`, `_p0`, `_initialised`).
+One concern: which rows are hot, and when that changes (`HotSet`, an object the `HotCold`
+front holds: recgnn/backends/hot_cold/backend.py).
 """
 
 from __future__ import annotations
@@ -17,6 +15,8 @@ import zlib
 import numpy as np
 from absl import logging
 
+from recgnn.backends.hot_cold.geometry import Geometry
+from recgnn.backends.hot_cold.options import HotColdOptions
 from recgnn.embeddings import access_counts as profile
 from recgnn.embeddings import base, host_cache
 
@@ -80,16 +80,89 @@ class TableRows:
     return np.sort(self.slot_row[self.slot_row >= 0])
 
 
-class HotSetPlanning:
-  """The hot-set half of `HotCold`: profile, pick, migrate (host bookkeeping only)."""
+class HotSet:
+  """Which rows are hot, and when that changes (host bookkeeping only): each table's row <->
+  slot maps (`TableRows`), the profile window, the pick and the migrations it plans.
+
+  `placed`: a state exists (init / import_ / restore ran), so a new pick becomes a migration
+  planned with the next train batch rather than the initial hot arrays."""
+
+  def __init__(self, geometry: Geometry, options: HotColdOptions):
+    self._g = geometry
+    self._o = options
+    self.rows: dict[str, TableRows] = {
+      name: TableRows(
+        spec=spec,
+        capacity=geometry.capacity[name],
+        alloc=geometry.alloc[name],
+        row_slot=np.full(spec.num_rows, -1, np.int32),
+        slot_row=np.full(geometry.alloc[name], -1, np.int64),
+        profile=profile.AccessProfile(spec.num_rows),
+      )
+      for name, spec in geometry.specs.items()
+    }
+    self.placed = False
+    self.picked = False  # a hot set has been picked (initial profile done)
+    self._since_pick = 0  # train batches counted since the last pick
+    self._pending: dict[str, np.ndarray] | None = None  # a hot set to migrate to
+
+  # --------------------------------------------------------------------- lifecycle
+
+  def clear(self) -> None:
+    """No row hot (a state imported from the logical rows: profiled again)."""
+    for r in self.rows.values():
+      r.row_slot[:] = -1
+      r.slot_row[:] = -1
+    self.picked = False
+
+  def restart(self) -> None:
+    """A state was just built or restored: the profile window starts over."""
+    self._since_pick, self._pending = 0, None
+    for r in self.rows.values():
+      r.profile.reset()
+    self.placed = True
+
+  def adopt_slots(self, hot_rows: dict[str, np.ndarray]) -> None:
+    """The slot maps of a restored state ({table: int64[Ha] its "hot_rows", N = empty})."""
+    for name, r in self.rows.items():
+      x = hot_rows[name]
+      if x.shape[0] != r.alloc:
+        raise ValueError(
+          f"hot_cold: the state has {x.shape[0]} hot slots for table {name!r}, this "
+          f"backend {r.alloc}; restore checkpoints through export / import_ (the logical rows)"
+        )
+      r.slot_row = np.where(x < r.spec.num_rows, x, -1)
+      r.row_slot[:] = -1
+      filled = r.slot_row >= 0
+      r.row_slot[r.slot_row[filled]] = np.flatnonzero(filled).astype(np.int32)
+    self.picked = any((r.slot_row >= 0).any() for r in self.rows.values())
+
+  def saved_fits(self, saved: dict) -> dict[str, np.ndarray] | None:
+    """A checkpoint's hot set ({table: `encode_rows` text}) as {table: sorted rows}, or None
+    (logged) when it does not fit this backend (another budget, other tables)."""
+    rows = {}
+    for name, r in self.rows.items():
+      x = decode_rows(saved[name]) if name in saved else None
+      if x is None or x.size > r.capacity or (x.size and x[-1] >= r.spec.num_rows):
+        logging.info("hot_cold: the checkpoint's hot set does not fit table %r: profiling", name)
+        return None
+      rows[name] = x
+    return rows
+
+  def adopted(self, rows: dict[str, np.ndarray]) -> None:
+    """A saved hot set was migrated in (`restore_extras`): no profile until the next pick."""
+    self.picked = bool(any(x.size for x in rows.values()))
+    self._since_pick, self._pending = 0, None
+
+  # --------------------------------------------------------------------- picks
 
   def use_profile(self, profiles: dict[str, profile.AccessProfile]) -> profile.HotSet:
     """Pick the hot set from a profile made elsewhere (e.g. `profile.profile_sample` over 5 %
     of the training input). Before `init`: init places it. After: the next train batch's
     prepare plans the migration. Ends the initial profiling."""
     chosen = self._choose(profiles)
-    if not self._initialised:
-      for name, r in self._rows.items():
+    if not self.placed:
+      for name, r in self.rows.items():
         r.row_slot[:] = -1
         r.slot_row[:] = -1
         rows = chosen.rows[name]
@@ -97,49 +170,56 @@ class HotSetPlanning:
         r.row_slot[rows] = np.arange(rows.size, dtype=np.int32)
     else:
       self._pending = chosen.rows
-    self._picked = True
+    self.picked = True
     return chosen
 
   def _choose(self, profiles) -> profile.HotSet:
     """The hot set of the budget: the most accessed rows per byte, each table capped at its
     hot capacity (profile.hot_set_for_budget)."""
-    row_bytes = {n: s.row_bytes for n, s in self.specs.items()}
-    caps = {n: r.capacity for n, r in self._rows.items()}
-    budget = sum(caps[n] * row_bytes[n] for n in self.specs)
+    specs = self._g.specs
+    row_bytes = {n: s.row_bytes for n, s in specs.items()}
+    caps = {n: r.capacity for n, r in self.rows.items()}
+    budget = sum(caps[n] * row_bytes[n] for n in specs)
     return profile.hot_set_for_budget(
-      {n: profiles[n] for n in self.specs}, row_bytes, budget, capacity=caps
+      {n: profiles[n] for n in specs}, row_bytes, budget, capacity=caps
     )
+
+  def slot_of(self, name: str, ids: np.ndarray) -> np.ndarray:
+    """int64[...] ids of table `name` (PAD = -1) -> int32[...] their hot slots (-1: cold or
+    padding), as batches prepared now see them."""
+    return np.where(ids >= 0, self.rows[name].row_slot[np.maximum(ids, 0)], -1)
 
   def hot_set(self) -> dict[str, np.ndarray]:
     """The current hot rows of each table (as prepared batches see them), sorted."""
-    return {n: r.hot for n, r in self._rows.items()}
+    return {n: r.hot for n, r in self.rows.items()}
 
-  def _plan_profile(self, ids, train) -> dict[str, tuple[np.ndarray, np.ndarray] | None]:
+  def fill(self) -> float:
+    """Hot rows / the hot arrays' capacity, as later batches are prepared."""
+    hot = sum(int((r.slot_row >= 0).sum()) for r in self.rows.values())
+    return hot / max(sum(r.capacity for r in self.rows.values()), 1)
+
+  def plan(self, ids, train) -> dict[str, tuple[np.ndarray, ...]]:
     """Count this train batch; when a profile window completes, pick the hot set and plan
-    the migration run at the end of this batch's update. -> {table: (rows in, rows out)}."""
+    the migration run at the end of this batch's update. -> {table: `migrate`'s tuple}, empty
+    when nothing moves (a new hot set: every table's entry)."""
     if not train:
       return {}
-    if self._pending is None and (not self._picked or self.options.reprofile):
+    o = self._o
+    if self._pending is None and (not self.picked or o.reprofile):
       for name, x in ids.items():
-        self._rows[name].profile.add(x)
+        self.rows[name].profile.add(x)
       self._since_pick += 1
-      window = self.options.reprofile if self._picked else self.options.profile_batches
+      window = o.reprofile if self.picked else o.profile_batches
       if self._since_pick >= window:
-        self._pending = self._choose({n: r.profile for n, r in self._rows.items()}).rows
+        self._pending = self._choose({n: r.profile for n, r in self.rows.items()}).rows
         self._note_fill(self._pending, window)
-        for r in self._rows.values():
+        for r in self.rows.values():
           r.profile.reset()
-        self._since_pick, self._picked = 0, True
+        self._since_pick, self.picked = 0, True
     if self._pending is None:
       return {}
     chosen, self._pending = self._pending, None
-    out = {}
-    for name, new in chosen.items():
-      out[name] = self._migrate(self._rows[name], new)
-    # The popular share changes with the hot set: the first batch prepared for it sets the
-    # popular micro-batch size again.
-    self._p0 = {}
-    return out
+    return {name: migrate(self.rows[name], new) for name, new in chosen.items()}
 
   def _note_fill(self, chosen: dict[str, np.ndarray], window: int) -> None:
     """Log a hot set that fills less of the hot arrays than the budget allows. Only rows the
@@ -148,7 +228,7 @@ class HotSetPlanning:
     the same rows and moves the same cold rows (benchmarks/memory_tiers.py's 4-batch profile
     did, at 5% and 20%). `stats()["hot_fill"]` reports it per step."""
     rows = sum(int(x.size) for x in chosen.values())
-    cap = sum(r.capacity for r in self._rows.values())
+    cap = sum(r.capacity for r in self.rows.values())
     if rows < cap:
       logging.info(
         "hot_cold: the profile of %d batch(es) saw %d distinct row(s) of the hot set's %d "
@@ -156,27 +236,9 @@ class HotSetPlanning:
         window, rows, cap, 100 * rows / max(cap, 1),
       )  # fmt: skip
 
-  @staticmethod
-  def _migrate(r: TableRows, new: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Make `new` (sorted rows) the hot set: rows staying keep their slots. -> (rows in,
-    their slots, slots out, the rows leaving them) with the row map updated for the batches
-    after this one."""
-    old_slots = np.flatnonzero(r.slot_row >= 0)
-    old_rows = r.slot_row[old_slots]
-    stay = np.isin(old_rows, new)
-    out_slots = old_slots[~stay]
-    r.row_slot[old_rows[~stay]] = -1
-    r.slot_row[out_slots] = -1
-    incoming = new[r.row_slot[new] < 0]
-    free = np.flatnonzero(r.slot_row < 0)[: incoming.size]
-    r.slot_row[free] = incoming
-    r.row_slot[incoming] = free.astype(np.int32)
-    # (the step reads the rows leaving from the state's slot map; the host side needs them
-    # for the write-back: the writer puts their values into the host tables)
-    return incoming, free, out_slots, old_rows[~stay]
-
-  def _pack_migration(self, name, m) -> dict:
-    r = self._rows[name]
+  def pack_migration(self, name, m) -> dict:
+    """A migration's lists for the step (`migrate`'s tuple, or None: empty lists)."""
+    r = self.rows[name]
     if m is None:
       m = (np.zeros(0, np.int64),) * 3
     incoming, slots_in, slots_out = m[:3]
@@ -191,3 +253,22 @@ class HotSetPlanning:
       # Padding slot Ha reads zeros; its row (from hot_rows: none) is dropped by the scatter.
       "out_slots": pad_to(slots_out, k_out, r.alloc),
     }
+
+
+def migrate(r: TableRows, new: np.ndarray) -> tuple[np.ndarray, ...]:
+  """Make `new` (sorted rows) the hot set: rows staying keep their slots. -> (rows in, their
+  slots, slots out, the rows leaving them) with the row map updated for the batches after
+  this one."""
+  old_slots = np.flatnonzero(r.slot_row >= 0)
+  old_rows = r.slot_row[old_slots]
+  stay = np.isin(old_rows, new)
+  out_slots = old_slots[~stay]
+  r.row_slot[old_rows[~stay]] = -1
+  r.slot_row[out_slots] = -1
+  incoming = new[r.row_slot[new] < 0]
+  free = np.flatnonzero(r.slot_row < 0)[: incoming.size]
+  r.slot_row[free] = incoming
+  r.row_slot[incoming] = free.astype(np.int32)
+  # (the step reads the rows leaving from the state's slot map; the host side needs them
+  # for the write-back: the writer puts their values into the host tables)
+  return incoming, free, out_slots, old_rows[~stay]

@@ -32,7 +32,7 @@ class HotColdOptions(base.BackendOptions):
       inside the step (issue 42): tables wholly on the devices are `dense`.
     cold_list: the length of the group's cold lists, a shape of the step. The cold rows of
       every table with the same row layout (dim, optimizer) travel in ONE list, table after
-      table (read by prepare, `host_side.HostTier._stage`), so the step's shape is one length per
+      table (read by prepare, `host_side.HostTier.stage`), so the step's shape is one length per
       layout, not one per table. `bucket` (default): the batch's distinct cold rows over the
       group's tables, rounded up to an eighth-octave length with hysteresis
       (`host_cache.ListSizer`): host-link bytes within ~1.1x of what the cold ids need and
@@ -41,11 +41,12 @@ class HotColdOptions(base.BackendOptions):
       cold, the batch's ids: one length for the profile). `fixed`: the batch's id count per
       table (at most its rows), summed: one shape for the run, but the host link carries
       that many rows whatever the hot set covers.
-    prefetch: a no-op, kept so that plan strings written before issue 42 still parse (the
-      planner's candidates, experiments/hotline_kaggle.py and saved configs carry it). It
-      read the next batch's cold rows during a step into a device buffer; now every batch's
-      cold rows are read by its own prepare, ahead of its step, on the input thread (the
-      package docstring): what prefetch did for some batches, every batch gets.
+    prefetch: the cold rows read ahead of their step. Always so since issue 42: every
+      batch's cold rows are read by its own prepare on the input thread, ahead of its step,
+      and move with the batch (the package docstring); what `prefetch=True` did for the next
+      batch, every batch gets. Kept so that plan strings written before then parse;
+      `prefetch=False` (read them inside the step, on demand) is refused: no step reads the
+      host any more.
   """
 
   backend: ClassVar[str] = "hot_cold"
@@ -60,6 +61,12 @@ class HotColdOptions(base.BackendOptions):
   prefetch: bool = True
 
   def __post_init__(self):
+    if not self.prefetch:
+      raise ValueError(
+        "hot_cold: prefetch=False cannot be honoured: the cold rows are always read ahead of "
+        "their step (every batch's by its own prepare on the input thread, moved with the "
+        "batch; issue 42 removed the step's on-demand host reads). Drop prefetch=False"
+      )
     if self.cold_list not in COLD_LISTS:
       raise ValueError(
         f"hot_cold: cold_list must be one of {', '.join(COLD_LISTS)}, got {self.cold_list!r}"
@@ -86,6 +93,14 @@ class HotColdOptions(base.BackendOptions):
         f"hot_cold: reprofile={self.reprofile} re-picks the hot set, but budget=1 keeps every "
         "row hot, so a new pick never differs: drop reprofile= or give a budget under 1"
       )
+
+  def describe(self) -> str:
+    """The plan string of what these options do (`prefetch`, always so, left out)."""
+    size = f"hot_rows={self.hot_rows}" if self.fraction is None else f"budget={self.fraction}"
+    extra = f", reprofile={self.reprofile}" if self.reprofile else ""
+    extra += "" if self.split else ", split=False"
+    extra += "" if self.cold_list == "bucket" else f", cold_list={self.cold_list}"
+    return f"hot_cold({size}, profile_batches={self.profile_batches}{extra})"
 
   @property
   def fraction(self) -> float | None:

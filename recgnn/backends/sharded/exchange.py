@@ -2,9 +2,8 @@
 segments an error-bounded codec cannot carry within their bound, and the per-table bounds
 (`codecs.BoundRule`) it is sent under.
 
-One concern: moving a message over MODEL, lossy or not. `CodecExchange` is one part of the
-`Sharded` class (recgnn/backends/sharded/__init__.py): it reads `specs`, `k`, `rules`,
-`owner_slots`, `table_index`, `rw` / `cw` and `_segment_dims`.
+One concern: moving a message over MODEL, lossy or not. `Exchange` is an object the device
+step (step.py) holds, over the frozen `Geometry` and the codecs' `Wire`.
 """
 
 from __future__ import annotations
@@ -14,24 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from recgnn import sharding
+from recgnn.backends.sharded.geometry import Geometry
+from recgnn.backends.sharded.wire import Wire
 from recgnn.embeddings import codecs
 
 FALLBACK_SCOPE = "codec_fallback"  # named scope of the f32 fallback all-to-all (comms.py)
 
 
-class CodecExchange:
+class Exchange:
   """The message's all-to-all, codecs and fallbacks (see the module docstring)."""
 
-  def _segment_tables(self) -> np.ndarray:
-    """int32[k, nseg]: the table index (into the bounds vector) of each segment as sent by
-    shard m; T (a dummy) for an empty slot."""
-    t = len(self.specs)
-    out = []
-    for m in range(self.k):
-      row = [t if n is None else self.table_index[n] for n in self.owner_slots[m]]
-      row += [self.table_index[n] for n in self.rw + self.cw]
-      out.append(row)
-    return np.asarray(out, np.int32).reshape(self.k, len(self._segment_dims()))
+  def __init__(self, geometry: Geometry, wire: Wire):
+    self._g, self._wire = geometry, wire
 
   def _bounds(self, codec_state, direction):
     """f32[T + 1] error bounds (the last one for empty slots), or None."""
@@ -39,7 +32,7 @@ class CodecExchange:
       return None
     return jnp.concatenate([codec_state[direction]["bound"], jnp.ones((1,), jnp.float32)])
 
-  def _exchange(self, codec, segs, send_bounds, recv_bounds):
+  def exchange(self, codec, segs, send_bounds, recv_bounds):
     """All-to-all over MODEL of a message of segments [k, b, w] through `codec`, with the f32
     fallback of the segments it cannot carry within their bound. -> (segments [k (source),
     b, w], bool[nseg]: the segments sent as f32)."""
@@ -78,55 +71,32 @@ class CodecExchange:
     """f32[T + 1] bounds from this message's statistics per table: its largest |value|
     (mode "current", filling each table's codes) or its RMS (mode "rms", the schedule's
     rel at this iteration)."""
-    rule = self.rules[direction]
+    rule = self._wire.rules[direction]
     if rule.mode == "rms":
       b = rule.from_rms(self._wire_rms(segs, forward), codec_state[direction]["steps"])
     else:
-      b = rule.from_max(self._wire_max(segs, forward), self._table_qmax(direction))
+      b = rule.from_max(self.wire_max(segs, forward), self._table_qmax(direction))
     return jnp.concatenate([b, jnp.ones((1,), jnp.float32)])
 
-  def _direction_bounds(self, codec_state, direction, segs, forward: bool):
+  def direction_bounds(self, codec_state, direction, segs, forward: bool):
     """f32[T + 1] the bounds a direction's message is sent under this step, or None."""
     if direction not in codec_state:
       return None
-    if self.rules[direction].uses_current:
+    if self._wire.rules[direction].uses_current:
       return self._bounds_now(direction, segs, forward, codec_state)
     return self._bounds(codec_state, direction)
 
-  def _table_segment(self) -> list[int]:
-    """The segment of each table (index into the message's segments)."""
-    out = []
-    for n in self.specs:
-      p = self.placement[n]
-      if p.kind == "table":
-        out.append(p.slot)
-      elif p.kind == "row":
-        out.append(self.tmax + self.rw.index(n))
-      else:
-        out.append(self.tmax + len(self.rw) + self.cw.index(n))
-    return out
-
   def _table_qmax(self, direction) -> np.ndarray | int:
     """Each table's largest code (its segment's width), or int8's 127 without widths."""
-    widths = self.codecs[direction].widths
+    widths = self._wire.codecs[direction].widths
     if not widths:
       return codecs.QMAX
-    return np.asarray([codecs.qmax_of(widths[s]) for s in self._table_segment()], np.float32)
-
-  def _plan_widths(self, peak: np.ndarray, headroom: float) -> tuple[int, ...]:
-    """Each segment's code width: the widest of its tables' (a table-wise slot carries one
-    table of each shard), each the narrowest holding the table's peak range / bound."""
-    idx, t = self._segment_tables(), len(self.specs)
-    out = []
-    for s in range(idx.shape[1]):
-      tables = [int(i) for i in idx[:, s] if i < t]
-      out.append(max([codecs.width_for(float(peak[i]), headroom) for i in tables] + [2]))
-    return tuple(out)
+    return np.asarray([codecs.qmax_of(widths[s]) for s in self._g.table_segment()], np.float32)
 
   def _wire_rms(self, segs, forward: bool):
     """f32[T]: the RMS of each table's values on the wire this step (over the mesh)."""
-    t = len(self.specs)
-    idx = jnp.asarray(self._segment_tables())
+    t = len(self._g.specs)
+    idx = jnp.asarray(self._g.segment_tables())
     if forward:
       seg_idx = idx[jax.lax.axis_index(sharding.MODEL)]
       sq = jnp.stack([jnp.sum(jnp.square(s)) for s in segs])
@@ -134,25 +104,25 @@ class CodecExchange:
     else:  # backward: segment s sent to peer j belongs to peer j's table
       seg_idx = idx.T.reshape(-1)
       sq = jnp.stack([jnp.sum(jnp.square(s), axis=(1, 2)) for s in segs]).reshape(-1)
-      n = jnp.asarray([float(s[0].size) for s in segs for _ in range(self.k)], jnp.float32)
+      n = jnp.asarray([float(s[0].size) for s in segs for _ in range(self._g.k)], jnp.float32)
     acc = jnp.zeros((2, t + 1), jnp.float32).at[0, seg_idx].add(sq).at[1, seg_idx].add(n)
     acc = jax.lax.psum(acc, (sharding.DATA, sharding.MODEL))[:, :t]
     return jnp.sqrt(acc[0] / jnp.maximum(acc[1], 1.0))
 
-  def _seg_bounds(self, bounds, sender: bool, owner_is_sender: bool):
+  def seg_bounds(self, bounds, sender: bool, owner_is_sender: bool):
     """Bounds f32 of each segment, broadcastable to [k, b, nseg], or None."""
     if bounds is None:
       return None
-    idx = jnp.asarray(self._segment_tables())
+    idx = jnp.asarray(self._g.segment_tables())
     if owner_is_sender == sender:
       # The segments of this device's own table-wise slots: one row of the table.
       return bounds[idx[jax.lax.axis_index(sharding.MODEL)]]
     return bounds[idx][:, None, :]  # per peer (the peer's slots)
 
-  def _wire_max(self, segs, forward: bool):
+  def wire_max(self, segs, forward: bool):
     """f32[T]: the largest |value| each table put on the wire this step (over the mesh)."""
-    t = len(self.specs)
-    idx = jnp.asarray(self._segment_tables())
+    t = len(self._g.specs)
+    idx = jnp.asarray(self._g.segment_tables())
     if forward:
       seg_idx = idx[jax.lax.axis_index(sharding.MODEL)]
       m = jnp.stack([jnp.max(jnp.abs(s)) for s in segs])
