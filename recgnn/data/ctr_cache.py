@@ -1,6 +1,6 @@
 """Streaming conversion of CTR files into the memmap cache, for any format and schema.
 
-A format (`criteo.CriteoTSV`, `ctr_reader.TextFormat`, `ctr_reader.ParquetFormat`) cuts a file
+A format (`criteo.CriteoTSV`, `ctr_formats.TextFormat`, `ctr_formats.ParquetFormat`) cuts a file
 into tasks (byte ranges of whole lines, or Parquet row groups) and parses one task into a
 `Parsed` block; this module runs the tasks in order (in `num_workers` spawned processes, at
 most 2 per worker in flight so memory stays bounded), counts malformed lines against the
