@@ -18,8 +18,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from recgnn.data import ctr_cache, ctr_fast
-from recgnn.data.ctr_cache import EMPTY, PADDED, MalformedDataError, Parsed
+from recgnn.data import ctr_fast, ctr_ids
+from recgnn.data.bad_lines import MAX_EXAMPLES, MalformedDataError
+from recgnn.data.ctr_cache import Parsed
+from recgnn.data.ctr_ids import EMPTY, PADDED
 from recgnn.data.ctr_schema import Categorical, Schema, string_key
 from recgnn.data.text_blocks import PAD_BYTES, block_ranges, read_range
 
@@ -125,7 +127,7 @@ class _Rows:
     self.schema = schema
     self.known = known
     self.cols = schema.categorical
-    self.offsets = ctr_cache.offsets(self.cols)
+    self.offsets = ctr_ids.offsets(self.cols)
     s = int(self.offsets[-1])
     self.labels = np.zeros(n, np.int8)
     self.dense = np.zeros((n, len(schema.dense)), np.float64)
@@ -152,7 +154,7 @@ class _Rows:
 
   def reject(self, index: int, reason: str, text: Callable[[], str]) -> None:
     self.bad.append((index, reason))
-    if len(self.examples) < ctr_cache.MAX_EXAMPLES:
+    if len(self.examples) < MAX_EXAMPLES:
       t = text()
       self.examples.append((index, reason, t if len(t) <= 80 else t[:80] + "..."))
 
@@ -262,7 +264,7 @@ class TextFormat:
         np.array([ctr_fast.KIND_CODES[c.kind] for c in cols], np.int64),
         np.array([c.bag for c in cols], np.int64),
         np.array([c.separator.encode()[0] if c.bag > 1 else -1 for c in cols], np.int64),
-        np.array([c.overflow == "error" for c in cols]), ctr_cache.offsets(cols),
+        np.array([c.overflow == "error" for c in cols]), ctr_ids.offsets(cols),
       )  # fmt: skip
     else:
       n, slots = nl.size - first, s.num_slots
@@ -290,7 +292,7 @@ class TextFormat:
       for r in np.flatnonzero(~ok)
     ]
     examples = []
-    for i, why in bad[: ctr_cache.MAX_EXAMPLES]:
+    for i, why in bad[:MAX_EXAMPLES]:
       t = body[starts[i] : ends[i]].tobytes().decode("utf-8", "replace")
       examples.append((i, why, t if len(t) <= 80 else t[:80] + "..."))
     d = dense[ok]

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from recgnn.data.ctr_cache import MalformedDataError
+from recgnn.data.bad_lines import MalformedDataError
 
 PAD_BYTES = 8  # slack before and after a block, so 8-byte loads never leave the buffer
 
