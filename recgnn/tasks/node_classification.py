@@ -90,7 +90,7 @@ from absl import logging
 from recgnn import hostmem, planner, sharding
 from recgnn.data.graph_loading import load_graph, write_eigen_init
 from recgnn.embeddings import OptimizerSpec, TableSpec
-from recgnn.graphs import samplers, sampling
+from recgnn.graphs import ladies, samplers, sampling
 from recgnn.models import dlrm, graphsage
 from recgnn.tasks import node_data_parallel
 from recgnn.tasks.node_batch import TABLE, make_batch
@@ -477,7 +477,7 @@ class NodeClassification(Task):
       mid = tuple(batch[f"nbr{d}"].shape[0] for d in range(1, num_layers))
     else:
       mid = tuple(
-        sampling.LadiesSampler.frontier_sizes(
+        ladies.LadiesSampler.frontier_sizes(
           n0, self.config.sampler.layer_sizes, self.graph.num_nodes
         )[1:-1]
       )
