@@ -7,10 +7,12 @@ half-written file, another build's file or a damaged header is caught in O(files
 64 KiB read each), never read as data. The caller then refuses the files naming the path and
 the fix, or rebuilds them where their source is at hand.
 
-Users: the CTR memmap caches (`ctr_cache`: the manifest's "files"), the graph caches of
+Users: the CTR memmap caches (`ctr_cache`: the manifest's "files"), the generated synthetic
+Criteo data (`criteo_synthetic`: its description's "files"), the graph caches of
 `graph_loading` (node orders, eigenvector inits: a sidecar manifest per file,
-`write_sidecar` / `sidecar_problem`) and the TFDS builds of `tfds_builders`. The import path
-`recgnn.data.file_check` is stable: other tiers (e.g. on-disk row files) reuse it.
+`write_sidecar` / `sidecar_problem`) and the TFDS builds of `tfds_builders` (a manifest in
+each build's folder). The import path `recgnn.data.file_check` is stable: other tiers (e.g.
+on-disk row files) reuse it.
 """
 
 from __future__ import annotations
