@@ -359,6 +359,15 @@ def test_a_damaged_cache_is_refused_or_rebuilt_never_read(tmp_path):
     f.write(bytes([1 - f.read(1)[0] % 2]))
   with pytest.raises(ValueError, match="first bytes differ"):
     criteo.CriteoDataset(os.path.dirname(labels))
+  # A damaged manifest: refused naming it (it was a bare JSONDecodeError), then rebuilt.
+  manifest = os.path.join(os.path.dirname(labels), "manifest.json")
+  with open(manifest, "r+b") as f:
+    f.truncate(os.path.getsize(manifest) // 2)
+  with pytest.raises(ValueError, match=r"manifest\.json is missing or damaged\. Delete"):
+    criteo.CriteoDataset(os.path.dirname(labels))
+  third = criteo.open_criteo(path, cache, progress=quiet)
+  assert not third.reused_cache
+  np.testing.assert_array_equal(third.sparse, want)
 
 
 def test_damaged_synthetic_files_are_generated_again(tmp_path):
