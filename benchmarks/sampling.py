@@ -68,7 +68,7 @@ import common  # noqa: E402  (benchmarks/common.py)
 import sampling_pyg  # noqa: E402  (benchmarks/sampling_pyg.py: the PyG contestant)
 
 from recgnn import hostmem  # noqa: E402
-from recgnn.graphs import sampling, synthetic  # noqa: E402
+from recgnn.graphs import ladies, sampling, synthetic  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 TARGET_RATIO = 2.5  # k=16 edges/s over PyG's
@@ -222,7 +222,7 @@ def bench_device(graph, args) -> dict[str, Any]:
   """Host vs device samplers, k mini-batches per call, PyG in the same rounds."""
   import jax
 
-  from recgnn.graphs import device_sampling
+  from recgnn.graphs import device_ladies, device_sampling
 
   fanouts, bsz = args.fanouts, args.batch_size
   rng = np.random.default_rng(0)
@@ -268,8 +268,8 @@ def bench_device(graph, args) -> dict[str, Any]:
     methods[f"node host k={k}"] = host_run(k, host)
     methods[f"node device k={k}"] = device_run(k, dev, f"node device k={k}")
   lk, lsizes = args.ladies_k, args.ladies_sizes
-  lhost = sampling.LadiesSampler(graph.adj, layer_sizes=lsizes, batch_size=bsz)
-  ldev = device_sampling.DeviceLadiesSampler(graph.adj, layer_sizes=lsizes, batch_size=bsz)
+  lhost = ladies.LadiesSampler(graph.adj, layer_sizes=lsizes, batch_size=bsz)
+  ldev = device_ladies.DeviceLadiesSampler(graph.adj, layer_sizes=lsizes, batch_size=bsz)
   methods[f"ladies host k={lk}"] = host_run(lk, lhost)
   methods[f"ladies device k={lk}"] = device_run(lk, ldev, f"ladies device k={lk}")
   peer = sampling_pyg.status()
@@ -519,7 +519,7 @@ def bench_split_ladies(args) -> dict[str, Any]:
   import jax
 
   from recgnn import sharding
-  from recgnn.graphs import device_sampling, split_sampling
+  from recgnn.graphs import device_ladies, split_sampling
 
   if jax.device_count() < 8:
     raise SystemExit(f"--sections=split_ladies needs 8 devices, found {jax.device_count()}")
@@ -529,7 +529,7 @@ def bench_split_ladies(args) -> dict[str, Any]:
   mesh = sharding.make_mesh(1, 8)
   sizes, bsz = list(args.split_ladies_sizes), args.split_ladies_batch
   kw = dict(layer_sizes=sizes, batch_size=bsz)
-  one = device_sampling.DeviceLadiesSampler(graph.adj, **kw)
+  one = device_ladies.DeviceLadiesSampler(graph.adj, **kw)
   split = split_sampling.SplitLadiesSampler(graph.adj, mesh=mesh, **kw)
   rng = np.random.default_rng(0)
   train = graph.splits["train"]
@@ -557,7 +557,7 @@ def bench_split_ladies(args) -> dict[str, Any]:
       }
       for layer, h in enumerate(split.hop_bytes(k))
     ]
-  lap = sampling.ladies_matrix(graph.adj)
+  lap = ladies.ladies_matrix(graph.adj)
   out: dict[str, Any] = {
     "graph": graph.describe(),
     "mesh": sharding.describe(mesh),

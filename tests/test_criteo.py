@@ -359,6 +359,41 @@ def test_a_damaged_cache_is_refused_or_rebuilt_never_read(tmp_path):
     f.write(bytes([1 - f.read(1)[0] % 2]))
   with pytest.raises(ValueError, match="first bytes differ"):
     criteo.CriteoDataset(os.path.dirname(labels))
+  # A damaged manifest: refused naming it (it was a bare JSONDecodeError), then rebuilt.
+  manifest = os.path.join(os.path.dirname(labels), "manifest.json")
+  with open(manifest, "r+b") as f:
+    f.truncate(os.path.getsize(manifest) // 2)
+  with pytest.raises(ValueError, match=r"manifest\.json is missing or damaged\. Delete"):
+    criteo.CriteoDataset(os.path.dirname(labels))
+  third = criteo.open_criteo(path, cache, progress=quiet)
+  assert not third.reused_cache
+  np.testing.assert_array_equal(third.sparse, want)
+
+
+def test_damaged_synthetic_files_are_generated_again(tmp_path):
+  """The generated TSV cut short (which the CTR cache would take for a changed source and
+  convert silently) and the oracle probabilities with a flipped byte: the oracle read refuses
+  naming the file, and opening the default dataset generates both again, saying why."""
+  cfg = cs.SyntheticConfig(num_rows=700, scale=1e-4, seed=1, calibration_rows=10_000)
+  root = str(tmp_path)
+  first = cs.default_synthetic_dataset(root, config=cfg, progress=quiet)
+  tsv, want = first.tsv_path, read(first.tsv_path, "rb")
+  probs = tsv + ".oracle.npy"
+  want_probs = np.array(first.oracle_probabilities())
+  with open(probs, "r+b") as f:
+    f.seek(150)
+    b = f.read(1)[0]
+    f.seek(150)
+    f.write(bytes([b ^ 1]))
+  with pytest.raises(ValueError, match=r"oracle\.npy's first bytes differ.*Delete"):
+    cs.oracle_probabilities(tsv)
+  with open(tsv, "r+b") as f:
+    f.truncate(len(want) // 2)
+  said = []
+  again = cs.default_synthetic_dataset(root, config=cfg, progress=said.append)
+  assert any("generating" in m and "train.txt has" in m for m in said), said
+  assert read(tsv, "rb") == want and again.dataset.num_rows == first.dataset.num_rows
+  np.testing.assert_array_equal(again.oracle_probabilities(), want_probs)
 
 
 # ----------------------------------------------------------------------------- batches

@@ -215,8 +215,8 @@ def test_planetoid_builder_round_trips_cora(tmp_path):
   _graphs_equal(g, planetoid.load("cora"))
 
 
-def test_ogb_builder_round_trips_the_raw_layout(tmp_path):
-  root = tmp_path / "ogbn_tiny"
+def _tiny_ogb(root) -> None:
+  """A 30-node graph in the OGB raw layout under `root`."""
   rng = np.random.default_rng(0)
   n = 30
   files = {
@@ -231,8 +231,66 @@ def test_ogb_builder_round_trips_the_raw_layout(tmp_path):
     os.makedirs(os.path.dirname(root / name), exist_ok=True)
     with gzip.open(root / name, "wt") as f:
       f.write(text)
+
+
+def test_ogb_builder_round_trips_the_raw_layout(tmp_path):
+  root = tmp_path / "ogbn_tiny"
+  _tiny_ogb(root)
   g = _nc_graph(source="tfds", path=str(root), tfds_dir=str(tmp_path / "tfds"))
   _graphs_equal(g, ogb.load(str(root)))
+
+
+def _flip(path: str, at: int) -> None:
+  with open(path, "r+b") as f:
+    f.seek(at)
+    b = f.read(1)[0]
+    f.seek(at)
+    f.write(bytes([b ^ 1]))
+
+
+def test_a_damaged_build_is_built_again_from_its_source(tmp_path):
+  """A shard cut to half its bytes, then a flipped byte in dataset_info.json (which the TFDS
+  constructor reads first): each time the next `build` builds the planetoid build again
+  (new files, the same graph), never reading the damaged one."""
+  data_dir = str(tmp_path / "tfds")
+  ref = tfds_builders.load_graph(tfds_builders.build("planetoid", data_dir, config="cora"))
+  folder = tfds_builders.variant_dir("planetoid", data_dir, "cora")
+  assert tfds_builders.build_problem(folder) is None
+  shard = next(os.path.join(folder, f) for f in os.listdir(folder) if "-train.array_record" in f)
+  size = os.path.getsize(shard)
+  with open(shard, "r+b") as f:
+    f.truncate(size // 2)
+  assert "has" in tfds_builders.build_problem(folder) and shard in tfds_builders.build_problem(
+    folder
+  )
+  again = tfds_builders.build("planetoid", data_dir, config="cora")
+  assert os.path.getsize(shard) == size and tfds_builders.build_problem(folder) is None
+  _graphs_equal(tfds_builders.load_graph(again), ref)
+  _flip(os.path.join(folder, "dataset_info.json"), 10)
+  assert "dataset_info.json's first bytes differ" in tfds_builders.build_problem(folder)
+  third = tfds_builders.build("planetoid", data_dir, config="cora")
+  assert tfds_builders.build_problem(folder) is None
+  _graphs_equal(tfds_builders.load_graph(third), ref)
+  assert sorted(os.listdir(os.path.dirname(folder))) == ["1.0.0"]  # nothing left aside
+
+
+def test_a_damaged_build_without_its_source_is_refused_naming_the_file(tmp_path):
+  """An OGB build whose source folder is gone and whose shard is damaged: refused naming the
+  shard and the fix, and the damaged build is left where it was (not deleted)."""
+  root = tmp_path / "ogbn_tiny"
+  _tiny_ogb(root)
+  data_dir = str(tmp_path / "tfds")
+  config = tfds_builders.ogb_config_for(str(root))
+  tfds_builders.build("ogb_node", data_dir, manual_dir=str(root), config=config)
+  folder = tfds_builders.variant_dir("ogb_node", data_dir, config)
+  shard = next(os.path.join(folder, f) for f in os.listdir(folder) if "-test.array_record" in f)
+  _flip(shard, 0)
+  import shutil
+
+  shutil.rmtree(root)
+  with pytest.raises(ValueError, match=r"-test\.array_record.*first bytes differ.*Fix: give"):
+    tfds_builders.build("ogb_node", data_dir, manual_dir=str(root), config=config)
+  assert os.path.exists(shard) and "first bytes differ" in tfds_builders.build_problem(folder)
 
 
 def test_fb15k237_builder_keeps_triples_and_names(tmp_path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from experiments import sage_cora, sage_ogb, sage_synthetic
-from recgnn.graphs import sampling, synthetic
+from recgnn.graphs import ladies, sampling, synthetic
 from recgnn.models import graphsage
 from recgnn.tasks import node_classification as nc
 from recgnn.train import loop
@@ -48,7 +48,7 @@ def test_model_matches_numpy_reference(small_graph, kind):
   if kind == "node":
     s = sampling.NeighborSampler(small_graph.adj, fanouts=[5, 3], batch_size=32)
   else:
-    s = sampling.LadiesSampler(small_graph.adj, layer_sizes=[64, 64], batch_size=32)
+    s = ladies.LadiesSampler(small_graph.adj, layer_sizes=[64, 64], batch_size=32)
   nodes, layers = s.sample(seeds, rng).batch(0)
   x = rng.standard_normal((small_graph.num_nodes, 12)).astype(np.float32)[np.maximum(nodes, 0)]
   x[nodes < 0] = 0

@@ -15,7 +15,16 @@ import scipy.sparse as sp
 from scipy import stats
 
 from recgnn import sharding
-from recgnn.graphs import device_sampling, samplers, sampling, split_sampling, store, synthetic
+from recgnn.graphs import (
+  device_ladies,
+  device_sampling,
+  ladies,
+  samplers,
+  sampling,
+  split_sampling,
+  store,
+  synthetic,
+)
 from tests.trainer_lib import make_task
 
 WHERE = ("host", "device")
@@ -27,7 +36,7 @@ def node_sampler(where, adj, **kw):
 
 
 def ladies_sampler(where, adj, **kw):
-  cls = sampling.LadiesSampler if where == "host" else device_sampling.DeviceLadiesSampler
+  cls = ladies.LadiesSampler if where == "host" else device_ladies.DeviceLadiesSampler
   return cls(adj, **kw)
 
 
@@ -43,9 +52,9 @@ def draw_offsets(where, deg, fanout, rng):
 def weighted_draw(where, prob, s, rng):
   """(rows, cols) of s weighted draws per row of the CSR `prob`, host or device."""
   if where == "host":
-    return sampling.weighted_draw(prob, s, rng)
+    return ladies.weighted_draw(prob, s, rng)
   dense = jnp.asarray(prob.toarray(), jnp.float32)
-  cols, valid = device_sampling.weighted_draw(dense, s, device_sampling.key_from(rng))
+  cols, valid = device_ladies.weighted_draw(dense, s, device_sampling.key_from(rng))
   cols, valid = np.asarray(cols), np.asarray(valid)
   rows = np.broadcast_to(np.arange(cols.shape[0])[:, None], cols.shape)
   return rows[valid], cols[valid]
@@ -204,7 +213,7 @@ def test_ladies_probabilities_are_column_norms(graph, where):
   frontier[1, 15:] = -1
   prob = s.probabilities(frontier)
   prob = prob.toarray() if sp.issparse(prob) else prob
-  lap = sampling.ladies_matrix(graph.adj).toarray()
+  lap = ladies.ladies_matrix(graph.adj).toarray()
   tol = dict(rtol=1e-10, atol=1e-15) if where == "host" else dict(rtol=1e-5, atol=1e-9)
   for b in range(3):
     rows = frontier[b][frontier[b] >= 0]
@@ -236,7 +245,7 @@ def test_ladies_blocks(graph, where):
   seeds = rng.permutation(graph.num_nodes)[:96].reshape(3, 32)
   blocks = s.sample(seeds, rng)
   assert s.sizes == (32, 132, 332) and blocks.dropped == 0
-  lap = sampling.ladies_matrix(graph.adj)
+  lap = ladies.ladies_matrix(graph.adj)
   for b in range(3):
     nodes = blocks.nodes[b]
     np.testing.assert_array_equal(nodes[:32], seeds[b])
@@ -421,7 +430,7 @@ def test_split_graph_ladies_equals_one_device(graph):
   two LADIES programs take ~10-20 s to compile on this CPU."""
   mesh = sharding.make_mesh(2, 4)  # the rows split over both axes: every device
   kw = dict(layer_sizes=[60, 80], batch_size=24)
-  one = device_sampling.DeviceLadiesSampler(graph.adj, **kw)
+  one = device_ladies.DeviceLadiesSampler(graph.adj, **kw)
   split = split_sampling.SplitLadiesSampler(graph.adj, mesh=mesh, **kw)
   seeds = np.random.default_rng(4).permutation(graph.num_nodes)[:120].reshape(5, 24)
   seeds[4, 10:] = -1

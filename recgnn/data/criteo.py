@@ -66,7 +66,6 @@ from recgnn.data.ctr_dataset import (  # noqa: F401 (the Criteo names of the gen
   process_rows,
 )
 from recgnn.data.ctr_dataset import CTRDataset as CriteoDataset
-from recgnn.data.ctr_reader import block_ranges, iter_blocks, read_range  # noqa: F401
 from recgnn.data.ctr_schema import (  # noqa: F401
   FIRST_ID,
   MISSING_ID,
@@ -74,6 +73,7 @@ from recgnn.data.ctr_schema import (  # noqa: F401
   Categorical,
   Schema,
 )
+from recgnn.data.text_blocks import block_ranges, iter_blocks, read_range  # noqa: F401
 
 NUM_DENSE = 13
 NUM_SPARSE = 26

@@ -36,7 +36,9 @@ import numpy as np
 import scipy.special
 import scipy.stats
 
-from recgnn.data import criteo
+from recgnn.data import criteo, file_check
+from recgnn.data.ctr_auc import dense_only_baseline_auc, expected_auc, roc_auc  # noqa: F401
+from recgnn.data.tsv_writer import format_tsv
 
 # Kaggle's share of empty fields per column (approximate; from the public train.txt).
 DENSE_MISSING = (0.45, 0.0, 0.21, 0.22, 0.03, 0.22, 0.04, 0.0005, 0.04, 0.45, 0.04, 0.76, 0.22)
@@ -203,22 +205,6 @@ def _dense_log(dense: np.ndarray, dense_missing: np.ndarray) -> np.ndarray:
   return np.where(dense_missing, 0.0, np.log1p(np.maximum(dense, 0).astype(np.float32)))
 
 
-def expected_auc(p: np.ndarray, presorted: bool = False) -> float:
-  """AUC of score p when each label is Bernoulli(p), in expectation over the labels:
-  P(score of a random positive > score of a random negative), ties counting 1/2."""
-  ps = np.asarray(p, np.float64) if presorted else np.sort(np.asarray(p, np.float64))
-  _, first, counts = np.unique(ps, return_index=True, return_counts=True)
-  pos, neg = ps, 1.0 - ps
-  neg_group = np.add.reduceat(neg, first)
-  pos_group = np.add.reduceat(pos, first)
-  neg_below = np.cumsum(neg_group) - neg_group
-  num = np.sum(pos_group * (neg_below + 0.5 * neg_group)) - 0.5 * np.sum(
-    np.add.reduceat(pos * neg, first)
-  )  # a row is never paired with itself
-  den = pos.sum() * neg.sum() - np.sum(pos * neg)
-  return float(num / den) if den > 0 else 1.0  # every p is 0 or 1: a perfect score
-
-
 def _calibrate(cfg: SyntheticConfig, model: PlantedModel) -> PlantedModel:
   """Scale the parts to their variance shares, then solve the global scale for `target_auc`
   and the bias for `ctr`, on a sample drawn apart from the rows."""
@@ -248,63 +234,6 @@ def _calibrate(cfg: SyntheticConfig, model: PlantedModel) -> PlantedModel:
     lo, hi = (s, hi) if auc < cfg.target_auc else (lo, s)
   s = 0.5 * (lo + hi)
   return dataclasses.replace(model, scales=s * unit, bias=bias_for(s))
-
-
-# ----------------------------------------------------------------------------- TSV writer
-
-
-def _digit_tables():
-  """Tables of the vectorized decimal formatter (see `format_tsv`)."""
-  quad = np.array([int.from_bytes(f"{i:04d}".encode(), "little") for i in range(10_000)], np.uint32)
-  # Row r = ndigits + 13 * negative (row 26: missing) of 12-char masks and sign bytes.
-  keep = np.zeros((27, 12), np.uint8)
-  sign = np.zeros((27, 12), np.uint8)
-  for nd in range(1, 10):
-    for neg in (0, 1):
-      keep[nd + 13 * neg, 12 - nd :] = 0xFF
-      sign[nd + 13 * neg, 11 - nd] = ord("-") if neg else 0
-  return quad, keep, sign
-
-
-_QUAD, _KEEP12, _SIGN12 = _digit_tables()
-_HEX_PAIR = np.array([int.from_bytes(f"{i:02x}".encode(), "little") for i in range(256)], "<u2")
-
-
-def format_tsv(
-  labels: np.ndarray,
-  dense: np.ndarray,
-  dense_missing: np.ndarray,
-  raw: np.ndarray,
-  missing: np.ndarray,
-) -> bytes:
-  """Criteo TSV lines, vectorized: every field is laid out at a fixed width padded with NUL
-  bytes, which are then dropped.
-
-  Args:
-    labels: int[n] 0/1. dense: int[n, 13], |x| < 1e9. dense_missing: bool[n, 13].
-    raw: uint32[n, 26] hex values. missing: bool[n, 26].
-  """
-  n = labels.shape[0]
-  v = np.abs(dense).astype(np.uint32)
-  # 12 zero-padded digits as three 4-digit table lookups, then a mask keeps the significant
-  # ones and a sign byte goes before them.
-  quads = np.stack([_QUAD[v // 100_000_000], _QUAD[v // 10_000 % 10_000], _QUAD[v % 10_000]], -1)
-  ndig = np.ones(v.shape, np.int64)
-  for k in range(1, 9):
-    ndig += v >= 10**k
-  row = np.where(dense_missing, 26, ndig + 13 * (dense < 0))
-  dchars = (quads.view(np.uint8).reshape(n, -1, 12) & _KEEP12[row]) | _SIGN12[row]
-  hchars = _HEX_PAIR[raw.astype(">u4").view(np.uint8)].view(np.uint8).reshape(n, -1, 8)
-  hchars = hchars * ~missing[:, :, None]
-  tab = np.full((n, 1), 9, np.uint8)
-  cols = [(labels.astype(np.uint8) + 48)[:, None]]
-  for k in range(criteo.NUM_DENSE):
-    cols += [tab, dchars[:, k]]
-  for t in range(criteo.NUM_SPARSE):
-    cols += [tab, hchars[:, t]]
-  cols.append(np.full((n, 1), 10, np.uint8))
-  m = np.concatenate(cols, axis=1).ravel()
-  return m[m != 0].tobytes()
 
 
 def _raw_values(model: PlantedModel, ranks: np.ndarray) -> np.ndarray:
@@ -363,8 +292,10 @@ def generate_tsv(
   del probs
   os.replace(path + _SIDE_PROBS + ".tmp", path + _SIDE_PROBS)
   os.replace(path + ".tmp", path)
-  with open(path + _SIDE_JSON, "w") as f:
-    json.dump(info, f, indent=1)
+  # Written last, with the files' sizes and head checksums: a description whose files do not
+  # match (truncated, half-written) makes `default_synthetic_dataset` generate them again.
+  info["files"] = file_check.file_records(os.path.dirname(path) or ".", _side_files(path))
+  file_check.write_manifest(path + _SIDE_JSON, info)
   if progress is not None:
     progress(
       f"criteo synthetic: wrote {cfg.num_rows:,} rows to {path} in "
@@ -374,88 +305,35 @@ def generate_tsv(
   return info
 
 
+def _side_files(path: str) -> list[str]:
+  """The generated files whose sizes and checksums the description records (beside it)."""
+  name = os.path.basename(path)
+  return [name, name + _SIDE_PROBS]
+
+
 def load_info(path: str) -> dict[str, Any] | None:
   """The description written beside a generated TSV, or None."""
-  try:
-    with open(path + _SIDE_JSON) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
+  return file_check.read_manifest(path + _SIDE_JSON)
+
+
+def files_problem(path: str, info: dict[str, Any] | None) -> str | None:
+  """None if the generated TSV and its probabilities are what `info` records, else what
+  differs (naming the file)."""
+  if info is None:
+    return f"{path + _SIDE_JSON} is missing or unreadable"
+  return file_check.check_files(os.path.dirname(path) or ".", info, _side_files(path))
 
 
 def oracle_probabilities(path: str) -> np.ndarray:
-  """True click probability of every line of a generated TSV, float32[N] (memmap)."""
+  """True click probability of every line of a generated TSV, float32[N] (memmap); refused
+  when the file is not the one its description records."""
+  bad = files_problem(path, load_info(path))
+  if bad is not None:
+    raise ValueError(
+      f"synthetic data {path} is damaged: {bad}. Delete {os.path.dirname(path) or '.'} and "
+      "open it again (default_synthetic_dataset generates it anew)."
+    )
   return np.load(path + _SIDE_PROBS, mmap_mode="r")
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-def roc_auc(scores: np.ndarray, labels: np.ndarray, weights: np.ndarray | None = None) -> float:
-  """Area under the ROC curve (ties count 1/2), optionally weighted (weight 0 = padding)."""
-  scores = np.asarray(scores, np.float64).ravel()
-  labels = np.asarray(labels).ravel() > 0.5
-  w = np.ones_like(scores) if weights is None else np.asarray(weights, np.float64).ravel()
-  if weights is None:
-    ranks = scipy.stats.rankdata(scores)
-    npos = labels.sum()
-    nneg = labels.size - npos
-    if npos == 0 or nneg == 0:
-      raise ValueError("AUC needs both positive and negative labels")
-    return float((ranks[labels].sum() - npos * (npos + 1) / 2) / (npos * nneg))
-  order = np.argsort(scores, kind="stable")
-  s, y, w = scores[order], labels[order], w[order]
-  _, first = np.unique(s, return_index=True)
-  pos_g = np.add.reduceat(w * y, first)
-  neg_g = np.add.reduceat(w * ~y, first)
-  neg_below = np.cumsum(neg_g) - neg_g
-  den = pos_g.sum() * neg_g.sum()
-  if den == 0:
-    raise ValueError("AUC needs both positive and negative labels")
-  return float(np.sum(pos_g * (neg_below + 0.5 * neg_g)) / den)
-
-
-def dense_only_baseline_auc(
-  dataset: criteo.CriteoDataset,
-  *,
-  max_train_rows: int = 300_000,
-  eval_split: str = "test",
-  seed: int = 0,
-) -> float:
-  """AUC on `eval_split` of a logistic regression on the 13 log dense features only.
-
-  Features: x, x^2 and [x == 0] of each log feature (a flexible per-feature curve), fitted by
-  Newton's method on up to `max_train_rows` random train rows. This is the ceiling of what the
-  dense features alone say, to report beside the oracle AUC.
-  """
-  start, stop = dataset.splits["train"]
-  rng = np.random.default_rng(seed)
-  n = stop - start
-  rows = start + np.sort(rng.choice(n, min(n, max_train_rows), replace=False))
-
-  def features(dense):
-    x = np.asarray(dense, np.float64)
-    return np.concatenate([np.ones((x.shape[0], 1)), x, x * x, x == 0], axis=1)
-
-  x = features(dataset.dense[rows])
-  y = np.asarray(dataset.labels[rows], np.float64)
-  mean, std = x.mean(0), x.std(0)
-  mean[0], std[0] = 0.0, 1.0
-  std[std == 0] = 1.0
-  x = (x - mean) / std
-  w = np.zeros(x.shape[1])
-  for _ in range(25):  # Newton / IRLS with a little ridge for constant columns
-    # einsum, not BLAS: multi-threaded BLAS crawls on a shared, oversubscribed CPU.
-    p = scipy.special.expit(np.einsum("nf,f->n", x, w))
-    g = np.einsum("nf,n->f", x, p - y) + 1e-6 * w
-    h = np.einsum("nf,ng->fg", x * (p * (1 - p))[:, None], x) + 1e-6 * np.eye(x.shape[1])
-    step = np.linalg.solve(h, g)
-    w -= step
-    if np.abs(step).max() < 1e-7:
-      break
-  lo, hi = dataset.splits[eval_split]
-  xe = (features(dataset.dense[lo:hi]) - mean) / std
-  return roc_auc(np.einsum("nf,f->n", xe, w), dataset.labels[lo:hi])
 
 
 # ----------------------------------------------------------------------------- default
@@ -509,7 +387,14 @@ def default_synthetic_dataset(
   os.makedirs(root, exist_ok=True)
   tsv = os.path.join(root, "train.txt")
   info = load_info(tsv)
-  if info is None or info["config"] != cfg.to_json() or not os.path.exists(tsv):
+  why = "not generated yet" if info is None else None
+  if why is None and info.get("config") != cfg.to_json():
+    why = "another config"
+  if why is None:
+    why = files_problem(tsv, info)  # a damaged file is generated again, never read
+  if why is not None:
+    if progress is not None and info is not None:
+      progress(f"criteo synthetic: generating {tsv} again ({why})")
     info = generate_tsv(tsv, cfg, progress)
   dataset = criteo.open_criteo(tsv, cache_dir, reader=reader, split="kaggle", progress=progress)
   return SyntheticDataset(dataset=dataset, tsv_path=tsv, info=info, oracle_auc=info["oracle_auc"])

@@ -1,6 +1,6 @@
 """Streaming conversion of CTR files into the memmap cache, for any format and schema.
 
-A format (`criteo.CriteoTSV`, `ctr_reader.TextFormat`, `ctr_reader.ParquetFormat`) cuts a file
+A format (`criteo.CriteoTSV`, `ctr_formats.TextFormat`, `ctr_formats.ParquetFormat`) cuts a file
 into tasks (byte ranges of whole lines, or Parquet row groups) and parses one task into a
 `Parsed` block; this module runs the tasks in order (in `num_workers` spawned processes, at
 most 2 per worker in flight so memory stays bounded), counts malformed lines against the
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import json
 import multiprocessing
 import os
@@ -30,22 +29,31 @@ from typing import Any
 
 import numpy as np
 
+from recgnn.data import file_check
+from recgnn.data.bad_lines import (  # noqa: F401 (importable from here, as before the split)
+  MAX_EXAMPLES,
+  BadLines,
+  Budget,
+  MalformedDataError,
+  reasons,
+)
+from recgnn.data.ctr_ids import (  # noqa: F401 (likewise)
+  EMPTY,
+  PADDED,
+  SORTED_LOOKUP,
+  VALUE,
+  Counter,
+  column_ids,
+  lookup,
+  offsets,
+)
 from recgnn.data.ctr_schema import FIRST_ID, MISSING_ID, PAD, UNKNOWN_ID, Categorical
+from recgnn.data.file_check import HEAD_BYTES  # noqa: F401
 
 # 2: the manifest lists each array's bytes and a checksum of its head (`file_records`), checked
 # before the arrays are trusted (a cache of version 1 is rebuilt from its sources).
 CACHE_VERSION = 2
 ARRAYS = ("labels.npy", "dense.npy", "sparse.npy")
-HEAD_BYTES = 1 << 16  # the bytes of each array whose checksum the manifest records
-MAX_EXAMPLES = 10  # malformed lines quoted in reports
-SORTED_LOOKUP = 512  # vocabularies larger than this are searched with sorted queries
-
-# Parsed.state values of an id slot.
-VALUE, EMPTY, PADDED = 0, 1, 2
-
-
-class MalformedDataError(ValueError):
-  """Too many malformed lines in a source file."""
 
 
 @dataclasses.dataclass
@@ -69,14 +77,6 @@ class Parsed:
   bad: list[tuple[int, str]]
   examples: list[tuple[int, str, str]]
   num_lines: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-  """Malformed lines tolerated per file: max(max_bad_lines, max_bad_fraction * lines read)."""
-
-  max_bad_lines: int = 100
-  max_bad_fraction: float = 0.0
 
 
 # ----------------------------------------------------------------------------- files
@@ -118,47 +118,23 @@ def source_stats(paths: Sequence[str]) -> list[dict[str, Any]]:
   return out
 
 
-def _head_sha256(path: str) -> str:
-  with open(path, "rb") as f:
-    return hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
-
-
 def file_records(path: str) -> dict[str, dict[str, Any]]:
   """{array file: {"bytes", "head_sha256"}} of a cache directory's arrays: what the manifest
   records at conversion and `check_files` compares before the arrays are read."""
-  return {
-    name: {"bytes": os.path.getsize(os.path.join(path, name)),
-           "head_sha256": _head_sha256(os.path.join(path, name))}
-    for name in ARRAYS
-  }  # fmt: skip
+  return file_check.file_records(path, ARRAYS)
 
 
 def check_files(path: str, manifest: dict[str, Any]) -> str | None:
   """None if every array of the cache at `path` has the bytes and head checksum its manifest
-  recorded, else what differs (a truncated copy, a half-written file, another cache's array:
-  never read as data). O(arrays): a stat and 64 KiB read each."""
-  want = manifest.get("files")
-  if not isinstance(want, dict):
-    return "its manifest records no array sizes (written before they were checked)"
-  for name in ARRAYS:
-    f = os.path.join(path, name)
-    if not os.path.isfile(f):
-      return f"{f} is missing"
-    size, rec = os.path.getsize(f), want.get(name, {})
-    if size != rec.get("bytes"):
-      return f"{f} has {size:,} bytes where its manifest records {rec.get('bytes', 0):,}"
-    if _head_sha256(f) != rec.get("head_sha256"):
-      return f"{f}'s first bytes differ from what its manifest records (another file?)"
-  return None
+  recorded, else what differs (`file_check.check_files` over ARRAYS)."""
+  return file_check.check_files(path, manifest, ARRAYS)
 
 
 def cache_valid(path: str, paths: Sequence[str], key: dict[str, Any]) -> str | None:
   """None if the cache at `path` matches the sources and the id settings `key` and its arrays
   are whole (`check_files`), else why not (the caller converts again)."""
-  try:
-    with open(os.path.join(path, "manifest.json")) as f:
-      manifest = json.load(f)
-  except (OSError, ValueError):
+  manifest = file_check.read_manifest(os.path.join(path, "manifest.json"))
+  if manifest is None:
     return "no cache yet"
   if manifest.get("version") != CACHE_VERSION:
     return "cache format changed"
@@ -170,59 +146,6 @@ def cache_valid(path: str, paths: Sequence[str], key: dict[str, Any]) -> str | N
   if bad is not None:
     return f"the cache is damaged: {bad}"
   return None
-
-
-# ----------------------------------------------------------------------------- bad lines
-
-
-class BadLines:
-  """Counts malformed lines per file and enforces the error budget."""
-
-  def __init__(self, budget: Budget, hint: str = ""):
-    self.budget = budget
-    self.hint = hint or "(--config.data.max_bad_lines / max_bad_fraction)"
-    self.files: dict[str, dict[str, Any]] = {}
-
-  def add(self, path: str, result: dict[str, Any], first_line: int, lines_read: int):
-    """Record one task's malformed lines (`_work`'s result) and enforce the budget."""
-    if result["bad"]:
-      rec = self.files.setdefault(path, {"count": 0, "by_reason": {}, "examples": []})
-      for _, reason in result["bad"]:
-        rec["count"] += 1
-        rec["by_reason"][reason] = rec["by_reason"].get(reason, 0) + 1
-      for index, reason, text in result["examples"]:
-        if len(rec["examples"]) < MAX_EXAMPLES:
-          rec["examples"].append({"line": first_line + index, "reason": reason, "text": text})
-    self.check(path, lines_read)
-
-  def check(self, path: str, lines_read: int):
-    rec = self.files.get(path)
-    if not rec:
-      return
-    b = self.budget
-    budget = max(b.max_bad_lines, int(b.max_bad_fraction * lines_read))
-    if rec["count"] > budget:
-      first = "; ".join(f"line {e['line']} ({e['reason']}): {e['text']!r}" for e in rec["examples"])
-      raise MalformedDataError(
-        f"{path}: {rec['count']} malformed lines in the first {lines_read} "
-        f"({reasons(rec)}), over the budget of {budget}. First: {first}. "
-        f"If the file is right, raise the budget: {self.hint}."
-      )
-
-  def recheck(self, files: dict[str, Any], paths: Sequence[str], file_rows: Sequence[int]):
-    """Check a cached conversion's counts against this (maybe smaller) budget."""
-    self.files = files
-    for path, rows in zip(paths, file_rows):
-      rec = files.get(os.path.abspath(path))
-      if rec:
-        self.check(os.path.abspath(path), rows + rec["count"])
-
-  def total(self) -> int:
-    return sum(r["count"] for r in self.files.values())
-
-
-def reasons(rec) -> str:
-  return ", ".join(f"{v} {k}" for k, v in sorted(rec["by_reason"].items()))
 
 
 def progress_printer(progress: Callable[[str], None] | None, label: str, unit: str = "MiB"):
@@ -242,84 +165,6 @@ def progress_printer(progress: Callable[[str], None] | None, label: str, unit: s
     )
 
   return report
-
-
-# ----------------------------------------------------------------------------- ids
-
-
-def offsets(columns: Sequence[Categorical]) -> np.ndarray:
-  """int64[T + 1]: table t's slots are [o[t], o[t + 1])."""
-  return np.concatenate([[0], np.cumsum([c.bag for c in columns])]).astype(np.int64)
-
-
-def lookup(col: np.ndarray, vals: np.ndarray, ids: np.ndarray, sorted_threshold: int) -> np.ndarray:
-  """Keys -> ids through a vocabulary (vals sorted ascending); UNKNOWN_ID if absent."""
-  if vals.size == 0:
-    return np.full(col.shape, UNKNOWN_ID, np.int32)
-  if vals.size > sorted_threshold:
-    # numpy's binary search starts from the previous key's bounds: sorted queries walk a
-    # big vocabulary in order instead of missing the cache at every level (~5x here).
-    order = np.argsort(col)
-    pos = np.empty(col.size, np.int64)
-    pos[order] = np.searchsorted(vals, col[order])
-  else:
-    pos = np.searchsorted(vals, col)
-  pos = np.minimum(pos, vals.size - 1)
-  return np.where(vals[pos] == col, ids[pos], UNKNOWN_ID).astype(np.int32)
-
-
-def column_ids(raw, state, columns: Sequence[Categorical], vocab=None) -> np.ndarray:
-  """raw keys [n, S], state uint8[n, S] -> int32[n, S] ids: hash columns by their size,
-  frequency columns through `vocab` ({column index: (vals, ids)})."""
-  out = np.empty(raw.shape, np.int32)
-  o = offsets(columns)
-  for t, c in enumerate(columns):
-    sl = slice(o[t], o[t + 1])
-    r = raw[:, sl]
-    if c.vocab == "hash":
-      m = np.asarray(c.hash_size - FIRST_ID, r.dtype)
-      out[:, sl] = FIRST_ID + (r % m).astype(np.int64)
-    else:
-      vals, ids = vocab[t]
-      out[:, sl] = lookup(r.ravel(), vals, ids, SORTED_LOOKUP).reshape(r.shape)
-  out[state == EMPTY] = MISSING_ID
-  out[state == PADDED] = PAD
-  return out
-
-
-class Counter:
-  """Per-column key counts, merged lazily so the cost stays O(keys log keys)."""
-
-  def __init__(self, num_columns: int, dtype):
-    self.values = [np.zeros(0, dtype) for _ in range(num_columns)]
-    self.counts = [np.zeros(0, np.int64) for _ in range(num_columns)]
-    self.pending: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(num_columns)]
-    self.pending_size = [0] * num_columns
-
-  def add(self, counts: dict[int, tuple[np.ndarray, np.ndarray]]):
-    for t, (u, c) in counts.items():
-      self.pending[t].append((u, c))
-      self.pending_size[t] += u.size
-      if self.pending_size[t] > max(self.values[t].size, 1 << 20):
-        self._merge(t)
-
-  def _merge(self, t: int):
-    vals = np.concatenate([self.values[t]] + [u for u, _ in self.pending[t]])
-    cnts = np.concatenate([self.counts[t]] + [c for _, c in self.pending[t]])
-    u, inv = np.unique(vals, return_inverse=True)
-    self.values[t] = u
-    self.counts[t] = np.bincount(inv, weights=cnts, minlength=u.size).astype(np.int64)
-    self.pending[t], self.pending_size[t] = [], 0
-
-  def vocabulary(self, t: int, min_count: int) -> tuple[np.ndarray, np.ndarray]:
-    """Column t's (kept keys sorted ascending, their ids by decreasing count, ties by key)."""
-    self._merge(t)
-    keep = self.counts[t] >= min_count
-    vals, cnts = self.values[t][keep], self.counts[t][keep]
-    order = np.lexsort((vals, -cnts))
-    ids = np.empty(vals.size, np.int32)
-    ids[order] = FIRST_ID + np.arange(vals.size, dtype=np.int32)
-    return vals, ids
 
 
 # ----------------------------------------------------------------------------- streaming

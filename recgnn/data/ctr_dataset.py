@@ -14,7 +14,6 @@ with PAD (-1) after the bag's ids.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -23,6 +22,7 @@ import numpy as np
 
 from recgnn.data import batch_gather, ctr_cache
 from recgnn.data.ctr_schema import MISSING_ID, PAD
+from recgnn.data.file_check import read_manifest
 
 KAGGLE_DAYS = 7
 SPLITS = ("kaggle", "last_file")
@@ -80,8 +80,13 @@ class CTRDataset:
   def __init__(self, path: str, split: str = "kaggle", reused_cache: bool = False):
     if split not in SPLITS:
       raise ValueError(f"Unknown split {split!r}; available: {', '.join(SPLITS)}")
-    with open(os.path.join(path, "manifest.json")) as f:
-      self.manifest = json.load(f)
+    manifest = read_manifest(os.path.join(path, "manifest.json"))
+    if manifest is None:
+      raise ValueError(
+        f"CTR cache {path}: {os.path.join(path, 'manifest.json')} is missing or damaged. "
+        "Delete the directory and open the dataset again: it is rebuilt from its source files."
+      )
+    self.manifest = manifest
     bad = ctr_cache.check_files(path, self.manifest)
     if bad is not None:  # (never read a damaged array as data)
       raise ValueError(

@@ -1,6 +1,10 @@
 """The graph a node task's config.data names (data.source: planetoid | ogb | synthetic |
 tfds), relabelled by data.node_order (the permutation computed once and cached), and the
-adjacency-eigenvector init file of a node table (embeddings.node_init=eigen)."""
+adjacency-eigenvector init file of a node table (embeddings.node_init=eigen).
+
+Both files are verified before they are used: each has a sidecar manifest (FILE.manifest.json:
+the graph's key, the file's bytes and the SHA-256 of its head, `file_check`); a file that
+does not match it (cut short, damaged, another graph's) is computed again from the graph."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from recgnn.data import file_check
 from recgnn.graphs import store
 
 
@@ -51,49 +56,71 @@ def _cached_order(graph: store.Graph, order: str, levels, cache_dir: str):
   path = os.path.join(
     os.path.expanduser(cache_dir), "node_order", f"{graph.name}-{order}-{key}.npy"
   )
+  why = file_check.sidecar_problem(path, key)
+  if why is None:
+    return np.load(path), path
+  if os.path.exists(path) and not os.path.exists(path + file_check.SIDECAR):
+    # Written before the caches carried a manifest: kept if it is a whole permutation of
+    # this graph's nodes (a partition order computed again may differ, and a resumed run's
+    # checkpoint holds the first one), then recorded.
+    perm = _whole_permutation(path, graph.num_nodes)
+    if perm is not None:
+      file_check.write_sidecar(path, key)
+      return perm, path
   if os.path.exists(path):
-    perm = np.load(path)
-    return perm, path
+    logging.warning("node order cache %s: %s; computing it again", path, why)
   t0 = time.perf_counter()
   perm = reorder.node_order(graph, order, levels=levels)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f"{path}.{os.getpid()}.tmp.npy"
-  np.save(tmp, perm)
-  os.replace(tmp, path)
+  _save(path, perm, key)
   logging.info("node order %s: %.1f s, saved %s", order, time.perf_counter() - t0, path)
   return perm, path
 
 
+def _whole_permutation(path: str, n: int) -> np.ndarray | None:
+  """The permutation of range(n) in the .npy at `path`, or None if it holds anything else."""
+  try:
+    perm = np.load(path)
+  except (OSError, ValueError, EOFError):
+    return None
+  if perm.shape != (n,) or perm.dtype.kind not in "iu":
+    return None
+  return perm if np.array_equal(np.sort(perm), np.arange(n)) else None
+
+
+def _save(path: str, array: np.ndarray, key: str) -> None:
+  """`array` at `path` (.npy, through a temporary file renamed into place), then its sidecar
+  manifest (its bytes, head checksum and `key`, `file_check.write_sidecar`): a crash between
+  the two leaves a file without a record, which is computed again, never read."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  tmp = f"{path}.{os.getpid()}.tmp.npy"
+  np.save(tmp, array)
+  os.replace(tmp, path)
+  file_check.write_sidecar(path, key)
+
+
 def write_eigen_init(graph: store.Graph, dim: int, path: str) -> str:
   """Adjacency eigenvectors float32[N, dim] of `graph` (its current ids) at `path` (.npy),
-  rewritten only when the graph or dim changed (a key file beside it)."""
+  rewritten when the graph or dim changed or the file is not whole (its sidecar manifest,
+  `file_check`: the graph's key, the file's bytes and head checksum)."""
   from recgnn.graphs import spectral
 
   path = os.path.expanduser(path)
   key = _graph_key(graph, "eigen", dim)
-  if os.path.exists(path) and _read(path + ".key") == key:
+  why = file_check.sidecar_problem(path, key)
+  if why is None:
     return path
+  if os.path.exists(path + file_check.SIDECAR):  # (not the first write: say why again)
+    logging.warning("eigen init %s: %s; computing it again", path, why)
   t0 = time.perf_counter()
   vecs, vals = spectral.eigen_embedding(graph.adj, dim)
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  tmp = f"{path}.{os.getpid()}.tmp.npy"
-  np.save(tmp, vecs)
-  os.replace(tmp, path)
-  with open(path + ".key", "w") as f:
-    f.write(key)
+  _save(path, vecs, key)
+  if os.path.exists(path + ".key"):  # the record before the manifest (graph key only)
+    os.remove(path + ".key")
   logging.info(
     "eigen init: %d eigenvectors (eigenvalues %.3f..%.3f) in %.1f s -> %s",
     dim, vals[0], vals[-1], time.perf_counter() - t0, path,
   )  # fmt: skip
   return path
-
-
-def _read(path: str) -> str:
-  try:
-    with open(path) as f:
-      return f.read()
-  except OSError:
-    return ""
 
 
 def load_raw_graph(data: ml_collections.ConfigDict) -> store.Graph:

@@ -4,8 +4,9 @@ kind. Kept apart from the device code so that host sampling does not go through 
 
 from __future__ import annotations
 
-from recgnn.graphs import sampling
-from recgnn.graphs.device_sampling import DeviceLadiesSampler, DeviceNeighborSampler
+from recgnn.graphs import ladies, sampling
+from recgnn.graphs.device_ladies import DeviceLadiesSampler
+from recgnn.graphs.device_sampling import DeviceNeighborSampler
 from recgnn.graphs.split_sampling import SplitLadiesSampler, SplitNeighborSampler
 
 WHERE = ("host", "device")
@@ -34,7 +35,7 @@ def make(
       raise ValueError("capacities are node-wise sampling's; LADIES' frontiers are exact")
     kw = dict(layer_sizes=list(layer_sizes), batch_size=batch_size)
     if where == "host":
-      return sampling.LadiesSampler(adj, **kw)
+      return ladies.LadiesSampler(adj, **kw)
     if mesh is not None and mesh.size > 1:
       if exchange != "reduce_scatter":
         raise ValueError("sampler.kind=ladies splits the graph with split_exchange=reduce_scatter")

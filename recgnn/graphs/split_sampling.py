@@ -34,8 +34,8 @@ import numpy as np
 import scipy.sparse as sp
 
 from recgnn import sharding
+from recgnn.graphs import device_ladies, sampling
 from recgnn.graphs import device_sampling as device
-from recgnn.graphs import sampling
 
 P = sharding.P
 EXCHANGES = ("reduce_scatter", "all_to_all")
@@ -290,9 +290,10 @@ class SplitLadiesSampler(_SplitSampler):
     local         each device runs the 1-device layer on its own batches' entries: column
                   norms, the weighted draw (the same keys), dedup, edges and weights
   Every entry has exactly one owner, so each sum is one value plus zeros (exact): the
-  sample equals `device.DeviceLadiesSampler`'s for the same key, bit for bit (tested). C_l is the
-  1-device worst case of P's entries (the n_l longest rows of Ahat), so the reduce-scatter
-  is as large as the 1-device entry buffer; the column norms, O(N) per batch, never cross.
+  sample equals `device_ladies.DeviceLadiesSampler`'s for the same key, bit for bit
+  (tested). C_l is the 1-device worst case of P's entries (the n_l longest rows of Ahat),
+  so the reduce-scatter is as large as the 1-device entry buffer; the column norms, O(N)
+  per batch, never cross.
   """
 
   def __init__(
@@ -304,7 +305,7 @@ class SplitLadiesSampler(_SplitSampler):
     mesh: jax.sharding.Mesh,
     edge_capacities: Sequence[int] | None = None,
   ):
-    host, self.entry_capacities = device.DeviceLadiesSampler.plan(
+    host, self.entry_capacities = device_ladies.DeviceLadiesSampler.plan(
       adj, layer_sizes, batch_size, edge_capacities
     )
     self.layer_sizes, self.sizes = host.layer_sizes, host.sizes
@@ -358,7 +359,7 @@ class SplitLadiesSampler(_SplitSampler):
       col = jnp.where(valid, col - 1, num_nodes)
       keys = jax.vmap(lambda kb: jax.random.fold_in(kb, layer))(device.batch_keys(key, lb, me * lb))
       fn = functools.partial(
-        device._ladies_from_entries,
+        device_ladies._ladies_from_entries,
         s=self.layer_sizes[layer],
         n_next=self.sizes[layer + 1],
         cap_edges=self.edge_capacities[layer],

@@ -190,7 +190,7 @@ def open_tfds(data, cache_dir: str, reader: criteo.ReaderConfig):
   first = data.path.split(",")[0]
   folder = first if os.path.isdir(first) else os.path.dirname(os.path.abspath(first))
   name = "criteo_kaggle" if os.path.exists(os.path.join(folder, "train.txt")) else None
-  if name is None and tfds_builders._day_files(folder):
+  if name is None and tfds_builders.day_files(folder):
     name = "criteo_terabyte"
   if name is None:
     raise FileNotFoundError(f"{folder} holds neither train.txt nor day_N files")

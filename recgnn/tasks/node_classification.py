@@ -87,34 +87,17 @@ import numpy as np
 import optax
 from absl import logging
 
-from recgnn import hostmem, planner, sharding
+from recgnn import hostmem, sharding
 from recgnn.data.graph_loading import load_graph, write_eigen_init
 from recgnn.embeddings import OptimizerSpec, TableSpec
-from recgnn.graphs import samplers, sampling
+from recgnn.graphs import ladies, sampling
 from recgnn.models import dlrm, graphsage
-from recgnn.tasks import node_data_parallel
+from recgnn.tasks import node_data_parallel, node_sampler_config
 from recgnn.tasks.node_batch import TABLE, make_batch
+from recgnn.tasks.node_sampler_config import SAMPLERS
 from recgnn.train.task import Batch, Task
 
 INPUTS = ("features", "embeddings", "both")
-SAMPLERS = ("node", "ladies")
-
-
-def parse_capacities(value, option: str):
-  """sampler.`option` -> None (worst case), "auto", or a tuple of frontier sizes (the config
-  holds them as text, "100,150" or "(100, 150)": the option's type is the default's str)."""
-  if value is None or value in ("worst", "auto"):
-    return None if value == "worst" else value
-  text = value if isinstance(value, str) else ",".join(map(str, value))
-  try:
-    sizes = tuple(int(x) for x in text.strip("()[] ").split(",") if x.strip())
-  except ValueError:
-    sizes = ()
-  if not sizes or min(sizes) <= 0:
-    raise ValueError(
-      f"sampler.{option}={value!r}: use auto, worst or frontier sizes > 0 per layer, e.g. '100,150'"
-    )
-  return sizes
 
 
 class NodeClassification(Task):
@@ -154,7 +137,7 @@ class NodeClassification(Task):
     self.batch_size = int(s.batch_size)
     self.bulk = int(s.get("bulk", 1))
     self.seed = int(config.get("seed", 0))
-    self.shard_batch = self._split_ids(config)
+    self.shard_batch = node_sampler_config.split_ids(config)
     # Node-id bags per batch: a multiple of the mesh's devices (each fetches an equal share).
     self.id_multiple = mesh.size if self.shard_batch else 1
     self.train_nodes = self._labelled("train")
@@ -165,11 +148,11 @@ class NodeClassification(Task):
       raise ValueError(f"sampler.data_parallel={data_parallel!r}: use true or false")
     if data_parallel:
       self.device_samples = node_data_parallel.DeviceSamples(self, mesh)
-      self.steps_per_call = self._steps_per_call(s)
+      self.steps_per_call = node_sampler_config.steps_per_call(s)
       # Train batches are sampled per device (b seeds each): no sampler of the whole batch.
       self.sampler = self.device_samples.sampler
     else:
-      if self._steps_per_call(s) != 1:
+      if node_sampler_config.steps_per_call(s) != 1:
         raise ValueError(
           f"sampler.steps_per_call={s.steps_per_call}: k steps per call sample on the device "
           "(every device its own mini-batches); set sampler.data_parallel=true, or "
@@ -199,32 +182,6 @@ class NodeClassification(Task):
 
   steps_per_call_key = "sampler.steps_per_call"
 
-  @staticmethod
-  def _steps_per_call(s) -> int:
-    k = s.get("steps_per_call", 1)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-      raise ValueError(f"sampler.steps_per_call={k!r}: use an integer >= 1")
-    return k
-
-  @staticmethod
-  def _split_ids(config) -> bool:
-    """embeddings.split_ids: true | false | auto (default: true when a plan rule names a
-    backend that declares it needs batch-split ids, `Capabilities.needs_split_ids`: sharded).
-    Split ids put collectives in every step (each device's share fetched, then gathered for
-    the subgraph); XLA:CPU with simulated devices hung at such a collective in some trainer
-    runs here, so they are not the default where replicated ids serve (dense, tt, offload,
-    hot_cold)."""
-    emb = config.get("embeddings", None)
-    mode = str(emb.get("split_ids", "auto") if emb is not None else "auto").lower()
-    if mode in ("true", "1"):
-      return True
-    if mode in ("false", "0"):
-      return False
-    if mode != "auto":
-      raise ValueError(f"Unknown embeddings.split_ids {mode!r}; available: auto, true, false")
-    plan = emb.get("plan", ()) if emb is not None else ()
-    return any(planner.capabilities_of(str(rule[1])).needs_split_ids for rule in plan)
-
   def _labelled(self, split: str) -> np.ndarray:
     ids = self.graph.splits[split]
     return ids[self.graph.labels[ids] >= 0]
@@ -239,56 +196,11 @@ class NodeClassification(Task):
     where: str | None = None,
     split_mesh: jax.sharding.Mesh | None = None,
   ):
-    """The sampler of `fanouts` and `capacities` (the value of sampler.`option`: worst | auto
-    | sizes per layer), at `where` (None: sampler.where). split_mesh: the mesh whose devices
-    the graph's rows are split over (default: with sampler.split_devices = D > 1, a 1 x D mesh
-    of the trainer's first D devices)."""
-    s = self.config.sampler
-    capacities = parse_capacities(capacities, option)
-    where = where or s.get("where", "host") or "host"
-    split = int(s.get("split_devices", 0) or 0)
-    if split > 1 and where != "device":
-      raise ValueError("sampler.split_devices needs --config.sampler.where=device")
-    # The sampler's own 1 x split mesh over the first `split` devices of the trainer's: it
-    # splits the adjacency's rows, not the batch, so its shape is the sampler's choice.
-    mesh = sharding.make_mesh(1, split, devices=self.mesh.devices.flat) if split > 1 else None
-    mesh = split_mesh or mesh
-
-    def make(caps=None):
-      return samplers.make(
-        self.graph.adj,
-        s.kind,
-        where,
-        batch_size=batch_size,
-        fanouts=fanouts,
-        layer_sizes=s.get("layer_sizes", None),
-        capacities=caps,
-        mesh=mesh,
-        exchange=s.get("split_exchange", "reduce_scatter") or "reduce_scatter",
-        exchange_capacity=s.get("split_capacity", None) or None,
-      )
-
-    if s.kind == "ladies":
-      # LADIES' frontiers are the seeds plus each layer's drawn nodes: their padded sizes
-      # are exact (no estimate to make, nothing dropped), so worst and auto are the same and
-      # sizes of one's own would be ignored.
-      if capacities not in (None, "auto"):
-        raise ValueError(
-          f"sampler.{option}={capacities!r}: sampler.kind=ladies pads its frontiers to the "
-          "seeds plus sampler.layer_sizes exactly; set the sizes there and leave "
-          f"sampler.{option} at worst or auto"
-        )
-      return make()
-    sampler = make()
-    if capacities is None:
-      return sampler
-    if capacities == "auto":
-      rng = np.random.default_rng([self.seed, 7])
-      # Four batches of distinct seeds (repeats would shrink the frontiers measured).
-      few = len(trial_nodes) < batch_size
-      trial = np.stack([rng.choice(trial_nodes, batch_size, replace=few) for _ in range(4)])
-      capacities = sampling.estimate_capacities(sampler, trial, rng)
-    return make(list(capacities))
+    """`node_sampler_config.make_sampler` over this task's graph, mesh and seed."""
+    return node_sampler_config.make_sampler(
+      self.config.sampler, self.graph.adj, self.mesh, self.seed, fanouts, batch_size,
+      capacities, trial_nodes, option, where=where, split_mesh=split_mesh,
+    )  # fmt: skip
 
   def tables(self) -> list[TableSpec]:
     if self.inputs == "features":
@@ -477,7 +389,7 @@ class NodeClassification(Task):
       mid = tuple(batch[f"nbr{d}"].shape[0] for d in range(1, num_layers))
     else:
       mid = tuple(
-        sampling.LadiesSampler.frontier_sizes(
+        ladies.LadiesSampler.frontier_sizes(
           n0, self.config.sampler.layer_sizes, self.graph.num_nodes
         )[1:-1]
       )

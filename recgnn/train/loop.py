@@ -23,13 +23,10 @@ launching each step after the previous one finished was (issue 30; README "Many 
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import json
 import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -47,6 +44,7 @@ from recgnn.train import traffic as traffic_lib
 from recgnn.train import watchdog as watchdog_lib
 from recgnn.train.input_thread import InputThread, stream
 from recgnn.train.non_finite import NonFiniteLoss
+from recgnn.train.scalars_out import ScalarWriter
 
 # Names callers reach through `loop` (tests, benchmarks, run.py).
 config_mesh, load_task, parse_bytes = setup.config_mesh, setup.load_task, setup.parse_bytes
@@ -90,35 +88,6 @@ def parse_steps(text: str | None) -> tuple[int, int] | None:
 
 
 # ----------------------------------------------------------------------------- trainer
-
-
-class _Sigterm:
-  """Turns SIGTERM into a flag the loop checks after each step (checkpoint, then exit)."""
-
-  def __init__(self):
-    self.received = False
-    self._old = None
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      self._old = signal.signal(signal.SIGTERM, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self.received = True
-
-  def __exit__(self, *exc):
-    if self._old is not None:
-      signal.signal(signal.SIGTERM, self._old)
-
-
-def _summary_writer(workdir: str):
-  try:
-    from tensorboardX import SummaryWriter
-  except ImportError:  # scalars still go to metrics.jsonl
-    return None
-  return SummaryWriter(os.path.join(workdir, "tensorboard"))
 
 
 RESUME_MODES = (False, True, "if_present")
@@ -275,13 +244,10 @@ def _train_in(
   scale = task.process_shard[1] if run.layout.process_local else 1
   feed = InputThread(items, plan, run.feeder, depth=base.PREFETCH, task=task, scale=scale)
   main = distributed.is_main()  # only process 0 writes metrics, TensorBoard, results
-  writer = _summary_writer(workdir) if main else None
-  metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a") if main else None  # noqa: SIM115
+  scalars_out = ScalarWriter.open(workdir, main)
   if main and run.auto_plan is not None:  # what an auto(...) rule chose, with its figures
     with open(os.path.join(workdir, "auto_plan.json"), "w") as f:
       json.dump(run.auto_plan.as_dict(), f, indent=2)
-
-  scalars_out = _ScalarWriter(metrics_file, writer) if metrics_file is not None else None
 
   def write_scalars(step: int, scalars: dict[str, float]):
     if scalars_out is not None:
@@ -337,7 +303,7 @@ def _train_in(
     log=log,
   )
   try:
-    with _Sigterm() as sigterm:
+    with watchdog_lib.SigtermFlag() as sigterm:
       dog.watch_sigterm()
       while True:
         with dog.unit("input", f"the input of step {step + 1}"):
@@ -451,10 +417,6 @@ def _train_in(
       ckpt.close()
       if scalars_out is not None:
         scalars_out.close()  # (every line written before the files close)
-      if metrics_file is not None:
-        metrics_file.close()
-      if writer is not None:
-        writer.close()
 
   results["step"] = step
   results["input_thread_seconds"] = feed.busy_seconds
@@ -475,38 +437,6 @@ def _train_in(
       with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(results, f, indent=2, sort_keys=True)
   return Result(metrics=results, state=state, plan=plan)
-
-
-class _ScalarWriter:
-  """metrics.jsonl and TensorBoard, written on a thread of their own in call order: a log
-  line's scalars (hundreds with a host tier's per-table counters) cost ~20 Python calls each
-  in tensorboardX, ~110 per step amortized on the launching thread for cdlrm_kaggle's 26
-  offloaded tables at log_every=48 (benchmarks/host_path.py). A failed write is raised at
-  the next `write` or at `close`."""
-
-  def __init__(self, metrics_file, writer):
-    self._file, self._writer = metrics_file, writer
-    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recgnn-scalars")
-    self._pending: list[concurrent.futures.Future] = []
-
-  def _write(self, step: int, scalars: dict[str, float]) -> None:
-    self._file.write(json.dumps({"step": step, **scalars}) + "\n")
-    self._file.flush()
-    if self._writer is not None:
-      for k, v in scalars.items():
-        self._writer.add_scalar(k, v, step)
-
-  def write(self, step: int, scalars: dict[str, float]) -> None:
-    self._check(done_only=True)
-    self._pending.append(self._pool.submit(self._write, step, scalars))
-
-  def _check(self, done_only: bool) -> None:
-    while self._pending and (not done_only or self._pending[0].done()):
-      self._pending.pop(0).result()  # (re-raises a write's error)
-
-  def close(self) -> None:
-    self._pool.shutdown(wait=True)
-    self._check(done_only=False)
 
 
 @dataclasses.dataclass

@@ -166,3 +166,24 @@ class Watchdog:
     for fd in (self._rfd, self._wfd):
       with contextlib.suppress(OSError):
         os.close(fd)
+
+
+class SigtermFlag:
+  """Turns SIGTERM into a flag the loop checks after each step (checkpoint, then exit)."""
+
+  def __init__(self):
+    self.received = False
+    self._old = None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._old = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.received = True
+
+  def __exit__(self, *exc):
+    if self._old is not None:
+      signal.signal(signal.SIGTERM, self._old)
