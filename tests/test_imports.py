@@ -45,9 +45,6 @@ MAX_LINES = 500
 OVER_MAX_LINES_FOR_NOW = frozenset(
   {
     "recgnn/backends/offload/group.py",
-    "recgnn/backends/hot_cold/__init__.py",
-    "recgnn/backends/sharded/__init__.py",
-    "recgnn/backends/tt/__init__.py",
   }
 )
 
