@@ -162,6 +162,12 @@ def test_tt_svd_init_from_a_file_through_the_plan(tmp_path):
   bad = planner.make_backend(f"tt(rank=4, init=tt_svd, init_path='{tmp_path / 'bad.npy'}')", spec)
   with pytest.raises(ValueError, match="need"):
     bad.init(jax.random.key(0))
+  # A truncated file (a copy cut short): refused naming it, never compressed.
+  cut = tmp_path / "cut.npy"
+  cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+  cut_b = planner.make_backend(f"tt(rank=4, init=tt_svd, init_path='{cut}')", spec)
+  with pytest.raises(ValueError, match=f"{cut}.*not a whole .npy array"):
+    cut_b.init(jax.random.key(0))
 
 
 def test_eigen_embedding_spans_the_leading_eigenvectors():

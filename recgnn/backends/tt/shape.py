@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from recgnn.data import file_check
 from recgnn.embeddings import base
 
 INITS = ("sampled_gaussian", "uniform", "orthogonal", "tt_svd")
@@ -193,10 +194,25 @@ def tt_svd(table: np.ndarray, shape: TTShape) -> list[np.ndarray]:
 
 
 def load_init_table(path: str, spec: base.TableSpec) -> np.ndarray:
-  """The dense float32[N, D] table that `init=tt_svd` compresses, from a .npy file."""
+  """The dense float32[N, D] table that `init=tt_svd` compresses, from a .npy file: checked
+  against its manifest where one was written beside it (the task's eigen init), and refused
+  naming the file when it cannot be read whole (never compressed from a damaged file)."""
   import os
 
-  table = np.load(os.path.expanduser(path), mmap_mode="r")
+  path = os.path.expanduser(path)
+  fix = "write it again (for node tables the task writes it: embeddings.node_init)"
+  manifest = file_check.read_manifest(path + file_check.SIDECAR)
+  bad = None
+  if manifest is not None:
+    bad = file_check.check_files(os.path.dirname(os.path.abspath(path)), manifest,
+                                 [os.path.basename(path)])  # fmt: skip
+  if bad is None:
+    try:
+      table = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:  # truncated: "mmap length is greater than file size"
+      bad = f"{path} is not a whole .npy array ({e})"
+  if bad is not None:
+    raise ValueError(f"tt (table {spec.name!r}): init_path {path}: {bad}; {fix}")
   if table.shape != (spec.num_rows, spec.dim):
     raise ValueError(
       f"tt (table {spec.name!r}): init_path {path} holds {table.shape}, need "
