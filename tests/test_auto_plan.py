@@ -217,9 +217,7 @@ def test_plan_report_of_a_written_plan_and_the_cost_cache(ctr_cache, tmp_path):
   plan = (("|".join(big), "offload(cache_fraction=0.5)"), (".*", "dense"))
   reports, sizes = [], []
   for k in range(2):
-    c = trainer_lib.smoke_config(
-      ctr_cache, mesh=(1, 1), plan=plan, steps=6, log_every=2
-    )
+    c = trainer_lib.smoke_config(ctr_cache, mesh=(1, 1), plan=plan, steps=6, log_every=2)
     c.embeddings.cost_cache = cache
     workdir = str(tmp_path / f"run{k}")
     loop.train(c, workdir, plan_report=True)

@@ -339,6 +339,12 @@ def test_task_artifacts_saved_and_checked_on_resume(cache_dir, tmp_path, monkeyp
   monkeypatch.setattr(ctr.CTR, "artifacts", lambda self: {"perm": perm[::-1].copy()})
   with pytest.raises(checkpoint.IncompatibleCheckpoint, match="artifact 'perm' differs"):
     loop.train(config, wd, resume=True)
+  # A damaged artifacts file is refused naming it, never compared as data (issue 44 item 4).
+  art = os.path.join(wd, "checkpoints", "artifacts.npz")
+  with open(art, "r+b") as f:
+    f.truncate(os.path.getsize(art) // 2)
+  with pytest.raises(checkpoint.IncompatibleCheckpoint, match=f"{art} is damaged"):
+    loop.train(config, wd, resume=True)
 
 
 def test_sharded_codec_state_resumes_exactly(cache_dir, tmp_path):

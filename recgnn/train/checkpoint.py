@@ -44,6 +44,7 @@ import json
 import os
 import shutil
 import time
+import zipfile
 import zlib
 
 import jax
@@ -53,8 +54,10 @@ from absl import logging
 from etils import epath
 
 from recgnn import planner, sharding
+from recgnn.data import file_check
 
 CHECKSUMS = "recgnn_checksums.json"
+ARTIFACTS_KEY = "artifacts v1"  # (artifacts.npz's manifest: its bytes and head checksum)
 TMP_MARK = ".orbax-checkpoint-tmp"
 
 
@@ -464,19 +467,33 @@ class Checkpointer:
       return
     path = os.path.join(self.directory, "artifacts.npz")
     if resume and os.path.exists(path):
-      with np.load(path) as saved:
-        for k, v in arrays.items():
-          if k not in saved or saved[k].shape != np.shape(v) or not np.array_equal(saved[k], v):
-            raise IncompatibleCheckpoint(
-              f"{path}: artifact {k!r} differs from this run's (e.g. another node order or "
-              "graph): resuming would mix two runs. Use a fresh --workdir."
-            )
+      differs = None  # (the first artifact that differs)
+      try:  # (its manifest first where one was written; then a read that may still fail)
+        sidecar = os.path.exists(path + file_check.SIDECAR)
+        if sidecar and (bad := file_check.sidecar_problem(path, ARTIFACTS_KEY)) is not None:
+          raise ValueError(bad)
+        with np.load(path) as saved:
+          for k, v in arrays.items():
+            if k not in saved or saved[k].shape != np.shape(v) or not np.array_equal(saved[k], v):
+              differs = k
+              break
+      except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise IncompatibleCheckpoint(
+          f"{path} is damaged ({e}): this run's artifacts (e.g. its node order) cannot be checked"
+          " against the checkpoints'. Restore it from a copy, or delete it to resume unchecked."
+        ) from None
+      if differs is not None:
+        raise IncompatibleCheckpoint(
+          f"{path}: artifact {differs!r} differs from this run's (e.g. another node order or "
+          "graph): resuming would mix two runs. Use a fresh --workdir."
+        )
       return
     if jax.process_index() == 0:
       os.makedirs(self.directory, exist_ok=True)
       tmp = path + ".tmp.npz"
       np.savez(tmp, **{k: np.asarray(v) for k, v in arrays.items()})
       os.replace(tmp, path)  # never half-written
+      file_check.write_sidecar(path, ARTIFACTS_KEY)
 
   def close(self):
     self.manager.wait_until_finished()
