@@ -9,7 +9,7 @@ same numpy batches (batch 2048, 26 tables x 100k rows, Zipf ids with exponent 1.
             the batch's `prepare` and host->device transfer are done before timing, as the
             trainer's input thread does them off the step's path.
   torchrec  torchrec.models.dlrm.DLRM over a FusedEmbeddingBagCollection (FBGEMM, fused SGD
-            in the backward), KeyedJaggedTensors built before timing (benchmarks/peers_dlrm.py).
+            in the backward), KeyedJaggedTensors built before timing (benchmarks/peers/dlrm.py).
   pytorch   nn.EmbeddingBag(sum, sparse=True) per table + torch.optim.SGD (the dlrm
             reference's structure), tensors built before timing.
 
@@ -21,7 +21,7 @@ the ideas listed in `IDEAS`, each as its own jitted function on the same batches
 --model=dcnv2 times DLRM-DCNv2 instead (low-rank cross layers in place of the dot
 interaction, MLPerf's multi-hot bags, sum pooling): recgnn's CTR task with
 model.interaction=dcn against TorchRec's DLRM_DCN over a fused EBC, same tables, MLPs, cross
-layers and SGD (benchmarks/peers_dcn.py says what is matched and how). Every such run first
+layers and SGD (benchmarks/peers/dcn.py says what is matched and how). Every such run first
 checks that the two compute the same on identical weights (--check: only that).
 
 Beside wall time, each contestant's CPU time (user + system, all threads) and minor page
@@ -65,8 +65,8 @@ import optax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402  (benchmarks/common.py)
-import peers_dcn  # noqa: E402
-import peers_dlrm  # noqa: E402
+from peers import dcn as peers_dcn  # noqa: E402
+from peers import dlrm as peers_dlrm  # noqa: E402
 
 from recgnn import hostmem, sharding  # noqa: E402
 from recgnn.embeddings import base  # noqa: E402

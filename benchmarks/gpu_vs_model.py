@@ -1,6 +1,6 @@
 """The step model's H100 prediction beside what a GPU trace measured, for the same runs.
 
-`benchmarks/gpu_check.sh --stage=trace` profiles steps (110:115 by default) of `cdlrm_kaggle`
+`tools/gpu_check.sh --stage=trace` profiles steps (110:115 by default) of `cdlrm_kaggle`
 (offload) and `hotline_kaggle` (hot_cold) on a GPU and summarizes each trace
 (`recgnn.trace_summary`: kernel time, kernels, host <-> device copies, other copies, the step's
 span). This script rebuilds each of those runs here (the experiment, batch size, synthetic
@@ -39,7 +39,7 @@ from recgnn.train import setup as train_setup  # noqa: E402
 
 
 def experiment_spec(name: str, batch: int) -> str:
-  """The experiment string the trace stage ran (benchmarks/gpu_check.py experiment_args)."""
+  """The experiment string the trace stage ran (tools/gpu_check.py experiment_args)."""
   return f"cdlrm_kaggle:min_rows={batch}" if name == "cdlrm_kaggle" else name
 
 

@@ -51,7 +51,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402  (benchmarks/common.py)
 import dlrm_throughput as dt  # noqa: E402
-import peers_dlrm  # noqa: E402
+from peers import dlrm as peers_dlrm  # noqa: E402
 
 from recgnn import hostmem, sharding, step_model  # noqa: E402
 from recgnn.backends.offload import cache_plan  # noqa: E402

@@ -65,7 +65,7 @@ import numpy as np
 # Runnable as `python benchmarks/sampling.py` from a checkout without installing recgnn.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import common  # noqa: E402  (benchmarks/common.py)
-import sampling_pyg  # noqa: E402  (benchmarks/sampling_pyg.py: the PyG contestant)
+from peers import sampling_pyg  # noqa: E402  (the PyG contestant)
 
 from recgnn import hostmem  # noqa: E402
 from recgnn.graphs import sampling, synthetic  # noqa: E402

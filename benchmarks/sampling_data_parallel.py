@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import common  # noqa: E402  (benchmarks/common.py)
 import jax  # noqa: E402
-import sampling_pyg  # noqa: E402  (benchmarks/sampling_pyg.py: the PyG contestant)
+from peers import sampling_pyg  # noqa: E402  (the PyG contestant)
 
 from experiments import sage_cora, sage_synthetic  # noqa: E402
 from recgnn.graphs import device_sampling, sampling, synthetic  # noqa: E402

@@ -39,7 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402  (benchmarks/common.py)
 import dlrm_throughput as dt  # noqa: E402
-import peers_dlrm  # noqa: E402
+from peers import dlrm as peers_dlrm  # noqa: E402
 
 from recgnn import hostmem, sharding  # noqa: E402
 from recgnn.train import setup as train_setup  # noqa: E402

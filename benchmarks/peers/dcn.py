@@ -32,9 +32,10 @@ from collections.abc import Sequence
 
 import common
 import numpy as np
-import peers_dlrm
 
 from recgnn.data import multihot
+
+from . import dlrm as peers_dlrm
 
 PEERS = ("torchrec",)  # plain PyTorch has no DCN reference to mirror; TorchRec's is MLPerf's
 versions = peers_dlrm.versions
