@@ -84,6 +84,8 @@ def _benchmarks_on_path() -> None:
   bench = os.path.join(ROOT, "benchmarks")
   if bench not in sys.path:
     sys.path.insert(0, bench)
+
+
 # A device command may run 10 minutes, machine start and file transfers not counted: a stage
 # must end by 9; 510 s leaves a minute for pytest / run.py to answer SIGTERM and for writing.
 STAGE_SECONDS = float(os.environ.get("RECGNN_GPU_CHECK_STAGE_SECONDS", "510"))
