@@ -27,18 +27,15 @@ import json
 import os
 import pathlib
 import statistics
-import sys
 import time
 
+import harness
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import common  # noqa: E402  (benchmarks/common.py)
+from recgnn.data import criteo, pipeline, tfds_builders
+from recgnn.data import criteo_synthetic as cs
 
-from recgnn.data import criteo, pipeline, tfds_builders  # noqa: E402
-from recgnn.data import criteo_synthetic as cs  # noqa: E402
-
-RESULTS = common.RESULTS
+RESULTS = harness.RESULTS
 TARGET_ROWS_PER_S = 300_000
 
 
@@ -66,7 +63,7 @@ def main():
   args = ap.parse_args()
   if args.quick:
     args.rows, args.reps, args.steps = 50_000, 1, 10
-  info = common.machine_info()
+  info = harness.machine_info()
   manual = os.path.join(args.workdir, f"manual_{args.rows}")
   os.makedirs(manual, exist_ok=True)
   tsv = os.path.join(manual, "train.txt")
@@ -124,7 +121,7 @@ def main():
     f"{info['date_utc']}, {info['cpus']} CPUs, load average {info['load_avg_at_start'][0]:.1f} at "
     f"start, {min(loads):.1f}-{max(loads):.1f} during. `{info['command']}`",
     "",
-    common.md_table(
+    harness.md_table(
       ["path", "rows/s (wall)", "x memmap", "rows/s per CPU second"],
       [[k, f"{med[k]:,.0f}", f"{med[k] / med['memmap']:.3f}", f"{cpu[k]:,.0f}"] for k in med],
     ),

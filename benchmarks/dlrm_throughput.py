@@ -49,32 +49,24 @@ import os
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+# (--against runs another commit's copy of this script, which imports that commit's recgnn.)
+import harness
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
+from harness import dlrm_task
+from peers import dcn as peers_dcn
+from peers import dlrm as peers_dlrm
 
-# Runnable as `python benchmarks/dlrm_throughput.py` from a checkout without installing recgnn
-# (--against runs another commit's copy of this script, which imports that commit's recgnn).
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
-from peers import dcn as peers_dcn  # noqa: E402
-from peers import dlrm as peers_dlrm  # noqa: E402
-
-from recgnn import hostmem, sharding  # noqa: E402
-from recgnn.embeddings import base  # noqa: E402
-from recgnn.models import dlrm as dlrm_lib  # noqa: E402
-from recgnn.tasks import ctr  # noqa: E402
-from recgnn.train import setup as train_setup  # noqa: E402
-from recgnn.train import step as step_lib  # noqa: E402
-from recgnn.train.task import Task  # noqa: E402
+from recgnn import hostmem, sharding
+from recgnn.models import dlrm as dlrm_lib
+from recgnn.train import setup as train_setup
+from recgnn.train import step as step_lib
 
 # --model: the peers' module (its PEERS, available(), runner()) and the names in result files.
 PEER_MODULES = {"dlrm": peers_dlrm, "dcnv2": peers_dcn}
@@ -96,62 +88,7 @@ def keep_freed_memory(arenas: int = 0) -> str:
   )
 
 
-make_batches = peers_dlrm.make_batches  # the dot DLRM's batches, by the name scaling.py uses
-
 # ----------------------------------------------------------------------------- recgnn
-
-
-def table_names(cfg: peers_dlrm.DlrmConfig) -> list[str]:
-  return [f"C{t + 1}" for t in range(cfg.num_tables)]
-
-
-class BenchCTR(ctr.CTR):
-  """The CTR task's model and loss over tables of given sizes, without opening a dataset."""
-
-  def __init__(self, config: ml_collections.ConfigDict, cfg: peers_dlrm.DlrmConfig, mesh):
-    Task.__init__(self, config, mesh)
-    self.data, self.oracle = None, None
-    self.names = table_names(cfg)
-    self.rows = cfg.rows
-    self.model = ctr.make_model(config.model)
-
-  def steps_per_epoch(self):
-    return None  # no dataset, no epochs: the run's length is train.steps
-
-  def tables(self) -> list[base.TableSpec]:
-    e = self.config.embeddings
-    opt = base.OptimizerSpec(**e.optimizer.to_dict())
-    return [
-      base.TableSpec(name=n, num_rows=r, dim=e.dim, optimizer=opt, initializer=e.initializer)
-      for n, r in zip(self.names, self.rows)
-    ]
-
-
-def recgnn_config(cfg: peers_dlrm.DlrmConfig) -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.model = {"bottom": cfg.bottom, "top": cfg.top}
-  if isinstance(cfg, peers_dcn.DcnConfig):
-    c.model.update(interaction="dcn", cross_layers=cfg.cross_layers, low_rank=cfg.low_rank)
-  c.embeddings = {
-    "dim": cfg.dim,
-    "initializer": "uniform",
-    "optimizer": {"name": "sgd", "learning_rate": cfg.learning_rate},
-  }
-  c.optimizer = {"name": "sgd", "learning_rate": cfg.learning_rate}
-  c.embeddings.plan = [(".*", "dense")]
-  c.train = {"steps": 1}  # (the benchmark runs its own steps)
-  c.seed = 0
-  return c
-
-
-def to_recgnn_batch(b, names: list[str]) -> dict:
-  """The task's batch: dense, label, weight and ids {table: int32[B, L_t]} (b.bags())."""
-  return {
-    "dense": b.dense,
-    "label": b.labels,
-    "weight": np.ones_like(b.labels),
-    "ids": {n: bag.astype(np.int32) for n, bag in zip(names, b.bags())},
-  }
 
 
 class Recgnn:
@@ -160,11 +97,11 @@ class Recgnn:
 
   def __init__(self, cfg: peers_dlrm.DlrmConfig, batches, plan=((".*", "dense"),), seed=0):
     self.cfg = cfg
-    self.config = recgnn_config(cfg)
+    self.config = dlrm_task.config_of(cfg)
     self.config.embeddings.plan = [tuple(r) for r in plan]
     mesh = sharding.make_mesh(1, 1)
-    task = BenchCTR(self.config, cfg, mesh)
-    self.host = [to_recgnn_batch(b, task.names) for b in batches]
+    task = dlrm_task.task_of(self.config, cfg, mesh)
+    self.host = [dlrm_task.to_batch(b, task.names) for b in batches]
     self.key = jax.random.key(seed)
     # The trainer's own setup (recgnn.train.setup.build): plan, feeder, optimizer, state,
     # the jitted packed step.
@@ -190,7 +127,7 @@ class Recgnn:
     def fn(state, packed):
       return self.packed_step(state, *packed)[0]
 
-    return common.jitted_runner(fn, self.init_state(), self.packed)
+    return harness.jitted_runner(fn, self.init_state(), self.packed)
 
   def loss(self, state) -> float:
     """The loss of batch 0 under `state` (a sanity check that training moves)."""
@@ -297,22 +234,22 @@ def profile_pieces(rec: Recgnn, args) -> dict:
   runners["full_step"] = rec.runner()
   # The same step over unpacked, already-placed inputs: what the packing (one transfer per
   # batch, sliced apart inside the step by a shard_map) costs or saves.
-  runners["unpacked_step"] = common.jitted_runner(
+  runners["unpacked_step"] = harness.jitted_runner(
     lambda s, inp: rec.train_step(s, *inp)[0], rec.init_state(), rec.inputs
   )
-  runners["dense_part"] = common.jitted_runner(
+  runners["dense_part"] = harness.jitted_runner(
     lambda s, inp: dense_part(s[:2], inp)[:2], (params, rec.tx.init(params)), [(batch0, pooled0)]
   )
-  runners["bottom_mlp"] = common.jitted_runner(bottom_mlp, p["bottom"], [data])
-  runners["interaction"] = common.jitted_runner(
+  runners["bottom_mlp"] = harness.jitted_runner(bottom_mlp, p["bottom"], [data])
+  runners["interaction"] = harness.jitted_runner(
     make_interaction(dlrm_lib.dot_interaction), data["feats"], [data]
   )
-  runners["top_mlp"] = common.jitted_runner(top_mlp, p["top"], [data])
-  runners["embeddings"] = common.jitted_runner(
+  runners["top_mlp"] = harness.jitted_runner(top_mlp, p["top"], [data])
+  runners["embeddings"] = harness.jitted_runner(
     lambda s, inp: emb_step(s, inp[0]), state.emb, rec.inputs
   )
   for idea, fn in INTERACTIONS.items():
-    runners[f"interaction[{idea}]"] = common.jitted_runner(
+    runners[f"interaction[{idea}]"] = harness.jitted_runner(
       make_interaction(fn), data["feats"], [data]
     )
   one = OneGather(rec)
@@ -321,7 +258,7 @@ def profile_pieces(rec: Recgnn, args) -> dict:
     runners[f"idea:interaction={idea}"] = patched_runner(rec, fn)
   for n in runners:
     steps[n] = args.steps_per_rep
-  timing = common.interleaved_timing(runners, args.warmup, args.reps, steps)
+  timing = harness.interleaved_timing(runners, args.warmup, args.reps, steps)
   out = {
     n: {
       "wall_ms": t["step_ms"],
@@ -387,7 +324,7 @@ class OneGather:
     return table, st.params, st.opt_state
 
   def runner(self):
-    return common.jitted_runner(self.step, self.init_state(), self.inputs)
+    return harness.jitted_runner(self.step, self.init_state(), self.inputs)
 
   def check_against(self, rec: Recgnn, steps: int = 3) -> float:
     """Max |table difference| between this and recgnn's step after `steps` steps."""
@@ -439,7 +376,7 @@ def patched_runner(rec: Recgnn, interaction):
   def fn(state, inputs):
     return compiled(state, *inputs)[0]
 
-  return common.jitted_runner(fn, state, rec.inputs)
+  return harness.jitted_runner(fn, state, rec.inputs)
 
 
 IDEAS = {
@@ -532,22 +469,6 @@ def mlp_gflop_per_batch(cfg: peers_dlrm.DlrmConfig, batch: int) -> float:
   return 3 * 2 * batch * cfg.matmul_macs / 1e9
 
 
-def matmul_gflops(n: int = 2048, k: int = 512, m: int = 512, seconds: float = 0.5) -> float:
-  """This process's f32 matmul rate through XLA ([n, k] @ [k, m], the MLPs' widest shape)."""
-  rng = np.random.default_rng(0)
-  a = jax.device_put(rng.normal(size=(n, k)).astype(np.float32))
-  b = jax.device_put(rng.normal(size=(k, m)).astype(np.float32))
-  f = jax.jit(lambda a, b: a @ b)
-  f(a, b).block_until_ready()
-  reps, t0 = 0, time.perf_counter()
-  while time.perf_counter() - t0 < seconds:
-    for _ in range(10):
-      out = f(a, b)
-    out.block_until_ready()
-    reps += 10
-  return 2 * n * k * m * reps / (time.perf_counter() - t0) / 1e9
-
-
 # ----------------------------------------------------------------------------- one process
 
 
@@ -556,7 +477,7 @@ def time_in_process(args, contestants: list[str]) -> dict:
   cfg = cfg_of(args)
   peers = PEER_MODULES[args.model]
   batches = peers.make_batches(cfg, args.batch, args.num_batches, args.zipf, args.seed)
-  machine = common.machine_info()
+  machine = harness.machine_info()
 
   results: dict[str, dict] = {}
   runners = {}
@@ -577,14 +498,14 @@ def time_in_process(args, contestants: list[str]) -> dict:
     runners[name] = peers.runner(name, cfg, batches, seed=args.seed)
 
   t0 = time.perf_counter()
-  timing = common.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
+  timing = harness.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
   elapsed = time.perf_counter() - t0
   for name, t in timing.items():
     results[name] = {"samples_per_s": 1e3 * args.batch / t["step_ms"], **t}
   if rec is not None:
     results["recgnn"]["final_loss"] = rec.loss(runners["recgnn"].box["state"])
     # The floor in the same process, right after the step: the machine's load as the step's.
-    gflops = matmul_gflops()
+    gflops = harness.matmul_gflops()
     floor_ms = 1e3 * mlp_gflop_per_batch(cfg, args.batch) / gflops
     results["recgnn"].update(
       matmul_gflops=gflops,
@@ -778,7 +699,7 @@ def _run_processes(args, tmp: str) -> dict:
   src_of: dict[str, str] = {}
   against = None
   if args.against:
-    src, sha = common.extract_commit(args.against, tmp)
+    src, sha = harness.extract_commit(args.against, tmp)
     against = {"commit": sha, "src": src}
     name = f"recgnn@{sha[:10]}"
     contestants.append(name)
@@ -799,51 +720,43 @@ def _run_processes(args, tmp: str) -> dict:
     else:
       skipped[p] = avail.get(p, f"unknown peer {p!r}")
       print(f"peer {p}: not available ({skipped[p]})", flush=True)
-  runs: dict[str, list[dict]] = {c: [] for c in contestants}
-  machine = common.machine_info()
+  machine = harness.machine_info()
   t_start = time.perf_counter()
-  for r in range(args.processes):
-    order = contestants[r % len(contestants) :] + contestants[: r % len(contestants)]
-    for c in order:
-      out = os.path.join(tmp, f"{r}_{c.replace('@', '_')}.json")
-      workdir = os.path.join(tmp, f"trainer_{r}")
-      cmd = (
-        trainer_command(args, workdir)
-        if c == "trainer"
-        else child_command(args, c, out, src_of.get(c, ""))
-      )
-      t0 = time.perf_counter()
-      load = os.getloadavg()[0]
-      proc = subprocess.run(
-        cmd,
-        env={**os.environ, **env_of[c]},
-        capture_output=True,
-        text=True,
-      )
-      if proc.returncode:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise SystemExit(f"process {r} of {c} failed (exit {proc.returncode}):\n{tail}")
-      if c == "trainer":
-        res = {**trainer_result(workdir), "load_avg": load}
-        shutil.rmtree(workdir, ignore_errors=True)
-      else:
-        with open(out) as f:
-          child = json.load(f)
-        key = "recgnn" if c.startswith("recgnn") else c
-        res = {**child["results"][key], "load_avg": child["machine"]["load_avg_at_start"][0]}
-      res["process_seconds"] = time.perf_counter() - t0
-      runs[c].append(res)
-      extra = (
-        f", {res['cpu_system_ms_per_step']:.1f} system ms, "
-        f"{res['minor_faults_per_step']:,.0f} faults / step"
-        if "minor_faults_per_step" in res
-        else ""
-      )
-      print(
-        f"round {r + 1}/{args.processes} {c}: {res['samples_per_s']:,.0f} samples/s{extra}, "
-        f"load {res['load_avg']:.1f}",
-        flush=True,
-      )
+
+  def run(c: str, r: int) -> dict:
+    out = os.path.join(tmp, f"{r}_{c.replace('@', '_')}.json")
+    workdir = os.path.join(tmp, f"trainer_{r}")
+    cmd = (
+      trainer_command(args, workdir)
+      if c == "trainer"
+      else child_command(args, c, out, src_of.get(c, ""))
+    )
+    t0 = time.perf_counter()
+    load = os.getloadavg()[0]
+    harness.run_checked(cmd, env_vars=env_of[c], what=f"process {r} of {c}")
+    if c == "trainer":
+      res = {**trainer_result(workdir), "load_avg": load}
+      shutil.rmtree(workdir, ignore_errors=True)
+    else:
+      with open(out) as f:
+        child = json.load(f)
+      key = "recgnn" if c.startswith("recgnn") else c
+      res = {**child["results"][key], "load_avg": child["machine"]["load_avg_at_start"][0]}
+    res["process_seconds"] = time.perf_counter() - t0
+    return res
+
+  def show(c: str, res: dict) -> str:
+    extra = (
+      f", {res['cpu_system_ms_per_step']:.1f} system ms, "
+      f"{res['minor_faults_per_step']:,.0f} faults / step"
+      if "minor_faults_per_step" in res
+      else ""
+    )
+    return f"{res['samples_per_s']:,.0f} samples/s{extra}"
+
+  # Every contestant once per round, the order rotated: each leads once in len(contestants).
+  order = lambda r: harness.rotated(contestants, r)  # noqa: E731
+  runs = harness.rounds(args.processes, order, run, show)
   summary = {c: distribution(v) for c, v in runs.items()}
   ratios = {}
   for p in peers_dlrm.PEERS:
@@ -888,7 +801,7 @@ def distribution(runs: list[dict]) -> dict:
   for key in (*(k for k, _, _ in DIST_COLUMNS), "floor_fraction"):
     vals = [r[key] for r in runs if key in r]
     if vals:
-      out[key] = {"min": min(vals), "median": statistics.median(vals), "max": max(vals)}
+      out[key] = harness.distribution(vals)
   return out
 
 
@@ -1073,7 +986,7 @@ def main(argv=None):
   if args.processes:
     payload = run_processes(args)
     payload["check"] = check
-    common.write_results(args.name, payload, markdown_processes(payload))
+    harness.write_results(args.name, payload, markdown_processes(payload))
     return payload
   contestants = ([] if args.no_recgnn else ["recgnn"]) + [s for s in args.peers.split(",") if s]
   payload = time_in_process(args, contestants)
@@ -1082,7 +995,7 @@ def main(argv=None):
     with open(args.child_out, "w") as f:
       json.dump(payload, f)
     return payload
-  common.write_results(args.name, payload, markdown(payload))
+  harness.write_results(args.name, payload, markdown(payload))
   return payload
 
 

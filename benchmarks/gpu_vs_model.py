@@ -24,18 +24,14 @@ import argparse
 import json
 import pathlib
 import re
-import sys
 import tempfile
 
+import harness
 import jax
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
-
-import run as run_py  # noqa: E402  (the repository's run.py: its experiment loader)
-from recgnn import comms, step_model  # noqa: E402
-from recgnn.train import setup as train_setup  # noqa: E402
+import run as run_py  # (the repository's run.py: its experiment loader)
+from recgnn import comms, step_model
+from recgnn.train import setup as train_setup
 
 
 def experiment_spec(name: str, batch: int) -> str:
@@ -138,7 +134,7 @@ def main() -> None:
   names = args.experiments.split(",") if args.experiments else list(trace["experiments"])
   device = trace.get("device", {}).get("kind", "a GPU")
   rows, sides = [], []
-  payload = {"machine": common.machine_info(), "gpu_results": args.results}
+  payload = {"machine": harness.machine_info(), "gpu_results": args.results}
   payload["settings"], payload["experiments"] = s, {}
   with tempfile.TemporaryDirectory() as tmp:
     for name in names:
@@ -186,7 +182,7 @@ def main() -> None:
     "program's own transfers; measured = every copy in the step, the batch's input transfer "
     "included.",
     "",
-    common.md_table(
+    harness.md_table(
       [
         "experiment",
         "predicted ms serial / overlapped",
@@ -206,7 +202,7 @@ def main() -> None:
     "(`command_buffer::execute`) and waiting for host computations (`call-done`); the "
     "pinned -> pinned copies (`MemcpyOther`).",
     "",
-    common.md_table(
+    harness.md_table(
       [
         "experiment",
         "executable ms",
@@ -219,7 +215,7 @@ def main() -> None:
     ),
     "",
   ])  # fmt: skip
-  common.write_results(args.name, payload, md)
+  harness.write_results(args.name, payload, md)
 
 
 if __name__ == "__main__":

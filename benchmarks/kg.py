@@ -39,25 +39,22 @@ import os
 import sys
 import time
 
+import harness
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import common  # noqa: E402  (benchmarks/common.py)
-import ml_collections  # noqa: E402
-
-from experiments import (  # noqa: E402
+from experiments import (
   kge_fb15k237,
   rgcn_fb15k237,
   rgcn_fb15k237_partitioned,
   rgcn_planted,
 )
-from recgnn import comms, sharding  # noqa: E402
-from recgnn.tasks import link_prediction as lp  # noqa: E402
-from recgnn.train import loop, setup  # noqa: E402
+from recgnn import comms, sharding
+from recgnn.tasks import link_prediction as lp
+from recgnn.train import loop, setup
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -106,8 +103,8 @@ def _task(cfg) -> lp.LinkPrediction:
 
 
 def _machine() -> dict:
-  """common.machine_info() and the 1-minute load at the start, which the reports quote."""
-  info = common.machine_info()
+  """harness.machine_info() and the 1-minute load at the start, which the reports quote."""
+  info = harness.machine_info()
   return {**info, "load_avg_1m_at_start": info["load_avg_at_start"][0]}
 
 
@@ -115,7 +112,7 @@ def _write(name: str, payload: dict, md: str):
   # Load at the start is the run's own record when there is one (kge_rescan keeps it).
   payload["machine"] = {**_machine(), **payload.get("machine", {})}
   payload["machine"]["load_avg_1_5_15m_at_end"] = list(os.getloadavg())
-  common.write_results(name, payload, md, sort_keys=True)
+  harness.write_results(name, payload, md, sort_keys=True)
 
 
 def _curve(workdir: str, steps_per_epoch: int, seconds_per_step: float) -> list[dict]:

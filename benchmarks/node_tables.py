@@ -11,26 +11,16 @@ Writes benchmarks/results/node_tables.{json,md}. Meshes are simulated CPU device
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import pathlib
+import tempfile
+import time
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
+import harness
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from recgnn import xla_env  # noqa: E402
-
-xla_env.relax_simulated_device_timeouts()
+harness.simulated_devices(8)  # before jax starts
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -39,7 +29,7 @@ from experiments import sage_node_table  # noqa: E402
 from recgnn.tasks import node_classification as nc  # noqa: E402
 from recgnn.train import loop  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = harness.RESULTS
 
 
 def direct(c) -> tuple[dict, object, object]:

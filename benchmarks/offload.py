@@ -33,33 +33,30 @@ import pathlib
 import sys
 import time
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
+import sparse_update  # (its loss of pooled rows)
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
-import sparse_update  # noqa: E402  (its loss of pooled rows)
+from recgnn import planner
+from recgnn.embeddings import base
+from recgnn.train import inputs as inputs_lib
 
-from recgnn import planner  # noqa: E402
-from recgnn.embeddings import base  # noqa: E402
-from recgnn.train import inputs as inputs_lib  # noqa: E402
-
-RESULTS = common.RESULTS
+RESULTS = harness.RESULTS
 POLICIES = ("lru", "lfu", "lookahead")
 TARGET_RATIO = 1.3  # offload step at a 5% cache vs dense
 
 
 def make_batches(args, num: int, seed: int) -> list[np.ndarray]:
   """Zipf ids, P(rank r) ~ r^-exponent, hot rows scattered by ONE permutation for the whole
-  stream (a fresh permutation per batch, as common.zipf_ids draws by default, makes a stream
+  stream (a fresh permutation per batch, as harness.zipf_ids draws by default, makes a stream
   with no reuse across batches)."""
   rng = np.random.default_rng(seed)
-  cdf = common.zipf_cdf(args.rows, args.exponent)
+  cdf = harness.zipf_cdf(args.rows, args.exponent)
   perm = rng.permutation(args.rows).astype(np.int32)
   shape = (args.batch, args.bag)
-  return [perm[common.zipf_ranks(rng, cdf, shape)] for _ in range(num)]
+  return [perm[harness.zipf_ranks(rng, cdf, shape)] for _ in range(num)]
 
 
 def spec_of(args) -> base.TableSpec:
@@ -132,7 +129,7 @@ def make_step(backend):
 
 
 def ordered_runner(fn, state, inputs, warmup: int = 0):
-  """Like common.jitted_runner but never wraps around: offload plans are a sequence.
+  """Like harness.jitted_runner but never wraps around: offload plans are a sequence.
   `run.programs`: [programs fn compiled by the end of the warm-up, by the last call]."""
   box = {"state": state, "i": 0}
 
@@ -171,7 +168,7 @@ def step_times(args, batches, key) -> tuple[dict, dict]:
     inputs = [(p, targets[i % 4]) for i, p in enumerate(prepared)]
     runners[name] = ordered_runner(make_step(b), state, inputs, args.warmup)
     print(f"  prepared {name}: {plan_ms[name]:.2f} ms/step on the host", flush=True)
-  timing = common.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
+  timing = harness.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
   for name, run in runners.items():  # (compiled in the timed reps: 0, or a rep holds one)
     timing[name]["programs"] = run.programs[1]
     timing[name]["programs_compiled_timed"] = run.programs[1] - run.programs[0]
@@ -291,7 +288,7 @@ def main(argv=None):
   import os
 
   command = "python benchmarks/offload.py " + " ".join(argv if argv is not None else sys.argv[1:])
-  machine = {**common.machine_info(), "loadavg": os.getloadavg()[0]}
+  machine = {**harness.machine_info(), "loadavg": os.getloadavg()[0]}
   key = jax.random.key(0)
   n_steps = args.warmup + args.reps * args.steps_per_rep
   batches = make_batches(args, max(args.hit_batches, n_steps) + args.lookahead, seed=1)
@@ -315,7 +312,7 @@ def main(argv=None):
     "ratio_5pct": ratio,
     "target_ratio": TARGET_RATIO,
   }
-  common.write_results(args.out, payload, markdown(payload))
+  harness.write_results(args.out, payload, markdown(payload))
   plot(payload, RESULTS / f"{args.out}.png")
 
 

@@ -60,15 +60,13 @@ import tempfile
 import time
 from typing import Any
 
-import numpy as np
-
 # Runnable as `python benchmarks/sampling.py` from a checkout without installing recgnn.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import common  # noqa: E402  (benchmarks/common.py)
-from peers import sampling_pyg  # noqa: E402  (the PyG contestant)
+import harness
+import numpy as np
+from peers import sampling_pyg  # (the PyG contestant)
 
-from recgnn import hostmem  # noqa: E402
-from recgnn.graphs import sampling, synthetic  # noqa: E402
+from recgnn import hostmem
+from recgnn.graphs import sampling, synthetic
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 TARGET_RATIO = 2.5  # k=16 edges/s over PyG's
@@ -862,7 +860,7 @@ def markdown(p: dict[str, Any]) -> str:
 def payload_machine(load: float, retained=None) -> str:
   kept = "" if retained is None else f", malloc keeps freed buffers: {retained}"
   return (
-    f"{common.cpu_model()}, {os.cpu_count()} CPUs, load average "
+    f"{harness.cpu_model()}, {os.cpu_count()} CPUs, load average "
     f"{load:.1f} at start{kept}, "
     f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}"
   )
@@ -921,11 +919,8 @@ def main():
     raise SystemExit(f"unknown --sections {sorted(unknown)}; use {', '.join(sorted(known))}")
   if args.skip_training:
     sections.discard("training")
-  if sections & {"split", "split_ladies"} and "device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # Before jax initialises: the split graph needs 8 devices (simulated on CPU).
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+  if sections & {"split", "split_ladies"}:
+    harness.simulated_devices(8)  # the split graph needs 8 devices (simulated on CPU)
   if args.quick:
     args.nodes, args.edges, args.rounds, args.train_steps = 200_000, 2_000_000, 2, 20
     args.ks = [1, 16]

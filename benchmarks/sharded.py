@@ -18,37 +18,27 @@ Writes benchmarks/results/sharded.{json,md,png} (PNG: test AUC against all-to-al
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import pathlib
+import sys
+import time
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
+import harness
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+harness.simulated_devices(8)  # before jax starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import common  # noqa: E402  (benchmarks/common.py)
-
-from recgnn import (  # noqa: E402
-  comms,
-  planner,  # noqa: E402
-  sharding,
-)
+from recgnn import comms, planner, sharding  # noqa: E402
 from recgnn.backends import sharded  # noqa: E402
 from recgnn.embeddings import base, codecs  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
+ROOT = harness.ROOT
+RESULTS = harness.RESULTS
 CODECS = ("none", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "eb")
 # The AUC runs: (label, backend options). Fixed bounds bracket what the adaptive rule picks.
 RUNS = (
@@ -153,7 +143,7 @@ def section_codec(args) -> list[dict]:
       return codec.decode(payload, bounds), ok
 
     f = jax.jit(roundtrip)
-    sec = common.time_calls(lambda f=f: f(segs, bounds), args.repeats)["median_s"]
+    sec = harness.time_calls(lambda f=f: f(segs, bounds), args.repeats)["median_s"]
     out.append(
       {"codec": name, "message_bytes": nbytes, "seconds": sec, "gb_per_s": nbytes / sec / 1e9}
     )

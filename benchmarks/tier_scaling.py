@@ -27,22 +27,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
 import sys
 import time
 
+import harness
 import jax
 import numpy as np
+from harness import dlrm_task
+from peers import dlrm as peers_dlrm
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
-import dlrm_throughput as dt  # noqa: E402
-from peers import dlrm as peers_dlrm  # noqa: E402
-
-from recgnn import hostmem, sharding  # noqa: E402
-from recgnn.train import setup as train_setup  # noqa: E402
+from recgnn import hostmem, sharding
+from recgnn.train import setup as train_setup
 
 PLANS = {
   "dense": "dense",
@@ -59,10 +55,10 @@ def batches(cfg, rows: int, args, seed: int = 0) -> list[dict]:
   n = args.warmup + args.steps * args.rounds
   out = peers_dlrm.make_batches(small, args.batch, n, args.zipf, seed=seed, same_hot_rows=True)
   spread = [np.sort(rng.choice(rows, args.hot, replace=False)) for _ in range(args.tables)]
-  names = dt.table_names(cfg)
+  names = dlrm_task.table_names(cfg.num_tables)
   host = []
   for b in out:
-    x = dt.to_recgnn_batch(b, names)
+    x = dlrm_task.to_batch(b, names)
     x["ids"] = {n: spread[i][ids].astype(np.int32) for i, (n, ids) in enumerate(x["ids"].items())}
     host.append(x)
   return host
@@ -74,12 +70,12 @@ class Config:
   def __init__(self, label: str, text: str, rows: int, args):
     self.label, self.rows, self.text = label, rows, text
     self.cfg = peers_dlrm.DlrmConfig(num_rows=rows, num_tables=args.tables)
-    config = dt.recgnn_config(self.cfg)
+    config = dlrm_task.config_of(self.cfg)
     config.embeddings.plan = [(".*", text)]
     mesh = sharding.make_mesh(1, 1)
     self.host = batches(self.cfg, rows, args)
     t0 = time.perf_counter()
-    task = dt.BenchCTR(config, self.cfg, mesh)
+    task = dlrm_task.task_of(config, self.cfg, mesh)
     self.run = train_setup.build(config, mesh=mesh, task=task, example=self.host[0])
     self.state = self.run.state
     self.build_s = time.perf_counter() - t0
@@ -157,7 +153,7 @@ def markdown(payload: dict) -> str:
       ]
     )
   lines.append(
-    common.md_table(
+    harness.md_table(
       [
         "backend",
         f"step ms {small:,}",
@@ -228,7 +224,7 @@ def main(argv=None):
   payload = {
     "argv": argv,
     "args": vars(args),
-    "machine": common.machine_info(),
+    "machine": harness.machine_info(),
     "load_avg_at_start": list(load0),
     "load_avg_at_end": list(os.getloadavg()),
     "rows": rows,
@@ -236,7 +232,7 @@ def main(argv=None):
     "vs_dense": vs_dense,
     "must_show": must,
   }
-  common.write_results(args.name, payload, markdown(payload))
+  harness.write_results(args.name, payload, markdown(payload))
 
 
 if __name__ == "__main__":

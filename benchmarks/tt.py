@@ -61,21 +61,16 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
-import sys
 import time
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_ROOT))
-sys.path.insert(0, str(_ROOT / "benchmarks"))
-import common  # noqa: E402  (benchmarks/common.py)
-
-from recgnn import planner  # noqa: E402
-from recgnn.backends import tt  # noqa: E402
-from recgnn.embeddings import base  # noqa: E402
+from recgnn import planner
+from recgnn.backends import tt
+from recgnn.embeddings import base
 
 KAGGLE_RANKS = (8, 16, 32, 64)
 KERNELS = tt.KERNELS
@@ -139,7 +134,7 @@ def compression_md(res: dict) -> str:
 
 def zipf_ids(rng, num_rows, shape, exponent=1.1, order="frequency", perm_seed=0):
   """int32 ids with P(rank r) ~ (r + 1)^-exponent; `hashed` scatters ranks over the rows."""
-  ranks = common.zipf_ranks(rng, common.zipf_cdf(num_rows, exponent), shape)
+  ranks = harness.zipf_ranks(rng, harness.zipf_cdf(num_rows, exponent), shape)
   if order == "hashed":
     # An odd-multiplier bijection mod a power of two >= N, folded into [0, N).
     m = 1 << int(num_rows - 1).bit_length()
@@ -844,7 +839,7 @@ def main(argv=None):
     args.rows, args.batches, args.reps, args.steps = 1_000_000, 4, 3, 5
     args.step_batches, args.seeds, args.quality_steps = 3, [0], 50
     args.nimble_experiment, args.nimble_steps = "sage_tt_cora", 20
-  payload = {"machine": common.machine_info(), "args": vars(args)}
+  payload = {"machine": harness.machine_info(), "args": vars(args)}
   md = [f"## TT-Rec benchmarks\n\n`{payload['machine']['command']}`\n"]
   for s in args.sections.split(","):
     if s not in SECTIONS:
@@ -853,9 +848,9 @@ def main(argv=None):
     print(f"== {s}", flush=True)
     payload[s] = run(args)
     md.append(to_md(payload[s]))
-  common.write_results(args.name, payload, "\n".join(md))
+  harness.write_results(args.name, payload, "\n".join(md))
   if "nimble" in payload:
-    nimble_plot(payload["nimble"], common.RESULTS / f"{args.name}.png")
+    nimble_plot(payload["nimble"], harness.RESULTS / f"{args.name}.png")
 
 
 if __name__ == "__main__":

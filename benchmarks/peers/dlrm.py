@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import common
+import harness
 import numpy as np
 
 PEERS = ("torchrec", "pytorch")
@@ -134,7 +134,7 @@ def make_batches(
   out = []
   for _ in range(n):
     ids = np.stack(
-      [common.zipf_ids(rng, rows, (batch,), zipf, perm=p) for rows, p in zip(cfg.rows, perms)],
+      [harness.zipf_ids(rng, rows, (batch,), zipf, perm=p) for rows, p in zip(cfg.rows, perms)],
       axis=1,
     )
     dense = rng.normal(size=(batch, cfg.num_dense)).astype(np.float32)
