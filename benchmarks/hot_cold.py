@@ -313,34 +313,26 @@ def _ratio_iqr(t: dict, ref: dict) -> tuple[float, float]:
 
 
 def plot(payload, path):
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-  for dist, r in payload["dists"].items():
-    x = [100 * c["budget"] for c in r["curve"]]
-    ax1.plot(x, [c["coverage"] for c in r["curve"]], marker="o", label=f"{dist}: coverage")
-    ax1.plot(x, [c["popular_fraction"] for c in r["curve"]], marker="s", ls="--",
-             label=f"{dist}: popular examples")  # fmt: skip
-    names = list(r["step"])
-    ax2.plot(names, [r["ratio"][n] for n in names], marker="o", label=dist)
-  ax1.set_xscale("log")
-  ax1.set_xlabel("device budget (% of the group's bytes)")
-  ax1.set_ylabel("share")
-  ax1.set_title("Hot-access coverage and popular examples")
-  ax1.grid(alpha=0.3)
-  ax1.legend(fontsize=8)
-  ax2.axhline(TARGET_RATIO, color="red", ls="--", lw=1, label=f"{TARGET_RATIO}x dense")
-  ax2.set_ylabel("train step / dense step")
-  ax2.set_title("DLRM step time vs dense")
-  ax2.tick_params(axis="x", rotation=45)
-  ax2.legend(fontsize=8)
-  ax2.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  print(f"wrote {path}")
+  with harness.png(path, ncols=2, figsize=(10, 4), dpi=120) as (fig, (ax1, ax2)):
+    for dist, r in payload["dists"].items():
+      x = [100 * c["budget"] for c in r["curve"]]
+      ax1.plot(x, [c["coverage"] for c in r["curve"]], marker="o", label=f"{dist}: coverage")
+      ax1.plot(x, [c["popular_fraction"] for c in r["curve"]], marker="s", ls="--",
+               label=f"{dist}: popular examples")  # fmt: skip
+      names = list(r["step"])
+      ax2.plot(names, [r["ratio"][n] for n in names], marker="o", label=dist)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("device budget (% of the group's bytes)")
+    ax1.set_ylabel("share")
+    ax1.set_title("Hot-access coverage and popular examples")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    ax2.axhline(TARGET_RATIO, color="red", ls="--", lw=1, label=f"{TARGET_RATIO}x dense")
+    ax2.set_ylabel("train step / dense step")
+    ax2.set_title("DLRM step time vs dense")
+    ax2.tick_params(axis="x", rotation=45)
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
 
 
 def main(argv=None):

@@ -726,32 +726,24 @@ def run_planted():
 
 
 def plot(kge_payloads: list[dict], rgcn_payload: dict | None):
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    print("matplotlib not installed: no PNG (pip install matplotlib)")
+  if not harness.can_plot():
     return
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for p in kge_payloads:
-    c = p["valid_curve"]
-    ax.plot(
-      [x["seconds"] / 60 for x in c], [x["valid_mrr"] for x in c], "o-", label=p["experiment"]
-    )
-  if rgcn_payload:
-    for k in ("whole", "partitioned"):
-      c = rgcn_payload[k]["valid_curve"]
-      label = f"R-GCN {k}" + (f" ({rgcn_payload['parts']} parts)" if k == "partitioned" else "")
-      ax.plot([x["seconds"] / 60 for x in c], [x["valid_mrr"] for x in c], "s--", label=label)
-  ax.set_xlabel("training time (min, steady-state step rate)")
-  ax.set_ylabel("filtered valid MRR")
-  ax.set_title("FB15k-237")
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(os.path.join(RESULTS, "kg_mrr.png"), dpi=120)
+  with harness.png(os.path.join(RESULTS, "kg_mrr.png"), figsize=(6, 4), dpi=120) as (fig, ax):
+    for p in kge_payloads:
+      c = p["valid_curve"]
+      ax.plot(
+        [x["seconds"] / 60 for x in c], [x["valid_mrr"] for x in c], "o-", label=p["experiment"]
+      )
+    if rgcn_payload:
+      for k in ("whole", "partitioned"):
+        c = rgcn_payload[k]["valid_curve"]
+        label = f"R-GCN {k}" + (f" ({rgcn_payload['parts']} parts)" if k == "partitioned" else "")
+        ax.plot([x["seconds"] / 60 for x in c], [x["valid_mrr"] for x in c], "s--", label=label)
+    ax.set_xlabel("training time (min, steady-state step rate)")
+    ax.set_ylabel("filtered valid MRR")
+    ax.set_title("FB15k-237")
+    ax.grid(alpha=0.3)
+    ax.legend()
 
 
 def _load(name):

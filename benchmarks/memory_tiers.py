@@ -287,27 +287,20 @@ def markdown(payload: dict) -> str:
 
 
 def plot(payload: dict, path: pathlib.Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-  for z in sorted({r["zipf"] for r in payload["rows"]}):
-    rows = [r for r in payload["rows"] if r["zipf"] == z]
-    labels = [r["label"] for r in rows]
-    x = np.arange(len(rows))
-    ax[0].bar(x + 0.4 * (z != rows[0]["zipf"]), [r["host_to_device_bytes"] / 1e6 for r in rows],
-              0.4, label=f"zipf {z:g}")  # fmt: skip
-    ax[1].bar(x, [r["gpu_overlapped_ms"] for r in rows], 0.4, label=f"zipf {z:g} overlapped")
-    ax[1].scatter(x, [r["gpu_serial_ms"] for r in rows], marker="_", s=200, color="k")
-    for a in ax:
-      a.set_xticks(x, labels, rotation=60, ha="right", fontsize=8)
-  ax[0].set_ylabel("host -> device MB per step (HLO)")
-  ax[1].set_ylabel("predicted H100 ms per step (bars: overlapped, -: serial)")
-  ax[0].legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  with harness.png(path, ncols=2, figsize=(11, 4), dpi=120) as (fig, ax):
+    for z in sorted({r["zipf"] for r in payload["rows"]}):
+      rows = [r for r in payload["rows"] if r["zipf"] == z]
+      labels = [r["label"] for r in rows]
+      x = np.arange(len(rows))
+      ax[0].bar(x + 0.4 * (z != rows[0]["zipf"]), [r["host_to_device_bytes"] / 1e6 for r in rows],
+                0.4, label=f"zipf {z:g}")  # fmt: skip
+      ax[1].bar(x, [r["gpu_overlapped_ms"] for r in rows], 0.4, label=f"zipf {z:g} overlapped")
+      ax[1].scatter(x, [r["gpu_serial_ms"] for r in rows], marker="_", s=200, color="k")
+      for a in ax:
+        a.set_xticks(x, labels, rotation=60, ha="right", fontsize=8)
+    ax[0].set_ylabel("host -> device MB per step (HLO)")
+    ax[1].set_ylabel("predicted H100 ms per step (bars: overlapped, -: serial)")
+    ax[0].legend()
 
 
 def main(argv=None):

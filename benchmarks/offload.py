@@ -229,39 +229,31 @@ def markdown(payload: dict) -> str:
 
 
 def plot(payload: dict, path: pathlib.Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-  fr = payload["config"]["fractions"]
-  for p in POLICIES:
-    hr = [
-      r["hit_rate"]
-      for f in fr
-      for r in payload["hit_rate"]
-      if (r["fraction"], r["policy"]) == (f, p)
-    ]
-    ax1.plot([100 * f for f in fr], hr, marker="o", label=p)
-  ceiling = [r["hit_rate"] for r in payload["hit_rate"] if r["policy"] == "all rows"][0]
-  ax1.axhline(ceiling, color="gray", ls=":", label="every row cached")
-  ax1.set_xscale("log")
-  ax1.set_xlabel("cache size (% of rows)")
-  ax1.set_ylabel("hit rate (distinct rows per batch)")
-  ax1.set_title("Hit rate on Zipf ids")
-  ax1.legend()
-  ax1.grid(alpha=0.3)
-  names = list(payload["step"])
-  ms = [payload["step"][n]["step_ms"] for n in names]
-  ax2.bar(names, ms, color=["gray"] + ["C0"] * (len(names) - 1))
-  ax2.axhline(ms[0] * TARGET_RATIO, color="red", ls="--", lw=1, label=f"{TARGET_RATIO}x dense")
-  ax2.set_ylabel("train step (ms, median)")
-  ax2.set_title("Step time: dense vs offload(lru)")
-  ax2.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  print(f"wrote {path}")
+  with harness.png(path, ncols=2, figsize=(10, 4), dpi=120) as (fig, (ax1, ax2)):
+    fr = payload["config"]["fractions"]
+    for p in POLICIES:
+      hr = [
+        r["hit_rate"]
+        for f in fr
+        for r in payload["hit_rate"]
+        if (r["fraction"], r["policy"]) == (f, p)
+      ]
+      ax1.plot([100 * f for f in fr], hr, marker="o", label=p)
+    ceiling = [r["hit_rate"] for r in payload["hit_rate"] if r["policy"] == "all rows"][0]
+    ax1.axhline(ceiling, color="gray", ls=":", label="every row cached")
+    ax1.set_xscale("log")
+    ax1.set_xlabel("cache size (% of rows)")
+    ax1.set_ylabel("hit rate (distinct rows per batch)")
+    ax1.set_title("Hit rate on Zipf ids")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    names = list(payload["step"])
+    ms = [payload["step"][n]["step_ms"] for n in names]
+    ax2.bar(names, ms, color=["gray"] + ["C0"] * (len(names) - 1))
+    ax2.axhline(ms[0] * TARGET_RATIO, color="red", ls="--", lw=1, label=f"{TARGET_RATIO}x dense")
+    ax2.set_ylabel("train step (ms, median)")
+    ax2.set_title("Step time: dense vs offload(lru)")
+    ax2.legend()
 
 
 def main(argv=None):

@@ -331,29 +331,22 @@ def device_markdown(d: dict, a: dict) -> str:
 
 
 def device_plot(d: dict, path: pathlib.Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(5.5, 3.6))
-  for where in ("host", "device"):
-    pts = sorted(
-      (int(n.split("k=")[1]), v["edges_per_second"] / 1e6)
-      for n, v in d["methods"].items()
-      if n.startswith(f"node {where} ")
-    )
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"recgnn {where}")
-  if "PyG NeighborLoader" in d["methods"]:
-    ax.axhline(d["methods"]["PyG NeighborLoader"]["edges_per_second"] / 1e6, ls="--", c="gray")
-    ax.text(1, d["methods"]["PyG NeighborLoader"]["edges_per_second"] / 1e6, " PyG", va="bottom")
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("mini-batches per call (k)")
-  ax.set_ylabel("sampled edges/s (M)")
-  ax.set_title(f"node-wise sampling on {d['jax_backend'].split()[0]}")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  with harness.png(path, figsize=(5.5, 3.6), dpi=120) as (fig, ax):
+    for where in ("host", "device"):
+      pts = sorted(
+        (int(n.split("k=")[1]), v["edges_per_second"] / 1e6)
+        for n, v in d["methods"].items()
+        if n.startswith(f"node {where} ")
+      )
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"recgnn {where}")
+    if "PyG NeighborLoader" in d["methods"]:
+      ax.axhline(d["methods"]["PyG NeighborLoader"]["edges_per_second"] / 1e6, ls="--", c="gray")
+      ax.text(1, d["methods"]["PyG NeighborLoader"]["edges_per_second"] / 1e6, " PyG", va="bottom")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("mini-batches per call (k)")
+    ax.set_ylabel("sampled edges/s (M)")
+    ax.set_title(f"node-wise sampling on {d['jax_backend'].split()[0]}")
+    ax.legend()
 
 
 # ----------------------------------------------------------------------------- split graph

@@ -138,34 +138,27 @@ def markdown(payload: dict) -> str:
 
 
 def plot(payload: dict, path: pathlib.Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   res = [r for r in payload["results"] if r["rows_per_table"] == min(payload["args"]["rows"])]
   meshes = list(dict.fromkeys(r["mesh"] for r in res))
   backends = list(dict.fromkeys(r["backend"] for r in res))
-  fig, ax = plt.subplots(figsize=(8, 4))
-  w = 0.8 / len(backends)
-  for i, b in enumerate(backends):
-    ys = [
-      next((r["bytes_per_step"] for r in res if r["backend"] == b and r["mesh"] == m), 0) / 1024
-      for m in meshes
-    ]
-    ax.bar(np.arange(len(meshes)) + i * w, ys, w, label=b)
-  ax.set_xticks(np.arange(len(meshes)) + w * (len(backends) - 1) / 2, meshes)
-  ax.set_xlabel("mesh (data x model)")
-  ax.set_ylabel("KiB per device per step")
-  ax.set_title(
-    f"Collective bytes per train step, from the HLO ({payload['args']['tables']} tables, "
-    f"batch {payload['args']['batch']})\nthe same at every table size: "
-    + ", ".join(f"{r:,} rows" for r in payload["args"]["rows"]),
-    fontsize=10,
-  )
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  with harness.png(path, figsize=(8, 4), dpi=110) as (fig, ax):
+    w = 0.8 / len(backends)
+    for i, b in enumerate(backends):
+      ys = [
+        next((r["bytes_per_step"] for r in res if r["backend"] == b and r["mesh"] == m), 0) / 1024
+        for m in meshes
+      ]
+      ax.bar(np.arange(len(meshes)) + i * w, ys, w, label=b)
+    ax.set_xticks(np.arange(len(meshes)) + w * (len(backends) - 1) / 2, meshes)
+    ax.set_xlabel("mesh (data x model)")
+    ax.set_ylabel("KiB per device per step")
+    ax.set_title(
+      f"Collective bytes per train step, from the HLO ({payload['args']['tables']} tables, "
+      f"batch {payload['args']['batch']})\nthe same at every table size: "
+      + ", ".join(f"{r:,} rows" for r in payload["args"]["rows"]),
+      fontsize=10,
+    )
+    ax.legend(fontsize=8)
 
 
 def main(argv=None):

@@ -358,20 +358,13 @@ def markdown(payload) -> str:
 
 
 def plot(payload, path):
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for r in payload["summary"]:
-    ax.errorbar(r["bytes_per_step"] / 1e3, r["mean_test_auc"], yerr=r["std_test_auc"], fmt="o")
-    ax.annotate(r["run"], (r["bytes_per_step"] / 1e3, r["mean_test_auc"]), fontsize=7)
-  ax.set_xlabel("all-to-all payload per device per step (kB, fwd + bwd)")
-  ax.set_ylabel("test AUC (mean of seeds)")
-  ax.set_title("dlrm_sharded, 1 x 8 simulated devices")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  with harness.png(path, figsize=(6, 4), dpi=120) as (fig, ax):
+    for r in payload["summary"]:
+      ax.errorbar(r["bytes_per_step"] / 1e3, r["mean_test_auc"], yerr=r["std_test_auc"], fmt="o")
+      ax.annotate(r["run"], (r["bytes_per_step"] / 1e3, r["mean_test_auc"]), fontsize=7)
+    ax.set_xlabel("all-to-all payload per device per step (kB, fwd + bwd)")
+    ax.set_ylabel("test AUC (mean of seeds)")
+    ax.set_title("dlrm_sharded, 1 x 8 simulated devices")
 
 
 def main(argv=None):

@@ -25,10 +25,8 @@ once each, after `--warmup` steps):
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 import time
 
 import harness
@@ -130,8 +128,9 @@ def markdown(payload: dict) -> str:
     f"{a['cache']:,} rows)",
     "",
     f"`python benchmarks/tier_scaling.py {' '.join(payload['argv'])}`; "
-    f"load at start {payload['load_avg_at_start'][0]:.2f}, "
-    f"at end {payload['load_avg_at_end'][0]:.2f}; {a['rounds']} rounds of {a['steps']} steps "
+    f"load at start {payload['machine']['load_avg_at_start'][0]:.2f}, "
+    f"at end {payload['machine']['load_avg_at_end'][0]:.2f}; {a['rounds']} rounds of "
+    f"{a['steps']} steps "
     "interleaved, medians (min-max).",
     "",
   ]
@@ -171,27 +170,20 @@ def markdown(payload: dict) -> str:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--rows", default="1000000,10000000", help="table sizes (rows per table)")
-  p.add_argument("--tables", type=int, default=2)
-  p.add_argument("--batch", type=int, default=2048)
+  p = harness.flags.parser(__doc__)
+  harness.flags.add_dlrm(p, tables=2, rows="1000000,10000000", dim=None)
   p.add_argument("--hot", type=int, default=200_000, help="rows the accesses are drawn over")
-  p.add_argument("--zipf", type=float, default=1.05)
   p.add_argument("--cache", type=int, default=20_000, help="offload's cache / hot_cold's rows")
-  p.add_argument("--warmup", type=int, default=24)
-  p.add_argument("--steps", type=int, default=10, help="timed steps per round")
-  p.add_argument("--rounds", type=int, default=3)
+  harness.flags.add_rounds(p, warmup=24, steps=10, rounds=3)
   p.add_argument("--backends", default=",".join(PLANS))
-  p.add_argument("--quick", action="store_true")
-  p.add_argument("--name", default=None)
+  harness.flags.add_output(p, "tier_scaling (--quick: tier_scaling_quick)")
   args = p.parse_args(argv)
-  argv = sys.argv[1:] if argv is None else list(argv)
   if args.quick:
     args.rows, args.hot, args.cache = "100000,1000000", 50_000, 8_000
     args.warmup, args.steps, args.rounds = 12, 4, 2
   args.name = args.name or ("tier_scaling_quick" if args.quick else "tier_scaling")
   hostmem.keep_freed_memory()
-  load0 = os.getloadavg()
+  payload = harness.record(args, argv)
   sizes = [int(x) for x in args.rows.split(",")]
   configs = []
   for label in args.backends.split(","):
@@ -221,17 +213,8 @@ def main(argv=None):
         f"{label}: step({big:,}) / step({small:,}) = {ratio[label]:.3f}, {v:.3f}x dense's "
         f"{ratio['dense']:.3f} ({ok} the 1.1x target)"
       )
-  payload = {
-    "argv": argv,
-    "args": vars(args),
-    "machine": harness.machine_info(),
-    "load_avg_at_start": list(load0),
-    "load_avg_at_end": list(os.getloadavg()),
-    "rows": rows,
-    "ratio": ratio,
-    "vs_dense": vs_dense,
-    "must_show": must,
-  }
+  payload["machine"]["load_avg_at_end"] = os.getloadavg()
+  payload.update(rows=rows, ratio=ratio, vs_dense=vs_dense, must_show=must)
   harness.write_results(args.name, payload, markdown(payload))
 
 

@@ -680,36 +680,27 @@ def nimble_md(res: dict) -> str:
 
 def nimble_plot(res: dict, path: pathlib.Path) -> None:
   """Test accuracy (bars) and train-step ms (dots) per variant."""
-  try:
-    import matplotlib
-  except ImportError:
-    print("matplotlib not installed: no PNG")
+  if not harness.can_plot():
     return
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   names = list(res["summary"])
   s = [res["summary"][n] for n in names]
-  fig, ax = plt.subplots(figsize=(10, 4.5))
-  x = np.arange(len(names))
-  acc = [v["mean_test_accuracy"] for v in s]
-  ax.bar(x, acc, yerr=[v["std"] for v in s], color=["#888" if v["compression"] == 1 else "#3a7"
-                                                   for v in s])  # fmt: skip
-  for i, v in enumerate(s):
-    ax.text(i, acc[i] + 0.005, f"{v['compression']:,.0f}x", ha="center", fontsize=8)
-  lo = min(acc) - 0.1
-  ax.set_ylim(max(0.0, lo), min(1.0, max(acc) + 0.05))
-  ax.set_xticks(x, [n.replace(",", "\n") for n in names], fontsize=8)
-  ax.set_ylabel("test accuracy (bars; label: compression)")
-  ax2 = ax.twinx()
-  ax2.plot(x, [v["step_ms"] for v in s], "ko", label="train step ms")
-  ax2.set_ylabel("train step ms (dots)")
-  ax2.set_ylim(0, max(v["step_ms"] for v in s) * 1.3)
-  r0 = res["runs"][0]
-  ax.set_title(f"{res['experiment']}: {r0['num_nodes']:,} nodes, TT vs full node embeddings")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  print(f"wrote {path}")
+  with harness.png(path, figsize=(10, 4.5), dpi=110) as (fig, ax):
+    x = np.arange(len(names))
+    acc = [v["mean_test_accuracy"] for v in s]
+    ax.bar(x, acc, yerr=[v["std"] for v in s], color=["#888" if v["compression"] == 1 else "#3a7"
+                                                     for v in s])  # fmt: skip
+    for i, v in enumerate(s):
+      ax.text(i, acc[i] + 0.005, f"{v['compression']:,.0f}x", ha="center", fontsize=8)
+    lo = min(acc) - 0.1
+    ax.set_ylim(max(0.0, lo), min(1.0, max(acc) + 0.05))
+    ax.set_xticks(x, [n.replace(",", "\n") for n in names], fontsize=8)
+    ax.set_ylabel("test accuracy (bars; label: compression)")
+    ax2 = ax.twinx()
+    ax2.plot(x, [v["step_ms"] for v in s], "ko", label="train step ms")
+    ax2.set_ylabel("train step ms (dots)")
+    ax2.set_ylim(0, max(v["step_ms"] for v in s) * 1.3)
+    r0 = res["runs"][0]
+    ax.set_title(f"{res['experiment']}: {r0['num_nodes']:,} nodes, TT vs full node embeddings")
 
 
 # ----------------------------------------------------------------------------- main

@@ -38,7 +38,7 @@ from .processes import (
   trainer_process,
   trees,
 )
-from .results import RESULTS, md_table, png, record, write_results
+from .results import RESULTS, can_plot, md_table, png, record, write_results
 from .timing import interleaved_timing, jitted_runner, time_calls
 
 simulated_devices = env.simulated_devices
@@ -50,6 +50,7 @@ __all__ = [
   "RESULTS",
   "ROOT",
   "alternated",
+  "can_plot",
   "cpu_model",
   "distribution",
   "env",

@@ -42,18 +42,19 @@ def add_dlrm(
   batch: int = 2048,
   tables: int = 26,
   rows: int | str = 100_000,
-  dim: int = 16,
+  dim: int | None = 16,
   zipf: float = 1.05,
 ) -> None:
   """The DLRM step's sizes (Kaggle's model: 26 tables of dim 16, batch 2048). `rows` a str:
-  a comma-separated list of sizes."""
+  a comma-separated list of sizes; `dim` None: no --dim (the benchmark fixes it)."""
   p.add_argument("--batch", type=int, default=batch)
   p.add_argument("--tables", type=int, default=tables)
   if isinstance(rows, str):
     p.add_argument("--rows", default=rows, help="table sizes (rows per table), comma-separated")
   else:
     p.add_argument("--rows", type=int, default=rows, help="rows per table")
-  p.add_argument("--dim", type=int, default=dim)
+  if dim is not None:
+    p.add_argument("--dim", type=int, default=dim)
   p.add_argument("--zipf", type=float, default=zipf, help="Zipf exponent of the ids")
 
 

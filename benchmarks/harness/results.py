@@ -6,6 +6,7 @@ arguments and the machine record), <name>.md (the table it prints) and, where it
   write_results(name, payload, md)  the JSON and the markdown (the load at the end added)
   md_table(header, rows)            a markdown table
   png(path, ncols)                  a matplotlib figure (Agg) saved when the block ends
+  can_plot()                        whether matplotlib is installed
 """
 
 from __future__ import annotations
@@ -62,6 +63,16 @@ def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = 
   lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule[a] for a in align) + "|"]
   lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
   return "\n".join(lines)
+
+
+def can_plot() -> bool:
+  """Whether matplotlib is installed (the peers' venv may lack it); says so when not."""
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    print("matplotlib not installed: no PNG (pip install matplotlib)")
+    return False
+  return True
 
 
 @contextlib.contextmanager
