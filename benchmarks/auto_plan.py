@@ -1,5 +1,8 @@
 """plan=auto against hand-written plans at the same memory budget (issue 28).
 
+Question: at a given memory budget, is the plan `plan=auto` picks as fast as the best plan a
+person would write, and does its predicted step match the measured one?
+
 For each budget (a fraction of the all-dense plan's bytes per device): the hand-written plans
 that fit it (all dense when it fits; for each host tier and fraction, the largest tables moved
 to it one by one until the plan fits, at least one), and the `auto(budget=...)` rule, each

@@ -1,5 +1,8 @@
 """Criteo TSV -> binary cache conversion speed (rows/s), on synthetic Kaggle-format lines.
 
+Question: how fast does a Criteo TSV become the binary memmap cache, with hashed and with
+frequency ids?
+
 Generates `--rows` lines with `recgnn.data.criteo_synthetic` (the exact Kaggle format: 40
 tab-separated fields, Kaggle missing-value rates) once under `--workdir`, then converts them
 with `recgnn.data.criteo.convert` into a fresh cache directory, `--reps` times per mode:

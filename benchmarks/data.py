@@ -1,5 +1,8 @@
 """Training-batch read speed (rows/s): the memmap cache vs TFDS array_record + grain, one run.
 
+Question: which training-batch reader is faster here, the memmap cache or TFDS array_record +
+grain?
+
 Writes a synthetic Criteo-format train.txt (`recgnn.data.criteo_synthetic`, `--rows` lines)
 once under `--workdir`, converts it both ways (the memmap .npy cache; the TFDS criteo_kaggle
 build, which `tfds.data_source` reads without TensorFlow), then reads the same shuffled

@@ -1,5 +1,8 @@
 """DLRM train-step throughput: recgnn vs TorchRec vs plain PyTorch, on identical batches.
 
+Question: is recgnn's DLRM (or DCNv2) train step as fast as TorchRec's on the same batches, and
+how far is it from the MLPs' matmul floor?
+
 All three train the DLRM reference Kaggle model (26 tables, dim 16, bottom 13-512-256-64-16,
 dot interaction, top 367-512-256-1, BCE-with-logits, SGD lr 0.1 for tables and MLPs) on the
 same numpy batches (batch 2048, 26 tables x 100k rows, Zipf ids with exponent 1.05):

@@ -1,6 +1,9 @@
 """End to end in the trainer: dlrm_kaggle vs cdlrm_kaggle (offload), ttrec_kaggle (tt) and
 hotline_kaggle (hot_cold) on the same synthetic data, and where the input thread's time goes.
 
+Question: what does each backend's plan cost per step in the trainer, end to end, against all-
+dense `dlrm_kaggle`; and is this tree slower than an earlier commit (--against)?
+
 Three measurements, one process, one command (defaults: ~5 minutes on a quiet machine):
 
   trainer      `recgnn.train.loop.train` of each experiment for `--steps` steps, interleaved:

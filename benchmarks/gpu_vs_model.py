@@ -1,5 +1,7 @@
 """The step model's H100 prediction beside what a GPU trace measured, for the same runs.
 
+Question: how well does recgnn.step_model predict the steps a GPU trace measured?
+
 `tools/gpu_check.sh --stage=trace` profiles steps (110:115 by default) of `cdlrm_kaggle`
 (offload) and `hotline_kaggle` (hot_cold) on a GPU and summarizes each trace
 (`recgnn.trace_summary`: kernel time, kernels, host <-> device copies, other copies, the step's

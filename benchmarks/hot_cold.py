@@ -1,5 +1,8 @@
 """The `hot_cold` backend (Hotline): coverage, popular fraction and DLRM step time vs budget.
 
+Question: what share of the accesses and examples does a hot set of each device budget cover,
+and what does hot_cold's step cost against dense and offload?
+
 The tables of the synthetic Kaggle default (the 26 Kaggle cardinalities x `--scale`); ids
 drawn per table as the synthetic generator draws them (rank r with P ~ (r + 1)^-exponent,
 scattered by a random permutation) or uniformly (the worst case for a hot set). The K largest

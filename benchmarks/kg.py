@@ -1,6 +1,9 @@
 """Knowledge-graph link prediction on FB15k-237: quality, training throughput, eval time,
 and partitioned vs whole-graph R-GCN training.
 
+Question: how good (filtered MRR) and how fast is KGE and R-GCN training on FB15k-237, on the
+whole graph and on self-sufficient partitions?
+
 Sections (--sections, comma-separated):
   kge        train `kge_fb15k237:DECODER` (--decoder) with the trainer: filtered test MRR /
              Hits@k, wall time, edges/s, valid MRR at every eval, then the full filtered

@@ -1,6 +1,9 @@
 """Memory tiers (offload, hot_cold) against dense and a host-only table: what each DLRM train
 step moves over the host link and what that would cost on a GPU.
 
+Question: how many bytes cross the host link per step for each memory tier, and what step does
+recgnn.step_model predict for it on an H100?
+
 Every configuration is the trainer's own step (`recgnn.train.setup.build`) of the reference
 Kaggle DLRM (26 tables, dim 16, the MLPs of benchmarks/dlrm_throughput.py) over tables of
 `--rows` rows, on a stream of Zipf batches (`--zipf`; the same hot rows in every batch, a new

@@ -3,6 +3,8 @@ synthetic graph, learnable node embeddings only, one seed), per backend and mesh
 accuracy, and the final node table and dense params against dense's on the same mesh (max
 |difference|, 0 = bit for bit) and against 1-device dense.
 
+Question: does GraphSAGE's node table train to the same result on every backend and mesh?
+
   python benchmarks/node_tables.py                                  # defaults below
   python benchmarks/node_tables.py --nodes=20000 --steps=100 --cache=0.9 --meshes=1x1,1x8
 

@@ -1,5 +1,8 @@
 """The `offload` backend (cDLRM): cache hit rate per policy and cache size, step time vs dense.
 
+Question: what hit rate does each cache policy reach per cache size, and what does offload's
+step cost against dense?
+
 Two measurements on the same Zipf id stream (one table, `--batch` x `--bag` ids per step):
 
   hit rate    for each policy (lru, lfu, lookahead) and cache size (1%, 5%, 10%, 25% of the

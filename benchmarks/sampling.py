@@ -1,5 +1,8 @@
 """Bulk matrix-based neighbour sampling vs PyG's NeighborLoader, and GraphSAGE training.
 
+Question: how fast is bulk matrix-based sampling against PyG's NeighborLoader, on the host and
+on the device, and what does it change in GraphSAGE's accuracy?
+
 Graph: the synthetic power-law graph with planted communities (recgnn.graphs.synthetic),
 default 1M nodes / 10M adjacency entries (5M undirected edges, both directions stored),
 seeds drawn from its training split.

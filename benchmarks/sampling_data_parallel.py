@@ -1,5 +1,8 @@
 """Data-parallel GraphSAGE on simulated devices, and the device sampler's sparse-product path.
 
+Question: does data-parallel GraphSAGE match one device's accuracy, and what does its step move
+between devices?
+
 `python benchmarks/sampling.py --sections=data_parallel [flags below]` runs this module (or
 run it directly). Parts (--parts, comma list):
 

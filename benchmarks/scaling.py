@@ -1,5 +1,8 @@
 """Bytes between devices per train step, by backend and mesh, read from the compiled HLO.
 
+Question: how many bytes does each backend's train step move between devices, per mesh and table
+size?
+
 For each table size, backend and (data x model) mesh, the trainer's own jitted train step
 (the reference DLRM, `--tables` tables of `--rows` rows, batch `--batch`) is compiled for
 that mesh and the collectives of its optimized HLO are summed (`recgnn.comms`): operand

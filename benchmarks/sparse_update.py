@@ -1,5 +1,8 @@
 """Train-step time vs table size: the `dense` backend's sparse update against a naive step.
 
+Question: is the dense backend's step free of O(rows) work (flat from 1M to 10M rows), unlike
+autodiff through the table?
+
 The rule this checks (docs/architecture.md): no step costs O(rows in a table). Both steps look
 up the same batch of ids in one table, take a tiny loss and update the table with SGD:
 

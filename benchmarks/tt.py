@@ -1,5 +1,8 @@
 """TT-Rec (`tt` backend): compression, kernel throughput, train-step cost and AUC vs dense.
 
+Question: how much does TT compress the tables, and what does it cost in step time and AUC
+against dense?
+
 Sections (`--sections`, default all):
   compression  embedding floats of the Kaggle DLRM (real cardinalities, dim 16) with TT on the
                7 largest tables, per rank, against all-dense: computed from the specs, nothing

@@ -14,14 +14,22 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README_MAX_LINES = 250
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
-# Paths named in the text (commands and code spans), relative to the repository root.
-SCRIPT = re.compile(r"(?<![\w./-])((?:benchmarks|tools)/[\w./-]+\.(?:py|sh|md))")
+# Paths named in the text (commands and code spans), relative to the repository root; a name in
+# capitals (benchmarks/NAME.py) is a placeholder.
+SCRIPT = re.compile(r"(?<![\w./-])((?:benchmarks|tools)/(?:[a-z_][\w-]*/)*[a-z_][\w-]*\.(?:py|sh|md))")
 # Results files: `results/NAME.md` (relative to benchmarks/), `*` a glob.
 RESULT = re.compile(r"(?<![\w.-])(?:benchmarks/)?results/([\w*./-]+\.(?:md|json|png))")
 
 
 def pages(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+  """README.md, then docs/ (the pages the README indexes)."""
   return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def checked(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+  """The pages whose references must resolve: pages() and the benchmarks' own README / GPU.md."""
+  extra = [root / "benchmarks" / n for n in ("README.md", "GPU.md")]
+  return [*pages(root), *[p for p in extra if p.exists()]]
 
 
 def slug(heading: str) -> str:
@@ -42,9 +50,10 @@ def anchors(path: pathlib.Path) -> set[str]:
 
 
 def broken_references(root: pathlib.Path = ROOT) -> list[str]:
-  """One line per link, script or results file that a page names and that does not exist."""
+  """One line per link, script or results file that a checked page names and that does not
+  exist."""
   bad = []
-  for page in pages(root):
+  for page in checked(root):
     text = page.read_text(encoding="utf-8")
     name = page.relative_to(root)
     for target in LINK.findall(text):
