@@ -26,7 +26,6 @@ Writes benchmarks/results/data.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import statistics
@@ -114,9 +113,6 @@ def main():
     "target_rows_per_s": TARGET_ROWS_PER_S,
     "runs": runs,
   }
-  pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  with open(args.out + ".json", "w") as f:
-    json.dump(payload, f, indent=1)
   lines = [
     f"# Training-batch reads: memmap vs TFDS + grain ({args.rows:,} rows, batch "
     f"{args.batch_size}, median of {args.reps})",
@@ -134,9 +130,8 @@ def main():
     f"Preparation: memmap cache {t_mm:.1f} s, TFDS build {t_tfds:.1f} s (0 when reused).",
     f"Fastest: {fastest}; target {TARGET_ROWS_PER_S:,} rows/s.",
   ]
-  with open(args.out + ".md", "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  out = pathlib.Path(args.out)
+  harness.write_results(out.name, payload, "\n".join(lines) + "\n", out.parent)
 
 
 if __name__ == "__main__":

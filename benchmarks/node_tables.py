@@ -158,9 +158,7 @@ def write(args, meshes, rows) -> None:
     "runs": clean,
   }
   out = pathlib.Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-  out.with_suffix(".md").write_text(render(payload))
+  harness.write_results(out.name, payload, render(payload), out.parent, show=False)
 
 
 def render(payload: dict) -> str:

@@ -71,7 +71,7 @@ from peers import sampling_pyg  # (the PyG contestant)
 from recgnn import hostmem
 from recgnn.graphs import sampling, synthetic
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 TARGET_RATIO = 2.5  # k=16 edges/s over PyG's
 
 
@@ -972,7 +972,6 @@ def main():
     payload.setdefault("merged", []).append(
       {"sections": sorted(added), "args": vars(args), "machine": payload_machine(load)}
     )
-  (RESULTS / f"{args.name}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
   parts = []
   if "sampling" in payload:
     parts.append(markdown(payload))
@@ -988,9 +987,7 @@ def main():
     parts.append(split_ladies_markdown(payload["split_ladies"]))
   if "cora" in payload:
     parts.append(cora_markdown(payload["cora"]))
-  md = "\n".join(parts)
-  (RESULTS / f"{args.name}.md").write_text(md)
-  print(md)
+  harness.write_results(args.name, payload, "\n".join(parts), RESULTS)
 
 
 if __name__ == "__main__":

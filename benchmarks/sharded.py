@@ -412,12 +412,9 @@ def main(argv=None):
     payload["auc_load"], payload["auc_when"] = payload["load"], payload["when"]
     payload["auc"] = section_auc(args)
     payload["summary"] = summarize(payload["auc"])
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-  out.with_suffix(".md").write_text(markdown(payload))
+  harness.write_results(out.name, payload, markdown(payload), out.parent)
   if payload.get("summary"):
     plot(payload, out.with_suffix(".png"))
-  print(markdown(payload))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ README_MAX_LINES = 250
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 # Paths named in the text (commands and code spans), relative to the repository root; a name in
 # capitals (benchmarks/NAME.py) is a placeholder.
-SCRIPT = re.compile(r"(?<![\w./-])((?:benchmarks|tools)/(?:[a-z_][\w-]*/)*[a-z_][\w-]*\.(?:py|sh|md))")
+SCRIPT = re.compile(
+  r"(?<![\w./-])((?:benchmarks|tools)/(?:[a-z_][\w-]*/)*[a-z_][\w-]*\.(?:py|sh|md))"
+)
 # Results files: `results/NAME.md` (relative to benchmarks/), `*` a glob.
 RESULT = re.compile(r"(?<![\w.-])(?:benchmarks/)?results/([\w*./-]+\.(?:md|json|png))")
 

@@ -38,19 +38,26 @@ def record(args=None, argv: Sequence[str] | None = None) -> dict:
 
 
 def write_results(
-  name: str, payload: dict, markdown: str, out_dir: pathlib.Path = RESULTS, sort_keys=False
+  name: str,
+  payload: dict,
+  markdown: str,
+  out_dir: pathlib.Path = RESULTS,
+  sort_keys=False,
+  show: bool = True,
 ) -> pathlib.Path:
-  """results/<name>.json (payload) and results/<name>.md (markdown); prints the markdown.
-  A payload with a machine record gets the load average at the end beside the one at the
-  start. Returns the path without suffix."""
+  """results/<name>.json (payload; a value JSON cannot hold as its str) and results/<name>.md
+  (markdown); prints the markdown unless `show` is False. A payload with a machine record gets
+  the load average at the end beside the one at the start. Returns the path without suffix."""
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   machine = payload.get("machine")
   if isinstance(machine, dict) and "load_avg_at_start" in machine:
     machine.setdefault("load_avg_at_end", os.getloadavg())
-  (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2, sort_keys=sort_keys) + "\n")
+  text = json.dumps(payload, indent=2, sort_keys=sort_keys, default=str)
+  (out_dir / f"{name}.json").write_text(text + "\n")
   (out_dir / f"{name}.md").write_text(markdown)
-  print(markdown)
+  if show:
+    print(markdown)
   print(f"wrote {out_dir / name}.json and .md")
   return out_dir / name
 
