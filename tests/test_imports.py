@@ -4,7 +4,7 @@ experiments/, run.py, benchmarks/ and tools/.
 
 Every `import` / `from ... import` counts, at any depth (a function-level import is the same
 dependency), and so does `import_module("literal")`; `from pkg import sub` ties to the
-submodule, `from pkg import name` to the package. A benchmark script's bare `import common`
+submodule, `from pkg import name` to the package. A benchmark script's bare `import harness`
 is benchmarks/harness/ (the scripts run with their folder on sys.path; tools/ put benchmarks/ there
 to import a benchmark's pieces)."""
 

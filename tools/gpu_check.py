@@ -22,7 +22,7 @@ Stages (benchmarks/GPU.md: the commands in order, their times, where results go)
   perf       issue 43: dlrm_kaggle (dense) at batch 2048 (k = 1, and 8 where the tree has
              train.steps_per_call) and 65536, f32 and bf16, steady samples/s; 5 traced steps
              of the 2048 f32 and 65536 bf16 runs (GPU-busy fraction, gaps); the PyTorch peer
-             (benchmarks/peers_dlrm.build_pytorch_on: eager, torch.compile, bf16 autocast) on
+             (benchmarks/peers/dlrm.build_pytorch_on: eager, torch.compile, bf16 autocast) on
              the same batches; the issue's targets checked (`checks`)
 
 Every stage writes DIR/STAGE.json, DIR/STAGE.md and DIR/STAGE.log (trimmed), plus: trace
@@ -36,7 +36,7 @@ stage passed (or no GPU without --allow-cpu), 1 when one failed (its files still
 
 Also: `detect` (device JSON; exit 3 without a GPU), `merge-tt-cost FILE`, `report DIR`
 (one summary.md from a results folder), and the pytest plugin `-p gpu_check` (with
-benchmarks/ on PYTHONPATH): per-test progress lines a killed run still leaves, and a mesh
+tools/ on PYTHONPATH): per-test progress lines a killed run still leaves, and a mesh
 that needs more devices than exist reported as skipped.
 
 Nothing here imports jax or the project at module level: the stages run before the install.
