@@ -32,7 +32,6 @@ Writes benchmarks/results/auto_plan[_quick].{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -278,7 +277,7 @@ def summarize(args, budgets, runs, total: int, batch: int, t_start: float, done:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--experiment", default="dlrm_kaggle")
   p.add_argument("--budgets", default="1,0.25,0.05,0.01")
   p.add_argument("--steps", type=int, default=300)

@@ -12,7 +12,6 @@ test AUC? Issue 43's bar: within 0.002, over 3 seeds. Every run is its own `run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -54,7 +53,7 @@ def run_one(args, seed: int, dtype: str) -> dict:
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--experiment", default="dlrm_kaggle")
   ap.add_argument("--seeds", default="0,1,2")
   ap.add_argument("--steps", type=int, default=0, help="0: the experiment's (one epoch)")

@@ -24,7 +24,6 @@ Writes benchmarks/results/criteo_reader.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import shutil
@@ -62,7 +61,7 @@ def parse_only(path: str, block_bytes: int) -> int:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--rows", type=int, default=2_000_000)
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--workdir", default="/tmp/recgnn_criteo_bench")

@@ -25,7 +25,6 @@ Writes benchmarks/results/data.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 import statistics
@@ -53,7 +52,7 @@ def measure(it, steps: int) -> dict:
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--rows", type=int, default=200_000)
   ap.add_argument("--batch_size", type=int, default=2048)
   ap.add_argument("--steps", type=int, default=40, help="batches timed per repetition")

@@ -889,7 +889,7 @@ every dcnv2 run with torchrec checks first and reports it"""
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--model", choices=tuple(PEER_MODULES), default="dlrm", help=MODEL_HELP)
   p.add_argument("--cross-layers", type=int, default=3, help="dcnv2: low-rank cross layers")
   p.add_argument("--low-rank", type=int, default=64, help="dcnv2: the cross layers' rank")

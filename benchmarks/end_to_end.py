@@ -34,7 +34,6 @@ Three measurements, one process, one command (defaults: ~5 minutes on a quiet ma
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -351,7 +350,7 @@ def markdown(payload: dict) -> str:
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--experiments", default=",".join(EXPERIMENTS))
   ap.add_argument("--steps", type=int, default=300)
   ap.add_argument("--log_every", type=int, default=50)

@@ -22,7 +22,6 @@ runs' data, 1M synthetic rows, is built once in a temporary cache).
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import re
@@ -125,7 +124,7 @@ def _mean(rows: list[dict], key) -> float:
 
 
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--results", default="benchmarks/results/gpu_h100", help="a gpu_check folder")
   ap.add_argument("--name", default="gpu_vs_model")
   ap.add_argument("--experiments", default=None, help="comma list (default: the trace's)")

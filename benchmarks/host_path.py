@@ -352,7 +352,7 @@ def markdown(payload: dict) -> str:
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--experiments", default=",".join(EXPERIMENTS))
   ap.add_argument("--scale", type=float, default=1.0, help="x Kaggle's table cardinalities")
   ap.add_argument("--batch", type=int, default=2048)

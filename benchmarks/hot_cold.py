@@ -29,7 +29,6 @@ Writes benchmarks/results/hot_cold.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -339,7 +338,7 @@ def plot(payload, path):
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--scale", type=float, default=0.01)
   ap.add_argument("--dim", type=int, default=16)
   ap.add_argument("--exponent", type=float, default=1.1)

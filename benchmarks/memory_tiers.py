@@ -40,7 +40,6 @@ whatever the hit rate) beside each.
 
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 import statistics
@@ -307,7 +306,7 @@ def plot(payload: dict, path: pathlib.Path) -> None:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = harness.flags.parser(__doc__)
   p.add_argument("--rows", type=int, default=200_000, help="rows per table")
   p.add_argument("--batch", type=int, default=2048)
   p.add_argument("--zipf", type=float, nargs="+", default=[1.05], help="id skew exponent(s)")

@@ -94,7 +94,7 @@ def max_diff(a: dict, b: dict) -> tuple[float, float]:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = harness.flags.parser(__doc__)
   p.add_argument("--nodes", type=int, default=20_000)
   p.add_argument("--steps", type=int, default=100)
   p.add_argument("--seed", type=int, default=0)

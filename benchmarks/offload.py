@@ -30,7 +30,6 @@ Writes benchmarks/results/offload.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import pathlib
 import sys
@@ -260,7 +259,7 @@ def plot(payload: dict, path: pathlib.Path) -> None:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--rows", type=int, default=2_000_000)
   ap.add_argument("--dim", type=int, default=16)
   ap.add_argument("--batch", type=int, default=4096)

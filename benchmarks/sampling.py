@@ -51,7 +51,6 @@ Writes benchmarks/results/NAME.{json,md} (+ NAME.png for the device section).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -868,7 +867,7 @@ def main():
     import sampling_data_parallel  # benchmarks/sampling_data_parallel.py
 
     return sampling_data_parallel.main([a for a in sys.argv[1:] if a != "--sections=data_parallel"])
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--nodes", type=int, default=1_000_000)
   p.add_argument("--edges", type=int, default=10_000_000, help="adjacency entries")
   p.add_argument("--fanouts", type=int, nargs="+", default=[15, 10, 5])

@@ -37,7 +37,6 @@ Writes benchmarks/results/NAME.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -452,7 +451,7 @@ def markdown(payload, shared: str) -> str:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--parts", default="product,scaling,cora")
   p.add_argument("--name", default="sampling_data_parallel")
   p.add_argument("--nodes", type=int, default=200_000, help="product: graph nodes")

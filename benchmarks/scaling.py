@@ -21,7 +21,6 @@ Writes benchmarks/results/scaling.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import time
 
@@ -165,7 +164,7 @@ def plot(payload: dict, path: pathlib.Path) -> None:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--rows", default="100000,10000000", help="rows per table, comma-separated")
   p.add_argument("--tables", type=int, default=8)
   p.add_argument("--dim", type=int, default=16)

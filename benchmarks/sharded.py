@@ -21,7 +21,6 @@ Writes benchmarks/results/sharded.{json,md,png} (PNG: test AUC against all-to-al
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -371,7 +370,7 @@ def plot(payload, path):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--sections", default="bytes,codec,auc")
   p.add_argument("--meshes", default="1x8,2x4")
   p.add_argument("--batch", type=int, default=2048)

@@ -262,7 +262,7 @@ def markdown(payload: dict) -> str:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--rows", default="10000,1000000,10000000", help="table sizes, comma-separated")
   p.add_argument("--dim", type=int, default=16)
   p.add_argument("--batch", type=int, default=2048)

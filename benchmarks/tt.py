@@ -61,7 +61,6 @@ The machine is shared and noisy: compare numbers within one run (ratios), never 
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import statistics
 import time
@@ -788,7 +787,7 @@ SECTIONS = {
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--sections", default="compression,kernels,train_step,quality")
   p.add_argument("--quick", action="store_true")
   p.add_argument("--ranks", default="8,16,32,64")
