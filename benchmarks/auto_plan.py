@@ -1,5 +1,8 @@
 """plan=auto against hand-written plans at the same memory budget (issue 28).
 
+Question: at a given memory budget, is the plan `plan=auto` picks as fast as the best plan a
+person would write, and does its predicted step match the measured one?
+
 For each budget (a fraction of the all-dense plan's bytes per device): the hand-written plans
 that fit it (all dense when it fits; for each host tier and fraction, the largest tables moved
 to it one by one until the plan fits, at least one), and the `auto(budget=...)` rule, each
@@ -29,26 +32,22 @@ Writes benchmarks/results/auto_plan[_quick].{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
+import harness
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from recgnn.embeddings import base
+from recgnn.planner import auto
+from recgnn.train import setup
 
-from benchmarks import common  # noqa: E402
-from recgnn.embeddings import base  # noqa: E402
-from recgnn.planner import auto  # noqa: E402
-from recgnn.train import setup  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(harness.ROOT)
 FRACTIONS = (0.2, 0.05, 0.01, 0.005, 0.002)
 WITHIN = 0.25  # the prediction's allowed error
 
@@ -158,11 +157,7 @@ def same_plan_as_auto(runs: dict, budget: float) -> tuple[str, float] | None:
 
 def run_plan(args, rules, workdir: str, cache: str) -> dict:
   flags = {
-    "train.steps": args.steps,
-    "train.log_every": args.log_every,
-    "train.checkpoint_every": 0,
-    "train.eval_every": 0,
-    "train.final_eval_splits": "()",
+    **harness.trainer_flags(args.steps, args.log_every),
     "embeddings.plan": plan_text(rules),
     "embeddings.cost_cache": cache,
     "data.synthetic.scale": args.scale,
@@ -171,7 +166,7 @@ def run_plan(args, rules, workdir: str, cache: str) -> dict:
   }
   load = os.getloadavg()[0]
   t0 = time.perf_counter()
-  steady = common.trainer_process(ROOT, args.experiment, workdir, flags, ("--plan_report",))
+  steady = harness.trainer_process(ROOT, args.experiment, workdir, flags, ("--plan_report",))
   out = {"samples_per_s": statistics.median(steady), "load_before": load,
          "wall_s": time.perf_counter() - t0}  # fmt: skip
   for name in ("auto_plan", "plan_report"):
@@ -257,7 +252,7 @@ def summarize(args, budgets, runs, total: int, batch: int, t_start: float, done:
     f"prediction vs measured: largest error {worst:.0%} "
     + ("(within 25% for every plan)" if worst <= WITHIN else "(NOT within 25% for every plan)")
   )
-  m = common.machine_info()
+  m = harness.machine_info()
   loads = [x["load_before"] for rs in runs.values() for x in rs]
   md = "\n".join([
     "# plan=auto against hand-written plans at the same budget",
@@ -271,18 +266,18 @@ def summarize(args, budgets, runs, total: int, batch: int, t_start: float, done:
     f"CPUs, load {min(loads):.1f}-{max(loads):.1f}, {m['date_utc']}, jax {m['jax']}, "
     f"{(time.perf_counter() - t_start) / 60:.0f} minutes. `{m['command']}`.",
     "",
-    common.md_table(("budget", "plan", "held MiB", "ms / step min / median / max",
+    harness.md_table(("budget", "plan", "held MiB", "ms / step min / median / max",
                      "predicted ms", "pred / meas", "auto chose"), rows),  # fmt: skip
     "",
     *[f"- {c}" for c in checks],
   ])  # fmt: skip
   payload = {"config": vars(args), "machine": m, "all_dense_bytes": total, "checks": checks,
              "runs": {f"{b:g}|{n}": rs for (b, n), rs in runs.items()}}  # fmt: skip
-  common.write_results(args.name or ("auto_plan" + "_quick" * args.quick), payload, md)
+  harness.write_results(args.name or ("auto_plan" + "_quick" * args.quick), payload, md)
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--experiment", default="dlrm_kaggle")
   p.add_argument("--budgets", default="1,0.25,0.05,0.01")
   p.add_argument("--steps", type=int, default=300)

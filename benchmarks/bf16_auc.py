@@ -12,10 +12,8 @@ test AUC? Issue 43's bar: within 0.002, over 3 seeds. Every run is its own `run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import pathlib
 import shutil
 import statistics
 import subprocess
@@ -23,10 +21,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402
+import harness
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = harness.ROOT
 TARGET = 0.002  # issue 43: |AUC(bf16) - AUC(f32)| per seed
 
 
@@ -56,7 +53,7 @@ def run_one(args, seed: int, dtype: str) -> dict:
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--experiment", default="dlrm_kaggle")
   ap.add_argument("--seeds", default="0,1,2")
   ap.add_argument("--steps", type=int, default=0, help="0: the experiment's (one epoch)")
@@ -66,7 +63,7 @@ def main():
   runs = {s: {d: run_one(args, s, d) for d in ("float32", "bfloat16")} for s in seeds}
   diffs = {s: r["bfloat16"]["test/auc"] - r["float32"]["test/auc"] for s, r in runs.items()}
   worst = max(abs(d) for d in diffs.values())
-  payload = {"machine": common.machine_info(), "args": vars(args), "runs": runs,
+  payload = {"machine": harness.machine_info(), "args": vars(args), "runs": runs,
              "auc_bf16_minus_f32": diffs, "worst_abs": worst,
              "within_target": worst <= TARGET}  # fmt: skip
   rows = [[s, f"{r['float32']['test/auc']:.5f}", f"{r['bfloat16']['test/auc']:.5f}",
@@ -80,13 +77,13 @@ def main():
     f"{args.experiment}` per seed and dtype, {'the experiment' if not args.steps else args.steps}"
     f"{' steps' if args.steps else chr(39) + 's length'}, final evals only.",
     "",
-    common.md_table(["seed", "f32 test AUC", "bf16 test AUC", "bf16 - f32", "f32 logloss",
+    harness.md_table(["seed", "f32 test AUC", "bf16 test AUC", "bf16 - f32", "f32 logloss",
                      "bf16 logloss"], rows),  # fmt: skip
     "",
     f"- worst |bf16 - f32| = {worst:.5f} (target <= {TARGET}): "
     f"{'yes' if worst <= TARGET else 'NO'}; mean {statistics.fmean(diffs.values()):+.5f}",
   ]) + "\n"  # fmt: skip
-  common.write_results(args.name, payload, md)
+  harness.write_results(args.name, payload, md)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Criteo TSV -> binary cache conversion speed (rows/s), on synthetic Kaggle-format lines.
 
+Question: how fast does a Criteo TSV become the binary memmap cache, with hashed and with
+frequency ids?
+
 Generates `--rows` lines with `recgnn.data.criteo_synthetic` (the exact Kaggle format: 40
 tab-separated fields, Kaggle missing-value rates) once under `--workdir`, then converts them
 with `recgnn.data.criteo.convert` into a fresh cache directory, `--reps` times per mode:
@@ -21,23 +24,19 @@ Writes benchmarks/results/criteo_reader.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import os
-import pathlib
 import resource
 import shutil
 import statistics
-import sys
 import time
 
 # Runnable as `python benchmarks/criteo_reader.py` from a checkout without installing recgnn.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import common  # noqa: E402  (benchmarks/common.py)
+import harness
 
-from recgnn.data import criteo  # noqa: E402
-from recgnn.data import criteo_synthetic as cs  # noqa: E402
+from recgnn.data import criteo
+from recgnn.data import criteo_synthetic as cs
 
-RESULTS = common.RESULTS
+RESULTS = harness.RESULTS
 TARGET_ROWS_PER_S = 300_000
 
 
@@ -62,7 +61,7 @@ def parse_only(path: str, block_bytes: int) -> int:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--rows", type=int, default=2_000_000)
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--workdir", default="/tmp/recgnn_criteo_bench")
@@ -70,7 +69,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.quick:
     args.rows, args.reps = 300_000, 1
-  info = common.machine_info()
+  info = harness.machine_info()
   os.makedirs(args.workdir, exist_ok=True)
   cfg = cs.SyntheticConfig(num_rows=args.rows, scale=0.01, seed=0)
   tsv = os.path.join(args.workdir, f"train-{args.rows}.txt")
@@ -134,7 +133,7 @@ def main(argv=None):
     "CPU rows/s = rows / CPU seconds of the benchmark and its workers (the code's own cost); "
     "wall rows/s depends on the neighbours.",
     "",
-    common.md_table(
+    harness.md_table(
       ["step", "wall rows/s", "CPU rows/s", "wall MiB/s"],
       [
         [
@@ -165,7 +164,7 @@ def main(argv=None):
     "results": results,
     "synthetic": {"config": side["config"], "oracle_auc": side["oracle_auc"]},
   }
-  common.write_results("criteo_reader", payload, "\n".join(lines))
+  harness.write_results("criteo_reader", payload, "\n".join(lines))
 
 
 if __name__ == "__main__":

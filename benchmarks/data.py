@@ -1,5 +1,8 @@
 """Training-batch read speed (rows/s): the memmap cache vs TFDS array_record + grain, one run.
 
+Question: which training-batch reader is faster here, the memmap cache or TFDS array_record +
+grain?
+
 Writes a synthetic Criteo-format train.txt (`recgnn.data.criteo_synthetic`, `--rows` lines)
 once under `--workdir`, converts it both ways (the memmap .npy cache; the TFDS criteo_kaggle
 build, which `tfds.data_source` reads without TensorFlow), then reads the same shuffled
@@ -22,23 +25,18 @@ Writes benchmarks/results/data.{json,md}.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import pathlib
 import statistics
-import sys
 import time
 
+import harness
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import common  # noqa: E402  (benchmarks/common.py)
+from recgnn.data import criteo, pipeline, tfds_builders
+from recgnn.data import criteo_synthetic as cs
 
-from recgnn.data import criteo, pipeline, tfds_builders  # noqa: E402
-from recgnn.data import criteo_synthetic as cs  # noqa: E402
-
-RESULTS = common.RESULTS
+RESULTS = harness.RESULTS
 TARGET_ROWS_PER_S = 300_000
 
 
@@ -54,7 +52,7 @@ def measure(it, steps: int) -> dict:
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--rows", type=int, default=200_000)
   ap.add_argument("--batch_size", type=int, default=2048)
   ap.add_argument("--steps", type=int, default=40, help="batches timed per repetition")
@@ -66,7 +64,7 @@ def main():
   args = ap.parse_args()
   if args.quick:
     args.rows, args.reps, args.steps = 50_000, 1, 10
-  info = common.machine_info()
+  info = harness.machine_info()
   manual = os.path.join(args.workdir, f"manual_{args.rows}")
   os.makedirs(manual, exist_ok=True)
   tsv = os.path.join(manual, "train.txt")
@@ -114,9 +112,6 @@ def main():
     "target_rows_per_s": TARGET_ROWS_PER_S,
     "runs": runs,
   }
-  pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  with open(args.out + ".json", "w") as f:
-    json.dump(payload, f, indent=1)
   lines = [
     f"# Training-batch reads: memmap vs TFDS + grain ({args.rows:,} rows, batch "
     f"{args.batch_size}, median of {args.reps})",
@@ -124,7 +119,7 @@ def main():
     f"{info['date_utc']}, {info['cpus']} CPUs, load average {info['load_avg_at_start'][0]:.1f} at "
     f"start, {min(loads):.1f}-{max(loads):.1f} during. `{info['command']}`",
     "",
-    common.md_table(
+    harness.md_table(
       ["path", "rows/s (wall)", "x memmap", "rows/s per CPU second"],
       [[k, f"{med[k]:,.0f}", f"{med[k] / med['memmap']:.3f}", f"{cpu[k]:,.0f}"] for k in med],
     ),
@@ -134,9 +129,8 @@ def main():
     f"Preparation: memmap cache {t_mm:.1f} s, TFDS build {t_tfds:.1f} s (0 when reused).",
     f"Fastest: {fastest}; target {TARGET_ROWS_PER_S:,} rows/s.",
   ]
-  with open(args.out + ".md", "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  out = pathlib.Path(args.out)
+  harness.write_results(out.name, payload, "\n".join(lines) + "\n", out.parent)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """DLRM train-step throughput: recgnn vs TorchRec vs plain PyTorch, on identical batches.
 
+Question: is recgnn's DLRM (or DCNv2) train step as fast as TorchRec's on the same batches, and
+how far is it from the MLPs' matmul floor?
+
 All three train the DLRM reference Kaggle model (26 tables, dim 16, bottom 13-512-256-64-16,
 dot interaction, top 367-512-256-1, BCE-with-logits, SGD lr 0.1 for tables and MLPs) on the
 same numpy batches (batch 2048, 26 tables x 100k rows, Zipf ids with exponent 1.05):
@@ -9,19 +12,19 @@ same numpy batches (batch 2048, 26 tables x 100k rows, Zipf ids with exponent 1.
             the batch's `prepare` and host->device transfer are done before timing, as the
             trainer's input thread does them off the step's path.
   torchrec  torchrec.models.dlrm.DLRM over a FusedEmbeddingBagCollection (FBGEMM, fused SGD
-            in the backward), KeyedJaggedTensors built before timing (benchmarks/peers_dlrm.py).
+            in the backward), KeyedJaggedTensors built before timing (benchmarks/peers/dlrm.py).
   pytorch   nn.EmbeddingBag(sum, sparse=True) per table + torch.optim.SGD (the dlrm
             reference's structure), tensors built before timing.
 
 Contestants are timed in round-robin (rep r of each before rep r + 1 of any) so the shared
 machine's load hits them alike; reported: median samples/s and recgnn / TorchRec.
 `--profile` also times recgnn's pieces (MLPs, interaction, embedding lookups + updates) and
-the ideas listed in `IDEAS`, each as its own jitted function on the same batches.
+the ideas listed in `dlrm_profile.IDEAS`, each as its own jitted function on the same batches.
 
 --model=dcnv2 times DLRM-DCNv2 instead (low-rank cross layers in place of the dot
 interaction, MLPerf's multi-hot bags, sum pooling): recgnn's CTR task with
 model.interaction=dcn against TorchRec's DLRM_DCN over a fused EBC, same tables, MLPs, cross
-layers and SGD (benchmarks/peers_dcn.py says what is matched and how). Every such run first
+layers and SGD (benchmarks/peers/dcn.py says what is matched and how). Every such run first
 checks that the two compute the same on identical weights (--check: only that).
 
 Beside wall time, each contestant's CPU time (user + system, all threads) and minor page
@@ -49,32 +52,21 @@ import os
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+# (--against runs another commit's copy of this script, which imports that commit's recgnn.)
+import dlrm_profile
+import harness
 import jax
-import jax.numpy as jnp
-import ml_collections
-import numpy as np
-import optax
+from harness import dlrm_task
+from peers import dcn as peers_dcn
+from peers import dlrm as peers_dlrm
 
-# Runnable as `python benchmarks/dlrm_throughput.py` from a checkout without installing recgnn
-# (--against runs another commit's copy of this script, which imports that commit's recgnn).
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
-import peers_dcn  # noqa: E402
-import peers_dlrm  # noqa: E402
-
-from recgnn import hostmem, sharding  # noqa: E402
-from recgnn.embeddings import base  # noqa: E402
-from recgnn.models import dlrm as dlrm_lib  # noqa: E402
-from recgnn.tasks import ctr  # noqa: E402
-from recgnn.train import setup as train_setup  # noqa: E402
-from recgnn.train import step as step_lib  # noqa: E402
-from recgnn.train.task import Task  # noqa: E402
+from recgnn import hostmem, sharding
+from recgnn.train import setup as train_setup
+from recgnn.train import step as step_lib
 
 # --model: the peers' module (its PEERS, available(), runner()) and the names in result files.
 PEER_MODULES = {"dlrm": peers_dlrm, "dcnv2": peers_dcn}
@@ -96,62 +88,7 @@ def keep_freed_memory(arenas: int = 0) -> str:
   )
 
 
-make_batches = peers_dlrm.make_batches  # the dot DLRM's batches, by the name scaling.py uses
-
 # ----------------------------------------------------------------------------- recgnn
-
-
-def table_names(cfg: peers_dlrm.DlrmConfig) -> list[str]:
-  return [f"C{t + 1}" for t in range(cfg.num_tables)]
-
-
-class BenchCTR(ctr.CTR):
-  """The CTR task's model and loss over tables of given sizes, without opening a dataset."""
-
-  def __init__(self, config: ml_collections.ConfigDict, cfg: peers_dlrm.DlrmConfig, mesh):
-    Task.__init__(self, config, mesh)
-    self.data, self.oracle = None, None
-    self.names = table_names(cfg)
-    self.rows = cfg.rows
-    self.model = ctr.make_model(config.model)
-
-  def steps_per_epoch(self):
-    return None  # no dataset, no epochs: the run's length is train.steps
-
-  def tables(self) -> list[base.TableSpec]:
-    e = self.config.embeddings
-    opt = base.OptimizerSpec(**e.optimizer.to_dict())
-    return [
-      base.TableSpec(name=n, num_rows=r, dim=e.dim, optimizer=opt, initializer=e.initializer)
-      for n, r in zip(self.names, self.rows)
-    ]
-
-
-def recgnn_config(cfg: peers_dlrm.DlrmConfig) -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.model = {"bottom": cfg.bottom, "top": cfg.top}
-  if isinstance(cfg, peers_dcn.DcnConfig):
-    c.model.update(interaction="dcn", cross_layers=cfg.cross_layers, low_rank=cfg.low_rank)
-  c.embeddings = {
-    "dim": cfg.dim,
-    "initializer": "uniform",
-    "optimizer": {"name": "sgd", "learning_rate": cfg.learning_rate},
-  }
-  c.optimizer = {"name": "sgd", "learning_rate": cfg.learning_rate}
-  c.embeddings.plan = [(".*", "dense")]
-  c.train = {"steps": 1}  # (the benchmark runs its own steps)
-  c.seed = 0
-  return c
-
-
-def to_recgnn_batch(b, names: list[str]) -> dict:
-  """The task's batch: dense, label, weight and ids {table: int32[B, L_t]} (b.bags())."""
-  return {
-    "dense": b.dense,
-    "label": b.labels,
-    "weight": np.ones_like(b.labels),
-    "ids": {n: bag.astype(np.int32) for n, bag in zip(names, b.bags())},
-  }
 
 
 class Recgnn:
@@ -160,11 +97,11 @@ class Recgnn:
 
   def __init__(self, cfg: peers_dlrm.DlrmConfig, batches, plan=((".*", "dense"),), seed=0):
     self.cfg = cfg
-    self.config = recgnn_config(cfg)
+    self.config = dlrm_task.config_of(cfg)
     self.config.embeddings.plan = [tuple(r) for r in plan]
     mesh = sharding.make_mesh(1, 1)
-    task = BenchCTR(self.config, cfg, mesh)
-    self.host = [to_recgnn_batch(b, task.names) for b in batches]
+    task = dlrm_task.task_of(self.config, cfg, mesh)
+    self.host = [dlrm_task.to_batch(b, task.names) for b in batches]
     self.key = jax.random.key(seed)
     # The trainer's own setup (recgnn.train.setup.build): plan, feeder, optimizer, state,
     # the jitted packed step.
@@ -190,263 +127,13 @@ class Recgnn:
     def fn(state, packed):
       return self.packed_step(state, *packed)[0]
 
-    return common.jitted_runner(fn, self.init_state(), self.packed)
+    return harness.jitted_runner(fn, self.init_state(), self.packed)
 
   def loss(self, state) -> float:
     """The loss of batch 0 under `state` (a sanity check that training moves)."""
     prepared, batch = self.inputs[0]
     pooled, _ = step_lib.lookup_all(self.plan, state.emb, prepared)
     return float(self.task.loss(state.params, batch, pooled, state.key)[0])
-
-
-# ----------------------------------------------------------------------------- profile
-
-
-def profile_pieces(rec: Recgnn, args) -> dict:
-  """Times recgnn's step and its pieces, each jitted alone, on the same device batches.
-
-  Pieces (forward + backward + SGD where they train something):
-    full_step       the train step (the trainer's: packed inputs, sliced inside the step)
-    unpacked_step   the same step over unpacked, already placed inputs
-    dense_part      the DLRM given pooled embeddings: value_and_grad w.r.t. params and
-                    embeddings + optax (no lookups or table updates)
-    bottom_mlp      13-512-256-64-16 forward + backward + SGD
-    interaction     stack + pairwise dots + lower-triangle gather, forward + backward
-    top_mlp         367-512-256-1 + BCE, forward + backward + SGD
-    embeddings      26 lookups + 26 sparse updates with a fixed gradient
-  Ideas (each a full step with one change, same math; see IDEAS):
-    one_gather               the 26 tables as one [26 * rows, D] array: one gather, one
-                             scatter-add
-    interaction=slices       the interaction's lower triangle as static slices + concat
-    interaction=take_unique  ... as a flat take with unique, sorted indices
-  and `interaction[...]`: those two interactions alone, beside `interaction`.
-  """
-  cfg = rec.cfg
-  names = rec.task.names
-  state = rec.init_state()
-  params = state.params
-  p = params["params"]
-  prepared0, batch0 = rec.inputs[0]
-  lr = cfg.learning_rate
-  bsz = args.batch
-
-  # Every input is an argument: closed-over arrays would be XLA constants and get folded.
-  rng = np.random.default_rng(0)
-  data = jax.device_put(
-    {
-      "x_bottom": batch0["dense"],
-      "feats": rng.normal(size=(bsz, cfg.num_tables + 1, cfg.dim)).astype(np.float32),
-      "z_top": rng.normal(size=(bsz, cfg.interaction_width)).astype(np.float32),
-      "label": batch0["label"],
-      "w_int": rng.normal(size=(bsz, cfg.interaction_width - cfg.dim)).astype(np.float32),
-    }
-  )
-
-  def sgd(tree, grads):
-    return jax.tree.map(lambda a, g: a - lr * g, tree, grads)
-
-  @jax.jit
-  def bottom_mlp(pb, d):
-    mlp = dlrm_lib.MLP(cfg.bottom, relu_last=True)
-    f = lambda pb: jnp.sum(mlp.apply({"params": pb}, d["x_bottom"]) * d["feats"][:, 0])
-    return sgd(pb, jax.grad(f)(pb))
-
-  @jax.jit
-  def top_mlp(pt, d):
-    def f(pt):
-      logits = dlrm_lib.MLP(cfg.top, relu_last=False).apply({"params": pt}, d["z_top"])[:, 0]
-      return jnp.mean(optax.sigmoid_binary_cross_entropy(logits, d["label"]))
-
-    return sgd(pt, jax.grad(f)(pt))
-
-  def make_interaction(fn):
-    @jax.jit
-    def interaction(feats, d):
-      f = lambda feats: jnp.sum(fn(feats) * d["w_int"])
-      return feats - lr * jax.grad(f)(feats)
-
-    return interaction
-
-  @jax.jit
-  def dense_part(state, inputs):
-    params, opt_state = state
-    batch, pooled = inputs
-    (_, _), (g_params, g_emb) = jax.value_and_grad(
-      lambda prm, emb: rec.task.loss(prm, batch, emb, rec.key), argnums=(0, 1), has_aux=True
-    )(params, pooled)
-    updates, opt_state = rec.tx.update(g_params, opt_state, params)
-    # g_emb is what the table updates consume; summing keeps it from being dead code.
-    return optax.apply_updates(params, updates), opt_state, sum(jnp.sum(g) for g in g_emb.values())
-
-  pooled0 = jax.device_put({n: data["feats"][:, i + 1] for i, n in enumerate(names)})
-
-  g_fixed = jnp.full((bsz, cfg.dim), 1e-4, jnp.float32)
-
-  def embeddings_fn(emb, prepared):
-    pooled, res = step_lib.lookup_all(rec.plan, emb, prepared)
-    total = sum(jnp.sum(r) for r in pooled.values())  # keep the lookups alive
-    return {
-      k: g.update(emb[k], prepared[k], res[k], {n: g_fixed + 0 * total for n in g.specs})
-      for k, g in rec.plan.groups.items()
-    }
-
-  emb_step = jax.jit(embeddings_fn, donate_argnums=0)
-
-  runners = {}
-  steps = {}
-  runners["full_step"] = rec.runner()
-  # The same step over unpacked, already-placed inputs: what the packing (one transfer per
-  # batch, sliced apart inside the step by a shard_map) costs or saves.
-  runners["unpacked_step"] = common.jitted_runner(
-    lambda s, inp: rec.train_step(s, *inp)[0], rec.init_state(), rec.inputs
-  )
-  runners["dense_part"] = common.jitted_runner(
-    lambda s, inp: dense_part(s[:2], inp)[:2], (params, rec.tx.init(params)), [(batch0, pooled0)]
-  )
-  runners["bottom_mlp"] = common.jitted_runner(bottom_mlp, p["bottom"], [data])
-  runners["interaction"] = common.jitted_runner(
-    make_interaction(dlrm_lib.dot_interaction), data["feats"], [data]
-  )
-  runners["top_mlp"] = common.jitted_runner(top_mlp, p["top"], [data])
-  runners["embeddings"] = common.jitted_runner(
-    lambda s, inp: emb_step(s, inp[0]), state.emb, rec.inputs
-  )
-  for idea, fn in INTERACTIONS.items():
-    runners[f"interaction[{idea}]"] = common.jitted_runner(
-      make_interaction(fn), data["feats"], [data]
-    )
-  one = OneGather(rec)
-  runners["idea:one_gather"] = one.runner()
-  for idea, fn in INTERACTIONS.items():
-    runners[f"idea:interaction={idea}"] = patched_runner(rec, fn)
-  for n in runners:
-    steps[n] = args.steps_per_rep
-  timing = common.interleaved_timing(runners, args.warmup, args.reps, steps)
-  out = {
-    n: {
-      "wall_ms": t["step_ms"],
-      "cpu_ms": t["cpu_user_ms_per_step"] + t["cpu_system_ms_per_step"],
-      "minor_faults": t["minor_faults_per_step"],
-    }
-    for n, t in timing.items()
-  }
-  out["one_gather_max_abs_diff_vs_step"] = one.check_against(rec)
-  ref = dlrm_lib.dot_interaction(data["feats"])
-  for idea, fn in INTERACTIONS.items():
-    out[f"interaction={idea}_max_abs_diff"] = float(jnp.max(jnp.abs(fn(data["feats"]) - ref)))
-  return out
-
-
-class OneGather:
-  """Idea: all tables as one [T * rows, D] array so a step does one gather and one scatter.
-
-  Same math as recgnn's step (sparse SGD on the touched rows, SGD on the MLPs); the ids of
-  table t are offset by t * rows on the host. Measured here only; the real change would be a
-  backend (or a plan option) that stacks tables of equal dim.
-  """
-
-  def __init__(self, rec: Recgnn):
-    self.rec = rec
-    cfg = rec.cfg
-    offsets = np.concatenate([[0], np.cumsum(cfg.rows)[:-1]]).astype(np.int32)
-    self.offsets = offsets
-    names = rec.task.names
-    self.inputs = [
-      jax.device_put(
-        (
-          np.stack([np.asarray(h["ids"][n])[:, 0] for n in names], axis=1) + offsets,
-          step_lib.device_batch(h),
-        )
-      )
-      for h in rec.host
-    ]
-    task, tx, lr = rec.task, rec.tx, cfg.learning_rate
-
-    def step(state, inputs):
-      table, params, opt_state = state
-      ids, batch = inputs  # ids: int32[B, T], already offset
-      rows = table[ids]  # [B, T, D]
-
-      def loss_fn(params, rows):
-        emb = {n: rows[:, i] for i, n in enumerate(names)}
-        return task.loss(params, batch, emb, rec.key)
-
-      (_, _), (g_params, g_rows) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-        params, rows
-      )
-      updates, opt_state = tx.update(g_params, opt_state, params)
-      params = optax.apply_updates(params, updates)
-      table = table.at[ids.reshape(-1)].add(-lr * g_rows.reshape(-1, g_rows.shape[-1]))
-      return table, params, opt_state
-
-    self.step = jax.jit(step, donate_argnums=0)
-
-  def init_state(self):
-    st = self.rec.init_state()
-    table = jnp.concatenate([st.emb["dense"][n]["table"] for n in self.rec.task.names], axis=0)
-    return table, st.params, st.opt_state
-
-  def runner(self):
-    return common.jitted_runner(self.step, self.init_state(), self.inputs)
-
-  def check_against(self, rec: Recgnn, steps: int = 3) -> float:
-    """Max |table difference| between this and recgnn's step after `steps` steps."""
-    st = rec.init_state()
-    one = self.init_state()
-    for i in range(steps):
-      prepared, batch = rec.inputs[i % len(rec.inputs)]
-      st = rec.train_step(st, prepared, batch)[0]
-      one = self.step(one, self.inputs[i % len(self.inputs)])
-    ref = jnp.concatenate([st.emb["dense"][n]["table"] for n in rec.task.names], axis=0)
-    return float(jnp.max(jnp.abs(ref - one[0])))
-
-
-def interaction_slices(features: jax.Array) -> jax.Array:
-  """dot_interaction's output with the lower triangle cut as static row slices + a concat.
-
-  features float32[B, F, D] -> float32[B, F (F - 1) / 2], same order (i > j, row-major). The
-  backward is pads and adds instead of the scatter-add that a fancy-index gather transposes to.
-  """
-  f = features.shape[1]
-  z = jnp.einsum("bfd,bgd->bfg", features, features)
-  return jnp.concatenate([z[:, i, :i] for i in range(1, f)], axis=1)
-
-
-def interaction_take_unique(features: jax.Array) -> jax.Array:
-  """dot_interaction via a flat take that tells XLA the indices are unique and sorted."""
-  b, f, _ = features.shape
-  z = jnp.einsum("bfd,bgd->bfg", features, features).reshape(b, f * f)
-  i, j = np.tril_indices(f, k=-1)
-  return jnp.take(z, i * f + j, axis=1, unique_indices=True, indices_are_sorted=True)
-
-
-INTERACTIONS = {"slices": interaction_slices, "take_unique": interaction_take_unique}
-
-
-def patched_runner(rec: Recgnn, interaction):
-  """recgnn's train step compiled with recgnn.models.dlrm.dot_interaction replaced."""
-  state = rec.init_state()
-  prepared, batch = rec.inputs[0]
-  orig = dlrm_lib.dot_interaction
-  dlrm_lib.dot_interaction = interaction
-  try:
-    # A fresh jit: rec.train_step's trace cache must not serve (or keep) the patched trace.
-    fresh = jax.jit(step_lib.make_train_step(rec.task, rec.plan, rec.tx), donate_argnums=0)
-    compiled = fresh.lower(state, prepared, batch).compile()
-  finally:
-    dlrm_lib.dot_interaction = orig
-
-  def fn(state, inputs):
-    return compiled(state, *inputs)[0]
-
-  return common.jitted_runner(fn, state, rec.inputs)
-
-
-IDEAS = {
-  "one_gather": OneGather.__doc__.strip().splitlines()[0],
-  "interaction=slices": interaction_slices.__doc__.strip().splitlines()[0],
-  "interaction=take_unique": interaction_take_unique.__doc__.strip().splitlines()[0],
-}
 
 
 # ----------------------------------------------------------------------------- main
@@ -532,22 +219,6 @@ def mlp_gflop_per_batch(cfg: peers_dlrm.DlrmConfig, batch: int) -> float:
   return 3 * 2 * batch * cfg.matmul_macs / 1e9
 
 
-def matmul_gflops(n: int = 2048, k: int = 512, m: int = 512, seconds: float = 0.5) -> float:
-  """This process's f32 matmul rate through XLA ([n, k] @ [k, m], the MLPs' widest shape)."""
-  rng = np.random.default_rng(0)
-  a = jax.device_put(rng.normal(size=(n, k)).astype(np.float32))
-  b = jax.device_put(rng.normal(size=(k, m)).astype(np.float32))
-  f = jax.jit(lambda a, b: a @ b)
-  f(a, b).block_until_ready()
-  reps, t0 = 0, time.perf_counter()
-  while time.perf_counter() - t0 < seconds:
-    for _ in range(10):
-      out = f(a, b)
-    out.block_until_ready()
-    reps += 10
-  return 2 * n * k * m * reps / (time.perf_counter() - t0) / 1e9
-
-
 # ----------------------------------------------------------------------------- one process
 
 
@@ -556,7 +227,7 @@ def time_in_process(args, contestants: list[str]) -> dict:
   cfg = cfg_of(args)
   peers = PEER_MODULES[args.model]
   batches = peers.make_batches(cfg, args.batch, args.num_batches, args.zipf, args.seed)
-  machine = common.machine_info()
+  machine = harness.machine_info()
 
   results: dict[str, dict] = {}
   runners = {}
@@ -577,14 +248,14 @@ def time_in_process(args, contestants: list[str]) -> dict:
     runners[name] = peers.runner(name, cfg, batches, seed=args.seed)
 
   t0 = time.perf_counter()
-  timing = common.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
+  timing = harness.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
   elapsed = time.perf_counter() - t0
   for name, t in timing.items():
     results[name] = {"samples_per_s": 1e3 * args.batch / t["step_ms"], **t}
   if rec is not None:
     results["recgnn"]["final_loss"] = rec.loss(runners["recgnn"].box["state"])
     # The floor in the same process, right after the step: the machine's load as the step's.
-    gflops = matmul_gflops()
+    gflops = harness.matmul_gflops()
     floor_ms = 1e3 * mlp_gflop_per_batch(cfg, args.batch) / gflops
     results["recgnn"].update(
       matmul_gflops=gflops,
@@ -633,8 +304,8 @@ def time_in_process(args, contestants: list[str]) -> dict:
   if rec is not None:
     payload["recgnn_plan"] = {n: rec.plan.backend_of(n).describe(n) for n in rec.plan.table_group}
     if args.profile:
-      payload["profile"] = profile_pieces(rec, args)
-      payload["ideas"] = IDEAS
+      payload["profile"] = dlrm_profile.profile_pieces(rec, args)
+      payload["ideas"] = dlrm_profile.IDEAS
   return payload
 
 
@@ -778,7 +449,7 @@ def _run_processes(args, tmp: str) -> dict:
   src_of: dict[str, str] = {}
   against = None
   if args.against:
-    src, sha = common.extract_commit(args.against, tmp)
+    src, sha = harness.extract_commit(args.against, tmp)
     against = {"commit": sha, "src": src}
     name = f"recgnn@{sha[:10]}"
     contestants.append(name)
@@ -799,51 +470,43 @@ def _run_processes(args, tmp: str) -> dict:
     else:
       skipped[p] = avail.get(p, f"unknown peer {p!r}")
       print(f"peer {p}: not available ({skipped[p]})", flush=True)
-  runs: dict[str, list[dict]] = {c: [] for c in contestants}
-  machine = common.machine_info()
+  machine = harness.machine_info()
   t_start = time.perf_counter()
-  for r in range(args.processes):
-    order = contestants[r % len(contestants) :] + contestants[: r % len(contestants)]
-    for c in order:
-      out = os.path.join(tmp, f"{r}_{c.replace('@', '_')}.json")
-      workdir = os.path.join(tmp, f"trainer_{r}")
-      cmd = (
-        trainer_command(args, workdir)
-        if c == "trainer"
-        else child_command(args, c, out, src_of.get(c, ""))
-      )
-      t0 = time.perf_counter()
-      load = os.getloadavg()[0]
-      proc = subprocess.run(
-        cmd,
-        env={**os.environ, **env_of[c]},
-        capture_output=True,
-        text=True,
-      )
-      if proc.returncode:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise SystemExit(f"process {r} of {c} failed (exit {proc.returncode}):\n{tail}")
-      if c == "trainer":
-        res = {**trainer_result(workdir), "load_avg": load}
-        shutil.rmtree(workdir, ignore_errors=True)
-      else:
-        with open(out) as f:
-          child = json.load(f)
-        key = "recgnn" if c.startswith("recgnn") else c
-        res = {**child["results"][key], "load_avg": child["machine"]["load_avg_at_start"][0]}
-      res["process_seconds"] = time.perf_counter() - t0
-      runs[c].append(res)
-      extra = (
-        f", {res['cpu_system_ms_per_step']:.1f} system ms, "
-        f"{res['minor_faults_per_step']:,.0f} faults / step"
-        if "minor_faults_per_step" in res
-        else ""
-      )
-      print(
-        f"round {r + 1}/{args.processes} {c}: {res['samples_per_s']:,.0f} samples/s{extra}, "
-        f"load {res['load_avg']:.1f}",
-        flush=True,
-      )
+
+  def run(c: str, r: int) -> dict:
+    out = os.path.join(tmp, f"{r}_{c.replace('@', '_')}.json")
+    workdir = os.path.join(tmp, f"trainer_{r}")
+    cmd = (
+      trainer_command(args, workdir)
+      if c == "trainer"
+      else child_command(args, c, out, src_of.get(c, ""))
+    )
+    t0 = time.perf_counter()
+    load = os.getloadavg()[0]
+    harness.run_checked(cmd, env_vars=env_of[c], what=f"process {r} of {c}")
+    if c == "trainer":
+      res = {**trainer_result(workdir), "load_avg": load}
+      shutil.rmtree(workdir, ignore_errors=True)
+    else:
+      with open(out) as f:
+        child = json.load(f)
+      key = "recgnn" if c.startswith("recgnn") else c
+      res = {**child["results"][key], "load_avg": child["machine"]["load_avg_at_start"][0]}
+    res["process_seconds"] = time.perf_counter() - t0
+    return res
+
+  def show(c: str, res: dict) -> str:
+    extra = (
+      f", {res['cpu_system_ms_per_step']:.1f} system ms, "
+      f"{res['minor_faults_per_step']:,.0f} faults / step"
+      if "minor_faults_per_step" in res
+      else ""
+    )
+    return f"{res['samples_per_s']:,.0f} samples/s{extra}"
+
+  # Every contestant once per round, the order rotated: each leads once in len(contestants).
+  order = lambda r: harness.rotated(contestants, r)  # noqa: E731
+  runs = harness.rounds(args.processes, order, run, show)
   summary = {c: distribution(v) for c, v in runs.items()}
   ratios = {}
   for p in peers_dlrm.PEERS:
@@ -888,7 +551,7 @@ def distribution(runs: list[dict]) -> dict:
   for key in (*(k for k, _, _ in DIST_COLUMNS), "floor_fraction"):
     vals = [r[key] for r in runs if key in r]
     if vals:
-      out[key] = {"min": min(vals), "median": statistics.median(vals), "max": max(vals)}
+      out[key] = harness.distribution(vals)
   return out
 
 
@@ -973,16 +636,12 @@ every dcnv2 run with torchrec checks first and reports it"""
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--model", choices=tuple(PEER_MODULES), default="dlrm", help=MODEL_HELP)
   p.add_argument("--cross-layers", type=int, default=3, help="dcnv2: low-rank cross layers")
   p.add_argument("--low-rank", type=int, default=64, help="dcnv2: the cross layers' rank")
   p.add_argument("--check", action="store_true", help=CHECK_HELP)
-  p.add_argument("--batch", type=int, default=2048)
-  p.add_argument("--tables", type=int, default=26)
-  p.add_argument("--rows", type=int, default=100_000, help="rows per table")
-  p.add_argument("--dim", type=int, default=16)
-  p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids")
+  harness.flags.add_dlrm(p)
   p.add_argument("--lr", type=float, default=0.1)
   p.add_argument("--num-batches", type=int, default=8, help="distinct batches cycled over")
   p.add_argument("--warmup", type=int, default=3)
@@ -1073,7 +732,7 @@ def main(argv=None):
   if args.processes:
     payload = run_processes(args)
     payload["check"] = check
-    common.write_results(args.name, payload, markdown_processes(payload))
+    harness.write_results(args.name, payload, markdown_processes(payload))
     return payload
   contestants = ([] if args.no_recgnn else ["recgnn"]) + [s for s in args.peers.split(",") if s]
   payload = time_in_process(args, contestants)
@@ -1082,7 +741,7 @@ def main(argv=None):
     with open(args.child_out, "w") as f:
       json.dump(payload, f)
     return payload
-  common.write_results(args.name, payload, markdown(payload))
+  harness.write_results(args.name, payload, markdown(payload))
   return payload
 
 

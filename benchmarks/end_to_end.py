@@ -1,6 +1,9 @@
 """End to end in the trainer: dlrm_kaggle vs cdlrm_kaggle (offload), ttrec_kaggle (tt) and
 hotline_kaggle (hot_cold) on the same synthetic data, and where the input thread's time goes.
 
+Question: what does each backend's plan cost per step in the trainer, end to end, against all-
+dense `dlrm_kaggle`; and is this tree slower than an earlier commit (--against)?
+
 Three measurements, one process, one command (defaults: ~5 minutes on a quiet machine):
 
   trainer      `recgnn.train.loop.train` of each experiment for `--steps` steps, interleaved:
@@ -31,28 +34,22 @@ Three measurements, one process, one command (defaults: ~5 minutes on a quiet ma
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
-import pathlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
+import harness
 import jax
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
-
-from recgnn.backends.offload import planner as hostplan  # noqa: E402
-from recgnn.train import inputs, loop  # noqa: E402
-from recgnn.train import setup as train_setup  # noqa: E402
-from recgnn.train import step as step_lib  # noqa: E402
+from recgnn.backends.offload import planner as hostplan
+from recgnn.train import inputs, loop
+from recgnn.train import setup as train_setup
+from recgnn.train import step as step_lib
 
 EXPERIMENTS = ("dlrm_kaggle", "cdlrm_kaggle", "ttrec_kaggle", "hotline_kaggle")
 REFERENCE = "dlrm_kaggle"
@@ -116,16 +113,10 @@ def run_trainer_process(name: str, args, root: str) -> dict:
   """One trainer run of `name` as its own process: `root`'s run.py (this tree's or an
   --against commit's), the settings of `config_of` as flags; samples/s from metrics.jsonl."""
   workdir = tempfile.mkdtemp(prefix=f"e2e_{name}_")
-  flags = {
-    "train.steps": args.steps,
-    "train.log_every": args.log_every,
-    "train.checkpoint_every": 0,
-    "train.eval_every": 0,
-    "train.final_eval_splits": "()",
-  }
+  flags = harness.trainer_flags(args.steps, args.log_every)
   load = os.getloadavg()[0]
   try:
-    steady = common.trainer_process(root, name, workdir, flags)
+    steady = harness.trainer_process(root, name, workdir, flags)
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
   return {"samples_per_s": statistics.median(steady), "intervals": steady, "load_before": load}
@@ -133,25 +124,20 @@ def run_trainer_process(name: str, args, root: str) -> dict:
 
 def against(names: list[str], args) -> dict:
   """This tree vs args.against, each trainer run its own process, interleaved."""
-  root = str(pathlib.Path(__file__).resolve().parents[1])
   with tempfile.TemporaryDirectory(prefix="e2e_against_") as tmp:
-    src, sha = common.extract_commit(args.against, tmp)
-    trees = {"this": root, sha[:10]: src}
-    runs = {n: {t: [] for t in trees} for n in names}
-    for r in range(args.rounds):
-      for n in names:
-        order = list(trees) if r % 2 == 0 else list(trees)[::-1]
-        for t in order:
-          res = run_trainer_process(n, args, trees[t])
-          runs[n][t].append(res)
-          print(f"round {r + 1}/{args.rounds} {n} @ {t}: {res['samples_per_s']:,.0f} "
-                f"samples/s (load {res['load_before']:.1f})", flush=True)  # fmt: skip
+    trees, sha = harness.trees(args.against, tmp)
+    # Each experiment's two trees one after the other, their order alternating by round.
+    order = lambda r: [(n, t) for n in names for t in harness.alternated(list(trees), r)]  # noqa: E731
+    by_pair = harness.rounds(
+      args.rounds,
+      order,
+      lambda c, r: run_trainer_process(c[0], args, trees[c[1]]),
+      lambda c, res: f"{res['samples_per_s']:,.0f} samples/s",
+    )
+  runs = {n: {t: by_pair[(n, t)] for t in trees} for n in names}
   summary = {}
   for n in names:
-    dist = {}
-    for t, xs in runs[n].items():
-      v = [x["samples_per_s"] for x in xs]
-      dist[t] = {"min": min(v), "median": statistics.median(v), "max": max(v)}
+    dist = {t: harness.distribution([x["samples_per_s"] for x in xs]) for t, xs in runs[n].items()}
     this, other = dist["this"]["median"], dist[sha[:10]]["median"]
     summary[n] = {"samples_per_s": dist, "ratio_this_over_against": this / other}
   return {"commit": sha, "runs": runs, "summary": summary}
@@ -176,7 +162,7 @@ def markdown_against(payload: dict) -> str:
         f"intervals after the first); {payload['args']['rounds']} rounds, the two trees "
         f"alternating first. Load before the runs: {min(loads):.1f} - {max(loads):.1f}.",
         "",
-        common.md_table(
+        harness.md_table(
           [
             "experiment",
             "this tree: samples/s min / median / max",
@@ -364,7 +350,7 @@ def markdown(payload: dict) -> str:
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--experiments", default=",".join(EXPERIMENTS))
   ap.add_argument("--steps", type=int, default=300)
   ap.add_argument("--log_every", type=int, default=50)
@@ -385,7 +371,7 @@ def main():
     args.steps, args.log_every, args.rounds, args.host_batches, args.plan_reps = 100, 25, 1, 20, 1
   names = [n for n in args.experiments.split(",") if n]
   sections = set(args.sections.split(","))
-  payload = {"machine": common.machine_info(), "args": vars(args), "hostplan": {
+  payload = {"machine": harness.machine_info(), "args": vars(args), "hostplan": {
     "compiled": hostplan.enabled(), "threads": hostplan.threads()}}  # fmt: skip
   if args.against:
     if sections != {"trainer"}:
@@ -393,7 +379,7 @@ def main():
     payload["against"] = against(names, args)
     payload["load_avg_at_end"] = os.getloadavg()
     name = args.name if args.name != "end_to_end" else "end_to_end_against"
-    common.write_results(name, payload, markdown_against(payload))
+    harness.write_results(name, payload, markdown_against(payload))
     return
   if "planning" in sections:
     payload["planning"] = planning(args)
@@ -438,7 +424,7 @@ def main():
         print(line, flush=True)
   payload["load_avg_at_end"] = os.getloadavg()
   if "trainer" in sections:
-    common.write_results(args.name, payload, markdown(payload))
+    harness.write_results(args.name, payload, markdown(payload))
   else:
     print(json.dumps(payload, indent=1, default=str))
 

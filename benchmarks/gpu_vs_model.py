@@ -1,6 +1,8 @@
 """The step model's H100 prediction beside what a GPU trace measured, for the same runs.
 
-`benchmarks/gpu_check.sh --stage=trace` profiles steps (110:115 by default) of `cdlrm_kaggle`
+Question: how well does recgnn.step_model predict the steps a GPU trace measured?
+
+`tools/gpu_check.sh --stage=trace` profiles steps (110:115 by default) of `cdlrm_kaggle`
 (offload) and `hotline_kaggle` (hot_cold) on a GPU and summarizes each trace
 (`recgnn.trace_summary`: kernel time, kernels, host <-> device copies, other copies, the step's
 span). This script rebuilds each of those runs here (the experiment, batch size, synthetic
@@ -20,26 +22,21 @@ runs' data, 1M synthetic rows, is built once in a temporary cache).
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import re
-import sys
 import tempfile
 
+import harness
 import jax
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
-
-import run as run_py  # noqa: E402  (the repository's run.py: its experiment loader)
-from recgnn import comms, step_model  # noqa: E402
-from recgnn.train import setup as train_setup  # noqa: E402
+import run as run_py  # (the repository's run.py: its experiment loader)
+from recgnn import comms, step_model
+from recgnn.train import setup as train_setup
 
 
 def experiment_spec(name: str, batch: int) -> str:
-  """The experiment string the trace stage ran (benchmarks/gpu_check.py experiment_args)."""
+  """The experiment string the trace stage ran (tools/gpu_check.py experiment_args)."""
   return f"cdlrm_kaggle:min_rows={batch}" if name == "cdlrm_kaggle" else name
 
 
@@ -127,7 +124,7 @@ def _mean(rows: list[dict], key) -> float:
 
 
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--results", default="benchmarks/results/gpu_h100", help="a gpu_check folder")
   ap.add_argument("--name", default="gpu_vs_model")
   ap.add_argument("--experiments", default=None, help="comma list (default: the trace's)")
@@ -138,7 +135,7 @@ def main() -> None:
   names = args.experiments.split(",") if args.experiments else list(trace["experiments"])
   device = trace.get("device", {}).get("kind", "a GPU")
   rows, sides = [], []
-  payload = {"machine": common.machine_info(), "gpu_results": args.results}
+  payload = {"machine": harness.machine_info(), "gpu_results": args.results}
   payload["settings"], payload["experiments"] = s, {}
   with tempfile.TemporaryDirectory() as tmp:
     for name in names:
@@ -186,7 +183,7 @@ def main() -> None:
     "program's own transfers; measured = every copy in the step, the batch's input transfer "
     "included.",
     "",
-    common.md_table(
+    harness.md_table(
       [
         "experiment",
         "predicted ms serial / overlapped",
@@ -206,7 +203,7 @@ def main() -> None:
     "(`command_buffer::execute`) and waiting for host computations (`call-done`); the "
     "pinned -> pinned copies (`MemcpyOther`).",
     "",
-    common.md_table(
+    harness.md_table(
       [
         "experiment",
         "executable ms",
@@ -219,7 +216,7 @@ def main() -> None:
     ),
     "",
   ])  # fmt: skip
-  common.write_results(args.name, payload, md)
+  harness.write_results(args.name, payload, md)
 
 
 if __name__ == "__main__":

@@ -44,16 +44,13 @@ import os
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-# A child measuring an --against tree imports that tree's recgnn: first on the path.
-_TREE = os.environ.get("HOST_PATH_TREE") or str(pathlib.Path(__file__).resolve().parents[1])
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, _TREE)
-import common  # noqa: E402  (benchmarks/common.py)
+# A child measuring an --against tree imports that tree's recgnn: the harness puts the tree its
+# parent names ($RECGNN_BENCH_TREE) first on the path.
+import harness
 
 EXPERIMENTS = ("dlrm_kaggle", "cdlrm_kaggle")
 # Issue 43's must-show on this CPU (k = 1): the main thread's work per step, the input side.
@@ -218,13 +215,13 @@ def measure_loop(name: str, args, count: bool) -> dict:
 
 
 def child(args) -> None:
-  out = {"machine": common.machine_info(), "tree": _TREE}
+  out = {"machine": harness.machine_info(), "tree": harness.env.tree()}
   out["input"] = measure_input(args.experiment, args)
   out["loop"] = measure_loop(args.experiment, args, count=False)
   out["calls"] = measure_loop(args.experiment, args, count=True)
   import jax
 
-  out["machine"] = {**common.machine_info(), "jax": jax.__version__}
+  out["machine"] = {**harness.machine_info(), "jax": jax.__version__}
   with open(args.child_out, "w") as f:
     json.dump(out, f)
 
@@ -263,29 +260,25 @@ def child_command(args, name: str, out: str) -> list[str]:
 
 
 def rounds(args, names: list[str], tmp: str) -> dict:
-  trees = {"this": str(pathlib.Path(__file__).resolve().parents[1])}
-  if args.against:
-    src, sha = common.extract_commit(args.against, tmp)
-    trees[sha[:10]] = src
-  runs = {n: {t: [] for t in trees} for n in names}
-  for r in range(args.processes):
-    for n in names:
-      order = list(trees) if r % 2 == 0 else list(trees)[::-1]
-      for t in order:
-        out = os.path.join(tmp, f"{r}_{n}_{t}.json")
-        load = os.getloadavg()[0]
-        env = {**os.environ, "HOST_PATH_TREE": trees[t]}
-        proc = subprocess.run(child_command(args, n, out), env=env, capture_output=True, text=True)
-        if proc.returncode:
-          tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
-          raise SystemExit(f"{n} @ {t} failed (exit {proc.returncode}):\n{tail}")
-        with open(out) as f:
-          res = json.load(f)
-        res["load_before"] = load
-        runs[n][t].append(res)
-        print(f"round {r + 1}/{args.processes} {n} @ {t} (load {load:.1f}): " + ", ".join(
-          f"{h} {fmt.format(res[s][k])}" for s, k, h, fmt in COLUMNS if k in res[s]
-        ), flush=True)  # fmt: skip
+  trees, _ = harness.trees(args.against, tmp)
+
+  def run(c: tuple[str, str], r: int) -> dict:
+    n, t = c
+    out = os.path.join(tmp, f"{r}_{n}_{t}.json")
+    harness.run_checked(
+      child_command(args, n, out), env_vars={harness.env.TREE_VAR: trees[t]}, what=f"{n} @ {t}",
+      tail=20,
+    )  # fmt: skip
+    with open(out) as f:
+      return json.load(f)
+
+  def show(c: tuple[str, str], res: dict) -> str:
+    return ", ".join(f"{h} {fmt.format(res[s][k])}" for s, k, h, fmt in COLUMNS if k in res[s])
+
+  # Each experiment's trees one after the other, their order alternating round by round.
+  order = lambda r: [(n, t) for n in names for t in harness.alternated(list(trees), r)]  # noqa: E731
+  by_pair = harness.rounds(args.processes, order, run, show)
+  runs = {n: {t: by_pair[(n, t)] for t in trees} for n in names}
   summary = {}
   for n in names:
     summary[n] = {}
@@ -294,7 +287,7 @@ def rounds(args, names: list[str], tmp: str) -> dict:
       for s, k, _, _ in COLUMNS:
         v = [x[s][k] for x in xs if k in x[s]]
         if v:
-          summary[n][t][k] = {"min": min(v), "median": statistics.median(v), "max": max(v)}
+          summary[n][t][k] = harness.distribution(v)
   return {"trees": {t: p for t, p in trees.items()}, "runs": runs, "summary": summary}
 
 
@@ -353,13 +346,13 @@ def markdown(payload: dict) -> str:
         a_, b_ = per["this"].get(k), per[trees[1]].get(k)
         cells.append(f"{a_['median'] / b_['median']:.3f}" if a_ and b_ and b_["median"] else "")
       rows.append([h, *cells])
-    lines += [common.md_table(header, rows), ""]
+    lines += [harness.md_table(header, rows), ""]
   lines += [f"- {x}" for x in payload["checks"]]
   return "\n".join(lines) + "\n"
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--experiments", default=",".join(EXPERIMENTS))
   ap.add_argument("--scale", type=float, default=1.0, help="x Kaggle's table cardinalities")
   ap.add_argument("--batch", type=int, default=2048)
@@ -385,7 +378,7 @@ def main():
     return
   names = [n for n in args.experiments.split(",") if n]
   with tempfile.TemporaryDirectory(prefix="host_path_") as tmp:
-    payload = {"machine": common.machine_info(), "args": vars(args)}
+    payload = {"machine": harness.machine_info(), "args": vars(args)}
     payload.update(rounds(args, names, tmp))
   payload["load_avg_at_end"] = os.getloadavg()
   payload["checks"] = checks(args, payload["summary"])
@@ -393,7 +386,7 @@ def main():
     print(line, flush=True)
   name = args.name or ("host_path" + (f"_k{args.k}" if args.k > 1 else "")
                        + ("_against" if args.against else ""))  # fmt: skip
-  common.write_results(name, payload, markdown(payload))
+  harness.write_results(name, payload, markdown(payload))
 
 
 if __name__ == "__main__":

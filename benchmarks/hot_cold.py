@@ -1,5 +1,8 @@
 """The `hot_cold` backend (Hotline): coverage, popular fraction and DLRM step time vs budget.
 
+Question: what share of the accesses and examples does a hot set of each device budget cover,
+and what does hot_cold's step cost against dense and offload?
+
 The tables of the synthetic Kaggle default (the 26 Kaggle cardinalities x `--scale`); ids
 drawn per table as the synthetic generator draws them (rank r with P ~ (r + 1)^-exponent,
 scattered by a random permutation) or uniformly (the worst case for a hot set). The K largest
@@ -26,74 +29,32 @@ Writes benchmarks/results/hot_cold.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import pathlib
 import sys
 import time
 
+import harness
 import jax
-import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
+from harness import dlrm_task
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
-
-from experiments import ttrec_kaggle  # noqa: E402
+from experiments import ttrec_kaggle
 from recgnn import (
-  planner,  # noqa: E402
-  sharding,  # noqa: E402
+  planner,
+  sharding,
 )
-from recgnn.data import criteo  # noqa: E402
-from recgnn.embeddings import access_counts as profile  # noqa: E402
-from recgnn.embeddings import base  # noqa: E402
-from recgnn.models.dlrm import DLRM  # noqa: E402
-from recgnn.train import inputs as inputs_lib  # noqa: E402
-from recgnn.train import step as step_lib  # noqa: E402
-from recgnn.train.task import Task  # noqa: E402
+from recgnn.data import criteo
+from recgnn.embeddings import access_counts as profile
+from recgnn.embeddings import base
+from recgnn.train import inputs as inputs_lib
+from recgnn.train import step as step_lib
 
-RESULTS = common.RESULTS
+RESULTS = harness.RESULTS
 TARGET_RATIO = 1.3
 CURVE = (0.005, 0.01, 0.02, 0.05, 0.10, 0.20)
-
-
-class BenchTask(Task):
-  """DLRM over given tables; random dense features and labels (timing only)."""
-
-  def __init__(self, specs, bottom, top, mesh):
-    super().__init__(ml_collections.ConfigDict(), mesh)
-    self.specs = specs
-    self.model = DLRM(bottom=bottom, top=top)
-
-  def tables(self):
-    return self.specs
-
-  def init_params(self, key, batch, embeddings):
-    return self.model.init(key, batch["dense"], [embeddings[s.name] for s in self.specs])
-
-  def loss(self, params, batch, embeddings, key):
-    del key
-    logits = self.model.apply(params, batch["dense"], [embeddings[s.name] for s in self.specs])
-    w = batch["weight"]
-    ll = optax.sigmoid_binary_cross_entropy(logits, batch["label"])
-    return jnp.sum(ll * w) / jnp.maximum(jnp.sum(w), 1.0), {}
-
-  def predict(self, params, batch, embeddings):
-    raise NotImplementedError
-
-  def metrics(self, outputs):
-    raise NotImplementedError
-
-  def train_batches(self, start_step=0):
-    raise NotImplementedError
-
-  def eval_batches(self, split):
-    raise NotImplementedError
 
 
 def table_specs(args) -> list[base.TableSpec]:
@@ -117,7 +78,7 @@ def make_stream(args, specs, dist: str, seed: int = 0) -> list[dict[str, np.ndar
       per_table[s.name] = rng.integers(0, n, size=shape).astype(np.int32)
       continue
     perm = rng.permutation(n).astype(np.int32)
-    per_table[s.name] = common.zipf_ids(rng, n, shape, args.exponent, perm=perm)
+    per_table[s.name] = harness.zipf_ids(rng, n, shape, args.exponent, perm=perm)
   return [{n: v[k] for n, v in per_table.items()} for k in range(args.batches)]
 
 
@@ -173,7 +134,7 @@ def contestants(args, group) -> dict[str, tuple[str, float | None]]:
 
 def build_runner(args, name, rules, specs, stream, sample, mesh, key):
   plan = planner.resolve_plan(rules, specs, mesh, log=False)
-  task = BenchTask(specs, tuple(args.bottom), tuple(args.top), mesh)
+  task = dlrm_task.dlrm(specs, mesh, args.bottom, args.top)
   tx = optax.adam(1e-3)
   for g in plan.groups.values():
     if g.name == "hot_cold" and not name.startswith("host-only"):
@@ -260,7 +221,7 @@ def run_dist(args, specs, dist, mesh, key) -> dict:
       args, name, rules, specs, timed, sample, mesh, key
     )
     print(f"  built {name} in {time.perf_counter() - t0:.1f} s", flush=True)
-  timing = common.interleaved_timing(runners, 0, args.reps, args.steps_per_rep)
+  timing = harness.interleaved_timing(runners, 0, args.reps, args.steps_per_rep)
   ratio = {}
   for name, t in timing.items():
     per = [a / b for a, b in zip(t["per_rep_ms"], timing["dense"]["per_rep_ms"])]
@@ -354,38 +315,30 @@ def _ratio_iqr(t: dict, ref: dict) -> tuple[float, float]:
 
 
 def plot(payload, path):
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-  for dist, r in payload["dists"].items():
-    x = [100 * c["budget"] for c in r["curve"]]
-    ax1.plot(x, [c["coverage"] for c in r["curve"]], marker="o", label=f"{dist}: coverage")
-    ax1.plot(x, [c["popular_fraction"] for c in r["curve"]], marker="s", ls="--",
-             label=f"{dist}: popular examples")  # fmt: skip
-    names = list(r["step"])
-    ax2.plot(names, [r["ratio"][n] for n in names], marker="o", label=dist)
-  ax1.set_xscale("log")
-  ax1.set_xlabel("device budget (% of the group's bytes)")
-  ax1.set_ylabel("share")
-  ax1.set_title("Hot-access coverage and popular examples")
-  ax1.grid(alpha=0.3)
-  ax1.legend(fontsize=8)
-  ax2.axhline(TARGET_RATIO, color="red", ls="--", lw=1, label=f"{TARGET_RATIO}x dense")
-  ax2.set_ylabel("train step / dense step")
-  ax2.set_title("DLRM step time vs dense")
-  ax2.tick_params(axis="x", rotation=45)
-  ax2.legend(fontsize=8)
-  ax2.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  print(f"wrote {path}")
+  with harness.png(path, ncols=2, figsize=(10, 4), dpi=120) as (fig, (ax1, ax2)):
+    for dist, r in payload["dists"].items():
+      x = [100 * c["budget"] for c in r["curve"]]
+      ax1.plot(x, [c["coverage"] for c in r["curve"]], marker="o", label=f"{dist}: coverage")
+      ax1.plot(x, [c["popular_fraction"] for c in r["curve"]], marker="s", ls="--",
+               label=f"{dist}: popular examples")  # fmt: skip
+      names = list(r["step"])
+      ax2.plot(names, [r["ratio"][n] for n in names], marker="o", label=dist)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("device budget (% of the group's bytes)")
+    ax1.set_ylabel("share")
+    ax1.set_title("Hot-access coverage and popular examples")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    ax2.axhline(TARGET_RATIO, color="red", ls="--", lw=1, label=f"{TARGET_RATIO}x dense")
+    ax2.set_ylabel("train step / dense step")
+    ax2.set_title("DLRM step time vs dense")
+    ax2.tick_params(axis="x", rotation=45)
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--scale", type=float, default=0.01)
   ap.add_argument("--dim", type=int, default=16)
   ap.add_argument("--exponent", type=float, default=1.1)
@@ -407,7 +360,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.rewrite:
     payload = json.loads((RESULTS / f"{args.out}.json").read_text())
-    common.write_results(args.out, payload, markdown(payload))
+    harness.write_results(args.out, payload, markdown(payload))
     plot(payload, RESULTS / f"{args.out}.png")
     return
   if args.quick:
@@ -419,13 +372,13 @@ def main(argv=None):
   dists = {d: run_dist(args, specs, d, mesh, key) for d in args.dists}
   payload = {
     "config": vars(args),
-    "machine": common.machine_info(),
+    "machine": harness.machine_info(),
     "command": "python benchmarks/hot_cold.py " + " ".join(argv or sys.argv[1:]),
     "uptime_start": [round(x, 2) for x in up0],
     "uptime_end": [round(x, 2) for x in os.getloadavg()],
     "dists": dists,
   }
-  common.write_results(args.out, payload, markdown(payload))
+  harness.write_results(args.out, payload, markdown(payload))
   plot(payload, RESULTS / f"{args.out}.png")
 
 

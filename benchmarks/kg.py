@@ -1,6 +1,9 @@
 """Knowledge-graph link prediction on FB15k-237: quality, training throughput, eval time,
 and partitioned vs whole-graph R-GCN training.
 
+Question: how good (filtered MRR) and how fast is KGE and R-GCN training on FB15k-237, on the
+whole graph and on self-sufficient partitions?
+
 Sections (--sections, comma-separated):
   kge        train `kge_fb15k237:DECODER` (--decoder) with the trainer: filtered test MRR /
              Hits@k, wall time, edges/s, valid MRR at every eval, then the full filtered
@@ -39,25 +42,22 @@ import os
 import sys
 import time
 
+import harness
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import common  # noqa: E402  (benchmarks/common.py)
-import ml_collections  # noqa: E402
-
-from experiments import (  # noqa: E402
+from experiments import (
   kge_fb15k237,
   rgcn_fb15k237,
   rgcn_fb15k237_partitioned,
   rgcn_planted,
 )
-from recgnn import comms, sharding  # noqa: E402
-from recgnn.tasks import link_prediction as lp  # noqa: E402
-from recgnn.train import loop, setup  # noqa: E402
+from recgnn import comms, sharding
+from recgnn.tasks import link_prediction as lp
+from recgnn.train import loop, setup
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -106,8 +106,8 @@ def _task(cfg) -> lp.LinkPrediction:
 
 
 def _machine() -> dict:
-  """common.machine_info() and the 1-minute load at the start, which the reports quote."""
-  info = common.machine_info()
+  """harness.machine_info() and the 1-minute load at the start, which the reports quote."""
+  info = harness.machine_info()
   return {**info, "load_avg_1m_at_start": info["load_avg_at_start"][0]}
 
 
@@ -115,7 +115,7 @@ def _write(name: str, payload: dict, md: str):
   # Load at the start is the run's own record when there is one (kge_rescan keeps it).
   payload["machine"] = {**_machine(), **payload.get("machine", {})}
   payload["machine"]["load_avg_1_5_15m_at_end"] = list(os.getloadavg())
-  common.write_results(name, payload, md, sort_keys=True)
+  harness.write_results(name, payload, md, sort_keys=True)
 
 
 def _curve(workdir: str, steps_per_epoch: int, seconds_per_step: float) -> list[dict]:
@@ -729,32 +729,24 @@ def run_planted():
 
 
 def plot(kge_payloads: list[dict], rgcn_payload: dict | None):
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    print("matplotlib not installed: no PNG (pip install matplotlib)")
+  if not harness.can_plot():
     return
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for p in kge_payloads:
-    c = p["valid_curve"]
-    ax.plot(
-      [x["seconds"] / 60 for x in c], [x["valid_mrr"] for x in c], "o-", label=p["experiment"]
-    )
-  if rgcn_payload:
-    for k in ("whole", "partitioned"):
-      c = rgcn_payload[k]["valid_curve"]
-      label = f"R-GCN {k}" + (f" ({rgcn_payload['parts']} parts)" if k == "partitioned" else "")
-      ax.plot([x["seconds"] / 60 for x in c], [x["valid_mrr"] for x in c], "s--", label=label)
-  ax.set_xlabel("training time (min, steady-state step rate)")
-  ax.set_ylabel("filtered valid MRR")
-  ax.set_title("FB15k-237")
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(os.path.join(RESULTS, "kg_mrr.png"), dpi=120)
+  with harness.png(os.path.join(RESULTS, "kg_mrr.png"), figsize=(6, 4), dpi=120) as (fig, ax):
+    for p in kge_payloads:
+      c = p["valid_curve"]
+      ax.plot(
+        [x["seconds"] / 60 for x in c], [x["valid_mrr"] for x in c], "o-", label=p["experiment"]
+      )
+    if rgcn_payload:
+      for k in ("whole", "partitioned"):
+        c = rgcn_payload[k]["valid_curve"]
+        label = f"R-GCN {k}" + (f" ({rgcn_payload['parts']} parts)" if k == "partitioned" else "")
+        ax.plot([x["seconds"] / 60 for x in c], [x["valid_mrr"] for x in c], "s--", label=label)
+    ax.set_xlabel("training time (min, steady-state step rate)")
+    ax.set_ylabel("filtered valid MRR")
+    ax.set_title("FB15k-237")
+    ax.grid(alpha=0.3)
+    ax.legend()
 
 
 def _load(name):

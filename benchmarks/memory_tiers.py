@@ -1,6 +1,9 @@
 """Memory tiers (offload, hot_cold) against dense and a host-only table: what each DLRM train
 step moves over the host link and what that would cost on a GPU.
 
+Question: how many bytes cross the host link per step for each memory tier, and what step does
+recgnn.step_model predict for it on an H100?
+
 Every configuration is the trainer's own step (`recgnn.train.setup.build`) of the reference
 Kaggle DLRM (26 tables, dim 16, the MLPs of benchmarks/dlrm_throughput.py) over tables of
 `--rows` rows, on a stream of Zipf batches (`--zipf`; the same hot rows in every batch, a new
@@ -37,26 +40,21 @@ whatever the hit rate) beside each.
 
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 import statistics
-import sys
 import time
 
+import harness
 import jax
 import numpy as np
+from harness import dlrm_task
+from peers import dlrm as peers_dlrm
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
-import dlrm_throughput as dt  # noqa: E402
-import peers_dlrm  # noqa: E402
-
-from recgnn import hostmem, sharding, step_model  # noqa: E402
-from recgnn.backends.offload import cache_plan  # noqa: E402
-from recgnn.train import setup as train_setup  # noqa: E402
-from recgnn.train import traffic  # noqa: E402
+from recgnn import hostmem, sharding, step_model
+from recgnn.backends.offload import cache_plan
+from recgnn.train import setup as train_setup
+from recgnn.train import traffic
 
 
 def plans(fractions: list[float], fixed: bool = False, profile: int = 4) -> list[tuple[str, str]]:
@@ -79,10 +77,10 @@ def _mean(xs) -> float:
 
 
 def measure(label: str, text: str, cfg, host: list[dict], args, cpu: step_model.Profile) -> dict:
-  config = dt.recgnn_config(cfg)
+  config = dlrm_task.config_of(cfg)
   config.embeddings.plan = [(".*", text)]
   mesh = sharding.make_mesh(1, 1)
-  task = dt.BenchCTR(config, cfg, mesh)
+  task = dlrm_task.task_of(config, cfg, mesh)
   run = train_setup.build(config, mesh=mesh, task=task, example=host[0])
   state = run.state
   stream = [("train", None, host[k % len(host)]) for k in range(args.warmup + args.steps)]
@@ -246,7 +244,7 @@ def markdown(payload: dict) -> str:
         f"{payload['cpu_profile']['flops_per_s'] / 1e9:.0f} GFLOP/s, "
         f"{payload['cpu_profile']['memory_bytes_per_s'] / 1e9:.1f} GB/s.",
         "",
-        common.md_table(
+        harness.md_table(
           [
             "config",
             "zipf",
@@ -291,31 +289,24 @@ def markdown(payload: dict) -> str:
 
 
 def plot(payload: dict, path: pathlib.Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-  for z in sorted({r["zipf"] for r in payload["rows"]}):
-    rows = [r for r in payload["rows"] if r["zipf"] == z]
-    labels = [r["label"] for r in rows]
-    x = np.arange(len(rows))
-    ax[0].bar(x + 0.4 * (z != rows[0]["zipf"]), [r["host_to_device_bytes"] / 1e6 for r in rows],
-              0.4, label=f"zipf {z:g}")  # fmt: skip
-    ax[1].bar(x, [r["gpu_overlapped_ms"] for r in rows], 0.4, label=f"zipf {z:g} overlapped")
-    ax[1].scatter(x, [r["gpu_serial_ms"] for r in rows], marker="_", s=200, color="k")
-    for a in ax:
-      a.set_xticks(x, labels, rotation=60, ha="right", fontsize=8)
-  ax[0].set_ylabel("host -> device MB per step (HLO)")
-  ax[1].set_ylabel("predicted H100 ms per step (bars: overlapped, -: serial)")
-  ax[0].legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  with harness.png(path, ncols=2, figsize=(11, 4), dpi=120) as (fig, ax):
+    for z in sorted({r["zipf"] for r in payload["rows"]}):
+      rows = [r for r in payload["rows"] if r["zipf"] == z]
+      labels = [r["label"] for r in rows]
+      x = np.arange(len(rows))
+      ax[0].bar(x + 0.4 * (z != rows[0]["zipf"]), [r["host_to_device_bytes"] / 1e6 for r in rows],
+                0.4, label=f"zipf {z:g}")  # fmt: skip
+      ax[1].bar(x, [r["gpu_overlapped_ms"] for r in rows], 0.4, label=f"zipf {z:g} overlapped")
+      ax[1].scatter(x, [r["gpu_serial_ms"] for r in rows], marker="_", s=200, color="k")
+      for a in ax:
+        a.set_xticks(x, labels, rotation=60, ha="right", fontsize=8)
+    ax[0].set_ylabel("host -> device MB per step (HLO)")
+    ax[1].set_ylabel("predicted H100 ms per step (bars: overlapped, -: serial)")
+    ax[0].legend()
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = harness.flags.parser(__doc__)
   p.add_argument("--rows", type=int, default=200_000, help="rows per table")
   p.add_argument("--batch", type=int, default=2048)
   p.add_argument("--zipf", type=float, nargs="+", default=[1.05], help="id skew exponent(s)")
@@ -358,7 +349,7 @@ def main(argv=None):
   cpu = step_model.measure_cpu()
   cfg = peers_dlrm.DlrmConfig(num_rows=args.rows)
   payload = {
-    "machine": common.machine_info(),
+    "machine": harness.machine_info(),
     "args": vars(args),
     "h100": vars(step_model.H100),
     "cpu_profile": vars(cpu),
@@ -369,7 +360,7 @@ def main(argv=None):
     # give caches and hot sets nothing to reuse), a new batch per step unless --batches.
     n = args.batches or args.warmup + args.steps
     batches = peers_dlrm.make_batches(cfg, args.batch, n, z, seed=0, same_hot_rows=True)
-    host = [dt.to_recgnn_batch(b, dt.table_names(cfg)) for b in batches]
+    host = [dlrm_task.to_batch(b, dlrm_task.table_names(cfg.num_tables)) for b in batches]
     for label, text in plans(args.fractions, args.fixed, args.profile):
       if args.only and not label.startswith(args.only):
         continue
@@ -378,10 +369,10 @@ def main(argv=None):
   payload["must_show"] = must_show(payload)
   for line in payload["must_show"]:
     print(line)
-  common.write_results(args.name, payload, markdown(payload))
+  harness.write_results(args.name, payload, markdown(payload))
   try:
-    plot(payload, common.RESULTS / f"{args.name}.png")
-    print(f"wrote {common.RESULTS / args.name}.png")
+    plot(payload, harness.RESULTS / f"{args.name}.png")
+    print(f"wrote {harness.RESULTS / args.name}.png")
   except ImportError as e:
     print(f"no plot ({e}): pip install matplotlib")
 

@@ -3,6 +3,8 @@ synthetic graph, learnable node embeddings only, one seed), per backend and mesh
 accuracy, and the final node table and dense params against dense's on the same mesh (max
 |difference|, 0 = bit for bit) and against 1-device dense.
 
+Question: does GraphSAGE's node table train to the same result on every backend and mesh?
+
   python benchmarks/node_tables.py                                  # defaults below
   python benchmarks/node_tables.py --nodes=20000 --steps=100 --cache=0.9 --meshes=1x1,1x8
 
@@ -11,26 +13,16 @@ Writes benchmarks/results/node_tables.{json,md}. Meshes are simulated CPU device
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import pathlib
+import tempfile
+import time
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
+import harness
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from recgnn import xla_env  # noqa: E402
-
-xla_env.relax_simulated_device_timeouts()
+harness.simulated_devices(8)  # before jax starts
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -39,7 +31,7 @@ from experiments import sage_node_table  # noqa: E402
 from recgnn.tasks import node_classification as nc  # noqa: E402
 from recgnn.train import loop  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = harness.RESULTS
 
 
 def direct(c) -> tuple[dict, object, object]:
@@ -102,7 +94,7 @@ def max_diff(a: dict, b: dict) -> tuple[float, float]:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = harness.flags.parser(__doc__)
   p.add_argument("--nodes", type=int, default=20_000)
   p.add_argument("--steps", type=int, default=100)
   p.add_argument("--seed", type=int, default=0)
@@ -166,9 +158,7 @@ def write(args, meshes, rows) -> None:
     "runs": clean,
   }
   out = pathlib.Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-  out.with_suffix(".md").write_text(render(payload))
+  harness.write_results(out.name, payload, render(payload), out.parent, show=False)
 
 
 def render(payload: dict) -> str:

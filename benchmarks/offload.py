@@ -1,5 +1,8 @@
 """The `offload` backend (cDLRM): cache hit rate per policy and cache size, step time vs dense.
 
+Question: what hit rate does each cache policy reach per cache size, and what does offload's
+step cost against dense?
+
 Two measurements on the same Zipf id stream (one table, `--batch` x `--bag` ids per step):
 
   hit rate    for each policy (lru, lfu, lookahead) and cache size (1%, 5%, 10%, 25% of the
@@ -27,39 +30,35 @@ Writes benchmarks/results/offload.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import pathlib
 import sys
 import time
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
+import sparse_update  # (its loss of pooled rows)
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
-import sparse_update  # noqa: E402  (its loss of pooled rows)
+from recgnn import planner
+from recgnn.embeddings import base
+from recgnn.train import inputs as inputs_lib
 
-from recgnn import planner  # noqa: E402
-from recgnn.embeddings import base  # noqa: E402
-from recgnn.train import inputs as inputs_lib  # noqa: E402
-
-RESULTS = common.RESULTS
+RESULTS = harness.RESULTS
 POLICIES = ("lru", "lfu", "lookahead")
 TARGET_RATIO = 1.3  # offload step at a 5% cache vs dense
 
 
 def make_batches(args, num: int, seed: int) -> list[np.ndarray]:
   """Zipf ids, P(rank r) ~ r^-exponent, hot rows scattered by ONE permutation for the whole
-  stream (a fresh permutation per batch, as common.zipf_ids draws by default, makes a stream
+  stream (a fresh permutation per batch, as harness.zipf_ids draws by default, makes a stream
   with no reuse across batches)."""
   rng = np.random.default_rng(seed)
-  cdf = common.zipf_cdf(args.rows, args.exponent)
+  cdf = harness.zipf_cdf(args.rows, args.exponent)
   perm = rng.permutation(args.rows).astype(np.int32)
   shape = (args.batch, args.bag)
-  return [perm[common.zipf_ranks(rng, cdf, shape)] for _ in range(num)]
+  return [perm[harness.zipf_ranks(rng, cdf, shape)] for _ in range(num)]
 
 
 def spec_of(args) -> base.TableSpec:
@@ -132,7 +131,7 @@ def make_step(backend):
 
 
 def ordered_runner(fn, state, inputs, warmup: int = 0):
-  """Like common.jitted_runner but never wraps around: offload plans are a sequence.
+  """Like harness.jitted_runner but never wraps around: offload plans are a sequence.
   `run.programs`: [programs fn compiled by the end of the warm-up, by the last call]."""
   box = {"state": state, "i": 0}
 
@@ -171,7 +170,7 @@ def step_times(args, batches, key) -> tuple[dict, dict]:
     inputs = [(p, targets[i % 4]) for i, p in enumerate(prepared)]
     runners[name] = ordered_runner(make_step(b), state, inputs, args.warmup)
     print(f"  prepared {name}: {plan_ms[name]:.2f} ms/step on the host", flush=True)
-  timing = common.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
+  timing = harness.interleaved_timing(runners, args.warmup, args.reps, args.steps_per_rep)
   for name, run in runners.items():  # (compiled in the timed reps: 0, or a rep holds one)
     timing[name]["programs"] = run.programs[1]
     timing[name]["programs_compiled_timed"] = run.programs[1] - run.programs[0]
@@ -232,43 +231,35 @@ def markdown(payload: dict) -> str:
 
 
 def plot(payload: dict, path: pathlib.Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-  fr = payload["config"]["fractions"]
-  for p in POLICIES:
-    hr = [
-      r["hit_rate"]
-      for f in fr
-      for r in payload["hit_rate"]
-      if (r["fraction"], r["policy"]) == (f, p)
-    ]
-    ax1.plot([100 * f for f in fr], hr, marker="o", label=p)
-  ceiling = [r["hit_rate"] for r in payload["hit_rate"] if r["policy"] == "all rows"][0]
-  ax1.axhline(ceiling, color="gray", ls=":", label="every row cached")
-  ax1.set_xscale("log")
-  ax1.set_xlabel("cache size (% of rows)")
-  ax1.set_ylabel("hit rate (distinct rows per batch)")
-  ax1.set_title("Hit rate on Zipf ids")
-  ax1.legend()
-  ax1.grid(alpha=0.3)
-  names = list(payload["step"])
-  ms = [payload["step"][n]["step_ms"] for n in names]
-  ax2.bar(names, ms, color=["gray"] + ["C0"] * (len(names) - 1))
-  ax2.axhline(ms[0] * TARGET_RATIO, color="red", ls="--", lw=1, label=f"{TARGET_RATIO}x dense")
-  ax2.set_ylabel("train step (ms, median)")
-  ax2.set_title("Step time: dense vs offload(lru)")
-  ax2.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  print(f"wrote {path}")
+  with harness.png(path, ncols=2, figsize=(10, 4), dpi=120) as (fig, (ax1, ax2)):
+    fr = payload["config"]["fractions"]
+    for p in POLICIES:
+      hr = [
+        r["hit_rate"]
+        for f in fr
+        for r in payload["hit_rate"]
+        if (r["fraction"], r["policy"]) == (f, p)
+      ]
+      ax1.plot([100 * f for f in fr], hr, marker="o", label=p)
+    ceiling = [r["hit_rate"] for r in payload["hit_rate"] if r["policy"] == "all rows"][0]
+    ax1.axhline(ceiling, color="gray", ls=":", label="every row cached")
+    ax1.set_xscale("log")
+    ax1.set_xlabel("cache size (% of rows)")
+    ax1.set_ylabel("hit rate (distinct rows per batch)")
+    ax1.set_title("Hit rate on Zipf ids")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    names = list(payload["step"])
+    ms = [payload["step"][n]["step_ms"] for n in names]
+    ax2.bar(names, ms, color=["gray"] + ["C0"] * (len(names) - 1))
+    ax2.axhline(ms[0] * TARGET_RATIO, color="red", ls="--", lw=1, label=f"{TARGET_RATIO}x dense")
+    ax2.set_ylabel("train step (ms, median)")
+    ax2.set_title("Step time: dense vs offload(lru)")
+    ax2.legend()
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap = harness.flags.parser(__doc__)
   ap.add_argument("--rows", type=int, default=2_000_000)
   ap.add_argument("--dim", type=int, default=16)
   ap.add_argument("--batch", type=int, default=4096)
@@ -291,7 +282,7 @@ def main(argv=None):
   import os
 
   command = "python benchmarks/offload.py " + " ".join(argv if argv is not None else sys.argv[1:])
-  machine = {**common.machine_info(), "loadavg": os.getloadavg()[0]}
+  machine = {**harness.machine_info(), "loadavg": os.getloadavg()[0]}
   key = jax.random.key(0)
   n_steps = args.warmup + args.reps * args.steps_per_rep
   batches = make_batches(args, max(args.hit_batches, n_steps) + args.lookahead, seed=1)
@@ -315,7 +306,7 @@ def main(argv=None):
     "ratio_5pct": ratio,
     "target_ratio": TARGET_RATIO,
   }
-  common.write_results(args.out, payload, markdown(payload))
+  harness.write_results(args.out, payload, markdown(payload))
   plot(payload, RESULTS / f"{args.out}.png")
 
 

@@ -1,5 +1,8 @@
 """Bulk matrix-based neighbour sampling vs PyG's NeighborLoader, and GraphSAGE training.
 
+Question: how fast is bulk matrix-based sampling against PyG's NeighborLoader, on the host and
+on the device, and what does it change in GraphSAGE's accuracy?
+
 Graph: the synthetic power-law graph with planted communities (recgnn.graphs.synthetic),
 default 1M nodes / 10M adjacency entries (5M undirected edges, both directions stored),
 seeds drawn from its training split.
@@ -48,7 +51,6 @@ Writes benchmarks/results/NAME.{json,md} (+ NAME.png for the device section).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -60,17 +62,15 @@ import tempfile
 import time
 from typing import Any
 
-import numpy as np
-
 # Runnable as `python benchmarks/sampling.py` from a checkout without installing recgnn.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import common  # noqa: E402  (benchmarks/common.py)
-import sampling_pyg  # noqa: E402  (benchmarks/sampling_pyg.py: the PyG contestant)
+import harness
+import numpy as np
+from peers import sampling_pyg  # (the PyG contestant)
 
-from recgnn import hostmem  # noqa: E402
-from recgnn.graphs import ladies, sampling, synthetic  # noqa: E402
+from recgnn import hostmem
+from recgnn.graphs import ladies, sampling, synthetic
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 TARGET_RATIO = 2.5  # k=16 edges/s over PyG's
 
 
@@ -333,29 +333,22 @@ def device_markdown(d: dict, a: dict) -> str:
 
 
 def device_plot(d: dict, path: pathlib.Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(5.5, 3.6))
-  for where in ("host", "device"):
-    pts = sorted(
-      (int(n.split("k=")[1]), v["edges_per_second"] / 1e6)
-      for n, v in d["methods"].items()
-      if n.startswith(f"node {where} ")
-    )
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"recgnn {where}")
-  if "PyG NeighborLoader" in d["methods"]:
-    ax.axhline(d["methods"]["PyG NeighborLoader"]["edges_per_second"] / 1e6, ls="--", c="gray")
-    ax.text(1, d["methods"]["PyG NeighborLoader"]["edges_per_second"] / 1e6, " PyG", va="bottom")
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("mini-batches per call (k)")
-  ax.set_ylabel("sampled edges/s (M)")
-  ax.set_title(f"node-wise sampling on {d['jax_backend'].split()[0]}")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  with harness.png(path, figsize=(5.5, 3.6), dpi=120) as (fig, ax):
+    for where in ("host", "device"):
+      pts = sorted(
+        (int(n.split("k=")[1]), v["edges_per_second"] / 1e6)
+        for n, v in d["methods"].items()
+        if n.startswith(f"node {where} ")
+      )
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"recgnn {where}")
+    if "PyG NeighborLoader" in d["methods"]:
+      ax.axhline(d["methods"]["PyG NeighborLoader"]["edges_per_second"] / 1e6, ls="--", c="gray")
+      ax.text(1, d["methods"]["PyG NeighborLoader"]["edges_per_second"] / 1e6, " PyG", va="bottom")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("mini-batches per call (k)")
+    ax.set_ylabel("sampled edges/s (M)")
+    ax.set_title(f"node-wise sampling on {d['jax_backend'].split()[0]}")
+    ax.legend()
 
 
 # ----------------------------------------------------------------------------- split graph
@@ -862,7 +855,7 @@ def markdown(p: dict[str, Any]) -> str:
 def payload_machine(load: float, retained=None) -> str:
   kept = "" if retained is None else f", malloc keeps freed buffers: {retained}"
   return (
-    f"{common.cpu_model()}, {os.cpu_count()} CPUs, load average "
+    f"{harness.cpu_model()}, {os.cpu_count()} CPUs, load average "
     f"{load:.1f} at start{kept}, "
     f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}"
   )
@@ -874,7 +867,7 @@ def main():
     import sampling_data_parallel  # benchmarks/sampling_data_parallel.py
 
     return sampling_data_parallel.main([a for a in sys.argv[1:] if a != "--sections=data_parallel"])
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--nodes", type=int, default=1_000_000)
   p.add_argument("--edges", type=int, default=10_000_000, help="adjacency entries")
   p.add_argument("--fanouts", type=int, nargs="+", default=[15, 10, 5])
@@ -921,11 +914,8 @@ def main():
     raise SystemExit(f"unknown --sections {sorted(unknown)}; use {', '.join(sorted(known))}")
   if args.skip_training:
     sections.discard("training")
-  if sections & {"split", "split_ladies"} and "device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # Before jax initialises: the split graph needs 8 devices (simulated on CPU).
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+  if sections & {"split", "split_ladies"}:
+    harness.simulated_devices(8)  # the split graph needs 8 devices (simulated on CPU)
   if args.quick:
     args.nodes, args.edges, args.rounds, args.train_steps = 200_000, 2_000_000, 2, 20
     args.ks = [1, 16]
@@ -981,7 +971,6 @@ def main():
     payload.setdefault("merged", []).append(
       {"sections": sorted(added), "args": vars(args), "machine": payload_machine(load)}
     )
-  (RESULTS / f"{args.name}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
   parts = []
   if "sampling" in payload:
     parts.append(markdown(payload))
@@ -997,9 +986,7 @@ def main():
     parts.append(split_ladies_markdown(payload["split_ladies"]))
   if "cora" in payload:
     parts.append(cora_markdown(payload["cora"]))
-  md = "\n".join(parts)
-  (RESULTS / f"{args.name}.md").write_text(md)
-  print(md)
+  harness.write_results(args.name, payload, "\n".join(parts), RESULTS)
 
 
 if __name__ == "__main__":

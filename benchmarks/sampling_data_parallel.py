@@ -1,5 +1,8 @@
 """Data-parallel GraphSAGE on simulated devices, and the device sampler's sparse-product path.
 
+Question: does data-parallel GraphSAGE match one device's accuracy, and what does its step move
+between devices?
+
 `python benchmarks/sampling.py --sections=data_parallel [flags below]` runs this module (or
 run it directly). Parts (--parts, comma list):
 
@@ -34,27 +37,18 @@ Writes benchmarks/results/NAME.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import os
-import pathlib
 import statistics
-import sys
 import time
 
-if "device_count" not in os.environ.get("XLA_FLAGS", ""):
-  # Before jax initialises: up to 8 simulated devices.
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
+import harness
+
+harness.simulated_devices(8)  # before jax starts: up to 8 simulated devices
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import numpy as np  # noqa: E402
-
-# Runnable as `python benchmarks/sampling_data_parallel.py` from a checkout.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import common  # noqa: E402  (benchmarks/common.py)
 import jax  # noqa: E402
-import sampling_pyg  # noqa: E402  (benchmarks/sampling_pyg.py: the PyG contestant)
+import numpy as np  # noqa: E402
+from peers import sampling_pyg  # noqa: E402  (the PyG contestant)
 
 from experiments import sage_cora, sage_synthetic  # noqa: E402
 from recgnn.graphs import device_sampling, sampling, synthetic  # noqa: E402
@@ -319,7 +313,7 @@ def markdown(payload, shared: str) -> str:
       f"## Device sampler: direct CSR reads vs sparse product ({p['graph']}; fanouts "
       f"{a['fanouts']}, batch {a['batch_size']}, fitted capacities {p['capacities']})",
       "",
-      common.md_table(
+      harness.md_table(
         [
           "k",
           "direct seeds/s",
@@ -359,7 +353,7 @@ def markdown(payload, shared: str) -> str:
       f"fanouts {a['dp_fanouts']}, global batch {a['dp_batch']}, k = {a['dp_k']} steps per "
       "call)",
       "",
-      common.md_table(
+      harness.md_table(
         [
           "devices",
           "seeds/device/step",
@@ -406,7 +400,7 @@ def markdown(payload, shared: str) -> str:
       "## GraphSAGE on Cora: recgnn vs PyG (fanouts [25, 10], batch 140, 200 steps, Adam "
       "0.01, L2 5e-4, hidden 64, dropout 0.5)",
       "",
-      common.md_table(
+      harness.md_table(
         [
           "system",
           "devices",
@@ -438,7 +432,7 @@ def markdown(payload, shared: str) -> str:
     lines += [
       f"## {title}",
       "",
-      common.md_table(
+      harness.md_table(
         ["devices", "per seed", "mean +- std"],
         [
           (
@@ -457,7 +451,7 @@ def markdown(payload, shared: str) -> str:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--parts", default="product,scaling,cora")
   p.add_argument("--name", default="sampling_data_parallel")
   p.add_argument("--nodes", type=int, default=200_000, help="product: graph nodes")
@@ -488,7 +482,7 @@ def main(argv=None):
     raise SystemExit(
       f"unknown --parts {sorted(unknown)}; use product, scaling, cora, synthetic, pyg"
     )
-  machine = common.machine_info()
+  machine = harness.machine_info()
   shared = SHARED.format(cpus=machine["cpus"], load=machine["load_avg_at_start"][0])
   print(shared, flush=True)
   payload = {"args": vars(args), "machine": machine}
@@ -504,7 +498,7 @@ def main(argv=None):
   if "pyg" in parts:
     payload["pyg"] = bench_pyg(args)
   payload["load_avg_at_end"] = os.getloadavg()
-  common.write_results(args.name, payload, markdown(payload, shared))
+  harness.write_results(args.name, payload, markdown(payload, shared))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Bytes between devices per train step, by backend and mesh, read from the compiled HLO.
 
+Question: how many bytes does each backend's train step move between devices, per mesh and table
+size?
+
 For each table size, backend and (data x model) mesh, the trainer's own jitted train step
 (the reference DLRM, `--tables` tables of `--rows` rows, batch `--batch`) is compiled for
 that mesh and the collectives of its optimized HLO are summed (`recgnn.comms`): operand
@@ -18,26 +21,17 @@ Writes benchmarks/results/scaling.{json,md,png}.
 
 from __future__ import annotations
 
-import os
+import pathlib
+import time
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
+import harness
+from harness import dlrm_task
 
-import argparse  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+harness.simulated_devices(8)  # before jax starts
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
-import dlrm_throughput as dt  # noqa: E402
-import peers_dlrm  # noqa: E402
+from peers import dlrm as peers_dlrm  # noqa: E402
 
 from recgnn import comms, sharding  # noqa: E402
 from recgnn.train import setup as train_setup  # noqa: E402
@@ -57,12 +51,12 @@ def measure(cfg, backend: str, mesh_shape, batches, args) -> dict:
   text = backend
   if backend.startswith("offload"):
     text = f"offload(cache_rows={max(args.batch, int(0.05 * cfg.rows[0]))})"
-  config = dt.recgnn_config(cfg)
+  config = dlrm_task.config_of(cfg)
   config.embeddings.plan = [(".*", text)]
   config.train = {"steps": args.steps}
   config.seed = 0
-  task = dt.BenchCTR(config, cfg, mesh)
-  host = [dt.to_recgnn_batch(b, task.names) for b in batches]
+  task = dlrm_task.task_of(config, cfg, mesh)
+  host = [dlrm_task.to_batch(b, task.names) for b in batches]
   t0 = time.perf_counter()
   # The trainer's run with an abstract state (shapes and shardings only).
   run = train_setup.build(
@@ -146,38 +140,31 @@ def markdown(payload: dict) -> str:
 
 
 def plot(payload: dict, path: pathlib.Path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   res = [r for r in payload["results"] if r["rows_per_table"] == min(payload["args"]["rows"])]
   meshes = list(dict.fromkeys(r["mesh"] for r in res))
   backends = list(dict.fromkeys(r["backend"] for r in res))
-  fig, ax = plt.subplots(figsize=(8, 4))
-  w = 0.8 / len(backends)
-  for i, b in enumerate(backends):
-    ys = [
-      next((r["bytes_per_step"] for r in res if r["backend"] == b and r["mesh"] == m), 0) / 1024
-      for m in meshes
-    ]
-    ax.bar(np.arange(len(meshes)) + i * w, ys, w, label=b)
-  ax.set_xticks(np.arange(len(meshes)) + w * (len(backends) - 1) / 2, meshes)
-  ax.set_xlabel("mesh (data x model)")
-  ax.set_ylabel("KiB per device per step")
-  ax.set_title(
-    f"Collective bytes per train step, from the HLO ({payload['args']['tables']} tables, "
-    f"batch {payload['args']['batch']})\nthe same at every table size: "
-    + ", ".join(f"{r:,} rows" for r in payload["args"]["rows"]),
-    fontsize=10,
-  )
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  with harness.png(path, figsize=(8, 4), dpi=110) as (fig, ax):
+    w = 0.8 / len(backends)
+    for i, b in enumerate(backends):
+      ys = [
+        next((r["bytes_per_step"] for r in res if r["backend"] == b and r["mesh"] == m), 0) / 1024
+        for m in meshes
+      ]
+      ax.bar(np.arange(len(meshes)) + i * w, ys, w, label=b)
+    ax.set_xticks(np.arange(len(meshes)) + w * (len(backends) - 1) / 2, meshes)
+    ax.set_xlabel("mesh (data x model)")
+    ax.set_ylabel("KiB per device per step")
+    ax.set_title(
+      f"Collective bytes per train step, from the HLO ({payload['args']['tables']} tables, "
+      f"batch {payload['args']['batch']})\nthe same at every table size: "
+      + ", ".join(f"{r:,} rows" for r in payload["args"]["rows"]),
+      fontsize=10,
+    )
+    ax.legend(fontsize=8)
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--rows", default="100000,10000000", help="rows per table, comma-separated")
   p.add_argument("--tables", type=int, default=8)
   p.add_argument("--dim", type=int, default=16)
@@ -194,11 +181,11 @@ def main(argv=None):
   rows = [int(x) for x in args.rows.split(",")]
   meshes = [parse_mesh(m) for m in args.meshes.split(",")]
   backends = [b.strip() for b in args.backends.split(";") if b.strip()]
-  machine = common.machine_info()
+  machine = harness.machine_info()
   results = []
   for r in rows:
     cfg = peers_dlrm.DlrmConfig(num_rows=r, num_tables=args.tables, dim=args.dim)
-    batches = dt.make_batches(cfg, args.batch, args.steps + 3, 1.05, seed=0)
+    batches = peers_dlrm.make_batches(cfg, args.batch, args.steps + 3, 1.05, seed=0)
     for b in backends:
       for m in meshes:
         res = measure(cfg, b, m, batches, args)
@@ -216,10 +203,10 @@ def main(argv=None):
       same[f"{b} @ {name}"] = len(vals) == 1
   args_d = {**vars(args), "rows": rows, "backends": backends}
   payload = {"machine": machine, "args": args_d, "results": results, "rows_independent": same}
-  common.write_results(args.name, payload, markdown(payload))
+  harness.write_results(args.name, payload, markdown(payload))
   try:
-    plot(payload, common.RESULTS / f"{args.name}.png")
-    print(f"wrote {common.RESULTS / args.name}.png")
+    plot(payload, harness.RESULTS / f"{args.name}.png")
+    print(f"wrote {harness.RESULTS / args.name}.png")
   except ImportError:
     print("matplotlib not installed (pip install -e '.[bench]'): no PNG")
 

@@ -1,5 +1,8 @@
 """`sharded` and its all-to-all codecs: bytes per step, codec throughput, and test AUC.
 
+Question: how many all-to-all bytes does each codec save, how fast does it encode, and what does
+it cost in test AUC?
+
 Sections (--sections, comma-separated):
   bytes  the all-to-all bytes each device sends per step (lookup + update of the Kaggle
          model's 26 tables, dim 16, batch --batch), read from the compiled HLO (recgnn.comms;
@@ -18,37 +21,26 @@ Writes benchmarks/results/sharded.{json,md,png} (PNG: test AUC against all-to-al
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
+import sys
+import time
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
+import harness
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+harness.simulated_devices(8)  # before jax starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import common  # noqa: E402  (benchmarks/common.py)
-
-from recgnn import (  # noqa: E402
-  comms,
-  planner,  # noqa: E402
-  sharding,
-)
+from recgnn import comms, planner, sharding  # noqa: E402
 from recgnn.backends import sharded  # noqa: E402
 from recgnn.embeddings import base, codecs  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
+ROOT = harness.ROOT
+RESULTS = harness.RESULTS
 CODECS = ("none", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "eb")
 # The AUC runs: (label, backend options). Fixed bounds bracket what the adaptive rule picks.
 RUNS = (
@@ -153,7 +145,7 @@ def section_codec(args) -> list[dict]:
       return codec.decode(payload, bounds), ok
 
     f = jax.jit(roundtrip)
-    sec = common.time_calls(lambda f=f: f(segs, bounds), args.repeats)["median_s"]
+    sec = harness.time_calls(lambda f=f: f(segs, bounds), args.repeats)["median_s"]
     out.append(
       {"codec": name, "message_bytes": nbytes, "seconds": sec, "gb_per_s": nbytes / sec / 1e9}
     )
@@ -368,24 +360,17 @@ def markdown(payload) -> str:
 
 
 def plot(payload, path):
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for r in payload["summary"]:
-    ax.errorbar(r["bytes_per_step"] / 1e3, r["mean_test_auc"], yerr=r["std_test_auc"], fmt="o")
-    ax.annotate(r["run"], (r["bytes_per_step"] / 1e3, r["mean_test_auc"]), fontsize=7)
-  ax.set_xlabel("all-to-all payload per device per step (kB, fwd + bwd)")
-  ax.set_ylabel("test AUC (mean of seeds)")
-  ax.set_title("dlrm_sharded, 1 x 8 simulated devices")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  with harness.png(path, figsize=(6, 4), dpi=120) as (fig, ax):
+    for r in payload["summary"]:
+      ax.errorbar(r["bytes_per_step"] / 1e3, r["mean_test_auc"], yerr=r["std_test_auc"], fmt="o")
+      ax.annotate(r["run"], (r["bytes_per_step"] / 1e3, r["mean_test_auc"]), fontsize=7)
+    ax.set_xlabel("all-to-all payload per device per step (kB, fwd + bwd)")
+    ax.set_ylabel("test AUC (mean of seeds)")
+    ax.set_title("dlrm_sharded, 1 x 8 simulated devices")
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--sections", default="bytes,codec,auc")
   p.add_argument("--meshes", default="1x8,2x4")
   p.add_argument("--batch", type=int, default=2048)
@@ -426,12 +411,9 @@ def main(argv=None):
     payload["auc_load"], payload["auc_when"] = payload["load"], payload["when"]
     payload["auc"] = section_auc(args)
     payload["summary"] = summarize(payload["auc"])
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-  out.with_suffix(".md").write_text(markdown(payload))
+  harness.write_results(out.name, payload, markdown(payload), out.parent)
   if payload.get("summary"):
     plot(payload, out.with_suffix(".png"))
-  print(markdown(payload))
 
 
 if __name__ == "__main__":

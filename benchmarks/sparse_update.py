@@ -1,5 +1,8 @@
 """Train-step time vs table size: the `dense` backend's sparse update against a naive step.
 
+Question: is the dense backend's step free of O(rows) work (flat from 1M to 10M rows), unlike
+autodiff through the table?
+
 The rule this checks (docs/architecture.md): no step costs O(rows in a table). Both steps look
 up the same batch of ids in one table, take a tiny loss and update the table with SGD:
 
@@ -23,22 +26,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
-import sys
 from collections.abc import Callable
 from typing import Any
 
+# Runnable as `python benchmarks/sparse_update.py` from a checkout without installing recgnn.
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-# Runnable as `python benchmarks/sparse_update.py` from a checkout without installing recgnn.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import common  # noqa: E402  (benchmarks/common.py)
-
-from recgnn import planner  # noqa: E402
-from recgnn.embeddings import base  # noqa: E402
+from recgnn import planner
+from recgnn.embeddings import base
 
 TARGET_RATIO = 1.3
 
@@ -85,7 +84,7 @@ def make_naive_step(tx: optax.GradientTransformation):
 def make_ids(args, rng, num_rows: int) -> np.ndarray:
   shape = (args.batch, args.lookups)
   if args.ids == "zipf":
-    return common.zipf_ids(rng, num_rows, shape, args.zipf_exponent)
+    return harness.zipf_ids(rng, num_rows, shape, args.zipf_exponent)
   return rng.integers(0, num_rows, shape, dtype=np.int64)
 
 
@@ -105,14 +104,14 @@ def build_runners(num_rows: int, args, rng: np.random.Generator) -> dict[str, Ca
   # Host-side `prepare` is off the step's path (the input pipeline does it); transfers done.
   prepared = [jax.device_put(backend.prepare({"t": i})) for i in ids]
   runners = {
-    "dense": common.jitted_runner(
+    "dense": harness.jitted_runner(
       make_dense_step(backend), backend.init(jax.random.key(0)), list(zip(prepared, targets))
     )
   }
   if num_rows <= args.naive_max_rows:
     tx = optax.sgd(args.lr)
     table = jnp.asarray(base.init_table(base.table_key(jax.random.key(0), "t"), spec))
-    runners["naive"] = common.jitted_runner(
+    runners["naive"] = harness.jitted_runner(
       make_naive_step(tx),
       (table, tx.init(table)),
       [(jax.device_put(i.astype(np.int32)), t) for i, t in zip(ids, targets)],
@@ -263,7 +262,7 @@ def markdown(payload: dict) -> str:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--rows", default="10000,1000000,10000000", help="table sizes, comma-separated")
   p.add_argument("--dim", type=int, default=16)
   p.add_argument("--batch", type=int, default=2048)
@@ -298,14 +297,14 @@ def main(argv=None):
   sizes = sorted(int(float(s)) for s in args.rows.split(","))
 
   rng = np.random.default_rng(0)
-  machine = common.machine_info()
+  machine = harness.machine_info()
   runners, steps = {}, {}
   for n in sizes:
     for variant, run in build_runners(n, args, rng).items():
       runners[(n, variant)] = run
       steps[(n, variant)] = args.naive_steps_per_rep if variant == "naive" else args.steps_per_rep
   # All sizes and both variants are timed in round-robin, so load changes hit them alike.
-  timing = common.interleaved_timing(runners, args.warmup, args.reps, steps)
+  timing = harness.interleaved_timing(runners, args.warmup, args.reps, steps)
   results = []
   for n in sizes:
     r = {"num_rows": n, "table_mib": n * args.dim * 4 / 2**20}
@@ -346,7 +345,7 @@ def main(argv=None):
     "summary": summary,
     "same_update_max_abs_diff": check_same_update(args),
   }
-  common.write_results(args.name, payload, markdown(payload))
+  harness.write_results(args.name, payload, markdown(payload))
   return payload
 
 

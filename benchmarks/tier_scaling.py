@@ -25,24 +25,18 @@ once each, after `--warmup` steps):
 
 from __future__ import annotations
 
-import argparse
 import os
-import pathlib
 import statistics
-import sys
 import time
 
+import harness
 import jax
 import numpy as np
+from harness import dlrm_task
+from peers import dlrm as peers_dlrm
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
-import dlrm_throughput as dt  # noqa: E402
-import peers_dlrm  # noqa: E402
-
-from recgnn import hostmem, sharding  # noqa: E402
-from recgnn.train import setup as train_setup  # noqa: E402
+from recgnn import hostmem, sharding
+from recgnn.train import setup as train_setup
 
 PLANS = {
   "dense": "dense",
@@ -59,10 +53,10 @@ def batches(cfg, rows: int, args, seed: int = 0) -> list[dict]:
   n = args.warmup + args.steps * args.rounds
   out = peers_dlrm.make_batches(small, args.batch, n, args.zipf, seed=seed, same_hot_rows=True)
   spread = [np.sort(rng.choice(rows, args.hot, replace=False)) for _ in range(args.tables)]
-  names = dt.table_names(cfg)
+  names = dlrm_task.table_names(cfg.num_tables)
   host = []
   for b in out:
-    x = dt.to_recgnn_batch(b, names)
+    x = dlrm_task.to_batch(b, names)
     x["ids"] = {n: spread[i][ids].astype(np.int32) for i, (n, ids) in enumerate(x["ids"].items())}
     host.append(x)
   return host
@@ -74,12 +68,12 @@ class Config:
   def __init__(self, label: str, text: str, rows: int, args):
     self.label, self.rows, self.text = label, rows, text
     self.cfg = peers_dlrm.DlrmConfig(num_rows=rows, num_tables=args.tables)
-    config = dt.recgnn_config(self.cfg)
+    config = dlrm_task.config_of(self.cfg)
     config.embeddings.plan = [(".*", text)]
     mesh = sharding.make_mesh(1, 1)
     self.host = batches(self.cfg, rows, args)
     t0 = time.perf_counter()
-    task = dt.BenchCTR(config, self.cfg, mesh)
+    task = dlrm_task.task_of(config, self.cfg, mesh)
     self.run = train_setup.build(config, mesh=mesh, task=task, example=self.host[0])
     self.state = self.run.state
     self.build_s = time.perf_counter() - t0
@@ -134,8 +128,9 @@ def markdown(payload: dict) -> str:
     f"{a['cache']:,} rows)",
     "",
     f"`python benchmarks/tier_scaling.py {' '.join(payload['argv'])}`; "
-    f"load at start {payload['load_avg_at_start'][0]:.2f}, "
-    f"at end {payload['load_avg_at_end'][0]:.2f}; {a['rounds']} rounds of {a['steps']} steps "
+    f"load at start {payload['machine']['load_avg_at_start'][0]:.2f}, "
+    f"at end {payload['machine']['load_avg_at_end'][0]:.2f}; {a['rounds']} rounds of "
+    f"{a['steps']} steps "
     "interleaved, medians (min-max).",
     "",
   ]
@@ -157,7 +152,7 @@ def markdown(payload: dict) -> str:
       ]
     )
   lines.append(
-    common.md_table(
+    harness.md_table(
       [
         "backend",
         f"step ms {small:,}",
@@ -175,27 +170,20 @@ def markdown(payload: dict) -> str:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--rows", default="1000000,10000000", help="table sizes (rows per table)")
-  p.add_argument("--tables", type=int, default=2)
-  p.add_argument("--batch", type=int, default=2048)
+  p = harness.flags.parser(__doc__)
+  harness.flags.add_dlrm(p, tables=2, rows="1000000,10000000", dim=None)
   p.add_argument("--hot", type=int, default=200_000, help="rows the accesses are drawn over")
-  p.add_argument("--zipf", type=float, default=1.05)
   p.add_argument("--cache", type=int, default=20_000, help="offload's cache / hot_cold's rows")
-  p.add_argument("--warmup", type=int, default=24)
-  p.add_argument("--steps", type=int, default=10, help="timed steps per round")
-  p.add_argument("--rounds", type=int, default=3)
+  harness.flags.add_rounds(p, warmup=24, steps=10, rounds=3)
   p.add_argument("--backends", default=",".join(PLANS))
-  p.add_argument("--quick", action="store_true")
-  p.add_argument("--name", default=None)
+  harness.flags.add_output(p, "tier_scaling (--quick: tier_scaling_quick)")
   args = p.parse_args(argv)
-  argv = sys.argv[1:] if argv is None else list(argv)
   if args.quick:
     args.rows, args.hot, args.cache = "100000,1000000", 50_000, 8_000
     args.warmup, args.steps, args.rounds = 12, 4, 2
   args.name = args.name or ("tier_scaling_quick" if args.quick else "tier_scaling")
   hostmem.keep_freed_memory()
-  load0 = os.getloadavg()
+  payload = harness.record(args, argv)
   sizes = [int(x) for x in args.rows.split(",")]
   configs = []
   for label in args.backends.split(","):
@@ -225,18 +213,9 @@ def main(argv=None):
         f"{label}: step({big:,}) / step({small:,}) = {ratio[label]:.3f}, {v:.3f}x dense's "
         f"{ratio['dense']:.3f} ({ok} the 1.1x target)"
       )
-  payload = {
-    "argv": argv,
-    "args": vars(args),
-    "machine": common.machine_info(),
-    "load_avg_at_start": list(load0),
-    "load_avg_at_end": list(os.getloadavg()),
-    "rows": rows,
-    "ratio": ratio,
-    "vs_dense": vs_dense,
-    "must_show": must,
-  }
-  common.write_results(args.name, payload, markdown(payload))
+  payload["machine"]["load_avg_at_end"] = os.getloadavg()
+  payload.update(rows=rows, ratio=ratio, vs_dense=vs_dense, must_show=must)
+  harness.write_results(args.name, payload, markdown(payload))
 
 
 if __name__ == "__main__":

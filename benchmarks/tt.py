@@ -1,5 +1,8 @@
 """TT-Rec (`tt` backend): compression, kernel throughput, train-step cost and AUC vs dense.
 
+Question: how much does TT compress the tables, and what does it cost in step time and AUC
+against dense?
+
 Sections (`--sections`, default all):
   compression  embedding floats of the Kaggle DLRM (real cardinalities, dim 16) with TT on the
                7 largest tables, per rank, against all-dense: computed from the specs, nothing
@@ -58,24 +61,18 @@ The machine is shared and noisy: compare numbers within one run (ratios), never 
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import statistics
-import sys
 import time
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_ROOT))
-sys.path.insert(0, str(_ROOT / "benchmarks"))
-import common  # noqa: E402  (benchmarks/common.py)
-
-from recgnn import planner  # noqa: E402
-from recgnn.backends import tt  # noqa: E402
-from recgnn.embeddings import base  # noqa: E402
+from recgnn import planner
+from recgnn.backends import tt
+from recgnn.embeddings import base
 
 KAGGLE_RANKS = (8, 16, 32, 64)
 KERNELS = tt.KERNELS
@@ -139,7 +136,7 @@ def compression_md(res: dict) -> str:
 
 def zipf_ids(rng, num_rows, shape, exponent=1.1, order="frequency", perm_seed=0):
   """int32 ids with P(rank r) ~ (r + 1)^-exponent; `hashed` scatters ranks over the rows."""
-  ranks = common.zipf_ranks(rng, common.zipf_cdf(num_rows, exponent), shape)
+  ranks = harness.zipf_ranks(rng, harness.zipf_cdf(num_rows, exponent), shape)
   if order == "hashed":
     # An odd-multiplier bijection mod a power of two >= N, folded into [0, N).
     m = 1 << int(num_rows - 1).bit_length()
@@ -685,36 +682,27 @@ def nimble_md(res: dict) -> str:
 
 def nimble_plot(res: dict, path: pathlib.Path) -> None:
   """Test accuracy (bars) and train-step ms (dots) per variant."""
-  try:
-    import matplotlib
-  except ImportError:
-    print("matplotlib not installed: no PNG")
+  if not harness.can_plot():
     return
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   names = list(res["summary"])
   s = [res["summary"][n] for n in names]
-  fig, ax = plt.subplots(figsize=(10, 4.5))
-  x = np.arange(len(names))
-  acc = [v["mean_test_accuracy"] for v in s]
-  ax.bar(x, acc, yerr=[v["std"] for v in s], color=["#888" if v["compression"] == 1 else "#3a7"
-                                                   for v in s])  # fmt: skip
-  for i, v in enumerate(s):
-    ax.text(i, acc[i] + 0.005, f"{v['compression']:,.0f}x", ha="center", fontsize=8)
-  lo = min(acc) - 0.1
-  ax.set_ylim(max(0.0, lo), min(1.0, max(acc) + 0.05))
-  ax.set_xticks(x, [n.replace(",", "\n") for n in names], fontsize=8)
-  ax.set_ylabel("test accuracy (bars; label: compression)")
-  ax2 = ax.twinx()
-  ax2.plot(x, [v["step_ms"] for v in s], "ko", label="train step ms")
-  ax2.set_ylabel("train step ms (dots)")
-  ax2.set_ylim(0, max(v["step_ms"] for v in s) * 1.3)
-  r0 = res["runs"][0]
-  ax.set_title(f"{res['experiment']}: {r0['num_nodes']:,} nodes, TT vs full node embeddings")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  print(f"wrote {path}")
+  with harness.png(path, figsize=(10, 4.5), dpi=110) as (fig, ax):
+    x = np.arange(len(names))
+    acc = [v["mean_test_accuracy"] for v in s]
+    ax.bar(x, acc, yerr=[v["std"] for v in s], color=["#888" if v["compression"] == 1 else "#3a7"
+                                                     for v in s])  # fmt: skip
+    for i, v in enumerate(s):
+      ax.text(i, acc[i] + 0.005, f"{v['compression']:,.0f}x", ha="center", fontsize=8)
+    lo = min(acc) - 0.1
+    ax.set_ylim(max(0.0, lo), min(1.0, max(acc) + 0.05))
+    ax.set_xticks(x, [n.replace(",", "\n") for n in names], fontsize=8)
+    ax.set_ylabel("test accuracy (bars; label: compression)")
+    ax2 = ax.twinx()
+    ax2.plot(x, [v["step_ms"] for v in s], "ko", label="train step ms")
+    ax2.set_ylabel("train step ms (dots)")
+    ax2.set_ylim(0, max(v["step_ms"] for v in s) * 1.3)
+    r0 = res["runs"][0]
+    ax.set_title(f"{res['experiment']}: {r0['num_nodes']:,} nodes, TT vs full node embeddings")
 
 
 # ----------------------------------------------------------------------------- main
@@ -799,7 +787,7 @@ SECTIONS = {
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = harness.flags.parser(__doc__)
   p.add_argument("--sections", default="compression,kernels,train_step,quality")
   p.add_argument("--quick", action="store_true")
   p.add_argument("--ranks", default="8,16,32,64")
@@ -844,7 +832,7 @@ def main(argv=None):
     args.rows, args.batches, args.reps, args.steps = 1_000_000, 4, 3, 5
     args.step_batches, args.seeds, args.quality_steps = 3, [0], 50
     args.nimble_experiment, args.nimble_steps = "sage_tt_cora", 20
-  payload = {"machine": common.machine_info(), "args": vars(args)}
+  payload = {"machine": harness.machine_info(), "args": vars(args)}
   md = [f"## TT-Rec benchmarks\n\n`{payload['machine']['command']}`\n"]
   for s in args.sections.split(","):
     if s not in SECTIONS:
@@ -853,9 +841,9 @@ def main(argv=None):
     print(f"== {s}", flush=True)
     payload[s] = run(args)
     md.append(to_md(payload[s]))
-  common.write_results(args.name, payload, "\n".join(md))
+  harness.write_results(args.name, payload, "\n".join(md))
   if "nimble" in payload:
-    nimble_plot(payload["nimble"], common.RESULTS / f"{args.name}.png")
+    nimble_plot(payload["nimble"], harness.RESULTS / f"{args.name}.png")
 
 
 if __name__ == "__main__":

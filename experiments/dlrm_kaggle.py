@@ -20,7 +20,7 @@ def get_config(arg=None):
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # train.txt, or comma-separated day_N files (then split=last_file)
   # "memmap": the TSV converted once to .npy files read as memmaps (the faster path; see
-  # README "Data"). "tfds": a TFDS array_record build (criteo_kaggle from the folder holding
+  # docs/data.md). "tfds": a TFDS array_record build (criteo_kaggle from the folder holding
   # train.txt, criteo_terabyte from day_N files) read through grain; same batches.
   c.data.source = "memmap"
   c.data.tfds_dir = ""  # TFDS data_dir ("" = <cache_dir>/tfds)

@@ -8,7 +8,7 @@ within its table's bound; a message the codes cannot hold goes as f32 that step.
 
 Arg (optional): more options, e.g. `:headroom=0.5`, `:eb=1e-3` (a fixed bound), `:bwd_codec=none`,
 or `:widths=4, block=16`: 4-bit codes with block-wise steps (one header byte per 16 values:
-4.5 bits per value, 7.1x fewer bytes than f32; README, "Model-parallel tables").
+4.5 bits per value, 7.1x fewer bytes than f32; docs/backends/sharded.md).
 """
 
 from experiments import dlrm_sharded

@@ -4,7 +4,7 @@ single-device `dense`, under the trainer's run-ahead of `prepare`.
 A new backend adds its plan strings to EXACT (bit-identical to dense) or to its own test
 with a tolerance (compression) or its own reference (tt).
 
-On one accelerator (benchmarks/gpu_check.sh): meshes needing more devices than there are
+On one accelerator (tools/gpu_check.sh): meshes needing more devices than there are
 are skipped, naming the count (`contract.mesh_or_skip`); EXACT is bit-identical on CPU and,
 on a GPU, bit-identical until the first update and then within the summation-order bound of
 `contract.updated_tolerance()` (XLA:GPU sums duplicate ids in another order per buffer).

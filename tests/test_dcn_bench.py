@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.skipif(
   importlib.util.find_spec("torchrec") is None or importlib.util.find_spec("fbgemm_gpu") is None,
-  reason="needs the peers (benchmarks/install_peers.sh)",
+  reason="needs the peers (benchmarks/peers/install.sh)",
 )
 def test_dcnv2_recgnn_matches_torchrec_dlrm_dcn():
   # A subprocess: the benchmark puts benchmarks/ on sys.path, whose module names (data, tt,

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py's pieces that need no GPU: a stage's time limit, its result files,
+"""tools/gpu_check.py's pieces that need no GPU: a stage's time limit, its result files,
 merging a calibration into the package, the metrics it reads back."""
 
 import argparse
@@ -12,7 +12,7 @@ import time
 import pytest
 
 # Loaded from its file: benchmarks/ on sys.path would shadow names (data, tt, sampling).
-_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "gpu_check.py")
+_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "gpu_check.py")
 _spec = importlib.util.spec_from_file_location("gpu_check", _PATH)
 gpu_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_check)

@@ -26,6 +26,7 @@ from test_hot_cold import (
   planned_only,
 )
 
+from benchmarks.harness import dlrm_task
 from recgnn import hlo, planner, sharding
 from recgnn.backends.hot_cold import hot_set, micro
 from recgnn.embeddings import base, microbatch
@@ -118,50 +119,6 @@ def test_popular_micro_batch_does_not_depend_on_the_cold_rows(mesh_shape):
   assert any(module.ancestors(o) & set(host) for o in update)
 
 
-class _DlrmTask:
-  """A DLRM over the group's tables with weighted examples (the Task contract's loss), for
-  lowering the trainer's own step (recgnn.train.step.make_train_step)."""
-
-  def __new__(cls, specs, mesh):
-    import ml_collections
-    import optax
-
-    from recgnn.models.dlrm import DLRM
-    from recgnn.train.task import Task
-
-    class T(Task):
-      def __init__(self):
-        super().__init__(ml_collections.ConfigDict(), mesh)
-        self.model = DLRM(bottom=(16, 8), top=(16, 1))
-
-      def tables(self):
-        return specs
-
-      def init_params(self, key, batch, embeddings):
-        return self.model.init(key, batch["dense"], [embeddings[s.name] for s in specs])
-
-      def loss(self, params, batch, embeddings, key):
-        del key
-        logits = self.model.apply(params, batch["dense"], [embeddings[s.name] for s in specs])
-        w = batch["weight"]
-        ll = optax.sigmoid_binary_cross_entropy(logits, batch["label"])
-        return jnp.sum(ll * w) / jnp.maximum(jnp.sum(w), 1.0), {}
-
-      def predict(self, params, batch, embeddings):
-        raise NotImplementedError
-
-      def metrics(self, outputs):
-        raise NotImplementedError
-
-      def train_batches(self, start_step=0):
-        raise NotImplementedError
-
-      def eval_batches(self, split):
-        raise NotImplementedError
-
-    return T()
-
-
 def test_trainer_step_runs_the_popular_micro_batch_without_the_cold_rows():
   """The trainer's own step (DLRM, two micro-batches): no matmul of the popular micro-batch's
   forward or backward uses a cold row (the rows the batch brought from the host tables, the
@@ -177,7 +134,7 @@ def test_trainer_step_runs_the_popular_micro_batch_without_the_cold_rows():
   mesh = sharding.make_mesh(1, 1)
   group = planner.make_group("hot_cold(budget=0.3, profile_batches=2)", specs, mesh)
   plan = planner.Plan({group.name: group}, {s.name: group.name for s in specs}, mesh)
-  task = _DlrmTask(specs, mesh)
+  task = dlrm_task.dlrm(specs, mesh, bottom=(16, 8), top=(16, 1))
   batches = _batches(specs, n=4, batch=SPLIT_BATCH)
   rng = np.random.default_rng(0)
   batch = {

@@ -1,12 +1,13 @@
 """Imports flow one way and never in a circle (docs/architecture.md, "Layers and the direction
 of imports"): a static check of the source (no module is imported, no jax), over recgnn/,
-experiments/, run.py and benchmarks/. And no file in recgnn/ is over MAX_LINES lines (issue
+experiments/, run.py, benchmarks/ and tools/. And no file in recgnn/ is over MAX_LINES lines (issue
 41: a module is one concern; a long one is split by concern, not cut in half).
 
 Every `import` / `from ... import` counts, at any depth (a function-level import is the same
 dependency), and so does `import_module("literal")`; `from pkg import sub` ties to the
-submodule, `from pkg import name` to the package. A benchmark script's bare `import common`
-is benchmarks/common.py (the scripts run with their folder on sys.path)."""
+submodule, `from pkg import name` to the package. A benchmark script's bare `import harness`
+is benchmarks/harness/ (the scripts run with their folder on sys.path; tools/ put benchmarks/ there
+to import a benchmark's pieces)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,16 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCES = ("recgnn", "experiments", "benchmarks", "run.py")
-#: Folders whose modules import each other by bare name (scripts run from that folder).
-SCRIPT_FOLDERS = ("benchmarks",)
+SOURCES = ("recgnn", "experiments", "benchmarks", "tools", "run.py")
+#: Folders of scripts, and the folders their bare imports may name (the script's own folder is
+#: on sys.path; tools/ add benchmarks/).
+SCRIPT_FOLDERS = {"benchmarks": ("benchmarks",), "tools": ("tools", "benchmarks")}
 
 #: The layers, top first: a module may import its own layer or any layer below it, never one
 #: above. A layer is a tuple of prefixes; "recgnn.*" is recgnn's own single-file modules
 #: (sharding, comms, hlo, ...): every subpackage of recgnn must be listed by name.
 LAYERS: list[tuple[str, ...]] = [
-  ("benchmarks",),
+  ("benchmarks", "tools"),
   ("run",),
   ("experiments",),
   ("recgnn.tasks",),
@@ -67,8 +69,9 @@ def _resolve(name: str, importer: str, mods: dict) -> str | None:
   """The module of ours `name` refers to (the longest known prefix), or None (not ours)."""
   top = importer.split(".")[0]
   cands = [name]
-  if top in SCRIPT_FOLDERS and f"{top}.{name.split('.')[0]}" in mods:
-    cands.insert(0, f"{top}.{name}")
+  for folder in reversed(SCRIPT_FOLDERS.get(top, ())):
+    if f"{folder}.{name.split('.')[0]}" in mods:
+      cands.insert(0, f"{folder}.{name}")
   for cand in cands:
     while cand and cand not in mods:
       cand = cand.rpartition(".")[0]
@@ -216,7 +219,8 @@ def test_the_check_catches_a_cycle_and_an_upward_import(tmp_path):
   "mod,layer",
   [
     ("run", "run"),
-    ("benchmarks.common", "benchmarks"),
+    ("benchmarks.harness.env", "benchmarks"),
+    ("tools.gpu_check", "benchmarks"),
     ("recgnn.train.task", "recgnn.train"),
     ("recgnn.sharding", "recgnn.*"),
     ("recgnn", "recgnn.*"),

@@ -63,7 +63,7 @@ def skip_unless_devices(n: int, what: str = "") -> None:
 
 def skip_unless_deterministic() -> None:
   """Bit-identical reruns on a GPU need XLA's deterministic ops: its scatter-adds sum
-  duplicate ids with atomics, in a run-dependent order. benchmarks/gpu_check.sh sets
+  duplicate ids with atomics, in a run-dependent order. tools/gpu_check.sh sets
   XLA_FLAGS=--xla_gpu_deterministic_ops=true for its test stages; without it, skip."""
   if jax.default_backend() == "gpu" and "--xla_gpu_deterministic_ops=true" not in os.environ.get(
     "XLA_FLAGS", ""

@@ -1,7 +1,7 @@
 """XLA:CPU's collective deadlock on simulated devices, without recgnn: is waiting for each step
 before launching the next what avoids it?
 
-  python benchmarks/xla_cpu_deadlock.py [--runs=10] [--steps=3000] [--busy=2]
+  python tools/xla_cpu_deadlock.py [--runs=10] [--steps=3000] [--busy=2]
 
 Each run is a fresh process with 8 simulated CPU devices (async dispatch off, as
 recgnn.xla_env sets it) that launches a small jitted step (a matmul, the all-reduce of its
@@ -19,6 +19,7 @@ Writes benchmarks/results/xla_cpu_deadlock.{json,md}.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import functools
 import json
@@ -64,9 +65,12 @@ def _child(mode: str, steps: int) -> None:
 
 
 def main() -> None:
-  args = dict(a.lstrip("-").split("=", 1) for a in sys.argv[1:])
-  runs, steps = int(args.get("runs", 10)), int(args.get("steps", 3000))
-  busy = int(args.get("busy", 2))
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--runs", type=int, default=10, help="runs, the modes alternating")
+  ap.add_argument("--steps", type=int, default=3000, help="steps each run launches")
+  ap.add_argument("--busy", type=int, default=2, help="CPU-bound processes spinning meanwhile")
+  args = ap.parse_args()
+  runs, steps, busy = args.runs, args.steps, args.busy
   spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
   try:
     out = _runs(runs, steps)
@@ -108,7 +112,7 @@ def _write(out: list[dict], runs: int, steps: int, busy: int) -> None:
   lines = [
     f"# XLA:CPU collective deadlock, 8 simulated devices ({date})",
     "",
-    f"`python benchmarks/xla_cpu_deadlock.py --runs={runs} --steps={steps} --busy={busy}`: "
+    f"`python tools/xla_cpu_deadlock.py --runs={runs} --steps={steps} --busy={busy}`: "
     f"{steps} launches of a small 8-device step (all-reduce + all-gather, state donated) per "
     f"run, a fresh process per run (at nice +10), modes alternating, {busy} CPU-bound processes "
     f"beside them on {os.cpu_count()} CPUs. jax " + _jax_version() + ".",

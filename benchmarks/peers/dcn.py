@@ -30,11 +30,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import common
+import harness
 import numpy as np
-import peers_dlrm
 
 from recgnn.data import multihot
+
+from . import dlrm as peers_dlrm
 
 PEERS = ("torchrec",)  # plain PyTorch has no DCN reference to mirror; TorchRec's is MLPerf's
 versions = peers_dlrm.versions
@@ -107,7 +108,7 @@ def make_batches(cfg: DcnConfig, batch: int, n: int, zipf: float, seed: int):
   out = []
   for _ in range(n):
     ids = tuple(
-      recipe.expand(t, common.zipf_ids(rng, rows, (batch,), zipf), rows).astype(np.int64)
+      recipe.expand(t, harness.zipf_ids(rng, rows, (batch,), zipf), rows).astype(np.int64)
       for t, rows in enumerate(cfg.rows)
     )
     dense = rng.normal(size=(batch, cfg.num_dense)).astype(np.float32)

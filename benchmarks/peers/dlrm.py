@@ -23,7 +23,7 @@ Peers:
 
 `available()` says which peers import here; `train_throughput(name, ...)` builds one, trains
 it on the given batches and returns samples/s (median over timed repetitions after warmup).
-The peer stack is installed by `benchmarks/install_peers.sh` (see benchmarks/README.md).
+The peer stack is installed by `benchmarks/peers/install.sh` (see benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import common
+import harness
 import numpy as np
 
 PEERS = ("torchrec", "pytorch")
@@ -134,7 +134,7 @@ def make_batches(
   out = []
   for _ in range(n):
     ids = np.stack(
-      [common.zipf_ids(rng, rows, (batch,), zipf, perm=p) for rows, p in zip(cfg.rows, perms)],
+      [harness.zipf_ids(rng, rows, (batch,), zipf, perm=p) for rows, p in zip(cfg.rows, perms)],
       axis=1,
     )
     dense = rng.normal(size=(batch, cfg.num_dense)).astype(np.float32)
@@ -255,7 +255,7 @@ def _build_pytorch(cfg: DlrmConfig, seed: int):
 def build_pytorch_on(
   cfg: DlrmConfig, device: str, seed: int = 0, compiled: bool = False, bf16: bool = False
 ):
-  """The `pytorch` peer on `device` ("cuda" / "cpu") for benchmarks/gpu_check.py's perf stage:
+  """The `pytorch` peer on `device` ("cuda" / "cpu") for tools/gpu_check.py's perf stage:
   the same model (one `nn.EmbeddingBag(mode="sum", sparse=True)` per table, the reference
   MLPs, dot interaction, SGD with sparse row gradients for the tables), its batches kept in
   pinned host memory and copied to the device inside each step (as recgnn's step receives

@@ -6,7 +6,7 @@
 # build), so torchrec and fbgemm-gpu-cpu must go in with --no-deps; every other step pins
 # torch through a constraints file so pip never swaps the local CPU build for a CUDA one.
 #
-# Usage: bash benchmarks/install_peers.sh [WHEEL_DIR]
+# Usage: bash benchmarks/peers/install.sh [WHEEL_DIR]
 #   WHEEL_DIR: prebuilt torch-scatter / torch-sparse wheels (default /work/shared/peers/wheels).
 set -euo pipefail
 

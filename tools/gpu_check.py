@@ -1,11 +1,11 @@
 """The GPU check (issue 29): stages that each end within a device command's 10 minutes and
-write their results under --out as they finish. Run it through benchmarks/gpu_check.sh.
+write their results under --out as they finish. Run it through tools/gpu_check.sh.
 
-  bash benchmarks/gpu_check.sh --stage=env --out=DIR             one stage (on a lent GPU
+  bash tools/gpu_check.sh --stage=env --out=DIR             one stage (on a lent GPU
                                                                  machine: --out=$OUT)
-  bash benchmarks/gpu_check.sh --stage=env,contract --out=DIR    several, in this order
-  bash benchmarks/gpu_check.sh --stage=all --out=DIR             every stage
-  bash benchmarks/gpu_check.sh --allow-cpu --stage=S --out=DIR   CPU test mode (small sizes)
+  bash tools/gpu_check.sh --stage=env,contract --out=DIR    several, in this order
+  bash tools/gpu_check.sh --stage=all --out=DIR             every stage
+  bash tools/gpu_check.sh --allow-cpu --stage=S --out=DIR   CPU test mode (small sizes)
 
 Stages (benchmarks/GPU.md: the commands in order, their times, where results go):
   env        install what the image lacks from the carried wheels only (pip --no-deps
@@ -22,13 +22,13 @@ Stages (benchmarks/GPU.md: the commands in order, their times, where results go)
   perf       issue 43: dlrm_kaggle (dense) at batch 2048 (k = 1, and 8 where the tree has
              train.steps_per_call) and 65536, f32 and bf16, steady samples/s; 5 traced steps
              of the 2048 f32 and 65536 bf16 runs (GPU-busy fraction, gaps); the PyTorch peer
-             (benchmarks/peers_dlrm.build_pytorch_on: eager, torch.compile, bf16 autocast) on
+             (benchmarks/peers/dlrm.build_pytorch_on: eager, torch.compile, bf16 autocast) on
              the same batches; the issue's targets checked (`checks`)
 
 Every stage writes DIR/STAGE.json, DIR/STAGE.md and DIR/STAGE.log (trimmed), plus: trace
 DIR/trace_EXPERIMENT.trace.json.gz (the Perfetto trace, trimmed to the device's and the
 steps' events if large); calibrate's fit is merged into the package with `python
-benchmarks/gpu_check.py merge-tt-cost DIR/calibrate.json`. Each stage has a budget
+tools/gpu_check.py merge-tt-cost DIR/calibrate.json`. Each stage has a budget
 (default 510 s; its subprocesses' limits are cut from what is left, SIGTERM first) and also
 installs what is missing, so any stage runs on a fresh machine. Exit status: 0 when every
 stage passed (or no GPU without --allow-cpu), 1 when one failed (its files still written),
@@ -36,7 +36,7 @@ stage passed (or no GPU without --allow-cpu), 1 when one failed (its files still
 
 Also: `detect` (device JSON; exit 3 without a GPU), `merge-tt-cost FILE`, `report DIR`
 (one summary.md from a results folder), and the pytest plugin `-p gpu_check` (with
-benchmarks/ on PYTHONPATH): per-test progress lines a killed run still leaves, and a mesh
+tools/ on PYTHONPATH): per-test progress lines a killed run still leaves, and a mesh
 that needs more devices than exist reported as skipped.
 
 Nothing here imports jax or the project at module level: the stages run before the install.
@@ -68,6 +68,24 @@ TRACED = ("cdlrm_kaggle", "hotline_kaggle")
 TIERS = ("dlrm_kaggle", "cdlrm_kaggle", "hotline_kaggle")
 # Its second setting: XLA:GPU's CUDA graphs off (the H100 trace updated them every step).
 NO_COMMAND_BUFFER = "--xla_gpu_enable_command_buffer="
+
+
+def _tree_on_path() -> None:
+  """This checkout's recgnn, run.py and experiments importable (before any installed copy):
+  the stages run before (or without) the editable install."""
+  if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _benchmarks_on_path() -> None:
+  """benchmarks/'s modules (tt.py, the peers) importable by their bare names, as the scripts
+  import each other (their harness puts the tree on the path)."""
+  _tree_on_path()
+  bench = os.path.join(ROOT, "benchmarks")
+  if bench not in sys.path:
+    sys.path.insert(0, bench)
+
+
 # A device command may run 10 minutes, machine start and file transfers not counted: a stage
 # must end by 9; 510 s leaves a minute for pytest / run.py to answer SIGTERM and for writing.
 STAGE_SECONDS = float(os.environ.get("RECGNN_GPU_CHECK_STAGE_SECONDS", "510"))
@@ -674,7 +692,7 @@ def _pytest_stage(ctx: Ctx, st: Stage, path: str, cpu_k: str) -> str:
   env = {
     "RECGNN_GPU_CHECK_PROGRESS": progress,
     "RECGNN_GPU_CHECK_EXPECT_PLATFORM": "gpu" if ctx.mode == "gpu" else "cpu",
-    "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "benchmarks"), ctx.env["PYTHONPATH"]]),
+    "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tools"), ctx.env["PYTHONPATH"]]),
   }
   if ctx.mode == "gpu":
     # Bit-identical reruns (resume == uninterrupted) need deterministic scatters on a GPU;
@@ -933,7 +951,7 @@ def _traced_run(
   """One experiment run with the profiler on steps s["profile"] and the train step's HLO
   dumped (which XLA ops are the host exchange, where there is one): its result with the
   trace's summary (recgnn.trace_summary) and the trace returned under $OUT (trimmed)."""
-  sys.path.insert(0, ROOT)
+  _tree_on_path()
   from recgnn import trace_summary  # stdlib only: importable before jax
 
   prof = tuple(int(x) for x in s["profile"].split(":"))
@@ -961,7 +979,7 @@ def _traced_run(
 
 
 def stage_trace(ctx: Ctx, st: Stage) -> str:
-  sys.path.insert(0, ROOT)
+  _tree_on_path()
   from recgnn import trace_summary  # stdlib only: importable before jax
 
   s = sizes(ctx, traced=True)
@@ -1125,7 +1143,7 @@ def stage_perf(ctx: Ctx, st: Stage) -> str:
   """dlrm_kaggle's throughput at two batches, f32 and bf16 (and k steps per call where the
   tree has train.steps_per_call), two of them traced (5 steps, recgnn.trace_summary: the
   GPU-busy fraction and gaps), and the PyTorch peer on the same batches."""
-  sys.path.insert(0, ROOT)
+  _tree_on_path()
   from recgnn import trace_summary  # stdlib only
 
   s = perf_sizes(ctx)
@@ -1288,9 +1306,8 @@ def perf_torch(args) -> int:
     print(out["skipped"], flush=True)
     save()
     return 0
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  sys.path.insert(0, ROOT)
-  import peers_dlrm
+  _benchmarks_on_path()
+  from peers import dlrm as peers_dlrm
 
   from experiments import dlrm_kaggle
   from recgnn.tasks import ctr
@@ -1345,7 +1362,7 @@ CALIBRATE_EXTRA = [(8, 2, 32, 2, 32, 16), (16, 4, 32, 4, 1, 64), (64, 2, 32, 2, 
 
 def calibrate_run(out: str, reps: int, steps: int) -> int:
   """(In the stage's subprocess.) Time benchmarks/tt.py's levels here; fit; write JSON."""
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  _benchmarks_on_path()
   import jax
   import tt as tt_bench  # benchmarks/tt.py
 
@@ -1418,7 +1435,7 @@ def stage_calibrate(ctx: Ctx, st: Stage) -> str:
     f"model this platform uses now (`{res['current_platform']}`) at {res['agree_current']}; "
     f"XLA:CPU's at {res['agree_cpu_model']}.",
     "",
-    "Use it on this platform: `python benchmarks/gpu_check.py merge-tt-cost calibrate.json` "
+    "Use it on this platform: `python tools/gpu_check.py merge-tt-cost calibrate.json` "
     "(into recgnn/backends/tt/tt_cost.json), then commit.",
     "",
     "| P_(k-1) | a | d x r_k | P_k | S_k | batched ms | pairs ms | faster |",

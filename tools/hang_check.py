@@ -1,6 +1,6 @@
 """Back-to-back runs of the README's 8-device example under CPU load: does any of them hang?
 
-  python benchmarks/hang_check.py [--runs=20] [--busy=2] [--steps=400] [--timeout=900]
+  python tools/hang_check.py [--runs=20] [--busy=2] [--steps=400] [--timeout=900]
 
 Runs `XLA_FLAGS=--xla_force_host_platform_device_count=8 python run.py
 --experiment=dlrm_kaggle --config.mesh.data=8 --config.train.steps=STEPS` RUNS times, one
@@ -114,7 +114,7 @@ def _write(runs):
     f"`{meta['command']}`, {len(runs)} times in a row, while {meta['busy_processes']} "
     f"CPU-bound processes (`while True: pass`) ran on the {meta['cpus']} CPUs; a run still "
     f"going after {meta['timeout_s']} s counts as hung. Command: `python "
-    f"benchmarks/hang_check.py --runs={len(runs)} --busy={meta['busy_processes']} "
+    f"tools/hang_check.py --runs={len(runs)} --busy={meta['busy_processes']} "
     f"--steps={_STEPS.value}`.",
     "",
     f"**Hung: {hung} of {len(runs)}**; other failures: {failed}; wall time per run "

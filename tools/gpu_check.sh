@@ -2,9 +2,9 @@
 # GPU check (issue 29): stages that each end within 9 minutes and write their results under
 # --out as they finish (one device command per stage on a lent GPU machine: benchmarks/GPU.md).
 #
-#   bash benchmarks/gpu_check.sh --stage=env --out=DIR           # install + environment report
-#   bash benchmarks/gpu_check.sh --stage=contract --out=DIR      # one stage (or a,b,c / all)
-#   bash benchmarks/gpu_check.sh --allow-cpu --stage=train --out=DIR   # CPU test mode
+#   bash tools/gpu_check.sh --stage=env --out=DIR           # install + environment report
+#   bash tools/gpu_check.sh --stage=contract --out=DIR      # one stage (or a,b,c / all)
+#   bash tools/gpu_check.sh --allow-cpu --stage=train --out=DIR   # CPU test mode
 #
 # Stages: env contract trainer train trace calibrate tiers perf (or all). Each writes
 # DIR/STAGE.json, DIR/STAGE.md, DIR/STAGE.log; trace and tiers also
@@ -15,7 +15,7 @@
 # on CPU at small sizes, instead of exiting 0), --wheels=DIR (the carried wheels; default
 # .gpu-wheels/ in the checkout, else shared/gpu-wheels), --work=DIR, --experiments=A,B.
 # Environment: PYTHON (interpreter, default python3), RECGNN_GPU_CHECK_STAGE_SECONDS (a
-# stage's budget, default 510). Details: benchmarks/gpu_check.py's docstring.
+# stage's budget, default 510). Details: tools/gpu_check.py's docstring.
 #
 # Exit status: 0 when every stage run passed (or no GPU and no --allow-cpu), 1 when one
 # failed (its files are still written), 2 on bad usage.
@@ -41,4 +41,4 @@ fi
 # install; .gpu-site holds wheels installed with --target where site-packages refuse them.
 export PYTHONPATH="$ROOT${ROOT:+:$ROOT/.gpu-site}${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
-exec "$PY" "$ROOT/benchmarks/gpu_check.py" stage "${args[@]}"
+exec "$PY" "$ROOT/tools/gpu_check.py" stage "${args[@]}"
