@@ -6,7 +6,7 @@ writes metrics, TensorBoard scalars, results and the config. Orbax saves checkpo
 all processes together (each writes the shards it holds).
 
 On CPU, collectives between processes go over gloo (TCP): the same code runs two processes
-on one machine, e.g. 2 processes x 4 simulated devices = an 8-device mesh (README).
+on one machine, e.g. 2 processes x 4 simulated devices = an 8-device mesh (docs/multi-device.md).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ still launched asynchronously (a collective launch waits on the previous one), a
 runs still hung when a step was launched while the previous one ran (k devices in the
 all-gather, the others' launches blocked on the in-flight slot held by their part of the
 previous step, which never started). `sharding.OneInFlight` launches one multi-device step
-at a time on CPU devices; with it, no hang in repeated runs (benchmarks/hang_check.py).
+at a time on CPU devices; with it, no hang in repeated runs (tools/hang_check.py).
 """
 
 from __future__ import annotations

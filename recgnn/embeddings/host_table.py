@@ -6,7 +6,7 @@ numpy tables off the step: recgnn/embeddings/host_tier.py): on the one GPU measu
 host call made the launch wait and XLA:GPU copied the host arrays whole. What is left serves
 the readers of host traffic in a program (tests of `recgnn.comms.host_link_of` and
 `recgnn.step_model`, which must still see such traffic where a program has it) and
-benchmarks/gpu_check.py's probe of a platform's pinned host memory. Both are bare XLA
+tools/gpu_check.py's probe of a platform's pinned host memory. Both are bare XLA
 gathers / scatters: jnp's index normalisation would add device-memory constants, which
 compute_on("device_host") rejects.
 """

@@ -18,7 +18,7 @@ CPU devices one multi-device step runs at a time (`sharding.OneInFlight`, in
 the 8th device's launch blocked on its one in-flight slot, held by its part of the previous
 step, which never started). Moving the transfers off the input thread (a put had been made
 during each hung launch) was not enough: a run still hung with the put on the main thread;
-launching each step after the previous one finished was (issue 30; README "Many devices").
+launching each step after the previous one finished was (issue 30; docs/multi-device.md).
 """
 
 from __future__ import annotations
