@@ -147,8 +147,10 @@ class _Probe:
 
 def measure_loop(name: str, args, count: bool) -> dict:
   """The trainer's loop over the no-work step: samples/s, main-thread CPU (or calls)."""
+  import jax
   import jax.numpy as jnp
 
+  from recgnn.embeddings import base
   from recgnn.train import checkpoint as ckpt_lib
   from recgnn.train import loop
   from recgnn.train import setup as train_setup
@@ -159,9 +161,25 @@ def measure_loop(name: str, args, count: bool) -> dict:
   calls = (args.warmup + args.steady) // k
   probes = []
 
-  def nowork(state, prepared, batch, *extra):
-    del prepared, batch, extra
-    return state.replace(step=state.step + 1), {"loss": jnp.zeros((), jnp.float32)}
+  def nowork_for(plan):
+    """The no-work step of `plan`'s signature. A host tier's group (offload, hot_cold) still
+    runs its update, on zero gradients (its values stay as they are): the rows it hands the
+    host writer (evicted / cold rows) are part of the host path, and the input thread's
+    `prepare` waits for the write-backs of the steps before it."""
+    host = {k: g for k, g in plan.groups.items() if g.capabilities.writes_host}
+
+    def nowork(state, prepared, batch, *extra):
+      del batch, extra
+      emb, to_host = dict(state.emb), {}
+      for key, group in host.items():
+        pooled, residuals = group.lookup(state.emb[key], prepared[key])
+        zeros = jax.tree.map(jnp.zeros_like, pooled)
+        updated = group.update(state.emb[key], prepared[key], residuals, zeros)
+        emb[key], to_host[key] = base.split_to_host(updated)
+      out = (state.replace(step=state.step + 1, emb=emb), {"loss": jnp.zeros((), jnp.float32)})
+      return (*out, to_host) if host else out
+
+    return nowork
 
   real_jit_steps = train_setup.jit_steps
 
@@ -170,7 +188,9 @@ def measure_loop(name: str, args, count: bool) -> dict:
     # The same signature, shardings and donation as the real step (k > 1: the same scan
     # over the call's stacked batches, of a body that does nothing).
     stacked = {"stacked": k} if k > 1 else {}  # (a tree before k steps per call: k = 1)
-    fake = step_lib.jit_packed(nowork, plan, shardings, True, True, "train_step", **stacked)
+    fake = step_lib.jit_packed(
+      nowork_for(plan), plan, shardings, True, True, "train_step", **stacked
+    )
     probes.append(_Probe(fake, args.warmup // k, args.steady // k, count))
     return probes[-1], evaluate
 
