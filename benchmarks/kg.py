@@ -331,7 +331,7 @@ def _step_fns(task, batch):
   )
   b = jax.device_put({k: v for k, v in batch.items() if k != "ids"})
   params = task.init_params(jax.random.key(0), b, {lp.TABLE: rows})
-  enc = jax.jit(lambda p, r, b: task._encode(p, b, r, True, jax.random.key(1)))
+  enc = jax.jit(lambda p, r, b: task.losses.encode(p, b, r, True, jax.random.key(1)))
   grad = jax.jit(
     jax.grad(lambda p, r, b: task.loss(p, b, {lp.TABLE: r}, jax.random.key(1))[0], argnums=(0, 1))
   )
@@ -481,7 +481,7 @@ def _step_edges(task, step: int) -> int:
   if task.parallel:
     return sum(edges(*x) for x in task.parallel_schedule(epoch)[within] if x is not None)
   if task.partitions:
-    return edges(*task._partition_schedule(epoch)[within])
+    return edges(*task.batches.partition_schedule(epoch)[within])
   return min(B, len(task.train_triples) - within * B)
 
 

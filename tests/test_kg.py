@@ -193,7 +193,7 @@ def test_filtered_ranks_equal_numpy_bruteforce(tmp_path, decoder, reciprocal):
     rel_table = rel_table - np.pi
   true = {tuple(x) for s in kg_lib.SPLITS for x in g.splits[s]}
   R = g.num_base_relations
-  gamma, p = task._gamma_p()
+  gamma, p = task.options.gamma, task.options.p
   want = []
   for side in (0, 1):
     for h, r, t in g.splits["test"]:
@@ -368,7 +368,7 @@ def test_parallel_partitions_loss_is_the_serial_average(tmp_path):
   cfg.partition.parallel = 3  # 4 partitions on 3 slots: slot 0 takes partitions 0 and 3
   task = make_task(lp.LinkPrediction, cfg)
   assert task.parallel == 3 and task.shard_batch
-  slots = task._slot_batches()
+  slots = task.batches.slot_batches()
   assert [sorted({p for p, _ in s}) for s in slots] == [[0, 3], [1], [2]]
   assert task.steps_per_epoch() == max(map(len, slots))
   sched = task.parallel_schedule(0)

@@ -12,8 +12,9 @@ import numpy as np
 import optax
 
 from recgnn import sharding
-from recgnn.models import kge
-from recgnn.tasks.link_prediction.options import TABLE
+from recgnn.data import kg as kg_lib
+from recgnn.models import kge, rgcn
+from recgnn.tasks.link_prediction.options import TABLE, LinkPredictionOptions
 
 
 def rank_metrics(ranks: np.ndarray, side: np.ndarray | None = None) -> dict[str, float]:
@@ -31,10 +32,34 @@ def rank_metrics(ranks: np.ndarray, side: np.ndarray | None = None) -> dict[str,
 
 
 class Losses:
-  """Mixin of `LinkPrediction` (task.py): params, losses and eval outputs over the state its
-  __init__ sets (decoder, relations, encoder, scoring, regularizer, mesh, kg)."""
+  """The model side of the task: the relation embeddings and the optional R-GCN encoder
+  (Flax modules built here from the options), the training losses and eval's filtered ranks;
+  pure and jit-able, reading the options, the KG's sizes and the mesh it is handed."""
 
-  def _encode(self, params, batch, rows, train: bool, key=None):
+  def __init__(self, options: LinkPredictionOptions, kg: kg_lib.KG, mesh: jax.sharding.Mesh):
+    o = options
+    self.options = options
+    self.mesh = mesh
+    self.num_entities = kg.num_entities
+    self.reciprocal = kg.reciprocal
+    self.num_base_relations = kg.num_base_relations
+    self.relations = kge.Relations(
+      kg.num_relations, kge.relation_dim(o.decoder, o.dim), o.decoder, o.relation_init
+    )
+    self.encoder = None
+    if o.encoder == "rgcn":
+      self.encoder = rgcn.RGCN(
+        num_relations=kg.num_relations if kg.reciprocal else 2 * kg.num_relations,
+        dim=o.dim,
+        num_bases=o.rgcn_bases,
+        num_layers=o.rgcn_layers,
+        dropout=o.rgcn_dropout,
+        edge_dropout=o.rgcn_edge_dropout,
+      )
+
+  def encode(self, params, batch, rows, train: bool, key=None):
+    """rows f32[M, D] -> the encoder's f32[M, D] over the batch's graph (rows as they are
+    without an encoder)."""
     if self.encoder is None:
       return rows
     graph = {"src": batch["src"], "dst": batch["dst"], "rel": batch["erel"], "norm": batch["enorm"]}
@@ -66,49 +91,45 @@ class Losses:
       params["encoder"] = self.encoder.init(k2, embeddings[TABLE], graph, False)["params"]
     return params
 
-  def _gamma_p(self):
-    m = self.config.model
-    return float(m.get("gamma", 0.0)), int(m.get("p", 1))
-
   def loss(self, params, batch, embeddings, key):
     if self._stacked(batch):
       return self._parallel_loss(params, batch, embeddings[TABLE], key)
     k_enc, k_drop = jax.random.split(key)
-    rows = self._encode(params, batch, embeddings[TABLE], True, k_enc)
+    rows = self.encode(params, batch, embeddings[TABLE], True, k_enc)
     if "cnt" in batch:
       return self._grouped_loss(params, batch, rows, k_drop)
     h = jnp.take(rows, batch["h"], axis=0)
     t = jnp.take(rows, batch["t"], axis=0)
     r = self._rel(params, batch["rel"])
-    rate = float(self.config.model.get("dropout", 0.0))
+    rate = self.options.dropout
     hd = h
     if rate > 0:
       keep = jax.random.bernoulli(k_drop, 1 - rate, h.shape)
       hd = jnp.where(keep, h / (1 - rate), 0.0)
-    gamma, p = self._gamma_p()
-    if self.scoring == "1vsall":
-      scores = kge.score_all(self.decoder, hd, r, rows, "tail", gamma, p)  # [B, M]
+    gamma, p = self.options.gamma, self.options.p
+    if self.options.scoring == "1vsall":
+      scores = kge.score_all(self.options.decoder, hd, r, rows, "tail", gamma, p)  # [B, M]
       if "cand_mask" in batch:
         scores = jnp.where(batch["cand_mask"][None] > 0, scores, -1e30)
       ce = optax.softmax_cross_entropy_with_integer_labels(scores, batch["t"])
     else:
       neg = jnp.take(rows, batch["neg"], axis=0)  # [B, K, D], or [K, D] shared
-      pos = kge.score(self.decoder, hd, r, t, gamma, p)
+      pos = kge.score(self.options.decoder, hd, r, t, gamma, p)
       if batch["neg"].ndim == 1:
-        negs = kge.score_all(self.decoder, hd, r, neg, "tail", gamma, p)
+        negs = kge.score_all(self.options.decoder, hd, r, neg, "tail", gamma, p)
       else:
-        negs = kge.score(self.decoder, hd[:, None], r[:, None], neg, gamma, p)
+        negs = kge.score(self.options.decoder, hd[:, None], r[:, None], neg, gamma, p)
       logits = jnp.concatenate([pos[:, None], negs], 1)
       ce = -jax.nn.log_softmax(logits, axis=-1)[:, 0]
     w = batch["weight"]
     denom = jnp.maximum(w.sum(), 1.0)
     loss = jnp.sum(ce * w) / denom
     aux = {"ce": loss}
-    lam = float(self.config.model.get("reg_weight", 0.0))
-    if self.regularizer != "none" and lam > 0:
+    lam = self.options.reg_weight
+    if self.options.regularizer != "none" and lam > 0:
       wv = w[:, None]
-      if self.regularizer == "n3":
-        pairs = self.decoder in ("complex", "rotate")
+      if self.options.regularizer == "n3":
+        pairs = self.options.decoder in ("complex", "rotate")
         reg = kge.n3(h * wv, r * wv, t * wv, complex_pairs=pairs) / denom
       else:
         reg = (jnp.sum((h * wv) ** 2) + jnp.sum((r * wv) ** 2) + jnp.sum((t * wv) ** 2)) / denom
@@ -152,7 +173,7 @@ class Losses:
     return jnp.sum(loss) / total, jax.tree.map(lambda a: jnp.sum(a) / total, aux)
 
   def _dropout(self, x, key):
-    rate = float(self.config.model.get("dropout", 0.0))
+    rate = self.options.dropout
     if rate <= 0:
       return x
     keep = jax.random.bernoulli(key, 1 - rate, x.shape)
@@ -162,8 +183,8 @@ class Losses:
     """Sum over the batch's triples of CE_t = logsumexp(scores) - score_t, / #triples."""
     h = jnp.take(rows, batch["h"], axis=0)
     r = self._rel(params, batch["rel"])
-    gamma, p = self._gamma_p()
-    scores = kge.score_all(self.decoder, self._dropout(h, key), r, rows, "tail", gamma, p)
+    gamma, p = self.options.gamma, self.options.p
+    scores = kge.score_all(self.options.decoder, self._dropout(h, key), r, rows, "tail", gamma, p)
     cnt = batch["cnt"]
     lse = jax.nn.logsumexp(scores, axis=1)
     valid = batch["lab_q"] < scores.shape[0]
@@ -171,15 +192,15 @@ class Losses:
     total = jnp.maximum(cnt.sum(), 1.0)
     loss = (jnp.sum(cnt * lse) - jnp.sum(jnp.where(valid, pos, 0.0))) / total
     aux = {"ce": loss}
-    lam = float(self.config.model.get("reg_weight", 0.0))
-    if self.regularizer != "none" and lam > 0:
+    lam = self.options.reg_weight
+    if self.options.regularizer != "none" and lam > 0:
       # Each triple's h, r and t count once: h and r weighted by the answers per query, every
       # entity row by how often it is an answer in the batch (t_cnt). Gathering the label_cap
       # answer rows instead cost 2/3 of the step (its gradient a [label_cap, D] scatter-add).
       c = cnt[:, None]
       tc = batch["t_cnt"][:, None]
-      if self.regularizer == "n3":
-        pairs = self.decoder in ("complex", "rotate")
+      if self.options.regularizer == "n3":
+        pairs = self.options.decoder in ("complex", "rotate")
         third = 1 / 3  # |c^(1/3) x|^3 = c |x|^3, complex moduli too
         reg = kge.n3(h * c**third, r * c**third, rows * tc**third, complex_pairs=pairs) / total
       else:
@@ -190,24 +211,24 @@ class Losses:
 
   def predict(self, params, batch, embeddings):
     rows = embeddings[TABLE]
-    if self.parallel:
+    if self.options.parallel:
       # Rows come split over the devices (ids are batch-major in these runs): gather them
       # once (N x D floats) so that the whole-graph encoder runs on replicated rows rather
       # than XLA partitioning its gathers. The padding rows are no candidates.
       rows = sharding.replicate(rows, self.mesh)
-    rows = self._encode(params, batch, rows, False)[: self.kg.num_entities]
+    rows = self.encode(params, batch, rows, False)[: self.num_entities]
     q = jnp.take(rows, batch["anchor"], axis=0)
-    gamma, p = self._gamma_p()
-    if self.kg.reciprocal:
+    gamma, p = self.options.gamma, self.options.p
+    if self.reciprocal:
       scores = kge.score_all(
-        self.decoder, q, self._rel(params, batch["rel"]), rows, "tail", gamma, p
+        self.options.decoder, q, self._rel(params, batch["rel"]), rows, "tail", gamma, p
       )
     else:
-      R = self.kg.num_base_relations
+      R = self.num_base_relations
       base_rel = jnp.where(batch["side"] == 1, batch["rel"] - R, batch["rel"])
       r = self._rel(params, base_rel)
-      tail = kge.score_all(self.decoder, q, r, rows, "tail", gamma, p)
-      head = kge.score_all(self.decoder, q, r, rows, "head", gamma, p)
+      tail = kge.score_all(self.options.decoder, q, r, rows, "tail", gamma, p)
+      head = kge.score_all(self.options.decoder, q, r, rows, "head", gamma, p)
       scores = jnp.where(batch["side"][:, None] == 1, head, tail)
     B = scores.shape[0]
     target = jnp.take_along_axis(scores, batch["target"][:, None], axis=1)
