@@ -118,7 +118,8 @@ def source_stats(paths: Sequence[str]) -> list[dict[str, Any]]:
   return out
 
 
-def _head_sha256(path: str) -> str:
+def head_sha256(path: str) -> str:
+  """sha256 of a file's first HEAD_BYTES (what a manifest records beside its size)."""
   with open(path, "rb") as f:
     return hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
 
@@ -128,26 +129,27 @@ def file_records(path: str) -> dict[str, dict[str, Any]]:
   records at conversion and `check_files` compares before the arrays are read."""
   return {
     name: {"bytes": os.path.getsize(os.path.join(path, name)),
-           "head_sha256": _head_sha256(os.path.join(path, name))}
+           "head_sha256": head_sha256(os.path.join(path, name))}
     for name in ARRAYS
   }  # fmt: skip
 
 
-def check_files(path: str, manifest: dict[str, Any]) -> str | None:
+def check_files(path: str, manifest: dict[str, Any], names: Sequence[str] = ARRAYS) -> str | None:
   """None if every array of the cache at `path` has the bytes and head checksum its manifest
   recorded, else what differs (a truncated copy, a half-written file, another cache's array:
-  never read as data). O(arrays): a stat and 64 KiB read each."""
+  never read as data). O(arrays): a stat and 64 KiB read each. names: the files to check
+  (default: a CTR cache's arrays; offload's row files pass theirs)."""
   want = manifest.get("files")
   if not isinstance(want, dict):
     return "its manifest records no array sizes (written before they were checked)"
-  for name in ARRAYS:
+  for name in names:
     f = os.path.join(path, name)
     if not os.path.isfile(f):
       return f"{f} is missing"
     size, rec = os.path.getsize(f), want.get(name, {})
     if size != rec.get("bytes"):
       return f"{f} has {size:,} bytes where its manifest records {rec.get('bytes', 0):,}"
-    if _head_sha256(f) != rec.get("head_sha256"):
+    if head_sha256(f) != rec.get("head_sha256"):
       return f"{f}'s first bytes differ from what its manifest records (another file?)"
   return None
 

@@ -96,7 +96,11 @@ class OffloadGroup(base.TableGroup):
     # The host tier: the tables' rows in host RAM, what each step loads and writes back, and
     # the device ring's bookkeeping (`HostSide`, recgnn.embeddings.host_tier).
     self._tier = HostSide(
-      f"offload (tables {', '.join(self.members)})", self._stacks, self.specs, self._index
+      f"offload (tables {', '.join(self.members)})",
+      self._stacks,
+      self.specs,
+      self._index,
+      next(iter(self.members.values())).options if self.members else None,
     )
 
   # -- state: one cache array per stack; the planners' arrays as slices of flat ones
@@ -344,7 +348,10 @@ class OffloadGroup(base.TableGroup):
       if train:
         self._admitted = None  # the numpy planners admit (or not) the next batch themselves
       per = super().prepare(ids, upcoming, train=train)
-    return self._lists(per, train)
+    out = self._lists(per, train)
+    if train:  # (the SSD level: the window's rows read ahead into the host cache)
+      self._tier.read_ahead(upcoming, {n: m._planner for n, m in self.members.items()})
+    return out
 
   # -- one exchange list per stack (row layout and optimizer)
 

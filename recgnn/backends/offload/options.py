@@ -7,6 +7,7 @@ import dataclasses
 from typing import ClassVar
 
 from recgnn.backends.offload.cache_plan import POLICIES
+from recgnn.backends.offload.row_file import IO_MODES
 from recgnn.embeddings import base
 
 EXCHANGES = ("fixed", "bucket", "pow2")
@@ -55,6 +56,14 @@ class OffloadOptions(base.BackendOptions):
   lookahead: int = 8
   exchange: str = "bucket"
   host_memory: str = "pinned_host"
+  storage: str = "ram"
+  host_cache: float | None = None
+  io: str = "direct"
+
+  @property
+  def storage_dir(self) -> str | None:
+    """The row files' directory (storage=ssd:DIR), None for storage=ram."""
+    return self.storage[4:] if self.storage.startswith("ssd:") else None
 
   def __post_init__(self):
     if (self.cache_rows is None) == (self.cache_fraction is None):
@@ -84,6 +93,30 @@ class OffloadOptions(base.BackendOptions):
         "RAM (pinned_host, the default) and move with the batch; for a table on the device "
         "use dense"
       )
+    if self.storage != "ram" and not (self.storage.startswith("ssd:") and self.storage[4:]):
+      raise ValueError(
+        f"offload: storage={self.storage!r} is not a storage; use storage=ram (default) or "
+        "storage='ssd:/path/to/dir' (quoted) for row files on disk"
+      )
+    if self.storage_dir is None:
+      given = [f"{k}={v!r}" for k, v in (("host_cache", self.host_cache),) if v is not None]
+      given += [f"io={self.io!r}"] if self.io != "direct" else []
+      if given:
+        raise ValueError(
+          f"offload: {', '.join(given)} sizes / reads the host cache of the SSD level, but "
+          "storage=ram keeps every row in RAM: add storage='ssd:DIR' or drop it"
+        )
+    else:
+      if self.host_cache is None:
+        raise ValueError(
+          "offload: storage=ssd:DIR needs host_cache=F, the fraction of each table's rows "
+          "kept in host RAM, e.g. offload(cache_fraction=0.01, host_cache=0.05, "
+          "storage='ssd:/mnt/nvme/rows')"
+        )
+      if not 0 < self.host_cache <= 1:
+        raise ValueError(f"offload: host_cache must be in (0, 1], got {self.host_cache}")
+      if self.io not in IO_MODES:
+        raise ValueError(f"offload: unknown io {self.io!r}; available: {', '.join(IO_MODES)}")
     if self.exchange not in EXCHANGES:
       raise ValueError(
         f"offload: unknown exchange {self.exchange!r}; available: {', '.join(EXCHANGES)}"
