@@ -23,16 +23,21 @@ ahead from the measured read time per batch and the measured time between batche
 
 from __future__ import annotations
 
+import itertools
 import math
 import queue
 import threading
 import time
+import weakref
 
 import numpy as np
 
 from recgnn.backends.offload.cache_plan import Planner
 from recgnn.backends.offload.row_file import RowFile, check_space, remove_stale
 from recgnn.embeddings import host_tier
+from recgnn.embeddings.specs import aligned_rows
+
+_SERIAL = itertools.count()  # (each DiskRows's files get their own names: groups coexist)
 
 
 class CachedRows:
@@ -136,9 +141,12 @@ class DiskRows(host_tier.HostRows):
   def __init__(self, owner, specs, directory, host_rows, policy, io="direct", lookahead=8):
     super().__init__(owner)
     self.specs = list(specs)
+    tag = f".g{next(_SERIAL)}"
     self.tables = [
       CachedRows(
-        RowFile(directory, s.name, s.num_rows, s.dim, s.optimizer.slot_names(), io),
+        RowFile(
+          directory, s.name, aligned_rows(s.num_rows), s.dim, s.optimizer.slot_names(), io, tag
+        ),  # fmt: skip
         h,
         policy,
       )
@@ -153,7 +161,10 @@ class DiskRows(host_tier.HostRows):
     self._last_prepare = None
     self.batch_seconds = 0.0  # measured time between batches (an average)
     self._ready = False
+    # The files go with the object (scratch: the checkpoint holds the tables).
+    weakref.finalize(self, _remove, [c.file for c in self.tables])
     self._prefetch_error: BaseException | None = None
+    self._last_counts: dict[str, int] | None = None
 
   # -- the logical tables
 
@@ -178,8 +189,8 @@ class DiskRows(host_tier.HostRows):
     return out
 
   def set(self, arrays: list[dict]) -> None:
-    """Write each table's row file from these arrays (the whole table: init / import; rows
-    past N, the aligned padding, are never addressed and not stored)."""
+    """Write each table's row file from these arrays (the whole table, its aligned rows as
+    the checkpoint's logical shape: init / import)."""
     self.writer.drain()
     self.drain_prefetch()
     for t, (c, a) in enumerate(zip(self.tables, arrays)):
@@ -284,6 +295,24 @@ class DiskRows(host_tier.HostRows):
     if self._thread is not None:
       self._queue.join()
 
+  def stats(self, steps: int) -> dict[str, float]:
+    """Since the last call, over `steps` train steps: host_hit_rate (rows the step lists
+    read that the host cache held), disk read / written bytes per step (records asked of
+    the files: a record is the row, its slots and the padding), rows read ahead per step,
+    and the look-ahead window in batches."""
+    now = self.counts()
+    last = self._last_counts or dict.fromkeys(now, 0)
+    self._last_counts = now
+    d = {k: now[k] - last[k] for k in now}
+    out = {"ssd_window": float(self.window())}
+    if d["hits"] + d["misses"]:
+      out["ssd_host_hit_rate"] = d["hits"] / (d["hits"] + d["misses"])
+    if steps:
+      out["ssd_read_bytes_per_step"] = d["bytes_read"] / steps
+      out["ssd_written_bytes_per_step"] = d["bytes_written"] / steps
+      out["ssd_read_ahead_rows_per_step"] = d["prefetched"] / steps
+    return out
+
   def counts(self) -> dict[str, int]:
     """Host-cache hits / misses / evicted rows and file bytes, summed over the tables."""
     out = {"hits": 0, "misses": 0, "evicted": 0, "prefetched": 0, "bytes_read": 0,
@@ -294,3 +323,8 @@ class DiskRows(host_tier.HostRows):
       out["bytes_read"] += c.file.bytes_read
       out["bytes_written"] += c.file.bytes_written
     return out
+
+
+def _remove(files: list[RowFile]) -> None:
+  for f in files:
+    f.close(remove=True)

@@ -559,6 +559,8 @@ class OffloadGroup(base.TableGroup):
       # Rows loaded from the device ring of recent write-backs, not the host (their
       # write-back may have been in flight when their step was prepared).
       out["ring_rows_per_step"] = c.get("ring_rows", 0) / c["steps"]
+    if self._tier.disk:  # the SSD level: its host cache and the disk (`DiskRows.stats`)
+      out.update(self._tier.rows.stats(c.get("steps", 0)))
     return out
 
   # -- the step: per stack, one host read per exchange, one gather, one sparse update, one

@@ -156,8 +156,9 @@ def check_space(d: str, files: list[RowFile]) -> None:
   if free < need:
     what = ", ".join(f"{f.table!r} {f.num_rows:,} rows x {f.record} B" for f in files)
     raise ValueError(
-      f"offload: storage=ssd:{d} has {free / 2**30:.2f} GiB free; the row files need "
-      f"{need / 2**30:.2f} GiB (the rows and their optimizer state: {what}): free space "
+      f"offload: storage=ssd:{d} has {free:,} bytes free ({free / 2**30:.2f} GiB); the row "
+      f"files need {need:,} bytes ({need / 2**30:.2f} GiB: the rows and their optimizer "
+      f"state, {what}): free space "
       "there, or point storage= at a larger disk"
     )
 
