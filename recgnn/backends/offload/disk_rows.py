@@ -190,11 +190,18 @@ class DiskRows(host_tier.HostRows):
 
   def set(self, arrays: list[dict]) -> None:
     """Write each table's row file from these arrays (the whole table, its aligned rows as
-    the checkpoint's logical shape: init / import)."""
+    the checkpoint's logical shape: import)."""
+    self.fill(
+      [lambda a, n, x=x: {k: v[a : a + n] for k, v in x.items()} for x in arrays]
+    )  # fmt: skip
+
+  def fill(self, sources) -> None:
+    """Write each table's row file from sources[t](first, n) -> {k: its rows [first, first
+    + n)} (a chunk at a time: init never holds a whole table), new host caches."""
     self.writer.drain()
     self.drain_prefetch()
-    for t, (c, a) in enumerate(zip(self.tables, arrays)):
-      c.file.create(lambda first, n, t=t, a=a: self._to_records(t, a, slice(first, first + n)))
+    for t, (c, src) in enumerate(zip(self.tables, sources)):
+      c.file.create(lambda a, n, t=t, src=src: self._to_records(t, src(a, n), slice(None)))
       c.reset()
     self._ready = True
 

@@ -145,12 +145,21 @@ class OffloadGroup(base.TableGroup):
       "version": np.zeros(t, np.int32),
       "stale": np.zeros(t, np.int32),
     }
-    self._tier.set_tables([host[n] for n in self.members])
+    if host is not None:
+      self._tier.set_tables([host[n] for n in self.members])
     return sharding.put(dev, self.state_sharding())
 
   def init(self, key):
-    host = {n: m.init(base.table_key(key, n)) for n, m in self.members.items()}
-    state = self._state(host)
+    if self._tier.disk:  # the SSD level: each row file written a chunk at a time, O(chunk)
+      for m in self.members.values():
+        m.reset_planner()
+      keys = [base.table_key(key, n) for n in self.members]
+      self._tier.rows.fill(
+        [lambda a, n, m=m, k=k: m.init_chunk(k, a, n) for m, k in zip(self.members.values(), keys)]
+      )
+      state = self._state(None)
+    else:
+      state = self._state({n: m.init(base.table_key(key, n)) for n, m in self.members.items()})
     self._adopt()
     return state
 

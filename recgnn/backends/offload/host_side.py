@@ -8,7 +8,6 @@ write-backs, per stack of tables. One object with one job, composed into `Offloa
 from __future__ import annotations
 
 import collections
-import math
 
 import numpy as np
 
@@ -42,7 +41,7 @@ class HostSide:
     else:
       order = [specs[n] for n in sorted(index, key=index.get)]
       self.rows = DiskRows(
-        owner, order, o.storage_dir, [host_cache_rows(o, s.num_rows) for s in order],
+        owner, order, o.storage_dir, [o.host_cache_rows(s.num_rows) for s in order],
         o.policy, o.io, o.lookahead,
       )  # fmt: skip
     self.disk = isinstance(self.rows, DiskRows)
@@ -214,8 +213,3 @@ class HostSide:
           host.scatter(w, got[kind])
 
     host.write_back(to_host, apply)
-
-
-def host_cache_rows(options, num_rows: int) -> int:
-  """A table's host-cache rows at the SSD level (`host_cache`: a fraction of its rows)."""
-  return max(1, min(num_rows, math.ceil(options.host_cache * num_rows)))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 from recgnn.backends.offload.cache_plan import POLICIES
@@ -64,6 +65,10 @@ class OffloadOptions(base.BackendOptions):
   def storage_dir(self) -> str | None:
     """The row files' directory (storage=ssd:DIR), None for storage=ram."""
     return self.storage[4:] if self.storage.startswith("ssd:") else None
+
+  def host_cache_rows(self, num_rows: int) -> int:
+    """A table's host-cache rows at the SSD level (`host_cache`: a fraction of its rows)."""
+    return max(1, min(num_rows, math.ceil(self.host_cache * num_rows)))
 
   def __post_init__(self):
     if (self.cache_rows is None) == (self.cache_fraction is None):

@@ -97,6 +97,17 @@ def _probe_block(path: str) -> int:
     os.unlink(probe)
 
 
+def record_bytes(dim: int, slots: int, io: str, directory: str) -> int:
+  """A row's bytes in its file: float32 row + slots, padded to the logical block under
+  io=direct (512 or 4096: `logical_block`, probed in the directory if it exists, else 512),
+  to 4 bytes under io=buffered."""
+  logical = 4 * (dim + slots)
+  if io != "direct":
+    return logical
+  block = logical_block(directory) if os.path.isdir(directory) else 512
+  return -(-logical // block) * block
+
+
 def _runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
   """Sorted distinct rows -> [(first row, count, position in rows)] of consecutive runs,
   cut at CHUNK_ROWS (one pread / pwrite each)."""
@@ -177,10 +188,8 @@ class RowFile:
     self.directory, self.table, self.io = directory, table, io
     make_dir(directory)
     self.num_rows, self.dim, self.slots = int(num_rows), int(dim), tuple(slots)
-    logical = 4 * (self.dim + len(self.slots))
-    self.block = logical_block(directory) if io == "direct" else 4
-    self.record = -(-logical // self.block) * self.block
-    self.logical_bytes = logical
+    self.logical_bytes = 4 * (self.dim + len(self.slots))
+    self.record = record_bytes(self.dim, len(self.slots), io, directory)
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in table)
     self.path = os.path.join(directory, f"{safe}{tag}.pid{os.getpid()}{SUFFIX}")
     self.size = HEADER_BYTES + self.num_rows * self.record
