@@ -234,3 +234,32 @@ if __name__ == "__main__":  # the killed runs of test_sigkill_then_resume_is_ide
     _kill_in(row_file.RowFile, "read_all", lambda: saved == [KILL_AFTER, 8])
   loop.train(_trainer_config(cache, rows), workdir)
   sys.exit("not killed")
+
+
+def test_host_memory_budget_points_at_the_ssd_level(tmp_path):
+  """A plan over the host budget is refused naming the largest table and the SSD level; with
+  its rows on disk it fits (host cache + maps only), and the plan table shows the disk."""
+  spec = _spec(ADAGRAD, num_rows=100_000, dim=64)
+
+  def plan_of(text):
+    g = planner.make_backend(text, spec)
+    return planner.Plan({g.name: g}, {"t": g.name}, g.mesh)
+
+  ram = plan_of("offload(cache_fraction=0.01)")
+  with pytest.raises(planner.PlanDoesNotFit, match=r"host budget is 10.0M.*t .*storage='ssd:"):
+    planner.check_host_memory(ram, 10 << 20)
+  ssd = plan_of(_text(tmp_path, host_cache=0.05).replace("cache_rows=60", "cache_rows=1000"))
+  assert planner.check_host_memory(ssd, 10 << 20) < 10 << 20
+  mem = ssd.backend_of("t").memory()["t"]
+  assert mem.disk_bytes == row_file.HEADER_BYTES + base.aligned_rows(100_000) * 512
+  assert "disk" in planner.format_plan(ssd).splitlines()[1]
+
+
+def test_trainer_refuses_a_plan_over_the_host_budget(cache_dir, tmp_path):
+  """config.host_memory_budget (run.py --host_memory_budget) is checked before allocating."""
+  from recgnn.train import loop
+
+  config = _trainer_config(cache_dir, tmp_path / "rows")
+  config.host_memory_budget = "1K"
+  with pytest.raises(planner.PlanDoesNotFit, match="of host memory, host budget is 0.0M"):
+    loop.train(config, str(tmp_path / "wd"))
