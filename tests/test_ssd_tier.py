@@ -263,3 +263,24 @@ def test_trainer_refuses_a_plan_over_the_host_budget(cache_dir, tmp_path):
   config.host_memory_budget = "1K"
   with pytest.raises(planner.PlanDoesNotFit, match="of host memory, host budget is 0.0M"):
     loop.train(config, str(tmp_path / "wd"))
+
+
+def test_auto_takes_the_ssd_level_when_host_memory_is_exceeded(tmp_path):
+  """plan=auto with ssd=DIR lists the SSD level among a table's candidates, and its solver
+  takes it for the tables the host budget cannot hold in RAM (the faster RAM placement
+  elsewhere)."""
+  from recgnn.planner.auto import milp, options, placements
+
+  opts = options.AutoOptions(fractions=(0.01,), ssd=str(tmp_path), host_budget="300M")
+  texts = placements.candidates(_spec(SGD), opts, planner.default_mesh())
+  assert f"offload(cache_fraction=0.01, host_cache=0.05, storage='ssd:{tmp_path}')" in texts
+  C = placements.Candidate  # noqa: N806
+  by_table = {
+    t: [C(t, "offload(ram)", 10, 200 << 20, 1.0), C(t, "offload(ssd)", 10, 20 << 20, 2.0)]
+    for t in ("a", "b")
+  }
+  assert {c.text for c in milp.solve(by_table, None, "time").values()} == {"offload(ram)"}
+  got = milp.solve(by_table, None, "time", host_budget=300 << 20)
+  assert sorted(c.text for c in got.values()) == ["offload(ram)", "offload(ssd)"]
+  with pytest.raises(planner.PlanDoesNotFit, match="and 30.0M of host memory"):
+    milp.solve(by_table, None, "time", host_budget=30 << 20)
