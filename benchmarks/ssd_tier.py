@@ -50,7 +50,8 @@ def peak_rss() -> int:
 
 
 def backend_text(args, host_cache: float | None) -> str:
-  text = f"offload(cache_fraction={args.cache}, policy=lru, lookahead={args.lookahead}"
+  size = f"cache_rows={args.cache_rows}" if args.cache_rows else f"cache_fraction={args.cache}"
+  text = f"offload({size}, policy=lru, lookahead={args.lookahead}"
   if host_cache is not None:
     text += f", host_cache={host_cache}, storage='ssd:{args.dir}', io={args.io}"
   return text + ")"
@@ -64,15 +65,27 @@ def run_one(args, host_cache: float | None) -> dict:
   from recgnn.embeddings import base
   from recgnn.train import inputs
 
+  rows = args.ram_rows if host_cache is None and args.ram_rows else args.rows
+  if args.fast_init:  # (benchmark only: numpy's generator, not the backends' shared init)
+    from recgnn.backends.offload.table import Offload
+
+    def fast(self, key, first, n):
+      r = np.random.default_rng(first)
+      out = {"table": r.standard_normal((n, self.spec.dim), dtype=np.float32) * 0.01}
+      out.update({k: np.full(n, 0.1, np.float32) for k in self.spec.optimizer.slot_names()})
+      return out
+
+    Offload.init_chunk = fast
+    Offload.init_host = lambda self, key: fast(self, key, 0, base.aligned_rows(self.spec.num_rows))
   spec = base.TableSpec(
-    name="t", num_rows=args.rows, dim=args.dim,
+    name="t", num_rows=rows, dim=args.dim,
     optimizer=base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.01),
   )  # fmt: skip
   rng = np.random.default_rng(0)
-  perm = rng.permutation(args.rows).astype(np.int64)
+  perm = rng.permutation(rows).astype(np.int64)
   n = args.warmup + args.steps
   batches = [
-    common.zipf_ids(rng, args.rows, (args.batch, args.bag), args.exponent, perm).astype(np.int32)
+    common.zipf_ids(rng, rows, (args.batch, args.bag), args.exponent, perm).astype(np.int32)
     for _ in range(n)
   ]
   text = backend_text(args, host_cache)
@@ -102,6 +115,11 @@ def run_one(args, host_cache: float | None) -> dict:
   seconds = time.perf_counter() - marks["t"]
   io = proc_io()
   stats = group.stats()
+  checkpoint_s = None
+  if not args.fast_init:  # what a checkpoint costs the backend: sync + export (not a table > RAM)
+    t1 = time.perf_counter()
+    jax.block_until_ready(group.export(group.sync(state))["t"]["rows"])
+    checkpoint_s = time.perf_counter() - t1
   out = {
     "backend": text,
     "host_cache": host_cache,
@@ -111,7 +129,10 @@ def run_one(args, host_cache: float | None) -> dict:
     "disk_write_bytes_per_step": (io["write_bytes"] - marks["io"]["write_bytes"]) / args.steps,
     "device_hit_rate": stats.get("t/hit_rate"),
     "peak_rss_bytes": peak_rss(),
-    "table_bytes": args.rows * spec.row_bytes,
+    "checkpoint_export_s": checkpoint_s,
+    "table_bytes": rows * spec.row_bytes,
+    "rows": rows,
+    "host_budget_bytes": group.memory()["t"].host_bytes,
   }
   if host_cache is not None:
     rows = group._tier.rows
@@ -147,13 +168,14 @@ def run_one(args, host_cache: float | None) -> dict:
 def markdown(payload: dict) -> str:
   a = payload["args"]
   res = payload["results"]
-  ram = next(r for r in res if r["host_cache"] is None)
+  ram = next((r for r in res if r["host_cache"] is None), res[0])
   lines = [
     "# offload's SSD level vs the whole table in RAM",
     "",
     f"One table of {a['rows']:,} rows x {a['dim']} (row-wise Adagrad: "
     f"{ram['table_bytes'] / 2**30:.2f} GiB of rows + state in RAM), device cache "
-    f"{a['cache']:.0%}, batch {a['batch']} x bag {a['bag']}, Zipf({a['exponent']}), "
+    + (f"{a['cache_rows']:,} rows" if a.get("cache_rows") else f"{a['cache']:.0%}")
+    + f", batch {a['batch']} x bag {a['bag']}, Zipf({a['exponent']}), "
     f"{a['steps']} timed steps after {a['warmup']}; io={a['io']}; XLA:CPU, "
     f"{payload['machine']['cpus']} cores, load {payload['machine']['load_avg_at_start'][0]:.1f} "
     "at start (shared machine: compare within the table).",
@@ -164,7 +186,8 @@ def markdown(payload: dict) -> str:
     ssd = r["host_cache"] is not None
     rows.append(
       [
-        f"ssd, host cache {r['host_cache']:.0%}" if ssd else "RAM (whole table)",
+        (f"ssd, host cache {r['host_cache']:.0%}" if ssd else "RAM (whole table)")
+        + (f", {r['rows']:,} rows" if a.get("ram_rows") else ""),
         f"{r['step_ms']:.1f}",
         f"{r['step_ms'] / ram['step_ms']:.2f}",
         f"{r['host_hit_rate']:.3f}" if ssd and r.get("host_hit_rate") is not None else "-",
@@ -174,6 +197,7 @@ def markdown(payload: dict) -> str:
         if ssd and r.get("disk_read_vs_missed_records")
         else "-",
         f"{r['peak_rss_bytes'] / 2**30:.2f}",
+        "-" if r.get("checkpoint_export_s") is None else f"{r['checkpoint_export_s']:.2f}",
       ]
     )
   lines.append(
@@ -233,6 +257,9 @@ def main(argv=None):
   ap.add_argument("--bag", type=int, default=4)
   ap.add_argument("--exponent", type=float, default=1.05)
   ap.add_argument("--cache", type=float, default=0.01, help="device cache, fraction of rows")
+  ap.add_argument("--cache_rows", type=int, default=0, help="device cache rows (both)")
+  ap.add_argument("--ram_rows", type=int, default=0, help="the RAM baseline's table rows")
+  ap.add_argument("--fast_init", action="store_true", help="numpy init (a table > RAM)")
   ap.add_argument("--lookahead", type=int, default=4)
   ap.add_argument("--prefetch", type=int, default=2)
   ap.add_argument("--warmup", type=int, default=20)
