@@ -23,10 +23,10 @@ SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
 ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
 
 
-def _text(directory, host_cache=0.1, **kw):
+def _text(directory, host_cache=0.1, policy="lookahead", **kw):
   extra = "".join(f", {k}={v}" for k, v in kw.items())
   return (
-    f"offload(cache_rows=60, policy=lookahead, lookahead=3, host_cache={host_cache}, "
+    f"offload(cache_rows=60, policy={policy}, lookahead=3, host_cache={host_cache}, "
     f"storage='ssd:{directory}'{extra})"
   )
 
@@ -39,11 +39,13 @@ def _batches(num_batches=12, batch=32, bag=2, num_rows=1000, seed=5):
   return contract.zipf_ids(seed, num_batches, batch, bag, num_rows)
 
 
-@pytest.mark.parametrize("io", ["direct", "buffered"])
-def test_disk_is_used_and_bytes_are_the_misses(io, tmp_path):
+@pytest.mark.parametrize(
+  "io, policy", [("direct", "lookahead"), ("buffered", "lru"), ("direct", "lfu")]
+)
+def test_disk_is_used_and_bytes_are_the_misses(io, policy, tmp_path):
   """A 10% host cache under a 6% device cache: equal to dense, rows read from and written to
   the file every few steps, and the file's bytes read = host-cache misses x record bytes."""
-  text = _text(tmp_path, io=io)
+  text = _text(tmp_path, policy=policy, io=io)
   trace = contract.assert_matches_dense(text, _spec(ADAGRAD), _batches())
   rows = trace.backend._tier.rows
   c = rows.counts()

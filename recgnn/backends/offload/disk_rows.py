@@ -69,6 +69,8 @@ class CachedRows:
     elif load:
       self.counts["hits"] += ex.hits
       self.counts["misses"] += ex.load_rows.shape[0]
+      if self.planner.lfu is not None:  # (LFU: the step's reads are the accesses counted)
+        self.planner.lfu.add_rows(rows)
     if ex.evict_rows.shape[0]:  # dirty victims to the file before their slots are reused
       order = np.argsort(ex.evict_rows)
       buf = self.file.buffer(order.shape[0])
