@@ -184,8 +184,9 @@ def markdown(payload: dict) -> str:
   lines = [
     "# offload's SSD level vs the whole table in RAM",
     "",
-    f"One table of {a['rows']:,} rows x {a['dim']} (row-wise Adagrad: "
-    f"{ram['table_bytes'] / 2**30:.2f} GiB of rows + state in RAM), device cache "
+    f"One table of {a['rows']:,} rows x {a['dim']} (row-wise Adagrad)"
+    + (f", the RAM baseline's {a['ram_rows']:,} rows" if a.get("ram_rows") else "")
+    + f" ({ram['table_bytes'] / 2**30:.2f} GiB of rows + state in RAM), device cache "
     + (f"{a['cache_rows']:,} rows" if a.get("cache_rows") else f"{a['cache']:.0%}")
     + f", batch {a['batch']} x bag {a['bag']}, Zipf({a['exponent']}), "
     f"{a['steps']} timed steps after {a['warmup']}; io={a['io']}; XLA:CPU, "
@@ -208,7 +209,8 @@ def markdown(payload: dict) -> str:
         f"{r['disk_read_vs_missed_records']:.2f}"
         if ssd and r.get("disk_read_vs_missed_records")
         else "-",
-        f"{r['peak_rss_bytes'] / 2**30:.2f} / {r.get('training_rss_bytes', 0) / 2**30:.2f}",
+        f"{r['peak_rss_bytes'] / 2**30:.2f} / "
+        + (f"{r['training_rss_bytes'] / 2**30:.2f}" if r.get("training_rss_bytes") else "-"),
         f"{r.get('host_budget_bytes', 0) / 2**30:.2f}",
         "-" if r.get("checkpoint_export_s") is None else f"{r['checkpoint_export_s']:.2f}",
       ]
@@ -223,7 +225,9 @@ def markdown(payload: dict) -> str:
         "disk read MB/step",
         "disk written MB/step",
         "read / (misses x record)",
-        "peak RSS GiB",
+        "peak / training RSS GiB",
+        "memory() host GiB",
+        "checkpoint sync + export s",
       ],
       rows,
     )  # fmt: skip
