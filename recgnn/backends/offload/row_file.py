@@ -46,6 +46,7 @@ IO_MODES = ("direct", "buffered")
 # Rows per read / write call of the pool, and the pool's threads: the disk's queue depth is
 # what a random-read SSD needs filled (benchmarks/ssd_io.py measured the choice).
 CHUNK_ROWS = 256
+SEQUENTIAL = 8 << 20  # bytes per read of a whole-file pass (export)
 THREADS = 16
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -374,7 +375,18 @@ class RowFile:
     self._io(rows, buf, write=True)
 
   def read_all(self, first: int, n: int) -> np.ndarray:
-    """float32[n, floats]: records first .. first + n - 1 (sequential; export)."""
+    """float32[n, floats]: records first .. first + n - 1, read sequentially in SEQUENTIAL
+    byte chunks (export: a row-at-a-time read of a 1 GiB file took 35 s, measured)."""
+    if self._fd is None:
+      raise RuntimeError(f"offload: the row file {self.path} is not open (call create first)")
     buf = self.buffer(n)
-    self._io(np.arange(first, first + n, dtype=np.int64), buf, write=False)
+    flat, rec = memoryview(buf.reshape(-1)), self.record
+    step = max(1, SEQUENTIAL // rec)
+    for a in range(0, n, step):
+      k = min(step, n - a)
+      off = HEADER_BYTES + (first + a) * rec
+      got = os.preadv(self._fd, [flat[a * rec : (a + k) * rec]], off)
+      if got != k * rec:
+        self._short(got, k * rec, off)
+    self.bytes_read += n * rec
     return buf.view(np.float32)
