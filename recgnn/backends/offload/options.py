@@ -46,6 +46,17 @@ class OffloadOptions(base.BackendOptions):
       thread and moved with its transfer, written back by a host writer
       (recgnn.embeddings.host_tier). `device` (no offload) went with the host computations
       inside the step (issue 42): a table on the device is `dense`.
+    storage: where the whole table and its optimizer state live. `ram` (default): numpy
+      arrays in host RAM. `ssd:DIR` (quoted in a plan string: storage='ssd:/mnt/nvme/rows'):
+      one row file per table in DIR (made if missing; refused when not writable or short
+      of the files' bytes), a host-RAM cache of `host_cache` of the rows between it and the
+      device cache (disk_rows.py): tables larger than RAM.
+    host_cache: with storage=ssd:DIR, the host-RAM cache as a fraction of each table's rows,
+      in (0, 1] (required there; refused with storage=ram, which keeps every row in RAM).
+    io: with storage=ssd:DIR, how the row files are read: `direct` (default: O_DIRECT, rows
+      padded to the disk's logical block: the disk reads the rows asked for and nothing
+      else, and no page cache grows beside the host budget) or `buffered` (the page cache:
+      each row costs a 4 KiB page read; benchmarks/ssd_io.py).
   """
 
   backend: ClassVar[str] = "offload"
