@@ -50,6 +50,7 @@ def test_disk_is_used_and_bytes_are_the_misses(io, policy, tmp_path):
   rows = trace.backend._tier.rows
   c = rows.counts()
   assert c["misses"] > 0 and c["evicted"] > 0, c
+  assert c["prefetched"] > 0, c  # the look-ahead window's rows were read ahead
   f = rows.tables[0].file
   assert c["bytes_read"] == (c["misses"] + c["prefetched"]) * f.record + f.num_rows * f.record
   if io == "direct":
