@@ -213,7 +213,8 @@ def main(argv):
   try:
     profile, budget = loop.parse_steps(_PROFILE.value), loop.parse_budget(_BUDGET.value)
     if _HOST_BUDGET.value is not None:  # (the setup reads config.host_memory_budget)
-      config.host_memory_budget = _HOST_BUDGET.value
+      with config.unlocked():  # (an experiment's config is locked; few name this key)
+        config.host_memory_budget = _HOST_BUDGET.value
   except ValueError as e:
     fail(str(e))
   try:
