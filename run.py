@@ -82,6 +82,12 @@ _BUDGET = flags.DEFINE_string(
   "Refuse embedding plans needing more device memory per device (e.g. 2G; 'plan+10%': the "
   "plan's own bytes plus 10%, logged in bytes).",
 )
+_HOST_BUDGET = flags.DEFINE_string(
+  "host_memory_budget",
+  None,
+  "Refuse embedding plans needing more host memory (e.g. 16G) for their host tables and "
+  "caches; offload's storage='ssd:DIR' keeps only a host cache of a table's rows in RAM.",
+)
 _PLAN_REPORT = flags.DEFINE_bool(
   "plan_report",
   False,
@@ -206,6 +212,9 @@ def main(argv):
   resume = "if_present" if _RESUME_IF_PRESENT.value else _RESUME.value
   try:
     profile, budget = loop.parse_steps(_PROFILE.value), loop.parse_budget(_BUDGET.value)
+    if _HOST_BUDGET.value is not None:  # (the setup reads config.host_memory_budget)
+      with config.unlocked():  # (an experiment's config is locked; few name this key)
+        config.host_memory_budget = _HOST_BUDGET.value
   except ValueError as e:
     fail(str(e))
   try:

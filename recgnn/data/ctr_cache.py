@@ -118,16 +118,19 @@ def source_stats(paths: Sequence[str]) -> list[dict[str, Any]]:
   return out
 
 
+head_sha256 = file_check.head_sha256  # (a file's size and this: what a manifest records)
+
+
 def file_records(path: str) -> dict[str, dict[str, Any]]:
   """{array file: {"bytes", "head_sha256"}} of a cache directory's arrays: what the manifest
   records at conversion and `check_files` compares before the arrays are read."""
   return file_check.file_records(path, ARRAYS)
 
 
-def check_files(path: str, manifest: dict[str, Any]) -> str | None:
-  """None if every array of the cache at `path` has the bytes and head checksum its manifest
-  recorded, else what differs (`file_check.check_files` over ARRAYS)."""
-  return file_check.check_files(path, manifest, ARRAYS)
+def check_files(path: str, manifest: dict[str, Any], names: Sequence[str] = ARRAYS) -> str | None:
+  """None if every array of the cache at `path` (or `names`) has the bytes and head checksum
+  its manifest recorded, else what differs (`file_check.check_files`)."""
+  return file_check.check_files(path, manifest, names)
 
 
 def cache_valid(path: str, paths: Sequence[str], key: dict[str, Any]) -> str | None:

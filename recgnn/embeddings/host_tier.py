@@ -181,6 +181,19 @@ class HostRows:
     self.writer.drain()
     self.arrays = [{k: np.ascontiguousarray(v) for k, v in a.items()} for a in arrays]
 
+  def loaded(self) -> bool:
+    """Whether tables were set (an example batch prepared before init reads none)."""
+    return bool(self.arrays)
+
+  def table(self, t: int) -> dict[str, np.ndarray]:
+    """Table t's arrays (the live ones: current once the writer drained)."""
+    return self.arrays[t]
+
+  def put(self, t: int, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
+    """table t's rows[i] = values[k][i] for each array k (caller's thread; writer drained)."""
+    for k, v in self.arrays[t].items():
+      v[rows] = values[k]
+
   def gather(self, segments: list[tuple[int, np.ndarray]], width: int) -> dict[str, np.ndarray]:
     """{k: [width, ...]}: the rows of segments [(table index, rows int[n_i])] one after
     another, then zeros. O(width) (the rows a list carries, never a table's)."""

@@ -158,6 +158,7 @@ class MemoryReport:
   device_bytes: int  # on EACH device of the mesh (the most any one device holds)
   host_bytes: int  # host memory in all
   placement: str  # human-readable, e.g. "device", "host + 200000-row device cache"
+  disk_bytes: int = 0  # on local disk (offload's SSD level: its row files)
 
 
 # ----------------------------------------------------------------------------- init

@@ -5,7 +5,7 @@
              (`parse_backend`), `make_group` / `make_backend`, `Plan`, `resolve_plan`,
              `format_plan`, `rules_of` (a config's plan read as rules)
   budget     device budgets (`parse_bytes`, `parse_budget`, `RelativeBudget`) and
-             `check_memory` (`PlanDoesNotFit`)
+             `check_memory` / `check_host_memory` (`PlanDoesNotFit`)
   auto       `auto(...)`: each table's backend for a memory budget from measured costs
              (a package, one module a concern: `from recgnn.planner import auto`)
 
@@ -17,6 +17,7 @@ from recgnn.planner.budget import (
   PlanDoesNotFit,
   RelativeBudget,
   batch_bytes,
+  check_host_memory,
   check_memory,
   parse_budget,
   parse_bytes,
@@ -49,6 +50,7 @@ __all__ = [
   "batch_bytes",
   "capabilities_of",
   "check_layout",
+  "check_host_memory",
   "check_memory",
   "default_mesh",
   "format_plan",

@@ -11,7 +11,7 @@ from recgnn.planner.plan import Plan, mib
 
 
 class PlanDoesNotFit(ValueError):
-  """The plan needs more device memory than the budget allows."""
+  """The plan needs more device (or host) memory than the budget allows."""
 
 
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -96,5 +96,25 @@ def check_memory(
       + ". Split large tables over the devices ('dense(shard=rows)' with --config.mesh.model=N)"
       " or move them to host memory or a compressed backend in config.embeddings.plan, e.g. "
       "('C(3|4|10)', 'offload(cache_rows=100_000)') or 'tt(rank=32)'."
+    )
+  return total
+
+
+def check_host_memory(plan: Plan, host_budget_bytes: int | None) -> int:
+  """Refuse, before allocating, a plan whose host bytes (every table's `memory().host_bytes`:
+  offload's host tables or host cache, hot_cold's cold rows, ...) exceed the host budget, naming
+  the largest and the way down: offload's SSD level keeps only a host cache of a table's rows
+  in RAM. Returns the plan's host bytes."""
+  per_table = {n: (g, g.memory()[n]) for n in plan.table_group for g in [plan.backend_of(n)]}
+  total = sum(m.host_bytes for _, m in per_table.values())
+  if host_budget_bytes is not None and total > host_budget_bytes:
+    worst = sorted(per_table.items(), key=lambda kv: -kv[1][1].host_bytes)[:5]
+    raise PlanDoesNotFit(
+      f"Embedding plan needs {mib(total)} of host memory, host budget is "
+      f"{mib(host_budget_bytes)}. Largest: "
+      + ", ".join(f"{n} {mib(m.host_bytes)} ({g.describe(n)})" for n, (g, m) in worst)
+      + ". Keep the rows of the largest on a local SSD with a host cache of a share of them, "
+      "e.g. ('C(3|4|10)', \"offload(cache_fraction=0.01, host_cache=0.05, "
+      "storage='ssd:/mnt/nvme/rows')\"), or raise --host_memory_budget."
     )
   return total

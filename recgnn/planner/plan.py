@@ -284,23 +284,30 @@ def resolve_plan(
 def format_plan(plan: Plan) -> str:
   """A table of each table's backend, bytes per device and on the host."""
   d, m = sharding.mesh_shape(plan.mesh)
+  # (a disk column only where a table has bytes on disk: offload's SSD level)
+  disk_any = any(m.disk_bytes for g in plan.groups.values() for m in g.memory().values())
   lines = [
     f"mesh {sharding.describe(plan.mesh)}",
-    f"{'table':<12} {'rows':>12} {'dim':>4} {'backend':<40} {'per device':>10} {'host':>10}",
+    f"{'table':<12} {'rows':>12} {'dim':>4} {'backend':<40} {'per device':>10} {'host':>10}"
+    + (f" {'disk':>10}" if disk_any else ""),
   ]
-  dev = host = params = dense = 0
+  dev = host = disk = params = dense = 0
   for name in plan.table_group:
     g = plan.backend_of(name)
     spec, mem = g.specs[name], g.memory()[name]
-    dev, host = dev + mem.device_bytes, host + mem.host_bytes
+    dev, host, disk = dev + mem.device_bytes, host + mem.host_bytes, disk + mem.disk_bytes
     params += g.num_params()[name]
     dense += spec.num_rows * spec.dim
     lines.append(
       f"{name:<12} {spec.num_rows:>12,} {spec.dim:>4} {g.describe(name):<40} "
       f"{mib(mem.device_bytes):>10} {mib(mem.host_bytes):>10}"
+      + (f" {mib(mem.disk_bytes):>10}" if disk_any else "")
     )
   dev = sum(g.device_bytes() for g in plan.groups.values())
-  lines.append(f"{'total':<12} {'':>12} {'':>4} {'':<40} {mib(dev):>10} {mib(host):>10}")
+  lines.append(
+    f"{'total':<12} {'':>12} {'':>4} {'':<40} {mib(dev):>10} {mib(host):>10}"
+    + (f" {mib(disk):>10}" if disk_any else "")
+  )
   if params:
     lines.append(
       f"embedding parameters: {params:,} ({dense / params:,.1f}x fewer than all-dense {dense:,})"

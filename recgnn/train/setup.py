@@ -439,6 +439,7 @@ def build(
     )
   else:
     planner.check_memory(plan, device_memory_budget, ids_shapes)
+  planner.check_host_memory(plan, planner.parse_bytes(config.get("host_memory_budget")))
   feeder = step_lib.Feeder(plan, task.batch_spec)
   total_steps, length = training_length(tcfg, task)
   log(f"Mesh {sharding.describe(mesh)}; training {length}")

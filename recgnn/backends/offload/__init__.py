@@ -1,6 +1,7 @@
 """`offload`: cDLRM. The table and its optimizer state in host memory, a device cache of C rows.
 
-Plan string: `offload(cache_rows=200_000, policy=lru, lookahead=8)`; see `OffloadOptions`.
+Plan string: `offload(cache_rows=200_000, policy=lru, lookahead=8)`; see `OffloadOptions`. With
+the SSD level: `offload(cache_fraction=0.01, host_cache=0.05, storage='ssd:/mnt/nvme/rows')`.
 
 How a batch flows (cDLRM, Balasubramanian et al., RecSys'21), and what moves when (issue 42:
 no host computation and no host array inside the step; recgnn/embeddings/host_tier.py):
@@ -96,12 +97,21 @@ Residuals (lookup -> update): per stack, {"now": {"table": f32[M, D], "accum": f
 (from the batch, or the ring where it holds them); every table of the stack in one list (its
 rows at its offsets).
 
+The SSD level (`storage='ssd:DIR'`, `host_cache=F`; issue 44): the host tables become row
+files on disk behind a host-RAM cache of F of the rows (disk_rows.py `DiskRows`, the same
+interface as `host_tier.HostRows`: nothing above it changes), read ahead over the look-ahead
+window; docs/architecture.md "Below the host tier".
+
 Files: options.py (`OffloadOptions`), table.py (`Offload`, one table: its plan, its host
 arrays and its memory), group.py (`OffloadGroup`, the registered backend: the state, the
-stacked caches and the step, the lists, the host reads and the write-back), cache_plan.py (the
-numpy cache planner, its `Exchange` and the list sizing `Sizer`), planner.py (its compiled
-kernels); the host tables, their writer and the ring's bookkeeping are
-recgnn/embeddings/host_tier.py's (shared with hot_cold).
+stacked caches, the lists, checkpoints), fast_plan.py (`SteadyPlanner`: the compiled
+steady-state planning of the group's batches), device_step.py (`DeviceStep`: the jitted
+lookup and update), host_side.py (`HostSide`: the rows read and written back per stack),
+cache_plan.py (the numpy cache planner, its `Exchange` and the list sizing `Sizer`),
+planner.py (its compiled kernels), row_file.py (`RowFile`: one table's rows on disk, verified)
+and disk_rows.py (`DiskRows`: the host cache over the row files, the read-ahead); the host
+tables in RAM, their writer and the ring's bookkeeping are recgnn/embeddings/host_tier.py's
+(shared with hot_cold).
 """
 
 from recgnn.backends.offload import planner

@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import time
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from recgnn import sharding
@@ -14,12 +11,13 @@ from recgnn.backends.offload import cache_plan
 from recgnn.backends.offload import planner as hostplan
 from recgnn.backends.offload.cache_plan import (
   EVICT_SLOTS,
-  LOAD_ROWS,
   LOAD_SLOTS,
   NEXT_FROM_NOW,
   Sizer,
   _bucket,
 )
+from recgnn.backends.offload.device_step import DeviceStep, bag_tables
+from recgnn.backends.offload.fast_plan import SteadyPlanner
 from recgnn.backends.offload.host_side import HostSide
 from recgnn.backends.offload.table import PLANNED, Offload
 from recgnn.embeddings import base, host_cache, host_tier
@@ -32,21 +30,6 @@ ABSENT = np.iinfo(np.int32).max
 FILL = (ABSENT, ABSENT, 0, ABSENT, ABSENT)
 
 
-def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
-  """x[idx], zeros where idx is out of range (padding, ABSENT)."""
-  return x.at[idx].get(mode="fill", fill_value=0.0)
-
-
-def _put(x: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
-  """x[idx] = values, out-of-range idx (padding, ABSENT) dropped."""
-  return x.at[idx].set(values, mode="drop")
-
-
-def _rows_mask(mask: jax.Array, v: jax.Array) -> jax.Array:
-  """bool[W] -> bool[W, 1, ...], broadcastable against v [W, ...]."""
-  return mask.reshape(mask.shape + (1,) * (v.ndim - 1))
-
-
 @base.register_backend("offload")
 class OffloadGroup(base.TableGroup):
   """The offload tables of one plan rule: `TableGroup` with the planning of a train batch
@@ -55,27 +38,17 @@ class OffloadGroup(base.TableGroup):
   (dim, optimizer), so a stack's lookup, sparse update and exchanges are one op each
   whatever its number of tables (the package docstring: "One cache per stack").
 
-  The kernel covers the steady state, a batch admitted by the previous step with the next
-  one admitted now (its lists cut to each table's `Offload._width`, whose hysteresis state
-  both planners share); everything else (the first batch, one after an eval pass, eval
-  batches, a batch that does not fit, numba missing) goes through each table's numpy
-  planner. Both work on the same planner arrays: the group keeps
-  every table's row->slot map, slot->row map, recency and dirty bits in flat arrays, and
-  each `Planner` holds views of its slices. The decisions are the same either way
-  (tests/test_offload.py compares every prepared array).
-
-  Each batch's ids and sorted distinct rows are computed once, into a ring of
-  lookahead + 3 batches (bounded memory), and reused while it moves through the window.
+  Three objects, one phase each: the compiled steady-state planner (`fast_plan.SteadyPlanner`,
+  the numpy planners of the members otherwise), the host tier (`host_side.HostSide`: the
+  rows read for a step and written back, in RAM or behind the SSD level's host cache) and
+  the device step (`device_step.DeviceStep`); this class keeps the state, the exchange lists
+  (one per stack and direction) and the checkpoint hand-over (sync / export / restore).
   """
 
   capabilities = Offload.capabilities
 
   def __init__(self, specs, mesh, layout: base.Layout | None = None, text: str = "", **options):
     super().__init__(Offload, specs, mesh, layout, text, **options)
-    self._flat = None
-    self._ring = None
-    self._admitted = None  # the arrays of the batch the kernel admitted ahead
-    self.fast_batches = 0  # batches planned by the compiled kernel (tests, benchmarks)
     # One stack per row layout and optimizer (its tables' caches in ONE device array, table
     # after table: one gather, one sparse update, one set of exchange kernels for all of
     # them, as FBGEMM's table-batched embeddings; one optimizer, as the update is one) and
@@ -89,6 +62,9 @@ class OffloadGroup(base.TableGroup):
       np.cumsum([0] + [self.members[n].cache_rows for n in names]).astype(np.int64)
       for names in self._stacks
     ]
+    # The compiled steady-state planner (`SteadyPlanner`) and the device step (`DeviceStep`).
+    self._steady = SteadyPlanner(self.members, self.lookahead)
+    self._step = DeviceStep(self._stacks, self.specs, self.mesh)
     self._syncer = host_cache.StaleCheck(f"offload (tables {', '.join(self.members)})", "cache")
     self._sizers = []
     self.list_widths: set[tuple[int, int]] = set()  # (now, next) lengths of train steps
@@ -96,7 +72,11 @@ class OffloadGroup(base.TableGroup):
     # The host tier: the tables' rows in host RAM, what each step loads and writes back, and
     # the device ring's bookkeeping (`HostSide`, recgnn.embeddings.host_tier).
     self._tier = HostSide(
-      f"offload (tables {', '.join(self.members)})", self._stacks, self.specs, self._index
+      f"offload (tables {', '.join(self.members)})",
+      self._stacks,
+      self.specs,
+      self._index,
+      next(iter(self.members.values())).options if self.members else None,
     )
 
   # -- state: one cache array per stack; the planners' arrays as slices of flat ones
@@ -141,12 +121,21 @@ class OffloadGroup(base.TableGroup):
       "version": np.zeros(t, np.int32),
       "stale": np.zeros(t, np.int32),
     }
-    self._tier.set_tables([host[n] for n in self.members])
+    if host is not None:
+      self._tier.set_tables([host[n] for n in self.members])
     return sharding.put(dev, self.state_sharding())
 
   def init(self, key):
-    host = {n: m.init(base.table_key(key, n)) for n, m in self.members.items()}
-    state = self._state(host)
+    if self._tier.disk:  # the SSD level: each row file written a chunk at a time, O(chunk)
+      for m in self.members.values():
+        m.reset_planner()
+      keys = [base.table_key(key, n) for n in self.members]
+      self._tier.rows.fill(
+        [lambda a, n, m=m, k=k: m.init_chunk(k, a, n) for m, k in zip(self.members.values(), keys)]
+      )
+      state = self._state(None)
+    else:
+      state = self._state({n: m.init(base.table_key(key, n)) for n, m in self.members.items()})
     self._adopt()
     return state
 
@@ -227,102 +216,18 @@ class OffloadGroup(base.TableGroup):
     return state
 
   def _adopt(self):
-    self._flat, self._ring, self._admitted = None, None, None
     self._tier.reset()
     # New cache bookkeeping: the lists start from the cap again (`Sizer(start_at_cap)`).
     self._sizers = [
       {k: Sizer(cache_plan.PATIENCE, start_at_cap=True) for k in ("now", "next")}
       for _ in self._stacks
     ]
-    members = list(self.members.values())
-    if not members or any(m._planner is None for m in members):
-      return
-    ps = [m._planner for m in members]
-    row_off = np.cumsum([0] + [p.num_rows for p in ps]).astype(np.int64)
-    slot_off = np.cumsum([0] + [p.cache_rows for p in ps]).astype(np.int64)
-    lfu = members[0].options.policy == "lfu"
-    flat = {
-      "row_slot": np.concatenate([p.row_slot for p in ps]),
-      "slot_row": np.concatenate([p.slot_row for p in ps]),
-      "last_used": np.concatenate([p.last_used for p in ps]),
-      "dirty": np.concatenate([p.dirty for p in ps]),
-      "freq": np.concatenate([p.freq for p in ps]) if lfu else np.zeros(0, np.int64),
-    }
-    for i, p in enumerate(ps):
-      r, c = slice(row_off[i], row_off[i + 1]), slice(slot_off[i], slot_off[i + 1])
-      p.row_slot, p.slot_row = flat["row_slot"][r], flat["slot_row"][c]
-      p.last_used, p.dirty = flat["last_used"][c], flat["dirty"][c]
-      if lfu:
-        p.freq = p.lfu._dense = flat["freq"][r]
-    self._flat = dict(flat, row_off=row_off, slot_off=slot_off)
-    self._flat["num_rows"] = np.array([p.num_rows for p in ps], np.int64)
-    self._flat["evict_pad"] = np.array([base.aligned_rows(p.num_rows) for p in ps], np.int64)
+    self._steady.adopt()
 
-  # -- the ring of batches (ids and distinct rows, computed once per batch)
-
-  def _layout(self, ids: dict):
-    """The ring for batches shaped as this one (rebuilt when the shapes change)."""
-    ring = self._ring
-    if ring is not None and ids[next(iter(self.members))] is ring["last"]:
-      return ring
-    shapes = tuple(np.shape(ids[n]) for n in self.members)
-    if self._ring is None or self._ring["shapes"] != shapes:
-      sizes = [int(np.prod(sh)) for sh in shapes]
-      id_off = np.cumsum([0] + sizes).astype(np.int64)
-      r, total, t_n = self.lookahead + 3, int(id_off[-1]), len(sizes)
-      self._ring = {
-        "shapes": shapes,
-        "id_off": id_off,
-        "ids": np.empty((r, total), np.int64),
-        "rows": np.empty((r, total), np.int64),
-        "n": np.zeros((r, t_n), np.int64),
-        "keys": {},  # id() of the batch's first array -> (ring row, the arrays)
-        "order": [],  # ring rows, oldest first
-      }
-    self._ring["last"] = ids[next(iter(self.members))]
-    return self._ring
-
-  def _ring_row(self, ids: dict, busy: list[int]) -> int | None:
-    """The ring row of a batch, computed on its first visit. Batches are known by the
-    identity of their arrays (as `Offload._unique`): a batch's ids must not change once
-    prepare has seen it, in the window or as the batch itself."""
-    ring = self._ring
-    arrays = tuple(ids[n] for n in self.members)
-    hit = ring["keys"].get(id(arrays[0]))
-    if hit is not None and all(a is b for a, b in zip(hit[1], arrays)):
-      return hit[0]
-    if tuple(np.shape(a) for a in arrays) != ring["shapes"]:
-      return None
-    if len(ring["order"]) < ring["ids"].shape[0]:
-      row = len(ring["order"])
-    else:
-      row = next(r for r in ring["order"] if r not in busy)
-      ring["order"].remove(row)
-      ring["keys"] = {k: v for k, v in ring["keys"].items() if v[0] != row}
-    ring["order"].append(row)
-    ring["keys"][id(arrays[0])] = (row, arrays)
-    flat = ring["ids"][row]
-    np.concatenate([np.asarray(a).reshape(-1) for a in arrays], out=flat)
-    sizes = np.diff(ring["id_off"])
-    if (sizes == sizes[0]).all():  # one vectorized numpy sort for every table
-      ordered = np.sort(flat.reshape(sizes.shape[0], -1), axis=1).reshape(-1)
-    else:
-      ordered = np.concatenate([np.sort(np.asarray(a).reshape(-1)) for a in arrays])
-    bad = np.empty(len(arrays), np.int64)
-    hostplan.over_tables(
-      hostplan.distinct, len(arrays), flat, ordered.astype(np.int64, copy=False),
-      ring["id_off"], self._flat["num_rows"], ring["rows"][row], ring["n"][row], bad,
-    )  # fmt: skip
-    if (bad >= 0).any():
-      ring["keys"].pop(id(arrays[0]))
-      ring["order"].remove(row)
-      t = int(np.flatnonzero(bad >= 0)[0])
-      name = list(self.members)[t]
-      raise ValueError(
-        f"offload (table {name!r}): id {int(bad[t])} out of range for "
-        f"{self.members[name].spec.num_rows} rows"
-      )
-    return row
+  @property
+  def fast_batches(self) -> int:
+    """Batches planned by the compiled kernel (tests, benchmarks)."""
+    return self._steady.fast_batches
 
   # -- prepare
 
@@ -338,13 +243,16 @@ class OffloadGroup(base.TableGroup):
     Each table plans as `Offload.prepare` (`table_batch` / `table_exchanges` give its
     part back as it planned it)."""
     per = None
-    if train and self._flat is not None and hostplan.enabled():
-      per = self._prepare_fast(ids, list(upcoming))
+    if train and self._steady.ready and hostplan.enabled():
+      per = self._steady.plan(ids, list(upcoming))
     if per is None:
       if train:
-        self._admitted = None  # the numpy planners admit (or not) the next batch themselves
+        self._steady.forget()
       per = super().prepare(ids, upcoming, train=train)
-    return self._lists(per, train)
+    out = self._lists(per, train)
+    if train:  # (the SSD level: the window's rows read ahead into the host cache)
+      self._tier.read_ahead(upcoming, {n: m._planner for n, m in self.members.items()})
+    return out
 
   # -- one exchange list per stack (row layout and optimizer)
 
@@ -455,11 +363,6 @@ class OffloadGroup(base.TableGroup):
       out.append({"bags": entry, **({"unique": np.concatenate(uniques)} if uniques else {})})
     return tuple(out)
 
-  @staticmethod
-  def _bag_tables(key: str) -> list[int]:
-    """A bag's tables (indices in the stack) from its key (`_batch`)."""
-    return [int(i) for i in key.split(",")]
-
   def table_batch(self, prepared: dict, table: str) -> dict[str, np.ndarray]:
     """A prepared batch of one table as `Offload.prepare` planned it: {"ids": int32[B, L]
     (its own slots, C = padding), "now_pos": int32[B, L], "version": int32[]} (`_batch`
@@ -469,7 +372,7 @@ class OffloadGroup(base.TableGroup):
     )
     first, c = int(self._slot_off[stack][i]), self.members[table].cache_rows
     for key, bag in prepared["batch"][stack]["bags"].items():
-      tabs = self._bag_tables(key)
+      tabs = bag_tables(key)
       if i in tabs:
         j = tabs.index(i)
         ids = np.asarray(bag["ids"])[:, j]
@@ -552,247 +455,15 @@ class OffloadGroup(base.TableGroup):
       # Rows loaded from the device ring of recent write-backs, not the host (their
       # write-back may have been in flight when their step was prepared).
       out["ring_rows_per_step"] = c.get("ring_rows", 0) / c["steps"]
+    if self._tier.disk:  # the SSD level: its host cache and the disk (`DiskRows.stats`)
+      out.update(self._tier.rows.stats(c.get("steps", 0)))
     return out
 
-  # -- the step: per stack, one host read per exchange, one gather, one sparse update, one
-  # set of exchange kernels and one write-back for all of its tables
+  # -- the step (`DeviceStep`: per stack, one host read per exchange, one gather, one sparse
+  # update, one set of exchange kernels and one write-back for all of its tables)
 
   def lookup(self, state, prepared):
-    """-> (pooled {table: f32[B, D]}, residuals: per stack {"now" / "next": {k: f32[W,
-    ...]}}, the rows this step reads from the host: the on-demand rows of this batch, also
-    looked up here, and the next batch's (prefetched). Both read the host arrays as they
-    came into the step (ONE host computation per exchange for every table of the stack),
-    so they depend on nothing the step computes; `update` places them in the caches. Each
-    read is materialized (an optimization barrier): no consumer may re-read the host arrays
-    later through a fused gather, after the write-back (XLA would then copy the whole table
-    to keep the old values; XLA:CPU fuses host gathers into their consumers). The rows of
-    a stack's tables of one bag length come from its cache in one gather (int32[B, T, L]
-    slots -> f32[B, T, L, D], pooled over L): not a gather per table."""
-    pooled, residuals = {}, []
-    for stack, names in enumerate(self._stacks):
-      lists = prepared["lists"][stack]
-      ring = state["ring"][stack]
-      res = {}
-      for kind in ("next", "now"):
-        if lists[kind].shape[1]:
-          got = lists[f"{kind}_rows"]
-          if ring["table"].shape[0]:  # rows whose write-back may not have reached the host
-            src = lists[f"{kind}_src"]
-            held = src < ring["table"].shape[0]
-            got = {
-              k: jnp.where(_rows_mask(held, v), _take(ring[k], src), v) for k, v in got.items()
-            }
-          res[kind] = got
-      residuals.append(res)
-      cache = state["cache"][stack]["table"]
-      for key, bag in prepared["batch"][stack]["bags"].items():
-        rows = _take(cache, bag["ids"])
-        if (
-          "now" in res
-        ):  # rows loaded on demand: from the host read (the cache gets them in update)
-          fresh, pos = res["now"]["table"], bag["now_pos"]
-          rows = jnp.where((pos < fresh.shape[0])[..., None], _take(fresh, pos), rows)
-        summed = jnp.sum(rows, axis=2)
-        for j, i in enumerate(self._bag_tables(key)):
-          n = names[i]
-          count = bag["count"][:, j] if self.specs[n].pooling == "mean" else None
-          pooled[n] = base.pool_rows(summed[:, j, None], count)
-    return pooled, tuple(residuals)
-
-  def _optimizer_inputs(self, prepared, stack: int, grads):
-    """A stack's batch for ONE sparse update of its cache (`base.sparse_sgd_or_adagrad`):
-    ({"ids": int32[n] and, for row-wise optimizers, "unique": int32[U], "inverse":
-    int32[n]}, grads f32[n, D]) over every table (n = the sum of B x L), gathered on every
-    device (an all-gather per leaf of the stack, not per table). Per row, its positions
-    keep their order within its table's batch: the same sums as `dense`'s, bit for bit.
-    Third: the update's `mean_square` (row-wise Adagrad), or None."""
-    names = self._stacks[stack]
-    batch = prepared["batch"][stack]
-    ids, inverse, g, blocks = [], [], [], []
-    for key, bag in sorted(batch["bags"].items()):  # (`_batch`'s order of "unique")
-      tabs = [names[i] for i in self._bag_tables(key)]
-      blocks += [bag["ids"].shape[0] * bag["ids"].shape[2]] * len(tabs)
-      x = {k: v for k, v in bag.items() if k in ("ids", "inverse", "count")}
-      x["g"] = jnp.stack([grads[n] for n in tabs], axis=1)  # [B, T', D]
-      x = sharding.replicate(x, self.mesh)
-      gb = x["g"]
-      if "count" in x:  # mean pooling; a sum-pooled table divides by 1 (exact)
-        mean = np.array([self.specs[n].pooling == "mean" for n in tabs])
-        count = jnp.where(mean, jnp.maximum(x["count"], 1), 1).astype(gb.dtype)
-        gb = gb / count[..., None]
-      bag_len = x["ids"].shape[2]
-      g.append(jnp.broadcast_to(gb[:, :, None], gb.shape[:2] + (bag_len,) + gb.shape[2:]))
-      ids.append(x["ids"].reshape(-1))
-      if "inverse" in x:
-        inverse.append(x["inverse"].reshape(-1))
-    cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs)  # noqa: E731
-    out = {"ids": cat(ids)}
-    mean_square = None
-    if inverse:
-      out["unique"], out["inverse"] = batch["unique"], cat(inverse)
-      # Each row's mean squared gradient reduced per table, on its table's block of the
-      # stack's distinct rows (int32[B * L] each): XLA:CPU picks a reduction's summation
-      # order by the array's size ([256, 8] and [512, 8] differ in the last bit, measured),
-      # so one reduce over the stack's rows is not `dense`'s, whose arrays are per table.
-      # One small kernel per table, only for row-wise optimizers.
-      ends = np.cumsum(blocks).tolist()
-
-      def mean_square(grads):
-        return cat([jnp.mean(x * x, axis=-1) for x in jnp.split(grads, ends[:-1])])
-
-    d = g[0].shape[-1]
-    return out, cat([x.reshape(-1, d) for x in g]), mean_square
+    return self._step.lookup(state, prepared)
 
   def update(self, state, prepared, residuals, grads):
-    """Per stack, on its ONE cache array: the "now" exchange (victims read, on-demand rows
-    placed), the sparse update of every table's batch, the "next" exchange (victims read
-    from the updated cache, prefetched rows placed; a row "now" evicted and the next batch
-    needs back takes the evicted value, NEXT_FROM_NOW: its host copy is stale until the
-    write-back), then ONE write-back (D2H, a scatter on the host) of both exchanges'
-    victims, read off the cache in list order. Each exchange is one gather and one scatter
-    per array for every table (slots of the stack's cache, `_to_stack`). Reads of the cache
-    come before writes to it through optimization barriers (in place on the donated cache).
-    Write after read on the donated host arrays: the write-back's values pass through an
-    optimization barrier with this step's host reads (the residuals), a dependency on
-    reads only, never on compute; the caches take the rows the reads materialized (read
-    once, never again)."""
-    if base.TO_HOST in state:
-      raise ValueError(
-        "offload: the state still holds the previous step's rows for the host: hand them to "
-        "after_update(state) after each update"
-      )
-    out = {**state, **host_cache.advance(state, prepared)}
-    new_cache, new_slots, new_ring, to_host = [], [], [], []
-    for stack, names in enumerate(self._stacks):
-      lists = prepared["lists"][stack]
-      now, nxt = lists["now"], lists["next"]
-      res = residuals[stack]
-      cache, slot_rows = dict(state["cache"][stack]), state["slot_rows"][stack]
-      victims = {}
-      for kind, lst in (("now", now), ("next", nxt)):
-        if kind == "next":  # after the optimizer on this batch's rows
-          batch, g, mean_square = self._optimizer_inputs(prepared, stack, grads)
-          slots = {k: v for k, v in cache.items() if k != "table"}
-          spec = self.specs[names[0]]
-          table, slots = base.sparse_sgd_or_adagrad(
-            spec, cache["table"], slots, batch, g, mean_square
-          )
-          cache = {"table": table, **slots}
-        if not lst.shape[1]:
-          continue
-        loaded = res[kind]
-        if kind == "next" and "now" in victims:  # rows "now" evicted that the next batch needs
-          pos = lst[NEXT_FROM_NOW]
-          again = pos < now.shape[1]
-          loaded = {
-            k: jnp.where(_rows_mask(again, v), _take(victims["now"][k], pos), v)
-            for k, v in loaded.items()
-          }
-        evicted = {k: _take(v, lst[EVICT_SLOTS]) for k, v in cache.items()}
-        evicted, cache = jax.lax.optimization_barrier((evicted, cache))  # read, then overwrite
-        cache = {k: _put(v, lst[LOAD_SLOTS], loaded[k]) for k, v in cache.items()}
-        slot_rows = slot_rows.at[lst[LOAD_SLOTS]].set(lst[LOAD_ROWS], mode="drop")
-        victims[kind] = evicted
-      # The write-backs: into the ring of recent ones (a later step may load a row before
-      # its write-back reaches the host: `host_tier.Recent`), and out of the step for the
-      # host writer (TO_HOST, list order). The ring is written after this step's reads of
-      # it (the residuals) and sized by the first train batch (`HostSide.stage`).
-      ring = state["ring"][stack]
-      width = lists["ring"].shape[1]
-      if ring["table"].shape[0] != width:
-        ring = {k: jnp.zeros((width,) + v.shape[1:], v.dtype) for k, v in ring.items()}
-      else:
-        _, ring = jax.lax.optimization_barrier((res, ring))
-      for kind in ("now", "next"):
-        if kind in victims:
-          dst = lists[f"{kind}_dst"]
-          ring = {k: _put(v, dst, victims[kind][k]) for k, v in ring.items()}
-      new_cache.append(cache)
-      new_slots.append(slot_rows)
-      new_ring.append(ring)
-      to_host.append(victims)
-    return {
-      **out,
-      "cache": tuple(new_cache),
-      "slot_rows": tuple(new_slots),
-      "ring": tuple(new_ring),
-      base.TO_HOST: tuple(to_host),
-    }
-
-  def _prepare_fast(self, ids: dict, upcoming: list) -> dict | None:
-    t0 = time.perf_counter()
-    members = list(self.members.values())
-    first = members[0]
-    if first.lookahead < 1 or not upcoming:
-      return None
-    known = self._admitted
-    if known is None or not all(ids[n] is a for n, a in zip(self.members, known)):
-      for n, m in self.members.items():
-        adm = m._planner.admitted
-        x = ids[n]
-        if adm is None or adm.shape != np.shape(x) or not np.array_equal(adm, x):
-          return None  # not admitted ahead: the "now" exchange, per table
-    ring = self._layout(ids)
-    busy: list[int] = []
-    window = upcoming[: first.lookahead]
-    for batch in [ids] + window[: (first.lookahead if first.options.policy == "lookahead" else 1)]:
-      row = self._ring_row(batch, busy)
-      if row is None:
-        return None
-      busy.append(row)
-    cur, ahead, win = busy[0], busy[1], np.array(busy[2:], np.int64)
-    f = self._flat
-    caps = np.array([p.cache_rows for p in (m._planner for m in members)], np.int64)
-    if (ring["n"][ahead] > caps).any():
-      return None  # the next batch does not fit: not admitted ahead (as the numpy planner)
-    id_off = ring["id_off"]
-    sizes = np.diff(id_off)
-    unique = first.spec.optimizer.needs_unique
-    cap = np.minimum(sizes, caps)
-    per = (3 if unique else 1) * sizes + 5 * cap
-    out_off = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)
-    out = np.empty(int(out_off[-1]), np.int32)
-    stats = np.empty((len(members), 3), np.int64)
-    t_now = members[0]._planner.version
-    policy = hostplan.POLICY_CODES[first.options.policy]
-    hostplan.over_tables(
-      hostplan.plan_step, len(members), ring["ids"], ring["rows"], ring["n"], id_off, cur,
-      ahead, win, f["row_off"], f["slot_off"], f["row_slot"], f["slot_row"], f["last_used"],
-      f["dirty"], f["freq"], f["evict_pad"], t_now, policy, unique, out, out_off, cap, stats,
-    )  # fmt: skip
-    admitted = ring["ids"][ahead].copy()
-    self._admitted = tuple(window[0][n] for n in self.members)
-    dt = (time.perf_counter() - t0) / len(members)
-    result = {}
-    now = np.zeros((4, 0), np.int32)
-    for i, (name, m) in enumerate(self.members.items()):
-      p = m._planner
-      shape = ring["shapes"][i]
-      n, k, o = int(sizes[i]), int(cap[i]), int(out_off[i])
-      prep = {"ids": out[o : o + n].reshape(shape)}
-      if unique:
-        prep["unique"] = out[o + n : o + 2 * n]
-        prep["inverse"] = out[o + 2 * n : o + 3 * n].reshape(shape)
-        o += 2 * n
-      e = o + n
-      hits, loads, back = (int(v) for v in stats[i])
-      prep["now"] = now
-      prep["next"] = np.ascontiguousarray(out[e : e + 5 * k].reshape(5, k)[:, :loads])
-      prep["now_pos"] = np.zeros(shape, np.int32)
-      prep[PLANNED] = (False, True)
-      prep["version"] = np.asarray(p.version, np.int32)
-      p.version += 1
-      p.admitted = admitted[id_off[i] : id_off[i + 1]].reshape(ring["shapes"][i])
-      if p.lfu is not None:
-        p.lfu.accesses += int(ring["n"][cur, i])
-        p.lfu.batches += 1
-      m._count(
-        hits=hits, misses=loads, steps=1, rows_h2d=loads, rows_h2d_on_demand=0,
-        rows_d2h=back, plan_seconds=dt,
-      )  # fmt: skip
-      entry = {"rows": prep}
-      if m.spec.pooling == "mean":
-        entry["count"] = np.sum(np.asarray(ids[name]) >= 0, axis=1).astype(np.int32)
-      result[name] = entry
-    self.fast_batches += 1
-    return result
+    return self._step.update(state, prepared, residuals, grads)

@@ -7,9 +7,13 @@ write-backs, per stack of tables. One object with one job, composed into `Offloa
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from recgnn.backends.offload.cache_plan import EVICT_ROWS, LOAD_ROWS
+from recgnn.backends.offload.disk_rows import DiskRows
+from recgnn.backends.offload.options import OffloadOptions
 from recgnn.embeddings import base, host_cache, host_tier
 
 # The device ring of recent write-backs (`host_tier.Recent`) holds this many times a stack's
@@ -25,12 +29,23 @@ class HostSide:
   """The host tier of one offload group.
 
   stacks: the group's stacks of tables (names; `host_tier.layouts`), specs: {name: TableSpec},
-  index: {name: its position in the group} (the host arrays' order)."""
+  index: {name: its position in the group} (the host arrays' order), options: the group's
+  (storage=ssd:DIR: the rows in row files behind a host cache, `DiskRows`)."""
 
-  def __init__(self, owner: str, stacks, specs: dict, index: dict[str, int]):
+  def __init__(self, owner: str, stacks, specs: dict, index: dict[str, int], options=None):
     self.owner = owner
     self.stacks, self.specs, self.index = stacks, specs, index
-    self.rows = host_tier.HostRows(owner)
+    o = options or OffloadOptions(cache_rows=1)
+    if o.storage_dir is None:
+      self.rows = host_tier.HostRows(owner)
+    else:
+      order = [specs[n] for n in sorted(index, key=index.get)]
+      self.rows = DiskRows(
+        owner, order, o.storage_dir, [o.host_cache_rows(s.num_rows) for s in order],
+        o.policy, o.io, o.lookahead,
+      )  # fmt: skip
+    self.disk = isinstance(self.rows, DiskRows)
+    self._ahead: collections.deque = collections.deque(maxlen=4 * (o.lookahead + 2))
     # Per stack, each table's first row in the ring's numbering (table after table).
     self.row_base = [
       np.cumsum([0] + [specs[n].num_rows for n in names]).astype(np.int64) for names in stacks
@@ -46,8 +61,9 @@ class HostSide:
     self.rows.set(arrays)
 
   def table(self, name: str) -> dict:
-    """A table's host arrays (numpy; current once `drain` returned)."""
-    return self.rows.arrays[self.index[name]]
+    """A table's host arrays (numpy; current once `drain` returned; the SSD level: a copy
+    read from its row file)."""
+    return self.rows.table(self.index[name])
 
   def drain(self) -> None:
     """Every write-back handed over applied."""
@@ -65,8 +81,8 @@ class HostSide:
     """table[slot_rows[s]] = cache[s] for every occupied slot (the device copy written back
     before a checkpoint; slot_rows int32[C], N = empty). Call after `drain`."""
     resident = slot_rows < self.specs[name].num_rows
-    for k, v in self.table(name).items():
-      v[slot_rows[resident]] = cache[k][resident]
+    rows = slot_rows[resident].astype(np.int64)
+    self.rows.put(self.index[name], rows, {k: v[resident] for k, v in cache.items()})
 
   def ring_rows(self, stack: int, cap: int) -> int:
     """The ring's rows for a stack whose most loads per batch are `cap` (the sum of min(ids
@@ -116,7 +132,7 @@ class HostSide:
     for kind in kinds:
       rows, src, off = segs[kind]
       width = entry[kind].shape[1]
-      if self.rows.arrays:
+      if self.rows.loaded():
         got = self.rows.gather(
           [(tabs[i], rows[off[i] : off[i + 1]]) for i in range(len(tabs))], width
         )
@@ -147,6 +163,26 @@ class HostSide:
       ]
     recent.end_step()
     return writes
+
+  def read_ahead(self, upcoming, planners: dict) -> None:
+    """The SSD level only: hand the batches of the look-ahead window (`DiskRows.window`
+    batches after the next one, whose rows this prepare reads) not handed before to the
+    prefetch thread: their rows the device cache does not hold (`planners`: {name: its
+    `Planner`}), read into the host cache before their prepare needs them."""
+    if not self.disk or not self.rows.loaded():
+      return
+    self.rows.tick()
+    for batch in list(upcoming)[1 : 1 + self.rows.window()]:
+      first = batch[next(iter(planners))]
+      if any(first is seen for seen in self._ahead):
+        continue
+      self._ahead.append(first)
+      job = []
+      for name, p in planners.items():
+        ids = np.asarray(batch[name]).reshape(-1)
+        rows = np.unique(ids[ids >= 0])
+        job.append((self.index[name], rows[p.row_slot[rows] < 0]))
+      self.rows.prefetch(job)
 
   def plan(self, writes: list) -> None:
     """A train batch's write-backs (per stack, `stage`'s), for its step's `hand_over`."""

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 from recgnn.backends.offload.cache_plan import POLICIES
+from recgnn.backends.offload.row_file import IO_MODES
 from recgnn.embeddings import base
 
 EXCHANGES = ("fixed", "bucket", "pow2")
@@ -44,6 +46,17 @@ class OffloadOptions(base.BackendOptions):
       thread and moved with its transfer, written back by a host writer
       (recgnn.embeddings.host_tier). `device` (no offload) went with the host computations
       inside the step (issue 42): a table on the device is `dense`.
+    storage: where the whole table and its optimizer state live. `ram` (default): numpy
+      arrays in host RAM. `ssd:DIR` (quoted in a plan string: storage='ssd:/mnt/nvme/rows'):
+      one row file per table in DIR (made if missing; refused when not writable or short
+      of the files' bytes), a host-RAM cache of `host_cache` of the rows between it and the
+      device cache (disk_rows.py): tables larger than RAM.
+    host_cache: with storage=ssd:DIR, the host-RAM cache as a fraction of each table's rows,
+      in (0, 1] (required there; refused with storage=ram, which keeps every row in RAM).
+    io: with storage=ssd:DIR, how the row files are read: `direct` (default: O_DIRECT, rows
+      padded to the disk's logical block: the disk reads the rows asked for and nothing
+      else, and no page cache grows beside the host budget) or `buffered` (the page cache:
+      each row costs a 4 KiB page read; benchmarks/ssd_io.py).
   """
 
   backend: ClassVar[str] = "offload"
@@ -55,6 +68,18 @@ class OffloadOptions(base.BackendOptions):
   lookahead: int = 8
   exchange: str = "bucket"
   host_memory: str = "pinned_host"
+  storage: str = "ram"
+  host_cache: float | None = None
+  io: str = "direct"
+
+  @property
+  def storage_dir(self) -> str | None:
+    """The row files' directory (storage=ssd:DIR), None for storage=ram."""
+    return self.storage[4:] if self.storage.startswith("ssd:") else None
+
+  def host_cache_rows(self, num_rows: int) -> int:
+    """A table's host-cache rows at the SSD level (`host_cache`: a fraction of its rows)."""
+    return max(1, min(num_rows, math.ceil(self.host_cache * num_rows)))
 
   def __post_init__(self):
     if (self.cache_rows is None) == (self.cache_fraction is None):
@@ -84,6 +109,30 @@ class OffloadOptions(base.BackendOptions):
         "RAM (pinned_host, the default) and move with the batch; for a table on the device "
         "use dense"
       )
+    if self.storage != "ram" and not (self.storage.startswith("ssd:") and self.storage[4:]):
+      raise ValueError(
+        f"offload: storage={self.storage!r} is not a storage; use storage=ram (default) or "
+        "storage='ssd:/path/to/dir' (quoted) for row files on disk"
+      )
+    if self.storage_dir is None:
+      given = [f"{k}={v!r}" for k, v in (("host_cache", self.host_cache),) if v is not None]
+      given += [f"io={self.io!r}"] if self.io != "direct" else []
+      if given:
+        raise ValueError(
+          f"offload: {', '.join(given)} sizes / reads the host cache of the SSD level, but "
+          "storage=ram keeps every row in RAM: add storage='ssd:DIR' or drop it"
+        )
+    else:
+      if self.host_cache is None:
+        raise ValueError(
+          "offload: storage=ssd:DIR needs host_cache=F, the fraction of each table's rows "
+          "kept in host RAM, e.g. offload(cache_fraction=0.01, host_cache=0.05, "
+          "storage='ssd:/mnt/nvme/rows')"
+        )
+      if not 0 < self.host_cache <= 1:
+        raise ValueError(f"offload: host_cache must be in (0, 1], got {self.host_cache}")
+      if self.io not in IO_MODES:
+        raise ValueError(f"offload: unknown io {self.io!r}; available: {', '.join(IO_MODES)}")
     if self.exchange not in EXCHANGES:
       raise ValueError(
         f"offload: unknown exchange {self.exchange!r}; available: {', '.join(EXCHANGES)}"

@@ -12,6 +12,7 @@ import time
 import jax
 import numpy as np
 
+from recgnn.backends.offload import row_file
 from recgnn.backends.offload.cache_plan import (
   EVICT_ROWS,
   Exchange,
@@ -80,6 +81,9 @@ class Offload(base.TableBackend):
       size = f"cache_fraction={o.cache_fraction}"
       size += f", min_cache_rows={o.min_cache_rows}" if o.min_cache_rows else ""
     extra = "" if o.exchange == "bucket" else f", exchange={o.exchange}"
+    if o.storage_dir is not None:
+      extra += f", host_cache={o.host_cache}, storage='{o.storage}'"
+      extra += f", io={o.io}" if o.io != "direct" else ""
     return f"offload({size}, policy={o.policy}, lookahead={self.lookahead}{extra})"
 
   offloaded = True  # (every offload table's rows are in host RAM)
@@ -114,12 +118,29 @@ class Offload(base.TableBackend):
     """The table's host arrays (numpy) and a fresh planner (its cache: `empty_cache`)."""
     return self.fresh(self.init_host(key))
 
+  def init_chunk(self, key, first: int, n: int) -> dict:
+    """Rows [first, first + n) of `init_host`'s arrays, O(n) (the SSD level writes its row
+    file a chunk at a time: `base.init_rows` draws the same rows as the whole table)."""
+    spec = self.spec
+    stop = min(first + n, spec.num_rows)
+    table = np.zeros((n, spec.dim), np.float32)
+    if stop > first:
+      table[: stop - first] = base.init_rows(key, spec, first, stop)
+    out = {"table": table}
+    acc = spec.optimizer.initial_accumulator
+    out.update({s: np.full(n, acc, np.float32) for s in spec.optimizer.slot_names()})
+    return out
+
+  def reset_planner(self) -> None:
+    """New host bookkeeping (an empty cache: the group pairs it with `empty_cache`)."""
+    self._planner = Planner(self.spec.num_rows, self.cache_rows, self.options.policy)
+    self._window_cache.clear()
+
   def fresh(self, host: dict) -> dict:
     """`host` (the whole table: numpy, or arrays restored from a checkpoint) as writable numpy
     arrays (one copy, O(N), at init / restore only); new host bookkeeping (an empty cache:
     the group pairs it with `empty_cache`)."""
-    self._planner = Planner(self.spec.num_rows, self.cache_rows, self.options.policy)
-    self._window_cache.clear()
+    self.reset_planner()
     return {k: np.array(jax.device_get(v), np.float32) for k, v in host.items()}
 
   def empty_cache(self) -> dict:
@@ -161,10 +182,34 @@ class Offload(base.TableBackend):
     # checkpoint's logical shape is (`init_host`); the device ring of recent write-backs is
     # the batch's (`OffloadGroup.batch_memory`).
     table = base.aligned_rows(spec.num_rows) * spec.row_bytes
-    host = table + planner
+    if self.options.storage_dir is None:
+      host = table + planner
+      return base.MemoryReport(
+        device, host, f"host RAM + {c}-row device cache ({self.options.policy})"
+      )
+    # The SSD level: the row file (records padded to the disk's block: `record_bytes`), a
+    # host cache of H records with its planner (row -> slot int32[S], per slot its row,
+    # recency and dirty bit), the device cache above.
+    h, rec = self.host_cache_rows, self.record_bytes
+    host = h * rec + base.aligned_rows(spec.num_rows) * 4 + h * 17 + planner
+    disk = row_file.HEADER_BYTES + base.aligned_rows(spec.num_rows) * rec
     return base.MemoryReport(
-      device, host, f"host RAM + {c}-row device cache ({self.options.policy})"
-    )
+      device, host,
+      f"{self.options.storage_dir} + {h}-row host cache + {c}-row device cache "
+      f"({self.options.policy})", disk,
+    )  # fmt: skip
+
+  @property
+  def host_cache_rows(self) -> int:
+    """Rows of the host cache at the SSD level (`host_cache`: a fraction of the rows)."""
+    return self.options.host_cache_rows(self.spec.num_rows)
+
+  @property
+  def record_bytes(self) -> int:
+    """Bytes per row in the row file at the SSD level (`row_file.record_bytes`)."""
+    o = self.options
+    return row_file.record_bytes(self.spec.dim, len(self.spec.optimizer.slot_names()), o.io,
+                                 o.storage_dir)  # fmt: skip
 
   # --------------------------------------------------------------------------- host side
 

@@ -106,6 +106,8 @@ def choose_finalists(
   else:
     total_budget = int(all_dense * float(budget))
   avail = None if total_budget is None else total_budget - fixed_bytes
+  # The host budget is this rule's tables' (the other rules' host bytes are not counted).
+  host_avail = None if options.host_budget is None else parse_bytes(options.host_budget)
   if avail is not None and avail < 0:
     raise budget_lib.PlanDoesNotFit(
       f"auto plan: the tables other rules place take {_mib(fixed_bytes)} per device, more than "
@@ -173,7 +175,7 @@ def choose_finalists(
   solved = []  # (label, picked, limits, kept) of each variant the budget can meet, distinct
   for label, kept, lims in finalist_plans(shares, options, limits):
     try:
-      picked = solve(kept, avail, options.objective, lims, group_s)
+      picked = solve(kept, avail, options.objective, lims, group_s, host_avail)
     except budget_lib.PlanDoesNotFit as e:
       if not solved:  # the solver's own plan: a budget nothing fits, refused with the numbers
         raise

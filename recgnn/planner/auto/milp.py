@@ -50,9 +50,11 @@ def solve(
   objective: str,
   limits: dict[str, int] | None = None,
   group_s: dict[str, float] | None = None,
+  host_budget: int | None = None,
 ) -> dict[str, Candidate]:
   """One candidate per table minimizing the objective with the bytes per device within
-  `budget_bytes`: an integer program, binary x[t, c], sum_c x[t, c] = 1, sum bytes <= budget;
+  `budget_bytes` (and their host bytes within `host_budget`, when given): an integer
+  program, binary x[t, c], sum_c x[t, c] = 1, sum bytes <= budget;
   and for each family f in `limits`, at most limits[f] distinct backend strings among its
   candidates (binary y[s] >= x[t, c] for every c of string s, sum_{s in f} y[s] <= limits[f]).
   group_s: seconds a backend string costs once if any table takes it (a group's fixed part:
@@ -89,6 +91,10 @@ def solve(
   if budget_bytes is not None:
     row = np.concatenate([nbytes, np.zeros(ny)])[None, :]
     constraints.append(optimize.LinearConstraint(row, -np.inf, budget_bytes))
+  if host_budget is not None:
+    hbytes = np.array([c.host_bytes for _, c in flat], float)
+    row = np.concatenate([hbytes, np.zeros(ny)])[None, :]
+    constraints.append(optimize.LinearConstraint(row, -np.inf, host_budget))
   if ny:
     # x[t, c] - y[string of c] <= 0; per family, sum of its y <= its limit.
     index = {key: j for j, key in enumerate(limited)}
@@ -118,7 +124,9 @@ def solve(
     raise budget_lib.PlanDoesNotFit(
       f"auto plan: no plan fits {_mib(budget_bytes or 0)} per device within the limits on "
       f"distinct backend strings {limits} (a batch has one micro-batch split; each host-tier "
-      f"group is its own set of step programs); solver: {res.message}. Raise the budget, "
+      f"group is its own set of step programs)"
+      + (f" and {_mib(host_budget)} of host memory" if host_budget is not None else "")
+      + f"; solver: {res.message}. Raise the budget, "
       "`strings_per_kind`, or allow other kinds."
     )
   pick = np.flatnonzero(res.x[:nx] > 0.5)

@@ -65,6 +65,14 @@ class AutoOptions(BackendOptions):
       tables' steps ranks plans whose groups differ in number and kind less well than a
       whole step does (multi-group plans of dlrm_kaggle measured 11-19% above their sum,
       single-group ones within ~10%). 1: the solver's plan, untimed.
+    host_budget: host bytes for the tables this rule places (their host tables, caches and
+      maps: `memory().host_bytes`), a size ('16G'); None: no limit. Plans over it are not
+      chosen; with `ssd`, offload's SSD level is a candidate that keeps only a host cache of
+      a table's rows in RAM.
+    ssd: a directory on a local SSD: adds offload's SSD level as candidates,
+      offload(cache_fraction=f, host_cache=h, storage='ssd:DIR') for each fraction f and each
+      of `host_caches` above it (their timing writes row files there).
+    host_caches: the SSD level's host caches, as shares of each table.
   """
 
   backend: ClassVar[str] = "auto"
@@ -78,6 +86,9 @@ class AutoOptions(BackendOptions):
   measure_rows: int = 1_000_000
   strings_per_kind: int = 2
   finalists: int = 5
+  host_budget: str | None = None
+  ssd: str | None = None
+  host_caches: tuple[float, ...] = (0.05, 0.2)
 
   def __post_init__(self):
     if self.objective not in OBJECTIVES:
@@ -104,6 +115,12 @@ class AutoOptions(BackendOptions):
       raise ValueError(f"auto: strings_per_kind must be >= 1, got {self.strings_per_kind}")
     if self.batches < 1:
       raise ValueError(f"auto: batches must be >= 1, got {self.batches}")
+    if self.ssd is not None and "offload" not in self.kinds:
+      raise ValueError("auto: ssd=DIR adds offload's SSD level: keep offload in kinds")
+    if any(not 0 < h <= 1 for h in self.host_caches):
+      raise ValueError(f"auto: host_caches must be in (0, 1], got {self.host_caches!r}")
+    if self.host_budget is not None:
+      parse_bytes(self.host_budget)  # (refused here when it is not a size)
     if self.finalists < 1:
       raise ValueError(f"auto: finalists must be >= 1, got {self.finalists}")
 

@@ -50,6 +50,12 @@ def candidates(spec: TableSpec, options: AutoOptions, mesh: jax.sharding.Mesh) -
       continue
     if "offload" in options.kinds:
       out.append(f"offload(cache_fraction={f})")
+      if options.ssd is not None:  # the SSD level: its host cache above the device cache
+        out += [
+          f"offload(cache_fraction={f}, host_cache={h}, storage='ssd:{options.ssd}')"
+          for h in options.host_caches
+          if h > f
+        ]
     if "hot_cold" in options.kinds:
       out.append(f"hot_cold(budget={f})")
   if "tt" in options.kinds:

@@ -1,0 +1,339 @@
+"""offload's SSD level (issue 44): the tables' rows and optimizer state in row files on disk
+(`row_file.RowFile`), a bounded host-RAM cache of them (`CachedRows`, one per table), the
+device cache above as before. `DiskRows` has `host_tier.HostRows`'s interface (`gather` on
+the input thread, `scatter` on the writer thread, `set`, `table`, `put`), so `HostSide` and
+the step do not know where the rows are.
+
+The host cache is offload's own cache planner (`cache_plan.Planner`: its row -> slot map,
+victims under the table's policy, dirty bits) over H host slots instead of device slots:
+  read (gather, prefetch)  admit the rows: dirty victims written to the file first (one
+                           batched write, rows sorted, runs coalesced), then the missing
+                           rows read into their slots (the thread pool), then copied out
+  write (scatter)          admit the rows without reading them (the whole record is
+                           overwritten), victims written back as above, the slots dirty
+A lock makes each call atomic: the cache and the file are one map from row to its latest
+applied value, whatever thread calls. Which value a step must see is `host_tier`'s ordering
+(the device ring of recent write-backs, `Writer.wait`), as for rows in RAM.
+
+Look-ahead over the disk's latency (`prefetch`): the group hands each batch that enters its
+look-ahead window to a prefetch thread, which reads the rows the device cache does not
+hold into the host cache while the steps before it run; `window` sizes how many batches
+ahead from the measured read time per batch and the measured time between batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import queue
+import threading
+import time
+import weakref
+
+import numpy as np
+
+from recgnn.backends.offload.cache_plan import Planner
+from recgnn.backends.offload.row_file import RowFile, check_space, remove_stale
+from recgnn.embeddings import host_tier
+from recgnn.embeddings.specs import aligned_rows
+
+_SERIAL = itertools.count()  # (each DiskRows's files get their own names: groups coexist)
+
+
+class CachedRows:
+  """One table's rows: a RowFile behind H host-RAM slots (`Planner` over them).
+
+  Records are float32[floats]: the row (dim), its optimizer slots, padding."""
+
+  def __init__(self, file: RowFile, host_rows: int, policy: str):
+    self.file = file
+    self.host_rows = max(1, min(int(host_rows), file.num_rows))
+    self.policy = "lru" if policy == "lookahead" else policy  # (its window is `prefetch`'s)
+    self.lock = threading.Lock()
+    self.planner = Planner(file.num_rows, self.host_rows, self.policy)
+    self.data = file.buffer(self.host_rows).view(np.float32)  # [H, floats]
+    self.clock = 0
+    self.counts = {"hits": 0, "misses": 0, "evicted": 0, "prefetched": 0}
+
+  def reset(self) -> None:
+    self.planner = Planner(self.file.num_rows, self.host_rows, self.policy)
+    self.clock = 0
+
+  def _admit(self, rows: np.ndarray, load: bool, count: str = "") -> np.ndarray:
+    """Make sorted distinct rows (at most H) resident -> their slots. Lock held. count:
+    "" (a read: hits and misses counted), or the counter of the rows it loads."""
+    self.clock += 1
+    ex = self.planner.admit(rows, self.clock, ())
+    if count:
+      self.counts[count] += ex.load_rows.shape[0]
+    elif load:
+      self.counts["hits"] += ex.hits
+      self.counts["misses"] += ex.load_rows.shape[0]
+      if self.planner.lfu is not None:  # (LFU: the step's reads are the accesses counted)
+        self.planner.lfu.add_rows(rows)
+    if ex.evict_rows.shape[0]:  # dirty victims to the file before their slots are reused
+      order = np.argsort(ex.evict_rows)
+      buf = self.file.buffer(order.shape[0])
+      buf.view(np.float32)[:] = self.data[ex.evict_slots[order]]
+      self.file.write(ex.evict_rows[order].astype(np.int64), buf)
+      self.counts["evicted"] += order.shape[0]
+    if load and ex.load_rows.shape[0]:
+      buf = self.file.buffer(ex.load_rows.shape[0])
+      self.file.read(ex.load_rows.astype(np.int64), buf)  # (admit's rows are sorted)
+      self.data[ex.load_slots] = buf.view(np.float32)
+    return self.planner.row_slot[rows]
+
+  def _chunks(self, rows: np.ndarray):
+    u, inv = np.unique(rows, return_inverse=True)
+    for a in range(0, u.shape[0], self.host_rows):
+      yield u[a : a + self.host_rows], inv, a
+
+  def read(self, rows: np.ndarray, out: np.ndarray | None) -> None:
+    """out[i] = record of rows[i] (float32[n, floats]; None: only make them resident)."""
+    if rows.shape[0] == 0:
+      return
+    with self.lock:
+      for part, inv, a in self._chunks(rows.astype(np.int64)):
+        slots = self._admit(part, load=True)
+        if out is not None:
+          pick = (inv >= a) & (inv < a + part.shape[0])
+          out[pick] = self.data[slots[inv[pick] - a]]
+
+  def prefetch(self, rows: np.ndarray) -> None:
+    """Read the rows not in the host cache (at most H, the rest skipped)."""
+    rows = np.unique(rows.astype(np.int64))[: self.host_rows]
+    with self.lock:
+      missing = rows[self.planner.row_slot[rows] < 0]
+      if missing.shape[0]:
+        self._admit(missing, load=True, count="prefetched")
+
+  def write(self, rows: np.ndarray, values: np.ndarray) -> None:
+    """record of rows[i] = values[i] (rows distinct; values float32[n, floats])."""
+    if rows.shape[0] == 0:
+      return
+    rows = rows.astype(np.int64)
+    with self.lock:
+      order = np.argsort(rows)
+      for a in range(0, rows.shape[0], self.host_rows):
+        sel = order[a : a + self.host_rows]
+        slots = self._admit(rows[sel], load=False)
+        self.data[slots] = values[sel]
+        self.planner.dirty[slots] = True
+
+  def flush(self) -> None:
+    """Every dirty cached row written to the file (they stay cached, now clean)."""
+    with self.lock:
+      p = self.planner
+      slots = np.flatnonzero(p.dirty & (p.slot_row >= 0))
+      if slots.shape[0]:
+        rows = p.slot_row[slots]
+        order = np.argsort(rows)
+        buf = self.file.buffer(slots.shape[0])
+        buf.view(np.float32)[:] = self.data[slots[order]]
+        self.file.write(rows[order], buf)
+        p.dirty[slots] = False
+
+
+class DiskRows(host_tier.HostRows):
+  """`HostRows` whose tables are `CachedRows` (one row file each, in `directory`).
+
+  specs: the tables' specs in the host tier's order; host_rows: each table's host-cache
+  rows; io: `row_file.IO_MODES`."""
+
+  def __init__(self, owner, specs, directory, host_rows, policy, io="direct", lookahead=8):
+    super().__init__(owner)
+    self.specs = list(specs)
+    tag = f".g{next(_SERIAL)}"
+    self.tables = [
+      CachedRows(
+        RowFile(
+          directory, s.name, aligned_rows(s.num_rows), s.dim, s.optimizer.slot_names(), io, tag
+        ),  # fmt: skip
+        h,
+        policy,
+      )
+      for s, h in zip(self.specs, host_rows)
+    ]
+    check_space(directory, [c.file for c in self.tables])  # (at plan time: before init)
+    remove_stale(directory)
+    self.lookahead = lookahead
+    self._queue: queue.Queue = queue.Queue()
+    self._thread: threading.Thread | None = None
+    self.read_seconds_per_batch = 0.0  # prefetch's measured time per batch (an average)
+    self._last_prepare = None
+    self.batch_seconds = 0.0  # measured time between batches (an average)
+    self._ready = False
+    # The files go with the object (scratch: the checkpoint holds the tables).
+    weakref.finalize(self, _remove, [c.file for c in self.tables])
+    self._prefetch_error: BaseException | None = None
+    self._last_counts: dict[str, int] | None = None
+
+  # -- the logical tables
+
+  def _keys(self, t: int) -> tuple[str, ...]:
+    return ("table", *self.specs[t].optimizer.slot_names())
+
+  def _to_records(self, t: int, arrays: dict, rows: slice | np.ndarray) -> np.ndarray:
+    """float32[n, floats] from {k: f32[..]} (the rows `rows` of each)."""
+    s = self.specs[t]
+    first = arrays["table"][rows]
+    out = np.zeros((first.shape[0], self.tables[t].file.floats), np.float32)
+    out[:, : s.dim] = first
+    for j, k in enumerate(s.optimizer.slot_names()):
+      out[:, s.dim + j] = arrays[k][rows]
+    return out
+
+  def _from_records(self, t: int, rec: np.ndarray) -> dict:
+    s = self.specs[t]
+    out = {"table": np.ascontiguousarray(rec[:, : s.dim])}
+    for j, k in enumerate(s.optimizer.slot_names()):
+      out[k] = np.ascontiguousarray(rec[:, s.dim + j])
+    return out
+
+  def set(self, arrays: list[dict]) -> None:
+    """Write each table's row file from these arrays (the whole table, its aligned rows as
+    the checkpoint's logical shape: import)."""
+    self.fill(
+      [lambda a, n, x=x: {k: v[a : a + n] for k, v in x.items()} for x in arrays]
+    )  # fmt: skip
+
+  def fill(self, sources) -> None:
+    """Write each table's row file from sources[t](first, n) -> {k: its rows [first, first
+    + n)} (a chunk at a time: init never holds a whole table), new host caches."""
+    self.writer.drain()
+    self.drain_prefetch()
+    for t, (c, src) in enumerate(zip(self.tables, sources)):
+      c.file.create(lambda a, n, t=t, src=src: self._to_records(t, src(a, n), slice(None)))
+      c.reset()
+    self._ready = True
+
+  def loaded(self) -> bool:
+    return self._ready
+
+  def table(self, t: int) -> dict:
+    """Table t's logical arrays (numpy copies, O(N): export), read from its file after every
+    dirty cached row is flushed; the file verified first."""
+    self.drain_prefetch()
+    c = self.tables[t]
+    c.flush()
+    c.file.verify()
+    with c.lock:
+      return self._from_records(t, c.file.read_all(0, c.file.num_rows))
+
+  def put(self, t: int, rows: np.ndarray, values: dict) -> None:
+    """table t's rows[i] = values[k][i] (the resident device rows, before a checkpoint)."""
+    self.tables[t].write(rows, self._to_records(t, values, slice(None)))
+
+  def close(self, remove: bool = True) -> None:
+    self.drain_prefetch()
+    for c in self.tables:
+      c.file.close(remove)
+
+  # -- the input thread and the writer
+
+  def gather(self, segments, width: int) -> dict[str, np.ndarray]:
+    """As `HostRows.gather`, the rows read through the host cache (disk on a miss)."""
+    if self._prefetch_error is not None:
+      raise RuntimeError(f"{self.owner}: a read ahead failed: {self._prefetch_error}")
+    t0 = segments[0][0] if segments else 0
+    s = self.specs[t0]
+    out = {"table": np.zeros((width, s.dim), np.float32)}
+    out.update({k: np.zeros(width, np.float32) for k in s.optimizer.slot_names()})
+    at = 0
+    for t, rows in segments:
+      n = rows.shape[0]
+      if n:
+        rec = np.empty((n, self.tables[t].file.floats), np.float32)
+        self.tables[t].read(rows, rec)
+        for k, v in self._from_records(t, rec).items():
+          out[k][at : at + n] = v
+      at += n
+    return out
+
+  def scatter(self, writes, values: dict) -> None:
+    """As `HostRows.scatter`: into the host cache (dirty), evictions to the file."""
+    for t, rows, pos in writes:
+      if rows.shape[0]:
+        sel = {k: np.asarray(values[k])[pos] for k in self._keys(t)}
+        self.tables[t].write(rows, self._to_records(t, sel, slice(None)))
+
+  # -- look-ahead
+
+  def window(self) -> int:
+    """Batches to read ahead: the measured read time of a batch over the measured time
+    between batches, + 1, within 1 .. lookahead."""
+    if self.batch_seconds <= 0:
+      return max(1, self.lookahead)
+    need = math.ceil(self.read_seconds_per_batch / self.batch_seconds) + 1
+    return int(min(max(need, 1), max(1, self.lookahead)))
+
+  def tick(self) -> None:
+    """A batch was prepared (the input thread's cadence: a step's time in steady state)."""
+    now = time.perf_counter()
+    if self._last_prepare is not None:
+      dt = now - self._last_prepare
+      self.batch_seconds = dt if self.batch_seconds == 0 else 0.9 * self.batch_seconds + 0.1 * dt
+    self._last_prepare = now
+
+  def prefetch(self, rows: list[tuple[int, np.ndarray]]) -> None:
+    """Read [(table, rows)] of a batch ahead into the host caches, on the prefetch thread
+    (never on the caller's)."""
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, name="offload ssd prefetch", daemon=True)
+      self._thread.start()
+    self._queue.put(rows)
+
+  def _run(self) -> None:
+    while True:
+      job = self._queue.get()
+      try:
+        if job is None:
+          return
+        t0 = time.perf_counter()
+        for t, rows in job:
+          self.tables[t].prefetch(rows)
+        dt = time.perf_counter() - t0
+        r = self.read_seconds_per_batch
+        self.read_seconds_per_batch = dt if r == 0 else 0.9 * r + 0.1 * dt
+      except BaseException as e:  # re-raised by the next gather (on the input thread)
+        self._prefetch_error = e
+      finally:
+        self._queue.task_done()
+
+  def drain_prefetch(self) -> None:
+    if self._thread is not None:
+      self._queue.join()
+
+  def stats(self, steps: int) -> dict[str, float]:
+    """Since the last call, over `steps` train steps: host_hit_rate (rows the step lists
+    read that the host cache held), disk read / written bytes per step (records asked of
+    the files: a record is the row, its slots and the padding), rows read ahead per step,
+    and the look-ahead window in batches."""
+    now = self.counts()
+    last = self._last_counts or dict.fromkeys(now, 0)
+    self._last_counts = now
+    d = {k: now[k] - last[k] for k in now}
+    out = {"ssd_window": float(self.window())}
+    if d["hits"] + d["misses"]:
+      out["ssd_host_hit_rate"] = d["hits"] / (d["hits"] + d["misses"])
+    if steps:
+      out["ssd_read_bytes_per_step"] = d["bytes_read"] / steps
+      out["ssd_written_bytes_per_step"] = d["bytes_written"] / steps
+      out["ssd_read_ahead_rows_per_step"] = d["prefetched"] / steps
+    return out
+
+  def counts(self) -> dict[str, int]:
+    """Host-cache hits / misses / evicted rows and file bytes, summed over the tables."""
+    out = {"hits": 0, "misses": 0, "evicted": 0, "prefetched": 0, "bytes_read": 0,
+           "bytes_written": 0}  # fmt: skip
+    for c in self.tables:
+      for k, v in c.counts.items():
+        out[k] += v
+      out["bytes_read"] += c.file.bytes_read
+      out["bytes_written"] += c.file.bytes_written
+    return out
+
+
+def _remove(files: list[RowFile]) -> None:
+  for f in files:
+    f.close(remove=True)

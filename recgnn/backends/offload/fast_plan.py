@@ -1,0 +1,218 @@
+"""`SteadyPlanner`: offload's steady-state planning of a group's train batches by the compiled
+kernel (`planner.plan_step`), a batch admitted by the previous step with the next one admitted
+now, for every table at once. Everything else (the first batch, one after an eval pass, eval
+batches, a batch that does not fit, numba missing) goes through each table's numpy planner
+(`Offload.prepare`). Both work on the same planner arrays: this object keeps every table's
+row->slot map, slot->row map, recency and dirty bits in flat arrays, and each `Planner` holds
+views of its slices. The decisions are the same either way (tests/test_offload.py compares
+every prepared array).
+
+Each batch's ids and sorted distinct rows are computed once, into a ring of lookahead + 3
+batches (bounded memory), and reused while it moves through the window.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from recgnn.backends.offload import planner as hostplan
+from recgnn.backends.offload.table import PLANNED
+from recgnn.embeddings import base
+
+
+class SteadyPlanner:
+  """The compiled planner of one offload group. members: {name: `Offload`} (their planners
+  adopted by `adopt`), lookahead: the group's window."""
+
+  def __init__(self, members: dict, lookahead: int):
+    self.members, self.lookahead = members, lookahead
+    self._flat = None
+    self._ring = None
+    self._admitted = None  # the arrays of the batch the kernel admitted ahead
+    self.fast_batches = 0  # batches planned by the compiled kernel (tests, benchmarks)
+
+  @property
+  def ready(self) -> bool:
+    return self._flat is not None
+
+  def forget(self) -> None:
+    """The numpy planners admit (or not) the next batch themselves."""
+    self._admitted = None
+
+  def adopt(self) -> None:
+    """New bookkeeping (init / restore): the members' planners' arrays made slices of flat
+    ones (none while a member has no planner yet)."""
+    self._flat, self._ring, self._admitted = None, None, None
+    members = list(self.members.values())
+    if not members or any(m._planner is None for m in members):
+      return
+    ps = [m._planner for m in members]
+    row_off = np.cumsum([0] + [p.num_rows for p in ps]).astype(np.int64)
+    slot_off = np.cumsum([0] + [p.cache_rows for p in ps]).astype(np.int64)
+    lfu = members[0].options.policy == "lfu"
+    flat = {
+      "row_slot": np.concatenate([p.row_slot for p in ps]),
+      "slot_row": np.concatenate([p.slot_row for p in ps]),
+      "last_used": np.concatenate([p.last_used for p in ps]),
+      "dirty": np.concatenate([p.dirty for p in ps]),
+      "freq": np.concatenate([p.freq for p in ps]) if lfu else np.zeros(0, np.int64),
+    }
+    for i, p in enumerate(ps):
+      r, c = slice(row_off[i], row_off[i + 1]), slice(slot_off[i], slot_off[i + 1])
+      p.row_slot, p.slot_row = flat["row_slot"][r], flat["slot_row"][c]
+      p.last_used, p.dirty = flat["last_used"][c], flat["dirty"][c]
+      if lfu:
+        p.freq = p.lfu._dense = flat["freq"][r]
+    self._flat = dict(flat, row_off=row_off, slot_off=slot_off)
+    self._flat["num_rows"] = np.array([p.num_rows for p in ps], np.int64)
+    self._flat["evict_pad"] = np.array([base.aligned_rows(p.num_rows) for p in ps], np.int64)
+
+  # -- the ring of batches (ids and distinct rows, computed once per batch)
+
+  def _layout(self, ids: dict):
+    """The ring for batches shaped as this one (rebuilt when the shapes change)."""
+    ring = self._ring
+    if ring is not None and ids[next(iter(self.members))] is ring["last"]:
+      return ring
+    shapes = tuple(np.shape(ids[n]) for n in self.members)
+    if self._ring is None or self._ring["shapes"] != shapes:
+      sizes = [int(np.prod(sh)) for sh in shapes]
+      id_off = np.cumsum([0] + sizes).astype(np.int64)
+      r, total, t_n = self.lookahead + 3, int(id_off[-1]), len(sizes)
+      self._ring = {
+        "shapes": shapes,
+        "id_off": id_off,
+        "ids": np.empty((r, total), np.int64),
+        "rows": np.empty((r, total), np.int64),
+        "n": np.zeros((r, t_n), np.int64),
+        "keys": {},  # id() of the batch's first array -> (ring row, the arrays)
+        "order": [],  # ring rows, oldest first
+      }
+    self._ring["last"] = ids[next(iter(self.members))]
+    return self._ring
+
+  def _ring_row(self, ids: dict, busy: list[int]) -> int | None:
+    """The ring row of a batch, computed on its first visit. Batches are known by the
+    identity of their arrays (as `Offload._unique`): a batch's ids must not change once
+    prepare has seen it, in the window or as the batch itself."""
+    ring = self._ring
+    arrays = tuple(ids[n] for n in self.members)
+    hit = ring["keys"].get(id(arrays[0]))
+    if hit is not None and all(a is b for a, b in zip(hit[1], arrays)):
+      return hit[0]
+    if tuple(np.shape(a) for a in arrays) != ring["shapes"]:
+      return None
+    if len(ring["order"]) < ring["ids"].shape[0]:
+      row = len(ring["order"])
+    else:
+      row = next(r for r in ring["order"] if r not in busy)
+      ring["order"].remove(row)
+      ring["keys"] = {k: v for k, v in ring["keys"].items() if v[0] != row}
+    ring["order"].append(row)
+    ring["keys"][id(arrays[0])] = (row, arrays)
+    flat = ring["ids"][row]
+    np.concatenate([np.asarray(a).reshape(-1) for a in arrays], out=flat)
+    sizes = np.diff(ring["id_off"])
+    if (sizes == sizes[0]).all():  # one vectorized numpy sort for every table
+      ordered = np.sort(flat.reshape(sizes.shape[0], -1), axis=1).reshape(-1)
+    else:
+      ordered = np.concatenate([np.sort(np.asarray(a).reshape(-1)) for a in arrays])
+    bad = np.empty(len(arrays), np.int64)
+    hostplan.over_tables(
+      hostplan.distinct, len(arrays), flat, ordered.astype(np.int64, copy=False),
+      ring["id_off"], self._flat["num_rows"], ring["rows"][row], ring["n"][row], bad,
+    )  # fmt: skip
+    if (bad >= 0).any():
+      ring["keys"].pop(id(arrays[0]))
+      ring["order"].remove(row)
+      t = int(np.flatnonzero(bad >= 0)[0])
+      name = list(self.members)[t]
+      raise ValueError(
+        f"offload (table {name!r}): id {int(bad[t])} out of range for "
+        f"{self.members[name].spec.num_rows} rows"
+      )
+    return row
+
+  # -- the steady state
+
+  def plan(self, ids: dict, upcoming: list) -> dict | None:
+    """A train batch planned by the kernel ({name: {"rows": .., "count"?}}, as the group's
+    members' `prepare`), or None where the numpy planners must plan it."""
+    t0 = time.perf_counter()
+    members = list(self.members.values())
+    first = members[0]
+    if first.lookahead < 1 or not upcoming:
+      return None
+    known = self._admitted
+    if known is None or not all(ids[n] is a for n, a in zip(self.members, known)):
+      for n, m in self.members.items():
+        adm = m._planner.admitted
+        x = ids[n]
+        if adm is None or adm.shape != np.shape(x) or not np.array_equal(adm, x):
+          return None  # not admitted ahead: the "now" exchange, per table
+    ring = self._layout(ids)
+    busy: list[int] = []
+    window = upcoming[: first.lookahead]
+    for batch in [ids] + window[: (first.lookahead if first.options.policy == "lookahead" else 1)]:
+      row = self._ring_row(batch, busy)
+      if row is None:
+        return None
+      busy.append(row)
+    cur, ahead, win = busy[0], busy[1], np.array(busy[2:], np.int64)
+    f = self._flat
+    caps = np.array([p.cache_rows for p in (m._planner for m in members)], np.int64)
+    if (ring["n"][ahead] > caps).any():
+      return None  # the next batch does not fit: not admitted ahead (as the numpy planner)
+    id_off = ring["id_off"]
+    sizes = np.diff(id_off)
+    unique = first.spec.optimizer.needs_unique
+    cap = np.minimum(sizes, caps)
+    per = (3 if unique else 1) * sizes + 5 * cap
+    out_off = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)
+    out = np.empty(int(out_off[-1]), np.int32)
+    stats = np.empty((len(members), 3), np.int64)
+    t_now = members[0]._planner.version
+    policy = hostplan.POLICY_CODES[first.options.policy]
+    hostplan.over_tables(
+      hostplan.plan_step, len(members), ring["ids"], ring["rows"], ring["n"], id_off, cur,
+      ahead, win, f["row_off"], f["slot_off"], f["row_slot"], f["slot_row"], f["last_used"],
+      f["dirty"], f["freq"], f["evict_pad"], t_now, policy, unique, out, out_off, cap, stats,
+    )  # fmt: skip
+    admitted = ring["ids"][ahead].copy()
+    self._admitted = tuple(window[0][n] for n in self.members)
+    dt = (time.perf_counter() - t0) / len(members)
+    result = {}
+    now = np.zeros((4, 0), np.int32)
+    for i, (name, m) in enumerate(self.members.items()):
+      p = m._planner
+      shape = ring["shapes"][i]
+      n, k, o = int(sizes[i]), int(cap[i]), int(out_off[i])
+      prep = {"ids": out[o : o + n].reshape(shape)}
+      if unique:
+        prep["unique"] = out[o + n : o + 2 * n]
+        prep["inverse"] = out[o + 2 * n : o + 3 * n].reshape(shape)
+        o += 2 * n
+      e = o + n
+      hits, loads, back = (int(v) for v in stats[i])
+      prep["now"] = now
+      prep["next"] = np.ascontiguousarray(out[e : e + 5 * k].reshape(5, k)[:, :loads])
+      prep["now_pos"] = np.zeros(shape, np.int32)
+      prep[PLANNED] = (False, True)
+      prep["version"] = np.asarray(p.version, np.int32)
+      p.version += 1
+      p.admitted = admitted[id_off[i] : id_off[i + 1]].reshape(ring["shapes"][i])
+      if p.lfu is not None:
+        p.lfu.accesses += int(ring["n"][cur, i])
+        p.lfu.batches += 1
+      m._count(
+        hits=hits, misses=loads, steps=1, rows_h2d=loads, rows_h2d_on_demand=0,
+        rows_d2h=back, plan_seconds=dt,
+      )  # fmt: skip
+      entry = {"rows": prep}
+      if m.spec.pooling == "mean":
+        entry["count"] = np.sum(np.asarray(ids[name]) >= 0, axis=1).astype(np.int32)
+      result[name] = entry
+    self.fast_batches += 1
+    return result
