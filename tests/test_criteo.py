@@ -10,6 +10,7 @@ from sklearn.metrics import roc_auc_score
 
 from recgnn.data import criteo
 from recgnn.data import criteo_synthetic as cs
+from tests.trainer_lib import flip_byte
 
 quiet = None  # progress sink for tests
 
@@ -380,11 +381,7 @@ def test_damaged_synthetic_files_are_generated_again(tmp_path):
   tsv, want = first.tsv_path, read(first.tsv_path, "rb")
   probs = tsv + ".oracle.npy"
   want_probs = np.array(first.oracle_probabilities())
-  with open(probs, "r+b") as f:
-    f.seek(150)
-    b = f.read(1)[0]
-    f.seek(150)
-    f.write(bytes([b ^ 1]))
+  flip_byte(probs, 150)
   with pytest.raises(ValueError, match=r"oracle\.npy's first bytes differ.*Delete"):
     cs.oracle_probabilities(tsv)
   with open(tsv, "r+b") as f:

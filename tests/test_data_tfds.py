@@ -16,7 +16,7 @@ pytest.importorskip("grain")
 
 from recgnn.data import criteo, criteo_synthetic, kg, ogb, pipeline, planetoid, tfds_builders  # noqa: E402, I001
 from recgnn.train import loop  # noqa: E402
-from tests.trainer_lib import smoke_config, state_leaves  # noqa: E402
+from tests.trainer_lib import flip_byte, smoke_config, state_leaves  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = 20_000
@@ -240,14 +240,6 @@ def test_ogb_builder_round_trips_the_raw_layout(tmp_path):
   _graphs_equal(g, ogb.load(str(root)))
 
 
-def _flip(path: str, at: int) -> None:
-  with open(path, "r+b") as f:
-    f.seek(at)
-    b = f.read(1)[0]
-    f.seek(at)
-    f.write(bytes([b ^ 1]))
-
-
 def test_a_damaged_build_is_built_again_from_its_source(tmp_path):
   """A shard cut to half its bytes, then a flipped byte in dataset_info.json (which the TFDS
   constructor reads first): each time the next `build` builds the planetoid build again
@@ -266,7 +258,7 @@ def test_a_damaged_build_is_built_again_from_its_source(tmp_path):
   again = tfds_builders.build("planetoid", data_dir, config="cora")
   assert os.path.getsize(shard) == size and tfds_builders.build_problem(folder) is None
   _graphs_equal(tfds_builders.load_graph(again), ref)
-  _flip(os.path.join(folder, "dataset_info.json"), 10)
+  flip_byte(os.path.join(folder, "dataset_info.json"), 10)
   assert "dataset_info.json's first bytes differ" in tfds_builders.build_problem(folder)
   third = tfds_builders.build("planetoid", data_dir, config="cora")
   assert tfds_builders.build_problem(folder) is None
@@ -284,7 +276,7 @@ def test_a_damaged_build_without_its_source_is_refused_naming_the_file(tmp_path)
   tfds_builders.build("ogb_node", data_dir, manual_dir=str(root), config=config)
   folder = tfds_builders.variant_dir("ogb_node", data_dir, config)
   shard = next(os.path.join(folder, f) for f in os.listdir(folder) if "-test.array_record" in f)
-  _flip(shard, 0)
+  flip_byte(shard, 0)
   import shutil
 
   shutil.rmtree(root)

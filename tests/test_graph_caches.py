@@ -11,6 +11,7 @@ import pytest
 
 from recgnn.data import file_check, graph_loading
 from recgnn.graphs import synthetic
+from tests.trainer_lib import flip_byte
 
 
 def _data(cache_dir: str) -> ml_collections.ConfigDict:
@@ -30,14 +31,6 @@ def _load(cache_dir: str):
   return graph, info["node_order_file"]
 
 
-def _flip(path: str, at: int) -> None:
-  with open(path, "r+b") as f:
-    f.seek(at)
-    b = f.read(1)[0]
-    f.seek(at)
-    f.write(bytes([b ^ 1]))
-
-
 def test_a_damaged_node_order_is_computed_again(tmp_path, caplog):
   graph, path = _load(str(tmp_path))
   perm = np.load(path)
@@ -51,7 +44,7 @@ def test_a_damaged_node_order_is_computed_again(tmp_path, caplog):
   assert os.path.getsize(path) == size and file_check.sidecar_problem(path, key) is None
   np.testing.assert_array_equal(again.original_ids, perm)
   assert "computing it again" in caplog.text
-  _flip(path, size - 3)  # same size, another permutation's bytes: read silently before
+  flip_byte(path, size - 3)  # same size, another permutation's bytes: read silently before
   assert "first bytes differ" in file_check.sidecar_problem(path, key)
   third, _ = _load(str(tmp_path))
   np.testing.assert_array_equal(third.original_ids, perm)
@@ -90,7 +83,7 @@ def test_a_damaged_eigen_init_is_computed_again(tmp_path, damage):
     with open(path, "r+b") as f:
       f.truncate(size - 40)
   else:
-    _flip(path, 200)
+    flip_byte(path, 200)
   graph_loading.write_eigen_init(graph, 4, path)
   assert os.path.getsize(path) == size
   np.testing.assert_allclose(np.load(path), want, atol=1e-5)

@@ -69,3 +69,12 @@ def skip_unless_deterministic() -> None:
     "XLA_FLAGS", ""
   ):
     pytest.skip("bit-identical reruns on a GPU need XLA_FLAGS=--xla_gpu_deterministic_ops=true")
+
+
+def flip_byte(path: str, at: int) -> None:
+  """Damage a file in place: one bit of byte `at` flipped (same size, other contents)."""
+  with open(path, "r+b") as f:
+    f.seek(at)
+    b = f.read(1)[0]
+    f.seek(at)
+    f.write(bytes([b ^ 1]))
