@@ -100,6 +100,88 @@ def test_checkpoint_and_resume_on_another_mesh(opt, tmp_path):
   ckpt.close()
 
 
+def _train_state(group, emb):
+  from recgnn.train import step as step_lib
+
+  plan = planner.Plan({"g": group}, {"t": "g"}, group.mesh)
+  st = step_lib.TrainState(
+    step=jax.numpy.zeros((), jax.numpy.int32), params={"w": jax.numpy.zeros(2)},
+    opt_state=(), emb={"g": emb}, key=jax.random.key(0),
+  )  # fmt: skip
+  return st, plan
+
+
+def test_checkpoint_streams_the_table_in_bounded_chunks(tmp_path, monkeypatch):
+  """A table bigger than host RAM can be checkpointed: with the chunk bound patched to 1/40 of
+  the table, no read of the row file or of the checkpoint's files is over it (a counting
+  wrapper) and the arrays held for the save and the restore stay far below the table
+  (tracemalloc's peak over what the restore keeps); the restore (another mesh, and into
+  `dense`) holds the saved values exactly."""
+  import tracemalloc
+
+  from recgnn.embeddings import streamed
+  from recgnn.train import checkpoint, streamed_item
+
+  n, dim = 1_000_000, 16  # (68 MB: far above the checksums' 4 MiB reads)
+  spec = _spec(ADAGRAD, num_rows=n, dim=dim)
+  logical = base.aligned_rows(n) * (dim + 1) * 4  # (the "rows" form: rows + the slot)
+  bound = logical // 40
+  monkeypatch.setattr(streamed, "CHUNK_BYTES", bound)
+  sizes = []  # the bytes of every read of the row file / the checkpoint's files
+  read_all, chunk = row_file.RowFile.read_all, streamed.TableReader.chunk
+
+  def counted_read_all(self, first, k):
+    sizes.append(k * self.record)
+    return read_all(self, first, k)
+
+  def counted_chunk(self, first, k):
+    out = chunk(self, first, k)
+    sizes.append(sum(v.nbytes for v in out.values()))
+    return out
+
+  monkeypatch.setattr(row_file.RowFile, "read_all", counted_read_all)
+  monkeypatch.setattr(streamed.TableReader, "chunk", counted_chunk)
+  text = _text(tmp_path / "rows", host_cache=0.002, io="buffered")
+  a = planner.make_backend(text, spec, contract.mesh_or_skip(2, 1))
+  run_a = contract.run(text, spec, _batches(6, num_rows=n), group=a)
+  state = a.sync(run_a.state)
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "ckpt"))
+  st, plan = _train_state(a, state)
+  ckpt.save(st, 5, plan)  # (Orbax's first save allocates its own: not traced)
+
+  def traced(f):
+    sizes.clear()
+    tracemalloc.start()
+    out = f()
+    kept, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert sizes and max(sizes) <= bound, (max(sizes), bound)
+    # (what stays: the new row maps, O(N) int32 / int64 per row as in memory(): not a table)
+    assert peak - kept < logical / 4, (peak, kept, logical)
+    return out
+
+  traced(lambda: ckpt.save(st, 6, plan))
+  step_dir = tmp_path / "ckpt" / "checkpoints" / "6" / streamed_item.ITEM / "0"
+  saved = streamed.TableReader(str(step_dir)).arrays()
+  want = a._tier.rows.table(0)
+  np.testing.assert_array_equal(saved["rows"], want["table"])
+  np.testing.assert_array_equal(saved["accum"], want["accum"])
+
+  b = planner.make_backend(text, spec, sharding.make_mesh(1, 1))
+  st, plan = _train_state(b, b.init(jax.random.key(1)))
+  ckpt.restore(st, plan, 5)  # (Orbax's first restore: not traced)
+  restored = traced(lambda: ckpt.restore(st, plan, 6)).emb["g"]
+  got = b._tier.rows.table(0)
+  np.testing.assert_array_equal(got["table"], want["table"])
+  np.testing.assert_array_equal(got["accum"], want["accum"])
+  np.testing.assert_array_equal(b.tables(restored)["t"], run_a.table)
+
+  d = planner.make_backend("dense", spec, sharding.make_mesh(1, 1))  # (the reader's arrays)
+  dense = ckpt.restore(*_train_state(d, d.init(jax.random.key(2))), 6).emb["g"]
+  np.testing.assert_array_equal(d.tables(dense)["t"], run_a.table)
+  ckpt.close()
+
+
 def test_options_that_cannot_be_honoured_are_refused():
   with pytest.raises(ValueError, match="needs host_cache=F"):
     planner.make_backend("offload(cache_rows=60, storage='ssd:/tmp/x')", _spec(SGD))
@@ -175,8 +257,9 @@ def full_run(cache_dir, tmp_path_factory):
 @pytest.mark.parametrize("when", ["write_back", "checkpoint"])
 def test_sigkill_then_resume_is_identical(when, cache_dir, full_run, tmp_path):
   """kill -9 while the writer writes evicted rows to the row file (after checkpoint 4), or
-  while checkpoint 8 reads the row file: --resume writes a new row file from checkpoint 4
-  and ends identical to the uninterrupted run."""
+  while checkpoint 8 streams the row file into its temporary directory (chunks written, more
+  to come): --resume writes a new row file from checkpoint 4 and ends identical to the
+  uninterrupted run."""
   from recgnn.train import checkpoint, loop
 
   wd, rows = str(tmp_path / "wd"), str(tmp_path / "rows")
@@ -187,6 +270,9 @@ def test_sigkill_then_resume_is_identical(when, cache_dir, full_run, tmp_path):
   )  # fmt: skip
   assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-3000:]
   assert checkpoint.committed_steps(wd) == [KILL_AFTER]
+  if when == "checkpoint":  # (killed mid-stream: checkpoint 8 is a temporary, never committed)
+    ck = checkpoint.checkpoint_dir(wd)
+    assert any(n.startswith(f"8{checkpoint.TMP_MARK}") for n in os.listdir(ck)), os.listdir(ck)
   assert any(n.endswith(row_file.SUFFIX) for n in os.listdir(rows))  # the dead run's file
   resumed = loop.train(_trainer_config(cache_dir, rows), wd, resume=True)
   # (the device caches restart empty after a restore: the logical tables are compared)
@@ -233,8 +319,18 @@ if __name__ == "__main__":  # the killed runs of test_sigkill_then_resume_is_ide
       return len(writes) >= 3
 
     _kill_in(row_file.RowFile, "write", armed)
-  else:  # checkpoint 8 reading the row file (export)
-    _kill_in(row_file.RowFile, "read_all", lambda: saved == [KILL_AFTER, 8])
+  else:  # checkpoint 8 streaming the row file into the checkpoint: its 3rd chunk
+    from recgnn.embeddings import streamed
+
+    streamed.CHUNK_BYTES = 64 << 10  # (several chunks: the kill lands mid-stream)
+    reads = []
+
+    def armed():
+      if saved == [KILL_AFTER, 8]:
+        reads.append(1)
+      return len(reads) >= 3
+
+    _kill_in(row_file.RowFile, "read_all", armed)
   loop.train(_trainer_config(cache, rows), workdir)
   sys.exit("not killed")
 

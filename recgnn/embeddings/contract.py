@@ -250,7 +250,8 @@ class Backend(abc.ABC):
   @abc.abstractmethod
   def export(self, state: PyTree) -> dict[str, dict[str, jax.Array]]:
     """{table: logical arrays} of a synced state (no table-sized gather: the arrays keep
-    the state's placement)."""
+    the state's placement), or a `streamed.StreamedTable` for a table read a chunk at a
+    time (`reads_streams`)."""
 
   @abc.abstractmethod
   def logical_target(self) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
@@ -259,6 +260,12 @@ class Backend(abc.ABC):
   @abc.abstractmethod
   def import_(self, logical: dict[str, dict[str, jax.Array]]) -> PyTree:
     """The state holding `logical` (as placed by `logical_target`); resets host bookkeeping."""
+
+  def reads_streams(self) -> bool:
+    """Whether `import_` takes a `streamed.TableReader` in place of a table's arrays (and
+    reads it a chunk at a time); `export` may give a `streamed.StreamedTable` (a table
+    bigger than host RAM). Others get the reader's arrays, placed by `logical_target`."""
+    return False
 
   def sync(self, state: PyTree) -> PyTree:
     """Write caches back so that `state` alone describes the tables. Batches already

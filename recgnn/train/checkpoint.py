@@ -6,6 +6,8 @@ A checkpoint holds
                  {"rows": f32[S, D], slot: f32[S]} with S = base.aligned_rows(N), kept in the
                  placement they had (a row-sharded table is written shard by shard, never
                  gathered); compressed backends in their own format (TT: the cores)
+  streamed       tables exported a chunk at a time (bigger than host RAM: offload's SSD
+                 level), .npy files written and read back in bounded chunks (streamed_item)
   meta           JSON: each table's format, backend, rows and dim; the mesh it was saved on
 so a run saved on 8 devices resumes on 1 or 4, or with another "rows" backend for a table
 (dense -> offload, dense -> dense(shard=rows)): restore reads each table straight into the
@@ -55,6 +57,8 @@ from etils import epath
 
 from recgnn import planner, sharding
 from recgnn.data import file_check
+from recgnn.train import streamed_item
+from recgnn.train.config_diff import config_differences
 
 CHECKSUMS = "recgnn_checksums.json"
 ARTIFACTS_KEY = "artifacts v1"  # (artifacts.npz's manifest: its bytes and head checksum)
@@ -169,36 +173,6 @@ def _show(v) -> str:
   return str(v)
 
 
-# Keys whose change on resume is expected (how long, how often, on which devices): not
-# listed when explaining a refused resume.
-_RUN_KEYS = ("train.", "mesh.", "device_memory_budget")
-
-
-def config_differences(saved: dict, current: dict, prefix: str = "") -> list[tuple]:
-  """[(dotted key, saved value, current value)] of the config leaves that differ, the keys
-  that only change how a run proceeds (train.*, mesh.*) left out."""
-  out = []
-  for k in sorted(set(saved) | set(current)):
-    key = f"{prefix}{k}"
-    if key.startswith(_RUN_KEYS):
-      continue
-    a, b = saved.get(k, "absent"), current.get(k, "absent")
-    if isinstance(a, dict) and isinstance(b, dict):
-      out += config_differences(a, b, key + ".")
-    elif a != b and not (key == "embeddings.plan" and _same_plan(a, b)):
-      out.append((key, a, b))
-  return out
-
-
-def _same_plan(a, b) -> bool:
-  """Two configs' plans read as the same rules (`planner.rules_of`: plan=auto is
-  ((".*", "auto"),))."""
-  try:
-    return planner.rules_of(a) == planner.rules_of(b)
-  except ValueError:
-    return False
-
-
 def _train_part(state) -> dict:
   return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
           "key": state.key}  # fmt: skip
@@ -238,12 +212,11 @@ class Checkpointer:
   ) -> None:
     """Save a synced TrainState: the dense part and every table's logical form; `data_state`
     (the input pipeline's iterator state, JSON) goes into the meta item."""
-    tables, meta = {}, {}
+    tables, meta, streams = {}, {}, {}
     for key, group in plan.groups.items():
       exported = group.export(state.emb[key])
-      for name, arrays in exported.items():
+      for name in exported:
         spec = group.specs[name]
-        tables[name] = arrays
         meta[name] = {
           "format": group.logical_format(name),
           "backend": group.describe(name),
@@ -251,6 +224,7 @@ class Checkpointer:
           "dim": spec.dim,
           "slots": list(spec.optimizer.slot_names()),
         }
+      streamed_item.split(exported, meta, tables, streams)  # (tables bigger than host RAM)
     payload = {"train": _train_part(state), "tables": tables}
     info = {"tables": meta, "mesh": sharding.describe(plan.mesh)}
     if self.config is not None:
@@ -262,11 +236,10 @@ class Checkpointer:
       info["data_state"] = data_state
     previous = self.latest_step()
     try:
-      self.manager.save(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(payload), meta=ocp.args.JsonSave(info)),
-        force=True,
-      )
+      items = {"state": ocp.args.StandardSave(payload), "meta": ocp.args.JsonSave(info)}
+      if streams:
+        items[streamed_item.ITEM] = streamed_item.StreamedSave(streams)
+      self.manager.save(step, args=ocp.args.Composite(**items), force=True)
       if wait:
         self.manager.wait_until_finished()
     except OSError as e:
@@ -436,21 +409,19 @@ class Checkpointer:
 
   def _restore_step(self, state, plan: planner.Plan, step: int, meta: dict):
     """Read checkpoint `step` (already checked against this run by `differences`)."""
-    tables_target = {}
+    saved, tables_target = meta["tables"], {}
     for group in plan.groups.values():
       target = group.logical_target()
-      for name in group.specs:
-        tables_target[name] = target[name]
+      tables_target.update({n: target[n] for n in group.specs if "folder" not in saved[n]})
     train_target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _train_part(state))
-    payload = self.manager.restore(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardRestore({"train": train_target, "tables": tables_target})
-      ),
-    )["state"]
+    items = {"state": ocp.args.StandardRestore({"train": train_target, "tables": tables_target})}
+    if folders := tuple(saved[n]["folder"] for n in saved if "folder" in saved[n]):
+      items[streamed_item.ITEM] = streamed_item.StreamedRestore(folders)
+    got = self.manager.restore(step, args=ocp.args.Composite(**items))
+    payload, readers = got["state"], got.get(streamed_item.ITEM, {})
     emb = {
-      key: group.import_({n: payload["tables"][n] for n in group.specs})
-      for key, group in plan.groups.items()
+      k: g.import_(streamed_item.logical(g, g.specs, payload["tables"], readers, saved))
+      for k, g in plan.groups.items()
     }
     for key, extras in meta.get("group_extras", {}).items():
       if key in plan.groups:

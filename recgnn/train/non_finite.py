@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from recgnn import planner
+from recgnn.embeddings import streamed
 from recgnn.train import step as step_lib
 
 
@@ -28,7 +29,10 @@ def report(plan: planner.Plan, state: step_lib.TrainState) -> str:
   parts = []
   for key, group in plan.groups.items():
     for name, arrays in group.export(state.emb[key]).items():
-      bad = sum(int(np.sum(~np.isfinite(np.asarray(x)))) for x in jax.tree.leaves(arrays))
+      if isinstance(arrays, streamed.StreamedTable):  # (bigger than RAM: a chunk at a time)
+        bad = arrays.count(lambda c: sum(int(np.sum(~np.isfinite(x))) for x in c.values()))
+      else:
+        bad = sum(int(np.sum(~np.isfinite(np.asarray(x)))) for x in jax.tree.leaves(arrays))
       if bad:
         parts.append(f"{name} ({bad:,} values)")
   tables = ", ".join(parts) or "none"

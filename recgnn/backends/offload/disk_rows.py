@@ -30,11 +30,12 @@ import threading
 import time
 import weakref
 
+import jax
 import numpy as np
 
 from recgnn.backends.offload.cache_plan import Planner
 from recgnn.backends.offload.row_file import RowFile, check_space, remove_stale
-from recgnn.embeddings import host_tier
+from recgnn.embeddings import host_tier, streamed
 from recgnn.embeddings.specs import aligned_rows
 
 _SERIAL = itertools.count()  # (each DiskRows's files get their own names: groups coexist)
@@ -123,15 +124,18 @@ class CachedRows:
   def flush(self) -> None:
     """Every dirty cached row written to the file (they stay cached, now clean)."""
     with self.lock:
-      p = self.planner
-      slots = np.flatnonzero(p.dirty & (p.slot_row >= 0))
-      if slots.shape[0]:
-        rows = p.slot_row[slots]
-        order = np.argsort(rows)
-        buf = self.file.buffer(slots.shape[0])
-        buf.view(np.float32)[:] = self.data[slots[order]]
-        self.file.write(rows[order], buf)
-        p.dirty[slots] = False
+      self._flush()
+
+  def _flush(self) -> None:  # (lock held)
+    p = self.planner
+    slots = np.flatnonzero(p.dirty & (p.slot_row >= 0))
+    if slots.shape[0]:
+      rows = p.slot_row[slots]
+      order = np.argsort(rows)
+      buf = self.file.buffer(slots.shape[0])
+      buf.view(np.float32)[:] = self.data[slots[order]]
+      self.file.write(rows[order], buf)
+      p.dirty[slots] = False
 
 
 class DiskRows(host_tier.HostRows):
@@ -211,14 +215,37 @@ class DiskRows(host_tier.HostRows):
     return self._ready
 
   def table(self, t: int) -> dict:
-    """Table t's logical arrays (numpy copies, O(N): export), read from its file after every
-    dirty cached row is flushed; the file verified first."""
+    """Table t's logical arrays (numpy copies, O(N): tests, `tables`), read from its file
+    after every dirty cached row is flushed; the file verified first (checkpoints: `stream`)."""
     self.drain_prefetch()
     c = self.tables[t]
     c.flush()
     c.file.verify()
     with c.lock:
       return self._from_records(t, c.file.read_all(0, c.file.num_rows))
+
+  def stream(self, t: int) -> streamed.StreamedTable:
+    """Table t's logical "rows" form, produced a chunk at a time (export: a checkpoint of a
+    table bigger than RAM): each call flushes the dirty cached rows, verifies the file, then
+    reads it in order, streamed.chunk_rows(record) records per read, the table's lock held
+    throughout (the input thread's reads wait: the file is the table's state at the step)."""
+    c, s = self.tables[t], self.specs[t]
+    slots = s.optimizer.slot_names()
+    c.file.verify()  # (a damaged file refused at export, before the checkpoint starts)
+
+    def produce(sink) -> None:
+      self.drain_prefetch()
+      with c.lock:
+        c._flush()
+        c.file.verify()
+        step = streamed.chunk_rows(c.file.record)
+        for a in range(0, c.file.num_rows, step):
+          rec = c.file.read_all(a, min(step, c.file.num_rows - a))
+          chunk = {"rows": rec[:, : s.dim]}
+          chunk.update({k: rec[:, s.dim + j] for j, k in enumerate(slots)})
+          sink(a, chunk)
+
+    return streamed.StreamedTable(c.file.num_rows, s.dim, tuple(slots), produce)
 
   def put(self, t: int, rows: np.ndarray, values: dict) -> None:
     """table t's rows[i] = values[k][i] (the resident device rows, before a checkpoint)."""
@@ -332,6 +359,25 @@ class DiskRows(host_tier.HostRows):
       out["bytes_read"] += c.file.bytes_read
       out["bytes_written"] += c.file.bytes_written
     return out
+
+
+def source_of(logical):
+  """`DiskRows.fill`'s source for a table's "rows" form: a `streamed.TableReader` (a
+  checkpoint of the SSD level: one read per file and chunk) or its arrays (a checkpoint of
+  another backend, already whole in memory): first, n -> {"table", slot: rows [first, first
+  + n)}."""
+  if isinstance(logical, streamed.TableReader):
+    get = logical.chunk
+  else:
+
+    def get(a, n):
+      return {k: np.asarray(jax.device_get(v[a : a + n])) for k, v in logical.items()}
+
+  def chunk(a, n):
+    out = get(a, n)
+    return {"table": out.pop("rows"), **out}
+
+  return chunk
 
 
 def _remove(files: list[RowFile]) -> None:

@@ -17,6 +17,7 @@ from recgnn.backends.offload.cache_plan import (
   _bucket,
 )
 from recgnn.backends.offload.device_step import DeviceStep, bag_tables
+from recgnn.backends.offload.disk_rows import source_of
 from recgnn.backends.offload.fast_plan import SteadyPlanner
 from recgnn.backends.offload.host_side import HostSide
 from recgnn.backends.offload.table import PLANNED, Offload
@@ -127,19 +128,32 @@ class OffloadGroup(base.TableGroup):
 
   def init(self, key):
     if self._tier.disk:  # the SSD level: each row file written a chunk at a time, O(chunk)
-      for m in self.members.values():
-        m.reset_planner()
       keys = [base.table_key(key, n) for n in self.members]
-      self._tier.rows.fill(
+      return self._fill(
         [lambda a, n, m=m, k=k: m.init_chunk(k, a, n) for m, k in zip(self.members.values(), keys)]
       )
-      state = self._state(None)
-    else:
-      state = self._state({n: m.init(base.table_key(key, n)) for n, m in self.members.items()})
+    state = self._state({n: m.init(base.table_key(key, n)) for n, m in self.members.items()})
     self._adopt()
     return state
 
+  def _fill(self, sources):
+    """The SSD level's state: each row file written from sources[t](first, n) -> {"table",
+    slot: its rows [first, first + n)}, a chunk at a time; empty caches."""
+    for m in self.members.values():
+      m.reset_planner()
+    self._tier.rows.fill(sources)
+    state = self._state(None)
+    self._adopt()
+    return state
+
+  def reads_streams(self) -> bool:
+    return self._tier.disk
+
   def import_(self, logical):
+    """logical[n]: the "rows" form's arrays, or (the SSD level) a `streamed.TableReader`
+    read a chunk at a time into the new row file (a restore never holds the table)."""
+    if self._tier.disk:
+      return self._fill([source_of(logical[n]) for n in self.members])
     state = self._state({n: m.import_(logical[n]) for n, m in self.members.items()})
     self._adopt()
     return state
@@ -174,8 +188,12 @@ class OffloadGroup(base.TableGroup):
     return state
 
   def export(self, state):
+    """{table: its "rows" form}: copies of the host arrays, or (the SSD level) each row file
+    as a `streamed.StreamedTable` (read a chunk at a time when the checkpoint writes it)."""
     self._syncer.check(state)
     self._tier.drain()
+    if self._tier.disk:
+      return {n: self._tier.stream(n) for n in self.members}
     return {n: m.export(self._tier.table(n)) for n, m in self.members.items()}
 
   def tables(self, state):

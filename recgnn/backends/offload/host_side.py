@@ -65,6 +65,11 @@ class HostSide:
     read from its row file)."""
     return self.rows.table(self.index[name])
 
+  def stream(self, name: str):
+    """The SSD level: a table's logical form read from its row file a chunk at a time
+    (`DiskRows.stream`: a checkpoint never holds the whole table)."""
+    return self.rows.stream(self.index[name])
+
   def drain(self) -> None:
     """Every write-back handed over applied."""
     self.rows.writer.drain()

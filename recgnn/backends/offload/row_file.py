@@ -16,9 +16,10 @@ the fix (`verify`, at every export and before the file is adopted); a read that 
 short says so (never zeros read as rows).
 
 The file is scratch space, not the truth: a checkpoint holds the logical tables (`export`
-reads the file whole), and a resume writes a new file from it; so a kill -9 at any point
-leaves nothing to repair. Each process names its files by its pid; files of processes no
-longer alive are removed when a new one is made in the same directory.
+streams the file into it a chunk at a time: recgnn.embeddings.streamed), and a resume writes
+a new file from it; so a kill -9 at any point leaves nothing to repair. Each process names
+its files by its pid; files of processes no longer alive are removed when a new one is made
+in the same directory.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import shutil
 import numpy as np
 
 from recgnn.data import file_check
+from recgnn.embeddings import streamed
 
 MAGIC = b"RECGNN-ROWS\n"
 VERSION = 1
@@ -261,7 +263,7 @@ class RowFile:
     tmp = self.path + ".tmp"
     with open(tmp, "wb") as f:
       f.write(self.header())
-      chunk = max(1, (64 << 20) // self.record)
+      chunk = streamed.chunk_rows(self.record)  # (a restore's reads: the same bound)
       for a in range(0, self.num_rows, chunk):
         n = min(chunk, self.num_rows - a)
         f.write(np.ascontiguousarray(fill(a, n), np.float32).tobytes())
@@ -376,7 +378,8 @@ class RowFile:
 
   def read_all(self, first: int, n: int) -> np.ndarray:
     """float32[n, floats]: records first .. first + n - 1, read sequentially in SEQUENTIAL
-    byte chunks (export: a row-at-a-time read of a 1 GiB file took 35 s, measured)."""
+    byte chunks (a checkpoint's stream, n = streamed.chunk_rows: a row-at-a-time read of a
+    1 GiB file took 35 s, measured)."""
     if self._fd is None:
       raise RuntimeError(f"offload: the row file {self.path} is not open (call create first)")
     buf = self.buffer(n)
