@@ -29,13 +29,10 @@ import subprocess
 import sys
 import time
 
+import harness  # (this checkout first on sys.path)
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
-
-RESULTS = common.RESULTS
+RESULTS = harness.RESULTS
 HOST_CACHES = (0.01, 0.05, 0.20)
 
 
@@ -92,9 +89,9 @@ def run_one(args, host_cache: float | None) -> dict:
   )  # fmt: skip
   rng = np.random.default_rng(0)
   perm = rng.permutation(rows).astype(np.int32)
-  cdf = common.zipf_cdf(rows, args.exponent)  # (once: O(rows))
+  cdf = harness.zipf_cdf(rows, args.exponent)  # (once: O(rows))
   n = args.warmup + args.steps
-  batches = [perm[common.zipf_ranks(rng, cdf, (args.batch, args.bag))] for _ in range(n)]
+  batches = [perm[harness.zipf_ranks(rng, cdf, (args.batch, args.bag))] for _ in range(n)]
   del perm, cdf  # (the stream's own O(rows) arrays: not the backend's memory)
   text = backend_text(args, host_cache)
   t0 = time.perf_counter()
@@ -126,9 +123,13 @@ def run_one(args, host_cache: float | None) -> dict:
   io = proc_io()
   stats = group.stats()
   checkpoint_s = None
-  if not args.fast_init:  # what a checkpoint costs the backend: sync + export (not a table > RAM)
+  if not args.fast_init and not args.checkpoint:  # what a checkpoint costs the backend
     t1 = time.perf_counter()
-    jax.block_until_ready(group.export(group.sync(state))["t"]["rows"])
+    exported = group.export(group.sync(state))["t"]
+    if host_cache is not None:  # (the SSD level streams: read the row file through)
+      exported.count(lambda c: 0)
+    else:
+      jax.block_until_ready(exported["rows"])
     checkpoint_s = time.perf_counter() - t1
   out = {
     "backend": text,
@@ -160,6 +161,10 @@ def run_one(args, host_cache: float | None) -> dict:
       asked_written_bytes_per_step=(c["bytes_written"] - marks["counts"]["bytes_written"])
       / args.steps,
       read_ahead_rows_per_step=stats.get("ssd_read_ahead_rows_per_step"),
+      # (where the step goes: the prefetch thread's disk time per batch against the input
+      # thread's time between batches; both averaged by DiskRows)
+      prefetch_read_ms_per_batch=1e3 * rows.read_seconds_per_batch,
+      batch_interval_ms=1e3 * rows.batch_seconds,
       lifetime=c,
     )
     # Rows read from the file (host-cache misses on demand and ahead) over the same wall
@@ -173,7 +178,84 @@ def run_one(args, host_cache: float | None) -> dict:
     out["disk_read_vs_missed_logical"] = (
       out["disk_read_bytes_per_step"] / (missed * f.logical_bytes) if missed else None
     )
-    rows.close()
+  if args.checkpoint:  # (after the step's counters are read: the save reads the row file)
+    out.update(checkpoint_cost(args, group, state, text, spec))
+  if host_cache is not None:
+    group._tier.rows.close()
+  return out
+
+
+def reset_peak_rss() -> None:
+  """VmHWM back to the current RSS (Linux: clear_refs 5), so `peak_rss` measures what follows."""
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+
+
+def checkpoint_cost(args, group, state, text, spec) -> dict:
+  """One checkpoint of the trained group (sync + Checkpointer.save, the trainer's path: the SSD
+  level streams its row file into it) and its restore into a fresh group (the old row file
+  removed first: the disk holds the checkpoint and one row file): seconds, bytes, peak RSS of
+  each, and 4096 sampled rows (with their optimizer state) equal after the restore."""
+  import jax
+
+  from recgnn import planner
+  from recgnn.train import checkpoint
+  from recgnn.train import step as step_lib
+
+  def train_state(g, emb):
+    st = step_lib.TrainState(
+      step=jax.numpy.zeros((), jax.numpy.int32), params={"w": jax.numpy.zeros(2)},
+      opt_state=(), emb={g.name: emb}, key=jax.random.key(0),
+    )  # fmt: skip
+    return st, planner.Plan({g.name: g}, {"t": g.name}, g.mesh)
+
+  ssd = group._tier.disk
+  sample = np.unique(np.random.default_rng(7).integers(0, spec.num_rows, 4096))
+
+  def rows_of(g, st):
+    if ssd:
+      c = g._tier.rows.tables[0]
+      out = np.empty((sample.shape[0], c.file.floats), np.float32)
+      c.read(sample, out)
+      return out[:, : spec.dim + 1]
+    t = g._tier.table("t")
+    return np.concatenate([t["table"][sample], t["accum"][sample, None]], 1)
+
+  workdir = args.dir.rstrip("/") + "_ckpt"
+  shutil.rmtree(workdir, ignore_errors=True)
+  ckpt = checkpoint.Checkpointer(workdir)
+  print(f"checkpoint: free disk {shutil.disk_usage(os.path.dirname(workdir)).free / 2**30:.1f}"
+        f" GiB, load {os.getloadavg()}", file=sys.stderr, flush=True)  # fmt: skip
+  reset_peak_rss()
+  t0 = time.perf_counter()
+  state = group.sync(state)
+  st, plan = train_state(group, state)
+  ckpt.save(st, 1, plan)
+  out = {"checkpoint_save_s": time.perf_counter() - t0, "checkpoint_save_peak_rss": peak_rss()}
+  step_dir = os.path.join(checkpoint.checkpoint_dir(workdir), "1")
+  out["checkpoint_bytes"] = sum(
+    os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(step_dir) for f in fs
+  )
+  want = rows_of(group, state)
+  if ssd:
+    group._tier.rows.close()  # (its row file removed: room for the restore's)
+  del state, st
+  fresh = planner.make_backend(text, spec)
+  st, plan = train_state(fresh, None)  # (restore reads the tables' shapes from the plan)
+  out["checkpoint_restore_rss_before"] = rss()  # (the trained group's row maps still held)
+  reset_peak_rss()
+  t0 = time.perf_counter()
+  restored = ckpt.restore(st, plan, 1)
+  out["checkpoint_restore_s"] = time.perf_counter() - t0
+  out["checkpoint_restore_peak_rss"] = peak_rss()
+  out["checkpoint_restored_rows_equal"] = bool(
+    np.array_equal(rows_of(fresh, restored.emb[fresh.name]), want)
+  )
+  ckpt.close()
+  shutil.rmtree(workdir, ignore_errors=True)
+  if ssd:
+    fresh._tier.rows.close()
+  print(f"checkpoint: {out}", file=sys.stderr, flush=True)
   return out
 
 
@@ -216,7 +298,7 @@ def markdown(payload: dict) -> str:
       ]
     )
   lines.append(
-    common.md_table(
+    harness.md_table(
       [
         "config",
         "step ms",
@@ -232,6 +314,36 @@ def markdown(payload: dict) -> str:
       rows,
     )  # fmt: skip
   )
+  ck = [r for r in res if r.get("checkpoint_save_s") is not None]
+  if ck:
+    lines += ["", "One checkpoint (sync + Checkpointer.save, then a restore into a fresh group; "
+              "the SSD level streams its row file, 64 MiB chunks):", ""]  # fmt: skip
+    lines.append(
+      harness.md_table(
+        [
+          "config",
+          "save s",
+          "save peak RSS GiB",
+          "checkpoint GB",
+          "restore s",
+          "restore peak RSS GiB (before)",
+          "4096 sampled rows equal",
+        ],
+        [
+          [
+            ("ssd" if r["host_cache"] is not None else "RAM") + f", {r['rows']:,} rows",
+            f"{r['checkpoint_save_s']:.1f}",
+            f"{r['checkpoint_save_peak_rss'] / 2**30:.2f}",
+            f"{r['checkpoint_bytes'] / 1e9:.2f}",
+            f"{r['checkpoint_restore_s']:.1f}",
+            f"{r['checkpoint_restore_peak_rss'] / 2**30:.2f} "
+            f"({r['checkpoint_restore_rss_before'] / 2**30:.2f})",
+            str(r["checkpoint_restored_rows_equal"]),
+          ]
+          for r in ck
+        ],
+      )  # fmt: skip
+    )
   return "\n".join(lines) + "\n"
 
 
@@ -285,6 +397,7 @@ def main(argv=None):
   ap.add_argument("--dir", default="/tmp/recgnn_ssd_tier")
   ap.add_argument("--host_caches", default=",".join(map(str, HOST_CACHES)))
   ap.add_argument("--skip_ram", action="store_true", help="(a table bigger than RAM)")
+  ap.add_argument("--checkpoint", action="store_true", help="save + restore one checkpoint")
   ap.add_argument("--out", default="ssd_tier")
   ap.add_argument("--one", default="", help="(internal) run one configuration, print JSON")
   args = ap.parse_args(argv)
@@ -305,8 +418,8 @@ def main(argv=None):
     results.append(json.loads(line[0][7:]))
     print(c, {k: v for k, v in results[-1].items() if k != "lifetime"})
   shutil.rmtree(args.dir, ignore_errors=True)
-  payload = {"machine": common.machine_info(), "args": vars(args), "results": results}
-  common.write_results(args.out, payload, markdown(payload))
+  payload = {"machine": harness.machine_info(), "args": vars(args), "results": results}
+  harness.write_results(args.out, payload, markdown(payload))
   if not args.skip_ram:
     plot(payload, RESULTS / f"{args.out}.png")
 
