@@ -51,13 +51,19 @@ class CachedRows:
     self.host_rows = max(1, min(int(host_rows), file.num_rows))
     self.policy = "lru" if policy == "lookahead" else policy  # (its window is `prefetch`'s)
     self.lock = threading.Lock()
+    self.loaded = threading.Condition(self.lock)  # (a read-ahead's records landed)
     self.planner = Planner(file.num_rows, self.host_rows, self.policy)
     self.data = file.buffer(self.host_rows).view(np.float32)  # [H, floats]
+    # Per slot, the read-ahead reading its record from the disk without the lock (its token;
+    # 0: none). A read of such a slot waits for it; a write, or the slot's reuse, cancels it.
+    self.pending = np.zeros(self.host_rows, np.int64)
+    self._tokens = itertools.count(1)
     self.clock = 0
     self.counts = {"hits": 0, "misses": 0, "evicted": 0, "prefetched": 0}
 
   def reset(self) -> None:
     self.planner = Planner(self.file.num_rows, self.host_rows, self.policy)
+    self.pending[:] = 0
     self.clock = 0
 
   def _admit(self, rows: np.ndarray, load: bool, count: str = "") -> np.ndarray:
@@ -72,17 +78,32 @@ class CachedRows:
       self.counts["misses"] += ex.load_rows.shape[0]
       if self.planner.lfu is not None:  # (LFU: the step's reads are the accesses counted)
         self.planner.lfu.add_rows(rows)
-    if ex.evict_rows.shape[0]:  # dirty victims to the file before their slots are reused
-      order = np.argsort(ex.evict_rows)
-      buf = self.file.buffer(order.shape[0])
-      buf.view(np.float32)[:] = self.data[ex.evict_slots[order]]
-      self.file.write(ex.evict_rows[order].astype(np.int64), buf)
-      self.counts["evicted"] += order.shape[0]
+    self._write_victims(ex)
     if load and ex.load_rows.shape[0]:
       buf = self.file.buffer(ex.load_rows.shape[0])
       self.file.read(ex.load_rows.astype(np.int64), buf)  # (admit's rows are sorted)
       self.data[ex.load_slots] = buf.view(np.float32)
     return self.planner.row_slot[rows]
+
+  def _write_victims(self, ex) -> None:
+    """Dirty victims to the file before their slots are reused (one batched write, rows
+    sorted); the slots' read-aheads cancelled (their records belong to other rows now)."""
+    self.pending[ex.load_slots] = 0
+    if ex.evict_rows.shape[0]:
+      order = np.argsort(ex.evict_rows)
+      buf = self.file.buffer(order.shape[0])
+      buf.view(np.float32)[:] = self.data[ex.evict_slots[order]]
+      self.file.write(ex.evict_rows[order].astype(np.int64), buf)
+      self.counts["evicted"] += order.shape[0]
+
+  def _resident(self, rows: np.ndarray) -> np.ndarray:
+    """`_admit(rows, load=True)`, after any read-ahead still reading one of them landed (the
+    wait releases the lock; the rows are admitted again, their loads counted as misses)."""
+    slots = self._admit(rows, load=True)
+    while self.pending[slots].any():
+      self.loaded.wait()
+      slots = self._admit(rows, load=True, count="misses")
+    return slots
 
   def _chunks(self, rows: np.ndarray):
     u, inv = np.unique(rows, return_inverse=True)
@@ -95,18 +116,45 @@ class CachedRows:
       return
     with self.lock:
       for part, inv, a in self._chunks(rows.astype(np.int64)):
-        slots = self._admit(part, load=True)
+        slots = self._resident(part)
         if out is not None:
           pick = (inv >= a) & (inv < a + part.shape[0])
           out[pick] = self.data[slots[inv[pick] - a]]
 
   def prefetch(self, rows: np.ndarray) -> None:
-    """Read the rows not in the host cache (at most H, the rest skipped)."""
+    """Read the rows not in the host cache (at most H, the rest skipped). Their slots are
+    taken under the lock, the disk read without it (the input thread's reads of other rows
+    and the writer's write-backs go on meanwhile: with the lock held through the read, each
+    batch's gather waited for the next batches' disk time); a read of a row still in flight
+    waits for it (`_resident`)."""
     rows = np.unique(rows.astype(np.int64))[: self.host_rows]
     with self.lock:
       missing = rows[self.planner.row_slot[rows] < 0]
-      if missing.shape[0]:
-        self._admit(missing, load=True, count="prefetched")
+      if not missing.shape[0]:
+        return
+      self.clock += 1
+      ex = self.planner.admit(missing, self.clock, ())
+      self.counts["prefetched"] += ex.load_rows.shape[0]
+      self._write_victims(ex)
+      token = next(self._tokens)
+      slots = ex.load_slots.astype(np.int64)
+      self.pending[slots] = token
+    buf = self.file.buffer(slots.shape[0])
+    try:
+      self.file.read(ex.load_rows.astype(np.int64), buf)  # (admit's rows are sorted)
+    except BaseException:
+      with self.lock:  # (the rows unmapped: a later read loads them again, none waits)
+        mine = slots[self.pending[slots] == token]
+        self.pending[mine] = 0
+        self.planner.row_slot[self.planner.slot_row[mine]] = -1
+        self.planner.slot_row[mine] = -1
+        self.loaded.notify_all()
+      raise
+    with self.lock:  # (only into slots still waiting for this read: not rewritten, not reused)
+      mine = self.pending[slots] == token
+      self.data[slots[mine]] = buf.view(np.float32)[mine]
+      self.pending[slots[mine]] = 0
+      self.loaded.notify_all()
 
   def write(self, rows: np.ndarray, values: np.ndarray) -> None:
     """record of rows[i] = values[i] (rows distinct; values float32[n, floats])."""
@@ -118,6 +166,7 @@ class CachedRows:
       for a in range(0, rows.shape[0], self.host_rows):
         sel = order[a : a + self.host_rows]
         slots = self._admit(rows[sel], load=False)
+        self.pending[slots] = 0  # (a read-ahead of these rows would bring older values)
         self.data[slots] = values[sel]
         self.planner.dirty[slots] = True
 
