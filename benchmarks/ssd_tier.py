@@ -63,6 +63,18 @@ def backend_text(args, host_cache: float | None) -> str:
   return text + ")"
 
 
+def _spec_text(args, host_cache: float | None):
+  """(the table's spec, the backend string) of a configuration."""
+  from recgnn.embeddings import base
+
+  rows = args.ram_rows if host_cache is None and args.ram_rows else args.rows
+  spec = base.TableSpec(
+    name="t", num_rows=rows, dim=args.dim,
+    optimizer=base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.01),
+  )  # fmt: skip
+  return spec, backend_text(args, host_cache)
+
+
 def run_one(args, host_cache: float | None) -> dict:
   """One configuration, in this process: -> its measurements."""
   import jax
@@ -83,17 +95,13 @@ def run_one(args, host_cache: float | None) -> dict:
 
     Offload.init_chunk = fast
     Offload.init_host = lambda self, key: fast(self, key, 0, base.aligned_rows(self.spec.num_rows))
-  spec = base.TableSpec(
-    name="t", num_rows=rows, dim=args.dim,
-    optimizer=base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.01),
-  )  # fmt: skip
+  spec, text = _spec_text(args, host_cache)
   rng = np.random.default_rng(0)
   perm = rng.permutation(rows).astype(np.int32)
   cdf = harness.zipf_cdf(rows, args.exponent)  # (once: O(rows))
   n = args.warmup + args.steps
   batches = [perm[harness.zipf_ranks(rng, cdf, (args.batch, args.bag))] for _ in range(n)]
   del perm, cdf  # (the stream's own O(rows) arrays: not the backend's memory)
-  text = backend_text(args, host_cache)
   t0 = time.perf_counter()
   group = planner.make_backend(text, spec)
   state = group.init(jax.random.key(0))
@@ -179,7 +187,7 @@ def run_one(args, host_cache: float | None) -> dict:
       out["disk_read_bytes_per_step"] / (missed * f.logical_bytes) if missed else None
     )
   if args.checkpoint:  # (after the step's counters are read: the save reads the row file)
-    out.update(checkpoint_cost(args, group, state, text, spec))
+    out.update(checkpoint_cost(args, group, state, spec))
   if host_cache is not None:
     group._tier.rows.close()
   return out
@@ -191,71 +199,100 @@ def reset_peak_rss() -> None:
     f.write("5")
 
 
-def checkpoint_cost(args, group, state, text, spec) -> dict:
-  """One checkpoint of the trained group (sync + Checkpointer.save, the trainer's path: the SSD
-  level streams its row file into it) and its restore into a fresh group (the old row file
-  removed first: the disk holds the checkpoint and one row file): seconds, bytes, peak RSS of
-  each, and 4096 sampled rows (with their optimizer state) equal after the restore."""
+def _train_state(g, emb):
+  """A TrainState around one group's state (the checkpoint's dense part: a stand-in)."""
   import jax
 
   from recgnn import planner
-  from recgnn.train import checkpoint
   from recgnn.train import step as step_lib
 
-  def train_state(g, emb):
-    st = step_lib.TrainState(
-      step=jax.numpy.zeros((), jax.numpy.int32), params={"w": jax.numpy.zeros(2)},
-      opt_state=(), emb={g.name: emb}, key=jax.random.key(0),
-    )  # fmt: skip
-    return st, planner.Plan({g.name: g}, {"t": g.name}, g.mesh)
+  st = step_lib.TrainState(
+    step=jax.numpy.zeros((), jax.numpy.int32), params={"w": jax.numpy.zeros(2)},
+    opt_state=(), emb={g.name: emb}, key=jax.random.key(0),
+  )  # fmt: skip
+  return st, planner.Plan({g.name: g}, {"t": g.name}, g.mesh)
 
-  ssd = group._tier.disk
+
+def _sampled(g, spec) -> np.ndarray:
+  """f32[<= 4096, dim + 1]: 4096 random rows (a fixed draw) and their Adagrad accumulators, as
+  the group holds them."""
   sample = np.unique(np.random.default_rng(7).integers(0, spec.num_rows, 4096))
+  if g._tier.disk:
+    c = g._tier.rows.tables[0]
+    out = np.empty((sample.shape[0], c.file.floats), np.float32)
+    c.read(sample, out)
+    return out[:, : spec.dim + 1]
+  t = g._tier.table("t")
+  return np.concatenate([t["table"][sample], t["accum"][sample, None]], 1)
 
-  def rows_of(g, st):
-    if ssd:
-      c = g._tier.rows.tables[0]
-      out = np.empty((sample.shape[0], c.file.floats), np.float32)
-      c.read(sample, out)
-      return out[:, : spec.dim + 1]
-    t = g._tier.table("t")
-    return np.concatenate([t["table"][sample], t["accum"][sample, None]], 1)
 
-  workdir = args.dir.rstrip("/") + "_ckpt"
+def _workdir(args) -> str:
+  return args.dir.rstrip("/") + "_ckpt"
+
+
+def checkpoint_cost(args, group, state, spec) -> dict:
+  """One checkpoint of the trained group, as the trainer takes it (sync, then
+  Checkpointer.save: the SSD level streams its row file into it), then its restore in a
+  fresh process (`restore_one`: what a --resume costs; this run's row file removed first, so
+  the disk holds the checkpoint and one row file): seconds, bytes, peak RSS of each phase."""
+  from recgnn.train import checkpoint
+
+  workdir = _workdir(args)
   shutil.rmtree(workdir, ignore_errors=True)
   ckpt = checkpoint.Checkpointer(workdir)
-  print(f"checkpoint: free disk {shutil.disk_usage(os.path.dirname(workdir)).free / 2**30:.1f}"
-        f" GiB, load {os.getloadavg()}", file=sys.stderr, flush=True)  # fmt: skip
+  free = shutil.disk_usage(os.path.dirname(workdir)).free / 2**30
+  print(f"checkpoint: free disk {free:.1f} GiB, load {os.getloadavg()}", file=sys.stderr)
+  out = {"checkpoint_rss_before": rss()}
   reset_peak_rss()
   t0 = time.perf_counter()
   state = group.sync(state)
-  st, plan = train_state(group, state)
+  out.update(checkpoint_sync_s=time.perf_counter() - t0, checkpoint_sync_peak_rss=peak_rss())
+  reset_peak_rss()
+  t0 = time.perf_counter()
+  st, plan = _train_state(group, state)
   ckpt.save(st, 1, plan)
-  out = {"checkpoint_save_s": time.perf_counter() - t0, "checkpoint_save_peak_rss": peak_rss()}
+  out.update(checkpoint_save_s=time.perf_counter() - t0, checkpoint_save_peak_rss=peak_rss())
+  out["checkpoint_load_after_save"] = os.getloadavg()[0]
+  ckpt.close()
   step_dir = os.path.join(checkpoint.checkpoint_dir(workdir), "1")
   out["checkpoint_bytes"] = sum(
     os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(step_dir) for f in fs
   )
-  want = rows_of(group, state)
-  if ssd:
+  np.save(os.path.join(workdir, "sampled.npy"), _sampled(group, spec))
+  if group._tier.disk:
     group._tier.rows.close()  # (its row file removed: room for the restore's)
-  del state, st
-  fresh = planner.make_backend(text, spec)
-  st, plan = train_state(fresh, None)  # (restore reads the tables' shapes from the plan)
-  out["checkpoint_restore_rss_before"] = rss()  # (the trained group's row maps still held)
-  reset_peak_rss()
-  t0 = time.perf_counter()
-  restored = ckpt.restore(st, plan, 1)
-  out["checkpoint_restore_s"] = time.perf_counter() - t0
-  out["checkpoint_restore_peak_rss"] = peak_rss()
-  out["checkpoint_restored_rows_equal"] = bool(
-    np.array_equal(rows_of(fresh, restored.emb[fresh.name]), want)
-  )
-  ckpt.close()
+  cfg = "ram" if not group._tier.disk else str(args.one)
+  cmd = [sys.executable, __file__, *sys.argv[1:-2], "--one", f"restore:{cfg}"]
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+  if proc.returncode or not line:
+    raise SystemExit(f"restore failed\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+  out.update(json.loads(line[0][7:]))
   shutil.rmtree(workdir, ignore_errors=True)
-  if ssd:
-    fresh._tier.rows.close()
   print(f"checkpoint: {out}", file=sys.stderr, flush=True)
+  return out
+
+
+def restore_one(args, host_cache: float | None) -> dict:
+  """In a fresh process: restore checkpoint 1 of `checkpoint_cost` into a new group (the SSD
+  level: a new row file written from it a chunk at a time) -> seconds, this process's peak
+  RSS, and whether SAMPLE's rows equal the trained group's."""
+  from recgnn import planner
+  from recgnn.train import checkpoint
+
+  spec, text = _spec_text(args, host_cache)
+  group = planner.make_backend(text, spec)
+  ckpt = checkpoint.Checkpointer(_workdir(args))
+  before = rss()
+  t0 = time.perf_counter()
+  ckpt.restore(*_train_state(group, None), 1)  # (the tables' shapes come from the plan)
+  out = {"checkpoint_restore_s": time.perf_counter() - t0}
+  out.update(checkpoint_restore_peak_rss=peak_rss(), checkpoint_restore_rss_before=before)
+  want = np.load(os.path.join(_workdir(args), "sampled.npy"))
+  out["checkpoint_restored_rows_equal"] = bool(np.array_equal(_sampled(group, spec), want))
+  ckpt.close()
+  if group._tier.disk:
+    group._tier.rows.close()
   return out
 
 
@@ -322,22 +359,21 @@ def markdown(payload: dict) -> str:
       harness.md_table(
         [
           "config",
-          "save s",
-          "save peak RSS GiB",
+          "RSS before GiB",
+          "sync s (peak RSS GiB)",
+          "save s (peak RSS GiB)",
           "checkpoint GB",
-          "restore s",
-          "restore peak RSS GiB (before)",
+          "restore s, fresh process (its peak RSS GiB)",
           "4096 sampled rows equal",
         ],
         [
           [
             ("ssd" if r["host_cache"] is not None else "RAM") + f", {r['rows']:,} rows",
-            f"{r['checkpoint_save_s']:.1f}",
-            f"{r['checkpoint_save_peak_rss'] / 2**30:.2f}",
+            f"{r['checkpoint_rss_before'] / 2**30:.2f}",
+            f"{r['checkpoint_sync_s']:.1f} ({r['checkpoint_sync_peak_rss'] / 2**30:.2f})",
+            f"{r['checkpoint_save_s']:.1f} ({r['checkpoint_save_peak_rss'] / 2**30:.2f})",
             f"{r['checkpoint_bytes'] / 1e9:.2f}",
-            f"{r['checkpoint_restore_s']:.1f}",
-            f"{r['checkpoint_restore_peak_rss'] / 2**30:.2f} "
-            f"({r['checkpoint_restore_rss_before'] / 2**30:.2f})",
+            f"{r['checkpoint_restore_s']:.1f} ({r['checkpoint_restore_peak_rss'] / 2**30:.2f})",
             str(r["checkpoint_restored_rows_equal"]),
           ]
           for r in ck
@@ -401,6 +437,11 @@ def main(argv=None):
   ap.add_argument("--out", default="ssd_tier")
   ap.add_argument("--one", default="", help="(internal) run one configuration, print JSON")
   args = ap.parse_args(argv)
+  if args.one.startswith("restore:"):
+    cfg = args.one.partition(":")[2]
+    out = restore_one(args, None if cfg == "ram" else float(cfg))
+    print("RESULT " + json.dumps(out))
+    return
   if args.one:
     out = run_one(args, None if args.one == "ram" else float(args.one))
     print("RESULT " + json.dumps(out))

@@ -10,8 +10,8 @@ checkpoint is committed by Orbax's rename, never half-written):
 
   rows.npy        f32[S, D]   (numpy's .npy format: readable by np.load(mmap_mode="r"))
   <slot>.npy      f32[S]      one per optimizer slot
-  streamed.json   S, D, the slots, and recgnn.data.file_check's records of the .npy files
-                  (bytes and the head's SHA-256), written last
+  streamed.json   S, D, the slots, recgnn.data.file_check's records of the .npy files
+                  (bytes and the head's SHA-256) and their CRC-32s, written last
 
 `TableReader` opens such a folder, verified first (file_check: a truncated or foreign file is
 refused naming it), and reads any rows [first, first + n) with one read per file: `chunk`
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zlib
 from collections.abc import Callable
 
 import numpy as np
@@ -73,17 +74,25 @@ class StreamedTable:
     os.makedirs(folder, exist_ok=True)
     names = {k: f"{k}.npy" for k in self.keys()}
     files = {k: open(os.path.join(folder, n), "wb") for k, n in names.items()}  # noqa: SIM115
+    # Each file's CRC-32 as written (the checkpoint's checksums take it: no second pass
+    # over the table's bytes; a restore compares the disk's bytes with it).
+    crc = dict.fromkeys(files, 0)
     done = [0]
+
+    def put(k: str, data) -> None:
+      files[k].write(data)
+      crc[k] = zlib.crc32(data, crc[k])
+
     try:
-      for k, f in files.items():
-        f.write(_npy_header((self.rows, self.dim) if k == "rows" else (self.rows,)))
+      for k in files:
+        put(k, _npy_header((self.rows, self.dim) if k == "rows" else (self.rows,)))
 
       def sink(first: int, chunk: dict) -> None:
         if first != done[0]:
           raise RuntimeError(f"streamed table: chunk at row {first}, expected {done[0]}")
         n = chunk["rows"].shape[0]
-        for k, f in files.items():
-          f.write(memoryview(np.ascontiguousarray(chunk[k], np.float32)).cast("B"))
+        for k in files:
+          put(k, memoryview(np.ascontiguousarray(chunk[k], np.float32)).cast("B"))
         done[0] += n
 
       self.produce(sink)
@@ -98,7 +107,8 @@ class StreamedTable:
       for f in files.values():
         f.close()
     manifest = {"rows": self.rows, "dim": self.dim, "slots": list(self.slots),
-                "files": file_check.file_records(folder, names.values())}  # fmt: skip
+                "files": file_check.file_records(folder, names.values()),
+                "crc32": {names[k]: c for k, c in crc.items()}}  # fmt: skip
     file_check.write_manifest(os.path.join(folder, MANIFEST), manifest)
     return sum(r["bytes"] for r in manifest["files"].values())
 
@@ -107,6 +117,18 @@ class StreamedTable:
     total = [0]
     self.produce(lambda first, chunk: total.__setitem__(0, total[0] + int(f(chunk))))
     return total[0]
+
+
+def written_checksums(directory: str) -> dict[str, list[int]]:
+  """{path relative to `directory`: [bytes, CRC-32]} of the .npy files of every streamed
+  table under it, as their writer computed them (from the manifests)."""
+  out = {}
+  for root, _, names in os.walk(directory):
+    if MANIFEST in names and (m := file_check.read_manifest(os.path.join(root, MANIFEST))):
+      for name, c in (m.get("crc32") or {}).items():
+        rel = os.path.relpath(os.path.join(root, name), directory)
+        out[rel] = [m["files"][name]["bytes"], c]
+  return out
 
 
 class TableReader:

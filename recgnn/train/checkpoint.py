@@ -57,6 +57,7 @@ from etils import epath
 
 from recgnn import planner, sharding
 from recgnn.data import file_check
+from recgnn.embeddings import streamed
 from recgnn.train import streamed_item
 from recgnn.train.config_diff import config_differences
 
@@ -110,14 +111,18 @@ def refuse_existing(workdir: str, resume: bool) -> None:
     )
 
 
-def file_checksums(directory: str) -> dict[str, list[int]]:
-  """{relative path: [size, crc32]} of every file under `directory` but the checksum file."""
+def file_checksums(directory: str, known: dict | None = None) -> dict[str, list[int]]:
+  """{relative path: [size, crc32]} of every file under `directory` but the checksum file;
+  `known`: files whose [size, crc32] their writer computed (taken where the size matches)."""
   out = {}
   for root, _, files in os.walk(directory):
     for name in sorted(files):
       path = os.path.join(root, name)
       rel = os.path.relpath(path, directory)
       if rel == CHECKSUMS:
+        continue
+      if known and rel in known and known[rel][0] == os.path.getsize(path):
+        out[rel] = list(known[rel])  # (a streamed table's: not read a second time)
         continue
       crc = 0
       with open(path, "rb") as f:
@@ -262,7 +267,7 @@ class Checkpointer:
     if jax.process_index() != 0:
       return
     d = os.path.join(self.directory, str(step))
-    sums = file_checksums(d)
+    sums = file_checksums(d, streamed.written_checksums(d))
     tmp = os.path.join(d, CHECKSUMS + ".tmp")
     with open(tmp, "w") as f:
       json.dump(sums, f)

@@ -21,7 +21,7 @@ from recgnn.backends.offload.disk_rows import source_of
 from recgnn.backends.offload.fast_plan import SteadyPlanner
 from recgnn.backends.offload.host_side import HostSide
 from recgnn.backends.offload.table import PLANNED, Offload
-from recgnn.embeddings import base, host_cache, host_tier
+from recgnn.embeddings import base, host_cache, host_tier, streamed
 
 # An absent slot or position in a stack's lists: past every cache and list (gathers read
 # zeros, scatters drop it).
@@ -182,9 +182,15 @@ class OffloadGroup(base.TableGroup):
     self._syncer.check(state)
     self._tier.drain()
     for s, names in enumerate(self._stacks):
-      cache, slot_rows = jax.device_get((state["cache"][s], state["slot_rows"][s]))
+      slot_rows = np.asarray(jax.device_get(state["slot_rows"][s]))
+      cache = state["cache"][s]
+      # (a streamed.CHUNK_BYTES piece of the cache at a time: O(chunk) host memory)
+      step = streamed.chunk_rows(self.specs[names[0]].row_bytes)
       for n, (a, b) in zip(names, self._slices(s)):
-        self._tier.write_resident(n, slot_rows[a:b], {k: v[a:b] for k, v in cache.items()})
+        for i in range(a, b, step):
+          j = min(i + step, b)
+          piece = jax.device_get({k: v[i:j] for k, v in cache.items()})
+          self._tier.write_resident(n, slot_rows[i:j], piece)
     return state
 
   def export(self, state):
