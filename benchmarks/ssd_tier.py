@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import pathlib
-import resource
 import shutil
 import subprocess
 import sys
@@ -42,17 +41,22 @@ def proc_io() -> dict[str, int]:
 
 
 def peak_rss() -> int:
-  """The process's peak resident bytes (VmHWM)."""
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  """The process's peak resident bytes (VmHWM: this process's own, reset by `reset_peak_rss`;
+  getrusage's ru_maxrss would carry a forking parent's peak into a child)."""
+  return _status("VmHWM:")
+
+
+def _status(key: str) -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(key):
+        return int(line.split()[1]) * 1024
+  return 0
 
 
 def rss() -> int:
   """The process's resident bytes now (VmRSS)."""
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmRSS:"):
-        return int(line.split()[1]) * 1024
-  return 0
+  return _status("VmRSS:")
 
 
 def backend_text(args, host_cache: float | None) -> str:
