@@ -132,6 +132,7 @@ def run_one(args, host_cache: float | None) -> dict:
   jax.block_until_ready(state)
   group._tier.drain()
   seconds = time.perf_counter() - marks["t"]
+  load = os.getloadavg()  # (the machine is shared: the load over the timed steps, 1-minute)
   io = proc_io()
   stats = group.stats()
   checkpoint_s = None
@@ -147,6 +148,7 @@ def run_one(args, host_cache: float | None) -> dict:
     "backend": text,
     "host_cache": host_cache,
     "init_s": init_s,
+    "load_at_steps": load[0],
     "step_ms": 1e3 * seconds / args.steps,
     "disk_read_bytes_per_step": (io["read_bytes"] - marks["io"]["read_bytes"]) / args.steps,
     "disk_write_bytes_per_step": (io["write_bytes"] - marks["io"]["write_bytes"]) / args.steps,
@@ -324,7 +326,9 @@ def markdown(payload: dict) -> str:
       [
         (f"ssd, host cache {r['host_cache']:.0%}" if ssd else "RAM (whole table)")
         + (f", {r['rows']:,} rows" if a.get("ram_rows") else ""),
-        f"{r['step_ms']:.1f}",
+        f"{r['step_ms']:.1f} (load {r['load_at_steps']:.1f})"
+        if "load_at_steps" in r
+        else f"{r['step_ms']:.1f}",
         f"{r['step_ms'] / ram['step_ms']:.2f}",
         f"{r['host_hit_rate']:.3f}" if ssd and r.get("host_hit_rate") is not None else "-",
         f"{r['disk_read_bytes_per_step'] / 1e6:.2f}",
@@ -342,7 +346,7 @@ def markdown(payload: dict) -> str:
     harness.md_table(
       [
         "config",
-        "step ms",
+        "step ms (1-min load)",
         "x RAM",
         "host hit rate",
         "disk read MB/step",
@@ -358,7 +362,7 @@ def markdown(payload: dict) -> str:
   ck = [r for r in res if r.get("checkpoint_save_s") is not None]
   if ck:
     lines += ["", "One checkpoint (sync + Checkpointer.save, then a restore into a fresh group; "
-              "the SSD level streams its row file, 64 MiB chunks):", ""]  # fmt: skip
+              "the SSD level streams its row file, streamed.CHUNK_BYTES chunks):", ""]  # fmt: skip
     lines.append(
       harness.md_table(
         [
@@ -450,6 +454,7 @@ def main(argv=None):
     out = run_one(args, None if args.one == "ram" else float(args.one))
     print("RESULT " + json.dumps(out))
     return
+  payload = harness.record(args)  # (the machine record, its load, before anything runs)
   free = shutil.disk_usage(os.path.dirname(args.dir.rstrip("/")) or "/").free
   print(f"free disk {free / 2**30:.1f} GiB; load {os.getloadavg()}")
   configs = ([] if args.skip_ram else ["ram"]) + args.host_caches.split(",")
@@ -463,7 +468,7 @@ def main(argv=None):
     results.append(json.loads(line[0][7:]))
     print(c, {k: v for k, v in results[-1].items() if k != "lifetime"})
   shutil.rmtree(args.dir, ignore_errors=True)
-  payload = {"machine": harness.machine_info(), "args": vars(args), "results": results}
+  payload["results"] = results
   harness.write_results(args.out, payload, markdown(payload))
   if not args.skip_ram:
     plot(payload, RESULTS / f"{args.out}.png")

@@ -32,8 +32,10 @@ from recgnn.data import file_check
 
 # The most bytes one chunk of a streamed table holds (a chunk's records in the row file, or
 # its arrays): a checkpoint's save and restore hold O(CHUNK_BYTES + the host cache), never
-# O(table). 64 MiB: sequential reads at the disk's full speed (8 MiB per call, row_file).
-CHUNK_BYTES = 64 << 20
+# O(table). 16 MiB: sequential reads at the disk's speed (8 MiB per call, row_file); a save
+# holds a few chunks at once (the read, its column copies), 64 MiB took 0.5 GiB over the
+# training's RSS (benchmarks/ssd_tier.py --checkpoint).
+CHUNK_BYTES = 16 << 20
 MANIFEST = "streamed.json"
 
 Sink = Callable[[int, dict], None]

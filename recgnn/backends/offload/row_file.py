@@ -46,10 +46,12 @@ HEADER_BYTES = file_check.HEAD_BYTES
 SUFFIX = ".rows"
 IO_MODES = ("direct", "buffered")
 # Rows per read / write call of the pool, and the pool's threads: the disk's queue depth is
-# what a random-read SSD needs filled (benchmarks/ssd_io.py measured the choice).
+# what a random-read SSD needs filled (benchmarks/ssd_io.py measured the choice). 32: random
+# 512-byte reads of batches of 1,650 rows over a 26.6 GB row file ran at 42.9k / 66.5k /
+# 56.0k rows/s with 16 / 32 / 64 threads on this VM (docs/backends/offload.md).
 CHUNK_ROWS = 256
-SEQUENTIAL = 8 << 20  # bytes per read of a whole-file pass (export)
-THREADS = 16
+SEQUENTIAL = 8 << 20  # bytes per read of a whole-file pass (a checkpoint's stream)
+THREADS = 32
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
