@@ -116,13 +116,15 @@ class CachedRows:
     p.dirty[victims] = False
 
   def _write_back(self, slots: np.ndarray, rows: np.ndarray) -> int:
-    """records of `rows` = data[slots], in one batched write (rows sorted) -> how many."""
-    if not slots.shape[0]:
-      return 0
+    """records of `rows` = data[slots], batched writes (rows sorted) of streamed.CHUNK_BYTES
+    each (a checkpoint's flush of a whole dirty host cache held it twice at once) -> how many."""
     order = np.argsort(rows)
-    buf = self.file.buffer(order.shape[0])
-    buf.view(np.float32)[:] = self.data[slots[order]]
-    self.file.write(rows[order].astype(np.int64), buf)
+    step = streamed.chunk_rows(self.file.record)
+    for a in range(0, order.shape[0], step):
+      part = order[a : a + step]
+      buf = self.file.buffer(part.shape[0])
+      buf.view(np.float32)[:] = self.data[slots[part]]
+      self.file.write(rows[part].astype(np.int64), buf)
     return int(order.shape[0])
 
   def _write_victims(self, ex) -> None:
