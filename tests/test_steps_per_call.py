@@ -67,8 +67,10 @@ PLANS = {
   # Caches of a few batches' rows: every step evicts, and rows come back within a call.
   "offload": ((".*", "offload(cache_rows=320, policy=lru, lookahead=2)"),),
   "offload_lookahead": ((".*", "offload(cache_fraction=0.2, min_cache_rows=300, lookahead=4)"),),
-  # The hot set picked after 4 batches (a call's): the split changes on a call boundary.
-  "hot_cold": ((".*", "hot_cold(budget=0.2, profile_batches=4)"),),
+  # The hot set picked after 4 batches (a call's): the split changes on a call boundary. Two
+  # tables in the group, half their rows hot: examples popular enough to split on 8 devices
+  # (32 examples each) too.
+  "hot_cold": (("C(3|4)", "hot_cold(budget=0.5, profile_batches=4)"), (".*", "dense")),
 }
 
 
@@ -134,6 +136,21 @@ def test_k_steps_per_call_resume_exactly(cache_dir, tmp_path):
   wd = str(tmp_path / "from_one")
   assert loop.train(_config(cache_dir, 1, steps=12), wd, stop_after=8).metrics["step"] == 8
   _same(full, loop.train(four, wd, resume=True))
+
+
+@pytest.mark.slow
+def test_k_steps_per_call_offload_ssd_level(cache_dir, tmp_path):
+  """offload's SSD level (row files behind a host cache of half the rows) at 4 steps per
+  call: bit-identical to one step per call."""
+  skip_unless_deterministic()
+
+  def plan(d):
+    return ((".*", f"offload(cache_rows=320, policy=lru, host_cache=0.5, storage='ssd:{d}')"),)
+
+  one = loop.train(_config(cache_dir, 1, plan=plan(tmp_path / "r1")), str(tmp_path / "one"))
+  four = loop.train(_config(cache_dir, 4, plan=plan(tmp_path / "r4")), str(tmp_path / "four"))
+  _same(one, four)
+  assert four.metrics["test/auc"] == one.metrics["test/auc"]
 
 
 HOST_RESUME = {
