@@ -135,10 +135,10 @@ geometry.py (`Geometry`: the frozen layout, capacities, stacks, shardings, memor
 non-popular split), host_side.py (`HostTier`: the host tables, a batch's rows read and its
 ring slots handed out, the writer, sync / export), prepare.py (`Preparer`: ids -> prepared on
 the input thread, stats), call_shapes.py (a call's k batches made one shape: cold lists,
-migrations and the split, for k train steps per call), device.py (`DeviceStep`: the step's lookup, update, ring and
-migration), state.py (`StateKeeper`: init, import_ / export, restore, extras); backend.py, the
-front `HotCold` class. Shared mechanisms live in recgnn/embeddings (row_sharded, host_tier,
-host_cache, access_counts, microbatch).
+migrations and the split, for k train steps per call), device.py (`DeviceStep`: the step's
+lookup, update, ring and migration), state.py (`StateKeeper`: init, import_ / export,
+restore, extras); backend.py, the front `HotCold` class. Shared mechanisms live in
+recgnn/embeddings (row_sharded, host_tier, host_cache, access_counts, microbatch).
 """
 
 from __future__ import annotations
