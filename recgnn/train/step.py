@@ -237,8 +237,8 @@ def jit_packed(
   argument, bound here (f keeps the signature above). An argument, not a closure: a
   closed-over array would be a constant of the program, the whole graph in its HLO.
 
-  stacked: k > 1 train steps per call over k batches (`Feeder.stack`: buffers [k, devices,
-  n], one layout, no host leaves): one `lax.scan` of step_fn over them, the state carried,
+  stacked: k > 1 train steps per call over k batches (`Feeder.pack_call`: buffers [k,
+  devices, n], one layout, no host leaves): one `lax.scan` of step_fn over them, the state carried,
   metrics stacked ([k] per key), and a host tier's rows for the host too ([k, ...] per leaf,
   handed over once per call: `host_handoff.HandsToHost(steps=k)`). Each iteration is the
   one-step program's body on batch i, so k calls of one step and one call of k end
@@ -295,7 +295,9 @@ def _scan(body, state, bufs):
   """lax.scan of body(state, bufs[i]) -> (state, out) over axis 0 of `bufs`: (the last
   state, every out stacked). A step that changes the state's shapes (a host tier's ring of
   recent write-backs is [0, ...] until its first train step sizes it) runs first, outside
-  the scan: a scan carries one shape. The same steps either way, in the same order."""
+  the scan: a scan carries one shape. The same steps either way, in the same order. (Told
+  by an abstract trace of the body, nothing computed: any backend's state that a step
+  resizes, with no backend named here.)"""
   first = jax.tree.map(lambda b: b[0], bufs)
   spec = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
   if spec(jax.eval_shape(body, state, first)[0]) == spec(state):
