@@ -56,10 +56,16 @@ class Layout:
       each); False: every device gets the whole batch (e.g. one sampled subgraph per step).
     process_local: with many processes, each reads and prepares only its own contiguous
       slice of every batch (the examples of its devices), never the whole batch.
+    steps_per_call: k train batches per call of the train step (`train.steps_per_call`):
+      each prepared alone, in stream order, then `Backend.stack_call` makes their leaves one
+      shape, and ONE step runs the k updates in a scan. Their write-backs reach a host tier
+      only after the call, so it sizes what it keeps on the device (a ring of recent
+      write-backs) to cover a call.
   """
 
   split_batch: bool = True
   process_local: bool = False
+  steps_per_call: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,6 +86,10 @@ class Capabilities:
       the jitted steps when it reports a change.
     writes_host: `update` returns rows for the host (TO_HOST: offload's evicted rows): whoever
       runs the step hands them to `after_update` (the trainer's step does).
+    stacks_calls: (a `writes_host` backend) k > 1 train steps per call work: `stack_call`
+      makes a call's prepared batches one shape, `after_update(steps=k)` takes a call's
+      rows, and what the call's steps read before its write-backs reach the host stays on
+      the device (`Layout.steps_per_call`). Without it such a backend is refused with k > 1.
   """
 
   needs_split_ids: bool = False
@@ -87,6 +97,7 @@ class Capabilities:
   plans_globally: bool = False
   replans_shapes: bool = False
   writes_host: bool = False
+  stacks_calls: bool = False
 
 
 # Key of an updated state's output for the host (`Backend.update`): the rows a host tier
@@ -206,12 +217,22 @@ class Backend(abc.ABC):
     output of its own (`split_to_host`) and whoever runs the step hands it to
     `after_update` (a state never carries it into the next step)."""
 
-  def after_update(self, state: PyTree, to_host: PyTree | None = None) -> PyTree:
+  def after_update(self, state: PyTree, to_host: PyTree | None = None, steps: int = 1) -> PyTree:
     """Host side, after a jitted `update` (O(1): no wait for the step): takes the step's
     TO_HOST output (from `state`, or given apart by a train step that split it off) and
-    hands it to the backend's host writer. -> the state without it. Default: nothing."""
-    del to_host
+    hands it to the backend's host writer. -> the state without it. steps = k > 1: the
+    output of a call of k steps, every leaf stacked [k, ...] in step order. Default:
+    nothing."""
+    del to_host, steps
     return state
+
+  def stack_call(self, prepared: list[PyTree]) -> list[PyTree]:
+    """Host side, input thread: the k prepared train batches of one call
+    (`Layout.steps_per_call`, each from its own `prepare`, in stream order) -> the same
+    batches with every leaf one shape across them, so the call stacks them for one scan
+    (a list sized per batch padded to the call's longest, with entries that move nothing).
+    Values a step reads must not change. Default: as they are (shapes set by the batch)."""
+    return prepared
 
   @abc.abstractmethod
   def memory(self) -> dict[str, MemoryReport]:

@@ -103,6 +103,7 @@ class Writer:
     self.busy_seconds = 0.0
     self._error: BaseException | None = None
     self._thread: threading.Thread | None = None
+    self._counts: collections.deque = collections.deque()  # steps each queued job applies
 
   def _run(self):
     while True:
@@ -117,20 +118,24 @@ class Writer:
         self._error = e
       self.busy_seconds += time.perf_counter() - t0
       with self._cond:
-        self.applied += 1
+        self.applied += self._counts.popleft()
         self._cond.notify_all()
 
   def _check(self):
     if self._error is not None:
       raise RuntimeError(f"{self.owner}: a host write-back failed: {self._error}") from self._error
 
-  def submit(self, job: Callable[[], None]) -> None:
+  def submit(self, job: Callable[[], None], steps: int = 1) -> None:
+    """job: the write-backs of `steps` train steps (a call of k steps hands its k over as
+    one job): `submitted` / `applied` count steps, so `wait(n)` means "step n applied"
+    however the steps were called."""
     self._check()
     if self._thread is None:
       self._thread = threading.Thread(target=self._run, name=f"{self.owner} writer", daemon=True)
       self._thread.start()
     with self._cond:
-      self.submitted += 1
+      self.submitted += steps
+      self._counts.append(steps)
       self._cond.notify_all()
     self._jobs.put(job)
 
@@ -208,11 +213,12 @@ class HostRows:
       at += n
     return out
 
-  def write_back(self, to_host, apply: Callable[[dict], None]) -> None:
+  def write_back(self, to_host, apply: Callable[[dict], None], steps: int = 1) -> None:
     """A step's output for the host (device arrays, O(1) here: no wait for the step) to the
     writer thread: its copy to the host starts as soon as the step ends; the writer waits
     for it, then `apply(values)` (numpy) scatters it into the tables, in step order.
-    `write_seconds` counts the copy and the scatter, not the wait for the step."""
+    `write_seconds` counts the copy and the scatter, not the wait for the step. steps: the
+    train steps whose write-backs `to_host` holds (a call of k: `Writer.submit`)."""
     for x in jax.tree.leaves(to_host):
       if isinstance(x, jax.Array):
         x.copy_to_host_async()
@@ -223,7 +229,7 @@ class HostRows:
       apply(to_host_values(to_host))
       self.write_seconds += time.perf_counter() - t0
 
-    self.writer.submit(job)
+    self.writer.submit(job, steps)
 
   def scatter(self, writes: list[tuple[int, np.ndarray, np.ndarray]], values: dict) -> None:
     """arrays[t][k][rows] = values[k][positions] for writes [(t, rows, positions)], in order.
@@ -243,7 +249,8 @@ class Recent:
   position is a counter (its slot: the counter modulo `size`); a position is still held at
   step k when fewer than `size` positions were handed out after it before step k."""
 
-  def __init__(self, total_rows: int):
+  def __init__(self, total_rows: int, steps_per_call: int = 1):
+    self.steps_per_call = steps_per_call
     self.last_pos = np.full(total_rows, -1, np.int64)  # the latest write-back's position
     self.last_step = np.full(total_rows, -1, np.int64)  # ... and its step
     self.head = 0  # positions handed out so far
@@ -266,6 +273,23 @@ class Recent:
     src = np.where(held, pos % max(self.size, 1), ABSENT).astype(np.int32)
     steps = self.last_step[rows][~held]
     return src, int(steps.max()) + 1 if steps.shape[0] else 0
+
+  def check_in_call(self, need: int, owner: str) -> None:
+    """Refuse (rather than wait forever) a host read that needs the write-back of a step of
+    the call being prepared (`sources`' count `need`: steps since the last reset): with k
+    steps per call, a call's write-backs reach the host only after the call, which runs
+    once all its k batches are prepared. The ring is sized so that this never happens
+    (`call_ring_steps`); a ring too small for a call says so."""
+    k = self.steps_per_call
+    first = self.step - self.step % k  # the first step of the call this step belongs to
+    if k > 1 and need > first:
+      raise RuntimeError(
+        f"{owner}: train step {self.step} (of a call of {k} steps from step {first}) loads a "
+        f"row that step {need - 1} of the same call wrote back, and the device ring of "
+        f"recent write-backs ({self.size} rows) no longer holds it: its host copy is stale "
+        "until the call ends. A step wrote back more rows than the ring was sized for; use "
+        "train.steps_per_call=1 with this plan."
+      )
 
   def assign(self, rows: np.ndarray) -> np.ndarray:
     """Ring slots for the rows the planned step writes back (int64[n], numbered over the
@@ -301,6 +325,40 @@ class Outbox:
 
   def clear(self) -> None:
     self._plans.clear()
+
+
+def call_ring_steps(steps_per_call: int, prefetch: int, per_step: int = 1) -> int:
+  """How many steps' worth of write-backs a device ring of recent write-backs holds.
+
+  One step per call: `prefetch`, the input thread's run-ahead (a row read after that waits
+  for its write-back on the host, `Writer.wait`: long landed in practice). k > 1 steps per
+  call: at least every write-back of a call's k - 1 earlier steps, `per_step` lists each
+  (the most write-back lists one step has): a row one step of a call evicts and a later
+  step of the same call loads again is prepared before the call runs, and its host copy is
+  current only after the call, so the ring MUST hold it (`Recent.check_in_call` refuses
+  otherwise). Why the ring rather than pinning every row of the call's k batches in the
+  device tier: pinning would refuse calls whose k batches outgrow the cache (k batches of
+  misses over every table), while the ring is what one step per call already relies on
+  (the step writes what it evicts there, a later step of the scan reads it there), only
+  longer: O(k x a step's write-backs) rows, never O(table rows)."""
+  if steps_per_call <= 1:
+    return prefetch
+  return max(prefetch, per_step * (steps_per_call - 1))
+
+
+def widen(x: np.ndarray, width: int, fill, axis: int = 0) -> np.ndarray:
+  """x with axis `axis` padded to `width` with `fill` (a scalar, or an array that
+  broadcasts against the result, e.g. one value per row: [R, 1]), x itself when that wide
+  already: a list sized per batch made its call's width (`Backend.stack_call`)."""
+  x = np.asarray(x)
+  axis %= x.ndim
+  have = x.shape[axis]
+  if have == width:
+    return x
+  out = np.empty(x.shape[:axis] + (width,) + x.shape[axis + 1 :], x.dtype)
+  out[...] = fill
+  out[(slice(None),) * axis + (slice(0, have),)] = x
+  return out
 
 
 def to_host_values(values) -> dict:

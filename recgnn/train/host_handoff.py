@@ -11,25 +11,26 @@ from __future__ import annotations
 from recgnn import planner
 
 
-def hand_to_host(plan: planner.Plan, to_host: dict) -> None:
+def hand_to_host(plan: planner.Plan, to_host: dict, steps: int = 1) -> None:
   """A train step's host-tier output to each group's writer (`Backend.after_update`: O(1)
-  per group, no wait for the step)."""
+  per group, no wait for the step); steps = k: a call of k steps' ([k, ...] per leaf)."""
   for key, out in to_host.items():
-    plan.groups[key].after_update(None, out)
+    plan.groups[key].after_update(None, out, steps)
 
 
 class HandsToHost:
   """A jitted train step of a plan with a host tier, called as f(state, buffers, layout) ->
   (state, metrics): its third output (the host tiers' rows) handed to their writers on the
   way out (`hand_to_host`). Plans without one return (state, metrics) from the jitted
-  function itself (no Python frame per call)."""
+  function itself (no Python frame per call). steps: train steps per call (k > 1: the
+  rows of the call's k steps, handed over once)."""
 
-  def __init__(self, fn, plan: planner.Plan):
-    self._fn, self._plan = fn, plan
+  def __init__(self, fn, plan: planner.Plan, steps: int = 1):
+    self._fn, self._plan, self._steps = fn, plan, steps
 
   def __call__(self, state, buffers, layout):
     state, metrics, to_host = self._fn(state, buffers, layout)
-    hand_to_host(self._plan, to_host)
+    hand_to_host(self._plan, to_host, self._steps)
     return state, metrics
 
   def __getattr__(self, name):  # .lower(), .trace(), ... of the jitted step

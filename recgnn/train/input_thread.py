@@ -123,15 +123,15 @@ class InputThread:
         if it.batch is not None:
           size = self._task.num_examples(it.batch) * self._scale
         if it.kind == "train" and per_call > 1:
-          # Each batch packed as alone (every batch's prepare in stream order), the call's
-          # k batches stacked into one transfer.
-          call.append((self._feeder.pack(it.prepared, it.batch, "train batch"), size))
+          # Each batch prepared alone (every batch's prepare in stream order), the call's k
+          # batches made one shape by their groups, packed and stacked into one transfer.
+          call.append((it.prepared, it.batch, size))
           self.busy_seconds += time.perf_counter() - t0
           if len(call) < per_call:
             continue
           t0 = time.perf_counter()
-          host = self._feeder.stack([c[0] for c in call])
-          size, call = sum(c[1] for c in call), []
+          host = self._feeder.pack_call([c[:2] for c in call])
+          size, call = sum(c[2] for c in call), []
         elif it.batch is not None:
           host = self._feeder.pack(it.prepared, it.batch, f"{it.kind} batch")
         self.busy_seconds += time.perf_counter() - t0

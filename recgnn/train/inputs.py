@@ -77,6 +77,17 @@ def prepare_stream(plan: planner.Plan, stream: Iterable[tuple[str, str | None, A
     yield Prepared(kind, split, batch, prepared)
 
 
+def stack_call(plan: planner.Plan, prepared: list[dict]) -> list[dict]:
+  """The prepared pytrees ({group key: ...}) of one call's k train batches -> the same with
+  every leaf one shape across them (each group's `Backend.stack_call`), to stack for a
+  `jit_packed(stacked=k)` step."""
+  out = [dict(p) for p in prepared]
+  for key, group in plan.groups.items():
+    for p, g in zip(out, group.stack_call([p[key] for p in prepared])):
+      p[key] = g
+  return out
+
+
 def run_ahead(items: Iterable, depth: int = base.PREFETCH) -> Iterator:
   """Yield `items` in order, having pulled (prepared) `depth` more before yielding each."""
   buf: collections.deque = collections.deque()
@@ -297,7 +308,8 @@ def choose_layout(
   if setting not in INPUT_MODES:
     raise ValueError(f"train.process_input={setting!r}; valid: {', '.join(INPUT_MODES)}")
   split = bool(task.shard_batch)
-  whole = base.Layout(split_batch=split)
+  k = int(getattr(task, "batches_per_call", 1))
+  whole = base.Layout(split_batch=split, steps_per_call=k)
   count = jax.process_count()
   if count == 1:
     return whole, None, "one process: it reads every batch"
@@ -323,7 +335,7 @@ def choose_layout(
       )
     return whole, None, "every process reads the whole batch: " + "; ".join(why)
   return (
-    base.Layout(split_batch=split, process_local=True),
+    base.Layout(split_batch=split, process_local=True, steps_per_call=k),
     (index, count),
     f"each process reads and prepares only its 1/{count} of every batch (this one: slice "
     f"{index}, {len(owners) // count} devices)",

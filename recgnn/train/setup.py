@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from recgnn import distributed, planner, sharding
 from recgnn.embeddings import base
 from recgnn.planner import auto as auto_lib
-from recgnn.train import inputs, plan_timing
+from recgnn.train import inputs, model_timing, plan_timing
 from recgnn.train import step as step_lib
 from recgnn.train.task import Task
 
@@ -108,7 +108,7 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
     out = auto_lib.cached_model_seconds(
       cache,
       auto_lib.CostCache.model_key(what, batches[:n], mesh),
-      lambda: step_lib.model_step_seconds(task, tx, mesh, batches[:n], dims),
+      lambda: model_timing.model_step_seconds(task, tx, mesh, batches[:n], dims),
     )
     model_time += time.perf_counter() - t0
     return out
@@ -297,29 +297,25 @@ def place_inputs(tree, mesh: jax.sharding.Mesh):
   return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else sharding.put(x, repl), tree)
 
 
-# Backends whose prepare plans against device state the step changes (a cache, a hot set)
-# and whose steps hand the host rows back per step (`Capabilities.writes_host`): one call of
-# k stacked batches needs their lists padded to one width per call, hot_cold's split fixed
-# per call and k write-backs handed over per call. Not built yet.
-NO_STACKED_CALLS = ("offload", "hot_cold")
-
-
 def refuse_stacked_calls(task: Task, plan: planner.Plan) -> None:
-  """k > 1 batches per call (`Task.batches_per_call`) with a host-tier group: refused, named."""
+  """k > 1 batches per call (`Task.batches_per_call`) with a host-tier group that does not
+  declare `Capabilities.stacks_calls` (offload and hot_cold do): refused, named. Such a
+  group plans its lists, ring slots and write-backs per step and hands them over per step;
+  a call of k needs them of one shape per call and handed over per call."""
   if task.batches_per_call <= 1:
     return
   bad = [
     g.text or g.name
     for g in plan.groups.values()
-    if g.capabilities.writes_host or g.name in NO_STACKED_CALLS
+    if g.capabilities.writes_host and not g.capabilities.stacks_calls
   ]
   if bad:
     key = task.steps_per_call_key or "steps_per_call"
     raise ValueError(
-      f"{key}={task.batches_per_call} with host-tier embedding groups {bad}: offload and "
-      "hot_cold run one step per call (each step's lists, ring slots and write-back are "
-      "planned and handed over per step; k per call needs them stacked per call: not built "
-      f"yet). Use {key}=1 with this plan, or dense / tt / sharded tables."
+      f"{key}={task.batches_per_call} with host-tier embedding groups {bad} that run one "
+      "step per call (they do not declare Capabilities.stacks_calls: their lists and "
+      "write-backs are planned and handed over per step). Use "
+      f"{key}=1 with this plan, or offload / hot_cold / dense / tt / sharded tables."
     )
 
 

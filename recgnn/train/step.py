@@ -14,7 +14,6 @@ Steps are jitted with explicit in / out shardings and the state donated.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import flax.struct
@@ -238,10 +237,12 @@ def jit_packed(
   argument, bound here (f keeps the signature above). An argument, not a closure: a
   closed-over array would be a constant of the program, the whole graph in its HLO.
 
-  stacked: k > 1 train steps per call over k batches (`Feeder.stack`: buffers [k, devices,
-  n], one layout, no host leaves): one `lax.scan` of step_fn over them, the state carried,
-  metrics stacked ([k] per key). Each iteration is the one-step program's body on batch i,
-  so k calls of one step and one call of k end bit-identical (tests/test_steps_per_call.py)."""
+  stacked: k > 1 train steps per call over k batches (`Feeder.pack_call`: buffers [k,
+  devices, n], one layout, no host leaves): one `lax.scan` of step_fn over them, the state carried,
+  metrics stacked ([k] per key), and a host tier's rows for the host too ([k, ...] per leaf,
+  handed over once per call: `host_handoff.HandsToHost(steps=k)`). Each iteration is the
+  one-step program's body on batch i, so k calls of one step and one call of k end
+  bit-identical (tests/test_steps_per_call.py)."""
   mesh = plan.mesh
   spec = inputs.STACKED_SPEC if stacked > 1 else sharding.BATCH_SPEC
   buf = jax.sharding.NamedSharding(mesh, spec)
@@ -252,15 +253,16 @@ def jit_packed(
   hands = out_state and any(g.capabilities.writes_host for g in plan.groups.values())
 
   def packed(state, buffers, layout, *extra):
-    if stacked > 1:  # (no host tier: setup.refuse_stacked_calls)
+    if stacked > 1:
       bufs, host = buffers
 
       def body(state, bufs_i):
         prepared, batch = inputs.unpack((bufs_i, host), layout, mesh)
-        new, metrics, *_ = step_fn(state, prepared, batch, *extra)
-        return new, metrics
+        new, metrics, *to_host = step_fn(state, prepared, batch, *extra)
+        return new, (metrics, to_host[0] if to_host else {})
 
-      return jax.lax.scan(body, state, bufs)
+      state, (metrics, to_host) = _scan(body, state, bufs)
+      return (state, metrics, to_host) if hands else (state, metrics)
     prepared, batch = inputs.unpack(buffers, layout, mesh)
     out = step_fn(state, prepared, batch, *extra)
     if not out_state:
@@ -286,7 +288,23 @@ def jit_packed(
   # sharding.OneInFlight). Elsewhere the jitted function itself: no Python frame per call.
   one = sharding.OneInFlight(jitted, mesh) if sharding.needs_one_in_flight(mesh) else jitted
   one = one if step_inputs is None else _BoundInputs(one, step_inputs)
-  return host_handoff.HandsToHost(one, plan) if hands else one
+  return host_handoff.HandsToHost(one, plan, stacked) if hands else one
+
+
+def _scan(body, state, bufs):
+  """lax.scan of body(state, bufs[i]) -> (state, out) over axis 0 of `bufs`: (the last
+  state, every out stacked). A step that changes the state's shapes (a host tier's ring of
+  recent write-backs is [0, ...] until its first train step sizes it) runs first, outside
+  the scan: a scan carries one shape. The same steps either way, in the same order. (Told
+  by an abstract trace of the body, nothing computed: any backend's state that a step
+  resizes, with no backend named here.)"""
+  first = jax.tree.map(lambda b: b[0], bufs)
+  spec = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
+  if spec(jax.eval_shape(body, state, first)[0]) == spec(state):
+    return jax.lax.scan(body, state, bufs)
+  state, out = body(state, first)
+  state, outs = jax.lax.scan(body, state, jax.tree.map(lambda b: b[1:], bufs))
+  return state, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), out, outs)
 
 
 class _BoundInputs:
@@ -372,6 +390,13 @@ class Feeder:
       sharding.check_batch(np.shape(x)[0] * jax.process_count(), mesh, what)
     return inputs.Packer(treedef, leaves, spec_leaves, mesh.size // jax.process_count())
 
+  def pack_call(self, batches: list) -> tuple[tuple[list, list], inputs.PackLayout]:
+    """The k (prepared, batch) of one call's train batches, each prepared alone in stream
+    order -> `stack`'s output: every group's `stack_call` makes their prepared leaves one
+    shape (a host tier's lists padded to the call's widest), then each is packed."""
+    prepared = inputs.stack_call(self.plan, [p for p, _ in batches])
+    return self.stack([self.pack(p, b, "train batch") for p, (_, b) in zip(prepared, batches)])
+
   def stack(self, packed: list) -> tuple[tuple[list, list], inputs.PackLayout]:
     """k `pack` outputs of one call's train batches -> ((buffers [k, devices, n] per dtype,
     no host leaves), their one layout): the input of a `jit_packed(stacked=k)` step, one
@@ -382,10 +407,10 @@ class Feeder:
         "the train batches of one call differ in structure or shapes; k steps per call "
         "(train.steps_per_call) needs batches of one shape (drop the remainder)"
       )
-    if packed[0][0][1]:
+    if packed[0][0][1]:  # (no backend has such leaves since issue 42)
       raise ValueError(
-        f"k steps per call cannot stack {len(packed[0][0][1])} host-memory leaves "
-        "(train.steps_per_call=1 for host-tier plans)"
+        f"k steps per call cannot stack {len(packed[0][0][1])} pinned-host-memory leaves "
+        "(a backend's prepared leaves with sharding.HOST_SPEC): use train.steps_per_call=1"
       )
     bufs = [np.stack([p[0][0][i] for p in packed]) for i in range(len(packed[0][0][0]))]
     return (bufs, []), layout
@@ -423,65 +448,3 @@ def init_state(
     emb=emb,
     key=jax.random.wrap_key_data(sharding.put(jax.random.key_data(k_run), repl)),
   )
-
-
-def model_step_seconds(
-  task: Task, tx, mesh, batches: list[dict], dims: dict[str, int], repeats: int = 3
-) -> float:
-  """Median seconds of the step's part that is not an embedding backend's: the task's loss
-  and its gradient w.r.t. the dense params and the pooled lookups, and the optax update (what
-  every plan of the same task shares; `recgnn.planner.auto` adds each table's own
-  step to it). Pooled lookups stand in as arrays of the real shapes ({table: f32[B, dim]}),
-  the batch split over the mesh as the trainer splits it; timed on `repeats` passes over
-  `batches` (task batches), after one that compiled, the median of every timed step (one
-  pass of a few batches moved with the load of the moment; the planner also keeps the figure
-  in its cost cache: `auto.cached_model_seconds`)."""
-  if not batches:
-    raise ValueError("model_step_seconds needs at least one batch")
-  rng = np.random.default_rng(0)
-
-  def pooled_of(batch):
-    n = {t: np.shape(ids)[0] for t, ids in batch["ids"].items()}
-    return {t: rng.normal(0, 0.01, (n[t], d)).astype(np.float32) for t, d in dims.items()}
-
-  repl = jax.sharding.NamedSharding(mesh, sharding.REPLICATED)
-  split = jax.sharding.NamedSharding(mesh, sharding.BATCH_SPEC)
-  first = device_batch(batches[0])
-  params = task.init_params(jax.random.key(0), first, pooled_of(batches[0]))
-  params = sharding.put(jax.device_get(params), repl)
-  opt_state = sharding.put(jax.device_get(tx.init(params)), repl)
-
-  @jax.jit
-  def step(params, opt_state, pooled, batch, key):
-    def loss_fn(params, pooled):
-      return task.loss(params, batch, pooled, key)
-
-    (loss, _), (g_params, g_pooled) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-      params, pooled
-    )
-    updates, opt_state = tx.update(g_params, opt_state, params)
-    # g_pooled returned: the backends consume it, so XLA must compute it here too.
-    return optax.apply_updates(params, updates), opt_state, g_pooled, loss
-
-  placed = []
-  for b in batches:
-    rest = device_batch(b)
-    specs = task.batch_spec(rest)
-    rest = jax.tree.map(
-      lambda x, s: sharding.put(np.asarray(x), jax.sharding.NamedSharding(mesh, s)),
-      rest,
-      specs,
-      is_leaf=lambda x: isinstance(x, np.ndarray),
-    )
-    pooled = {t: sharding.put(v, split) for t, v in pooled_of(b).items()}
-    placed.append((rest, pooled))
-  key = jax.random.key(1)
-  times = []
-  for timed in (False, *[True] * max(repeats, 1)):
-    for rest, pooled in placed:
-      t0 = time.perf_counter()
-      params, opt_state, g, loss = step(params, opt_state, pooled, rest, key)
-      jax.block_until_ready((params, g))
-      if timed:
-        times.append(time.perf_counter() - t0)
-  return float(np.median(times))

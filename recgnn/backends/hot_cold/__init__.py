@@ -61,7 +61,9 @@ overwritten since is read from the host after the writer applied the step that w
 (`Writer.wait`: in practice long done). The ring holds RING_BATCHES (= PREFETCH) steps' worth of
 write-backs: the cold list's cap (the sum of min(ids per batch, rows) over the layout's tables)
 and, with reprofile, the hot slots a re-pick may empty (not capped at the layout's rows: a
-FIFO of write-backs, two steps may each write back most of a small table). The hot /
+FIFO of write-backs, two steps may each write back most of a small table); with k > 1 steps
+per call, at least k - 1 steps' worth: a call's write-backs reach the host after it, so a row
+a later step of the call reads again must be in the ring (call_shapes.py). The hot /
 cold layout changes only by a migration that runs at the end of the update of the batch whose
 `prepare` planned it, and every later batch is prepared for the new layout. `version` in the
 state checks that updates run in prepare order (as `offload`); a step's write-back that does
@@ -132,10 +134,11 @@ geometry.py (`Geometry`: the frozen layout, capacities, stacks, shardings, memor
 (`HotSet`: the row <-> slot maps, profile, pick and migrations), micro.py (the popular /
 non-popular split), host_side.py (`HostTier`: the host tables, a batch's rows read and its
 ring slots handed out, the writer, sync / export), prepare.py (`Preparer`: ids -> prepared on
-the input thread, stats), device.py (`DeviceStep`: the step's lookup, update, ring and
-migration), state.py (`StateKeeper`: init, import_ / export, restore, extras); backend.py, the
-front `HotCold` class. Shared mechanisms live in recgnn/embeddings (row_sharded, host_tier,
-host_cache, access_counts, microbatch).
+the input thread, stats), call_shapes.py (a call's k batches made one shape: cold lists,
+migrations and the split, for k train steps per call), device.py (`DeviceStep`: the step's
+lookup, update, ring and migration), state.py (`StateKeeper`: init, import_ / export,
+restore, extras); backend.py, the front `HotCold` class. Shared mechanisms live in
+recgnn/embeddings (row_sharded, host_tier, host_cache, access_counts, microbatch).
 """
 
 from __future__ import annotations

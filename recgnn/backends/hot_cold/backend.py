@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import jax
 
+from recgnn.backends.hot_cold import call_shapes
 from recgnn.backends.hot_cold.device import DeviceStep
 from recgnn.backends.hot_cold.geometry import Geometry
 from recgnn.backends.hot_cold.host_side import HostTier
@@ -47,7 +48,7 @@ class HotCold(base.Backend):
     self.capabilities = self._capabilities(o)
     self.geometry = Geometry.build(self.specs, mesh, self.layout, o)
     self._hot = HotSet(self.geometry, o)
-    self._host = HostTier(self.geometry, bool(o.reprofile))
+    self._host = HostTier(self.geometry, bool(o.reprofile), self.layout.steps_per_call)
     self._device = DeviceStep(self.geometry)
     # (the split-off warning's group is the backend string: `micro.OFF_LOG`)
     self._prep = Preparer(self.geometry, o, self._hot, self._host, self.describe())
@@ -64,7 +65,9 @@ class HotCold(base.Backend):
   def _capabilities(o: HotColdOptions) -> base.Capabilities:
     # The hot set and the popular / non-popular split are planned over the whole batch; the
     # step returns the cold rows it updated for the host writer (TO_HOST).
-    return base.Capabilities(splits_batch=o.split, plans_globally=True, writes_host=True)
+    return base.Capabilities(
+      splits_batch=o.split, plans_globally=True, writes_host=True, stacks_calls=True
+    )
 
   def describe(self, table=None):
     del table
@@ -136,8 +139,14 @@ class HotCold(base.Backend):
   def stats(self):
     return self._prep.stats()
 
-  def after_update(self, state, to_host=None):
-    return self._host.after_update(state, to_host)
+  def after_update(self, state, to_host=None, steps=1):
+    return self._host.after_update(state, to_host, steps)
+
+  def stack_call(self, prepared):
+    """A call's k train batches of one shape (`call_shapes.one_shape`)."""
+    out = call_shapes.one_shape(self.geometry, prepared)
+    self._prep.cold_shapes.update(tuple(c["src"].shape[0] for c in p["cold"]) for p in out)
+    return out
 
   def planned_to_host(self, prepared):
     return self._host.planned_to_host(prepared)

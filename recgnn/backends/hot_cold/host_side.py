@@ -24,7 +24,9 @@ ABSENT = host_tier.ABSENT
 # times what one train step writes back at most: its cold list's cap (the sum of min(ids per
 # batch, rows) over the stack's tables) and, with reprofile, the hot slots a re-pick may
 # empty. The input thread prepares PREFETCH batches ahead of the step (`inputs.run_ahead`),
-# so the write-backs of every step not run when a batch is prepared are in it.
+# so the write-backs of every step not run when a batch is prepared are in it. With k > 1
+# steps per call it holds the write-backs of a call's k - 1 earlier steps too
+# (`host_tier.call_ring_steps`).
 RING_BATCHES = base.PREFETCH
 
 
@@ -36,11 +38,12 @@ class HostTier:
   writer, sync / export.
 
   reprofile: the hot set is re-picked while training, so the ring also holds the hot slots a
-  re-pick may empty."""
+  re-pick may empty. steps_per_call: `Layout.steps_per_call` (the ring covers a call)."""
 
-  def __init__(self, geometry: Geometry, reprofile: bool):
+  def __init__(self, geometry: Geometry, reprofile: bool, steps_per_call: int = 1):
     self._g = geometry
     self._reprofile = reprofile
+    self._steps_per_call = steps_per_call
     self._host = host_tier.HostRows(geometry.owner)
     self._recent: list[host_tier.Recent] = []
     self._outbox = host_tier.Outbox()
@@ -51,9 +54,11 @@ class HostTier:
     `caps`: RING_BATCHES steps' write-backs (their cold rows, and with reprofile the hot
     slots a re-pick may empty). Not capped at the stack's rows: the ring is a FIFO of
     write-backs, not a map of rows, so two steps writing back most of a small table's rows
-    each fill twice its rows before the older is on the host."""
+    each fill twice its rows before the older is on the host. With k > 1 steps per call, at
+    least a call's k - 1 earlier steps' write-backs (`host_tier.call_ring_steps`)."""
     out = sum(self._g.alloc[n] for n in names) if self._reprofile else 0
-    return int(RING_BATCHES * (sum(caps) + out))
+    steps = host_tier.call_ring_steps(self._steps_per_call, RING_BATCHES)
+    return int(steps * (sum(caps) + out))
 
   def batch_memory(self, ids_shapes):
     """The device ring of recent write-backs (`RING_BATCHES` x a step's most write-backs),
@@ -88,7 +93,7 @@ class HostTier:
     self._host.writer.drain()
     self._written = self._host.writer.submitted
     self._outbox.clear()
-    self._recent = [host_tier.Recent(int(b[-1])) for b in self._g.row_base]
+    self._recent = [host_tier.Recent(int(b[-1]), self._steps_per_call) for b in self._g.row_base]
 
   def host_of(self, name: str) -> dict:
     """{k: f32[N', ...]}: table `name`'s host arrays (numpy, written in place)."""
@@ -135,22 +140,28 @@ class HostTier:
     self._host.writer.drain()
     return self._host.write_seconds
 
-  def after_update(self, state, to_host=None):
+  def after_update(self, state, to_host=None, steps=1):
     """The step's rows for the host (TO_HOST: per stack {"cold": the updated cold rows, in
     list order; "out": {table: the rows leaving the hot set}}) to the writer thread, with
     the rows the prepare of that step listed (`_outbox`): it copies them to the host and
-    writes them into the tables in place, in step order. O(1) here: no wait for the step."""
+    writes them into the tables in place, in step order. O(1) here: no wait for the step.
+    steps = k > 1: a call's output, every leaf [k, ...] (its k steps', in order)."""
     if to_host is None:
       state, to_host = base.split_to_host(state)
-    writes = self._outbox.take()
+    plans = [self._outbox.take() for _ in range(steps)]
     host = self._host
 
-    def apply(values):
+    def apply_call(values):
+      for i, writes in enumerate(plans):
+        apply(writes, values if steps == 1 else jax.tree.map(lambda v, i=i: v[i], values))
+
+    def apply(writes, values):
       if len(values) != len(writes):
         raise RuntimeError("hot_cold: a step's rows for the host do not match its stacks")
       for w, got in zip(writes, values):
         width = got["cold"]["table"].shape[0]
-        if set(w["out"]) != set(got["out"]) or any(
+        # (a migration a call padded from empty comes back, with nothing to write: a subset)
+        if not set(w["out"]) <= set(got["out"]) or any(
           p.max(initial=-1) >= width for _, _, p in w["cold"]
         ):
           raise RuntimeError(
@@ -162,7 +173,7 @@ class HostTier:
         for name, ww in w["out"].items():
           host.scatter(ww, got["out"][name])
 
-    host.write_back(to_host, apply)
+    host.write_back(to_host, apply_call, steps)
     return state
 
   def plan_writes(self, writes: list) -> None:
@@ -237,6 +248,8 @@ class HostTier:
         if m is not None and m[3].size:
           t["out_dst"][: m[3].size] = self._leaving_slots(recent, first_row[i] + m[3])
           w["out"][n] = [(index[n], m[3], np.arange(m[3].size))]
+      if need:  # (before the step count moves on: the call is this step's)
+        recent.check_in_call(need, self._g.owner)
       recent.end_step()
     if need:  # a host read of a row written back by a step that may still be in flight
       self._host.writer.wait(self._written + need, f" after {self._written} before")

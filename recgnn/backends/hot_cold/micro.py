@@ -98,6 +98,12 @@ def split(p0s: dict, tables, popular, n_dev, b, group: str = "hot_cold"):
   if p0 == 0:
     OFF_LOG.note(group, lambda: off_reason(h, b, n_dev))
     return None
+  return pieces(p0, tables, h, n_dev, b)
+
+
+def pieces(p0: int, tables, h: np.ndarray, n_dev: int, b: int) -> tuple:
+  """The micro-batches of a popular size p0 > 0 (`split`'s result), h: bool[n_dev, b] each
+  device's popular examples (at least p0 on every device)."""
   order = np.argsort(~h, axis=1, kind="stable")  # popular first, each in batch order
   micro = []
   # Every example popular: no non-popular micro-batch (a piece of 0 examples).

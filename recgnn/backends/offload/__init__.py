@@ -108,6 +108,7 @@ stacked caches, the lists, checkpoints), fast_plan.py (`SteadyPlanner`: the comp
 steady-state planning of the group's batches), device_step.py (`DeviceStep`: the jitted
 lookup and update), host_side.py (`HostSide`: the rows read and written back per stack),
 cache_plan.py (the numpy cache planner, its `Exchange` and the list sizing `Sizer`),
+call_lists.py (a call's k batches made one shape: k train steps per call),
 planner.py (its compiled kernels), row_file.py (`RowFile`: one table's rows on disk, verified)
 and disk_rows.py (`DiskRows`: the host cache over the row files, the read-ahead); the host
 tables in RAM, their writer and the ring's bookkeeping are recgnn/embeddings/host_tier.py's

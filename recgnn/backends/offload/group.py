@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from recgnn import sharding
-from recgnn.backends.offload import cache_plan
+from recgnn.backends.offload import cache_plan, call_lists
 from recgnn.backends.offload import planner as hostplan
 from recgnn.backends.offload.cache_plan import (
   EVICT_SLOTS,
@@ -78,6 +78,7 @@ class OffloadGroup(base.TableGroup):
       self.specs,
       self._index,
       next(iter(self.members.values())).options if self.members else None,
+      self.layout.steps_per_call,
     )
 
   # -- state: one cache array per stack; the planners' arrays as slices of flat ones
@@ -231,13 +232,23 @@ class OffloadGroup(base.TableGroup):
     self._tier.drain()
     return self._tier.rows.write_seconds
 
-  def after_update(self, state, to_host=None):
+  def after_update(self, state, to_host=None, steps=1):
     """The step's evicted rows (TO_HOST: per stack {"now" / "next": {k: f32[W, ...]}}, in
-    list order) to the host writer (`HostSide.hand_over`). O(1) here: no wait for the step."""
+    list order; a call of k steps: [k, W, ...]) to the host writer (`HostSide.hand_over`).
+    O(1) here: no wait for the step."""
     if to_host is None:
       state, to_host = base.split_to_host(state)
-    self._tier.hand_over(to_host)
+    self._tier.hand_over(to_host, steps)
     return state
+
+  def stack_call(self, prepared):
+    """A call's k train batches with each stack's lists of one width (`call_lists`)."""
+    out, added = call_lists.one_width(prepared, FILL, host_tier.ABSENT)
+    if added:
+      self._list_counters.add(padded_rows_h2d=added)
+    for p in out:
+      self.list_widths.update(tuple(e[k].shape[1] for k in ("now", "next")) for e in p["lists"])
+    return out
 
   def _adopt(self):
     self._tier.reset()

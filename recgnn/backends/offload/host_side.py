@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 
+import jax
 import numpy as np
 
 from recgnn.backends.offload.cache_plan import EVICT_ROWS, LOAD_ROWS
@@ -22,7 +23,10 @@ from recgnn.embeddings import base, host_cache, host_tier
 # the first of them runs) when every step evicts all it can, many more steps in practice (the
 # misses). A row evicted before that is read from the host, after its write-back landed.
 # Device memory: PREFETCH batches of rows (`OffloadGroup.batch_memory`), beside the cache.
+# With k > 1 steps per call it holds the write-backs of a call's k - 1 earlier steps too
+# (`host_tier.call_ring_steps`), each step's two lists ("now" and "next") at their longest.
 RING_BATCHES = base.PREFETCH
+LISTS_PER_STEP = 2
 
 
 class HostSide:
@@ -30,10 +34,15 @@ class HostSide:
 
   stacks: the group's stacks of tables (names; `host_tier.layouts`), specs: {name: TableSpec},
   index: {name: its position in the group} (the host arrays' order), options: the group's
-  (storage=ssd:DIR: the rows in row files behind a host cache, `DiskRows`)."""
+  (storage=ssd:DIR: the rows in row files behind a host cache, `DiskRows`), steps_per_call:
+  `Layout.steps_per_call` (the ring covers a call's write-backs)."""
 
-  def __init__(self, owner: str, stacks, specs: dict, index: dict[str, int], options=None):
+  def __init__(
+    self, owner: str, stacks, specs: dict, index: dict[str, int], options=None,
+    steps_per_call: int = 1,
+  ):  # fmt: skip
     self.owner = owner
+    self.steps_per_call = steps_per_call
     self.stacks, self.specs, self.index = stacks, specs, index
     o = options or OffloadOptions(cache_rows=1)
     if o.storage_dir is None:
@@ -80,7 +89,7 @@ class HostSide:
     self.drain()
     self.written = self.rows.writer.submitted
     self.outbox.clear()
-    self.recent = [host_tier.Recent(int(b[-1])) for b in self.row_base]
+    self.recent = [host_tier.Recent(int(b[-1]), self.steps_per_call) for b in self.row_base]
 
   def write_resident(self, name: str, slot_rows: np.ndarray, cache: dict) -> None:
     """table[slot_rows[s]] = cache[s] for every occupied slot (the device copy written back
@@ -94,8 +103,14 @@ class HostSide:
     per batch, C) over its tables): RING_BATCHES x cap, at most the stack's rows. (At most
     its cache's rows was tried: the run-ahead's steps then overwrite ring entries a prepared
     batch still needs whenever a step evicts most of a small cache, and the input side must
-    wait for the step: what the ring is for.)"""
-    return int(min(RING_BATCHES * cap, self.row_base[stack][-1]))
+    wait for the step: what the ring is for.) With k > 1 steps per call, at least a call's
+    write-backs (`host_tier.call_ring_steps`), not capped at the stack's rows: the ring is a
+    FIFO of write-backs, and the steps of one call may evict the same rows again and again."""
+    rows = int(min(RING_BATCHES * cap, self.row_base[stack][-1]))
+    if self.steps_per_call > 1:
+      steps = host_tier.call_ring_steps(self.steps_per_call, RING_BATCHES, LISTS_PER_STEP)
+      rows = max(rows, steps * cap)
+    return rows
 
   # -- the input thread
 
@@ -132,6 +147,8 @@ class HostSide:
         need = max(need, k_need)
       segs[kind] = (rows, src, off)
     if need:  # a host read of a row written back by a step that may still be in flight
+      if recent is not None:
+        recent.check_in_call(need, self.owner)
       self.rows.writer.wait(self.written + need, f" after {self.written} before")
     spec = self.specs[names[0]]
     for kind in kinds:
@@ -195,17 +212,23 @@ class HostSide:
 
   # -- after the step (main thread), then the writer thread
 
-  def hand_over(self, to_host) -> None:
+  def hand_over(self, to_host, steps: int = 1) -> None:
     """A step's evicted rows (per stack {"now" / "next": {k: f32[W, ...]}}, in list order)
     to the writer thread with the rows its prepare listed: it copies them to the host and
-    writes them into the tables in place, in step order. O(1) here: no wait for the step."""
-    writes = self.outbox.take()
+    writes them into the tables in place, in step order. O(1) here: no wait for the step.
+    steps = k > 1: a call's, every leaf [k, W, ...] (its k steps' write-backs, in order)."""
+    plans = [self.outbox.take() for _ in range(steps)]
     host = self.rows
 
     def apply(values):
+      for i, writes in enumerate(plans):
+        apply_step(writes, values if steps == 1 else jax.tree.map(lambda v, i=i: v[i], values))
+
+    def apply_step(writes, values):
       for stack, kinds in enumerate(writes):
         got = values[stack]
-        if set(kinds) != set(got) or any(
+        # (a list a call padded from empty comes back, with nothing to write: a subset)
+        if not set(kinds) <= set(got) or any(
           max((p.max(initial=-1) for _, _, p in w), default=-1) >= got[k]["table"].shape[0]
           for k, w in kinds.items()
         ):
@@ -217,4 +240,4 @@ class HostSide:
         for kind, w in kinds.items():
           host.scatter(w, got[kind])
 
-    host.write_back(to_host, apply)
+    host.write_back(to_host, apply, steps)

@@ -18,7 +18,7 @@ from recgnn.embeddings.specs import TableSpec
 MEASURE_VERSION = 2
 
 
-# Part of the model part's key: raised whenever `recgnn.train.step.model_step_seconds`
+# Part of the model part's key: raised whenever `recgnn.train.model_timing.model_step_seconds`
 # changes what it times.
 MODEL_VERSION = 1
 

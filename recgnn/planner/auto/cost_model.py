@@ -21,7 +21,7 @@ class PlanChoice:
   all_dense_bytes: int
   objective: str
   # Seconds of the step's part every plan shares (the task's loss, gradient and dense update:
-  # `recgnn.train.step.model_step_seconds`), None when not measured.
+  # `recgnn.train.model_timing.model_step_seconds`), None when not measured.
   model_s: float | None = None
   # Seconds one jitted call costs with nothing to compute (dispatch, block_until_ready): in
   # every table's timed step once, in the trainer's step once for all of them.
