@@ -80,6 +80,10 @@ class Capabilities:
       the jitted steps when it reports a change.
     writes_host: `update` returns rows for the host (TO_HOST: offload's evicted rows): whoever
       runs the step hands them to `after_update` (the trainer's step does).
+    stateless_prepare: `prepare` reads only its arguments and what the backend was built
+      with, and keeps nothing the step, a writer, `stats` or a checkpoint reads, so the
+      trainer may run it in a worker process (`recgnn.train.input_worker`) on a copy of the
+      backend (dense; not a cache planner, a host table, counters of what it saw).
   """
 
   needs_split_ids: bool = False
@@ -87,6 +91,7 @@ class Capabilities:
   plans_globally: bool = False
   replans_shapes: bool = False
   writes_host: bool = False
+  stateless_prepare: bool = False
 
 
 # Key of an updated state's output for the host (`Backend.update`): the rows a host tier
