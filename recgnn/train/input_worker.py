@@ -250,35 +250,41 @@ class _Release:
 # ----------------------------------------------------------------------------- the child
 
 
+class _Stopped(Exception):
+  """The parent said stop (or is gone) while the child waited for a slot."""
+
+
 class _Ring:
   """The child's slots: a file and mapping each, replaced by a larger one when a batch does
-  not fit; `take` waits for one the parent has handed back."""
+  not fit. `alloc` (the packing's `inputs.Alloc`) waits for a slot the parent has handed back
+  and lays the batch's buffers out in it, so the packing writes them there (no copy)."""
 
   def __init__(self, prefix: str, slots: int, frees, parent: int):
     self._prefix, self._frees, self._parent = prefix, frees, parent
     self._free = list(range(slots))
     self._maps: dict[int, tuple[int, mmap.mmap]] = {}  # slot -> (its size, the mapping)
     self._made = 0
+    # (slot, its new file or None, [(dtype, shape, offset)]) of the buffers `alloc` made last
+    self.current: tuple | None = None
 
-  def take(self) -> int | None:
-    """A free slot (None: the parent said stop, or is gone)."""
+  def _take(self) -> int:
     while not self._free:
       if self._frees.poll(POLL_S):
         slot = self._frees.recv()
         if slot is None:
-          return None
+          raise _Stopped
         self._free.append(slot)
       elif os.getppid() != self._parent:
-        return None
+        raise _Stopped
     return self._free.pop(0)
 
-  def write(self, slot: int, bufs: list) -> tuple[str | None, list]:
-    """Copies `bufs` into `slot` -> (the slot's new file, or None when it is the file the
-    parent has; (dtype, shape, offset) per buffer)."""
+  def alloc(self, shapes: list) -> list:
+    """[(dtype str, shape)] -> an array of each, laid out in a free slot (`current`)."""
+    slot = self._take()
     metas, end = [], 0
-    for b in bufs:
-      metas.append((b.dtype.str, b.shape, end))
-      end += -(-b.nbytes // ALIGN) * ALIGN
+    for d, shape in shapes:
+      metas.append((d, shape, end))
+      end += -(-int(np.prod(shape)) * np.dtype(d).itemsize // ALIGN) * ALIGN
     size, m = self._maps.get(slot, (0, None))
     path = None
     if end > size:
@@ -292,9 +298,10 @@ class _Ring:
       finally:
         os.close(fd)
       self._maps[slot] = (size, m)
-    for b, (d, shape, off) in zip(bufs, metas):
-      np.frombuffer(m, np.dtype(d), b.size, off).reshape(shape)[...] = b
-    return path, metas
+    self.current = (slot, path, metas)
+    return [
+      np.frombuffer(m, np.dtype(d), int(np.prod(sh)), off).reshape(sh) for d, sh, off in metas
+    ]
 
 
 def _child(produce, items_w, frees_r, slots: int, prefix: str) -> None:
@@ -309,6 +316,7 @@ def _child(produce, items_w, frees_r, slots: int, prefix: str) -> None:
   packing = None
   try:
     packing = produce()
+    packing.alloc = ring.alloc  # (every batch packed straight into a slot)
     for item in packing:
       slot = path = metas = lid = layout = None
       host: list = []
@@ -319,16 +327,16 @@ def _child(produce, items_w, frees_r, slots: int, prefix: str) -> None:
           lid = layouts[id(lay)] = len(kept)
           kept.append(lay)
           layout = (lay.treedef, lay.where)
-        slot = ring.take()
-        if slot is None:
-          return
-        path, metas = ring.write(slot, bufs)
+        slot, path, metas = ring.current
+      ring.current = None
       stats = (packing.busy_seconds, time.process_time(), packing.batches)
       items_w.send(
         ("item", item.kind, item.split, item.batch_size, slot, path, metas, host, lid, layout)
         + stats
       )
     items_w.send(("end", packing.busy_seconds, time.process_time(), packing.batches))
+  except _Stopped:
+    return
   except BaseException:  # sent to the parent, which raises it with this traceback
     with contextlib.suppress(OSError):
       items_w.send(("error", traceback.format_exc()))

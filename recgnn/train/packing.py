@@ -50,6 +50,8 @@ class Packing:
     self._task, self._scale = task, scale
     self.busy_seconds = 0.0
     self.batches = 0
+    # Where each item's buffers are made (`inputs.Alloc`; a worker's slot), None: new arrays.
+    self.alloc: inputs.Alloc | None = None
 
   def __iter__(self):
     prepared = inputs.prepare_stream(self._plan, self._items)
@@ -73,9 +75,9 @@ class Packing:
         if len(call) < per_call:
           continue
         t0 = time.perf_counter()
-        host = self._feeder.stack([c[0] for c in call])
+        host = self._feeder.stack([c[0] for c in call], self.alloc)
         size, call = sum(c[1] for c in call), []
       elif it.batch is not None:
-        host = self._feeder.pack(it.prepared, it.batch, f"{it.kind} batch")
+        host = self._feeder.pack(it.prepared, it.batch, f"{it.kind} batch", self.alloc)
       self.busy_seconds += time.perf_counter() - t0
       yield Item(it.kind, it.split, size, host)
