@@ -81,8 +81,9 @@ def config_of(name: str, args):
   c.train.final_eval_splits = ()
   if args.k > 1:
     c.train.steps_per_call = args.k
-  if args.input_workers is not None:  # (a tree before train.input_workers ignores it)
-    c.train.input_workers = args.input_workers
+  workers = getattr(args, "input_workers", None)
+  if workers is not None:  # (a tree before train.input_workers ignores it)
+    c.train.input_workers = workers
   return c
 
 

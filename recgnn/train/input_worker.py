@@ -327,6 +327,9 @@ def _child(produce, items_w, frees_r, slots: int, prefix: str) -> None:
           lid = layouts[id(lay)] = len(kept)
           kept.append(lay)
           layout = (lay.treedef, lay.where)
+        if ring.current is None:  # (a producer that made its own buffers: copied in)
+          for b, view in zip(bufs, ring.alloc([(b.dtype.str, b.shape) for b in bufs])):
+            view[...] = b
         slot, path, metas = ring.current
       ring.current = None
       stats = (packing.busy_seconds, time.process_time(), packing.batches)
