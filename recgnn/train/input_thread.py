@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Iterator
 
 import jax
@@ -59,6 +58,18 @@ def stream(task: Task, start: int, total: int, eval_every: int, eval_split: str,
     yield "eval_end", split, None
 
 
+def _bounded(depth: int) -> tuple[queue.SimpleQueue, queue.SimpleQueue]:
+  """(items, room): a queue of at most `depth` items made of C calls only. A producer takes a
+  token from `room` before each put, the consumer puts one back after each get: a producer
+  ahead blocks in C, taking no GIL while it waits. (A polled bound woke each waiting thread
+  every 0.5 ms, each wake taking the GIL from the launching thread; `queue.Queue`'s condition
+  variable cost the main thread ~20 Python calls per step.)"""
+  room: queue.SimpleQueue = queue.SimpleQueue()
+  for _ in range(depth):
+    room.put(None)
+  return queue.SimpleQueue(), room
+
+
 class InputThread:
   """Runs the host half of the input (`packing.Packing`: every group's `prepare`, the
   packing of each batch into per-dtype host buffers) ahead of the step, on a background
@@ -69,11 +80,6 @@ class InputThread:
 
   scale: examples counted per example of a batch (a process-local batch is 1 / processes of
   the global one; samples/s counts global examples)."""
-
-  # How often a full queue is looked at again (the input thread is then `depth` batches
-  # ahead). A polled bound keeps `get` one C call (`queue.SimpleQueue`): a `queue.Queue`'s
-  # condition variable cost the main thread ~20 Python calls per step.
-  POLL_S = 0.0005
 
   def __init__(
     self,
@@ -87,7 +93,6 @@ class InputThread:
   ):
     self._feeder = feeder
     self._depth = max(1, depth)
-    self._queue: queue.SimpleQueue = queue.SimpleQueue()
     self._stop = threading.Event()
     self.put_here = not sharding.needs_one_in_flight(plan.mesh)
     self._packing = Packing(items, plan, feeder, task, scale)
@@ -98,8 +103,11 @@ class InputThread:
     self.worker = (
       InputWorker(lambda: self._packing, slots=self._depth + 1, copy_out=cpu) if worker else None
     )
-    # Packed batches on their way to the transfer thread (None: get() transfers them).
-    self._packed: queue.SimpleQueue | None = queue.SimpleQueue() if self.put_here else None
+    # The queue `get` reads, and its room (`_Bounded`).
+    self._queue, self._room = _bounded(self._depth)
+    # Packed batches on their way to the transfer thread (None: no transfer thread; with a
+    # worker, the thread that receives its batches has nothing else to do and transfers them).
+    self._packed = _bounded(self._depth) if self.put_here and not worker else None
     source = self._packing if self.worker is None else self.worker
     self._thread = threading.Thread(target=self._run, args=(source,), daemon=True)
     self._thread.start()
@@ -114,8 +122,11 @@ class InputThread:
     return (self.worker or self._packing).busy_seconds
 
   def _run(self, source):
+    inline = self.put_here and self.worker is not None
     try:
       for item in source:
+        if inline:
+          self._to_device(item)
         self._put(item, self._packed)
         if self._stop.is_set():
           break
@@ -125,8 +136,10 @@ class InputThread:
 
   def _transfers(self):
     """The transfer thread: each packed batch to the devices, in order, then on to `get`."""
+    items, room = self._packed
     while not self._stop.is_set():
-      item = self._packed.get()
+      item = items.get()
+      room.put(None)
       if isinstance(item, Item):
         try:
           self._to_device(item)
@@ -136,19 +149,18 @@ class InputThread:
       if item is None or isinstance(item, BaseException):
         return
 
-  def _put(self, item, into: queue.SimpleQueue | None = None):
-    """`item` onto `into` (default: the queue `get` reads), once it holds fewer than
-    `depth` items."""
-    into = self._queue if into is None else into
-    while into.qsize() >= self._depth and not self._stop.is_set():
-      time.sleep(self.POLL_S)
+  def _put(self, item, into: tuple | None = None):
+    """`item` onto `into` (default: the queue `get` reads) once it has room (`_bounded`)."""
+    items, room = (self._queue, self._room) if into is None else into
+    room.get()
     if not self._stop.is_set():
-      into.put(item)
+      items.put(item)
 
   def get(self) -> Item | None:
     """The next item, its batch on the devices (transferred here where the input thread may
     not: several XLA:CPU devices)."""
     item = self._queue.get()
+    self._room.put(None)
     if isinstance(item, BaseException):
       raise item
     if item is not None and not item.on_device:
@@ -170,8 +182,11 @@ class InputThread:
     self._stop.set()
     if self.worker is not None:
       self.worker.stop()  # (the receiving thread then ends within the worker's POLL_S)
+    for _, room in (self._queue, self._room), self._packed or (None, None):
+      for _ in range(self._depth + 2) if room is not None else ():  # (wakes the producers)
+        room.put(None)
     if self._packed is not None:
-      self._packed.put(None)  # (wakes the transfer thread if it waits for a batch)
+      self._packed[0].put(None)  # (wakes the transfer thread if it waits for a batch)
     self._thread.join(timeout=5)
     if self._transfer is not None:
       self._transfer.join(timeout=5)
