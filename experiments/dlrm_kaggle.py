@@ -93,8 +93,9 @@ def get_config(arg=None):
   # a plan that cannot; "global" always reads the whole batch.
   c.train.process_input = "auto"
   # Where the input's read / prepare / pack runs: -1 = auto (a worker process when the task's
-  # reader and every group's prepare allow it: dense; else a thread), 0 = a thread of the
-  # training process, 1 = a worker process (refused where it cannot be). docs/running.md.
+  # reader and every group's prepare allow it, dense, and the host has 4+ CPUs; else a
+  # thread), 0 = a thread of the training process, 1 = a worker process (refused where it
+  # cannot be). docs/running.md, "The input pipeline".
   c.train.input_workers = -1
 
   # (data, model) device mesh; data=0: every device not on model. The batch is split over

@@ -139,10 +139,12 @@ def test_a_worker_killed_is_reported_with_its_exit_code():
   assert not glob.glob(w._prefix + "-*")
 
 
-def test_plans_a_worker_cannot_serve_are_refused_or_left_on_the_thread(cache_dir, tmp_path):
+def test_plans_a_worker_cannot_serve_are_refused_or_left_on_the_thread(
+  cache_dir, tmp_path, monkeypatch
+):
   """offload (its planner mirrors the device cache; its host tables have one writer): refused
   with train.input_workers=1, on the thread (the log line says why) with auto; dense: a worker
-  with auto."""
+  with auto where the host has MIN_CPUS, else the thread (saying so)."""
   from recgnn.train import setup
 
   offload = ((".*", "offload(cache_rows=2048)"),)
@@ -150,8 +152,13 @@ def test_plans_a_worker_cannot_serve_are_refused_or_left_on_the_thread(cache_dir
     loop.train(_config(cache_dir, 1, plan=offload, steps=4), str(tmp_path / "a"))
   with pytest.raises(ValueError, match=r"input_workers=3: valid are"):
     loop.train(_config(cache_dir, 3, steps=4), str(tmp_path / "b"))
+  monkeypatch.setattr(input_worker, "available_cpus", lambda: input_worker.MIN_CPUS)
   for plan, want in ((offload, 0), (None, 1)):
     run = setup.build(_config(cache_dir, -1, plan=plan), allocate=False)
     n, why = input_worker.workers_for(-1, run.task, run.plan)
     assert n == want, why
     assert ("thread" in why and "offload" in why) if want == 0 else "worker process" in why
+  monkeypatch.setattr(input_worker, "available_cpus", lambda: 2)
+  n, why = input_worker.workers_for(-1, run.task, run.plan)
+  assert n == 0 and "2 CPU(s)" in why, why
+  assert input_worker.workers_for(1, run.task, run.plan)[0] == 1

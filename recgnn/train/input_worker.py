@@ -59,8 +59,21 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 ALIGN = 64
 #: Seconds between checks that the other process is still there.
 POLL_S = 0.2
-#: train.input_workers values: -1 = auto (a worker where the task and plan allow one).
+#: train.input_workers values: -1 = auto (a worker where the task and plan allow one and the
+#: host has MIN_CPUS).
 AUTO = -1
+#: CPUs this process may run on below which auto keeps the thread: a worker only pays with a
+#: core of its own. On 2 CPUs (shared) it lost to the thread: dlrm_kaggle's no-work ceiling
+#: 0.68x at k = 1 and 0.55x at k = 8 (benchmarks/results/host_path_worker_*against_a99a7d3.md),
+#: the worker and the training process's threads competing for the same two cores.
+MIN_CPUS = 4
+
+
+def available_cpus() -> int:
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # (no affinity on this platform)
+    return os.cpu_count() or 1
 
 
 class InputWorkerError(RuntimeError):
@@ -72,8 +85,9 @@ def workers_for(setting: int, task: Task, plan: planner.Plan) -> tuple[int, str]
 
   A worker needs the task's batches readable in a forked child (`Task.forkable_input`) and
   every group's `prepare` free of host state the training process reads
-  (`Capabilities.stateless_prepare`). auto (-1): a worker when both hold, else the input
-  thread; 1: refused (ValueError, the reasons) when they do not; 0: the thread."""
+  (`Capabilities.stateless_prepare`). auto (-1): a worker when both hold and this process has
+  `MIN_CPUS` CPUs, else the input thread; 1: refused (ValueError, the reasons) when they do
+  not hold (whatever the CPUs); 0: the thread."""
   if setting == 0:
     return 0, "input on a thread of the training process (train.input_workers=0)"
   if setting not in (AUTO, 1):
@@ -93,6 +107,12 @@ def workers_for(setting: int, task: Task, plan: planner.Plan) -> tuple[int, str]
         f"group {group.text!r}: its prepare keeps host state the training process reads "
         "(Capabilities.stateless_prepare)"
       )
+  cpus = available_cpus()
+  if not why and setting == AUTO and cpus < MIN_CPUS:
+    return 0, (
+      f"input on a thread of the training process: {cpus} CPU(s), and a worker process pays "
+      f"from {MIN_CPUS} (train.input_workers=1 uses one anyway)"
+    )
   if not why:
     return 1, "input in a worker process (train.input_workers): read, prepare, pack"
   if setting == 1:
