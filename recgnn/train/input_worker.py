@@ -21,7 +21,8 @@ step fills and read host tables the writer thread writes) stay on the thread.
 
 Slots: files under /dev/shm made by the child, opened and mapped by the parent, which unlinks
 the name at once: both mappings stay valid, and nothing is left behind when either process dies
-(`close` also removes any file of the ring the parent never opened). A slot that is too small
+(the parent's `close` removes any file of the ring it never opened, and so does a child that
+finds its parent gone). A slot that is too small
 for a batch (an eval batch, 8x a train batch) is replaced by a larger file.
 
 Failures: an exception in the child is sent with its traceback and raised in the training
@@ -284,6 +285,7 @@ class _Ring:
     self._free = list(range(slots))
     self._maps: dict[int, tuple[int, mmap.mmap]] = {}  # slot -> (its size, the mapping)
     self._made = 0
+    self.paths: list[str] = []  # every file made (`_child` removes them when stopped)
     # (slot, its new file or None, [(dtype, shape, offset)]) of the buffers `alloc` made last
     self.current: tuple | None = None
 
@@ -311,6 +313,7 @@ class _Ring:
       size = max(end, 2 * size, mmap.PAGESIZE)
       self._made += 1
       path = f"{self._prefix}-{slot}-{self._made}"
+      self.paths.append(path)
       fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
       try:
         os.ftruncate(fd, size)
@@ -358,8 +361,10 @@ def _child(produce, items_w, frees_r, slots: int, prefix: str) -> None:
         + stats
       )
     items_w.send(("end", packing.busy_seconds, time.process_time(), packing.batches))
-  except _Stopped:
-    return
+  except _Stopped:  # (stopped, or the parent is gone: a file it never opened is left to us)
+    for path in ring.paths:
+      with contextlib.suppress(OSError):
+        os.unlink(path)
   except BaseException:  # sent to the parent, which raises it with this traceback
     with contextlib.suppress(OSError):
       items_w.send(("error", traceback.format_exc()))
