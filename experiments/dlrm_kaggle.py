@@ -92,6 +92,11 @@ def get_config(arg=None):
   # group's prepare is per example (dense, sharded), else the whole batch; "local" refuses
   # a plan that cannot; "global" always reads the whole batch.
   c.train.process_input = "auto"
+  # Where the input's read / prepare / pack runs: -1 = auto (a worker process when the task's
+  # reader and every group's prepare allow it, dense, and the host has 4+ CPUs; else a
+  # thread), 0 = a thread of the training process, 1 = a worker process (refused where it
+  # cannot be). docs/running.md, "The input pipeline".
+  c.train.input_workers = -1
 
   # (data, model) device mesh; data=0: every device not on model. The batch is split over
   # all devices; model-parallel tables (dense(shard=rows)) are split over `model`.

@@ -60,6 +60,8 @@ class Dense(base.TableBackend):
   """Table on the device(s). Options: `DenseOptions`."""
 
   Options = DenseOptions
+  # (its prepare: padding mapped and a dedup, per batch; nothing kept)
+  capabilities = base.Capabilities(stateless_prepare=True)
 
   def __init__(self, spec: base.TableSpec, mesh, layout: base.Layout | None = None, **options):
     super().__init__(spec, mesh, layout, **options)

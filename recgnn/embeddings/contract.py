@@ -90,6 +90,10 @@ class Capabilities:
       makes a call's prepared batches one shape, `after_update(steps=k)` takes a call's
       rows, and what the call's steps read before its write-backs reach the host stays on
       the device (`Layout.steps_per_call`). Without it such a backend is refused with k > 1.
+    stateless_prepare: `prepare` reads only its arguments and what the backend was built
+      with, and keeps nothing the step, a writer, `stats` or a checkpoint reads, so the
+      trainer may run it in a worker process (`recgnn.train.input_worker`) on a copy of the
+      backend (dense; not a cache planner, a host table, counters of what it saw).
   """
 
   needs_split_ids: bool = False
@@ -98,6 +102,7 @@ class Capabilities:
   replans_shapes: bool = False
   writes_host: bool = False
   stacks_calls: bool = False
+  stateless_prepare: bool = False
 
 
 # Key of an updated state's output for the host (`Backend.update`): the rows a host tier

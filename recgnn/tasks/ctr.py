@@ -343,6 +343,13 @@ class CTR(Task):
     del step
     self._data_state = state
 
+  def forkable_input(self):
+    # The memmap and synthetic sources gather with numpy / numba; tfds's grain iterator runs
+    # threads of its own, which a forked child would not have.
+    if isinstance(getattr(self.data, "base", self.data), _tfds_dataset_type()):
+      return "data.source=tfds: its grain iterator's threads do not survive a fork"
+    return ""
+
   def steps_per_epoch(self):
     return self.data.num_batches("train", self.config.train.batch_size)
 

@@ -1,6 +1,7 @@
 """The trainer's input thread: the stream of train and eval batches, each prepared (every
-group's `prepare`, in stream order), packed into per-dtype host buffers and, where the
-platform allows it, transferred to the devices on a background thread, ahead of the step.
+group's `prepare`, in stream order) and packed into per-dtype host buffers (`packing`: here,
+or in a worker process, `input_worker`, train.input_workers) and, where the platform allows
+it, transferred to the devices on a background thread, ahead of the step.
 
 Where the transfer is made, by platform (`sharding.needs_one_in_flight`):
   one device, or GPUs / TPUs   on a transfer thread of its own, as each batch is packed:
@@ -17,27 +18,17 @@ Where the transfer is made, by platform (`sharding.needs_one_in_flight`):
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
-import time
 from collections.abc import Iterator
-from typing import Any
+
+import jax
 
 from recgnn import planner, sharding
-from recgnn.train import inputs
 from recgnn.train import step as step_lib
+from recgnn.train.input_worker import InputWorker
+from recgnn.train.packing import Item, Packing
 from recgnn.train.task import Task
-
-
-@dataclasses.dataclass
-class Item:
-  kind: str  # "train" | "eval" | "eval_end"
-  split: str | None
-  batch_size: int
-  prepared: Any  # (buffers, layout) of (prepared ids, batch), step.Feeder.pack: device
-  # buffers once transferred (by the input thread, or by `InputThread.get`: module docstring)
-  on_device: bool = False
 
 
 def stream(task: Task, start: int, total: int, eval_every: int, eval_split: str, final):
@@ -67,19 +58,28 @@ def stream(task: Task, start: int, total: int, eval_every: int, eval_split: str,
     yield "eval_end", split, None
 
 
+def _bounded(depth: int) -> tuple[queue.SimpleQueue, queue.SimpleQueue]:
+  """(items, room): a queue of at most `depth` items made of C calls only. A producer takes a
+  token from `room` before each put, the consumer puts one back after each get: a producer
+  ahead blocks in C, taking no GIL while it waits. (A polled bound woke each waiting thread
+  every 0.5 ms, each wake taking the GIL from the launching thread; `queue.Queue`'s condition
+  variable cost the main thread ~20 Python calls per step.)"""
+  room: queue.SimpleQueue = queue.SimpleQueue()
+  for _ in range(depth):
+    room.put(None)
+  return queue.SimpleQueue(), room
+
+
 class InputThread:
-  """Runs every group's `prepare` (inputs.prepare_stream), the packing of each batch into
-  per-dtype host buffers and, where the platform allows (module docstring), its transfer,
-  ahead of the step on a background thread; `get` (main thread) takes the next batch (and
-  transfers it where the input thread may not).
+  """Runs the host half of the input (`packing.Packing`: every group's `prepare`, the
+  packing of each batch into per-dtype host buffers) ahead of the step, on a background
+  thread or, with `worker`, in a worker process (`input_worker.InputWorker`: this thread then
+  only receives its batches), and, where the platform allows (module docstring), the
+  transfer; `get` (main thread) takes the next batch (and transfers it where the input
+  thread may not).
 
   scale: examples counted per example of a batch (a process-local batch is 1 / processes of
   the global one; samples/s counts global examples)."""
-
-  # How often a full queue is looked at again (the input thread is then `depth` batches
-  # ahead). A polled bound keeps `get` one C call (`queue.SimpleQueue`): a `queue.Queue`'s
-  # condition variable cost the main thread ~20 Python calls per step.
-  POLL_S = 0.0005
 
   def __init__(
     self,
@@ -89,97 +89,106 @@ class InputThread:
     depth: int,
     task: Task,
     scale: int = 1,
+    worker: bool = False,
   ):
-    self._plan = plan
-    self._scale = scale
     self._feeder = feeder
-    self._task = task
     self._depth = max(1, depth)
-    self._queue: queue.SimpleQueue = queue.SimpleQueue()
     self._stop = threading.Event()
     self.put_here = not sharding.needs_one_in_flight(plan.mesh)
-    self.busy_seconds = 0.0
-    # Packed batches on their way to the transfer thread (None: get() transfers them).
-    self._packed: queue.SimpleQueue | None = queue.SimpleQueue() if self.put_here else None
-    self._thread = threading.Thread(target=self._run, args=(items,), daemon=True)
+    self._packing = Packing(items, plan, feeder, task, scale)
+    # The worker forks here, before this object's threads exist (its copy of the stream is
+    # the one `_packing` holds, not yet started).
+    # (XLA:CPU's device arrays alias the host buffers they were put from: `copy_out`)
+    cpu = plan.mesh.devices.flat[0].platform == "cpu"
+    self.worker = (
+      InputWorker(lambda: self._packing, slots=self._depth + 1, copy_out=cpu) if worker else None
+    )
+    # The queue `get` reads, and its room (`_Bounded`).
+    self._queue, self._room = _bounded(self._depth)
+    # Packed batches on their way to the transfer thread (None: no transfer thread; with a
+    # worker, the thread that receives its batches has nothing else to do and transfers them).
+    self._packed = _bounded(self._depth) if self.put_here and not worker else None
+    source = self._packing if self.worker is None else self.worker
+    self._thread = threading.Thread(target=self._run, args=(source,), daemon=True)
     self._thread.start()
     self._transfer = None
     if self._packed is not None:
       self._transfer = threading.Thread(target=self._transfers, daemon=True)
       self._transfer.start()
 
-  def _run(self, items):
+  @property
+  def busy_seconds(self) -> float:
+    """Wall seconds of read, prepare and pack (the worker's, with one)."""
+    return (self.worker or self._packing).busy_seconds
+
+  def _run(self, source):
+    inline = self.put_here and self.worker is not None
     try:
-      prepared = inputs.prepare_stream(self._plan, items)
-      per_call = self._task.batches_per_call
-      call: list = []  # train batches of the call being gathered (per_call > 1)
-      while not self._stop.is_set():
-        t0 = time.perf_counter()
-        try:
-          it = next(prepared)  # prepare runs here
-        except StopIteration:
+      for item in source:
+        if inline:
+          self._to_device(item)
+        self._put(item, self._packed)
+        if self._stop.is_set():
           break
-        host, size = None, 0
-        if it.batch is not None:
-          size = self._task.num_examples(it.batch) * self._scale
-        if it.kind == "train" and per_call > 1:
-          # Each batch prepared alone (every batch's prepare in stream order), the call's k
-          # batches made one shape by their groups, packed and stacked into one transfer.
-          call.append((it.prepared, it.batch, size))
-          self.busy_seconds += time.perf_counter() - t0
-          if len(call) < per_call:
-            continue
-          t0 = time.perf_counter()
-          host = self._feeder.pack_call([c[:2] for c in call])
-          size, call = sum(c[2] for c in call), []
-        elif it.batch is not None:
-          host = self._feeder.pack(it.prepared, it.batch, f"{it.kind} batch")
-        self.busy_seconds += time.perf_counter() - t0
-        self._put(Item(it.kind, it.split, size, host), self._packed)
       self._put(None, self._packed)
     except BaseException as e:  # forwarded to the main thread, which re-raises
       self._put(e, self._packed)
 
   def _transfers(self):
     """The transfer thread: each packed batch to the devices, in order, then on to `get`."""
+    items, room = self._packed
     while not self._stop.is_set():
-      item = self._packed.get()
+      item = items.get()
+      room.put(None)
       if isinstance(item, Item):
         try:
-          if item.prepared is not None:
-            item.prepared = (self._feeder.put(item.prepared[0]), item.prepared[1])
-          item.on_device = True
+          self._to_device(item)
         except BaseException as e:  # forwarded to the main thread, which re-raises
           item = e
       self._put(item)
       if item is None or isinstance(item, BaseException):
         return
 
-  def _put(self, item, into: queue.SimpleQueue | None = None):
-    """`item` onto `into` (default: the queue `get` reads), once it holds fewer than
-    `depth` items."""
-    into = self._queue if into is None else into
-    while into.qsize() >= self._depth and not self._stop.is_set():
-      time.sleep(self.POLL_S)
+  def _put(self, item, into: tuple | None = None):
+    """`item` onto `into` (default: the queue `get` reads) once it has room (`_bounded`)."""
+    items, room = (self._queue, self._room) if into is None else into
+    room.get()
     if not self._stop.is_set():
-      into.put(item)
+      items.put(item)
 
   def get(self) -> Item | None:
     """The next item, its batch on the devices (transferred here where the input thread may
     not: several XLA:CPU devices)."""
     item = self._queue.get()
+    self._room.put(None)
     if isinstance(item, BaseException):
       raise item
-    if item is not None and item.prepared is not None and not item.on_device:
+    if item is not None and not item.on_device:
+      self._to_device(item)
+    return item
+
+  def _to_device(self, item: Item) -> None:
+    """The item's batch transferred; a worker's slot handed back once the copy is done
+    (a transfer may read its host buffer after `put` returns)."""
+    if item.prepared is not None:
       buffers, layout = item.prepared
       item.prepared = (self._feeder.put(buffers), layout)
-      item.on_device = True
-    return item
+      if item.release is not None:
+        jax.block_until_ready(item.prepared[0])
+        item.release()
+    item.on_device = True
 
   def close(self):
     self._stop.set()
+    if self.worker is not None:
+      self.worker.stop()  # (the receiving thread then ends within the worker's POLL_S)
+    for _, room in (self._queue, self._room), self._packed or (None, None):
+      for _ in range(self._depth + 2) if room is not None else ():  # (wakes the producers)
+        room.put(None)
     if self._packed is not None:
-      self._packed.put(None)  # (wakes the transfer thread if it waits for a batch)
+      self._packed[0].put(None)  # (wakes the transfer thread if it waits for a batch)
     self._thread.join(timeout=5)
     if self._transfer is not None:
       self._transfer.join(timeout=5)
+    if self.worker is not None:
+      self.worker.close()

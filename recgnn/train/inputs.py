@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -153,6 +153,11 @@ class PackLayout:
     return f"PackLayout({len(self.where)} leaves)"
 
 
+#: Makes a packed batch's buffers: [(dtype str, shape)] -> an empty array of each, written
+#: whole by the caller (`Packer`, `step.Feeder.stack`).
+Alloc = Callable[[list], list]
+
+
 def leaf_signature(leaves: list) -> tuple:
   """What picks a `Packer` besides the tree structure: each leaf's shape and dtype."""
   return tuple([(x.shape, x.dtype) for x in leaves])
@@ -190,10 +195,11 @@ class Packer:
     self.host = tuple(i for i, s in enumerate(spec_leaves) if s is sharding.HOST_SPEC)
     self.layout = PackLayout(treedef, tuple(where))
 
-  def __call__(self, leaves: list) -> tuple[list, list]:
+  def __call__(self, leaves: list, alloc: Alloc | None = None) -> tuple[list, list]:
     """Leaves (numpy, this packer's shapes) -> (one [devices, n] buffer per dtype, the host
-    leaves)."""
-    bufs = [np.empty((self.devices, w), d) for d, w in zip(self.dtypes, self.widths)]
+    leaves). alloc: where the buffers are made (default new arrays; a worker's slot)."""
+    shapes = [(d, (self.devices, w)) for d, w in zip(self.dtypes, self.widths)]
+    bufs = alloc(shapes) if alloc is not None else [np.empty(s, d) for d, s in shapes]
     for i, k, a, b, shape in self.slots:
       bufs[k][:, a:b] = leaves[i].reshape(shape)  # (a (1, n) row: copied to every device)
     return bufs, [leaves[i] for i in self.host]

@@ -37,7 +37,7 @@ import numpy as np
 from recgnn import distributed, hostmem, planner
 from recgnn.embeddings import base
 from recgnn.train import checkpoint as ckpt_lib
-from recgnn.train import non_finite, setup, workdir_lock
+from recgnn.train import input_worker, non_finite, setup, workdir_lock
 from recgnn.train import plan_report as plan_report_lib
 from recgnn.train import step as step_lib
 from recgnn.train import traffic as traffic_lib
@@ -183,6 +183,10 @@ def _train_in(
   # keeps no reference that would hold the initial tables for the whole run.
   state, run = run.state, dataclasses.replace(run, state=None)
   task, plan = run.task, run.plan
+  # The input's host half in a worker process where the task and plan allow one (issue 43).
+  workers, workers_how = input_worker.workers_for(
+    int(tcfg.get("input_workers", input_worker.AUTO)), task, plan
+  )
 
   config_json = config.to_json_best_effort(indent=2)
   ckpt = ckpt_lib.Checkpointer(
@@ -242,7 +246,10 @@ def _train_in(
   )
   # samples/s counts global examples: a process-local batch is 1 / processes of one.
   scale = task.process_shard[1] if run.layout.process_local else 1
-  feed = InputThread(items, plan, run.feeder, depth=base.PREFETCH, task=task, scale=scale)
+  log(f"Input: {workers_how}")
+  feed = InputThread(
+    items, plan, run.feeder, depth=base.PREFETCH, task=task, scale=scale, worker=workers > 0
+  )
   main = distributed.is_main()  # only process 0 writes metrics, TensorBoard, results
   scalars_out = ScalarWriter.open(workdir, main)
   if main and run.auto_plan is not None:  # what an auto(...) rule chose, with its figures
@@ -420,6 +427,8 @@ def _train_in(
 
   results["step"] = step
   results["input_thread_seconds"] = feed.busy_seconds
+  if feed.worker is not None:  # (the worker's CPU: every thread of it, numba's included)
+    results["input_worker_cpu_seconds"] = feed.worker.cpu_seconds
   # The last train step's program: its bytes over the host link and between devices.
   results.update(traffic.scalars())
   for key, group in plan.groups.items():  # e.g. a codec's bounds and fallbacks (a host read)

@@ -356,9 +356,10 @@ class Feeder:
     buffers, layout = self.pack(prepared, batch, what)
     return self.put(buffers), layout
 
-  def pack(self, prepared, batch, what: str = "batch"):
+  def pack(self, prepared, batch, what: str = "batch", alloc: inputs.Alloc | None = None):
     """-> (host buffers, layout): everything but the transfer (host work only, so the
-    trainer runs it on its input thread)."""
+    trainer runs it on its input thread or worker). alloc: where the buffers are made
+    (`inputs.Packer`)."""
     tree = (prepared, device_batch(batch))
     leaves, treedef = jax.tree.flatten(tree)
     leaves = [x if type(x) is np.ndarray else np.asarray(x) for x in leaves]
@@ -368,7 +369,7 @@ class Feeder:
       if len(self._packers) >= self.MAX_PACKERS:
         self._packers.clear()
       packer = self._packers[key] = self._packer(tree, treedef, leaves, what)
-    return packer(leaves), packer.layout
+    return packer(leaves, alloc), packer.layout
 
   def _packer(self, tree, treedef, leaves, what: str) -> inputs.Packer:
     specs = self.specs(*tree)
@@ -390,17 +391,22 @@ class Feeder:
       sharding.check_batch(np.shape(x)[0] * jax.process_count(), mesh, what)
     return inputs.Packer(treedef, leaves, spec_leaves, mesh.size // jax.process_count())
 
-  def pack_call(self, batches: list) -> tuple[tuple[list, list], inputs.PackLayout]:
+  def pack_call(
+    self, batches: list, alloc: inputs.Alloc | None = None
+  ) -> tuple[tuple[list, list], inputs.PackLayout]:
     """The k (prepared, batch) of one call's train batches, each prepared alone in stream
     order -> `stack`'s output: every group's `stack_call` makes their prepared leaves one
     shape (a host tier's lists padded to the call's widest), then each is packed."""
     prepared = inputs.stack_call(self.plan, [p for p, _ in batches])
-    return self.stack([self.pack(p, b, "train batch") for p, (_, b) in zip(prepared, batches)])
+    packed = [self.pack(p, b, "train batch") for p, (_, b) in zip(prepared, batches)]
+    return self.stack(packed, alloc)
 
-  def stack(self, packed: list) -> tuple[tuple[list, list], inputs.PackLayout]:
+  def stack(
+    self, packed: list, alloc: inputs.Alloc | None = None
+  ) -> tuple[tuple[list, list], inputs.PackLayout]:
     """k `pack` outputs of one call's train batches -> ((buffers [k, devices, n] per dtype,
     no host leaves), their one layout): the input of a `jit_packed(stacked=k)` step, one
-    transfer for the k batches."""
+    transfer for the k batches. alloc: where the buffers are made (`inputs.Packer`)."""
     layout = packed[0][1]
     if any(p[1] is not layout for p in packed):
       raise ValueError(
@@ -412,7 +418,11 @@ class Feeder:
         f"k steps per call cannot stack {len(packed[0][0][1])} pinned-host-memory leaves "
         "(a backend's prepared leaves with sharding.HOST_SPEC): use train.steps_per_call=1"
       )
-    bufs = [np.stack([p[0][0][i] for p in packed]) for i in range(len(packed[0][0][0]))]
+    first = packed[0][0][0]
+    shapes = [(b.dtype.str, (len(packed), *b.shape)) for b in first]
+    bufs = alloc(shapes) if alloc is not None else [np.empty(s, d) for d, s in shapes]
+    for i, out in enumerate(bufs):
+      np.stack([p[0][0][i] for p in packed], out=out)
     return (bufs, []), layout
 
   def put(self, buffers):

@@ -141,6 +141,13 @@ class Task(abc.ABC):
     next `train_batches(step)`."""
     del state, step
 
+  def forkable_input(self) -> str:
+    """ "" when `train_batches` / `eval_batches` run host code only (numpy, memmaps, numba:
+    no threads of their own, no device or XLA call), so the trainer may read them in a
+    forked worker process (`recgnn.train.input_worker`); else why not (a log line). By
+    default not: a task says so once it is known to hold."""
+    return f"{type(self).__name__}'s batches are read on the trainer's thread (Task.forkable_input)"
+
   def steps_per_epoch(self) -> int | None:
     """Train steps of one pass over the train split (for `train.epochs`), None if unknown."""
     return None
