@@ -9,13 +9,7 @@ import numpy as np
 from recgnn import sharding
 from recgnn.backends.offload import cache_plan, call_lists
 from recgnn.backends.offload import planner as hostplan
-from recgnn.backends.offload.cache_plan import (
-  EVICT_SLOTS,
-  LOAD_SLOTS,
-  NEXT_FROM_NOW,
-  Sizer,
-  _bucket,
-)
+from recgnn.backends.offload.cache_plan import EVICT_SLOTS, LOAD_SLOTS, NEXT_FROM_NOW
 from recgnn.backends.offload.device_step import DeviceStep, bag_tables
 from recgnn.backends.offload.disk_rows import source_of
 from recgnn.backends.offload.fast_plan import SteadyPlanner
@@ -254,7 +248,7 @@ class OffloadGroup(base.TableGroup):
     self._tier.reset()
     # New cache bookkeeping: the lists start from the cap again (`Sizer(start_at_cap)`).
     self._sizers = [
-      {k: Sizer(cache_plan.PATIENCE, start_at_cap=True) for k in ("now", "next")}
+      {k: cache_plan.Sizer(cache_plan.PATIENCE, start_at_cap=True) for k in ("now", "next")}
       for _ in self._stacks
     ]
     self._steady.adopt()
@@ -305,7 +299,7 @@ class OffloadGroup(base.TableGroup):
     if mode == "fixed":
       return cap if need is not None or steady else 0
     if mode == "pow2":
-      return min(_bucket(need or 0), cap)
+      return min(cache_plan._bucket(need or 0), cap)
     sizer = self._sizers[stack][kind]
     if need is None:
       return sizer.hold(cap) if steady else 0
