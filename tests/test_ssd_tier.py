@@ -64,34 +64,26 @@ def test_checkpoint_and_resume_on_another_mesh(opt, tmp_path):
   """Sync + save at step 5 on an 8x1 mesh, restore into a fresh group on one device (a new
   row file written from the checkpoint) and resume: equal to an uninterrupted dense run."""
   from recgnn.train import checkpoint
-  from recgnn.train import step as step_lib
 
   spec, batches, k = _spec(opt), _batches(), 5
   text = _text(tmp_path / "rows")
   ref = contract.run("dense", spec, batches)
   ckpt = checkpoint.Checkpointer(str(tmp_path / "ckpt"))
 
-  def train_state(group, emb):
-    plan = planner.Plan({"g": group}, {"t": "g"}, group.mesh)
-    st = step_lib.TrainState(
-      step=jax.numpy.zeros((), jax.numpy.int32), params={"w": jax.numpy.zeros(2)},
-      opt_state=(), emb={"g": emb}, key=jax.random.key(0),
-    )  # fmt: skip
-    return st, plan
-
   a = planner.make_backend(text, spec, contract.mesh_or_skip(8, 1))
 
   def sync_and_save(item, state):
     if item.kind == "train" and item.step + 1 == k:
       state = a.sync(state)
-      ckpt.save(*train_state(a, state)[:1], k, train_state(a, state)[1])
+      st, plan = _train_state(a, state)
+      ckpt.save(st, k, plan)
       return state
     return None
 
   run_a = contract.run(text, spec, batches, group=a, after=sync_and_save)
   np.testing.assert_array_equal(run_a.table, ref.table)
   b = planner.make_backend(text, spec, sharding.make_mesh(1, 1))
-  abstract, plan_b = train_state(b, b.init(jax.random.key(123)))
+  abstract, plan_b = _train_state(b, b.init(jax.random.key(123)))
   restored = ckpt.restore(abstract, plan_b, k).emb["g"]
   run_b = contract.run(text, spec, batches, group=b, state=restored, start=k)
   for step, (x, y) in enumerate(zip(run_a.lookups[:k] + run_b.lookups, ref.lookups)):
