@@ -32,6 +32,14 @@ from recgnn.backends.hot_cold import hot_set, micro
 from recgnn.embeddings import base, microbatch
 
 
+def _init_zeros(group):
+  """`group.init` with zero tables (`base.shapes_only`), for tests that only plan or lower:
+  the host tables' values change no shape, and drawing them (a 65k-row chunk per table, at
+  the suite's XLA -O0) was most of these tests' time."""
+  with base.shapes_only():
+    return group.init(jax.random.key(0))
+
+
 def _prepare_stream(group, batches):
   """Every batch's prepare (train), in order, its step's write-back handed over as zeros
   (`planned_only`); the last one's prepared pytree."""
@@ -193,7 +201,7 @@ def _host_link(budget, steps=60, measured=30):
   group = planner.make_group(
     f"hot_cold(budget={budget}, profile_batches=10, split=False)", [spec], sharding.make_mesh(1, 1)
   )
-  state = group.init(jax.random.key(0))
+  state = _init_zeros(group)
   by_len, links, cold = {}, [], []
   for k, ids in enumerate(contract.zipf_ids(0, steps, 512, 4, spec.num_rows)):
     hot = group.hot_set()["t"]  # the layout this batch is prepared for
@@ -273,7 +281,7 @@ def test_zipf_stream_compiles_a_few_shapes():
   assert len(shapes) <= 12 and len(needs) > 5 * len(shapes)
 
 
-T26, N26, WARM26, STEPS26 = 26, 50_000, 50, 250
+T26, N26, WARM26, STEPS26 = 26, 50_000, 50, 150
 
 
 @pytest.fixture(scope="module")
@@ -287,18 +295,19 @@ def stream26():
 
 def test_26_tables_one_list_few_shapes_bytes_follow_the_cold_ids(stream26):
   """A dlrm_kaggle-like group (26 tables, Zipf ids, batch 256 x 4) at 1 %, 5 %, 20 % budgets,
-  200 steps after the hot set is in: at most 6 distinct step signatures (every prepared
+  100 steps after the hot set is in: at most 6 distinct step signatures (every prepared
   leaf's shape; measured: 1), and the cold list's rows (x row bytes: what the host link
   carries each way, checked on the last step's inputs and outputs) within 1.25x of the
   batches' distinct cold ids (measured 1.05-1.14x), falling as the budget grows. Each table
-  sized apart made a signature per combination of the 26 widths."""
+  sized apart made a signature per combination of the 26 widths. (The tables are zeros: a
+  plan never reads a value.)"""
   specs, batches = stream26
   rows, sigs = {}, {}
   for budget in (0.01, 0.05, 0.2):
     group = planner.make_group(
       f"hot_cold(budget={budget}, profile_batches=40)", specs, planner.default_mesh()
     )
-    state = group.init(jax.random.key(0))
+    state = _init_zeros(group)
     listed = need = 0
     seen = set()
     for k, ids in enumerate(batches):
@@ -309,12 +318,14 @@ def test_26_tables_one_list_few_shapes_bytes_follow_the_cold_ids(stream26):
       seen.add(tuple(np.shape(x) for x in jax.tree.leaves(p)))
       (cold,) = p["cold"]  # one layout: one list
       listed += cold["src"].shape[0]
-      for n, x in ids.items():
+      step_need = 0
+      for n, x in ids.items():  # (a mask per table: np.isin sorted the hot set every time)
+        is_hot = np.zeros(N26, bool)
+        is_hot[hot[n]] = True
         v = x[x >= 0]
-        need += np.unique(v[~np.isin(v, hot[n])]).size
-      assert int(cold["off"][-1]) == sum(
-        np.unique(x[(x >= 0) & ~np.isin(x, hot[n])]).size for n, x in ids.items()
-      )
+        step_need += np.unique(v[~is_hot[v]]).size
+      assert int(cold["off"][-1]) == step_need
+      need += step_need
     rows[budget], sigs[budget] = listed / need, len(seen)
     assert len(seen) <= 6, (budget, len(seen))
     assert 1 <= listed / need <= 1.25, (budget, listed / need)
@@ -337,7 +348,7 @@ def _cold_rows_per_step(budget, profile_batches, batches):
     [spec],
     planner.default_mesh(),
   )
-  group.init(jax.random.key(0))
+  _init_zeros(group)
   rows = []
   for k, ids in enumerate(batches):
     p = planned_only(group, group.prepare({"t": ids}, train=True))
