@@ -2,6 +2,8 @@
 migrations, checkpoint + resume on another mesh), the popular split, stats, the shared access
 profiler, and the trainer's micro-batched step."""
 
+import functools
+
 import contract_lib as contract
 import jax
 import numpy as np
@@ -67,6 +69,17 @@ def _run_group(text, specs, batches, mesh, *, evals=(), group=None, state=None, 
   return looked, group.tables(state), group, state
 
 
+@functools.cache
+def dense_ref(opt, pooling="sum", n=6, batch=64, evals=()):
+  """(lookups, tables) of `_run_group("dense", ...)` over `_batches(_specs(opt, pooling), n,
+  batch)` on one device: the reference of every mesh's and every resume's run of one stream,
+  computed once per process (each run traces and lowers its own lookup and update). Read
+  only."""
+  specs = _specs(opt, pooling)
+  batches = _batches(specs, n=n, batch=batch)
+  return tuple(_run_group("dense", specs, batches, planner.default_mesh(), evals=evals)[:2])
+
+
 def planned_only(group, prepared):
   """For tests that only prepare train batches (their steps never run): hand the writer zeros
   of what each step would return (`HotCold.planned_to_host`), so later prepares find every
@@ -95,7 +108,7 @@ def test_group_matches_dense(opt, pooling, mesh_shape):
   specs = _specs(opt, pooling)
   batches = _batches(specs, batch=SPLIT_BATCH if opt is SGD else 64)
   mesh = sharding.make_mesh(*mesh_shape)
-  ref = _run_group("dense", specs, batches, planner.default_mesh(), evals=(1, 4))
+  ref = dense_ref(opt, pooling, batch=SPLIT_BATCH if opt is SGD else 64, evals=(1, 4))
   got = _run_group(TEXT, specs, batches, mesh, evals=(1, 4))
   _assert_same(got[:2], ref[:2])
   s = got[2].stats()
@@ -110,7 +123,7 @@ def test_split_option_same_values(split):
   batches = _batches(specs, n=4, batch=SPLIT_BATCH)
   mesh = sharding.make_mesh(8, 1)
   text = f"hot_cold(budget=0.4, profile_batches=1, split={split})"
-  ref = _run_group("dense", specs, batches, planner.default_mesh())
+  ref = dense_ref(SGD, n=4, batch=SPLIT_BATCH)
   got = _run_group(text, specs, batches, mesh)
   _assert_same(got[:2], ref[:2])
   assert (got[2].stats().get("micro_popular_size", 0) > 0) == split
@@ -141,7 +154,7 @@ def test_checkpoint_resume_on_another_mesh(save, resume):
   uninterrupted dense run; the resumed backend re-profiles and migrates again."""
   specs = _specs(ADAGRAD)
   batches = _batches(specs, n=7)
-  ref = _run_group("dense", specs, batches, planner.default_mesh())
+  ref = dense_ref(ADAGRAD, n=7)
   first = _run_group(TEXT, specs, batches, sharding.make_mesh(*save), stop=3)
   g1, s1 = first[2], first[3]
   saved = jax.device_get(g1.export(s1))
@@ -162,7 +175,7 @@ def test_restore_rebuilds_hot_set():
   specs = _specs(SGD)
   batches = _batches(specs, n=6)
   mesh = sharding.make_mesh(8, 1)
-  ref = _run_group("dense", specs, batches, planner.default_mesh())
+  ref = dense_ref(SGD)
   first = _run_group("hot_cold(budget=0.1, profile_batches=2)", specs, batches, mesh, stop=3)
   g2 = first[2]
   g2.restore(first[3])

@@ -18,7 +18,16 @@ import contract_lib as contract
 import jax
 import numpy as np
 import pytest
-from test_hot_cold import ADAGRAD, SGD, SPLIT_BATCH, _assert_same, _batches, _run_group, _specs
+from test_hot_cold import (
+  ADAGRAD,
+  SGD,
+  SPLIT_BATCH,
+  _assert_same,
+  _batches,
+  _run_group,
+  _specs,
+  dense_ref,
+)
 from test_hot_cold_tiers import restored
 
 import recgnn.backends.hot_cold as hot_cold
@@ -48,7 +57,7 @@ def test_read_ahead_matches_dense(mesh_shape):
   specs = _specs(SGD)
   batches = _batches(specs, n=14, batch=SPLIT_BATCH)
   mesh = contract.mesh_or_skip(*mesh_shape)
-  ref = _run_group("dense", specs, batches, planner.default_mesh(), evals=(2, 6, 9))
+  ref = dense_ref(SGD, n=14, batch=SPLIT_BATCH, evals=(2, 6, 9))
   got = _run_group(TEXT, specs, batches, mesh, evals=(2, 6, 9))
   _assert_same(got[:2], ref[:2])
   s = got[2].stats()
@@ -89,7 +98,7 @@ def test_resume_on_another_mesh(save, resume):
   new ring: bit-equal to an uninterrupted dense run."""
   specs = _specs(ADAGRAD)
   batches = _batches(specs, n=12)
-  ref = _run_group("dense", specs, batches, planner.default_mesh())
+  ref = dense_ref(ADAGRAD, n=12)
   first = _run_group(TEXT, specs, batches, contract.mesh_or_skip(*save), stop=7)
   g1, s1 = first[2], first[3]
   assert g1.stats()["ring_rows_per_step"] > 0
@@ -105,7 +114,7 @@ def test_resume_on_another_mesh(save, resume):
 def _exact(monkeypatch=None) -> bool:
   specs = _specs(SGD)
   batches = _batches(specs, n=10, batch=SPLIT_BATCH)
-  ref = _run_group("dense", specs, batches, planner.default_mesh())
+  ref = dense_ref(SGD, n=10, batch=SPLIT_BATCH)
   got = _run_group(TEXT, specs, batches, sharding.make_mesh(1, 1))
   return all(np.array_equal(got[1][n], ref[1][n]) for n in ref[1]) and all(
     np.array_equal(a[n], b[n]) for a, b in zip(got[0], ref[0]) for n in b

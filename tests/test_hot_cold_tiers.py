@@ -23,6 +23,7 @@ from test_hot_cold import (
   _batches,
   _run_group,
   _specs,
+  dense_ref,
   planned_only,
 )
 
@@ -466,7 +467,7 @@ def test_hot_set_in_the_checkpoint(save, resume):
   specs = _specs(ADAGRAD)
   batches = _batches(specs, n=7)
   text = "hot_cold(budget=0.1, profile_batches=2)"
-  ref = _run_group("dense", specs, batches, planner.default_mesh())
+  ref = dense_ref(ADAGRAD, n=7)
   first = _run_group(text, specs, batches, sharding.make_mesh(*save), stop=4)
   g1, s1 = first[2], first[3]
   hot = g1.hot_set()
