@@ -185,3 +185,25 @@ def ctr_cache(tmp_path_factory):
   test module (a few seconds each). Entries are keyed by the data's config, so tests with
   other rows / schemas / bags share it safely; a test that damages a cache makes its own."""
   return str(tmp_path_factory.mktemp("ctr_cache"))
+
+
+_fast_init_chunk = None
+
+
+@pytest.fixture
+def fast_table_init(monkeypatch):
+  """Opt-in: tables drawn by their init program compiled at XLA's own optimisation level
+  instead of the suite's -O0 (`recgnn.embeddings.specs._init_chunk`: a 65k-row chunk of
+  threefry draws per table, ~7x slower at -O0; a 1M-row table was most of a test's time).
+  Its values differ from -O0's by an ulp, so only for tests whose every run (and every run
+  they compare with) is in this process: not with a subprocess's tables."""
+  global _fast_init_chunk
+  from recgnn.embeddings import specs
+
+  if _fast_init_chunk is None:
+    _fast_init_chunk = jax.jit(
+      specs._init_chunk.__wrapped__,
+      static_argnums=(3, 4),
+      compiler_options={"xla_backend_optimization_level": 2},
+    )
+  monkeypatch.setattr(specs, "_init_chunk", _fast_init_chunk)

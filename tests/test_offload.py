@@ -368,7 +368,8 @@ def test_placement_and_memory_report(mesh_shape):
   spec = _spec(ADAGRAD, num_rows=100_000, dim=16)
   b = planner.make_backend("offload(cache_fraction=0.01)", spec, sharding.make_mesh(*mesh_shape))
   assert b.members["t"].cache_rows == 1000
-  state = b.init(jax.random.key(0))
+  with base.shapes_only():  # (zero tables: values change no placement or size)
+    state = b.init(jax.random.key(0))
   m = b.memory()["t"]
   assert m.device_bytes == 1000 * spec.row_bytes + 1000 * 4 + 8
   assert m.host_bytes >= spec.table_bytes
@@ -396,7 +397,8 @@ def test_update_is_sparse_and_holds_no_table():
   batches = contract.zipf_ids(0, 2, 256, 2, spec.num_rows)
   contract.assert_update_is_sparse(text, spec, batches[0])
   b = planner.make_backend(text, spec)
-  state = b.init(jax.random.key(0))
+  with base.shapes_only():  # (zero tables: values change no program)
+    state = b.init(jax.random.key(0))
   b.prepare({"t": batches[0]}, [{"t": batches[1]}])
   p = b.prepare({"t": batches[1]}, [{"t": batches[0][::-1]}])
   assert p["lists"][0]["next"].shape[1] > 0  # the exchange is compiled in

@@ -103,12 +103,13 @@ def _train_state(group, emb):
   return st, plan
 
 
-def test_checkpoint_streams_the_table_in_bounded_chunks(tmp_path, monkeypatch):
+def test_checkpoint_streams_the_table_in_bounded_chunks(tmp_path, monkeypatch, fast_table_init):
   """A table bigger than host RAM can be checkpointed: with the chunk bound patched to 1/40 of
   the table, no read of the row file or of the checkpoint's files is over it (a counting
   wrapper) and the arrays held for the save and the restore stay far below the table
   (tracemalloc's peak over what the restore keeps); the restore (another mesh, and into
-  `dense`) holds the saved values exactly."""
+  `dense`) holds the saved values exactly. (`fast_table_init`: three 1M-row inits, every run
+  in this process.)"""
   import tracemalloc
 
   from recgnn.embeddings import streamed
