@@ -254,13 +254,16 @@ def assert_matches_dense(
   rtol: float = 0.0,
   mesh=None,
   updated_tol: dict | None = None,
+  ref: Trace | None = None,
 ) -> Trace:
   """The backend's pooled lookups at every step and its final table equal single-device
   `dense`'s. atol = rtol = 0 demands bit-identical results (offload, hot_cold, sharded
   without codec). After the first update the looser of (atol, rtol) and `updated_tol`
   applies (default `updated_tolerance()`: nothing on CPU; the summation-order bound on an
-  accelerator); the first step's lookups, made before any update, keep (atol, rtol)."""
-  ref = run("dense", spec, batches)
+  accelerator); the first step's lookups, made before any update, keep (atol, rtol).
+  ref: the reference, `run("dense", spec, batches)`, where the caller has it already (tests
+  that compare many backends with one reference run it once); None runs it here."""
+  ref = run("dense", spec, batches) if ref is None else ref
   got = run(backend_text, spec, batches, mesh=mesh)
   upd = updated_tolerance() if updated_tol is None else updated_tol
   later = {"atol": max(atol, upd.get("atol", 0.0)), "rtol": max(rtol, upd.get("rtol", 0.0))}

@@ -30,7 +30,7 @@ ENV = "RECGNN_PLANT_ULP_BUG"
 # module by, the update's name there, the contract tests' -k filter)
 TARGETS = {
   "offload": (
-    "recgnn.backends.offload.group", "base", "sparse_sgd_or_adagrad",
+    "recgnn.backends.offload.device_step", "base", "sparse_sgd_or_adagrad",
     "test_matches_dense and offload",
   ),
   "hot_cold": (

@@ -58,8 +58,10 @@ def _config(cache_dir, steps):
 
 
 @many_processes
-def test_two_processes_match_one_process_with_8_devices(tmp_path):
-  cache = str(tmp_path / "cache")
+def test_two_processes_match_one_process_with_8_devices(tmp_path, ctr_cache):
+  # The worker's CTR data cache (conftest): the smoke data the trainer tests converted,
+  # not generated again by both processes and this one.
+  cache = ctr_cache
   steps = 12
   # One final eval (test): it shows metrics gathered over both processes; valid would be
   # the same code path once more.
@@ -92,13 +94,14 @@ def test_two_processes_match_one_process_with_8_devices(tmp_path):
 
 
 @many_processes
-def test_killing_one_process_ends_the_other_with_a_clear_error(tmp_path):
-  # --heartbeat_timeout=10: the survivor notices sooner (the default 30 s made the test wait
-  # ~21 s after the kill); still well above what a loaded CI machine delays a heartbeat.
+def test_killing_one_process_ends_the_other_with_a_clear_error(tmp_path, ctr_cache):
+  # --heartbeat_timeout=5: the survivor notices sooner (the default 30 s made the test wait
+  # ~21 s after the kill, 10 s ~10 s); the heartbeats come from a C++ thread of each process,
+  # not held back by the GIL, and the test runs alone (serial).
   extra = ["--config.mesh.data=8", "--config.train.steps=100000", "--config.train.log_every=2",
            "--config.train.eval_every=0", "--config.train.checkpoint_every=0",
-           "--heartbeat_timeout=10"]  # fmt: skip
-  procs = _launch(str(tmp_path / "mp"), str(tmp_path / "cache"), _free_port(), extra)
+           "--heartbeat_timeout=5"]  # fmt: skip
+  procs = _launch(str(tmp_path / "mp"), ctr_cache, _free_port(), extra)
   deadline = time.time() + 300
   for line in procs[0].stdout:  # wait until training runs
     if line.startswith("step") or time.time() > deadline:

@@ -54,17 +54,19 @@ def _stalled_run(workdir, cache, stall_after, **train):
   loop.train(config, workdir)
 
 
-def _launch(tmp_path, stall_after, **train):
+def _launch(tmp_path, cache, stall_after, **train):
+  """`cache`: the worker's CTR data cache (conftest's `ctr_cache`): the smoke data the
+  other trainer tests of the worker converted, not generated again in each process."""
   args = [f"{k}={v}" for k, v in train.items()]
   cmd = [sys.executable, os.path.abspath(__file__), "stall", str(tmp_path / "wd"),
-         str(tmp_path / "cache"), str(stall_after), *args]  # fmt: skip
+         cache, str(stall_after), *args]  # fmt: skip
   return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
-def test_watchdog_reports_a_stalled_device(tmp_path):
+def test_watchdog_reports_a_stalled_device(tmp_path, ctr_cache):
   t0 = time.time()
-  proc = _launch(tmp_path, 6, watchdog_factor=5, watchdog_min_s=3, watchdog_first_s=300)
+  proc = _launch(tmp_path, ctr_cache, 6, watchdog_factor=5, watchdog_min_s=3, watchdog_first_s=300)
   out, err = proc.communicate(timeout=600)
   assert proc.returncode == watchdog.EXIT_HUNG, out[-3000:] + err[-3000:]
   assert "stalling device 0 in step 7" in out
@@ -78,18 +80,20 @@ def test_watchdog_reports_a_stalled_device(tmp_path):
   assert time.time() - t0 < 600
 
 
-def test_sigterm_during_a_hung_step_exits_within_its_grace(tmp_path):
-  proc = _launch(tmp_path, 6, watchdog_factor=0, sigterm_grace_s=5, checkpoint_every=0)
+def test_sigterm_during_a_hung_step_exits_within_its_grace(tmp_path, ctr_cache):
+  # A grace of 2 s (the trainer's default is 120): the process must wait it out (the step
+  # never ends), then exit; the test waits for the grace, so it is kept short.
+  proc = _launch(tmp_path, ctr_cache, 6, watchdog_factor=0, sigterm_grace_s=2, checkpoint_every=0)
   for line in proc.stdout:  # training runs, then device 0 stalls
     if line.startswith("stalling device 0"):
       break
-  time.sleep(2)
+  time.sleep(1)  # the main thread is waiting for the stalled step
   t0 = time.time()
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
   took = time.time() - t0
   assert proc.returncode == watchdog.EXIT_SIGTERM, out[-3000:] + err[-3000:]
-  assert 4 < took < 60, took
+  assert 1.8 < took < 60, took
   assert "SIGTERM" in err and "exiting without saving" in err and "Thread 0x" in err, err[-3000:]
   assert not os.path.exists(tmp_path / "wd" / "checkpoints" / "7")
   steps = os.listdir(tmp_path / "wd" / "checkpoints") if (tmp_path / "wd").exists() else []
@@ -124,11 +128,13 @@ def test_hung_collective():
 
 def test_a_hung_collective_is_reported_by_pytest_timeout(tmp_path):
   """pytest-timeout (the `timeout` option in pyproject.toml) with the thread method: a test
-  blocked in C++ (no Python signal handler would run) is ended with every thread's stack."""
+  blocked in C++ (no Python signal handler would run) is ended with every thread's stack.
+  (A timeout of 8 s: the test reaches its hang in well under a second, jax imported at
+  collection, before the timer starts; the test waits the timeout out.)"""
   pytest.importorskip("pytest_timeout")
   (tmp_path / "test_hung.py").write_text(textwrap.dedent(HUNG_TEST))
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path),
-         f"--rootdir={tmp_path}", "-o", "timeout=20", "-o", "timeout_method=thread"]  # fmt: skip
+         f"--rootdir={tmp_path}", "-o", "timeout=8", "-o", "timeout_method=thread"]  # fmt: skip
   t0 = time.time()
   out = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
   text = out.stdout + out.stderr

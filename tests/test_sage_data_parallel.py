@@ -4,6 +4,7 @@ dense-gradient all-reduce, flat in the graph's nodes; 8 devices train Cora as we
 
 import functools
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -152,31 +153,45 @@ def trainer_config(inputs: str, steps: int):
   return c
 
 
-def test_trainer_trains_data_parallel_and_resumes_bit_identically(tmp_path):
+@pytest.fixture(scope="module")
+def one_step_runs(tmp_path_factory):
+  """The one-step-per-call data-parallel trainer run the two trainer tests below compare
+  with (each copies the checkpoint it resumes): 8 steps whole, and stopped after 4."""
+  tmp = tmp_path_factory.mktemp("one_step_runs")
+  c = trainer_config("embeddings", 8)
+  c.train.log_every = 4
+  full = loop.train(c, str(tmp / "full"))
+  assert loop.train(c, str(tmp / "part"), stop_after=4).metrics["step"] == 4
+  return c, full, tmp / "full", tmp / "part"
+
+
+def _resume(config, checkpointed, workdir):
+  """`loop.train(config, resume=True)` in a copy of the stopped run's workdir."""
+  shutil.copytree(checkpointed, workdir)
+  return loop.train(config, str(workdir), resume=True)
+
+
+def test_trainer_trains_data_parallel_and_resumes_bit_identically(tmp_path, one_step_runs):
   """sampler.data_parallel=true through the ordinary trainer (`loop.train`) on 8 devices:
   the same state as `DataParallelSage` one step per call (one mechanism), its step's
   arguments the state, the batch's seed ids and the graph placed once (nothing else crosses
-  the host link), and a run stopped after 3 steps and resumed from its checkpoint ends
+  the host link), and a run stopped after 4 steps and resumed from its checkpoint ends
   bit-identical to the uninterrupted one (sampling keys from the saved key and step)."""
-  c = trainer_config("embeddings", 6)
-  full = loop.train(c, str(tmp_path / "full"))
-  assert full.metrics["step"] == 6 and 0.0 <= full.metrics["test/accuracy"] <= 1.0
-  with open(tmp_path / "full" / "results.json") as f:
-    assert json.load(f)["step"] == 6
-  with open(tmp_path / "full" / "metrics.jsonl") as f:
+  c, full, full_dir, part = one_step_runs
+  assert full.metrics["step"] == 8 and 0.0 <= full.metrics["test/accuracy"] <= 1.0
+  with open(full_dir / "results.json") as f:
+    assert json.load(f)["step"] == 8
+  with open(full_dir / "metrics.jsonl") as f:
     logged = [json.loads(line) for line in f]
-  assert [r["step"] for r in logged if "loss" in r] == [2, 4, 6]
+  assert [r["step"] for r in logged if "loss" in r] == [4, 8]
   assert all(r["sampled_edges"] > 0 for r in logged if "loss" in r)
 
   reference = data_parallel(c, 8, k=1, seed=c.seed)
-  reference.train(6)
+  reference.train(8)
   assert _equal(state_leaves(full.state), state_leaves(reference.state))
 
-  wd = str(tmp_path / "part")
-  part = loop.train(c, wd, stop_after=3)
-  assert part.metrics["step"] == 3
-  resumed = loop.train(c, wd, resume=True)
-  assert resumed.metrics["step"] == 6
+  resumed = _resume(c, part, tmp_path / "part")
+  assert resumed.metrics["step"] == 8
   assert _equal(state_leaves(full.state), state_leaves(resumed.state))
   assert resumed.metrics["test/accuracy"] == full.metrics["test/accuracy"]
 
@@ -194,23 +209,21 @@ def _logged(workdir) -> list[dict]:
   return [{k: v for k, v in r.items() if not skip(k)} for r in rows if "loss" in r]
 
 
-def test_trainer_k_steps_per_call_are_k_calls_of_one_step(tmp_path):
+def test_trainer_k_steps_per_call_are_k_calls_of_one_step(tmp_path, one_step_runs):
   """sampler.steps_per_call=4: each train batch holds 4 steps' seeds, one call samples the 4
   steps' mini-batches of every device in bulk and scans 4 optimizer steps. Step s's batches
   are drawn with step s's key whichever call samples them, so the run ends bit-identical to
   the one-step-per-call run, and logs the same per-step means at the same steps. A 4-step run
   stopped after one call and resumed ends bit-identical too, and so does a one-step run's
   checkpoint resumed 4 steps per call (the step counts line up)."""
-  one = trainer_config("embeddings", 8)
-  one.train.log_every = 4
+  one, a, one_dir, one_part = one_step_runs
   four = trainer_config("embeddings", 8)
   four.train.log_every = 4
   four.sampler.steps_per_call = 4
-  a = loop.train(one, str(tmp_path / "one"))
   b = loop.train(four, str(tmp_path / "four"))
   assert a.metrics["step"] == b.metrics["step"] == 8 and int(b.state.step) == 8
   assert _equal(state_leaves(a.state), state_leaves(b.state))
-  assert _logged(tmp_path / "one") == _logged(tmp_path / "four")
+  assert _logged(one_dir) == _logged(tmp_path / "four")
   assert [r["step"] for r in _logged(tmp_path / "four")] == [4, 8]
   assert b.metrics["test/accuracy"] == a.metrics["test/accuracy"]
 
@@ -220,9 +233,8 @@ def test_trainer_k_steps_per_call_are_k_calls_of_one_step(tmp_path):
   assert resumed.metrics["step"] == 8
   assert _equal(state_leaves(b.state), state_leaves(resumed.state))
 
-  wd = str(tmp_path / "from_one")
-  assert loop.train(one, wd, stop_after=4).metrics["step"] == 4
-  resumed = loop.train(four, wd, resume=True)
+  resumed = _resume(four, one_part, tmp_path / "from_one")  # a one-step run's checkpoint
+  assert resumed.metrics["step"] == 8
   assert _equal(state_leaves(b.state), state_leaves(resumed.state))
 
 
