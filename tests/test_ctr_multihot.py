@@ -41,7 +41,7 @@ def test_recipe_keeps_the_id_first_and_is_a_fixed_function():
 
 
 def _multihot_config(cache_dir, interaction, mesh=None, plan=None):
-  c = smoke_config(cache_dir, mesh=mesh, plan=plan, steps=4, log_every=2)
+  c = smoke_config(cache_dir, mesh=mesh, plan=plan, steps=2, log_every=2)
   c.data.multi_hot = {"sizes": multihot.MLPERF_MULTI_HOT_SIZES, "distribution": "uniform"}
   c.model.interaction = interaction
   c.model.cross_layers = 2

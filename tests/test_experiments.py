@@ -59,8 +59,33 @@ def cache_dir(ctr_cache):
   return ctr_cache  # (conftest: one per process)
 
 
+@pytest.fixture(scope="module")
+def bundled_kg_once():
+  """The bundled FB15k-237 parsed once for the module's experiments that read it (kge_,
+  rgcn_fb15k237, rgcn_fb15k237_partitioned: a few seconds of text parsing each), each handed
+  its own deep copy, so no experiment sees another's changes. `kg.load` itself (the files,
+  their bad lines) is tested in tests/test_kg.py; another path or option loads as usual."""
+  import copy
+
+  from recgnn.data import kg
+
+  load, memo = kg.load, {}
+
+  def once(path=None, **kw):
+    if path is not None:
+      return load(path, **kw)
+    key = tuple(sorted(kw.items()))
+    if key not in memo:
+      memo[key] = load(None, **kw)
+    return copy.deepcopy(memo[key])
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(kg, "load", once)
+    yield memo
+
+
 @pytest.mark.parametrize("name", sorted(run.available_experiments()))
-def test_experiment_starts_from_its_defaults(name, cache_dir, tmp_path):
+def test_experiment_starts_from_its_defaults(name, cache_dir, bundled_kg_once, tmp_path):
   config = small_config(name, cache_dir)
   try:
     result = loop.train(config, str(tmp_path / "workdir"))

@@ -134,7 +134,10 @@ def test_parse_reads_compiled_hlo_operands_with_shapes():
   assert t.root and t.op == "tuple" and t.bytes == 12
 
 
-def _trained(tmp_path, plan: str, steps: int):
+OFFLOAD = "offload(cache_fraction=0.5, min_cache_rows=1024, lookahead=1)"
+
+
+def _trained(cache_dir, plan: str, steps: int):
   """The trainer's own run (`setup.build` of the smoke experiment on 1x1, every table under
   `plan`, a host tier) after `steps` train steps: (run, state, the last step's packed
   arguments)."""
@@ -142,7 +145,7 @@ def _trained(tmp_path, plan: str, steps: int):
 
   from recgnn.train import setup
 
-  config = trainer_lib.smoke_config(str(tmp_path / "data"), mesh=(1, 1), plan=[(".*", plan)])
+  config = trainer_lib.smoke_config(cache_dir, mesh=(1, 1), plan=[(".*", plan)])
   run = setup.build(config)
   it = run.task.train_batches(0)
   state = run.state
@@ -151,17 +154,30 @@ def _trained(tmp_path, plan: str, steps: int):
   return run, state, packed
 
 
-def test_trainer_step_of_an_offload_table_moves_rows_not_the_table(tmp_path):
+@pytest.fixture(scope="module")
+def trained(ctr_cache):
+  """`_trained(plan, steps)` built once per (plan, steps) for the module's tests (the offload
+  run and its step's lowering are shared by the two tests that read it)."""
+  memo = {}
+
+  def get(plan: str, steps: int):
+    if (plan, steps) not in memo:
+      run, state, packed = _trained(ctr_cache, plan, steps)
+      memo[plan, steps] = run, state, packed, run.train_step.lower(state, *packed)
+    return memo[plan, steps]
+
+  return get
+
+
+def test_trainer_step_of_an_offload_table_moves_rows_not_the_table(trained):
   """The trainer's own packed step (setup.build): nothing crosses the link inside it; its
   batch's transfer and the rows it returns for the host writer are smaller than the largest
   table (no table moves), and both carry rows."""
   from recgnn.train import traffic
 
   # (1x1: on a mesh each device's share of an exchange counts once per device)
-  run, state, packed = _trained(
-    tmp_path, "offload(cache_fraction=0.5, min_cache_rows=1024, lookahead=1)", 3
-  )
-  lowered = run.train_step.lower(state, *packed)
+  # (the run of test_trainer_step_of_a_host_tier_sends_no_index_back[offload]: 8 steps)
+  run, _, _, lowered = trained(OFFLOAD, 8)
   assert comms.host_link_of(lowered).bytes == 0
   assert "pinned_host" not in lowered.as_text()  # (no argument in host memory either)
   into, out = traffic.step_io(lowered)
@@ -171,7 +187,7 @@ def test_trainer_step_of_an_offload_table_moves_rows_not_the_table(tmp_path):
   assert into > 0 and 0 < out < big, (into, out, big)
 
 
-def test_trainer_logs_and_saves_each_step_programs_traffic(tmp_path, capsys):
+def test_trainer_logs_and_saves_each_step_programs_traffic(ctr_cache, tmp_path, capsys):
   """The trainer reads the host-link and collective bytes of its train step's program once
   (recgnn.train.traffic), logs them, and writes them to results.json: the same figures as
   `traffic.program_traffic` of that step lowered again from the same batches (the batch's
@@ -183,7 +199,7 @@ def test_trainer_logs_and_saves_each_step_programs_traffic(tmp_path, capsys):
   from recgnn.train import loop, setup, traffic
 
   config = trainer_lib.smoke_config(
-    str(tmp_path / "data"),
+    ctr_cache,
     mesh=(2, 1),  # (two devices: the dense gradients' all-reduce is a collective)
     # (two offloaded tables: the step compiles in a third of the time of 26)
     plan=[
@@ -219,16 +235,15 @@ def test_trainer_logs_and_saves_each_step_programs_traffic(tmp_path, capsys):
   "plan",
   [
     pytest.param("hot_cold(budget=0.05, profile_batches=2)", marks=pytest.mark.long),
-    "offload(cache_fraction=0.5, min_cache_rows=1024, lookahead=1)",
+    OFFLOAD,
   ],
 )
-def test_trainer_step_of_a_host_tier_sends_no_index_back(tmp_path, plan):
+def test_trainer_step_of_a_host_tier_sends_no_index_back(trained, plan):
   """The host keeps the row lists it planned: what a host tier's step returns for the host
   (TO_HOST) is rows and their optimizer state, never an index; no leaf of the batch lives in
   host memory (the step reads nothing there)."""
-  run, state, packed = _trained(tmp_path, plan, 8)
+  _, _, packed, lowered = trained(plan, 8)
   (_, host), _ = packed
   assert not host
-  lowered = run.train_step.lower(state, *packed)
   back = jax.tree.leaves(lowered.out_info[2])
   assert back and all(np.issubdtype(x.dtype, np.floating) for x in back), back

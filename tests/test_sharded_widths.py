@@ -262,7 +262,7 @@ def test_backward_exchange_within_bound(bits, block):
     assert fell.any()  # t(2) tails do not fit 2- / 4-bit codes: the fallback carried them
 
 
-def test_trainer_resume_with_replanned_widths_is_bit_identical(tmp_path):
+def test_trainer_resume_with_replanned_widths_is_bit_identical(ctr_cache, tmp_path):
   """Through the trainer: widths=auto re-planned every 2 steps, a run stopped after 5 steps
   (checkpoint 4) and resumed to 12 ends bit-identical to the run that never stopped (the
   codec state, widths included, restored from the checkpoint and the step rebuilt at
@@ -271,10 +271,9 @@ def test_trainer_resume_with_replanned_widths_is_bit_identical(tmp_path):
   from tests.trainer_lib import smoke_config, state_leaves
 
   plan = ((".*", "sharded(codec=eb, bound=rms, rel=0.3, widths=auto, replan=2)"),)
-  cache = str(tmp_path / "cache")
 
-  def config():
-    return smoke_config(cache, mesh=(2, 4), plan=plan, checkpoint_every=2)
+  def config():  # (no final eval: the state and the codec's figures are compared)
+    return smoke_config(ctr_cache, mesh=(2, 4), plan=plan, checkpoint_every=2, final_eval_splits=())
 
   whole = loop.train(config(), str(tmp_path / "a"))
   wd = str(tmp_path / "b")
