@@ -23,8 +23,12 @@ def cache_dir(ctr_cache):
   return ctr_cache  # (conftest: one per process)
 
 
-def _config(cache_dir, k, mesh=(1, 1), plan=None, steps=8):
-  c = smoke_config(cache_dir, steps=steps, log_every=4, mesh=mesh, plan=plan)
+def _config(cache_dir, k, mesh=(1, 1), plan=None, steps=8, tables=4):
+  """The smoke run at k steps per call, on 4 of the synthetic data's tables by default
+  (trainer_lib.FEW_TABLES: the large ones the plans below name, C3 / C4 / C16, and a tiny
+  one): equality of k calls of one step and one of k holds table by table, and 26 tables
+  cost ~3x the init, tracing and execution. tables=None: Criteo's 26."""
+  c = smoke_config(cache_dir, steps=steps, log_every=4, mesh=mesh, plan=plan, tables=tables)
   c.train.steps_per_call = k
   return c
 
@@ -231,7 +235,7 @@ def test_k_steps_per_call_refused_where_not_built(cache_dir, tmp_path, monkeypat
 
 def _k_step_program(cache_dir, plan, rows):
   """The trainer's 4-step program of a host-tier plan whose three largest tables have
-  `rows` rows (hashed ids; the others 1000), on its first call (the first step runs before
+  `rows` rows (hashed ids; the other 1000), on its first call (the first step runs before
   the scan, where it sizes the rings): lowered for CUDA and CPU, checked for host work and
   table-shaped tensors, compiled for CPU. -> its memory analysis."""
   from test_host_tier import _assert_no_host_work
@@ -240,7 +244,10 @@ def _k_step_program(cache_dir, plan, rows):
   from recgnn.train import setup
 
   c = _config(cache_dir, 4, plan=((".*", plan),))
-  c.data.categorical, c.data.hash_sizes = "hash", (rows,) * 3 + (1000,) * 23
+  schema = json.loads(c.data.schema)  # (4 tables, hashed: 3 of `rows` rows, one of 1000)
+  for column, n in zip(schema["categorical"], (rows, rows, rows, 1000)):
+    column.update(vocab="hash", hash_size=n)
+  c.data.schema = json.dumps(schema)
   run = setup.build(c)
   big = [s for g in run.plan.groups.values() for s in g.specs.values() if s.num_rows == rows]
   assert len(big) == 3

@@ -227,7 +227,8 @@ class Schema:
     d = dataclasses.asdict(self)
     d["categorical"] = [c.id_key() for c in self.categorical]
     d.pop("name")
-    return d
+    # As JSON gives it back (lists, not tuples): it is compared with the cache's manifest.
+    return json.loads(json.dumps(d))
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
