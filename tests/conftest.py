@@ -203,7 +203,7 @@ def fast_table_init(monkeypatch):
   if _fast_init_chunk is None:
     _fast_init_chunk = jax.jit(
       specs._init_chunk.__wrapped__,
-      static_argnums=(3, 4),
+      static_argnums=(3, 4, 5),
       compiler_options={"xla_backend_optimization_level": 2},
     )
   monkeypatch.setattr(specs, "_init_chunk", _fast_init_chunk)

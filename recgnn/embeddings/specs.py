@@ -176,8 +176,9 @@ def init_rows(key: jax.Array, spec: TableSpec, start: int, stop: int) -> np.ndar
   out = np.empty((stop - start, spec.dim), np.float32)
   c0, c1 = start // INIT_CHUNK, -(-stop // INIT_CHUNK)
   for c in range(c0, c1):
-    block = np.asarray(_init_chunk(key, c, _scale(spec), spec.dim, spec.initializer))
     lo, hi = max(start, c * INIT_CHUNK), min(stop, (c + 1) * INIT_CHUNK)
+    rows = _chunk_rows(hi - c * INIT_CHUNK)
+    block = np.asarray(_init_chunk(key, c, _scale(spec), spec.dim, spec.initializer, rows))
     out[lo - start : hi - start] = block[lo - c * INIT_CHUNK : hi - c * INIT_CHUNK]
   return out
 
@@ -214,12 +215,24 @@ def _scale(spec: TableSpec) -> np.float32:
   return np.float32(1.0 / np.sqrt(spec.num_rows))
 
 
+def _chunk_rows(needed: int) -> int:
+  """Rows to draw of a chunk whose first `needed` rows are used: the next power of two (at
+  least 256, at most INIT_CHUNK) where jax's threefry is partitionable (the default since jax
+  0.5), whose draw of shape [n, D] is the first n rows of the [INIT_CHUNK, D] one (element
+  (i, j)'s bits depend on its index only): a 6-row table no longer draws 65,536 rows, the same
+  values. The whole chunk otherwise."""
+  if not jax.config.jax_threefry_partitionable:
+    return INIT_CHUNK
+  return min(INIT_CHUNK, max(256, 1 << (needed - 1).bit_length()))
+
+
 # The scale is an argument, not a static one: a static row count compiled this once per
-# table size (26 compiles, ~6 s of every dlrm_kaggle start); now once per (dim, initializer).
-@functools.partial(jax.jit, static_argnums=(3, 4))
-def _init_chunk(key, chunk, scale, dim, initializer):
+# table size (26 compiles, ~6 s of every dlrm_kaggle start); now once per (dim, initializer,
+# power-of-two rows).
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _init_chunk(key, chunk, scale, dim, initializer, rows=INIT_CHUNK):
   k = jax.random.fold_in(key, chunk)
-  shape = (INIT_CHUNK, dim)
+  shape = (rows, dim)
   if initializer == "uniform":
     return jax.random.uniform(k, shape, jnp.float32, -scale, scale)
   if initializer == "normal":
