@@ -203,8 +203,7 @@ class OneGather:
 
   def init_state(self):
     st = self.rec.init_state()
-    table = jnp.concatenate([st.emb["dense"][n]["table"] for n in self.rec.task.names], axis=0)
-    return table, st.params, st.opt_state
+    return _one_table(st, self.rec.task.names), st.params, st.opt_state
 
   def runner(self):
     return harness.jitted_runner(self.step, self.init_state(), self.inputs)
@@ -217,8 +216,17 @@ class OneGather:
       prepared, batch = rec.inputs[i % len(rec.inputs)]
       st = rec.train_step(st, prepared, batch)[0]
       one = self.step(one, self.inputs[i % len(self.inputs)])
-    ref = jnp.concatenate([st.emb["dense"][n]["table"] for n in rec.task.names], axis=0)
+    ref = _one_table(st, rec.task.names)
     return float(jnp.max(jnp.abs(ref - one[0])))
+
+
+def _one_table(st, names) -> jax.Array:
+  """The dense group's tables as one array, each at its aligned offset: the fused group's own
+  array (recgnn/backends/dense_fused.py), or one array per table concatenated."""
+  group = st.emb["dense"]
+  if "table" in group:
+    return group["table"]
+  return jnp.concatenate([group[n]["table"] for n in names], axis=0)
 
 
 def interaction_slices(features: jax.Array) -> jax.Array:

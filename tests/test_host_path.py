@@ -179,11 +179,10 @@ def test_stacked_dedup_updates_the_tables_bit_for_bit_as_sorted_dedup():
     res = {n: () for n in group.members}
     state["stacked"] = update(state["stacked"], stacked, res, g)
     state["sorted"] = update(state["sorted"], per_table, res, g)
+  stacked, per_table = group.export(state["stacked"]), group.export(state["sorted"])
   for n in group.members:
-    for k in ("table", "accum"):
-      np.testing.assert_array_equal(
-        np.asarray(state["stacked"][n][k]), np.asarray(state["sorted"][n][k])
-      )
+    for k in ("rows", "accum"):
+      np.testing.assert_array_equal(np.asarray(stacked[n][k]), np.asarray(per_table[n][k]))
 
 
 class _Task:

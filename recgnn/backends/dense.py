@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from recgnn import sharding
+from recgnn.backends import dense_fused
 from recgnn.embeddings import base, row_sharded
 
 P = sharding.P
@@ -44,11 +45,14 @@ class DenseOptions(base.BackendOptions):
   Attributes:
     shard: `none` (replicated on every device) or `rows` (rows split over MODEL; on a mesh
       whose MODEL axis has one device that is one piece per DATA replica, as replicated).
+    fuse: replicated tables of one dim and optimizer in one array (`dense_fused`: one gather
+      and one row update per step for the group, two state arrays); false: one per table.
   """
 
   backend: ClassVar[str] = "dense"
 
   shard: str = "none"
+  fuse: bool = True
 
   def __post_init__(self):
     if self.shard not in SHARDS:
@@ -72,6 +76,10 @@ class Dense(base.TableBackend):
         f"row-sharded tables need a model size dividing {base.ROW_ALIGN} (1, 2, 4, 8, ...) so "
         "that checkpoints restore on any such mesh. Use --config.mesh.model=8 (or 4, 2)."
       )
+
+  @classmethod
+  def group_class(cls, specs, options):
+    return dense_fused.FusedDense if dense_fused.fusable(specs, options) else None
 
   def describe(self) -> str:
     return "dense" if self.options.shard == "none" else f"dense(shard={self.options.shard})"

@@ -367,6 +367,12 @@ class TableBackend(abc.ABC):
     self.layout = Layout() if layout is None else layout
 
   @classmethod
+  def group_class(cls, specs: Sequence[TableSpec], options: dict[str, Any]) -> type | None:
+    """The group class for these tables and plan options (a `TableGroup` subclass, e.g.
+    `dense`'s fused tables), or None: `TableGroup`."""
+    return None
+
+  @classmethod
   def capabilities_for(cls, options: dict[str, Any]) -> Capabilities:
     """See `Backend.capabilities_for`."""
     del options

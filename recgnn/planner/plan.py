@@ -144,7 +144,8 @@ def make_group(
   check_layout(text, cls.capabilities_for(options), layout)
   try:
     if issubclass(cls, TableBackend):
-      return TableGroup(cls, specs, mesh, layout, text, **options)
+      group = cls.group_class(specs, options) or TableGroup
+      return group(cls, specs, mesh, layout, text, **options)
     return cls(specs, mesh, layout, text=text, **options)
   except TypeError as e:
     raise ValueError(
