@@ -79,7 +79,9 @@ class Dense(base.TableBackend):
 
   @classmethod
   def group_class(cls, specs, options):
-    return dense_fused.FusedDense if dense_fused.fusable(specs, options) else None
+    opts = cls.Options.parse(options)  # (its defaults: one copy, here)
+    fuse = opts.fuse and opts.shard == "none" and dense_fused.fusable(specs)
+    return dense_fused.FusedDense if fuse else None
 
   def describe(self) -> str:
     return "dense" if self.options.shard == "none" else f"dense(shard={self.options.shard})"

@@ -33,16 +33,11 @@ from recgnn.embeddings import base
 from recgnn.embeddings.group import TableGroup
 
 
-def fusable(specs, options: dict) -> bool:
-  """Whether `dense` tables with these plan options fuse: replicated (shard=none), fuse on,
-  two or more tables of one dim and one optimizer."""
-  return (
-    options.get("shard", "none") == "none"
-    and options.get("fuse", True)
-    and len(specs) > 1
-    and len({s.dim for s in specs}) == 1
-    and len({s.optimizer for s in specs}) == 1
-  )
+def fusable(specs) -> bool:
+  """Whether these tables can share one array: two or more, of one dim and one optimizer
+  (`Dense.group_class` also asks for fuse=True and shard=none)."""
+  dims, optimizers = {s.dim for s in specs}, {s.optimizer for s in specs}
+  return len(specs) > 1 and len(dims) == 1 and len(optimizers) == 1
 
 
 class FusedDense(TableGroup):
