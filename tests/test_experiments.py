@@ -115,7 +115,7 @@ def test_relative_budget_resolves_to_the_plans_bytes(cache_dir, tmp_path):
   assert len(said) == 1, lines
   budget = int(said[0].split("--device_memory_budget=")[1].split(" ")[0].rstrip(")"))
   need = planner.check_memory(run_.plan, None, setup._train_ids_shapes(
-    run_.plan, run_.task, run_.example, budget))  # fmt: skip
+    run_.plan, run_.task, run_.example))  # fmt: skip
   assert budget == int(need * 1.1) and planner.batch_bytes(run_.plan, {
     t: (2048, 1) for t in run_.plan.table_group}) > 0  # fmt: skip
   # The same bytes refuse the all-dense plan at the experiment's own scale

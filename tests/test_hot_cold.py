@@ -69,6 +69,30 @@ def _run_group(text, specs, batches, mesh, *, evals=(), group=None, state=None, 
   return looked, group.tables(state), group, state
 
 
+def test_told_batches_make_the_ring_the_first_step_needs():
+  """`expect_batches` (the trainer's, before it builds the state: setup.build) makes the
+  device ring of recent write-backs at the rows train batches need, so the first train
+  step runs the program every later one runs (at [0, ...] rows the first step resized it:
+  a second compile of the whole step). The same lookups and tables as a group not told."""
+  specs, mesh = _specs(ADAGRAD), planner.default_mesh()
+  batches = _batches(specs, n=3)
+  text = "hot_cold(budget=0.3, profile_batches=4)"  # (no pick in 3 steps: one program)
+  told = planner.make_group(text, specs, mesh)
+  told.expect_batches({n: b.shape for n, b in batches[0].items()})
+  state = told.init(jax.random.key(0))
+  widths = [lst["ring"].shape[1] for lst in told.prepare(batches[0], train=True)["cold"]]
+  assert [r["table"].shape[0] for r in state["ring"]] == widths and min(widths) > 0
+  untold = planner.make_group(text, specs, mesh)
+  assert [r["table"].shape[0] for r in untold.init(jax.random.key(0))["ring"]] == [0, 0]
+  a = _run_group(text, specs, batches, mesh, group=told, state=told.init(jax.random.key(0)))
+  b = _run_group(text, specs, batches, mesh)
+  for x, y in zip(a[0], b[0], strict=True):
+    for n in x:
+      np.testing.assert_array_equal(x[n], y[n])
+  for n in a[1]:
+    np.testing.assert_array_equal(a[1][n], b[1][n])
+
+
 @functools.cache
 def dense_ref(opt, pooling="sum", n=6, batch=64, evals=()):
   """(lookups, tables) of `_run_group("dense", ...)` over `_batches(_specs(opt, pooling), n,

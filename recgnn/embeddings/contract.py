@@ -251,6 +251,15 @@ class Backend(abc.ABC):
     del ids_shapes
     return {}
 
+  def expect_batches(self, ids_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Told, before `init` / `import_` / `restore`, the global train batch's ids shapes
+    (as `batch_memory`; the trainer tells a plan whose `batch_memory` is not empty): a state
+    holding buffers sized by the batch is made at their size, so the first train step runs
+    the program every later step runs (built at zero rows, the first step resizes them: a
+    second compile of the whole step, and of its lowering where the trainer reads its
+    traffic). A hint only: the first train batch's own shapes decide, as without it."""
+    del ids_shapes
+
   @abc.abstractmethod
   def tables(self, state: PyTree) -> dict[str, np.ndarray]:
     """The logical f32[N, D] tables (tests and export; O(N), never called by the trainer)."""

@@ -160,12 +160,11 @@ def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
   return rules, choice
 
 
-def _train_ids_shapes(plan: planner.Plan, task: Task, example: dict, budget: int | None):
-  """A train batch's ids shapes ({table: shape}) when the plan has a budget to meet and a
-  group holds buffers sized by the batch (`Backend.batch_memory`, asked with the `example`
-  batch's shapes first): one batch read; else None (nothing to add)."""
-  if budget is None:
-    return None
+def _train_ids_shapes(plan: planner.Plan, task: Task, example: dict):
+  """A train batch's ids shapes ({table: shape}) when a group holds buffers sized by the
+  batch (`Backend.batch_memory`, asked with the `example` batch's shapes first): one batch
+  read, for the budget and for the groups to make those buffers at their size
+  (`Backend.expect_batches`); else None (nothing to add)."""
   probe = {t: tuple(np.shape(x)) for t, x in example["ids"].items()}
   if not planner.batch_bytes(plan, probe):
     return None
@@ -424,7 +423,9 @@ def build(
   log("Embedding plan (bytes before allocation):\n" + planner.format_plan(plan))
   refuse_stacked_calls(task, plan)
   example = task.example_batch() if example is None else example
-  ids_shapes = _train_ids_shapes(plan, task, example, device_memory_budget)
+  ids_shapes = _train_ids_shapes(plan, task, example)
+  for g in plan.groups.values() if ids_shapes else ():
+    g.expect_batches(ids_shapes)  # (before the state is built or restored)
   if relative:  # (a budget of the plan's own bytes plus a margin: it fits by construction)
     need = planner.check_memory(plan, None, ids_shapes)
     held = device_memory_budget.bytes_for(need)

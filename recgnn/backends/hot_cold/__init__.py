@@ -86,7 +86,8 @@ State {"tables": {table: {"hot": {"table": f32[Ha, D], slot: f32[Ha]}   rows ove
        "ring": per row layout {"table": f32[V, D], slot: f32[V]}   recent write-backs
        "version": int32[], "stale": int32[]}
 Ha = the hot capacity rounded up to a multiple of the devices; V = the ring's rows
-(`_ring_rows`; [0, ...] until the first train step sizes it from its batch's "ring" shape),
+(`_ring_rows`: made at the rows the trainer's train batches need, `expect_batches`; else
+[0, ...] until the first train step sizes it from its batch's "ring" shape, a second program),
 replicated as the cold rows are. The host tables (numpy, every row, aligned to
 base.aligned_rows(N)) are the group's, never state and never an argument of the step; a hot
 row's host copy is stale until `sync` writes it back. The ring is not checkpointed: `export`

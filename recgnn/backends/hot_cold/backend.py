@@ -84,6 +84,10 @@ class HotCold(base.Backend):
     """The device ring of recent write-backs (`HostTier.batch_memory`)."""
     return self._host.batch_memory(ids_shapes)
 
+  def expect_batches(self, ids_shapes):
+    """Rings made at the rows such batches need (`HostTier.expect`)."""
+    self._host.expect(ids_shapes)
+
   def init(self, key):
     return self._state.init(key)
 

@@ -48,6 +48,8 @@ class HostTier:
     self._recent: list[host_tier.Recent] = []
     self._outbox = host_tier.Outbox()
     self._written = 0  # the writer's jobs handed over before the last init / restore
+    self._expected: list[int] | None = None  # per stack, the ring's rows (`expect`)
+    self._sized: list[bool] = []  # per stack, a train batch sized the ring since `adopt`
 
   def _ring_rows(self, caps: Sequence[int], names) -> int:
     """The ring's rows for a stack whose tables' cold caps (min(ids per batch, rows)) are
@@ -60,16 +62,38 @@ class HostTier:
     steps = host_tier.call_ring_steps(self._steps_per_call, RING_BATCHES)
     return int(steps * (sum(caps) + out))
 
+  def _stack_caps(self, ids_shapes) -> list[list[int] | None]:
+    """Per stack, its tables' cold caps for train ids shaped `ids_shapes` (None: a table of
+    the stack is not in it)."""
+    specs = self._g.specs
+    return [
+      [cold_cap(ids_shapes[n], specs[n]) for n in names]
+      if all(n in ids_shapes for n in names) else None
+      for names in self._g.stacks
+    ]  # fmt: skip
+
+  def expect(self, ids_shapes) -> None:
+    """The rings of states built or restored from now on are made at the rows train ids
+    shaped `ids_shapes` need (`ring_rows`), not at zero rows (`Backend.expect_batches`)."""
+    caps = self._stack_caps(ids_shapes)
+    self._expected = [
+      0 if c is None else self._ring_rows(c, names) for c, names in zip(caps, self._g.stacks)
+    ]
+
+  def ring_rows(self, stack: int) -> int:
+    """Rows of `stack`'s ring in a state built or restored now: `expect`'s, or 0 (the first
+    train step then sizes it from its batch's "ring" shape)."""
+    return self._expected[stack] if self._expected else 0
+
   def batch_memory(self, ids_shapes):
     """The device ring of recent write-backs (`RING_BATCHES` x a step's most write-backs),
     with its optimizer state, replicated on every device: each
     stack's ring split over its tables by their cold caps."""
     out = {}
     specs = self._g.specs
-    for names in self._g.stacks:
-      if not all(n in ids_shapes for n in names):
+    for names, caps in zip(self._g.stacks, self._stack_caps(ids_shapes)):
+      if caps is None:
         continue
-      caps = [cold_cap(ids_shapes[n], specs[n]) for n in names]
       ring = self._ring_rows(caps, names)
       left = ring
       for i, n in enumerate(names):
@@ -94,6 +118,9 @@ class HostTier:
     self._written = self._host.writer.submitted
     self._outbox.clear()
     self._recent = [host_tier.Recent(int(b[-1]), self._steps_per_call) for b in self._g.row_base]
+    for stack, recent in enumerate(self._recent):
+      recent.resize(self.ring_rows(stack))  # (the state's ring: `StateKeeper._empty_ring`)
+    self._sized = [False] * len(self._recent)
 
   def host_of(self, name: str) -> dict:
     """{k: f32[N', ...]}: table `name`'s host arrays (numpy, written in place)."""
@@ -222,8 +249,11 @@ class HostTier:
       src[: rows.size], need = recent.sources(first_row[tab] + rows)
     w = None
     if train:
-      if recent.size == 0:  # (the first train batch since init / restore sizes the ring)
+      if not self._sized[stack]:  # (the first train batch since init / restore sizes the
+        # ring; where `expect` guessed its size right, that is no change, and no resize in
+        # the step: `DeviceStep.update` resizes a ring of another width)
         recent.resize(self._ring_rows(caps, names))
+        self._sized[stack] = True
       lst["ring"] = np.zeros((0, recent.size), np.int32)
       dst = np.full(uc, ABSENT, np.int32)
       dst[: rows.size] = _assign(recent, first_row[tab] + rows)

@@ -98,14 +98,15 @@ class StateKeeper:
     self._host.adopt()
 
   def _empty_ring(self) -> tuple[dict, ...]:
-    """The rings before the first train step: [0, ...] per stack (that step sizes them from
-    its batch's "ring" shape: `HostTier._ring_rows`)."""
+    """The rings before the first train step, zeros (a slot is read only once a step wrote
+    it): per stack the rows `HostTier.expect` was told train batches need, or [0, ...],
+    which the first train step resizes from its batch's "ring" shape (a second program)."""
     out = []
-    for names in self._g.stacks:
-      d = self._g.specs[names[0]].dim
+    for stack, names in enumerate(self._g.stacks):
+      d, v = self._g.specs[names[0]].dim, self._host.ring_rows(stack)
       b = {
-        "table": np.zeros((0, d), np.float32),
-        **{k: np.zeros(0, np.float32) for k in self._g.slots(names)},
+        "table": np.zeros((v, d), np.float32),
+        **{k: np.zeros(v, np.float32) for k in self._g.slots(names)},
       }
       out.append(jax.device_put(b, self._g.repl()))
     return tuple(out)
