@@ -206,6 +206,10 @@ def test_a_budget_below_the_smallest_plan_is_refused_before_any_timing():
     )  # fmt: skip
 
 
+# The trainer runs below: smoke on 4 of Criteo's tables (trainer_lib.smoke_config(tables=4): a
+# fraction of the 26 tables' build and timing), the two largest under the rule tested.
+
+
 def test_plan_report_of_a_written_plan_and_the_cost_cache(ctr_cache, tmp_path):
   """--plan_report on a plan without an auto rule: every table timed before training, the
   report written after it with the predicted step beside a measured one, and the bytes the
@@ -213,11 +217,11 @@ def test_plan_report_of_a_written_plan_and_the_cost_cache(ctr_cache, tmp_path):
   same cost cache times nothing again and predicts the same per-table costs and model part
   (its planning, in `build`: where the report's figures come from, nothing trained)."""
   cache = str(tmp_path / "costs.json")
-  probe = loop.setup.build(trainer_lib.smoke_config(ctr_cache), allocate=False)
+  probe = loop.setup.build(trainer_lib.smoke_config(ctr_cache, tables=4), allocate=False)
   big = _largest(probe, 2)
   plan = (("|".join(big), "offload(cache_fraction=0.5)"), (".*", "dense"))
   c = trainer_lib.smoke_config(
-    ctr_cache, mesh=(1, 1), plan=plan, steps=6, log_every=2, final_eval_splits=()
+    ctr_cache, mesh=(1, 1), plan=plan, tables=4, steps=6, log_every=2, final_eval_splits=()
   )
   c.embeddings.cost_cache = cache
   workdir = str(tmp_path / "run0")
@@ -252,7 +256,7 @@ def test_auto_on_an_8_device_mesh_places_tables_over_model(ctr_cache, tmp_path):
   bytes split over `model`), a budget below the replicated plan moves tables onto the model
   axis, and the run trains."""
   trainer_lib.skip_unless_devices(8, "a 2x4 mesh")
-  probe = trainer_lib.smoke_config(ctr_cache, mesh=(2, 4))
+  probe = trainer_lib.smoke_config(ctr_cache, mesh=(2, 4), tables=4)
   run = loop.setup.build(probe, allocate=False)
   dense_all = sum(g.device_bytes() for g in run.plan.groups.values())
   # The two largest tables under auto (the rest dense: fewer candidates to time).
@@ -264,6 +268,7 @@ def test_auto_on_an_8_device_mesh_places_tables_over_model(ctr_cache, tmp_path):
     ctr_cache,
     mesh=(2, 4),
     plan=(("|".join(big), opts), (".*", "dense")),
+    tables=4,
     steps=4,
     log_every=2,
     final_eval_splits=(),  # (the plan and its bytes are the point; evals have their own tests)
@@ -401,7 +406,7 @@ def test_trainer_times_the_finalists_whole_and_takes_the_fastest(ctr_cache, tmp_
   train step (`recgnn.train.plan_timing`), the fastest is taken, fits and trains, and the
   figures are in auto_plan.json; a second run with the same cost cache times nothing again
   and takes the same plan."""
-  probe = trainer_lib.smoke_config(ctr_cache, mesh=(1, 1))
+  probe = trainer_lib.smoke_config(ctr_cache, mesh=(1, 1), tables=4)
   run = loop.setup.build(probe, allocate=False)
   big = _largest(run, 2)
   dense_all = sum(g.device_bytes() for g in run.plan.groups.values())
@@ -413,6 +418,7 @@ def test_trainer_times_the_finalists_whole_and_takes_the_fastest(ctr_cache, tmp_
     ctr_cache,
     mesh=(1, 1),
     plan=(("|".join(big), opts), (".*", "dense")),
+    tables=4,
     steps=4,
     log_every=2,
     final_eval_splits=(),

@@ -32,9 +32,15 @@ def manual(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def both(manual, tmp_path_factory):
+def data_dir(tmp_path_factory):
+  """`both`'s builds: the TFDS build (tfds/) and the memmap arrays (cache/) of train.txt."""
+  return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture(scope="module")
+def both(manual, data_dir):
   """(TFDS + grain dataset, memmap dataset) of the same train.txt."""
-  d = tmp_path_factory.mktemp("data")
+  d = data_dir
   builder = tfds_builders.build("criteo_kaggle", str(d / "tfds"), manual_dir=manual)
   mm = criteo.open_criteo(os.path.join(manual, "train.txt"), str(d / "cache"), progress=None)
   return pipeline.TfdsCriteo(builder, num_threads=4), mm
@@ -127,12 +133,13 @@ def _smoke(cache_dir, **data):
 _leaves = state_leaves
 
 
-def test_trainer_tfds_equals_memmap_and_resumes_from_grain_state(manual, tmp_path):
+def test_trainer_tfds_equals_memmap_and_resumes_from_grain_state(manual, both, data_dir, tmp_path):
   """The same run through both paths gives identical params; a tfds run stopped mid-epoch
-  resumes from the grain state in its checkpoint to the same end."""
-  cache = str(tmp_path / "cache")
+  resumes from the grain state in its checkpoint to the same end. (The runs read `both`'s
+  builds, made with the smoke experiment's reader settings: built and checked once.)"""
+  cache = str(data_dir / "cache")
   mm = loop.train(_smoke(cache, path=os.path.join(manual, "train.txt")), str(tmp_path / "m"))
-  tf_cfg = _smoke(cache, path=manual, source="tfds")
+  tf_cfg = _smoke(cache, path=manual, source="tfds", tfds_dir=str(data_dir / "tfds"))
   wd = str(tmp_path / "t")
   part = loop.train(tf_cfg, wd, stop_after=7)  # checkpoints at 5 and 7 (mid-epoch)
   assert part.metrics["step"] == 7

@@ -30,11 +30,13 @@ def _launch(workdir, cache_dir, port, extra=()):
   from tests.trainer_lib import xla_flags
 
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(4)}
+  few = _config(cache_dir, 1)  # (its 4 tables: the data file and schema, on the command line)
   procs = []
   for pid in range(2):
     cmd = [
       sys.executable, "run.py", "--experiment=smoke", f"--workdir={workdir}",
       f"--config.data.cache_dir={cache_dir}", "--config.data.synthetic.rows=20000",
+      f"--config.data.path={few.data.path}", f"--config.data.schema={few.data.schema}",
       f"--coordinator_address=127.0.0.1:{port}",
       "--num_processes=2", f"--process_id={pid}", *extra,
     ]  # fmt: skip
@@ -48,13 +50,18 @@ def _launch(workdir, cache_dir, port, extra=()):
 
 # Three tables model-parallel over MODEL, the rest replicated dense with row-wise Adagrad.
 PLAN = (("C(1|2|3)$", "sharded"), (".*", "dense"))
+# 4 of Criteo's tables (tests/trainer_lib.py: each process builds a fraction of the 26 tables'
+# steps): the plan's three and one dense.
+TABLES = ("C1", "C2", "C3", "C4")
 
 
 def _config(cache_dir, steps):
   from tests.trainer_lib import smoke_config
 
   # No eval: the reference is compared by its state, and an eval step is one more compile.
-  return smoke_config(cache_dir, steps=steps, mesh=(2, 4), plan=PLAN, final_eval_splits=())
+  return smoke_config(
+    cache_dir, steps=steps, mesh=(2, 4), plan=PLAN, tables=TABLES, final_eval_splits=()
+  )
 
 
 @many_processes

@@ -273,7 +273,9 @@ def test_trainer_resume_with_replanned_widths_is_bit_identical(ctr_cache, tmp_pa
   plan = ((".*", "sharded(codec=eb, bound=rms, rel=0.3, widths=auto, replan=2)"),)
 
   def config():  # (no final eval: the state and the codec's figures are compared)
-    return smoke_config(ctr_cache, mesh=(2, 4), plan=plan, checkpoint_every=2, final_eval_splits=())
+    return smoke_config(
+      ctr_cache, mesh=(2, 4), plan=plan, tables=4, checkpoint_every=2, final_eval_splits=()
+    )
 
   whole = loop.train(config(), str(tmp_path / "a"))
   wd = str(tmp_path / "b")

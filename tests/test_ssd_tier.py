@@ -230,12 +230,13 @@ def _trainer_config(cache_dir, rows_dir):
     "offload(cache_fraction=0.03, min_cache_rows=256, policy=lookahead, lookahead=4, "
     f"host_cache=0.05, storage='ssd:{rows_dir}')"
   )
-  return smoke_config(cache_dir, checkpoint_every=4, plan=[(".*", plan)])
+  # (4 tables, one group: a fraction of the 26 tables' build, in the killed process too)
+  return smoke_config(cache_dir, checkpoint_every=4, plan=[(".*", plan)], tables=4)
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("ssd_cache"))
+def cache_dir(ctr_cache):
+  return ctr_cache  # (conftest: one per process; the killed process reads it too)
 
 
 @pytest.fixture(scope="module")
