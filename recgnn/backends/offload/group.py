@@ -25,6 +25,10 @@ ABSENT = np.iinfo(np.int32).max
 FILL = (ABSENT, ABSENT, 0, ABSENT, ABSENT)
 
 
+def _batch_major(x: np.ndarray) -> np.ndarray:  # [T', B, L] -> int32[B, T', L], contiguous
+  return np.ascontiguousarray(x.transpose(1, 0, 2), np.int32)
+
+
 @base.register_backend("offload")
 class OffloadGroup(base.TableGroup):
   """The offload tables of one plan rule: `TableGroup` with the planning of a train batch
@@ -57,15 +61,13 @@ class OffloadGroup(base.TableGroup):
       np.cumsum([0] + [self.members[n].cache_rows for n in names]).astype(np.int64)
       for names in self._stacks
     ]
-    # The compiled steady-state planner (`SteadyPlanner`) and the device step (`DeviceStep`).
     self._steady = SteadyPlanner(self.members, self.lookahead)
     self._step = DeviceStep(self._stacks, self.specs, self.mesh)
     self._syncer = host_cache.StaleCheck(f"offload (tables {', '.join(self.members)})", "cache")
     self._sizers = []
     self.list_widths: set[tuple[int, int]] = set()  # (now, next) lengths of train steps
     self._list_counters = host_cache.Counters()
-    # The host tier: the tables' rows in host RAM, what each step loads and writes back, and
-    # the device ring's bookkeeping (`HostSide`, recgnn.embeddings.host_tier).
+    # The host tier: the tables' rows in host RAM, what each step loads and writes back.
     self._tier = HostSide(
       f"offload (tables {', '.join(self.members)})",
       self._stacks,
@@ -166,8 +168,7 @@ class OffloadGroup(base.TableGroup):
     self._adopt()
     return state
 
-  def _slices(self, stack: int) -> list[tuple[int, int]]:
-    """Each table's rows [a, b) of its stack's cache (static)."""
+  def _slices(self, stack: int) -> list[tuple[int, int]]:  # each table's rows of the cache
     off = self._slot_off[stack]
     return [(int(off[i]), int(off[i + 1])) for i in range(len(off) - 1)]
 
@@ -254,8 +255,7 @@ class OffloadGroup(base.TableGroup):
     self._steady.adopt()
 
   @property
-  def fast_batches(self) -> int:
-    """Batches planned by the compiled kernel (tests, benchmarks)."""
+  def fast_batches(self) -> int:  # batches planned by the compiled kernel (tests, benchmarks)
     return self._steady.fast_batches
 
   # -- prepare
@@ -335,10 +335,6 @@ class OffloadGroup(base.TableGroup):
           for n, c in zip(names, np.diff(off)):
             share = c / total if total else 1 / len(names)
             self.members[n]._count(padded_rows_h2d=int(c) + (width - total) * share)
-      width, off = entry["now"].shape[1], entry["now_off"]
-      for i, r in enumerate(rows):  # positions in the layout's "now" list (width: absent)
-        pos = r["now_pos"]
-        r["now_pos"] = np.where(pos < off[i + 1] - off[i], pos + off[i], width).astype(np.int32)
       writes.append(self._tier.stage(entry, stack, train, sum(caps), self._list_counters))
       lists.append(entry)
       if train:
@@ -347,9 +343,9 @@ class OffloadGroup(base.TableGroup):
       self._list_counters.add(steps=1, padded_rows_h2d=padded)
       self._tier.plan(writes)
     version = np.array([per[n]["rows"]["version"] for n in self.members], np.int32)
-    return {"batch": self._batch(per), "version": version, "lists": tuple(lists)}
+    return {"batch": self._batch(per, lists), "version": version, "lists": tuple(lists)}
 
-  def _batch(self, per: dict) -> tuple:
+  def _batch(self, per: dict, lists: list) -> tuple:
     """Every table's prepared batch stacked per stack, its slots made the stack's (one
     input leaf per kind for the tables, not one per table: each leaf is a slice of the
     trainer's buffer inside the step, a kernel apiece). Per stack {"bags": {key: {"ids":
@@ -372,21 +368,27 @@ class OffloadGroup(base.TableGroup):
       # unique list's blocks are read in that order (`_optimizer_inputs`).
       for idx in sorted(bags.values(), key=lambda idx: ",".join(map(str, idx))):
         r = [per[names[i]]["rows"] for i in idx]
-        c, f = rows[idx][None, :, None], first[idx][None, :, None]
-        ids = np.stack([x["ids"] for x in r], axis=1)
+        # (np.array of the tables' arrays, [T', B, L], then made batch-major: 7x faster than
+        # np.stack(axis=1) of 26 tables, whose cost is per array)
+        c, f = rows[idx][:, None, None], first[idx][:, None, None]
+        ids = np.array([x["ids"] for x in r])
+        # now_pos: positions in the stack's "now" list (its width: not loaded now)
+        now, off = lists[stack]["now"].shape[1], lists[stack]["now_off"].astype(np.int64)
+        pos, lo, hi = np.array([x["now_pos"] for x in r]), off[idx], off[np.add(idx, 1)]
+        lo, hi = lo[:, None, None], hi[:, None, None]
         bag = {
-          "ids": np.where(ids < c, ids + f, ABSENT).astype(np.int32),
-          "now_pos": np.stack([x["now_pos"] for x in r], axis=1),
+          "ids": _batch_major(np.where(ids < c, ids + f, ABSENT)),
+          "now_pos": _batch_major(np.where(pos < hi - lo, pos + lo, now)),
         }
         if needs_unique:
           size = r[0]["ids"].size  # each table's unique: int32[B * L]
-          start = u_first + size * np.arange(len(idx))[None, :, None]
-          bag["inverse"] = (np.stack([x["inverse"] for x in r], axis=1) + start).astype(np.int32)
-          u = np.stack([x["unique"] for x in r])
-          uniques.append(np.where(u < c[0], u + f[0], ABSENT).astype(np.int32).reshape(-1))
+          start = u_first + size * np.arange(len(idx))[:, None, None]
+          bag["inverse"] = _batch_major(np.array([x["inverse"] for x in r]) + start)
+          u = np.array([x["unique"] for x in r])  # [T', U]
+          uniques.append(np.where(u < c[:, 0], u + f[:, 0], ABSENT).astype(np.int32).reshape(-1))
           u_first += size * len(idx)
         if mean:  # (tables pooled by sum: a count of 1, never read)
-          ones = np.ones(ids.shape[0], np.int32)
+          ones = np.ones(ids.shape[1], np.int32)  # (ids: [T', B, L])
           bag["count"] = np.stack([per[names[i]].get("count", ones) for i in idx], axis=1)
         entry[",".join(map(str, idx))] = bag
       out.append({"bags": entry, **({"unique": np.concatenate(uniques)} if uniques else {})})
