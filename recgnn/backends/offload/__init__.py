@@ -38,7 +38,7 @@ each, as XLA:CPU picks a reduction's order by the array's size), one gather and 
 per array for each exchange, one write-back. The planner still plans each table in its own
 slots; the group makes them the stack's on the host (the
 lists' slots and NEXT_FROM_NOW `OffloadGroup._to_stack`, the batch's ids, unique and
-inverse `OffloadGroup._batch`, one input leaf per kind for the stack: each leaf is a slice of
+inverse `stacked_batch.stack`, one input leaf per kind for the stack: each leaf is a slice of
 the trainer's input buffer, a kernel apiece). Device kernels of a DLRM step, 26 tables
 (benchmarks/memory_tiers.py, XLA:CPU's fusion): 480 with a cache and its kernels per table
 (~11 per table more than `dense`, whose 189 are a gather and an update per table), 97 stacked

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from recgnn import sharding
-from recgnn.backends.offload import cache_plan, call_lists
+from recgnn.backends.offload import cache_plan, call_lists, stacked_batch
 from recgnn.backends.offload import planner as hostplan
 from recgnn.backends.offload.cache_plan import EVICT_SLOTS, LOAD_SLOTS, NEXT_FROM_NOW
 from recgnn.backends.offload.device_step import DeviceStep, bag_tables
@@ -23,10 +23,6 @@ ABSENT = np.iinfo(np.int32).max
 # Padding of a group's exchange lists, per row (EVICT_SLOTS, EVICT_ROWS, LOAD_ROWS,
 # LOAD_SLOTS, NEXT_FROM_NOW): past every table's window, never read as a table's entry.
 FILL = (ABSENT, ABSENT, 0, ABSENT, ABSENT)
-
-
-def _batch_major(x: np.ndarray) -> np.ndarray:  # [T', B, L] -> int32[B, T', L], contiguous
-  return np.ascontiguousarray(x.transpose(1, 0, 2), np.int32)
 
 
 @base.register_backend("offload")
@@ -261,7 +257,7 @@ class OffloadGroup(base.TableGroup):
   # -- prepare
 
   def prepare(self, ids, upcoming=(), *, train=True):
-    """ids {table: int[B, L]} -> {"batch": per stack, every table's batch stacked (`_batch`:
+    """ids {table: int[B, L]} -> {"batch": per stack, every table's batch stacked (`stacked_batch`:
     slots of the stack's cache), "version": int32[T] (each table's plan's, -1: read-only),
     "lists": per stack (`host_tier.layouts(.., by_optimizer=True)`), {"now": int32[4, Wn],
     "now_off": int32[T + 1], "next": int32[5, Wx], "next_off": int32[T + 1]: every table's
@@ -307,7 +303,7 @@ class OffloadGroup(base.TableGroup):
 
   def _lists(self, per: dict, train: bool) -> dict:
     """Move each table's exchanges (exact lengths) into its stack's lists, and its batch into
-    the stack's (`_batch`)."""
+    the stack's (`stacked_batch.stack`)."""
     lists, writes = [], []
     padded = 0
     for stack, names in enumerate(self._stacks):
@@ -343,61 +339,13 @@ class OffloadGroup(base.TableGroup):
       self._list_counters.add(steps=1, padded_rows_h2d=padded)
       self._tier.plan(writes)
     version = np.array([per[n]["rows"]["version"] for n in self.members], np.int32)
-    return {"batch": self._batch(per, lists), "version": version, "lists": tuple(lists)}
-
-  def _batch(self, per: dict, lists: list) -> tuple:
-    """Every table's prepared batch stacked per stack, its slots made the stack's (one
-    input leaf per kind for the tables, not one per table: each leaf is a slice of the
-    trainer's buffer inside the step, a kernel apiece). Per stack {"bags": {key: {"ids":
-    int32[B, T', L] (stack slots, ABSENT: padding), "now_pos": int32[B, T', L] (positions
-    in the stack's "now" list; its length: absent), "inverse": int32[B, T', L] (positions
-    in "unique"; row-wise optimizers), "count": int32[B, T'] (mean pooling in the stack)}},
-    "unique": int32[U] (the tables' distinct slots then ABSENT, table after table; U: the
-    sum of B x L)}: one bag per bag length L, key the indices of its tables in the stack
-    ("0,1,5": static, the step reads the tables off it)."""
-    out = []
-    for stack, names in enumerate(self._stacks):
-      first, rows = self._slot_off[stack], np.diff(self._slot_off[stack])
-      bags: dict[int, list[int]] = {}
-      for i, n in enumerate(names):
-        bags.setdefault(per[n]["rows"]["ids"].shape[1], []).append(i)
-      needs_unique = self.specs[names[0]].optimizer.needs_unique
-      mean = any(self.specs[n].pooling == "mean" for n in names)
-      entry, uniques, u_first = {}, [], 0
-      # In key order: a pytree's dict comes back sorted by key inside the step, where the
-      # unique list's blocks are read in that order (`_optimizer_inputs`).
-      for idx in sorted(bags.values(), key=lambda idx: ",".join(map(str, idx))):
-        r = [per[names[i]]["rows"] for i in idx]
-        # (np.array of the tables' arrays, [T', B, L], then made batch-major: 7x faster than
-        # np.stack(axis=1) of 26 tables, whose cost is per array)
-        c, f = rows[idx][:, None, None], first[idx][:, None, None]
-        ids = np.array([x["ids"] for x in r])
-        # now_pos: positions in the stack's "now" list (its width: not loaded now)
-        now, off = lists[stack]["now"].shape[1], lists[stack]["now_off"].astype(np.int64)
-        pos, lo, hi = np.array([x["now_pos"] for x in r]), off[idx], off[np.add(idx, 1)]
-        lo, hi = lo[:, None, None], hi[:, None, None]
-        bag = {
-          "ids": _batch_major(np.where(ids < c, ids + f, ABSENT)),
-          "now_pos": _batch_major(np.where(pos < hi - lo, pos + lo, now)),
-        }
-        if needs_unique:
-          size = r[0]["ids"].size  # each table's unique: int32[B * L]
-          start = u_first + size * np.arange(len(idx))[:, None, None]
-          bag["inverse"] = _batch_major(np.array([x["inverse"] for x in r]) + start)
-          u = np.array([x["unique"] for x in r])  # [T', U]
-          uniques.append(np.where(u < c[:, 0], u + f[:, 0], ABSENT).astype(np.int32).reshape(-1))
-          u_first += size * len(idx)
-        if mean:  # (tables pooled by sum: a count of 1, never read)
-          ones = np.ones(ids.shape[1], np.int32)  # (ids: [T', B, L])
-          bag["count"] = np.stack([per[names[i]].get("count", ones) for i in idx], axis=1)
-        entry[",".join(map(str, idx))] = bag
-      out.append({"bags": entry, **({"unique": np.concatenate(uniques)} if uniques else {})})
-    return tuple(out)
+    batch = stacked_batch.stack(self._stacks, self._slot_off, self.specs, per, lists, ABSENT)
+    return {"batch": batch, "version": version, "lists": tuple(lists)}
 
   def table_batch(self, prepared: dict, table: str) -> dict[str, np.ndarray]:
     """A prepared batch of one table as `Offload.prepare` planned it: {"ids": int32[B, L]
-    (its own slots, C = padding), "now_pos": int32[B, L], "version": int32[]} (`_batch`
-    undone). Host side (tests, inspection)."""
+    (its own slots, C = padding), "now_pos": int32[B, L], "version": int32[]}
+    (`stacked_batch.stack` undone). Host side (tests, inspection)."""
     stack, i = next(
       (s, names.index(table)) for s, names in enumerate(self._stacks) if table in names
     )
