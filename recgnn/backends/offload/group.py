@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
@@ -267,6 +269,22 @@ class OffloadGroup(base.TableGroup):
     int32[W] ring slots; train: "now_dst" / "next_dst" int32[W], "ring" int32[0, V]}.
     Each table plans as `Offload.prepare` (`table_batch` / `table_exchanges` give its
     part back as it planned it)."""
+    return self.prepare_ahead(ids, upcoming, train=train)()
+
+  @property
+  def splits_prepare(self) -> bool:
+    """Whether `prepare_ahead` leaves the lists and the host reads to its second half (not
+    at the SSD level, whose read-ahead reads the planners' state after the batch's plan)."""
+    return not self._tier.disk
+
+  def prepare_ahead(self, ids, upcoming=(), *, train=True):
+    """`prepare` in two halves, each called in stream order (`recgnn.train.plan_ahead`: the
+    first on the trainer's planning thread, the second on its input thread): the planning
+    of every table (the planners' state) now; -> a callable making the rest, the lists and
+    the host tier's part (`_lists`: its ring and its waits for write-backs, run ahead of the
+    steps by the input thread's run-ahead, as before). The second half reads only what its
+    first half returned, never the planners' state, so the planning of later batches may
+    run meanwhile (the SSD level: all of it now, `splits_prepare`)."""
     per = None
     if train and self._steady.ready and hostplan.enabled():
       per = self._steady.plan(ids, list(upcoming))
@@ -274,10 +292,12 @@ class OffloadGroup(base.TableGroup):
       if train:
         self._steady.forget()
       per = super().prepare(ids, upcoming, train=train)
+    if self.splits_prepare:
+      return functools.partial(self._lists, per, train)
     out = self._lists(per, train)
     if train:  # (the SSD level: the window's rows read ahead into the host cache)
       self._tier.read_ahead(upcoming, {n: m._planner for n, m in self.members.items()})
-    return out
+    return lambda: out
 
   # -- one exchange list per stack (row layout and optimizer)
 
