@@ -17,7 +17,10 @@ no host computation and no host array inside the step; recgnn/embeddings/host_ti
                              transfer, ahead of the step. A row whose write-back may still be
                              in flight (evicted by a step that has not run yet or whose rows
                              have not reached the host) is taken from the device ring of
-                             recent write-backs instead (`host_tier.Recent`).
+                             recent write-backs instead (`host_tier.Recent`). In the
+                             trainer the planning runs on a thread of its own, up to 2
+                             batches ahead of the reads (`prepare_ahead`, recgnn.train.
+                             plan_ahead); the reads, the ring and their waits stay here.
   step k, lookup             gathers batch k from the cache ("now" rows from the loaded ones).
   step k, update             "now" victims read from the cache, their slots take the loaded
                              rows; the row-wise optimizer on batch k's slots; "next" victims
