@@ -548,6 +548,81 @@ def test_compiled_planner_equals_numpy_planner(policy, opt, monkeypatch):
     assert s == {**slow_stats, **{k: v for k, v in s.items() if "plan_ms" in k}}
 
 
+def _random_stream(seed, text, compiled, monkeypatch):
+  """Every prepared pytree of a 4-table group over a random stream made to hit the recency
+  log's edge cases: ids from few rows (repeats, many equal recency times), a table smaller
+  than its cache (wholly cached, free slots left), one whose batches nearly fill its cache
+  (the window does not fit: needed rows evicted), all-padding (empty) batches, an eval pass,
+  and a restore (the log rebuilt from a state's slot map, every recency time equal)."""
+  from recgnn.backends.offload import planner as hostplan
+  from recgnn.train import inputs
+
+  rng = np.random.default_rng(seed)
+  sizes = (40, 400, 3000, 200)  # t0: fewer rows than the cache; t3: batches near its size
+  specs = [
+    base.TableSpec(name=f"t{i}", num_rows=n, dim=4, optimizer=ADAGRAD) for i, n in enumerate(sizes)
+  ]
+  group = planner.make_group(text, specs)
+  state = group.init(jax.random.key(0))
+  monkeypatch.setattr(hostplan, "enabled", lambda: compiled)
+  plan = planner.Plan({"g": group}, {sp.name: "g" for sp in specs}, group.mesh)
+
+  def batch(k):
+    ids = {}
+    for i, n in enumerate(sizes):
+      hi = n if i != 1 else int(rng.integers(20, n))  # t1: a drifting hot set
+      x = rng.integers(0, hi, size=(48, 1)).astype(np.int32)
+      if i == 3:
+        x = rng.permutation(n)[:60].reshape(60, 1)[:48].astype(np.int32)
+      if k % 7 == 3:
+        x[:] = -1  # an empty batch of this table
+      ids[f"t{i}"] = x
+    return {"ids": ids}
+
+  out = []
+  for part in range(2):
+    stream = [("train", None, batch(k)) for k in range(14)]
+    stream[6:6] = [("eval", "valid", batch(0)), ("eval_end", "valid", None)]
+    for x in inputs.prepare_stream(plan, stream):
+      if x.prepared is not None:
+        out.append(x.prepared)
+        if x.kind == "train":
+          contract.planned_only(group, x.prepared["g"])
+    if part == 0:  # a restore: bookkeeping from a slot map (the planners'; times all lost)
+      group._tier.drain()
+      members = group.members.values()
+      slot_rows = [np.where(m._planner.slot_row >= 0, m._planner.slot_row, m.spec.num_rows)
+                   for m in members]  # fmt: skip
+      version = np.array([m._planner.version for m in members], np.int32)
+      assert len(group._stacks) == 1 and (np.concatenate(slot_rows) < 3000).sum() > 100
+      state = dict(state, slot_rows=(jnp.asarray(np.concatenate(slot_rows), jnp.int32),),
+                   version=jnp.asarray(version))  # fmt: skip
+      group.restore(state)
+  return out, group
+
+
+@pytest.mark.parametrize("policy", offload.POLICIES)
+@pytest.mark.parametrize("seed", range(3))
+def test_compiled_planner_equals_numpy_planner_on_random_streams(seed, policy, monkeypatch):
+  """The kernel's recency log (victims in O(misses + window)) picks the numpy planner's
+  victims on streams with its edge cases (`_random_stream`): every prepared array equal."""
+  from recgnn.backends.offload import planner as hostplan
+
+  if not hostplan.AVAILABLE:
+    pytest.skip("numba not installed")
+  text = f"offload(cache_rows=64, policy={policy}, lookahead=4)"
+  want, _ = _random_stream(seed, text, False, monkeypatch)
+  got, fast = _random_stream(seed, text, True, monkeypatch)
+  assert fast.fast_batches >= 16
+  assert len(got) == len(want)
+  for k, (a, b) in enumerate(zip(want, got)):
+    for (path, x), (_, y) in zip(jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)):
+      np.testing.assert_array_equal(
+        np.asarray(x), np.asarray(y), err_msg=f"batch {k} {jax.tree_util.keystr(path)}"
+      )
+  assert fast.stats()["t3/d2h_rows_per_step"] > 0, "t3 never evicted: test too easy"
+
+
 def test_compiled_planner_runs_in_the_contract(monkeypatch):
   """The bit-equality to dense above runs the compiled planner (not only the numpy one)."""
   from recgnn.backends.offload import planner as hostplan

@@ -50,6 +50,12 @@ def _numpy_put(dst: np.ndarray, rows: np.ndarray, values: np.ndarray, pos: np.nd
   dst[rows] = values[pos]
 
 
+def _numpy_take_tables(srcs: tuple, tabs: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+  for t in np.unique(tabs):
+    at = tabs == t
+    out[at] = srcs[t][rows[at]]
+
+
 # The row copies run on the input thread (reads) and the writer thread (writes), beside the
 # thread that launches steps: compiled without the GIL (numba, nogil) they do not hold it
 # against that thread (numpy's fancy indexing does, for the whole copy). numpy where numba
@@ -67,6 +73,13 @@ try:
     for i in range(rows.shape[0]):
       dst[rows[i], :] = values[pos[i], :]
 
+  @njit(nogil=True, cache=True)
+  def _take_tables(srcs, tabs, rows, out):  # pragma: no cover (compiled)
+    """out[i] = srcs[tabs[i]][rows[i]]: one call for the rows of every table (srcs: a
+    tuple of the tables' [S, ...] arrays, 2-d), not one per table."""
+    for i in range(rows.shape[0]):
+      out[i, :] = srcs[tabs[i]][rows[i], :]
+
   def _take(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     """out[i] = src[rows[i]] (rows in range), without the GIL."""
     _take_2d(src.reshape(src.shape[0], -1), rows.astype(np.int64, copy=False),
@@ -78,7 +91,7 @@ try:
             values.reshape(values.shape[0], -1), pos.astype(np.int64, copy=False))  # fmt: skip
 
 except ImportError:  # pragma: no cover
-  _take, _put = _numpy_take, _numpy_put
+  _take, _put, _take_tables = _numpy_take, _numpy_put, _numpy_take_tables
 
 # How long `Writer.wait` waits for a write-back before it calls the order broken: a step's
 # write-back arrives once that step ran (the trainer's main thread may first compile it), so
@@ -179,12 +192,19 @@ class HostRows:
     self.owner = owner
     self.arrays: list[dict[str, np.ndarray]] = []
     self.writer = Writer(owner)
+    self._by_key: dict | None = None
     self.write_seconds = 0.0  # the writer's copies to the host and scatters (not its waits)
 
   def set(self, arrays: list[dict[str, np.ndarray]]) -> None:
     """Own these arrays (after any write-back in flight has landed)."""
     self.writer.drain()
     self.arrays = [{k: np.ascontiguousarray(v) for k, v in a.items()} for a in arrays]
+    # Per array name, every table's array as 2-d (rows first), for `gather`'s one call.
+    self._by_key = (
+      {k: tuple(a[k].reshape(a[k].shape[0], -1) for a in self.arrays) for k in self.arrays[0]}
+      if self.arrays and all(a.keys() == self.arrays[0].keys() for a in self.arrays)
+      else None
+    )
 
   def loaded(self) -> bool:
     """Whether tables were set (an example batch prepared before init reads none)."""
@@ -204,6 +224,15 @@ class HostRows:
     another, then zeros. O(width) (the rows a list carries, never a table's)."""
     first = self.arrays[segments[0][0]] if segments else self.arrays[0]
     out = {k: np.zeros((width,) + v.shape[1:], v.dtype) for k, v in first.items()}
+    if self._by_key is not None and len(segments) > 1:  # every table in one call per array
+      tabs = np.repeat(np.array([t for t, _ in segments], np.int64),
+                       [r.shape[0] for _, r in segments])  # fmt: skip
+      rows = np.concatenate([r for _, r in segments]).astype(np.int64, copy=False)
+      n = rows.shape[0]
+      for k, v in out.items():
+        if n:
+          _take_tables(self._by_key[k], tabs, rows, v[:n].reshape(n, -1))
+      return out
     at = 0
     for t, rows in segments:
       n = rows.shape[0]

@@ -41,19 +41,42 @@ class Prepared:
   prepared: dict[str, PyTree] | None  # {group key: the group's prepared pytree}
 
 
-def prepare_one(plan: planner.Plan, batch: dict, upcoming: list[dict], train: bool) -> dict:
-  """Every group's `prepare` for one batch. upcoming: the next train batches' ids dicts."""
+def halves(group, ids: dict, upcoming: list[dict], train: bool) -> Callable[[], PyTree]:
+  """A group's `prepare` as two halves, each run in stream order: its first now (the
+  group's `prepare_ahead` where it has one: offload's planning), -> the second, a callable
+  making the prepared pytree (the whole of `prepare` now for the other groups)."""
+  ahead = getattr(group, "prepare_ahead", None)
+  if ahead is not None:
+    return ahead(ids, upcoming, train=train)
+  out = group.prepare(ids, upcoming, train=train)
+  return lambda: out
+
+
+def plan_one(plan: planner.Plan, batch: dict, upcoming: list[dict], train: bool) -> dict:
+  """Every group's first half of `prepare` for one batch (`halves`) -> {group key: its
+  second half}. upcoming: the next train batches' ids dicts."""
   out = {}
   for key, group in plan.groups.items():
     ids = {t: batch["ids"][t] for t in group.specs}
     ahead = [{t: u[t] for t in group.specs} for u in upcoming[: group.lookahead]]
-    out[key] = group.prepare(ids, ahead, train=train)
+    out[key] = halves(group, ids, ahead, train)
   return out
 
 
-def prepare_stream(plan: planner.Plan, stream: Iterable[tuple[str, str | None, Any]]) -> Iterator:
-  """(kind, split, batch) items -> `Prepared` items, prepared in order with the look-ahead
-  window (the ids of the next `plan.lookahead` train batches of the stream)."""
+def finish(second: dict | None) -> dict | None:
+  """`plan_one`'s second halves run: {group key: the group's prepared pytree}."""
+  return None if second is None else {key: f() for key, f in second.items()}
+
+
+def prepare_one(plan: planner.Plan, batch: dict, upcoming: list[dict], train: bool) -> dict:
+  """Every group's `prepare` for one batch. upcoming: the next train batches' ids dicts."""
+  return finish(plan_one(plan, batch, upcoming, train))
+
+
+def plan_stream(plan: planner.Plan, stream: Iterable[tuple[str, str | None, Any]]) -> Iterator:
+  """(kind, split, batch) items -> (kind, split, batch, second halves or None), the first
+  halves of every group's `prepare` run in order with the look-ahead window (the ids of the
+  next `plan.lookahead` train batches of the stream; `plan_one`)."""
   window: collections.deque = collections.deque()
   it = iter(stream)
   exhausted = False
@@ -70,11 +93,19 @@ def prepare_stream(plan: planner.Plan, stream: Iterable[tuple[str, str | None, A
   while window:
     kind, split, batch = window.popleft()
     refill()
-    prepared = None
+    second = None
     if batch is not None:
       upcoming = [w[2]["ids"] for w in window if w[0] == "train"]
-      prepared = prepare_one(plan, batch, upcoming, train=kind == "train")
-    yield Prepared(kind, split, batch, prepared)
+      second = plan_one(plan, batch, upcoming, train=kind == "train")
+    yield kind, split, batch, second
+
+
+def prepare_stream(plan: planner.Plan, stream: Iterable[tuple[str, str | None, Any]]) -> Iterator:
+  """(kind, split, batch) items -> `Prepared` items, prepared in order with the look-ahead
+  window (`plan_stream`, each batch's second halves run before the next batch's first;
+  `recgnn.train.plan_ahead` runs the first halves on a thread of their own)."""
+  for kind, split, batch, second in plan_stream(plan, stream):
+    yield Prepared(kind, split, batch, finish(second))
 
 
 def stack_call(plan: planner.Plan, prepared: list[dict]) -> list[dict]:

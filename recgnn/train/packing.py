@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from recgnn import planner
-from recgnn.train import inputs
+from recgnn.train import inputs, plan_ahead
 from recgnn.train import step as step_lib
 from recgnn.train.task import Task
 
@@ -34,7 +34,8 @@ class Item:
 
 class Packing:
   """(kind, split, batch) items -> `Item`s with packed host buffers, in order. busy_seconds:
-  wall time spent here (prepare, pack, stack, and the reads the look-ahead pulls); batches:
+  wall time spent here (prepare, pack, stack, and the reads the look-ahead pulls; with a
+  planning thread, `plan_ahead`, its work only as far as this thread waits for it); batches:
   batches packed. scale: examples counted per example of a batch (a process-local batch is
   1 / processes of the global one; samples/s counts global examples)."""
 
@@ -54,7 +55,9 @@ class Packing:
     self.alloc: inputs.Alloc | None = None
 
   def __iter__(self):
-    prepared = inputs.prepare_stream(self._plan, self._items)
+    # (the planning stage on a thread of its own where the plan's groups allow it: plan_ahead)
+    stream = plan_ahead.prepare_stream if plan_ahead.splits(self._plan) else inputs.prepare_stream
+    prepared = stream(self._plan, self._items)
     per_call = self._task.batches_per_call
     call: list = []  # train batches of the call being gathered (per_call > 1)
     while True:

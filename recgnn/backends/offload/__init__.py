@@ -17,7 +17,10 @@ no host computation and no host array inside the step; recgnn/embeddings/host_ti
                              transfer, ahead of the step. A row whose write-back may still be
                              in flight (evicted by a step that has not run yet or whose rows
                              have not reached the host) is taken from the device ring of
-                             recent write-backs instead (`host_tier.Recent`).
+                             recent write-backs instead (`host_tier.Recent`). In the
+                             trainer the planning runs on a thread of its own, up to 2
+                             batches ahead of the reads (`prepare_ahead`, recgnn.train.
+                             plan_ahead); the reads, the ring and their waits stay here.
   step k, lookup             gathers batch k from the cache ("now" rows from the loaded ones).
   step k, update             "now" victims read from the cache, their slots take the loaded
                              rows; the row-wise optimizer on batch k's slots; "next" victims
@@ -38,7 +41,7 @@ each, as XLA:CPU picks a reduction's order by the array's size), one gather and 
 per array for each exchange, one write-back. The planner still plans each table in its own
 slots; the group makes them the stack's on the host (the
 lists' slots and NEXT_FROM_NOW `OffloadGroup._to_stack`, the batch's ids, unique and
-inverse `OffloadGroup._batch`, one input leaf per kind for the stack: each leaf is a slice of
+inverse `stacked_batch.stack`, one input leaf per kind for the stack: each leaf is a slice of
 the trainer's input buffer, a kernel apiece). Device kernels of a DLRM step, 26 tables
 (benchmarks/memory_tiers.py, XLA:CPU's fusion): 480 with a cache and its kernels per table
 (~11 per table more than `dense`, whose 189 are a gather and an update per table), 97 stacked

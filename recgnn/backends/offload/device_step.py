@@ -29,7 +29,7 @@ def _rows_mask(mask: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def bag_tables(key: str) -> list[int]:
-  """A bag's tables (indices in the stack) from its key (`OffloadGroup._batch`)."""
+  """A bag's tables (indices in the stack) from its key (`stacked_batch.stack`)."""
   return [int(i) for i in key.split(",")]
 
 

@@ -38,8 +38,11 @@ class SteadyPlanner:
     return self._flat is not None
 
   def forget(self) -> None:
-    """The numpy planners admit (or not) the next batch themselves."""
+    """The numpy planners admit (or not) the next batch themselves (their admissions do
+    not keep the kernel's recency logs: rebuilt by its next call)."""
     self._admitted = None
+    if self._flat is not None:
+      self._flat["log_ok"][:] = 0
 
   def adopt(self) -> None:
     """New bookkeeping (init / restore): the members' planners' arrays made slices of flat
@@ -66,6 +69,22 @@ class SteadyPlanner:
       if lfu:
         p.freq = p.lfu._dense = flat["freq"][r]
     self._flat = dict(flat, row_off=row_off, slot_off=slot_off)
+    # The recency log of each table and the kernel's scratch (`planner.plan_step`), rebuilt
+    # from the state by the kernel's first call (log_ok 0).
+    t, c = len(ps), int(slot_off[-1])
+    self._flat.update(
+      log_off=hostplan.LOG_PER_SLOT * slot_off,
+      log_slot=np.empty(hostplan.LOG_PER_SLOT * c, np.int64),
+      log_time=np.empty(hostplan.LOG_PER_SLOT * c, np.int64),
+      log_head=np.zeros(t, np.int64),
+      log_tail=np.zeros(t, np.int64),
+      log_ok=np.zeros(t, np.uint8),
+      nfree=np.zeros(t, np.int64),
+      free_lo=np.zeros(t, np.int64),
+      mark=np.full(c, -1, np.int64),
+      grp=np.empty(c, np.int64),
+      pos=np.empty(c, np.int32),
+    )
     self._flat["num_rows"] = np.array([p.num_rows for p in ps], np.int64)
     self._flat["evict_pad"] = np.array([base.aligned_rows(p.num_rows) for p in ps], np.int64)
 
@@ -178,7 +197,9 @@ class SteadyPlanner:
     hostplan.over_tables(
       hostplan.plan_step, len(members), ring["ids"], ring["rows"], ring["n"], id_off, cur,
       ahead, win, f["row_off"], f["slot_off"], f["row_slot"], f["slot_row"], f["last_used"],
-      f["dirty"], f["freq"], f["evict_pad"], t_now, policy, unique, out, out_off, cap, stats,
+      f["dirty"], f["freq"], f["log_off"], f["log_slot"], f["log_time"], f["log_head"],
+      f["log_tail"], f["log_ok"], f["nfree"], f["free_lo"], f["mark"], f["grp"], f["pos"],
+      f["evict_pad"], t_now, policy, unique, out, out_off, cap, stats,
     )  # fmt: skip
     admitted = ring["ids"][ahead].copy()
     self._admitted = tuple(window[0][n] for n in self.members)

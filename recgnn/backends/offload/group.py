@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
 from recgnn import sharding
-from recgnn.backends.offload import cache_plan, call_lists
+from recgnn.backends.offload import cache_plan, call_lists, stacked_batch
 from recgnn.backends.offload import planner as hostplan
 from recgnn.backends.offload.cache_plan import EVICT_SLOTS, LOAD_SLOTS, NEXT_FROM_NOW
 from recgnn.backends.offload.device_step import DeviceStep, bag_tables
@@ -57,15 +59,13 @@ class OffloadGroup(base.TableGroup):
       np.cumsum([0] + [self.members[n].cache_rows for n in names]).astype(np.int64)
       for names in self._stacks
     ]
-    # The compiled steady-state planner (`SteadyPlanner`) and the device step (`DeviceStep`).
     self._steady = SteadyPlanner(self.members, self.lookahead)
     self._step = DeviceStep(self._stacks, self.specs, self.mesh)
     self._syncer = host_cache.StaleCheck(f"offload (tables {', '.join(self.members)})", "cache")
     self._sizers = []
     self.list_widths: set[tuple[int, int]] = set()  # (now, next) lengths of train steps
     self._list_counters = host_cache.Counters()
-    # The host tier: the tables' rows in host RAM, what each step loads and writes back, and
-    # the device ring's bookkeeping (`HostSide`, recgnn.embeddings.host_tier).
+    # The host tier: the tables' rows in host RAM, what each step loads and writes back.
     self._tier = HostSide(
       f"offload (tables {', '.join(self.members)})",
       self._stacks,
@@ -166,8 +166,7 @@ class OffloadGroup(base.TableGroup):
     self._adopt()
     return state
 
-  def _slices(self, stack: int) -> list[tuple[int, int]]:
-    """Each table's rows [a, b) of its stack's cache (static)."""
+  def _slices(self, stack: int) -> list[tuple[int, int]]:  # each table's rows of the cache
     off = self._slot_off[stack]
     return [(int(off[i]), int(off[i + 1])) for i in range(len(off) - 1)]
 
@@ -254,14 +253,13 @@ class OffloadGroup(base.TableGroup):
     self._steady.adopt()
 
   @property
-  def fast_batches(self) -> int:
-    """Batches planned by the compiled kernel (tests, benchmarks)."""
+  def fast_batches(self) -> int:  # batches planned by the compiled kernel (tests, benchmarks)
     return self._steady.fast_batches
 
   # -- prepare
 
   def prepare(self, ids, upcoming=(), *, train=True):
-    """ids {table: int[B, L]} -> {"batch": per stack, every table's batch stacked (`_batch`:
+    """ids {table: int[B, L]} -> {"batch": per stack, every table's batch stacked (`stacked_batch`:
     slots of the stack's cache), "version": int32[T] (each table's plan's, -1: read-only),
     "lists": per stack (`host_tier.layouts(.., by_optimizer=True)`), {"now": int32[4, Wn],
     "now_off": int32[T + 1], "next": int32[5, Wx], "next_off": int32[T + 1]: every table's
@@ -271,6 +269,22 @@ class OffloadGroup(base.TableGroup):
     int32[W] ring slots; train: "now_dst" / "next_dst" int32[W], "ring" int32[0, V]}.
     Each table plans as `Offload.prepare` (`table_batch` / `table_exchanges` give its
     part back as it planned it)."""
+    return self.prepare_ahead(ids, upcoming, train=train)()
+
+  @property
+  def splits_prepare(self) -> bool:
+    """Whether `prepare_ahead` leaves the lists and the host reads to its second half (not
+    at the SSD level, whose read-ahead reads the planners' state after the batch's plan)."""
+    return not self._tier.disk
+
+  def prepare_ahead(self, ids, upcoming=(), *, train=True):
+    """`prepare` in two halves, each called in stream order (`recgnn.train.plan_ahead`: the
+    first on the trainer's planning thread, the second on its input thread): the planning
+    of every table (the planners' state) now; -> a callable making the rest, the lists and
+    the host tier's part (`_lists`: its ring and its waits for write-backs, run ahead of the
+    steps by the input thread's run-ahead, as before). The second half reads only what its
+    first half returned, never the planners' state, so the planning of later batches may
+    run meanwhile (the SSD level: all of it now, `splits_prepare`)."""
     per = None
     if train and self._steady.ready and hostplan.enabled():
       per = self._steady.plan(ids, list(upcoming))
@@ -278,10 +292,12 @@ class OffloadGroup(base.TableGroup):
       if train:
         self._steady.forget()
       per = super().prepare(ids, upcoming, train=train)
+    if self.splits_prepare:
+      return functools.partial(self._lists, per, train)
     out = self._lists(per, train)
     if train:  # (the SSD level: the window's rows read ahead into the host cache)
       self._tier.read_ahead(upcoming, {n: m._planner for n, m in self.members.items()})
-    return out
+    return lambda: out
 
   # -- one exchange list per stack (row layout and optimizer)
 
@@ -307,7 +323,7 @@ class OffloadGroup(base.TableGroup):
 
   def _lists(self, per: dict, train: bool) -> dict:
     """Move each table's exchanges (exact lengths) into its stack's lists, and its batch into
-    the stack's (`_batch`)."""
+    the stack's (`stacked_batch.stack`)."""
     lists, writes = [], []
     padded = 0
     for stack, names in enumerate(self._stacks):
@@ -335,10 +351,6 @@ class OffloadGroup(base.TableGroup):
           for n, c in zip(names, np.diff(off)):
             share = c / total if total else 1 / len(names)
             self.members[n]._count(padded_rows_h2d=int(c) + (width - total) * share)
-      width, off = entry["now"].shape[1], entry["now_off"]
-      for i, r in enumerate(rows):  # positions in the layout's "now" list (width: absent)
-        pos = r["now_pos"]
-        r["now_pos"] = np.where(pos < off[i + 1] - off[i], pos + off[i], width).astype(np.int32)
       writes.append(self._tier.stage(entry, stack, train, sum(caps), self._list_counters))
       lists.append(entry)
       if train:
@@ -347,55 +359,13 @@ class OffloadGroup(base.TableGroup):
       self._list_counters.add(steps=1, padded_rows_h2d=padded)
       self._tier.plan(writes)
     version = np.array([per[n]["rows"]["version"] for n in self.members], np.int32)
-    return {"batch": self._batch(per), "version": version, "lists": tuple(lists)}
-
-  def _batch(self, per: dict) -> tuple:
-    """Every table's prepared batch stacked per stack, its slots made the stack's (one
-    input leaf per kind for the tables, not one per table: each leaf is a slice of the
-    trainer's buffer inside the step, a kernel apiece). Per stack {"bags": {key: {"ids":
-    int32[B, T', L] (stack slots, ABSENT: padding), "now_pos": int32[B, T', L] (positions
-    in the stack's "now" list; its length: absent), "inverse": int32[B, T', L] (positions
-    in "unique"; row-wise optimizers), "count": int32[B, T'] (mean pooling in the stack)}},
-    "unique": int32[U] (the tables' distinct slots then ABSENT, table after table; U: the
-    sum of B x L)}: one bag per bag length L, key the indices of its tables in the stack
-    ("0,1,5": static, the step reads the tables off it)."""
-    out = []
-    for stack, names in enumerate(self._stacks):
-      first, rows = self._slot_off[stack], np.diff(self._slot_off[stack])
-      bags: dict[int, list[int]] = {}
-      for i, n in enumerate(names):
-        bags.setdefault(per[n]["rows"]["ids"].shape[1], []).append(i)
-      needs_unique = self.specs[names[0]].optimizer.needs_unique
-      mean = any(self.specs[n].pooling == "mean" for n in names)
-      entry, uniques, u_first = {}, [], 0
-      # In key order: a pytree's dict comes back sorted by key inside the step, where the
-      # unique list's blocks are read in that order (`_optimizer_inputs`).
-      for idx in sorted(bags.values(), key=lambda idx: ",".join(map(str, idx))):
-        r = [per[names[i]]["rows"] for i in idx]
-        c, f = rows[idx][None, :, None], first[idx][None, :, None]
-        ids = np.stack([x["ids"] for x in r], axis=1)
-        bag = {
-          "ids": np.where(ids < c, ids + f, ABSENT).astype(np.int32),
-          "now_pos": np.stack([x["now_pos"] for x in r], axis=1),
-        }
-        if needs_unique:
-          size = r[0]["ids"].size  # each table's unique: int32[B * L]
-          start = u_first + size * np.arange(len(idx))[None, :, None]
-          bag["inverse"] = (np.stack([x["inverse"] for x in r], axis=1) + start).astype(np.int32)
-          u = np.stack([x["unique"] for x in r])
-          uniques.append(np.where(u < c[0], u + f[0], ABSENT).astype(np.int32).reshape(-1))
-          u_first += size * len(idx)
-        if mean:  # (tables pooled by sum: a count of 1, never read)
-          ones = np.ones(ids.shape[0], np.int32)
-          bag["count"] = np.stack([per[names[i]].get("count", ones) for i in idx], axis=1)
-        entry[",".join(map(str, idx))] = bag
-      out.append({"bags": entry, **({"unique": np.concatenate(uniques)} if uniques else {})})
-    return tuple(out)
+    batch = stacked_batch.stack(self._stacks, self._slot_off, self.specs, per, lists, ABSENT)
+    return {"batch": batch, "version": version, "lists": tuple(lists)}
 
   def table_batch(self, prepared: dict, table: str) -> dict[str, np.ndarray]:
     """A prepared batch of one table as `Offload.prepare` planned it: {"ids": int32[B, L]
-    (its own slots, C = padding), "now_pos": int32[B, L], "version": int32[]} (`_batch`
-    undone). Host side (tests, inspection)."""
+    (its own slots, C = padding), "now_pos": int32[B, L], "version": int32[]}
+    (`stacked_batch.stack` undone). Host side (tests, inspection)."""
     stack, i = next(
       (s, names.index(table)) for s, names in enumerate(self._stacks) if table in names
     )

@@ -127,8 +127,8 @@ class HostSide:
     the host tier, rows, positions in the list)], for the writer (`plan`, `hand_over`)."""
     names = self.stacks[stack]
     tabs = [self.index[n] for n in names]
-    num_rows = np.array([self.specs[n].num_rows for n in names], np.int64)
     first_row = self.row_base[stack]
+    num_rows = np.diff(first_row)
     recent = self.recent[stack] if self.recent else None
     if train:
       if recent.size == 0:
@@ -139,20 +139,20 @@ class HostSide:
     for kind in kinds:  # where each load comes from, before this step writes back anything
       lst, off = entry[kind], entry[f"{kind}_off"]
       n = int(off[-1])
-      tab = np.repeat(np.arange(len(off) - 1), np.diff(off))
+      tab = np.repeat(np.arange(len(off) - 1), np.diff(off))  # each entry's table
       rows = lst[LOAD_ROWS, :n].astype(np.int64)
       src = np.full(lst.shape[1], host_tier.ABSENT, np.int32)
       if recent is not None and n:
         src[:n], k_need = recent.sources(first_row[tab] + rows)
         need = max(need, k_need)
-      segs[kind] = (rows, src, off)
+      segs[kind] = (rows, src, off, tab)
     if need:  # a host read of a row written back by a step that may still be in flight
       if recent is not None:
         recent.check_in_call(need, self.owner)
       self.rows.writer.wait(self.written + need, f" after {self.written} before")
     spec = self.specs[names[0]]
     for kind in kinds:
-      rows, src, off = segs[kind]
+      rows, src, off, _ = segs[kind]
       width = entry[kind].shape[1]
       if self.rows.loaded():
         got = self.rows.gather(
@@ -161,27 +161,29 @@ class HostSide:
       else:  # (an example batch prepared before init: shapes only)
         got = {"table": np.zeros((width, spec.dim), np.float32)}
         got.update({k: np.zeros(width, np.float32) for k in spec.optimizer.slot_names()})
-      held = src != host_tier.ABSENT
-      if held.any():  # (the ring's value wins; the host's may be mid-write: not shipped)
+      held = np.flatnonzero(src != host_tier.ABSENT)
+      if held.shape[0]:  # (the ring's value wins; the host's may be mid-write: not shipped)
         for v in got.values():
           v[held] = 0
       entry[f"{kind}_rows"], entry[f"{kind}_src"] = got, src
       if train:
-        counters.add(ring_rows=int(held.sum()))
+        counters.add(ring_rows=int(held.shape[0]))
     if not train:
       return None
     writes = {}
     for kind in kinds:  # ring slots of this step's write-backs, "now"'s then "next"'s
-      lst, off = entry[kind], entry[f"{kind}_off"]
+      lst, off, tab = entry[kind], segs[kind][2], segs[kind][3]
       n = int(off[-1])
-      tab = np.repeat(np.arange(len(off) - 1), np.diff(off))
       evicted = lst[EVICT_ROWS, :n].astype(np.int64)
       pos = np.flatnonzero(evicted < num_rows[tab])  # (padding: past the table)
       dst = np.full(lst.shape[1], host_tier.ABSENT, np.int32)
       dst[pos] = recent.assign(first_row[tab[pos]] + evicted[pos])
       entry[f"{kind}_dst"] = dst
+      # Per table its entries (pos is ascending, so its tables are too): slices, no masks.
+      cut = np.searchsorted(tab[pos], np.arange(len(tabs) + 1))
+      rows = evicted[pos]
       writes[kind] = [
-        (tabs[i], evicted[pos[tab[pos] == i]], pos[tab[pos] == i]) for i in range(len(tabs))
+        (tabs[i], rows[cut[i] : cut[i + 1]], pos[cut[i] : cut[i + 1]]) for i in range(len(tabs))
       ]
     recent.end_step()
     return writes

@@ -117,12 +117,121 @@ def distinct(ids, sorted_ids, id_off, num_rows, rows, count, bad, t_lo, t_hi):
     count[t] = k
 
 
+# -- the recency log: victims in O(misses + window), not O(C)
+#
+# Victim selection over every slot's key (numpy's `Planner.admit`: `smallest` over C keys) cost
+# O(C) per table per batch: ~3.8 ms of a cdlrm_kaggle batch (13 tables evicting, 130k slots).
+# For lru and lookahead, the victims are the least recently used slots that the policy does not
+# keep (not needed within the window, not hits of the admitted batch), ties to the smaller slot.
+# Each table keeps a log of (slot, time) entries appended in time order whenever a slot's
+# last_used changes (times only grow), so the least recently used slots are at its head: an
+# entry is current while last_used[slot] == its time (every occupied slot has exactly one
+# current entry). A selection reads the log from its head by groups of one time (a group's
+# candidates taken whole, or the smallest slots of the last one: the `smallest` order), drops
+# the stale and taken entries it read, and keeps the skipped ones in order. Free slots are
+# counted (`nfree`) and found from a cursor (slots only become free at init / restore).
+# The numpy planner's admissions (first batch, after eval, ...) do not keep the log: the
+# group's `SteadyPlanner` marks it invalid, and the kernel rebuilds it from the state.
+
+LOG_PER_SLOT = 4  # log entries per cache slot (compacted in place when full)
+
+
+@_jit()
+def _log_rebuild(so, lo, c, slot_row, last_used, log_slot, log_time):
+  """The log of one table from its state: every occupied slot by (last_used, slot).
+  -> (entries, free slots, first free slot)."""
+  occ = 0
+  for s in range(c):
+    if slot_row[so + s] >= 0:
+      occ += 1
+  slots = np.empty(occ, np.int64)
+  times = np.empty(occ, np.int64)
+  k = 0
+  first_free = c
+  for s in range(c):
+    if slot_row[so + s] >= 0:
+      slots[k] = s
+      times[k] = last_used[so + s]
+      k += 1
+    elif first_free == c:
+      first_free = s
+  order = np.argsort(times, kind="mergesort")  # stable: ties stay in slot order
+  for j in range(occ):
+    log_slot[lo + j] = slots[order[j]]
+    log_time[lo + j] = times[order[j]]
+  return occ, c - occ, first_free
+
+
+@_jit()
+def _log_compact(so, lo, head, tail, slot_row, last_used, log_slot, log_time):
+  """The current entries of log [head, tail) moved to its start, in order. -> their count."""
+  w = 0
+  for i in range(head, tail):
+    s = log_slot[lo + i]
+    tm = log_time[lo + i]
+    if slot_row[so + s] >= 0 and last_used[so + s] == tm:
+      log_slot[lo + w] = s
+      log_time[lo + w] = tm
+      w += 1
+  return w
+
+
+@_jit()
+def _log_victims(
+  so, lo, head, tail, k, slot_row, last_used, mark, log_slot, log_time, grp, vic, nv
+):
+  """The k least recently used slots whose mark is -1 (not kept by the policy), ties to the
+  smaller slot, appended to vic[nv:]; the log's entries read are dropped (stale, taken) or
+  kept in order. grp: scratch (the table's slots). -> (the new head, how many taken)."""
+  got = 0
+  kept = 0  # kept entries, written at [head, head + kept) over the entries read
+  i = head
+  while i < tail and got < k:
+    tm = log_time[lo + i]
+    j = i
+    g = 0
+    while j < tail and log_time[lo + j] == tm:  # one group: candidates into grp
+      s = log_slot[lo + j]
+      if slot_row[so + s] >= 0 and last_used[so + s] == tm:
+        if mark[so + s] == -1:
+          grp[so + g] = s
+          g += 1
+        else:  # kept by the policy: stays in the log
+          log_slot[lo + head + kept] = s
+          log_time[lo + head + kept] = tm
+          kept += 1
+      j += 1
+    if got + g > k:  # the last group: its smallest slots; the rest stays
+      part = np.sort(grp[so : so + g])
+      take = k - got
+      for q in range(g):
+        if q < take:
+          vic[nv + got + q] = part[q]
+        else:
+          log_slot[lo + head + kept] = part[q]
+          log_time[lo + head + kept] = tm
+          kept += 1
+      got = k
+    else:
+      for q in range(g):
+        vic[nv + got + q] = grp[so + q]
+      got += g
+    i = j
+  # The kept entries (times <= those read) just before the unread ones (times >= them).
+  for q in range(kept - 1, -1, -1):
+    log_slot[lo + i - kept + q] = log_slot[lo + head + q]
+    log_time[lo + i - kept + q] = log_time[lo + head + q]
+  return i - kept, got
+
+
 # fmt: off
 @_jit()
 def plan_step(
   ring_ids, ring_rows, ring_n, id_off,  # batches: ids, sorted distinct rows, their counts
   cur, ahead, win,  # ring rows of this batch, the next one, and the window after it
   row_off, slot_off, row_slot, slot_row, last_used, dirty, freq,  # planner state (flat)
+  log_off, log_slot, log_time, log_head, log_tail, log_ok, nfree, free_lo,  # recency log
+  mark, grp, pos,  # scratch: int64[sum C] (-1 between calls), int64[sum C], int32[sum C]
   evict_pad, t_now, policy, needs_unique,
   out, out_off, cap, stats, t_lo, t_hi,
 ):  # fmt: on
@@ -133,7 +242,8 @@ def plan_step(
 
   Batch b's ids of table t: ring_ids[b, id_off[t]:id_off[t + 1]]; its distinct rows:
   ring_rows[b, id_off[t]:][:ring_n[b, t]]. win: int64[W] ring rows of the look-ahead window
-  (nearest first; used by policy 2).
+  (nearest first; used by policy 2). The recency log of table t (lru, lookahead): entries
+  log_off[t] + [log_head[t], log_tail[t]), rebuilt first where log_ok[t] is 0.
   out int32, per table at out_off[t]: ids n | (unique n | inverse n) | evict_slots cap |
   evict_rows cap | load_rows cap | load_slots cap | next_from_now cap, padded as
   offload.Offload._pack. next_from_now (each load's position among the "now" exchange's
@@ -145,19 +255,23 @@ def plan_step(
   for t in range(t_lo, t_hi):
     a, b = id_off[t], id_off[t + 1]
     n = b - a
-    ro, so = row_off[t], slot_off[t]
+    ro, so, lo = row_off[t], slot_off[t], log_off[t]
     c = slot_off[t + 1] - so
     o = out_off[t]
     nr = ring_n[cur, t]
+    logged = policy != 1
+    if not log_ok[t]:
+      occ, nfree[t], free_lo[t] = _log_rebuild(so, lo, c, slot_row, last_used, log_slot, log_time)
+      log_head[t], log_tail[t] = 0, occ if logged else 0
+      log_ok[t] = 1
     # -- this batch: slots; dedup (unique = the distinct rows' slots, in row order;
     # inverse = each id's position among the distinct rows, found through its slot)
     if needs_unique:
-      pos = np.empty(c, np.int32)
       for j in range(n):
         if j < nr:
           s = row_slot[ro + ring_rows[cur, a + j]]
           out[o + n + j] = s
-          pos[s] = j
+          pos[so + s] = j
         else:
           out[o + n + j] = c
     for i in range(n):
@@ -166,7 +280,7 @@ def plan_step(
         s = row_slot[ro + x]
         out[o + i] = s
         if needs_unique:
-          out[o + 2 * n + i] = pos[s]
+          out[o + 2 * n + i] = pos[so + s]
       else:
         out[o + i] = c
         if needs_unique:
@@ -187,6 +301,10 @@ def plan_step(
       out[e + 3 * k_cap + j] = c
       out[e + 4 * k_cap + j] = 0
     na = ring_n[ahead, t]
+    if logged and log_tail[t] + na > log_off[t + 1] - lo:  # full: keep the current entries
+      log_tail[t] = _log_compact(so, lo, log_head[t], log_tail[t], slot_row, last_used,
+                                 log_slot, log_time)  # fmt: skip
+      log_head[t] = 0
     hits = 0
     miss = np.empty(na, np.int64)
     m = 0
@@ -194,6 +312,10 @@ def plan_step(
       r = ring_rows[ahead, a + j]
       s = row_slot[ro + r]
       if s >= 0:
+        if logged and last_used[so + s] != tt:
+          log_slot[lo + log_tail[t]] = s
+          log_time[lo + log_tail[t]] = tt
+          log_tail[t] += 1
         last_used[so + s] = tt
         hits += 1
       else:
@@ -204,66 +326,68 @@ def plan_step(
     stats[t, 2] = 0
     if m == 0:
       continue
-    nfree = 0
-    for s in range(c):
+    # Victims: free slots first (in slot order), then the policy's order over the others.
+    vic = np.empty(m, np.int64)
+    nv = 0
+    s = free_lo[t]
+    while nv < m and nfree[t] > 0:
       if slot_row[so + s] < 0:
-        nfree += 1
-    victim = np.zeros(c, np.bool_)
-    if nfree >= m:
-      got = 0
-      for s in range(c):
-        if got == m:
-          break
-        if slot_row[so + s] < 0:
-          victim[s] = True
-          got += 1
-    else:
-      keys = np.empty(c, np.int64)
-      nxt = np.full(c, -1, np.int64)
-      if policy == 2:
+        vic[nv] = s
+        nv += 1
+        nfree[t] -= 1
+      s += 1
+    while s < c and slot_row[so + s] >= 0:
+      s += 1
+    free_lo[t] = s
+    k = m - nv
+    if k > 0 and policy == 1:
+      nv = _lfu_victims(so, ro, c, k, slot_row, last_used, freq, row_slot, ring_rows, ahead,
+                        a, na, vic, nv)  # fmt: skip
+    elif k > 0:
+      for j in range(na):  # the admitted batch's hits stay (its misses have no slot yet)
+        s = row_slot[ro + ring_rows[ahead, a + j]]
+        if s >= 0:
+          mark[so + s] = n_win
+      if policy == 2:  # rows needed within the window: their nearest batch (-1: none)
         for w in range(n_win - 1, -1, -1):
           bw = win[w]
           for j in range(ring_n[bw, t]):
             s = row_slot[ro + ring_rows[bw, a + j]]
-            if s >= 0:
-              nxt[s] = w
-      for s in range(c):
-        r = slot_row[so + s]
-        if r < 0:
-          keys[s] = PROTECTED
-          victim[s] = True  # free slots are taken first
-        elif policy == 0:
-          keys[s] = last_used[so + s]
-        elif policy == 1:
-          keys[s] = (freq[ro + r] << 32) | last_used[so + s]
-        elif nxt[s] >= 0:
-          keys[s] = NEEDED + (FAR - nxt[s])
-        else:
-          keys[s] = last_used[so + s]
+            if s >= 0 and mark[so + s] != n_win:
+              mark[so + s] = w
+      log_head[t], got = _log_victims(so, lo, log_head[t], log_tail[t], k, slot_row, last_used,
+                                      mark, log_slot, log_time, grp, vic, nv)  # fmt: skip
+      nv += got
+      if nv < m:  # the window does not fit: needed rows go, farthest next use first (Belady)
+        g = 0
+        for w in range(n_win):
+          bw = win[w]
+          for j in range(ring_n[bw, t]):
+            s = row_slot[ro + ring_rows[bw, a + j]]
+            if s >= 0 and mark[so + s] == w:
+              grp[so + g] = (n_win - w) * c + s
+              g += 1
+              mark[so + s] = -2  # counted once
+        part = np.sort(grp[so : so + g])
+        for q in range(m - nv):
+          vic[nv + q] = part[q] % c
+        nv = m
       for j in range(na):
         s = row_slot[ro + ring_rows[ahead, a + j]]
         if s >= 0:
-          keys[s] = PROTECTED
-      k = m - nfree
-      v = np.partition(keys, k - 1)[k - 1]
-      below = 0
-      for s in range(c):
-        if keys[s] < v:
-          victim[s] = True
-          below += 1
-      left = k - below
-      for s in range(c):
-        if left == 0:
-          break
-        if keys[s] == v:
-          victim[s] = True
-          left -= 1
+          mark[so + s] = -1
+      if policy == 2:
+        for w in range(n_win):
+          bw = win[w]
+          for j in range(ring_n[bw, t]):
+            s = row_slot[ro + ring_rows[bw, a + j]]
+            if s >= 0:
+              mark[so + s] = -1
+    vic.sort()
     # Victims in slot order receive the missing rows in row order (as the numpy planner).
-    j = 0
     nb = 0
-    for s in range(c):
-      if not victim[s]:
-        continue
+    for j in range(m):
+      s = vic[j]
       old = slot_row[so + s]
       if old >= 0:
         if dirty[so + s]:
@@ -276,7 +400,41 @@ def plan_step(
       row_slot[ro + r] = s
       last_used[so + s] = tt
       dirty[so + s] = False
+      if logged:
+        log_slot[lo + log_tail[t]] = s
+        log_time[lo + log_tail[t]] = tt
+        log_tail[t] += 1
       out[e + 2 * k_cap + j] = r
       out[e + 3 * k_cap + j] = s
-      j += 1
     stats[t, 2] = nb
+
+
+@_jit()
+def _lfu_victims(so, ro, c, k, slot_row, last_used, freq, row_slot, ring_rows, ahead, a, na,
+                 vic, nv):  # fmt: skip
+  """LFU's k victims among the occupied slots (`offload.Planner._keys`: count, then recency,
+  then the smaller slot), the admitted batch's hits kept: O(C) (no log: counts change
+  without touching a slot). Appended to vic[nv:]; -> the victims' count."""
+  keys = np.empty(c, np.int64)
+  for s in range(c):
+    r = slot_row[so + s]
+    keys[s] = PROTECTED if r < 0 else (freq[ro + r] << 32) | last_used[so + s]
+  for j in range(na):
+    s = row_slot[ro + ring_rows[ahead, a + j]]
+    if s >= 0:
+      keys[s] = PROTECTED
+  v = np.partition(keys, k - 1)[k - 1]
+  below = 0
+  for s in range(c):
+    if keys[s] < v:
+      vic[nv + below] = s
+      below += 1
+  left = k - below
+  for s in range(c):
+    if left == 0:
+      break
+    if keys[s] == v:
+      vic[nv + below] = s
+      below += 1
+      left -= 1
+  return nv + below

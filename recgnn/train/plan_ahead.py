@@ -1,0 +1,76 @@
+"""The input's planning stage on a thread of its own: the first half of every group's
+`prepare` (offload's planner: `OffloadGroup.prepare_ahead`) for batch k + 1 runs while the
+input thread makes batch k's lists, reads its rows from the host tier and packs it (issue 43).
+
+Why: cdlrm_kaggle's input thread was the loop's slowest stage (benchmarks/host_path.py: the
+main thread waits for it ~17-20 ms per step, the writer's waits for write-backs ~0.01 ms per
+batch), and half of its work, the compiled planner (~3.5 ms per batch of 2048, 26 tables),
+holds no GIL: on a thread of its own it overlaps the other half, mostly Python.
+
+Ordering: each half runs in stream order on its own thread, and a second half reads only what
+its first half returned (never the planners' state, which the next first half changes). The
+host tier's reads, its ring and its waits for write-backs stay in the second half, on the
+input thread, run ahead of the steps by exactly as many batches as before; only the planning
+runs up to `DEPTH` batches further ahead, and it reads no host row. A plan with a group that
+does not split its prepare and keeps host state (hot_cold; offload at the SSD level) is
+prepared on one thread (`splits`): its whole prepare would run further ahead of the steps than
+its ring of recent write-backs covers.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+
+from recgnn import planner
+from recgnn.train import inputs
+
+# Batches planned ahead of the input thread's second halves (besides the one being planned).
+DEPTH = 2
+
+
+def splits(plan: planner.Plan) -> bool:
+  """Whether `prepare_stream` here gains over `inputs.prepare_stream`: a group splits its
+  prepare (`splits_prepare`), and every group that keeps host state does (module doc)."""
+  groups = list(plan.groups.values())
+  split = [bool(getattr(g, "splits_prepare", False)) for g in groups]
+  return any(split) and all(s or not g.capabilities.writes_host for g, s in zip(groups, split))
+
+
+def prepare_stream(plan: planner.Plan, stream: Iterable, depth: int = DEPTH) -> Iterator:
+  """`inputs.prepare_stream`, the first halves (`inputs.plan_stream`) run on a planning
+  thread up to `depth` batches ahead, the second halves here. The same `Prepared` items in
+  the same order; an error of the planning thread is raised here, after the items before it."""
+  items: queue.SimpleQueue = queue.SimpleQueue()
+  room: queue.SimpleQueue = queue.SimpleQueue()  # (a token per free place: blocks in C)
+  for _ in range(max(1, depth)):
+    room.put(None)
+  stop = threading.Event()
+
+  def run():
+    try:
+      for x in inputs.plan_stream(plan, stream):
+        room.get()
+        if stop.is_set():
+          return
+        items.put(x)
+      items.put(None)
+    except BaseException as e:  # raised on the consuming thread
+      items.put(e)
+
+  thread = threading.Thread(target=run, name="input planning", daemon=True)
+  thread.start()
+  try:
+    while True:
+      x = items.get()
+      room.put(None)
+      if x is None:
+        return
+      if isinstance(x, BaseException):
+        raise x
+      kind, split, batch, second = x
+      yield inputs.Prepared(kind, split, batch, inputs.finish(second))
+  finally:  # (closed early: the planning thread stops at its next batch)
+    stop.set()
+    room.put(None)
