@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from recgnn import planner, sharding
-from recgnn.embeddings import base
+from recgnn.embeddings import base, host_tier
 from recgnn.train import inputs
 
 PREFETCH = base.PREFETCH
@@ -333,3 +333,19 @@ def host_tier_io(lowered) -> tuple[int, int]:
   out = lowered.out_info
   back = nbytes(out.get(base.TO_HOST, ())) if isinstance(out, dict) else 0
   return into, back
+
+
+def break_ring_sources(monkeypatch) -> None:
+  """Mutation for the host tiers' ordering tests: the ring of recent write-backs serves no
+  load (`host_tier.Recent.sources` says ABSENT for every row), so a load of a row written
+  back by a step not yet run is a host read that must wait for that write-back; with one
+  thread nobody runs the step, so the wait ends (WAIT_SECONDS, 0.5 s here) in a refusal."""
+  real = host_tier.Recent.sources
+
+  def host_only(self, rows):
+    src, need = real(self, rows)
+    steps = self.last_step[rows]
+    return np.full_like(src, host_tier.ABSENT), max(need, int(steps.max(initial=-1)) + 1)
+
+  monkeypatch.setattr(host_tier.Recent, "sources", host_only)
+  monkeypatch.setattr(host_tier, "WAIT_SECONDS", 0.5)

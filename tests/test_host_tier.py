@@ -189,14 +189,7 @@ def test_a_host_read_before_its_write_back_is_refused(monkeypatch):
   """Mutation check: without the ring's sources every such load is a host read of a row
   whose write-back has not happened (its step has not run): refused at once, not read stale."""
 
-  def host_only(self, rows):
-    src, need = real(self, rows)
-    steps = self.last_step[rows]
-    return np.full_like(src, host_tier.ABSENT), max(need, int(steps.max(initial=-1)) + 1)
-
-  real = host_tier.Recent.sources
-  monkeypatch.setattr(host_tier.Recent, "sources", host_only)
-  monkeypatch.setattr(host_tier, "WAIT_SECONDS", 0.5)  # (one thread: nobody runs the step)
+  contract.break_ring_sources(monkeypatch)
   spec, batches = _stream()
   with pytest.raises(RuntimeError, match="has not run"):
     contract.run(TEXT, spec, batches, prefetch=RUN_AHEAD)

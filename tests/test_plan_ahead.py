@@ -13,7 +13,7 @@ import pytest
 
 from recgnn import planner
 from recgnn.backends.offload import group as offload_group
-from recgnn.embeddings import base, host_tier
+from recgnn.embeddings import base
 from recgnn.train import inputs, plan_ahead
 
 SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
@@ -109,14 +109,7 @@ def test_a_host_read_before_its_write_back_is_still_refused(monkeypatch, threade
   (`Writer.wait`); the host reads stay on the consuming thread, ahead of the steps by the
   driver's run-ahead only, so such a read is refused, never served stale."""
 
-  def host_only(self, rows):
-    src, need = real(self, rows)
-    steps = self.last_step[rows]
-    return np.full_like(src, host_tier.ABSENT), max(need, int(steps.max(initial=-1)) + 1)
-
-  real = host_tier.Recent.sources
-  monkeypatch.setattr(host_tier.Recent, "sources", host_only)
-  monkeypatch.setattr(host_tier, "WAIT_SECONDS", 0.5)  # (one thread: nobody runs the step)
+  contract.break_ring_sources(monkeypatch)
   batches = contract.zipf_ids(5, 16, 32, 2, 1000)
   with pytest.raises(RuntimeError, match="has not run"):
     contract.run("offload(cache_rows=60, policy=lru, lookahead=1)", _spec(SGD), batches, prefetch=2)
