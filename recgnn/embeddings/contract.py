@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -193,6 +193,17 @@ class Backend(abc.ABC):
     (PAD = -1) -> a pytree of numpy arrays. `upcoming`: up to `lookahead` next batches' ids.
     `train=False`: an eval batch (only `lookup` runs on it)."""
 
+  @property
+  def splits_prepare(self) -> bool:
+    """Whether `prepare_ahead` leaves work to its second half (`recgnn.train.plan_ahead`)."""
+    return False
+
+  def prepare_ahead(self, ids, upcoming=(), *, train=True) -> Callable[[], PyTree]:
+    """`prepare` in two halves, each called in stream order: the first now -> the second (it
+    reads only what the first returned; later first halves may run meanwhile). Default: all."""
+    out = self.prepare(ids, upcoming, train=train)
+    return lambda: out
+
   @abc.abstractmethod
   def prepared_spec(self, prepared: PyTree) -> PyTree:
     """PartitionSpec of each prepared leaf: sharding.BATCH_SPEC for batch-major leaves (axis 0
@@ -252,12 +263,10 @@ class Backend(abc.ABC):
     return {}
 
   def expect_batches(self, ids_shapes: dict[str, tuple[int, ...]]) -> None:
-    """Told, before `init` / `import_` / `restore`, the global train batch's ids shapes
-    (as `batch_memory`; the trainer tells a plan whose `batch_memory` is not empty): a state
-    holding buffers sized by the batch is made at their size, so the first train step runs
-    the program every later step runs (built at zero rows, the first step resizes them: a
-    second compile of the whole step, and of its lowering where the trainer reads its
-    traffic). A hint only: the first train batch's own shapes decide, as without it."""
+    """Told, before `init` / `import_` / `restore`, the global train batch's ids shapes (as
+    `batch_memory`, which must not be empty): buffers sized by the batch are made at that
+    size, so the first train step runs every later step's program (not a resize: a second
+    compile). A hint: the first train batch's own shapes decide."""
     del ids_shapes
 
   @abc.abstractmethod

@@ -42,14 +42,10 @@ class Prepared:
 
 
 def halves(group, ids: dict, upcoming: list[dict], train: bool) -> Callable[[], PyTree]:
-  """A group's `prepare` as two halves, each run in stream order: its first now (the
-  group's `prepare_ahead` where it has one: offload's planning), -> the second, a callable
-  making the prepared pytree (the whole of `prepare` now for the other groups)."""
-  ahead = getattr(group, "prepare_ahead", None)
-  if ahead is not None:
-    return ahead(ids, upcoming, train=train)
-  out = group.prepare(ids, upcoming, train=train)
-  return lambda: out
+  """A group's `prepare` as two halves, each run in stream order (`Backend.prepare_ahead`:
+  offload's planning first; the whole of `prepare` first for the other groups) -> the
+  second, a callable making the prepared pytree."""
+  return group.prepare_ahead(ids, upcoming, train=train)
 
 
 def plan_one(plan: planner.Plan, batch: dict, upcoming: list[dict], train: bool) -> dict:

@@ -34,7 +34,7 @@ def splits(plan: planner.Plan) -> bool:
   """Whether `prepare_stream` here gains over `inputs.prepare_stream`: a group splits its
   prepare (`splits_prepare`), and every group that keeps host state does (module doc)."""
   groups = list(plan.groups.values())
-  split = [bool(getattr(g, "splits_prepare", False)) for g in groups]
+  split = [g.splits_prepare for g in groups]
   return any(split) and all(s or not g.capabilities.writes_host for g, s in zip(groups, split))
 
 
