@@ -6,7 +6,8 @@ The plan (the registry's lookup, resolve_plan, the memory budget) is the planner
 Each concern lives in its own module (docs/architecture.md, "Package layout"):
   specs     TableSpec, OptimizerSpec (the shared row update `OptimizerSpec.apply`), init
   kernels   dedup, segment sums, pooling, `sparse_sgd_or_adagrad`
-  contract  Layout, Capabilities, Backend, TableBackend (contract v3), BackendOptions
+  contract  Layout, Capabilities, Backend (contract v3), BackendOptions
+  table_backend  TableBackend (the per-table half, unpooled rows)
   group     TableGroup (per-table backends as a contract Backend)
   registry  `register_backend` (the registry's table; its lookup is `recgnn.planner`'s)
 """
@@ -18,7 +19,6 @@ from recgnn.embeddings.contract import (
   Capabilities,
   Layout,
   PyTree,
-  TableBackend,
   split_to_host,
 )
 from recgnn.embeddings.group import TableGroup
@@ -48,6 +48,7 @@ from recgnn.embeddings.specs import (
   shapes_only,
   table_key,
 )
+from recgnn.embeddings.table_backend import TableBackend
 
 __all__ = [
   "INITIALIZERS",

@@ -20,7 +20,8 @@ all-to-all (and a codec on it) lives in `update`, with no custom_vjp. `residuals
 `lookup` computed into `update` (see docs/architecture.md).
 
 Backends whose tables are independent (dense, tt, offload) implement the per-table
-`TableBackend` (unpooled rows) and are grouped by `recgnn.embeddings.group.TableGroup`.
+`recgnn.embeddings.table_backend.TableBackend` (unpooled rows) and are grouped by
+`recgnn.embeddings.group.TableGroup`.
 """
 
 from __future__ import annotations
@@ -31,17 +32,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from recgnn import sharding
 from recgnn.embeddings.backend_options import (  # noqa: F401 (the contract's names, as before)
   BackendOptions,
   parse_options,
   valid_options,
 )
-from recgnn.embeddings.kernels import dedup, pool_rows, unpool
-from recgnn.embeddings.specs import MemoryReport, TableSpec, aligned_rows
+from recgnn.embeddings.specs import MemoryReport, TableSpec
 
 PyTree = Any
 
@@ -344,157 +342,3 @@ class Backend(abc.ABC):
   def process_local(self) -> bool:
     """`prepare` sees only this process's slice of each batch (`Layout.process_local`)."""
     return self.layout.process_local
-
-
-class TableBackend(abc.ABC):
-  """One table of a `TableGroup`: the per-table half of the contract (v1, unpooled).
-
-  __init__(spec, mesh, layout, **options)   everything at construction, as for `Backend`
-  prepare(ids, upcoming)       host: int[B, L] ids (-1 = padding) -> numpy pytree
-  lookup(state, prepared)      jit-able: -> f32[B, L, D]; padded positions are 0
-  update(state, prepared, g)   jit-able: g = d loss / d lookup, f32[B, L, D]; sparse, donated
-  sync / restore / memory / table / stats as in `Backend`, for this table.
-
-  On a mesh a table is replicated unless its backend says otherwise: the lookup gathers the
-  local examples' rows; the update gathers the batch's (ids, pooled grads) from every device
-  (B x D floats, never a table-sized all-reduce) and every replica applies the same sparse
-  update. `lookup_pooled` / `update_pooled` are where a backend places rows otherwise
-  (`dense(shard=rows)`).
-  """
-
-  name: ClassVar[str] = ""
-  #: See `Backend.Options`.
-  Options: ClassVar[type[BackendOptions] | None] = None
-  #: The default `prepare` is per example (its dedup moves to the device with process-local
-  #: input); a backend whose prepare plans over the batch (a cache, prefix trees) declares
-  #: `plans_globally`.
-  capabilities: ClassVar[Capabilities] = Capabilities()
-  lookahead: int = 0
-  #: Prepared keys whose leaves are batch-major (axis 0 = the batch); the rest are global.
-  batch_major: ClassVar[tuple[str, ...]] = ("ids", "inverse")
-
-  def __init__(
-    self, spec: TableSpec, mesh: jax.sharding.Mesh, layout: Layout | None = None, **options
-  ):
-    """Place the table on `mesh`. Refuse (ValueError, before allocating) a mesh or an option
-    this backend cannot honour there: the options through `Options.parse` (`self.options`),
-    what depends on the table or the mesh in the subclass's constructor."""
-    self.options = parse_options(type(self), options, f"{self.name!r} (table {spec.name!r})")
-    self.spec = spec
-    self.mesh = mesh
-    self.layout = Layout() if layout is None else layout
-
-  @classmethod
-  def group_class(cls, specs: Sequence[TableSpec], options: dict[str, Any]) -> type | None:
-    """The group class for these tables and plan options (a `TableGroup` subclass, e.g.
-    `dense`'s fused tables), or None: `TableGroup`."""
-    return None
-
-  @classmethod
-  def capabilities_for(cls, options: dict[str, Any]) -> Capabilities:
-    """See `Backend.capabilities_for`."""
-    del options
-    return cls.capabilities
-
-  process_local = Backend.process_local
-
-  def __repr__(self):
-    return f"{type(self).__name__}({self.spec.name}, {self.describe()})"
-
-  def describe(self) -> str:
-    return self.name
-
-  def replicated(self, memory_kind: str | None = None) -> jax.sharding.NamedSharding:
-    return jax.sharding.NamedSharding(self.mesh, sharding.REPLICATED, memory_kind=memory_kind)
-
-  @abc.abstractmethod
-  def init(self, key: jax.Array) -> PyTree:
-    """Allocate and initialise the state on `self.mesh`."""
-
-  @abc.abstractmethod
-  def state_sharding(self) -> PyTree:
-    """NamedShardings of the state on `self.mesh` (a pytree matching `init`'s)."""
-
-  def prepare(
-    self, ids: np.ndarray, upcoming: Sequence[np.ndarray] = (), *, train: bool = True
-  ) -> PyTree:
-    del upcoming, train
-    ids = np.asarray(ids)
-    pad = self.pad_id
-    out = {"ids": np.where(ids < 0, pad, ids).astype(np.int32)}
-    # A process-local slice is not the batch: the update dedups the gathered ids on device.
-    if self.spec.optimizer.needs_unique and not self.process_local:
-      out["unique"], out["inverse"] = dedup(ids, pad)
-    return out
-
-  @property
-  def pad_id(self) -> int:
-    """What `prepare` maps padding ids to: an index past the row array (gathers fill zeros,
-    scatters drop it). Backends whose arrays have padding rows past N override it."""
-    return self.spec.num_rows
-
-  @abc.abstractmethod
-  def lookup(self, state: PyTree, prepared: PyTree) -> jax.Array:
-    """-> float32[B, L, D]; rows of padded positions are 0. Jit-able."""
-
-  @abc.abstractmethod
-  def update(self, state: PyTree, prepared: PyTree, grads: jax.Array) -> PyTree:
-    """Apply the optimizer to touched rows: grads float32[B, L, D]. Jit-able, sparse."""
-
-  def lookup_pooled(self, state, prepared, count: jax.Array | None) -> tuple[jax.Array, PyTree]:
-    """-> (f32[B, D]: `lookup` pooled, residuals for `update_pooled`; `()` here). count:
-    int32[B] ids per bag for mean pooling, None for sum pooling."""
-    return pool_rows(self.lookup(state, prepared), count), ()
-
-  def update_pooled(
-    self, state, prepared, residuals: PyTree, g: jax.Array, count: jax.Array | None
-  ) -> PyTree:
-    """g f32[B, D] (batch-split on a mesh): gather it and the prepared batch on every device
-    (B x (D + L) values per table), unpool, and apply the same sparse update everywhere."""
-    del residuals
-    g, prepared, count = sharding.replicate((g, prepared, count), self.mesh)
-    return self.update(state, prepared, unpool(g, count, prepared["ids"].shape[1]))
-
-  def sync(self, state: PyTree) -> PyTree:
-    return state
-
-  def restore(self, state: PyTree) -> PyTree:
-    return state
-
-  def num_params(self) -> int:
-    return self.spec.num_rows * self.spec.dim
-
-  @abc.abstractmethod
-  def memory(self) -> MemoryReport:
-    """Bytes PER DEVICE and on the host, without allocating."""
-
-  @abc.abstractmethod
-  def table(self, state: PyTree) -> np.ndarray:
-    """The logical table float32[N, D] (tests and export only; O(N))."""
-
-  def stats(self) -> dict[str, float]:
-    return {}
-
-  #: Checkpoint format (see `Backend.export`): "rows" backends restore from one another.
-  logical_format: ClassVar[str] = "rows"
-
-  def row_sharding(self) -> tuple[jax.sharding.Sharding, jax.sharding.Sharding]:
-    """(rows f32[S, D], slots f32[S]) shardings of the logical form on this mesh."""
-    return self.replicated(), self.replicated()
-
-  def logical_target(self) -> dict[str, jax.ShapeDtypeStruct]:
-    """Restore target of the "rows" form (override with `logical_format`)."""
-    s, d = aligned_rows(self.spec.num_rows), self.spec.dim
-    rows, vec = self.row_sharding()
-    out = {"rows": jax.ShapeDtypeStruct((s, d), jnp.float32, sharding=rows)}
-    for k in self.spec.optimizer.slot_names():
-      out[k] = jax.ShapeDtypeStruct((s,), jnp.float32, sharding=vec)
-    return out
-
-  def export(self, state: PyTree) -> dict[str, jax.Array]:
-    """The logical form of a synced state (`Backend.export`)."""
-    raise NotImplementedError(f"{type(self).__name__} cannot be checkpointed (export)")
-
-  def import_(self, logical: dict[str, jax.Array]) -> PyTree:
-    """The state holding a logical form placed as `logical_target` says."""
-    raise NotImplementedError(f"{type(self).__name__} cannot be restored (import_)")

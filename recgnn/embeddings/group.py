@@ -12,8 +12,9 @@ import numpy as np
 
 from recgnn import sharding
 from recgnn.embeddings import kernels
-from recgnn.embeddings.contract import Backend, Layout, TableBackend, valid_options
+from recgnn.embeddings.contract import Backend, Layout, valid_options
 from recgnn.embeddings.specs import table_key
+from recgnn.embeddings.table_backend import TableBackend
 
 
 class TableGroup(Backend):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import re
 
-from recgnn.embeddings.contract import Backend, TableBackend
+from recgnn.embeddings.contract import Backend
+from recgnn.embeddings.table_backend import TableBackend
 
 #: name -> class, written by `register_backend`, read by `recgnn.planner`.
 REGISTRY: dict[str, type] = {}

@@ -50,8 +50,8 @@ import numpy as np
 
 from recgnn import comms, planner, sharding
 from recgnn.embeddings import base as emb_base
-from recgnn.embeddings.contract import TableBackend
 from recgnn.embeddings.group import TableGroup
+from recgnn.embeddings.table_backend import TableBackend
 from recgnn.tasks import node_batch
 from recgnn.train import setup
 from recgnn.train import step as step_lib
