@@ -83,6 +83,8 @@ def config_of(name: str, args):
   c.train.final_eval_splits = ()
   if args.k > 1:
     c.train.steps_per_call = args.k
+  if getattr(args, "plan", ""):  # one backend string for every table
+    c.embeddings.plan = ((".*", args.plan),)
   workers = getattr(args, "input_workers", None)
   if workers is not None:  # (a tree before train.input_workers ignores it)
     c.train.input_workers = workers
@@ -322,6 +324,8 @@ def child_command(args, name: str, out: str) -> list[str]:
   }
   if args.input_workers is not None:
     opts["input_workers"] = args.input_workers
+  if args.plan:
+    opts["plan"] = args.plan
   return [sys.executable, str(pathlib.Path(__file__).resolve())] + [
     f"--{k}={v}" for k, v in opts.items()
   ]
@@ -398,7 +402,8 @@ def markdown(payload: dict) -> str:
     f"each: {min(loads):.1f} - {max(loads):.1f}. Batch {a['batch']}, k = {a['k']} step(s) per "
     f"call, synthetic data at scale {a['scale']}; {a['steady']} steady steps after "
     f"{a['warmup']}; train.input_workers "
-    f"{'as each tree defaults' if a.get('input_workers') is None else a['input_workers']}. "
+    f"{'as each tree defaults' if a.get('input_workers') is None else a['input_workers']}; "
+    f"plan {a.get('plan') or 'as each experiment sets it'}. "
     "Cells: min / median / max over processes.",
     "",
   ]
@@ -438,6 +443,9 @@ def main():
   ap.add_argument("--processes", type=int, default=3)
   ap.add_argument(
     "--input_workers", type=int, default=None, help="-1 auto, 0 thread, 1 worker; default: a tree's"
+  )
+  ap.add_argument(
+    "--plan", default="", help='one backend string for every table, e.g. "dense(dedup=device)"'
   )
   ap.add_argument("--against", default="", metavar="COMMIT")
   ap.add_argument("--name", default="")

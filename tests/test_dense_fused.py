@@ -117,3 +117,69 @@ def test_which_tables_fuse():
 
 def _wide():
   return base.TableSpec(name="wide", num_rows=20, dim=16, optimizer=SGD)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1), (8, 1), (2, 4)])
+@pytest.mark.parametrize("layout", ["fuse=True", "fuse=False", "shard=rows"])
+@pytest.mark.parametrize(
+  "opt,pooling,bags",
+  [(ADAGRAD, "sum", (1, 1, 1)), (SGD, "mean", (3, 1, 5)), (ADAGRAD, "mean", (3, 1, 5))],
+  ids=["adagrad-onehot", "sgd-multihot-mean", "adagrad-multihot-mean"],
+)
+def test_dedup_on_device_trains_as_dedup_on_host(mesh_shape, layout, opt, pooling, bags):
+  """dense(dedup=device): the ids go to the step as read (padding < 0 included, no unique /
+  inverse), padding is mapped and the batch deduped in the step (a fused group: one sort of
+  every table's ids): the same lookups, tables and optimizer state bit for bit as the host's
+  dedup (dedup=host, this CPU's default); fused, one array per table, rows over MODEL."""
+  mesh = mesh_or_skip(*mesh_shape)
+  specs = _specs(opt, pooling)
+  batches = _batches(specs, bags, steps=4)
+  device = _train(f"dense(dedup=device, {layout})", specs, batches, mesh)
+  host = _train(f"dense(dedup=host, {layout})", specs, batches, mesh)
+  assert type(device[0]) is type(host[0]) is (FusedDense if layout == "fuse=True" else TableGroup)
+  prepared = device[0].prepare(batches[0])
+  for n, p in prepared.items():  # as read: nothing computed per table on the host
+    assert set(p["rows"]) == {"ids"}, n
+    np.testing.assert_array_equal(p["rows"]["ids"], batches[0][n])
+  assert "unique" in host[0].prepare(batches[0])["T0"]["rows"] or opt is SGD
+  for step, (a, b) in enumerate(zip(device[1], host[1], strict=True)):
+    for n in a:
+      np.testing.assert_array_equal(a[n], b[n], err_msg=f"lookup of {n} at step {step}")
+  for n in host[2]:
+    np.testing.assert_array_equal(device[2][n], host[2][n], err_msg=f"table {n}")
+    for k in host[3][n]:
+      np.testing.assert_array_equal(device[3][n][k], host[3][n][k], err_msg=f"{n}/{k}")
+
+
+def test_dedup_option_resolves_and_refuses():
+  """auto: the host's dedup on CPU devices (the faster there); an unknown value names the
+  valid ones; dedup=host with process-local input is refused (a slice is not the batch)."""
+  mesh = mesh_or_skip(1, 1)
+  group = planner.make_group("dense", _specs(ADAGRAD), mesh)
+  assert not group.dedup_on_device and all(m.dedup == "host" for m in group.members.values())
+  with pytest.raises(ValueError, match="auto, host, device"):
+    planner.make_group("dense(dedup=gpu)", _specs(ADAGRAD), mesh)
+  local = base.Layout(process_local=True)
+  group = planner.make_group("dense", _specs(ADAGRAD), mesh, local)
+  assert group.dedup_on_device
+  with pytest.raises(ValueError, match="process-local"):
+    planner.make_group("dense(dedup=host)", _specs(ADAGRAD), mesh, local)
+
+
+def test_group_dedup_cuts_each_tables_own_dedup_out_of_one_sort():
+  """`FusedDense._group_dedup` (one sort for the group) gives each table exactly what its
+  own `device_dedup` gives (shifted to fused rows): the same distinct rows, then only the
+  filler (a neighbour's row kept in a table's list would be written twice by the update's
+  scatter: on a GPU in either order), and the same inverse at every non-padding id."""
+  mesh = mesh_or_skip(1, 1)
+  specs = _specs(ADAGRAD, "mean")
+  group = planner.make_group("dense(dedup=device)", specs, mesh)
+  for ids in _batches(specs, (3, 1, 5), steps=3, seed=4):
+    prepared = group.prepare(ids)
+    got = jax.jit(group._group_dedup)(prepared)
+    for n, x in ids.items():
+      mapped = np.where(x < 0, group.rows[n], x)
+      unique, inverse = base.device_dedup(mapped, group.rows[n])
+      want = np.where(unique >= group.rows[n], group.total, unique + group.offsets[n])
+      np.testing.assert_array_equal(got[n][0], want, err_msg=n)
+      np.testing.assert_array_equal(np.asarray(got[n][1])[x >= 0], inverse[x >= 0], err_msg=n)

@@ -136,8 +136,11 @@ def test_perf_stage_runs_and_checks_name_each_target(tmp_path):
   ctx.mode = "gpu"
   s = gpu_check.perf_sizes(ctx)
   runs = gpu_check.perf_runs(s)
-  assert runs[:2] == [(2048, "float32", 1, True), (65536, "bfloat16", 1, True)]
-  assert (2048, "float32", 8, False) in runs and (65536, "float32", 1, False) in runs
+  assert runs[:2] == [(2048, "float32", 1, True, ""), (65536, "bfloat16", 1, True, "")]
+  assert (2048, "float32", 8, False, "") in runs and (65536, "float32", 1, False, "") in runs
+  assert runs[-1] == (65536, "bfloat16", 1, False, "host")  # dense's dedup: the host's
+  host = gpu_check.perf_args(ctx, s, 65536, "bfloat16", 1, "/w", trace=False, dedup="host")
+  assert '--config.embeddings.plan=((".*", "dense(dedup=host)"),)' in host
   args = gpu_check.perf_args(ctx, s, 2048, "bfloat16", 8, "/w", trace=True)
   assert "--config.train.steps_per_call=8" in args and "--config.model.dtype=bfloat16" in args
   steps = int(next(a for a in args if a.startswith("--config.train.steps=")).split("=")[1])
@@ -149,6 +152,7 @@ def test_perf_stage_runs_and_checks_name_each_target(tmp_path):
   res = {
     "a": _perf_result(2048, "float32", 1, 2.5e6, busy=0.4),
     "b": _perf_result(65536, "bfloat16", 1, 9e6, busy=0.75),
+    "c": {**_perf_result(65536, "bfloat16", 1, 6e6), "dedup": "host"},
   }
   peer = {"runs": {"b2048_eager": {"samples_per_s": 1e6, "final_loss": 0.5},
                    "b2048_compiled": {"samples_per_s": 2e6, "final_loss": 0.5}}}  # fmt: skip
@@ -156,6 +160,7 @@ def test_perf_stage_runs_and_checks_name_each_target(tmp_path):
   assert "batch 2048: 2,500,000 samples/s (target >= 2,000,000): yes" in checks
   assert "batch 65536: 9,000,000 samples/s (target >= 10,000,000): NO" in checks
   assert any("GPU busy 75%" in c and c.endswith("yes") for c in checks)
+  assert "batch 65536 bf16: dedup auto 9,000,000 vs host 6,000,000 samples/s (1.50x)" in checks
   assert "batch 2048: recgnn / best PyTorch = 1.25 (target >= 1.5): NO" in checks
   assert any(c.startswith("batch 65536: no PyTorch figure") for c in checks)
   md = "\n".join(gpu_check.perf_markdown(ctx, s, res, {"skipped": "torch does not import"}))

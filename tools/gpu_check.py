@@ -1096,7 +1096,9 @@ def perf_sizes(ctx: Ctx) -> dict:
           "torch_steps": {512: 8, 4096: 4}, "trace_at": {512: 16, 4096: 8}}  # fmt: skip
 
 
-def perf_args(ctx: Ctx, s: dict, batch: int, dtype: str, k: int, wd: str, trace: bool):
+def perf_args(
+  ctx: Ctx, s: dict, batch: int, dtype: str, k: int, wd: str, trace: bool, dedup: str = ""
+):
   steps, log_every = s["steps"][batch], s["log_every"][batch]
   if k > 1:  # whole calls of k steps: every count a multiple of k
     log_every = max(k, log_every // k * k)
@@ -1111,22 +1113,27 @@ def perf_args(ctx: Ctx, s: dict, batch: int, dtype: str, k: int, wd: str, trace:
   ]  # fmt: skip
   if k > 1:
     args.append(f"--config.train.steps_per_call={k}")
+  if dedup:  # (default: dense's auto, the device's dedup on a GPU)
+    args.append(f'--config.embeddings.plan=((".*", "dense(dedup={dedup})"),)')
   if trace:
     a = s["trace_at"][batch] // max(k, 1) * max(k, 1)
     args.append(f"--profile_steps={a}:{a + 5 * max(k, 1)}")
   return args
 
 
-def perf_runs(s: dict) -> list[tuple[int, str, int, bool]]:
-  """(batch, dtype, k, traced) of each recgnn run, the traced ones first (they matter most
-  if the stage runs out of time): the small batch's f32 step, the large batch's bf16 step."""
+def perf_runs(s: dict) -> list[tuple[int, str, int, bool, str]]:
+  """(batch, dtype, k, traced, dedup) of each recgnn run, the traced ones first (they matter
+  most if the stage runs out of time): the small batch's f32 step, the large batch's bf16
+  step; last, the large bf16 step with the host's dedup (dense(dedup=host), the default
+  before dedup=auto chose the device's on a GPU): the two measured side by side."""
   small, large = s["small"], s["large"]
   return [
-    (small, "float32", 1, True),
-    (large, "bfloat16", 1, True),
-    (small, "bfloat16", 1, False),
-    (large, "float32", 1, False),
-    *[(small, "float32", k, False) for k in s["k"] if k > 1],
+    (small, "float32", 1, True, ""),
+    (large, "bfloat16", 1, True, ""),
+    (small, "bfloat16", 1, False, ""),
+    (large, "float32", 1, False, ""),
+    *[(small, "float32", k, False, "") for k in s["k"] if k > 1],
+    (large, "bfloat16", 1, False, "host"),
   ]
 
 
@@ -1154,15 +1161,15 @@ def stage_perf(ctx: Ctx, st: Stage) -> str:
   # The PyTorch peer first runs last; it gets what the recgnn runs leave, at least this.
   torch_min = 120 if ctx.mode == "gpu" else 60
   runs = perf_runs(s)
-  for i, (batch, dtype, k, traced) in enumerate(runs):
-    name = f"b{batch}_{dtype}_k{k}"
+  for i, (batch, dtype, k, traced, dedup) in enumerate(runs):
+    name = f"b{batch}_{dtype}_k{k}" + (f"_dedup_{dedup}" if dedup else "")
     wd = os.path.join(ctx.work, f"perf_{name}")
     shutil.rmtree(wd, ignore_errors=True)
     left = st.left() - torch_min - 20 * (len(runs) - i - 1)
     if left < 30:
       res[name] = {"status": "skipped", "why": "the stage's time ran out"}
       continue
-    r = st.run(f"perf_{name}", perf_args(ctx, s, batch, dtype, k, wd, traced), left)
+    r = st.run(f"perf_{name}", perf_args(ctx, s, batch, dtype, k, wd, traced, dedup), left)
     log = _read(r["log"])
     if r["status"] != "ok" and k > 1 and "steps_per_call" in log:
       res[name] = {**r, "status": "not built",
@@ -1173,7 +1180,7 @@ def stage_perf(ctx: Ctx, st: Stage) -> str:
       a = s["trace_at"][batch] // k * k
       prof = (a, a + 5 * k)
     e = _experiment_result(ctx, name, r, wd, prof)
-    e.update(batch=batch, dtype=dtype, k=k)
+    e.update(batch=batch, dtype=dtype, k=k, dedup=dedup or "auto")
     if traced and r["status"] == "ok":
       try:
         summ = trace_summary.summarize(trace_summary.load(os.path.join(wd, "profile")))
@@ -1249,9 +1256,10 @@ def perf_markdown(ctx: Ctx, s: dict, res: dict, torch_res: dict | None) -> list[
 def perf_checks(ctx: Ctx, s: dict, res: dict, torch_res: dict) -> list[str]:
   """Issue 43's GPU targets against this run's figures (on CPU: printed, not targets)."""
 
-  def best(batch, dtype=None):
+  def best(batch, dtype=None, dedup=None):
     v = [_steady(e) for e in res.values() if e.get("batch") == batch
-         and (dtype is None or e.get("dtype") == dtype) and _steady(e)]  # fmt: skip
+         and (dtype is None or e.get("dtype") == dtype)
+         and (dedup is None or e.get("dedup", "auto") == dedup) and _steady(e)]  # fmt: skip
     return max(v) if v else None
 
   note = "" if ctx.mode == "gpu" else " (CPU test mode: the targets are a GPU's)"
@@ -1272,6 +1280,11 @@ def perf_checks(ctx: Ctx, s: dict, res: dict, torch_res: dict) -> list[str]:
     out.append(f"batch {s['large']} bf16: GPU busy {100 * f:.0f}% of the step (target >= "
                f"{100 * PERF_TARGETS['busy']:.0f}%): {'yes' if f >= PERF_TARGETS['busy'] else 'NO'}"
                f"{note}")  # fmt: skip
+  # dense's dedup: auto (the device's, on a GPU) against the host's, the same large bf16 run.
+  pair = [best(s["large"], "bfloat16", d) for d in ("auto", "host")]
+  if all(pair):
+    out.append(f"batch {s['large']} bf16: dedup auto {pair[0]:,.0f} vs host {pair[1]:,.0f} "
+               f"samples/s ({pair[0] / pair[1]:.2f}x)")  # fmt: skip
   peer = torch_res.get("runs", {}) if torch_res else {}
   for b in (s["small"], s["large"]):
     mine = best(b)

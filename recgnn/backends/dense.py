@@ -2,7 +2,8 @@
 
 State: {"table": float32[R, D], "accum": float32[R] (row-wise Adagrad only)}. Lookup is a
 gather; the update touches only the batch's rows (scatter-add for SGD, a dedup'd
-gather-apply-scatter for row-wise Adagrad, the dedup done on the host in `prepare`).
+gather-apply-scatter for row-wise Adagrad, the dedup done on the host in `prepare` or on the
+device in the step: `DenseOptions.dedup`).
 
 Placement on a (DATA, MODEL) mesh:
   dense              replicated on every device (R = N). The lookup gathers the local
@@ -36,6 +37,7 @@ P = sharding.P
 
 
 SHARDS = ("none", "rows")
+DEDUPS = ("auto", "host", "device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,16 +49,26 @@ class DenseOptions(base.BackendOptions):
       whose MODEL axis has one device that is one piece per DATA replica, as replicated).
     fuse: replicated tables of one dim and optimizer in one array (`dense_fused`: one gather
       and one row update per step for the group, two state arrays); false: one per table.
+    dedup: where row-wise Adagrad's per-batch dedup of the ids runs. `host`: in `prepare`
+      (`kernels.StackedDedup`, numba; unique / inverse sent with the ids); `device`: in the
+      step (one sort per table, or per fused group), the ids sent as read (padding mapped in
+      the step too): the host does nothing per table, and a third of the ids' bytes cross the
+      host link. `auto`: host on CPU devices (the host kernel is the faster there), device on
+      accelerators and with process-local input (a process's slice is not the batch). The
+      same rows and update either way (the tests compare them bit for bit on CPU).
   """
 
   backend: ClassVar[str] = "dense"
 
   shard: str = "none"
   fuse: bool = True
+  dedup: str = "auto"
 
   def __post_init__(self):
     if self.shard not in SHARDS:
       raise ValueError(f"dense: shard must be 'none' or 'rows', got {self.shard!r}")
+    if self.dedup not in DEDUPS:
+      raise ValueError(f"dense: dedup must be one of {', '.join(DEDUPS)}; got {self.dedup!r}")
 
 
 @base.register_backend("dense")
@@ -76,6 +88,35 @@ class Dense(base.TableBackend):
         f"row-sharded tables need a model size dividing {base.ROW_ALIGN} (1, 2, 4, 8, ...) so "
         "that checkpoints restore on any such mesh. Use --config.mesh.model=8 (or 4, 2)."
       )
+    if self.options.dedup == "host" and self.process_local:
+      raise ValueError(
+        f"dense(dedup=host) (table {self.spec.name!r}): with process-local input each process "
+        "prepares only its slice of the batch, so the batch's dedup must run on the devices: "
+        "use dedup=device or auto"
+      )
+    #: "host" or "device" (`DenseOptions.dedup`, auto resolved by the mesh's platform).
+    self.dedup = self.options.dedup
+    if self.dedup == "auto":
+      cpu = mesh.devices.flat[0].platform == "cpu"
+      self.dedup = "host" if cpu and not self.process_local else "device"
+
+  @property
+  def dedup_on_host(self) -> bool:
+    return self.dedup == "host" and super().dedup_on_host
+
+  def prepares_by_default(self) -> bool:
+    return self.dedup == "host"
+
+  def prepare(self, ids, upcoming=(), *, train=True):
+    if self.dedup == "host":
+      return super().prepare(ids, upcoming, train=train)
+    # As read: padding (< 0) is mapped in the step (`device_ids`), the dedup too.
+    return {"ids": np.asarray(ids, np.int32)}
+
+  def device_ids(self, ids: jax.Array) -> jax.Array:
+    """Prepared ids int32[B, L] -> the same with padding (< 0) mapped to `pad_id` (a no-op
+    on ids `prepare` mapped on the host): inside the step."""
+    return jnp.where(ids < 0, self.pad_id, ids)
 
   @classmethod
   def group_class(cls, specs, options):
@@ -135,11 +176,12 @@ class Dense(base.TableBackend):
     return sharding.put(state, self.state_sharding())
 
   def lookup(self, state, prepared):
-    # Padding ids were mapped past the rows by `prepare`; mode="fill" gives zero rows.
-    return state["table"].at[prepared["ids"]].get(mode="fill", fill_value=0.0)
+    # Padding ids map past the rows (by `prepare` or `device_ids`): mode="fill" gives zero rows.
+    return state["table"].at[self.device_ids(prepared["ids"])].get(mode="fill", fill_value=0.0)
 
   def update(self, state, prepared, grads):
     slots = {k: state[k] for k in self.spec.optimizer.slot_names()}
+    prepared = {**prepared, "ids": self.device_ids(prepared["ids"])}
     table, slots = base.sparse_sgd_or_adagrad(self.spec, state["table"], slots, prepared, grads)
     return {"table": table, **slots}
 

@@ -53,6 +53,8 @@ class FusedDense(TableGroup):
     self.total = int(sum(rows))
     self.spec0 = specs[0]
     self.slot_names = self.spec0.optimizer.slot_names()
+    #: The members' dedup runs in the step (`DenseOptions.dedup`: one option for the group).
+    self.dedup_on_device = next(iter(self.members.values())).dedup == "device"
 
   def describe(self, table=None):
     return "dense"
@@ -74,9 +76,10 @@ class FusedDense(TableGroup):
     return sharding.put(state, self.state_sharding())
 
   def _shift(self, n: str, ids: jax.Array) -> jax.Array:
-    """Table n's prepared ids (padding = its pad_id, past its aligned rows) -> fused rows
-    (padding -> S: zero rows on lookup, dropped by the update's scatters)."""
-    return jnp.where(ids >= self.rows[n], self.total, ids + self.offsets[n])
+    """Table n's prepared ids (padding: its pad_id past its aligned rows, or < 0 as read with
+    dedup=device) -> fused rows (padding -> S: zero rows on lookup, dropped by the update's
+    scatters)."""
+    return jnp.where((ids < 0) | (ids >= self.rows[n]), self.total, ids + self.offsets[n])
 
   def lookup(self, state, prepared):
     names = list(self.members)
@@ -107,14 +110,17 @@ class FusedDense(TableGroup):
     # and row updates in arrays of its own shapes, as unfused `dense` computes them (XLA:CPU
     # sums [U, D] blocks of other shapes in another order: ulps apart, and the trainer's tests
     # compare the other backends with dense bit for bit).
+    if self.dedup_on_device:
+      deduped = self._group_dedup(prepared)
+    else:
+      deduped = {
+        n: (self._shift(n, prepared[n]["rows"]["unique"]), prepared[n]["rows"]["inverse"])
+        for n in g
+      }
     unique, sums = {}, {}
     for n in g:
-      p = prepared[n]["rows"]
-      u, inverse = (
-        (p["unique"], p["inverse"]) if "unique" in p else base.device_dedup(p["ids"], self.rows[n])
-      )
-      unique[n] = self._shift(n, u)
-      sums[n] = base.segment_rows(g[n], inverse, u.shape[0])
+      unique[n], inverse = deduped[n]
+      sums[n] = base.segment_rows(g[n], inverse, unique[n].shape[0])
     at = jnp.concatenate(list(unique.values()))
     rows = state["table"].at[at].get(mode="fill", fill_value=0.0)
     slots = {s: state[s].at[at].get(mode="fill", fill_value=0.0) for s in self.slot_names}
@@ -129,6 +135,31 @@ class FusedDense(TableGroup):
     table = state["table"].at[at].set(jnp.concatenate(new_rows), mode="drop")
     out = {s: state[s].at[at].set(jnp.concatenate(new_slots[s]), mode="drop") for s in new_slots}
     return {"table": table, **out}
+
+  def _group_dedup(self, prepared) -> dict:
+    """dedup=device: every table's (unique, inverse) from ONE sort of the group's shifted ids
+    (an accelerator sorts the group once, not once per table). The tables own disjoint,
+    ordered ranges of fused rows, so table n's distinct rows are one run of the sorted
+    distinct ids, [lo_n, hi_n) (searchsorted of its first row): cut out into arrays of the
+    shapes its own dedup makes (U = B * L_n, then the filler S), the same values as
+    `device_dedup` of its ids shifted, so the update below runs as per table (its sums and
+    row updates in arrays of its own shapes: bit for bit on XLA:CPU).
+    -> {table: (unique int32[B * L_n] fused rows, inverse int32[B, L_n])}."""
+    names = list(prepared)
+    ids = [self._shift(n, prepared[n]["rows"]["ids"]) for n in names]
+    unique, inverse = base.device_dedup(jnp.concatenate([x.reshape(-1) for x in ids]), self.total)
+    firsts = jnp.asarray([self.offsets[n] for n in names] + [self.total], jnp.int32)
+    bounds = jnp.searchsorted(unique, firsts)  # [T + 1]: lo_n, and the last table's hi
+    out, start = {}, 0
+    for i, (n, x) in enumerate(zip(names, ids, strict=True)):
+      lo, hi, size = bounds[i], bounds[i + 1], x.size
+      at = jnp.arange(size, dtype=jnp.int32)
+      mine = unique.at[lo + at].get(mode="fill", fill_value=self.total)
+      # (padding's inverse points past hi - lo, at a filler slot or none: dropped either way)
+      local = inverse.reshape(-1)[start : start + size] - lo
+      out[n] = (jnp.where(at < hi - lo, mine, self.total), local.reshape(x.shape))
+      start += size
+    return out
 
   def export(self, state):
     out = {}

@@ -43,12 +43,7 @@ class TableGroup(Backend):
     self.lookahead = max([m.lookahead for m in self.members.values()] + [0])
     # Members whose prepare is the contract's default (map padding, dedup for per-row
     # optimizer state: dense) are prepared together, in one pass over the group's ids.
-    default = [
-      type(m).prepare is TableBackend.prepare
-      and m.spec.optimizer.needs_unique
-      and not m.process_local
-      for m in self.members.values()
-    ]
+    default = [m.prepares_by_default() and m.dedup_on_host for m in self.members.values()]
     self._stacked = (
       kernels.StackedDedup([m.pad_id for m in self.members.values()])
       if self.members and all(default) and kernels.stacked_dedup_kernel() is not None

@@ -96,10 +96,21 @@ class TableBackend(abc.ABC):
     ids = np.asarray(ids)
     pad = self.pad_id
     out = {"ids": np.where(ids < 0, pad, ids).astype(np.int32)}
-    # A process-local slice is not the batch: the update dedups the gathered ids on device.
-    if self.spec.optimizer.needs_unique and not self.process_local:
+    if self.dedup_on_host:
       out["unique"], out["inverse"] = dedup(ids, pad)
     return out
+
+  @property
+  def dedup_on_host(self) -> bool:
+    """`prepare` dedups the batch's ids (unique / inverse) for the update's per-row optimizer
+    state; False: none is needed (SGD), or the update dedups on device (a process-local slice
+    is not the batch; `dense(dedup=device)`)."""
+    return self.spec.optimizer.needs_unique and not self.process_local
+
+  def prepares_by_default(self) -> bool:
+    """`prepare` makes the default's arrays (padding mapped, the dedup where `dedup_on_host`):
+    a `TableGroup` then prepares such members together, in one pass (`kernels.StackedDedup`)."""
+    return type(self).prepare is TableBackend.prepare
 
   @property
   def pad_id(self) -> int:

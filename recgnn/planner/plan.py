@@ -30,12 +30,12 @@ from recgnn.embeddings.contract import (
   Backend,
   Capabilities,
   Layout,
-  TableBackend,
   valid_options,
 )
 from recgnn.embeddings.group import TableGroup
 from recgnn.embeddings.registry import REGISTRY, register_backend
 from recgnn.embeddings.specs import TableSpec
+from recgnn.embeddings.table_backend import TableBackend
 
 # ----------------------------------------------------------------------------- registry
 
