@@ -65,6 +65,8 @@ def _same(a, b):
 
 PLANS = {
   "dense": ((".*", "dense"),),
+  # The dedup in the step (a GPU's default): the ids stacked as read, padding mapped per step.
+  "dense_dedup_device": ((".*", "dense(dedup=device)"),),
   "rows": (("C(3|4|10|16|21)", "dense(shard=rows)"), (".*", "dense")),
   "tt": (("C(3|4)", "tt(rank=4)"), (".*", "dense")),
   "sharded": ((".*", "sharded"),),
@@ -82,7 +84,7 @@ PLANS = {
   "plan,mesh",
   [
     ("dense", (1, 1)),
-    ("dense", (8, 1)),
+    ("dense_dedup_device", (8, 1)),  # (the host's dedup on several devices: "rows", 2x4)
     ("rows", (2, 4)),
     ("tt", (1, 1)),
     ("tt", (8, 1)),
