@@ -68,12 +68,11 @@ def set_threads(n: int | None) -> int:
   return old
 
 
-def chunks(n: int, min_per_chunk: int, most: int | None = None) -> list[int]:
+def chunks(n: int, min_per_chunk: int) -> list[int]:
   """Cuts 0 = c_0 < c_1 < ... < c_k = n of n items into k near-equal contiguous chunks: k =
-  `threads()` (or `most`, when smaller), fewer so that each chunk has >= min_per_chunk
-  items, at least 1. [0, n] is one chunk: a plain call."""
-  k = threads() if most is None else min(threads(), most)
-  k = max(1, min(k, n // max(1, min_per_chunk)))
+  `threads()`, fewer so that each chunk has >= min_per_chunk items, at least 1. [0, n] is
+  one chunk: a plain call."""
+  k = max(1, min(threads(), n // max(1, min_per_chunk)))
   q, r = divmod(n, k)
   return [i * q + min(i, r) for i in range(k + 1)]
 

@@ -42,12 +42,12 @@ def test_chunks_cover_the_work_once_on_several_threads(threads, n):
   assert (seen == 1).all() and len(names) == len(cuts) - 1
 
 
-def test_chunks_respect_the_minimum_and_the_most():
+def test_chunks_respect_the_minimum():
   old = hostpool.set_threads(8)
   try:
     assert hostpool.chunks(100, 30) == [0, 34, 67, 100]  # 3 chunks of >= 30
     assert hostpool.chunks(29, 30) == [0, 29]
-    assert hostpool.chunks(100, 1, most=2) == [0, 50, 100]
+    assert hostpool.chunks(5, 1) == [0, 1, 2, 3, 4, 5]
   finally:
     hostpool.set_threads(old)
 
