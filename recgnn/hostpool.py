@@ -8,9 +8,15 @@ of 65536 in a fraction of one core's time (issue 43): random reads of memmapped 
 memory-latency bound, so more threads keep more cache misses in flight.
 
 Threads: `threads()` is decided once per process: $RECGNN_HOST_THREADS when set (1: every
-kernel one plain call, as before this module), else the CPUs this process may run on
-(`os.sched_getaffinity`), at most `MAX_DEFAULT_THREADS`. Callers decide how many chunks pay
-(a minimum of work per chunk, measured per kernel), `chunks` cuts the work.
+kernel one plain call, as before this module), else half the CPUs this process may run on
+(`os.sched_getaffinity`), at most `MAX_DEFAULT_THREADS`: 8 on a 16-core GPU host, 1 on a
+2-core one. Half, as the offload planner's threads: the input shares the cores with the
+step's host threads (and on a shared machine with others). Measured on 2 cores, batch 65536,
+RECGNN_HOST_THREADS=2 vs 1: quiet, read 8.7 vs 12.8 ms and prepare 9.1 vs 14.1 (medians of
+3); beside another engineer's jobs (load 1.4-2.7), read 14.3 vs 11.5 and prepare 16.4 vs
+12.2: a chunk waiting for a core costs more than the split gains. Callers decide how many
+chunks pay (a minimum of work per chunk, measured per kernel), `chunks` cuts the work. (The
+offload planner cuts its tables by its own count, RECGNN_HOSTPLAN_THREADS, and only `run`s.)
 
 Fork: the trainer forks its input worker (train/input_worker.py) after the parent may have
 used the pool; a thread does not survive fork, so a child must not submit to its parent's
@@ -56,7 +62,7 @@ def _decide() -> int:
     cpus = len(os.sched_getaffinity(0))
   except AttributeError:  # (not Linux)
     cpus = os.cpu_count() or 1
-  return max(1, min(MAX_DEFAULT_THREADS, cpus))
+  return max(1, min(MAX_DEFAULT_THREADS, cpus // 2))
 
 
 def set_threads(n: int | None) -> int:
