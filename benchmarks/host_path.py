@@ -8,6 +8,8 @@ synthetic Criteo-format data at `--scale` x Kaggle's cardinalities (1.0: Kaggle'
   input     the input side alone, on one thread, in stream order: the task's batch iterator
             (read), every group's `prepare` (with the look-ahead window), `Feeder.pack`; ms of
             CPU (time.thread_time) and wall per batch, medians after the first few batches.
+            A large batch's read and dedup also run on `recgnn.hostpool` threads (their CPU
+            is not the input thread's: see the wall columns; RECGNN_HOST_THREADS=1: none).
             Not for a plan with a host tier (cdlrm_kaggle): its prepare waits for the
             write-backs of steps, which this runs none of (it hung there).
   ceiling   `recgnn.train.loop.train` (the real loop: input thread, transfer, launch, traffic,
@@ -301,6 +303,10 @@ COLUMNS = (
   ("input", "read cpu", "read", "{:.2f}"),
   ("input", "prepare cpu", "prepare", "{:.2f}"),
   ("input", "pack cpu", "pack", "{:.2f}"),
+  # With hostpool threads (RECGNN_HOST_THREADS) part of a batch's read and prepare runs on
+  # other threads, which the CPU figures above (the input thread's) do not see: wall shows it.
+  ("input", "read wall", "read wall ms", "{:.2f}"),
+  ("input", "prepare wall", "prepare wall ms", "{:.2f}"),
   ("loop", "samples_per_s", "ceiling samples/s", "{:,.0f}"),
   ("loop", "main_cpu_ms_per_step", "main CPU ms / step", "{:.3f}"),
   ("calls", "main_python_calls_per_step", "main Python calls / step", "{:.0f}"),

@@ -31,6 +31,8 @@ ENV_RECORDED = (
   "TCMALLOC_RELEASE_RATE",
   "JAX_PLATFORMS",
   "RECGNN_MALLOC",
+  "RECGNN_HOST_THREADS",  # threads of a large batch's read and dedup (recgnn/hostpool.py)
+  "RECGNN_HOSTPLAN_THREADS",
 )
 
 

@@ -20,10 +20,11 @@ Layout: a group's per-table arrays are slices of flat arrays, `off[t]:off[t + 1]
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 
 import numpy as np
+
+from recgnn import hostpool
 
 try:
   import numba
@@ -55,7 +56,6 @@ def _jit(**kw):
   return wrap
 
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
 # Default: half the cores (at most 8), as the input thread shares them with the step; one on
 # this 2-core machine. RECGNN_HOSTPLAN_THREADS overrides it.
 _THREADS = int(os.environ.get("RECGNN_HOSTPLAN_THREADS", "0")) or max(
@@ -76,19 +76,11 @@ def threads() -> int:
 
 def over_tables(kernel, num_tables: int, *args) -> None:
   """kernel(*args, t_lo, t_hi) over every table, split into `threads()` contiguous ranges
-  run at once (the kernels release the GIL). One range: a plain call, no pool."""
-  global _POOL
-  k = min(_THREADS, num_tables)
-  if k <= 1:
-    kernel(*args, 0, num_tables)
-    return
-  if _POOL is None or _POOL._max_workers < k - 1:
-    _POOL = concurrent.futures.ThreadPoolExecutor(k - 1, thread_name_prefix="hostplan")
-  cuts = np.linspace(0, num_tables, k + 1).astype(int)
-  futures = [_POOL.submit(kernel, *args, cuts[i], cuts[i + 1]) for i in range(1, k)]
-  kernel(*args, cuts[0], cuts[1])
-  for f in futures:
-    f.result()
+  run at once (the kernels release the GIL) on `hostpool`'s threads (its own per forked
+  process). One range: a plain call, no pool."""
+  k = max(1, min(_THREADS, num_tables))
+  cuts = [int(c) for c in np.linspace(0, num_tables, k + 1).astype(int)]
+  hostpool.run(lambda lo, hi: kernel(*args, lo, hi), cuts)
 
 
 @_jit()
