@@ -52,6 +52,35 @@ def test_pack_then_unpack_gives_each_device_its_slice(devices):
   np.testing.assert_array_equal(np.asarray(out["h"]), tree["h"])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("devices", [1, 8])
+def test_pack_on_threads_makes_the_buffers_of_one_thread(monkeypatch, threads, devices):
+  """A large batch's copies split over hostpool's threads (a tiny COPY_CHUNK_BYTES here, so
+  every tree of this test is cut): runs of leaves of about equal bytes, covering each leaf
+  once; the buffers equal the one-thread packing's, byte for byte."""
+  from recgnn import hostpool
+
+  rng = np.random.default_rng(threads)
+  tree = {**_tree(rng, b=64), "c": rng.normal(size=(64, 9)).astype(np.float32),
+          "e": np.zeros((64, 0), np.int32)}  # fmt: skip
+  specs = {**SPECS, "c": sharding.BATCH_SPEC, "e": sharding.BATCH_SPEC}
+  old = hostpool.set_threads(1)
+  try:
+    (want, _), _ = inputs.pack(tree, specs, devices)
+    hostpool.set_threads(threads)
+    monkeypatch.setattr(inputs, "COPY_CHUNK_BYTES", 16)
+    leaves, treedef = jax.tree.flatten(tree)
+    packer = inputs.Packer(treedef, leaves, jax.tree.leaves(specs), devices)
+    cuts = packer._copy_cuts()
+    assert cuts[0] == 0 and cuts[-1] == len(packer.slots) and cuts == sorted(set(cuts))
+    assert len(cuts) - 1 == min(threads, len(packer.slots))  # (5 leaves on the devices)
+    got, _ = packer(leaves)
+  finally:
+    hostpool.set_threads(old)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_pack_layout_hash_is_cached_and_structural():
   rng = np.random.default_rng(0)
   _, l1 = inputs.pack(_tree(rng), SPECS, 2)
