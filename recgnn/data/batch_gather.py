@@ -50,9 +50,13 @@ def gather_one_hot(labels, dense, sparse, rows, out_label, out_dense, out_weight
 @njit(cache=True, nogil=True)
 def gather_rows(labels, dense, sparse, rows, lo, hi, out_label, out_dense, out_weight, out_ids):
   """`gather_one_hot` of rows[lo:hi] only, into positions lo..hi-1."""
+  # (views, then a loop from 0: the one-call loop's code; `range(lo, hi)` over the whole
+  # arrays measured ~7% slower per row at one thread)
+  rows, out_label, out_weight = rows[lo:hi], out_label[lo:hi], out_weight[lo:hi]
+  out_dense, out_ids = out_dense[lo:hi], out_ids[:, lo:hi]
   d = dense.shape[1]
   s = sparse.shape[1]
-  for i in range(lo, hi):
+  for i in range(rows.shape[0]):
     r = rows[i]
     out_label[i] = labels[r]
     out_weight[i] = 1.0
