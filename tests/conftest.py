@@ -90,11 +90,14 @@ def pytest_xdist_auto_num_workers(config):
 # the run's workers, every test a reader and a serial one the writer, so a serial test starts
 # only when no other test runs and none starts until it ends. A turnstile taken before either
 # keeps readers from overtaking a waiting writer. Without workers it does nothing.
+_LOCK_DIR = tempfile.gettempdir()  # (the machine's: every worker's, before `_contained_tmp`)
+
+
 def _lock_paths() -> tuple[str, str] | None:
   uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
   if not uid:
     return None
-  stem = os.path.join(tempfile.gettempdir(), f"recgnn-pytest-{uid}")
+  stem = os.path.join(_LOCK_DIR, f"recgnn-pytest-{uid}")
   return f"{stem}.turnstile", f"{stem}.lock"
 
 
@@ -176,6 +179,23 @@ def pytest_terminal_summary(terminalreporter):
   top = sorted(_by_test.items(), key=lambda kv: -kv[1])[:10]
   for nodeid, s in top:
     tr.write_line(f"{s:7.1f} s XLA compile  {nodeid}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _contained_tmp(tmp_path_factory):
+  """Temporary files of the code under test (and of the processes a test starts: TMPDIR)
+  in this worker's pytest directory, which pytest removes after 3 runs: TFDS leaves an empty
+  `tmp*tfds` folder per deliberately damaged build, and code that makes its own temporary
+  workdir may leave it; a run left hundreds in /tmp."""
+  d = str(tmp_path_factory.mktemp("tmp"))
+  old_env, old_dir = os.environ.get("TMPDIR"), tempfile.tempdir
+  os.environ["TMPDIR"], tempfile.tempdir = d, d
+  yield
+  tempfile.tempdir = old_dir
+  if old_env is None:
+    os.environ.pop("TMPDIR", None)
+  else:
+    os.environ["TMPDIR"] = old_env
 
 
 @pytest.fixture(scope="session")
