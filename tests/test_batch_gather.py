@@ -18,9 +18,14 @@ def dataset(ctr_cache):
 
 
 @pytest.mark.skipif(not batch_gather.AVAILABLE, reason="numba not installed")
-@pytest.mark.parametrize("n", [512, 300, 0])
+@pytest.mark.parametrize("n", [512, 300, 0, -512])
 def test_compiled_read_equals_numpy(dataset, n):
-  rows = np.sort(np.random.default_rng(n).permutation(dataset.num_rows)[:n]).astype(np.int64)
+  """n < 0: |n| rows in order (an eval batch, train.shuffle=False), also the kernel's."""
+  if n < 0:
+    n = -n
+    rows = np.arange(1000, 1000 + n, dtype=np.int64)
+  else:
+    rows = np.sort(np.random.default_rng(n).permutation(dataset.num_rows)[:n]).astype(np.int64)
   got = dataset.gather(rows, 512)
   want = ctr_dataset.padded_batch(
     512, dataset.dense[rows], dataset.labels[rows], dataset.sparse[rows], dataset.table_names
@@ -33,6 +38,8 @@ def test_compiled_read_equals_numpy(dataset, n):
     assert got["ids"][name].shape == want["ids"][name].shape == (512, 1)
     np.testing.assert_array_equal(got["ids"][name], want["ids"][name], err_msg=name)
   assert got["weight"].sum() == n
+  for name in want["ids"]:  # (each table's ids contiguous, whatever the [T, B] array's stride)
+    assert got["ids"][name].flags.c_contiguous, name
 
 
 @pytest.fixture(params=[1, 2, 3])
