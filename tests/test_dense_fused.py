@@ -183,3 +183,34 @@ def test_group_dedup_cuts_each_tables_own_dedup_out_of_one_sort():
       want = np.where(unique >= group.rows[n], group.total, unique + group.offsets[n])
       np.testing.assert_array_equal(got[n][0], want, err_msg=n)
       np.testing.assert_array_equal(np.asarray(got[n][1])[x >= 0], inverse[x >= 0], err_msg=n)
+
+
+def test_dedup_on_device_is_one_sort_of_the_group_in_the_cuda_lowering():
+  """What a GPU runs (lowered for CUDA here, no GPU needed): dense(dedup=device)'s update of
+  a fused group of 26 tables sorts once (not once per table) and cuts the tables' runs with
+  a handful of gathers (not one per table); its prepared batch is the ids alone, a third of
+  the host dedup's bytes over the host link."""
+  import re
+
+  mesh = mesh_or_skip(1, 1)
+  specs = _specs(ADAGRAD, rows=tuple(range(40, 66)))
+  b = 128
+  ids = {s.name: np.zeros((b, 1), np.int32) for s in specs}
+  sizes = {}
+  for mode in ("host", "device"):
+    group = planner.make_group(f"dense(dedup={mode})", specs, mesh)
+    state = {"table": jax.ShapeDtypeStruct((group.total, 8), np.float32),
+             "accum": jax.ShapeDtypeStruct((group.total,), np.float32)}  # fmt: skip
+    prepared = group.prepare(ids)
+    grads = {s.name: jax.ShapeDtypeStruct((b, 8), np.float32) for s in specs}
+    residuals = {s.name: () for s in specs}
+    lowered = jax.jit(group.update).trace(state, prepared, residuals, grads)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    sorts, gathers = len(re.findall(r"stablehlo\.sort", text)), len(re.findall(r"gather", text))
+    sizes[mode] = sum(x.nbytes for x in jax.tree.leaves(prepared))
+    if mode == "device":
+      assert sorts == 1, sorts
+      assert gathers < len(specs), gathers
+    else:
+      assert sorts == 0, sorts
+  assert sizes["device"] * 3 == sizes["host"]

@@ -150,15 +150,20 @@ class FusedDense(TableGroup):
     unique, inverse = base.device_dedup(jnp.concatenate([x.reshape(-1) for x in ids]), self.total)
     firsts = jnp.asarray([self.offsets[n] for n in names] + [self.total], jnp.int32)
     bounds = jnp.searchsorted(unique, firsts)  # [T + 1]: lo_n, and the last table's hi
+    # Per position of the concatenated ids: its table's lo and hi, its index in its table
+    # (broadcasts and iotas XLA fuses), so every table's run is cut by ONE gather.
+    sizes = [x.size for x in ids]
+    lo = jnp.concatenate([jnp.full(k, bounds[i]) for i, k in enumerate(sizes)])
+    hi = jnp.concatenate([jnp.full(k, bounds[i + 1]) for i, k in enumerate(sizes)])
+    at = jnp.concatenate([jnp.arange(k, dtype=jnp.int32) for k in sizes])
+    mine = unique.at[lo + at].get(mode="fill", fill_value=self.total)
+    cut = jnp.where(at < hi - lo, mine, self.total)
+    # (padding's inverse points past hi - lo, at a filler slot or none: dropped either way)
+    local = inverse.reshape(-1) - lo
     out, start = {}, 0
-    for i, (n, x) in enumerate(zip(names, ids, strict=True)):
-      lo, hi, size = bounds[i], bounds[i + 1], x.size
-      at = jnp.arange(size, dtype=jnp.int32)
-      mine = unique.at[lo + at].get(mode="fill", fill_value=self.total)
-      # (padding's inverse points past hi - lo, at a filler slot or none: dropped either way)
-      local = inverse.reshape(-1)[start : start + size] - lo
-      out[n] = (jnp.where(at < hi - lo, mine, self.total), local.reshape(x.shape))
-      start += size
+    for n, x, k in zip(names, ids, sizes, strict=True):
+      out[n] = (cut[start : start + k], local[start : start + k].reshape(x.shape))
+      start += k
     return out
 
   def export(self, state):
