@@ -105,7 +105,7 @@ class Dense(base.TableBackend):
     return self.dedup == "host" and super().dedup_on_host
 
   def prepares_by_default(self) -> bool:
-    return self.dedup == "host"
+    return True  # (the default's arrays, or with dedup=device the ids as read)
 
   def prepare(self, ids, upcoming=(), *, train=True):
     if self.dedup == "host":

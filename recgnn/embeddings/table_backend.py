@@ -108,8 +108,10 @@ class TableBackend(abc.ABC):
     return self.spec.optimizer.needs_unique and not self.process_local
 
   def prepares_by_default(self) -> bool:
-    """`prepare` makes the default's arrays (padding mapped, the dedup where `dedup_on_host`):
-    a `TableGroup` then prepares such members together, in one pass (`kernels.StackedDedup`)."""
+    """`prepare` makes the default's arrays (padding mapped, the dedup where `dedup_on_host`),
+    or passes the ids through for a step that maps them itself: nothing a device could not
+    do. A `TableGroup` prepares such members that dedup on the host together, in one pass
+    (`kernels.StackedDedup`); data-parallel GraphSAGE prepares them on the device."""
     return type(self).prepare is TableBackend.prepare
 
   @property

@@ -51,7 +51,6 @@ import numpy as np
 from recgnn import comms, planner, sharding
 from recgnn.embeddings import base as emb_base
 from recgnn.embeddings.group import TableGroup
-from recgnn.embeddings.table_backend import TableBackend
 from recgnn.tasks import node_batch
 from recgnn.train import setup
 from recgnn.train import step as step_lib
@@ -86,7 +85,7 @@ def check_plan(plan: planner.Plan) -> None:
     ok = isinstance(group, TableGroup) and not (
       group.capabilities.plans_globally or group.capabilities.needs_split_ids
     )
-    ok = ok and all(type(m).prepare is TableBackend.prepare for m in group.members.values())
+    ok = ok and all(m.prepares_by_default() for m in group.members.values())
     if not ok:
       raise ValueError(
         f"data-parallel GraphSAGE samples node ids on the device; backend {key!r} prepares "
