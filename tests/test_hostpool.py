@@ -146,6 +146,7 @@ def test_a_forked_child_chunks_after_its_parent_did(threads):
   parent, child = ctx.Pipe()
   with warnings.catch_warnings():  # (Python 3.12 warns at a fork of a threaded process)
     warnings.simplefilter("ignore", DeprecationWarning)
+    warnings.filterwarnings("ignore", message=r".*fork\(\).*", category=RuntimeWarning)  # (JAX)
     proc = ctx.Process(target=_child, args=(child, rows, ids))
     proc.start()
   try:
