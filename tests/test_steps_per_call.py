@@ -80,47 +80,78 @@ PLANS = {
 }
 
 
+# Steps of the runs the resume tests compare with (their uninterrupted run is the k-step
+# case's own 12-step run, trained once for both tests); the other cases run 8.
+RESUME_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def trained(cache_dir, tmp_path_factory):
+  """trained(plan, mesh, k, steps) -> (loop.train's result, workdir): each run once per
+  module, shared by the tests that compare with it (a build traces and lowers the trainer's
+  programs again: most of a case's time). Its results are only read."""
+  runs = {}
+  root = tmp_path_factory.mktemp("runs")
+
+  def get(plan, mesh, k, steps):
+    key = (plan, mesh, k, steps)
+    if key not in runs:
+      rules = plan if isinstance(plan, tuple) else PLANS[plan]
+      wd = str(root / f"run{len(runs)}")
+      runs[key] = loop.train(_config(cache_dir, k, mesh, rules, steps=steps), wd), wd
+    return runs[key]
+
+  return get
+
+
+CASES = [
+  ("dense", (1, 1)),
+  ("dense_dedup_device", (8, 1)),  # (the host's dedup on several devices: "rows", 2x4)
+  ("rows", (2, 4)),
+  ("tt", (1, 1)),
+  ("tt", (8, 1)),
+  ("tt", (2, 4)),
+  ("sharded", (8, 1)),
+  ("sharded", (2, 4)),
+  ("offload", (1, 1)),
+  ("offload_lookahead", (1, 1)),
+  pytest.param("offload", (8, 1), marks=pytest.mark.slow),
+  pytest.param("offload", (2, 4), marks=pytest.mark.slow),
+  pytest.param("hot_cold", (1, 1), marks=pytest.mark.slow),  # (~3 min: 4 programs)
+  pytest.param("hot_cold", (8, 1), marks=pytest.mark.slow),
+  pytest.param("hot_cold", (2, 4), marks=pytest.mark.slow),
+]
+
+
+def _steps(plan, mesh):
+  """The resume tests' plans on one device run as long as their chains."""
+  return RESUME_STEPS if mesh == (1, 1) and plan in ("dense", "offload") else 8
+
+
 @pytest.mark.parametrize(
-  "plan,mesh",
-  [
-    ("dense", (1, 1)),
-    ("dense_dedup_device", (8, 1)),  # (the host's dedup on several devices: "rows", 2x4)
-    ("rows", (2, 4)),
-    ("tt", (1, 1)),
-    ("tt", (8, 1)),
-    ("tt", (2, 4)),
-    ("sharded", (8, 1)),
-    ("sharded", (2, 4)),
-    ("offload", (1, 1)),
-    ("offload_lookahead", (1, 1)),
-    pytest.param("offload", (8, 1), marks=pytest.mark.slow),
-    pytest.param("offload", (2, 4), marks=pytest.mark.slow),
-    pytest.param("hot_cold", (1, 1), marks=pytest.mark.slow),  # (~3 min: 4 programs)
-    pytest.param("hot_cold", (8, 1), marks=pytest.mark.slow),
-    pytest.param("hot_cold", (2, 4), marks=pytest.mark.slow),
-  ],
-  ids=lambda x: x if isinstance(x, str) else f"{x[0]}x{x[1]}",
+  "plan,mesh", CASES, ids=lambda x: x if isinstance(x, str) else f"{x[0]}x{x[1]}"
 )
-def test_k_steps_per_call_are_k_calls_of_one_step(cache_dir, tmp_path, plan, mesh):
+def test_k_steps_per_call_are_k_calls_of_one_step(trained, plan, mesh):
   """4 steps per call end bit-identical to one step per call (state, logged per-step
   means at the same steps, test AUC). The host tiers' runs evict and write back every
   step, and load rows back from the device ring of recent write-backs: rows a step of the
   same call wrote back, prepared before the call ran."""
   skip_unless_deterministic()
   skip_unless_devices(mesh[0] * mesh[1], f"mesh {mesh[0]}x{mesh[1]}")
-  one = loop.train(_config(cache_dir, 1, mesh, PLANS[plan]), str(tmp_path / "one"))
-  four = loop.train(_config(cache_dir, 4, mesh, PLANS[plan]), str(tmp_path / "four"))
-  assert one.metrics["step"] == four.metrics["step"] == 8 and int(four.state.step) == 8
+  steps = _steps(plan, mesh)
+  one, one_wd = trained(plan, mesh, 1, steps)
+  four, four_wd = trained(plan, mesh, 4, steps)
+  assert one.metrics["step"] == four.metrics["step"] == steps and int(four.state.step) == steps
   _same(one, four)
-  assert _logged(tmp_path / "one") == _logged(tmp_path / "four")
-  assert [r["step"] for r in _logged(tmp_path / "four")] == [4, 8]
+  assert _logged(one_wd) == _logged(four_wd)
+  assert [r["step"] for r in _logged(four_wd)] == list(range(4, steps + 1, 4))
   assert four.metrics["test/auc"] == one.metrics["test/auc"]
   if plan.startswith(("offload", "hot_cold")):
-    rows = _rows(tmp_path / "four")
+    rows = _rows(four_wd)
     assert sum(v for r in rows for k, v in r.items() if k.endswith("d2h_rows_per_step")) > 0
     assert sum(r.get("ring_rows_per_step", 0) for r in rows) > 0, "no row came from the ring"
   if plan == "hot_cold":
-    assert sum(r.get("micro_popular_size", 0) for r in _rows(tmp_path / "four")) > 0
+    assert sum(r.get("micro_popular_size", 0) for r in _rows(four_wd)) > 0
 
 
 def _rows(workdir):
@@ -128,20 +159,25 @@ def _rows(workdir):
     return [json.loads(x) for x in f]
 
 
-def test_k_steps_per_call_resume_exactly(cache_dir, tmp_path):
-  """A 4-step-per-call run stopped after one call and resumed ends as the uninterrupted one;
-  so does a one-step run's checkpoint resumed 4 steps per call."""
+def _resume_chain(cache_dir, rules, workdir):
+  """A run of RESUME_STEPS stopped twice: 4 steps at one step per call, resumed at 4 per
+  call (a one-step run's checkpoint) and stopped after one call, resumed at 4 per call
+  again (a k-step run's checkpoint, stopped on a call boundary) to the end."""
+  one = _config(cache_dir, 1, plan=rules, steps=RESUME_STEPS)
+  four = _config(cache_dir, 4, plan=rules, steps=RESUME_STEPS)
+  assert loop.train(one, workdir, stop_after=4).metrics["step"] == 4
+  assert loop.train(four, workdir, resume=True, stop_after=4).metrics["step"] == 8
+  end = loop.train(four, workdir, resume=True)
+  assert end.metrics["step"] == RESUME_STEPS
+  return end
+
+
+def test_k_steps_per_call_resume_exactly(cache_dir, trained, tmp_path):
+  """A one-step run's checkpoint resumed at 4 steps per call, and a 4-step-per-call run
+  stopped after one call and resumed, end as the uninterrupted 4-step-per-call run."""
   skip_unless_deterministic()
-  four = _config(cache_dir, 4, steps=12)
-  full = loop.train(four, str(tmp_path / "full"))
-  wd = str(tmp_path / "part")
-  assert loop.train(four, wd, stop_after=4).metrics["step"] == 4
-  resumed = loop.train(four, wd, resume=True)
-  assert resumed.metrics["step"] == 12
-  _same(full, resumed)
-  wd = str(tmp_path / "from_one")
-  assert loop.train(_config(cache_dir, 1, steps=12), wd, stop_after=8).metrics["step"] == 8
-  _same(full, loop.train(four, wd, resume=True))
+  full, _ = trained("dense", (1, 1), 4, RESUME_STEPS)
+  _same(full, _resume_chain(cache_dir, PLANS["dense"], str(tmp_path / "chain")))
 
 
 @pytest.mark.slow
@@ -160,7 +196,7 @@ def test_k_steps_per_call_offload_ssd_level(cache_dir, tmp_path):
 
 
 HOST_RESUME = {
-  "offload": PLANS["offload"],
+  "offload": "offload",  # (PLANS': its uninterrupted run is the k-step case's)
   # (the split off: a resumed run sizes its popular micro-batch again from its first batch,
   # which changes float summation order, not values; tests/test_hot_cold.py resumes it)
   "hot_cold": ((".*", "hot_cold(budget=0.2, profile_batches=4, split=False)"),),
@@ -180,19 +216,13 @@ def _same_model(a, b):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", sorted(HOST_RESUME))
-def test_k_steps_per_call_host_tiers_resume_exactly(cache_dir, tmp_path, plan):
-  """offload / hot_cold at 4 steps per call, stopped after one call and resumed, end as the
-  uninterrupted run; so does a one-step run's checkpoint resumed at 4 steps per call."""
+def test_k_steps_per_call_host_tiers_resume_exactly(cache_dir, trained, tmp_path, plan):
+  """offload / hot_cold: a one-step run's checkpoint resumed at 4 steps per call, stopped
+  after one call and resumed again, ends as the uninterrupted 4-step-per-call run."""
   skip_unless_deterministic()
-  four = _config(cache_dir, 4, plan=HOST_RESUME[plan], steps=12)
-  full = loop.train(four, str(tmp_path / "full"))
-  wd = str(tmp_path / "part")
-  assert loop.train(four, wd, stop_after=4).metrics["step"] == 4
-  _same_model(full, loop.train(four, wd, resume=True))
-  wd = str(tmp_path / "from_one")
-  one = _config(cache_dir, 1, plan=HOST_RESUME[plan], steps=12)
-  assert loop.train(one, wd, stop_after=8).metrics["step"] == 8
-  _same_model(full, loop.train(four, wd, resume=True))
+  full, _ = trained(HOST_RESUME[plan], (1, 1), 4, RESUME_STEPS)
+  rules = PLANS[plan] if plan == "offload" else HOST_RESUME[plan]
+  _same_model(full, _resume_chain(cache_dir, rules, str(tmp_path / "chain")))
 
 
 def test_a_call_never_reads_its_own_write_backs_from_the_host():
@@ -250,7 +280,8 @@ def _k_step_program(cache_dir, plan, rows):
   for column, n in zip(schema["categorical"], (rows, rows, rows, 1000)):
     column.update(vocab="hash", hash_size=n)
   c.data.schema = json.dumps(schema)
-  run = setup.build(c)
+  with base.shapes_only():  # (zero tables: values change no program or size)
+    run = setup.build(c)
   big = [s for g in run.plan.groups.values() for s in g.specs.values() if s.num_rows == rows]
   assert len(big) == 3
   train = run.task.train_batches()
