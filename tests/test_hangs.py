@@ -129,12 +129,12 @@ def test_hung_collective():
 def test_a_hung_collective_is_reported_by_pytest_timeout(tmp_path):
   """pytest-timeout (the `timeout` option in pyproject.toml) with the thread method: a test
   blocked in C++ (no Python signal handler would run) is ended with every thread's stack.
-  (A timeout of 8 s: the test reaches its hang in well under a second, jax imported at
+  (A timeout of 3 s: the test reaches its hang in well under a second, jax imported at
   collection, before the timer starts; the test waits the timeout out.)"""
   pytest.importorskip("pytest_timeout")
   (tmp_path / "test_hung.py").write_text(textwrap.dedent(HUNG_TEST))
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path),
-         f"--rootdir={tmp_path}", "-o", "timeout=8", "-o", "timeout_method=thread"]  # fmt: skip
+         f"--rootdir={tmp_path}", "-o", "timeout=3", "-o", "timeout_method=thread"]  # fmt: skip
   t0 = time.time()
   out = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
   text = out.stdout + out.stderr
