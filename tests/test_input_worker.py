@@ -54,7 +54,10 @@ def _same(a, b):
 
 
 def _ring_files():
-  return glob.glob(os.path.join(input_worker.SHM_DIR or "/nonexistent", "recgnn-input-*"))
+  """This process's slot files (named by the training process's pid: another worker's runs,
+  at the same time, make their own)."""
+  name = f"recgnn-input-{os.getpid()}-*"
+  return glob.glob(os.path.join(input_worker.SHM_DIR or "/nonexistent", name))
 
 
 @pytest.mark.parametrize(
