@@ -15,9 +15,6 @@ import pytest
 from recgnn.train import checkpoint, loop
 from tests.trainer_lib import FEW_TABLES, smoke_config, state_leaves
 
-# (one worker runs this module: its tests share module-scoped runs; tests/README.md)
-pytestmark = pytest.mark.xdist_group("crash")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILL_STEP = 8  # the save that is interrupted; checkpoint 4 is the last complete one
 

@@ -18,9 +18,6 @@ from recgnn.data import criteo, criteo_synthetic, kg, ogb, pipeline, planetoid, 
 from recgnn.train import loop  # noqa: E402
 from tests.trainer_lib import flip_byte, smoke_config, state_leaves  # noqa: E402
 
-# (one worker runs this module: its tests share module-scoped runs; tests/README.md)
-pytestmark = pytest.mark.xdist_group("data_tfds")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = 20_000
 

@@ -19,9 +19,6 @@ import pytest
 import run
 from recgnn.train import loop
 
-# (one worker runs this module: its tests share module-scoped runs; tests/README.md)
-pytestmark = pytest.mark.xdist_group("experiments")
-
 # Set where the experiment's config has the key (`--config.KEY=VALUE` on the command line).
 SMALL = {
   "mesh.data": 1,  # one device: what a new user on one GPU runs

@@ -11,9 +11,6 @@ from recgnn import comms, hlo, planner, sharding
 from recgnn.embeddings import base
 from recgnn.embeddings import host_table as ht
 
-# (one worker runs this module: its tests share module-scoped runs; tests/README.md)
-pytestmark = pytest.mark.xdist_group("host_link")
-
 ROWS, DIM, K = 1000, 16, 64
 
 

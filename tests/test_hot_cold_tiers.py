@@ -32,9 +32,6 @@ from recgnn import hlo, planner, sharding
 from recgnn.backends.hot_cold import hot_set, micro
 from recgnn.embeddings import base, microbatch
 
-# (one worker runs this module: its tests share module-scoped runs; tests/README.md)
-pytestmark = pytest.mark.xdist_group("hot_cold_tiers")
-
 
 def _init_zeros(group):
   """`group.init` with zero tables (`base.shapes_only`), for tests that only plan or lower:

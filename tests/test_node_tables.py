@@ -22,9 +22,6 @@ from recgnn.train import setup
 from recgnn.train import step as step_lib
 from tests.trainer_lib import make_task
 
-# (one worker runs this module: its tests share module-scoped runs; tests/README.md)
-pytestmark = pytest.mark.xdist_group("node_tables")
-
 OFFLOAD = "offload(cache_rows=700, policy=lru, lookahead=2)"  # < the 1,200 rows: evicts
 HOT_COLD = "hot_cold(budget=0.1, profile_batches=2, reprofile=3)"
 TT = "tt(rank=4, cores=2)"

@@ -26,9 +26,6 @@ from recgnn.backends import offload
 from recgnn.backends.offload import cache_plan
 from recgnn.embeddings import base
 
-# (one worker runs this module: its tests share module-scoped runs; tests/README.md)
-pytestmark = pytest.mark.xdist_group("offload_tiers")
-
 ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
 SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
 

@@ -19,9 +19,6 @@ from recgnn.tasks import ctr
 from recgnn.train import checkpoint, loop, workdir_lock
 from tests.trainer_lib import FEW_TABLES, smoke_config, state_leaves
 
-# (one worker runs this module: its tests share module-scoped runs; tests/README.md)
-pytestmark = pytest.mark.xdist_group("resume")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

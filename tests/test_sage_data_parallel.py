@@ -19,9 +19,6 @@ from recgnn.train import loop, setup
 from tests.test_graphsage import small_config
 from tests.trainer_lib import state_leaves
 
-# (one worker runs this module: its tests share module-scoped runs; tests/README.md)
-pytestmark = pytest.mark.xdist_group("sage_data_parallel")
-
 
 def synthetic_config(inputs: str, num_nodes: int = 3000):
   c = small_config(inputs, 0)

@@ -18,9 +18,6 @@ from recgnn import planner, sharding
 from recgnn.backends.offload import row_file
 from recgnn.embeddings import base
 
-# (one worker runs this module: its tests share module-scoped runs; tests/README.md)
-pytestmark = pytest.mark.xdist_group("ssd_tier")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
 ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)

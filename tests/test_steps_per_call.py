@@ -17,9 +17,6 @@ from tests.trainer_lib import (
   state_leaves,
 )
 
-# (one worker runs this module: its tests share module-scoped runs; tests/README.md)
-pytestmark = pytest.mark.xdist_group("steps_per_call")
-
 
 @pytest.fixture(scope="module")
 def cache_dir(ctr_cache):

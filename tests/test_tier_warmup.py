@@ -25,9 +25,6 @@ from recgnn import planner
 from recgnn.backends.offload import cache_plan
 from recgnn.embeddings import base
 
-# (one worker runs this module: its tests share module-scoped runs; tests/README.md)
-pytestmark = pytest.mark.xdist_group("tier_warmup")
-
 STEPS, BATCH, ROWS, TABLES = 300, 2048, 500_000, 3
 
 

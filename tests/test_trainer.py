@@ -22,9 +22,6 @@ from tests.trainer_lib import (
   state_leaves,
 )
 
-# (one worker runs this module: its tests share module-scoped runs; tests/README.md)
-pytestmark = pytest.mark.xdist_group("trainer")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
