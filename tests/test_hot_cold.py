@@ -127,17 +127,16 @@ def _assert_same(got, ref):
 
 @pytest.mark.parametrize("mesh_shape", [(1, 1), (8, 1), (2, 4)], ids=lambda m: f"{m[0]}x{m[1]}")
 @pytest.mark.parametrize("opt", [SGD, ADAGRAD], ids=lambda o: o.name)
-@pytest.mark.parametrize("pooling", ["mixed"])
-def test_group_matches_dense(opt, pooling, mesh_shape):
+def test_group_matches_dense(opt, mesh_shape):
   """Two tables in one group (an example is popular only if its ids in BOTH are hot), one
   sum-pooled and one mean-pooled, eval batches between train steps, two migrations:
   bit-identical to single-device dense. SGD's batches are large enough for popular
   micro-batches on every mesh. (Both poolings in one group: one program per case, where a
   case per pooling compiled two.)"""
-  specs = _specs(opt, pooling)
+  specs = _specs(opt, "mixed")
   batches = _batches(specs, batch=SPLIT_BATCH if opt is SGD else 64)
   mesh = sharding.make_mesh(*mesh_shape)
-  ref = dense_ref(opt, pooling, batch=SPLIT_BATCH if opt is SGD else 64, evals=(1, 4))
+  ref = dense_ref(opt, "mixed", batch=SPLIT_BATCH if opt is SGD else 64, evals=(1, 4))
   got = _run_group(TEXT, specs, batches, mesh, evals=(1, 4))
   _assert_same(got[:2], ref[:2])
   s = got[2].stats()

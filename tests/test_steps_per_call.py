@@ -80,6 +80,11 @@ PLANS = {
 }
 
 
+def _rules(plan):
+  """A plan's rules: a PLANS name, or the rules themselves."""
+  return PLANS[plan] if isinstance(plan, str) else plan
+
+
 # Steps of the runs the resume tests compare with (their uninterrupted run is the k-step
 # case's own 12-step run, trained once for both tests); the other cases run 8.
 RESUME_STEPS = 12
@@ -96,9 +101,8 @@ def trained(cache_dir, tmp_path_factory):
   def get(plan, mesh, k, steps):
     key = (plan, mesh, k, steps)
     if key not in runs:
-      rules = plan if isinstance(plan, tuple) else PLANS[plan]
       wd = str(root / f"run{len(runs)}")
-      runs[key] = loop.train(_config(cache_dir, k, mesh, rules, steps=steps), wd), wd
+      runs[key] = loop.train(_config(cache_dir, k, mesh, _rules(plan), steps=steps), wd), wd
     return runs[key]
 
   return get
@@ -221,8 +225,7 @@ def test_k_steps_per_call_host_tiers_resume_exactly(cache_dir, trained, tmp_path
   after one call and resumed again, ends as the uninterrupted 4-step-per-call run."""
   skip_unless_deterministic()
   full, _ = trained(HOST_RESUME[plan], (1, 1), 4, RESUME_STEPS)
-  rules = PLANS[plan] if plan == "offload" else HOST_RESUME[plan]
-  _same_model(full, _resume_chain(cache_dir, rules, str(tmp_path / "chain")))
+  _same_model(full, _resume_chain(cache_dir, _rules(HOST_RESUME[plan]), str(tmp_path / "chain")))
 
 
 def test_a_call_never_reads_its_own_write_backs_from_the_host():
