@@ -6,9 +6,63 @@ from __future__ import annotations
 
 import numpy as np
 
+try:
+  from numba import njit
+except ImportError:  # pragma: no cover (numba is a dependency: the same loops as Python, slow)
 
-def _batch_major(x: np.ndarray) -> np.ndarray:  # [T', B, L] -> int32[B, T', L], contiguous
-  return np.ascontiguousarray(x.transpose(1, 0, 2), np.int32)
+  def njit(*args, **kwargs):
+    del args, kwargs
+    return lambda f: f
+
+
+# Why compiled: the numpy version (a where / add / transpose pass per kind over every table's
+# [B, L], ~11 passes of int64 temporaries) cost 0.8 ms per cdlrm_kaggle batch (26 tables,
+# B 2048) of the input thread, which shares the cores and the GIL with the planning thread
+# (benchmarks/host_path.py); one pass without the GIL: ~0.1 ms. (Indexed [T', B * L] ->
+# [B, T' * L] with one-hot bags looped without the bag's loop: numba's loop of one iteration
+# per element made the pass 3-5x slower, as did 3-d indexing.)
+@njit(nogil=True, cache=True)
+def _bag(ids, pos, inv, bag, rows, first, lo, hi, now, start, absent, out_ids, out_pos, out_inv):
+  """One bag of a stack, batch-major: ids, pos, inv int32[T', B * L] (each table's [B, L]
+  flattened; inv [0, 0] where no row-wise optimizer), bag: L; rows, first, lo, hi, start
+  int64[T'] (each table's cache rows, first slot, "now" segment [lo, hi), first position in
+  the stack's unique list). Writes out_ids[b, t * L + j] (stack slot; absent: padding),
+  out_pos (position in the "now" list; now: not loaded now), out_inv (position in the
+  unique list), each int32[B, T' * L]."""
+  t_n, b_n = ids.shape[0], out_ids.shape[0]
+  has_inv = inv.shape[0] > 0
+  for b in range(b_n):
+    for t in range(t_n):
+      c, f, o, w, s = rows[t], first[t], lo[t], hi[t] - lo[t], start[t]
+      if bag == 1:
+        x = ids[t, b]
+        out_ids[b, t] = x + f if x < c else absent
+        p = pos[t, b]
+        out_pos[b, t] = p + o if p < w else now
+        if has_inv:
+          out_inv[b, t] = inv[t, b] + s
+      else:
+        for j in range(bag):
+          x = ids[t, b * bag + j]
+          out_ids[b, t * bag + j] = x + f if x < c else absent
+          p = pos[t, b * bag + j]
+          out_pos[b, t * bag + j] = p + o if p < w else now
+          if has_inv:
+            out_inv[b, t * bag + j] = inv[t, b * bag + j] + s
+
+
+@njit(nogil=True, cache=True)
+def _unique(u, rows, first, absent, out):
+  """out[t * U + i] = u[t, i] as a stack slot (absent: padding): u int32[T', U]."""
+  t_n, u_n = u.shape
+  for t in range(t_n):
+    c, f = rows[t], first[t]
+    for i in range(u_n):
+      x = u[t, i]
+      out[t * u_n + i] = x + f if x < c else absent
+
+
+_NONE = np.zeros((0, 0), np.int32)
 
 
 def stack(stacks, slot_off: list, specs: dict, per: dict, lists: list, absent: int) -> tuple:
@@ -36,27 +90,28 @@ def stack(stacks, slot_off: list, specs: dict, per: dict, lists: list, absent: i
     # unique list's blocks are read in that order (`_optimizer_inputs`).
     for idx in sorted(bags.values(), key=lambda idx: ",".join(map(str, idx))):
       r = [per[names[i]]["rows"] for i in idx]
-      # (np.array of the tables' arrays, [T', B, L], then made batch-major: 7x faster than
-      # np.stack(axis=1) of 26 tables, whose cost is per array)
-      c, f = rows[idx][:, None, None], first[idx][:, None, None]
-      ids = np.array([x["ids"] for x in r])
+      # (np.array of the tables' arrays, [T', B, L]: one copy, whose cost is per array)
+      ids = np.array([x["ids"] for x in r], np.int32)
+      pos = np.array([x["now_pos"] for x in r], np.int32)
+      t_n, b_n, bag_len = ids.shape
+      c, f = rows[idx].astype(np.int64), first[idx].astype(np.int64)
       # now_pos: positions in the stack's "now" list (its width: not loaded now)
       now, off = lists[stack]["now"].shape[1], lists[stack]["now_off"].astype(np.int64)
-      pos, lo, hi = np.array([x["now_pos"] for x in r]), off[idx], off[np.add(idx, 1)]
-      lo, hi = lo[:, None, None], hi[:, None, None]
-      bag = {
-        "ids": _batch_major(np.where(ids < c, ids + f, absent)),
-        "now_pos": _batch_major(np.where(pos < hi - lo, pos + lo, now)),
-      }
+      size = b_n * bag_len  # each table's unique: int32[B * L]
+      start = u_first + size * np.arange(t_n, dtype=np.int64)
+      inv = np.array([x["inverse"] for x in r], np.int32) if needs_unique else _NONE
+      kinds = ("ids", "now_pos") + (("inverse",) if needs_unique else ())
+      bag = {k: np.empty((b_n, t_n, bag_len), np.int32) for k in kinds}
+      src = [x.reshape(t_n, -1) if x.size else _NONE for x in (ids, pos, inv)]  # [T', B * L]
+      dst = [bag[k].reshape(b_n, -1) if k in bag else _NONE for k in ("ids", "now_pos", "inverse")]
+      _bag(*src, bag_len, c, f, off[idx], off[np.add(idx, 1)], now, start, absent, *dst)
       if needs_unique:
-        size = r[0]["ids"].size  # each table's unique: int32[B * L]
-        start = u_first + size * np.arange(len(idx))[:, None, None]
-        bag["inverse"] = _batch_major(np.array([x["inverse"] for x in r]) + start)
-        u = np.array([x["unique"] for x in r])  # [T', U]
-        uniques.append(np.where(u < c[:, 0], u + f[:, 0], absent).astype(np.int32).reshape(-1))
+        u = np.array([x["unique"] for x in r], np.int32)  # [T', U]
+        uniques.append(np.empty(u.size, np.int32))
+        _unique(u, c, f, absent, uniques[-1])
         u_first += size * len(idx)
       if mean:  # (tables pooled by sum: a count of 1, never read)
-        ones = np.ones(ids.shape[1], np.int32)  # (ids: [T', B, L])
+        ones = np.ones(b_n, np.int32)
         bag["count"] = np.stack([per[names[i]].get("count", ones) for i in idx], axis=1)
       entry[",".join(map(str, idx))] = bag
     out.append({"bags": entry, **({"unique": np.concatenate(uniques)} if uniques else {})})
