@@ -30,14 +30,14 @@ def threaded(monkeypatch):
   """The contract driver with the planning thread (its second halves slowed, so the planning
   runs the whole DEPTH ahead of them): records (event, batch) in order."""
   events = []
-  real_lists = offload_group.OffloadGroup._lists
+  real_stage = offload_group.OffloadGroup._stage
 
-  def slow_lists(self, per, train):
+  def slow_stage(self, built, train):
     events.append(("finish", threading.current_thread().name))
     time.sleep(0.003)
-    return real_lists(self, per, train)
+    return real_stage(self, built, train)
 
-  monkeypatch.setattr(offload_group.OffloadGroup, "_lists", slow_lists)
+  monkeypatch.setattr(offload_group.OffloadGroup, "_stage", slow_stage)
   monkeypatch.setattr(inputs, "prepare_stream", plan_ahead.prepare_stream)
   return events
 
@@ -72,19 +72,19 @@ def test_the_planning_runs_ahead_of_the_host_reads(monkeypatch):
     group.init(jax.random.key(0))
     plan = planner.Plan({"g": group}, {s.name: "g" for s in specs}, group.mesh)
     log = []
-    real_ahead, real_lists = group.prepare_ahead, group._lists
+    real_ahead, real_stage = group.prepare_ahead, group._stage
 
     def ahead(*a, **kw):
       log.append("plan")
       return real_ahead(*a, **kw)
 
-    def lists(per, train):
+    def stage(built, train):
       time.sleep(0.005)
-      out = real_lists(per, train)
+      out = real_stage(built, train)
       log.append("finish")
       return out
 
-    group.prepare_ahead, group._lists = ahead, lists
+    group.prepare_ahead, group._stage = ahead, stage
     make = plan_ahead.prepare_stream if threaded else inputs.prepare_stream
     out = []
     for x in make(plan, stream):
