@@ -206,20 +206,26 @@ class SteadyPlanner:
     dt = (time.perf_counter() - t0) / len(members)
     result = {}
     now = np.zeros((4, 0), np.int32)
-    for i, (name, m) in enumerate(self.members.items()):
+    # (Python ints and one read-only zero now_pos per shape: this loop holds the GIL)
+    zeros: dict[tuple, np.ndarray] = {}
+    per_table = zip(sizes.tolist(), cap.tolist(), out_off.tolist(), stats.tolist())
+    for i, ((name, m), (n, k, o, (hits, loads, back))) in enumerate(
+      zip(self.members.items(), per_table)
+    ):
       p = m._planner
       shape = ring["shapes"][i]
-      n, k, o = int(sizes[i]), int(cap[i]), int(out_off[i])
+      if shape not in zeros:
+        zeros[shape] = np.zeros(shape, np.int32)
+        zeros[shape].flags.writeable = False
       prep = {"ids": out[o : o + n].reshape(shape)}
       if unique:
         prep["unique"] = out[o + n : o + 2 * n]
         prep["inverse"] = out[o + 2 * n : o + 3 * n].reshape(shape)
         o += 2 * n
       e = o + n
-      hits, loads, back = (int(v) for v in stats[i])
       prep["now"] = now
       prep["next"] = np.ascontiguousarray(out[e : e + 5 * k].reshape(5, k)[:, :loads])
-      prep["now_pos"] = np.zeros(shape, np.int32)
+      prep["now_pos"] = zeros[shape]
       prep[PLANNED] = (False, True)
       prep["version"] = np.asarray(p.version, np.int32)
       p.version += 1
