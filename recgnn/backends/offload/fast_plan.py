@@ -224,7 +224,7 @@ class SteadyPlanner:
         o += 2 * n
       e = o + n
       prep["now"] = now
-      prep["next"] = np.ascontiguousarray(out[e : e + 5 * k].reshape(5, k)[:, :loads])
+      prep["next"] = out[e : e + 5 * k].reshape(5, k)[:, :loads]  # (a view: `_lists` copies)
       prep["now_pos"] = zeros[shape]
       prep[PLANNED] = (False, True)
       prep["version"] = np.asarray(p.version, np.int32)
