@@ -127,6 +127,14 @@ def distinct(ids, sorted_ids, id_off, num_rows, rows, count, bad, t_lo, t_hi):
 
 LOG_PER_SLOT = 4  # log entries per cache slot (compacted in place when full)
 
+# A slot's mark, set where the policy keeps it in a call: (gen << MARK_BITS) | code, gen the
+# call's time (t_now + 1: it grows with every batch planned), code n_win for the admitted
+# batch's hits, w for a row next needed by window batch w, KEPT_ONCE once counted. A mark of
+# an earlier call is no mark: nothing is unmarked (the window's second pass of row lookups,
+# ~40% of plan_step's marking in cdlrm_kaggle, is gone).
+MARK_BITS = 16
+KEPT_ONCE = (1 << MARK_BITS) - 1
+
 
 @_jit()
 def _log_rebuild(so, lo, c, slot_row, last_used, log_slot, log_time):
@@ -170,11 +178,12 @@ def _log_compact(so, lo, head, tail, slot_row, last_used, log_slot, log_time):
 
 @_jit()
 def _log_victims(
-  so, lo, head, tail, k, slot_row, last_used, mark, log_slot, log_time, grp, vic, nv
+  so, lo, head, tail, k, slot_row, last_used, mark, gen, log_slot, log_time, grp, vic, nv
 ):
-  """The k least recently used slots whose mark is -1 (not kept by the policy), ties to the
-  smaller slot, appended to vic[nv:]; the log's entries read are dropped (stale, taken) or
-  kept in order. grp: scratch (the table's slots). -> (the new head, how many taken)."""
+  """The k least recently used slots not marked in this call (mark >> MARK_BITS != gen: not
+  kept by the policy), ties to the smaller slot, appended to vic[nv:]; the log's entries read
+  are dropped (stale, taken) or kept in order. grp: scratch (the table's slots). -> (the new
+  head, how many taken)."""
   got = 0
   kept = 0  # kept entries, written at [head, head + kept) over the entries read
   i = head
@@ -185,7 +194,7 @@ def _log_victims(
     while j < tail and log_time[lo + j] == tm:  # one group: candidates into grp
       s = log_slot[lo + j]
       if slot_row[so + s] >= 0 and last_used[so + s] == tm:
-        if mark[so + s] == -1:
+        if mark[so + s] >> MARK_BITS != gen:
           grp[so + g] = s
           g += 1
         else:  # kept by the policy: stays in the log
@@ -223,7 +232,7 @@ def plan_step(
   cur, ahead, win,  # ring rows of this batch, the next one, and the window after it
   row_off, slot_off, row_slot, slot_row, last_used, dirty, freq,  # planner state (flat)
   log_off, log_slot, log_time, log_head, log_tail, log_ok, nfree, free_lo,  # recency log
-  mark, grp, pos,  # scratch: int64[sum C] (-1 between calls), int64[sum C], int32[sum C]
+  mark, grp, pos,  # scratch: int64[sum C] (stamped per call, MARK_BITS), int64, int32[sum C]
   evict_pad, t_now, policy, needs_unique,
   out, out_off, cap, stats, t_lo, t_hi,
 ):  # fmt: on
@@ -336,19 +345,20 @@ def plan_step(
       nv = _lfu_victims(so, ro, c, k, slot_row, last_used, freq, row_slot, ring_rows, ahead,
                         a, na, vic, nv)  # fmt: skip
     elif k > 0:
+      stamp = tt << MARK_BITS  # (this call's marks; earlier calls' are no marks)
       for j in range(na):  # the admitted batch's hits stay (its misses have no slot yet)
         s = row_slot[ro + ring_rows[ahead, a + j]]
         if s >= 0:
-          mark[so + s] = n_win
-      if policy == 2:  # rows needed within the window: their nearest batch (-1: none)
+          mark[so + s] = stamp | n_win
+      if policy == 2:  # rows needed within the window: their nearest batch (none: unmarked)
         for w in range(n_win - 1, -1, -1):
           bw = win[w]
           for j in range(ring_n[bw, t]):
             s = row_slot[ro + ring_rows[bw, a + j]]
-            if s >= 0 and mark[so + s] != n_win:
-              mark[so + s] = w
+            if s >= 0 and mark[so + s] != stamp | n_win:
+              mark[so + s] = stamp | w
       log_head[t], got = _log_victims(so, lo, log_head[t], log_tail[t], k, slot_row, last_used,
-                                      mark, log_slot, log_time, grp, vic, nv)  # fmt: skip
+                                      mark, tt, log_slot, log_time, grp, vic, nv)  # fmt: skip
       nv += got
       if nv < m:  # the window does not fit: needed rows go, farthest next use first (Belady)
         g = 0
@@ -356,25 +366,14 @@ def plan_step(
           bw = win[w]
           for j in range(ring_n[bw, t]):
             s = row_slot[ro + ring_rows[bw, a + j]]
-            if s >= 0 and mark[so + s] == w:
+            if s >= 0 and mark[so + s] == stamp | w:
               grp[so + g] = (n_win - w) * c + s
               g += 1
-              mark[so + s] = -2  # counted once
+              mark[so + s] = stamp | KEPT_ONCE  # counted once
         part = np.sort(grp[so : so + g])
         for q in range(m - nv):
           vic[nv + q] = part[q] % c
         nv = m
-      for j in range(na):
-        s = row_slot[ro + ring_rows[ahead, a + j]]
-        if s >= 0:
-          mark[so + s] = -1
-      if policy == 2:
-        for w in range(n_win):
-          bw = win[w]
-          for j in range(ring_n[bw, t]):
-            s = row_slot[ro + ring_rows[bw, a + j]]
-            if s >= 0:
-              mark[so + s] = -1
     vic.sort()
     # Victims in slot order receive the missing rows in row order (as the numpy planner).
     nb = 0
