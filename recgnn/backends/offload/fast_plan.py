@@ -32,6 +32,7 @@ class SteadyPlanner:
     self._ring = None
     self._admitted = None  # the arrays of the batch the kernel admitted ahead
     self.fast_batches = 0  # batches planned by the compiled kernel (tests, benchmarks)
+    self._next_pos = 0  # (`adopt`)
 
   @property
   def ready(self) -> bool:
@@ -86,6 +87,10 @@ class SteadyPlanner:
       pos=np.empty(c, np.int32),
     )
     self._flat["num_rows"] = np.array([p.num_rows for p in ps], np.int64)
+    # Each row's latest window position (`planner.plan_step`'s need; -1: none), and the next
+    # stream position a batch gets on its first visit (`_ring_row`).
+    self._flat["need"] = np.full(int(row_off[-1]), -1, np.int32)
+    self._next_pos = 0
     self._flat["evict_pad"] = np.array([base.aligned_rows(p.num_rows) for p in ps], np.int64)
 
   # -- the ring of batches (ids and distinct rows, computed once per batch)
@@ -106,6 +111,8 @@ class SteadyPlanner:
         "ids": np.empty((r, total), np.int64),
         "rows": np.empty((r, total), np.int64),
         "n": np.zeros((r, t_n), np.int64),
+        "pos": np.zeros(r, np.int64),  # each row's batch's stream position
+        "stamped": np.zeros(r, bool),  # whether its rows stamped the planner's need
         "keys": {},  # id() of the batch's first array -> (ring row, the arrays)
         "order": [],  # ring rows, oldest first
       }
@@ -131,6 +138,8 @@ class SteadyPlanner:
       ring["keys"] = {k: v for k, v in ring["keys"].items() if v[0] != row}
     ring["order"].append(row)
     ring["keys"][id(arrays[0])] = (row, arrays)
+    ring["pos"][row], ring["stamped"][row] = self._next_pos, False
+    self._next_pos += 1
     flat = ring["ids"][row]
     np.concatenate([np.asarray(a).reshape(-1) for a in arrays], out=flat)
     sizes = np.diff(ring["id_off"])
@@ -196,11 +205,13 @@ class SteadyPlanner:
     policy = hostplan.POLICY_CODES[first.options.policy]
     hostplan.over_tables(
       hostplan.plan_step, len(members), ring["ids"], ring["rows"], ring["n"], id_off, cur,
-      ahead, win, f["row_off"], f["slot_off"], f["row_slot"], f["slot_row"], f["last_used"],
-      f["dirty"], f["freq"], f["log_off"], f["log_slot"], f["log_time"], f["log_head"],
-      f["log_tail"], f["log_ok"], f["nfree"], f["free_lo"], f["mark"], f["grp"], f["pos"],
-      f["evict_pad"], t_now, policy, unique, out, out_off, cap, stats,
+      ahead, win, ring["pos"][win], ~ring["stamped"][win], f["need"], f["row_off"],
+      f["slot_off"], f["row_slot"], f["slot_row"], f["last_used"], f["dirty"], f["freq"],
+      f["log_off"], f["log_slot"], f["log_time"], f["log_head"], f["log_tail"], f["log_ok"],
+      f["nfree"], f["free_lo"], f["mark"], f["grp"], f["pos"], f["evict_pad"], t_now, policy,
+      unique, out, out_off, cap, stats,
     )  # fmt: skip
+    ring["stamped"][win] = True
     admitted = ring["ids"][ahead].copy()
     self._admitted = tuple(window[0][n] for n in self.members)
     dt = (time.perf_counter() - t0) / len(members)

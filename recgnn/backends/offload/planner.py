@@ -134,6 +134,7 @@ LOG_PER_SLOT = 4  # log entries per cache slot (compacted in place when full)
 # ~40% of plan_step's marking in cdlrm_kaggle, is gone).
 MARK_BITS = 16
 KEPT_ONCE = (1 << MARK_BITS) - 1
+NO_WINDOW = np.iinfo(np.int64).max  # a window start no row's stamp reaches
 
 
 @_jit()
@@ -178,12 +179,29 @@ def _log_compact(so, lo, head, tail, slot_row, last_used, log_slot, log_time):
 
 @_jit()
 def _log_victims(
-  so, lo, head, tail, k, slot_row, last_used, mark, gen, log_slot, log_time, grp, vic, nv
+  so,
+  lo,
+  head,
+  tail,
+  k,
+  slot_row,
+  last_used,
+  mark,
+  gen,
+  need,
+  ro,
+  start,
+  log_slot,
+  log_time,
+  grp,
+  vic,
+  nv,
 ):
-  """The k least recently used slots not marked in this call (mark >> MARK_BITS != gen: not
-  kept by the policy), ties to the smaller slot, appended to vic[nv:]; the log's entries read
-  are dropped (stale, taken) or kept in order. grp: scratch (the table's slots). -> (the new
-  head, how many taken)."""
+  """The k least recently used slots the policy does not keep (not marked in this call,
+  mark >> MARK_BITS != gen, and their row not needed by a window batch, need[ro + row] <
+  start), ties to the smaller slot, appended to vic[nv:]; the log's entries read are dropped
+  (stale, taken) or kept in order. grp: scratch (the table's slots). -> (the new head, how
+  many taken)."""
   got = 0
   kept = 0  # kept entries, written at [head, head + kept) over the entries read
   i = head
@@ -194,7 +212,7 @@ def _log_victims(
     while j < tail and log_time[lo + j] == tm:  # one group: candidates into grp
       s = log_slot[lo + j]
       if slot_row[so + s] >= 0 and last_used[so + s] == tm:
-        if mark[so + s] >> MARK_BITS != gen:
+        if mark[so + s] >> MARK_BITS != gen and need[ro + slot_row[so + s]] < start:
           grp[so + g] = s
           g += 1
         else:  # kept by the policy: stays in the log
@@ -230,6 +248,7 @@ def _log_victims(
 def plan_step(
   ring_ids, ring_rows, ring_n, id_off,  # batches: ids, sorted distinct rows, their counts
   cur, ahead, win,  # ring rows of this batch, the next one, and the window after it
+  win_pos, win_new, need,  # the window's stream positions, which enter it now; row stamps
   row_off, slot_off, row_slot, slot_row, last_used, dirty, freq,  # planner state (flat)
   log_off, log_slot, log_time, log_head, log_tail, log_ok, nfree, free_lo,  # recency log
   mark, grp, pos,  # scratch: int64[sum C] (stamped per call, MARK_BITS), int64, int32[sum C]
@@ -243,8 +262,12 @@ def plan_step(
 
   Batch b's ids of table t: ring_ids[b, id_off[t]:id_off[t + 1]]; its distinct rows:
   ring_rows[b, id_off[t]:][:ring_n[b, t]]. win: int64[W] ring rows of the look-ahead window
-  (nearest first; used by policy 2). The recency log of table t (lru, lookahead): entries
-  log_off[t] + [log_head[t], log_tail[t]), rebuilt first where log_ok[t] is 0.
+  (nearest first; used by policy 2), win_pos int64[W] their positions in the stream
+  (consecutive), win_new bool[W] those whose rows are not stamped yet: need int32[sum N],
+  each row's latest stamped position, is stamped with them here (a row is needed within the
+  window iff need >= win_pos[0]: no pass over the window's rows per call). The recency log
+  of table t (lru, lookahead): entries log_off[t] + [log_head[t], log_tail[t]), rebuilt
+  first where log_ok[t] is 0.
   out int32, per table at out_off[t]: ids n | (unique n | inverse n) | evict_slots cap |
   evict_rows cap | load_rows cap | load_slots cap | next_from_now cap, padded as
   offload.Offload._pack. next_from_now (each load's position among the "now" exchange's
@@ -253,6 +276,8 @@ def plan_step(
   stats int64[T, 3]: hits, loads, write-backs of the admission.
   """
   n_win = win.shape[0]
+  # Rows needed within the window: need >= start (none without a window: lru, lfu).
+  start = win_pos[0] if policy == 2 and n_win else NO_WINDOW
   for t in range(t_lo, t_hi):
     a, b = id_off[t], id_off[t + 1]
     n = b - a
@@ -260,6 +285,14 @@ def plan_step(
     c = slot_off[t + 1] - so
     o = out_off[t]
     nr = ring_n[cur, t]
+    if policy == 2:  # the batches entering the window: their rows needed up to them
+      for w in range(n_win):
+        if win_new[w]:
+          bw = win[w]
+          for j in range(ring_n[bw, t]):
+            r = ro + ring_rows[bw, a + j]
+            if need[r] < win_pos[w]:
+              need[r] = win_pos[w]
     logged = policy != 1
     if not log_ok[t]:
       occ, nfree[t], free_lo[t] = _log_rebuild(so, lo, c, slot_row, last_used, log_slot, log_time)
@@ -350,17 +383,17 @@ def plan_step(
         s = row_slot[ro + ring_rows[ahead, a + j]]
         if s >= 0:
           mark[so + s] = stamp | n_win
-      if policy == 2:  # rows needed within the window: their nearest batch (none: unmarked)
-        for w in range(n_win - 1, -1, -1):
+      log_head[t], got = _log_victims(so, lo, log_head[t], log_tail[t], k, slot_row, last_used,
+                                      mark, tt, need, ro, start, log_slot, log_time, grp, vic,
+                                      nv)  # fmt: skip
+      nv += got
+      if nv < m:  # the window does not fit: needed rows go, farthest next use first (Belady)
+        for w in range(n_win - 1, -1, -1):  # each needed slot's nearest window batch
           bw = win[w]
           for j in range(ring_n[bw, t]):
             s = row_slot[ro + ring_rows[bw, a + j]]
             if s >= 0 and mark[so + s] != stamp | n_win:
               mark[so + s] = stamp | w
-      log_head[t], got = _log_victims(so, lo, log_head[t], log_tail[t], k, slot_row, last_used,
-                                      mark, tt, log_slot, log_time, grp, vic, nv)  # fmt: skip
-      nv += got
-      if nv < m:  # the window does not fit: needed rows go, farthest next use first (Belady)
         g = 0
         for w in range(n_win):
           bw = win[w]
