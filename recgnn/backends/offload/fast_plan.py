@@ -56,6 +56,7 @@ class SteadyPlanner:
     row_off = np.cumsum([0] + [p.num_rows for p in ps]).astype(np.int64)
     slot_off = np.cumsum([0] + [p.cache_rows for p in ps]).astype(np.int64)
     lfu = members[0].options.policy == "lfu"
+    windowed = members[0].options.policy == "lookahead"
     flat = {
       "row_slot": np.concatenate([p.row_slot for p in ps]),
       "slot_row": np.concatenate([p.slot_row for p in ps]),
@@ -89,7 +90,8 @@ class SteadyPlanner:
     self._flat["num_rows"] = np.array([p.num_rows for p in ps], np.int64)
     # Each row's latest window position (`planner.plan_step`'s need; -1: none), and the next
     # stream position a batch gets on its first visit (`_ring_row`).
-    self._flat["need"] = np.full(int(row_off[-1]), -1, np.int32)
+    # (only the look-ahead policy has a window: empty for the others, never read)
+    self._flat["need"] = np.full(int(row_off[-1]) if windowed else 0, -1, np.int32)
     self._next_pos = 0
     self._flat["evict_pad"] = np.array([base.aligned_rows(p.num_rows) for p in ps], np.int64)
 

@@ -199,9 +199,9 @@ def _log_victims(
 ):
   """The k least recently used slots the policy does not keep (not marked in this call,
   mark >> MARK_BITS != gen, and their row not needed by a window batch, need[ro + row] <
-  start), ties to the smaller slot, appended to vic[nv:]; the log's entries read are dropped
-  (stale, taken) or kept in order. grp: scratch (the table's slots). -> (the new head, how
-  many taken)."""
+  start; start NO_WINDOW: no window, need not read), ties to the smaller slot, appended to
+  vic[nv:]; the log's entries read are dropped (stale, taken) or kept in order. grp:
+  scratch (the table's slots). -> (the new head, how many taken)."""
   got = 0
   kept = 0  # kept entries, written at [head, head + kept) over the entries read
   i = head
@@ -212,7 +212,9 @@ def _log_victims(
     while j < tail and log_time[lo + j] == tm:  # one group: candidates into grp
       s = log_slot[lo + j]
       if slot_row[so + s] >= 0 and last_used[so + s] == tm:
-        if mark[so + s] >> MARK_BITS != gen and need[ro + slot_row[so + s]] < start:
+        if mark[so + s] >> MARK_BITS != gen and (
+          start == NO_WINDOW or need[ro + slot_row[so + s]] < start
+        ):
           grp[so + g] = s
           g += 1
         else:  # kept by the policy: stays in the log
