@@ -15,7 +15,8 @@ synthetic Criteo-format data at `--scale` x Kaggle's cardinalities (1.0: Kaggle'
   ceiling   `recgnn.train.loop.train` (the real loop: input thread, transfer, launch, traffic,
             metrics every `--log_every` steps) with the jitted train step swapped for one of the
             same signature and shardings that does no work (the state with step + 1, a zero
-            loss; its batch is transferred and passed in as the real step's): samples/s over
+            loss, a host tier's write-backs as zeros of their shapes; its batch is transferred
+            and passed in as the real step's): samples/s over
             the logged intervals after the first; the main thread's CPU ms per step
             (time.thread_time between two calls of the step, over `--steady` steps after
             `--warmup`), the input thread's busy ms per batch (its wall time: GIL waits count).
