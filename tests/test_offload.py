@@ -655,3 +655,87 @@ def test_last_batch_keeps_the_steady_shapes():
     p = group.prepare({"t": ids[k]}, [{"t": u} for u in ids[k + 1 : k + 3]])
     shapes.append(jax.tree.map(np.shape, p))
   assert shapes[1] == shapes[2] == shapes[3]
+
+
+def _numpy_stack(stacks, slot_off, specs, per, lists, absent):
+  """`stacked_batch.stack` as numpy passes (its version before the compiled one): the
+  reference the kernel is checked against."""
+
+  def batch_major(x):
+    return np.ascontiguousarray(x.transpose(1, 0, 2), np.int32)
+
+  out = []
+  for stack, names in enumerate(stacks):
+    first, rows = slot_off[stack], np.diff(slot_off[stack])
+    bags: dict[int, list[int]] = {}
+    for i, n in enumerate(names):
+      bags.setdefault(per[n]["rows"]["ids"].shape[1], []).append(i)
+    needs_unique = specs[names[0]].optimizer.needs_unique
+    mean = any(specs[n].pooling == "mean" for n in names)
+    entry, uniques, u_first = {}, [], 0
+    for idx in sorted(bags.values(), key=lambda idx: ",".join(map(str, idx))):
+      r = [per[names[i]]["rows"] for i in idx]
+      c, f = rows[idx][:, None, None], first[idx][:, None, None]
+      ids = np.array([x["ids"] for x in r])
+      now, off = lists[stack]["now"].shape[1], lists[stack]["now_off"].astype(np.int64)
+      pos, lo, hi = np.array([x["now_pos"] for x in r]), off[idx], off[np.add(idx, 1)]
+      lo, hi = lo[:, None, None], hi[:, None, None]
+      bag = {
+        "ids": batch_major(np.where(ids < c, ids + f, absent)),
+        "now_pos": batch_major(np.where(pos < hi - lo, pos + lo, now)),
+      }
+      if needs_unique:
+        size = r[0]["ids"].size
+        start = u_first + size * np.arange(len(idx))[:, None, None]
+        bag["inverse"] = batch_major(np.array([x["inverse"] for x in r]) + start)
+        u = np.array([x["unique"] for x in r])
+        uniques.append(np.where(u < c[:, 0], u + f[:, 0], absent).astype(np.int32).reshape(-1))
+        u_first += size * len(idx)
+      if mean:
+        ones = np.ones(ids.shape[1], np.int32)
+        bag["count"] = np.stack([per[names[i]].get("count", ones) for i in idx], axis=1)
+      entry[",".join(map(str, idx))] = bag
+    out.append({"bags": entry, **({"unique": np.concatenate(uniques)} if uniques else {})})
+  return tuple(out)
+
+
+@pytest.mark.parametrize(
+  "tables, batch, bags, unique, mean",
+  [(26, 256, [1], True, False), (5, 64, [1, 3, 2], False, True), (4, 32, [2], True, True)],
+)
+def test_stacked_batch_equals_numpy_passes(tables, batch, bags, unique, mean):
+  """The compiled stacking (one pass per bag) gives the numpy passes' arrays: slots made the
+  stack's (padding and ids past a table's cache to ABSENT), "now" positions, inverse
+  offsets, the unique list, counts; one-hot and multi-hot bags, with and without dedup."""
+  import types
+
+  from recgnn.backends.offload import stacked_batch
+
+  rng = np.random.default_rng(tables)
+  caps = rng.integers(10, 500, tables)
+  names = [f"t{i}" for i in range(tables)]
+  per = {}
+  for i, n in enumerate(names):
+    length = bags[i % len(bags)]
+    per[n] = {
+      "rows": {
+        "ids": rng.integers(0, caps[i] + 1, (batch, length)).astype(np.int32),
+        "now_pos": rng.integers(0, 12, (batch, length)).astype(np.int32),
+        "inverse": rng.integers(0, batch * length, (batch, length)).astype(np.int32),
+        "unique": rng.integers(0, caps[i] + 1, batch * length).astype(np.int32),
+      },
+      "count": rng.integers(0, length + 1, batch).astype(np.int32),
+    }
+  slot_off = [np.concatenate([[0], np.cumsum(caps)])]
+  opt = types.SimpleNamespace(needs_unique=unique)
+  pooling = "mean" if mean else "sum"
+  specs = {n: types.SimpleNamespace(optimizer=opt, pooling=pooling) for n in names}
+  lists = [{"now": np.zeros((4, 7 * tables), np.int32), "now_off": np.arange(0, 7 * tables + 1, 7)}]
+  absent = np.iinfo(np.int32).max
+  got = stacked_batch.stack([names], slot_off, specs, per, lists, absent)
+  want = _numpy_stack([names], slot_off, specs, per, lists, absent)
+  lg, lw = jax.tree.leaves_with_path(got), jax.tree.leaves_with_path(want)
+  assert [p for p, _ in lg] == [p for p, _ in lw]
+  for (path, x), (_, y) in zip(lg, lw):
+    assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
