@@ -32,10 +32,10 @@ def threaded(monkeypatch):
   events = []
   real_stage = offload_group.OffloadGroup._stage
 
-  def slow_stage(self, built, train):
+  def slow_stage(self, built, caps, train):
     events.append(("finish", threading.current_thread().name))
     time.sleep(0.003)
-    return real_stage(self, built, train)
+    return real_stage(self, built, caps, train)
 
   monkeypatch.setattr(offload_group.OffloadGroup, "_stage", slow_stage)
   monkeypatch.setattr(inputs, "prepare_stream", plan_ahead.prepare_stream)
@@ -78,9 +78,9 @@ def test_the_planning_runs_ahead_of_the_host_reads(monkeypatch):
       log.append("plan")
       return real_ahead(*a, **kw)
 
-    def stage(built, train):
+    def stage(built, caps, train):
       time.sleep(0.005)
-      out = real_stage(built, train)
+      out = real_stage(built, caps, train)
       log.append("finish")
       return out
 

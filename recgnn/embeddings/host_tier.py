@@ -277,7 +277,9 @@ class HostRows:
   def scatter(self, writes: list[tuple[int, np.ndarray, np.ndarray]], values: dict) -> None:
     """arrays[t][k][rows] = values[k][positions] for writes [(t, rows, positions)], in order.
     (Writer thread.) Every table's rows in one compiled call per array where the tables
-    share their arrays' names (26 calls of ~10 us each held the GIL per step before)."""
+    share their arrays' names: a call per table each held the GIL for its dispatch
+    (cdlrm_kaggle, 26 tables, one thread under cProfile: 0.97 ms per step in those calls,
+    0.50 ms in this one)."""
     writes = [w for w in writes if w[1].shape[0]]
     if self._by_key is not None and len(writes) > 1:
       tabs = np.repeat(np.array([t for t, _, _ in writes], np.int64),

@@ -18,13 +18,13 @@ Where the transfer is made, by platform (`sharding.needs_one_in_flight`):
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Iterator
 
 import jax
 
 from recgnn import planner, sharding
+from recgnn.train import plan_ahead
 from recgnn.train import step as step_lib
 from recgnn.train.input_worker import InputWorker
 from recgnn.train.packing import Item, Packing
@@ -56,18 +56,6 @@ def stream(task: Task, start: int, total: int, eval_every: int, eval_split: str,
     for b in task.eval_batches(split):
       yield "eval", split, b
     yield "eval_end", split, None
-
-
-def _bounded(depth: int) -> tuple[queue.SimpleQueue, queue.SimpleQueue]:
-  """(items, room): a queue of at most `depth` items made of C calls only. A producer takes a
-  token from `room` before each put, the consumer puts one back after each get: a producer
-  ahead blocks in C, taking no GIL while it waits. (A polled bound woke each waiting thread
-  every 0.5 ms, each wake taking the GIL from the launching thread; `queue.Queue`'s condition
-  variable cost the main thread ~20 Python calls per step.)"""
-  room: queue.SimpleQueue = queue.SimpleQueue()
-  for _ in range(depth):
-    room.put(None)
-  return queue.SimpleQueue(), room
 
 
 class InputThread:
@@ -103,11 +91,11 @@ class InputThread:
     self.worker = (
       InputWorker(lambda: self._packing, slots=self._depth + 1, copy_out=cpu) if worker else None
     )
-    # The queue `get` reads, and its room (`_Bounded`).
-    self._queue, self._room = _bounded(self._depth)
+    # The queue `get` reads, and its room (`plan_ahead.bounded`).
+    self._queue, self._room = plan_ahead.bounded(self._depth)
     # Packed batches on their way to the transfer thread (None: no transfer thread; with a
     # worker, the thread that receives its batches has nothing else to do and transfers them).
-    self._packed = _bounded(self._depth) if self.put_here and not worker else None
+    self._packed = plan_ahead.bounded(self._depth) if self.put_here and not worker else None
     source = self._packing if self.worker is None else self.worker
     self._thread = threading.Thread(target=self._run, args=(source,), daemon=True)
     self._thread.start()
@@ -150,7 +138,8 @@ class InputThread:
         return
 
   def _put(self, item, into: tuple | None = None):
-    """`item` onto `into` (default: the queue `get` reads) once it has room (`_bounded`)."""
+    """`item` onto `into` (default: the queue `get` reads) once it has room
+    (`plan_ahead.bounded`)."""
     items, room = (self._queue, self._room) if into is None else into
     room.get()
     if not self._stop.is_set():

@@ -39,14 +39,23 @@ def splits(plan: planner.Plan) -> bool:
   return any(split) and all(s or not g.capabilities.writes_host for g, s in zip(groups, split))
 
 
+def bounded(depth: int) -> tuple[queue.SimpleQueue, queue.SimpleQueue]:
+  """(items, room): a queue of at most `depth` items made of C calls only. A producer takes a
+  token from `room` before each put, the consumer puts one back after each get: a producer
+  ahead blocks in C, taking no GIL while it waits. (A polled bound woke each waiting thread
+  every 0.5 ms, each wake taking the GIL from the launching thread; `queue.Queue`'s condition
+  variable cost the main thread ~20 Python calls per step.)"""
+  room: queue.SimpleQueue = queue.SimpleQueue()
+  for _ in range(depth):
+    room.put(None)
+  return queue.SimpleQueue(), room
+
+
 def ahead(items: Iterable, depth: int, name: str) -> Iterator:
   """The items of `items`, in order, made on a thread of their own (`name`) up to `depth`
   items ahead of the consumer; an error there is raised here, after the items before it.
   Closed early, the thread stops before its next item."""
-  out: queue.SimpleQueue = queue.SimpleQueue()
-  room: queue.SimpleQueue = queue.SimpleQueue()  # (a token per free place: blocks in C)
-  for _ in range(max(1, depth)):
-    room.put(None)
+  out, room = bounded(max(1, depth))
   stop = threading.Event()
 
   def run():

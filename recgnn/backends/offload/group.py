@@ -295,10 +295,10 @@ class OffloadGroup(base.TableGroup):
       per = super().prepare(ids, upcoming, train=train)
     # The lists and the stacked batch depend on the plan only: made here, on the planning
     # thread (which waited for the input thread ~28% of the time), not in the second half.
-    built = self._lists(per, train)
+    built, caps = self._lists(per, train)
     if self.splits_prepare:
-      return functools.partial(self._stage, built, train)
-    out = self._stage(built, train)
+      return functools.partial(self._stage, built, caps, train)
+    out = self._stage(built, caps, train)
     if train:  # (the SSD level: the window's rows read ahead into the host cache)
       self._tier.read_ahead(upcoming, {n: m._planner for n, m in self.members.items()})
     return lambda: out
@@ -325,11 +325,12 @@ class OffloadGroup(base.TableGroup):
       return sizer.hold(cap) if steady else 0
     return sizer(need, cap)
 
-  def _lists(self, per: dict, train: bool) -> dict:
+  def _lists(self, per: dict, train: bool) -> tuple[dict, list[int]]:
     """Move each table's exchanges (exact lengths) into its stack's lists, and its batch into
-    the stack's (`stacked_batch.stack`): {"batch", "version", "lists"}, the lists without
-    the host tier's part (`_stage`)."""
-    lists = []
+    the stack's (`stacked_batch.stack`) -> ({"batch", "version", "lists"}, the lists without
+    the host tier's part (`_stage`); each stack's most loads per batch, the sum of min(ids
+    per batch, C) over its tables)."""
+    lists, stack_caps = [], []
     padded = 0
     for stack, names in enumerate(self._stacks):
       rows = [per[n]["rows"] for n in names]
@@ -359,7 +360,7 @@ class OffloadGroup(base.TableGroup):
       if train:  # (one count per table and batch: each holds a lock)
         for n, x in zip(names, shares.tolist()):
           self.members[n]._count(padded_rows_h2d=x)
-      entry["cap"] = sum(caps)  # (popped by `_stage`)
+      stack_caps.append(sum(caps))
       lists.append(entry)
       if train:
         self.list_widths.add(tuple(entry[k].shape[1] for k in ("now", "next")))
@@ -367,14 +368,14 @@ class OffloadGroup(base.TableGroup):
       self._list_counters.add(steps=1, padded_rows_h2d=padded)
     version = np.array([per[n]["rows"]["version"] for n in self.members], np.int32)
     batch = stacked_batch.stack(self._stacks, self._slot_off, self.specs, per, lists, ABSENT)
-    return {"batch": batch, "version": version, "lists": tuple(lists)}
+    return {"batch": batch, "version": version, "lists": tuple(lists)}, stack_caps
 
-  def _stage(self, built: dict, train: bool) -> dict:
+  def _stage(self, built: dict, caps: list[int], train: bool) -> dict:
     """`_lists`'s prepared batch with the host tier's part of each stack's lists (in place:
     `HostSide.stage`), its write-backs planned for the step (train)."""
     writes = [
-      self._tier.stage(entry, stack, train, entry.pop("cap"), self._list_counters)
-      for stack, entry in enumerate(built["lists"])
+      self._tier.stage(entry, stack, train, cap, self._list_counters)
+      for stack, (entry, cap) in enumerate(zip(built["lists"], caps))
     ]
     if train:
       self._tier.plan(writes)

@@ -16,9 +16,10 @@ except ImportError:  # pragma: no cover (numba is a dependency: the same loops a
 
 
 # Why compiled: the numpy version (a where / add / transpose pass per kind over every table's
-# [B, L], ~11 passes of int64 temporaries) cost 0.8 ms per cdlrm_kaggle batch (26 tables,
-# B 2048) of the input thread, which shares the cores and the GIL with the planning thread
-# (benchmarks/host_path.py); one pass without the GIL: ~0.1 ms. (Indexed [T', B * L] ->
+# [B, L], ~11 passes of int64 temporaries) held the GIL for most of the 0.75 ms a
+# cdlrm_kaggle batch's stack took (26 tables, B 2048, one thread), on the planning thread,
+# which shares the cores and the GIL with the input thread (benchmarks/host_path.py); this
+# pass takes 0.13 ms without the GIL (the whole stack 0.40 ms). (Indexed [T', B * L] ->
 # [B, T' * L] with one-hot bags looped without the bag's loop: numba's loop of one iteration
 # per element made the pass 3-5x slower, as did 3-d indexing.)
 @njit(nogil=True, cache=True)
