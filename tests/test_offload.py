@@ -710,6 +710,8 @@ def test_stacked_batch_equals_numpy_passes(tables, batch, bags, unique, mean):
   import types
 
   from recgnn.backends.offload import stacked_batch
+  from recgnn.backends.offload.planned import Planned
+  from recgnn.backends.offload.table import PLANNED
 
   rng = np.random.default_rng(tables)
   caps = rng.integers(10, 500, tables)
@@ -723,6 +725,10 @@ def test_stacked_batch_equals_numpy_passes(tables, batch, bags, unique, mean):
         "now_pos": rng.integers(0, 12, (batch, length)).astype(np.int32),
         "inverse": rng.integers(0, batch * length, (batch, length)).astype(np.int32),
         "unique": rng.integers(0, caps[i] + 1, batch * length).astype(np.int32),
+        "now": np.zeros((4, 0), np.int32),
+        "next": np.zeros((5, 0), np.int32),
+        PLANNED: (False, False),
+        "version": np.int32(0),
       },
       "count": rng.integers(0, length + 1, batch).astype(np.int32),
     }
@@ -732,7 +738,8 @@ def test_stacked_batch_equals_numpy_passes(tables, batch, bags, unique, mean):
   specs = {n: types.SimpleNamespace(optimizer=opt, pooling=pooling) for n in names}
   lists = [{"now": np.zeros((4, 7 * tables), np.int32), "now_off": np.arange(0, 7 * tables + 1, 7)}]
   absent = np.iinfo(np.int32).max
-  got = stacked_batch.stack([names], slot_off, specs, per, lists, absent)
+  planned = Planned.of_tables(per, names)
+  got = stacked_batch.stack([names], slot_off, specs, planned, lists, absent)
   want = _numpy_stack([names], slot_off, specs, per, lists, absent)
   lg, lw = jax.tree.leaves_with_path(got), jax.tree.leaves_with_path(want)
   assert [p for p, _ in lg] == [p for p, _ in lw]

@@ -40,7 +40,7 @@ for bit; row-wise Adagrad's mean squared gradient alone is reduced per table, a 
 each, as XLA:CPU picks a reduction's order by the array's size), one gather and one scatter
 per array for each exchange, one write-back. The planner still plans each table in its own
 slots; the group makes them the stack's on the host (the
-lists' slots and NEXT_FROM_NOW `OffloadGroup._to_stack`, the batch's ids, unique and
+lists' slots and NEXT_FROM_NOW `stacked_batch.segments`, the batch's ids, unique and
 inverse `stacked_batch.stack`, one input leaf per kind for the stack: each leaf is a slice of
 the trainer's input buffer, a kernel apiece). Device kernels of a DLRM step, 26 tables
 (benchmarks/memory_tiers.py, XLA:CPU's fusion): 480 with a cache and its kernels per table

@@ -134,13 +134,12 @@ class DeviceStep:
     from the updated cache, prefetched rows placed; a row "now" evicted and the next batch
     needs back takes the evicted value, NEXT_FROM_NOW: its host copy is stale until the
     write-back), then ONE write-back (D2H, a scatter on the host) of both exchanges'
-    victims, read off the cache in list order. Each exchange is one gather and one scatter
-    per array for every table (slots of the stack's cache, `_to_stack`). Reads of the cache
-    come before writes to it through optimization barriers (in place on the donated cache).
-    Write after read on the donated host arrays: the write-back's values pass through an
-    optimization barrier with this step's host reads (the residuals), a dependency on
-    reads only, never on compute; the caches take the rows the reads materialized (read
-    once, never again)."""
+    victims, read off the cache in list order. Each exchange is one gather and one scatter per array
+    for every table (slots of the stack's cache, `stacked_batch.segments`). Reads of the cache come
+    before writes to it through optimization barriers (in place on the donated cache). Write after
+    read on the donated host arrays: the write-back's values pass through an optimization barrier
+    with this step's host reads (the residuals), a dependency on reads only, never on compute; the
+    caches take the rows the reads materialized (read once, never again)."""
     if base.TO_HOST in state:
       raise ValueError(
         "offload: the state still holds the previous step's rows for the host: hand them to "

@@ -18,16 +18,19 @@ import time
 import numpy as np
 
 from recgnn.backends.offload import planner as hostplan
-from recgnn.backends.offload.table import PLANNED
-from recgnn.embeddings import base
+from recgnn.backends.offload.planned import Flat, Planned
+from recgnn.embeddings import base, host_cache
 
 
 class SteadyPlanner:
   """The compiled planner of one offload group. members: {name: `Offload`} (their planners
-  adopted by `adopt`), lookahead: the group's window."""
+  adopted by `adopt`), lookahead: the group's window, counts: where the members' counts
+  go (one add per batch for every table, not one per table: each holds a lock)."""
 
-  def __init__(self, members: dict, lookahead: int):
+  def __init__(self, members: dict, lookahead: int, counts: host_cache.Counters):
     self.members, self.lookahead = members, lookahead
+    self._counts = counts  # per-table counts ({key: int64[T] | scalar}: the group's `stats`)
+    self._zeros = np.zeros(0, np.int32)
     self._flat = None
     self._ring = None
     self._admitted = None  # the arrays of the batch the kernel admitted ahead
@@ -167,8 +170,8 @@ class SteadyPlanner:
 
   # -- the steady state
 
-  def plan(self, ids: dict, upcoming: list) -> dict | None:
-    """A train batch planned by the kernel ({name: {"rows": .., "count"?}}, as the group's
+  def plan(self, ids: dict, upcoming: list) -> Planned | None:
+    """A train batch planned by the kernel (`Planned`, as `Planned.of_tables` of the
     members' `prepare`), or None where the numpy planners must plan it."""
     t0 = time.perf_counter()
     members = list(self.members.values())
@@ -216,43 +219,44 @@ class SteadyPlanner:
     ring["stamped"][win] = True
     admitted = ring["ids"][ahead].copy()
     self._admitted = tuple(window[0][n] for n in self.members)
-    dt = (time.perf_counter() - t0) / len(members)
-    result = {}
-    now = np.zeros((4, 0), np.int32)
-    # (Python ints and one read-only zero now_pos per shape: this loop holds the GIL)
-    zeros: dict[tuple, np.ndarray] = {}
-    per_table = zip(sizes.tolist(), cap.tolist(), out_off.tolist(), stats.tolist())
-    for i, ((name, m), (n, k, o, (hits, loads, back))) in enumerate(
-      zip(self.members.items(), per_table)
-    ):
+    # (a loop of Python ints per table, the planners' own fields; every array below is a
+    # segment of `out`, no per-table dict: `planned.Planned`)
+    version = np.empty(len(members), np.int32)
+    for i, m in enumerate(members):
       p = m._planner
-      shape = ring["shapes"][i]
-      if shape not in zeros:
-        zeros[shape] = np.zeros(shape, np.int32)
-        zeros[shape].flags.writeable = False
-      prep = {"ids": out[o : o + n].reshape(shape)}
-      if unique:
-        prep["unique"] = out[o + n : o + 2 * n]
-        prep["inverse"] = out[o + 2 * n : o + 3 * n].reshape(shape)
-        o += 2 * n
-      e = o + n
-      prep["now"] = now
-      prep["next"] = out[e : e + 5 * k].reshape(5, k)[:, :loads]  # (a view: `_lists` copies)
-      prep["now_pos"] = zeros[shape]
-      prep[PLANNED] = (False, True)
-      prep["version"] = np.asarray(p.version, np.int32)
+      version[i] = p.version
       p.version += 1
       p.admitted = admitted[id_off[i] : id_off[i + 1]].reshape(ring["shapes"][i])
       if p.lfu is not None:
         p.lfu.accesses += int(ring["n"][cur, i])
         p.lfu.batches += 1
-      m._count(
-        hits=hits, misses=loads, steps=1, rows_h2d=loads, rows_h2d_on_demand=0,
-        rows_d2h=back, plan_seconds=dt,
-      )  # fmt: skip
-      entry = {"rows": prep}
-      if m.spec.pooling == "mean":
-        entry["count"] = np.sum(np.asarray(ids[name]) >= 0, axis=1).astype(np.int32)
-      result[name] = entry
+    loads = stats[:, 1]
+    self._counts.add(
+      hits=stats[:, 0], misses=loads, steps=1, rows_h2d=loads, rows_d2h=stats[:, 2],
+      plan_seconds=(time.perf_counter() - t0) / len(members),
+    )  # fmt: skip
+    at = out_off[:-1]
+    t_n = len(members)
+    if self._zeros.shape[0] < sizes.max(initial=0):  # now_pos: no "now" exchange
+      self._zeros = np.zeros(int(sizes.max()), np.int32)
+    zero = np.zeros(t_n, np.int64)
+    none = Flat(out, at, zero, zero)
     self.fast_batches += 1
-    return result
+    return Planned(
+      names=tuple(self.members),
+      shapes=ring["shapes"],
+      ids=Flat(out, at, sizes, sizes),
+      now_pos=Flat(self._zeros, zero, sizes, sizes),
+      unique=Flat(out, at + sizes, sizes, sizes) if unique else none,
+      inverse=Flat(out, at + 2 * sizes, sizes, sizes) if unique else none,
+      # each table's "next" block: 5 rows of cap entries, its first `loads` planned
+      lists={"now": Flat(self._zeros[:0], zero, zero, zero),
+             "next": Flat(out, at + (3 if unique else 1) * sizes, loads.copy(), cap)},
+      planned=np.tile(np.array([False, True]), (t_n, 1)),
+      version=version,
+      count={
+        i: np.sum(np.asarray(ids[n]) >= 0, axis=1).astype(np.int32)
+        for i, (n, m) in enumerate(self.members.items())
+        if m.spec.pooling == "mean"
+      },
+    )  # fmt: skip

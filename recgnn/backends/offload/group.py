@@ -16,12 +16,11 @@ from recgnn.backends.offload.device_step import DeviceStep, bag_tables
 from recgnn.backends.offload.disk_rows import source_of
 from recgnn.backends.offload.fast_plan import SteadyPlanner
 from recgnn.backends.offload.host_side import HostSide
-from recgnn.backends.offload.table import PLANNED, Offload
+from recgnn.backends.offload.planned import Planned
+from recgnn.backends.offload.stacked_batch import ABSENT
+from recgnn.backends.offload.table import Offload
 from recgnn.embeddings import base, host_cache, host_tier, streamed
 
-# An absent slot or position in a stack's lists: past every cache and list (gathers read
-# zeros, scatters drop it).
-ABSENT = np.iinfo(np.int32).max
 # Padding of a group's exchange lists, per row (EVICT_SLOTS, EVICT_ROWS, LOAD_ROWS,
 # LOAD_SLOTS, NEXT_FROM_NOW): past every table's window, never read as a table's entry.
 FILL = (ABSENT, ABSENT, 0, ABSENT, ABSENT)
@@ -59,7 +58,11 @@ class OffloadGroup(base.TableGroup):
       np.cumsum([0] + [self.members[n].cache_rows for n in names]).astype(np.int64)
       for names in self._stacks
     ]
-    self._steady = SteadyPlanner(self.members, self.lookahead)
+    self._stack_idx = [np.array([self._index[n] for n in s], np.int64) for s in self._stacks]
+    # Per-table counts of the steady planner and of the lists, one add per batch for all
+    # tables ({key: float64[T] or a scalar for each}), handed to the members by `stats`.
+    self._table_counters = host_cache.Counters()
+    self._steady = SteadyPlanner(self.members, self.lookahead, self._table_counters)
     self._step = DeviceStep(self._stacks, self.specs, self.mesh)
     self._syncer = host_cache.StaleCheck(f"offload (tables {', '.join(self.members)})", "cache")
     self._sizers = []
@@ -259,16 +262,16 @@ class OffloadGroup(base.TableGroup):
   # -- prepare
 
   def prepare(self, ids, upcoming=(), *, train=True):
-    """ids {table: int[B, L]} -> {"batch": per stack, every table's batch stacked (`stacked_batch`:
-    slots of the stack's cache), "version": int32[T] (each table's plan's, -1: read-only),
-    "lists": per stack (`host_tier.layouts(.., by_optimizer=True)`), {"now": int32[4, Wn],
-    "now_off": int32[T + 1], "next": int32[5, Wx], "next_off": int32[T + 1]: every table's
-    exchange in one list (table i's at [off[i], off[i + 1]), its own rows, the stack's
-    slots: `_to_stack`), and the host tier's part (`HostSide.stage`): "now_rows" / "next_rows" {k:
-    f32[W, ...]} the rows loaded, read from the host tables here; "now_src" / "next_src"
-    int32[W] ring slots; train: "now_dst" / "next_dst" int32[W], "ring" int32[0, V]}.
-    Each table plans as `Offload.prepare` (`table_batch` / `table_exchanges` give its
-    part back as it planned it)."""
+    """ids {table: int[B, L]} -> {"batch": per stack, every table's batch stacked
+    (`stacked_batch`: slots of the stack's cache), "version": int32[T] (each table's plan's,
+    -1: read-only), "lists": per stack (`host_tier.layouts(.., by_optimizer=True)`), {"now":
+    int32[4, Wn], "now_off": int32[T + 1], "next": int32[5, Wx], "next_off": int32[T + 1]:
+    every table's exchange in one list (table i's at [off[i], off[i + 1]), its own rows, the
+    stack's slots: `stacked_batch.segments`), and the host tier's part (`HostSide.stage`):
+    "now_rows" / "next_rows" {k: f32[W, ...]} the rows loaded, read from the host tables
+    here; "now_src" / "next_src" int32[W] ring slots; train: "now_dst" / "next_dst"
+    int32[W], "ring" int32[0, V]}. Each table plans as `Offload.prepare` (`table_batch` /
+    `table_exchanges` give its part back as it planned it)."""
     return self.prepare_ahead(ids, upcoming, train=train)()
 
   @property
@@ -286,16 +289,16 @@ class OffloadGroup(base.TableGroup):
     second half reads only what its first half returned, never the planners' state, so the
     planning of later batches may run meanwhile (the SSD level: all of it now,
     `splits_prepare`)."""
-    per = None
+    planned = None
     if train and self._steady.ready and hostplan.enabled():
-      per = self._steady.plan(ids, list(upcoming))
-    if per is None:
+      planned = self._steady.plan(ids, list(upcoming))
+    if planned is None:
       if train:
         self._steady.forget()
-      per = super().prepare(ids, upcoming, train=train)
+      planned = Planned.of_tables(super().prepare(ids, upcoming, train=train), self.members)
     # The lists and the stacked batch depend on the plan only: made here, on the planning
     # thread (which waited for the input thread ~28% of the time), not in the second half.
-    built, caps = self._lists(per, train)
+    built, caps = self._lists(planned, train)
     if self.splits_prepare:
       return functools.partial(self._stage, built, caps, train)
     out = self._stage(built, caps, train)
@@ -325,50 +328,46 @@ class OffloadGroup(base.TableGroup):
       return sizer.hold(cap) if steady else 0
     return sizer(need, cap)
 
-  def _lists(self, per: dict, train: bool) -> tuple[dict, list[int]]:
-    """Move each table's exchanges (exact lengths) into its stack's lists, and its batch into
-    the stack's (`stacked_batch.stack`) -> ({"batch", "version", "lists"}, the lists without
-    the host tier's part (`_stage`); each stack's most loads per batch, the sum of min(ids
-    per batch, C) over its tables)."""
+  def _lists(self, planned: Planned, train: bool) -> tuple[dict, list[int]]:
+    """Each stack's exchange lists (its tables' exchanges one after another, `_width` long:
+    `stacked_batch.segments`) and its batch (`stacked_batch.stack`) -> ({"batch", "version",
+    "lists"}, the lists without the host tier's part (`_stage`); each stack's most loads
+    per batch, the sum of min(ids per batch, C) over its tables)."""
     lists, stack_caps = [], []
     padded = 0
-    for stack, names in enumerate(self._stacks):
-      rows = [per[n]["rows"] for n in names]
-      planned = [r.pop(PLANNED) for r in rows]
-      caps = [min(r["ids"].size, self.members[n].cache_rows) for n, r in zip(names, rows)]
-      entry, shares = {}, np.zeros(len(names))
+    shares = np.zeros(len(self.members))
+    for stack, idx in enumerate(self._stack_idx):
+      slot_off = self._slot_off[stack]
+      caps = np.minimum(planned.ids.n[idx], np.diff(slot_off))
+      entry = {}
       for j, (kind, fill) in enumerate((("now", FILL[:4]), ("next", FILL))):
-        parts = [r.pop(kind) for r in rows]
-        off = np.cumsum([0] + [x.shape[1] for x in parts]).astype(np.int32)
+        src = planned.lists[kind]
+        c = src.n[idx]
+        off = np.concatenate([[0], np.cumsum(c)]).astype(np.int32)
         if train:
-          need = int(off[-1]) if any(f[j] for f in planned) else None
-          width = self._width(stack, kind, need, sum(caps))
+          need = int(off[-1]) if planned.planned[idx, j].any() else None
+          width = self._width(stack, kind, need, int(caps.sum()))
         else:  # read-only: the batch's cold rows on demand, at most its ids (one shape)
-          width = sum(r["ids"].size for r in rows) if kind == "now" else 0
+          width = int(planned.ids.n[idx].sum()) if kind == "now" else 0
         lst = np.repeat(np.asarray(fill, np.int32)[:, None], width, axis=1)
-        lst[:, : off[-1]] = np.concatenate(parts, axis=1)
-        self._to_stack(lst, off, stack, entry.get("now_off"))
+        stacked_batch.segments(src, idx, slot_off, lst, entry.get("now_off"))
         entry[kind], entry[f"{kind}_off"] = lst, off
         if train:
           padded += width
           # Each table's share of the list (its rows and of the padding, by its rows), so
           # the tables' h2d_padded_bytes_per_step add up to the list's.
           total = int(off[-1])
-          c = np.diff(off)
-          share = c / total if total else np.full(len(names), 1 / len(names))
-          shares += c + (width - total) * share
-      if train:  # (one count per table and batch: each holds a lock)
-        for n, x in zip(names, shares.tolist()):
-          self.members[n]._count(padded_rows_h2d=x)
-      stack_caps.append(sum(caps))
+          share = c / total if total else np.full(len(idx), 1 / len(idx))
+          shares[idx] += c + (width - total) * share
+      stack_caps.append(int(caps.sum()))
       lists.append(entry)
       if train:
         self.list_widths.add(tuple(entry[k].shape[1] for k in ("now", "next")))
     if train:
       self._list_counters.add(steps=1, padded_rows_h2d=padded)
-    version = np.array([per[n]["rows"]["version"] for n in self.members], np.int32)
-    batch = stacked_batch.stack(self._stacks, self._slot_off, self.specs, per, lists, ABSENT)
-    return {"batch": batch, "version": version, "lists": tuple(lists)}, stack_caps
+      self._table_counters.add(padded_rows_h2d=shares)  # (one add per batch, all tables)
+    batch = stacked_batch.stack(self._stacks, self._slot_off, self.specs, planned, lists, ABSENT)
+    return {"batch": batch, "version": planned.version, "lists": tuple(lists)}, stack_caps
 
   def _stage(self, built: dict, caps: list[int], train: bool) -> dict:
     """`_lists`'s prepared batch with the host tier's part of each stack's lists (in place:
@@ -401,30 +400,10 @@ class OffloadGroup(base.TableGroup):
         }
     raise KeyError(table)
 
-  def _to_stack(self, lst: np.ndarray, off: np.ndarray, stack: int, now_off=None) -> None:
-    """In place, on a list int32[4|5, W] of per-table segments (table i's at [off[i],
-    off[i + 1]), as each table planned them): slots (EVICT_SLOTS, LOAD_SLOTS) to the stack's
-    cache (+ the table's first slot; its padding C to ABSENT) and, given now_off (the "now"
-    list's offsets: a "next" list), NEXT_FROM_NOW to positions in the "now" list (ABSENT
-    where the table's "now" has no such entry). Why here: the step then reads and writes
-    the stack's cache with the whole list in one op each, no per-table window."""
-    n = int(off[-1])
-    if n == 0:
-      return
-    tab = np.repeat(np.arange(len(off) - 1), np.diff(off))
-    first = self._slot_off[stack]
-    rows = np.diff(first)[tab]
-    for r in (EVICT_SLOTS, LOAD_SLOTS):
-      x = lst[r, :n]
-      lst[r, :n] = np.where(x < rows, x + first[tab], ABSENT)
-    if now_off is not None:
-      x = lst[NEXT_FROM_NOW, :n]
-      lst[NEXT_FROM_NOW, :n] = np.where(x < np.diff(now_off)[tab], x + now_off[tab], ABSENT)
-
   def table_exchanges(self, prepared: dict, table: str) -> dict[str, np.ndarray]:
     """A prepared batch's exchanges of one table, as `Offload.prepare` planned them: {"now":
     int32[4, n], "next": int32[5, m]} (its segments of its stack's lists, slots its own
-    (C: padding), NEXT_FROM_NOW as positions in its "now" (n: absent); `_to_stack`
+    (C: padding), NEXT_FROM_NOW as positions in its "now" (n: absent); `stacked_batch.segments`
     undone). Host side (tests, inspection)."""
     stack, i = next(
       (s, names.index(table)) for s, names in enumerate(self._stacks) if table in names
@@ -465,6 +444,12 @@ class OffloadGroup(base.TableGroup):
     """Every table's (`Offload.stats`), and the group's: list_rows_h2d_per_step (the rows
     the host reads move per step, padding included: what the host link carries),
     list_shapes (the distinct (now, next) list lengths so far: the step's shapes)."""
+    # (on the main thread at each log: one add per table, not one per table and key)
+    c = self._table_counters.take()
+    cols = {k: np.broadcast_to(v, (len(self.members),)).tolist() for k, v in c.items()}
+    for i, m in enumerate(self.members.values()):
+      if cols:
+        m._count(**{k: v[i] for k, v in cols.items()})
     out = super().stats()
     c = self._list_counters.take()
     if c.get("steps"):
