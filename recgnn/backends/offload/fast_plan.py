@@ -252,7 +252,7 @@ class SteadyPlanner:
       # each table's "next" block: 5 rows of cap entries, its first `loads` planned
       lists={"now": Flat(self._zeros[:0], zero, zero, zero),
              "next": Flat(out, at + (3 if unique else 1) * sizes, loads.copy(), cap)},
-      planned=np.tile(np.array([False, True]), (t_n, 1)),
+      exchange_planned=np.tile(np.array([False, True]), (t_n, 1)),
       version=version,
       count={
         i: np.sum(np.asarray(ids[n]) >= 0, axis=1).astype(np.int32)

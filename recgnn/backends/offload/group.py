@@ -345,7 +345,7 @@ class OffloadGroup(base.TableGroup):
         c = src.n[idx]
         off = np.concatenate([[0], np.cumsum(c)]).astype(np.int32)
         if train:
-          need = int(off[-1]) if planned.planned[idx, j].any() else None
+          need = int(off[-1]) if planned.exchange_planned[idx, j].any() else None
           width = self._width(stack, kind, need, int(caps.sum()))
         else:  # read-only: the batch's cold rows on demand, at most its ids (one shape)
           width = int(planned.ids.n[idx].sum()) if kind == "now" else 0

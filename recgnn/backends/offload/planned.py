@@ -4,8 +4,10 @@ int32 buffers, which the group lays out per stack (`OffloadGroup._lists`, `stack
 Two makers: `of_tables`, from the members' numpy planners (`Offload.prepare`'s dicts: one copy
 of each array), and the compiled planner (`fast_plan.SteadyPlanner.plan`: segments of the
 kernel's output buffer, no copy, no per-table dict). Why: on the steady path the per-table
-dicts were built by one loop and taken apart by two more, ~1 ms of Python per batch of
-cdlrm_kaggle's 26 tables, holding the GIL on the planning thread (benchmarks/host_path.py).
+dicts were built by one loop and taken apart by two more, Python holding the GIL on the
+planning thread: without them a cdlrm_kaggle batch's input side (26 tables, batch 2048, one
+thread in order) took 5.6 ms of CPU instead of 6.6, and the host path's ceiling
+(benchmarks/host_path.py, k = 8) rose 338k -> 377k samples/s (median of 5 processes each).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class Planned:
   unique / inverse   row-wise optimizers (`Offload._prepared`): [B * L] each (n 0: none)
   lists    {"now": 4 rows, "next": 5 rows}: its exchanges at their exact lengths, as
            `Offload.prepare` packs them (its own slots and rows)
-  planned  bool[T, 2]: whether its (now, next) exchange was planned (width, `_width`)
+  exchange_planned  bool[T, 2]: whether its (now, next) exchange was planned (`_width`)
   version  int32[T]: its plan's version (-1: read-only)
   count    {table index: int32[B]}: ids per example, tables pooled by mean."""
 
@@ -62,7 +64,7 @@ class Planned:
   unique: Flat
   inverse: Flat
   lists: dict
-  planned: np.ndarray
+  exchange_planned: np.ndarray
   version: np.ndarray
   count: dict
 
@@ -83,7 +85,7 @@ class Planned:
         "now": Flat.of([r["now"] for r in rows], 4),
         "next": Flat.of([r["next"] for r in rows], 5),
       },
-      planned=np.array([r[PLANNED] for r in rows], bool).reshape(len(rows), 2),
+      exchange_planned=np.array([r[PLANNED] for r in rows], bool).reshape(len(rows), 2),
       version=np.array([r["version"] for r in rows], np.int32),
       count={i: per[n]["count"] for i, n in enumerate(names) if "count" in per[n]},
     )
