@@ -644,6 +644,31 @@ def test_compiled_planner_names_an_out_of_range_id():
     group.prepare({"t": ids[1]}, [{"t": bad}, {"t": ids[3]}])
 
 
+def test_told_batches_make_the_ring_the_first_step_needs():
+  """`expect_batches` (the trainer's, before it builds the state: setup.build) makes the
+  device ring of recent write-backs at the rows the first train batch's lists name, so the
+  first train step runs the program every later one runs (at [0, ...] rows the first step
+  resized it: a second compile of the whole step). The same lookups and tables as a group
+  not told; a ring never resized."""
+  spec, batches, mesh = _spec(ADAGRAD), _batches(), planner.default_mesh()
+  text = POLICY_STRINGS[2]
+  told = planner.make_backend(text, spec, mesh)
+  told.expect_batches({"t": batches[0].shape})
+  state = told.init(jax.random.key(0))
+  upcoming = [{"t": b} for b in batches[1:4]]
+  widths = [lst["ring"].shape[1] for lst in told.prepare({"t": batches[0]}, upcoming)["lists"]]
+  assert [r["table"].shape[0] for r in state["ring"]] == widths and min(widths) > 0
+  untold = planner.make_backend(text, spec, mesh)
+  assert [r["table"].shape[0] for r in untold.init(jax.random.key(0))["ring"]] == [0]
+  a = contract.run(text, spec, batches, group=told, state=told.init(jax.random.key(0)))
+  b = contract.run(text, spec, batches)
+  for x, y in zip(a.lookups, b.lookups, strict=True):
+    np.testing.assert_array_equal(x, y)
+  np.testing.assert_array_equal(a.table, b.table)
+  assert [r["table"].shape[0] for r in a.state["ring"]] == widths
+  assert a.backend.stats()["t/d2h_rows_per_step"] > 0, "nothing written back: test too easy"
+
+
 def test_last_batch_keeps_the_steady_shapes():
   """The last batch of a stream (nothing upcoming to admit) is prepared with the shapes of
   the batches before it: no train-step compile of its own at the end of a run."""

@@ -68,6 +68,7 @@ class OffloadGroup(base.TableGroup):
     self._sizers = []
     self.list_widths: set[tuple[int, int]] = set()  # (now, next) lengths of train steps
     self._list_counters = host_cache.Counters()
+    self._ring_rows: list[int] = []  # per stack, the rings' rows (`expect_batches`)
     # The host tier: the tables' rows in host RAM, what each step loads and writes back.
     self._tier = HostSide(
       f"offload (tables {', '.join(self.members)})",
@@ -101,9 +102,11 @@ class OffloadGroup(base.TableGroup):
     }
 
   def _state(self, host: dict) -> dict:
-    """The group's state: empty caches (stacked: table after table at `_slot_off`), empty
-    rings (`host_side.RING_BATCHES`: sized by the first train batch) and zero counters; `host` (each
-    table's numpy arrays) goes to the host tier."""
+    """The group's state: empty caches (stacked: table after table at `_slot_off`), rings of
+    recent write-backs (zeros: a slot is read only once a step wrote it) at the rows
+    `expect_batches` was told train batches need, or at zero rows (the first train step
+    sizes them), and zero counters; `host` (each table's numpy arrays) goes to the host
+    tier."""
     parts = {n: m.empty_cache() for n, m in self.members.items()}
     caches, slot_rows = [], []
     for names in self._stacks:
@@ -112,7 +115,10 @@ class OffloadGroup(base.TableGroup):
       )
       slot_rows.append(np.concatenate([parts[n]["slot_rows"] for n in names]))
     t = len(self.members)
-    rings = tuple({k: np.zeros((0,) + v.shape[1:], v.dtype) for k, v in c.items()} for c in caches)
+    rows = self._ring_rows or [0] * len(caches)  # (`expect_batches`)
+    rings = tuple(
+      {k: np.zeros((r,) + v.shape[1:], v.dtype) for k, v in c.items()} for r, c in zip(rows, caches)
+    )
     dev = {
       "cache": tuple(caches),
       "ring": rings,
@@ -209,18 +215,42 @@ class OffloadGroup(base.TableGroup):
         out[n] = self.members[n].table_of(self._tier.table(n), slot_rows[a:b], cache[a:b])
     return out
 
+  def _stack_caps(self, stack: int, ids_shapes) -> dict[str, int]:
+    """A stack's tables' most loads per batch for train ids shaped `ids_shapes` (min(ids
+    per batch, C) each; a table not in ids_shapes left out): what `_lists` caps its lists at
+    and the host tier sizes its ring by (`HostSide.ring_rows`)."""
+    return {
+      n: min(int(np.prod(ids_shapes[n])), self.members[n].cache_rows)
+      for n in self._stacks[stack]
+      if n in ids_shapes
+    }
+
   def batch_memory(self, ids_shapes):
     """The device ring of recent write-backs (`_ring_rows`, with its optimizer state),
     replicated on every device; each table's share by its most loads per batch."""
     out = {}
-    for stack, names in enumerate(self._stacks):
-      known = [n for n in names if n in ids_shapes]
-      caps = {n: min(int(np.prod(ids_shapes[n])), self.members[n].cache_rows) for n in known}
+    for stack in range(len(self._stacks)):
+      caps = self._stack_caps(stack, ids_shapes)
       rows = self._tier.ring_rows(stack, sum(caps.values()))
       total = max(sum(caps.values()), 1)
-      for n in known:
+      for n in caps:
         out[n] = int(rows * caps[n] / total) * self.specs[n].row_bytes
     return out
+
+  def expect_batches(self, ids_shapes):
+    """The rings of states built from now on made at the rows train batches shaped
+    `ids_shapes` need (`_state`), as the host tier sizes its own from the first train batch
+    (`HostSide.stage`), not at zero rows: the first train step then runs the program every
+    later one runs. (A ring at zero rows was resized by the first train step: a second
+    compile of the whole train step, and with k steps per call a first call whose first
+    step ran outside the scan, `recgnn.train.step._scan`.) A stack with a table not in
+    ids_shapes keeps zero rows."""
+    self._ring_rows = [
+      self._tier.ring_rows(s, sum(caps.values()))
+      if len(caps := self._stack_caps(s, ids_shapes)) == len(names)
+      else 0
+      for s, names in enumerate(self._stacks)
+    ]
 
   def host_write_seconds(self) -> float:
     """Seconds the host writer spent copying rows to the host and writing them back (not its
