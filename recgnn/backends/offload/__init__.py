@@ -85,7 +85,8 @@ State (the group's: `OffloadGroup.state_sharding`):
   cache:     per stack {"table": float32[C, D], "accum": float32[C]}, C = the sum of its
              tables' cache rows                                                   device
   ring:      per stack, the same for V rows: the recent write-backs (V = RING_BATCHES x the
-             stack's most loads per batch, at most its rows; [0, ...] until the first step)
+             stack's most loads per batch, at most its rows; made at that size when told
+             the train batches' shapes, `expect_batches`, else [0, ...] until the first step)
   slot_rows: per stack int32[C], the row of its table in each slot (that table's N = empty)
   version:   int32[T], train batches applied per table; stale: int32[T], updates that ran
              with a plan made for another cache layout (checked by `sync`, which raises).
