@@ -238,13 +238,9 @@ class OffloadGroup(base.TableGroup):
     return out
 
   def expect_batches(self, ids_shapes):
-    """The rings of states built from now on made at the rows train batches shaped
-    `ids_shapes` need (`_state`), as the host tier sizes its own from the first train batch
-    (`HostSide.stage`), not at zero rows: the first train step then runs the program every
-    later one runs. (A ring at zero rows was resized by the first train step: a second
-    compile of the whole train step, and with k steps per call a first call whose first
-    step ran outside the scan, `recgnn.train.step._scan`.) A stack with a table not in
-    ids_shapes keeps zero rows."""
+    """Rings of states built from now on at the rows train batches shaped `ids_shapes` need
+    (as `HostSide.stage` sizes the host's), not zero rows, which the first train step resized:
+    a second compile of the whole step (with k per call, a first step outside the scan)."""
     self._ring_rows = [
       self._tier.ring_rows(s, sum(caps.values()))
       if len(caps := self._stack_caps(s, ids_shapes)) == len(names)
