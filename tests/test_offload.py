@@ -488,15 +488,19 @@ def test_smallest_is_key_then_index_order():
     np.testing.assert_array_equal(np.sort(offload.smallest(keys, k)), np.sort(want))
 
 
-def _group_stream(text, opt, compiled, monkeypatch, threads=1):
+def _group_stream(text, opt, compiled, monkeypatch, threads=1, dims=(4, 4, 4), pooling="sum"):
   """Every prepared pytree of a 3-table group over a Zipf stream with an eval pass inside,
-  planned by the compiled kernel (`compiled`) or by each table's numpy planner."""
+  planned by the compiled kernel (`compiled`) or by each table's numpy planner. dims: the
+  tables' (two values: two stacks); pooling: t1's (mean: the batch's counts)."""
   from recgnn.backends.offload import planner as hostplan
   from recgnn.train import inputs
 
   sizes = (1000, 300, 5000)
   specs = [
-    base.TableSpec(name=f"t{i}", num_rows=n, dim=4, optimizer=opt) for i, n in enumerate(sizes)
+    base.TableSpec(
+      name=f"t{i}", num_rows=n, dim=dims[i], optimizer=opt, pooling=pooling if i == 1 else "sum"
+    )
+    for i, n in enumerate(sizes)
   ]
   group = planner.make_group(text, specs)
   group.init(jax.random.key(0))
@@ -546,6 +550,26 @@ def test_compiled_planner_equals_numpy_planner(policy, opt, monkeypatch):
     s = fast.stats()
     assert s["t0/d2h_rows_per_step"] > 0, "no dirty row was evicted: test too easy"
     assert s == {**slow_stats, **{k: v for k, v in s.items() if "plan_ms" in k}}
+
+
+def test_compiled_planner_equals_numpy_planner_two_stacks_and_mean(monkeypatch):
+  """Two stacks in one group (tables of two dims) and a mean-pooled table: the compiled
+  planner's batch (`planned.Planned`, segments of its buffer) laid out per stack as the
+  numpy planners' dicts are, every prepared array equal."""
+  from recgnn.backends.offload import planner as hostplan
+
+  if not hostplan.AVAILABLE:
+    pytest.skip("numba not installed")
+  text, dims = "offload(cache_rows=130, policy=lookahead, lookahead=3)", (4, 8, 4)
+  want, slow = _group_stream(text, ADAGRAD, False, monkeypatch, dims=dims, pooling="mean")
+  got, fast = _group_stream(text, ADAGRAD, True, monkeypatch, dims=dims, pooling="mean")
+  assert len(fast._stacks) == 2 and fast.fast_batches >= 12 and len(got) == len(want)
+  assert any("count" in bag for s in got[-1]["g"]["batch"] for bag in s["bags"].values())
+  for k, (a, b) in enumerate(zip(want, got)):
+    la, lb = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb):
+      np.testing.assert_array_equal(x, y, err_msg=f"batch {k} {jax.tree_util.keystr(path)}")
 
 
 def _random_stream(seed, text, compiled, monkeypatch):
