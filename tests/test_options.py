@@ -92,6 +92,14 @@ def test_hot_cold_reprofile_needs_a_budget_under_one():
   planner.make_group("hot_cold(budget=0.5, reprofile=2)", [SPEC])  # honoured
 
 
+def test_offload_refuses_a_window_its_planner_cannot_mark():
+  """The compiled planner marks a slot's window position in 16 bits: a lookahead past the
+  bound is refused, not silently mixed up with another batch's."""
+  with pytest.raises(ValueError, match=r"lookahead must be <= 4096, got 70000"):
+    planner.make_group("offload(cache_rows=10, lookahead=70000)", [SPEC])
+  planner.make_group("offload(cache_rows=10, lookahead=4096)", [SPEC])  # honoured
+
+
 @pytest.mark.parametrize(
   "text, match",
   [

@@ -11,6 +11,8 @@ from recgnn.backends.offload.cache_plan import POLICIES
 from recgnn.backends.offload.row_file import IO_MODES
 from recgnn.embeddings import base
 
+MAX_LOOKAHEAD = 4096  # batches (see `OffloadOptions.__post_init__`)
+
 EXCHANGES = ("fixed", "bucket", "pow2")
 
 
@@ -26,7 +28,8 @@ class OffloadOptions(base.BackendOptions):
       `lookahead` (never evicts a row needed within the look-ahead window while the cache
       can hold the window; then farthest next use first).
     lookahead: upcoming batches `prepare` wants (the trainer passes them). >= 1 prefetches
-      batch k+1 inside step k; 0 loads every batch on demand inside its own step.
+      batch k+1 inside step k; 0 loads every batch on demand inside its own step. At most
+      MAX_LOOKAHEAD (4096).
     exchange: the length of the exchange lists, which are shapes of the step (each new
       one compiles it). Every table of the group with the same row layout (dim, optimizer)
       has its exchange in ONE list per direction ("now": on demand, "next": prefetched),
@@ -103,6 +106,10 @@ class OffloadOptions(base.BackendOptions):
       raise ValueError(f"offload: lookahead must be >= 0, got {self.lookahead}")
     if self.policy == "lookahead" and self.lookahead < 1:
       raise ValueError("offload: policy=lookahead needs lookahead>=1 (its window)")
+    if self.lookahead > MAX_LOOKAHEAD:
+      # (the compiled planner keeps a window position in the low 16 bits of a slot's mark,
+      # `planner.MARK_BITS`, and the ring holds lookahead + 3 batches of every table's ids)
+      raise ValueError(f"offload: lookahead must be <= {MAX_LOOKAHEAD}, got {self.lookahead}")
     if self.host_memory != "pinned_host":
       raise ValueError(
         f"offload: host_memory={self.host_memory!r} is not available: the rows live in host "
