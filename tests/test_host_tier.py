@@ -223,6 +223,30 @@ def test_the_writer_applies_in_order_and_reports_errors():
   assert late.applied == 1
 
 
+def test_a_dropped_writer_ends_its_thread_and_lets_go_of_its_last_job():
+  """The writer's thread holds its writer weakly (recgnn.owned_thread): a writer dropped with
+  its group ends its thread and lets go of the last job's arrays. A thread started on a bound
+  method kept both to the end of the process (a test worker ended with ~300 idle writer
+  threads, each holding its group's host tables)."""
+  import gc
+  import weakref
+
+  class Rows:  # (stands for a write-back's arrays)
+    pass
+
+  rows = Rows()
+  gone = weakref.ref(rows)
+  writer = host_tier.Writer("dropped")
+  writer.submit(lambda r=rows: None)
+  writer.drain()
+  thread = writer._thread
+  del writer, rows
+  gc.collect()
+  thread.join(timeout=10)
+  assert not thread.is_alive()
+  assert gone() is None
+
+
 def test_row_copies_off_the_gil_equal_numpys():
   """The compiled row copies (no GIL: the input and writer threads do not hold it against the
   launching thread) read and write what numpy's fancy indexing does, 1-D and 2-D rows."""

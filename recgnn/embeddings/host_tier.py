@@ -39,6 +39,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from recgnn import owned_thread
+
 ABSENT = np.iinfo(np.int32).max  # no ring position: the row comes from the host
 
 
@@ -132,21 +134,18 @@ class Writer:
     self._thread: threading.Thread | None = None
     self._counts: collections.deque = collections.deque()  # steps each queued job applies
 
-  def _run(self):
-    while True:
-      job = self._jobs.get()
-      if job is None:
-        return
-      t0 = time.perf_counter()
-      try:
-        if self._error is None:
-          job()
-      except BaseException as e:  # re-raised on the next submit / wait / drain
-        self._error = e
-      self.busy_seconds += time.perf_counter() - t0
-      with self._cond:
-        self.applied += self._counts.popleft()
-        self._cond.notify_all()
+  def _apply(self, job: Callable[[], None]) -> None:
+    """One job, on the writer thread (`owned_thread`: it ends when this Writer is dropped)."""
+    t0 = time.perf_counter()
+    try:
+      if self._error is None:
+        job()
+    except BaseException as e:  # re-raised on the next submit / wait / drain
+      self._error = e
+    self.busy_seconds += time.perf_counter() - t0
+    with self._cond:
+      self.applied += self._counts.popleft()
+      self._cond.notify_all()
 
   def _check(self):
     if self._error is not None:
@@ -158,8 +157,7 @@ class Writer:
     however the steps were called."""
     self._check()
     if self._thread is None:
-      self._thread = threading.Thread(target=self._run, name=f"{self.owner} writer", daemon=True)
-      self._thread.start()
+      self._thread = owned_thread.serve(self, self._jobs, "_apply", f"{self.owner} writer")
     with self._cond:
       self.submitted += steps
       self._counts.append(steps)

@@ -33,6 +33,7 @@ import weakref
 import jax
 import numpy as np
 
+from recgnn import owned_thread
 from recgnn.backends.offload.cache_plan import _PROTECTED, Planner, smallest
 from recgnn.backends.offload.row_file import RowFile, check_space, remove_stale
 from recgnn.embeddings import host_tier, streamed
@@ -388,26 +389,21 @@ class DiskRows(host_tier.HostRows):
     """Read [(table, rows)] of a batch ahead into the host caches, on the prefetch thread
     (never on the caller's)."""
     if self._thread is None:
-      self._thread = threading.Thread(target=self._run, name="offload ssd prefetch", daemon=True)
-      self._thread.start()
+      self._thread = owned_thread.serve(self, self._queue, "_read_ahead", "offload ssd prefetch")
     self._queue.put(rows)
 
-  def _run(self) -> None:
-    while True:
-      job = self._queue.get()
-      try:
-        if job is None:
-          return
-        t0 = time.perf_counter()
-        for t, rows in job:
-          self.tables[t].prefetch(rows)
-        dt = time.perf_counter() - t0
-        r = self.read_seconds_per_batch
-        self.read_seconds_per_batch = dt if r == 0 else 0.9 * r + 0.1 * dt
-      except BaseException as e:  # re-raised by the next gather (on the input thread)
-        self._prefetch_error = e
-      finally:
-        self._queue.task_done()
+  def _read_ahead(self, job: list[tuple[int, np.ndarray]]) -> None:
+    """One batch's reads ahead, on the prefetch thread (`owned_thread`: it ends when this
+    object is dropped, and with it the finalizer that removes the row files can run)."""
+    try:
+      t0 = time.perf_counter()
+      for t, rows in job:
+        self.tables[t].prefetch(rows)
+      dt = time.perf_counter() - t0
+      r = self.read_seconds_per_batch
+      self.read_seconds_per_batch = dt if r == 0 else 0.9 * r + 0.1 * dt
+    except BaseException as e:  # re-raised by the next gather (on the input thread)
+      self._prefetch_error = e
 
   def drain_prefetch(self) -> None:
     if self._thread is not None:
