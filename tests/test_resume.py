@@ -219,3 +219,49 @@ def test_two_processes_on_one_workdir(cache_dir, tmp_path):
   assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
   assert f"Taking over {os.path.join(wd, 'lock')} from pid {first.pid}" in third.stdout
   assert "that process is gone" in third.stdout
+
+
+def test_a_save_in_one_process_compiles_no_program_per_replica(tmp_path):
+  """Orbax's CPU default (replica-parallel) has each replica of a replicated array write a
+  slice of it: in one process, where every replica is local, an eager `slice` program per
+  array and replica (96 in the first save of a 4-table smoke run on 2x4). The checkpoint's
+  state item writes one replica's shard instead: saving replicated params on 8 devices
+  compiles nothing, and they restore as saved."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from recgnn import planner, sharding
+  from recgnn.train import step as step_lib
+
+  mesh = sharding.make_mesh(8, 1)
+  rep = NamedSharding(mesh, P())
+  # (shapes no other test saves: a slice program compiled earlier in this process would be
+  # reused, not compiled, and not seen here)
+  params = {
+    "w": jax.device_put(jnp.arange(8 * 13 * 3, dtype=jnp.float32).reshape(8 * 13, 3), rep),
+    "b": jax.device_put(jnp.ones((3, 8 * 7), jnp.float32), rep),
+  }
+  state = step_lib.TrainState(
+    step=jax.device_put(jnp.int32(3), rep), params=params, opt_state=(), emb={},
+    key=jax.random.key(0),
+  )  # fmt: skip
+  plan = planner.Plan({}, {}, mesh)
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  compiles = []
+
+  def listen(event, seconds, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(seconds)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    ckpt.save(state, 3, plan)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert compiles == [], f"{len(compiles)} programs compiled by a save"
+  got = checkpoint.Checkpointer(str(tmp_path)).restore(state, plan, log=lambda *_: None)
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(got.params[k]), np.asarray(params[k]))
+  assert int(got.step) == 3

@@ -66,6 +66,28 @@ ARTIFACTS_KEY = "artifacts v1"  # (artifacts.npz's manifest: its bytes and head 
 TMP_MARK = ".orbax-checkpoint-tmp"
 
 
+def _state_handler() -> ocp.PyTreeCheckpointHandler:
+  """The handler of the `state` item: Orbax's standard one, except that in a single process
+  a replicated array is written from one replica's shard, not sliced over its replicas.
+
+  Orbax's default on CPU (replica-parallel) has each replica write a slice of a replicated
+  array: every host writes part of it, which saves bytes per host when there are several.
+  In one process every replica is local, so the slices only split the copies to host into
+  an eager `slice` program per array shape and replica: a first save of a small model on 8
+  devices compiled ~100 of them (tests/README.md). Several processes keep Orbax's default.
+  The files are the same either way (a replicated array is one array on disk)."""
+  arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=jax.process_count() > 1)
+  registry = ocp.type_handlers.create_type_handler_registry(
+    (int, ocp.type_handlers.ScalarHandler()),
+    (float, ocp.type_handlers.ScalarHandler()),
+    (np.number, ocp.type_handlers.ScalarHandler()),
+    (np.ndarray, ocp.type_handlers.NumpyHandler()),
+    (jax.Array, arrays),
+    (str, ocp.type_handlers.StringHandler()),
+  )
+  return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
 class IncompatibleCheckpoint(ValueError):
   """A checkpoint that does not fit this run (another model, table or optimizer shape): says
   which keys differ, with both values. The checkpoint is left in place."""
@@ -197,6 +219,11 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(
       self.directory,
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+      item_handlers={
+        "state": _state_handler(),
+        "meta": ocp.JsonCheckpointHandler(),
+        streamed_item.ITEM: streamed_item.StreamedTablesHandler(),
+      },
     )
 
   def _remove_temporaries(self, step: int | None = None) -> None:
@@ -241,7 +268,7 @@ class Checkpointer:
       info["data_state"] = data_state
     previous = self.latest_step()
     try:
-      items = {"state": ocp.args.StandardSave(payload), "meta": ocp.args.JsonSave(info)}
+      items = {"state": ocp.args.PyTreeSave(payload), "meta": ocp.args.JsonSave(info)}
       if streams:
         items[streamed_item.ITEM] = streamed_item.StreamedSave(streams)
       self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -419,7 +446,9 @@ class Checkpointer:
       target = group.logical_target()
       tables_target.update({n: target[n] for n in group.specs if "folder" not in saved[n]})
     train_target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _train_part(state))
-    items = {"state": ocp.args.StandardRestore({"train": train_target, "tables": tables_target})}
+    target = {"train": train_target, "tables": tables_target}
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    items = {"state": ocp.args.PyTreeRestore(target, restore_args=restore_args)}
     if folders := tuple(saved[n]["folder"] for n in saved if "folder" in saved[n]):
       items[streamed_item.ITEM] = streamed_item.StreamedRestore(folders)
     got = self.manager.restore(step, args=ocp.args.Composite(**items))
