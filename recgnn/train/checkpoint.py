@@ -47,7 +47,6 @@ import os
 import shutil
 import time
 import zipfile
-import zlib
 
 import jax
 import numpy as np
@@ -59,9 +58,9 @@ from recgnn import planner, sharding
 from recgnn.data import file_check
 from recgnn.embeddings import streamed
 from recgnn.train import streamed_item
+from recgnn.train.checksums import CHECKSUMS, file_checksums, verify_checksums
 from recgnn.train.config_diff import config_differences
 
-CHECKSUMS = "recgnn_checksums.json"
 ARTIFACTS_KEY = "artifacts v1"  # (artifacts.npz's manifest: its bytes and head checksum)
 TMP_MARK = ".orbax-checkpoint-tmp"
 
@@ -131,48 +130,6 @@ def refuse_existing(workdir: str, resume: bool) -> None:
       "Pass --resume to continue it, or give a fresh --workdir to start a new run (or delete "
       "that directory)."
     )
-
-
-def file_checksums(directory: str, known: dict | None = None) -> dict[str, list[int]]:
-  """{relative path: [size, crc32]} of every file under `directory` but the checksum file;
-  `known`: files whose [size, crc32] their writer computed (taken where the size matches)."""
-  out = {}
-  for root, _, files in os.walk(directory):
-    for name in sorted(files):
-      path = os.path.join(root, name)
-      rel = os.path.relpath(path, directory)
-      if rel == CHECKSUMS:
-        continue
-      if known and rel in known and known[rel][0] == os.path.getsize(path):
-        out[rel] = list(known[rel])  # (a streamed table's: not read a second time)
-        continue
-      crc = 0
-      with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-          crc = zlib.crc32(chunk, crc)
-      out[rel] = [os.path.getsize(path), crc]
-  return out
-
-
-def verify_checksums(directory: str) -> str | None:
-  """None if `directory`'s files match its checksum file (or it has none), else what differs."""
-  path = os.path.join(directory, CHECKSUMS)
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path) as f:
-      expected = json.load(f)
-  except (OSError, ValueError) as e:
-    return f"{CHECKSUMS} unreadable ({e})"
-  actual = file_checksums(directory)
-  for rel, (size, crc) in sorted(expected.items()):
-    if rel not in actual:
-      return f"file {rel} missing"
-    if actual[rel][0] != size:
-      return f"file {rel} has {actual[rel][0]} bytes, {size} when saved"
-    if actual[rel][1] != crc:
-      return f"file {rel} differs from when it was saved (CRC-32)"
-  return None
 
 
 def _leaf_shapes(tree) -> dict[str, tuple]:
