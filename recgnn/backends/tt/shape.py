@@ -8,6 +8,7 @@ Core k: float32[n_k, r_{k-1}, d_k, r_k], prod(n_k) >= N, prod(d_k) = D, r_0 = r_
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -242,21 +243,31 @@ def init_cores(
     is `variance`; rank columns the target cannot fill get sampled-Gaussian noise at 1% of s
     (all-zero columns would have zero gradients and never train).
   """
+  if init not in INITS:
+    raise ValueError(f"tt: unknown init {init!r}; available: {', '.join(INITS)}")
   s = core_std(shape, variance)
+  if init != "tt_svd":
+    return list(_random_cores(key, shape, s, init))
+  if target is None:
+    raise ValueError("tt: init=tt_svd needs a target table (the init_path option)")
   keys = jax.random.split(key, shape.num_cores)
-  if init == "tt_svd":
-    if target is None:
-      raise ValueError("tt: init=tt_svd needs a target table (the init_path option)")
-    cores = tt_svd(np.asarray(target, np.float64), shape)
-    # Scale the truncated reconstruction (not the target: truncation drops energy) to the
-    # target variance, equally over the K cores.
-    ms = float(jnp.mean(reconstruct([jnp.asarray(c) for c in cores], target.shape[0]) ** 2))
-    scale = (variance / ms) ** (1.0 / (2 * shape.num_cores)) if ms > 0 else 0.0
-    cores = [c * np.float32(scale) for c in cores]
-    return [
-      jnp.asarray(c) + 0.01 * s * jax.random.normal(keys[k], c.shape, jnp.float32) * (c == 0)
-      for k, c in enumerate(cores)
-    ]
+  cores = tt_svd(np.asarray(target, np.float64), shape)
+  # Scale the truncated reconstruction (not the target: truncation drops energy) to the
+  # target variance, equally over the K cores.
+  ms = float(jnp.mean(reconstruct([jnp.asarray(c) for c in cores], target.shape[0]) ** 2))
+  scale = (variance / ms) ** (1.0 / (2 * shape.num_cores)) if ms > 0 else 0.0
+  cores = [c * np.float32(scale) for c in cores]
+  return [
+    jnp.asarray(c) + 0.01 * s * jax.random.normal(keys[k], c.shape, jnp.float32) * (c == 0)
+    for k, c in enumerate(cores)
+  ]
+
+
+# Jitted: one program per shape and init. Op by op, each core's draw, scale and reshape was a
+# program of its own (~10 compiles at a table's first init: on a GPU, a kernel build each).
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _random_cores(key: jax.Array, shape: TTShape, s: float, init: str) -> list[jax.Array]:
+  keys = jax.random.split(key, shape.num_cores)
   cores = []
   for k, (n, r0, d, r1) in enumerate(shape.core_shapes()):
     if init == "sampled_gaussian":
@@ -264,18 +275,22 @@ def init_cores(
     elif init == "uniform":
       a = math.sqrt(3.0) * s
       g = jax.random.uniform(keys[k], (n, r0, d, r1), jnp.float32, -a, a)
-    elif init == "orthogonal":
+    else:  # orthogonal
       m, c = r0 * d, r1
       q = jax.random.orthogonal(keys[k], max(m, c), shape=(n,))[:, :m, :c]
       g = (s * math.sqrt(max(m, c)) * q).reshape(n, r0, d, r1).astype(jnp.float32)
-    else:
-      raise ValueError(f"tt: unknown init {init!r}; available: {', '.join(INITS)}")
     cores.append(g)
   return cores
 
 
 def reconstruct(cores: Sequence[jax.Array], num_rows: int) -> jax.Array:
-  """The dense table float32[num_rows, D] from the cores (O(N): tests and export only)."""
+  """The dense table float32[num_rows, D] from the cores (O(N): tests and export only).
+  One program per shapes (op by op, each contraction and reshape compiled alone)."""
+  return _reconstruct(list(cores), num_rows)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _reconstruct(cores: list[jax.Array], num_rows: int) -> jax.Array:
   out = cores[0][:, 0]  # [n_1, d_1, r_1]
   for g in cores[1:]:
     # [P, a, r] x [n, r, b, s] -> [P, n, a, b, s] -> [P * n, a * b, s]
