@@ -247,6 +247,35 @@ def test_a_dropped_writer_ends_its_thread_and_lets_go_of_its_last_job():
   assert gone() is None
 
 
+def test_rows_to_host_reads_any_range_through_one_program():
+  """A cache's rows read to the host a piece at a time (offload's sync): every range, the
+  last shorter one too, through one program per array shape and window (slicing [lo:hi]
+  compiled one per start and length)."""
+  import jax.numpy as jnp
+
+  arrays = {"rows": jnp.arange(101 * 3, dtype=jnp.float32).reshape(101, 3),
+            "slot": jnp.arange(101, dtype=jnp.float32) * 0.5}  # fmt: skip
+  want = {k: np.asarray(v) for k, v in arrays.items()}
+  host_tier.rows_to_host(arrays, 0, 10, 10)  # (the program, compiled here)
+  compiles = []
+
+  def listen(event, seconds, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(seconds)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    for lo, hi in [(0, 10), (10, 20), (37, 41), (95, 101), (100, 101)]:
+      got = host_tier.rows_to_host(arrays, lo, hi, 10)
+      for k in want:
+        np.testing.assert_array_equal(got[k], want[k][lo:hi], err_msg=f"{k} [{lo}:{hi})")
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert compiles == []
+  small = host_tier.rows_to_host({"x": jnp.ones((4, 2))}, 1, 3, 10)  # window > rows
+  np.testing.assert_array_equal(small["x"], np.ones((2, 2)))
+
+
 def test_row_copies_off_the_gil_equal_numpys():
   """The compiled row copies (no GIL: the input and writer threads do not hold it against the
   launching thread) read and write what numpy's fancy indexing does, 1-D and 2-D rows."""

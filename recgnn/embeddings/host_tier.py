@@ -31,6 +31,7 @@ few steps' exchanges.
 from __future__ import annotations
 
 import collections
+import functools
 import queue
 import threading
 import time
@@ -417,6 +418,24 @@ def widen(x: np.ndarray, width: int, fill, axis: int = 0) -> np.ndarray:
 def to_host_values(values) -> dict:
   """The step's output copied to host memory (writer thread; waits for the step)."""
   return jax.device_get(values)
+
+
+def rows_to_host(arrays: dict, lo: int, hi: int, window: int) -> dict:
+  """Rows [lo, hi) (hi - lo <= window) of each device array [R, ...] on the host, read
+  through a `window`-row slice: one program per array shape and window, wherever the rows
+  start. Slicing [lo:hi] compiled a program per start and length (a cache's sync, a piece
+  per table and chunk: ~100 programs at a smoke run's first checkpoint, a kernel build each
+  on a GPU)."""
+  total = next(iter(arrays.values())).shape[0]
+  window = min(window, total)
+  start = max(0, min(lo, total - window))
+  got = jax.device_get(_window(arrays, np.int32(start), window))
+  return {k: v[lo - start : hi - start] for k, v in got.items()}
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _window(arrays: dict, start, window: int) -> dict:
+  return {k: jax.lax.dynamic_slice_in_dim(v, start, window) for k, v in arrays.items()}
 
 
 def layouts(specs, by_optimizer: bool = False) -> tuple[tuple[str, ...], ...]:

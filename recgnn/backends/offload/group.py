@@ -192,7 +192,7 @@ class OffloadGroup(base.TableGroup):
       for n, (a, b) in zip(names, self._slices(s)):
         for i in range(a, b, step):
           j = min(i + step, b)
-          piece = jax.device_get({k: v[i:j] for k, v in cache.items()})
+          piece = host_tier.rows_to_host(cache, i, j, step)
           self._tier.write_resident(n, slot_rows[i:j], piece)
     return state
 
