@@ -24,21 +24,24 @@ def test_bf16_model_keeps_float32_params_grads_and_logits(kind):
   dense = jnp.asarray(rng.normal(size=(64, 13)), jnp.float32)
   emb = [jnp.asarray(rng.normal(size=(64, 8)), jnp.float32) for _ in range(3)]
   f32, bf16 = _ctr_model(kind, jnp.float32), _ctr_model(kind, jnp.bfloat16)
-  params = f32.init(jax.random.key(0), dense, emb)
+  # (every computation jitted whole: op by op, each layer's ops compiled a program apiece)
+  params = jax.jit(f32.init)(jax.random.key(0), dense, emb)
   # The same params (float32) serve both: the dtype is the computation's only.
-  assert jax.tree.structure(bf16.init(jax.random.key(0), dense, emb)) == jax.tree.structure(params)
+  bf16_params = jax.eval_shape(bf16.init, jax.random.key(0), dense, emb)
+  assert jax.tree.structure(bf16_params) == jax.tree.structure(params)
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
 
   def loss(model, params, emb):
     return jnp.mean(model.apply(params, dense, emb) ** 2)
 
-  out = bf16.apply(params, dense, emb)
+  out = jax.jit(bf16.apply)(params, dense, emb)
   assert out.dtype == jnp.float32 and out.shape == (64,)
-  g_params, g_emb = jax.grad(lambda p, e: loss(bf16, p, e), argnums=(0, 1))(params, emb)
+  grad = jax.jit(jax.grad(lambda p, e: loss(bf16, p, e), argnums=(0, 1)))
+  g_params, g_emb = grad(params, emb)
   assert {x.dtype for x in jax.tree.leaves((g_params, g_emb))} == {jnp.dtype(jnp.float32)}
   # bf16 has 8 bits of mantissa: logits within a few % of the float32 ones.
-  ref = f32.apply(params, dense, emb)
-  np.testing.assert_allclose(out, ref, rtol=0.05, atol=0.05 * float(jnp.std(ref)))
+  ref = np.asarray(jax.jit(f32.apply)(params, dense, emb))
+  np.testing.assert_allclose(out, ref, rtol=0.05, atol=0.05 * float(np.std(ref)))
   # ... and its compiled program computes its matmuls in bf16 (not a float32 no-op).
   hlo = jax.jit(lambda p: bf16.apply(p, dense, emb)).lower(params).as_text()
   assert "bf16" in hlo

@@ -276,8 +276,10 @@ def test_partitions_are_self_sufficient(tmp_path, method, layers, scoring):
     "rel": edges[:, 1],
     "norm": task.graph["norm"],
   }
-  params = task.encoder.init(jax.random.key(0), x, full_graph, False)
-  whole = np.asarray(task.encoder.apply(params, x, full_graph, False))
+  # (jitted whole: op by op, the encoder compiled a program per op and partition shape)
+  encode = jax.jit(task.encoder.apply, static_argnums=3)
+  params = jax.jit(task.encoder.init, static_argnums=3)(jax.random.key(0), x, full_graph, False)
+  whole = np.asarray(encode(params, x, full_graph, False))
   for i, p in enumerate(parts):
     # (1) The encoder over the partition alone gives its core rows their whole-graph values.
     sub = {
@@ -286,7 +288,7 @@ def test_partitions_are_self_sufficient(tmp_path, method, layers, scoring):
       "rel": p.edges[:, 1],
       "norm": task.graph["norm"][p.edge_index],
     }
-    local = np.asarray(task.encoder.apply(params, x[p.nodes], sub, False))
+    local = np.asarray(encode(params, x[p.nodes], sub, False))
     np.testing.assert_allclose(
       local[: p.num_core], whole[p.nodes[: p.num_core]], rtol=1e-5, atol=1e-5
     )
@@ -304,10 +306,10 @@ def test_partitions_are_self_sufficient(tmp_path, method, layers, scoring):
     assert (b["src"] < len(p.nodes)).all() and (b["dst"] < len(p.nodes)).all()
     # (3) Its gradient: the loss on these rows touches no padded / outside row.
     rows = jnp.asarray(np.where(ids[:, None] >= 0, x[np.maximum(ids, 0)], 0.0))
-    pp = task.init_params(jax.random.key(1), b, {"entity": rows})
-    grad = jax.grad(lambda r, pp=pp, b=b: task.loss(pp, b, {"entity": r}, jax.random.key(2))[0])(
-      rows
-    )
+    pp = jax.jit(task.init_params)(jax.random.key(1), b, {"entity": rows})
+    grad = jax.jit(
+      jax.grad(lambda r, pp=pp, b=b: task.loss(pp, b, {"entity": r}, jax.random.key(2))[0])
+    )(rows)
     assert not np.asarray(grad)[len(p.nodes) :].any()
 
 
@@ -552,10 +554,10 @@ def test_grouped_queries_loss_equals_per_triple_1vsall(tmp_path, reg):
   rows = jnp.asarray(np.random.default_rng(0).normal(size=(N, 8)).astype(np.float32))
   b1, b2 = next(plain.train_batches(0)), next(grouped.train_batches(0))
   assert b2["cnt"].sum() == b1["weight"].sum() == len(plain.train_triples)
-  params = plain.init_params(jax.random.key(0), b1, {"entity": rows})
+  params = jax.jit(plain.init_params)(jax.random.key(0), b1, {"entity": rows})
   key = jax.random.key(1)
-  l1, a1 = plain.loss(params, b1, {"entity": rows}, key)
-  l2, a2 = grouped.loss(params, b2, {"entity": rows}, key)
+  l1, a1 = jax.jit(plain.loss)(params, b1, {"entity": rows}, key)  # (jitted: one program each)
+  l2, a2 = jax.jit(grouped.loss)(params, b2, {"entity": rows}, key)
   np.testing.assert_allclose(l2, l1, rtol=1e-5)
   np.testing.assert_allclose(a2["ce"], a1["ce"], rtol=1e-5)
   assert grouped.num_examples(b2) == len(plain.train_triples)

@@ -244,8 +244,11 @@ def test_core_grads_match_jax_grad_of_reconstruction(variant):
   b = _member(f"tt(rank=4, {variant})", spec)  # unpooled: a gradient per bag slot
   state = b.init(jax.random.key(1))
   g = jax.random.normal(jax.random.key(2), ids.shape + (spec.dim,))
-  ref = jax.grad(_reference_loss)(state["cores"], jnp.asarray(ids), g, spec.num_rows)
-  got = b.core_grads(state, b.prepare(ids), g)
+  # (both sides jitted whole: op by op, each compiled a program per op)
+  ref = jax.jit(jax.grad(_reference_loss), static_argnums=3)(
+    state["cores"], jnp.asarray(ids), g, spec.num_rows
+  )
+  got = jax.jit(b.core_grads)(state, b.prepare(ids), g)
   for k, (a, r) in enumerate(zip(got, ref)):
     assert float(jnp.abs(r).max()) > 0
     np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-6, err_msg=f"core {k}")
@@ -423,17 +426,20 @@ def test_cached_rows_train_like_dense_rows(opt):
   dense = planner.make_backend("dense", spec)
   hot = np.unique(np.concatenate([x[x >= 0] for x in batches[:2]]))  # every row seen is hot
   state, ref = b.init(jax.random.key(0)), None
+  # (jitted, as the trainer runs them: op by op, each step compiled a program per op)
+  lookup, update = jax.jit(b.lookup), jax.jit(b.update)
+  dense_lookup, dense_update = jax.jit(dense.lookup), jax.jit(dense.update)
   for step, ids in enumerate(batches):
     prepared = b.prepare({"t": ids})
-    pooled, residuals = b.lookup(state, prepared)
+    pooled, residuals = lookup(state, prepared)
     g = {"t": contract.grads_for(step, pooled["t"])}
     if step == 1:  # the warm-up ends with batch 1: its update fills the cache first
       table = jnp.asarray(b.tables(state)["t"])
       ref = {"t": {"table": table, **opt.init_slots(spec.num_rows)}}
-    state = b.update(state, prepared, residuals, g)
+    state = update(state, prepared, residuals, g)
     if ref is not None:
       dp = dense.prepare({"t": ids})
-      ref = dense.update(ref, dp, dense.lookup(ref, dp)[1], g)
+      ref = dense_update(ref, dp, dense_lookup(ref, dp)[1], g)
       np.testing.assert_allclose(
         b.tables(state)["t"][hot], np.asarray(ref["t"]["table"])[hot], **TOL
       )
