@@ -441,8 +441,8 @@ def init_state(
   k_emb, k_params, k_run = jax.random.split(key, 3)
   emb = {k: g.init(k_emb) for k, g in plan.groups.items()}
   specs = plan.specs
-  zeros = {
-    n: jnp.zeros(example_batch["ids"][n].shape[:1] + (s.dim,), jnp.float32)
+  zeros = {  # (numpy: jnp.zeros compiled a program per shape; these only enter the jit below)
+    n: np.zeros(example_batch["ids"][n].shape[:1] + (s.dim,), np.float32)
     for n, s in specs.items()
   }
   # Jitted: run eagerly, flax's init dispatches op by op (2.6 s for the reference DLRM's MLPs
