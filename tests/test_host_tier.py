@@ -24,6 +24,7 @@ from test_experiments import small_config
 from recgnn import planner
 from recgnn.embeddings import base, host_tier
 from recgnn.train import setup
+from tests.trainer_lib import xla_compiles
 
 ADAGRAD = base.OptimizerSpec(name="rowwise_adagrad", learning_rate=0.1, initial_accumulator=0.1)
 SGD = base.OptimizerSpec(name="sgd", learning_rate=0.1)
@@ -257,20 +258,11 @@ def test_rows_to_host_reads_any_range_through_one_program():
             "slot": jnp.arange(101, dtype=jnp.float32) * 0.5}  # fmt: skip
   want = {k: np.asarray(v) for k, v in arrays.items()}
   host_tier.rows_to_host(arrays, 0, 10, 10)  # (the program, compiled here)
-  compiles = []
-
-  def listen(event, seconds, **_):
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiles.append(seconds)
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
+  with xla_compiles() as compiles:
     for lo, hi in [(0, 10), (10, 20), (37, 41), (95, 101), (100, 101)]:
       got = host_tier.rows_to_host(arrays, lo, hi, 10)
       for k in want:
         np.testing.assert_array_equal(got[k], want[k][lo:hi], err_msg=f"{k} [{lo}:{hi})")
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
   assert compiles == []
   small = host_tier.rows_to_host({"x": jnp.ones((4, 2))}, 1, 3, 10)  # window > rows
   np.testing.assert_array_equal(small["x"], np.ones((2, 2)))

@@ -17,7 +17,7 @@ import pytest
 
 from recgnn.tasks import ctr
 from recgnn.train import checkpoint, loop, workdir_lock
-from tests.trainer_lib import FEW_TABLES, smoke_config, state_leaves
+from tests.trainer_lib import FEW_TABLES, smoke_config, state_leaves, xla_compiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -249,17 +249,8 @@ def test_a_save_in_one_process_compiles_no_program_per_replica(tmp_path):
   )  # fmt: skip
   plan = planner.Plan({}, {}, mesh)
   ckpt = checkpoint.Checkpointer(str(tmp_path))
-  compiles = []
-
-  def listen(event, seconds, **_):
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiles.append(seconds)
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
+  with xla_compiles() as compiles:
     ckpt.save(state, 3, plan)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
   assert compiles == [], f"{len(compiles)} programs compiled by a save"
   got = checkpoint.Checkpointer(str(tmp_path)).restore(state, plan, log=lambda *_: None)
   for k in params:

@@ -1,7 +1,9 @@
-"""The small trainer configurations the end-to-end tests share (one copy)."""
+"""The small trainer configurations the end-to-end tests share (one copy), and a counter of
+the programs a block compiles."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -16,6 +18,24 @@ from recgnn.train import loop
 # that the tests' plans name (C3, C4, C16: 1,659 / 443 / 1,044 rows) and a tiny one (C1, 6
 # rows, padded to ROW_ALIGN like Criteo's 21 tiny tables), then more large ones.
 FEW_TABLES = ("C3", "C4", "C16", "C1", "C21", "C12", "C10", "C24")
+
+
+@contextlib.contextmanager
+def xla_compiles():
+  """Yields a list that gets the seconds of each XLA compile in the block (a hit of the
+  persistent cache counts: jax reports it as a compile; a program this process already has
+  does not)."""
+  seen: list[float] = []
+
+  def listen(event, seconds, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      seen.append(seconds)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield seen
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def smoke_config(
