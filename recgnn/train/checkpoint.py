@@ -73,9 +73,12 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
   array: every host writes part of it, which saves bytes per host when there are several.
   In one process every replica is local, so the slices only split the copies to host into
   an eager `slice` program per array shape and replica: a first save of a small model on 8
-  devices compiled ~100 of them (tests/README.md). Several processes keep Orbax's default.
-  The files are the same either way (a replicated array is one array on disk)."""
-  arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=jax.process_count() > 1)
+  devices compiled ~100 of them (tests/README.md). Several processes keep Orbax's default
+  (None: on where JAX_PLATFORMS is not a GPU's). The arrays' files are the same either way
+  (a replicated array is one array on disk); no `array_metadatas` folder is written (Orbax's
+  per-host array metadata, which this handler's restore does not read)."""
+  one_process = jax.process_count() == 1
+  arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=False if one_process else None)
   registry = ocp.type_handlers.create_type_handler_registry(
     (int, ocp.type_handlers.ScalarHandler()),
     (float, ocp.type_handlers.ScalarHandler()),
