@@ -240,9 +240,6 @@ def main(argv):
 USAGE_EXIT = 2  # a configuration / plan / data / workdir error: the command line needs a fix
 
 
-USAGE_EXIT = 2  # a configuration / plan / data / workdir error: the command line needs a fix
-
-
 def fail(message: str) -> None:
   """One line on stderr and exit status 2: the message names the fix, a traceback would
   only bury it (--verbose shows it)."""
