@@ -4,9 +4,10 @@ Why: a thread whose target is a bound method (`target=self._run`) holds its obje
 object is never collected: its host arrays, its last job (a write-back's arrays) and its files
 stay until the process ends. Host tiers start such a thread per group (the write-backs, the
 SSD level's reads ahead); a process that builds many groups (a notebook, a sweep, a test
-suite) kept every one of them: a test worker ended with ~300 idle writer threads, each
-holding its group's host tables. Here the thread holds its owner only weakly, and never
-while it waits for a job; a finalizer wakes it when the owner is collected, and it exits.
+suite) kept every one of them: one test process had 94 idle writer threads after two test
+files (test_offload, test_hot_cold), each holding its group's host tables. Here the thread
+holds its owner only weakly, and never while it waits for a job; a finalizer wakes it when
+the owner is collected, and it exits.
 """
 
 from __future__ import annotations

@@ -227,8 +227,8 @@ def test_the_writer_applies_in_order_and_reports_errors():
 def test_a_dropped_writer_ends_its_thread_and_lets_go_of_its_last_job():
   """The writer's thread holds its writer weakly (recgnn.owned_thread): a writer dropped with
   its group ends its thread and lets go of the last job's arrays. A thread started on a bound
-  method kept both to the end of the process (a test worker ended with ~300 idle writer
-  threads, each holding its group's host tables)."""
+  method kept both to the end of the process (one test process had 94 idle writer threads
+  after two test files, each holding its group's host tables)."""
   import gc
   import weakref
 
