@@ -264,6 +264,8 @@ def test_rows_to_host_reads_any_range_through_one_program():
       for k in want:
         np.testing.assert_array_equal(got[k], want[k][lo:hi], err_msg=f"{k} [{lo}:{hi})")
   assert compiles == []
+  with pytest.raises(ValueError, match="window of 10 rows"):
+    host_tier.rows_to_host(arrays, 0, 11, 10)  # (more rows than the window: refused)
   small = host_tier.rows_to_host({"x": jnp.ones((4, 2))}, 1, 3, 10)  # window > rows
   np.testing.assert_array_equal(small["x"], np.ones((2, 2)))
 

@@ -427,6 +427,8 @@ def rows_to_host(arrays: dict, lo: int, hi: int, window: int) -> dict:
   per table and chunk: ~100 programs at a smoke run's first checkpoint, a kernel build each
   on a GPU)."""
   total = next(iter(arrays.values())).shape[0]
+  if not 0 <= lo <= hi <= total or hi - lo > window:
+    raise ValueError(f"rows [{lo}, {hi}) of {total} through a window of {window} rows")
   window = min(window, total)
   start = max(0, min(lo, total - window))
   got = jax.device_get(_window(arrays, np.int32(start), window))
