@@ -19,6 +19,7 @@ Batches carry ids[t] int32[B, L_t] per table (L_t = 1 one-hot; PAD after a short
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -243,6 +244,18 @@ def make_model(model):
   return DLRM(bottom=tuple(model.bottom), top=tuple(model.top), dtype=dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Init:
+  """CTR's `init_params` as a value (`Task.init_fn`): the model (a flax module, hashable and
+  equal by its fields) and the table order its embeddings are passed in."""
+
+  model: DLRM | DCN
+  names: tuple[str, ...]
+
+  def __call__(self, key, batch, embeddings):
+    return self.model.init(key, batch["dense"], [embeddings[n] for n in self.names])
+
+
 class CTR(Task):
   """DLRM / DCNv2 on CTR data: dense features, one-hot or multi-hot tables, a binary label."""
 
@@ -288,7 +301,10 @@ class CTR(Task):
     return self.model.apply(params, batch["dense"], [embeddings[n] for n in self.names])
 
   def init_params(self, key, batch, embeddings):
-    return self.model.init(key, batch["dense"], [embeddings[n] for n in self.names])
+    return self.init_fn()(key, batch, embeddings)
+
+  def init_fn(self) -> _Init:
+    return _Init(self.model, tuple(self.names))
 
   def loss(self, params, batch, embeddings, key):
     del key  # DLRM has no dropout

@@ -18,7 +18,7 @@ task's own.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -49,6 +49,15 @@ class Task(abc.ABC):
   @abc.abstractmethod
   def init_params(self, key: jax.Array, batch: Batch, embeddings: dict[str, jax.Array]) -> PyTree:
     """Dense (non-embedding) params, from one example batch."""
+
+  def init_fn(self) -> Callable[[jax.Array, Batch, dict[str, jax.Array]], PyTree] | None:
+    """`init_params` as a hashable value (e.g. a frozen dataclass of the flax model, itself
+    hashable) that compares equal to another task's only where the two give the same params
+    from the same arguments. The trainer jits it as a static argument of one function, so
+    builds in one process with equal ones share one compiled program (jax's cache) instead of
+    tracing, lowering and loading it again for each build (a sweep, a resume, a test
+    suite's many runs). None (the default): `init_params` jitted per build."""
+    return None
 
   @abc.abstractmethod
   def loss(
