@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import scipy.special
-import scipy.stats
 
 from recgnn.data import criteo, file_check
 from recgnn.data.ctr_auc import dense_only_baseline_auc, expected_auc, roc_auc  # noqa: F401
