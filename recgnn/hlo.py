@@ -25,7 +25,7 @@ _CALLEE = re.compile(
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _INDEX = re.compile(r"\bindex=(\d+)")
-_MESH_AXES = re.compile(r'"(\w+)"=(\d+)')
+MESH_AXES = re.compile(r'"(\w+)"=(\d+)')
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 
 DTYPE_BYTES = {
@@ -196,5 +196,5 @@ def parse(text: str) -> Module:
   if entry is None:
     raise ValueError("no ENTRY computation in this HLO text")
   meshes = re.search(r"#sdy\.mesh<\[([^\]]*)\]", header)
-  mesh = {k: int(v) for k, v in _MESH_AXES.findall(meshes.group(1))} if meshes else {}
+  mesh = {k: int(v) for k, v in MESH_AXES.findall(meshes.group(1))} if meshes else {}
   return Module(computations, entry, header, mesh)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import trainer_lib
 
 from recgnn import comms, hlo, planner, sharding
 from recgnn.embeddings import base
@@ -69,6 +70,21 @@ def test_device_only_program_has_no_host_traffic():
   lowered = jax.jit(lambda x: (x @ x.T).sum()).lower(jnp.ones((8, 8)))
   link = comms.host_link_of(lowered)
   assert (link.to_host_bytes, link.to_device_bytes, link.transfers) == (0, 0, ())
+
+
+def test_a_program_without_host_values_is_read_without_the_hlo_walk_and_agrees_with_it():
+  """host_link_of reads a program with no host parameter, placement or host computation off
+  its StableHLO text (no conversion to HLO): the HostLink the HLO walk gives, its devices
+  (the mesh's size) too."""
+  trainer_lib.skip_unless_devices(8, "a 2x4 mesh")
+  mesh = sharding.make_mesh(2, 4)
+  split = jax.sharding.NamedSharding(mesh, sharding.P(sharding.BATCH))
+  for f in (lambda x: (x @ x.T).sum(), lambda x: jax.lax.with_sharding_constraint(x * 2, split)):
+    lowered = jax.jit(f, in_shardings=split).lower(jnp.ones((8, 8)))
+    walked = comms.host_link(
+      lowered.compiler_ir("hlo").as_hlo_text(), comms.host_params_of(lowered)
+    )
+    assert comms.host_link_of(lowered) == walked and walked.devices == 8
 
 
 def test_shard_map_body_counts_once_per_device():
@@ -141,8 +157,6 @@ def _trained(cache_dir, plan: str, steps: int):
   """The trainer's own run (`setup.build` of the smoke experiment on 1x1, every table under
   `plan`, a host tier) after `steps` train steps: (run, state, the last step's packed
   arguments)."""
-  import trainer_lib
-
   from recgnn.train import setup
 
   config = trainer_lib.smoke_config(cache_dir, mesh=(1, 1), plan=[(".*", plan)], tables=4)
