@@ -375,3 +375,32 @@ def test_sharded_codec_state_resumes_exactly(cache_dir, tmp_path):
   bounds = [v for k, v in rep.items() if k.startswith("fwd/bound/")]
   assert len(set(bounds)) > 1  # per table, not one bound
   assert part.metrics["step"] == 5 and "emb/sharded/fwd_bytes_per_step" in full.metrics
+
+
+def test_builds_with_an_equal_model_share_its_init_program(cache_dir):
+  """The dense params' init is the task's hashable `Task.init_fn` jitted as a static argument
+  (step._shared_init): a second build of an equal model adds no program to that function's
+  cache (before, every build traced, lowered and loaded its own), a build of another model
+  adds one, and the params are those of the task's own init_params jitted alone."""
+  from recgnn.train import setup
+  from recgnn.train import step as step_lib
+
+  config = _config(cache_dir, mesh=(1, 1))
+  first = setup.build(config)
+  programs = step_lib._shared_init._cache_size()
+  run = setup.build(config)
+  assert step_lib._shared_init._cache_size() == programs
+  wider = _config(cache_dir, mesh=(1, 1))
+  wider.model.top = (48, 1)
+  setup.build(wider)
+  assert step_lib._shared_init._cache_size() == programs + 1
+  _, k_params, _ = jax.random.split(run.key, 3)
+  zeros = {
+    n: np.zeros(run.example["ids"][n].shape[:1] + (s.dim,), np.float32)
+    for n, s in run.plan.specs.items()
+  }
+  want = jax.jit(run.task.init_params)(k_params, step_lib.device_batch(run.example), zeros)
+  for got in (first.state.params, run.state.params):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
