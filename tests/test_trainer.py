@@ -385,15 +385,16 @@ def test_builds_with_an_equal_model_share_its_init_program(cache_dir):
   from recgnn.train import setup
   from recgnn.train import step as step_lib
 
+  step_lib._shared_init.clear_cache()  # (what earlier tests in this process built)
   config = _config(cache_dir, mesh=(1, 1))
   first = setup.build(config)
-  programs = step_lib._shared_init._cache_size()
+  assert step_lib._shared_init._cache_size() == 1
   run = setup.build(config)
-  assert step_lib._shared_init._cache_size() == programs
+  assert step_lib._shared_init._cache_size() == 1
   wider = _config(cache_dir, mesh=(1, 1))
   wider.model.top = (48, 1)
   setup.build(wider)
-  assert step_lib._shared_init._cache_size() == programs + 1
+  assert step_lib._shared_init._cache_size() == 2
   _, k_params, _ = jax.random.split(run.key, 3)
   zeros = {
     n: np.zeros(run.example["ids"][n].shape[:1] + (s.dim,), np.float32)
