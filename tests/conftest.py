@@ -92,8 +92,9 @@ def pytest_xdist_auto_num_workers(config):
 # tests/test_steps_per_call.py alone (3.2-3.7 s of its ~51 s in one process), most of each
 # older collection walking what the imports made. Once collection is done those are moved
 # out of the collector's sight (they live to the end anyway), and the youngest generation is
-# collected every 10,000 allocations: 464 collections, 0.8-1.0 s; the file's user CPU time
-# 35-37 s against 37-42 s (2026-12-02, interleaved single runs), peak memory the same.
+# collected every 10,000 allocations: 464 collections, 0.8 s; the file's user CPU time 34.8 s
+# against 36.8-41.8 s at the defaults (2026-12-02, `-n 0`, runs interleaved, collections
+# timed by gc.callbacks; tests/README.md), peak memory the same (792 vs 798 MB).
 def pytest_collection_finish(session):
   gc.freeze()
   gc.set_threshold(10_000, 10, 10)
