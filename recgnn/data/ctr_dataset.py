@@ -139,7 +139,9 @@ class CTRDataset:
     n = self.split_size(split)
     return n // batch_size if drop_remainder else -(-n // batch_size)
 
-  def _perm(self, split: str, seed: int, epoch: int) -> np.ndarray:
+  def permutation(self, split: str, seed: int, epoch: int) -> np.ndarray:
+    """Pass `epoch`'s order of `split`'s positions under `shuffle_seed=seed`: int[n], drawn
+    from (seed, epoch) alone (the last pass's is kept)."""
     key = (split, seed, epoch)
     if key not in self._perm_cache:
       rng = np.random.default_rng([seed, epoch])
@@ -176,7 +178,7 @@ class CTRDataset:
     if shuffle_seed is None:
       return np.arange(start + lo, start + hi, dtype=np.int64)
     # Sorted within the batch: the memmap reads then go forward through the file.
-    return start + np.sort(self._perm(split, shuffle_seed, epoch)[lo:hi]).astype(np.int64)
+    return start + np.sort(self.permutation(split, shuffle_seed, epoch)[lo:hi]).astype(np.int64)
 
   def gather(self, rows: np.ndarray, batch_size: int | None = None) -> Batch:
     """The batch of the given rows, padded to `batch_size` rows with weight 0.

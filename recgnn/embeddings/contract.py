@@ -59,11 +59,16 @@ class Layout:
       shape, and ONE step runs the k updates in a scan. Their write-backs reach a host tier
       only after the call, so it sizes what it keeps on the device (a ring of recent
       write-backs) to cover a call.
+    ids_on_device: the batch's ids exist only on the devices (the device feed,
+      `recgnn.train.device_feed`): a group that declares `Capabilities.prepares_on_device`
+      gets them inside the step (`Backend.prepare_on_device`), never on the host, so any
+      per-batch work of its own (a dedup) runs in the step.
   """
 
   split_batch: bool = True
   process_local: bool = False
   steps_per_call: int = 1
+  ids_on_device: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,6 +97,9 @@ class Capabilities:
       with, and keeps nothing the step, a writer, `stats` or a checkpoint reads, so the
       trainer may run it in a worker process (`recgnn.train.input_worker`) on a copy of the
       backend (dense; not a cache planner, a host table, counters of what it saw).
+    prepares_on_device: `prepare_on_device` makes, inside the jitted step, from the batch's
+      device ids, what `prepare` would (dense, sharded): the device feed then never reads
+      this group's ids on the host (`Layout.ids_on_device`).
   """
 
   needs_split_ids: bool = False
@@ -101,6 +109,7 @@ class Capabilities:
   writes_host: bool = False
   stacks_calls: bool = False
   stateless_prepare: bool = False
+  prepares_on_device: bool = False
 
 
 # Key of an updated state's output for the host (`Backend.update`): the rows a host tier
@@ -190,6 +199,14 @@ class Backend(abc.ABC):
     """Host side, on the input thread, once per batch in stream order: ids {table: int[B, L]}
     (PAD = -1) -> a pytree of numpy arrays. `upcoming`: up to `lookahead` next batches' ids.
     `train=False`: an eval batch (only `lookup` runs on it)."""
+
+  def prepare_on_device(self, ids: dict[str, jax.Array]) -> PyTree:
+    """Inside the jitted step (capability `prepares_on_device` only): ids {table: int32[B, L]}
+    (PAD = -1, batch-split as `prepared_spec` says) -> the pytree `prepare` makes for them
+    under `Layout.ids_on_device`, as jax arrays of the same structure, shapes and dtypes."""
+    raise NotImplementedError(
+      f"backend {self.text!r} prepares its ids on the host (no Capabilities.prepares_on_device)"
+    )
 
   @property
   def splits_prepare(self) -> bool:

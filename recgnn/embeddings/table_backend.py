@@ -105,7 +105,19 @@ class TableBackend(abc.ABC):
     """`prepare` dedups the batch's ids (unique / inverse) for the update's per-row optimizer
     state; False: none is needed (SGD), or the update dedups on device (a process-local slice
     is not the batch; `dense(dedup=device)`)."""
-    return self.spec.optimizer.needs_unique and not self.process_local
+    return self.spec.optimizer.needs_unique and not self.process_local and not self.ids_on_device
+
+  @property
+  def ids_on_device(self) -> bool:
+    """The step gets this table's ids from the device feed (`Layout.ids_on_device`, and the
+    backend `prepares_on_device`): `prepare_on_device` runs, `prepare` never does."""
+    return self.layout.ids_on_device and self.capabilities.prepares_on_device
+
+  def prepare_on_device(self, ids: jax.Array) -> PyTree:
+    """Inside the step (`Capabilities.prepares_on_device`): ids int32[B, L] -> what `prepare`
+    makes of them without a host dedup (`dedup_on_host` is False with `Layout.ids_on_device`):
+    padding mapped to `pad_id`. A backend whose `prepare` is its own overrides both."""
+    return {"ids": jnp.where(ids < 0, self.pad_id, ids).astype(jnp.int32)}
 
   def prepares_by_default(self) -> bool:
     """`prepare` makes the default's arrays (padding mapped, the dedup where `dedup_on_host`),

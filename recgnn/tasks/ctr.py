@@ -366,6 +366,18 @@ class CTR(Task):
       return "data.source=tfds: its grain iterator's threads do not survive a fork"
     return ""
 
+  def device_rows(self):
+    from recgnn.data import ctr_dataset, ctr_rows
+
+    if not isinstance(self.data, ctr_dataset.CTRDataset):  # (tfds, multi-hot expansion)
+      return (
+        f"{type(self.data).__name__} data is read on the host (the device feed takes "
+        "data.source=memmap without data.multi_hot)"
+      )
+    t = self.config.train
+    seed = self.config.seed if t.shuffle else None
+    return ctr_rows.CTRRows(self.data, t.batch_size, t.eval_batch_size, seed)
+
   def steps_per_epoch(self):
     return self.data.num_batches("train", self.config.train.batch_size)
 

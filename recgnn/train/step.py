@@ -15,6 +15,7 @@ Steps are jitted with explicit in / out shardings and the state donated.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -226,6 +227,7 @@ def jit_packed(
   name: str = "packed",
   step_inputs: PyTree | None = None,
   stacked: int = 1,
+  inputs_of: Callable[[], PyTree] | None = None,
 ):
   """step_fn(state, prepared, batch) -> jitted f(state, buffers, layout) over `inputs.pack`
   output, with explicit in / out shardings (state as `state_shardings`, buffers split over
@@ -237,6 +239,8 @@ def jit_packed(
   step_fn(state, prepared, batch, step_inputs), and they are the jitted function's last
   argument, bound here (f keeps the signature above). An argument, not a closure: a
   closed-over array would be a constant of the program, the whole graph in its HLO.
+  inputs_of: step inputs that change between calls (the device feed's pass orders): each
+  call reads inputs_of(), of `step_inputs`' structure, shapes and shardings.
 
   stacked: k > 1 train steps per call over k batches (`Feeder.pack_call`: buffers [k,
   devices, n], one layout, no host leaves): one `lax.scan` of step_fn over them, the state carried,
@@ -288,7 +292,8 @@ def jit_packed(
   # Simulated CPU devices: one step in flight at a time (XLA:CPU deadlocks otherwise; see
   # sharding.OneInFlight). Elsewhere the jitted function itself: no Python frame per call.
   one = sharding.OneInFlight(jitted, mesh) if sharding.needs_one_in_flight(mesh) else jitted
-  one = one if step_inputs is None else _BoundInputs(one, step_inputs)
+  if step_inputs is not None:
+    one = _BoundInputs(one, inputs_of or (lambda: step_inputs))
   return host_handoff.HandsToHost(one, plan, stacked) if hands else one
 
 
@@ -310,16 +315,21 @@ def _scan(body, state, bufs):
 
 class _BoundInputs:
   """A `jit_packed` step with its step inputs bound as the last argument: called (and
-  lowered) as f(state, buffers, layout), like a step without them."""
+  lowered) as f(state, buffers, layout), like a step without them. inputs_of() gives them
+  at each call."""
 
-  def __init__(self, fn, step_inputs):
-    self._fn, self.step_inputs = fn, step_inputs
+  def __init__(self, fn, inputs_of: Callable[[], PyTree]):
+    self._fn, self._inputs_of = fn, inputs_of
+
+  @property
+  def step_inputs(self) -> PyTree:
+    return self._inputs_of()
 
   def __call__(self, state, buffers, layout):
-    return self._fn(state, buffers, layout, self.step_inputs)
+    return self._fn(state, buffers, layout, self._inputs_of())
 
   def lower(self, state, buffers, layout):
-    return self._fn.lower(state, buffers, layout, self.step_inputs)
+    return self._fn.lower(state, buffers, layout, self._inputs_of())
 
 
 class Feeder:

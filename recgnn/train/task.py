@@ -157,6 +157,15 @@ class Task(abc.ABC):
     default not: a task says so once it is known to hold."""
     return f"{type(self).__name__}'s batches are read on the trainer's thread (Task.forkable_input)"
 
+  def device_rows(self) -> Any:
+    """The task's data as rows the device feed places on the devices (`train.feed`,
+    recgnn.train.device_feed): an object with `arrays()`, `nbytes`, `gather`, the train
+    `batch_size`, `train_batches`, `train_order(epoch)`, `eval_batch_size`,
+    `eval_cursors(split)`, `host_ids` and `max_ids` (recgnn.data.ctr_rows.CTRRows), giving
+    the batches `train_batches` / `eval_batches` give; or a line saying why the batches are
+    read on the host (the default)."""
+    return f"{type(self).__name__} reads its batches on the host"
+
   def steps_per_epoch(self) -> int | None:
     """Train steps of one pass over the train split (for `train.epochs`), None if unknown."""
     return None
