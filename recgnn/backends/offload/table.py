@@ -61,7 +61,6 @@ class Offload(base.TableBackend):
       rows = max(math.ceil(o.cache_fraction * spec.num_rows), o.min_cache_rows)
     self.cache_rows = min(rows, spec.num_rows)
     self.lookahead = o.lookahead
-    self.host_memory = o.host_memory
     if not all(d.process_index == jax.process_index() for d in mesh.devices.flat):
       raise ValueError(
         f"offload (table {spec.name!r}) runs within one process: its host table and planner "
