@@ -226,9 +226,9 @@ def _chunk_rows(needed: int) -> int:
   return min(INIT_CHUNK, max(256, 1 << (needed - 1).bit_length()))
 
 
-# The scale is an argument, not a static one: a static row count compiled this once per
-# table size (26 compiles, ~6 s of every dlrm_kaggle start); now once per (dim, initializer,
-# power-of-two rows).
+# The scale is an argument, not a static one: a static row count would compile this once per
+# table size (26 compiles at every dlrm_kaggle start); this compiles once per (dim,
+# initializer, power-of-two rows).
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
 def _init_chunk(key, chunk, scale, dim, initializer, rows=INIT_CHUNK):
   k = jax.random.fold_in(key, chunk)
