@@ -343,7 +343,7 @@ class OffloadGroup(base.TableGroup):
     mode = next(iter(self.members.values())).options.exchange
     # Nothing planned: empty, except a "next" of a run with look-ahead (the last batch of a
     # stream, or one before a batch that is not admitted ahead): the steady shapes, so it
-    # does not compile a train step of its own (10-40 s in the last interval here).
+    # does not compile a train step of its own.
     steady = kind == "next" and self.lookahead > 0
     if mode == "fixed":
       return cap if need is not None or steady else 0

@@ -230,7 +230,7 @@ class Offload(base.TableBackend):
     padded; with `now` (the same step's packed "now" exchange), the "next" exchange as
     int32[5, width], row NEXT_FROM_NOW: each load's position among now[EVICT_ROWS] (now's
     width where absent). One array per exchange: a quarter of the leaves the trainer packs
-    per table (pack's cost is per leaf: 2.4 ms per batch for 26 tables with four arrays)."""
+    per table (pack's cost is per leaf)."""
     n, c = self.spec.num_rows, self.cache_rows
     out = [
       _pad(ex.evict_slots, width, c),
