@@ -60,7 +60,7 @@ def step_io(lowered) -> tuple[int, int]:
 def program_traffic(lowered) -> dict[str, int]:
   """{KEYS: bytes} of one `jax.jit(...).lower(...)` step: its batch's transfer and its host
   tiers' rows (`step_io`), plus any transfer inside the step (`comms.host_link_of`: none in
-  this project's steps since the host tiers moved out of them, issue 42)."""
+  this project's steps, whose host tiers work outside them)."""
   link = comms.host_link_of(lowered)
   into, out = step_io(lowered)
   collectives = comms.summary(lowered.compile().as_text())
