@@ -8,7 +8,7 @@ batch in a fraction of one core's time: random reads of memmapped rows are memor
 bound, so more threads keep more cache misses in flight.
 
 Threads: `threads()` is decided once per process: $RECGNN_HOST_THREADS when set (1: every
-kernel one plain call, as before this module), else half the CPUs this process may run on
+kernel one plain call), else half the CPUs this process may run on
 (`os.sched_getaffinity`), at most `MAX_DEFAULT_THREADS`: 8 on a 16-core host, 1 on a
 2-core one. Half, as the offload planner's threads: the input shares the cores with the
 step's host threads (and on a shared machine with others), and a chunk waiting for a busy

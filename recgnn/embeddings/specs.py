@@ -219,7 +219,7 @@ def _chunk_rows(needed: int) -> int:
   """Rows to draw of a chunk whose first `needed` rows are used: the next power of two (at
   least 256, at most INIT_CHUNK) where jax's threefry is partitionable (the default since jax
   0.5), whose draw of shape [n, D] is the first n rows of the [INIT_CHUNK, D] one (element
-  (i, j)'s bits depend on its index only): a 6-row table no longer draws 65,536 rows, the same
+  (i, j)'s bits depend on its index only): a 6-row table draws 256 rows, not 65,536, the same
   values. The whole chunk otherwise."""
   if not jax.config.jax_threefry_partitionable:
     return INIT_CHUNK

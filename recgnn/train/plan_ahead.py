@@ -10,7 +10,7 @@ host-side code").
 Ordering: each half runs in stream order on its own thread, and a second half reads only what
 its first half returned (never the planners' state, which the next first half changes). The
 host tier's reads, its ring and its waits for write-backs stay in the second half, on the
-input thread, run ahead of the steps by exactly as many batches as before; only the planning
+input thread, run ahead of the steps by the input thread's run-ahead; only the planning
 runs up to `DEPTH` batches further ahead, and it reads no host row. A plan with a group that
 does not split its prepare and keeps host state (hot_cold; offload at the SSD level) is
 prepared on one thread (`splits`): its whole prepare would run further ahead of the steps than

@@ -66,7 +66,7 @@ for 26 tables, within 1.25x for one) and the step takes one or two shapes over 2
 to their size (sized per table, every new combination of the tables' lengths would be a new
 step). `fixed` keeps one shape, the sum of min(ids per batch, C) over the tables,
 whatever the misses. On a mesh the cache is replicated: every device receives the list's
-rows with its share of the batch (each device's link carries the list's length, as before).
+rows with its share of the batch (each device's link carries the list's length).
 
 Where the state lives, and why: the host tables are numpy arrays owned by the group
 (`host_tier.HostRows`), not arrays of the jitted state: as pinned-host jax arrays read and
@@ -132,12 +132,11 @@ from recgnn.backends.offload.cache_plan import (
 )
 from recgnn.backends.offload.group import OffloadGroup
 from recgnn.backends.offload.options import OffloadOptions
-from recgnn.backends.offload.table import HOST_MEMORIES, Offload
+from recgnn.backends.offload.table import Offload
 
 __all__ = [
   "EVICT_ROWS",
   "EVICT_SLOTS",
-  "HOST_MEMORIES",
   "LOAD_ROWS",
   "LOAD_SLOTS",
   "NEXT_FROM_NOW",

@@ -1,6 +1,6 @@
 """offload's SSD level: the tables' rows and optimizer state in row files on disk
 (`row_file.RowFile`), a bounded host-RAM cache of them (`CachedRows`, one per table), the
-device cache above as before. `DiskRows` has `host_tier.HostRows`'s interface (`gather` on
+device cache above unchanged. `DiskRows` has `host_tier.HostRows`'s interface (`gather` on
 the input thread, `scatter` on the writer thread, `set`, `table`, `put`), so `HostSide` and
 the step do not know where the rows are.
 

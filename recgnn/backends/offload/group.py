@@ -311,7 +311,7 @@ class OffloadGroup(base.TableGroup):
     first on the trainer's planning thread, the second on its input thread): the planning
     of every table (the planners' state), its lists and stacked batch (`_lists`) now; -> a
     callable making the rest, the host tier's part (`_stage`: its ring and its waits for
-    write-backs, run ahead of the steps by the input thread's run-ahead, as before). The
+    write-backs, run ahead of the steps by the input thread's run-ahead). The
     second half reads only what its first half returned, never the planners' state, so the
     planning of later batches may run meanwhile (the SSD level: all of it now,
     `splits_prepare`)."""

@@ -22,9 +22,6 @@ from recgnn.backends.offload.cache_plan import (
 from recgnn.backends.offload.options import OffloadOptions
 from recgnn.embeddings import base, host_cache
 
-# Where the rows live: host RAM, moved with the batch (recgnn.embeddings.host_tier). The
-# option keeps its old name; `device` (no offload) went with the host computations.
-HOST_MEMORIES = ("pinned_host",)
 # Key of a per-table prepared batch, popped by the group: (now, next) whether each exchange
 # was planned (an unplanned "next" keeps the steady list length).
 PLANNED = "planned"

@@ -16,8 +16,8 @@ import numpy as np
 #   batched ~ batched_fixed_ns + P_k * (batched_ns + w * batched_ns_per_mac)   (tiny matmuls)
 #   pairs   ~ pairs_fixed_ns + P_{k-1} * S_k * w * pairs_ns_per_mac            (one GEMM)
 # Its constants are a platform's: fitted to forward + vjp times of single levels
-# (`benchmarks/tt.py --sections=levels`) on XLA:CPU (2 cores; the fixed terms 0: per-product
-# overhead dominates there) and, per accelerator, by gpu_check's calibrate stage (a kernel
+# (`benchmarks/tt.py --sections=levels`) on XLA:CPU (the fixed terms 0: per-product overhead
+# dominates there) and, per accelerator, by gpu_check's calibrate stage (a kernel
 # launch is a fixed cost on a GPU). They live in tt_cost.json beside this file, per platform.
 _COST_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tt_cost.json")
 
