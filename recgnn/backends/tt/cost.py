@@ -41,8 +41,7 @@ class CostModel:
   platform: str = "cpu"
 
 
-# XLA:CPU, 2 cores, jax 0.10.2, 2026-11-23: results/tt_levels.md, fitted by hand (auto picks
-# the faster product at 13 of 16 levels).
+# Fitted by hand to XLA:CPU's timed levels (docs/backends/tt.md; `source` names the run).
 CPU_COSTS = CostModel(
   batched_ns=1500.0,
   batched_ns_per_mac=0.3,
