@@ -32,6 +32,10 @@ from recgnn.train import inputs
 Batch = dict[str, Any]
 PyTree = Any
 
+#: The splits evaluated at the end of a run when `train.final_eval_splits` is not set (the
+#: trainer runs them; a task checks its data has rows for them).
+FINAL_EVAL_SPLITS: tuple[str, ...] = ("valid", "test")
+
 
 class Task(abc.ABC):
   """One learning problem. Constructed with the experiment's whole (locked) config and the
