@@ -223,7 +223,11 @@ def main(argv):
     # The message says what happened and what to do; a traceback would bury it.
     raise SystemExit(f"{type(e).__name__}: {e}") from None
   except Exception as e:
-    if not is_user_error(e) or _VERBOSE.value:
+    if _VERBOSE.value:
+      raise
+    if getattr(e, "user_line", None):  # (an error of the data or plan on the input side)
+      fail(f"{e.user_line}; --verbose shows its traceback")
+    if not is_user_error(e):
       raise
     fail(f"{type(e).__name__}: {e}")
   metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}

@@ -205,15 +205,15 @@ class CTRDataset:
   def _gather_one_hot(self, rows: np.ndarray, batch_size: int) -> Batch:
     """`gather` of one-hot rows in one compiled pass without the GIL (`batch_gather`):
     the same arrays as `padded_batch` of numpy's reads. Also for rows in order (an eval
-    batch, train.shuffle=False): numpy's transpose of the slices' ids took 9 ms at 65536
-    rows here, this kernel 3.3."""
+    batch, train.shuffle=False): this kernel is faster than numpy's transpose of the slices'
+    ids (docs/running.md)."""
     out_dense = np.zeros((batch_size, self.dense.shape[1]), np.float32)
     label = np.zeros(batch_size, np.float32)
     weight = np.zeros(batch_size, np.float32)
     # Each table's ids a row of one array, the rows IDS_PAD apart more than the batch: at a
     # power-of-two batch the kernel's 26 write streams, batch x 4 bytes apart, all fall in the
-    # same cache sets and evict one another (65536 rows in order: 10.1 ms, padded 3.3; shuffled
-    # 16.7 vs 15.6; 2048 shuffled 0.80 vs 0.72, 2 cores). Each table's [B, 1] stays contiguous.
+    # same cache sets and evict one another (docs/running.md). Each table's [B, 1] stays
+    # contiguous.
     ids = np.full((len(self.table_names), batch_size + IDS_PAD), MISSING_ID, np.int32)
     ids = ids[:, :batch_size]
     batch_gather.gather_one_hot(

@@ -424,7 +424,7 @@ class Feeder:
         "the train batches of one call differ in structure or shapes; k steps per call "
         "(train.steps_per_call) needs batches of one shape (drop the remainder)"
       )
-    if packed[0][0][1]:  # (no backend has such leaves since issue 42)
+    if packed[0][0][1]:  # (no backend of this project prepares such leaves)
       raise ValueError(
         f"k steps per call cannot stack {len(packed[0][0][1])} pinned-host-memory leaves "
         "(a backend's prepared leaves with sharding.HOST_SPEC): use train.steps_per_call=1"
@@ -446,7 +446,7 @@ def _shared_init(fn, key, batch, embeddings):
   """fn(key, batch, embeddings) for a task's hashable `Task.init_fn`: one jitted function, so
   jax's cache (keyed by fn's hash and equality, and the arguments' shapes) hands a later
   build with an equal fn the program an earlier one compiled, with no trace, lowering or
-  cache read (py-spy over a warm test-suite run: 46 worker-s in ~220 builds, every build)."""
+  cache read, which every build would otherwise pay (docs/running.md)."""
   return fn(key, batch, embeddings)
 
 
@@ -464,8 +464,8 @@ def init_state(
   zeros = {  # (numpy: jnp.zeros compiled a program per shape; these only enter the jit below)
     n: np.zeros(example_batch["ids"][n].shape[:1] + (s.dim,), np.float32) for n, s in specs.items()
   }
-  # Jitted: run eagerly, flax's init dispatches op by op (2.6 s for the reference DLRM's MLPs
-  # against 1.1 s compiled); the values are the same either way.
+  # Jitted: run eagerly, flax's init dispatches op by op, slower than compiling it
+  # (docs/running.md); the values are the same either way.
   fn = task.init_fn()
   init = jax.jit(task.init_params) if fn is None else functools.partial(_shared_init, fn)
   params = init(k_params, device_batch(example_batch), zeros)

@@ -241,6 +241,8 @@ class OffloadGroup(base.TableGroup):
     """Rings of states built from now on at the rows train batches shaped `ids_shapes` need
     (as `HostSide.stage` sizes the host's), not zero rows, which the first train step resized:
     a second compile of the whole step (with k per call, a first step outside the scan)."""
+    for n in set(ids_shapes) & set(self.members):
+      self.members[n].check_batch(ids_shapes[n])
     self._ring_rows = [
       self._tier.ring_rows(s, sum(caps.values()))
       if len(caps := self._stack_caps(s, ids_shapes)) == len(names)

@@ -69,6 +69,24 @@ class Offload(base.TableBackend):
     self._counters = host_cache.Counters()
     self._window_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
+  def check_batch(self, shape: tuple[int, ...]) -> None:
+    """Refuse, before anything is allocated, a cache smaller than the distinct rows a train
+    batch of ids `shape` ([B, L]) can touch: B x L, at most the table's rows."""
+    bound = min(math.prod(shape), self.spec.num_rows)
+    if self.cache_rows >= bound:
+      return
+    o = self.options
+    fix = (
+      f"cache_rows={bound}" if o.cache_rows is not None
+      else f"min_cache_rows={bound} beside cache_fraction={o.cache_fraction}"
+    )  # fmt: skip
+    raise ValueError(
+      f"offload (table {self.spec.name!r}): a train batch of {shape[0]:,} examples x "
+      f"{math.prod(shape[1:])} ids can touch {bound:,} distinct rows, but its device cache "
+      f"holds {self.cache_rows:,} ({self.describe()}). Use offload({fix}, ...), or a smaller "
+      "batch."
+    )
+
   def describe(self) -> str:
     o = self.options
     if o.cache_rows is not None:
