@@ -22,7 +22,7 @@ def _ctr_model(kind, dtype):
 def test_bf16_model_keeps_float32_params_grads_and_logits(kind):
   rng = np.random.default_rng(0)
   dense = jnp.asarray(rng.normal(size=(64, 13)), jnp.float32)
-  emb = [jnp.asarray(rng.normal(size=(64, 8)), jnp.float32) for _ in range(3)]
+  emb = {f"t{i}": jnp.asarray(rng.normal(size=(64, 8)), jnp.float32) for i in range(3)}
   f32, bf16 = _ctr_model(kind, jnp.float32), _ctr_model(kind, jnp.bfloat16)
   # (every computation jitted whole: op by op, each layer's ops compiled a program apiece)
   params = jax.jit(f32.init)(jax.random.key(0), dense, emb)
