@@ -44,9 +44,13 @@ def get_config(arg=None):
   c.data.synthetic.seed = 0
 
   c.model = ml_collections.ConfigDict()
+  # A CTR model of recgnn/models/ by name (docs/models.md): "dlrm" (the dot interaction),
+  # "dcn" (DCN-v2 cross layers, recgnn/models/dcn.py), "deepfm".
+  c.model.name = "dlrm"
+  # The older key of model.name, an alias that wins when set: "dot" (dlrm) or "dcn".
+  c.model.interaction = ""
   c.model.bottom = (512, 256, 64, 16)
   c.model.top = (512, 256, 1)
-  c.model.interaction = "dot"  # or "dcn": DCN-v2 cross layers (recgnn/models/dcn.py)
   c.model.cross_layers = 3  # dcn
   c.model.low_rank = 512  # dcn: rank of W = U V^T (0: full rank)
   # Compute dtype of the MLPs and interaction: "float32" or "bfloat16" (params, optimizer and

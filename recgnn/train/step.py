@@ -162,6 +162,11 @@ def make_train_step(task: Task, plan: planner.Plan, tx):
   (`_micro_loss_and_grads`; recgnn.embeddings.microbatch says how a backend declares one).
   """
   skey = splitting_group(plan)
+  if skey is not None and not task.loss_is_per_example_mean:
+    raise ValueError(
+      f"{type(task).__name__}'s loss is not a per-example mean (loss_is_per_example_mean), so "
+      f"group {skey!r}'s micro-batches cannot be recombined into it: use hot_cold(split=False)"
+    )
 
   def step(state: TrainState, prepared, batch):
     key = jax.random.fold_in(state.key, state.step)

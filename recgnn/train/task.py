@@ -71,8 +71,18 @@ class Task(abc.ABC):
     embeddings: dict[str, jax.Array],
     key: jax.Array,
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Training loss (a scalar; mean over the batch's weighted examples) and scalar aux
-    metrics. Pure and jit-able; `key` for dropout."""
+    """Training loss (a scalar; a mean over the batch's weighted examples unless
+    `loss_is_per_example_mean` says otherwise) and scalar aux metrics. Pure and jit-able;
+    `key` for dropout."""
+
+  #: Whether `loss` is a per-example mean, sum_i w_i l_i / max(sum_i w_i, 1) (w_i: example i's
+  #: batch["weight"], else 1; l_i: a function of example i's inputs and the params only), and
+  #: its aux metrics too. A group that splits each batch into micro-batches
+  #: (`hot_cold(split=True)`, `Capabilities.splits_batch`) runs the loss per micro-batch and
+  #: recombines them by their weights, exact only then: the trainer refuses that plan for a
+  #: task that says False (a loss over the batch as a whole: in-batch negatives, a batch-level
+  #: regularizer, a sum).
+  loss_is_per_example_mean: bool = True
 
   @abc.abstractmethod
   def predict(self, params: PyTree, batch: Batch, embeddings: dict[str, jax.Array]) -> PyTree:
