@@ -26,6 +26,7 @@ import jax
 from absl import logging
 
 from recgnn import sharding
+from recgnn.embeddings import protocols
 from recgnn.embeddings.contract import (
   Backend,
   Capabilities,
@@ -144,14 +145,18 @@ def make_group(
   check_layout(text, cls.capabilities_for(options), layout)
   try:
     if issubclass(cls, TableBackend):
-      group = cls.group_class(specs, options) or TableGroup
-      return group(cls, specs, mesh, layout, text, **options)
-    return cls(specs, mesh, layout, text=text, **options)
+      group = (cls.group_class(specs, options) or TableGroup)(
+        cls, specs, mesh, layout, text, **options
+      )
+    else:
+      group = cls(specs, mesh, layout, text=text, **options)
   except TypeError as e:
     raise ValueError(
       f"Bad options for backend {text!r}: {e}; valid options: "
       f"{', '.join(valid_options(cls)) or 'none'}"
     ) from None
+  protocols.check(group, text)  # (a declared optional protocol is implemented)
+  return group
 
 
 def make_backend(
