@@ -216,6 +216,7 @@ def choose_finalists(
         shared_cores=cores,
         overhead_s=overhead,
         label=label,
+        candidates={t: tuple(c.text for c in cs) for t, cs in options_by_table.items()},
       )
     )
   if len(solved) > len(out):
