@@ -215,3 +215,23 @@ def test_run_py_trains_checkpoints_and_resumes_int8_exactly(int8, ctr_cache, tmp
   for x, y in zip(state_leaves(full.state), state_leaves(resumed.state)):
     np.testing.assert_array_equal(x, y)
   shutil.rmtree(wd)
+
+
+@pytest.mark.slow
+def test_the_trainers_auto_plan_weighs_int8(int8, ctr_cache):
+  """setup.build with `embeddings.modules` naming the file and an auto rule over the two
+  largest tables (dense or int8 only, at a budget dense cannot meet): int8 is among each
+  table's candidates in the plan report and in auto_plan.json's figures, and placed."""
+  lines = []
+  c = smoke_config(ctr_cache, mesh=(1, 1), tables=4)
+  c.embeddings.modules = os.path.join(ROOT, MODULE)
+  c.embeddings.plan = (
+    ("C3|C16", "auto(budget=0.6, kinds=('dense',), batches=2, finalists=1)"),
+    (".*", "dense"),
+  )
+  run = loop.setup.build(c, allocate=False, log=lines.append)
+  report = run.auto_plan.report()
+  assert "candidates (tables offered each): dense (2), int8 (2)" in report, report
+  assert run.auto_plan.as_dict()["candidates"] == {t: ["dense", "int8"] for t in ("C3", "C16")}
+  assert run.plan.backend_of("C3").name == "int8"
+  assert any("int8" in line for line in lines)  # (the logged plan)

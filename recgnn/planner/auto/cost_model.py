@@ -45,8 +45,8 @@ class PlanChoice:
   # Every finalist timed whole, this one included: (label, what it placed, predicted s,
   # measured s), in the solver's order.
   finalists: tuple[tuple[str, str, float, float], ...] = ()
-  # Every candidate each table was weighed with (its plan strings, the backends' own offers
-  # included), in `candidates`' order; empty for a plan as written.
+  # Every valid candidate of each table (its plan strings, the backends' own offers included,
+  # those over the budget too), in `candidates`' order; empty for a plan as written.
   candidates: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
   @property

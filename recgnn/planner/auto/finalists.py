@@ -216,7 +216,7 @@ def choose_finalists(
         shared_cores=cores,
         overhead_s=overhead,
         label=label,
-        candidates={t: tuple(c.text for c in cs) for t, cs in options_by_table.items()},
+        candidates={t: tuple(text for text, _, _ in rows) for t, rows in by_table.items()},
       )
     )
   if len(solved) > len(out):

@@ -57,15 +57,12 @@ def report(choice) -> str:
 
 
 def candidates_line(candidates: dict[str, tuple[str, ...]]) -> str:
-  """'candidates (tables weighed with each): dense (26), int8 (26), ...', in first-seen
-  order."""
+  """'candidates (tables offered each): dense (26), int8 (26), ...', in first-seen order."""
   counts: dict[str, int] = {}
   for texts in candidates.values():
     for t in texts:
       counts[t] = counts.get(t, 0) + 1
-  return "candidates (tables weighed with each): " + ", ".join(
-    f"{t} ({n})" for t, n in counts.items()
-  )
+  return "candidates (tables offered each): " + ", ".join(f"{t} ({n})" for t, n in counts.items())
 
 
 def as_dict(choice) -> dict:
