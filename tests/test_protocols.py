@@ -63,10 +63,14 @@ def test_who_implements_declares_and_implements_it(tmp_path):
   assert checked >= 5
 
 
-@pytest.mark.parametrize("text", ["dense", "tt(rank=4)", "sharded(kind=table)"])
-def test_a_backend_that_opts_into_nothing_declares_nothing(text):
+@pytest.mark.parametrize(
+  "text, want",
+  [("tt(rank=4)", []), ("dense", ["DevicePrepare"]), ("sharded(kind=table)", ["DevicePrepare"])],
+)
+def test_what_a_backend_declares_is_all_it_opts_into(text, want):
   group = planner.make_group(text, [SPEC], sharding.make_mesh(2, 4))
-  assert protocols.declared(group) == [] and protocols.missing(group) == {}
+  assert [p.__name__ for p in protocols.declared(group)] == want
+  assert protocols.missing(group) == {}
 
 
 def test_a_declared_protocol_without_its_methods_is_refused(monkeypatch):
@@ -82,6 +86,10 @@ def test_a_declared_protocol_without_its_methods_is_refused(monkeypatch):
     @classmethod
     def group_class(cls, specs, options):
       return Half
+
+    @classmethod
+    def capabilities_for(cls, options):
+      return cls.capabilities
 
   monkeypatch.setitem(registry.REGISTRY, "declares", Declares)
   monkeypatch.setattr(Declares, "name", "declares")

@@ -13,6 +13,7 @@ protocols a backend opts into, each declared (never found by `hasattr`).
   HostTier              after_update, stack_call, batch_memory,   Capabilities.writes_host
                         expect_batches, splits_prepare,
                         prepare_ahead
+  DevicePrepare         prepare_on_device                         Capabilities.prepares_on_device
   Replanning            replan                                    Capabilities.replans_shapes
   MicroBatching         micro_batches, lookup_micro               Capabilities.splits_batch
   StreamedCheckpoints   reads_streams (export may give a          reads_streams() -> True
@@ -21,7 +22,8 @@ protocols a backend opts into, each declared (never found by `hasattr`).
 
 `Backend` (recgnn.embeddings.contract) keeps a no-op default of every optional method the
 trainer calls on every group (a backend that opts into nothing is called through them); the
-micro-batching methods have none: only a group that declares `splits_batch` is asked. A
+micro-batching methods have none and `prepare_on_device`'s refuses: only a group that
+declares `splits_batch` / `prepares_on_device` is asked. A
 backend that declares a protocol and leaves one of its `REQUIRED` methods to the default is
 refused when its group is built (`check`, from `recgnn.planner.make_group`), naming them.
 """
@@ -60,6 +62,16 @@ class HostTier(Protocol):
 
   def prepare_ahead(self, ids, upcoming=(), *, train=True):
     """`prepare` in two halves, each in stream order (`recgnn.train.plan_ahead`)."""
+
+
+class DevicePrepare(Protocol):
+  """`prepare` inside the jitted step from the batch's device ids (the device feed,
+  `Layout.ids_on_device`; `Capabilities.prepares_on_device`: dense, sharded)."""
+
+  REQUIRED: ClassVar[tuple[str, ...]] = ("prepare_on_device",)
+
+  def prepare_on_device(self, ids: dict[str, jax.Array]) -> PyTree:
+    """Inside jit: ids {table: int32[B, L]} -> the pytree `prepare` makes for them."""
 
 
 class Replanning(Protocol):
@@ -111,6 +123,7 @@ class AutoCandidates(Protocol):
 #: on the class; the planner asks every registered class, so a group is not checked for it).
 OPTIONAL: dict[type, str | None] = {
   HostTier: "writes_host",
+  DevicePrepare: "prepares_on_device",
   Replanning: "replans_shapes",
   MicroBatching: "splits_batch",
   StreamedCheckpoints: None,
