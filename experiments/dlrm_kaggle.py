@@ -69,6 +69,9 @@ def get_config(arg=None):
   # A JSON file keeping the measured costs of plan=auto's candidates (and --plan_report's)
   # across runs: the same tables, ids, mesh and software are timed once. "" = none.
   c.embeddings.cost_cache = ""
+  # Modules imported before the plan is resolved (comma-separated file paths or module
+  # names): a backend in its own file registers itself and the plan may name it. "" = none.
+  c.embeddings.modules = ""
 
   c.optimizer = ml_collections.ConfigDict(
     {"name": "adam", "learning_rate": 1e-3, "weight_decay": 0.0, "warmup_steps": 0}

@@ -294,6 +294,8 @@ def build(
   figures are always there). log: progress lines (the trainer's prints
   from process 0; quiet by default).
   """
+  # Backends in their own files register before the task or the plan reads a plan string.
+  planner.load_modules(config.get("embeddings", {}).get("modules", ""))
   mesh = config_mesh(config) if mesh is None else mesh
   if task is None:
     task = _open_task(config, mesh, log)

@@ -216,6 +216,7 @@ def choose_finalists(
         shared_cores=cores,
         overhead_s=overhead,
         label=label,
+        candidates={t: tuple(text for text, _, _ in rows) for t, rows in by_table.items()},
       )
     )
   if len(solved) > len(out):
