@@ -5,7 +5,8 @@ process maps the slot, transfers it to the devices and hands the slot back.
 
 Why a process: the input thread's Python (the batch iterator, every group's `prepare`, the
 packing) holds the GIL that the launching thread needs (in GPU traces the two threads' Python
-never overlapped: docs/gpu.md); the child has a GIL of its own, and the training process keeps only a receive, a few views and the transfer.
+never overlapped: docs/gpu.md); the child has a GIL of its own, and the training process
+keeps only a receive, a few views and the transfer.
 
 Why fork (not spawn, not grain's multiprocessing): the child continues the trainer's own
 stream as it is at the fork (the task's iterator at the resumed position, the plan's groups,

@@ -18,7 +18,6 @@ from recgnn.train import inputs, plan_ahead
 from recgnn.train import step as step_lib
 from recgnn.train.task import Task
 
-
 #: Errors of the data or the plan (a malformed file, a cache too small for a batch): raised on
 #: the input side, they reach the user as one line naming the fix (`user_line`), exit 2, as
 #: the plan's own errors do before the first step; any other exception is a bug (traceback).
