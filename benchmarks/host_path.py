@@ -75,7 +75,11 @@ CEILING_MIN = {"dlrm_kaggle": 1_000_000, "cdlrm_kaggle": 300_000}
 
 
 def config_of(name: str, args):
+  """The experiment's config at the benchmark's sizes; NAME@FEED sets train.feed."""
+  name, _, feed = name.partition("@")
   c = importlib.import_module(f"experiments.{name}").get_config()
+  if feed:
+    c.train.feed = feed
   c.data.synthetic.scale = args.scale
   # (cdlrm_kaggle's budget is a tenth of its dense tables at the default scale: not measured)
   c.device_memory_budget = ""
@@ -101,6 +105,8 @@ def measure_input(name: str, args) -> dict:
   from recgnn.train import setup as train_setup
 
   run = train_setup.build(config_of(name, args), allocate=False)  # (no tables: not used)
+  if name.endswith("@device"):
+    return measure_device_input(run, args)
   if any(g.capabilities.writes_host for g in run.plan.groups.values()):
     # A host tier's prepare waits for the write-backs of the steps before it (offload's
     # staging, issue 42): without steps it waits forever. Its input side is the loop's
@@ -142,6 +148,28 @@ def measure_input(name: str, args) -> dict:
     out[f"prepare {t}"] = out[f"read+prepare {t}"] - out[f"read {t}"]
     out[f"input {t}"] = out[f"read+prepare {t}"] + out[f"pack {t}"]
   return out
+
+
+def measure_device_input(run, args) -> dict:
+  """The device feed's input side on this thread: the cursors (and the host-prepared groups'
+  ids, read, prepared) of each batch, packed: ms per batch, CPU and wall."""
+  from recgnn.train import device_feed, inputs
+
+  feed = device_feed.DeviceFeed(run.task.device_rows(), run.plan)
+  k = run.task.batches_per_call
+  n = args.input_batches
+  stream = device_feed.stream(feed.rows, feed.orders, feed.host_tables, 0, n, k, 0, "", ())
+  items = inputs.prepare_stream(feed.host_plan, stream)
+  cpu, wall = [], []
+  for _ in range(n):
+    c, w = time.thread_time(), time.perf_counter()
+    item = next(items)
+    feed.feeder.pack(item.prepared, item.batch)
+    cpu.append(1e3 * (time.thread_time() - c))
+    wall.append(1e3 * (time.perf_counter() - w))
+  feed.close()
+  skip = 3
+  return {"input cpu": statistics.median(cpu[skip:]), "input wall": statistics.median(wall[skip:])}
 
 
 class _Probe:
@@ -232,14 +260,16 @@ def measure_loop(name: str, args, count: bool) -> dict:
 
   real_jit_steps = train_setup.jit_steps
 
-  def jit_steps(task, plan, tx, shardings, step_inputs=None):
-    _, evaluate = real_jit_steps(task, plan, tx, shardings, step_inputs)
+  def jit_steps(task, plan, tx, shardings, step_inputs=None, **feed):
+    _, evaluate = real_jit_steps(task, plan, tx, shardings, step_inputs, **feed)
     # The same signature, shardings and donation as the real step (k > 1: the same scan
-    # over the call's stacked batches, of a body that does nothing).
-    stacked = {"stacked": k} if k > 1 else {}  # (a tree before k steps per call: k = 1)
-    fake = step_lib.jit_packed(
-      nowork_for(plan), plan, shardings, True, True, "train_step", **stacked
-    )
+    # over the call's stacked batches, of a body that does nothing; with the device feed,
+    # its inputs: the resident rows and the pass orders).
+    extra = {"stacked": k} if k > 1 else {}  # (a tree before k steps per call: k = 1)
+    if feed.get("feed") is not None:
+      inputs_of = feed["feed"].train_inputs
+      extra.update(step_inputs=inputs_of(), inputs_of=inputs_of)
+    fake = step_lib.jit_packed(nowork_for(plan), plan, shardings, True, True, "train_step", **extra)
     probes.append(_Probe(fake, args.warmup // k, args.steady // k, count))
     return probes[-1], evaluate
 
@@ -297,6 +327,12 @@ def child(args) -> None:
   out["input"] = measure_input(args.experiment, args)
   out["loop"] = measure_loop(args.experiment, args, count=False)
   out["calls"] = measure_loop(args.experiment, args, count=True)
+  cpu = out["input"].get("input cpu")
+  if cpu is not None:  # the host's CPU per trained sample (the input side + the main thread)
+    per = 1e3 * (cpu + out["loop"]["main_cpu_ms_per_step"]) / args.batch  # (both per batch)
+    out["derived"] = {"host_us_per_sample": per}
+  else:
+    out["derived"] = {}
   import jax
 
   out["machine"] = {**harness.machine_info(), "jax": jax.__version__}
@@ -322,6 +358,7 @@ COLUMNS = (
   ("calls", "main_c_calls_per_step", "main C calls / step", "{:.0f}"),
   ("loop", "input_thread_ms_per_batch", "input busy ms / batch (thread or worker)", "{:.2f}"),
   ("loop", "worker_cpu_ms_per_batch", "worker CPU ms / batch", "{:.2f}"),
+  ("derived", "host_us_per_sample", "host CPU us / trained sample (input + main)", "{:.4f}"),
 )
 
 
@@ -378,9 +415,27 @@ def rounds(args, names: list[str], tmp: str) -> dict:
   return {"trees": {t: p for t, p in trees.items()}, "runs": runs, "summary": summary}
 
 
+def feed_checks(args, summary: dict) -> list[str]:
+  """The device feed's must-show: its host CPU per trained sample at most 1/20 of the host
+  feed's, in the same run (the slowest device-feed process against the fastest host one)."""
+  out = []
+  for n, per in summary.items():
+    if not n.endswith("@device") or n.replace("@device", "@host") not in summary:
+      continue
+    dev = per["this"].get("host_us_per_sample", {}).get("max")
+    host = summary[n.replace("@device", "@host")]["this"].get("host_us_per_sample", {}).get("min")
+    if not dev or not host:
+      continue
+    ok = "yes" if dev <= host / 20 else "NO"
+    out.append(f"{n}: host CPU {dev:.4f} us / trained sample against the host feed's "
+               f"{host:.4f} ({host / dev:,.0f}x less; target >= 20x): {ok}")  # fmt: skip
+  return out
+
+
 def checks(args, summary: dict) -> list[str]:
   """Issue 43's must-show lines, from this tree's medians (and its slowest process)."""
-  out = []
+  out = feed_checks(args, summary)
+  summary = {n: v for n, v in summary.items() if "@" not in n}
   for n, per in summary.items():
     s = per["this"]
     calls = s["main_python_calls_per_step"]["max"]
@@ -447,7 +502,11 @@ def markdown(payload: dict) -> str:
 
 def main():
   ap = harness.flags.parser(__doc__)
-  ap.add_argument("--experiments", default=",".join(EXPERIMENTS))
+  ap.add_argument(
+    "--experiments",
+    default=",".join(EXPERIMENTS),
+    help="NAME or NAME@FEED (train.feed: host, device), comma-separated",
+  )
   ap.add_argument("--scale", type=float, default=1.0, help="x Kaggle's table cardinalities")
   ap.add_argument("--batch", type=int, default=2048)
   ap.add_argument("--k", type=int, default=1, help="train steps per call (train.steps_per_call)")

@@ -1,24 +1,23 @@
 """The trainer: one loop for every task and every embedding backend, over the run that
-`recgnn.train.setup.build` makes (task, plan, feeder, state, jitted steps). The loop adds
-checkpoints and resume, the input thread (`recgnn.train.input_thread`), evals, metrics.
+`recgnn.train.setup.build` makes (task, plan, feeder or device feed, state, jitted steps).
+`_train_in` reads top to bottom: build, restore or start, then per call of the train step
+its periodic actions (recgnn.train.periodic: report, profile, checkpoint, eval, re-plan),
+then the last checkpoint and the results.
 
-  input thread:  task batches (+ eval batches at their steps) -> backend.prepare per table
-                 (dedup, cache planning, prefetch; sees `lookahead` upcoming batches)
-                 -> packed host buffers -> a bounded queue (base.PREFETCH deep)
-  main thread:   device_put of the next batch, jitted train step (state donated) ... metrics
-                 read only every log_every steps; eval, checkpoints (backends synced first),
-                 profiler trace, TensorBoard.
+  input:         the device feed (the data on the devices: a cursor per step), or the input
+                 thread (task batches, every group's `prepare` in stream order with the
+                 look-ahead window, packed host buffers, a bounded queue base.PREFETCH deep)
+  main thread:   the next batch, the jitted train step (state donated) ... metrics read only
+                 every log_every steps; evals, checkpoints (backends synced first), profiler
+                 trace, TensorBoard.
 
-Every `prepare` call happens on the input thread, in stream order, eval batches included,
-so stateful backends (device caches) see one consistent sequence of batches.
+Every `prepare` call happens on the input side, in stream order, eval batches included, so
+stateful backends (device caches) see one consistent sequence of batches.
 
 Every call into the devices (transfers, steps, reads) is made from the main thread, and on
 CPU devices one multi-device step runs at a time (`sharding.OneInFlight`, in
-`step.jit_packed`). 8-device runs hung in XLA:CPU (gdb: 7 devices in the step's all-gather,
-the 8th device's launch blocked on its one in-flight slot, held by its part of the previous
-step, which never started). Moving the transfers off the input thread (a put had been made
-during each hung launch) was not enough: a run still hung with the put on the main thread;
-launching each step after the previous one finished was (issue 30; docs/multi-device.md).
+`step.jit_packed`): XLA:CPU can deadlock when a multi-device step is launched, or a transfer
+made, while the previous one still runs (docs/multi-device.md).
 """
 
 from __future__ import annotations
@@ -27,28 +26,26 @@ import contextlib
 import dataclasses
 import json
 import os
-import time
 from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 
 from recgnn import distributed, hostmem, planner
 from recgnn.embeddings import base
 from recgnn.train import checkpoint as ckpt_lib
-from recgnn.train import input_worker, non_finite, setup, workdir_lock
+from recgnn.train import input_worker, periodic, setup, workdir_lock
 from recgnn.train import plan_report as plan_report_lib
 from recgnn.train import step as step_lib
-from recgnn.train import traffic as traffic_lib
 from recgnn.train import watchdog as watchdog_lib
 from recgnn.train.input_thread import InputThread, stream
-from recgnn.train.non_finite import NonFiniteLoss
 from recgnn.train.scalars_out import ScalarWriter
+from recgnn.train.task import FINAL_EVAL_SPLITS
 
 # Names callers reach through `loop` (tests, benchmarks, run.py).
 config_mesh, load_task, parse_bytes = setup.config_mesh, setup.load_task, setup.parse_bytes
 parse_budget = setup.parse_budget
+NonFiniteLoss = periodic.NonFiniteLoss
 training_length = setup.training_length
 
 
@@ -164,15 +161,9 @@ class _Setup:
 def _train_in(
   config, workdir, resume, profile_steps, device_memory_budget, stop_after, plan_report, phase
 ):
-  # Before anything slow: a fresh run over another run's checkpoints would die at its first
-  # save (Orbax StepAlreadyExistsError) or, resumed later, mix two runs.
-  ckpt_lib.refuse_existing(workdir, bool(resume))
-  if resume is True and not ckpt_lib.committed_steps(workdir):
-    raise ckpt_lib.NoCheckpoint(
-      f"--resume: no checkpoint in {ckpt_lib.checkpoint_dir(workdir)}, nothing to continue. "
-      "Drop --resume to start a new run there, or pass --resume_if_present to continue when "
-      "there is a checkpoint and start from step 0 when there is none."
-    )
+  """The run, top to bottom: build, restore or start, the calls with their periodic actions,
+  the last checkpoint, the results."""
+  _check_workdir(workdir, resume)
   os.makedirs(workdir, exist_ok=True)
   hostmem.keep_freed_memory()  # reuse per-step temporaries instead of page-faulting them in
   tcfg = config.train
@@ -182,280 +173,234 @@ def _train_in(
   # The loop owns the state from here (each step donates it, a resume replaces it): the run
   # keeps no reference that would hold the initial tables for the whole run.
   state, run = run.state, dataclasses.replace(run, state=None)
-  task, plan = run.task, run.plan
-  # The input's host half in a worker process where the task and plan allow one (issue 43).
-  workers, workers_how = input_worker.workers_for(
-    int(tcfg.get("input_workers", input_worker.AUTO)), task, plan
-  )
-
-  config_json = config.to_json_best_effort(indent=2)
   ckpt = ckpt_lib.Checkpointer(
-    workdir, max_to_keep=tcfg.get("keep_checkpoints", 2), config=json.loads(config_json)
+    workdir, max_to_keep=tcfg.get("keep_checkpoints", 2), config=json.loads(_config_json(config))
   )
   try:
-    start = 0
-    ckpt.check_artifacts(task.artifacts(), bool(resume) and ckpt.latest_step() is not None)
-    if resume and ckpt.latest_step() is not None:
-      # Newest readable checkpoint, checked against this run first (another config is
-      # refused, naming the keys; the checkpoint stays). A corrupted one is refused (named
-      # in the log) and moved aside, and the one before it is used.
-      state = ckpt.restore(state, plan, log=log)
-      meta = ckpt.metadata(ckpt.restored_step)
-      start = int(state.step)
-      # The input pipeline continues where the checkpoint's iterator was (mid-epoch).
-      task.restore_data_state(meta.get("data_state"), start)
-      log(
-        f"Resumed from checkpoint at step {start} in {ckpt.directory} (saved on mesh "
-        f"{meta.get('mesh', '?')}; tables restored into this run's plan and mesh)"
-      )
-    elif resume:
-      log(f"--resume_if_present: no checkpoint in {ckpt.directory}; starting from step 0")
-    # A train step of k steps per call: every step the loop acts at on a call boundary.
-    check_call_boundaries(
-      task,
-      **{"resumed step" if start else "start": start},
-      **{"train.steps (total)": run.total_steps, "stop_after": stop_after},
-      **{f"train.{n}": tcfg.get(n, 0) for n in ("log_every", "checkpoint_every", "eval_every")},
-      **dict(zip(("profile start", "profile stop"), profile_steps or ())),
-    )
-    # Only now: a refused resume leaves the config of the run that saved the checkpoints.
-    if distributed.is_main():
-      with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config_json)
-      log(f"Config written to {os.path.join(workdir, 'config.json')}")
+    state, start = _restore_or_start(run, ckpt, state, resume)
+    end = run.total_steps if stop_after is None else min(run.total_steps, start + stop_after)
+    _check_boundaries(run, start, end, stop_after, profile_steps)
+    _write_config(config, workdir)  # (only now: a refused resume keeps the run's config)
   except BaseException:
     ckpt.close()  # (an open manager's threads end the process with pages of asyncio errors)
     raise
-
-  total = run.total_steps
-  train_step, eval_step = run.train_step, run.eval_step
-  # Steps per call of the train step (one per loop item): the loop counts them per item.
-  per_call = task.steps_per_call
-  # Groups that re-plan static shapes while training (sharded's code widths): asked after
-  # every step, the jitted steps rebuilt when one changed.
-  replanning = {k: g for k, g in run.plan.groups.items() if g.capabilities.replans_shapes}
-  final_splits = tuple(tcfg.get("final_eval_splits", ("valid", "test")))
-  end = total if stop_after is None else min(total, start + stop_after)
-  items = stream(
-    task,
-    start,
-    end,
-    tcfg.eval_every,
-    tcfg.get("eval_split", "valid"),
-    final_splits if end == total else (),
-  )
-  # samples/s counts global examples: a process-local batch is 1 / processes of one.
-  scale = task.process_shard[1] if run.layout.process_local else 1
-  if run.device_feed is not None:
-    feed = run.device_feed.input(
-      task, start, end, tcfg.eval_every, tcfg.get("eval_split", "valid"),
-      final_splits if end == total else (),
-    )  # fmt: skip
-  else:
-    log(f"Input: {workers_how}")
-    feed = InputThread(
-      items, plan, run.feeder, depth=base.PREFETCH, task=task, scale=scale, worker=workers > 0
-    )
+  feed = _open_input(run, start, end)
   main = distributed.is_main()  # only process 0 writes metrics, TensorBoard, results
-  scalars_out = ScalarWriter.open(workdir, main)
+  writer = ScalarWriter.open(workdir, main)
   if main and run.auto_plan is not None:  # what an auto(...) rule chose, with its figures
     with open(os.path.join(workdir, "auto_plan.json"), "w") as f:
       json.dump(run.auto_plan.as_dict(), f, indent=2)
-
-  def write_scalars(step: int, scalars: dict[str, float]):
-    if scalars_out is not None:
-      scalars_out.write(step, scalars)
-
-  results: dict[str, Any] = {}
-  # Host-link and collective bytes of each train-step program, read once per program.
-  traffic = traffic_lib.StepTraffic()
-  pending: list = []  # device metrics since the last log; read only at log time
-  pending_steps: list[int] = []  # the step number after each of them
-  failed = False  # a non-finite loss or a failed save: nothing more is written
-
-  def check_finite(host_losses) -> None:
-    """Stop on a NaN / inf loss before the state that follows it can be saved. host_losses:
-    the pending calls' losses (scalars, or [k] per call), in step order."""
-    nonlocal failed
-    losses = [v for x in host_losses for v in np.ravel(x)]
-    bad = non_finite.first_non_finite(pending_steps, losses)
-    if bad is None:
-      return
-    failed = True
-    report = non_finite.report(plan, run.sync(state))
-    last = ckpt.latest_step()
-    if last is None:
-      kept = "no checkpoint was saved before it. Lower the learning rate or check the data"
-      kept += ", then start again in a fresh --workdir."
-    else:
-      kept = (
-        f"the last good state is checkpoint {last} in {ckpt.directory}. Lower the learning "
-        "rate or check the data, then rerun with --resume (or a fresh --workdir)."
-      )
-    raise NonFiniteLoss(
-      f"Non-finite training loss {bad[1]} at step {bad[0]}; {report}. Nothing saved after it: "
-      + kept
-    )
-
-  eval_outputs: list = []
-  t_eval = 0.0
-  step = start
-  t_last = time.perf_counter()
-  examples = 0  # train examples since the last log (batches may vary in size)
-  interval_steps = 0  # train steps since the last log
-  interval_step_s: list[float] = []  # seconds per step of each logged interval
-  interval_programs: list[int] = []  # train-step programs compiled by the end of each
-  profiling = False
-  interrupted = False
   phase.done = True  # from here on an error is the run's, not the configuration's
-  dog = watchdog_lib.Watchdog(
-    factor=float(tcfg.get("watchdog_factor", 20.0)),
-    min_s=float(tcfg.get("watchdog_min_s", 120.0)),
-    first_s=float(tcfg.get("watchdog_first_s", 1800.0)),
-    grace_s=float(tcfg.get("sigterm_grace_s", 120.0)),
-    log=log,
+  dog = watchdog_lib.Watchdog.from_config(tcfg, log=log)
+  report = periodic.Report(run, tcfg.log_every, end, run.total_steps, writer, ckpt, log)
+  actions = _Actions(
+    report=report,
+    profile=periodic.Profile(profile_steps, workdir, log),
+    checkpoints=periodic.Checkpoints(ckpt, run, report, tcfg.checkpoint_every, end, dog),
+    evals=periodic.Evals(run.task, report, log),
+    replan=periodic.Replan(run, lambda: _jit_steps(run)),
+    dog=dog,
   )
+  at = _At(state=state, step=start)
   try:
-    with watchdog_lib.SigtermFlag() as sigterm:
-      dog.watch_sigterm()
-      while True:
-        with dog.unit("input", f"the input of step {step + 1}"):
-          item = feed.get()  # (and its transfer to the devices)
-        if item is None:
-          break
-        if item.kind == "train":
-          if profile_steps and step == profile_steps[0]:
-            # The Perfetto trace (*.trace.json.gz) beside the xplane: the form a user (and
-            # recgnn.trace_summary) reads without TensorBoard.
-            jax.profiler.start_trace(os.path.join(workdir, "profile"), create_perfetto_trace=True)
-            profiling = True
-          with (
-            dog.unit(
-              "step", f"step {step + 1}" if per_call == 1 else f"steps {step + 1}-{step + per_call}"
-            ),
-            jax.profiler.StepTraceAnnotation("train", step_num=step),
-          ):
-            state, m = train_step(state, *item.prepared)
-          traffic.observe(train_step, state, item.prepared)  # (a lookup but for a new program)
-          pending.append(m)  # (with k > 1 steps per call: [k] arrays, one per step)
-          step += per_call
-          rebuild = False
-          for k, g in replanning.items():  # a no-op but every N steps (a host read then)
-            new, changed = g.replan(state.emb[k], step)
-            state, rebuild = state.replace(emb={**state.emb, k: new}), rebuild or changed
-          if rebuild:
-            train_step, eval_step = setup.jit_steps(
-              run.task, run.plan, run.tx, run.shardings, feed=run.device_feed
-            )
-          dog.last_step = step
-          pending_steps.extend(range(step - per_call + 1, step + 1))
-          examples += int(item.batch_size)
-          interval_steps += per_call
-          if profiling and step >= profile_steps[1]:
-            jax.block_until_ready(state)
-            jax.profiler.stop_trace()
-            profiling = False
-            log(
-              f"Profile of steps {profile_steps[0]}:{profile_steps[1]} written to "
-              f"{os.path.join(workdir, 'profile')} (open with TensorBoard or Perfetto)"
-            )
-          if step % tcfg.log_every == 0 or step == end:
-            with dog.unit("metrics", f"reading the metrics of steps up to {step}"):
-              host = jax.device_get(pending)  # the loop's only regular host sync
-            check_finite([h["loss"] for h in host])
-            pending, pending_steps = [], []
-            now = time.perf_counter()
-            # The mean over the steps since the last log (each call's k steps).
-            scalars = {
-              name: float(np.mean(np.concatenate([np.ravel(h[name]) for h in host])))
-              for name in host[0]
-            }
-            rate = examples / max(now - t_last, 1e-9)
-            interval_step_s.append((now - t_last) / max(interval_steps, 1))
-            interval_programs.append(traffic.programs)
-            examples = interval_steps = 0
-            scalars["samples_per_second"] = rate
-            for g in plan.groups.values():
-              scalars.update(g.stats())
-            scalars.update(traffic.scalars())
-            write_scalars(step, scalars)
-            for n, program in traffic.take_new():  # at the first log line, then new programs
-              log(f"Train step program {n}: {traffic_lib.describe(program)}")
-            unit = task.example_unit
-            log(f"step {step:>7}/{total}  loss {scalars['loss']:.5f}  {rate:,.0f} {unit}/s")
-            t_last = now
-          if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < end:
-            t0 = time.perf_counter()
-            with dog.unit("save", f"saving checkpoint {step}"):
-              check_finite(jax.device_get([m["loss"] for m in pending]))  # saving syncs anyway
-              state = run.sync(state)
-              try:
-                ckpt.save(state, step, plan, data_state=task.data_state(step))
-              except ckpt_lib.CheckpointWriteError:
-                failed = True  # the finally below must not try again on a full disk
-                raise
-            t_last += time.perf_counter() - t0  # keep samples/s a measure of training only
-          if sigterm.received:
-            dog.sigterm_acknowledged()
-            log(f"SIGTERM at step {step}: saving a checkpoint and stopping")
-            interrupted = True
-            break
-        elif item.kind == "eval":
-          if not eval_outputs:
-            t_eval = time.perf_counter()
-          with dog.unit("eval", f"eval batch {len(eval_outputs) + 1} of {item.split} @ {step}"):
-            eval_outputs.append(eval_step(state, *item.prepared))
-        else:  # eval_end
-          with dog.unit("eval_end", f"reading the {item.split} eval outputs @ step {step}"):
-            res = task.metrics(jax.device_get(eval_outputs))
-          t_last += time.perf_counter() - t_eval
-          eval_outputs = []
-          write_scalars(step, {f"{item.split}/{k}": v for k, v in res.items()})
-          log(
-            f"eval {item.split} @ step {step}: " + "  ".join(f"{k} {v:.5f}" for k, v in res.items())
-          )
-          results.update({f"{item.split}/{k}": v for k, v in res.items()})
+    _calls(run, feed, at, actions)
   finally:
     feed.close()
     if run.device_feed is not None:
       run.device_feed.close()
-    if profiling:
-      jax.profiler.stop_trace()
+    actions.profile.stop()
     try:
-      if not failed:
-        with dog.unit("save", f"saving checkpoint {step}"):
-          # Never leave a non-finite state as the newest checkpoint.
-          check_finite(jax.device_get([m["loss"] for m in pending]))
-          state = run.sync(state)
-          if step > start or interrupted:
-            ckpt.save(state, step, plan, data_state=task.data_state(step))
+      at.state = actions.checkpoints.final(at.step, at.state, at.step > start or at.interrupted)
     finally:
       dog.close()
       ckpt.close()
-      if scalars_out is not None:
-        scalars_out.close()  # (every line written before the files close)
+      if writer is not None:
+        writer.close()  # (every line written before the files close)
+  return _results(run, at, feed, actions, workdir, main)
 
-  results["step"] = step
+
+def _check_workdir(workdir: str, resume) -> None:
+  """Before anything slow: a fresh run over another run's checkpoints would die at its first
+  save (Orbax StepAlreadyExistsError) or, resumed later, mix two runs; --resume needs one."""
+  ckpt_lib.refuse_existing(workdir, bool(resume))
+  if resume is True and not ckpt_lib.committed_steps(workdir):
+    raise ckpt_lib.NoCheckpoint(
+      f"--resume: no checkpoint in {ckpt_lib.checkpoint_dir(workdir)}, nothing to continue. "
+      "Drop --resume to start a new run there, or pass --resume_if_present to continue when "
+      "there is a checkpoint and start from step 0 when there is none."
+    )
+
+
+def _config_json(config) -> str:
+  return config.to_json_best_effort(indent=2)
+
+
+def _write_config(config, workdir: str) -> None:
+  if distributed.is_main():
+    path = os.path.join(workdir, "config.json")
+    with open(path, "w") as f:
+      f.write(_config_json(config))
+    log(f"Config written to {path}")
+
+
+def _restore_or_start(run, ckpt, state, resume) -> tuple[step_lib.TrainState, int]:
+  """(state, first step): the newest readable checkpoint's with `resume` (checked against
+  this run first: another config is refused naming the keys, the checkpoint stays; a
+  corrupted one is refused, moved aside, and the one before it used), else the initial."""
+  ckpt.check_artifacts(run.task.artifacts(), bool(resume) and ckpt.latest_step() is not None)
+  if not resume:
+    return state, 0
+  if ckpt.latest_step() is None:
+    log(f"--resume_if_present: no checkpoint in {ckpt.directory}; starting from step 0")
+    return state, 0
+  state = ckpt.restore(state, run.plan, log=log)
+  meta = ckpt.metadata(ckpt.restored_step)
+  start = int(state.step)
+  # The input continues where the checkpoint's iterator was (mid-epoch).
+  run.task.restore_data_state(meta.get("data_state"), start)
+  log(
+    f"Resumed from checkpoint at step {start} in {ckpt.directory} (saved on mesh "
+    f"{meta.get('mesh', '?')}; tables restored into this run's plan and mesh)"
+  )
+  return state, start
+
+
+def _check_boundaries(run, start: int, end: int, stop_after, profile_steps) -> None:
+  """k steps per call: every step the loop acts at on a call boundary."""
+  tcfg = run.config.train
+  check_call_boundaries(
+    run.task,
+    **{"resumed step" if start else "start": start},
+    **{"train.steps (total)": run.total_steps, "stop_after": stop_after},
+    **{f"train.{n}": tcfg.get(n, 0) for n in ("log_every", "checkpoint_every", "eval_every")},
+    **dict(zip(("profile start", "profile stop"), profile_steps or ())),
+  )
+  del end
+
+
+def _open_input(run, start: int, end: int):
+  """The input of steps [start, end), evals at their steps and the final passes when `end`
+  is the run's last step: the device feed's, or the host feed's input thread (its host half
+  in a worker process where the task and plan allow one: train.input_workers)."""
+  tcfg, task = run.config.train, run.task
+  final = tuple(tcfg.get("final_eval_splits", FINAL_EVAL_SPLITS)) if end == run.total_steps else ()
+  split = tcfg.get("eval_split", "valid")
+  if run.device_feed is not None:
+    return run.device_feed.input(task, start, end, tcfg.eval_every, split, final)
+  workers, how = input_worker.workers_for(
+    int(tcfg.get("input_workers", input_worker.AUTO)), task, run.plan
+  )
+  log(f"Input: {how}")
+  items = stream(task, start, end, tcfg.eval_every, split, final)
+  # samples/s counts global examples: a process-local batch is 1 / processes of one.
+  scale = task.process_shard[1] if run.layout.process_local else 1
+  return InputThread(
+    items, run.plan, run.feeder, depth=base.PREFETCH, task=task, scale=scale, worker=workers > 0
+  )
+
+
+def _jit_steps(run) -> tuple:
+  return setup.jit_steps(run.task, run.plan, run.tx, run.shardings, feed=run.device_feed)
+
+
+@dataclasses.dataclass
+class _At:
+  """Where the run is: its state and step (what the last save saves, whatever ended it)."""
+
+  state: step_lib.TrainState
+  step: int
+  interrupted: bool = False  # SIGTERM: stopped after a call, to be saved
+
+
+@dataclasses.dataclass
+class _Actions:
+  """The periodic actions (recgnn.train.periodic) and the watchdog."""
+
+  report: periodic.Report
+  profile: periodic.Profile
+  checkpoints: periodic.Checkpoints
+  evals: periodic.Evals
+  replan: periodic.Replan
+  dog: watchdog_lib.Watchdog
+
+
+def _calls(run, feed, at: _At, actions: _Actions) -> None:
+  """Every item of the input, in order: a train call (then its periodic actions), an eval
+  batch, or an eval pass's end. SIGTERM stops after the call in progress."""
+  dog, steps = actions.dog, (run.train_step, run.eval_step)
+  per_call = run.task.steps_per_call
+  with watchdog_lib.SigtermFlag() as sigterm:
+    dog.watch_sigterm()
+    while True:
+      with dog.unit("input", f"the input of step {at.step + 1}"):
+        item = feed.get()  # (and its transfer to the devices)
+      if item is None:
+        return
+      if item.kind == "eval":
+        what = f"eval batch {len(actions.evals.outputs) + 1} of {item.split} @ {at.step}"
+        with dog.unit("eval", what):
+          actions.evals.add(steps[1](at.state, *item.prepared))
+        continue
+      if item.kind == "eval_end":
+        with dog.unit("eval_end", f"reading the {item.split} eval outputs @ step {at.step}"):
+          actions.evals.end(item.split, at.step)
+        continue
+      steps = _train_call(at, item, steps, per_call, actions)
+      if sigterm.received:
+        dog.sigterm_acknowledged()
+        log(f"SIGTERM at step {at.step}: saving a checkpoint and stopping")
+        at.interrupted = True
+        return
+
+
+def _train_call(at: _At, item, steps: tuple, per_call: int, actions: _Actions) -> tuple:
+  """One call of the train step (k = per_call steps), then the periodic actions. -> the
+  jitted steps (new ones when a group re-planned its shapes)."""
+  dog, report = actions.dog, actions.report
+  s = at.step
+  actions.profile.before(s)
+  what = f"step {s + 1}" if per_call == 1 else f"steps {s + 1}-{s + per_call}"
+  with dog.unit("step", what), jax.profiler.StepTraceAnnotation("train", step_num=s):
+    at.state, metrics = steps[0](at.state, *item.prepared)
+  report.traffic.observe(steps[0], at.state, item.prepared)  # (a lookup but for a new program)
+  at.step = s + per_call
+  report.add(at.step, per_call, metrics, int(item.batch_size))  # ([k] arrays with k > 1)
+  at.state, steps = actions.replan(at.step, at.state, steps)
+  dog.last_step = at.step
+  actions.profile.after(at.step, at.state)
+  if report.due(at.step):
+    with dog.unit("metrics", f"reading the metrics of steps up to {at.step}"):
+      report(at.step, at.state)
+  if actions.checkpoints.due(at.step):
+    at.state = actions.checkpoints.save(at.step, at.state)
+  return steps
+
+
+def _results(run, at: _At, feed, actions: _Actions, workdir: str, main: bool) -> Result:
+  """The run's figures (results.json when it reached its last step) and its final state."""
+  results: dict[str, Any] = dict(actions.evals.results)
+  results["step"] = at.step
   results["input_thread_seconds"] = feed.busy_seconds
   if feed.worker is not None:  # (the worker's CPU: every thread of it, numba's included)
     results["input_worker_cpu_seconds"] = feed.worker.cpu_seconds
-  # The last train step's program: its bytes over the host link and between devices.
-  results.update(traffic.scalars())
-  for key, group in plan.groups.items():  # e.g. a codec's bounds and fallbacks (a host read)
-    results.update({f"emb/{key}/{k}": v for k, v in group.report(state.emb[key]).items()})
+  report = actions.report
+  results.update(report.traffic.scalars())  # the last train step's program's bytes
+  for key, group in run.plan.groups.items():  # e.g. a codec's bounds and fallbacks
+    results.update({f"emb/{key}/{k}": v for k, v in group.report(at.state.emb[key]).items()})
   if run.prediction is not None and main:
-    report = plan_report_lib.build(
-      run.prediction, plan, state.emb, interval_step_s, interval_programs, traffic.scalars()
-    )
+    plan_rep = plan_report_lib.build(
+      run.prediction, run.plan, at.state.emb, report.step_seconds, report.programs,
+      report.traffic.scalars(),
+    )  # fmt: skip
     with open(os.path.join(workdir, "plan_report.json"), "w") as f:
-      json.dump(report, f, indent=2)
-    log(plan_report_lib.describe(report))
-  if step == total:
-    results.update(task.final_report(results))
+      json.dump(plan_rep, f, indent=2)
+    log(plan_report_lib.describe(plan_rep))
+  if at.step == run.total_steps:
+    results.update(run.task.final_report(results))
     if main:
       with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(results, f, indent=2, sort_keys=True)
-  return Result(metrics=results, state=state, plan=plan)
+  return Result(metrics=results, state=at.state, plan=run.plan)
 
 
 @dataclasses.dataclass

@@ -386,7 +386,7 @@ def build(
   shardings = step_lib.state_sharding(plan, state)
   step_inputs = place_step_inputs(task, mesh)
   feed = device_feed.DeviceFeed(rows, plan) if rows is not None and allocate else None
-  train_step, eval_step = jit_steps(task, plan, tx, shardings, step_inputs, feed)
+  train_step, eval_step = jit_steps(task, plan, tx, shardings, step_inputs, feed=feed)
   return Run(
     config=config,
     mesh=mesh,
