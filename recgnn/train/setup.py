@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import itertools
 import pkgutil
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -300,27 +301,57 @@ def build(
   if task is None:
     task = _open_task(config, mesh, log)
     log(task.describe())
-  tcfg = config.train
   specs = task.tables()
   rules = planner.rules_of(config.embeddings.plan)
-  if device_memory_budget is None and config.get("device_memory_budget"):
-    device_memory_budget = parse_budget(config.device_memory_budget)
-  relative = isinstance(device_memory_budget, planner.RelativeBudget)
-  if relative and auto_lib.auto_options(rules) is not None:
-    raise ValueError(
-      f"device_memory_budget={device_memory_budget} is relative to the plan, which an "
-      "auto(...) rule has yet to choose: give plan=auto a budget in bytes (e.g. 64M)"
-    )
-  rules, choice = plan_figures(
-    config, task, rules, specs, mesh, None if relative else device_memory_budget,
-    plan_report, log, build,
-  )  # fmt: skip
+  budget = _budget(config, device_memory_budget, rules)
+  fixed = None if isinstance(budget, planner.RelativeBudget) else budget
+  rules, choice = plan_figures(config, task, rules, specs, mesh, fixed, plan_report, log, build)
   auto = choice if auto_lib.auto_options(planner.rules_of(config.embeddings.plan)) else None
-  # The input layout first (batch split; with many processes, whether each reads only its
-  # slice of every batch): every backend receives it at construction, and a task that reads
-  # process slices received its slice at construction from the same decision
-  # (`Task.input_layout`).
-  layout, shard, input_how = inputs.choose_layout(
+  layout, input_how = _input_layout(task, rules, specs, mesh, config.train, log)
+  example = task.example_batch() if example is None else example
+  plan, rows, feed_how = _plan(config, task, rules, specs, mesh, layout, example, budget, log)
+  log(f"Input: {feed_how}")
+  planner.check_host_memory(plan, planner.parse_bytes(config.get("host_memory_budget")))
+  total_steps, length = training_length(config.train, task)
+  log(f"Mesh {sharding.describe(mesh)}; training {length}")
+  tx = step_lib.make_optimizer(config.optimizer)
+  _check_example(task, plan, example)
+  key = jax.random.key(config.seed) if key is None else key
+  state = _initial_state(task, plan, tx, key, example, allocate)
+  log(f"Dense params: {sum(x.size for x in jax.tree.leaves(state.params)):,}")
+  shardings = step_lib.state_sharding(plan, state)
+  step_inputs = place_step_inputs(task, mesh)
+  feed = device_feed.DeviceFeed(rows, plan) if rows is not None and allocate else None
+  train_step, eval_step = jit_steps(task, plan, tx, shardings, step_inputs, feed=feed)
+  return Run(
+    config=config, mesh=mesh, task=task, layout=plan.layout, input_how=input_how, plan=plan,
+    feeder=step_lib.Feeder(plan, task.batch_spec), tx=tx, example=example, key=key,
+    state=state, shardings=shardings, step_inputs=step_inputs, train_step=train_step,
+    eval_step=eval_step, total_steps=total_steps, length=length, auto_plan=auto,
+    prediction=choice, device_feed=feed, feed_how=feed_how,
+  )  # fmt: skip
+
+
+def _budget(config, budget, rules):
+  """The device memory budget (bytes per device, a `planner.RelativeBudget`, or None): the
+  argument, else `config.device_memory_budget`. A relative one is refused with an auto rule
+  (the plan it is relative to is yet to be chosen)."""
+  if budget is None and config.get("device_memory_budget"):
+    budget = parse_budget(config.device_memory_budget)
+  if isinstance(budget, planner.RelativeBudget) and auto_lib.auto_options(rules) is not None:
+    raise ValueError(
+      f"device_memory_budget={budget} is relative to the plan, which an auto(...) rule has "
+      "yet to choose: give plan=auto a budget in bytes (e.g. 64M)"
+    )
+  return budget
+
+
+def _input_layout(task, rules, specs, mesh, tcfg, log) -> tuple[base.Layout, str]:
+  """The input layout (batch split; with many processes, whether each reads only its slice
+  of every batch), decided before the plan: every backend receives it at construction, and
+  a task that reads process slices received its slice from the same decision
+  (`Task.input_layout`). -> (layout, a line saying which and why)."""
+  layout, shard, how = inputs.choose_layout(
     task, rules, specs, mesh, tcfg.get("process_input", "auto")
   )
   if task.reads_process_slice and task.process_shard != (shard or (0, 1)):
@@ -330,83 +361,69 @@ def build(
       "config and mesh"
     )
   if jax.process_count() > 1:
-    log(f"Input: {input_how}")
-  layout, rows, feed_how = device_feed.layout_for(config.train, task, rules, specs, layout, mesh)
-  plan = planner.resolve_plan(rules, specs, mesh, layout, log=False)
-  log("Embedding plan (bytes before allocation):\n" + planner.format_plan(plan))
-  refuse_stacked_calls(task, plan)
-  example = task.example_batch() if example is None else example
-  ids_shapes = _train_ids_shapes(plan, task, example)
-  for g in plan.groups.values() if ids_shapes else ():
-    g.expect_batches(ids_shapes)  # (before the state is built or restored)
-  if relative:  # (a budget of the plan's own bytes plus a margin: it fits by construction)
-    need = planner.check_memory(plan, None, ids_shapes)
-    held = device_memory_budget.bytes_for(need)
-    log(
-      f"Device memory budget {device_memory_budget}: {held:,} bytes per device (the plan "
-      f"needs {need:,}; pass --device_memory_budget={held} to hold another plan to the same "
-      "budget)"
-    )
-  else:
-    need = planner.check_memory(plan, device_memory_budget, ids_shapes)
-  if rows is not None:
-    why = device_feed.fits(
-      config.train, rows, need, None if relative else device_memory_budget, mesh
-    )
-    if why:  # (train.feed=auto: the host feed, and the plan its backends built for it)
-      rows, feed_how = None, f"host feed: {why}"
-      layout = dataclasses.replace(layout, ids_on_device=False)
-      plan = planner.resolve_plan(rules, specs, mesh, layout, log=False)
-    else:
-      device_feed.check_ids(rows, plan.specs)
-  log(f"Input: {feed_how}")
-  planner.check_host_memory(plan, planner.parse_bytes(config.get("host_memory_budget")))
-  feeder = step_lib.Feeder(plan, task.batch_spec)
-  total_steps, length = training_length(tcfg, task)
-  log(f"Mesh {sharding.describe(mesh)}; training {length}")
+    log(f"Input: {how}")
+  return layout, how
 
-  tx = step_lib.make_optimizer(config.optimizer)
-  # Fail on a batch that cannot be split over the mesh now, before allocating anything
-  # (train batches are checked as they are packed).
+
+def _plan(config, task, rules, specs, mesh, layout, example, budget, log):
+  """The plan (every backend given the layout; the feed's `ids_on_device` decided first),
+  logged with its bytes and checked against the budget before anything is allocated, its
+  groups told the train batches' shapes. With the device feed, the data's copy counted
+  beside the plan: train.feed=auto falls back to the host feed where it does not fit.
+  -> (plan, the device feed's rows or None, a line saying which feed)."""
+  layout, rows, how = device_feed.layout_for(config.train, task, rules, specs, layout, mesh)
+  for attempt in itertools.count():
+    plan = planner.resolve_plan(rules, specs, mesh, layout, log=False)
+    if not attempt:  # (before any refusal; a fallback's plan holds the same bytes)
+      log("Embedding plan (bytes before allocation):\n" + planner.format_plan(plan))
+    refuse_stacked_calls(task, plan)
+    ids_shapes = _train_ids_shapes(plan, task, example)
+    for g in plan.groups.values() if ids_shapes else ():
+      g.expect_batches(ids_shapes)  # (before the state is built or restored)
+    need = _check_memory(plan, ids_shapes, budget, log)
+    fixed = None if isinstance(budget, planner.RelativeBudget) else budget
+    why = device_feed.fits(config.train, rows, need, fixed, mesh) if rows is not None else None
+    if not why:
+      break
+    rows, how = None, f"host feed: {why}"  # (the plan as its backends build it for that)
+    layout = dataclasses.replace(layout, ids_on_device=False)
+  if rows is not None:
+    device_feed.check_ids(rows, plan.specs)
+  return plan, rows, how
+
+
+def _check_memory(plan, ids_shapes, budget, log) -> int:
+  """The plan's bytes per device, refused past the budget; a relative budget ('plan+10%')
+  resolved against them and logged (it fits by construction)."""
+  if not isinstance(budget, planner.RelativeBudget):
+    return planner.check_memory(plan, budget, ids_shapes)
+  need = planner.check_memory(plan, None, ids_shapes)
+  held = budget.bytes_for(need)
+  log(
+    f"Device memory budget {budget}: {held:,} bytes per device (the plan needs {need:,}; "
+    f"pass --device_memory_budget={held} to hold another plan to the same budget)"
+  )
+  return need
+
+
+def _check_example(task, plan, example) -> None:
+  """Fail on a batch that cannot be split over the mesh now, before allocating anything
+  (train batches are checked as they are packed; a process-local one by the feeder)."""
+  if plan.layout.process_local:
+    return
   ids, rest = {k: v for k, v in example.items() if k == "ids"}, step_lib.device_batch(example)
-  if not layout.process_local:  # (a process-local batch is checked by the feeder)
-    batch_specs = (inputs.batch_spec(ids, task.shard_batch), task.batch_spec(rest))
-    inputs.check_split((ids, rest), batch_specs, mesh, "eval batch")
-  key = jax.random.key(config.seed) if key is None else key
+  batch_specs = (inputs.batch_spec(ids, task.shard_batch), task.batch_spec(rest))
+  inputs.check_split((ids, rest), batch_specs, plan.mesh, "eval batch")
+
+
+def _initial_state(task, plan, tx, key, example, allocate: bool):
+  """The initial state (tables placed by their groups, dense params replicated), or with
+  allocate=False its shapes and dtypes only."""
 
   def init():
     return step_lib.init_state(task, plan, tx, key, example)
 
   if allocate:
-    state = init()
-  else:
-    with base.shapes_only():  # (table values change no shape; a traced key cannot make them)
-      state = jax.eval_shape(init)
-  log(f"Dense params: {sum(x.size for x in jax.tree.leaves(state.params)):,}")
-  shardings = step_lib.state_sharding(plan, state)
-  step_inputs = place_step_inputs(task, mesh)
-  feed = device_feed.DeviceFeed(rows, plan) if rows is not None and allocate else None
-  train_step, eval_step = jit_steps(task, plan, tx, shardings, step_inputs, feed=feed)
-  return Run(
-    config=config,
-    mesh=mesh,
-    task=task,
-    layout=layout,
-    input_how=input_how,
-    plan=plan,
-    feeder=feeder,
-    tx=tx,
-    example=example,
-    key=key,
-    state=state,
-    shardings=shardings,
-    step_inputs=step_inputs,
-    train_step=train_step,
-    eval_step=eval_step,
-    total_steps=total_steps,
-    length=length,
-    auto_plan=auto,
-    prediction=choice,
-    device_feed=feed,
-    feed_how=feed_how,
-  )
+    return init()
+  with base.shapes_only():  # (table values change no shape; a traced key cannot make them)
+    return jax.eval_shape(init)
