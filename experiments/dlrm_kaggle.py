@@ -106,8 +106,9 @@ def get_config(arg=None):
   c.train.input_workers = -1
   # Where the training data lives: "device" = placed on the devices once, each step gathers
   # its batch there (the host does O(1) per call); "host" = each batch read, prepared and
-  # packed on the host; "auto" = device when the data fits beside the plan and every
-  # embedding group prepares its ids on the device (dense, sharded). docs/running.md.
+  # packed on the host; "auto" = device on accelerators when the data fits beside the plan
+  # and every embedding group prepares its ids on the device (dense, sharded), else host.
+  # docs/device_feed.md.
   c.train.feed = "auto"
 
   # (data, model) device mesh; data=0: every device not on model. The batch is split over
