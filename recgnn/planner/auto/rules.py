@@ -94,8 +94,8 @@ def plan_rules(
 
 
 def _fixed_groups(by_text: dict, mesh, layout: Layout) -> tuple[int, bool]:
-  """(bytes per device, whether one splits the batch) of the groups of the rules written
-  out (not auto), {backend string: its tables} -> their fixed share of the plan."""
+  """by_text {backend string: its tables} -> (bytes per device, whether one splits the batch)
+  of the groups the rules written out (not auto) place."""
   fixed, fixed_splits = 0, False
   for text, ss in by_text.items():
     if not is_auto(text):
