@@ -33,6 +33,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import experiments  # noqa: E402
+from recgnn.train import watchdog  # noqa: E402
 
 _EXPERIMENT = flags.DEFINE_string("experiment", None, "Experiment name (see --list).")
 _LIST = flags.DEFINE_bool("list", False, "List the experiments and exit.")
@@ -122,14 +123,6 @@ def load_config(spec: str):
   return with_defaults(module.get_config(arg or None))
 
 
-WATCHDOG_DEFAULTS = {
-  "watchdog_factor": 20.0,
-  "watchdog_min_s": 120.0,
-  "watchdog_first_s": 1800.0,
-  "sigterm_grace_s": 120.0,
-}
-
-
 def with_defaults(config):
   """Keys every experiment has, so `--config.mesh.data=8` or `--config.train.epochs=2` work
   whatever the experiment file sets: the mesh (data 0 = every device not on model), the
@@ -147,7 +140,7 @@ def with_defaults(config):
     # save) past watchdog_factor x its median (at least watchdog_min_s; the first one:
     # watchdog_first_s) ends the run with the stacks; factor 0 turns it off. SIGTERM ends a
     # step that does not finish within sigterm_grace_s.
-    for key, value in WATCHDOG_DEFAULTS.items():
+    for key, value in watchdog.CONFIG_DEFAULTS.items():
       if key not in config.train:
         config.train[key] = value
   return config
@@ -230,7 +223,11 @@ def main(argv):
     # The message says what happened and what to do; a traceback would bury it.
     raise SystemExit(f"{type(e).__name__}: {e}") from None
   except Exception as e:
-    if not is_user_error(e) or _VERBOSE.value:
+    if _VERBOSE.value:
+      raise
+    if getattr(e, "user_line", None):  # (an error of the data or plan on the input side)
+      fail(f"{e.user_line}; --verbose shows its traceback")
+    if not is_user_error(e):
       raise
     fail(f"{type(e).__name__}: {e}")
   metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}

@@ -23,7 +23,7 @@ the ideas listed in `dlrm_profile.IDEAS`, each as its own jitted function on the
 
 --model=dcnv2 times DLRM-DCNv2 instead (low-rank cross layers in place of the dot
 interaction, MLPerf's multi-hot bags, sum pooling): recgnn's CTR task with
-model.interaction=dcn against TorchRec's DLRM_DCN over a fused EBC, same tables, MLPs, cross
+model.name=dcn against TorchRec's DLRM_DCN over a fused EBC, same tables, MLPs, cross
 layers and SGD (benchmarks/peers/dcn.py says what is matched and how). Every such run first
 checks that the two compute the same on identical weights (--check: only that).
 

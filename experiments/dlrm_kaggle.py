@@ -44,9 +44,13 @@ def get_config(arg=None):
   c.data.synthetic.seed = 0
 
   c.model = ml_collections.ConfigDict()
+  # A CTR model of recgnn/models/ by name (docs/models.md): "dlrm" (the dot interaction),
+  # "dcn" (DCN-v2 cross layers, recgnn/models/dcn.py), "deepfm".
+  c.model.name = "dlrm"
+  # The older key of model.name, an alias that wins when set: "dot" (dlrm) or "dcn".
+  c.model.interaction = ""
   c.model.bottom = (512, 256, 64, 16)
   c.model.top = (512, 256, 1)
-  c.model.interaction = "dot"  # or "dcn": DCN-v2 cross layers (recgnn/models/dcn.py)
   c.model.cross_layers = 3  # dcn
   c.model.low_rank = 512  # dcn: rank of W = U V^T (0: full rank)
   # Compute dtype of the MLPs and interaction: "float32" or "bfloat16" (params, optimizer and
@@ -65,6 +69,9 @@ def get_config(arg=None):
   # A JSON file keeping the measured costs of plan=auto's candidates (and --plan_report's)
   # across runs: the same tables, ids, mesh and software are timed once. "" = none.
   c.embeddings.cost_cache = ""
+  # Modules imported before the plan is resolved (comma-separated file paths or module
+  # names): a backend in its own file registers itself and the plan may name it. "" = none.
+  c.embeddings.modules = ""
 
   c.optimizer = ml_collections.ConfigDict(
     {"name": "adam", "learning_rate": 1e-3, "weight_decay": 0.0, "warmup_steps": 0}
@@ -97,6 +104,11 @@ def get_config(arg=None):
   # thread), 0 = a thread of the training process, 1 = a worker process (refused where it
   # cannot be). docs/running.md, "The input pipeline".
   c.train.input_workers = -1
+  # Where the training data lives: "device" = placed on the devices once, each step gathers
+  # its batch there (the host does O(1) per call); "host" = each batch read, prepared and
+  # packed on the host; "auto" = device when the data fits beside the plan and every
+  # embedding group prepares its ids on the device (dense, sharded). docs/running.md.
+  c.train.feed = "auto"
 
   # (data, model) device mesh; data=0: every device not on model. The batch is split over
   # all devices; model-parallel tables (dense(shard=rows)) are split over `model`.

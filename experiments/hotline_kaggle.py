@@ -24,8 +24,8 @@ trainer on the run's mesh, data and batch size and logged in bytes; the all-dens
 
 Arg (optional, comma-separated): budget=F (share of the K tables' bytes on the devices),
 tables=K, profile=F (share of an epoch profiled), reprofile=N (re-pick every N steps),
-split=False (no micro-batches). (prefetch=False went with issue 42: every batch's cold rows are
-read by the input thread ahead of its step.)
+split=False (no micro-batches). Every batch's cold rows are read by the input thread ahead
+of its step (no option).
 """
 
 from __future__ import annotations

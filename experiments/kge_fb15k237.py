@@ -86,6 +86,9 @@ def get_config(arg=None):
   )
   c.embeddings.plan = ((".*", "dense"),)
   c.embeddings.cost_cache = ""  # plan=auto / --plan_report: measured costs kept here
+  # Modules imported before the plan is resolved (comma-separated file paths or module
+  # names): a backend in its own file registers itself and the plan may name it. "" = none.
+  c.embeddings.modules = ""
 
   c.optimizer = ml_collections.ConfigDict(
     {"name": "adagrad", "learning_rate": lr, "weight_decay": 0.0, "warmup_steps": 0}

@@ -49,6 +49,9 @@ def get_config(arg=None):
   c.embeddings.optimizer = ml_collections.ConfigDict({"name": "sgd", "learning_rate": 0.1})
   c.embeddings.plan = ((".*", "dense"),)
   c.embeddings.cost_cache = ""  # plan=auto / --plan_report: measured costs kept here
+  # Modules imported before the plan is resolved (comma-separated file paths or module
+  # names): a backend in its own file registers itself and the plan may name it. "" = none.
+  c.embeddings.modules = ""
   # auto: the node ids split over the mesh only for a plan that needs it (sharded); true:
   # for every backend (each device fetches its share); false: every device looks up all.
   c.embeddings.split_ids = "auto"

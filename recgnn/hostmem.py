@@ -1,31 +1,23 @@
 """Host memory behaviour of the process.
 
-XLA:CPU allocates a jitted step's temporaries with malloc on every execution (a DLRM step at
-batch 2048: one 44.6 MB block). Two glibc behaviours hand those pages back to the kernel after
-each step, so the next step faults them in again (~11k minor faults and up to ~19 ms of system
-time per step, measured with benchmarks/dlrm_throughput.py):
+XLA:CPU allocates a jitted step's temporaries with malloc on every execution (a DLRM step:
+one block of tens of MB). Three glibc behaviours hand those pages back to the kernel after
+each step, so the next step faults them in again (the figures: docs/running.md,
+"Measurements behind the host-side code"):
 
 1. Blocks above the mmap threshold (32 MiB at most by default) are mmapped and unmapped.
 2. XLA runs on its own threads, whose malloc arenas are 64 MiB "heaps". A block that does not
    fit the thread's current heap gets a new heap, and when it is freed the whole heap is
    unmapped (glibc's heap_trim deletes an emptied heap whatever M_TRIM_THRESHOLD says; only a
-   top pad of a heap's size keeps it). Seen with strace in the step loop: per step, one
-   `mmap(128 MiB, PROT_NONE)`, `mprotect(44.6 MB, READ|WRITE)` and `munmap` on an XLA thread.
-   Whether a run lands there depends on what its heaps held when the first step ran: that was
-   the step's two speed modes (83-95k vs 58-78k samples/s on 2026-11-24).
-
+   top pad of a heap's size keeps it). Whether a run lands there depends on what its heaps
+   held when the first step ran, so a step can run at two speeds.
 3. A block larger than a thread heap (HEAP_MAX_SIZE, 64 MiB) never fits one: glibc mmaps it
-   whatever the mmap threshold, and unmaps it on free. The DCNv2 benchmark step's temporaries
-   are one 65.3 MiB block (benchmarks/dlrm_throughput.py --model=dcnv2): ~16,800 faults and
-   ~28 system ms per step, until every thread allocates from the main arena
-   (glibc.malloc.arena_max=1: 2-4k faults, 3-8 ms), which grows by brk without a size limit.
-   That is `keep_freed_memory(arenas=1)`, not the default: one arena costs the dot DLRM's
-   step 9% (means 45.5k vs 49.9k samples/s, medians 45.4k vs 50.4k: 3 alternating
-   single-process runs each of benchmarks/dlrm_throughput.py --processes=0, batch 2048,
-   26 x 100k, dim 16, 2026-11-25, load ~1.2; XLA:CPU's threads then share one malloc
-   lock), so it pays only for steps whose temporaries pass 64 MiB.
+   whatever the mmap threshold, and unmaps it on free, until every thread allocates from the
+   main arena (glibc.malloc.arena_max=1), which grows by brk without a size limit. That is
+   `keep_freed_memory(arenas=1)`, not the default: one arena makes XLA:CPU's threads share
+   one malloc lock, which slows a step whose temporaries stay under 64 MiB.
 
-`keep_freed_memory()` sets the first three knobs; afterwards the same strace shows no mmap,
+`keep_freed_memory()` sets the knobs against 1. and 2. (and 3. with arenas=1): no mmap,
 munmap, mprotect or page fault in the step loop of a step under 64 MiB. The arena limit acts
 on threads that have not yet allocated, so it belongs at process start, before jax starts
 its threads (run.py calls keep_freed_memory there, and the trainer again, harmlessly).
@@ -55,12 +47,11 @@ def keep_freed_memory(mmap_threshold_bytes: int = 1 << 30, arenas: int | None = 
   and thread heaps are never unmapped), so per-step temporaries are reused without page
   faults; larger blocks (big tables) are still mmapped. The cost: up to 64 MiB of address
   space (not memory: pages are committed only when touched) beyond what a heap holds.
-  arenas: the most malloc arenas (glibc.malloc.arena_max; 0 leaves glibc's default of 8 per
-  core): with 1 every thread that allocates after this call uses the main arena, which has
-  no 64 MiB limit per block (3. above); the price is one lock for all threads' mallocs (9%
-  of the dot DLRM's step here). None: the environment's RECGNN_MALLOC_ARENAS, else 0 (so
-  `RECGNN_MALLOC_ARENAS=1 python run.py ...` trains a DCNv2-size step without the faults).
-  Process-wide, idempotent; returns False where libc is not glibc.
+  arenas: the most malloc arenas (glibc.malloc.arena_max; 0 leaves glibc's default of 8 per core):
+  with 1 every thread that allocates after this call uses the main arena, which has no 64 MiB limit
+  per block (3. above); the price is one lock for all threads' mallocs. None: the environment's
+  RECGNN_MALLOC_ARENAS, else 0 (so `RECGNN_MALLOC_ARENAS=1 python run.py ...` trains a DCNv2-size
+  step without the faults). Process-wide, idempotent; returns False where libc is not glibc.
   """
   global _done
   if _done:
@@ -119,11 +110,9 @@ def preload_allocator(argv: list[str] | None = None) -> str:
   `keep_freed_memory`); `tcmalloc` / `jemalloc` / a path insist (an error if missing);
   `glibc` never preloads. Returns what the process runs with, for the log.
 
-  Why (benchmarks/results/dlrm_throughput_allocators.md and ..._dcnv2_allocators.md,
-  2026-11-25): tcmalloc told to keep freed memory runs the dot DLRM step as fast as glibc with
-  `keep_freed_memory` (1.01x, 0 faults), and the DCNv2 step, whose 65 MiB of temporaries glibc
-  maps and unmaps every step (3. above), without its 17.5k faults and 33 ms of system time per
-  step: the one setting that serves both (one arena costs the dot step 9%)."""
+  Why: tcmalloc told to keep freed memory runs a step under 64 MiB of temporaries as fast as
+  glibc with `keep_freed_memory`, and one over it (3. above) without the page faults, with no
+  shared malloc lock: the one setting that serves both (docs/running.md)."""
   active = os.environ.get(_ACTIVE_ENV)
   if active:
     return active

@@ -3,20 +3,19 @@
 Why: the input side's compiled kernels (the one-hot batch read, data/batch_gather.py; the
 stacked dedup, embeddings/kernels.py; the offload planner) release the GIL, and a large
 batch's work splits into independent ranges (rows of a batch, tables of a group) whose
-outputs are disjoint. One thread per range is how a many-core host reads and prepares a batch
-of 65536 in a fraction of one core's time (issue 43): random reads of memmapped rows are
-memory-latency bound, so more threads keep more cache misses in flight.
+outputs are disjoint. One thread per range is how a many-core host reads and prepares a large
+batch in a fraction of one core's time: random reads of memmapped rows are memory-latency
+bound, so more threads keep more cache misses in flight.
 
 Threads: `threads()` is decided once per process: $RECGNN_HOST_THREADS when set (1: every
-kernel one plain call, as before this module), else half the CPUs this process may run on
-(`os.sched_getaffinity`), at most `MAX_DEFAULT_THREADS`: 8 on a 16-core GPU host, 1 on a
+kernel one plain call), else half the CPUs this process may run on
+(`os.sched_getaffinity`), at most `MAX_DEFAULT_THREADS`: 8 on a 16-core host, 1 on a
 2-core one. Half, as the offload planner's threads: the input shares the cores with the
-step's host threads (and on a shared machine with others). Measured on 2 cores, batch 65536,
-RECGNN_HOST_THREADS=2 vs 1: quiet, read 8.7 vs 12.8 ms and prepare 9.1 vs 14.1 (medians of
-3); beside another engineer's jobs (load 1.4-2.7), read 14.3 vs 11.5 and prepare 16.4 vs
-12.2: a chunk waiting for a core costs more than the split gains. Callers decide how many
-chunks pay (a minimum of work per chunk, measured per kernel), `chunks` cuts the work. (The
-offload planner cuts its tables by its own count, RECGNN_HOSTPLAN_THREADS, and only `run`s.)
+step's host threads (and on a shared machine with others), and a chunk waiting for a busy
+core costs more than the split gains (docs/running.md, "Measurements behind the host-side
+code"). Callers decide how many chunks pay (a minimum of work per chunk, set per kernel),
+`chunks` cuts the work. (The offload planner cuts its tables by its own count,
+RECGNN_HOSTPLAN_THREADS, and only `run`s.)
 
 Fork: the trainer forks its input worker (train/input_worker.py) after the parent may have
 used the pool; a thread does not survive fork, so a child must not submit to its parent's

@@ -24,7 +24,7 @@ def auc(labels: np.ndarray, scores: np.ndarray, weights: np.ndarray | None = Non
 
 def average_ranks(x: np.ndarray) -> np.ndarray:
   """1-based ranks of float64[n] `x`, ties given their average rank (scipy.stats.rankdata's
-  "average"), in numpy: importing scipy.stats costs 1-2 s of every trainer process's start."""
+  "average"), in numpy: importing scipy.stats would slow every trainer process's start."""
   if np.isnan(x).any():  # as scipy's default (nan_policy="propagate"): no ranks
     return np.full(len(x), np.nan)
   order = np.argsort(x, kind="stable")

@@ -142,14 +142,11 @@ class OneInFlight:
   previous call's outputs before it launches.
 
   XLA:CPU (jaxlib 0.10) deadlocks now and then when a multi-device program is launched while
-  the previous one still runs: gdb of hung 8-device `dlrm_kaggle` runs shows k devices in the
-  step's all-gather and the other 8 - k devices' launches blocked on their one in-flight slot
-  (PjRt's per-device semaphore), held by their part of the previous step that never started.
-  8-device `dlrm_kaggle` hung in 4 of 4 runs of 60 steps here (load 1-7) with steps launched
-  back to back, and in none of 6 such runs (and 20 of 400 steps under load 7-12,
-  benchmarks/results/hang_check.md) launched one at a time. On CPU the devices share
-  the same cores, so waiting costs only the host work that would have overlapped the step
-  (~1-3 ms per step); on GPU / TPU (or one CPU device) calls pass straight through.
+  the previous one still runs: k devices wait in the step's all-gather while the others'
+  launches block on their one in-flight slot (PjRt's per-device semaphore), held by their
+  part of the previous step, which never starts (the runs: docs/multi-device.md). On CPU the
+  devices share the same cores, so waiting costs only the host work that would have
+  overlapped the step; on GPU / TPU (or one CPU device) calls pass straight through.
   """
 
   _lock = threading.Lock()

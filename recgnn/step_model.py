@@ -1,6 +1,6 @@
 """A step-time model from what a compiled step says, for machines this one is not.
 
-On this CPU host memory and device memory are one RAM, so a measured step cannot say what an
+On a CPU host memory and device memory are one RAM, so a step timed there cannot say what an
 offloaded table costs on a GPU, whose host link is ~60x slower than its HBM. The compiled step
 does say what it moves and computes; a device profile says how fast each part goes:
 
@@ -16,12 +16,12 @@ does say what it moves and computes; a device profile says how fast each part go
   launches     the device's kernels (host computations are not launches) x a per-kernel
                overhead
 
-predicted serially (nothing overlaps: the sum) and with full overlap (the slowest part bounds
-the step; host computations run on the host's cores beside the device); a real step lies
-between, nearer the second where transfers have no data dependency on the compute (what
-issue 24 of the memory tiers builds). The device part is a
-roofline on totals, max(compute, memory): optimistic for a step of many small kernels, which
-the launch term covers only in part. Per-device figures throughout.
+predicted serially (nothing overlaps: the sum) and with full overlap (the slowest part bounds the
+step; host computations run on the host's cores beside the device); a real step lies between, nearer
+the second where transfers have no data dependency on the compute (as the host tiers' transfers,
+which travel with the batch). The device part is a roofline on totals, max(compute, memory):
+optimistic for a step of many small kernels, which the launch term covers only in part. Per-device
+figures throughout.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ class Profile:
   source: str  # where the numbers come from
 
 
-# H100 SXM from NVIDIA's datasheet: FP32 67 TFLOP/s (non-tensor; TF32 tensor cores ~495 dense,
-# bf16 ~990 dense), HBM3 3.35 TB/s; PCIe Gen5 x16 ~64 GB/s per direction nominal (~50 measured
-# for pinned host memory); NVLink 4 900 GB/s both directions (450 per direction). Launch: ~4 us
-# per kernel without CUDA graphs (XLA:GPU uses them for small steps, so an upper figure).
+# H100 SXM from NVIDIA's datasheet: FP32 67 TFLOP/s (non-tensor; TF32 tensor cores ~495 dense, bf16
+# ~990 dense), HBM3 3.35 TB/s; PCIe Gen5 x16 ~64 GB/s per direction nominal (~50 in practice for
+# pinned host memory); NVLink 4 900 GB/s both directions (450 per direction). Launch: ~4 us per
+# kernel without CUDA graphs (XLA:GPU uses them for small steps, so an upper figure).
 # Host memory: an assumption, not a measurement: one socket of a DGX H100 host (8 channels of
 # DDR5-4800, 307 GB/s peak), about half of it for scattered 64-byte rows.
 H100 = Profile(

@@ -312,8 +312,8 @@ def _copy_events(c, by: dict, host_by: dict) -> tuple[list, list, str]:
 
 
 def _graph_updates(trace: Trace) -> list[dict]:
-  """XLA:GPU's CUDA graph updates, on the launching (host) thread."""
-  # (the H100 run updated its graphs every step, 0.1-1.3 ms each)
+  """XLA:GPU's CUDA graph updates on the launching thread: host time per step, counted per
+  step window."""
   devices = {pid for pid, n in trace.processes.items() if _is_device_process(n)}
   return [
     e for e in trace.events
@@ -342,7 +342,7 @@ def _step_row(window: tuple, by: dict, host_by: dict, h2d, d2h, updates, gpu: bo
   row["copy_us"] = length(allc)
   row["copy_overlap_us"] = length(intersect(allc, busy))
   row["other_copy_us"] = length(union(_clip(by["other_copy"], lo, hi)))
-  # (pinned -> pinned and other copies: the H100 run's whole-table copies were these)
+  # (pinned -> pinned and other copies: a host table copied whole shows up here)
   row["other_copy_count"] = len(_in(by["other_copy"], lo, hi))
   row["other_copy_bytes"] = sum(_bytes(e) for e in _in(by["other_copy"], lo, hi))
   row["graph_updates"] = len(_in(updates, lo, hi))

@@ -1,12 +1,13 @@
 """model.dtype=bfloat16 (issue 43): bf16 compute with float32 params, optimizer state and
-embedding tables, for DLRM, DCNv2 and GraphSAGE; it trains, and its loss stays near float32's."""
+embedding tables, for DLRM, DCNv2, DeepFM and GraphSAGE; it trains, and its loss stays near
+float32's."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recgnn.models import dcn, dlrm, graphsage
+from recgnn.models import dcn, deepfm, dlrm, graphsage
 from recgnn.train import loop
 from tests.test_graphsage import small_config as sage_config
 from tests.trainer_lib import smoke_config
@@ -15,14 +16,16 @@ from tests.trainer_lib import smoke_config
 def _ctr_model(kind, dtype):
   if kind == "dot":
     return dlrm.DLRM(bottom=(32, 8), top=(32, 1), dtype=dtype)
+  if kind == "deepfm":
+    return deepfm.DeepFM(bottom=(32, 8), top=(32, 1), dtype=dtype)
   return dcn.DCN(bottom=(32, 8), top=(32, 1), cross_layers=2, low_rank=4, dtype=dtype)
 
 
-@pytest.mark.parametrize("kind", ["dot", "dcn"])
+@pytest.mark.parametrize("kind", ["dot", "dcn", "deepfm"])
 def test_bf16_model_keeps_float32_params_grads_and_logits(kind):
   rng = np.random.default_rng(0)
   dense = jnp.asarray(rng.normal(size=(64, 13)), jnp.float32)
-  emb = [jnp.asarray(rng.normal(size=(64, 8)), jnp.float32) for _ in range(3)]
+  emb = {f"t{i}": jnp.asarray(rng.normal(size=(64, 8)), jnp.float32) for i in range(3)}
   f32, bf16 = _ctr_model(kind, jnp.float32), _ctr_model(kind, jnp.bfloat16)
   # (every computation jitted whole: op by op, each layer's ops compiled a program apiece)
   params = jax.jit(f32.init)(jax.random.key(0), dense, emb)

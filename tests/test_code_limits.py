@@ -27,7 +27,6 @@ LONG_FUNCTIONS_FOR_NOW: frozenset[str] = frozenset(
   {
     "recgnn/train/loop.py:_train_in",
     "recgnn/train/setup.py:build",
-    "recgnn/train/setup.py:_plan_figures",
   }
 )
 

@@ -41,13 +41,16 @@ def test_xavier_normal_init_scale():
 
 
 def test_dcn_model_order():
-  """bottom MLP -> concat with the embeddings -> cross -> top MLP, one logit per example."""
+  """bottom MLP -> concat with the embeddings (in the model's table order, whatever the
+  dict's) -> cross -> top MLP, one logit per example."""
   rng = np.random.default_rng(2)
   dense = rng.normal(size=(6, 13)).astype(np.float32)
   embs = [rng.normal(size=(6, 8)).astype(np.float32) for _ in range(4)]
-  model = DCN(bottom=(16, 8), top=(32, 1), cross_layers=2, low_rank=5)
-  v = model.init(jax.random.key(0), dense, embs)
-  out = model.apply(v, dense, embs)
+  names = ("t2", "t10", "t1", "t3")  # the model's order, not the names' sorted one
+  by_name = dict(zip(names, embs))
+  model = DCN(bottom=(16, 8), top=(32, 1), cross_layers=2, low_rank=5, tables=names)
+  v = model.init(jax.random.key(0), dense, by_name)
+  out = model.apply(v, dense, dict(sorted(by_name.items())))
   assert out.shape == (6,)
   p = v["params"]
   assert p["cross"]["V_0"].shape == (8 + 4 * 8, 5)

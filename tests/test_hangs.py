@@ -162,6 +162,26 @@ def test_bounds_follow_the_median_and_the_first_unit_is_generous():
     dog.close()
 
 
+def test_the_bounds_defaults_are_set_in_one_place():
+  """run.py's config defaults, a bare `Watchdog` and `Watchdog.from_config` of a config
+  without the keys all take `watchdog.CONFIG_DEFAULTS`; a key given wins."""
+  import ml_collections
+
+  import run
+
+  config = run.with_defaults(ml_collections.ConfigDict({"train": {"watchdog_min_s": 7.0}}))
+  assert dict(config.train).items() >= {**watchdog.CONFIG_DEFAULTS, "watchdog_min_s": 7.0}.items()
+  for dog in (watchdog.Watchdog(log=lambda m: None), watchdog.Watchdog.from_config({})):
+    try:
+      got = (dog.factor, dog.min_s, dog.first_s, dog.grace_s)
+      assert got == tuple(watchdog.CONFIG_DEFAULTS.values())
+    finally:
+      dog.close()
+  dog = watchdog.Watchdog.from_config(config.train, log=lambda m: None)
+  assert dog.min_s == 7.0 and dog.factor == watchdog.CONFIG_DEFAULTS["watchdog_factor"]
+  dog.close()
+
+
 if __name__ == "__main__":  # the stalled runs above
   _, what, workdir, cache, stall_after, *rest = sys.argv
   assert what == "stall"

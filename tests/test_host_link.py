@@ -10,7 +10,7 @@ import trainer_lib
 
 from recgnn import comms, hlo, planner, sharding
 from recgnn.embeddings import base
-from recgnn.embeddings import host_table as ht
+from tools import host_table as ht
 
 ROWS, DIM, K = 1000, 16, 64
 

@@ -76,18 +76,18 @@ def test_read_ahead_matches_dense_adagrad_mean():
   assert got[2].stats()["ring_rows_per_step"] > 0
 
 
-def test_prefetch_false_is_refused_with_the_reason():
-  """An option the backend cannot honour is an error: `prefetch=False` asked for the cold rows
-  read inside the step, on demand, which no step does since issue 42 (every batch's are read
-  ahead by its prepare). `prefetch=True` (old plan strings) parses and changes nothing."""
+def test_prefetch_and_host_memory_are_unknown_options():
+  """Every batch's cold rows are read ahead and live in host RAM, so neither `prefetch` nor
+  `host_memory` is an option: either is refused as unknown, the valid options listed."""
   specs = _specs(SGD)
   mesh = sharding.make_mesh(1, 1)
-  with pytest.raises(ValueError, match=r"prefetch=False cannot be honoured.*read ahead"):
-    planner.make_group(TEXT[:-1] + ", prefetch=False)", specs, mesh)
-  with pytest.raises(ValueError, match="prefetch=False cannot be honoured"):
-    HotColdOptions.parse({"prefetch": False})
-  kept = planner.make_group(TEXT[:-1] + ", prefetch=True)", specs, mesh)
-  assert kept.lookahead == 0 and kept.describe() == planner.make_group(TEXT, specs, mesh).describe()
+  for extra in ("prefetch=True", "prefetch=False", "host_memory='pinned_host'"):
+    with pytest.raises(ValueError, match=r"unknown option .*valid options: .*budget"):
+      planner.make_group(TEXT[:-1] + f", {extra})", specs, mesh)
+  with pytest.raises(ValueError, match=r"unknown option prefetch; valid options: .*cold_list"):
+    HotColdOptions.parse({"prefetch": True})
+  with pytest.raises(ValueError, match=r"unknown option host_memory; valid options"):
+    HotColdOptions.parse({"host_memory": "pinned_host"})
 
 
 @pytest.mark.parametrize("save,resume", [((2, 4), (8, 1)), ((1, 1), (2, 4))], ids=str)

@@ -61,6 +61,10 @@ def test_sharded_profile_only_with_table_wise_placement(tmp_path, kind):
     ("tt(ranks=4)", "rank"),
     ("offload(cache=10)", "cache_rows"),
     ("hot_cold(budgett=0.1)", "budget"),
+    # Options that had one allowed value: gone, so unknown.
+    ("offload(cache_rows=10, host_memory='pinned_host')", "cache_rows"),
+    ("hot_cold(budget=0.1, host_memory='pinned_host')", "budget"),
+    ("hot_cold(budget=0.1, prefetch=True)", "budget"),
     ("sharded(kinds=row)", "kind"),
   ],
 )

@@ -10,7 +10,7 @@ import pytest
 from recgnn import comms
 from recgnn import step_model as sm
 from recgnn.embeddings import base
-from recgnn.embeddings import host_table as ht
+from tools import host_table as ht
 
 PROFILE = sm.Profile("test", 1e12, 1e11, 1e10, 1e10, 1e10, 1e-6, "test")
 

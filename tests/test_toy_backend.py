@@ -5,6 +5,8 @@ registers itself, is named in a plan string, and passes the contract test on 1x1
 import importlib.metadata
 
 import contract_lib as contract
+import jax
+import numpy as np
 import pytest
 import toy_backend  # noqa: F401  (registers "toy")
 
@@ -37,6 +39,32 @@ def test_toy_mean_pooling_on_mesh():
   spec = _spec(OPTIMIZERS[1], pooling="mean")
   batches = contract.zipf_ids(seed=2, num_batches=4, batch=32, bag=4, num_rows=1000)
   contract.assert_matches_dense("toy", spec, batches, mesh=contract.mesh_or_skip(2, 4))
+
+
+def test_toy_checkpoints_through_the_default_rows_form():
+  """`toy` implements only `table` (its slots under their names): the default export gives
+  dense's logical form bit for bit, which restores into toy on another mesh and into dense
+  with the same table and slots."""
+  spec = _spec(OPTIMIZERS[1])
+  batches = contract.zipf_ids(seed=3, num_batches=3, batch=32, bag=3, num_rows=1000)
+  got = contract.run("toy", spec, batches, mesh=contract.mesh_or_skip(2, 4))
+  logical = jax.device_get(got.backend.export(got.state))
+  ref = contract.run("dense", spec, batches)
+  want = jax.device_get(ref.backend.export(ref.state))
+  for k in ("rows", "accum"):
+    assert (
+      logical["t"][k].shape
+      == want["t"][k].shape
+      == (base.aligned_rows(1000),) + ((8,) if k == "rows" else ())
+    )
+    np.testing.assert_array_equal(logical["t"][k], want["t"][k], err_msg=k)
+  for text, shape in (("toy", (8, 1)), ("dense", (1, 1))):
+    b = planner.make_backend(text, spec, contract.mesh_or_skip(*shape))
+    placed = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), logical, b.logical_target())
+    state = b.import_(placed)
+    np.testing.assert_array_equal(b.tables(state)["t"], got.table, err_msg=text)
+    again = jax.device_get(b.export(state))
+    np.testing.assert_array_equal(again["t"]["accum"], logical["t"]["accum"], err_msg=text)
 
 
 def test_toy_is_registered_and_named_in_a_plan():

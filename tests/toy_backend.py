@@ -9,6 +9,10 @@ registers it; a plan then names it like any built-in backend:
   import toy_backend  # noqa: F401
   config.embeddings.plan = [("C(3|4)", "toy"), (".*", "dense")]
 
+It implements only the per-table core (`init`, `state_sharding`, `lookup`, `update`, `memory`,
+`table`): `TableBackend`'s default "rows" checkpoint (export / import_ from `table` and the
+state's `accum`, back through the default `from_rows`) saves, resumes and reshards it.
+
 tests/test_toy_backend.py runs the contract test on it (1x1, 8x1, 2x4 against `dense`). A
 backend in an installed package registers through the `recgnn.backends` entry-point group
 instead of an import (docs/architecture.md).

@@ -224,7 +224,8 @@ def probe() -> int:
   import jax.numpy as jnp
   import numpy as np
 
-  from recgnn.embeddings import host_table
+  _tree_on_path()
+  from tools import host_table
 
   out = {}
   x = np.arange(4096, dtype=np.float32).reshape(512, 8)

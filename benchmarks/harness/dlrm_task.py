@@ -37,7 +37,7 @@ class GivenTables(ctr.CTR):
     self.data, self.oracle = None, None
     self.specs = list(specs)
     self.names = [s.name for s in self.specs]
-    self.model = ctr.make_model(config.model)
+    self.model = ctr.make_model(config.model, self.names)
 
   def tables(self) -> list[base.TableSpec]:
     return self.specs
@@ -78,7 +78,7 @@ def config_of(sizes) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.model = {"bottom": sizes.bottom, "top": sizes.top}
   if hasattr(sizes, "cross_layers"):
-    c.model.update(interaction="dcn", cross_layers=sizes.cross_layers, low_rank=sizes.low_rank)
+    c.model.update(name="dcn", cross_layers=sizes.cross_layers, low_rank=sizes.low_rank)
   c.embeddings = {
     "dim": sizes.dim,
     "initializer": "uniform",

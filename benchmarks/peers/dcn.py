@@ -221,7 +221,7 @@ def check(rec, cfg: DcnConfig, batches: Sequence[MultiHotBatch], seed: int = 0) 
   def recgnn_logits(state, i):
     prepared, batch = rec.inputs[i]
     pooled, _ = step_lib.lookup_all(plan, state.emb, prepared)
-    logits = rec.task.model.apply(state.params, batch["dense"], [pooled[n] for n in names])
+    logits = rec.task.model.apply(state.params, batch["dense"], {n: pooled[n] for n in names})
     return np.asarray(logits)
 
   model, to_inputs, step = build("torchrec", cfg, seed)

@@ -77,10 +77,17 @@ class Dense(base.TableBackend):
 
   Options = DenseOptions
   # (its prepare: padding mapped and a dedup, per batch; nothing kept)
-  capabilities = base.Capabilities(stateless_prepare=True)
+  capabilities = base.Capabilities(stateless_prepare=True, prepares_on_device=True)
+
+  @classmethod
+  def capabilities_for(cls, options):
+    # dedup=host asks for the host's dedup: its ids must reach the host.
+    on_device = cls.Options.parse(options).dedup != "host"
+    return base.Capabilities(stateless_prepare=True, prepares_on_device=on_device)
 
   def __init__(self, spec: base.TableSpec, mesh, layout: base.Layout | None = None, **options):
     super().__init__(spec, mesh, layout, **options)
+    self.capabilities = type(self).capabilities_for(options)
     k = mesh.shape[sharding.MODEL]
     if self.options.shard == "rows" and base.ROW_ALIGN % k:
       raise ValueError(
@@ -98,7 +105,8 @@ class Dense(base.TableBackend):
     self.dedup = self.options.dedup
     if self.dedup == "auto":
       cpu = mesh.devices.flat[0].platform == "cpu"
-      self.dedup = "host" if cpu and not self.process_local else "device"
+      host = cpu and not (self.process_local or self.ids_on_device)
+      self.dedup = "host" if host else "device"
 
   @property
   def dedup_on_host(self) -> bool:
@@ -112,6 +120,10 @@ class Dense(base.TableBackend):
       return super().prepare(ids, upcoming, train=train)
     # As read: padding (< 0) is mapped in the step (`device_ids`), the dedup too.
     return {"ids": np.asarray(ids, np.int32)}
+
+  def prepare_on_device(self, ids: jax.Array):
+    # As `prepare` with dedup=device: the ids as read (padding and the dedup in the step).
+    return {"ids": ids.astype(jnp.int32)}
 
   def device_ids(self, ids: jax.Array) -> jax.Array:
     """Prepared ids int32[B, L] -> the same with padding (< 0) mapped to `pad_id` (a no-op

@@ -2,11 +2,11 @@
 fused EmbeddingBagCollection) for a group's replicated dense tables of one dim and one
 optimizer.
 
-Why: a step's host cost grows with the arrays it takes and returns: jit's dispatch costs the
-launching thread 1.3 us per argument leaf on this 2-core CPU when quiet, 2.7-3.5 under load
-(benchmarks/dispatch.py), and Criteo's 26 tables with row-wise Adagrad are 52 of `dlrm_kaggle`'s
-97 state leaves; on a GPU each table is also its own gather and its own scatter. Fused, the
-group's state is two leaves and its step one gather and one scatter, whatever the table count.
+Why: a step's host cost grows with the arrays it takes and returns (jit's dispatch costs the
+launching thread a few microseconds per argument leaf: docs/backends/dense.md), and Criteo's 26
+tables with row-wise Adagrad are 52 of `dlrm_kaggle`'s 97 state leaves; on a GPU each table is also
+its own gather and its own scatter. Fused, the group's state is two leaves and its step one gather
+and one scatter, whatever the table count.
 
 State:  {"table": float32[S, D], <slot>: float32[S]} (slot: row-wise Adagrad's "accum"), S =
         sum over the tables of their aligned rows; table t's rows at [offset_t, offset_t + R_t)

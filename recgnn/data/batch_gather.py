@@ -4,13 +4,13 @@ transposed, one [B] row per table), padding rows left as `padded_batch` fills th
 
 Why: the input thread reads a batch for every step; numpy's fancy-index gathers, the
 int8 -> float32 label copy and the ids' transpose are several passes holding the GIL
-between them, against the thread that launches the steps (issue 43). One pass without
+between them, against the thread that launches the steps. One pass without
 the GIL is also fewer bytes touched. Without numba the same function runs as Python
 (identical results, slow): `AVAILABLE` says which, and `ctr_dataset` then keeps numpy.
 
 A large batch is read by several threads at once (`recgnn.hostpool`), each a contiguous
-range of its positions: a random row read waits on memory, not on arithmetic (~150 ns a row
-of Criteo's 40 columns here), so threads keep more of those misses in flight.
+range of its positions: a random row read waits on memory, not on arithmetic, so threads keep
+more of those misses in flight.
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ except ImportError:  # pragma: no cover (numba is a dependency)
     return lambda f: f
 
 
-# Fewest rows a thread's chunk gets. Measured on 2 cores (dlrm_kaggle's data, a batch split
-# in two, medians of 28): 1024 rows 0.19 ms vs 0.24 split (the pool's round trip costs more
-# than half the work), 2048 0.37 vs 0.41, 4096 0.86 vs 0.77, 8192 1.77 vs 1.18 (1.5x),
-# 65536 14.4 vs 8.3 (1.75x). So a batch under 8192 rows is one plain call.
+# Fewest rows a thread's chunk gets: below it the pool's round trip costs more than the split
+# saves, so a batch under 2 x this is one plain call (docs/running.md, "Measurements behind the
+# host-side code").
 MIN_ROWS_PER_CHUNK = 4096
 
 
@@ -51,7 +50,7 @@ def gather_one_hot(labels, dense, sparse, rows, out_label, out_dense, out_weight
 def gather_rows(labels, dense, sparse, rows, lo, hi, out_label, out_dense, out_weight, out_ids):
   """`gather_one_hot` of rows[lo:hi] only, into positions lo..hi-1."""
   # (views, then a loop from 0: the one-call loop's code; `range(lo, hi)` over the whole
-  # arrays measured ~7% slower per row at one thread)
+  # arrays is slower per row)
   rows, out_label, out_weight = rows[lo:hi], out_label[lo:hi], out_weight[lo:hi]
   out_dense, out_ids = out_dense[lo:hi], out_ids[:, lo:hi]
   d = dense.shape[1]

@@ -113,7 +113,7 @@ class ReaderConfig:
     block_bytes: bytes parsed at a time (small blocks keep the temporaries in cache; memory
       peaks at about 12x this per process).
     num_workers: processes parsing blocks in parallel (0: parse in this process). Each costs
-      a Python start-up (~0.3 s of CPU) and ~12 * block_bytes of memory; they are spawned,
+      a Python start-up and ~12 * block_bytes of memory; they are spawned,
       so the calling script needs the usual `if __name__ == "__main__":` guard. Pays off on
       an idle multi-core machine, not on an oversubscribed one.
   """

@@ -139,7 +139,9 @@ class CTRDataset:
     n = self.split_size(split)
     return n // batch_size if drop_remainder else -(-n // batch_size)
 
-  def _perm(self, split: str, seed: int, epoch: int) -> np.ndarray:
+  def permutation(self, split: str, seed: int, epoch: int) -> np.ndarray:
+    """Pass `epoch`'s order of `split`'s positions under `shuffle_seed=seed`: int[n], drawn
+    from (seed, epoch) alone (the last pass's is kept)."""
     key = (split, seed, epoch)
     if key not in self._perm_cache:
       rng = np.random.default_rng([seed, epoch])
@@ -176,7 +178,7 @@ class CTRDataset:
     if shuffle_seed is None:
       return np.arange(start + lo, start + hi, dtype=np.int64)
     # Sorted within the batch: the memmap reads then go forward through the file.
-    return start + np.sort(self._perm(split, shuffle_seed, epoch)[lo:hi]).astype(np.int64)
+    return start + np.sort(self.permutation(split, shuffle_seed, epoch)[lo:hi]).astype(np.int64)
 
   def gather(self, rows: np.ndarray, batch_size: int | None = None) -> Batch:
     """The batch of the given rows, padded to `batch_size` rows with weight 0.
@@ -203,15 +205,15 @@ class CTRDataset:
   def _gather_one_hot(self, rows: np.ndarray, batch_size: int) -> Batch:
     """`gather` of one-hot rows in one compiled pass without the GIL (`batch_gather`):
     the same arrays as `padded_batch` of numpy's reads. Also for rows in order (an eval
-    batch, train.shuffle=False): numpy's transpose of the slices' ids took 9 ms at 65536
-    rows here, this kernel 3.3."""
+    batch, train.shuffle=False): this kernel is faster than numpy's transpose of the slices'
+    ids (docs/running.md)."""
     out_dense = np.zeros((batch_size, self.dense.shape[1]), np.float32)
     label = np.zeros(batch_size, np.float32)
     weight = np.zeros(batch_size, np.float32)
     # Each table's ids a row of one array, the rows IDS_PAD apart more than the batch: at a
     # power-of-two batch the kernel's 26 write streams, batch x 4 bytes apart, all fall in the
-    # same cache sets and evict one another (65536 rows in order: 10.1 ms, padded 3.3; shuffled
-    # 16.7 vs 15.6; 2048 shuffled 0.80 vs 0.72, 2 cores). Each table's [B, 1] stays contiguous.
+    # same cache sets and evict one another (docs/running.md). Each table's [B, 1] stays
+    # contiguous.
     ids = np.full((len(self.table_names), batch_size + IDS_PAD), MISSING_ID, np.int32)
     ids = ids[:, :batch_size]
     batch_gather.gather_one_hot(

@@ -14,7 +14,7 @@ saves it in the checkpoint and a resumed run restores it with `set_state`, conti
 mid-epoch. `shard=(index, count)` gives process `index` of `count` its contiguous slice of
 every global batch (the rows of its devices, as the mesh lays the batch out).
 
-Decoding: TFDS decodes one record at a time in Python (~15k rows per CPU second here). The
+Decoding: TFDS decodes one record at a time in Python (slow for CTR batches). The
 criteo builders store the arrays as raw bytes, so every record of a build has the same
 length and layout; `RecordLayout` finds where each feature's bytes sit in the first record
 (a minimal tf.train.Example parse) and a batch is then read as raw records

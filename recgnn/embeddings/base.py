@@ -6,7 +6,8 @@ The plan (the registry's lookup, resolve_plan, the memory budget) is the planner
 Each concern lives in its own module (docs/architecture.md, "Package layout"):
   specs     TableSpec, OptimizerSpec (the shared row update `OptimizerSpec.apply`), init
   kernels   dedup, segment sums, pooling, `sparse_sgd_or_adagrad`
-  contract  Layout, Capabilities, Backend (contract v3), BackendOptions
+  contract  Layout, Capabilities, AutoContext, Backend (contract v3), BackendOptions
+  protocols the optional protocols a backend declares (`recgnn.embeddings.protocols`)
   table_backend  TableBackend (the per-table half, unpooled rows)
   group     TableGroup (per-table backends as a contract Backend)
   registry  `register_backend` (the registry's table; its lookup is `recgnn.planner`'s)
@@ -14,6 +15,7 @@ Each concern lives in its own module (docs/architecture.md, "Package layout"):
 
 from recgnn.embeddings.contract import (
   TO_HOST,
+  AutoContext,
   Backend,
   BackendOptions,
   Capabilities,
@@ -59,6 +61,7 @@ __all__ = [
   "PREFETCH",
   "ROW_ALIGN",
   "TO_HOST",
+  "AutoContext",
   "Backend",
   "BackendOptions",
   "Capabilities",

@@ -29,7 +29,7 @@ arrays with the same leading dims (one all-to-all per payload array), and back.
                 consecutive vectors of one destination), and each block carries a one-byte
                 header j: its step is the table's step * 2^(-j / 4), the finest that still
                 holds the block's largest |value| in the segment's codes. The table's bound
-                stays the ceiling (j >= 0), so the bound holds for every value as before,
+                stays the ceiling (j >= 0), so the bound holds for every value,
                 and a block of small values (a small gradient, a short vector) is carried
                 with an error relative to its own range instead of the table's: 8 / block
                 bits more per value.

@@ -1,5 +1,7 @@
 """The backend contract (v3): what the trainer asks of a backend, and what it tells one.
 
+The core, which every backend implements (`Backend`'s abstract methods):
+
   Backend(specs, mesh, layout, text, **options)   one instance per GROUP of tables (every
                                table the plan gives the same backend string); everything given
                                here, nothing set afterwards; the options parsed into the
@@ -12,7 +14,21 @@
   lookup(state, prepared)      jit-able -> ({table: f32[B, D]} POOLED, residuals)
   update(state, prepared, residuals, g)   jit-able, g = d loss / d pooled {table: f32[B, D]};
                                sparse (O(B * L * D), never O(rows)), state donated
-  memory() per device / sync / restore / export / import_ / stats / tables(state)
+  memory() per device / tables(state) / logical_format / export / logical_target / import_
+  (defaults: sync / restore / stats / extras / restore_extras / report)
+
+The optional protocols, each declared and grouped below the core in `Backend` (no-op
+defaults of what the trainer calls on every group; `recgnn.embeddings.protocols` lists them
+and refuses a backend that declares one without its methods):
+
+  HostTier             Capabilities.writes_host     after_update, stack_call, batch_memory,
+                                                    expect_batches, splits_prepare,
+                                                    prepare_ahead
+  DevicePrepare        Capabilities.prepares_on_device  prepare_on_device (raises by default)
+  Replanning           Capabilities.replans_shapes  replan
+  MicroBatching        Capabilities.splits_batch    micro_batches, lookup_micro (no default)
+  StreamedCheckpoints  reads_streams() -> True      reads_streams
+  AutoCandidates       overriding the classmethod   auto_candidates(spec, AutoContext)
 
 Pooled in, pooled out: a model-parallel backend moves [B, D] blocks, never [B, L, D]. The
 lookup sits outside `value_and_grad`; `update` gets d loss / d pooled, so a backward
@@ -20,8 +36,9 @@ all-to-all (and a codec on it) lives in `update`, with no custom_vjp. `residuals
 `lookup` computed into `update` (see docs/architecture.md).
 
 Backends whose tables are independent (dense, tt, offload) implement the per-table
-`recgnn.embeddings.table_backend.TableBackend` (unpooled rows) and are grouped by
-`recgnn.embeddings.group.TableGroup`.
+`recgnn.embeddings.table_backend.TableBackend` (unpooled rows; its core: init,
+state_sharding, lookup, update, memory, table, with a default prepare and a default "rows"
+checkpoint from `table`) and are grouped by `recgnn.embeddings.group.TableGroup`.
 """
 
 from __future__ import annotations
@@ -59,11 +76,16 @@ class Layout:
       shape, and ONE step runs the k updates in a scan. Their write-backs reach a host tier
       only after the call, so it sizes what it keeps on the device (a ring of recent
       write-backs) to cover a call.
+    ids_on_device: the batch's ids exist only on the devices (the device feed,
+      `recgnn.train.device_feed`): a group that declares `Capabilities.prepares_on_device`
+      gets them inside the step (`Backend.prepare_on_device`), never on the host, so any
+      per-batch work of its own (a dedup) runs in the step.
   """
 
   split_batch: bool = True
   process_local: bool = False
   steps_per_call: int = 1
+  ids_on_device: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,6 +114,9 @@ class Capabilities:
       with, and keeps nothing the step, a writer, `stats` or a checkpoint reads, so the
       trainer may run it in a worker process (`recgnn.train.input_worker`) on a copy of the
       backend (dense; not a cache planner, a host table, counters of what it saw).
+    prepares_on_device: `prepare_on_device` makes, inside the jitted step, from the batch's
+      device ids, what `prepare` would (dense, sharded): the device feed then never reads
+      this group's ids on the host (`Layout.ids_on_device`).
   """
 
   needs_split_ids: bool = False
@@ -101,6 +126,22 @@ class Capabilities:
   writes_host: bool = False
   stacks_calls: bool = False
   stateless_prepare: bool = False
+  prepares_on_device: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoContext:
+  """What `auto(...)` tells a backend it asks for candidates (`Backend.auto_candidates`).
+
+  Attributes:
+    mesh: the run's mesh.
+    fractions: the auto rule's cache / hot fractions (shares of each table).
+    kinds: the built-in kinds the rule considers (`AutoOptions.kinds`).
+  """
+
+  mesh: jax.sharding.Mesh
+  fractions: tuple[float, ...] = ()
+  kinds: tuple[str, ...] = ()
 
 
 # Key of an updated state's output for the host (`Backend.update`): the rows a host tier
@@ -160,12 +201,6 @@ class Backend(abc.ABC):
     del options
     return cls.capabilities
 
-  def replan(self, state: PyTree, step: int) -> tuple[PyTree, bool]:
-    """After train step `step` (capability `replans_shapes` only): (state, whether the step's
-    static shapes changed, so the trainer rebuilds its jitted steps)."""
-    del step
-    return state, False
-
   def __repr__(self):
     return f"{type(self).__name__}({', '.join(self.specs)}: {self.describe()})"
 
@@ -173,6 +208,9 @@ class Backend(abc.ABC):
     """The backend and its options, as a plan string (per table where they differ)."""
     del table
     return self.text
+
+  # ---- core: what every backend implements (abstract), the checkpoint's logical form
+  # included; then the core's defaults (sync, restore, stats, extras, report)
 
   @abc.abstractmethod
   def init(self, key: jax.Array) -> PyTree:
@@ -190,17 +228,6 @@ class Backend(abc.ABC):
     """Host side, on the input thread, once per batch in stream order: ids {table: int[B, L]}
     (PAD = -1) -> a pytree of numpy arrays. `upcoming`: up to `lookahead` next batches' ids.
     `train=False`: an eval batch (only `lookup` runs on it)."""
-
-  @property
-  def splits_prepare(self) -> bool:
-    """Whether `prepare_ahead` leaves work to its second half (`recgnn.train.plan_ahead`)."""
-    return False
-
-  def prepare_ahead(self, ids, upcoming=(), *, train=True) -> Callable[[], PyTree]:
-    """`prepare` in two halves, each called in stream order: the first now -> the second (it
-    reads only what the first returned; later first halves may run meanwhile). Default: all."""
-    out = self.prepare(ids, upcoming, train=train)
-    return lambda: out
 
   @abc.abstractmethod
   def prepared_spec(self, prepared: PyTree) -> PyTree:
@@ -231,41 +258,9 @@ class Backend(abc.ABC):
     output of its own (`split_to_host`) and whoever runs the step hands it to
     `after_update` (a state never carries it into the next step)."""
 
-  def after_update(self, state: PyTree, to_host: PyTree | None = None, steps: int = 1) -> PyTree:
-    """Host side, after a jitted `update` (O(1): no wait for the step): takes the step's
-    TO_HOST output (from `state`, or given apart by a train step that split it off) and
-    hands it to the backend's host writer. -> the state without it. steps = k > 1: the
-    output of a call of k steps, every leaf stacked [k, ...] in step order. Default:
-    nothing."""
-    del to_host, steps
-    return state
-
-  def stack_call(self, prepared: list[PyTree]) -> list[PyTree]:
-    """Host side, input thread: the k prepared train batches of one call
-    (`Layout.steps_per_call`, each from its own `prepare`, in stream order) -> the same
-    batches with every leaf one shape across them, so the call stacks them for one scan
-    (a list sized per batch padded to the call's longest, with entries that move nothing).
-    Values a step reads must not change. Default: as they are (shapes set by the batch)."""
-    return prepared
-
   @abc.abstractmethod
   def memory(self) -> dict[str, MemoryReport]:
     """Per table: bytes PER DEVICE and on the host, known before anything is allocated."""
-
-  def batch_memory(self, ids_shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
-    """Per table: bytes PER DEVICE the state comes to hold beyond `memory()` once it trains
-    on batches whose ids are shaped ids_shapes[table] (the global train batch): buffers
-    sized by the batch, not by the table (hot_cold's prefetched cold rows of the next
-    batch). Known before anything is allocated, as `memory`; a table left out holds none."""
-    del ids_shapes
-    return {}
-
-  def expect_batches(self, ids_shapes: dict[str, tuple[int, ...]]) -> None:
-    """Told, before `init` / `import_` / `restore`, the global train batch's ids shapes (as
-    `batch_memory`, which must not be empty): buffers sized by the batch are made at that
-    size, so the first train step runs every later step's program (not a resize: a second
-    compile). A hint: the first train batch's own shapes decide."""
-    del ids_shapes
 
   @abc.abstractmethod
   def tables(self, state: PyTree) -> dict[str, np.ndarray]:
@@ -303,11 +298,7 @@ class Backend(abc.ABC):
   def import_(self, logical: dict[str, dict[str, jax.Array]]) -> PyTree:
     """The state holding `logical` (as placed by `logical_target`); resets host bookkeeping."""
 
-  def reads_streams(self) -> bool:
-    """Whether `import_` takes a `streamed.TableReader` in place of a table's arrays (and
-    reads it a chunk at a time); `export` may give a `streamed.StreamedTable` (a table
-    bigger than host RAM). Others get the reader's arrays, placed by `logical_target`."""
-    return False
+  # ---- core, with defaults
 
   def sync(self, state: PyTree) -> PyTree:
     """Write caches back so that `state` alone describes the tables. Batches already
@@ -342,3 +333,89 @@ class Backend(abc.ABC):
   def process_local(self) -> bool:
     """`prepare` sees only this process's slice of each batch (`Layout.process_local`)."""
     return self.layout.process_local
+
+  # The optional protocols (recgnn.embeddings.protocols): no-op defaults of what the
+  # trainer calls on every group. A backend opts into one by its declaration and
+  # overrides these; the micro-batching protocol (`micro_batches`, `lookup_micro`) has no
+  # default here: the step asks only a group that declares `splits_batch`.
+
+  # ---- HostTier (Capabilities.writes_host): rows in host memory, a host writer
+
+  @property
+  def splits_prepare(self) -> bool:
+    """Whether `prepare_ahead` leaves work to its second half (`recgnn.train.plan_ahead`)."""
+    return False
+
+  def prepare_ahead(self, ids, upcoming=(), *, train=True) -> Callable[[], PyTree]:
+    """`prepare` in two halves, each called in stream order: the first now -> the second (it
+    reads only what the first returned; later first halves may run meanwhile). Default: all."""
+    out = self.prepare(ids, upcoming, train=train)
+    return lambda: out
+
+  def after_update(self, state: PyTree, to_host: PyTree | None = None, steps: int = 1) -> PyTree:
+    """Host side, after a jitted `update` (O(1): no wait for the step): takes the step's
+    TO_HOST output (from `state`, or given apart by a train step that split it off) and
+    hands it to the backend's host writer. -> the state without it. steps = k > 1: the
+    output of a call of k steps, every leaf stacked [k, ...] in step order. Default:
+    nothing."""
+    del to_host, steps
+    return state
+
+  def stack_call(self, prepared: list[PyTree]) -> list[PyTree]:
+    """Host side, input thread: the k prepared train batches of one call
+    (`Layout.steps_per_call`, each from its own `prepare`, in stream order) -> the same
+    batches with every leaf one shape across them, so the call stacks them for one scan
+    (a list sized per batch padded to the call's longest, with entries that move nothing).
+    Values a step reads must not change. Default: as they are (shapes set by the batch)."""
+    return prepared
+
+  def batch_memory(self, ids_shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Per table: bytes PER DEVICE the state comes to hold beyond `memory()` once it trains
+    on batches whose ids are shaped ids_shapes[table] (the global train batch): buffers
+    sized by the batch, not by the table (hot_cold's prefetched cold rows of the next
+    batch). Known before anything is allocated, as `memory`; a table left out holds none."""
+    del ids_shapes
+    return {}
+
+  def expect_batches(self, ids_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Told, before `init` / `import_` / `restore`, the global train batch's ids shapes (as
+    `batch_memory`, which must not be empty): buffers sized by the batch are made at that
+    size, so the first train step runs every later step's program (not a resize: a second
+    compile). A hint: the first train batch's own shapes decide."""
+    del ids_shapes
+
+  # ---- DevicePrepare (Capabilities.prepares_on_device): prepare inside the step
+
+  def prepare_on_device(self, ids: dict[str, jax.Array]) -> PyTree:
+    """Inside the jitted step (capability `prepares_on_device` only): ids {table: int32[B, L]}
+    (PAD = -1, batch-split as `prepared_spec` says) -> the pytree `prepare` makes for them
+    under `Layout.ids_on_device`, as jax arrays of the same structure, shapes and dtypes."""
+    raise NotImplementedError(
+      f"backend {self.text!r} prepares its ids on the host (no Capabilities.prepares_on_device)"
+    )
+
+  # ---- Replanning (Capabilities.replans_shapes): static shapes re-planned
+
+  def replan(self, state: PyTree, step: int) -> tuple[PyTree, bool]:
+    """After train step `step` (capability `replans_shapes` only): (state, whether the step's
+    static shapes changed, so the trainer rebuilds its jitted steps)."""
+    del step
+    return state, False
+
+  # ---- StreamedCheckpoints (reads_streams() -> True): tables read a chunk at a time
+
+  def reads_streams(self) -> bool:
+    """Whether `import_` takes a `streamed.TableReader` in place of a table's arrays (and
+    reads it a chunk at a time); `export` may give a `streamed.StreamedTable` (a table
+    bigger than host RAM). Others get the reader's arrays, placed by `logical_target`."""
+    return False
+
+  # ---- AutoCandidates (overridden): plan strings the backend offers to auto(...)
+
+  @classmethod
+  def auto_candidates(cls, spec: TableSpec, context: AutoContext) -> list[str]:
+    """Plan strings of this backend worth trying for `spec` under `auto(...)`, asked of every
+    registered backend beside the planner's built-in list (`recgnn.planner.auto.candidates`).
+    Default: none (the built-in backends' candidates are the planner's own list)."""
+    del spec, context
+    return []

@@ -8,6 +8,7 @@ table, all constructed with the group's mesh and layout.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from recgnn import sharding
@@ -73,6 +74,17 @@ class TableGroup(Backend):
       p = {"rows": m.prepare(x, [u[n] for u in upcoming[: m.lookahead]], train=train)}
       if m.spec.pooling == "mean":
         p["count"] = np.sum(x >= 0, axis=1).astype(np.int32)
+      out[n] = p
+    return out
+
+  def prepare_on_device(self, ids):
+    """`prepare` inside the step, each member's `prepare_on_device` (the device feed)."""
+    out = {}
+    for n, m in self.members.items():
+      x = ids[n]
+      p = {"rows": m.prepare_on_device(x)}
+      if m.spec.pooling == "mean":
+        p["count"] = jnp.sum(x >= 0, axis=1, dtype=jnp.int32)
       out[n] = p
     return out
 

@@ -87,8 +87,8 @@ def octave_bucket(n: int) -> int:
 
 class ListSizer:
   """A host-link list's length over a stream of needs, in few distinct lengths: every new
-  length is a new static shape, so the whole jitted train step compiles again (~1-3 s for a
-  DLRM step on CPU, against a step of ~0.1 s).
+  length is a new static shape, so the whole jitted train step compiles again (a compile
+  costs many steps).
 
   - every length is the bucket of a need plus `headroom` (0 for lists: their length is the
     host-link bytes; more for windows, whose length costs host touches only);

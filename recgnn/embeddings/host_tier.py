@@ -1,11 +1,10 @@
 """Rows in host RAM behind a device tier, moved with the batch, never inside the step.
 
 Shared by the backends that keep rows on the host (`offload`: the table behind a device cache;
-`hot_cold`: the cold rows). Why this shape (issue 42, ../shared/DESIGN.md "Data flow"): on the
-one GPU measured (H100), host computations inside the jitted step (`compute_on` gathers and
-scatters on pinned host tables) made every launch wait ~1 ms per host call, and XLA:GPU copied
-every host table whole into the write-back (pinned -> pinned, 17-19 MB per step at 1% of
-Kaggle's sizes): O(rows) per step, which XLA:CPU's program never showed. So:
+`hot_cold`: the cold rows). Why this shape (docs/architecture.md, "The host tier"): host
+computations inside the jitted step (`compute_on` gathers and scatters on pinned host tables)
+make every launch wait for each host call, and XLA:GPU copies every host table whole into the
+write-back (pinned -> pinned): O(rows) per step, which XLA:CPU's program never shows. So:
 
   prepare (input thread)   plans which rows move; reads the rows a step loads from the numpy
                            tables (`HostRows.gather`) into the prepared batch: they reach the
@@ -276,9 +275,7 @@ class HostRows:
   def scatter(self, writes: list[tuple[int, np.ndarray, np.ndarray]], values: dict) -> None:
     """arrays[t][k][rows] = values[k][positions] for writes [(t, rows, positions)], in order.
     (Writer thread.) Every table's rows in one compiled call per array where the tables
-    share their arrays' names: a call per table each held the GIL for its dispatch
-    (cdlrm_kaggle, 26 tables, one thread under cProfile: 0.97 ms per step in those calls,
-    0.50 ms in this one)."""
+    share their arrays' names: a call per table holds the GIL for its own dispatch."""
     writes = [w for w in writes if w[1].shape[0]]
     if self._by_key is not None and len(writes) > 1:
       tabs = np.repeat(np.array([t for t, _, _ in writes], np.int64),

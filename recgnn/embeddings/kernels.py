@@ -80,10 +80,10 @@ def stacked_dedup_kernel():
 
 class StackedDedup:
   """`dedup` of T tables' ids in one call without a sort: the prepare of a group of
-  per-example tables (`TableGroup`). One `np.unique` per table cost 2.2 ms of a 26-table batch
-  of 2048 here (~85 us each, nearly all of it sorting); a vectorized numpy form of the loop
-  below (scatter, gather, cumsum, nonzero over [T, n]) was no faster (2 ms: ~12 passes over
-  53k ids); this compiled loop is two passes, with the GIL released.
+  per-example tables (`TableGroup`). One `np.unique` per table is nearly all sorting; a
+  vectorized numpy form of the loop below (scatter, gather, cumsum, nonzero over [T, n]) is
+  ~12 passes over the ids and no faster; this compiled loop is two passes, with the GIL
+  released (docs/running.md, "Measurements behind the host-side code").
 
   Each table's ids live in their own range of one scratch array `mark` (int32, one entry per
   row of every table plus its filler: 4 bytes per row on the host, allocated once per
@@ -97,11 +97,9 @@ class StackedDedup:
   range of tables: a table touches only its own rows of every array, `mark` included, so
   the threads share this thread's scratch."""
 
-  # Fewest ids (tables x ids per table) a thread's range of tables gets. Measured on 2 cores
-  # (dlrm_kaggle's 26 tables, split in two, medians of 28): batch 2048 0.51 ms vs 0.41 split,
-  # 4096 1.19 vs 0.85 (1.4x), 8192 2.31 vs 1.36, 65536 16.1 vs 8.4 (1.9x). The gain at 2048
-  # (0.1 ms, a second core taken from the step on a CPU host) is not worth it: 26 x 2048 ids
-  # stay one call, 26 x 4096 split.
+  # Fewest ids (tables x ids per table) a thread's range of tables gets: below it the small
+  # gain does not pay for a second core taken from the step on a CPU host (26 x 2048 ids stay
+  # one call, 26 x 4096 split; docs/running.md).
   MIN_IDS_PER_CHUNK = 1 << 15
 
   def __init__(self, fillers: Sequence[int]):

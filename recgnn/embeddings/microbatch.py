@@ -1,7 +1,9 @@
 """Micro-batches: a group of tables may ask the train step to run a batch in pieces.
 
-A backend declares a split with `Capabilities(splits_batch=True)` and implements two methods
-(`dense`, `tt`, `offload` and `sharded` do not split, and the step runs their batches whole):
+A backend declares a split with `Capabilities(splits_batch=True)` and implements two methods,
+the MicroBatching protocol (`recgnn.embeddings.protocols`; `make_group` refuses the declaration
+without them). `dense`, `tt`, `offload` and `sharded` do not split, and the step runs their
+batches whole:
 
   micro_batches(prepared) -> tuple[int32[n * P_m], ...] | None
       inside jit. One index array per micro-batch, in the order to run them; batch-major

@@ -2,22 +2,10 @@
 rows uses (dense(shard=rows) over MODEL, hot_cold's hot rows and host rows over every device,
 sharded's row-wise tables over MODEL).
 
-All functions run inside `shard_map`, on one device's block of R rows (rows [i * R, (i + 1) *
-R) of the logical array on the device at index i of `axis`):
-
-  local_index   global ids -> this device's local row, R (dropped / read as zeros) elsewhere
-  gather        masked gather of the rows this device owns (zeros elsewhere)
-  every         the batch-major leaves of every device over `axis` (all-gather, in order)
-  psum_rows / reduce_scatter_rows
-                add the devices' masked gathers: exact, one non-zero term per row
-  scatter       masked scatter: each device writes the rows it owns
-  update        the shard-local sparse row update (the shared optimizer rule,
-                `kernels.sparse_sgd_or_adagrad` / `OptimizerSpec.apply`) on owned rows
-
-and, from outside `shard_map`, on a whole row-sharded array with replicated row indices:
-
-  gather_everywhere    rows [M] -> f32[M, ...] on every device (owner's gather + psum)
-  scatter_everywhere   array[rows] = values, each device writing the rows it owns
+The functions run inside `shard_map`, on one device's block of R rows (rows [i * R, (i + 1) *
+R) of the logical array on the device at index i of `axis`), but `gather_everywhere` and
+`scatter_everywhere`, which take a whole row-sharded array and replicated row indices. A row
+has one owner, so the sum of the devices' masked gathers is exact (one non-zero term).
 
 Shapes: R = rows per device, D = row width, [...] any index shape.
 """

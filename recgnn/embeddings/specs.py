@@ -219,16 +219,16 @@ def _chunk_rows(needed: int) -> int:
   """Rows to draw of a chunk whose first `needed` rows are used: the next power of two (at
   least 256, at most INIT_CHUNK) where jax's threefry is partitionable (the default since jax
   0.5), whose draw of shape [n, D] is the first n rows of the [INIT_CHUNK, D] one (element
-  (i, j)'s bits depend on its index only): a 6-row table no longer draws 65,536 rows, the same
+  (i, j)'s bits depend on its index only): a 6-row table draws 256 rows, not 65,536, the same
   values. The whole chunk otherwise."""
   if not jax.config.jax_threefry_partitionable:
     return INIT_CHUNK
   return min(INIT_CHUNK, max(256, 1 << (needed - 1).bit_length()))
 
 
-# The scale is an argument, not a static one: a static row count compiled this once per
-# table size (26 compiles, ~6 s of every dlrm_kaggle start); now once per (dim, initializer,
-# power-of-two rows).
+# The scale is an argument, not a static one: a static row count would compile this once per
+# table size (26 compiles at every dlrm_kaggle start); this compiles once per (dim,
+# initializer, power-of-two rows).
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
 def _init_chunk(key, chunk, scale, dim, initializer, rows=INIT_CHUNK):
   k = jax.random.fold_in(key, chunk)

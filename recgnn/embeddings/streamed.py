@@ -1,5 +1,5 @@
 """A table's logical "rows" form written and read a chunk at a time: the checkpoint of a table
-bigger than host RAM (offload's SSD level, issue 44) must never hold the whole table.
+bigger than host RAM (offload's SSD level) must never hold the whole table.
 
 `StreamedTable` is what a backend's `export` gives for such a table in place of its arrays:
 the shape, and `produce(sink)`, which calls sink(first, {"rows": f32[n, D], slot: f32[n]})

@@ -15,7 +15,7 @@ import numpy as np
 
 from recgnn import sharding
 from recgnn.embeddings.backend_options import BackendOptions, parse_options
-from recgnn.embeddings.contract import Backend, Capabilities, Layout, PyTree
+from recgnn.embeddings.contract import AutoContext, Backend, Capabilities, Layout, PyTree
 from recgnn.embeddings.kernels import dedup, pool_rows, unpool
 from recgnn.embeddings.specs import MemoryReport, TableSpec, aligned_rows
 
@@ -23,17 +23,27 @@ from recgnn.embeddings.specs import MemoryReport, TableSpec, aligned_rows
 class TableBackend(abc.ABC):
   """One table of a `TableGroup`: the per-table half of the contract (v1, unpooled).
 
+  The core a per-table backend implements:
   __init__(spec, mesh, layout, **options)   everything at construction, as for `Backend`
-  prepare(ids, upcoming)       host: int[B, L] ids (-1 = padding) -> numpy pytree
+  init(key) / state_sharding() the state and its placement
   lookup(state, prepared)      jit-able: -> f32[B, L, D]; padded positions are 0
   update(state, prepared, g)   jit-able: g = d loss / d lookup, f32[B, L, D]; sparse, donated
-  sync / restore / memory / table / stats as in `Backend`, for this table.
+  memory() / table(state)      bytes before allocating; the logical f32[N, D] rows (O(N))
+  with defaults:
+  prepare(ids, upcoming)       host: int[B, L] ids (-1 = padding) -> {"ids", and for per-row
+                               optimizer state "unique", "inverse"} (`dedup`)
+  export / import_             the "rows" checkpoint from `table` and `slots` (the state's
+                               slot arrays under their names) and back through `from_rows`
+                               (default {"table": rows, **slots}): checkpoints, resume and
+                               resharding with no more code
+  sync / restore / stats       as in `Backend`, for this table.
 
   On a mesh a table is replicated unless its backend says otherwise: the lookup gathers the
   local examples' rows; the update gathers the batch's (ids, pooled grads) from every device
   (B x D floats, never a table-sized all-reduce) and every replica applies the same sparse
   update. `lookup_pooled` / `update_pooled` are where a backend places rows otherwise
-  (`dense(shard=rows)`).
+  (`dense(shard=rows)`). The optional protocols (recgnn.embeddings.protocols) belong to the
+  group: a per-table backend that needs one gives its tables a group class (`group_class`).
   """
 
   name: ClassVar[str] = ""
@@ -70,6 +80,12 @@ class TableBackend(abc.ABC):
     del options
     return cls.capabilities
 
+  @classmethod
+  def auto_candidates(cls, spec: TableSpec, context: AutoContext) -> list[str]:
+    """See `Backend.auto_candidates` (the AutoCandidates protocol). Default: none."""
+    del spec, context
+    return []
+
   process_local = Backend.process_local
 
   def __repr__(self):
@@ -105,7 +121,19 @@ class TableBackend(abc.ABC):
     """`prepare` dedups the batch's ids (unique / inverse) for the update's per-row optimizer
     state; False: none is needed (SGD), or the update dedups on device (a process-local slice
     is not the batch; `dense(dedup=device)`)."""
-    return self.spec.optimizer.needs_unique and not self.process_local
+    return self.spec.optimizer.needs_unique and not self.process_local and not self.ids_on_device
+
+  @property
+  def ids_on_device(self) -> bool:
+    """The step gets this table's ids from the device feed (`Layout.ids_on_device`, and the
+    backend `prepares_on_device`): `prepare_on_device` runs, `prepare` never does."""
+    return self.layout.ids_on_device and self.capabilities.prepares_on_device
+
+  def prepare_on_device(self, ids: jax.Array) -> PyTree:
+    """Inside the step (`Capabilities.prepares_on_device`): ids int32[B, L] -> what `prepare`
+    makes of them without a host dedup (`dedup_on_host` is False with `Layout.ids_on_device`):
+    padding mapped to `pad_id`. A backend whose `prepare` is its own overrides both."""
+    return {"ids": jnp.where(ids < 0, self.pad_id, ids).astype(jnp.int32)}
 
   def prepares_by_default(self) -> bool:
     """`prepare` makes the default's arrays (padding mapped, the dedup where `dedup_on_host`),
@@ -178,10 +206,45 @@ class TableBackend(abc.ABC):
       out[k] = jax.ShapeDtypeStruct((s,), jnp.float32, sharding=vec)
     return out
 
+  # The default "rows" checkpoint, from the table view: a backend that implements `table`
+  # (and keeps its optimizer slots under their names, or overrides `slots`) and can build its
+  # state from rows (`from_rows`) checkpoints, resumes and reshards with no more code.
+
+  def slots(self, state: PyTree) -> dict[str, np.ndarray]:
+    """The optimizer's per-row state {slot: f32[N]} on the host (O(N)). Default: the first N
+    entries of `state[slot]` for each of `spec.optimizer.slot_names()`."""
+    n = self.spec.num_rows
+    return {
+      k: np.asarray(jax.device_get(state[k]), np.float32)[:n]
+      for k in self.spec.optimizer.slot_names()
+    }
+
+  def from_rows(self, rows: np.ndarray, slots: dict[str, np.ndarray]) -> PyTree:
+    """The state holding rows f32[N, D] and slots {slot: f32[N]} (the inverse of `table` and
+    `slots`), placed as `state_sharding()` says. Default: {"table": rows, **slots}."""
+    return sharding.put({"table": rows, **slots}, self.state_sharding())
+
   def export(self, state: PyTree) -> dict[str, jax.Array]:
-    """The logical form of a synced state (`Backend.export`)."""
-    raise NotImplementedError(f"{type(self).__name__} cannot be checkpointed (export)")
+    """The logical "rows" form of a synced state (`Backend.export`): {"rows": f32[S, D],
+    slot: f32[S]}, S = aligned_rows(N), the padding rows zero and their slots the optimizer's
+    initial value (as every backend's), placed as `logical_target`
+    says. Default: from `table` and `slots`, through the host (O(N) host memory: a table
+    every process can read whole); a backend whose state already is that form (`dense`) or
+    that places rows itself overrides it."""
+    n, s = self.spec.num_rows, aligned_rows(self.spec.num_rows)
+    rows = np.zeros((s, self.spec.dim), np.float32)
+    rows[:n] = self.table(state)
+    out = {"rows": rows}
+    for k, v in self.slots(state).items():
+      out[k] = np.full((s,), self.spec.optimizer.initial_accumulator, np.float32)
+      out[k][:n] = v
+    target = self.logical_target()
+    return sharding.put(out, {k: target[k].sharding for k in out})
 
   def import_(self, logical: dict[str, jax.Array]) -> PyTree:
-    """The state holding a logical form placed as `logical_target` says."""
-    raise NotImplementedError(f"{type(self).__name__} cannot be restored (import_)")
+    """The state holding a logical form placed as `logical_target` says. Default: its first
+    N rows and slot entries handed to `from_rows`."""
+    n = self.spec.num_rows
+    host = {k: np.asarray(jax.device_get(v), np.float32)[:n] for k, v in logical.items()}
+    rows = host.pop("rows")
+    return self.from_rows(rows, {k: host[k] for k in self.spec.optimizer.slot_names()})

@@ -84,8 +84,8 @@ def draw_offsets(deg: jax.Array, fanout: int, u: jax.Array) -> tuple[jax.Array, 
 
 
 # Dedup table entries (batches x (N + 1) int32) held at once. On CPU, tables that leave the
-# cache make the scatter / gather several times slower (N = 1M, k = 16: one batch at a time
-# 0.19 s, all 16 at once 0.70 s); an accelerator wants many batches in flight.
+# cache make the scatter / gather several times slower; an accelerator wants many batches in
+# flight.
 TABLE_ENTRIES = {"cpu": 1 << 21}
 TABLE_ENTRIES_DEFAULT = 1 << 26
 
@@ -105,9 +105,9 @@ def extend(
   The device twin of `sampling._extend_group` for one batch (see `extend_batches`). No
   sort: a node -> smallest claiming index table of N + 1 entries, built by one scatter-min
   (frontier slot i claims with i, candidate j with n + j) and read back by one gather.
-  XLA:CPU sorts (key, payload) pairs 6x slower than single arrays (measured 2.3 s for
-  1.76M pairs), so a sort-based dedup was 10x slower than numpy's; the table costs O(N)
-  memset per batch plus O(n + M) random accesses.
+  XLA:CPU sorts (key, payload) pairs several times slower than single arrays, so a sort-based
+  dedup is far slower than numpy's; the table costs O(N) memset per batch plus O(n + M)
+  random accesses.
   Args:
     frontier: int32[n] global ids, -1 = padding (anywhere), unique among the valid ones.
     cand: int32[M] candidate ids; cand_valid: bool[M].
@@ -241,8 +241,7 @@ class DeviceNeighborSampler:
   (tested). The direct reads are the default because they are faster wherever a frontier's
   degrees exceed its fanouts: the product writes every entry of every frontier row (the sum
   of their degrees, dominated by hubs on a power-law graph) to keep `fanout` of each, and
-  sizes its buffer for the worst case; measured in `benchmarks/sampling_data_parallel.py`
-  (`--parts=product`: 1.7-2.7x on a 200k-node graph, results/sampling_data_parallel_product*.md).
+  sizes its buffer for the worst case (the comparison: docs/graphs.md).
   """
 
   def __init__(
@@ -343,7 +342,7 @@ def row_layout(length, capacity):
   starts = ends - length
   e = jnp.arange(capacity, dtype=jnp.int32)
   # Entry e belongs to the last row starting at or before e: mark each row's start, then a
-  # running max (a searchsorted per entry costs ~1 us each on XLA:CPU). An empty row shares
+  # running max (a searchsorted per entry is slow on XLA:CPU). An empty row shares
   # its start with the next non-empty one, which is larger and wins the max.
   marks = (
     jnp.zeros(capacity, jnp.int32).at[starts].max(jnp.arange(rows, dtype=jnp.int32), mode="drop")

@@ -136,8 +136,7 @@ def _extend(
   """`_extend_group` over groups of batches of about DEDUP_CHUNK elements each.
 
   The dedup's gathers and scatters are random accesses over its arrays; past a few million
-  elements those leave the cache and cost several times more per element (k = 64 at
-  fanouts [15, 10, 5] was 3x slower per edge than k = 16 in one piece). cand_batch must be
+  elements those leave the cache and cost several times more per element. cand_batch must be
   ascending (candidates grouped by batch), as both samplers produce them.
   """
   k = frontier.shape[0]
@@ -171,7 +170,7 @@ def _extend_group(
 
   Deduplicates all k batches together with one sort of packed integers
   ((batch * N + node) << 1 | is_candidate) << b | element, b = bits of the element count:
-  numpy's integer sort is SIMD-vectorized (10M int64 in ~60 ms here), several times faster
+  numpy's integer sort is SIMD-vectorized, several times faster
   than an argsort or a node -> position map walked batch by batch.
   Args:
     frontier: int32[k, n] global ids, -1 padding (anywhere: earlier layers' padding stays).

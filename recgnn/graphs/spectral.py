@@ -5,9 +5,9 @@ eigenvalues of the symmetrically normalised adjacency S = D^-1/2 A D^-1/2 (the s
 directions of the graph: community indicators on a graph with planted communities), found by
 randomized subspace iteration (Halko, Martinsson, Tropp 2011) on (I + S) / 2, whose spectrum
 is S's shifted into [0, 1] so that the largest |eigenvalue| is the largest eigenvalue. Cost:
-`iters` sparse products with an [N, dim + oversample] block (1M nodes / 10M entries,
-dim 32: ~20 s on this CPU), then a Rayleigh-Ritz step; `scipy.sparse.linalg.eigsh` would be
-exact and 5-20x slower at that size. An init needs the leading subspace, not 6 digits.
+`iters` sparse products with an [N, dim + oversample] block, then a Rayleigh-Ritz step;
+`scipy.sparse.linalg.eigsh` would be exact and several times slower on a large graph. An init
+needs the leading subspace, not 6 digits.
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ class SplitNeighborSampler(_SplitSampler):
     """Rows one device may ask one owner for per hop (all_to_all exchange): all of its
     rows (exact), or `exchange_capacity` x an even share s plus `exchange_margin` x sqrt(s),
     rounded up to 8. The count per owner is about binomial (std ~ sqrt(s)): a factor alone
-    overflows often at small s (measured: 1.25 x 32 rows cost 2-3 points of accuracy)."""
+    overflows often at small s, and rows beyond it lose their neighbours (accuracy drops)."""
     if self.exchange_capacity is None:
       return local_rows
     share = local_rows / self.devices

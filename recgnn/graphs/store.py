@@ -153,8 +153,7 @@ def csr_from_edges(
 def sorted_unique(values: np.ndarray) -> np.ndarray:
   """np.unique for integers by sort + neighbour compare.
 
-  numpy 2.4's np.unique hashes integer arrays: measured 11 s for 10M int64 here, against
-  0.1 s for this.
+  numpy 2.4's np.unique hashes integer arrays, far slower than a sort for large arrays.
   """
   values = np.sort(values)
   if values.size == 0:

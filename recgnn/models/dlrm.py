@@ -1,9 +1,13 @@
 """DLRM (Naumov et al., 2019): bottom MLP over dense features, dot interaction with the
-pooled embeddings, top MLP to one logit. Takes activations, never ids or a backend."""
+pooled embeddings, top MLP to one logit. Takes activations, never ids or a backend.
+
+The CTR model "dlrm" of `recgnn.models.registry` (model.bottom, model.top, model.dtype), and
+the pieces the other CTR models share: `MLP`, `compute_dtype`, `compute_inputs`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -54,9 +58,24 @@ def compute_dtype(name: str) -> Any:
   return DTYPES[name]
 
 
-def compute_inputs(dtype, dense: jax.Array, embeddings: Sequence[jax.Array]):
-  """The model's inputs cast to its computation dtype (d loss / d embeddings comes back in
-  float32 through the cast: the embedding backends' updates stay float32)."""
+def in_order(embeddings: Mapping[str, jax.Array], tables: Sequence[str]) -> list[jax.Array]:
+  """The pooled embeddings {table: f32[B, D_t]} as a list in `tables`' order (empty: the
+  names sorted). The keys must be exactly those tables: a missing or unexpected one raises."""
+  order = tuple(tables) or tuple(sorted(embeddings))
+  if set(order) != set(embeddings) or len(order) != len(embeddings):
+    raise ValueError(
+      f"the model's tables are {list(order)}, but it was given embeddings for {sorted(embeddings)}"
+    )
+  return [embeddings[t] for t in order]
+
+
+def compute_inputs(
+  dtype, dense: jax.Array, embeddings: Mapping[str, jax.Array], tables: Sequence[str] = ()
+) -> tuple[jax.Array, list[jax.Array]]:
+  """The model's inputs in its table order (`in_order`), cast to its computation dtype
+  (d loss / d embeddings comes back in float32 through the cast: the embedding backends'
+  updates stay float32)."""
+  embeddings = in_order(embeddings, tables)
   if dtype == jnp.float32:
     return dense, embeddings
   return dense.astype(dtype), [e.astype(dtype) for e in embeddings]
@@ -75,20 +94,22 @@ def dot_interaction(features: jax.Array) -> jax.Array:
 
 
 class DLRM(nn.Module):
-  """dense float32[B, 13], embeddings [float32[B, D]] * T -> logits float32[B].
+  """dense float32[B, 13], embeddings {table: float32[B, D]} -> logits float32[B].
 
   The bottom MLP's last width must equal the embedding dim D (the dot interaction needs it).
+  tables: the order the embeddings enter the interaction (empty: sorted names).
   dtype: the computation's (`compute_dtype`): the MLPs and the interaction run in it, the
   params, the embeddings' state and the logits stay float32.
   """
 
   bottom: Sequence[int] = (512, 256, 64, 16)
   top: Sequence[int] = (512, 256, 1)
+  tables: Sequence[str] = ()
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, dense: jax.Array, embeddings: Sequence[jax.Array]) -> jax.Array:
-    dense, embeddings = compute_inputs(self.dtype, dense, embeddings)
+  def __call__(self, dense: jax.Array, embeddings: Mapping[str, jax.Array]) -> jax.Array:
+    dense, embeddings = compute_inputs(self.dtype, dense, embeddings, self.tables)
     x = MLP(self.bottom, relu_last=True, name="bottom", dtype=self.dtype)(dense)
     if embeddings and embeddings[0].shape[-1] != x.shape[-1]:
       raise ValueError(
@@ -98,3 +119,12 @@ class DLRM(nn.Module):
     feats = jnp.stack([x, *embeddings], axis=1)
     z = jnp.concatenate([x, dot_interaction(feats)], axis=1)
     return MLP(self.top, relu_last=False, name="top", dtype=self.dtype)(z)[:, 0].astype(jnp.float32)
+
+
+def from_config(model, tables: Sequence[str]) -> DLRM:
+  """config.model (bottom, top, dtype) and the task's tables -> DLRM (the registry's entry)."""
+  dtype = compute_dtype(model.get("dtype", "float32"))
+  return DLRM(bottom=tuple(model.bottom), top=tuple(model.top), tables=tuple(tables), dtype=dtype)
+
+
+CTR_MODEL = from_config

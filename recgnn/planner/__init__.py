@@ -3,7 +3,8 @@
   plan       the registry's lookup (`backend_class`, `available_backends`, `capabilities_of`,
              loading the built-in backends and the entry points), plan strings
              (`parse_backend`), `make_group` / `make_backend`, `Plan`, `resolve_plan`,
-             `format_plan`, `rules_of` (a config's plan read as rules)
+             `format_plan`, `rules_of` (a config's plan read as rules), `load_modules`
+             (a config's `embeddings.modules`: backends in their own files)
   budget     device budgets (`parse_bytes`, `parse_budget`, `RelativeBudget`) and
              `check_memory` / `check_host_memory` (`PlanDoesNotFit`)
   auto       `auto(...)`: each table's backend for a memory budget from measured costs
@@ -32,6 +33,7 @@ from recgnn.planner.plan import (
   check_layout,
   default_mesh,
   format_plan,
+  load_modules,
   make_backend,
   make_group,
   parse_backend,
@@ -54,6 +56,7 @@ __all__ = [
   "check_memory",
   "default_mesh",
   "format_plan",
+  "load_modules",
   "make_backend",
   "make_group",
   "parse_backend",

@@ -4,7 +4,8 @@ A plan is a list of (regex over table names, backend string) rules, first match 
   [("C(3|4|10)", "tt(rank=32)"), (".*", "dense")]
 The backend string's name is a registry key. Backends register themselves with
 `@register_backend("name")` (`recgnn.embeddings.registry`: the built-in ones in
-`recgnn.backends`, a researcher's in their own file, imported before the plan is resolved) or,
+`recgnn.backends`, a researcher's in their own file, imported before the plan is resolved:
+`load_modules`, what `embeddings.modules=PATH,...` does in the trainer) or,
 from an installed package, through the `recgnn.backends` entry-point group
 (`[project.entry-points."recgnn.backends"] toy = "mypkg.toy:Toy"`). The first look-up loads
 the built-in backends (the planner sits above them: docs/architecture.md, "Layers") and the
@@ -18,7 +19,10 @@ import ast
 import dataclasses
 import importlib
 import importlib.metadata
+import importlib.util
+import os
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +30,7 @@ import jax
 from absl import logging
 
 from recgnn import sharding
+from recgnn.embeddings import protocols
 from recgnn.embeddings.contract import (
   Backend,
   Capabilities,
@@ -54,6 +59,44 @@ def _load_registry() -> None:
     obj = ep.load()  # a module that registers on import, or the class itself
     if isinstance(obj, type) and ep.name not in REGISTRY:
       register_backend(ep.name)(obj)
+
+
+def load_modules(modules: str | Sequence[str]) -> list[str]:
+  """Import the modules a config names (`embeddings.modules`: comma-separated file paths or
+  module names) before the plan is resolved, so a backend in its own file registers itself
+  (`@register_backend`) and the plan can name it. A path (ending in .py or holding a `/`) is
+  imported under its file's stem, once: a module of that name already imported from the
+  same file is kept, one from another file refused. -> the module names, in order."""
+  items = modules.split(",") if isinstance(modules, str) else list(modules)
+  return [_load_module(x.strip()) for x in items if x.strip()]
+
+
+def _load_module(item: str) -> str:
+  """Import one `load_modules` item (a path or a module name) -> its module name."""
+  if not (item.endswith(".py") or os.sep in item or "/" in item):
+    importlib.import_module(item)
+    return item
+  path = os.path.realpath(item)
+  if not os.path.isfile(path):
+    raise ValueError(f"embeddings.modules: no file {item!r} (from {os.getcwd()})")
+  name = os.path.splitext(os.path.basename(path))[0]
+  old = sys.modules.get(name)
+  if old is not None:
+    if os.path.realpath(getattr(old, "__file__", "") or "") != path:
+      raise ValueError(
+        f"embeddings.modules: {item!r} would be module {name!r}, already imported from "
+        f"{getattr(old, '__file__', None)!r}: rename the file"
+      )
+    return name
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  try:
+    spec.loader.exec_module(module)
+  except BaseException:
+    del sys.modules[name]
+    raise
+  return name
 
 
 def available_backends() -> list[str]:
@@ -144,14 +187,18 @@ def make_group(
   check_layout(text, cls.capabilities_for(options), layout)
   try:
     if issubclass(cls, TableBackend):
-      group = cls.group_class(specs, options) or TableGroup
-      return group(cls, specs, mesh, layout, text, **options)
-    return cls(specs, mesh, layout, text=text, **options)
+      group = (cls.group_class(specs, options) or TableGroup)(
+        cls, specs, mesh, layout, text, **options
+      )
+    else:
+      group = cls(specs, mesh, layout, text=text, **options)
   except TypeError as e:
     raise ValueError(
       f"Bad options for backend {text!r}: {e}; valid options: "
       f"{', '.join(valid_options(cls)) or 'none'}"
     ) from None
+  protocols.check(group, text)  # (a declared optional protocol is implemented)
+  return group
 
 
 def make_backend(

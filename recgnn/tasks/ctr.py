@@ -1,4 +1,5 @@
-"""Click-through-rate prediction with DLRM (dot interaction) or DLRM-DCNv2 (cross network).
+"""Click-through-rate prediction with a CTR model of `recgnn.models` by name (DLRM, DLRM-DCNv2,
+DeepFM, or one of your own: docs/models.md).
 
 Config keys used (see experiments/dlrm_kaggle.py, experiments/dlrmv2_criteo1tb.py): data.*,
 model.bottom/top, embeddings.dim / initializer / optimizer, train.batch_size /
@@ -8,8 +9,9 @@ eval_batch_size / shuffle, seed. Optional (defaults keep the DLRM Kaggle behavio
   data.num_workers  conversion processes for a schema's files.
   data.multi_hot    {sizes: () | "mlperf" | [ints], distribution: uniform | pareto, seed}:
                     MLPerf's one-hot -> multi-hot expansion (recgnn.data.multihot).
-  model.interaction "dot" (DLRM) or "dcn" (DCNv2: model.cross_layers, model.low_rank; 0 = full
-                    rank).
+  model.name        the model (`recgnn.models.registry`): "dlrm" (the default), "dcn" (DCNv2:
+                    model.cross_layers, model.low_rank; 0 = full rank), "deepfm", ...
+  model.interaction older configs' key, an alias that wins when set: "dot" (dlrm), "dcn".
   model.dtype       "float32" (default) or "bfloat16": the MLPs' and interaction's compute
                     dtype; params, optimizer and embedding state and the loss stay float32.
   embeddings.pooling "sum" (default) or "mean": how a table's bag is reduced (a schema column's
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,11 +33,8 @@ import optax
 from recgnn import metrics as metrics_lib
 from recgnn.data import criteo
 from recgnn.embeddings import OptimizerSpec, TableSpec
-from recgnn.models.dcn import DCN
-from recgnn.models.dlrm import DLRM, compute_dtype
+from recgnn.models import registry as model_registry
 from recgnn.train.task import Task
-
-INTERACTIONS = ("dot", "dcn")
 
 
 def open_dataset(data) -> tuple[criteo.CriteoDataset, dict | None]:
@@ -223,41 +223,27 @@ def _tfds_dataset_type():
   return pipeline.TfdsCriteo
 
 
-def make_model(model):
-  """config.model -> the Flax model: DLRM (interaction="dot") or DCN (interaction="dcn")."""
-  interaction = model.get("interaction", "dot")
-  # model.dtype: the computation's (bfloat16: the MLPs and the interaction; params, optimizer
-  # state, embedding tables and the loss stay float32).
-  dtype = compute_dtype(model.get("dtype", "float32"))
-  if interaction not in INTERACTIONS:
-    raise ValueError(
-      f"Unknown model.interaction {interaction!r}; available: {', '.join(INTERACTIONS)}"
-    )
-  if interaction == "dcn":
-    return DCN(
-      bottom=tuple(model.bottom),
-      top=tuple(model.top),
-      cross_layers=int(model.get("cross_layers", 3)),
-      low_rank=int(model.get("low_rank", 512)),
-      dtype=dtype,
-    )
-  return DLRM(bottom=tuple(model.bottom), top=tuple(model.top), dtype=dtype)
+def make_model(model, tables):
+  """config.model and the task's table names (in order) -> the flax model the config names
+  (`recgnn.models.registry`: model.name, or the alias model.interaction)."""
+  return model_registry.build(model, tables)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Init:
-  """CTR's `init_params` as a value (`Task.init_fn`): the model (a flax module, hashable and
-  equal by its fields) and the table order its embeddings are passed in."""
+  """CTR's `init_params` as a value (`Task.init_fn`): the model (a registered CTR model: a
+  flax module, hashable and equal by its fields) and the tables whose embeddings it gets."""
 
-  model: DLRM | DCN
+  model: nn.Module
   names: tuple[str, ...]
 
   def __call__(self, key, batch, embeddings):
-    return self.model.init(key, batch["dense"], [embeddings[n] for n in self.names])
+    return self.model.init(key, batch["dense"], {n: embeddings[n] for n in self.names})
 
 
 class CTR(Task):
-  """DLRM / DCNv2 on CTR data: dense features, one-hot or multi-hot tables, a binary label."""
+  """A CTR model (DLRM, DCNv2, DeepFM, ...) on CTR data: dense features, one-hot or multi-hot
+  tables, a binary label."""
 
   reads_process_slice = True  # memmap and TFDS sources read only a process's rows
   steps_per_call_key = "train.steps_per_call"
@@ -269,7 +255,7 @@ class CTR(Task):
     self.names = list(self.data.table_names)
     # ids per example of each table (the batches' ids[t] are int32[B, L_t]).
     self.bag_lengths = tuple(getattr(self.data, "bag_lengths", (1,) * len(self.names)))
-    self.model = make_model(config.model)
+    self.model = make_model(config.model, self.names)
     # train.steps_per_call = k: k batches per call of the train step, one transfer, one
     # lax.scan over the k optimizer steps (Task.batches_per_call).
     k = config.train.get("steps_per_call", 1)
@@ -298,7 +284,7 @@ class CTR(Task):
     ]
 
   def _logits(self, params, batch, embeddings):
-    return self.model.apply(params, batch["dense"], [embeddings[n] for n in self.names])
+    return self.model.apply(params, batch["dense"], {n: embeddings[n] for n in self.names})
 
   def init_params(self, key, batch, embeddings):
     return self.init_fn()(key, batch, embeddings)
@@ -307,7 +293,7 @@ class CTR(Task):
     return _Init(self.model, tuple(self.names))
 
   def loss(self, params, batch, embeddings, key):
-    del key  # DLRM has no dropout
+    del key  # the CTR models have no dropout
     logits = self._logits(params, batch, embeddings)
     w = batch["weight"]
     ll = optax.sigmoid_binary_cross_entropy(logits, batch["label"])
@@ -365,6 +351,18 @@ class CTR(Task):
     if isinstance(getattr(self.data, "base", self.data), _tfds_dataset_type()):
       return "data.source=tfds: its grain iterator's threads do not survive a fork"
     return ""
+
+  def device_rows(self):
+    from recgnn.data import ctr_dataset, ctr_rows
+
+    if not isinstance(self.data, ctr_dataset.CTRDataset):  # (tfds, multi-hot expansion)
+      return (
+        f"{type(self.data).__name__} data is read on the host (the device feed takes "
+        "data.source=memmap without data.multi_hot)"
+      )
+    t = self.config.train
+    seed = self.config.seed if t.shuffle else None
+    return ctr_rows.CTRRows(self.data, t.batch_size, t.eval_batch_size, seed)
 
   def steps_per_epoch(self):
     return self.data.num_batches("train", self.config.train.batch_size)

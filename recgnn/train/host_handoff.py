@@ -1,4 +1,4 @@
-"""A train step's rows for the host tiers, handed to their writers after each call (issue 42).
+"""A train step's rows for the host tiers, handed to their writers after each call.
 
 A plan with a host tier (`Capabilities.writes_host`: offload, hot_cold) has a packed train
 step returning a third output, the rows the host takes back (`step.make_train_step`);

@@ -7,13 +7,12 @@ Where the transfer is made, by platform (`sharding.needs_one_in_flight`):
   one device, or GPUs / TPUs   on a transfer thread of its own, as each batch is packed:
                                batch k+1 is on its way before step k's results are waited
                                on, the launching thread does no per-batch work but take it
-                               (the H100 traces: 0.6-1.1 ms of main-thread `device_put` per
-                               step), and the input thread, the slower stage for host-tier
-                               plans, does not carry it either (on the input thread it cost
-                               cdlrm_kaggle's no-work ceiling ~10%: benchmarks/host_path.py)
+                               (on a GPU the main thread's `device_put` is a per-step cost:
+                               docs/gpu.md), and the input thread, the slower stage for
+                               host-tier plans, does not carry it either (docs/gpu.md)
   several XLA:CPU devices      on the main thread (`InputThread.get`): 8-device runs hung in
                                XLA:CPU while a transfer was made during a step's launch
-                               (recgnn.train.loop's docstring, issue 30)
+                               (recgnn.train.loop's docstring; docs/multi-device.md)
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from recgnn import planner, sharding
 from recgnn.train import plan_ahead
 from recgnn.train import step as step_lib
 from recgnn.train.input_worker import InputWorker
-from recgnn.train.packing import Item, Packing
+from recgnn.train.packing import Item, Packing, mark_input_side
 from recgnn.train.task import Task
 
 
@@ -120,7 +119,7 @@ class InputThread:
           break
       self._put(None, self._packed)
     except BaseException as e:  # forwarded to the main thread, which re-raises
-      self._put(e, self._packed)
+      self._put(mark_input_side(e), self._packed)
 
   def _transfers(self):
     """The transfer thread: each packed batch to the devices, in order, then on to `get`."""
@@ -132,7 +131,7 @@ class InputThread:
         try:
           self._to_device(item)
         except BaseException as e:  # forwarded to the main thread, which re-raises
-          item = e
+          item = mark_input_side(e)
       self._put(item)
       if item is None or isinstance(item, BaseException):
         return

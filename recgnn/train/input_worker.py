@@ -1,12 +1,12 @@
-"""The trainer's input pipeline in a worker process (`train.input_workers=1`, issue 43): each
+"""The trainer's input pipeline in a worker process (`train.input_workers=1`): each
 batch read, prepared and packed in a forked child (`packing.Packing`, the same code as the
 input thread), its packed buffers written into a ring of shared-memory slots; the training
 process maps the slot, transfers it to the devices and hands the slot back.
 
 Why a process: the input thread's Python (the batch iterator, every group's `prepare`, the
-packing) held the GIL that the launching thread needs (issue 43: the two threads' Python never
-overlapped in the H100 traces, the main thread sat 1.4-3.7 ms after each launch); the child has
-a GIL of its own, and the training process keeps only a receive, a few views and the transfer.
+packing) holds the GIL that the launching thread needs (in GPU traces the two threads' Python
+never overlapped: docs/gpu.md); the child has a GIL of its own, and the training process
+keeps only a receive, a few views and the transfer.
 
 Why fork (not spawn, not grain's multiprocessing): the child continues the trainer's own
 stream as it is at the fork (the task's iterator at the resumed position, the plan's groups,
@@ -51,6 +51,7 @@ import numpy as np
 
 from recgnn import planner
 from recgnn.train import inputs
+from recgnn.train import packing as packing_lib
 from recgnn.train.packing import Item
 from recgnn.train.task import Task
 
@@ -78,7 +79,12 @@ def available_cpus() -> int:
 
 
 class InputWorkerError(RuntimeError):
-  """The input worker failed: its exception's traceback, or how it died."""
+  """The input worker failed: its exception's traceback, or how it died. user_line: the
+  child's exception as one line where it was a user error (`packing.USER_ERRORS`)."""
+
+  def __init__(self, text: str, user_line: str | None = None):
+    super().__init__(text)
+    self.user_line = user_line
 
 
 def workers_for(setting: int, task: Task, plan: planner.Plan) -> tuple[int, str]:
@@ -142,7 +148,7 @@ class InputWorker:
   the child's again). `slots`: batches packed ahead at most. copy_out: each batch copied out
   of its slot as it arrives and the slot handed back at once (`item.release` None): where
   the transfer may alias host memory instead of copying it (XLA's CPU client maps an aligned
-  numpy buffer into the device array, may_alias=False or not: measured), a device array
+  numpy buffer into the device array, may_alias=False or not), a device array
   would otherwise show the slot's next batch."""
 
   def __init__(self, produce: Callable[[], Iterator], slots: int, copy_out: bool = False):
@@ -178,7 +184,7 @@ class InputWorker:
       kind = msg[0]
       if kind == "error":
         raise InputWorkerError(
-          f"the input worker (pid {self.pid}) failed; its traceback:\n{msg[1]}"
+          f"the input worker (pid {self.pid}) failed; its traceback:\n{msg[1]}", msg[2]
         )
       self.busy_seconds, self.cpu_seconds, self.batches = msg[-3:]
       if kind == "end":
@@ -365,6 +371,6 @@ def _child(produce, items_w, frees_r, slots: int, prefix: str) -> None:
     for path in ring.paths:
       with contextlib.suppress(OSError):
         os.unlink(path)
-  except BaseException:  # sent to the parent, which raises it with this traceback
+  except BaseException as e:  # sent to the parent, which raises it with this traceback
     with contextlib.suppress(OSError):
-      items_w.send(("error", traceback.format_exc()))
+      items_w.send(("error", traceback.format_exc(), packing_lib.user_line(e)))

@@ -243,8 +243,8 @@ class Packer:
 
   def _copy_cuts(self) -> list[int]:
     """Contiguous runs of `slots` of about equal bytes, one per hostpool thread, each at least
-    COPY_CHUNK_BYTES: numpy's copies release the GIL, so a large batch's (65536 rows: ~11 MB,
-    one core's 1.9 ms here) are made by several threads; a small one's in one run."""
+    COPY_CHUNK_BYTES: numpy's copies release the GIL, so a large batch's (a 65536-row batch's:
+    ~11 MB) are made by several threads; a small one's in one run."""
     k = hostpool.threads()
     if k not in self._cuts:
       total = sum(self._bytes)
@@ -267,7 +267,7 @@ def pack(tree: PyTree, specs: PyTree, devices: int) -> tuple[tuple[list, list], 
   specs: a PartitionSpec per leaf (BATCH_SPEC: axis 0 split over the devices; REPLICATED:
   copied to each), or HOST_SPEC (the leaf as it is, for pinned host memory: `put`). A batch
   and its prepared ids are ~100 small arrays; one device_put each costs more than the step on
-  CPU (measured: 25 ms for a 26-table Criteo batch), hence one buffer per dtype; the host
+  CPU (docs/running.md), hence one buffer per dtype; the host
   leaves are a few index lists (one per host-table stack), put one by one. A caller packing
   many batches of one structure keeps its `Packer` (`step.Feeder` does).
   """

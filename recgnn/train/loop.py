@@ -246,10 +246,16 @@ def _train_in(
   )
   # samples/s counts global examples: a process-local batch is 1 / processes of one.
   scale = task.process_shard[1] if run.layout.process_local else 1
-  log(f"Input: {workers_how}")
-  feed = InputThread(
-    items, plan, run.feeder, depth=base.PREFETCH, task=task, scale=scale, worker=workers > 0
-  )
+  if run.device_feed is not None:
+    feed = run.device_feed.input(
+      task, start, end, tcfg.eval_every, tcfg.get("eval_split", "valid"),
+      final_splits if end == total else (),
+    )  # fmt: skip
+  else:
+    log(f"Input: {workers_how}")
+    feed = InputThread(
+      items, plan, run.feeder, depth=base.PREFETCH, task=task, scale=scale, worker=workers > 0
+    )
   main = distributed.is_main()  # only process 0 writes metrics, TensorBoard, results
   scalars_out = ScalarWriter.open(workdir, main)
   if main and run.auto_plan is not None:  # what an auto(...) rule chose, with its figures
@@ -338,7 +344,9 @@ def _train_in(
             new, changed = g.replan(state.emb[k], step)
             state, rebuild = state.replace(emb={**state.emb, k: new}), rebuild or changed
           if rebuild:
-            train_step, eval_step = setup.jit_steps(run.task, run.plan, run.tx, run.shardings)
+            train_step, eval_step = setup.jit_steps(
+              run.task, run.plan, run.tx, run.shardings, feed=run.device_feed
+            )
           dog.last_step = step
           pending_steps.extend(range(step - per_call + 1, step + 1))
           examples += int(item.batch_size)
@@ -409,6 +417,8 @@ def _train_in(
           results.update({f"{item.split}/{k}": v for k, v in res.items()})
   finally:
     feed.close()
+    if run.device_feed is not None:
+      run.device_feed.close()
     if profiling:
       jax.profiler.stop_trace()
     try:

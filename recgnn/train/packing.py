@@ -7,6 +7,7 @@ makes the same buffers either way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
@@ -16,6 +17,28 @@ from recgnn import planner
 from recgnn.train import inputs, plan_ahead
 from recgnn.train import step as step_lib
 from recgnn.train.task import Task
+
+#: Errors of the data or the plan (a malformed file, a cache too small for a batch): raised on
+#: the input side, they reach the user as one line naming the fix (`user_line`), exit 2, as
+#: the plan's own errors do before the first step; any other exception is a bug (traceback).
+USER_ERRORS = (ValueError, LookupError, OSError)
+
+
+def user_line(e: BaseException) -> str | None:
+  """The line an input-side user error reaches the user as (`USER_ERRORS`), else None."""
+  if not isinstance(e, USER_ERRORS):
+    return None
+  text = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {text[0] if text else ''} (raised on the input side)"
+
+
+def mark_input_side(e: BaseException) -> BaseException:
+  """`e` with `user_line` set where it is a user error (run.py prints it, exit 2)."""
+  line = user_line(e)
+  if line is not None and getattr(e, "user_line", None) is None:
+    with contextlib.suppress(AttributeError):  # (an exception type with __slots__)
+      e.user_line = line
+  return e
 
 
 @dataclasses.dataclass

@@ -1,16 +1,16 @@
 """The input's planning stage on a thread of its own: the first half of every group's
 `prepare` (offload's planner: `OffloadGroup.prepare_ahead`) for batch k + 1 runs while the
-input thread makes batch k's lists, reads its rows from the host tier and packs it (issue 43).
+input thread makes batch k's lists, reads its rows from the host tier and packs it.
 
-Why: cdlrm_kaggle's input thread was the loop's slowest stage (benchmarks/host_path.py: the
-main thread waits for it ~17-20 ms per step, the writer's waits for write-backs ~0.01 ms per
-batch), and half of its work, the compiled planner (~3.5 ms per batch of 2048, 26 tables),
-holds no GIL: on a thread of its own it overlaps the other half, mostly Python.
+Why: with offload tables the input thread can be the loop's slowest stage (the main thread
+waits for it), and half of its work, the compiled planner, holds no GIL: on a thread of its
+own it overlaps the other half, mostly Python (docs/running.md, "Measurements behind the
+host-side code").
 
 Ordering: each half runs in stream order on its own thread, and a second half reads only what
 its first half returned (never the planners' state, which the next first half changes). The
 host tier's reads, its ring and its waits for write-backs stay in the second half, on the
-input thread, run ahead of the steps by exactly as many batches as before; only the planning
+input thread, run ahead of the steps by the input thread's run-ahead; only the planning
 runs up to `DEPTH` batches further ahead, and it reads no host row. A plan with a group that
 does not split its prepare and keeps host state (hot_cold; offload at the SSD level) is
 prepared on one thread (`splits`): its whole prepare would run further ahead of the steps than
@@ -42,9 +42,9 @@ def splits(plan: planner.Plan) -> bool:
 def bounded(depth: int) -> tuple[queue.SimpleQueue, queue.SimpleQueue]:
   """(items, room): a queue of at most `depth` items made of C calls only. A producer takes a
   token from `room` before each put, the consumer puts one back after each get: a producer
-  ahead blocks in C, taking no GIL while it waits. (A polled bound woke each waiting thread
-  every 0.5 ms, each wake taking the GIL from the launching thread; `queue.Queue`'s condition
-  variable cost the main thread ~20 Python calls per step.)"""
+  ahead blocks in C, taking no GIL while it waits. (A polled bound would wake each waiting
+  thread often, each wake taking the GIL from the launching thread; `queue.Queue`'s condition
+  variable costs the main thread ~20 Python calls per step.)"""
   room: queue.SimpleQueue = queue.SimpleQueue()
   for _ in range(depth):
     room.put(None)
@@ -86,12 +86,11 @@ def ahead(items: Iterable, depth: int, name: str) -> Iterator:
 
 
 def prepare_stream(plan: planner.Plan, stream: Iterable, depth: int = DEPTH) -> Iterator:
-  """`inputs.prepare_stream`, the first halves (`inputs.plan_stream`) run on a planning
-  thread up to `depth` batches ahead, the second halves here, and the batches read on a
-  reading thread up to `depth` batches ahead of the planning (the read, ~1.4 ms of a batch of
-  2048 here, held no GIL but kept the planning thread, the input's slowest stage, from
-  planning). The same `Prepared` items in the same order; an error of either thread is
-  raised here, after the items before it."""
+  """`inputs.prepare_stream`, the first halves (`inputs.plan_stream`) run on a planning thread up to
+  `depth` batches ahead, the second halves here, and the batches read on a reading thread up to
+  `depth` batches ahead of the planning (the read holds no GIL, but on the planning thread it would
+  keep the input's slowest stage from planning). The same `Prepared` items in the same order; an
+  error of either thread is raised here, after the items before it."""
   read = ahead(stream, depth, "input reading")
   for kind, split, batch, second in ahead(inputs.plan_stream(plan, read), depth, "input planning"):
     yield inputs.Prepared(kind, split, batch, inputs.finish(second))

@@ -16,9 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import itertools
 import pkgutil
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -31,8 +29,9 @@ from jax.experimental import multihost_utils
 from recgnn import distributed, planner, sharding
 from recgnn.embeddings import base
 from recgnn.planner import auto as auto_lib
-from recgnn.train import inputs, model_timing, plan_timing
+from recgnn.train import device_feed, inputs
 from recgnn.train import step as step_lib
+from recgnn.train.plan_figures import plan_figures
 from recgnn.train.task import Task
 
 #: Where tasks live: `config.task` names a module of this package whose TASK is the task's
@@ -67,99 +66,6 @@ parse_bytes = planner.parse_bytes  # '512M', '2G', '1.5GiB', '1000000' -> bytes
 parse_budget = planner.parse_budget
 
 
-def _plan_figures(config, task, rules, specs, mesh, budget, report, log):
-  """(rules, figures): with an auto(...) rule, its tables placed by the planner
-  (recgnn.planner.auto) and its figures; with `report` (--plan_report) and no auto
-  rule, the planner's figures for the plan as written; else (rules, None). Candidates are
-  timed on the run's first training batches under the input layout dense would take,
-  through the cost cache `embeddings.cost_cache` names (a JSON file; "" for none)."""
-  options = auto_lib.auto_options(rules)
-  if options is None and not report:
-    return rules, None
-  layout, _, _ = inputs.choose_layout(
-    task,
-    auto_lib.placeholder_rules(rules),
-    specs,
-    mesh,
-    config.train.get("process_input", "auto"),
-  )
-  n = (options or auto_lib.AutoOptions()).batches
-  finalists = options is not None and options.finalists > 1
-  timing = plan_timing.batches_needed(task.batches_per_call) if finalists else 0
-  batches = list(itertools.islice(task.train_batches(0), max(n, timing)))
-  ids = [b["ids"] for b in batches[:n]]
-  path = config.embeddings.get("cost_cache", "")
-  cache = auto_lib.CostCache(path) if path else None
-  # The part of the step every plan shares, so that the prediction is of the whole step:
-  # through the cost cache like the tables' costs (every plan of the experiment, every run,
-  # the same figure), keyed by what sets its cost and never by the plan.
-  # Timed when first asked: after the candidates' bytes are checked against the budget (an
-  # auto plan no budget fits is refused before anything is timed).
-  tx = step_lib.make_optimizer(config.optimizer)
-  dims = {s.name: s.dim for s in specs}
-  what = repr(
-    (config.task, _config_text(config.get("model")), _config_text(config.optimizer), dims)
-  )
-  model_time = 0.0
-
-  def model_seconds() -> float:
-    nonlocal model_time
-    t0 = time.perf_counter()
-    out = auto_lib.cached_model_seconds(
-      cache,
-      auto_lib.CostCache.model_key(what, batches[:n], mesh),
-      lambda: model_timing.model_step_seconds(task, tx, mesh, batches[:n], dims),
-    )
-    model_time += time.perf_counter() - t0
-    return out
-
-  def time_plan(plan_rules: list[tuple[str, str]], choice) -> float:
-    """A finalist's whole train step (`plan_timing`), through the cost cache: keyed by its
-    rules and everything the model part's key holds, the timing batches all."""
-    key = auto_lib.CostCache.model_key(
-      repr(("whole step", plan_timing.VERSION, plan_rules, what)), batches, mesh
-    )
-
-    def measure() -> float:
-      cfg = config.copy_and_resolve_references()
-      with cfg.unlocked():
-        cfg.embeddings.plan = tuple(plan_rules)
-      run = build(cfg, mesh=mesh, task=task, device_memory_budget=budget)
-      return plan_timing.whole_step_seconds(run, batches)
-
-    out = auto_lib.cached_model_seconds(cache, key, measure)
-    log(
-      f"auto: {choice.label}: whole step {out * 1e3:.2f} ms (predicted "
-      f"{choice.predicted_step_s * 1e3:.2f} ms)"
-    )
-    return out
-
-  if options is not None:
-    log(f"auto plan: timing candidate placements on {len(ids)} training batches")
-    rules, choice = auto_lib.plan_rules(
-      rules,
-      specs,
-      mesh,
-      layout,
-      ids,
-      budget_bytes=budget,
-      log=log,
-      cache=cache,
-      model_s=model_seconds,
-      time_plan=time_plan if timing else None,
-    )
-    model_s = choice.model_s
-  else:
-    log(f"plan report: timing each table's placement on {len(ids)} training batches")
-    model_s = model_seconds()
-    choice = auto_lib.predict_rules(rules, specs, mesh, layout, ids, cache=cache)
-  choice = dataclasses.replace(choice, model_s=model_s, planning_s=choice.planning_s + model_time)
-  log(choice.report())
-  if cache is not None:
-    log(f"cost cache {cache.path}: {cache.hits} reused, {cache.misses} timed")
-  return rules, choice
-
-
 def _train_ids_shapes(plan: planner.Plan, task: Task, example: dict):
   """A train batch's ids shapes ({table: shape}) when a group holds buffers sized by the
   batch (`Backend.batch_memory`, asked with the `example` batch's shapes first): one batch
@@ -169,13 +75,6 @@ def _train_ids_shapes(plan: planner.Plan, task: Task, example: dict):
   if not planner.batch_bytes(plan, probe):
     return None
   return auto_lib.ids_shapes([next(task.train_batches(0))["ids"]])
-
-
-def _config_text(section) -> str:
-  """A config section as text that is the same for the same values (a cache key's part)."""
-  if isinstance(section, ml_collections.ConfigDict):
-    return section.to_json_best_effort(sort_keys=True)
-  return repr(section)
 
 
 def training_length(tcfg, task: Task) -> tuple[int, str]:
@@ -236,6 +135,9 @@ class Run:
   # The planner's figures of the plan (auto's choice, or with plan_report the plan as written):
   # per table bytes and measured step, the predicted train step.
   prediction: auto_lib.PlanChoice | None = None
+  # The training data on the devices (train.feed), or None: the host feed.
+  device_feed: device_feed.DeviceFeed | None = None
+  feed_how: str = ""  # which feed and why (a log line)
 
   def init_state(self) -> step_lib.TrainState:
     """A freshly allocated initial state, equal to `state` before any step."""
@@ -319,12 +221,20 @@ def refuse_stacked_calls(task: Task, plan: planner.Plan) -> None:
 
 
 def jit_steps(
-  task: Task, plan: planner.Plan, tx, shardings, step_inputs: dict | None = None
+  task: Task,
+  plan: planner.Plan,
+  tx,
+  shardings,
+  step_inputs: dict | None = None,
+  feed: device_feed.DeviceFeed | None = None,
 ) -> tuple[Callable, Callable]:
   """The jitted packed (train, eval) steps of a plan: built once by `build`, and again by the
   loop when a group re-plans its static shapes (capability `replans_shapes`). The train step
   is the task's own when it has one (`Task.train_step`), which reads `step_inputs`
-  (`place_step_inputs`, the run's `Run.step_inputs`)."""
+  (`place_step_inputs`, the run's `Run.step_inputs`). With the device feed (`feed`), both
+  gather their batches on the devices (`device_feed.fed_step`)."""
+  if feed is not None:
+    return device_feed.jit_steps(task, plan, tx, shardings, feed)
   own = task.train_step(plan, tx)
   if own is not None and step_inputs is None and task.step_inputs():
     raise ValueError(
@@ -384,6 +294,8 @@ def build(
   figures are always there). log: progress lines (the trainer's prints
   from process 0; quiet by default).
   """
+  # Backends in their own files register before the task or the plan reads a plan string.
+  planner.load_modules(config.get("embeddings", {}).get("modules", ""))
   mesh = config_mesh(config) if mesh is None else mesh
   if task is None:
     task = _open_task(config, mesh, log)
@@ -399,9 +311,9 @@ def build(
       f"device_memory_budget={device_memory_budget} is relative to the plan, which an "
       "auto(...) rule has yet to choose: give plan=auto a budget in bytes (e.g. 64M)"
     )
-  rules, choice = _plan_figures(
+  rules, choice = plan_figures(
     config, task, rules, specs, mesh, None if relative else device_memory_budget,
-    plan_report, log,
+    plan_report, log, build,
   )  # fmt: skip
   auto = choice if auto_lib.auto_options(planner.rules_of(config.embeddings.plan)) else None
   # The input layout first (batch split; with many processes, whether each reads only its
@@ -419,6 +331,7 @@ def build(
     )
   if jax.process_count() > 1:
     log(f"Input: {input_how}")
+  layout, rows, feed_how = device_feed.layout_for(config.train, task, rules, specs, layout, mesh)
   plan = planner.resolve_plan(rules, specs, mesh, layout, log=False)
   log("Embedding plan (bytes before allocation):\n" + planner.format_plan(plan))
   refuse_stacked_calls(task, plan)
@@ -435,7 +348,18 @@ def build(
       "budget)"
     )
   else:
-    planner.check_memory(plan, device_memory_budget, ids_shapes)
+    need = planner.check_memory(plan, device_memory_budget, ids_shapes)
+  if rows is not None:
+    why = device_feed.fits(
+      config.train, rows, need, None if relative else device_memory_budget, mesh
+    )
+    if why:  # (train.feed=auto: the host feed, and the plan its backends built for it)
+      rows, feed_how = None, f"host feed: {why}"
+      layout = dataclasses.replace(layout, ids_on_device=False)
+      plan = planner.resolve_plan(rules, specs, mesh, layout, log=False)
+    else:
+      device_feed.check_ids(rows, plan.specs)
+  log(f"Input: {feed_how}")
   planner.check_host_memory(plan, planner.parse_bytes(config.get("host_memory_budget")))
   feeder = step_lib.Feeder(plan, task.batch_spec)
   total_steps, length = training_length(tcfg, task)
@@ -461,7 +385,8 @@ def build(
   log(f"Dense params: {sum(x.size for x in jax.tree.leaves(state.params)):,}")
   shardings = step_lib.state_sharding(plan, state)
   step_inputs = place_step_inputs(task, mesh)
-  train_step, eval_step = jit_steps(task, plan, tx, shardings, step_inputs)
+  feed = device_feed.DeviceFeed(rows, plan) if rows is not None and allocate else None
+  train_step, eval_step = jit_steps(task, plan, tx, shardings, step_inputs, feed)
   return Run(
     config=config,
     mesh=mesh,
@@ -482,4 +407,6 @@ def build(
     length=length,
     auto_plan=auto,
     prediction=choice,
+    device_feed=feed,
+    feed_how=feed_how,
   )

@@ -15,6 +15,7 @@ Steps are jitted with explicit in / out shardings and the state donated.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -161,6 +162,11 @@ def make_train_step(task: Task, plan: planner.Plan, tx):
   (`_micro_loss_and_grads`; recgnn.embeddings.microbatch says how a backend declares one).
   """
   skey = splitting_group(plan)
+  if skey is not None and not task.loss_is_per_example_mean:
+    raise ValueError(
+      f"{type(task).__name__}'s loss is not a per-example mean (loss_is_per_example_mean), so "
+      f"group {skey!r}'s micro-batches cannot be recombined into it: use hot_cold(split=False)"
+    )
 
   def step(state: TrainState, prepared, batch):
     key = jax.random.fold_in(state.key, state.step)
@@ -226,6 +232,7 @@ def jit_packed(
   name: str = "packed",
   step_inputs: PyTree | None = None,
   stacked: int = 1,
+  inputs_of: Callable[[], PyTree] | None = None,
 ):
   """step_fn(state, prepared, batch) -> jitted f(state, buffers, layout) over `inputs.pack`
   output, with explicit in / out shardings (state as `state_shardings`, buffers split over
@@ -237,6 +244,8 @@ def jit_packed(
   step_fn(state, prepared, batch, step_inputs), and they are the jitted function's last
   argument, bound here (f keeps the signature above). An argument, not a closure: a
   closed-over array would be a constant of the program, the whole graph in its HLO.
+  inputs_of: step inputs that change between calls (the device feed's pass orders): each
+  call reads inputs_of(), of `step_inputs`' structure, shapes and shardings.
 
   stacked: k > 1 train steps per call over k batches (`Feeder.pack_call`: buffers [k,
   devices, n], one layout, no host leaves): one `lax.scan` of step_fn over them, the state carried,
@@ -288,7 +297,8 @@ def jit_packed(
   # Simulated CPU devices: one step in flight at a time (XLA:CPU deadlocks otherwise; see
   # sharding.OneInFlight). Elsewhere the jitted function itself: no Python frame per call.
   one = sharding.OneInFlight(jitted, mesh) if sharding.needs_one_in_flight(mesh) else jitted
-  one = one if step_inputs is None else _BoundInputs(one, step_inputs)
+  if step_inputs is not None:
+    one = _BoundInputs(one, inputs_of or (lambda: step_inputs))
   return host_handoff.HandsToHost(one, plan, stacked) if hands else one
 
 
@@ -310,16 +320,21 @@ def _scan(body, state, bufs):
 
 class _BoundInputs:
   """A `jit_packed` step with its step inputs bound as the last argument: called (and
-  lowered) as f(state, buffers, layout), like a step without them."""
+  lowered) as f(state, buffers, layout), like a step without them. inputs_of() gives them
+  at each call."""
 
-  def __init__(self, fn, step_inputs):
-    self._fn, self.step_inputs = fn, step_inputs
+  def __init__(self, fn, inputs_of: Callable[[], PyTree]):
+    self._fn, self._inputs_of = fn, inputs_of
+
+  @property
+  def step_inputs(self) -> PyTree:
+    return self._inputs_of()
 
   def __call__(self, state, buffers, layout):
-    return self._fn(state, buffers, layout, self.step_inputs)
+    return self._fn(state, buffers, layout, self._inputs_of())
 
   def lower(self, state, buffers, layout):
-    return self._fn.lower(state, buffers, layout, self.step_inputs)
+    return self._fn.lower(state, buffers, layout, self._inputs_of())
 
 
 class Feeder:
@@ -414,7 +429,7 @@ class Feeder:
         "the train batches of one call differ in structure or shapes; k steps per call "
         "(train.steps_per_call) needs batches of one shape (drop the remainder)"
       )
-    if packed[0][0][1]:  # (no backend has such leaves since issue 42)
+    if packed[0][0][1]:  # (no backend of this project prepares such leaves)
       raise ValueError(
         f"k steps per call cannot stack {len(packed[0][0][1])} pinned-host-memory leaves "
         "(a backend's prepared leaves with sharding.HOST_SPEC): use train.steps_per_call=1"
@@ -436,7 +451,7 @@ def _shared_init(fn, key, batch, embeddings):
   """fn(key, batch, embeddings) for a task's hashable `Task.init_fn`: one jitted function, so
   jax's cache (keyed by fn's hash and equality, and the arguments' shapes) hands a later
   build with an equal fn the program an earlier one compiled, with no trace, lowering or
-  cache read (py-spy over a warm test-suite run: 46 worker-s in ~220 builds, every build)."""
+  cache read, which every build would otherwise pay (docs/running.md)."""
   return fn(key, batch, embeddings)
 
 
@@ -454,8 +469,8 @@ def init_state(
   zeros = {  # (numpy: jnp.zeros compiled a program per shape; these only enter the jit below)
     n: np.zeros(example_batch["ids"][n].shape[:1] + (s.dim,), np.float32) for n, s in specs.items()
   }
-  # Jitted: run eagerly, flax's init dispatches op by op (2.6 s for the reference DLRM's MLPs
-  # against 1.1 s compiled); the values are the same either way.
+  # Jitted: run eagerly, flax's init dispatches op by op, slower than compiling it
+  # (docs/running.md); the values are the same either way.
   fn = task.init_fn()
   init = jax.jit(task.init_params) if fn is None else functools.partial(_shared_init, fn)
   params = init(k_params, device_batch(example_batch), zeros)

@@ -32,6 +32,10 @@ from recgnn.train import inputs
 Batch = dict[str, Any]
 PyTree = Any
 
+#: The splits evaluated at the end of a run when `train.final_eval_splits` is not set (the
+#: trainer runs them; a task checks its data has rows for them).
+FINAL_EVAL_SPLITS: tuple[str, ...] = ("valid", "test")
+
 
 class Task(abc.ABC):
   """One learning problem. Constructed with the experiment's whole (locked) config and the
@@ -67,8 +71,18 @@ class Task(abc.ABC):
     embeddings: dict[str, jax.Array],
     key: jax.Array,
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Training loss (a scalar; mean over the batch's weighted examples) and scalar aux
-    metrics. Pure and jit-able; `key` for dropout."""
+    """Training loss (a scalar; a mean over the batch's weighted examples unless
+    `loss_is_per_example_mean` says otherwise) and scalar aux metrics. Pure and jit-able;
+    `key` for dropout."""
+
+  #: Whether `loss` is a per-example mean, sum_i w_i l_i / max(sum_i w_i, 1) (w_i: example i's
+  #: batch["weight"], else 1; l_i: a function of example i's inputs and the params only), and
+  #: its aux metrics too. A group that splits each batch into micro-batches
+  #: (`hot_cold(split=True)`, `Capabilities.splits_batch`) runs the loss per micro-batch and
+  #: recombines them by their weights, exact only then: the trainer refuses that plan for a
+  #: task that says False (a loss over the batch as a whole: in-batch negatives, a batch-level
+  #: regularizer, a sum).
+  loss_is_per_example_mean: bool = True
 
   @abc.abstractmethod
   def predict(self, params: PyTree, batch: Batch, embeddings: dict[str, jax.Array]) -> PyTree:
@@ -156,6 +170,15 @@ class Task(abc.ABC):
     forked worker process (`recgnn.train.input_worker`); else why not (a log line). By
     default not: a task says so once it is known to hold."""
     return f"{type(self).__name__}'s batches are read on the trainer's thread (Task.forkable_input)"
+
+  def device_rows(self) -> Any:
+    """The task's data as rows the device feed places on the devices (`train.feed`,
+    recgnn.train.device_feed): an object with `arrays()`, `nbytes`, `gather`, the train
+    `batch_size`, `train_batches`, `train_order(epoch)`, `eval_batch_size`,
+    `eval_cursors(split)`, `host_ids` and `max_ids` (recgnn.data.ctr_rows.CTRRows), giving
+    the batches `train_batches` / `eval_batches` give; or a line saying why the batches are
+    read on the host (the default)."""
+    return f"{type(self).__name__} reads its batches on the host"
 
   def steps_per_epoch(self) -> int | None:
     """Train steps of one pass over the train split (for `train.epochs`), None if unknown."""

@@ -15,14 +15,14 @@ make that, and its compile, a lookup) and read once:
 
 A step that runs k steps per call (`Task.steps_per_call`: a lax.scan) has its loop body read
 once: its collective bytes are then one scanned step's plus the call's own. These are what the
-program asks to move, the same on a GPU as here (host and device memory are one RAM on this
-CPU, so no timing can).
+program asks to move, the same on every platform (on a CPU host and device memory are one
+RAM, so no timing there can tell them).
 
 The program is keyed by the step function and its static packed layout (the last argument,
 an `inputs.PackLayout`: the buffers' shapes follow from it), never by a walk of the
 arguments: a step whose layout is the previous step's object costs two identity checks, any
 other a dict lookup by the layout's cached hash (the trainer's main thread runs this every
-step; walking ~100 leaves cost 168 Python calls per step there).
+step; a walk of ~100 leaves would cost it over a hundred Python calls per step).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def step_io(lowered) -> tuple[int, int]:
 def program_traffic(lowered) -> dict[str, int]:
   """{KEYS: bytes} of one `jax.jit(...).lower(...)` step: its batch's transfer and its host
   tiers' rows (`step_io`), plus any transfer inside the step (`comms.host_link_of`: none in
-  this project's steps since the host tiers moved out of them, issue 42)."""
+  this project's steps, whose host tiers work outside them)."""
   link = comms.host_link_of(lowered)
   into, out = step_io(lowered)
   collectives = comms.summary(lowered.compile().as_text())

@@ -9,7 +9,8 @@ checkpoint save) with `Watchdog.unit(kind, name)`. A thread checks the unit in p
 
 Past the bound the watchdog prints every Python thread's stack (faulthandler), names the
 unit and the last finished step, and ends the process with EXIT_HUNG: a hung collective
-(the 7-of-8-devices all-gather of issue 30) would otherwise hold a job, or CI, until killed.
+(e.g. an all-gather that some devices never join) would otherwise hold a job, or CI, until
+killed.
 
 SIGTERM: the trainer's handler asks the loop to stop after the step in progress (then it
 saves a checkpoint). Python runs that handler only between bytecodes of the main thread, so
@@ -35,6 +36,16 @@ import time
 EXIT_HUNG = 3
 EXIT_SIGTERM = 128 + signal.SIGTERM
 
+#: The watchdog's bounds by their `train.*` config keys: the one place that sets their
+#: defaults (run.py's `with_defaults` fills a config's missing keys from it, the trainer
+#: builds its watchdog with `Watchdog.from_config`).
+CONFIG_DEFAULTS: dict[str, float] = {
+  "watchdog_factor": 20.0,
+  "watchdog_min_s": 120.0,
+  "watchdog_first_s": 1800.0,
+  "sigterm_grace_s": 120.0,
+}
+
 
 class Watchdog:
   """See the module docstring. `enabled=False` (or factor <= 0): units are not watched
@@ -43,10 +54,10 @@ class Watchdog:
   def __init__(
     self,
     *,
-    factor: float = 20.0,
-    min_s: float = 120.0,
-    first_s: float = 1800.0,
-    grace_s: float = 120.0,
+    factor: float = CONFIG_DEFAULTS["watchdog_factor"],
+    min_s: float = CONFIG_DEFAULTS["watchdog_min_s"],
+    first_s: float = CONFIG_DEFAULTS["watchdog_first_s"],
+    grace_s: float = CONFIG_DEFAULTS["sigterm_grace_s"],
     log=print,
     exit=os._exit,
   ):
@@ -66,6 +77,18 @@ class Watchdog:
     self._old_wakeup: int | None = None
     self._thread = threading.Thread(target=self._run, name="recgnn-watchdog", daemon=True)
     self._thread.start()
+
+  @classmethod
+  def from_config(cls, tcfg, **kwargs) -> Watchdog:
+    """A watchdog with the bounds of a `train` config (`CONFIG_DEFAULTS` for missing keys)."""
+    b = {k: float(tcfg.get(k, v)) for k, v in CONFIG_DEFAULTS.items()}
+    return cls(
+      factor=b["watchdog_factor"],
+      min_s=b["watchdog_min_s"],
+      first_s=b["watchdog_first_s"],
+      grace_s=b["sigterm_grace_s"],
+      **kwargs,
+    )
 
   # --------------------------------------------------------------------------- units
 

@@ -13,7 +13,7 @@ micro-batch (every id hot: computed from device memory only) and a non-popular o
 cold: its cold rows came with the batch), so the accelerators work on the popular examples
 first.
 
-How a batch flows (issue 42: no host computation and no host array inside the step):
+How a batch flows (no host computation and no host array inside the step):
 
   input thread, prepare(k)   counts accesses while profiling (recgnn.embeddings.access_counts);
                              maps each id to a hot slot or to the batch's list of distinct
@@ -93,19 +93,14 @@ base.aligned_rows(N)) are the group's, never state and never an argument of the 
 row's host copy is stale until `sync` writes it back. The ring is not checkpointed: `export`
 drains the writer, so the host tables hold every cold row's value.
 
-What moved, and why (issue 42). Before, the step gathered its cold rows from pinned-host
-tables with host computations (`compute_on("device_host")`) and wrote them back with another,
-and a "prefetch" read batch k + 1's rows during step k into a device buffer in the state
-("next", with "from_now" / "from_hot" forwarding of rows the step updated or evicted from the
-hot set). On the one GPU measured (H100) each host computation made the launch wait ~1 ms and
-XLA:GPU copied every host table whole into the write-back (pinned -> pinned, O(rows) per
-step). Now the reads happen in prepare (the input pipeline already ran a batch's prepare ahead
-of its step, so every batch's rows are read ahead: the old prefetch is what every batch gets),
-the write-back is an output applied by a host thread, and the forwarding the prefetch did
-inside one step is the ring's, across the pipeline's depth. The `prefetch` option is kept
-parseable as a no-op (plan strings, the planner's candidates and saved configs carry it).
-tests/test_host_tier.py reads the lowered step (CPU and CUDA): no host computation, no host
-memory, no table-sized tensor.
+Why the host reads and writes are outside the step: host computations inside it
+(`compute_on("device_host")` gathers and scatters on pinned-host tables) make the launch wait
+for each one, and XLA:GPU copies every host table whole into the write-back (pinned -> pinned,
+O(rows) per step; docs/architecture.md, "The host tier"). So the reads happen in prepare,
+which the input pipeline runs ahead of the step (every batch's cold rows are read ahead), the
+write-back is an output applied by a host thread, and a row the step updated and a later
+batch reads comes from the ring, across the pipeline's depth. tests/test_host_tier.py reads
+the lowered step (CPU and CUDA): no host computation, no host memory, no table-sized tensor.
 
 Limits, and why:
   - The budget is per table (each table's hot array holds `budget` of its rows), not FAE's one

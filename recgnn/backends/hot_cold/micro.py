@@ -52,7 +52,7 @@ OFF_LOG = OffLog()
 def _popular_size(cnt: int, b: int) -> int:
   """The popular micro-batch size for a device's popular count cnt of b examples: cnt less
   MARGIN binomial standard deviations, so later batches rarely have fewer (each new size
-  recompiles the step: 10-20 s on CPU, a seventh of an epoch of the synthetic default).
+  recompiles the whole train step, which costs many steps).
   Popular examples past it run in the non-popular micro-batch: the same compute."""
   sd = math.sqrt(cnt * (1 - cnt / b)) if b else 0.0
   return max(0, math.floor(cnt - MARGIN * sd))

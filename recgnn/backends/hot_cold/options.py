@@ -26,10 +26,6 @@ class HotColdOptions(base.BackendOptions):
       hot slots a re-pick may empty (`host_side.HostTier._ring_rows`).
     split: run the batch as popular + non-popular micro-batches (the step's micro-batch
       feature). False: one lookup of the whole batch (same values).
-    host_memory: `pinned_host`: the cold rows in host RAM, read for a batch on the input
-      thread and moved with its transfer, written back by a host writer
-      (recgnn.embeddings.host_tier). `device` (no offload) went with the host computations
-      inside the step (issue 42): tables wholly on the devices are `dense`.
     cold_list: the length of the group's cold lists, a shape of the step. The cold rows of
       every table with the same row layout (dim, optimizer) travel in ONE list, table after
       table (read by prepare, `host_side.HostTier.stage`), so the step's shape is one length per
@@ -41,12 +37,6 @@ class HotColdOptions(base.BackendOptions):
       cold, the batch's ids: one length for the profile). `fixed`: the batch's id count per
       table (at most its rows), summed: one shape for the run, but the host link carries
       that many rows whatever the hot set covers.
-    prefetch: the cold rows read ahead of their step. Always so since issue 42: every
-      batch's cold rows are read by its own prepare on the input thread, ahead of its step,
-      and move with the batch (the package docstring); what `prefetch=True` did for the next
-      batch, every batch gets. Kept so that plan strings written before then parse;
-      `prefetch=False` (read them inside the step, on demand) is refused: no step reads the
-      host any more.
   """
 
   backend: ClassVar[str] = "hot_cold"
@@ -56,26 +46,12 @@ class HotColdOptions(base.BackendOptions):
   profile_batches: int = 20
   reprofile: int = 0
   split: bool = True
-  host_memory: str = "pinned_host"
   cold_list: str = "bucket"
-  prefetch: bool = True
 
   def __post_init__(self):
-    if not self.prefetch:
-      raise ValueError(
-        "hot_cold: prefetch=False cannot be honoured: the cold rows are always read ahead of "
-        "their step (every batch's by its own prepare on the input thread, moved with the "
-        "batch; issue 42 removed the step's on-demand host reads). Drop prefetch=False"
-      )
     if self.cold_list not in COLD_LISTS:
       raise ValueError(
         f"hot_cold: cold_list must be one of {', '.join(COLD_LISTS)}, got {self.cold_list!r}"
-      )
-    if self.host_memory != "pinned_host":
-      raise ValueError(
-        f"hot_cold: host_memory={self.host_memory!r} is not available: the cold rows live in "
-        "host RAM (pinned_host, the default) and move with the batch; for tables wholly on "
-        "the devices use dense"
       )
     if self.budget is not None and self.hot_rows is not None:
       raise ValueError("hot_cold: give budget=FRACTION or hot_rows=ROWS, not both")
@@ -95,7 +71,7 @@ class HotColdOptions(base.BackendOptions):
       )
 
   def describe(self) -> str:
-    """The plan string of what these options do (`prefetch`, always so, left out)."""
+    """The plan string of what these options do (defaults left out)."""
     size = f"hot_rows={self.hot_rows}" if self.fraction is None else f"budget={self.fraction}"
     extra = f", reprofile={self.reprofile}" if self.reprofile else ""
     extra += "" if self.split else ", split=False"

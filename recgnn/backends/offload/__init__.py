@@ -3,8 +3,8 @@
 Plan string: `offload(cache_rows=200_000, policy=lru, lookahead=8)`; see `OffloadOptions`. With
 the SSD level: `offload(cache_fraction=0.01, host_cache=0.05, storage='ssd:/mnt/nvme/rows')`.
 
-How a batch flows (cDLRM, Balasubramanian et al., RecSys'21), and what moves when (issue 42:
-no host computation and no host array inside the step; recgnn/embeddings/host_tier.py):
+How a batch flows (cDLRM, Balasubramanian et al., RecSys'21), and what moves when (no host
+computation and no host array inside the step; recgnn/embeddings/host_tier.py):
 
   input thread, prepare(k)   the planner (numpy, host; `planner.plan_step` compiled for the
                              steady state of a group) admits batch k+1 into the cache: picks
@@ -42,12 +42,10 @@ per array for each exchange, one write-back. The planner still plans each table 
 slots; the group makes them the stack's on the host (the
 lists' slots and NEXT_FROM_NOW `stacked_batch.segments`, the batch's ids, unique and
 inverse `stacked_batch.stack`, one input leaf per kind for the stack: each leaf is a slice of
-the trainer's input buffer, a kernel apiece). Device kernels of a DLRM step, 26 tables
-(benchmarks/memory_tiers.py, XLA:CPU's fusion): 480 with a cache and its kernels per table
-(~11 per table more than `dense`, whose 189 are a gather and an update per table), 97 stacked
-(predicted H100 step 2.38x -> 0.57x dense's, results/memory_tiers.md);
-tests/test_offload_tiers.py pins that 16 tables run as many as 2 (SGD; Adagrad: one more per
-table). The host arrays stay one set per table (numpy, in this process).
+the trainer's input buffer, a kernel apiece). Stacked, the step's kernel count does not grow with
+the table count (the counts: docs/backends/offload.md); tests/test_offload_tiers.py pins that 16
+tables run as many as 2 (SGD; Adagrad: one more per table). The host arrays stay one set per table
+(numpy, in this process).
 
 A row loaded for k+1 was not resident at k+1's admission, so step k's update does not touch it
 and its host copy is current once every earlier write-back landed (or the ring holds it),
@@ -65,17 +63,16 @@ eighth-octave bucket with hysteresis (`cache_plan.Sizer`): host-link bytes follo
 (tests/test_offload_tiers.py: 1.05-1.09x the missed rows x row bytes at 1%, 5% and 20% caches
 for 26 tables, within 1.25x for one) and the step takes one or two shapes over 200 steps of a
 26-table stream, since the group's total misses move ~sqrt(26) less than one table's relative
-to their size (sized per table, every new combination of the 26 widths was a new step: 33-106
-in 200 steps). `fixed` keeps one shape, the sum of min(ids per batch, C) over the tables,
+to their size (sized per table, every new combination of the tables' lengths would be a new
+step). `fixed` keeps one shape, the sum of min(ids per batch, C) over the tables,
 whatever the misses. On a mesh the cache is replicated: every device receives the list's
-rows with its share of the batch (each device's link carries the list's length, as before).
+rows with its share of the batch (each device's link carries the list's length).
 
 Where the state lives, and why: the host tables are numpy arrays owned by the group
-(`host_tier.HostRows`), not arrays of the jitted state. In the state (pinned-host jax arrays
-read and written by `compute_on` host computations, the design until issue 42) XLA:CPU
-updated them in place, but on the one GPU measured XLA:GPU copied every host table whole into
-the write-back each step (O(rows): 52 copies, 18.7 MB per step at 1% of Kaggle's tables) and
-each host computation made the launch wait. Read on the input thread and written by a writer
+(`host_tier.HostRows`), not arrays of the jitted state: as pinned-host jax arrays read and
+written by `compute_on` host computations, XLA:GPU copies every host table whole into the
+write-back each step (O(rows)) and each host computation makes the launch wait
+(docs/architecture.md, "The host tier"). Read on the input thread and written by a writer
 thread, the tables cost the host O(rows moved) per step, never a copy, and the step's inputs
 and outputs are O(batch) (tests/test_host_tier.py reads the lowered step, CPU and CUDA).
 Checkpoints: `sync` drains the writer and writes the resident cache rows to the tables; `export`
@@ -101,7 +98,7 @@ Residuals (lookup -> update): per stack, {"now": {"table": f32[M, D], "accum": f
 (from the batch, or the ring where it holds them); every table of the stack in one list (its
 rows at its offsets).
 
-The SSD level (`storage='ssd:DIR'`, `host_cache=F`; issue 44): the host tables become row
+The SSD level (`storage='ssd:DIR'`, `host_cache=F`): the host tables become row
 files on disk behind a host-RAM cache of F of the rows (disk_rows.py `DiskRows`, the same
 interface as `host_tier.HostRows`: nothing above it changes), read ahead over the look-ahead
 window; docs/architecture.md "Below the host tier".
@@ -135,12 +132,11 @@ from recgnn.backends.offload.cache_plan import (
 )
 from recgnn.backends.offload.group import OffloadGroup
 from recgnn.backends.offload.options import OffloadOptions
-from recgnn.backends.offload.table import HOST_MEMORIES, Offload
+from recgnn.backends.offload.table import Offload
 
 __all__ = [
   "EVICT_ROWS",
   "EVICT_SLOTS",
-  "HOST_MEMORIES",
   "LOAD_ROWS",
   "LOAD_SLOTS",
   "NEXT_FROM_NOW",

@@ -148,8 +148,8 @@ class Planner:
     m = miss.shape[0]
     if m == 0:
       return dataclasses.replace(Exchange.empty(), hits=int(hit.sum()))
-    # Free slots first, taken directly (argpartition over many equal keys is slow: 9 ms for
-    # 125k slots, 69k of them free); then the policy's order over the occupied ones.
+    # Free slots first, taken directly (argpartition over many equal keys is slow); then the
+    # policy's order over the occupied ones.
     free = np.flatnonzero(self.slot_row < 0)
     if free.shape[0] >= m:
       victims = free[:m]

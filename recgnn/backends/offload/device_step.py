@@ -117,7 +117,7 @@ class DeviceStep:
       out["unique"], out["inverse"] = batch["unique"], cat(inverse)
       # Each row's mean squared gradient reduced per table, on its table's block of the
       # stack's distinct rows (int32[B * L] each): XLA:CPU picks a reduction's summation
-      # order by the array's size ([256, 8] and [512, 8] differ in the last bit, measured),
+      # order by the array's size ([256, 8] and [512, 8] can differ in the last bit),
       # so one reduce over the stack's rows is not `dense`'s, whose arrays are per table.
       # One small kernel per table, only for row-wise optimizers.
       ends = np.cumsum(blocks).tolist()

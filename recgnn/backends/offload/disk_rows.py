@@ -1,6 +1,6 @@
-"""offload's SSD level (issue 44): the tables' rows and optimizer state in row files on disk
+"""offload's SSD level: the tables' rows and optimizer state in row files on disk
 (`row_file.RowFile`), a bounded host-RAM cache of them (`CachedRows`, one per table), the
-device cache above as before. `DiskRows` has `host_tier.HostRows`'s interface (`gather` on
+device cache above unchanged. `DiskRows` has `host_tier.HostRows`'s interface (`gather` on
 the input thread, `scatter` on the writer thread, `set`, `table`, `put`), so `HostSide` and
 the step do not know where the rows are.
 
@@ -93,8 +93,8 @@ class CachedRows:
     """Free slots for `rows`' misses ahead of `Planner.admit`, at least H / EVICT_AHEAD at a
     time (the least recently used, by the table's policy; dirty ones written back in one
     batch; the request's resident rows and read-aheads in flight kept). The planner's victim
-    search is O(H) per admission that evicts (15 ms at H = 520k rows, measured: the step's
-    CPU on a full host cache); with the slots freed ahead, most admissions take free slots."""
+    search is O(H) per admission that evicts (on a full host cache of many rows, most of the
+    step's CPU); with the slots freed ahead, most admissions take free slots."""
     p = self.planner
     free = p.slot_row < 0
     need = int(np.count_nonzero(p.row_slot[rows] < 0)) - int(np.count_nonzero(free))

@@ -241,6 +241,8 @@ class OffloadGroup(base.TableGroup):
     """Rings of states built from now on at the rows train batches shaped `ids_shapes` need
     (as `HostSide.stage` sizes the host's), not zero rows, which the first train step resized:
     a second compile of the whole step (with k per call, a first step outside the scan)."""
+    for n in set(ids_shapes) & set(self.members):
+      self.members[n].check_batch(ids_shapes[n])
     self._ring_rows = [
       self._tier.ring_rows(s, sum(caps.values()))
       if len(caps := self._stack_caps(s, ids_shapes)) == len(names)
@@ -311,7 +313,7 @@ class OffloadGroup(base.TableGroup):
     first on the trainer's planning thread, the second on its input thread): the planning
     of every table (the planners' state), its lists and stacked batch (`_lists`) now; -> a
     callable making the rest, the host tier's part (`_stage`: its ring and its waits for
-    write-backs, run ahead of the steps by the input thread's run-ahead, as before). The
+    write-backs, run ahead of the steps by the input thread's run-ahead). The
     second half reads only what its first half returned, never the planners' state, so the
     planning of later batches may run meanwhile (the SSD level: all of it now,
     `splits_prepare`)."""
@@ -343,7 +345,7 @@ class OffloadGroup(base.TableGroup):
     mode = next(iter(self.members.values())).options.exchange
     # Nothing planned: empty, except a "next" of a run with look-ahead (the last batch of a
     # stream, or one before a batch that is not admitted ahead): the steady shapes, so it
-    # does not compile a train step of its own (10-40 s in the last interval here).
+    # does not compile a train step of its own.
     steady = kind == "next" and self.lookahead > 0
     if mode == "fixed":
       return cap if need is not None or steady else 0

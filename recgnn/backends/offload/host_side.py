@@ -1,4 +1,4 @@
-"""`HostSide`: offload's host tier (issue 42): the tables' rows in host RAM, what each step
+"""`HostSide`: offload's host tier: the tables' rows in host RAM, what each step
 loads (read on the input thread into the prepared batch) and writes back (by the writer
 thread, from the rows the step returns), and the bookkeeping of the device ring of recent
 write-backs, per stack of tables. One object with one job, composed into `OffloadGroup`

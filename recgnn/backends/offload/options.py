@@ -45,10 +45,6 @@ class OffloadOptions(base.BackendOptions):
       `pow2`: the next power of two >= the misses, no hysteresis (more padding and more
       shape changes than `bucket`). Padding is dropped on the device and the host; stats
       count real rows and the lists' rows apart.
-    host_memory: `pinned_host`: the rows in host RAM, read for a batch on the input
-      thread and moved with its transfer, written back by a host writer
-      (recgnn.embeddings.host_tier). `device` (no offload) went with the host computations
-      inside the step (issue 42): a table on the device is `dense`.
     storage: where the whole table and its optimizer state live. `ram` (default): numpy
       arrays in host RAM. `ssd:DIR` (quoted in a plan string: storage='ssd:/mnt/nvme/rows'):
       one row file per table in DIR (made if missing; refused when not writable or short
@@ -70,7 +66,6 @@ class OffloadOptions(base.BackendOptions):
   policy: str = "lru"
   lookahead: int = 8
   exchange: str = "bucket"
-  host_memory: str = "pinned_host"
   storage: str = "ram"
   host_cache: float | None = None
   io: str = "direct"
@@ -110,12 +105,6 @@ class OffloadOptions(base.BackendOptions):
       # (the compiled planner keeps a window position in the low 16 bits of a slot's mark,
       # `planner.MARK_BITS`, and the ring holds lookahead + 3 batches of every table's ids)
       raise ValueError(f"offload: lookahead must be <= {MAX_LOOKAHEAD}, got {self.lookahead}")
-    if self.host_memory != "pinned_host":
-      raise ValueError(
-        f"offload: host_memory={self.host_memory!r} is not available: the rows live in host "
-        "RAM (pinned_host, the default) and move with the batch; for a table on the device "
-        "use dense"
-      )
     if self.storage != "ram" and not (self.storage.startswith("ssd:") and self.storage[4:]):
       raise ValueError(
         f"offload: storage={self.storage!r} is not a storage; use storage=ram (default) or "

@@ -3,12 +3,9 @@ int32 buffers, which the group lays out per stack (`OffloadGroup._lists`, `stack
 
 Two makers: `of_tables`, from the members' numpy planners (`Offload.prepare`'s dicts: one copy
 of each array), and the compiled planner (`fast_plan.SteadyPlanner.plan`: segments of the
-kernel's output buffer, no copy, no per-table dict). Why: on the steady path the per-table
-dicts were built by one loop and taken apart by two more, Python holding the GIL on the
-planning thread: without them cdlrm_kaggle's host path (benchmarks/host_path.py
---experiments=cdlrm_kaggle --k=8 --against=2241d3c: 26 tables, batch 2048, 5 processes
-each) rose from 338k to 377k samples/s (median ceiling), the input thread's busy time from
-7.62 to 6.94 ms per batch.
+kernel's output buffer, no copy, no per-table dict). Why: on the steady path per-table dicts
+would be built by one loop and taken apart by two more, Python holding the GIL on the
+planning thread (docs/backends/offload.md).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 every table of a group in one call, spread over the cores.
 
 Why compiled: the numpy planner spends most of its time in Python, not in arithmetic
-(~50 small numpy calls per table per batch, 26 tables: ~8 ms per batch of 2048, 13k Python
-calls; benchmarks/README.md "Input thread"). One call per group, a loop per table, removes
+(~50 small numpy calls per table per batch; benchmarks/README.md "Input thread"). One call
+per group, a loop per table, removes
 the Python and releases the GIL, so `over_tables` can run ranges of tables on several cores
 at once (`set_threads`; by default half the cores: the input thread shares them with
 the step).
@@ -56,8 +56,8 @@ def _jit(**kw):
   return wrap
 
 
-# Default: half the cores (at most 8), as the input thread shares them with the step; one on
-# this 2-core machine. RECGNN_HOSTPLAN_THREADS overrides it.
+# Default: half the cores (at most 8), as the input thread shares them with the step.
+# RECGNN_HOSTPLAN_THREADS overrides it.
 _THREADS = int(os.environ.get("RECGNN_HOSTPLAN_THREADS", "0")) or max(
   1, min(8, (os.cpu_count() or 2) // 2)
 )
@@ -88,7 +88,7 @@ def distinct(ids, sorted_ids, id_off, num_rows, rows, count, bad, t_lo, t_hi):
   """Sorted distinct non-padding ids of tables [t_lo, t_hi) of one batch, written in place.
 
   ids int64[sum n_t] (table t at id_off[t]:id_off[t + 1]; < 0 = padding); sorted_ids: each
-  table's slice sorted (numpy's vectorized sort: numba's is ~6x slower), or empty to sort
+  table's slice sorted (numpy's vectorized sort: numba's is several x slower), or empty to sort
   here. Writes rows (table t's distinct rows from id_off[t]), count[t] (how many) and
   bad[t] (an id >= num_rows[t] of table t, else -1).
   """
@@ -112,7 +112,7 @@ def distinct(ids, sorted_ids, id_off, num_rows, rows, count, bad, t_lo, t_hi):
 # -- the recency log: victims in O(misses + window), not O(C)
 #
 # Victim selection over every slot's key (numpy's `Planner.admit`: `smallest` over C keys) cost
-# O(C) per table per batch: ~3.8 ms of a cdlrm_kaggle batch (13 tables evicting, 130k slots).
+# O(C) per table per batch.
 # For lru and lookahead, the victims are the least recently used slots that the policy does not
 # keep (not needed within the window, not hits of the admitted batch), ties to the smaller slot.
 # Each table keeps a log of (slot, time) entries appended in time order whenever a slot's
@@ -130,9 +130,8 @@ LOG_PER_SLOT = 4  # log entries per cache slot (compacted in place when full)
 # A slot's mark, set where the policy keeps it in a call: (gen << MARK_BITS) | code, gen the
 # call's time (t_now + 1: it grows with every batch planned), code n_win for the admitted
 # batch's hits, w for a row next needed by window batch w, KEPT_ONCE once counted. A mark of
-# an earlier call is no mark: nothing is unmarked (the second pass of row lookups is gone:
-# plan_step 2.14 -> 1.86 ms per cdlrm_kaggle batch, one thread; the window itself is now
-# read from each row's stamp, `need`, and marked only for the Belady fallback).
+# an earlier call is no mark: nothing is unmarked, so no second pass of row lookups (the
+# window is read from each row's stamp, `need`, and marked only for the Belady fallback).
 MARK_BITS = 16
 KEPT_ONCE = (1 << MARK_BITS) - 1
 NO_WINDOW = np.iinfo(np.int64).max  # a window start no row's stamp reaches

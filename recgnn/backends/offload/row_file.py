@@ -1,5 +1,5 @@
 """`RowFile`: one table's rows and optimizer state on disk, one fixed-size record per row
-(offload's SSD level, `storage=ssd:DIR`; issue 44).
+(offload's SSD level, `storage=ssd:DIR`).
 
 Layout: a HEADER_BYTES (64 KiB) header (b"RECGNN-ROWS\\n", then JSON: version, rows, dim, slots,
 dtype, record bytes, layout), then row r's record at HEADER_BYTES + r * record:
@@ -46,9 +46,8 @@ HEADER_BYTES = file_check.HEAD_BYTES
 SUFFIX = ".rows"
 IO_MODES = ("direct", "buffered")
 # Rows per read / write call of the pool, and the pool's threads: the disk's queue depth is
-# what a random-read SSD needs filled (benchmarks/ssd_io.py measured the choice). 32: random
-# 512-byte reads of batches of 1,650 rows over a 26.6 GB row file ran at 42.9k / 66.5k /
-# 56.0k rows/s with 16 / 32 / 64 threads on this VM (docs/backends/offload.md).
+# what a random-read SSD needs filled: 32 threads read fastest in benchmarks/ssd_io.py
+# (docs/backends/offload.md).
 CHUNK_ROWS = 256
 SEQUENTIAL = 8 << 20  # bytes per read of a whole-file pass (a checkpoint's stream)
 THREADS = 32
@@ -56,8 +55,8 @@ THREADS = 32
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
 # A pread / pwrite per row in a compiled loop (numba, nogil: the pool's threads run it in
-# parallel without the GIL; Python's os.preadv per row held it between calls: 89 us per row
-# against 57 us of the disk alone, benchmarks/ssd_io.py). None without numba.
+# parallel without the GIL; Python's os.preadv per row holds it between calls, which costs
+# more than the disk). None without numba.
 try:
   import ctypes
 
@@ -380,8 +379,8 @@ class RowFile:
 
   def read_all(self, first: int, n: int) -> np.ndarray:
     """float32[n, floats]: records first .. first + n - 1, read sequentially in SEQUENTIAL
-    byte chunks (a checkpoint's stream, n = streamed.chunk_rows: a row-at-a-time read of a
-    1 GiB file took 35 s, measured)."""
+    byte chunks (a checkpoint's stream, n = streamed.chunk_rows: far faster than a row at a
+    time)."""
     if self._fd is None:
       raise RuntimeError(f"offload: the row file {self.path} is not open (call create first)")
     buf = self.buffer(n)

@@ -24,12 +24,11 @@ except ImportError:  # pragma: no cover (numba is a dependency: the same loops a
 
 
 # Why compiled: the numpy version (a where / add / transpose pass per kind over every table's
-# [B, L], ~11 passes of int64 temporaries) held the GIL for most of the 0.75 ms a
-# cdlrm_kaggle batch's stack took (26 tables, B 2048, one thread), on the planning thread,
-# which shares the cores and the GIL with the input thread (benchmarks/host_path.py); this
-# pass takes 0.13 ms without the GIL (the whole stack 0.40 ms). (Read from [T', B * L]
-# segments into [B, T' * L] with one-hot bags looped without the bag's loop: numba's loop
-# of one iteration per element made the pass 3-5x slower, as did 3-d indexing.)
+# [B, L], ~11 passes of int64 temporaries) holds the GIL for most of a batch's stack, on the
+# planning thread, which shares the cores and the GIL with the input thread; this pass is one,
+# without the GIL (docs/backends/offload.md). (Read from [T', B * L] segments into
+# [B, T' * L] with one-hot bags looped without the bag's loop: numba's loop of one iteration
+# per element makes the pass several times slower, as does 3-d indexing.)
 @njit(nogil=True, cache=True)
 def _bag(
   ids, ids_at, pos, pos_at, inv, inv_at, bag, rows, first, lo, hi, now, start, absent,

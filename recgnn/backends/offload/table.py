@@ -22,9 +22,6 @@ from recgnn.backends.offload.cache_plan import (
 from recgnn.backends.offload.options import OffloadOptions
 from recgnn.embeddings import base, host_cache
 
-# Where the rows live: host RAM, moved with the batch (recgnn.embeddings.host_tier). The
-# option keeps its old name; `device` (no offload) went with the host computations.
-HOST_MEMORIES = ("pinned_host",)
 # Key of a per-table prepared batch, popped by the group: (now, next) whether each exchange
 # was planned (an unplanned "next" keeps the steady list length).
 PLANNED = "planned"
@@ -61,7 +58,6 @@ class Offload(base.TableBackend):
       rows = max(math.ceil(o.cache_fraction * spec.num_rows), o.min_cache_rows)
     self.cache_rows = min(rows, spec.num_rows)
     self.lookahead = o.lookahead
-    self.host_memory = o.host_memory
     if not all(d.process_index == jax.process_index() for d in mesh.devices.flat):
       raise ValueError(
         f"offload (table {spec.name!r}) runs within one process: its host table and planner "
@@ -72,6 +68,24 @@ class Offload(base.TableBackend):
     self._planner: Planner | None = None  # O(N) host bookkeeping: allocated by init
     self._counters = host_cache.Counters()
     self._window_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+  def check_batch(self, shape: tuple[int, ...]) -> None:
+    """Refuse, before anything is allocated, a cache smaller than the distinct rows a train
+    batch of ids `shape` ([B, L]) can touch: B x L, at most the table's rows."""
+    bound = min(math.prod(shape), self.spec.num_rows)
+    if self.cache_rows >= bound:
+      return
+    o = self.options
+    fix = (
+      f"cache_rows={bound}" if o.cache_rows is not None
+      else f"min_cache_rows={bound} beside cache_fraction={o.cache_fraction}"
+    )  # fmt: skip
+    raise ValueError(
+      f"offload (table {self.spec.name!r}): a train batch of {shape[0]:,} examples x "
+      f"{math.prod(shape[1:])} ids can touch {bound:,} distinct rows, but its device cache "
+      f"holds {self.cache_rows:,} ({self.describe()}). Use offload({fix}, ...), or a smaller "
+      "batch."
+    )
 
   def describe(self) -> str:
     o = self.options
@@ -236,7 +250,7 @@ class Offload(base.TableBackend):
     padded; with `now` (the same step's packed "now" exchange), the "next" exchange as
     int32[5, width], row NEXT_FROM_NOW: each load's position among now[EVICT_ROWS] (now's
     width where absent). One array per exchange: a quarter of the leaves the trainer packs
-    per table (pack's cost is per leaf: 2.4 ms per batch for 26 tables with four arrays)."""
+    per table (pack's cost is per leaf)."""
     n, c = self.spec.num_rows, self.cache_rows
     out = [
       _pad(ex.evict_slots, width, c),

@@ -27,7 +27,7 @@ class Sharded(base.Backend):
 
   Options = ShardedOptions
   # Routes each device's ids to their owners; prepare is per example.
-  capabilities = base.Capabilities(needs_split_ids=True)
+  capabilities = base.Capabilities(needs_split_ids=True, prepares_on_device=True)
 
   @classmethod
   def capabilities_for(cls, options):
@@ -36,7 +36,11 @@ class Sharded(base.Backend):
   @staticmethod
   def _capabilities(o: ShardedOptions) -> base.Capabilities:
     # widths=auto re-plans the codes' widths (static shapes) while training.
-    return base.Capabilities(needs_split_ids=True, replans_shapes="auto" in o.code_widths.values())
+    return base.Capabilities(
+      needs_split_ids=True,
+      replans_shapes="auto" in o.code_widths.values(),
+      prepares_on_device=True,
+    )
 
   def __init__(self, specs, mesh, layout: base.Layout | None = None, text: str = "", **options):
     super().__init__(specs, mesh, layout, text, **options)
@@ -127,6 +131,9 @@ class Sharded(base.Backend):
   def prepare(self, ids, upcoming=(), *, train=True):
     del upcoming
     return self._prep.prepare(ids, train)
+
+  def prepare_on_device(self, ids):
+    return self._prep.prepare_on_device(ids)
 
   def prepared_spec(self, prepared):
     return self._prep.prepared_spec(prepared)

@@ -135,8 +135,8 @@ class Exchange:
 
 def _all_to_all_bits(x: jax.Array) -> jax.Array:
   """all_to_all over MODEL (split and concat on axis 0) that moves x's own bits: XLA:CPU
-  widens bf16 and fp8 collectives to f32 / f16 (measured from the HLO: a bf16 all-to-all
-  moved as many bytes as f32), so narrow floats travel bitcast to unsigned ints."""
+  widens bf16 and fp8 collectives to f32 / f16 (in the compiled HLO a bf16 all-to-all moves
+  as many bytes as f32), so narrow floats travel bitcast to unsigned ints."""
   if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
     carrier = {1: jnp.uint8, 2: jnp.uint16}[x.dtype.itemsize]
     y = jax.lax.all_to_all(jax.lax.bitcast_convert_type(x, carrier), sharding.MODEL, 0, 0)

@@ -9,6 +9,7 @@ holds (recgnn/backends/sharded/backend.py).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from recgnn import sharding
@@ -35,6 +36,19 @@ class Preparer:
         self.batch = x.shape[0] * (jax.process_count() if self._process_local else 1)
       if s.pooling == "mean":
         out["count"][n] = np.sum(x >= 0, axis=1).astype(np.int32)
+    return out
+
+  def prepare_on_device(self, ids):
+    """`prepare` inside the step (the device feed checked the ids' range when it placed
+    them): the same arrays as jax arrays."""
+    out = {"ids": {}, "count": {}}
+    for n, s in self._specs.items():
+      x = ids[n].astype(jnp.int32)
+      out["ids"][n] = x
+      # (static; the train step is traced before any eval step: the train batch's size)
+      self.batch = self.batch or x.shape[0]
+      if s.pooling == "mean":
+        out["count"][n] = jnp.sum(x >= 0, axis=1, dtype=jnp.int32)
     return out
 
   @staticmethod

@@ -45,7 +45,7 @@ summation order (tests/test_tt.py).
 Cache (`cache_rows=C`, TT-Rec's cache of hot uncompressed rows): the host counts accesses over
 the first `cache_warmup` batches, then fixes the C most frequent rows as the hot set (LFU over
 the warm-up, as TT-Rec). Hot rows are served and trained as plain rows of a float32[C, D] cache
-(with their own row-wise optimizer state); the cores no longer see them. The cache is filled
+(with their own row-wise optimizer state); the cores do not see them. The cache is filled
 from the TT reconstruction of the current cores by the first update that sees the hot set, so
 the logical table is continuous. `table(state)` is the TT reconstruction overridden by the
 cache; `sync` has nothing to write back (the cache is part of the state).

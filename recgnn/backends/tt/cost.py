@@ -16,8 +16,8 @@ import numpy as np
 #   batched ~ batched_fixed_ns + P_k * (batched_ns + w * batched_ns_per_mac)   (tiny matmuls)
 #   pairs   ~ pairs_fixed_ns + P_{k-1} * S_k * w * pairs_ns_per_mac            (one GEMM)
 # Its constants are a platform's: fitted to forward + vjp times of single levels
-# (`benchmarks/tt.py --sections=levels`) on XLA:CPU (2 cores; the fixed terms 0: per-product
-# overhead dominates there) and, per accelerator, by gpu_check's calibrate stage (a kernel
+# (`benchmarks/tt.py --sections=levels`) on XLA:CPU (the fixed terms 0: per-product overhead
+# dominates there) and, per accelerator, by gpu_check's calibrate stage (a kernel
 # launch is a fixed cost on a GPU). They live in tt_cost.json beside this file, per platform.
 _COST_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tt_cost.json")
 
@@ -41,8 +41,7 @@ class CostModel:
   platform: str = "cpu"
 
 
-# XLA:CPU, 2 cores, jax 0.10.2, 2026-11-23: results/tt_levels.md, fitted by hand (auto picks
-# the faster product at 13 of 16 levels).
+# Fitted by hand to XLA:CPU's timed levels (docs/backends/tt.md; `source` names the run).
 CPU_COSTS = CostModel(
   batched_ns=1500.0,
   batched_ns_per_mac=0.3,

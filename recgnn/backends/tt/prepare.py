@@ -61,8 +61,7 @@ class Preparer:
     cap = self.caps.get(key, 0)
     if n > cap or cap == 0:
       # Grow only when the count does not fit: growing whenever HEADROOM * n passed the
-      # capacity recompiled for batches that fit (3 recompiles in ttrec_kaggle's first 40
-      # steps, 30-45 s each under load).
+      # capacity would recompile the step for batches that fit.
       cap = max(cap, min(_round_up(n), limit))
       self.caps[key] = cap
     return cap
@@ -101,8 +100,7 @@ class Preparer:
   def _presize(self, upcoming, total: int) -> None:
     """pad=grow: the first batch of a shape (and the first after the hot set is fixed) sizes
     the capacities from the largest counts of the next `lookahead` batches too, so they
-    rarely grow later: each growth recompiles the trainer's whole step (30-45 s under load
-    here; ttrec_kaggle: none in 300 steps, three in its first 40 before)."""
+    rarely grow later: each growth recompiles the trainer's whole step."""
     if self._o.pad != "grow" or self._o.kernel == "naive" or f"rows@{total}" in self.caps:
       return
     if self._cache_rows and self.hot is None:

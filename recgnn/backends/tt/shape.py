@@ -263,8 +263,8 @@ def init_cores(
   ]
 
 
-# Jitted: one program per shape and init. Op by op, each core's draw, scale and reshape was a
-# program of its own (~10 compiles at a table's first init: on a GPU, a kernel build each).
+# Jitted: one program per shape and init. Op by op, each core's draw, scale and reshape would be
+# a program of its own (many compiles at a table's first init: on a GPU, a kernel build each).
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _random_cores(key: jax.Array, shape: TTShape, s: float, init: str) -> list[jax.Array]:
   keys = jax.random.split(key, shape.num_cores)

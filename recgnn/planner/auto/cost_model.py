@@ -45,6 +45,9 @@ class PlanChoice:
   # Every finalist timed whole, this one included: (label, what it placed, predicted s,
   # measured s), in the solver's order.
   finalists: tuple[tuple[str, str, float, float], ...] = ()
+  # Every valid candidate of each table (its plan strings, the backends' own offers included,
+  # those over the budget too), in `candidates`' order; empty for a plan as written.
+  candidates: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
   @property
   def rules(self) -> tuple[tuple[str, str], ...]:

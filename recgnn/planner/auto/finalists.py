@@ -98,6 +98,7 @@ def choose_finalists(
     dispatch_s=dispatch,
     shared_cores=cores,
     overhead_s=overhead,
+    candidates={t: tuple(text for text, _, _ in rows) for t, rows in by_table.items()},
   )
   out = [_finalist(v, specs, options_by_table, avail, options.objective, **fields) for v in ordered]
   if len(solved) > len(out):

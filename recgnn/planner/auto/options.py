@@ -63,8 +63,7 @@ class AutoOptions(BackendOptions):
       ones that fit, the best of each kind first),
       the fastest measured taken (`recgnn.train.plan_timing`). The sum of the
       tables' steps ranks plans whose groups differ in number and kind less well than a
-      whole step does (multi-group plans of dlrm_kaggle measured 11-19% above their sum,
-      single-group ones within ~10%). 1: the solver's plan, untimed.
+      whole step does (docs/planning.md). 1: the solver's plan, untimed.
     host_budget: host bytes for the tables this rule places (their host tables, caches and
       maps: `memory().host_bytes`), a size ('16G'); None: no limit. Plans over it are not
       chosen; with `ssd`, offload's SSD level is a candidate that keeps only a host cache of

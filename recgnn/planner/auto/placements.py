@@ -1,5 +1,6 @@
-"""A table's candidate placements (`candidates`) and their bytes from the backends' own
-`memory()` (`memory_of`), nothing allocated."""
+"""A table's candidate placements (`candidates`: the built-in list and what the registered
+backends offer, `offered`) and their bytes from the backends' own `memory()` (`memory_of`),
+nothing allocated."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax
 import numpy as np
 
 from recgnn import sharding
-from recgnn.embeddings.contract import Layout
+from recgnn.embeddings.contract import AutoContext, Layout
 from recgnn.embeddings.specs import TableSpec
 from recgnn.planner import plan as plan_lib
 from recgnn.planner.auto.options import AutoOptions
@@ -36,7 +37,8 @@ class Candidate:
 
 def candidates(spec: TableSpec, options: AutoOptions, mesh: jax.sharding.Mesh) -> list[str]:
   """The plan strings worth trying for one table (duplicates and ones that are the same as
-  dense for this table, e.g. a cache holding every row, left out)."""
+  dense for this table, e.g. a cache holding every row, left out): the built-in list, then
+  what the registered backends offer (`offered`)."""
   _, model = sharding.mesh_shape(mesh)
   out = []
   if "dense" in options.kinds:
@@ -60,6 +62,17 @@ def candidates(spec: TableSpec, options: AutoOptions, mesh: jax.sharding.Mesh) -
       out.append(f"hot_cold(budget={f})")
   if "tt" in options.kinds:
     out += [f"tt(rank={r})" for r in options.tt_ranks]
+  return out + [t for t in offered(spec, options, mesh) if t not in out]
+
+
+def offered(spec: TableSpec, options: AutoOptions, mesh: jax.sharding.Mesh) -> list[str]:
+  """The plan strings the registered backends offer for `spec` themselves
+  (`Backend.auto_candidates`; the built-in ones offer none), in the registry's name order:
+  a backend loaded from its own file (`embeddings.modules`) is a candidate like the rest."""
+  context = AutoContext(mesh=mesh, fractions=tuple(options.fractions), kinds=tuple(options.kinds))
+  out = []
+  for name in plan_lib.available_backends():
+    out += [t for t in plan_lib.backend_class(name).auto_candidates(spec, context) if t not in out]
   return out
 
 

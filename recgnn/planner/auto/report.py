@@ -44,6 +44,8 @@ def report(choice) -> str:
         for label, what, p, m in choice.finalists
       )
     ]
+  if choice.candidates:
+    lines.insert(1, candidates_line(choice.candidates))
   for t, c in choice.chosen.items():
     r = choice.runner_up.get(t)
     alt = f"{r.text} ({mib(r.device_bytes)}, {r.step_s * 1e3:.2f} ms)" if r is not None else "-"
@@ -52,6 +54,15 @@ def report(choice) -> str:
       f"{c.step_s * 1e3:>8.2f} {c.prepare_s * 1e3:>8.2f}  {alt}"
     )
   return "\n".join(lines)
+
+
+def candidates_line(candidates: dict[str, tuple[str, ...]]) -> str:
+  """'candidates (tables offered each): dense (26), int8 (26), ...', in first-seen order."""
+  counts: dict[str, int] = {}
+  for texts in candidates.values():
+    for t in texts:
+      counts[t] = counts.get(t, 0) + 1
+  return "candidates (tables offered each): " + ", ".join(f"{t} ({n})" for t, n in counts.items())
 
 
 def as_dict(choice) -> dict:
@@ -76,6 +87,7 @@ def as_dict(choice) -> dict:
       {"label": a, "placed": b, "predicted_step_s": p, "whole_step_s": m}
       for a, b, p, m in choice.finalists
     ],
+    "candidates": {t: list(c) for t, c in choice.candidates.items()},
     "chosen": {t: dataclasses.asdict(c) for t, c in choice.chosen.items()},
     "fixed": {t: dataclasses.asdict(c) for t, c in choice.fixed.items()},
     "runner_up": {

@@ -44,7 +44,7 @@ def measure(
   state = group.init(jax.random.key(0))
 
   # The state donated, as the trainer's step donates it: without, every update would copy
-  # the whole table (O(rows) per step: 2 ms for a 1M-row one here) where the trainer's
+  # the whole table (O(rows) per step) where the trainer's
   # scatters in place.
   @functools.partial(jax.jit, donate_argnums=0)
   def step(state, prepared):

@@ -142,8 +142,8 @@ class Losses:
     sum_g (W_g / W) loss_g with W_g its edges (a task loss divides by max(W_g, 1), undone
     here), which is the loss of the G batches' edges taken together. In shard_map over the
     mesh: each device runs the ordinary one-partition loss on its G / devices partitions
-    (a vmap over the partition axis instead costs 1.6x on this CPU: XLA's batched gathers
-    and scatters), and the sums meet outside (the gradient of the replicated params is then
+    (a vmap over the partition axis instead is slower: XLA's batched gathers and scatters),
+    and the sums meet outside (the gradient of the replicated params is then
     summed over the devices by shard_map's transpose). Partition g's dropout key:
     fold_in(key, g)."""
     G = batch["h"].shape[0]

@@ -1,14 +1,11 @@
 """Host computations (`compute_on("device_host")`): a gather and a scatter of rows of an
 array in host memory, inside a jitted function.
 
-No backend runs these inside its step since issue 42 (the host tiers read and write their
-numpy tables off the step: recgnn/embeddings/host_tier.py): on the one GPU measured, each
-host call made the launch wait and XLA:GPU copied the host arrays whole. What is left serves
-the readers of host traffic in a program (tests of `recgnn.comms.host_link_of` and
-`recgnn.step_model`, which must still see such traffic where a program has it) and
-tools/gpu_check.py's probe of a platform's pinned host memory. Both are bare XLA
-gathers / scatters: jnp's index normalisation would add device-memory constants, which
-compute_on("device_host") rejects.
+No backend runs these inside its step (the host tiers read and write their numpy tables off
+the step: recgnn/embeddings/host_tier.py). They make programs with host traffic for the tests
+of its readers (`recgnn.comms.host_link_of`, `recgnn.step_model`) and for gpu_check.py's
+probe of a platform's pinned host memory. Both are bare XLA gathers / scatters: jnp's index
+normalisation would add device-memory constants, which compute_on("device_host") rejects.
 """
 
 from __future__ import annotations

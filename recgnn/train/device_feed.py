@@ -1,0 +1,349 @@
+"""The device feed (`train.feed=device`): the training data on the devices, each step
+gathering its batch there by index, so the host does O(1) per call whatever the batch size.
+
+  placed once      the task's rows (`Task.device_rows`: CTR's labels, dense features and ids),
+                   replicated on every device: a step reads any row without communication
+  per pass         the epoch's order, int32[batches, B] (the host feed's batches, row for
+                   row), made on a background thread ahead of its pass and placed; the device
+                   keeps two passes' (a call of k steps may cross into the next pass)
+  per call         a cursor per step, int32[2]: (pass slot, batch) for a train step, (first
+                   row, split stop) for an eval batch; packed and put as the host feed packs
+  in the step      rows = order[slot, batch] (or first + arange); each device gathers its
+                   examples' rows (`shard_map`, no communication); groups that declare
+                   `Capabilities.prepares_on_device` prepare their ids there (dense, sharded)
+
+Groups that prepare on the host (tt, offload, hot_cold: cache plans, prefix trees, host
+tiers) get their tables' ids read on the host from the same rows (`CTRRows.host_ids`: ids
+only, not whole batches), prepared in stream order by the input thread as with the host feed,
+and packed beside the cursor; labels, dense features and every other id come from the devices.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from recgnn import planner, sharding
+from recgnn.embeddings import base
+from recgnn.train import step as step_lib
+from recgnn.train.input_thread import InputThread
+from recgnn.train.task import Task
+
+FEEDS = ("auto", "device", "host")
+
+
+def host_groups(plan: planner.Plan) -> list[str]:
+  """Keys of the groups whose ids the host reads and prepares under the device feed."""
+  return [k for k, g in plan.groups.items() if not g.capabilities.prepares_on_device]
+
+
+def choose(task: Task, rules, specs, mesh, setting: str) -> tuple[bool, object, str]:
+  """Whether the run uses the device feed, decided before the plan is built (its layout says
+  `ids_on_device`): -> (device, the task's rows or None, a line saying which and why).
+
+  "auto" takes it on accelerators when the task's data can live on the devices, this is one
+  process, and every group of the plan prepares its ids on the device; "device" also with
+  groups that prepare on the host (their ids read on the host), and on CPU devices; "host"
+  never. Whether the data fits the devices is checked once the plan's bytes are known
+  (`check_fits`)."""
+  if setting not in FEEDS:
+    raise ValueError(f"train.feed={setting!r}; valid: {', '.join(FEEDS)}")
+  if setting == "host":
+    return False, None, "host feed (train.feed=host): batches read and packed on the host"
+  if setting == "auto" and mesh.devices.flat[0].platform == "cpu":
+    return False, None, "host feed: CPU devices (train.feed=device puts the data on them)"
+  rows = task.device_rows()
+  why = [rows] if isinstance(rows, str) else []
+  if jax.process_count() > 1:
+    why.append(f"{jax.process_count()} processes (the device feed runs in one process)")
+  texts = sorted(planner.assign_rules(rules, specs))
+  on_host = [t for t in texts if not planner.capabilities_of(t).prepares_on_device]
+  if setting == "auto" and on_host:
+    why.append(
+      f"backends {on_host} prepare their ids on the host (train.feed=device reads "
+      "only their ids there)"
+    )
+  if why:
+    if setting == "device":
+      raise ValueError(f"train.feed=device, but {'; '.join(why)}. Use train.feed=auto or host.")
+    return False, None, "host feed: " + "; ".join(why)
+  how = "device feed: the data on the devices, each step gathers its batch there"
+  if on_host:
+    how += f" (ids of {', '.join(on_host)} read and prepared on the host)"
+  return True, rows, how
+
+
+def check_fits(rows, plan_bytes: int, budget: int | None, mesh) -> str | None:
+  """None when a copy of `rows` fits beside the plan on every device, else why not (the
+  figures). budget: bytes per device (None: the device's own memory where jax reports it;
+  XLA:CPU's simulated devices share the host's RAM, so there a quarter of it over them)."""
+  need = rows.nbytes
+  if budget is None:
+    budget = _device_memory(mesh)
+  if budget is None or plan_bytes + need <= budget:
+    return None
+  return (
+    f"the data ({need / 2**20:,.1f} MiB per device, replicated) and the plan "
+    f"({plan_bytes / 2**20:,.1f} MiB) exceed {budget / 2**20:,.1f} MiB per device"
+  )
+
+
+def _device_memory(mesh) -> int | None:
+  device = mesh.devices.flat[0]
+  if device.platform == "cpu":
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // (4 * len(jax.local_devices()))
+  stats = device.memory_stats() or {}
+  return stats.get("bytes_limit")
+
+
+def check_ids(rows, specs) -> None:
+  """Every id within its table (sharded's host prepare checks each batch; here once)."""
+  for t, top in rows.max_ids().items():
+    if t in specs and top >= specs[t].num_rows:
+      raise ValueError(
+        f"the data's ids of table {t!r} reach {top}, past its {specs[t].num_rows:,} rows"
+      )
+
+
+class Orders:
+  """Each pass's train order (`rows.train_order`), made on a background thread one pass
+  ahead, kept on the host (for the host-prepared groups' ids) and on the devices: a
+  [2, batches, B] array whose slot e % 2 holds pass e (`ensure`, main thread)."""
+
+  def __init__(self, rows, mesh, on_device: bool = True):
+    self.rows, self.mesh = rows, mesh
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orders")
+    self._lock = threading.Lock()
+    self._host: dict[int, concurrent.futures.Future] = {}
+    self._slots = [-1, -1]
+    self.device = None
+    if on_device:
+      nb, b = rows.train_batches, rows.batch_size
+      self.device = sharding.put(np.zeros((2, nb, b), np.int32), self._replicated())
+
+  def _replicated(self):
+    return sharding.named(self.mesh, sharding.REPLICATED)
+
+  def host(self, epoch: int) -> np.ndarray:
+    """Pass `epoch`'s order (int32[batches, B]); the next pass's starts being made."""
+    with self._lock:
+      for e in (epoch, epoch + 1):
+        if e not in self._host:
+          self._host[e] = self._pool.submit(self.rows.train_order, e)
+      for e in [e for e in self._host if e < epoch - 1]:
+        del self._host[e]
+      future = self._host[epoch]
+    return future.result()
+
+  def ensure(self, first: int, last: int) -> None:
+    """Passes first..last (at most two in a row) resident in their slots."""
+    for e in range(first, last + 1):
+      if self._slots[e % 2] != e:
+        order = sharding.put(self.host(e), self._replicated())
+        self.device = _set_slot(self.device, order, e % 2)
+        self._slots[e % 2] = e
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=2)
+def _set_slot(orders, order, slot):
+  return orders.at[slot].set(order)
+
+
+def gather(mesh, rows_source, data, rows, valid):
+  """The batch of `rows` (int32[B], replicated), each device gathering its own examples'
+  rows from its copy of `data`: batch-split leaves, no communication."""
+  spec = jax.tree.map(lambda _: sharding.REPLICATED, data)
+
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(spec, sharding.BATCH_SPEC, sharding.BATCH_SPEC),
+    out_specs=sharding.BATCH_SPEC,
+    check_vma=False,
+  )
+  def local(data, rows, valid):
+    return rows_source.gather(data, rows, valid)
+
+  return local(data, rows, valid)
+
+
+def fed_step(step_fn, plan: planner.Plan, rows_source, train: bool):
+  """step_fn(state, prepared, batch) -> f(state, prepared, batch, inputs) over the device
+  feed's packed (host groups' prepared, {"cursor": int32[2]}) and inputs {"data", "orders"}:
+  the batch gathered on the devices, the other groups' ids prepared there."""
+  on_device = [k for k in plan.groups if k not in host_groups(plan)]
+
+  def fn(state, prepared, batch, inputs):
+    cursor = batch["cursor"]
+    data = inputs["data"]
+    if train:
+      rows = inputs["orders"][cursor[0], cursor[1]]
+      valid = jnp.ones(rows.shape, bool)
+    else:
+      first = cursor[0] + jnp.arange(rows_source.eval_batch_size, dtype=jnp.int32)
+      valid = first < cursor[1]
+      rows = jnp.minimum(first, cursor[1] - 1)
+    full = gather(plan.mesh, rows_source, data, rows, valid)
+    ids = full.pop("ids")
+    prepared = dict(prepared)
+    for key in on_device:
+      group = plan.groups[key]
+      prepared[key] = group.prepare_on_device({t: ids[t] for t in group.specs})
+    return step_fn(state, prepared, full)
+
+  return fn
+
+
+def stream(rows, orders: Orders, host_tables, start, total, k, eval_every, eval_split, final):
+  """The items `input_thread.stream` yields, for the device feed: (kind, split, batch) with
+  batch {"cursor": int32[2], "ids": the host-prepared groups' ids (`host_tables`)}."""
+  nb = rows.train_batches
+  for s in range(start, total, k):
+    for step in range(s, s + k):
+      e, b = divmod(step, nb)
+      ids = rows.host_ids(orders.host(e)[b], host_tables) if host_tables else {}
+      yield "train", None, {"cursor": np.array([e % 2, b], np.int32), "ids": ids}
+    if eval_every and (s + k) % eval_every == 0 and s + k < total:
+      yield from _eval_pass(rows, eval_split, host_tables)
+  for split in final:
+    yield from _eval_pass(rows, split, host_tables)
+
+
+def _eval_pass(rows, split: str, host_tables):
+  size = rows.eval_batch_size
+  for lo, hi in rows.eval_cursors(split):
+    ids = {}
+    if host_tables:
+      ids = rows.host_ids(np.arange(lo, min(lo + size, hi)), host_tables, size)
+    yield "eval", split, {"cursor": np.array([lo, hi], np.int32), "ids": ids}
+  yield "eval_end", split, None
+
+
+class Counts:
+  """What the input thread's packing asks of a task, for cursor batches: every train item
+  counts `batch_size` examples."""
+
+  def __init__(self, batches_per_call: int, batch_size: int):
+    self.batches_per_call, self._size = batches_per_call, batch_size
+
+  def num_examples(self, batch) -> int:
+    del batch
+    return self._size
+
+
+class DeviceFeed:
+  """A run's device feed: its rows placed on the devices (replicated), the pass orders, and
+  the host half: the plan of the groups that prepare on the host and the feeder that packs
+  their prepared ids beside each step's cursor."""
+
+  def __init__(self, rows, plan: planner.Plan):
+    self.rows, self.mesh = rows, plan.mesh
+    repl = sharding.named(plan.mesh, sharding.REPLICATED)
+    self.data = sharding.put({k: np.asarray(v) for k, v in rows.arrays().items()}, repl)
+    self.orders = Orders(rows, plan.mesh)
+    keys = host_groups(plan)
+    self.host_plan = planner.Plan(
+      groups={k: plan.groups[k] for k in keys},
+      table_group={t: k for t, k in plan.table_group.items() if k in keys},
+      mesh=plan.mesh,
+      layout=plan.layout,
+    )
+    self.host_tables = tuple(self.host_plan.table_group)
+    self.feeder = step_lib.Feeder(self.host_plan, _replicated_spec)
+
+  def train_inputs(self) -> dict:
+    """The train step's inputs now: the rows and the resident passes' orders."""
+    return {"data": self.data, "orders": self.orders.device}
+
+  def eval_inputs(self) -> dict:
+    return {"data": self.data}
+
+  def input(self, task: Task, start: int, total: int, eval_every: int, eval_split, final):
+    """The loop's input for steps [start, total) (`DeviceInput`)."""
+    k = task.batches_per_call
+    if k > self.rows.train_batches:
+      raise ValueError(
+        f"train.steps_per_call={k} is more than a pass's {self.rows.train_batches} batches"
+      )
+    items = stream(
+      self.rows, self.orders, self.host_tables, start, total, k, eval_every, eval_split, final
+    )
+    return DeviceInput(self, items, start, k)
+
+  def close(self) -> None:
+    self.orders.close()
+
+
+def _replicated_spec(batch):
+  return jax.tree.map(lambda _: sharding.REPLICATED, batch)
+
+
+class DeviceInput:
+  """The loop's input under the device feed (`input_thread.InputThread`'s interface): the
+  cursors, and the host-prepared groups' ids, prepared and packed ahead on the input thread;
+  `get` (main thread) makes the passes the next call reads resident first."""
+
+  def __init__(self, feed: DeviceFeed, items, start: int, k: int):
+    self._feed, self._step, self._k = feed, start, k
+    counts = Counts(k, feed.rows.batch_size)
+    self._thread = InputThread(items, feed.host_plan, feed.feeder, base.PREFETCH, task=counts)
+    self.worker = None
+
+  @property
+  def busy_seconds(self) -> float:
+    return self._thread.busy_seconds
+
+  def get(self):
+    item = self._thread.get()
+    if item is not None and item.kind == "train":
+      nb = self._feed.rows.train_batches
+      self._feed.orders.ensure(self._step // nb, (self._step + self._k - 1) // nb)
+      self._step += self._k
+    return item
+
+  def close(self) -> None:
+    self._thread.close()
+
+
+def jit_steps(task, plan, tx, shardings, feed: DeviceFeed):
+  """`jit_steps` under the device feed: the shared steps over cursor batches."""
+  train = fed_step(step_lib.make_train_step(task, plan, tx), plan, feed.rows, True)
+  train_step = step_lib.jit_packed(
+    train, plan, shardings, donate_state=True, out_state=True, name="train_step",
+    step_inputs=feed.train_inputs(), stacked=task.batches_per_call, inputs_of=feed.train_inputs,
+  )  # fmt: skip
+  evals = fed_step(step_lib.make_eval_step(task, plan), plan, feed.rows, False)
+  eval_step = step_lib.jit_packed(
+    evals, plan, shardings, donate_state=False, out_state=False, name="eval_step",
+    step_inputs=feed.eval_inputs(),
+  )  # fmt: skip
+  return train_step, eval_step
+
+
+def layout_for(tcfg, task, rules, specs, layout, mesh):
+  """(layout with `ids_on_device` set, the task's rows or None, a line saying which feed)."""
+  setting = tcfg.get("feed", "auto")
+  on, rows, how = choose(task, rules, specs, mesh, setting)
+  return dataclasses.replace(layout, ids_on_device=on), rows, how
+
+
+def fits(tcfg, rows, plan_bytes, budget, mesh) -> str | None:
+  """None when the device feed's rows fit beside the plan; with train.feed=auto why not
+  (the host feed is then used); with train.feed=device refused before allocating."""
+  why = check_fits(rows, plan_bytes, budget, mesh)
+  if why and tcfg.get("feed", "auto") == "device":
+    raise planner.PlanDoesNotFit(
+      f"train.feed=device: {why}. Use train.feed=host (or auto), or a smaller plan."
+    )
+  return why
