@@ -236,89 +236,120 @@ def host_link(hlo_text: str, host_params: set[int] | frozenset[int] = frozenset(
   devices = 1
   for n in module.mesh.values():
     devices *= n
-  transfers: list[Transfer] = []
-  # A host-resident value is tracked by its origin (the host computation, placement or entry
-  # parameter that made it), so one buffer seen under several names (barriers, reshapes,
-  # calls) is read by the device once per scale; device-resident values are False.
-  fetched: set[tuple[str, int]] = set()
-
-  def host(res) -> bool:
-    return isinstance(res, str)
-
-  def walk(comp: str, params: list, scale: int):
-    """Residency (an origin string: host; False: device) of each value of `comp`, given its
-    parameters'; returns the root's (a tuple for a tuple)."""
-    where: dict[str, object] = {}
-    by_name = module.instrs(comp)
-
-    def fetch(name: str):
-      res = where.get(name, False)
-      if host(res) and (res, scale) not in fetched:
-        fetched.add((res, scale))
-        transfers.append(Transfer("to_device", name, comp, by_name[name].bytes * scale))
-
-    for ins in module.computations[comp]:
-      if ins.op == "parameter":
-        where[ins.name] = params[ins.parameter] if ins.parameter < len(params) else False
-      elif ins.op == "call" and ins.attr("_xla_compute_type") == "host":
-        for op in ins.operands:
-          if not host(where.get(op, False)):
-            transfers.append(Transfer("to_host", op, comp, by_name[op].bytes * scale))
-        where[ins.name] = ins.name
-      elif ins.op == "custom-call" and ins.attr("custom_call_target") == (
-        "annotate_device_placement"
-      ):
-        to_host = ins.attr("_xla_buffer_placement") in ("pinned_host", "unpinned_host")
-        src = ins.operands[0]
-        if to_host:
-          if not host(where.get(src, False)):
-            transfers.append(Transfer("to_host", src, comp, by_name[src].bytes * scale))
-            where[ins.name] = ins.name
-          else:
-            where[ins.name] = where[src]
-        else:
-          fetch(src)
-          where[ins.name] = False
-      elif ins.op == "custom-call" and _passes_through(ins.attr("custom_call_target")):
-        res = [where.get(o, False) for o in ins.operands]
-        where[ins.name] = res[0] if len(res) == 1 else tuple(res)
-      elif ins.op == "tuple":
-        where[ins.name] = tuple(where.get(o, False) for o in ins.operands)
-      elif ins.op in ("opt-barrier", "reshape", "bitcast"):
-        # An ordering barrier, or a new view of the same bytes: the value stays where it is.
-        where[ins.name] = where.get(ins.operands[0], False)
-      elif ins.op == "get-tuple-element":
-        res = where.get(ins.operands[0], False)
-        if isinstance(res, tuple):
-          where[ins.name] = res[ins.index]
-        else:  # an element of a host tuple: its own buffer
-          where[ins.name] = f"{res}#{ins.index}" if host(res) else False
-      elif ins.op == "call" and len(ins.callees) == 1:
-        callee = ins.callees[0]
-        inner = scale
-        if callee.startswith("xla.sdy.manual_computation_body"):
-          inner = scale * _manual_devices(module, by_name, ins)
-        args = [where.get(o, False) for o in ins.operands]
-        # shard_map's GlobalToLocalShape hands the body one tuple: its elements are the
-        # body's parameters.
-        if len(args) == 1 and isinstance(args[0], tuple):
-          args = list(args[0])
-        where[ins.name] = walk(callee, args, inner)
-      else:
-        for op in ins.operands:
-          fetch(op)
-        where[ins.name] = False
-    root = module.root(comp)
-    return where.get(root.name, False)
-
+  walk = _HostLinkWalk(module)
   entry_params = [f"param:{i}" if i in host_params else False for i in range(_num_params(module))]
-  walk(module.entry, entry_params, 1)
+  walk.computation(module.entry, entry_params, 1)
+  transfers = walk.transfers
   return HostLink(
     to_host_bytes=sum(t.bytes for t in transfers if t.direction == "to_host"),
     to_device_bytes=sum(t.bytes for t in transfers if t.direction == "to_device"),
     devices=devices,
     transfers=tuple(transfers),
   )
+
+
+def _on_host(res) -> bool:
+  """Whether a residency (an origin string: host; False: device) is on the host."""
+  return isinstance(res, str)
+
+
+@dataclasses.dataclass
+class _Scope:
+  """One computation being walked: its name, its parameters' residencies, the devices each
+  of its transfers counts for (scale), its instructions by name and the residencies so far."""
+
+  comp: str
+  params: list
+  scale: int
+  by_name: dict
+  where: dict = dataclasses.field(default_factory=dict)
+
+  def of(self, name: str):
+    return self.where.get(name, False)
+
+
+class _HostLinkWalk:
+  """The transfers of a module, found by walking its computations from the entry.
+
+  A host-resident value is tracked by its origin (the host computation, placement or entry
+  parameter that made it), so one buffer seen under several names (barriers, reshapes,
+  calls) is read by the device once per scale; device-resident values are False."""
+
+  def __init__(self, module: hlo.Module):
+    self.module = module
+    self.transfers: list[Transfer] = []
+    self.fetched: set[tuple[str, int]] = set()
+
+  def computation(self, comp: str, params: list, scale: int):
+    """Residency of each value of `comp`, given its parameters'; returns the root's (a tuple
+    for a tuple)."""
+    s = _Scope(comp, params, scale, self.module.instrs(comp))
+    for ins in self.module.computations[comp]:
+      s.where[ins.name] = self._residency(ins, s)
+    return s.of(self.module.root(comp).name)
+
+  def _send(self, s: _Scope, name: str) -> None:
+    self.transfers.append(Transfer("to_host", name, s.comp, s.by_name[name].bytes * s.scale))
+
+  def _fetch(self, s: _Scope, name: str) -> None:
+    res = s.of(name)
+    if _on_host(res) and (res, s.scale) not in self.fetched:
+      self.fetched.add((res, s.scale))
+      self.transfers.append(Transfer("to_device", name, s.comp, s.by_name[name].bytes * s.scale))
+
+  def _residency(self, ins: hlo.Instr, s: _Scope):
+    """Where `ins`'s result lives, recording the transfers it makes."""
+    if ins.op == "parameter":
+      return s.params[ins.parameter] if ins.parameter < len(s.params) else False
+    if ins.op == "call" and ins.attr("_xla_compute_type") == "host":
+      for op in ins.operands:
+        if not _on_host(s.of(op)):
+          self._send(s, op)
+      return ins.name
+    if ins.op == "custom-call" and ins.attr("custom_call_target") == ("annotate_device_placement"):
+      return self._placement(ins, s)
+    if ins.op == "custom-call" and _passes_through(ins.attr("custom_call_target")):
+      res = [s.of(o) for o in ins.operands]
+      return res[0] if len(res) == 1 else tuple(res)
+    if ins.op == "tuple":
+      return tuple(s.of(o) for o in ins.operands)
+    if ins.op in ("opt-barrier", "reshape", "bitcast"):
+      # An ordering barrier, or a new view of the same bytes: the value stays where it is.
+      return s.of(ins.operands[0])
+    if ins.op == "get-tuple-element":
+      res = s.of(ins.operands[0])
+      if isinstance(res, tuple):
+        return res[ins.index]
+      return f"{res}#{ins.index}" if _on_host(res) else False  # a host tuple's own buffer
+    if ins.op == "call" and len(ins.callees) == 1:
+      return self._call(ins, s)
+    for op in ins.operands:
+      self._fetch(s, op)
+    return False
+
+  def _placement(self, ins: hlo.Instr, s: _Scope):
+    """An annotate_device_placement: to the host (sent unless there already), or back."""
+    src = ins.operands[0]
+    if ins.attr("_xla_buffer_placement") not in ("pinned_host", "unpinned_host"):
+      self._fetch(s, src)
+      return False
+    if _on_host(s.of(src)):
+      return s.where[src]
+    self._send(s, src)
+    return ins.name
+
+  def _call(self, ins: hlo.Instr, s: _Scope):
+    """A call of one computation (a shard_map body runs on each of its manual devices)."""
+    callee = ins.callees[0]
+    inner = s.scale
+    if callee.startswith("xla.sdy.manual_computation_body"):
+      inner = s.scale * _manual_devices(self.module, s.by_name, ins)
+    args = [s.of(o) for o in ins.operands]
+    # shard_map's GlobalToLocalShape hands the body one tuple: its elements are the
+    # body's parameters.
+    if len(args) == 1 and isinstance(args[0], tuple):
+      args = list(args[0])
+    return self.computation(callee, args, inner)
 
 
 def _num_params(module: hlo.Module) -> int:

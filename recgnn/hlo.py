@@ -47,6 +47,17 @@ def shape_bytes(text: str) -> int:
   return total
 
 
+def shape_elements(text: str) -> int:
+  """Elements of every array shape in `text` (a tuple shape: the sum; any dtype)."""
+  total = 0
+  for _, dims in _SHAPE.findall(text):
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    total += n
+  return total
+
+
 def _closing(text: str, start: int) -> int:
   """Index of the bracket closing the one at text[start] ((, [ or {)."""
   depth = 0

@@ -222,17 +222,6 @@ def host_kernels(compiled_text: str) -> list[tuple[int, str, str, str]]:
   return sorted(out, key=lambda k: -k[0])
 
 
-def _elements(shape: str) -> int:
-  """Elements of every array shape in `shape` (a tuple: the sum)."""
-  n = 0
-  for _, dims in hlo._SHAPE.findall(shape):
-    k = 1
-    for d in filter(None, dims.split(",")):
-      k *= int(d)
-    n += k
-  return n
-
-
 def _updated(ins: hlo.Instr) -> int:
   """How many leading operands of a scatter / dynamic-update-slice are the updated arrays."""
   return (len(ins.operands) - 1) // 2 if ins.op == "scatter" else 1
@@ -291,7 +280,7 @@ def _row_access(module: hlo.Module, ins: hlo.Instr, operands: list[int], result:
         frac = f * u.bytes / src.bytes
       elif u.name in in_place and k < _updated(u):
         frac = in_place[u.name]
-      elif u.op not in _WHOLE and _elements(src.shape) == _elements(u.shape):
+      elif u.op not in _WHOLE and hlo.shape_elements(src.shape) == hlo.shape_elements(u.shape):
         frac = f  # elementwise, a view, a transpose: the same part of the operand
       else:
         frac = 1.0  # read whole (a reduction, a dot, a broadcast, a slice's indices, ...)

@@ -295,6 +295,74 @@ def _windows(every: list[dict], steps: list, end: float, step_module: str):
   return [(None, min(float(e["ts"]) for e in every), end, False)], "the whole trace"
 
 
+def _copy_events(c, by: dict, host_by: dict) -> tuple[list, list, str]:
+  """(h2d events, d2h events, where they came from): the device's copies, or on XLA:CPU
+  (no copies) the exchange's host ops standing in for them."""
+  has_copies = bool(by["h2d"] or by["d2h"])
+  if c.platform == "gpu" or has_copies:
+    copies_from = "copy events (MemcpyH2D / MemcpyD2H)" if has_copies else "none in the trace"
+    return by["h2d"], by["d2h"], copies_from
+  copies_from = (
+    "host ops of the exchange (XLA:CPU has no copies: the host gather stands in for H2D, "
+    "the host scatter for D2H; from the HLO)"
+    if c.host
+    else "none (XLA:CPU has no copies; give --hlo for the host ops of an offload exchange)"
+  )
+  return host_by["h2d"], host_by["d2h"], copies_from
+
+
+def _graph_updates(trace: Trace) -> list[dict]:
+  """XLA:GPU's CUDA graph updates on the launching thread: host time per step, counted per
+  step window."""
+  devices = {pid for pid, n in trace.processes.items() if _is_device_process(n)}
+  return [
+    e for e in trace.events
+    if e.get("name") == "command_buffer::update" and e.get("pid") not in devices and "ts" in e
+  ]  # fmt: skip
+
+
+def _step_row(window: tuple, by: dict, host_by: dict, h2d, d2h, updates, gpu: bool) -> dict:
+  """One step's figures: window (step number, start, end, partial) -> the row of `per_step`."""
+  num, lo, hi, partial = window
+  compute = by["compute"]
+  busy = union(_clip(compute, lo, hi))
+  row = {"step": num, "start_us": lo, "span_us": hi - lo, "busy_us": length(busy)}
+  row["partial"] = partial
+  row["kernel_us"] = sum(b - a for a, b in _clip(compute, lo, hi))
+  row["kernels"] = len(_in(compute, lo, hi))
+  copies = []
+  for name, evs in (("h2d", h2d), ("d2h", d2h)):
+    iv = union(_clip(evs, lo, hi))
+    copies += iv
+    row[f"{name}_us"] = length(iv)
+    row[f"{name}_count"] = len(_in(evs, lo, hi))
+    row[f"{name}_bytes"] = sum(_bytes(e) for e in _in(evs, lo, hi))
+    row[f"{name}_overlap_us"] = length(intersect(iv, busy))
+  allc = union(copies)
+  row["copy_us"] = length(allc)
+  row["copy_overlap_us"] = length(intersect(allc, busy))
+  row["other_copy_us"] = length(union(_clip(by["other_copy"], lo, hi)))
+  # (pinned -> pinned and other copies: a host table copied whole shows up here)
+  row["other_copy_count"] = len(_in(by["other_copy"], lo, hi))
+  row["other_copy_bytes"] = sum(_bytes(e) for e in _in(by["other_copy"], lo, hi))
+  row["graph_updates"] = len(_in(updates, lo, hi))
+  row["graph_update_us"] = sum(b - a for a, b in _clip(updates, lo, hi))
+  if gpu:
+    for name in ("h2d", "d2h", "host"):
+      row[f"host_{name}_ops_us"] = length(union(_clip(host_by[name], lo, hi)))
+  return row
+
+
+def _mean_row(whole: list[dict]) -> dict:
+  """The mean of every figure over the whole steps, and the fraction of copy time overlapped."""
+  keys = [k for k in whole[0] if k not in ("step", "start_us", "partial")]
+  mean = {k: sum(r[k] for r in whole) / len(whole) for k in keys}
+  mean["copy_overlap_fraction"] = (
+    mean["copy_overlap_us"] / mean["copy_us"] if mean["copy_us"] else None
+  )
+  return mean
+
+
 def summarize(
   trace: Trace,
   hlo: HostOps | None = None,
@@ -310,26 +378,8 @@ def summarize(
   host_by = collections.defaultdict(list)
   for cat, e in c.host:
     host_by[cat].append(e)
-  has_copies = bool(by["h2d"] or by["d2h"])
-  if c.platform == "gpu" or has_copies:
-    copies_from = "copy events (MemcpyH2D / MemcpyD2H)" if has_copies else "none in the trace"
-    h2d, d2h = by["h2d"], by["d2h"]
-  else:
-    copies_from = (
-      "host ops of the exchange (XLA:CPU has no copies: the host gather stands in for H2D, "
-      "the host scatter for D2H; from the HLO)"
-      if c.host
-      else "none (XLA:CPU has no copies; give --hlo for the host ops of an offload exchange)"
-    )
-    h2d, d2h = host_by["h2d"], host_by["d2h"]
-  compute = by["compute"]
-  # XLA:GPU's CUDA graph updates on the launching thread: host time per step, counted per
-  # step window.
-  devices = {pid for pid, n in trace.processes.items() if _is_device_process(n)}
-  updates = [
-    e for e in trace.events
-    if e.get("name") == "command_buffer::update" and e.get("pid") not in devices and "ts" in e
-  ]  # fmt: skip
+  h2d, d2h, copies_from = _copy_events(c, by, host_by)
+  updates = _graph_updates(trace)
   every = [e for _, e in c.device] + [e for _, e in c.host]
   if not every:
     raise ValueError(
@@ -337,40 +387,9 @@ def summarize(
     )
   end = max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in every)
   windows, how = _windows(every, c.steps, end, step_module)
-  rows = []
-  for num, lo, hi, partial in windows:
-    busy = union(_clip(compute, lo, hi))
-    row = {"step": num, "start_us": lo, "span_us": hi - lo, "busy_us": length(busy)}
-    row["partial"] = partial
-    row["kernel_us"] = sum(b - a for a, b in _clip(compute, lo, hi))
-    row["kernels"] = len(_in(compute, lo, hi))
-    copies = []
-    for name, evs in (("h2d", h2d), ("d2h", d2h)):
-      iv = union(_clip(evs, lo, hi))
-      copies += iv
-      row[f"{name}_us"] = length(iv)
-      row[f"{name}_count"] = len(_in(evs, lo, hi))
-      row[f"{name}_bytes"] = sum(_bytes(e) for e in _in(evs, lo, hi))
-      row[f"{name}_overlap_us"] = length(intersect(iv, busy))
-    allc = union(copies)
-    row["copy_us"] = length(allc)
-    row["copy_overlap_us"] = length(intersect(allc, busy))
-    row["other_copy_us"] = length(union(_clip(by["other_copy"], lo, hi)))
-    # (pinned -> pinned and other copies: a host table copied whole shows up here)
-    row["other_copy_count"] = len(_in(by["other_copy"], lo, hi))
-    row["other_copy_bytes"] = sum(_bytes(e) for e in _in(by["other_copy"], lo, hi))
-    row["graph_updates"] = len(_in(updates, lo, hi))
-    row["graph_update_us"] = sum(b - a for a, b in _clip(updates, lo, hi))
-    if c.platform == "gpu":
-      for name in ("h2d", "d2h", "host"):
-        row[f"host_{name}_ops_us"] = length(union(_clip(host_by[name], lo, hi)))
-    rows.append(row)
-  keys = [k for k in rows[0] if k not in ("step", "start_us", "partial")]
+  gpu = c.platform == "gpu"
+  rows = [_step_row(w, by, host_by, h2d, d2h, updates, gpu) for w in windows]
   whole = [r for r in rows if not r["partial"]] or rows
-  mean = {k: sum(r[k] for r in whole) / len(whole) for k in keys}
-  mean["copy_overlap_fraction"] = (
-    mean["copy_overlap_us"] / mean["copy_us"] if mean["copy_us"] else None
-  )
   return {
     "trace": trace.path,
     "platform": c.platform,
@@ -378,7 +397,7 @@ def summarize(
     "steps": len(whole),
     "windows": how,
     "per_step": rows,
-    "mean": mean,
+    "mean": _mean_row(whole),
     "events": {cat: len(v) for cat, v in by.items()}
     | {f"host_{k}": len(v) for k, v in host_by.items()},
   }

@@ -313,61 +313,19 @@ def convert(
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
   columns = tuple(columns)
-  slots = int(offsets(columns)[-1])
-  frequency = any(c.vocab == "frequency" for c in columns)
   try:
-    writers = {
-      "labels": NpyWriter(os.path.join(tmp, "labels.npy"), np.int8, ()),
-      "dense": NpyWriter(os.path.join(tmp, "dense.npy"), np.float32, (num_dense,)),
-    }
-    if frequency:
-      # Ids need every key's count first: the keys wait on disk, which is cheaper than
-      # parsing the text twice.
-      writers["raw"] = NpyWriter(os.path.join(tmp, "raw.tmp"), fmt.raw_dtype, (slots,))
-      writers["state"] = NpyWriter(os.path.join(tmp, "state.tmp"), np.uint8, (slots,))
-      counter = Counter(len(columns), fmt.raw_dtype)
-    else:
-      writers["sparse"] = NpyWriter(os.path.join(tmp, "sparse.npy"), np.int32, (slots,))
-    file_rows = [0] * len(paths)
-    positives = 0
-    what = "parse" if frequency else "convert"
-    for fi, result in stream(paths, fmt, columns, what, bad, num_workers, progress, label):
-      writers["labels"].append(result["labels"])
-      writers["dense"].append(result["dense"])
-      if frequency:
-        counter.add(result["counts"])
-        writers["raw"].append(result["raw"])
-        writers["state"].append(result["state"])
-      else:
-        writers["sparse"].append(result["ids"])
-      file_rows[fi] += result["rows"]
-      positives += int(result["labels"].sum(dtype=np.int64))
-    for w in writers.values():
-      w.close()
-    if frequency:
-      vocab = {
-        t: counter.vocabulary(t, c.min_count)
-        for t, c in enumerate(columns)
-        if c.vocab == "frequency"
-      }
-      _remap(tmp, columns, vocab, progress)
-    cardinalities = [
-      c.hash_size if c.vocab == "hash" else FIRST_ID + vocab[t][0].size
-      for t, c in enumerate(columns)
-    ]
+    written = _write_arrays(tmp, paths, fmt, columns, num_dense, bad, num_workers, progress, label)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   seconds = time.perf_counter() - t0
-  num_rows = sum(file_rows)
+  num_rows = sum(written["file_rows"])
   manifest = {
     "version": CACHE_VERSION,
     "sources": sources,
     "reader": key,
     "num_rows": num_rows,
-    "file_rows": file_rows,
-    "positives": positives,
-    "cardinalities": cardinalities,
+    **written,
     "table_names": [c.name for c in columns],
     "ids": {"missing": MISSING_ID, "unknown": UNKNOWN_ID, "first": FIRST_ID},
     "bad_lines": bad.files,
@@ -388,11 +346,70 @@ def convert(
   shutil.rmtree(out_dir, ignore_errors=True)
   os.replace(tmp, out_dir)
   if progress is not None:
-    skipped = f"; skipped {bad.total()} malformed lines" if bad.total() else ""
-    progress(
-      f"{label}: cached {num_rows:,} rows in {out_dir} ({seconds:.1f} s, "
-      f"{manifest['rows_per_second']:,.0f} rows/s{skipped})"
-    )
-    for path, rec in bad.files.items():
-      progress(f"  {path}: {rec['count']} malformed lines skipped ({reasons(rec)})")
+    _report_cached(progress, label, out_dir, num_rows, seconds, bad)
   return manifest
+
+
+def _writers(tmp: str, fmt, columns, num_dense: int, frequency: bool) -> dict[str, NpyWriter]:
+  """The arrays a conversion writes in `tmp`: labels, dense, and sparse ids (or, when a column
+  has a frequency vocabulary, the raw keys and their states, remapped once counted)."""
+  slots = int(offsets(columns)[-1])
+  writers = {
+    "labels": NpyWriter(os.path.join(tmp, "labels.npy"), np.int8, ()),
+    "dense": NpyWriter(os.path.join(tmp, "dense.npy"), np.float32, (num_dense,)),
+  }
+  if frequency:
+    # Ids need every key's count first: the keys wait on disk, which is cheaper than
+    # parsing the text twice.
+    writers["raw"] = NpyWriter(os.path.join(tmp, "raw.tmp"), fmt.raw_dtype, (slots,))
+    writers["state"] = NpyWriter(os.path.join(tmp, "state.tmp"), np.uint8, (slots,))
+  else:
+    writers["sparse"] = NpyWriter(os.path.join(tmp, "sparse.npy"), np.int32, (slots,))
+  return writers
+
+
+def _write_arrays(
+  tmp: str, paths, fmt, columns, num_dense: int, bad: BadLines, num_workers, progress, label
+) -> dict[str, Any]:
+  """Parses every file into the arrays in `tmp` (ids through the vocabularies) -> the
+  manifest's {"file_rows", "positives", "cardinalities"}."""
+  frequency = any(c.vocab == "frequency" for c in columns)
+  writers = _writers(tmp, fmt, columns, num_dense, frequency)
+  if frequency:
+    counter = Counter(len(columns), fmt.raw_dtype)
+  file_rows = [0] * len(paths)
+  positives = 0
+  what = "parse" if frequency else "convert"
+  for fi, result in stream(paths, fmt, columns, what, bad, num_workers, progress, label):
+    writers["labels"].append(result["labels"])
+    writers["dense"].append(result["dense"])
+    if frequency:
+      counter.add(result["counts"])
+      writers["raw"].append(result["raw"])
+      writers["state"].append(result["state"])
+    else:
+      writers["sparse"].append(result["ids"])
+    file_rows[fi] += result["rows"]
+    positives += int(result["labels"].sum(dtype=np.int64))
+  for w in writers.values():
+    w.close()
+  if frequency:
+    vocab = {
+      t: counter.vocabulary(t, c.min_count) for t, c in enumerate(columns) if c.vocab == "frequency"
+    }
+    _remap(tmp, columns, vocab, progress)
+  cardinalities = [
+    c.hash_size if c.vocab == "hash" else FIRST_ID + vocab[t][0].size for t, c in enumerate(columns)
+  ]
+  return {"file_rows": file_rows, "positives": positives, "cardinalities": cardinalities}
+
+
+def _report_cached(progress, label, out_dir, num_rows: int, seconds: float, bad: BadLines) -> None:
+  """The conversion's closing lines: rows, time, rate, and each file's skipped lines."""
+  skipped = f"; skipped {bad.total()} malformed lines" if bad.total() else ""
+  progress(
+    f"{label}: cached {num_rows:,} rows in {out_dir} ({seconds:.1f} s, "
+    f"{num_rows / max(seconds, 1e-9):,.0f} rows/s{skipped})"
+  )
+  for path, rec in bad.files.items():
+    progress(f"  {path}: {rec['count']} malformed lines skipped ({reasons(rec)})")

@@ -28,11 +28,13 @@ NAMES = ("cora", "citeseer", "pubmed")
 
 # (module, name) -> object: everything a Planetoid pickle may reference. Both the Python-2
 # module names (what the bytes say) and their Python-3 homes are listed.
+# numpy's array unpickler (`numpy._core.multiarray._reconstruct`), as pickle itself finds it.
+_RECONSTRUCT = np.ndarray((0,)).__reduce__()[0]
 _ALLOWED = {
   ("numpy", "ndarray"): np.ndarray,
   ("numpy", "dtype"): np.dtype,
-  ("numpy.core.multiarray", "_reconstruct"): np._core.multiarray._reconstruct,
-  ("numpy._core.multiarray", "_reconstruct"): np._core.multiarray._reconstruct,
+  ("numpy.core.multiarray", "_reconstruct"): _RECONSTRUCT,
+  ("numpy._core.multiarray", "_reconstruct"): _RECONSTRUCT,
   ("scipy.sparse.csr", "csr_matrix"): sp.csr_matrix,
   ("scipy.sparse._csr", "csr_matrix"): sp.csr_matrix,
   ("collections", "defaultdict"): collections.defaultdict,
@@ -149,15 +151,7 @@ def load(
       NormalizeFeatures), which the published accuracies assume.
   """
   name = name.lower()
-  if name not in NAMES:
-    raise ValueError(f"Unknown Planetoid graph {name!r}; available: {', '.join(NAMES)}")
-  folder = os.path.join(root or BUNDLED, name)
-  path = lambda part: os.path.join(folder, f"ind.{name}.{part}")
-  if not os.path.exists(path("graph")):
-    raise FileNotFoundError(
-      f"{path('graph')} not found. Cora is bundled in third_party/cora; for CiteSeer / PubMed "
-      "put the kimiyoung/planetoid data/ files in <root>/<name>/ and pass root=."
-    )
+  path = _part_paths(name, root)
   x, y, tx, ty, allx, ally = (
     restricted_load(path(p)) for p in ("x", "y", "tx", "ty", "allx", "ally")
   )
@@ -167,6 +161,50 @@ def load(
 
   tx, allx = _as_matrix(tx, path("tx")), _as_matrix(allx, path("allx"))
   ty, ally, y = _as_onehot(ty, path("ty")), _as_onehot(ally, path("ally")), _as_onehot(y, path("y"))
+  _check_parts(name, path, y, tx, ty, allx, ally, graph, test_index)
+  if name == "citeseer":
+    tx, ty = _fill_test_gaps(tx, ty, test_sorted)
+  features, onehot = _node_rows(allx, tx, ally, ty, test_index, test_sorted)
+  labels = np.where(onehot.sum(1) > 0, onehot.argmax(1), -1).astype(np.int32)
+  if normalize_features:
+    rowsum = features.sum(1, keepdims=True)
+    features = features / np.where(rowsum == 0, 1.0, rowsum)
+  adj = _adjacency(graph, features.shape[0], path("graph"))
+  num_train = np.asarray(y).shape[0]
+  splits = {
+    "train": np.arange(num_train, dtype=np.int64),
+    "valid": np.arange(num_train, num_train + 500, dtype=np.int64),
+    "test": test_sorted,
+  }
+  return store.Graph(
+    name=name,
+    adj=adj,
+    labels=labels,
+    num_classes=onehot.shape[1],
+    splits=splits,
+    features=features.astype(np.float32),
+  )
+
+
+def _part_paths(name: str, root: str | None):
+  """part -> the path of `ind.<name>.<part>` under root (default: the bundled folder);
+  refuses an unknown name or a folder without the graph."""
+  if name not in NAMES:
+    raise ValueError(f"Unknown Planetoid graph {name!r}; available: {', '.join(NAMES)}")
+  folder = os.path.join(root or BUNDLED, name)
+  path = lambda part: os.path.join(folder, f"ind.{name}.{part}")
+  if not os.path.exists(path("graph")):
+    raise FileNotFoundError(
+      f"{path('graph')} not found. Cora is bundled in third_party/cora; for CiteSeer / PubMed "
+      "put the kimiyoung/planetoid data/ files in <root>/<name>/ and pass root=."
+    )
+  return path
+
+
+def _check_parts(name: str, path, y, tx, ty, allx, ally, graph, test_index) -> None:
+  """Refuses (MalformedDataError) parts whose shapes disagree, or test ids that are empty,
+  repeated or outside the rows after allx."""
+  test_sorted = np.sort(test_index)
   _require(tx.shape[0] == ty.shape[0], path("ty"), f"{ty.shape[0]} rows for {tx.shape[0]} in tx")
   _require(
     allx.shape[0] == ally.shape[0], path("ally"), f"{ally.shape[0]} rows, allx {allx.shape[0]}"
@@ -183,50 +221,37 @@ def load(
   _require(bool(test_sorted[0] >= n_all) and test_sorted[-1] < n_all + span, path("test.index"),
            f"ids outside {n_all}..{n_all + span - 1} (the test rows follow allx)")  # fmt: skip
   _require(isinstance(graph, dict), path("graph"), "not a dict of adjacency lists")
-  if name == "citeseer":
-    # CiteSeer has test ids with no test row (isolated nodes): give them zero rows, as
-    # Kipf's loader does, so that positions line up.
-    full = np.arange(test_sorted[0], test_sorted[-1] + 1)
-    tx_ext = sp.lil_matrix((full.size, tx.shape[1]), dtype=tx.dtype)
-    tx_ext[test_sorted - test_sorted[0], :] = tx
-    ty_ext = np.zeros((full.size, ty.shape[1]), ty.dtype)
-    ty_ext[test_sorted - test_sorted[0], :] = ty
-    tx, ty = tx_ext.tocsr(), ty_ext
 
+
+def _fill_test_gaps(tx, ty, test_sorted: np.ndarray):
+  """CiteSeer has test ids with no test row (isolated nodes): zero rows for them, as Kipf's
+  loader does, so that positions line up -> (tx, ty) over every id in the test span."""
+  full = np.arange(test_sorted[0], test_sorted[-1] + 1)
+  tx_ext = sp.lil_matrix((full.size, tx.shape[1]), dtype=tx.dtype)
+  tx_ext[test_sorted - test_sorted[0], :] = tx
+  ty_ext = np.zeros((full.size, ty.shape[1]), ty.dtype)
+  ty_ext[test_sorted - test_sorted[0], :] = ty
+  return tx_ext.tocsr(), ty_ext
+
+
+def _node_rows(allx, tx, ally, ty, test_index, test_sorted) -> tuple[np.ndarray, np.ndarray]:
+  """(features f32[N, F], one-hot labels f32[N, C]) of every node, in node order."""
   features = sp.vstack([allx, tx]).tocsr().toarray().astype(np.float32)
   onehot = np.concatenate([ally, ty]).astype(np.float32)
   # The test rows come after allx in file order; test.index says where each belongs.
   features[test_index] = features[test_sorted]
   onehot[test_index] = onehot[test_sorted]
-  labels = np.where(onehot.sum(1) > 0, onehot.argmax(1), -1).astype(np.int32)
-  if normalize_features:
-    rowsum = features.sum(1, keepdims=True)
-    features = features / np.where(rowsum == 0, 1.0, rowsum)
+  return features, onehot
 
-  num_nodes = features.shape[0]
+
+def _adjacency(graph: dict, num_nodes: int, path: str):
+  """{node: neighbours} -> the undirected CSR adjacency; refuses ids outside the nodes."""
   try:
     src = np.concatenate([np.full(len(v), k, np.int64) for k, v in graph.items()] + [[]])
     dst = np.concatenate([np.asarray(v, np.int64).reshape(-1) for v in graph.values()] + [[]])
   except (TypeError, ValueError, OverflowError) as e:
-    raise MalformedDataError(f"{path('graph')}: adjacency lists are not node ids ({e})") from None
+    raise MalformedDataError(f"{path}: adjacency lists are not node ids ({e})") from None
   src, dst = src.astype(np.int64), dst.astype(np.int64)
   out = (src < 0) | (src >= num_nodes) | (dst < 0) | (dst >= num_nodes)
-  _require(
-    not out.any(), path("graph"), f"{int(out.sum())} edges name nodes outside 0..{num_nodes - 1}"
-  )
-  adj = store.csr_from_edges(src, dst, num_nodes, undirected=True)
-
-  num_train = np.asarray(y).shape[0]
-  splits = {
-    "train": np.arange(num_train, dtype=np.int64),
-    "valid": np.arange(num_train, num_train + 500, dtype=np.int64),
-    "test": test_sorted,
-  }
-  return store.Graph(
-    name=name,
-    adj=adj,
-    labels=labels,
-    num_classes=onehot.shape[1],
-    splits=splits,
-    features=features.astype(np.float32),
-  )
+  _require(not out.any(), path, f"{int(out.sum())} edges name nodes outside 0..{num_nodes - 1}")
+  return store.csr_from_edges(src, dst, num_nodes, undirected=True)

@@ -97,6 +97,13 @@ class AccessProfile:
       raise ValueError("AccessProfile(sparse=True) has no dense counts; use seen() / count_of()")
     return self._dense
 
+  def use_counts(self, counts: np.ndarray) -> None:
+    """Dense mode: keep the counts in `counts` (int64[num_rows], e.g. a slice of an array
+    shared by several tables); its values become the counts."""
+    if self.sparse or counts.shape != self._dense.shape or counts.dtype != np.int64:
+      raise ValueError(f"use_counts: int64[{self._dense.shape[0]}] for a dense profile")
+    self._dense = counts
+
   def seen(self) -> tuple[np.ndarray, np.ndarray]:
     """(rows accessed at least once int64[S] ascending, their counts int64[S])."""
     if not self.sparse:

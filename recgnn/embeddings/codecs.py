@@ -158,13 +158,13 @@ class Codec:
     if self.name == "eb":
       q, okv = self._eb_codes(x, bounds)
       if self.widths:
-        words = [pack(c, w) for c, w in zip(self._split(q), self.widths)]
+        words = [pack(c, w) for c, w in zip(self.split(q), self.widths)]
         return {"w": jnp.concatenate(words, axis=-1)}, jnp.all(okv)
       return {"q": q.astype(jnp.int8)}, jnp.all(okv)
     # Per-vector scale: fp8 and int8.
     scales, parts = [], []
     top = QMAX if self.name == "int8" else float(jnp.finfo(_FP8[self.name]).max)
-    for s in self._split(x):
+    for s in self.split(x):
       m = jnp.max(jnp.abs(s), axis=-1, keepdims=True)
       scale = jnp.where(m > 0, m / top, 1.0)
       scales.append(scale)
@@ -216,7 +216,7 @@ class Codec:
       )
     x = jnp.concatenate([s.astype(jnp.float32) for s in segments], axis=-1)
     _, okv = self._eb_codes(x, bounds)
-    return jnp.stack([jnp.all(v) for v in self._split(okv)])
+    return jnp.stack([jnp.all(v) for v in self.split(okv)])
 
   def decode(
     self, payload: dict[str, jax.Array], bounds: jax.Array | None = None
@@ -240,10 +240,8 @@ class Codec:
     else:
       q = payload["q"].astype(jnp.float32)
       scale = payload["scale"]
-      x = jnp.concatenate(
-        [s * scale[..., i : i + 1] for i, s in enumerate(self._split(q))], axis=-1
-      )
-    return self._split(x)
+      x = jnp.concatenate([s * scale[..., i : i + 1] for i, s in enumerate(self.split(q))], axis=-1)
+    return self.split(x)
 
   # --------------------------------------------------------------- block-wise steps (block)
 
@@ -323,7 +321,8 @@ class Codec:
       lo, hlo = lo + n, hlo + nb
     return out
 
-  def _split(self, x):
+  def split(self, x):
+    """x [..., sum(dims)] -> its segments, [..., d] for each d of dims."""
     out, lo = [], 0
     for d in self.dims:
       out.append(x[..., lo : lo + d])

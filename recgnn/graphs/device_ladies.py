@@ -17,14 +17,14 @@ import scipy.sparse as sp
 
 from recgnn.graphs import ladies, sampling
 from recgnn.graphs.device_sampling import (
-  _blocks,
   _device_csr,
-  _pad_k,
   _row_entries,
-  _table_chunk,
   batch_keys,
   extend,
   key_from,
+  pad_k,
+  table_chunk,
+  to_blocks,
 )
 
 
@@ -48,10 +48,10 @@ def _ladies_batch(
   row, entry, valid = _row_entries(indptr, frontier, cap_entries)
   col = jnp.where(valid, jnp.take(indices, entry, mode="clip"), num_nodes)
   val = jnp.where(valid, jnp.take(data, entry, mode="clip"), 0.0)
-  return _ladies_from_entries(row, col, val, valid, frontier, s, n_next, cap_edges, num_nodes, key)
+  return ladies_from_entries(row, col, val, valid, frontier, s, n_next, cap_edges, num_nodes, key)
 
 
-def _ladies_from_entries(row, col, val, valid, frontier, s, n_next, cap_edges, num_nodes, key):
+def ladies_from_entries(row, col, val, valid, frontier, s, n_next, cap_edges, num_nodes, key):
   """One batch's LADIES layer from P = Q @ Ahat's entries (row position, column, value;
   invalid: column num_nodes, value 0), however they were read (one device or the split
   graph's exchange)."""
@@ -145,7 +145,7 @@ class DeviceLadiesSampler:
       num_nodes=self.num_nodes,
     )
     # In chunks: each batch's dedup holds a node table of N + 1 entries (see `extend`).
-    chunk = _table_chunk(k, self.num_nodes)
+    chunk = table_chunk(k, self.num_nodes)
     return jax.lax.map(lambda x: fn(x[0], key=x[1]), (frontier, keys), batch_size=chunk)
 
   def sample_arrays(self, indptr, indices, data, seeds, key, first=0):
@@ -165,11 +165,11 @@ class DeviceLadiesSampler:
 
   def sample(self, seeds: np.ndarray, rng) -> sampling.Blocks:
     """As `LadiesSampler.sample`: numpy seeds and Generator (or a jax key) -> Blocks."""
-    seeds = sampling._check_seeds(seeds, self.batch_size, self.num_nodes)
+    seeds = sampling.check_seeds(seeds, self.batch_size, self.num_nodes)
     k = seeds.shape[0]
-    padded = np.full((_pad_k(k), seeds.shape[1]), -1, np.int32)
+    padded = np.full((pad_k(k), seeds.shape[1]), -1, np.int32)
     padded[:k] = seeds
-    return _blocks(jax.device_get(self.sample_device(padded, key_from(rng))), k, self.sizes)
+    return to_blocks(jax.device_get(self.sample_device(padded, key_from(rng))), k, self.sizes)
 
   def probabilities(self, frontier: np.ndarray) -> np.ndarray:
     """LADIES' column-norm probabilities as the device computes them: frontier int[k, n]

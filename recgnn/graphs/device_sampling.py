@@ -47,7 +47,7 @@ def key_from(rng_or_key) -> jax.Array:
   return rng_or_key
 
 
-def _pad_k(k: int, multiple: int = 1) -> int:
+def pad_k(k: int, multiple: int = 1) -> int:
   """Calls are padded to a power of two batches (a multiple of `multiple`): a handful of
   compiled sizes instead of one per trailing partial group."""
   p = 1 << max(k - 1, 0).bit_length()
@@ -90,7 +90,7 @@ TABLE_ENTRIES = {"cpu": 1 << 21}
 TABLE_ENTRIES_DEFAULT = 1 << 26
 
 
-def _table_chunk(k: int, num_nodes: int) -> int:
+def table_chunk(k: int, num_nodes: int) -> int:
   """Batches deduplicated at once (see TABLE_ENTRIES)."""
   budget = TABLE_ENTRIES.get(jax.default_backend(), TABLE_ENTRIES_DEFAULT)
   return max(1, min(k, budget // (num_nodes + 1)))
@@ -136,8 +136,8 @@ def extend(
 def extend_batches(frontier, cand, cand_valid, n_next: int, num_nodes: int):
   """`extend` over k batches: frontier int32[k, n], cand int32[k, M], cand_valid bool[k, M]
   -> (next int32[k, n_next], pos int32[k, M], dropped int32[k]). Batches run a few at a
-  time (`_table_chunk`), so the dedup tables' memory does not grow with k."""
-  chunk = _table_chunk(frontier.shape[0], num_nodes)
+  time (`table_chunk`), so the dedup tables' memory does not grow with k."""
+  chunk = table_chunk(frontier.shape[0], num_nodes)
   return jax.lax.map(
     lambda x: extend(*x, n_next, num_nodes), (frontier, cand, cand_valid), batch_size=chunk
   )
@@ -156,14 +156,14 @@ def batch_keys(key: jax.Array, k: int, first=0) -> jax.Array:
   return jax.vmap(lambda b: jax.random.fold_in(key, b))(first + jnp.arange(k, dtype=jnp.int32))
 
 
-def _batch_uniforms(key: jax.Array, layer: int, k: int, shape, first=0) -> jax.Array:
+def batch_uniforms(key: jax.Array, layer: int, k: int, shape, first=0) -> jax.Array:
   """float32[k, *shape]: the uniforms of `layer` of batches first .. first + k - 1
   (`batch_keys`: key a call's key or every batch's), independent of k and padding."""
   keys = jax.vmap(lambda kb: jax.random.fold_in(kb, layer))(batch_keys(key, k, first))
   return jax.vmap(lambda kb: jax.random.uniform(kb, shape))(keys)
 
 
-def _gather_rows(indptr, indices, rows, fanout, u, owned=None, row_offset=0):
+def gather_rows(indptr, indices, rows, fanout, u, owned=None, row_offset=0):
   """Offsets drawn for every row; neighbours read where `owned`. rows: int32[R] (-1 pad)
   -> (cand int32[R, f], mask bool[R, f]), cand = id or -1 where masked / not owned."""
   valid = rows >= 0 if owned is None else owned
@@ -206,7 +206,7 @@ def product_rows(indptr, indices, rows, capacity: int):
   return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(length, dtype=jnp.int32)]), cols
 
 
-def _node_layer(indptr, indices, frontier, fanout, n_next, num_nodes, u, capacity=None):
+def node_layer(indptr, indices, frontier, fanout, n_next, num_nodes, u, capacity=None):
   """One node-wise layer for k batches: frontier int32[k, n], u float32[k, n, f] ->
   (next int32[k, n_next], nbr int32[k, n, f], mask bool[k, n, f], edges int32[k], dropped).
   capacity: None reads the frontier's rows of A directly; else P = Q @ A is formed first
@@ -217,13 +217,13 @@ def _node_layer(indptr, indices, frontier, fanout, n_next, num_nodes, u, capacit
   if capacity is not None:
     indptr, indices = product_rows(indptr, indices, rows, capacity)
     rows = jnp.where(rows >= 0, jnp.arange(k * n, dtype=jnp.int32), -1)
-  cand, mask = _gather_rows(indptr, indices, rows, fanout, u.reshape(k * n, fanout))
+  cand, mask = gather_rows(indptr, indices, rows, fanout, u.reshape(k * n, fanout))
   cand, mask = cand.reshape(k, n * fanout), mask.reshape(k, n * fanout)
   nxt, pos, dropped = extend_batches(frontier, cand, mask, n_next, num_nodes)
-  return _node_outputs(nxt, pos, dropped, k, n, fanout)
+  return node_outputs(nxt, pos, dropped, k, n, fanout)
 
 
-def _node_outputs(nxt, pos, dropped, k, n, fanout):
+def node_outputs(nxt, pos, dropped, k, n, fanout):
   pos = pos.reshape(k, n, fanout)
   mask = pos >= 0
   return nxt, jnp.maximum(pos, 0), mask, mask.sum((1, 2), dtype=jnp.int32), dropped.sum()
@@ -282,12 +282,12 @@ class DeviceNeighborSampler:
     k = seeds.shape[0]
     frontier, layers, edges, dropped = seeds, [], [], jnp.int32(0)
     for layer, f in enumerate(self.fanouts):
-      u = _batch_uniforms(key, layer, k, (frontier.shape[1], f), first)
+      u = batch_uniforms(key, layer, k, (frontier.shape[1], f), first)
       # A batch's frontier nodes are distinct: P's k batches hold at most k x the sum of
       # the n largest degrees.
       n = min(frontier.shape[1], self.num_nodes)
       cap = max(k * int(self._top_degrees[n]), 1) if self.materialize else None
-      frontier, nbr, mask, e, d = _node_layer(
+      frontier, nbr, mask, e, d = node_layer(
         indptr, indices, frontier, f, self.sizes[layer + 1], self.num_nodes, u, cap
       )
       layers.append({"nbr": nbr, "mask": mask})
@@ -303,15 +303,15 @@ class DeviceNeighborSampler:
   def sample(self, seeds: np.ndarray, rng) -> sampling.Blocks:
     """Host-compatible: seeds int[k, batch_size], a numpy Generator (or a jax key) ->
     sampling.Blocks of numpy arrays, as `NeighborSampler.sample`."""
-    seeds = sampling._check_seeds(seeds, self.batch_size, self.num_nodes)
+    seeds = sampling.check_seeds(seeds, self.batch_size, self.num_nodes)
     k = seeds.shape[0]
-    padded = np.full((_pad_k(k), seeds.shape[1]), -1, np.int32)
+    padded = np.full((pad_k(k), seeds.shape[1]), -1, np.int32)
     padded[:k] = seeds
     out = jax.device_get(self.sample_device(padded, key_from(rng)))
-    return _blocks(out, k, self.sizes)
+    return to_blocks(out, k, self.sizes)
 
 
-def _blocks(out, k, sizes) -> sampling.Blocks:
+def to_blocks(out, k, sizes) -> sampling.Blocks:
   nodes, layers, edges, dropped = out
   return sampling.Blocks(
     nodes=np.asarray(nodes[:k]),
@@ -330,11 +330,11 @@ def _row_entries(indptr, rows, capacity):
   to `capacity`: (row position int32[C], CSR entry int32[C], valid bool[C])."""
   valid = rows >= 0
   r = jnp.where(valid, rows, 0)
-  row, offset, ok = _row_layout(jnp.where(valid, indptr[r + 1] - indptr[r], 0), capacity)
+  row, offset, ok = row_layout(jnp.where(valid, indptr[r + 1] - indptr[r], 0), capacity)
   return row, indptr[r[row]] + offset, ok
 
 
-def _row_layout(length, capacity):
+def row_layout(length, capacity):
   """Rows of `length` (int32[n]) laid end to end in `capacity` slots: (row position
   int32[C], offset within the row int32[C], valid bool[C])."""
   rows = length.shape[0]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from recgnn.graphs.sampling import Blocks, _check_adj, _check_seeds, _extend, selection_matrix
+from recgnn.graphs.sampling import Blocks, _check_adj, _extend, check_seeds, selection_matrix
 
 
 def weighted_draw(
@@ -123,7 +123,7 @@ class LadiesSampler:
 
   def sample(self, seeds: np.ndarray, rng: np.random.Generator) -> Blocks:
     """Sample k mini-batches at once: seeds int[k, batch_size] (-1 = padding) -> Blocks."""
-    frontier = _check_seeds(seeds, self.batch_size, self.num_nodes)
+    frontier = check_seeds(seeds, self.batch_size, self.num_nodes)
     k = frontier.shape[0]
     layers, edges, dropped = [], [], 0
     for layer, s in enumerate(self.layer_sizes):

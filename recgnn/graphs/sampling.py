@@ -223,7 +223,7 @@ def _extend_group(
   return nxt, pos, int(np.count_nonzero(new & ~fits))
 
 
-def _check_seeds(seeds: np.ndarray, batch_size: int, num_nodes: int) -> np.ndarray:
+def check_seeds(seeds: np.ndarray, batch_size: int, num_nodes: int) -> np.ndarray:
   seeds = np.asarray(seeds)
   if seeds.ndim == 1:
     seeds = seeds[None]
@@ -309,7 +309,7 @@ class NeighborSampler:
 
   def sample(self, seeds: np.ndarray, rng: np.random.Generator) -> Blocks:
     """Sample k mini-batches at once: seeds int[k, batch_size] (-1 = padding) -> Blocks."""
-    frontier = _check_seeds(seeds, self.batch_size, self.num_nodes)
+    frontier = check_seeds(seeds, self.batch_size, self.num_nodes)
     k = frontier.shape[0]
     layers, edges, dropped = [], [], 0
     for layer, f in enumerate(self.fanouts):

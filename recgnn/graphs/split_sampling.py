@@ -59,8 +59,8 @@ class _SplitSampler:
     raise NotImplementedError
 
   def pad_seeds(self, seeds: np.ndarray) -> np.ndarray:
-    seeds = sampling._check_seeds(seeds, self.batch_size, self.num_nodes)
-    padded = np.full((device._pad_k(seeds.shape[0], self.devices), seeds.shape[1]), -1, np.int32)
+    seeds = sampling.check_seeds(seeds, self.batch_size, self.num_nodes)
+    padded = np.full((device.pad_k(seeds.shape[0], self.devices), seeds.shape[1]), -1, np.int32)
     padded[: seeds.shape[0]] = seeds
     return padded
 
@@ -94,14 +94,14 @@ class _SplitSampler:
     """As the host sampler's `sample`: numpy seeds and Generator (or a jax key) -> Blocks."""
     k = np.asarray(seeds).reshape(-1, self.batch_size).shape[0]
     out = jax.device_get(self.sample_device(self.pad_seeds(seeds), device.key_from(rng)))
-    return device._blocks(out, k, self.sizes)
+    return device.to_blocks(out, k, self.sizes)
 
   def hop_bytes(self, k: int) -> list[dict]:
     """Per hop, the collectives of the compiled hop for k batches (recgnn.comms.summary):
     bytes each device sends, read from the HLO without running it."""
     from recgnn import comms
 
-    k = device._pad_k(k, self.devices)
+    k = device.pad_k(k, self.devices)
     key = jax.random.key(0)
     out = []
     for layer, hop in enumerate(self._hops):
@@ -198,15 +198,15 @@ class SplitNeighborSampler(_SplitSampler):
       )
       req = jax.lax.all_to_all(req, axis, 0, 0, tiled=True)
       want, pos = req[:, 0] - 1, req[:, 1]
-      u = device._batch_uniforms(key, layer, lb * d, (n, f)).reshape(-1, f)
-      cand, _ = device._gather_rows(
+      u = device.batch_uniforms(key, layer, lb * d, (n, f)).reshape(-1, f)
+      cand, _ = device.gather_rows(
         indptr[0], indices[0], want, f, u[pos], owned=want >= 0, row_offset=me * r
       )
       resp = jnp.where((want >= 0)[:, None], cand + 1, 0)
       back = jax.lax.all_to_all(resp, axis, 0, 0, tiled=True)
       got = jnp.where(fits[:, None], back[jnp.minimum(dest, d * cap - 1)], 0).reshape(lb, n * f)
       nxt, pos, dropped = device.extend_batches(local_frontier, got - 1, got > 0, n_next, num_nodes)
-      nxt, nbr, mask, edges, dropped = device._node_outputs(nxt, pos, dropped, lb, n, f)
+      nxt, nbr, mask, edges, dropped = device.node_outputs(nxt, pos, dropped, lb, n, f)
       # Rows that did not fit the exchange count as dropped (their neighbours are lost).
       dropped = dropped + jnp.sum(valid & ~fits, dtype=jnp.int32)
       return nxt, {"nbr": nbr, "mask": mask}, edges, dropped[None]
@@ -230,10 +230,10 @@ class SplitNeighborSampler(_SplitSampler):
       frontier = jax.lax.all_gather(local_frontier, axis, tiled=True)  # [k, n] everywhere
       k, n = frontier.shape
       me = jax.lax.axis_index(axis)
-      u = device._batch_uniforms(key, layer, k, (n, f))
+      u = device.batch_uniforms(key, layer, k, (n, f))
       rows = frontier.reshape(-1)
       owned = (rows >= 0) & (rows // r == me)
-      cand, _ = device._gather_rows(
+      cand, _ = device.gather_rows(
         indptr[0], indices[0], rows, f, u.reshape(k * n, f), owned, me * r
       )
       # The owner writes id + 1 (0 = masked); non-owners write 0: the sum is the sample.
@@ -241,7 +241,7 @@ class SplitNeighborSampler(_SplitSampler):
       total = jax.lax.psum_scatter(mine, axis, scatter_dimension=0, tiled=True)
       local = local_frontier
       nxt, pos, dropped = device.extend_batches(local, total - 1, total > 0, n_next, num_nodes)
-      nxt, nbr, mask, edges, dropped = device._node_outputs(nxt, pos, dropped, local.shape[0], n, f)
+      nxt, nbr, mask, edges, dropped = device.node_outputs(nxt, pos, dropped, local.shape[0], n, f)
       return nxt, {"nbr": nbr, "mask": mask}, edges, dropped[None]
 
     return hop
@@ -341,7 +341,7 @@ class SplitLadiesSampler(_SplitSampler):
 
       def layout(fr):
         ok = fr >= 0
-        return device._row_layout(jnp.where(ok, lengths[jnp.where(ok, fr, 0)], 0), cap)
+        return device.row_layout(jnp.where(ok, lengths[jnp.where(ok, fr, 0)], 0), cap)
 
       def read(fr):
         row, offset, valid = layout(fr)
@@ -359,13 +359,13 @@ class SplitLadiesSampler(_SplitSampler):
       col = jnp.where(valid, col - 1, num_nodes)
       keys = jax.vmap(lambda kb: jax.random.fold_in(kb, layer))(device.batch_keys(key, lb, me * lb))
       fn = functools.partial(
-        device_ladies._ladies_from_entries,
+        device_ladies.ladies_from_entries,
         s=self.layer_sizes[layer],
         n_next=self.sizes[layer + 1],
         cap_edges=self.edge_capacities[layer],
         num_nodes=num_nodes,
       )
-      chunk = device._table_chunk(lb, num_nodes)
+      chunk = device.table_chunk(lb, num_nodes)
       nxt, lay, edges, dropped, _ = jax.lax.map(
         lambda x: fn(*x[:5], key=x[5]),
         (row, col, val, valid, local_frontier, keys),
@@ -385,7 +385,7 @@ def replicated_hop_bytes(sampler: device.DeviceNeighborSampler, mesh, k: int) ->
   from recgnn import comms
 
   axis = sharding.BATCH
-  k = device._pad_k(k, mesh.size)
+  k = device.pad_k(k, mesh.size)
   out = []
   for layer, f in enumerate(sampler.fanouts):
     n_next = sampler.sizes[layer + 1]
@@ -398,8 +398,8 @@ def replicated_hop_bytes(sampler: device.DeviceNeighborSampler, mesh, k: int) ->
       check_vma=False,
     )
     def hop(indptr, indices, frontier, key, f=f, n_next=n_next, layer=layer):
-      u = device._batch_uniforms(key, layer, frontier.shape[0], (frontier.shape[1], f))
-      return device._node_layer(indptr, indices, frontier, f, n_next, sampler.num_nodes, u)[0]
+      u = device.batch_uniforms(key, layer, frontier.shape[0], (frontier.shape[1], f))
+      return device.node_layer(indptr, indices, frontier, f, n_next, sampler.num_nodes, u)[0]
 
     repl = sharding.named(mesh, P())
     args = (

@@ -159,14 +159,14 @@ class NodeClassification(Task):
           "sampler.steps_per_call=1 (host-sampled batches are one step each; sampler.bulk "
           "sets how many are sampled per product)"
         )
-      self.sampler = self._make_sampler(
+      self.sampler = self.make_sampler(
         s.get("fanouts", None), self.batch_size, s.capacities, self.train_nodes, "capacities"
       )
     eval_fanouts = s.get("eval_fanouts", None) or s.get("fanouts", None)
     self.eval_batch_size = int(s.get("eval_batch_size", None) or self.batch_size)
     eval_nodes = np.concatenate([self._labelled("valid"), self._labelled("test")])
     eval_caps = s.get("eval_capacities", "worst")
-    self.eval_sampler = self._make_sampler(
+    self.eval_sampler = self.make_sampler(
       eval_fanouts, self.eval_batch_size, eval_caps, eval_nodes, "eval_capacities"
     )
     self.model = graphsage.GraphSAGE(
@@ -186,7 +186,7 @@ class NodeClassification(Task):
     ids = self.graph.splits[split]
     return ids[self.graph.labels[ids] >= 0]
 
-  def _make_sampler(
+  def make_sampler(
     self,
     fanouts,
     batch_size: int,

@@ -158,7 +158,7 @@ class DeviceSamples:
         f"set sampler.split_devices={self.devices} (sampler.kind=node) or 0 (replicated)"
       )
     self.split = split > 1
-    self.sampler = task._make_sampler(
+    self.sampler = task.make_sampler(
       s.get("fanouts", None),
       self.per_device,
       s.capacities,

@@ -11,6 +11,7 @@ the popular / non-popular split (`micro.split`), the prepare-order version, and 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -23,6 +24,18 @@ from recgnn.backends.hot_cold.hot_set import HotSet, cold_cap
 from recgnn.backends.hot_cold.micro import split
 from recgnn.backends.hot_cold.options import HotColdOptions
 from recgnn.embeddings import base, host_cache
+
+
+class _Classified(NamedTuple):
+  """A table's ids of one batch, int64[B, L], split into hot and cold."""
+
+  x: np.ndarray
+  valid: np.ndarray  # bool[B, L]: not padding
+  slot: np.ndarray  # int[B, L]: hot slot, < 0: not hot
+  hot: np.ndarray  # bool[B, L]
+  cold: np.ndarray  # bool[B, L]: valid and not hot
+  cold_rows: np.ndarray  # int64[U]: the distinct cold rows, ascending
+  cold_pos: np.ndarray  # int[sum(cold)]: each cold id's position among them
 
 
 class Preparer:
@@ -75,74 +88,17 @@ class Preparer:
     n_dev = g.devices()
     if batch % n_dev:
       sharding.check_batch(batch, g.mesh)
-    b = batch // n_dev
-    per, example_cold = {}, np.zeros(batch, bool)
-    hot_ids_total = ids_total = 0
-    for name, x in ids.items():
-      valid = x >= 0
-      slot = hot_set.slot_of(name, x)
-      hot = slot >= 0
-      cold = valid & ~hot
-      example_cold |= cold.any(axis=1)
-      cold_rows, cold_pos = np.unique(x[cold], return_inverse=True)
-      per[name] = (x, valid, slot, hot, cold, cold_rows, cold_pos)
-      hot_ids_total += int(hot.sum())
-      ids_total += int(valid.sum())
-    # Each stack's list: its distinct cold rows, table after table, padded to a bucketed
-    # length (`Buckets`: within 12.5 % of the need, grown at once, shrunk after a while):
-    # host traffic is what the cold ids need, and the step compiles a few times per run.
-    own = []  # per stack: (segments, offsets, caps, length)
-    for stack, names in enumerate(g.stacks):
-      segs = [per[n][5] for n in names]
-      off = np.cumsum([0] + [x.size for x in segs]).astype(np.int32)
-      caps = [cold_cap(per[n][0].shape, g.specs[n]) for n in names]
-      # Before the first hot set (the profile) every id is cold, and the phase ends at the
-      # pick: one length for it, the batch's ids (as `fixed`), not the few a sizer takes
-      # over a phase of a few batches (each a compile; the pick's migration step is one).
-      if self._o.cold_list == "fixed" or (train and not hot_set.picked):
-        uc = sum(caps)
-        self._cold_len[train][stack].tick()  # (decision points at the same steps as others')
-      else:
-        uc = self._cold_len[train][stack](max(int(off[-1]), 1), sum(caps))
-      own.append((segs, off, caps, uc))
+    per = {name: self._classify(name, x) for name, x in ids.items()}
+    example_cold = np.zeros(batch, bool)
+    for p in per.values():
+      example_cold |= p.cold.any(axis=1)
+    own = [self._cold_list(k, names, per, train) for k, names in enumerate(g.stacks)]
     p0s = self._p0  # (the split of a batch planning a migration keeps the old hot set's)
-    migrate = hot_set.plan(ids, train)
-    if migrate:
-      # The popular share changes with the hot set: the first batch prepared for it sets the
-      # popular micro-batch size again. And it changes every later batch's cold rows: their
-      # lists start over (the next batch's need sets the length, instead of waiting out the
-      # old hot set's).
-      self._p0 = {}
-      for s in self._cold_len[True]:
-        s.reset()
-    out = {"tables": {}, "cold": []}
-    lengths, writes, ring_rows = [], [], 0
-    for stack, names in enumerate(g.stacks):
-      segs, off, caps, uc = own[stack]
-      lengths.append(uc)
-      for i, name in enumerate(names):
-        x, valid, slot, hot, cold, cold_rows, cold_pos = per[name]
-        alloc, spec = g.alloc[name], g.specs[name]
-        cold_ids = np.full(x.shape, uc, np.int32)  # positions in the stack's list
-        cold_ids[cold] = off[i] + cold_pos
-        t = {"hot_ids": np.where(hot, slot, alloc).astype(np.int32), "cold_ids": cold_ids}
-        if spec.optimizer.needs_unique:
-          t["hot_unique"], t["hot_inverse"] = base.dedup(np.where(hot, slot, -1), alloc)
-        if spec.pooling == "mean":
-          t["count"] = valid.sum(axis=1).astype(np.int32)
-        t.update(hot_set.pack_migration(name, migrate.get(name)))
-        out["tables"][name] = t
-      lst, w, held = self._host.stage(stack, segs, off, caps, uc, migrate, out["tables"], train)
-      out["cold"].append(lst)
-      writes.append(w)
-      ring_rows += held
-    out["tables"] = {n: out["tables"][n] for n in g.specs}
-    out["cold"] = tuple(out["cold"])
-    if train:
-      self._host.plan_writes(writes)
+    migrate = self._plan_migration(ids, train)
+    out, lengths, ring_rows = self._stage(per, own, migrate, train)
     # Eval batches run whole: the eval step has no model to split, only lookups to merge.
     micro = (
-      split(p0s, out["tables"], ~example_cold, n_dev, b, self._off_key)
+      split(p0s, out["tables"], ~example_cold, n_dev, batch // n_dev, self._off_key)
       if self._o.split and train
       else None
     )
@@ -154,33 +110,110 @@ class Preparer:
     if train:
       self._version += 1
     out["version"] = np.asarray(version, np.int32)
-    popular = int((~example_cold).sum())
-    cold_rows_n = sum(p[5].size for p in per.values())
-    cold_bytes = sum(p[5].size * g.specs[n].row_bytes for n, p in per.items())
     stats = dict(
       examples=batch,
-      popular=popular,
-      hot_ids=hot_ids_total,
-      ids=ids_total,
+      popular=int((~example_cold).sum()),
+      hot_ids=sum(int(p.hot.sum()) for p in per.values()),
+      ids=sum(int(p.valid.sum()) for p in per.values()),
       plan_seconds=time.perf_counter() - t0,
     )
     if train:
-      stats.update(
-        steps=1,
-        rows_h2d=cold_rows_n,
-        cold_list=sum(lengths),  # the rows moved each way, padding included
-        rows_d2h=cold_rows_n,
-        bytes_h2d=cold_bytes,
-        ring_rows=ring_rows,
-        migrated_rows=sum(int(m[1].size) + int(m[0].size) for m in migrate.values()),
-      )
-      if self._o.split:
-        p0 = out["micro"][0]["idx"].shape[0] if micro else 0
-        stats.update(micro_popular=p0, micro_cold=batch - p0)
+      stats.update(self._train_stats(per, lengths, ring_rows, migrate, micro, batch))
     else:
       stats = {f"eval_{k}": v for k, v in stats.items()}
     self._counters.add(**stats)
     return out
+
+  def _classify(self, name: str, x: np.ndarray) -> _Classified:
+    """A table's ids int64[B, L] -> hot slots, cold ids and their distinct rows."""
+    valid = x >= 0
+    slot = self._hot.slot_of(name, x)
+    hot = slot >= 0
+    cold = valid & ~hot
+    cold_rows, cold_pos = np.unique(x[cold], return_inverse=True)
+    return _Classified(x, valid, slot, hot, cold, cold_rows, cold_pos)
+
+  def _cold_list(self, stack: int, names, per: dict, train: bool) -> tuple:
+    """A stack's cold list: its distinct cold rows, table after table, padded to a bucketed
+    length (`Buckets`: within 12.5 % of the need, grown at once, shrunk after a while): host
+    traffic is what the cold ids need, and the step compiles a few times per run. -> (each
+    table's rows, offsets int32[T + 1], each table's cap, the padded length)."""
+    g = self._g
+    segs = [per[n].cold_rows for n in names]
+    off = np.cumsum([0] + [x.size for x in segs]).astype(np.int32)
+    caps = [cold_cap(per[n].x.shape, g.specs[n]) for n in names]
+    # Before the first hot set (the profile) every id is cold, and the phase ends at the
+    # pick: one length for it, the batch's ids (as `fixed`), not the few a sizer takes
+    # over a phase of a few batches (each a compile; the pick's migration step is one).
+    if self._o.cold_list == "fixed" or (train and not self._hot.picked):
+      self._cold_len[train][stack].tick()  # (decision points at the same steps as others')
+      return segs, off, caps, sum(caps)
+    return segs, off, caps, self._cold_len[train][stack](max(int(off[-1]), 1), sum(caps))
+
+  def _plan_migration(self, ids: dict, train: bool) -> dict:
+    """The hot set's migration this batch plans ({table: (out, in) rows}; empty: none)."""
+    migrate = self._hot.plan(ids, train)
+    if migrate:
+      # The popular share changes with the hot set: the first batch prepared for it sets the
+      # popular micro-batch size again. And it changes every later batch's cold rows: their
+      # lists start over (the next batch's need sets the length, instead of waiting out the
+      # old hot set's).
+      self._p0 = {}
+      for s in self._cold_len[True]:
+        s.reset()
+    return migrate
+
+  def _table_ids(self, name: str, c: _Classified, first: int, length: int, migrate) -> dict:
+    """A table's prepared arrays: hot slots, positions in its stack's cold list (from
+    `first`; `length` = none), Adagrad's dedup, mean pooling's counts, the migration."""
+    alloc, spec = self._g.alloc[name], self._g.specs[name]
+    cold_ids = np.full(c.x.shape, length, np.int32)  # positions in the stack's list
+    cold_ids[c.cold] = first + c.cold_pos
+    t = {"hot_ids": np.where(c.hot, c.slot, alloc).astype(np.int32), "cold_ids": cold_ids}
+    if spec.optimizer.needs_unique:
+      t["hot_unique"], t["hot_inverse"] = base.dedup(np.where(c.hot, c.slot, -1), alloc)
+    if spec.pooling == "mean":
+      t["count"] = c.valid.sum(axis=1).astype(np.int32)
+    t.update(self._hot.pack_migration(name, migrate.get(name)))
+    return t
+
+  def _stage(self, per: dict, own: list, migrate: dict, train: bool):
+    """Every table's arrays and each stack's cold list read from the host tier -> ({"tables",
+    "cold"}, each stack's list length, the rows the device ring served)."""
+    g = self._g
+    out = {"tables": {}, "cold": []}
+    lengths, writes, ring_rows = [], [], 0
+    for stack, names in enumerate(g.stacks):
+      segs, off, caps, uc = own[stack]
+      lengths.append(uc)
+      for i, name in enumerate(names):
+        out["tables"][name] = self._table_ids(name, per[name], off[i], uc, migrate)
+      lst, w, held = self._host.stage(stack, segs, off, caps, uc, migrate, out["tables"], train)
+      out["cold"].append(lst)
+      writes.append(w)
+      ring_rows += held
+    out["tables"] = {n: out["tables"][n] for n in g.specs}
+    out["cold"] = tuple(out["cold"])
+    if train:
+      self._host.plan_writes(writes)
+    return out, lengths, ring_rows
+
+  def _train_stats(self, per, lengths, ring_rows, migrate, micro, batch) -> dict:
+    """A train batch's counters beyond the eval ones: host traffic, migration, split."""
+    cold_rows_n = sum(p.cold_rows.size for p in per.values())
+    stats = dict(
+      steps=1,
+      rows_h2d=cold_rows_n,
+      cold_list=sum(lengths),  # the rows moved each way, padding included
+      rows_d2h=cold_rows_n,
+      bytes_h2d=sum(p.cold_rows.size * self._g.specs[n].row_bytes for n, p in per.items()),
+      ring_rows=ring_rows,
+      migrated_rows=sum(int(m[1].size) + int(m[0].size) for m in migrate.values()),
+    )
+    if self._o.split:
+      p0 = micro[0]["idx"].shape[0] if micro else 0
+      stats.update(micro_popular=p0, micro_cold=batch - p0)
+    return stats
 
   def prepared_spec(self, prepared):
     batch = sharding.BATCH_SPEC if self._g.split_batch else sharding.REPLICATED

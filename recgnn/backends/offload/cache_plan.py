@@ -27,7 +27,7 @@ NEXT_FROM_NOW = 4
 PATIENCE = 16
 
 
-def _bucket(n: int) -> int:
+def pow2_bucket(n: int) -> int:
   """Padded length of an exchange list under `exchange=pow2`: 0, or a power of two >= 16."""
   return 0 if n == 0 else max(16, 1 << (n - 1).bit_length())
 
@@ -116,7 +116,7 @@ class Planner:
         f"holds {self.cache_rows}. Use offload(cache_rows>={n}, ...) (or a smaller batch)."
       )
 
-  def _keys(self, window: Sequence[np.ndarray]) -> np.ndarray:
+  def eviction_keys(self, window: Sequence[np.ndarray]) -> np.ndarray:
     """Eviction order of every slot: smaller keys go first."""
     rows = self.slot_row
     if self.policy == "lru":
@@ -154,7 +154,7 @@ class Planner:
     if free.shape[0] >= m:
       victims = free[:m]
     else:
-      keys = self._keys(window)
+      keys = self.eviction_keys(window)
       keys[free] = _PROTECTED  # already taken
       keys[slots[hit]] = _PROTECTED
       victims = np.sort(np.concatenate([free, smallest(keys, m - free.shape[0])]))

@@ -101,7 +101,7 @@ class CachedRows:
     if need <= 0:
       return
     k = min(max(need, self.host_rows // EVICT_AHEAD), self.host_rows)
-    keys = p._keys(())
+    keys = p.eviction_keys(())
     keep = p.row_slot[rows]
     keys[keep[keep >= 0]] = _PROTECTED
     keys[free | (self.pending != 0)] = _PROTECTED
@@ -212,9 +212,10 @@ class CachedRows:
   def flush(self) -> None:
     """Every dirty cached row written to the file (they stay cached, now clean)."""
     with self.lock:
-      self._flush()
+      self.flush_locked()
 
-  def _flush(self) -> None:  # (lock held)
+  def flush_locked(self) -> None:
+    """As `flush`, the caller holding `lock`."""
     p = self.planner
     slots = np.flatnonzero(p.dirty & (p.slot_row >= 0))
     self._write_back(slots, p.slot_row[slots])
@@ -319,7 +320,7 @@ class DiskRows(host_tier.HostRows):
     def produce(sink) -> None:
       self.drain_prefetch()
       with c.lock:
-        c._flush()
+        c.flush_locked()
         c.file.verify()
         step = streamed.chunk_rows(c.file.record)
         for a in range(0, c.file.num_rows, step):

@@ -53,9 +53,9 @@ class SteadyPlanner:
     ones (none while a member has no planner yet)."""
     self._flat, self._ring, self._admitted = None, None, None
     members = list(self.members.values())
-    if not members or any(m._planner is None for m in members):
+    if not members or any(m.planner is None for m in members):
       return
-    ps = [m._planner for m in members]
+    ps = [m.planner for m in members]
     row_off = np.cumsum([0] + [p.num_rows for p in ps]).astype(np.int64)
     slot_off = np.cumsum([0] + [p.cache_rows for p in ps]).astype(np.int64)
     lfu = members[0].options.policy == "lfu"
@@ -72,7 +72,8 @@ class SteadyPlanner:
       p.row_slot, p.slot_row = flat["row_slot"][r], flat["slot_row"][c]
       p.last_used, p.dirty = flat["last_used"][c], flat["dirty"][c]
       if lfu:
-        p.freq = p.lfu._dense = flat["freq"][r]
+        p.freq = flat["freq"][r]
+        p.lfu.use_counts(p.freq)
     self._flat = dict(flat, row_off=row_off, slot_off=slot_off)
     # The recency log of each table and the kernel's scratch (`planner.plan_step`), rebuilt
     # from the state by the kernel's first call (log_ok 0).
@@ -176,37 +177,71 @@ class SteadyPlanner:
     t0 = time.perf_counter()
     members = list(self.members.values())
     first = members[0]
-    if first.lookahead < 1 or not upcoming:
+    if first.lookahead < 1 or not upcoming or not self._admitted_ahead(ids):
       return None
-    known = self._admitted
-    if known is None or not all(ids[n] is a for n, a in zip(self.members, known)):
-      for n, m in self.members.items():
-        adm = m._planner.admitted
-        x = ids[n]
-        if adm is None or adm.shape != np.shape(x) or not np.array_equal(adm, x):
-          return None  # not admitted ahead: the "now" exchange, per table
     ring = self._layout(ids)
-    busy: list[int] = []
     window = upcoming[: first.lookahead]
-    for batch in [ids] + window[: (first.lookahead if first.options.policy == "lookahead" else 1)]:
+    busy = self._ring_rows(
+      [ids] + window[: (first.lookahead if first.options.policy == "lookahead" else 1)]
+    )
+    if busy is None:
+      return None
+    cur, ahead, win = busy[0], busy[1], np.array(busy[2:], np.int64)
+    caps = np.array([m.planner.cache_rows for m in members], np.int64)
+    if (ring["n"][ahead] > caps).any():
+      return None  # the next batch does not fit: not admitted ahead (as the numpy planner)
+    sizes = np.diff(ring["id_off"])
+    cap = np.minimum(sizes, caps)
+    out, out_off, stats = self._run_kernel(ring, cur, ahead, win, cap)
+    ring["stamped"][win] = True
+    self._admitted = tuple(window[0][n] for n in self.members)
+    version = self._advance_planners(ring, cur, ahead)
+    loads = stats[:, 1]
+    self._counts.add(
+      hits=stats[:, 0], misses=loads, steps=1, rows_h2d=loads, rows_d2h=stats[:, 2],
+      plan_seconds=(time.perf_counter() - t0) / len(members),
+    )  # fmt: skip
+    self.fast_batches += 1
+    return self._planned(ids, ring["shapes"], out, out_off[:-1], sizes, cap, loads, version)
+
+  def _admitted_ahead(self, ids: dict) -> bool:
+    """Whether every table's ids of this batch are the ones admitted ahead (else: the "now"
+    exchange, per table, by the numpy planners)."""
+    known = self._admitted
+    if known is not None and all(ids[n] is a for n, a in zip(self.members, known)):
+      return True
+    for n, m in self.members.items():
+      adm = m.planner.admitted
+      x = ids[n]
+      if adm is None or adm.shape != np.shape(x) or not np.array_equal(adm, x):
+        return False
+    return True
+
+  def _ring_rows(self, batches: list) -> list[int] | None:
+    """The ring rows of `batches` (this one, the next, the window), or None where one has
+    none."""
+    busy: list[int] = []
+    for batch in batches:
       row = self._ring_row(batch, busy)
       if row is None:
         return None
       busy.append(row)
-    cur, ahead, win = busy[0], busy[1], np.array(busy[2:], np.int64)
-    f = self._flat
-    caps = np.array([p.cache_rows for p in (m._planner for m in members)], np.int64)
-    if (ring["n"][ahead] > caps).any():
-      return None  # the next batch does not fit: not admitted ahead (as the numpy planner)
+    return busy
+
+  def _run_kernel(self, ring: dict, cur: int, ahead: int, win: np.ndarray, cap: np.ndarray):
+    """`planner.plan_step` over every member -> (out int32[...]: each table's segment of
+    ids / unique / inverse and its "next" exchange, out_off int64[T + 1], stats
+    int64[T, 3]: hits, loads, write-backs)."""
+    members = list(self.members.values())
+    first, f = members[0], self._flat
     id_off = ring["id_off"]
     sizes = np.diff(id_off)
     unique = first.spec.optimizer.needs_unique
-    cap = np.minimum(sizes, caps)
     per = (3 if unique else 1) * sizes + 5 * cap
     out_off = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)
     out = np.empty(int(out_off[-1]), np.int32)
     stats = np.empty((len(members), 3), np.int64)
-    t_now = members[0]._planner.version
+    t_now = first.planner.version
     policy = hostplan.POLICY_CODES[first.options.policy]
     hostplan.over_tables(
       hostplan.plan_step, len(members), ring["ids"], ring["rows"], ring["n"], id_off, cur,
@@ -216,35 +251,37 @@ class SteadyPlanner:
       f["nfree"], f["free_lo"], f["mark"], f["grp"], f["pos"], f["evict_pad"], t_now, policy,
       unique, out, out_off, cap, stats,
     )  # fmt: skip
-    ring["stamped"][win] = True
+    return out, out_off, stats
+
+  def _advance_planners(self, ring: dict, cur: int, ahead: int) -> np.ndarray:
+    """Each member's planner one version on, the next batch admitted, LFU's accesses
+    counted -> the versions this batch was planned at, int32[T]."""
+    # (a loop of Python ints per table, the planners' own fields)
+    id_off = ring["id_off"]
     admitted = ring["ids"][ahead].copy()
-    self._admitted = tuple(window[0][n] for n in self.members)
-    # (a loop of Python ints per table, the planners' own fields; every array below is a
-    # segment of `out`, no per-table dict: `planned.Planned`)
-    version = np.empty(len(members), np.int32)
-    for i, m in enumerate(members):
-      p = m._planner
+    version = np.empty(len(self.members), np.int32)
+    for i, m in enumerate(self.members.values()):
+      p = m.planner
       version[i] = p.version
       p.version += 1
       p.admitted = admitted[id_off[i] : id_off[i + 1]].reshape(ring["shapes"][i])
       if p.lfu is not None:
         p.lfu.accesses += int(ring["n"][cur, i])
         p.lfu.batches += 1
-    loads = stats[:, 1]
-    self._counts.add(
-      hits=stats[:, 0], misses=loads, steps=1, rows_h2d=loads, rows_d2h=stats[:, 2],
-      plan_seconds=(time.perf_counter() - t0) / len(members),
-    )  # fmt: skip
-    at = out_off[:-1]
-    t_n = len(members)
+    return version
+
+  def _planned(self, ids, shapes, out, at, sizes, cap, loads, version) -> Planned:
+    """The batch's `Planned`: every array a segment of `out` (at: each table's first entry),
+    no per-table dict."""
+    unique = next(iter(self.members.values())).spec.optimizer.needs_unique
+    t_n = len(self.members)
     if self._zeros.shape[0] < sizes.max(initial=0):  # now_pos: no "now" exchange
       self._zeros = np.zeros(int(sizes.max()), np.int32)
     zero = np.zeros(t_n, np.int64)
     none = Flat(out, at, zero, zero)
-    self.fast_batches += 1
     return Planned(
       names=tuple(self.members),
-      shapes=ring["shapes"],
+      shapes=shapes,
       ids=Flat(out, at, sizes, sizes),
       now_pos=Flat(self._zeros, zero, sizes, sizes),
       unique=Flat(out, at + sizes, sizes, sizes) if unique else none,

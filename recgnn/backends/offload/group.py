@@ -331,7 +331,7 @@ class OffloadGroup(base.TableGroup):
       return functools.partial(self._stage, built, caps, train)
     out = self._stage(built, caps, train)
     if train:  # (the SSD level: the window's rows read ahead into the host cache)
-      self._tier.read_ahead(upcoming, {n: m._planner for n, m in self.members.items()})
+      self._tier.read_ahead(upcoming, {n: m.planner for n, m in self.members.items()})
     return lambda: out
 
   # -- one exchange list per stack (row layout and optimizer)
@@ -350,7 +350,7 @@ class OffloadGroup(base.TableGroup):
     if mode == "fixed":
       return cap if need is not None or steady else 0
     if mode == "pow2":
-      return min(cache_plan._bucket(need or 0), cap)
+      return min(cache_plan.pow2_bucket(need or 0), cap)
     sizer = self._sizers[stack][kind]
     if need is None:
       return sizer.hold(cap) if steady else 0
@@ -477,7 +477,7 @@ class OffloadGroup(base.TableGroup):
     cols = {k: np.broadcast_to(v, (len(self.members),)).tolist() for k, v in c.items()}
     for i, m in enumerate(self.members.values()):
       if cols:
-        m._count(**{k: v[i] for k, v in cols.items()})
+        m.add_counters(**{k: v[i] for k, v in cols.items()})
     out = super().stats()
     c = self._list_counters.take()
     if c.get("steps"):

@@ -36,7 +36,7 @@ except ImportError:  # the numpy planner runs instead (same decisions, slower)
   AVAILABLE = False
 
 POLICY_CODES = {"lru": 0, "lfu": 1, "lookahead": 2}
-# Keys of offload.Planner._keys (kept in step with offload.py).
+# Keys of offload.Planner.eviction_keys (kept in step with offload.py).
 PROTECTED = np.iinfo(np.int64).max
 NEEDED = np.int64(1) << 62
 FAR = np.int64(1) << 40
@@ -438,7 +438,7 @@ def plan_step(
 @_jit()
 def _lfu_victims(so, ro, c, k, slot_row, last_used, freq, row_slot, ring_rows, ahead, a, na,
                  vic, nv):  # fmt: skip
-  """LFU's k victims among the occupied slots (`offload.Planner._keys`: count, then recency,
+  """LFU's k victims among the occupied slots (`offload.Planner.eviction_keys`: count, then recency,
   then the smaller slot), the admitted batch's hits kept: O(C) (no log: counts change
   without touching a slot). Appended to vic[nv:]; -> the victims' count."""
   keys = np.empty(c, np.int64)

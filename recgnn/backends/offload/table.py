@@ -145,6 +145,11 @@ class Offload(base.TableBackend):
     out.update({s: np.full(n, acc, np.float32) for s in spec.optimizer.slot_names()})
     return out
 
+  @property
+  def planner(self) -> Planner | None:
+    """The host bookkeeping of the cache (None until `init` / `restore_planner`)."""
+    return self._planner
+
   def reset_planner(self) -> None:
     """New host bookkeeping (an empty cache: the group pairs it with `empty_cache`)."""
     self._planner = Planner(self.spec.num_rows, self.cache_rows, self.options.policy)
@@ -268,7 +273,8 @@ class Offload(base.TableBackend):
       out.append(pos)
     return np.stack(out)
 
-  def _count(self, **kv):
+  def add_counters(self, **kv):
+    """Adds to the table's counters (`host_cache.Counters.add`), read by `stats()`."""
     self._counters.add(**kv)
 
   def prepare(self, ids, upcoming=(), *, train: bool = True):
@@ -299,7 +305,7 @@ class Offload(base.TableBackend):
     else:
       window = [self._unique(u) for u in upcoming] if self.options.policy == "lookahead" else []
       now, now_planned = p.admit(rows, t, window), True
-      self._count(hits=now.hits, misses=now.load_rows.shape[0])
+      self.add_counters(hits=now.hits, misses=now.load_rows.shape[0])
     slots = np.where(ids >= 0, p.row_slot[np.maximum(ids, 0)], -1)
     row_slots = p.row_slot[rows]  # before admitting the next batch, which may evict them
     p.dirty[row_slots] = True
@@ -316,7 +322,7 @@ class Offload(base.TableBackend):
     ):
       window = [self._unique(u) for u in upcoming[1:]] if self.options.policy == "lookahead" else []
       nxt, next_planned = p.admit(ahead, t + 1, window), True
-      self._count(hits=nxt.hits, misses=nxt.load_rows.shape[0])
+      self.add_counters(hits=nxt.hits, misses=nxt.load_rows.shape[0])
       p.admitted = np.array(upcoming[0], copy=True)
     else:
       nxt, next_planned = Exchange.empty(), False
@@ -324,7 +330,7 @@ class Offload(base.TableBackend):
     p.version += 1
     out = self._prepared(ids, (rows, row_slots), slots, now, nxt, t)
     out[PLANNED] = (now_planned, next_planned)
-    self._count(
+    self.add_counters(
       steps=1,
       rows_h2d=now.load_rows.shape[0] + nxt.load_rows.shape[0],
       rows_h2d_on_demand=now.load_rows.shape[0],
@@ -348,8 +354,8 @@ class Offload(base.TableBackend):
       Exchange.empty(), load_rows=cold, load_slots=np.full_like(cold, self.cache_rows)
     )
     if p is not None:
-      self._count(eval_hits=int(resident.sum()), eval_misses=cold.shape[0])
-      self._count(plan_seconds=time.perf_counter() - t0)
+      self.add_counters(eval_hits=int(resident.sum()), eval_misses=cold.shape[0])
+      self.add_counters(plan_seconds=time.perf_counter() - t0)
     out = self._prepared(ids, None, slots, ex, Exchange.empty(), -1)
     out[PLANNED] = (True, False)
     return out

@@ -40,7 +40,7 @@ class Exchange:
     def raw(segs, scope):
       with jax.named_scope(scope):
         x = jnp.concatenate(segs, axis=-1)
-        return codec._split(jax.lax.all_to_all(x, sharding.MODEL, 0, 0))
+        return codec.split(jax.lax.all_to_all(x, sharding.MODEL, 0, 0))
 
     def coded(segs):
       payload, _ = codec.encode(segs, send_bounds)  # values it cannot carry: resent below

@@ -79,6 +79,23 @@ class ShardedOptions(base.BackendOptions):
   block: int | None = None
 
   def __post_init__(self):
+    self._check_placement()
+    self._check_overridden("codec", "_codec")
+    self._check_overridden("eb", "_eb")
+    self._check_codecs()
+    self._check_adaptive()
+    self._check_overridden("widths", "_widths")
+    for d in DIRECTIONS:
+      self._check_widths(d)
+    self._check_block()
+    auto = "auto" in [self.code_widths[d] for d in DIRECTIONS if self.codec_names[d] == "eb"]
+    if self.replan is not None and (not auto or self.replan < 1):
+      raise ValueError(
+        f"sharded: replan={self.replan} is the width plan's period (>= 1) of widths=auto"
+      )
+
+  def _check_placement(self) -> None:
+    """Refuses an unknown kind, and a profile that no table-wise placement uses."""
     if self.kind not in KINDS:
       raise ValueError(f"sharded: unknown kind {self.kind!r}; available: {', '.join(KINDS)}")
     if self.profile and self.kind in ("row", "column"):
@@ -87,14 +104,19 @@ class ShardedOptions(base.BackendOptions):
         f"kind={self.kind} every table is split over every shard and nothing uses it: drop "
         "profile="
       )
-    for both, one in (("codec", "_codec"), ("eb", "_eb")):
-      if getattr(self, both) is not None and all(
-        getattr(self, d + one) is not None for d in DIRECTIONS
-      ):
-        raise ValueError(
-          f"sharded: {both}={getattr(self, both)} is overridden in both directions by "
-          f"fwd{one}= and bwd{one}=, so nothing uses it: drop {both}="
-        )
+
+  def _check_overridden(self, both: str, one: str) -> None:
+    """Refuses option `both` when fwd`one`= and bwd`one`= both override it."""
+    if getattr(self, both) is not None and all(
+      getattr(self, d + one) is not None for d in DIRECTIONS
+    ):
+      raise ValueError(
+        f"sharded: {both}={getattr(self, both)} is overridden in both directions by "
+        f"fwd{one}= and bwd{one}=, so nothing uses it: drop {both}="
+      )
+
+  def _check_codecs(self) -> None:
+    """Refuses an unknown codec, and a fixed bound on a direction whose codec is not eb."""
     names, fixed = self.codec_names, self.fixed_bounds
     for d in DIRECTIONS:
       codecs.Codec(names[d], ())  # refuses an unknown codec
@@ -103,18 +125,25 @@ class ShardedOptions(base.BackendOptions):
           f"sharded: the {d} bound {fixed[d]:g} (eb= / {d}_eb=) is an error bound for "
           f"codec=eb; the codecs are {names}"
         )
-    # bound= and headroom= steer the adaptive rule: refuse them where nothing adapts.
-    adaptive = [d for d in DIRECTIONS if names[d] == "eb" and not fixed[d]]
+
+  def _adaptive(self) -> list[str]:
+    """The directions whose bound adapts: codec eb without a fixed bound."""
+    names, fixed = self.codec_names, self.fixed_bounds
+    return [d for d in DIRECTIONS if names[d] == "eb" and not fixed[d]]
+
+  def _check_adaptive(self) -> None:
+    """Refuses bound= / headroom= where no direction adapts, and the tolerance rule's
+    settings (rel, schedule) without bound=rms."""
+    names, fixed = self.codec_names, self.fixed_bounds
     given = [
       f"{k}={v}" for k, v in (("bound", self.bound), ("headroom", self.headroom)) if v is not None
     ]
-    if given and not adaptive:
+    if given and not self._adaptive():
       raise ValueError(
         f"sharded: {', '.join(given)} tune the adaptive eb bound, but no direction adapts "
         f"(codecs {names}, fixed bounds fwd {fixed['fwd']:g} / bwd {fixed['bwd']:g}); drop "
         "them, or give codec=eb without eb= for adaptive bounds"
       )
-
     schedule = [
       f"{k}={getattr(self, k)}"
       for k in ("rel", "fwd_rel", "bwd_rel", "warmup", "ramp", "late")
@@ -125,53 +154,50 @@ class ShardedOptions(base.BackendOptions):
         f"sharded: {', '.join(schedule)} set the tolerance rule's bound (bound=rms); give "
         "bound=rms, or drop them"
       )
-    if self.widths is not None and all(
-      getattr(self, d + "_widths") is not None for d in DIRECTIONS
-    ):
+
+  def _check_widths(self, d: str) -> None:
+    """Refuses direction d's code width where it is not one, its codec is not eb, or its
+    bound is set from the bits (an adaptive range bound, or the EMA's)."""
+    names, w = self.codec_names, self.code_widths[d]
+    if w is None:
+      return
+    key = "widths" if getattr(self, d + "_widths") is None else d + "_widths"
+    if w != "auto" and w not in codecs.WIDTHS:
+      raise ValueError(f"sharded: {key}={w!r}: auto or one of {codecs.WIDTHS} (bits per code)")
+    if names[d] != "eb":
+      if key != "widths":
+        raise ValueError(
+          f"sharded: {key}= are code widths of codec=eb; the {d} codec is {names[d]}"
+        )
+      if "eb" not in names.values():
+        raise ValueError(f"sharded: widths= are code widths of codec=eb; the codecs are {names}")
+      return
+    if w == "auto" and d in self._adaptive() and (self.bound or "current") != "rms":
       raise ValueError(
-        f"sharded: widths={self.widths} is overridden in both directions by fwd_widths= and "
-        "bwd_widths=, so nothing uses it: drop widths="
+        f"sharded: widths=auto plans the bits from the bound, but the {d} bound "
+        f"(bound={self.bound or 'current'}) is set from the bits (it fills the codes): "
+        "give bound=rms (a tolerance) or a fixed eb="
       )
-    coded = self.code_widths
-    for d, w in coded.items():
-      if w is None:
-        continue
-      key = "widths" if getattr(self, d + "_widths") is None else d + "_widths"
-      if w != "auto" and w not in codecs.WIDTHS:
-        raise ValueError(f"sharded: {key}={w!r}: auto or one of {codecs.WIDTHS} (bits per code)")
-      if names[d] != "eb":
-        if key != "widths":
-          raise ValueError(
-            f"sharded: {key}= are code widths of codec=eb; the {d} codec is {names[d]}"
-          )
-        if "eb" not in names.values():
-          raise ValueError(f"sharded: widths= are code widths of codec=eb; the codecs are {names}")
-        continue
-      if w == "auto" and d in adaptive and (self.bound or "current") != "rms":
-        raise ValueError(
-          f"sharded: widths=auto plans the bits from the bound, but the {d} bound "
-          f"(bound={self.bound or 'current'}) is set from the bits (it fills the codes): "
-          "give bound=rms (a tolerance) or a fixed eb="
-        )
-      if self.bound == "ema":
-        raise ValueError(
-          "sharded: widths= with bound=ema: the EMA's bound fills int8 codes; give bound=current, "
-          "bound=rms or eb="
-        )
-    if self.block is not None:
-      if self.block not in codecs.BLOCKS:
-        raise ValueError(f"sharded: block={self.block} values; one of {codecs.BLOCKS}")
-      bare = [d for d in DIRECTIONS if names[d] == "eb" and coded[d] is None]
-      if "eb" not in names.values() or bare:
-        raise ValueError(
-          "sharded: block= sets the block-wise steps of codec=eb's bit-packed codes; every eb "
-          f"direction needs a code width (widths= or fwd_widths= / bwd_widths=): codecs {names}, "
-          f"widths {coded}"
-        )
-    auto = "auto" in [coded[d] for d in DIRECTIONS if names[d] == "eb"]
-    if self.replan is not None and (not auto or self.replan < 1):
+    if self.bound == "ema":
       raise ValueError(
-        f"sharded: replan={self.replan} is the width plan's period (>= 1) of widths=auto"
+        "sharded: widths= with bound=ema: the EMA's bound fills int8 codes; give bound=current, "
+        "bound=rms or eb="
+      )
+
+  def _check_block(self) -> None:
+    """Refuses a block size not in codecs.BLOCKS, or one where an eb direction has no code
+    width."""
+    if self.block is None:
+      return
+    names, coded = self.codec_names, self.code_widths
+    if self.block not in codecs.BLOCKS:
+      raise ValueError(f"sharded: block={self.block} values; one of {codecs.BLOCKS}")
+    bare = [d for d in DIRECTIONS if names[d] == "eb" and coded[d] is None]
+    if "eb" not in names.values() or bare:
+      raise ValueError(
+        "sharded: block= sets the block-wise steps of codec=eb's bit-packed codes; every eb "
+        f"direction needs a code width (widths= or fwd_widths= / bwd_widths=): codecs {names}, "
+        f"widths {coded}"
       )
 
   @property

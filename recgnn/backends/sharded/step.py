@@ -82,8 +82,7 @@ class DeviceStep:
     """grads {table: f32[B, D]} (batch-split) -> the new state: the gradients to the shards
     that own their tables' rows through the backward codec, the codecs' next bound state,
     and every replica's row update at the ids the lookup routed (`residuals["routed"]`)."""
-    geo, ex, route, wire = self._g, self.exchange, self.routing, self._wire
-    names = list(geo.specs)
+    geo, ex, wire = self._g, self.exchange, self._wire
     res_spec = {"routed": P(sharding.BATCH), **({"fwd": P()} if "fwd" in residuals else {})}
 
     @functools.partial(
@@ -99,92 +98,120 @@ class DeviceStep:
       check_vma=False,
     )
     def local(state, prepared, residuals, grads):
-      count = prepared["count"]
-      routed = residuals["routed"]
-      g = {
-        n: grads[n] / jnp.maximum(count[n], 1).astype(jnp.float32)[:, None]
-        if n in count
-        else grads[n]
-        for n in names
-      }
-      b = g[names[0]].shape[0]
-      # The backward message: segments [k (destination), b, w].
-      segs = []
-      zero = jnp.zeros((b, geo.dim_tw), jnp.float32)
-      for s in range(geo.tmax):
-        segs.append(jnp.stack([zero if sl[s] is None else g[sl[s]] for sl in geo.owner_slots]))
-      for n in geo.rw:
-        segs.append(jnp.broadcast_to(g[n], (geo.k, *g[n].shape)))
-      for n in geo.cw:
-        segs.append(jnp.transpose(g[n].reshape(b, geo.k, -1), (1, 0, 2)))
-      codec_state = state["codec"]
-      bounds = ex.direction_bounds(codec_state, "bwd", segs, False)
+      g = self._mean_grads(grads, prepared["count"])
+      segs = self._bwd_segments(g)
+      bounds = ex.direction_bounds(state["codec"], "bwd", segs, False)
       recv, fell_b = ex.exchange(
         wire.codecs["bwd"],
         segs,
         ex.seg_bounds(bounds, sender=True, owner_is_sender=False),
         ex.seg_bounds(bounds, sender=False, owner_is_sender=False),
       )
-      new = {"codec": codec_state}
-      if "bwd" in codec_state:
-        new["codec"] = dict(new["codec"])
-        new["codec"]["bwd"] = wire.rules["bwd"].next(
-          codec_state["bwd"],
-          ex.wire_max(segs, False),
-          fell_b,
-          wire.codecs["bwd"].dims,
-          used=bounds[: len(names)],
-          bits=wire.codecs["bwd"].bits_per_value(),
-        )
-      if "fwd" in codec_state:
-        # The forward message's statistics and fallbacks, as the lookup measured them.
-        fwd = residuals["fwd"]
-        new["codec"] = dict(new["codec"])
-        new["codec"]["fwd"] = wire.rules["fwd"].next(
-          codec_state["fwd"],
-          fwd["max"],
-          fwd["fell"],
-          wire.codecs["fwd"].dims,
-          used=fwd["bound"],
-          bits=wire.codecs["fwd"].bits_per_value(),
-        )
+      new = {"codec": self._next_codec_state(state["codec"], residuals, segs, fell_b, bounds)}
       # Every example of the batch, in batch order: over DATA after the all-to-all.
       every = lambda x: jax.lax.all_gather(x, sharding.DATA, tiled=True)  # noqa: E731
+      b = g[next(iter(geo.specs))].shape[0]
       recv = [every(r.reshape(geo.k * b, -1)) for r in recv]
+      routed = residuals["routed"]
       if geo.tw:
-        loc = every(routed["tw"])  # [B, Tmax, Ltw]
-        gtw = jnp.stack(recv[: geo.tmax], axis=1)  # [B, Tmax, D]
-        bsz, _, ltw = loc.shape
-        grows = jnp.broadcast_to(gtw[:, :, None, :], (bsz, geo.tmax, ltw, geo.dim_tw))
-        new["tw"] = self._apply(
-          state["tw"],
-          loc.reshape(bsz, -1),
-          grows.reshape(bsz, -1, geo.dim_tw),
-          geo.rows_tw,
-          squeeze=True,
-        )
-      # The lookup's MODEL-group ids gathered over DATA: the whole batch's, in batch order.
-      gathered = route.group_ids(routed["ids"], geo.rw + geo.cw, sharding.DATA)
-      new["rw"], new["cw"] = {}, {}
-      for i, n in enumerate(geo.rw):
-        loc = route.rw_local(n, gathered[n])
-        rows = base.aligned_rows(geo.specs[n].num_rows) // geo.k
-        gr = jnp.broadcast_to(recv[geo.tmax + i][:, None, :], (*loc.shape, geo.specs[n].dim))
-        new["rw"][n] = self._apply(state["rw"][n], loc, gr, rows)
-      for i, n in enumerate(geo.cw):
-        loc = route.cw_local(n, gathered[n])
-        r = recv[geo.tmax + len(geo.rw) + i]
-        gr = jnp.broadcast_to(r[:, None, :], (*loc.shape, r.shape[-1]))
-        new["cw"][n] = self._apply(
-          state["cw"][n],
-          loc,
-          gr,
-          base.aligned_rows(geo.specs[n].num_rows),
-          columns=geo.specs[n].dim,
-        )
+        new["tw"] = self._update_tw(state["tw"], every(routed["tw"]), recv[: geo.tmax])
+      new["rw"], new["cw"] = self._update_split(state, routed["ids"], recv[geo.tmax :])
       return new
 
     return local(state, {"count": prepared["count"]}, residuals, grads)
+
+  def _mean_grads(self, grads, count):
+    """{table: f32[b, D]} -> the same, a bag's gradient divided by its ids (mean pooling:
+    the tables in `count`)."""
+    return {
+      n: grads[n] / jnp.maximum(count[n], 1).astype(jnp.float32)[:, None]
+      if n in count
+      else grads[n]
+      for n in self._g.specs
+    }
+
+  def _bwd_segments(self, g) -> list:
+    """The backward message: segments [k (destination), b, w], table-wise slots first, then
+    the row-wise tables (every shard gets the whole gradient), then the column-wise ones
+    (each shard its column block)."""
+    geo = self._g
+    b = g[next(iter(geo.specs))].shape[0]
+    segs = []
+    zero = jnp.zeros((b, geo.dim_tw), jnp.float32)
+    for s in range(geo.tmax):
+      segs.append(jnp.stack([zero if sl[s] is None else g[sl[s]] for sl in geo.owner_slots]))
+    for n in geo.rw:
+      segs.append(jnp.broadcast_to(g[n], (geo.k, *g[n].shape)))
+    for n in geo.cw:
+      segs.append(jnp.transpose(g[n].reshape(b, geo.k, -1), (1, 0, 2)))
+    return segs
+
+  def _next_codec_state(self, codec_state, residuals, segs, fell_b, bounds):
+    """The codecs' next bound state: the backward rule's from this message, the forward
+    rule's from the statistics and fallbacks the lookup measured (`residuals["fwd"]`)."""
+    wire, new = self._wire, codec_state
+    if "bwd" in codec_state:
+      new = dict(new)
+      new["bwd"] = wire.rules["bwd"].next(
+        codec_state["bwd"],
+        self.exchange.wire_max(segs, False),
+        fell_b,
+        wire.codecs["bwd"].dims,
+        used=bounds[: len(self._g.specs)],
+        bits=wire.codecs["bwd"].bits_per_value(),
+      )
+    if "fwd" in codec_state:
+      fwd = residuals["fwd"]
+      new = dict(new)
+      new["fwd"] = wire.rules["fwd"].next(
+        codec_state["fwd"],
+        fwd["max"],
+        fwd["fell"],
+        wire.codecs["fwd"].dims,
+        used=fwd["bound"],
+        bits=wire.codecs["fwd"].bits_per_value(),
+      )
+    return new
+
+  def _update_tw(self, state, loc, recv):
+    """The table-wise tables' update: loc i32[B, Tmax, Ltw] (the routed ids, whole batch),
+    recv: Tmax gradients f32[B, D], each slot's one per example."""
+    geo = self._g
+    gtw = jnp.stack(recv, axis=1)  # [B, Tmax, D]
+    bsz, _, ltw = loc.shape
+    grows = jnp.broadcast_to(gtw[:, :, None, :], (bsz, geo.tmax, ltw, geo.dim_tw))
+    return self._apply(
+      state,
+      loc.reshape(bsz, -1),
+      grows.reshape(bsz, -1, geo.dim_tw),
+      geo.rows_tw,
+      squeeze=True,
+    )
+
+  def _update_split(self, state, routed_ids, recv):
+    """The row-wise and column-wise tables' updates ({table: state} each) at the lookup's
+    MODEL-group ids gathered over DATA (the whole batch's, in batch order); recv: their
+    gradients f32[B, w], row-wise tables first."""
+    geo, route = self._g, self.routing
+    gathered = route.group_ids(routed_ids, geo.rw + geo.cw, sharding.DATA)
+    rw, cw = {}, {}
+    for i, n in enumerate(geo.rw):
+      loc = route.rw_local(n, gathered[n])
+      rows = base.aligned_rows(geo.specs[n].num_rows) // geo.k
+      gr = jnp.broadcast_to(recv[i][:, None, :], (*loc.shape, geo.specs[n].dim))
+      rw[n] = self._apply(state["rw"][n], loc, gr, rows)
+    for i, n in enumerate(geo.cw):
+      loc = route.cw_local(n, gathered[n])
+      r = recv[len(geo.rw) + i]
+      gr = jnp.broadcast_to(r[:, None, :], (*loc.shape, r.shape[-1]))
+      cw[n] = self._apply(
+        state["cw"][n],
+        loc,
+        gr,
+        base.aligned_rows(geo.specs[n].num_rows),
+        columns=geo.specs[n].dim,
+      )
+    return rw, cw
 
   def _apply(self, state, loc, grads, num_rows, *, squeeze=False, columns=0):
     """Row-wise optimizer on local rows. loc: i32[B, X] (num_rows = dropped); grads

@@ -62,12 +62,73 @@ def choose_finalists(
   of; default: these tables'). budget_bytes: the budget when the options give none (the
   run's device_memory_budget). cost: (text, spec) -> (step s, prepare s), default `measure`
   on `batches` through `cache` (tests pass a model)."""
+  _check_mesh(options, mesh)
+  started = time.perf_counter()
+  by_table, dense_bytes = _sized_candidates(specs, options, mesh, layout, batches, log)
+  all_dense = (dense_bytes + fixed_bytes) if all_dense_bytes is None else all_dense_bytes
+  total_budget, avail, host_avail = _budgets(options, all_dense, budget_bytes, fixed_bytes)
+  # Bytes are known without timing: a budget below the smallest plan is refused before any
+  # candidate (or the dispatch) is timed.
+  check_fits(
+    {
+      t: [Candidate(t, text, dev, host) for text, dev, host in rows] for t, rows in by_table.items()
+    },
+    avail,
+    fixed_bytes=fixed_bytes,
+    total_budget=total_budget,
+  )
+  dispatch = 0.0
+  measured = cost is None
+  if cost is None:
+    dispatch = dispatch_seconds(mesh)
+    cost = timed_cost(batches, mesh, layout, options.measure_rows, cache)
+  options_by_table = _timed_candidates(specs, by_table, avail, cost, log)
+  limits = {kind: options.strings_per_kind for kind in HOST_TIERS}
+  limits[MICRO_BATCHES] = 0 if fixed_splits else 1
+  overhead = _group_overheads(options_by_table, specs, cost, log) if measured else {}
+  cores = shared_cores(mesh)
+  shares = _solver_shares(options_by_table, overhead, dispatch, cores)
+  group_s = {t: max(a - dispatch, 0.0) for t, a in overhead.items()}
+  solved = _solved_variants(specs, shares, options, limits, avail, group_s, host_avail, log)
+  ordered = _ranked(solved, group_s, options.objective)[: options.finalists]
+  fields = dict(
+    fixed_bytes=fixed_bytes,
+    budget_bytes=total_budget,
+    all_dense_bytes=all_dense,
+    dispatch_s=dispatch,
+    shared_cores=cores,
+    overhead_s=overhead,
+    candidates={t: tuple(text for text, _, _ in rows) for t, rows in by_table.items()},
+  )
+  out = [_finalist(v, specs, options_by_table, avail, options.objective, **fields) for v in ordered]
+  if len(solved) > len(out):
+    log(
+      f"auto: {len(solved)} distinct finalist plans, the {len(out)} the solver ranks first kept "
+      f"(finalists={options.finalists})"
+    )
+  elapsed = time.perf_counter() - started
+  return [dataclasses.replace(c, planning_s=elapsed) for c in out]
+
+
+def _check_mesh(options: AutoOptions, mesh) -> None:
+  """Refuses the sharded kind on a mesh without a model axis."""
   if "sharded" in options.kinds and sharding.mesh_shape(mesh)[1] == 1:
     raise ValueError(
       f"auto: kinds includes sharded, but mesh {sharding.describe(mesh)} has no model axis to "
       "shard over: drop it or set mesh.model > 1"
     )
-  started = time.perf_counter()
+
+
+def _sized_candidates(
+  specs: Sequence[TableSpec],
+  options: AutoOptions,
+  mesh,
+  layout: Layout,
+  batches: Sequence[dict[str, np.ndarray]],
+  log: Callable[[str], None],
+) -> tuple[dict[str, list[tuple[str, int, int]]], int]:
+  """({table: [(backend string, device bytes, host bytes)] of its valid candidates}, the
+  all-dense bytes per device of `specs`). Refuses a table no candidate is valid for."""
   memo: dict[tuple[str, str], tuple[int, int]] = {}
   shapes = ids_shapes(batches)
   dense_bytes = 0
@@ -95,7 +156,14 @@ def choose_finalists(
       raise ValueError(f"auto: no candidate placement is valid for table {spec.name!r}")
     by_table[spec.name] = rows
     dense_bytes += memory_of("dense", spec, mesh, layout)[0]
-  all_dense = (dense_bytes + fixed_bytes) if all_dense_bytes is None else all_dense_bytes
+  return by_table, dense_bytes
+
+
+def _budgets(
+  options: AutoOptions, all_dense: int, budget_bytes: int | None, fixed_bytes: int
+) -> tuple[int | None, int | None, int | None]:
+  """(the whole budget per device, what is left of it for these tables, their host budget);
+  None: unbounded. Refuses other rules' tables taking more than the whole budget."""
   budget = options.budget
   if budget is None:
     total_budget = budget_bytes
@@ -113,23 +181,19 @@ def choose_finalists(
       f"auto plan: the tables other rules place take {_mib(fixed_bytes)} per device, more than "
       f"the budget {_mib(total_budget)}"
     )
-  # Bytes are known without timing: a budget below the smallest plan is refused before any
-  # candidate (or the dispatch) is timed.
-  check_fits(
-    {
-      t: [Candidate(t, text, dev, host) for text, dev, host in rows] for t, rows in by_table.items()
-    },
-    avail,
-    fixed_bytes=fixed_bytes,
-    total_budget=total_budget,
-  )
-  # Time only what could be chosen: candidates smaller than the budget left.
-  dispatch = 0.0
-  measured = cost is None
-  if cost is None:
-    dispatch = dispatch_seconds(mesh)
-    cost = timed_cost(batches, mesh, layout, options.measure_rows, cache)
+  return total_budget, avail, host_avail
 
+
+def _timed_candidates(
+  specs: Sequence[TableSpec],
+  by_table: dict[str, list[tuple[str, int, int]]],
+  avail: int | None,
+  cost: Callable[[str, TableSpec], tuple[float, float]],
+  log: Callable[[str], None],
+) -> dict[str, list[Candidate]]:
+  """{table: its candidates with their step and prepare seconds}: only what could be chosen
+  is timed (a candidate over the budget left is skipped; a table whose every candidate is
+  over it keeps them all, untimed)."""
   options_by_table: dict[str, list[Candidate]] = {}
   n = sum(len(v) for v in by_table.values())
   done = itertools.count(1)
@@ -152,27 +216,52 @@ def choose_finalists(
     if not cs:  # every candidate of this table alone exceeds the budget
       cs = [Candidate(spec.name, t, d, h, family=family_of(t)) for t, d, h in by_table[spec.name]]
     options_by_table[spec.name] = cs
-  limits = {kind: options.strings_per_kind for kind in HOST_TIERS}
-  limits[MICRO_BATCHES] = 0 if fixed_splits else 1
-  overhead = {}
-  if measured:  # (a model's costs have no group part)
-    timed = {(c.text, t): c.step_s for t, cs in options_by_table.items() for c in cs}
-    texts = [text for (text, _), v in timed.items() if v == v]
-    overhead = overheads(texts, specs, cost, lambda text, s: timed.get((text, s.name)), log)
-  # The solver sees what the predicted step counts (`PlanChoice.predicted_step_s`): each
-  # table's own share, its prepare spread over the cores on CPU devices (the input thread
-  # computes on the same cores), and each group's fixed part once (group_s).
-  cores = shared_cores(mesh)
+  return options_by_table
+
+
+def _group_overheads(
+  options_by_table: dict[str, list[Candidate]],
+  specs: Sequence[TableSpec],
+  cost: Callable[[str, TableSpec], tuple[float, float]],
+  log: Callable[[str], None],
+) -> dict[str, float]:
+  """{backend string: its group's fixed seconds} (`timing.overheads`) of the measured
+  candidates (a model's costs have no group part)."""
+  timed = {(c.text, t): c.step_s for t, cs in options_by_table.items() for c in cs}
+  texts = [text for (text, _), v in timed.items() if v == v]
+  return overheads(texts, specs, cost, lambda text, s: timed.get((text, s.name)), log)
+
+
+def _solver_shares(
+  options_by_table: dict[str, list[Candidate]], overhead: dict, dispatch: float, cores
+) -> dict[str, list[Candidate]]:
+  """The candidates as the solver sees them, as the predicted step counts them
+  (`PlanChoice.predicted_step_s`): each table's own share, its prepare spread over the cores
+  on CPU devices (the input thread computes on the same cores); each group's fixed part is
+  counted once apart (group_s)."""
 
   def seen(c: Candidate) -> float:
     prep = c.prepare_s / cores if cores and c.prepare_s == c.prepare_s else 0.0
     return _share(c, overhead, dispatch) + prep
 
-  shares = {
+  return {
     t: [dataclasses.replace(c, step_s=seen(c)) for c in cs] for t, cs in options_by_table.items()
   }
-  group_s = {t: max(a - dispatch, 0.0) for t, a in overhead.items()}
-  solved = []  # (label, picked, limits, kept) of each variant the budget can meet, distinct
+
+
+def _solved_variants(
+  specs: Sequence[TableSpec],
+  shares: dict[str, list[Candidate]],
+  options: AutoOptions,
+  limits: dict[str, int],
+  avail: int | None,
+  group_s: dict[str, float],
+  host_avail: int | None,
+  log: Callable[[str], None],
+) -> list[tuple]:
+  """(label, picked, limits, kept) of each variant (`finalist_plans`) the budget can meet,
+  distinct plans only, the solver's own plan first (a budget it cannot meet is refused)."""
+  solved = []
   for label, kept, lims in finalist_plans(shares, options, limits):
     try:
       picked = solve(kept, avail, options.objective, lims, group_s, host_avail)
@@ -184,48 +273,56 @@ def choose_finalists(
     if any(all(picked[s.name].text == p[s.name].text for s in specs) for _, p, _, _ in solved):
       continue  # the same plan as another variant's
     solved.append((label, picked, lims, kept))
-  # The solver's own plan; then the best of each kind of variant (one string per tier, each
-  # tier first, no host tier: the sum may misrank a whole kind, and a whole step is timed to
-  # catch that), then the rest, each by what the solver minimized.
-  rest = sorted(solved[1:], key=lambda v: _objective(v[1], group_s, options.objective))
+  return solved
+
+
+def _ranked(solved: list[tuple], group_s: dict[str, float], objective: str) -> list[tuple]:
+  """The solver's own plan; then the best of each kind of variant (one string per tier, each
+  tier first, no host tier: the sum may misrank a whole kind, and a whole step is timed to
+  catch that), then the rest, each by what the solver minimized."""
+  rest = sorted(solved[1:], key=lambda v: _objective(v[1], group_s, objective))
   best_of_kind: dict[str, tuple] = {}
   for v in rest:
     best_of_kind.setdefault(v[0].split()[0] if v[0].endswith(" first") else v[0], v)
   firsts = {id(v) for v in best_of_kind.values()}
-  ordered = [solved[0], *best_of_kind.values(), *[v for v in rest if id(v) not in firsts]]
-  out = []
-  for label, picked, lims, kept in ordered[: options.finalists]:
-    # the candidates as measured (their step alone), not their shares
-    chosen = {
-      s.name: next(c for c in options_by_table[s.name] if c.text == picked[s.name].text)
-      for s in specs
-    }
-    allowed = {
-      t: [c for c in cs if c.text in {k.text for k in kept[t]}]
-      for t, cs in options_by_table.items()
-    }
-    out.append(
-      PlanChoice(
-        chosen=chosen,
-        runner_up=runner_ups(allowed, chosen, avail, options.objective, lims),
-        fixed_bytes=fixed_bytes,
-        budget_bytes=total_budget,
-        all_dense_bytes=all_dense,
-        objective=options.objective,
-        dispatch_s=dispatch,
-        shared_cores=cores,
-        overhead_s=overhead,
-        label=label,
-        candidates={t: tuple(text for text, _, _ in rows) for t, rows in by_table.items()},
-      )
-    )
-  if len(solved) > len(out):
-    log(
-      f"auto: {len(solved)} distinct finalist plans, the {len(out)} the solver ranks first kept "
-      f"(finalists={options.finalists})"
-    )
-  elapsed = time.perf_counter() - started
-  return [dataclasses.replace(c, planning_s=elapsed) for c in out]
+  return [solved[0], *best_of_kind.values(), *[v for v in rest if id(v) not in firsts]]
+
+
+def _finalist(
+  variant: tuple,
+  specs: Sequence[TableSpec],
+  options_by_table: dict[str, list[Candidate]],
+  avail: int | None,
+  objective: str,
+  **fields,
+) -> PlanChoice:
+  """A solved variant (label, picked, limits, kept) as a finalist: its picks as measured,
+  each table's runner-up among what the variant kept; `fields`: the rest of PlanChoice."""
+  label, picked, lims, kept = variant
+  chosen = _as_measured(specs, options_by_table, picked)
+  runner_up = runner_ups(_allowed(options_by_table, kept), chosen, avail, objective, lims)
+  return PlanChoice(chosen=chosen, runner_up=runner_up, objective=objective, label=label, **fields)
+
+
+def _as_measured(
+  specs: Sequence[TableSpec],
+  options_by_table: dict[str, list[Candidate]],
+  picked: dict[str, Candidate],
+) -> dict[str, Candidate]:
+  """The picked candidates as measured (their step alone), not their shares."""
+  return {
+    s.name: next(c for c in options_by_table[s.name] if c.text == picked[s.name].text)
+    for s in specs
+  }
+
+
+def _allowed(
+  options_by_table: dict[str, list[Candidate]], kept: dict[str, list[Candidate]]
+) -> dict[str, list[Candidate]]:
+  """The measured candidates a variant kept, per table."""
+  return {
+    t: [c for c in cs if c.text in {k.text for k in kept[t]}] for t, cs in options_by_table.items()
+  }
 
 
 def finalist_plans(

@@ -61,63 +61,22 @@ def solve(
   objective time adds group_s[s] y[s]); the candidates' step_s are then their own shares.
   Refuses (PlanDoesNotFit) a budget below the smallest choice, naming the tables that force
   it. Ties go to the other measure (time: fewer bytes; memory: less time)."""
-  from scipy import optimize, sparse
+  from scipy import optimize
 
   limits, group_s = limits or {}, group_s or {}
   tables = list(options_by_table)
   check_fits(options_by_table, budget_bytes)
   flat = [(i, c) for i, t in enumerate(tables) for c in options_by_table[t]]
-  nbytes = np.array([c.device_bytes for _, c in flat], float)
-  secs = np.array([c.step_s for _, c in flat], float)
   # Variables: x (one per candidate), then y (one per distinct backend string of a limited
   # family or with a group cost).
   limited = sorted(
     {(c.family or "", c.text) for _, c in flat if c.family in limits or group_s.get(c.text)}
   )
-  nx, ny = len(flat), len(limited)
-  ysecs = np.array([group_s.get(t, 0.0) for _, t in limited], float)
-  scale = max(secs.max(initial=0.0), ysecs.max(initial=0.0), 1e-12)
-  if objective == "time":
-    # tie-break: among equal times, fewer bytes (a weight far below any measured difference)
-    cost = secs / scale + 1e-6 * nbytes / max(nbytes.max(), 1.0)
-    ycost = ysecs / scale
-  else:
-    cost = nbytes / max(nbytes.max(), 1.0) + 1e-6 * secs / scale
-    ycost = 1e-6 * ysecs / scale
-  one = sparse.csr_array(
-    (np.ones(nx), ([i for i, _ in flat], np.arange(nx))), shape=(len(tables), nx + ny)
-  )
-  constraints = [optimize.LinearConstraint(one, 1, 1)]
-  if budget_bytes is not None:
-    row = np.concatenate([nbytes, np.zeros(ny)])[None, :]
-    constraints.append(optimize.LinearConstraint(row, -np.inf, budget_bytes))
-  if host_budget is not None:
-    hbytes = np.array([c.host_bytes for _, c in flat], float)
-    row = np.concatenate([hbytes, np.zeros(ny)])[None, :]
-    constraints.append(optimize.LinearConstraint(row, -np.inf, host_budget))
-  if ny:
-    # x[t, c] - y[string of c] <= 0; per family, sum of its y <= its limit.
-    index = {key: j for j, key in enumerate(limited)}
-    ks = [k for k, (_, c) in enumerate(flat) if (c.family or "", c.text) in index]
-    link = sparse.lil_array((len(ks), nx + ny))
-    for r, k in enumerate(ks):
-      c = flat[k][1]
-      link[r, k] = 1
-      link[r, nx + index[(c.family or "", c.text)]] = -1
-    constraints.append(optimize.LinearConstraint(link.tocsr(), -np.inf, 0))
-    families = sorted({f for f, _ in limited if f in limits})
-    if families:
-      count = sparse.lil_array((len(families), nx + ny))
-      for j, (f, _) in enumerate(limited):
-        if f in limits:
-          count[families.index(f), nx + j] = 1
-      caps = np.array([limits[f] for f in families], float)
-      constraints.append(optimize.LinearConstraint(count.tocsr(), -np.inf, caps))
+  cost = _costs(flat, limited, group_s, objective)
+  constraints = _constraints(flat, limited, len(tables), limits, budget_bytes, host_budget)
+  n = cost.shape[0]
   res = optimize.milp(
-    np.concatenate([cost, ycost]),
-    constraints=constraints,
-    integrality=np.ones(nx + ny),
-    bounds=optimize.Bounds(0, 1),
+    cost, constraints=constraints, integrality=np.ones(n), bounds=optimize.Bounds(0, 1)
   )
   if not res.success:
     # The byte check above cannot see the families' limits: name them.
@@ -129,8 +88,75 @@ def solve(
       + f"; solver: {res.message}. Raise the budget, "
       "`strings_per_kind`, or allow other kinds."
     )
-  pick = np.flatnonzero(res.x[:nx] > 0.5)
+  pick = np.flatnonzero(res.x[: len(flat)] > 0.5)
   return {tables[flat[k][0]]: flat[k][1] for k in pick}
+
+
+def _costs(flat: list, limited: list, group_s: dict, objective: str) -> np.ndarray:
+  """The objective's coefficients, f64[nx + ny]: x's (a candidate's own share) then y's (a
+  string's group cost), normalized, ties broken by the other measure."""
+  nbytes = np.array([c.device_bytes for _, c in flat], float)
+  secs = np.array([c.step_s for _, c in flat], float)
+  ysecs = np.array([group_s.get(t, 0.0) for _, t in limited], float)
+  scale = max(secs.max(initial=0.0), ysecs.max(initial=0.0), 1e-12)
+  if objective == "time":
+    # tie-break: among equal times, fewer bytes (a weight far below any measured difference)
+    cost = secs / scale + 1e-6 * nbytes / max(nbytes.max(), 1.0)
+    ycost = ysecs / scale
+  else:
+    cost = nbytes / max(nbytes.max(), 1.0) + 1e-6 * secs / scale
+    ycost = 1e-6 * ysecs / scale
+  return np.concatenate([cost, ycost])
+
+
+def _constraints(
+  flat: list,
+  limited: list,
+  num_tables: int,
+  limits: dict,
+  budget_bytes: int | None,
+  host_budget: int | None,
+) -> list:
+  """The program's linear constraints over (x, y): one candidate per table, the device and
+  host budgets (when given), and the families' limits on distinct strings."""
+  from scipy import optimize, sparse
+
+  nx, ny = len(flat), len(limited)
+  one = sparse.csr_array(
+    (np.ones(nx), ([i for i, _ in flat], np.arange(nx))), shape=(num_tables, nx + ny)
+  )
+  constraints = [optimize.LinearConstraint(one, 1, 1)]
+  for budget, field in ((budget_bytes, "device_bytes"), (host_budget, "host_bytes")):
+    if budget is not None:
+      row = np.array([getattr(c, field) for _, c in flat] + [0.0] * ny, float)[None, :]
+      constraints.append(optimize.LinearConstraint(row, -np.inf, budget))
+  if ny:
+    constraints += _string_limits(flat, limited, limits)
+  return constraints
+
+
+def _string_limits(flat: list, limited: list, limits: dict) -> list:
+  """x[t, c] - y[string of c] <= 0; per family, sum of its y <= its limit."""
+  from scipy import optimize, sparse
+
+  nx, ny = len(flat), len(limited)
+  index = {key: j for j, key in enumerate(limited)}
+  ks = [k for k, (_, c) in enumerate(flat) if (c.family or "", c.text) in index]
+  link = sparse.lil_array((len(ks), nx + ny))
+  for r, k in enumerate(ks):
+    c = flat[k][1]
+    link[r, k] = 1
+    link[r, nx + index[(c.family or "", c.text)]] = -1
+  out = [optimize.LinearConstraint(link.tocsr(), -np.inf, 0)]
+  families = sorted({f for f, _ in limited if f in limits})
+  if families:
+    count = sparse.lil_array((len(families), nx + ny))
+    for j, (f, _) in enumerate(limited):
+      if f in limits:
+        count[families.index(f), nx + j] = 1
+    caps = np.array([limits[f] for f in families], float)
+    out.append(optimize.LinearConstraint(count.tocsr(), -np.inf, caps))
+  return out
 
 
 def runner_ups(

@@ -49,12 +49,7 @@ def plan_rules(
   assert options is not None
   by_text = plan_lib.assign_rules(rules, specs)
   auto_specs = [s for t, ss in by_text.items() if is_auto(t) for s in ss]
-  fixed, fixed_splits = 0, False
-  for text, ss in by_text.items():
-    if not is_auto(text):
-      group = plan_lib.make_group(text, ss, mesh, layout)
-      fixed += group.device_bytes()
-      fixed_splits = fixed_splits or group.capabilities.splits_batch
+  fixed, fixed_splits = _fixed_groups(by_text, mesh, layout)
   all_dense = sum(memory_of("dense", s, mesh, layout)[0] for s in specs)
   finalists = choose_finalists(
     auto_specs,
@@ -92,18 +87,36 @@ def plan_rules(
   finalists = [dataclasses.replace(c, model_s=model_s) for c in finalists]
   choice = finalists[0]
   if time_plan is not None and len(finalists) > 1:
-    started = time.perf_counter()
-    timed = []
-    for k, c in enumerate(finalists, 1):
-      log(f"auto: timing finalist {k}/{len(finalists)} whole ({c.label}: {c.placed})")
-      timed.append(dataclasses.replace(c, whole_step_s=time_plan([*c.rules, *kept], c)))
-    choice = pick_measured(timed)
-    choice = dataclasses.replace(
-      choice, planning_s=choice.planning_s + time.perf_counter() - started
-    )
+    choice = _time_finalists(finalists, kept, time_plan, log)
   # Exact names first: an auto table is matched by its own rule before any other rule's
   # regex that also matches it; the other rules keep their tables.
   return [*choice.rules, *kept], choice
+
+
+def _fixed_groups(by_text: dict, mesh, layout: Layout) -> tuple[int, bool]:
+  """by_text {backend string: its tables} -> (bytes per device, whether one splits the batch)
+  of the groups the rules written out (not auto) place."""
+  fixed, fixed_splits = 0, False
+  for text, ss in by_text.items():
+    if not is_auto(text):
+      group = plan_lib.make_group(text, ss, mesh, layout)
+      fixed += group.device_bytes()
+      fixed_splits = fixed_splits or group.capabilities.splits_batch
+  return fixed, fixed_splits
+
+
+def _time_finalists(
+  finalists: list[PlanChoice], kept: list, time_plan: Callable, log: Callable[[str], None]
+) -> PlanChoice:
+  """Each finalist timed whole (its rules before the kept ones); the fastest, its planning
+  time including the timing."""
+  started = time.perf_counter()
+  timed = []
+  for k, c in enumerate(finalists, 1):
+    log(f"auto: timing finalist {k}/{len(finalists)} whole ({c.label}: {c.placed})")
+    timed.append(dataclasses.replace(c, whole_step_s=time_plan([*c.rules, *kept], c)))
+  choice = pick_measured(timed)
+  return dataclasses.replace(choice, planning_s=choice.planning_s + time.perf_counter() - started)
 
 
 def _agree(
