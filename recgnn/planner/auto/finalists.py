@@ -22,7 +22,6 @@ from recgnn.planner.auto.milp import check_fits, runner_ups, solve
 from recgnn.planner.auto.options import (
   HOST_TIERS,
   MICRO_BATCHES,
-  OFFLOAD_HEADROOM,
   AutoOptions,
   family_of,
   parse_bytes,
@@ -135,11 +134,10 @@ def _sized_candidates(
   by_table: dict[str, list[tuple[str, int, int]]] = {}
   for spec in specs:
     rows = []
-    # An offload cache must hold one batch's distinct rows (the backend refuses a batch that
-    # touches more): caches short of the first batches' most, with headroom for the later
-    # batches' spread, are not candidates.
-    most = max((np.unique(b[spec.name][b[spec.name] >= 0]).size for b in batches), default=0)
-    need = most * OFFLOAD_HEADROOM
+    # An offload cache must hold the distinct rows a train batch can touch, B x L at most the
+    # table's rows (`Offload.check_batch` refuses a smaller one before allocating).
+    shape = shapes.get(spec.name)
+    need = min(int(np.prod(shape)), spec.num_rows) if shape else 0
     for text in candidates(spec, options, mesh):
       name, opts = plan_lib.parse_backend(text)
       if name == "offload" and opts.get("cache_fraction", 1.0) * spec.num_rows < need:

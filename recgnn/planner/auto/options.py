@@ -16,10 +16,6 @@ KINDS = ("dense", "offload", "hot_cold", "tt", "sharded")
 # Backends whose groups re-plan their host lists' sizes (bucketed): each distinct string is a
 # group whose shapes move on their own, and every new combination is a step to compile.
 HOST_TIERS = ("offload", "hot_cold")
-# An offload cache is a candidate only when it holds this many times the most distinct rows
-# of the first batches: later batches touch a few percent more or fewer (a hand-written
-# plan at exactly the first batches' most failed 400 steps in on dlrm_kaggle, 1135 > 1134).
-OFFLOAD_HEADROOM = 1.25
 MICRO_BATCHES = "micro-batches"  # the family of backends that split a batch (one per plan)
 
 
