@@ -20,6 +20,7 @@ import optax
 
 from recgnn.models import dlrm as dlrm_lib
 from recgnn.train import step as step_lib
+from recgnn.train import train_state as state_lib
 
 
 def profile_pieces(rec, args) -> dict:
@@ -175,7 +176,7 @@ class OneGather:
       jax.device_put(
         (
           np.stack([np.asarray(h["ids"][n])[:, 0] for n in names], axis=1) + offsets,
-          step_lib.device_batch(h),
+          state_lib.device_batch(h),
         )
       )
       for h in rec.host

@@ -67,6 +67,7 @@ from peers import dlrm as peers_dlrm
 from recgnn import hostmem, sharding
 from recgnn.train import setup as train_setup
 from recgnn.train import step as step_lib
+from recgnn.train import train_state as state_lib
 
 # --model: the peers' module (its PEERS, available(), runner()) and the names in result files.
 PEER_MODULES = {"dlrm": peers_dlrm, "dcnv2": peers_dcn}
@@ -113,14 +114,14 @@ class Recgnn:
     self.packed = [self.run.packed(p, h) for p, h in zip(self.prepared, self.host)]
     # Unpacked device copies, for the pieces profiled alone.
     self.inputs = [
-      jax.device_put((p, step_lib.device_batch(h))) for p, h in zip(self.prepared, self.host)
+      jax.device_put((p, state_lib.device_batch(h))) for p, h in zip(self.prepared, self.host)
     ]
     self.packed_step = self.run.train_step
     self.train_step = jax.jit(
       step_lib.make_train_step(self.task, self.plan, self.tx), donate_argnums=0
     )
 
-  def init_state(self) -> step_lib.TrainState:
+  def init_state(self) -> state_lib.TrainState:
     return self.run.init_state()
 
   def runner(self):

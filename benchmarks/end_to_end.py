@@ -49,7 +49,7 @@ import numpy as np
 from recgnn.backends.offload import planner as hostplan
 from recgnn.train import inputs, loop
 from recgnn.train import setup as train_setup
-from recgnn.train import step as step_lib
+from recgnn.train import train_state as state_lib
 
 EXPERIMENTS = ("dlrm_kaggle", "cdlrm_kaggle", "ttrec_kaggle", "hotline_kaggle")
 REFERENCE = "dlrm_kaggle"
@@ -109,11 +109,16 @@ def run_trainer(name: str, args) -> dict:
   }
 
 
-def run_trainer_process(name: str, args, root: str) -> dict:
+def run_trainer_process(name: str, args, root: str, own: bool = True) -> dict:
   """One trainer run of `name` as its own process: `root`'s run.py (this tree's or an
-  --against commit's), the settings of `config_of` as flags; samples/s from metrics.jsonl."""
+  --against commit's), the settings of `config_of` as flags; samples/s from metrics.jsonl.
+  NAME@FEED sets train.feed in this tree's runs (`own`); an earlier commit's run, which may
+  predate the option, runs its own feed (the host's)."""
+  name, _, feed = name.partition("@")
   workdir = tempfile.mkdtemp(prefix=f"e2e_{name}_")
   flags = harness.trainer_flags(args.steps, args.log_every)
+  if feed and own:
+    flags["train.feed"] = feed
   load = os.getloadavg()[0]
   try:
     steady = harness.trainer_process(root, name, workdir, flags)
@@ -131,7 +136,7 @@ def against(names: list[str], args) -> dict:
     by_pair = harness.rounds(
       args.rounds,
       order,
-      lambda c, r: run_trainer_process(c[0], args, trees[c[1]]),
+      lambda c, r: run_trainer_process(c[0], args, trees[c[1]], own=c[1] == "this"),
       lambda c, res: f"{res['samples_per_s']:,.0f} samples/s",
     )
   runs = {n: {t: by_pair[(n, t)] for t in trees} for n in names}
@@ -208,7 +213,7 @@ def breakdown(name: str, args) -> dict:
       ids = {t: batch["ids"][t] for t in g.specs}
       ahead = [{t: u[t] for t in g.specs} for u in upcoming[: g.lookahead]]
       prepared[key] = timed(f"prepare[{g.name}]", g.prepare, ids, ahead, train=True)
-    b = step_lib.device_batch(batch)
+    b = state_lib.device_batch(batch)
     specs = feeder.specs(prepared, b)
     bufs, _ = timed("pack", inputs.pack, (prepared, b), specs, plan.mesh.size)
     jax.block_until_ready(timed("put", inputs.put, bufs, plan.mesh))

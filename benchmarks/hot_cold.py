@@ -51,6 +51,7 @@ from recgnn.embeddings import access_counts as profile
 from recgnn.embeddings import base
 from recgnn.train import inputs as inputs_lib
 from recgnn.train import step as step_lib
+from recgnn.train import train_state as state_lib
 
 RESULTS = harness.RESULTS
 TARGET_RATIO = 1.3
@@ -149,7 +150,7 @@ def build_runner(args, name, rules, specs, stream, sample, mesh, key):
     for _ in range(4)
   ]
   example = {**dense[0], "ids": stream[0]}
-  state = step_lib.init_state(task, plan, tx, key, example)
+  state = state_lib.init_state(task, plan, tx, key, example)
   ordered = any(g.name == "offload" for g in plan.groups.values())
   n = args.warmup + args.reps * args.steps_per_rep if ordered else args.distinct
   tiers = [k for k, g in plan.groups.items() if g.capabilities.writes_host]

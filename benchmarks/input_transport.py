@@ -7,7 +7,7 @@ Question (issue 43): does grain's multiprocessing fit the input worker? Its work
 `MapDataset` (random access by index) through picklable transforms and send each element to
 the consumer; ours forks the trainer's stream and writes each batch into a slot. Here both
 only deliver: each batch is a copy of one packed `dlrm_kaggle` batch (batch 2048, 26 tables:
-the same per-dtype buffers and bytes `step.Feeder.pack` makes), made in the worker, so what
+the same per-dtype buffers and bytes `feeder.Feeder.pack` makes), made in the worker, so what
 differs is the transport. Per batch, in the training (consumer) process: CPU ms of the thread
 that takes the batches (time.thread_time: what competes with the launching thread), wall ms
 (batches/s of the delivery alone), after `--warmup` batches; `--processes` rounds interleaved
@@ -24,7 +24,7 @@ import time
 import harness
 import numpy as np
 
-# dlrm_kaggle's packed train batch at batch 2048 (step.Feeder.pack: one [devices, n] buffer per
+# dlrm_kaggle's packed train batch at batch 2048 (feeder.Feeder.pack: one [devices, n] buffer per
 # dtype): float32 (dense features, label, weight) and int32 (26 tables' ids, unique, inverse).
 SHAPES = (("<f4", (1, 2048 * 15)), ("<i4", (1, 2048 * 26 * 3)))
 MB = sum(np.prod(s) * np.dtype(d).itemsize for d, s in SHAPES) / 2**20

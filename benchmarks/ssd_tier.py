@@ -210,9 +210,9 @@ def _train_state(g, emb):
   import jax
 
   from recgnn import planner
-  from recgnn.train import step as step_lib
+  from recgnn.train import train_state as state_lib
 
-  st = step_lib.TrainState(
+  st = state_lib.TrainState(
     step=jax.numpy.zeros((), jax.numpy.int32), params={"w": jax.numpy.zeros(2)},
     opt_state=(), emb={g.name: emb}, key=jax.random.key(0),
   )  # fmt: skip

@@ -18,6 +18,7 @@ from benchmarks.harness import dlrm_task
 from recgnn import planner, sharding
 from recgnn.embeddings import base
 from recgnn.train import step as step_lib
+from recgnn.train import train_state as state_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -108,7 +109,7 @@ def test_dlrm_task_trains_the_given_tables_with_the_trainers_step():
   }
   ids = {s.name: rng.integers(0, 50, (32, 1)).astype(np.int32) for s in specs}
   tx = optax.sgd(0.5)
-  state = step_lib.init_state(task, plan, tx, jax.random.key(0), {**batch, "ids": ids})
+  state = state_lib.init_state(task, plan, tx, jax.random.key(0), {**batch, "ids": ids})
   step = jax.jit(step_lib.make_train_step(task, plan, tx))
   prepared = {group.name: group.prepare(ids, [], train=True)}
   losses = []

@@ -9,8 +9,9 @@ import pytest
 
 from recgnn import planner, sharding
 from recgnn.embeddings import OptimizerSpec, TableSpec, base, kernels
+from recgnn.train import feeder as feeder_lib
 from recgnn.train import inputs, traffic
-from recgnn.train import step as step_lib
+from recgnn.train import train_state as state_lib
 from recgnn.train.input_thread import InputThread
 
 
@@ -110,7 +111,7 @@ def _batch(rng, tables=3, b=16, rows=50):
 def test_feeder_reuses_one_layout_per_signature_and_still_refuses_bad_batches():
   rng = np.random.default_rng(0)
   plan = _dense_plan(_mesh(8))
-  feeder = step_lib.Feeder(plan)
+  feeder = feeder_lib.Feeder(plan)
   layouts = []
   for _ in range(3):
     batch = _batch(rng)
@@ -119,8 +120,8 @@ def test_feeder_reuses_one_layout_per_signature_and_still_refuses_bad_batches():
     layouts.append(layout)
     # The cached packer gives what a fresh `inputs.pack` gives.
     (ref, _), ref_layout = inputs.pack(
-      (prepared, step_lib.device_batch(batch)),
-      feeder.specs(prepared, step_lib.device_batch(batch)),
+      (prepared, state_lib.device_batch(batch)),
+      feeder.specs(prepared, state_lib.device_batch(batch)),
       8,
     )
     assert ref_layout == layout
@@ -227,7 +228,7 @@ def test_input_thread_transfers_where_the_platform_allows(devices):
   several CPU devices: the main thread does (XLA:CPU's multi-device hang, issue 30)."""
   rng = np.random.default_rng(3)
   plan = _dense_plan(_mesh(devices))
-  feeder = step_lib.Feeder(plan)
+  feeder = feeder_lib.Feeder(plan)
   batches = [_batch(rng) for _ in range(5)]
   feed = InputThread(
     iter([("train", None, b) for b in batches]), plan, feeder, depth=2, task=_Task()

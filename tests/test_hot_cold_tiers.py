@@ -135,6 +135,7 @@ def test_trainer_step_runs_the_popular_micro_batch_without_the_cold_rows():
   import optax
 
   from recgnn.train import step as step_lib
+  from recgnn.train import train_state as state_lib
 
   specs = [  # DLRM's interaction needs one dim
     base.TableSpec(name="a", num_rows=1000, dim=8, optimizer=SGD),
@@ -152,7 +153,7 @@ def test_trainer_step_runs_the_popular_micro_batch_without_the_cold_rows():
     "weight": np.ones(SPLIT_BATCH, np.float32),
   }
   tx = optax.sgd(0.1)
-  state = step_lib.init_state(task, plan, tx, jax.random.key(0), {**batch, "ids": batches[0]})
+  state = state_lib.init_state(task, plan, tx, jax.random.key(0), {**batch, "ids": batches[0]})
   prepared = _prepare_stream(group, batches)
   assert len(prepared["micro"]) == 2
   state = state.replace(emb={group.name: sized(state.emb[group.name], prepared)})

@@ -664,19 +664,19 @@ def test_queries_split_over_the_mesh(tmp_path, monkeypatch):
   label pairs and per-entity answer counts replicated (the entity ids too); 8 devices
   (conftest) train the table that a 1-device mesh trains."""
   from recgnn import sharding
-  from recgnn.train import step as step_lib
+  from recgnn.train import train_state as state_lib
 
   path = _small_kg(tmp_path / "kg") if os.makedirs(tmp_path / "kg") is None else None
   over = {"batch_size": 16}
   task = make_task(lp.LinkPrediction, _config(path, "complex", **over))
   assert not task.shard_batch
-  spec = task.batch_spec(step_lib.device_batch(next(task.train_batches(0))))
+  spec = task.batch_spec(state_lib.device_batch(next(task.train_batches(0))))
   assert {k for k, s in spec.items() if s == sharding.BATCH_SPEC} == {"h", "rel", "cnt", "weight"}
   assert spec["lab_q"] == spec["lab_e"] == spec["t_cnt"] == sharding.REPLICATED
   assert jax.device_count() == 8
   one = _train_tables(path, "dense", str(tmp_path / "one"), mesh={"data": 1, "model": 1}, **over)
   # The trainer packs every batch by the task's specs, asked once per batch signature
-  # (step.Feeder keeps them per tree structure and leaf shapes).
+  # (feeder.Feeder keeps them per tree structure and leaf shapes).
   seen = []
   spec_fn = lp.LinkPrediction.batch_spec
   monkeypatch.setattr(

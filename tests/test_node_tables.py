@@ -19,7 +19,7 @@ from recgnn import sharding
 from recgnn.embeddings import base
 from recgnn.tasks import node_classification as nc
 from recgnn.train import setup
-from recgnn.train import step as step_lib
+from recgnn.train import train_state as state_lib
 from tests.trainer_lib import make_task
 
 OFFLOAD = "offload(cache_rows=700, policy=lru, lookahead=2)"  # < the 1,200 rows: evicts
@@ -116,7 +116,7 @@ def test_batches_split_the_node_ids_and_replicate_the_subgraph(task, batches):
   assert not make_task(nc.TASK, c).shard_batch
   c.embeddings.plan = ((".*", "sharded(kind=row)"),)
   assert make_task(nc.TASK, c).shard_batch
-  specs = task.batch_spec(step_lib.device_batch(b))
+  specs = task.batch_spec(state_lib.device_batch(b))
   assert all(
     s == sharding.REPLICATED
     for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, sharding.P))

@@ -76,7 +76,7 @@ def test_checkpoint_and_resume_match_uninterrupted_dense(opt, save_mesh, resume_
   restore into a fresh backend (on the same mesh, or on one device) and resume from step 5:
   both equal an uninterrupted single-device dense run, bit for bit."""
   from recgnn.train import checkpoint
-  from recgnn.train import step as step_lib
+  from recgnn.train import train_state as state_lib
 
   spec, batches, k = _spec(opt), _batches(), 5
   text = "offload(cache_rows=60, policy=lookahead, lookahead=3)"
@@ -88,7 +88,7 @@ def test_checkpoint_and_resume_match_uninterrupted_dense(opt, save_mesh, resume_
     # The checkpoint of a trainer state whose only table is this group's.
     plan = planner.Plan({"g": group}, {"t": "g"}, group.mesh)
     params = {"w": jnp.zeros((2,), jnp.float32)}
-    st = step_lib.TrainState(
+    st = state_lib.TrainState(
       step=jnp.zeros((), jnp.int32), params=params, opt_state=(), emb={"g": emb},
       key=jax.random.key(0),
     )  # fmt: skip

@@ -233,7 +233,7 @@ def test_a_save_in_one_process_compiles_no_program_per_replica(tmp_path):
   from jax.sharding import PartitionSpec as P
 
   from recgnn import planner, sharding
-  from recgnn.train import step as step_lib
+  from recgnn.train import train_state as state_lib
 
   mesh = sharding.make_mesh(8, 1)
   rep = NamedSharding(mesh, P())
@@ -243,7 +243,7 @@ def test_a_save_in_one_process_compiles_no_program_per_replica(tmp_path):
     "w": jax.device_put(jnp.arange(8 * 13 * 3, dtype=jnp.float32).reshape(8 * 13, 3), rep),
     "b": jax.device_put(jnp.ones((3, 8 * 7), jnp.float32), rep),
   }
-  state = step_lib.TrainState(
+  state = state_lib.TrainState(
     step=jax.device_put(jnp.int32(3), rep), params=params, opt_state=(), emb={},
     key=jax.random.key(0),
   )  # fmt: skip

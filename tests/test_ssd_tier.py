@@ -93,10 +93,10 @@ def test_checkpoint_and_resume_on_another_mesh(opt, tmp_path):
 
 
 def _train_state(group, emb):
-  from recgnn.train import step as step_lib
+  from recgnn.train import train_state as state_lib
 
   plan = planner.Plan({"g": group}, {"t": "g"}, group.mesh)
-  st = step_lib.TrainState(
+  st = state_lib.TrainState(
     step=jax.numpy.zeros((), jax.numpy.int32), params={"w": jax.numpy.zeros(2)},
     opt_state=(), emb={"g": emb}, key=jax.random.key(0),
   )  # fmt: skip

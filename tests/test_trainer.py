@@ -384,6 +384,7 @@ def test_builds_with_an_equal_model_share_its_init_program(cache_dir):
   adds one, and the params are those of the task's own init_params jitted alone."""
   from recgnn.train import setup
   from recgnn.train import step as step_lib
+  from recgnn.train import train_state as state_lib
 
   step_lib._shared_init.clear_cache()  # (what earlier tests in this process built)
   config = _config(cache_dir, mesh=(1, 1))
@@ -400,7 +401,7 @@ def test_builds_with_an_equal_model_share_its_init_program(cache_dir):
     n: np.zeros(run.example["ids"][n].shape[:1] + (s.dim,), np.float32)
     for n, s in run.plan.specs.items()
   }
-  want = jax.jit(run.task.init_params)(k_params, step_lib.device_batch(run.example), zeros)
+  want = jax.jit(run.task.init_params)(k_params, state_lib.device_batch(run.example), zeros)
   for got in (first.state.params, run.state.params):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -54,6 +54,7 @@ from recgnn.embeddings.group import TableGroup
 from recgnn.tasks import node_batch
 from recgnn.train import setup
 from recgnn.train import step as step_lib
+from recgnn.train import train_state as state_lib
 from recgnn.train.task import Task
 
 P = sharding.P
@@ -342,9 +343,9 @@ class DataParallelSage:
     rules = planner.rules_of(cfg.embeddings.plan)
     self.plan = planner.resolve_plan(rules, task.tables(), mesh, emb_base.Layout(), log=False)
     check_plan(self.plan)
-    self.tx = step_lib.make_optimizer(cfg.optimizer)
-    self.state = step_lib.init_state(task, self.plan, self.tx, key, task.example_batch())
-    self.state_sharding = step_lib.state_sharding(self.plan, self.state)
+    self.tx = state_lib.make_optimizer(cfg.optimizer)
+    self.state = state_lib.init_state(task, self.plan, self.tx, key, task.example_batch())
+    self.state_sharding = state_lib.state_sharding(self.plan, self.state)
     repl = sharding.named(mesh, P())
     self.graph = setup.place_inputs(self.graph_arrays(), mesh)
     self.seeds_sharding = sharding.named(mesh, P(BATCH))

@@ -32,6 +32,7 @@ import numpy as np
 
 from recgnn import planner, sharding
 from recgnn.embeddings import base
+from recgnn.train import feeder as feeder_lib
 from recgnn.train import step as step_lib
 from recgnn.train.input_thread import InputThread
 from recgnn.train.task import Task
@@ -260,7 +261,7 @@ class DeviceFeed:
       layout=plan.layout,
     )
     self.host_tables = tuple(self.host_plan.table_group)
-    self.feeder = step_lib.Feeder(self.host_plan, _replicated_spec)
+    self.feeder = feeder_lib.Feeder(self.host_plan, _replicated_spec)
 
   def train_inputs(self) -> dict:
     """The train step's inputs now: the rows and the resident passes' orders."""

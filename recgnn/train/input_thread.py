@@ -23,8 +23,8 @@ from collections.abc import Iterator
 import jax
 
 from recgnn import planner, sharding
+from recgnn.train import feeder as feeder_lib
 from recgnn.train import plan_ahead
-from recgnn.train import step as step_lib
 from recgnn.train.input_worker import InputWorker
 from recgnn.train.packing import Item, Packing, mark_input_side
 from recgnn.train.task import Task
@@ -72,7 +72,7 @@ class InputThread:
     self,
     items: Iterator,
     plan: planner.Plan,
-    feeder: step_lib.Feeder,
+    feeder: feeder_lib.Feeder,
     depth: int,
     task: Task,
     scale: int = 1,

@@ -184,7 +184,7 @@ class PackLayout:
 COPY_CHUNK_BYTES = 1 << 20
 
 #: Makes a packed batch's buffers: [(dtype str, shape)] -> an empty array of each, written
-#: whole by the caller (`Packer`, `step.Feeder.stack`).
+#: whole by the caller (`Packer`, `feeder.Feeder.stack`).
 Alloc = Callable[[list], list]
 
 
@@ -269,7 +269,7 @@ def pack(tree: PyTree, specs: PyTree, devices: int) -> tuple[tuple[list, list], 
   and its prepared ids are ~100 small arrays; one device_put each costs more than the step on
   CPU (docs/running.md), hence one buffer per dtype; the host
   leaves are a few index lists (one per host-table stack), put one by one. A caller packing
-  many batches of one structure keeps its `Packer` (`step.Feeder` does).
+  many batches of one structure keeps its `Packer` (`feeder.Feeder` does).
   """
   leaves, treedef = jax.tree.flatten(tree)
   leaves = [np.asarray(x) for x in leaves]

@@ -36,7 +36,7 @@ from recgnn.embeddings import base
 from recgnn.train import checkpoint as ckpt_lib
 from recgnn.train import input_worker, periodic, setup, workdir_lock
 from recgnn.train import plan_report as plan_report_lib
-from recgnn.train import step as step_lib
+from recgnn.train import train_state as state_lib
 from recgnn.train import watchdog as watchdog_lib
 from recgnn.train.input_thread import InputThread, stream
 from recgnn.train.scalars_out import ScalarWriter
@@ -243,7 +243,7 @@ def _write_config(config, workdir: str) -> None:
     log(f"Config written to {path}")
 
 
-def _restore_or_start(run, ckpt, state, resume) -> tuple[step_lib.TrainState, int]:
+def _restore_or_start(run, ckpt, state, resume) -> tuple[state_lib.TrainState, int]:
   """(state, first step): the newest readable checkpoint's with `resume` (checked against
   this run first: another config is refused naming the keys, the checkpoint stays; a
   corrupted one is refused, moved aside, and the one before it used), else the initial."""
@@ -307,7 +307,7 @@ def _jit_steps(run) -> tuple:
 class _At:
   """Where the run is: its state and step (what the last save saves, whatever ended it)."""
 
-  state: step_lib.TrainState
+  state: state_lib.TrainState
   step: int
   interrupted: bool = False  # SIGTERM: stopped after a call, to be saved
 
@@ -408,5 +408,5 @@ class Result:
   """What `train` returns: final metrics (also in results.json), the synced state, backends."""
 
   metrics: dict[str, Any]
-  state: step_lib.TrainState
+  state: state_lib.TrainState
   plan: planner.Plan

@@ -10,8 +10,8 @@ import numpy as np
 import optax
 
 from recgnn import sharding
-from recgnn.train.step import device_batch
 from recgnn.train.task import Task
+from recgnn.train.train_state import device_batch
 
 
 def model_step_seconds(

@@ -8,7 +8,7 @@ import numpy as np
 
 from recgnn import planner
 from recgnn.embeddings import streamed
-from recgnn.train import step as step_lib
+from recgnn.train import train_state as state_lib
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -23,7 +23,7 @@ def first_non_finite(steps: list[int], losses) -> tuple[int, float] | None:
   return None
 
 
-def report(plan: planner.Plan, state: step_lib.TrainState) -> str:
+def report(plan: planner.Plan, state: state_lib.TrainState) -> str:
   """Which tables and dense params of a (synced) state hold NaN / inf (their stored form:
   rows, slots, cores)."""
   parts = []

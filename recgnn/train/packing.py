@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from recgnn import planner
+from recgnn.train import feeder as feeder_lib
 from recgnn.train import inputs, plan_ahead
-from recgnn.train import step as step_lib
 from recgnn.train.task import Task
 
 #: Errors of the data or the plan (a malformed file, a cache too small for a batch): raised on
@@ -46,7 +46,7 @@ class Item:
   kind: str  # "train" | "eval" | "eval_end"
   split: str | None
   batch_size: int
-  # ((buffers, host leaves), layout) of (prepared ids, batch), `step.Feeder.pack` (None for
+  # ((buffers, host leaves), layout) of (prepared ids, batch), `feeder.Feeder.pack` (None for
   # "eval_end"): device buffers once transferred (`on_device`)
   prepared: Any
   on_device: bool = False
@@ -66,7 +66,7 @@ class Packing:
     self,
     items: Iterable,
     plan: planner.Plan,
-    feeder: step_lib.Feeder,
+    feeder: feeder_lib.Feeder,
     task: Task,
     scale: int = 1,
   ):

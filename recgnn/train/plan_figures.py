@@ -16,7 +16,7 @@ import ml_collections
 
 from recgnn.planner import auto as auto_lib
 from recgnn.train import inputs, model_timing, plan_timing
-from recgnn.train import step as step_lib
+from recgnn.train import train_state as state_lib
 
 
 def config_text(section) -> str:
@@ -45,7 +45,7 @@ class Timing:
     """The model part's step (timed when first asked: after the candidates' bytes are
     checked against the budget, so a plan no budget fits is refused before any timing)."""
     t0 = time.perf_counter()
-    tx = step_lib.make_optimizer(self.config.optimizer)
+    tx = state_lib.make_optimizer(self.config.optimizer)
     out = auto_lib.cached_model_seconds(
       self.cache,
       auto_lib.CostCache.model_key(self.what, self.batches[: self.n], self.mesh),

@@ -31,7 +31,9 @@ from recgnn import distributed, planner, sharding
 from recgnn.embeddings import base
 from recgnn.planner import auto as auto_lib
 from recgnn.train import device_feed, inputs
+from recgnn.train import feeder as feeder_lib
 from recgnn.train import step as step_lib
+from recgnn.train import train_state as state_lib
 from recgnn.train.plan_figures import plan_figures
 from recgnn.train.task import Task
 
@@ -121,12 +123,12 @@ class Run:
   layout: base.Layout
   input_how: str  # which input layout and why (a log line)
   plan: planner.Plan
-  feeder: step_lib.Feeder
+  feeder: feeder_lib.Feeder
   tx: optax.GradientTransformation
   example: dict  # the batch the dense params are initialised from
   key: jax.Array  # the PRNG key of the initial state
-  state: step_lib.TrainState | None
-  shardings: step_lib.TrainState  # a NamedSharding per leaf of `state`
+  state: state_lib.TrainState | None
+  shardings: state_lib.TrainState  # a NamedSharding per leaf of `state`
   step_inputs: dict | None  # the task's step inputs on the devices (placed once), or None
   train_step: Callable  # (state, buffers, layout) -> (state, metrics); state donated
   eval_step: Callable  # (state, buffers, layout) -> the task's predict outputs
@@ -140,9 +142,9 @@ class Run:
   device_feed: device_feed.DeviceFeed | None = None
   feed_how: str = ""  # which feed and why (a log line)
 
-  def init_state(self) -> step_lib.TrainState:
+  def init_state(self) -> state_lib.TrainState:
     """A freshly allocated initial state, equal to `state` before any step."""
-    return step_lib.init_state(self.task, self.plan, self.tx, self.key, self.example)
+    return state_lib.init_state(self.task, self.plan, self.tx, self.key, self.example)
 
   def prepare(self, batch: dict, upcoming: Iterable[dict] = (), train: bool = True) -> dict:
     """Every group's `prepare` of one batch: {group key: prepared pytree}. upcoming: the next
@@ -166,7 +168,7 @@ class Run:
       on_device = None if item.batch is None else self.packed(item.prepared, item.batch)
       yield item, on_device
 
-  def sync(self, state: step_lib.TrainState) -> step_lib.TrainState:
+  def sync(self, state: state_lib.TrainState) -> state_lib.TrainState:
     """`state` with every group's host-side tables written back (before saving, reading)."""
     return state.replace(emb={k: g.sync(state.emb[k]) for k, g in self.plan.groups.items()})
 
@@ -314,18 +316,18 @@ def build(
   planner.check_host_memory(plan, planner.parse_bytes(config.get("host_memory_budget")))
   total_steps, length = training_length(config.train, task)
   log(f"Mesh {sharding.describe(mesh)}; training {length}")
-  tx = step_lib.make_optimizer(config.optimizer)
+  tx = state_lib.make_optimizer(config.optimizer)
   _check_example(task, plan, example)
   key = jax.random.key(config.seed) if key is None else key
   state = _initial_state(task, plan, tx, key, example, allocate)
   log(f"Dense params: {sum(x.size for x in jax.tree.leaves(state.params)):,}")
-  shardings = step_lib.state_sharding(plan, state)
+  shardings = state_lib.state_sharding(plan, state)
   step_inputs = place_step_inputs(task, mesh)
   feed = device_feed.DeviceFeed(rows, plan) if rows is not None and allocate else None
   train_step, eval_step = jit_steps(task, plan, tx, shardings, step_inputs, feed=feed)
   return Run(
     config=config, mesh=mesh, task=task, layout=plan.layout, input_how=input_how, plan=plan,
-    feeder=step_lib.Feeder(plan, task.batch_spec), tx=tx, example=example, key=key,
+    feeder=feeder_lib.Feeder(plan, task.batch_spec), tx=tx, example=example, key=key,
     state=state, shardings=shardings, step_inputs=step_inputs, train_step=train_step,
     eval_step=eval_step, total_steps=total_steps, length=length, auto_plan=auto,
     prediction=choice, device_feed=feed, feed_how=feed_how,
@@ -411,7 +413,7 @@ def _check_example(task, plan, example) -> None:
   (train batches are checked as they are packed; a process-local one by the feeder)."""
   if plan.layout.process_local:
     return
-  ids, rest = {k: v for k, v in example.items() if k == "ids"}, step_lib.device_batch(example)
+  ids, rest = {k: v for k, v in example.items() if k == "ids"}, state_lib.device_batch(example)
   batch_specs = (inputs.batch_spec(ids, task.shard_batch), task.batch_spec(rest))
   inputs.check_split((ids, rest), batch_specs, plan.mesh, "eval batch")
 
@@ -421,7 +423,7 @@ def _initial_state(task, plan, tx, key, example, allocate: bool):
   allocate=False its shapes and dtypes only."""
 
   def init():
-    return step_lib.init_state(task, plan, tx, key, example)
+    return state_lib.init_state(task, plan, tx, key, example)
 
   if allocate:
     return init()

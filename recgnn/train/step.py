@@ -14,55 +14,20 @@ Steps are jitted with explicit in / out shardings and the state donated.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
-import ml_collections
-import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
 from recgnn import planner, sharding
 from recgnn.embeddings import base, microbatch
 from recgnn.train import host_handoff, inputs
 from recgnn.train.task import Task
+from recgnn.train.train_state import TrainState
 
 PyTree = Any
-
-
-@flax.struct.dataclass
-class TrainState:
-  """Everything a step reads and writes; donated to the step, saved in checkpoints."""
-
-  step: jax.Array  # int32[]
-  params: PyTree  # the task's dense params
-  opt_state: PyTree  # optax state of `params`
-  emb: dict[str, PyTree]  # each table's backend state
-  key: jax.Array  # base PRNG key; step keys are fold_in(key, step)
-
-
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """optax optimizer for the dense params from config.optimizer (name, learning_rate, ...)."""
-  name = config.name
-  lr = config.learning_rate
-  if config.get("warmup_steps", 0):
-    lr = optax.linear_schedule(0.0, lr, config.warmup_steps)
-  makers = {
-    "sgd": lambda: optax.sgd(lr),
-    "adagrad": lambda: optax.adagrad(lr, initial_accumulator_value=0.0, eps=1e-8),
-    "adam": lambda: optax.adam(lr),
-    "adamw": lambda: optax.adamw(lr, weight_decay=config.get("weight_decay", 0.0)),
-  }
-  if name not in makers:
-    raise ValueError(f"Unknown optimizer {name!r}; available: {', '.join(sorted(makers))}")
-  tx = makers[name]()
-  if config.get("weight_decay", 0.0) and name != "adamw":
-    tx = optax.chain(optax.add_decayed_weights(config.weight_decay), tx)
-  return tx
 
 
 def lookup_all(plan: planner.Plan, emb, prepared) -> tuple[dict[str, jax.Array], dict[str, Any]]:
@@ -210,19 +175,6 @@ def make_eval_step(task: Task, plan: planner.Plan):
   return step
 
 
-def device_batch(batch: dict) -> dict:
-  """What of a task batch goes to the device: everything but the raw ids (the backends'
-  prepared arrays carry what the step needs of them)."""
-  return {k: v for k, v in batch.items() if k != "ids"}
-
-
-def state_sharding(plan: planner.Plan, abstract_state: TrainState) -> TrainState:
-  """NamedShardings of a TrainState: the groups' for `emb`, replicated for the rest."""
-  repl = jax.sharding.NamedSharding(plan.mesh, sharding.REPLICATED)
-  out = jax.tree.map(lambda _: repl, abstract_state)
-  return out.replace(emb={k: g.state_sharding() for k, g in plan.groups.items()})
-
-
 def jit_packed(
   step_fn,
   plan: planner.Plan,
@@ -335,152 +287,3 @@ class _BoundInputs:
 
   def lower(self, state, buffers, layout):
     return self._fn.lower(state, buffers, layout, self._inputs_of())
-
-
-class Feeder:
-  """Packs (prepared, batch) for the step: the specs of every leaf, checked and cached.
-
-  Specs, checks and the packed layout depend only on the tree's structure and its leaves'
-  shapes and dtypes (a group's `prepared_spec` reads keys, never values), so they are
-  computed once per such signature (`inputs.Packer`, kept here) and each batch costs a
-  flatten, the signature and one copy per leaf. Every batch of one signature carries the same
-  `inputs.PackLayout` object: jit's static-argument lookup and the trainer's traffic reader
-  then cost a hash already computed and an identity check."""
-
-  #: Packers kept (distinct signatures: a train and an eval batch shape, bucketed list
-  #: lengths); the cache restarts past this rather than grow without bound.
-  MAX_PACKERS = 512
-
-  def __init__(self, plan: planner.Plan, batch_spec=None):
-    """The layout is the plan's (`plan.layout`, given to every backend at construction):
-    split_batch says whether the embedding ids are batch-major, process_local whether
-    batches are this process's slice, for its devices only. batch_spec(batch): the
-    PartitionSpec of every other batch leaf (`Task.batch_spec`), else all by split_batch."""
-    self.plan, self.batch_spec = plan, batch_spec
-    self.shard_batch = plan.layout.split_batch
-    self.local = plan.layout.process_local
-    self._packers: dict[tuple, inputs.Packer] = {}
-
-  def specs(self, prepared, batch):
-    p = {k: self.plan.groups[k].prepared_spec(v) for k, v in prepared.items()}
-    if self.batch_spec is not None:
-      return p, self.batch_spec(batch)
-    return p, inputs.batch_spec(batch, self.shard_batch)
-
-  def __call__(self, prepared, batch, what: str = "batch"):
-    """-> (device buffers, layout): one transfer, split over the mesh."""
-    buffers, layout = self.pack(prepared, batch, what)
-    return self.put(buffers), layout
-
-  def pack(self, prepared, batch, what: str = "batch", alloc: inputs.Alloc | None = None):
-    """-> (host buffers, layout): everything but the transfer (host work only, so the
-    trainer runs it on its input thread or worker). alloc: where the buffers are made
-    (`inputs.Packer`)."""
-    tree = (prepared, device_batch(batch))
-    leaves, treedef = jax.tree.flatten(tree)
-    leaves = [x if type(x) is np.ndarray else np.asarray(x) for x in leaves]
-    key = (treedef, inputs.leaf_signature(leaves))
-    packer = self._packers.get(key)
-    if packer is None:  # a new signature: specs and checks once
-      if len(self._packers) >= self.MAX_PACKERS:
-        self._packers.clear()
-      packer = self._packers[key] = self._packer(tree, treedef, leaves, what)
-    return packer(leaves, alloc), packer.layout
-
-  def _packer(self, tree, treedef, leaves, what: str) -> inputs.Packer:
-    specs = self.specs(*tree)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    mesh = self.plan.mesh
-    if not self.local:
-      inputs.check_split(tree, specs, mesh, what)
-      return inputs.Packer(treedef, leaves, spec_leaves, mesh.size)
-    # A process-local slice: a leaf every device needs whole would differ between
-    # processes, so every leaf must be batch-major (the groups promised it).
-    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
-    whole = [jax.tree_util.keystr(k) for k, s in flat if s != sharding.BATCH_SPEC]
-    if whole:
-      raise ValueError(
-        f"process-local {what}: leaves {whole[:6]} are not batch-major; they would differ "
-        "between processes. Use train.process_input=global."
-      )
-    for x in leaves:
-      sharding.check_batch(np.shape(x)[0] * jax.process_count(), mesh, what)
-    return inputs.Packer(treedef, leaves, spec_leaves, mesh.size // jax.process_count())
-
-  def pack_call(
-    self, batches: list, alloc: inputs.Alloc | None = None
-  ) -> tuple[tuple[list, list], inputs.PackLayout]:
-    """The k (prepared, batch) of one call's train batches, each prepared alone in stream
-    order -> `stack`'s output: every group's `stack_call` makes their prepared leaves one
-    shape (a host tier's lists padded to the call's widest), then each is packed."""
-    prepared = inputs.stack_call(self.plan, [p for p, _ in batches])
-    packed = [self.pack(p, b, "train batch") for p, (_, b) in zip(prepared, batches)]
-    return self.stack(packed, alloc)
-
-  def stack(
-    self, packed: list, alloc: inputs.Alloc | None = None
-  ) -> tuple[tuple[list, list], inputs.PackLayout]:
-    """k `pack` outputs of one call's train batches -> ((buffers [k, devices, n] per dtype,
-    no host leaves), their one layout): the input of a `jit_packed(stacked=k)` step, one
-    transfer for the k batches. alloc: where the buffers are made (`inputs.Packer`)."""
-    layout = packed[0][1]
-    if any(p[1] is not layout for p in packed):
-      raise ValueError(
-        "the train batches of one call differ in structure or shapes; k steps per call "
-        "(train.steps_per_call) needs batches of one shape (drop the remainder)"
-      )
-    if packed[0][0][1]:  # (no backend of this project prepares such leaves)
-      raise ValueError(
-        f"k steps per call cannot stack {len(packed[0][0][1])} pinned-host-memory leaves "
-        "(a backend's prepared leaves with sharding.HOST_SPEC): use train.steps_per_call=1"
-      )
-    first = packed[0][0][0]
-    shapes = [(b.dtype.str, (len(packed), *b.shape)) for b in first]
-    bufs = alloc(shapes) if alloc is not None else [np.empty(s, d) for d, s in shapes]
-    for i, out in enumerate(bufs):
-      np.stack([p[0][0][i] for p in packed], out=out)
-    return (bufs, []), layout
-
-  def put(self, buffers):
-    """The host -> device transfer of `pack`'s (or `stack`'s) buffers."""
-    return inputs.put(buffers, self.plan.mesh, local=self.local)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _shared_init(fn, key, batch, embeddings):
-  """fn(key, batch, embeddings) for a task's hashable `Task.init_fn`: one jitted function, so
-  jax's cache (keyed by fn's hash and equality, and the arguments' shapes) hands a later
-  build with an equal fn the program an earlier one compiled, with no trace, lowering or
-  cache read, which every build would otherwise pay (docs/running.md)."""
-  return fn(key, batch, embeddings)
-
-
-def init_state(
-  task: Task,
-  plan: planner.Plan,
-  tx,
-  key: jax.Array,
-  example_batch,
-) -> TrainState:
-  """Allocate every table (placed by its group) and the dense params (replicated)."""
-  k_emb, k_params, k_run = jax.random.split(key, 3)
-  emb = {k: g.init(k_emb) for k, g in plan.groups.items()}
-  specs = plan.specs
-  zeros = {  # (numpy: jnp.zeros compiled a program per shape; these only enter the jit below)
-    n: np.zeros(example_batch["ids"][n].shape[:1] + (s.dim,), np.float32) for n, s in specs.items()
-  }
-  # Jitted: run eagerly, flax's init dispatches op by op, slower than compiling it
-  # (docs/running.md); the values are the same either way.
-  fn = task.init_fn()
-  init = jax.jit(task.init_params) if fn is None else functools.partial(_shared_init, fn)
-  params = init(k_params, device_batch(example_batch), zeros)
-  repl = jax.sharding.NamedSharding(plan.mesh, sharding.REPLICATED)
-  # sharding.put: with many processes each places its own devices' copies.
-  params = sharding.put(jax.device_get(params), repl)
-  return TrainState(
-    step=sharding.put(np.zeros((), np.int32), repl),
-    params=params,
-    opt_state=sharding.put(jax.device_get(tx.init(params)), repl),
-    emb=emb,
-    key=jax.random.wrap_key_data(sharding.put(jax.random.key_data(k_run), repl)),
-  )
