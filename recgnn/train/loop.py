@@ -436,6 +436,8 @@ def _train_in(
         scalars_out.close()  # (every line written before the files close)
 
   results["step"] = step
+  if run.device_feed is not None:  # (its own uploads: a streamed feed's are not the step's)
+    results.update(run.device_feed.report())
   results["input_thread_seconds"] = feed.busy_seconds
   if feed.worker is not None:  # (the worker's CPU: every thread of it, numba's included)
     results["input_worker_cpu_seconds"] = feed.worker.cpu_seconds

@@ -359,6 +359,7 @@ def build(
       plan = planner.resolve_plan(rules, specs, mesh, layout, log=False)
     else:
       device_feed.check_ids(rows, plan.specs)
+      feed_how = device_feed.describe(rows, feed_how)
   log(f"Input: {feed_how}")
   planner.check_host_memory(plan, planner.parse_bytes(config.get("host_memory_budget")))
   feeder = step_lib.Feeder(plan, task.batch_spec)
@@ -385,7 +386,8 @@ def build(
   log(f"Dense params: {sum(x.size for x in jax.tree.leaves(state.params)):,}")
   shardings = step_lib.state_sharding(plan, state)
   step_inputs = place_step_inputs(task, mesh)
-  feed = device_feed.DeviceFeed(rows, plan) if rows is not None and allocate else None
+  k = task.batches_per_call
+  feed = device_feed.DeviceFeed(rows, plan, k) if rows is not None and allocate else None
   train_step, eval_step = jit_steps(task, plan, tx, shardings, step_inputs, feed)
   return Run(
     config=config,

@@ -1,0 +1,143 @@
+"""The device feed's streamed mode (data larger than the devices' budget, or train.order=window):
+the window order itself (every used row once a pass, a function of the step); the same batches
+and params as the host feed in that order, across a pass boundary, with k = 1 and k = 8 (a call
+crossing the short last window: three slots), and across a stop and --resume; the feed's own
+uploaded bytes per sample (the record's plus its order's 4); when auto / device stream or
+refuse."""
+
+import numpy as np
+import pytest
+
+from recgnn.data.window_order import WindowOrder
+from recgnn.tasks.ctr import CTR
+from recgnn.train import device_feed, loop, setup
+from tests.test_device_feed import DENSE, _batch_equal, _config, _same_state
+from tests.trainer_lib import (
+  make_task,
+  skip_unless_deterministic,
+  skip_unless_devices,
+  smoke_config,
+)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(ctr_cache):
+  return ctr_cache
+
+
+def _window(c, chunk_rows, window_chunks):
+  c.train.order = "window"
+  c.train.feed_chunk_rows = chunk_rows
+  c.train.feed_window_chunks = window_chunks
+  return c
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_window_order_reads_every_used_row_once_a_pass(seed):
+  """2,571 rows from row 40, batches of 256 (2,560 used), chunks of 512 (5), windows of 2:
+  windows of 4, 4 and 2 batches; every used row once a pass, a batch's rows sorted and within
+  its window's chunks; passes differ; the same step gives the same rows."""
+  o = WindowOrder(2571, 40, 256, 600, 2, seed)
+  assert (o.chunk_rows, o.num_chunks, o.windows, o.window_batches, o.last_batches) == (
+    512, 5, 3, 4, 2,
+  )  # fmt: skip
+  passes = []
+  for e in range(2):
+    rows = np.stack([o.batch_rows(e * o.batches + b) for b in range(o.batches)])
+    assert np.array_equal(np.sort(rows.ravel()), np.arange(40, 40 + 2560))
+    assert np.all(np.diff(rows, axis=1) > 0)
+    for b, batch in enumerate(rows):
+      _, w, _ = o.locate(e * o.batches + b)
+      spans = [o.chunk(c) for c in o.window_chunk_ids(e, w)]
+      assert all(any(lo <= r < hi for lo, hi in spans) for r in batch)
+    passes.append(rows)
+  assert (seed is None) == np.array_equal(passes[0], passes[1])
+  again = WindowOrder(2571, 40, 256, 600, 2, seed)
+  assert np.array_equal(again.batch_rows(13), passes[1][3])
+
+
+def test_host_feed_reads_the_window_order(cache_dir):
+  """train.order=window: the task's train batches are those of the order's rows, from any
+  start step."""
+  c = _window(_config(cache_dir, "host", DENSE), 512, 2)
+  task = make_task(CTR, c)
+  order = task.window_order()
+  batches = task.train_batches(7)
+  for step in range(7, 7 + 12):
+    want = task.data.gather(order.batch_rows(step))
+    _batch_equal(next(batches), want, f"step {step}")
+
+
+CASES = [((1, 1), 1, 512, 2), ((1, 1), 8, 1024, 2), ((2, 4), 8, 1024, 2), ((8, 1), 1, 512, 2)]
+
+
+@pytest.mark.parametrize(
+  "mesh,k,chunk,w", CASES, ids=[f"{m[0]}x{m[1]}-k{k}" for m, k, _, _ in CASES]
+)
+def test_streamed_trains_as_the_host_feed(cache_dir, tmp_path, mesh, k, chunk, w):
+  """16 steps (a pass is 10 batches; windows of 4, 4, 2 at k = 1; of 8 and 2 at k = 8: a call
+  reads the short window and the next pass's first), an eval at the end: params and AUC bit
+  for bit as the host feed's in the window order."""
+  skip_unless_deterministic()
+  skip_unless_devices(mesh[0] * mesh[1], f"mesh {mesh[0]}x{mesh[1]}")
+  host = loop.train(
+    _window(_config(cache_dir, "host", DENSE, mesh, k, 16), chunk, w), str(tmp_path / "h")
+  )
+  c = _window(_config(cache_dir, "device", DENSE, mesh, k, 16), chunk, w)
+  run = setup.build(c)
+  assert run.device_feed.orders.slots == (2 if k == 1 else 3)
+  assert "streamed in windows of 2 chunks" in run.feed_how
+  dev = loop.train(c, str(tmp_path / "d"))
+  _same_state(host, dev)
+  assert dev.metrics["test/auc"] == host.metrics["test/auc"]
+
+
+def test_streamed_resumes_exactly(cache_dir, tmp_path):
+  """Stopped after 6 steps (inside the second window) and resumed: as the uninterrupted run."""
+  skip_unless_deterministic()
+  c = _window(_config(cache_dir, "device", DENSE, k=2, steps=16), 512, 2)
+  full = loop.train(c, str(tmp_path / "full"))
+  wd = str(tmp_path / "chain")
+  assert loop.train(c, wd, stop_after=6).metrics["step"] == 6
+  end = loop.train(c, wd, resume=True)
+  _same_state(full, end)
+  assert end.metrics["test/auc"] == full.metrics["test/auc"]
+
+
+def test_uploaded_bytes_per_sample(cache_dir, tmp_path):
+  """Two whole passes streamed on Criteo's 26 tables (label int8 + 13 dense float32 + 26 ids
+  int32 = 157 bytes a row): the feed uploads each row once a pass and its order's 4 bytes,
+  161 bytes a sample, within 1.05x of the record."""
+  c = _window(
+    smoke_config(cache_dir, rows=3_000, mesh=(1, 1), plan=DENSE, steps=20, log_every=1), 512, 2
+  )
+  c.train.feed, c.train.eval_batch_size = "device", 1000
+  m = loop.train(c, str(tmp_path / "bytes")).metrics
+  assert m["feed/record_bytes"] == 157
+  assert m["feed/host_to_device_bytes_per_sample"] == 157 + 4
+  assert m["feed/host_to_device_bytes_per_sample"] <= 1.05 * m["feed/record_bytes"]
+  assert m["feed/host_to_device_bytes"] == 2 * 2560 * 161
+  assert m["feed/eval_host_to_device_bytes"] > 0
+
+
+def test_auto_and_device_stream_or_refuse(cache_dir):
+  """The data past the budget: device and auto stream when a window fits (train order then
+  window), device refuses with the figures when not even a window does."""
+  c = _config(cache_dir, "device", DENSE, rows=20_000)
+  c.train.feed_chunk_rows, c.train.feed_window_chunks = 512, 2
+  c.train.eval_batch_size = 100
+  whole = setup.build(c)
+  assert whole.device_feed.data is not None  # (fits whole: no streaming)
+  need = whole.device_feed.rows.nbytes
+  plan_bytes = setup.planner.check_memory(whole.plan, None, None)
+  budget = plan_bytes + need // 2
+  run = setup.build(c, device_memory_budget=budget)
+  assert run.device_feed.data is None and run.device_feed.rows.window is not None
+  assert "streamed in windows" in run.feed_how
+  with pytest.raises(setup.planner.PlanDoesNotFit, match="even streamed"):
+    setup.build(c, device_memory_budget=plan_bytes + 1000)
+  rows = whole.task.device_rows()
+  auto = _config(cache_dir, "auto", DENSE, rows=20_000).train
+  auto.feed_chunk_rows, auto.feed_window_chunks = 512, 2
+  assert device_feed.fits(auto, rows, plan_bytes, budget, whole.mesh) is None
+  assert rows.window is not None and rows.window.chunk_rows == 512
