@@ -68,28 +68,39 @@ def test_host_feed_reads_the_window_order(cache_dir):
     _batch_equal(next(batches), want, f"step {step}")
 
 
-CASES = [((1, 1), 1, 512, 2), ((1, 1), 8, 1024, 2), ((2, 4), 8, 1024, 2), ((8, 1), 1, 512, 2)]
+TT = (("C(3|4)", "tt(rank=4)"), (".*", "dense(dedup=device)"))
+CASES = [
+  ("dense", DENSE, (1, 1), 1, 512),
+  ("dense", DENSE, (1, 1), 8, 1024),
+  ("dense", DENSE, (2, 4), 8, 1024),
+  ("dense", DENSE, (8, 1), 1, 512),
+  ("tt", TT, (1, 1), 1, 512),
+]
 
 
 @pytest.mark.parametrize(
-  "mesh,k,chunk,w", CASES, ids=[f"{m[0]}x{m[1]}-k{k}" for m, k, _, _ in CASES]
+  "name,plan,mesh,k,chunk", CASES, ids=[f"{c[0]}-{c[2][0]}x{c[2][1]}-k{c[3]}" for c in CASES]
 )
-def test_streamed_trains_as_the_host_feed(cache_dir, tmp_path, mesh, k, chunk, w):
+def test_streamed_trains_as_the_host_feed(cache_dir, tmp_path, name, plan, mesh, k, chunk):
   """16 steps (a pass is 10 batches; windows of 4, 4, 2 at k = 1; of 8 and 2 at k = 8: a call
-  reads the short window and the next pass's first), an eval at the end: params and AUC bit
-  for bit as the host feed's in the window order."""
+  reads the short window and the next pass's first), an eval after step 8 and at the end:
+  params and AUC bit for bit as the host feed's in the window order; tt's ids read on the
+  host from the same order."""
   skip_unless_deterministic()
   skip_unless_devices(mesh[0] * mesh[1], f"mesh {mesh[0]}x{mesh[1]}")
-  host = loop.train(
-    _window(_config(cache_dir, "host", DENSE, mesh, k, 16), chunk, w), str(tmp_path / "h")
-  )
-  c = _window(_config(cache_dir, "device", DENSE, mesh, k, 16), chunk, w)
-  run = setup.build(c)
+
+  def config(feed):
+    return _window(_config(cache_dir, feed, plan, mesh, k, 16, eval_every=8), chunk, 2)
+
+  host = loop.train(config("host"), str(tmp_path / "h"))
+  run = setup.build(config("device"))
   assert run.device_feed.orders.slots == (2 if k == 1 else 3)
   assert "streamed in windows of 2 chunks" in run.feed_how
-  dev = loop.train(c, str(tmp_path / "d"))
+  run.device_feed.close()
+  dev = loop.train(config("device"), str(tmp_path / "d"))
   _same_state(host, dev)
   assert dev.metrics["test/auc"] == host.metrics["test/auc"]
+  assert dev.metrics["valid/auc"] == host.metrics["valid/auc"]
 
 
 def test_streamed_resumes_exactly(cache_dir, tmp_path):
@@ -141,3 +152,32 @@ def test_auto_and_device_stream_or_refuse(cache_dir):
   auto.feed_chunk_rows, auto.feed_window_chunks = 512, 2
   assert device_feed.fits(auto, rows, plan_bytes, budget, whole.mesh) is None
   assert rows.window is not None and rows.window.chunk_rows == 512
+
+
+def test_streamed_host_work_per_call_does_not_grow_with_the_batch(cache_dir):
+  """The main thread's Python calls per call of the streamed train step (take the cursors,
+  write the finished uploads into their slots, start the next): no more at batch 1024 than at
+  64 (windows of 8 batches either way, so as many slot writes a step)."""
+  import sys
+  import time
+
+  from tests.test_device_feed import _Calls
+
+  counts = {}
+  for batch in (64, 1024):
+    c = _window(_config(cache_dir, "device", DENSE, batch_size=batch, rows=20_000), 4 * batch, 2)
+    run = setup.build(c)
+    feed = run.device_feed.input(run.task, 0, 24, 0, "valid", ())
+    items = [feed.get()]
+    time.sleep(0.5)
+    calls = _Calls()
+    sys.setprofile(calls)
+    try:
+      items += [feed.get() for _ in range(23)]
+    finally:
+      sys.setprofile(None)
+    feed.close()
+    run.device_feed.close()
+    assert [i.kind for i in items] == ["train"] * 24
+    counts[batch] = calls.n / 23
+  assert abs(counts[64] - counts[1024]) <= 2 and max(counts.values()) < 40, counts
