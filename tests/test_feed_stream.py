@@ -117,18 +117,38 @@ def test_streamed_resumes_exactly(cache_dir, tmp_path):
 
 def test_uploaded_bytes_per_sample(cache_dir, tmp_path):
   """Two whole passes streamed on Criteo's 26 tables (label int8 + 13 dense float32 + 26 ids
-  int32 = 157 bytes a row): the feed uploads each row once a pass and its order's 4 bytes,
-  161 bytes a sample, within 1.05x of the record."""
-  c = _window(
-    smoke_config(cache_dir, rows=3_000, mesh=(1, 1), plan=DENSE, steps=20, log_every=1), 512, 2
-  )
-  c.train.feed, c.train.eval_batch_size = "device", 1000
+  int32 = 157 bytes a row): the feed uploads each row once a pass and, per window, its order's
+  keys and chunk ranks (a few words): 157 bytes a sample and a fraction, within 1.05x."""
+  c = _window(smoke_config(cache_dir, rows=3_000, mesh=(1, 1), plan=DENSE, steps=20), 512, 2)
+  c.train.feed, c.train.eval_batch_size, c.train.log_every = "device", 1000, 1
   m = loop.train(c, str(tmp_path / "bytes")).metrics
   assert m["feed/record_bytes"] == 157
-  assert m["feed/host_to_device_bytes_per_sample"] == 157 + 4
-  assert m["feed/host_to_device_bytes_per_sample"] <= 1.05 * m["feed/record_bytes"]
-  assert m["feed/host_to_device_bytes"] == 2 * 2560 * 161
+  rows = 2 * 2560 * 157  # (two passes of the 2,560 rows used)
+  keys = 2 * (3 * (16 + 8) + 2 * 8 + 4)  # (3 windows a pass: keys, a scalar pair, ranks)
+  assert m["feed/host_to_device_bytes"] == rows + keys
+  assert m["feed/host_to_device_bytes_per_sample"] <= 1.001 * m["feed/record_bytes"]
   assert m["feed/eval_host_to_device_bytes"] > 0
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+def test_orders_made_on_the_devices_are_the_hosts(seed):
+  """`_write_order` of each window of two passes (full and short windows) equals the numpy
+  order's local indices, offset to its slot."""
+  import jax.numpy as jnp
+
+  from recgnn.train import feed_stream
+
+  o = WindowOrder(2571 * 7, 0, 64, 700, 3, seed)
+  orders = jnp.zeros((2, o.window_batches, o.batch_size), jnp.int32)
+  for g in range(2 * o.windows):
+    e, w = divmod(g, o.windows)
+    n = o.window_rows_of(e, w)
+    orders = feed_stream._write_order(
+      orders, o.keys(e, w), o.ranks(e, w), np.int32(g % 2 * 1000), np.int32(g % 2),
+      n=n, nb=n // 64, b=64, c=o.chunk_rows,
+    )  # fmt: skip
+    want = o.window(e, w)[1] + g % 2 * 1000
+    np.testing.assert_array_equal(np.asarray(orders[g % 2, : n // 64]), want, err_msg=f"{g}")
 
 
 def test_auto_and_device_stream_or_refuse(cache_dir):

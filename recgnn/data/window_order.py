@@ -10,8 +10,12 @@ data does not fit the devices; the host feed reads the same order, batch for bat
                last; consecutive groups of W chunks form the pass's windows (the last one may
                hold fewer)
   window w     its rows (its chunks' rows, in chunk order: local index i * C + offset) in a
-               permutation drawn from (seed, e, w); batch j is its rows [j * B, (j + 1) * B),
+               permutation keyed by (seed, e, w); batch j is its rows [j * B, (j + 1) * B),
                sorted by row (as the host feed reads a batch)
+
+The window's permutation is a keyed Feistel bijection on [0, 4^h) walked back into [0, n)
+(`permutation`): integer arithmetic only, so numpy here and XLA on the devices compute the same
+one from a few key words, and the device feed uploads no order (only the rows' own bytes).
 
 Every window but the last of a pass has W * C / B batches; the last has the rest, the same in
 every pass, so a step's (pass, window, batch) is arithmetic and the order a function of the
@@ -23,6 +27,40 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+
+#: Feistel rounds of a window's permutation, and the round function's multipliers.
+ROUNDS = 4
+_M1, _M2 = np.uint32(0x9E3779B1), np.uint32(0x85EBCA6B)
+
+
+def half_bits(n: int) -> int:
+  """h: the Feistel halves' bits for a domain of n (4^h >= n, at most 4n)."""
+  return (max(2, int(n - 1).bit_length()) + 1) // 2
+
+
+def feistel(x, keys, half: int):
+  """One pass of the bijection on [0, 4^half) of uint32 `x` (numpy or jax arrays alike):
+  ROUNDS rounds keyed by keys uint32[ROUNDS]."""
+  mask = np.uint32((1 << half) - 1)
+  left, right = x >> np.uint32(half), x & mask
+  for r in range(ROUNDS):
+    f = (right ^ keys[r]) * _M1
+    f = (f ^ (f >> np.uint32(15))) * _M2
+    f = f ^ (f >> np.uint32(13))
+    left, right = right, left ^ (f & mask)
+  return (left << np.uint32(half)) | right
+
+
+def permutation(n: int, keys) -> np.ndarray:
+  """[0, n) permuted (uint32[n]): `feistel` of each i, reapplied while past n (cycle walking:
+  a bijection of [0, n), since the walk from i never meets another i's)."""
+  half = half_bits(n)
+  x = feistel(np.arange(n, dtype=np.uint32), keys, half)
+  out = x >= n
+  while out.any():
+    x[out] = feistel(x[out], keys, half)
+    out = x >= n
+  return x
 
 
 class WindowOrder:
@@ -74,24 +112,37 @@ class WindowOrder:
     epoch, window, _ = self.locate(step)
     return epoch * self.windows + window
 
+  def window_rows_of(self, epoch: int, window: int) -> int:
+    """Rows of a window (all its chunks')."""
+    return sum(hi - lo for lo, hi in map(self.chunk, self.window_chunk_ids(epoch, window)))
+
+  def keys(self, epoch: int, window: int) -> np.ndarray | None:
+    """The window's permutation keys, uint32[ROUNDS], drawn from (seed, epoch, window); None
+    without a seed (file order)."""
+    if self.seed is None:
+      return None
+    rng = np.random.default_rng([self.seed, epoch, window + 1])
+    return rng.integers(0, 2**32, ROUNDS, dtype=np.uint32)
+
+  def ranks(self, epoch: int, window: int) -> np.ndarray:
+    """int32[chunks]: each of the window's chunks' rank by row (a batch sorts by rank * C +
+    offset, which is by row, in int32 whatever the dataset's size)."""
+    return np.argsort(np.argsort(self.window_chunk_ids(epoch, window))).astype(np.int32)
+
   @functools.lru_cache(maxsize=4)  # noqa: B019 (a few windows, the order's lifetime)
   def window(self, epoch: int, window: int) -> tuple[np.ndarray, np.ndarray]:
     """The batches of a window: (rows int64[nb, B] of the whole dataset, each batch sorted;
     local int32[nb, B]: the same rows as indices into the window's chunks laid end to end)."""
+    n, b, c = self.window_rows_of(epoch, window), self.batch_size, self.chunk_rows
+    nb = n // b
+    keys = self.keys(epoch, window)
+    local = np.arange(nb * b) if keys is None else permutation(n, keys)[: nb * b]
+    local = local.astype(np.int64).reshape(nb, b)
+    key = self.ranks(epoch, window)[local // c].astype(np.int64) * c + local % c
+    local = np.take_along_axis(local, np.argsort(key, axis=1), axis=1)
     ids = self.window_chunk_ids(epoch, window)
-    n = sum(hi - lo for lo, hi in map(self.chunk, ids))
-    nb = n // self.batch_size
-    if self.seed is None:
-      local = np.arange(nb * self.batch_size)
-    else:
-      local = np.random.default_rng([self.seed, epoch, window + 1]).permutation(n)
-      local = local[: nb * self.batch_size]
-    local = local.reshape(nb, self.batch_size)
-    firsts = np.array([self.chunk(c)[0] for c in ids], np.int64)
-    rows = firsts[local // self.chunk_rows] + local % self.chunk_rows
-    by_row = np.argsort(rows, axis=1, kind="stable")
-    rows = np.take_along_axis(rows, by_row, axis=1)
-    return rows, np.take_along_axis(local, by_row, axis=1).astype(np.int32)
+    firsts = np.array([self.chunk(i)[0] for i in ids], np.int64)
+    return firsts[local // c] + local % c, local.astype(np.int32)
 
   def batch_rows(self, step: int) -> np.ndarray:
     """Rows (of the whole dataset) of train batch `step`: int64[B], sorted."""

@@ -6,9 +6,11 @@ by index and the host still does O(1) per call.
                    rows, replicated) and their batches' orders (`orders`: int32[S, W * C / B,
                    B], indices into `data`); S = 2 (the window read and the next one, uploaded
                    meanwhile), 3 where a call of k steps can cross a pass's short last window
-  background       one thread uploads, in order, each window's order then its chunks (contiguous
-                   slices of the dataset's arrays: the record's own bytes, no host gather), at
-                   most AHEAD of them staged on the devices and not yet written into a slot
+  background       one thread uploads, in order, each window's chunks (contiguous slices of the
+                   dataset's arrays: the record's own bytes, no host gather), at most AHEAD of
+                   them staged on the devices and not yet written into a slot; a window's order
+                   is made on the devices from its keys (`window_order.permutation`'s, a few
+                   words), the numpy order's value for value
   per call         `ensure_steps` (main thread): the windows the call reads resident (waiting for
                    their uploads only when the link is behind), staged chunks written into free
                    slots (an on-device copy, the old slot's buffer donated: it runs after every
@@ -55,11 +57,11 @@ def slots_for(order: window_order.WindowOrder, k: int) -> tuple[int, str | None]
 
 
 def device_bytes(rows, order: window_order.WindowOrder, slots: int) -> int:
-  """Bytes a streamed feed holds per device: its slots, the staged uploads, the orders and
-  the eval batches in flight."""
+  """Bytes a streamed feed holds per device: its slots, the staged uploads, the orders (and
+  the uint32 temporaries of making one), and the eval batches in flight."""
   rb = rows.row_bytes
   need = slots * order.window_rows * rb + AHEAD * order.chunk_rows * rb
-  need += slots * order.window_batches * order.batch_size * 4
+  need += (slots + 4) * order.window_batches * order.batch_size * 4
   return need + (EVAL_AHEAD + 1) * rows.eval_batch_size * rb
 
 
@@ -100,10 +102,29 @@ def _write(data, chunk, at):
   return jax.tree.map(lambda d, c: jax.lax.dynamic_update_slice_in_dim(d, c, at, 0), data, chunk)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_order(orders, order, slot):
-  """orders[slot, :len(order)] = order, orders donated."""
-  return jax.lax.dynamic_update_slice(orders, order[None], (slot, 0, 0))
+def device_permutation(n: int, keys):
+  """`window_order.permutation` in XLA (inside jit): uint32[n], the same values."""
+  half = window_order.half_bits(n)
+  x = window_order.feistel(jnp.arange(n, dtype=jnp.uint32), keys, half)
+
+  def walk(x):
+    return jnp.where(x >= n, window_order.feistel(x, keys, half), x)
+
+  return jax.lax.while_loop(lambda x: jnp.any(x >= n), walk, x)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("n", "nb", "b", "c"))
+def _write_order(orders, keys, ranks, first, slot, *, n, nb, b, c):
+  """orders[slot, :nb] = a window's batches (`WindowOrder.window`'s local indices, made here
+  from its keys; keys None: file order) + first (the slot's first row), orders donated."""
+  if keys is None:
+    local = jnp.arange(nb * b, dtype=jnp.int32)
+  else:
+    local = device_permutation(n, keys)[: nb * b].astype(jnp.int32)
+  local = local.reshape(nb, b)
+  key = ranks[local // c] * c + local % c
+  _, local = jax.lax.sort((key, local), dimension=1, num_keys=1)
+  return jax.lax.dynamic_update_slice(orders, (local + first)[None], (slot, 0, 0))
 
 
 class Stream:
@@ -202,12 +223,25 @@ class Stream:
     slot = g % self.slots
     if i < 0:  # (the window's order: its slot's old window is gone from here on)
       self._resident[slot] = -1
-      self.orders = _write_order(self.orders, value, np.int32(slot))
+      self._write_order(g, slot, value)
       return
     at = slot * self.order.window_rows + i * self.order.chunk_rows
     self.data = _write(self.data, value, np.int32(at))
     if i == len(self.order.window_chunk_ids(*divmod(g, self.order.windows))) - 1:
       self._resident[slot] = g
+
+  def _write_order(self, g: int, slot: int, value) -> None:
+    """Window g's order made on the devices into `slot` (its keys and chunk ranks, `value`,
+    cross the link: counted)."""
+    o, (keys, ranks) = self.order, value
+    n = o.window_rows_of(*divmod(g, o.windows))
+    first = np.int32(slot * o.window_rows)
+    self.orders = _write_order(
+      self.orders, keys, ranks, first, np.int32(slot),
+      n=n, nb=n // o.batch_size, b=o.batch_size, c=o.chunk_rows,
+    )  # fmt: skip
+    with self._lock:
+      self.train_bytes += (_nbytes((keys, ranks)) + 8) * self._devices
 
   # -- the upload thread -------------------------------------------------------------------
 
@@ -217,14 +251,13 @@ class Stream:
     return out
 
   def _upload(self, g: int, i: int):
-    """Window g's order (i = -1: int32[nb, B], indices into `data`) or its chunk i's rows."""
+    """Window g's order's keys and chunk ranks (i = -1: host arrays, a few words) or its chunk
+    i's rows (on the devices)."""
     epoch, window = divmod(g, self.order.windows)
     if i < 0:
-      local = self.order.window(epoch, window)[1]
-      host = local + np.int32((g % self.slots) * self.order.window_rows)
-    else:
-      lo, hi = self.order.chunk(self.order.window_chunk_ids(epoch, window)[i])
-      host = {n: np.ascontiguousarray(a[lo:hi]) for n, a in self._arrays.items()}
+      return self.order.keys(epoch, window), self.order.ranks(epoch, window)
+    lo, hi = self.order.chunk(self.order.window_chunk_ids(epoch, window)[i])
+    host = {n: np.ascontiguousarray(a[lo:hi]) for n, a in self._arrays.items()}
     out = self._put(host)
     with self._lock:
       self.train_bytes += _nbytes(host) * self._devices
