@@ -40,8 +40,9 @@ from recgnn.data import window_order
 
 #: Uploads (a window's order or one chunk) staged on the devices ahead of their slot.
 AHEAD = 2
-#: Eval batches the input thread may have uploaded ahead of the loop (its queue's depth + 2).
-EVAL_AHEAD = 4
+#: Eval batches the input thread may have uploaded ahead of the loop: its two queues' depths
+#: (2 x PREFETCH) and the items in its threads' hands, rounded up.
+EVAL_AHEAD = 8
 
 
 def slots_for(order: window_order.WindowOrder, k: int) -> tuple[int, str | None]:
