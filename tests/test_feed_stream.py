@@ -153,7 +153,8 @@ def test_orders_made_on_the_devices_are_the_hosts(seed):
 
 def test_auto_and_device_stream_or_refuse(cache_dir):
   """The data past the budget: device and auto stream when a window fits (train order then
-  window), device refuses with the figures when not even a window does."""
+  window), device refuses with the figures when not even a window does, or when a call's k
+  steps are more than a window's batches."""
   c = _config(cache_dir, "device", DENSE, rows=20_000)
   c.train.feed_chunk_rows, c.train.feed_window_chunks = 512, 2
   c.train.eval_batch_size = 100
@@ -167,6 +168,9 @@ def test_auto_and_device_stream_or_refuse(cache_dir):
   assert "streamed in windows" in run.feed_how
   with pytest.raises(setup.planner.PlanDoesNotFit, match="even streamed"):
     setup.build(c, device_memory_budget=plan_bytes + 1000)
+  c8 = _window(_config(cache_dir, "device", DENSE, k=8), 512, 2)  # (windows of 4 batches)
+  with pytest.raises(setup.planner.PlanDoesNotFit, match="steps_per_call=8 is more than a win"):
+    setup.build(c8)
   rows = whole.task.device_rows()
   auto = _config(cache_dir, "auto", DENSE, rows=20_000).train
   auto.feed_chunk_rows, auto.feed_window_chunks = 512, 2
