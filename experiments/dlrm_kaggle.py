@@ -110,6 +110,13 @@ def get_config(arg=None):
   # and every embedding group prepares its ids on the device (dense, sharded), else host.
   # docs/device_feed.md.
   c.train.feed = "auto"
+  # The train order: "pass" = a permutation of the rows each pass; "window" = a shuffle within
+  # windows of feed_window_chunks contiguous chunks of feed_chunk_rows rows (0: 256 MiB of
+  # rows), the order the device feed streams data larger than the devices' budget in (it
+  # switches to it then); the host feed reads it too. docs/device_feed.md.
+  c.train.order = "pass"
+  c.train.feed_chunk_rows = 0
+  c.train.feed_window_chunks = 4
 
   # (data, model) device mesh; data=0: every device not on model. The batch is split over
   # all devices; model-parallel tables (dense(shard=rows)) are split over `model`.

@@ -24,7 +24,11 @@ class CTRRows:
 
   arrays: {"label": int8[N], "dense": float32[N, F], "sparse": int32[N, S]}; table t's ids
   are columns [offset_t, offset_t + L_t) of `sparse` (L_t its bag length).
+  window: the train order when it is "window" (`window_order.WindowOrder`: train.order=window,
+  or the device feed streaming data larger than the devices), else None (`train_order`'s).
   """
+
+  window = None
 
   def __init__(self, dataset: CTRDataset, batch_size: int, eval_batch_size: int, seed):
     self.dataset = dataset
@@ -41,6 +45,11 @@ class CTRRows:
   def nbytes(self) -> int:
     """Bytes of `arrays()`: what one copy on a device holds."""
     return sum(int(a.nbytes) for a in self.arrays().values())
+
+  @property
+  def row_bytes(self) -> int:
+    """Bytes of one row of `arrays()` (label, dense features, ids)."""
+    return self.nbytes // max(len(self.dataset.labels), 1)
 
   def split_range(self, split: str) -> tuple[int, int]:
     """Rows [start, stop) of `split`."""

@@ -16,6 +16,9 @@ eval_batch_size / shuffle, seed. Optional (defaults keep the DLRM Kaggle behavio
                     dtype; params, optimizer and embedding state and the loss stay float32.
   embeddings.pooling "sum" (default) or "mean": how a table's bag is reduced (a schema column's
                     own `pooling` wins).
+  train.order       "pass" (default: a permutation of the rows each pass) or "window": a
+                    shuffle within windows of chunks (recgnn.data.window_order; the order the
+                    device feed streams in; train.feed_chunk_rows, train.feed_window_chunks).
 Batches carry ids[t] int32[B, L_t] per table (L_t = 1 one-hot; PAD after a shorter bag).
 """
 
@@ -323,6 +326,9 @@ class CTR(Task):
           "checkpoint and the data do not belong together; use a fresh --workdir"
         )
       extra["state"] = state
+    order = self.window_order()
+    if order is not None:
+      return self._window_batches(order, start_step)
     return self.data.batches(
       "train",
       t.batch_size,
@@ -332,6 +338,28 @@ class CTR(Task):
       shard=self.process_shard,
       **extra,
     )
+
+  def window_order(self):
+    """The train order under train.order=window (`window_order.WindowOrder`), else None."""
+    from recgnn.data import ctr_dataset, window_order
+
+    t = self.config.train
+    setting = t.get("order", "pass")
+    if setting not in ("pass", "window"):
+      raise ValueError(f"train.order={setting!r}; valid: pass, window")
+    if setting == "pass":
+      return None
+    if not isinstance(self.data, ctr_dataset.CTRDataset):
+      raise ValueError("train.order=window reads data.source=memmap without data.multi_hot")
+    return window_order.for_train(t, self.data, self.config.seed if t.shuffle else None)
+
+  def _window_batches(self, order, step):
+    from recgnn.data.ctr_dataset import process_rows
+
+    while True:
+      rows = order.batch_rows(step)
+      yield self.data.read("train", *process_rows(rows, len(rows), self.process_shard))
+      step += 1
 
   def data_state(self, step):
     """source=tfds: the grain iterator's state after `step` batches (in the checkpoint)."""
@@ -362,7 +390,9 @@ class CTR(Task):
       )
     t = self.config.train
     seed = self.config.seed if t.shuffle else None
-    return ctr_rows.CTRRows(self.data, t.batch_size, t.eval_batch_size, seed)
+    rows = ctr_rows.CTRRows(self.data, t.batch_size, t.eval_batch_size, seed)
+    rows.window = self.window_order()
+    return rows
 
   def steps_per_epoch(self):
     return self.data.num_batches("train", self.config.train.batch_size)

@@ -16,6 +16,10 @@ Groups that prepare on the host (tt, offload, hot_cold: cache plans, prefix tree
 tiers) get their tables' ids read on the host from the same rows (`CTRRows.host_ids`: ids
 only, not whole batches), prepared in stream order by the input thread as with the host feed,
 and packed beside the cursor; labels, dense features and every other id come from the devices.
+
+Data larger than the devices' budget streams (`feed_stream`): windows of large chunks uploaded
+ahead by a background thread, the train order then `window_order`'s (the host feed's under
+train.order=window); the step reads the resident windows as it reads the whole data here.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 
 from recgnn import planner, sharding
 from recgnn.embeddings import base
+from recgnn.train import feed_stream
 from recgnn.train import feeder as feeder_lib
 from recgnn.train import step as step_lib
 from recgnn.train.input_thread import InputThread
@@ -144,6 +149,23 @@ class Orders:
       future = self._host[epoch]
     return future.result()
 
+  def cursor(self, step: int) -> tuple[int, int]:
+    """(pass slot, batch) of train step `step`."""
+    e, b = divmod(step, self.rows.train_batches)
+    return e % 2, b
+
+  def batch_rows(self, step: int) -> np.ndarray:
+    e, b = divmod(step, self.rows.train_batches)
+    return self.host(e)[b]
+
+  def eval_cursor(self, lo: int, hi: int) -> tuple[int, int]:
+    return lo, hi
+
+  def ensure_steps(self, first: int, last: int) -> None:
+    """The passes of steps first..last (one call) resident."""
+    nb = self.rows.train_batches
+    self.ensure(first // nb, last // nb)
+
   def ensure(self, first: int, last: int) -> None:
     """Passes first..last (at most two in a row) resident in their slots."""
     for e in range(first, last + 1):
@@ -209,25 +231,24 @@ def fed_step(step_fn, plan: planner.Plan, rows_source, train: bool):
 def stream(rows, orders: Orders, host_tables, start, total, k, eval_every, eval_split, final):
   """The items `input_thread.stream` yields, for the device feed: (kind, split, batch) with
   batch {"cursor": int32[2], "ids": the host-prepared groups' ids (`host_tables`)}."""
-  nb = rows.train_batches
   for s in range(start, total, k):
     for step in range(s, s + k):
-      e, b = divmod(step, nb)
-      ids = rows.host_ids(orders.host(e)[b], host_tables) if host_tables else {}
-      yield "train", None, {"cursor": np.array([e % 2, b], np.int32), "ids": ids}
+      ids = rows.host_ids(orders.batch_rows(step), host_tables) if host_tables else {}
+      yield "train", None, {"cursor": np.array(orders.cursor(step), np.int32), "ids": ids}
     if eval_every and (s + k) % eval_every == 0 and s + k < total:
-      yield from _eval_pass(rows, eval_split, host_tables)
+      yield from _eval_pass(rows, orders, eval_split, host_tables)
   for split in final:
-    yield from _eval_pass(rows, split, host_tables)
+    yield from _eval_pass(rows, orders, split, host_tables)
 
 
-def _eval_pass(rows, split: str, host_tables):
+def _eval_pass(rows, orders, split: str, host_tables):
   size = rows.eval_batch_size
   for lo, hi in rows.eval_cursors(split):
     ids = {}
     if host_tables:
       ids = rows.host_ids(np.arange(lo, min(lo + size, hi)), host_tables, size)
-    yield "eval", split, {"cursor": np.array([lo, hi], np.int32), "ids": ids}
+    cursor = np.array(orders.eval_cursor(lo, hi), np.int32)
+    yield "eval", split, {"cursor": cursor, "ids": ids}
   yield "eval_end", split, None
 
 
@@ -246,13 +267,18 @@ class Counts:
 class DeviceFeed:
   """A run's device feed: its rows placed on the devices (replicated), the pass orders, and
   the host half: the plan of the groups that prepare on the host and the feeder that packs
-  their prepared ids beside each step's cursor."""
+  their prepared ids beside each step's cursor. Rows with a window order (`rows.window`)
+  stream instead (`feed_stream.Stream` in place of the data and `Orders`; k: steps per call)."""
 
-  def __init__(self, rows, plan: planner.Plan):
+  def __init__(self, rows, plan: planner.Plan, k: int = 1):
     self.rows, self.mesh = rows, plan.mesh
-    repl = sharding.named(plan.mesh, sharding.REPLICATED)
-    self.data = sharding.put({k: np.asarray(v) for k, v in rows.arrays().items()}, repl)
-    self.orders = Orders(rows, plan.mesh)
+    self.data = None
+    if getattr(rows, "window", None) is not None:
+      self.orders = feed_stream.Stream(rows, plan.mesh, k)
+    else:
+      repl = sharding.named(plan.mesh, sharding.REPLICATED)
+      self.data = sharding.put({k: np.asarray(v) for k, v in rows.arrays().items()}, repl)
+      self.orders = Orders(rows, plan.mesh)
     keys = host_groups(plan)
     self.host_plan = planner.Plan(
       groups={k: plan.groups[k] for k in keys},
@@ -265,10 +291,17 @@ class DeviceFeed:
 
   def train_inputs(self) -> dict:
     """The train step's inputs now: the rows and the resident passes' orders."""
+    if self.data is None:
+      return self.orders.inputs(train=True)
     return {"data": self.data, "orders": self.orders.device}
 
   def eval_inputs(self) -> dict:
-    return {"data": self.data}
+    """The eval step's inputs now: the rows (streamed: the current eval batch's)."""
+    return self.orders.inputs(train=False) if self.data is None else {"data": self.data}
+
+  def report(self) -> dict:
+    """The feed's own uploads (streamed: `Stream.report`), else {}."""
+    return self.orders.report() if self.data is None else {}
 
   def input(self, task: Task, start: int, total: int, eval_every: int, eval_split, final):
     """The loop's input for steps [start, total) (`DeviceInput`)."""
@@ -277,6 +310,8 @@ class DeviceFeed:
       raise ValueError(
         f"train.steps_per_call={k} is more than a pass's {self.rows.train_batches} batches"
       )
+    if self.data is None:
+      self.orders.start(start, total)
     items = stream(
       self.rows, self.orders, self.host_tables, start, total, k, eval_every, eval_split, final
     )
@@ -308,9 +343,10 @@ class DeviceInput:
   def get(self):
     item = self._thread.get()
     if item is not None and item.kind == "train":
-      nb = self._feed.rows.train_batches
-      self._feed.orders.ensure(self._step // nb, (self._step + self._k - 1) // nb)
+      self._feed.orders.ensure_steps(self._step, self._step + self._k - 1)
       self._step += self._k
+    elif item is not None and item.kind == "eval" and self._feed.data is None:
+      self._feed.orders.next_eval()
     return item
 
   def close(self) -> None:
@@ -327,7 +363,7 @@ def jit_steps(task, plan, tx, shardings, feed: DeviceFeed):
   evals = fed_step(step_lib.make_eval_step(task, plan), plan, feed.rows, False)
   eval_step = step_lib.jit_packed(
     evals, plan, shardings, donate_state=False, out_state=False, name="eval_step",
-    step_inputs=feed.eval_inputs(),
+    step_inputs=feed.eval_inputs(), inputs_of=feed.eval_inputs,
   )  # fmt: skip
   return train_step, eval_step
 
@@ -340,11 +376,35 @@ def layout_for(tcfg, task, rules, specs, layout, mesh):
 
 
 def fits(tcfg, rows, plan_bytes, budget, mesh) -> str | None:
-  """None when the device feed's rows fit beside the plan; with train.feed=auto why not
-  (the host feed is then used); with train.feed=device refused before allocating."""
-  why = check_fits(rows, plan_bytes, budget, mesh)
+  """None when the device feed's rows fit beside the plan, whole or streamed (`rows.window`
+  then set: data larger than the budget whose window of chunks fits streams, and so does
+  train.order=window); with train.feed=auto why not (the host feed is then used); with
+  train.feed=device refused before allocating."""
+  window = getattr(rows, "window", None)
+  why = None if window is not None else check_fits(rows, plan_bytes, budget, mesh)
+  if why:
+    window = feed_stream.window_for(tcfg, rows)
+  if window is not None:
+    budget = _device_memory(mesh) if budget is None else budget
+    k = int(tcfg.get("steps_per_call", 1))
+    streamed = feed_stream.check_fits(rows, window, k, plan_bytes, budget or 2**62)
+    if streamed is None:
+      rows.window = window
+      return None
+    why = f"{why}; {streamed}" if why else streamed
   if why and tcfg.get("feed", "auto") == "device":
     raise planner.PlanDoesNotFit(
       f"train.feed=device: {why}. Use train.feed=host (or auto), or a smaller plan."
     )
   return why
+
+
+def describe(rows, how: str) -> str:
+  """The feed's log line, with the streamed windows where `rows` stream."""
+  order = getattr(rows, "window", None)
+  if order is None:
+    return how
+  return (
+    f"{how}; streamed in windows of {order.window_chunks} chunks of {order.chunk_rows:,} rows "
+    f"(train order: window, {order.windows} windows a pass)"
+  )

@@ -380,6 +380,8 @@ def _results(run, at: _At, feed, actions: _Actions, workdir: str, main: bool) ->
   """The run's figures (results.json when it reached its last step) and its final state."""
   results: dict[str, Any] = dict(actions.evals.results)
   results["step"] = at.step
+  if run.device_feed is not None:  # (its own uploads: a streamed feed's are not the step's)
+    results.update(run.device_feed.report())
   results["input_thread_seconds"] = feed.busy_seconds
   if feed.worker is not None:  # (the worker's CPU: every thread of it, numba's included)
     results["input_worker_cpu_seconds"] = feed.worker.cpu_seconds

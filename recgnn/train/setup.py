@@ -323,7 +323,8 @@ def build(
   log(f"Dense params: {sum(x.size for x in jax.tree.leaves(state.params)):,}")
   shardings = state_lib.state_sharding(plan, state)
   step_inputs = place_step_inputs(task, mesh)
-  feed = device_feed.DeviceFeed(rows, plan) if rows is not None and allocate else None
+  k = task.batches_per_call
+  feed = device_feed.DeviceFeed(rows, plan, k) if rows is not None and allocate else None
   train_step, eval_step = jit_steps(task, plan, tx, shardings, step_inputs, feed=feed)
   return Run(
     config=config, mesh=mesh, task=task, layout=plan.layout, input_how=input_how, plan=plan,
@@ -391,6 +392,7 @@ def _plan(config, task, rules, specs, mesh, layout, example, budget, log):
     layout = dataclasses.replace(layout, ids_on_device=False)
   if rows is not None:
     device_feed.check_ids(rows, plan.specs)
+    how = device_feed.describe(rows, how)
   return plan, rows, how
 
 
