@@ -195,8 +195,10 @@ def test_perf_checks_print_the_ratios_and_targets(tmp_path):
   )
   checks = gpu_check.perf_checks(ctx, s, res, {"skipped": "torch does not import"})
   assert any(c.startswith("batch 65536: no PyTorch figure") for c in checks)
+  res["a"]["tables"] = {"link": {"host_to_device_bytes": 8.0, "device_to_host_bytes": 0.0}}
   md = "\n".join(gpu_check.perf_markdown(ctx, s, res, {"skipped": "torch does not import"}))
-  assert "| a | ok | device (device) | 12,000,000 |" in md and "not run: torch does not" in md
+  assert "| a | ok | device (device) | 12,000,000 | 0.5000 | 8 B to device / 0 B to host |" in md
+  assert "not run: torch does not" in md
 
 
 def test_tier_checks_count_pinned_copies(tmp_path):
