@@ -1081,14 +1081,16 @@ def stage_tiers(ctx: Ctx, st: Stage) -> str:
   todo = [(setting, env, name) for setting, env in settings for name in names]
   for i, (setting, env, name) in enumerate(todo):
     key = f"{name}/{setting}"
-    # A minimum kept for each later run of the default setting (the second setting's runs
-    # take what the first leaves: with a small budget they are the ones skipped).
+    # Runs in order: each gets at least s["min"] while that is left (else it is skipped),
+    # and no more than leaves s["min"] to each later run of the default setting (the second
+    # setting's runs take what the first leaves: with a small budget they are skipped).
     later = sum(1 for x in todo[i + 1 :] if x[0] == settings[0][0])
-    left = st.left() - 20 - s["min"] * later
+    left = st.left() - 20
     if left < s["min"]:
       res[key] = {"status": "skipped (no time left)", "seconds": 0.0}
+      st.say(f"{key}: skipped (no time left)")
       continue
-    limit = min(s["cap"] + (60 if i == 0 else 0), left)
+    limit = min(s["cap"] + (60 if i == 0 else 0), max(s["min"], left - s["min"] * later))
     e = _traced_run(ctx, st, key.replace("/", "_"), name, s, extra, env, limit)
     e["feed_used"], e["feed_line"] = feed_used(_read(e["log"]))
     res[key] = e
