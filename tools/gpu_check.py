@@ -1686,7 +1686,7 @@ def main(argv=None) -> int:
   s.add_argument("--allow-cpu", action="store_true", help="CPU test mode when there is no GPU")
   s.add_argument("--wheels", help="wheel folder [.gpu-wheels, shared/gpu-wheels, ../shared/...]")
   s.add_argument("--work", help="full logs, workdirs, traces, data [/tmp/recgnn_gpu_check]")
-  s.add_argument("--experiments", nargs="*", help="train / trace: these experiments")
+  s.add_argument("--experiments", nargs="*", help="train / trace / tiers: these experiments")
   d = sub.add_parser("detect")
   d.add_argument("--allow-cpu", action="store_true")
   sub.add_parser("probe")
