@@ -1244,13 +1244,16 @@ def stage_perf(ctx: Ctx, st: Stage) -> str:
     name = perf_name(batch, dtype, k, feed)
     wd = os.path.join(ctx.work, f"perf_{name}")
     shutil.rmtree(wd, ignore_errors=True)
-    left = st.left() - torch_min - 20 * (len(runs) - i - 1)
+    # Runs in order: each needs 30 s (else skipped) and leaves 20 s to each later one where it
+    # can (a short budget skips the last runs, not the first).
+    left = st.left() - torch_min
     if left < 30:
       res[name] = {"status": "skipped", "why": "the stage's time ran out", "batch": batch,
                    "dtype": dtype, "k": k, "feed": feed}  # fmt: skip
       st.say(f"{name}: skipped (the stage's time ran out)")
       continue
-    r = st.run(f"perf_{name}", perf_args(ctx, s, batch, dtype, k, wd, traced, feed), left)
+    limit = max(30, left - 20 * (len(runs) - i - 1))
+    r = st.run(f"perf_{name}", perf_args(ctx, s, batch, dtype, k, wd, traced, feed), limit)
     log = _read(r["log"])
     prof = None
     if traced:
