@@ -120,48 +120,100 @@ def test_large_trace_is_trimmed_to_device_events(tmp_path, monkeypatch):
   assert "trimmed" in how and [e["name"] for e in kept] == ["process_name", "k", "train"]
 
 
-def _perf_result(batch, dtype, k, sps, busy=None):
-  e = {"status": "ok", "batch": batch, "dtype": dtype, "k": k,
-       "samples_per_second": {"steady": sps, "final_loss": 0.5}}  # fmt: skip
+def _perf_result(batch, dtype, k, sps, feed, busy=None):
+  e = {"status": "ok", "batch": batch, "dtype": dtype, "k": k, "feed": feed,
+       "feed_used": feed, "samples_per_second": {"steady": sps, "final_loss": 0.5}}  # fmt: skip
   if busy is not None:
     e["trace"] = {"busy_fraction": busy, "step_ms": 1.0, "gap_ms": 1.0 - busy}
   return e
 
 
-def test_perf_stage_runs_and_checks_name_each_target(tmp_path):
-  """The perf stage (issue 43): its runs (traced ones first, k > 1 at the small batch), its
-  run.py arguments (k: counts rounded to whole calls), and its checks: each GPU target met
-  or not, the PyTorch ratio only where the peer ran (else why not)."""
+def test_perf_stage_runs_both_feeds_and_the_peer(tmp_path):
+  """The perf stage's plan: every config (2048 at k = 1 and 8, 65536 bf16) with the device
+  feed and the host feed, the k = 1 ones traced first; the PyTorch peer compiled at both
+  batches; run.py's arguments (train.feed; k: counts rounded to whole calls)."""
   ctx = _ctx(tmp_path)
   ctx.mode = "gpu"
   s = gpu_check.perf_sizes(ctx)
   runs = gpu_check.perf_runs(s)
-  assert runs[:2] == [(2048, "float32", 1, True, ""), (65536, "bfloat16", 1, True, "")]
-  assert (2048, "float32", 8, False, "") in runs and (65536, "float32", 1, False, "") in runs
-  assert runs[-1] == (65536, "bfloat16", 1, False, "host")  # dense's dedup: the host's
-  host = gpu_check.perf_args(ctx, s, 65536, "bfloat16", 1, "/w", trace=False, dedup="host")
-  assert '--config.embeddings.plan=((".*", "dense(dedup=host)"),)' in host
-  args = gpu_check.perf_args(ctx, s, 2048, "bfloat16", 8, "/w", trace=True)
-  assert "--config.train.steps_per_call=8" in args and "--config.model.dtype=bfloat16" in args
+  assert runs == [
+    (65536, "bfloat16", 1, True, "device"), (65536, "bfloat16", 1, True, "host"),
+    (2048, "float32", 1, True, "device"), (2048, "float32", 1, True, "host"),
+    (2048, "float32", 8, False, "device"), (2048, "float32", 8, False, "host"),
+  ]  # fmt: skip
+  assert gpu_check.perf_torch_runs(s, "gpu") == [(65536, "compiled_bf16"), (2048, "compiled")]
+  assert {b for b, _ in gpu_check.perf_torch_runs(s, "cpu")} == {s["small"], s["large"]}
+  host = gpu_check.perf_args(ctx, s, 65536, "bfloat16", 1, "/w", trace=False, feed="host")
+  assert "--config.train.feed=host" in host and "--config.model.dtype=bfloat16" in host
+  args = gpu_check.perf_args(ctx, s, 2048, "float32", 8, "/w", trace=True, feed="device")
+  assert "--config.train.steps_per_call=8" in args and "--config.train.feed=device" in args
   steps = int(next(a for a in args if a.startswith("--config.train.steps=")).split("=")[1])
   log = int(next(a for a in args if a.startswith("--config.train.log_every=")).split("=")[1])
   assert steps % 8 == 0 and log % 8 == 0 and steps % log == 0
   prof = next(a for a in args if a.startswith("--profile_steps="))
   a, b = (int(x) for x in prof.split("=")[1].split(":"))
   assert a % 8 == 0 and b - a == 40  # 5 calls of 8 steps
+  assert gpu_check.feed_used("x\nInput: device feed: the data on the devices\ny") == (
+    "device", "device feed: the data on the devices")  # fmt: skip
+  assert gpu_check.feed_used("Input: host feed: CPU devices")[0] == "host"
+  assert gpu_check.feed_used("nothing")[0] == "?"
+
+
+def test_perf_checks_print_the_ratios_and_targets(tmp_path):
+  """perf_checks: device / host feed per config (with the traced busy shares), each GPU
+  target met or not, recgnn / PyTorch per batch for each feed (else why not)."""
+  ctx = _ctx(tmp_path)
+  ctx.mode = "gpu"
+  s = gpu_check.perf_sizes(ctx)
   res = {
-    "a": _perf_result(2048, "float32", 1, 2.5e6, busy=0.4),
-    "b": _perf_result(65536, "bfloat16", 1, 9e6, busy=0.75),
-    "c": {**_perf_result(65536, "bfloat16", 1, 6e6), "dedup": "host"},
+    "a": _perf_result(65536, "bfloat16", 1, 12e6, "device", busy=0.75),
+    "b": _perf_result(65536, "bfloat16", 1, 1.2e6, "host", busy=0.1),
+    "c": _perf_result(2048, "float32", 1, 2.5e6, "device", busy=0.4),
+    "d": _perf_result(2048, "float32", 1, 1.25e6, "host", busy=0.15),
+    "e": _perf_result(2048, "float32", 8, 3e6, "device"),
+    "f": {"status": "skipped", "batch": 2048, "dtype": "float32", "k": 8, "feed": "host"},
   }
-  peer = {"runs": {"b2048_eager": {"samples_per_s": 1e6, "final_loss": 0.5},
-                   "b2048_compiled": {"samples_per_s": 2e6, "final_loss": 0.5}}}  # fmt: skip
+  peer = {"runs": {"b2048_compiled": {"samples_per_s": 0.25e6, "final_loss": 0.5},
+                   "b65536_compiled_bf16": {"samples_per_s": 7e6, "final_loss": 0.5}}}  # fmt: skip
   checks = gpu_check.perf_checks(ctx, s, res, peer)
-  assert "batch 2048: 2,500,000 samples/s (target >= 2,000,000): yes" in checks
-  assert "batch 65536: 9,000,000 samples/s (target >= 10,000,000): NO" in checks
-  assert any("GPU busy 75%" in c and c.endswith("yes") for c in checks)
-  assert "batch 65536 bf16: dedup auto 9,000,000 vs host 6,000,000 samples/s (1.50x)" in checks
-  assert "batch 2048: recgnn / best PyTorch = 1.25 (target >= 1.5): NO" in checks
+  assert ("batch 65536 bfloat16 k=1: device feed 12,000,000 / host feed 1,200,000 samples/s "
+          "= 10.00x; GPU busy 75% / 10%") in checks  # fmt: skip
+  assert (
+    "batch 2048 float32 k=1: device feed 2,500,000 / host feed 1,250,000 samples/s = 2.00x"
+    "; GPU busy 40% / 15%" in checks
+  )
+  assert any(c.startswith("batch 2048 float32 k=8: device feed 3,000,000 / host feed -") and
+             "no ratio" in c for c in checks)  # fmt: skip
+  assert "batch 2048: 3,000,000 samples/s (target >= 2,000,000): yes" in checks
+  assert "batch 65536: 12,000,000 samples/s (target >= 10,000,000): yes" in checks
+  assert any("device feed: GPU busy 75%" in c and c.endswith("yes") for c in checks)
+  assert ("batch 65536: recgnn / PyTorch compiled_bf16 (7,000,000 samples/s) = device feed "
+          "1.71, host feed 0.17 (target >= 1.5): yes") in checks  # fmt: skip
+  assert (
+    "batch 2048: recgnn / PyTorch compiled (250,000 samples/s) = device feed 12.00, host "
+    "feed 5.00 (target >= 1.5): yes" in checks
+  )
+  checks = gpu_check.perf_checks(ctx, s, res, {"skipped": "torch does not import"})
   assert any(c.startswith("batch 65536: no PyTorch figure") for c in checks)
+  res["a"]["tables"] = {"link": {"host_to_device_bytes": 8.0, "device_to_host_bytes": 0.0}}
   md = "\n".join(gpu_check.perf_markdown(ctx, s, res, {"skipped": "torch does not import"}))
-  assert "| a | ok | 2,500,000 |" in md and "not run: torch does not import" in md
+  assert "| a | ok | device (device) | 12,000,000 | 0.5000 | 8 B to device / 0 B to host |" in md
+  assert "not run: torch does not" in md
+
+
+def test_tier_checks_count_pinned_copies(tmp_path):
+  """The tiers stage's checks: pinned -> pinned copies per traced step, target 0."""
+  ctx = _ctx(tmp_path)
+  ctx.mode = "gpu"
+  mean = {"other_copy_count": 0.0, "other_copy_bytes": 0.0}
+  res = {
+    "cdlrm_kaggle/default": {"status": "ok", "trace_summary": {"mean": mean}, "feed_used": "host"},
+    "hotline_kaggle/default": {"status": "ok", "feed_used": "host", "trace_summary": {
+      "mean": {"other_copy_count": 52.0, "other_copy_bytes": 18.7e6}}},
+    "dlrm_kaggle/default": {"status": "failed", "trace_summary": {"error": "no trace"}},
+  }  # fmt: skip
+  c = gpu_check.tier_checks(ctx, res)
+  assert c[0] == ("cdlrm_kaggle/default: pinned -> pinned copies per step: 0 (0 B) (target 0): "
+                  "yes; host feed")  # fmt: skip
+  assert c[1].startswith("hotline_kaggle/default: pinned -> pinned copies per step: 52 (17.8 MiB)")
+  assert "NO" in c[1] and "no trace (no trace)" in c[2]

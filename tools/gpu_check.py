@@ -19,11 +19,15 @@ Stages (benchmarks/GPU.md: the commands in order, their times, where results go)
   trace      profiled steps of cdlrm_kaggle (offload) and hotline_kaggle (hot_cold):
              recgnn.trace_summary per step (kernels, H2D / D2H copies, overlap), the trace
   calibrate  tt's contract=auto cost model fitted on this platform (benchmarks/tt.py levels)
-  perf       issue 43: dlrm_kaggle (dense) at batch 2048 (k = 1, and 8 where the tree has
-             train.steps_per_call) and 65536, f32 and bf16, steady samples/s; 5 traced steps
-             of the 2048 f32 and 65536 bf16 runs (GPU-busy fraction, gaps); the PyTorch peer
-             (benchmarks/peers/dlrm.build_pytorch_on: eager, torch.compile, bf16 autocast) on
-             the same batches; the issue's targets checked (`checks`)
+  tiers      issue 42: offload, hot_cold and dense (cdlrm_kaggle, hotline_kaggle,
+             dlrm_kaggle) at Kaggle's table sizes, traced: pinned -> pinned copies per step
+             (target 0), H2D / D2H copies, busy share, CUDA graph updates (`checks`)
+  perf       issues 43, 59: dlrm_kaggle (dense) at batch 2048 f32 (k = 1 and 8 steps per
+             call) and 65536 bf16, each with train.feed=device and train.feed=host, steady
+             samples/s; the k = 1 runs traced 5 steps (GPU-busy fraction, gaps); the PyTorch
+             peer (benchmarks/peers/dlrm.build_pytorch_on: torch.compile, bf16 autocast at
+             65536) on the same batches; device / host feed and recgnn / PyTorch ratios and
+             the issue's targets printed (`checks`)
 
 Every stage writes DIR/STAGE.json, DIR/STAGE.md and DIR/STAGE.log (trimmed), plus: trace
 DIR/trace_EXPERIMENT.trace.json.gz (the Perfetto trace, trimmed to the device's and the
@@ -64,8 +68,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("env", "contract", "trainer", "train", "trace", "calibrate", "tiers", "perf")
 EXPERIMENTS = ("dlrm_kaggle", "cdlrm_kaggle", "ttrec_kaggle", "hotline_kaggle")
 TRACED = ("cdlrm_kaggle", "hotline_kaggle")
-# The tiers stage (issue 42): every table dense, offloaded, hot / cold; at Kaggle's table sizes.
-TIERS = ("dlrm_kaggle", "cdlrm_kaggle", "hotline_kaggle")
+# The tiers stage (issue 42): every table offloaded, hot / cold, dense; at Kaggle's table
+# sizes. The memory tiers first: they are what the stage checks, dense the baseline.
+TIERS = ("cdlrm_kaggle", "hotline_kaggle", "dlrm_kaggle")
 # Its second setting: XLA:GPU's CUDA graphs off (the H100 trace updated them every step).
 NO_COMMAND_BUFFER = "--xla_gpu_enable_command_buffer="
 
@@ -1037,13 +1042,33 @@ def _tier_row(key: str, e: dict) -> str:
   )
 
 
+def tier_checks(ctx: Ctx, res: dict) -> list[str]:
+  """Per tiers run: its pinned -> pinned copies per traced step (the trace's MemcpyOther
+  events: a host table copied whole; the target is 0) and the feed it used."""
+  note = "" if ctx.mode == "gpu" else " (CPU test mode: no device copies to see)"
+  out = []
+  for key, e in res.items():
+    m = e.get("trace_summary", {}).get("mean")
+    if not m:
+      why = e.get("trace_summary", {}).get("error") or e.get("status")
+      out.append(f"{key}: pinned -> pinned copies per step: no trace ({why})")
+      continue
+    n, size = m["other_copy_count"], _fmt_bytes(m["other_copy_bytes"])
+    feed = f"{e.get('feed_used', '?')} feed" + (f", host link per step {_link(e)}" if _link(e)
+                                                 else "")  # fmt: skip
+    out.append(f"{key}: pinned -> pinned copies per step: {n:g} ({size}) (target 0): "
+               f"{'yes' if n == 0 else 'NO'}; {feed}{note}")  # fmt: skip
+  return out
+
+
 def stage_tiers(ctx: Ctx, st: Stage) -> str:
   """Issue 42's check: dense, offload and hot_cold (dlrm_kaggle, cdlrm_kaggle,
   hotline_kaggle) at Kaggle's table sizes (synthetic scale 1.0 on a GPU) and batch 2048,
   steady samples/s and a 5-step trace of each, summarized: the device's busy share of a step,
   pinned -> pinned copies (the whole-table copies of the first H100 run: zero is the
   target), host <-> device copies, CUDA graph updates; then again with XLA's command buffers
-  off (NO_COMMAND_BUFFER). The budget is shared: runs that do not fit are marked skipped."""
+  off (NO_COMMAND_BUFFER). The budget is shared: runs that do not fit are marked skipped
+  (the second setting's runs before the first's)."""
   s = sizes(ctx, traced=True)
   scale = 1.0 if ctx.mode == "gpu" else 0.01
   settings = [("default", {}), ("no_command_buffer", {"XLA_FLAGS": NO_COMMAND_BUFFER})]
@@ -1056,12 +1081,21 @@ def stage_tiers(ctx: Ctx, st: Stage) -> str:
   todo = [(setting, env, name) for setting, env in settings for name in names]
   for i, (setting, env, name) in enumerate(todo):
     key = f"{name}/{setting}"
-    left = st.left() - 20 - s["min"] * (len(todo) - i - 1)
+    # Runs in order: each gets at least s["min"] while that is left (else it is skipped),
+    # and no more than leaves s["min"] to each later run of the default setting (the second
+    # setting's runs take what the first leaves: with a small budget they are skipped).
+    later = sum(1 for x in todo[i + 1 :] if x[0] == settings[0][0])
+    left = st.left() - 20
     if left < s["min"]:
       res[key] = {"status": "skipped (no time left)", "seconds": 0.0}
+      st.say(f"{key}: skipped (no time left)")
       continue
-    limit = min(s["cap"] + (60 if i == 0 else 0), left)
-    res[key] = _traced_run(ctx, st, key.replace("/", "_"), name, s, extra, env, limit)
+    limit = min(s["cap"] + (60 if i == 0 else 0), max(s["min"], left - s["min"] * later))
+    e = _traced_run(ctx, st, key.replace("/", "_"), name, s, extra, env, limit)
+    e["feed_used"], e["feed_line"] = feed_used(_read(e["log"]))
+    res[key] = e
+    st.result["checks"] = tier_checks(ctx, res)
+    st.say(st.result["checks"][-1])
     st.md[:] = [
       f"run.py with --profile_steps={s['profile']}: {s['steps']} steps, batch {s['batch']}, "
       f"synthetic {s['rows']:,} rows at Kaggle's cardinalities x {scale}; settings: default, "
@@ -1074,6 +1108,8 @@ def stage_tiers(ctx: Ctx, st: Stage) -> str:
       "bytes | H2D n / bytes, D2H n / bytes | graph updates (ms) |",
       "|---|---|---:|---:|---:|---:|---:|---:|",
       *[_tier_row(k, e) for k, e in res.items()],
+      "",
+      *[f"- {x}" for x in st.result["checks"]],
     ]
     st.write()
   ran = [e for e in res.values() if not e["status"].startswith("skipped")]
@@ -1084,22 +1120,27 @@ def stage_tiers(ctx: Ctx, st: Stage) -> str:
 # ------------------------------------------------------------------------------ perf
 # Issue 43's GPU targets, checked against what this stage measures.
 PERF_TARGETS = {"small": 2_000_000, "large": 10_000_000, "busy": 0.70, "vs_torch": 1.5}
+# The feeds compared side by side (train.feed: recgnn/train/device_feed.py), each config run
+# with both: the device's (the data placed once, each step gathering its batch there) and
+# the host's (batches read and packed on the host, put per call).
+FEEDS = ("device", "host")
 
 
 def perf_sizes(ctx: Ctx) -> dict:
   """The perf stage's runs: dlrm_kaggle (dense tables) at a small and a large batch."""
   if ctx.mode == "gpu":
     return {"small": 2048, "large": 65536, "rows": 1_000_000, "k": (1, 8),
-            "steps": {2048: 400, 65536: 60}, "log_every": {2048: 40, 65536: 10},
-            "torch_steps": {2048: 60, 65536: 12}, "trace_at": {2048: 200, 65536: 30}}  # fmt: skip
+            "steps": {2048: 400, 65536: 100}, "log_every": {2048: 40, 65536: 10},
+            "torch_steps": {2048: 60, 65536: 12}, "trace_at": {2048: 200, 65536: 50}}  # fmt: skip
   return {"small": 512, "large": 4096, "rows": 20_000, "k": (1, 8),
           "steps": {512: 32, 4096: 16}, "log_every": {512: 8, 4096: 4},
           "torch_steps": {512: 8, 4096: 4}, "trace_at": {512: 16, 4096: 8}}  # fmt: skip
 
 
 def perf_args(
-  ctx: Ctx, s: dict, batch: int, dtype: str, k: int, wd: str, trace: bool, dedup: str = ""
+  ctx: Ctx, s: dict, batch: int, dtype: str, k: int, wd: str, trace: bool, feed: str = ""
 ):
+  """run.py's arguments for one perf run (feed: train.feed; "" leaves the config's)."""
   steps, log_every = s["steps"][batch], s["log_every"][batch]
   if k > 1:  # whole calls of k steps: every count a multiple of k
     log_every = max(k, log_every // k * k)
@@ -1114,8 +1155,8 @@ def perf_args(
   ]  # fmt: skip
   if k > 1:
     args.append(f"--config.train.steps_per_call={k}")
-  if dedup:  # (default: dense's auto, the device's dedup on a GPU)
-    args.append(f'--config.embeddings.plan=((".*", "dense(dedup={dedup})"),)')
+  if feed:
+    args.append(f"--config.train.feed={feed}")
   if trace:
     a = s["trace_at"][batch] // max(k, 1) * max(k, 1)
     args.append(f"--profile_steps={a}:{a + 5 * max(k, 1)}")
@@ -1123,19 +1164,27 @@ def perf_args(
 
 
 def perf_runs(s: dict) -> list[tuple[int, str, int, bool, str]]:
-  """(batch, dtype, k, traced, dedup) of each recgnn run, the traced ones first (they matter
-  most if the stage runs out of time): the small batch's f32 step, the large batch's bf16
-  step; last, the large bf16 step with the host's dedup (dense(dedup=host), the default
-  before dedup=auto chose the device's on a GPU): the two measured side by side."""
+  """(batch, dtype, k, traced, feed) of each recgnn run, each config with the device feed
+  and then the host feed, the traced ones first (they matter most if the stage runs out of
+  time): the large batch's bf16 step, the small batch's f32 step; then the small batch with
+  k steps per call (train.steps_per_call)."""
   small, large = s["small"], s["large"]
-  return [
-    (small, "float32", 1, True, ""),
-    (large, "bfloat16", 1, True, ""),
-    (small, "bfloat16", 1, False, ""),
-    (large, "float32", 1, False, ""),
-    *[(small, "float32", k, False, "") for k in s["k"] if k > 1],
-    (large, "bfloat16", 1, False, "host"),
-  ]
+  configs = [(large, "bfloat16", 1, True), (small, "float32", 1, True)]
+  configs += [(small, "float32", k, False) for k in s["k"] if k > 1]
+  return [(b, d, k, t, feed) for b, d, k, t in configs for feed in FEEDS]
+
+
+def perf_name(batch: int, dtype: str, k: int, feed: str) -> str:
+  return f"b{batch}_{dtype}_k{k}_{feed}"
+
+
+def perf_torch_runs(s: dict, mode: str) -> list[tuple[int, str]]:
+  """(batch, mode) of the PyTorch peer's runs: on a GPU torch.compile's at each recgnn batch,
+  with bf16 autocast at the large one (recgnn's large runs are bf16), the large batch first
+  (the figure the device feed is measured against); on CPU eager only."""
+  if mode == "gpu":
+    return [(s["large"], "compiled_bf16"), (s["small"], "compiled")]
+  return [(s["small"], "eager"), (s["large"], "eager")]
 
 
 def _busy(summary: dict) -> dict:
@@ -1147,10 +1196,38 @@ def _busy(summary: dict) -> dict:
           "kernels": m["kernels"], "h2d_ms": m["h2d_us"] / 1e3}  # fmt: skip
 
 
+def _link(e: dict) -> str:
+  """The step's host-link bytes per step as the trainer's traffic metrics read them off its
+  HLO (`link/...`: the batch's transfer and any host transfer inside the step), or ""."""
+  link = e.get("tables", {}).get("link", {})
+  if "host_to_device_bytes" not in link:
+    return ""
+  return (f"{_fmt_bytes(link['host_to_device_bytes'])} to device / "
+          f"{_fmt_bytes(link.get('device_to_host_bytes', 0))} to host")  # fmt: skip
+
+
+_FEED_RE = re.compile(r"^Input: ((device|host) feed.*)$", re.M)
+
+
+def feed_used(log: str) -> tuple[str, str]:
+  """(device | host | ?, the trainer's line saying which feed and why) from a run's log."""
+  m = _FEED_RE.findall(log)
+  return (m[-1][1], m[-1][0]) if m else ("?", "")
+
+
+def _perf_line(name: str, e: dict) -> str:
+  sps, t = _steady(e), e.get("trace", {})
+  busy = f", GPU busy {100 * t['busy_fraction']:.0f}%" if "busy_fraction" in t else ""
+  link = f", host link per step {_link(e)}" if _link(e) else ""
+  return (f"{name}: {e.get('status')}, {f'{sps:,.0f}' if sps else '-'} samples/s{busy}{link}"
+          f" (feed used: {e.get('feed_used', '?')})")  # fmt: skip
+
+
 def stage_perf(ctx: Ctx, st: Stage) -> str:
-  """dlrm_kaggle's throughput at two batches, f32 and bf16 (and k steps per call where the
-  tree has train.steps_per_call), two of them traced (5 steps, recgnn.trace_summary: the
-  GPU-busy fraction and gaps), and the PyTorch peer on the same batches."""
+  """dlrm_kaggle's throughput at two batches (the small one also with k steps per call),
+  each with the device feed and the host feed; the k = 1 runs traced (5 steps,
+  recgnn.trace_summary: the GPU-busy fraction and gaps); the PyTorch peer on the same
+  batches; the ratios device / host feed and recgnn / PyTorch printed (`checks`)."""
   _tree_on_path()
   from recgnn import trace_summary  # stdlib only
 
@@ -1159,29 +1236,32 @@ def stage_perf(ctx: Ctx, st: Stage) -> str:
                            for k, v in s.items()}  # fmt: skip
   res: dict = {}
   st.result["recgnn"] = res
-  # The PyTorch peer first runs last; it gets what the recgnn runs leave, at least this.
-  torch_min = 120 if ctx.mode == "gpu" else 60
+  # The PyTorch peer runs last; it gets what the recgnn runs leave, at least this (less the
+  # stop's grace, KILL_GRACE + 5 s): a short budget skips the last recgnn run first.
+  torch_min = 60
   runs = perf_runs(s)
-  for i, (batch, dtype, k, traced, dedup) in enumerate(runs):
-    name = f"b{batch}_{dtype}_k{k}" + (f"_dedup_{dedup}" if dedup else "")
+  for i, (batch, dtype, k, traced, feed) in enumerate(runs):
+    name = perf_name(batch, dtype, k, feed)
     wd = os.path.join(ctx.work, f"perf_{name}")
     shutil.rmtree(wd, ignore_errors=True)
-    left = st.left() - torch_min - 20 * (len(runs) - i - 1)
+    # Runs in order: each needs 30 s (else skipped) and leaves 20 s to each later one where it
+    # can (a short budget skips the last runs, not the first).
+    left = st.left() - torch_min
     if left < 30:
-      res[name] = {"status": "skipped", "why": "the stage's time ran out"}
+      res[name] = {"status": "skipped", "why": "the stage's time ran out", "batch": batch,
+                   "dtype": dtype, "k": k, "feed": feed}  # fmt: skip
+      st.say(f"{name}: skipped (the stage's time ran out)")
       continue
-    r = st.run(f"perf_{name}", perf_args(ctx, s, batch, dtype, k, wd, traced, dedup), left)
+    limit = max(30, left - 20 * (len(runs) - i - 1))
+    r = st.run(f"perf_{name}", perf_args(ctx, s, batch, dtype, k, wd, traced, feed), limit)
     log = _read(r["log"])
-    if r["status"] != "ok" and k > 1 and "steps_per_call" in log:
-      res[name] = {**r, "status": "not built",
-                   "why": "this tree has no train.steps_per_call (issue 43 item 2)"}  # fmt: skip
-      continue
     prof = None
     if traced:
       a = s["trace_at"][batch] // k * k
       prof = (a, a + 5 * k)
     e = _experiment_result(ctx, name, r, wd, prof)
-    e.update(batch=batch, dtype=dtype, k=k, dedup=dedup or "auto")
+    e.update(batch=batch, dtype=dtype, k=k, feed=feed)
+    e["feed_used"], e["feed_line"] = feed_used(log)
     if traced and r["status"] == "ok":
       try:
         summ = trace_summary.summarize(trace_summary.load(os.path.join(wd, "profile")))
@@ -1190,26 +1270,36 @@ def stage_perf(ctx: Ctx, st: Stage) -> str:
       except (FileNotFoundError, ValueError, OSError) as err:
         e["trace"] = {"error": f"{type(err).__name__}: {err}"}
     res[name] = e
+    st.say(_perf_line(name, e))
     st.md[:] = perf_markdown(ctx, s, res, st.result.get("torch"))
     st.write()
   # The PyTorch peer on the same batches (a process of its own: torch and jax apart).
   out = os.path.join(ctx.work, "perf_torch.json")
   with contextlib.suppress(FileNotFoundError):
     os.remove(out)
+  peer = perf_torch_runs(s, ctx.mode)
   argv = [sys.executable, os.path.abspath(__file__), "perf-torch", out, "--mode", ctx.mode,
           "--rows", str(s["rows"]), "--cache_dir", os.path.join(ctx.work, "data_cache"),
-          "--batches", f"{s['small']},{s['large']}",
-          "--steps", f"{s['torch_steps'][s['small']]},{s['torch_steps'][s['large']]}"]  # fmt: skip
+          "--runs", ",".join(f"{b}:{m}" for b, m in peer),
+          "--steps", ",".join(f"{b}:{n}" for b, n in s["torch_steps"].items())]  # fmt: skip
   r = st.run("perf_torch", argv, st.left() - 10)
   torch_res = json.loads(_read(out)) if os.path.exists(out) else {"status": r["status"]}
   st.result["torch"] = torch_res
   st.md[:] = perf_markdown(ctx, s, res, torch_res)
   st.result["checks"] = perf_checks(ctx, s, res, torch_res)
   st.md += ["", *[f"- {x}" for x in st.result["checks"]]]
+  for x in st.result["checks"]:
+    st.say(x)
   for e in res.values():
     if e.get("trace_md"):
       st.md += ["", e.pop("trace_md")]
-  ok = all(e.get("status") in ("ok", "not built") for e in res.values())
+  wrong = [n for n, e in res.items() if e.get("status") == "ok" and e.get("feed_used") not in
+           (e.get("feed"), "?")]  # fmt: skip
+  if wrong:
+    st.say(f"runs that did not use the feed asked for: {', '.join(wrong)}")
+  # (a run skipped for time is not a failure: its line says so, its ratio is missing)
+  done = [e for e in res.values() if e.get("status") != "skipped"]
+  ok = done and all(e.get("status") == "ok" for e in done) and not wrong
   return "ok" if ok else "failed"
 
 
@@ -1219,21 +1309,27 @@ def _steady(e: dict) -> float | None:
 
 def perf_markdown(ctx: Ctx, s: dict, res: dict, torch_res: dict | None) -> list[str]:
   lines = [
-    f"dlrm_kaggle (26 dense tables, synthetic {s['rows']:,} rows) through run.py; samples/s: "
-    "median of the logged intervals after the first that compiled nothing and held no "
-    "profiled step. Traced runs: 5 steps, GPU-busy = device busy / step window "
-    "(recgnn.trace_summary).",
+    f"dlrm_kaggle (26 dense tables, synthetic {s['rows']:,} rows) through run.py, each "
+    "config with train.feed=device (the data on the device, each step gathering its batch "
+    "there) and train.feed=host (batches read and packed on the host); samples/s: median of "
+    "the logged intervals after the first that compiled nothing and held no profiled step. "
+    "Traced runs: 5 steps, GPU-busy = device busy / step window (recgnn.trace_summary).",
     "",
-    "| run | status | samples/s | final loss | step ms (traced) | busy | gap ms |",
-    "|---|---|---:|---:|---:|---:|---:|",
+    "Host link per step: the trainer's `link/` metrics (its HLO: the batch's or the cursor's "
+    "transfer).",
+    "",
+    "| run | status | feed (used) | samples/s | final loss | host link per step | step ms (traced) "
+    "| busy | gap ms |",
+    "|---|---|---|---:|---:|---:|---:|---:|---:|",
   ]
   for name, e in res.items():
     sps = _steady(e)
     t = e.get("trace", {})
     loss = e.get("samples_per_second", {}).get("final_loss")
     lines.append(
-      f"| {name} | {e.get('status')} | {f'{sps:,.0f}' if sps else '-'} | "
-      f"{f'{loss:.4f}' if loss is not None else '-'} | "
+      f"| {name} | {e.get('status')} | {e.get('feed', '-')} ({e.get('feed_used', '-')}) | "
+      f"{f'{sps:,.0f}' if sps else '-'} | {f'{loss:.4f}' if loss is not None else '-'} | "
+      f"{_link(e) or '-'} | "
       + (
         f"{t['step_ms']:.3f} | {100 * t['busy_fraction']:.0f}% | {t['gap_ms']:.3f} |"
         if "step_ms" in t
@@ -1255,16 +1351,32 @@ def perf_markdown(ctx: Ctx, s: dict, res: dict, torch_res: dict | None) -> list[
 
 
 def perf_checks(ctx: Ctx, s: dict, res: dict, torch_res: dict) -> list[str]:
-  """Issue 43's GPU targets against this run's figures (on CPU: printed, not targets)."""
+  """The ratios (device feed / host feed per config, recgnn / PyTorch per batch) and issue
+  43's GPU targets against this run's figures (on CPU: printed, not targets)."""
 
-  def best(batch, dtype=None, dedup=None):
+  def best(batch, dtype=None, feed=None):
     v = [_steady(e) for e in res.values() if e.get("batch") == batch
          and (dtype is None or e.get("dtype") == dtype)
-         and (dedup is None or e.get("dedup", "auto") == dedup) and _steady(e)]  # fmt: skip
+         and (feed is None or e.get("feed") == feed) and _steady(e)]  # fmt: skip
     return max(v) if v else None
+
+  def fmt(v):
+    return f"{v:,.0f}" if v else "-"
 
   note = "" if ctx.mode == "gpu" else " (CPU test mode: the targets are a GPU's)"
   out = []
+  # Device feed / host feed, config by config (the same batch, dtype and k).
+  configs = dict.fromkeys((e["batch"], e["dtype"], e["k"]) for e in res.values() if "k" in e)
+  for b, d, k in configs:
+    pair = {e["feed"]: e for e in res.values() if (e.get("batch"), e.get("dtype"), e.get("k"))
+            == (b, d, k) and e.get("feed")}  # fmt: skip
+    dev, host = (_steady(pair.get(f, {})) for f in FEEDS)
+    ratio = f"{dev / host:.2f}x" if dev and host else "no ratio (a run has no figure)"
+    busy = [pair.get(f, {}).get("trace", {}).get("busy_fraction") for f in FEEDS]
+    busy = (f"; GPU busy {100 * busy[0]:.0f}% / {100 * busy[1]:.0f}%"
+            if all(x is not None for x in busy) else "")  # fmt: skip
+    out.append(f"batch {b} {d} k={k}: device feed {fmt(dev)} / host feed {fmt(host)} "
+               f"samples/s = {ratio}{busy}")  # fmt: skip
   small, large = best(s["small"]), best(s["large"], "bfloat16")
   for label, v, target in (("small", small, PERF_TARGETS["small"]),
                            ("large", large, PERF_TARGETS["large"])):  # fmt: skip
@@ -1274,39 +1386,41 @@ def perf_checks(ctx: Ctx, s: dict, res: dict, torch_res: dict) -> list[str]:
     else:
       out.append(f"batch {b}: {v:,.0f} samples/s (target >= {target:,}): "
                  f"{'yes' if v >= target else 'NO'}{note}")  # fmt: skip
-  traced = [e for e in res.values() if e.get("batch") == s["large"] and "busy_fraction"
-            in e.get("trace", {})]  # fmt: skip
+  # The busy target: the large bf16 step with the device feed (else any traced large run).
+  traced = sorted((e for e in res.values() if e.get("batch") == s["large"] and "busy_fraction"
+                   in e.get("trace", {})), key=lambda e: e.get("feed") != "device")  # fmt: skip
   if traced:
     f = traced[0]["trace"]["busy_fraction"]
-    out.append(f"batch {s['large']} bf16: GPU busy {100 * f:.0f}% of the step (target >= "
-               f"{100 * PERF_TARGETS['busy']:.0f}%): {'yes' if f >= PERF_TARGETS['busy'] else 'NO'}"
-               f"{note}")  # fmt: skip
-  # dense's dedup: auto (the device's, on a GPU) against the host's, the same large bf16 run.
-  pair = [best(s["large"], "bfloat16", d) for d in ("auto", "host")]
-  if all(pair):
-    out.append(f"batch {s['large']} bf16: dedup auto {pair[0]:,.0f} vs host {pair[1]:,.0f} "
-               f"samples/s ({pair[0] / pair[1]:.2f}x)")  # fmt: skip
+    out.append(f"batch {s['large']} bf16, {traced[0].get('feed')} feed: GPU busy {100 * f:.0f}% "
+               f"of the step (target >= {100 * PERF_TARGETS['busy']:.0f}%): "
+               f"{'yes' if f >= PERF_TARGETS['busy'] else 'NO'}{note}")  # fmt: skip
+  # recgnn / PyTorch per batch: each feed's best against the peer's best at that batch.
   peer = torch_res.get("runs", {}) if torch_res else {}
   for b in (s["small"], s["large"]):
-    mine = best(b)
-    theirs = [t["samples_per_s"] for n, t in peer.items() if n.startswith(f"b{b}_")
-              and "samples_per_s" in t]  # fmt: skip
-    if mine and theirs:
-      r = mine / max(theirs)
-      out.append(f"batch {b}: recgnn / best PyTorch = {r:.2f} (target >= "
-                 f"{PERF_TARGETS['vs_torch']}): {'yes' if r >= PERF_TARGETS['vs_torch'] else 'NO'}"
-                 f"{note}")  # fmt: skip
-    elif mine:
+    theirs = {n: t["samples_per_s"] for n, t in peer.items() if n.startswith(f"b{b}_")
+              and "samples_per_s" in t}  # fmt: skip
+    mine = {f: best(b, feed=f) for f in FEEDS}
+    if not any(mine.values()):
+      continue
+    if not theirs:
       out.append(f"batch {b}: no PyTorch figure to compare "
                  f"({(torch_res or {}).get('skipped', 'peer not run')})")  # fmt: skip
+      continue
+    who = max(theirs, key=theirs.get)
+    parts = [f"{f} feed {v / theirs[who]:.2f}" for f, v in mine.items() if v]
+    top = max(v for v in mine.values() if v) / theirs[who]
+    out.append(f"batch {b}: recgnn / PyTorch {who.split('_', 1)[1]} ({fmt(theirs[who])} "
+               f"samples/s) = {', '.join(parts)} (target >= {PERF_TARGETS['vs_torch']}): "
+               f"{'yes' if top >= PERF_TARGETS['vs_torch'] else 'NO'}{note}")  # fmt: skip
   return out
 
 
 def perf_torch(args) -> int:
   """(The perf stage's subprocess.) The PyTorch peer on dlrm_kaggle's batches: the same
-  synthetic data (recgnn's reader, seed 0, shuffled as the trainer reads it); eager, then
-  torch.compile of the dense part (GPU), then that under bf16 autocast (GPU); each result
-  written as it finishes."""
+  synthetic data (recgnn's reader, seed 0, shuffled as the trainer reads it); the runs
+  asked for (BATCH:MODE; modes eager, compiled: torch.compile of the dense part,
+  compiled_bf16: that under bf16 autocast; compiled ones on a GPU only), each result written
+  as it finishes."""
   out: dict = {"runs": {}}
 
   def save():
@@ -1334,38 +1448,35 @@ def perf_torch(args) -> int:
   c.data.cache_dir = args.cache_dir
   data, _ = ctr.open_dataset(c.data)
   cfg = peers_dlrm.DlrmConfig(num_rows=tuple(int(x) for x in data.cardinalities))
-  modes = [("eager", False, False)]
-  if device == "cuda":
-    modes += [("compiled", True, False), ("compiled_bf16", True, True)]
-  else:
+  modes = {"eager": (False, False), "compiled": (True, False), "compiled_bf16": (True, True)}
+  runs = [(int(b), m) for b, m in (x.split(":") for x in args.runs.split(","))]
+  steps_of = {int(b): int(n) for b, n in (x.split(":") for x in args.steps.split(","))}
+  if device == "cpu" and any(m != "eager" for _, m in runs):
     out["note"] = "CPU test mode: eager only (torch.compile's CPU build is not what is measured)"
-  # Every batch size eagerly first, then compiled, then bf16: a stage that runs out of time
-  # still has the eager figures at both sizes.
-  sizes = [int(x) for x in args.batches.split(",")]
-  steps_of = dict(zip(sizes, (int(x) for x in args.steps.split(","))))
+    runs = list(dict.fromkeys((b, "eager") for b, _ in runs))
   batches_of = {}
-  for batch in sizes:
+  for batch in dict.fromkeys(b for b, _ in runs):
     it = data.batches("train", batch, start_step=0, shuffle_seed=c.seed, num_epochs=None)
     batches_of[batch] = []
     for _ in range(min(steps_of[batch], 8)):
       b = next(it)
       ids = [b["ids"][n][:, 0] for n in data.table_names]
       batches_of[batch].append(peers_dlrm.Batch.of(b["dense"], ids, b["label"]))
-  for mode, compiled, bf16 in modes:
-    for batch in sizes:
-      name, steps = f"b{batch}_{mode}", steps_of[batch]
-      try:
-        to_inputs, step, sync = peers_dlrm.build_pytorch_on(cfg, device, 0, compiled, bf16)
-        inputs = [to_inputs(b) for b in batches_of[batch]]
-        r = peers_dlrm.time_steps(step, inputs, batch, warmup=3, reps=3,
-                                  steps_per_rep=max(1, steps // 3), sync=sync)  # fmt: skip
-        r["final_loss"] = float(step(inputs[0]).item())
-        out["runs"][name] = r
-        print(f"{name}: {r['samples_per_s']:,.0f} samples/s", flush=True)
-      except Exception as e:  # noqa: BLE001 (one mode failing leaves the others)
-        out["runs"][name] = {"error": f"{type(e).__name__}: {e}"}
-        print(f"{name}: {type(e).__name__}: {e}", flush=True)
-      save()
+  for batch, mode in runs:
+    name, steps = f"b{batch}_{mode}", steps_of[batch]
+    try:
+      compiled, bf16 = modes[mode]
+      to_inputs, step, sync = peers_dlrm.build_pytorch_on(cfg, device, 0, compiled, bf16)
+      inputs = [to_inputs(b) for b in batches_of[batch]]
+      r = peers_dlrm.time_steps(step, inputs, batch, warmup=3, reps=3,
+                                steps_per_rep=max(1, steps // 3), sync=sync)  # fmt: skip
+      r["final_loss"] = float(step(inputs[0]).item())
+      out["runs"][name] = r
+      print(f"{name}: {r['samples_per_s']:,.0f} samples/s", flush=True)
+    except Exception as e:  # noqa: BLE001 (one run failing leaves the others)
+      out["runs"][name] = {"error": f"{type(e).__name__}: {e}"}
+      print(f"{name}: {type(e).__name__}: {e}", flush=True)
+    save()
   return 0
 
 
@@ -1578,7 +1689,7 @@ def main(argv=None) -> int:
   s.add_argument("--allow-cpu", action="store_true", help="CPU test mode when there is no GPU")
   s.add_argument("--wheels", help="wheel folder [.gpu-wheels, shared/gpu-wheels, ../shared/...]")
   s.add_argument("--work", help="full logs, workdirs, traces, data [/tmp/recgnn_gpu_check]")
-  s.add_argument("--experiments", nargs="*", help="train / trace: these experiments")
+  s.add_argument("--experiments", nargs="*", help="train / trace / tiers: these experiments")
   d = sub.add_parser("detect")
   d.add_argument("--allow-cpu", action="store_true")
   sub.add_parser("probe")
@@ -1595,8 +1706,8 @@ def main(argv=None) -> int:
   t.add_argument("--mode", default="gpu")
   t.add_argument("--rows", type=int, required=True)
   t.add_argument("--cache_dir", required=True)
-  t.add_argument("--batches", required=True)
-  t.add_argument("--steps", required=True)
+  t.add_argument("--runs", required=True, help="BATCH:MODE,... (eager, compiled, compiled_bf16)")
+  t.add_argument("--steps", required=True, help="BATCH:STEPS,...")
   r = sub.add_parser("report")
   r.add_argument("folder")
   args = p.parse_args(argv)
