@@ -171,7 +171,9 @@ class Orders:
     for e in range(first, last + 1):
       if self._slots[e % 2] != e:
         order = sharding.put(self.host(e), self._replicated())
-        self.device = _set_slot(self.device, order, e % 2)
+        # (several XLA:CPU devices: launched after the step before it, as steps are)
+        set_slot = sharding.OneInFlight(_set_slot, self.mesh)
+        self.device = set_slot(self.device, order, e % 2)
         self._slots[e % 2] = e
 
   def close(self) -> None:

@@ -141,6 +141,8 @@ class Stream:
     o, arrays = self.order, rows.arrays()
     self._arrays = arrays
     self._repl = sharding.named(mesh, sharding.REPLICATED)
+    # (several XLA:CPU devices: launched after the step before them, as the steps are)
+    self._launch = functools.partial(sharding.OneInFlight, mesh=mesh)
     cap = self.slots * o.window_rows
     self.data = _zeros(mesh, _rows_like(arrays, cap))
     self.orders = _zeros(
@@ -227,7 +229,7 @@ class Stream:
       self._write_order(g, slot, value)
       return
     at = slot * self.order.window_rows + i * self.order.chunk_rows
-    self.data = _write(self.data, value, np.int32(at))
+    self.data = self._launch(_write)(self.data, value, np.int32(at))
     if i == len(self.order.window_chunk_ids(*divmod(g, self.order.windows))) - 1:
       self._resident[slot] = g
 
@@ -237,7 +239,7 @@ class Stream:
     o, (keys, ranks) = self.order, value
     n = o.window_rows_of(*divmod(g, o.windows))
     first = np.int32(slot * o.window_rows)
-    self.orders = _write_order(
+    self.orders = self._launch(_write_order)(
       self.orders, keys, ranks, first, np.int32(slot),
       n=n, nb=n // o.batch_size, b=o.batch_size, c=o.chunk_rows,
     )  # fmt: skip
