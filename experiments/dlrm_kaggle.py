@@ -10,9 +10,14 @@ import ml_collections
 from experiments import _options
 from recgnn.data import criteo
 
+BIG_BATCH = 65536
+BIG_LR = 6e-3  # Adam, dense params
+BIG_WARMUP_STEPS = 8
+BIG_EMB_LR = 0.3  # row-wise Adagrad, embeddings
+
 
 def get_config(arg=None):
-  _options.parse(arg, {}, name="dlrm_kaggle")  # no options: an ARG would be ignored
+  options = _options.parse(arg, {"big": False}, name="dlrm_kaggle")
   c = ml_collections.ConfigDict()
   c.task = "ctr"
   c.seed = 0
@@ -115,7 +120,23 @@ def get_config(arg=None):
   c.mesh = ml_collections.ConfigDict({"data": 0, "model": 1})
 
   c.device_memory_budget = ""  # e.g. "2G": refuse plans that need more device memory
+  if options["big"]:
+    big(c)
   return c
+
+
+def big(c) -> None:
+  """`dlrm_kaggle:big`: the large-batch settings (see the module docstring), in place."""
+  c.train.batch_size = BIG_BATCH
+  c.train.eval_batch_size = BIG_BATCH
+  c.model.dtype = "bfloat16"
+  c.optimizer.learning_rate = BIG_LR
+  c.optimizer.warmup_steps = BIG_WARMUP_STEPS
+  c.embeddings.optimizer.learning_rate = BIG_EMB_LR
+  c.train.feed = "auto"
+  c.train.steps_per_call = 1
+  c.train.log_every = 10
+  c.train.checkpoint_every = 100
 
 
 # Real Kaggle table sizes, for memory plans and compression ratios without the data.
