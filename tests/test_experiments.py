@@ -101,6 +101,28 @@ def test_experiment_starts_from_its_defaults(name, cache_dir, bundled_kg_once, t
   assert all(v == v for v in losses), result.metrics  # finite: no NaN from the defaults
 
 
+def test_dlrm_kaggle_big_starts_at_its_own_batch(cache_dir, tmp_path):
+  """`dlrm_kaggle:big` (the large-batch variant; `--experiment=NAME` above covers names
+  only) trains two steps at its own batch of 65536, bf16, on a synthetic set just large
+  enough for them."""
+  from experiments import dlrm_kaggle
+
+  config = run.load_config("dlrm_kaggle:big")
+  assert config.train.batch_size == dlrm_kaggle.BIG_BATCH == 65536
+  assert config.model.dtype == "bfloat16" and config.train.feed == "auto"
+  assert config.optimizer.warmup_steps == dlrm_kaggle.BIG_WARMUP_STEPS
+  # 2 batches of the train split (6/7 of the rows under the Kaggle split)
+  rows = -(-2 * 65536 * 7 // 6) + 7
+  small = {**SMALL, "data.synthetic.rows": rows, "data.cache_dir": cache_dir}
+  config = run.apply_overrides(
+    config, [f"--config.{k}={v}" for k, v in small.items() if _has(config, k)]
+  )
+  result = loop.train(config, str(tmp_path / "workdir"))
+  assert result.metrics["step"] == 2
+  losses = [v for k, v in result.metrics.items() if k.endswith("loss") and isinstance(v, float)]
+  assert all(v == v for v in losses), result.metrics
+
+
 def test_relative_budget_resolves_to_the_plans_bytes(cache_dir, tmp_path):
   """hotline_kaggle's 'plan+10%' resolves to the plan's own bytes + 10%, logged with the
   flag that holds another plan to them."""
