@@ -379,23 +379,22 @@ def test_sharded_codec_state_resumes_exactly(cache_dir, tmp_path):
 
 def test_builds_with_an_equal_model_share_its_init_program(cache_dir):
   """The dense params' init is the task's hashable `Task.init_fn` jitted as a static argument
-  (step._shared_init): a second build of an equal model adds no program to that function's
+  (train_state._shared_init): a second build of an equal model adds no program to that function's
   cache (before, every build traced, lowered and loaded its own), a build of another model
   adds one, and the params are those of the task's own init_params jitted alone."""
   from recgnn.train import setup
-  from recgnn.train import step as step_lib
   from recgnn.train import train_state as state_lib
 
-  step_lib._shared_init.clear_cache()  # (what earlier tests in this process built)
+  state_lib._shared_init.clear_cache()  # (what earlier tests in this process built)
   config = _config(cache_dir, mesh=(1, 1))
   first = setup.build(config)
-  assert step_lib._shared_init._cache_size() == 1
+  assert state_lib._shared_init._cache_size() == 1
   run = setup.build(config)
-  assert step_lib._shared_init._cache_size() == 1
+  assert state_lib._shared_init._cache_size() == 1
   wider = _config(cache_dir, mesh=(1, 1))
   wider.model.top = (48, 1)
   setup.build(wider)
-  assert step_lib._shared_init._cache_size() == 2
+  assert state_lib._shared_init._cache_size() == 2
   _, k_params, _ = jax.random.split(run.key, 3)
   zeros = {
     n: np.zeros(run.example["ids"][n].shape[:1] + (s.dim,), np.float32)
