@@ -99,19 +99,19 @@ def _same_state(a, b):
 # dense with its dedup in the step under either feed (the device feed's ids never reach the
 # host, so dense dedups in the step there; the host feed's default on CPU is the host's).
 DENSE = ((".*", "dense(dedup=device)"),)
+ROWS = (("C3", "dense(shard=rows, dedup=device)"), (".*", "dense(dedup=device)"))
+TT = (("C(3|4)", "tt(rank=4)"), (".*", "dense(dedup=device)"))
 CASES = [
-  ("dense", DENSE, (1, 1), 1),
-  ("dense", DENSE, (2, 4), 8),
-  ("rows", (("C3", "dense(shard=rows, dedup=device)"), (".*", "dense(dedup=device)")), (8, 1), 1),
-  ("sharded", ((".*", "sharded"),), (8, 1), 8),
-  ("tt", (("C(3|4)", "tt(rank=4)"), (".*", "dense(dedup=device)")), (1, 1), 8),
-  ("tt", (("C(3|4)", "tt(rank=4)"), (".*", "dense(dedup=device)")), (2, 4), 1),
+  pytest.param("dense", DENSE, (1, 1), 1, id="dense-1x1-k1"),
+  pytest.param("dense", DENSE, (2, 4), 8, id="dense-2x4-k8"),
+  pytest.param("rows", ROWS, (8, 1), 1, id="rows-8x1-k1", marks=pytest.mark.long),
+  pytest.param("sharded", ((".*", "sharded"),), (8, 1), 8, id="sharded-8x1-k8"),
+  pytest.param("tt", TT, (1, 1), 8, id="tt-1x1-k8"),
+  pytest.param("tt", TT, (2, 4), 1, id="tt-2x4-k1"),
 ]
 
 
-@pytest.mark.parametrize(
-  "name,plan,mesh,k", CASES, ids=[f"{c[0]}-{c[2][0]}x{c[2][1]}-k{c[3]}" for c in CASES]
-)
+@pytest.mark.parametrize("name,plan,mesh,k", CASES)
 def test_device_feed_trains_as_the_host_feed(cache_dir, tmp_path, name, plan, mesh, k):
   """16 steps (a pass is 10: a call of 8 crosses it), an eval at the end: params, tables and
   metrics bit for bit as the host feed's."""

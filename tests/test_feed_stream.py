@@ -69,18 +69,19 @@ def test_host_feed_reads_the_window_order(cache_dir):
 
 
 TT = (("C(3|4)", "tt(rank=4)"), (".*", "dense(dedup=device)"))
+# (the default run keeps a multi-device k = 8 case and tt; the others are `long`: the
+# resident feed's tests cover those meshes, and the suite's 10 minutes cold are a budget)
+LONG = pytest.mark.long
 CASES = [
-  ("dense", DENSE, (1, 1), 1, 512),
-  ("dense", DENSE, (1, 1), 8, 1024),
-  ("dense", DENSE, (2, 4), 8, 1024),
-  ("dense", DENSE, (8, 1), 1, 512),
-  ("tt", TT, (1, 1), 1, 512),
+  pytest.param("dense", DENSE, (1, 1), 1, 512, marks=LONG, id="dense-1x1-k1"),
+  pytest.param("dense", DENSE, (1, 1), 8, 1024, marks=LONG, id="dense-1x1-k8"),
+  pytest.param("dense", DENSE, (2, 4), 8, 1024, id="dense-2x4-k8"),
+  pytest.param("dense", DENSE, (8, 1), 1, 512, marks=LONG, id="dense-8x1-k1"),
+  pytest.param("tt", TT, (1, 1), 1, 512, id="tt-1x1-k1"),
 ]
 
 
-@pytest.mark.parametrize(
-  "name,plan,mesh,k,chunk", CASES, ids=[f"{c[0]}-{c[2][0]}x{c[2][1]}-k{c[3]}" for c in CASES]
-)
+@pytest.mark.parametrize("name,plan,mesh,k,chunk", CASES)
 def test_streamed_trains_as_the_host_feed(cache_dir, tmp_path, name, plan, mesh, k, chunk):
   """16 steps (a pass is 10 batches; windows of 4, 4, 2 at k = 1; of 8 and 2 at k = 8: a call
   reads the short window and the next pass's first), an eval after step 8 and at the end:
