@@ -138,9 +138,10 @@ def test_device_feed_resumes_exactly(cache_dir, tmp_path):
   assert end.metrics["test/auc"] == full.metrics["test/auc"]
 
 
-def test_feed_choice_and_refusals(cache_dir):
+def test_feed_choice_and_refusals(cache_dir, tmp_path):
   """auto: the host feed on CPU devices; device with a tier: its ids read on the host;
-  several of the data's copies past the budget refused before allocating; bad names."""
+  several of the data's copies past the budget refused before allocating; an input worker
+  (which the device feed has no use for) refused; bad names."""
   c = _config(cache_dir, "auto", DENSE)
   run = setup.build(c)
   assert run.device_feed is None and "CPU devices" in run.feed_how
@@ -148,6 +149,10 @@ def test_feed_choice_and_refusals(cache_dir):
   run = setup.build(c)
   assert run.device_feed is not None and run.device_feed.host_tables == ("C3",)
   assert "read and prepared on the host" in run.feed_how
+  with pytest.raises(ValueError, match="input_workers=1 with the device feed"):
+    c = _config(cache_dir, "device", DENSE)
+    c.train.input_workers = 1
+    loop.train(c, str(tmp_path / "w1"))
   with pytest.raises(ValueError, match="valid: auto, device, host"):
     setup.build(_config(cache_dir, "gpu", DENSE))
   with pytest.raises(setup.planner.PlanDoesNotFit, match="train.feed=device: the data"):

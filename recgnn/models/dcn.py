@@ -25,11 +25,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from recgnn.models.dlrm import MLP, _dlrm_kernel_init, compute_dtype, compute_inputs
+from recgnn.models.dlrm import MLP, compute_dtype, compute_inputs, dlrm_kernel_init
 
 # Xavier normal, as torch.nn.init.xavier_normal_ (what TorchRec's cross nets use): the DLRM
 # reference's dense-layer draw is the same N(0, sqrt(2 / (fan_in + fan_out))).
-xavier_normal = _dlrm_kernel_init
+xavier_normal = dlrm_kernel_init
 
 
 class CrossNet(nn.Module):

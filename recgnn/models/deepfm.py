@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from recgnn.models.dlrm import MLP, _dlrm_kernel_init, compute_dtype, compute_inputs
+from recgnn.models.dlrm import MLP, bottom_mlp, compute_dtype, compute_inputs, dlrm_kernel_init
 
 
 def fm_second_order(fields: jax.Array) -> jax.Array:
@@ -52,13 +52,8 @@ class DeepFM(nn.Module):
   @nn.compact
   def __call__(self, dense: jax.Array, embeddings: Mapping[str, jax.Array]) -> jax.Array:
     dense, embs = compute_inputs(self.dtype, dense, embeddings, self.tables)
-    x = MLP(self.bottom, relu_last=True, name="bottom", dtype=self.dtype)(dense)
-    if embs and embs[0].shape[-1] != x.shape[-1]:
-      raise ValueError(
-        f"DeepFM: bottom MLP ends at {x.shape[-1]} but embeddings have dim "
-        f"{embs[0].shape[-1]}; set the last bottom width to the embedding dim"
-      )
-    first = nn.Dense(1, kernel_init=_dlrm_kernel_init, name="first_order", dtype=self.dtype)
+    x = bottom_mlp("DeepFM", self.bottom, self.dtype, dense, embs)
+    first = nn.Dense(1, kernel_init=dlrm_kernel_init, name="first_order", dtype=self.dtype)
     fields = jnp.stack([x, *embs], axis=1)
     deep = MLP(self.top, relu_last=False, name="top", dtype=self.dtype)
     logit = (

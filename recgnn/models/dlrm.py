@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _dlrm_kernel_init(key, shape, dtype=jnp.float32):
+def dlrm_kernel_init(key, shape, dtype=jnp.float32):
   # The reference (dlrm_s_pytorch.py) draws W ~ N(0, sqrt(2 / (fan_in + fan_out))).
   fan_in, fan_out = shape
   return jax.random.normal(key, shape, dtype) * np.sqrt(2.0 / (fan_in + fan_out))
@@ -40,9 +40,9 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     for i, f in enumerate(self.features):
-      x = nn.Dense(
-        f, kernel_init=_dlrm_kernel_init, bias_init=_dlrm_bias_init(f), dtype=self.dtype
-      )(x)
+      x = nn.Dense(f, kernel_init=dlrm_kernel_init, bias_init=_dlrm_bias_init(f), dtype=self.dtype)(
+        x
+      )
       if i < len(self.features) - 1 or self.relu_last:
         x = nn.relu(x)
     return x
@@ -81,6 +81,19 @@ def compute_inputs(
   return dense.astype(dtype), [e.astype(dtype) for e in embeddings]
 
 
+def bottom_mlp(model: str, bottom, dtype, dense: jax.Array, embeddings: list) -> jax.Array:
+  """Inside a compact `__call__`: the bottom MLP ("bottom") of dense f[B, Dd] -> f[B, D],
+  refusing embeddings of another dim D (the interaction pairs the bottom's output with
+  every table's row)."""
+  x = MLP(bottom, relu_last=True, name="bottom", dtype=dtype)(dense)
+  if embeddings and embeddings[0].shape[-1] != x.shape[-1]:
+    raise ValueError(
+      f"{model}: bottom MLP ends at {x.shape[-1]} but embeddings have dim "
+      f"{embeddings[0].shape[-1]}; set the last bottom width to the embedding dim"
+    )
+  return x
+
+
 def dot_interaction(features: jax.Array) -> jax.Array:
   """Pairwise dot products without self-interaction.
 
@@ -110,12 +123,7 @@ class DLRM(nn.Module):
   @nn.compact
   def __call__(self, dense: jax.Array, embeddings: Mapping[str, jax.Array]) -> jax.Array:
     dense, embeddings = compute_inputs(self.dtype, dense, embeddings, self.tables)
-    x = MLP(self.bottom, relu_last=True, name="bottom", dtype=self.dtype)(dense)
-    if embeddings and embeddings[0].shape[-1] != x.shape[-1]:
-      raise ValueError(
-        f"DLRM: bottom MLP ends at {x.shape[-1]} but embeddings have dim "
-        f"{embeddings[0].shape[-1]}; set the last bottom width to the embedding dim"
-      )
+    x = bottom_mlp("DLRM", self.bottom, self.dtype, dense, embeddings)
     feats = jnp.stack([x, *embeddings], axis=1)
     z = jnp.concatenate([x, dot_interaction(feats)], axis=1)
     return MLP(self.top, relu_last=False, name="top", dtype=self.dtype)(z)[:, 0].astype(jnp.float32)

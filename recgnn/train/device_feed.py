@@ -124,16 +124,14 @@ class Orders:
   ahead, kept on the host (for the host-prepared groups' ids) and on the devices: a
   [2, batches, B] array whose slot e % 2 holds pass e (`ensure`, main thread)."""
 
-  def __init__(self, rows, mesh, on_device: bool = True):
+  def __init__(self, rows, mesh):
     self.rows, self.mesh = rows, mesh
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orders")
     self._lock = threading.Lock()
     self._host: dict[int, concurrent.futures.Future] = {}
     self._slots = [-1, -1]
-    self.device = None
-    if on_device:
-      nb, b = rows.train_batches, rows.batch_size
-      self.device = sharding.put(np.zeros((2, nb, b), np.int32), self._replicated())
+    nb, b = rows.train_batches, rows.batch_size
+    self.device = sharding.put(np.zeros((2, nb, b), np.int32), self._replicated())
 
   def _replicated(self):
     return sharding.named(self.mesh, sharding.REPLICATED)

@@ -173,18 +173,20 @@ def _train_in(
   # The loop owns the state from here (each step donates it, a resume replaces it): the run
   # keeps no reference that would hold the initial tables for the whole run.
   state, run = run.state, dataclasses.replace(run, state=None)
+  config_json = config.to_json_best_effort(indent=2)
   ckpt = ckpt_lib.Checkpointer(
-    workdir, max_to_keep=tcfg.get("keep_checkpoints", 2), config=json.loads(_config_json(config))
+    workdir, max_to_keep=tcfg.get("keep_checkpoints", 2), config=json.loads(config_json)
   )
   try:
+    workers = _input_workers(run)  # (a worker refused: before anything is written)
     state, start = _restore_or_start(run, ckpt, state, resume)
     end = run.total_steps if stop_after is None else min(run.total_steps, start + stop_after)
-    _check_boundaries(run, start, end, stop_after, profile_steps)
-    _write_config(config, workdir)  # (only now: a refused resume keeps the run's config)
+    _check_boundaries(run, start, stop_after, profile_steps)
+    _write_config(config_json, workdir)  # (only now: a refused resume keeps the run's config)
   except BaseException:
     ckpt.close()  # (an open manager's threads end the process with pages of asyncio errors)
     raise
-  feed = _open_input(run, start, end)
+  feed = _open_input(run, start, end, workers)
   main = distributed.is_main()  # only process 0 writes metrics, TensorBoard, results
   writer = ScalarWriter.open(workdir, main)
   if main and run.auto_plan is not None:  # what an auto(...) rule chose, with its figures
@@ -231,15 +233,11 @@ def _check_workdir(workdir: str, resume) -> None:
     )
 
 
-def _config_json(config) -> str:
-  return config.to_json_best_effort(indent=2)
-
-
-def _write_config(config, workdir: str) -> None:
+def _write_config(config_json: str, workdir: str) -> None:
   if distributed.is_main():
     path = os.path.join(workdir, "config.json")
     with open(path, "w") as f:
-      f.write(_config_json(config))
+      f.write(config_json)
     log(f"Config written to {path}")
 
 
@@ -265,7 +263,7 @@ def _restore_or_start(run, ckpt, state, resume) -> tuple[state_lib.TrainState, i
   return state, start
 
 
-def _check_boundaries(run, start: int, end: int, stop_after, profile_steps) -> None:
+def _check_boundaries(run, start: int, stop_after, profile_steps) -> None:
   """k steps per call: every step the loop acts at on a call boundary."""
   tcfg = run.config.train
   check_call_boundaries(
@@ -275,27 +273,39 @@ def _check_boundaries(run, start: int, end: int, stop_after, profile_steps) -> N
     **{f"train.{n}": tcfg.get(n, 0) for n in ("log_every", "checkpoint_every", "eval_every")},
     **dict(zip(("profile start", "profile stop"), profile_steps or ())),
   )
-  del end
 
 
-def _open_input(run, start: int, end: int):
+def _input_workers(run) -> tuple[int, str]:
+  """(input worker processes, a line saying why): train.input_workers for the host feed (a
+  worker refused where the task or plan cannot run in one); none with the device feed."""
+  tcfg = run.config.train
+  setting = int(tcfg.get("input_workers", input_worker.AUTO))
+  if run.device_feed is None:
+    return input_worker.workers_for(setting, run.task, run.plan)
+  if setting == 1:
+    raise ValueError(
+      "train.input_workers=1 with the device feed, whose host side is a cursor per step: "
+      "use train.input_workers=-1 or 0, or train.feed=host for a worker process"
+    )
+  return 0, run.feed_how
+
+
+def _open_input(run, start: int, end: int, workers: tuple[int, str]):
   """The input of steps [start, end), evals at their steps and the final passes when `end`
   is the run's last step: the device feed's, or the host feed's input thread (its host half
-  in a worker process where the task and plan allow one: train.input_workers)."""
+  in a worker process: `workers`, from `_input_workers`)."""
   tcfg, task = run.config.train, run.task
   final = tuple(tcfg.get("final_eval_splits", FINAL_EVAL_SPLITS)) if end == run.total_steps else ()
   split = tcfg.get("eval_split", "valid")
   if run.device_feed is not None:
     return run.device_feed.input(task, start, end, tcfg.eval_every, split, final)
-  workers, how = input_worker.workers_for(
-    int(tcfg.get("input_workers", input_worker.AUTO)), task, run.plan
-  )
+  count, how = workers
   log(f"Input: {how}")
   items = stream(task, start, end, tcfg.eval_every, split, final)
   # samples/s counts global examples: a process-local batch is 1 / processes of one.
   scale = task.process_shard[1] if run.layout.process_local else 1
   return InputThread(
-    items, run.plan, run.feeder, depth=base.PREFETCH, task=task, scale=scale, worker=workers > 0
+    items, run.plan, run.feeder, depth=base.PREFETCH, task=task, scale=scale, worker=count > 0
   )
 
 
