@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import zlib
 
 import jax
@@ -145,6 +146,11 @@ class TableSpec:
   def row_bytes(self) -> int:
     """Bytes of one row plus its optimizer state."""
     return 4 * self.dim + 4 * len(self.optimizer.slot_names())
+
+  def distinct_rows(self, ids_shape: tuple[int, ...]) -> int:
+    """The most distinct rows a batch of ids shaped `ids_shape` ([B, L]) can touch: B x L,
+    at most the table's rows (what a device cache must hold for such a batch)."""
+    return min(math.prod(ids_shape), self.num_rows)
 
   @property
   def table_bytes(self) -> int:

@@ -72,7 +72,7 @@ class Offload(base.TableBackend):
   def check_batch(self, shape: tuple[int, ...]) -> None:
     """Refuse, before anything is allocated, a cache smaller than the distinct rows a train
     batch of ids `shape` ([B, L]) can touch: B x L, at most the table's rows."""
-    bound = min(math.prod(shape), self.spec.num_rows)
+    bound = self.spec.distinct_rows(shape)
     if self.cache_rows >= bound:
       return
     o = self.options

@@ -137,7 +137,7 @@ def _sized_candidates(
     # An offload cache must hold the distinct rows a train batch can touch, B x L at most the
     # table's rows (`Offload.check_batch` refuses a smaller one before allocating).
     shape = shapes.get(spec.name)
-    need = min(int(np.prod(shape)), spec.num_rows) if shape else 0
+    need = spec.distinct_rows(shape) if shape else 0
     for text in candidates(spec, options, mesh):
       name, opts = plan_lib.parse_backend(text)
       if name == "offload" and opts.get("cache_fraction", 1.0) * spec.num_rows < need:
