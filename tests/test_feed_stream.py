@@ -182,8 +182,10 @@ def test_auto_and_device_stream_or_refuse(cache_dir):
 def test_streamed_host_work_per_call_does_not_grow_with_the_batch(cache_dir):
   """The main thread's Python calls per call of the streamed train step (take the cursors,
   write the finished uploads into their slots, start the next): no more at batch 1024 than at
-  64 (windows of 8 batches either way, so as many slot writes a step): about 32 here,
-  the resident feed's 10 plus `_pump`'s checks and the amortized slot writes."""
+  64 (windows of 8 batches either way, so as many slot writes a step): about 40 here,
+  the resident feed's 10 plus `_pump`'s checks and the amortized slot writes. The bound below
+  64 fails a loop over a batch's examples even at the smaller batch; the count itself depends
+  on jax's Python (device_put), so it is not pinned."""
   import sys
   import time
 
@@ -206,4 +208,4 @@ def test_streamed_host_work_per_call_does_not_grow_with_the_batch(cache_dir):
     run.device_feed.close()
     assert [i.kind for i in items] == ["train"] * 24
     counts[batch] = calls.n / 23
-  assert abs(counts[64] - counts[1024]) <= 2 and max(counts.values()) < 40, counts
+  assert abs(counts[64] - counts[1024]) <= 2 and max(counts.values()) < 60, counts

@@ -50,11 +50,12 @@ def _one_line(out, *needles):
 
 def test_an_offload_cache_smaller_than_a_batch_is_refused_before_training(ctr_cache, tmp_path):
   """docs/backends/offload.md's SSD example without its min_cache_rows: a 1% cache of the
-  smoke run's tables cannot hold a batch of 256 distinct ids; refused at plan time."""
+  smoke run's tables cannot hold a batch's distinct ids (at most min(256 x 1, the table's
+  rows)); refused at plan time for the plan's first such table, naming the rows it needs."""
   plan = ("(('C(3|4|10)', \"offload(cache_fraction=0.01, host_cache=0.05, "
           f"storage='ssd:{tmp_path / 'rows'}')\"), ('.*', 'dense'))")  # fmt: skip
   out = _run(["--experiment=smoke", f"--config.embeddings.plan={plan}"], ctr_cache, tmp_path)
-  _one_line(out, "can touch 256 distinct rows", "min_cache_rows=256")
+  _one_line(out, "table 'C3'", "can touch 256 distinct rows", "min_cache_rows=256")
   assert "step " not in out.stdout  # (before the first step)
 
 

@@ -241,7 +241,7 @@ class OffloadGroup(base.TableGroup):
     """Rings of states built from now on at the rows train batches shaped `ids_shapes` need
     (as `HostSide.stage` sizes the host's), not zero rows, which the first train step resized:
     a second compile of the whole step (with k per call, a first step outside the scan)."""
-    for n in set(ids_shapes) & set(self.members):
+    for n in (n for n in self.members if n in ids_shapes):  # (the plan's order: one message)
       self.members[n].check_batch(ids_shapes[n])
     self._ring_rows = [
       self._tier.ring_rows(s, sum(caps.values()))
