@@ -132,6 +132,10 @@ def get_config(arg=None):
   # rows), the order the device feed streams data larger than the devices' budget in (it
   # switches to it then); the host feed reads it too. docs/device_feed.md.
   c.train.order = "pass"
+  # "pass" in order_shards contiguous shards of the rows, each permuted on its own, every
+  # batch an equal part from each: over P processes (a multiple of P) each process's slice
+  # of a batch comes from its own shards, so under the device feed it holds only their rows.
+  c.train.order_shards = 1
   c.train.feed_chunk_rows = 0
   c.train.feed_window_chunks = 4
 

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from recgnn import sharding
 from recgnn.data import ctr_rows
 from recgnn.tasks.ctr import CTR
 from recgnn.train import loop, setup
@@ -45,16 +46,23 @@ def _batch_equal(a, b, what):
     np.testing.assert_array_equal(np.asarray(a["ids"][t]), b["ids"][t], err_msg=f"{what}: {t}")
 
 
-@pytest.mark.parametrize("bags", ["one_hot", "multi_hot"])
+@pytest.mark.parametrize("bags", ["one_hot", "multi_hot", "shards"])
 def test_gathered_batches_are_the_host_feeds(cache_dir, tmp_path, bags):
   """CTRRows.gather of a pass's order / an eval cursor equals the task's own train / eval
-  batches (shuffled, two passes; the last eval batch padded), one-hot and with bags."""
+  batches (shuffled, two passes; the last eval batch padded), one-hot, with bags, and in
+  train.order_shards=4's order."""
   c = _config(cache_dir, "device", ((".*", "dense"),), rows=3_000)
   if bags == "multi_hot":
     _multi_hot_schema(c, tmp_path)
+  if bags == "shards":
+    c.train.order_shards = 4
   task = make_task(CTR, c)
   rows = task.device_rows()
   assert isinstance(rows, ctr_rows.CTRRows) and rows.train_batches == task.steps_per_epoch()
+  if bags == "shards":  # (each quarter of a batch from its quarter of the train rows)
+    start, stop = rows.split_range("train")
+    part = rows.train_order(1).reshape(rows.train_batches, 4, -1)
+    assert all(((part[:, s] - start) // ((stop - start) // 4) == s).all() for s in range(4))
   data = jax.tree.map(np.asarray, rows.arrays())
   gather = jax.jit(rows.gather)
   host = task.train_batches(0)
@@ -201,3 +209,40 @@ class _Calls:
   def __call__(self, frame, event, arg):
     del frame, arg
     self.n += event in ("call", "c_call")
+
+
+def test_each_process_holds_the_rows_its_devices_read(cache_dir):
+  """`feed_rows.PerProcess` for 2 processes of 8 devices, both built here: every train
+  position of process p maps into p's copy onto the row the order names; every eval row of
+  each split is read exactly once, by one process, the padding marked invalid."""
+  from recgnn.train import feed_rows
+
+  skip_unless_devices(8, "8 devices")
+  c = _config(cache_dir, "device", DENSE, mesh=(8, 1))
+  c.train.order_shards, c.train.eval_batch_size = 4, 96
+  rows = make_task(CTR, c).device_rows()
+  mesh = sharding.make_mesh(8, 1)
+  full = {k: np.asarray(v) for k, v in rows.arrays().items()}
+  procs = [feed_rows.PerProcess(rows, mesh, p, 2) for p in range(2)]
+  local = [p.process_arrays(i) for i, p in enumerate(procs)]
+  half = rows.batch_size // 2
+  for step in (0, 7, rows.train_batches + 1):
+    e, b = divmod(step, rows.train_batches)
+    order = rows.train_order(e)[b]
+    for p in range(2):
+      mine = np.asarray(procs[p].train_rows(order))[p * half : (p + 1) * half]
+      want = order[p * half : (p + 1) * half]
+      for k in full:
+        np.testing.assert_array_equal(local[p][k][mine], full[k][want], err_msg=f"{step} {k}")
+  e_half = rows.eval_batch_size // 2
+  for split in ("valid", "test"):
+    seen = []
+    for cursor, _ in procs[0].eval_cursors(split):
+      for p in range(2):
+        r, v = (np.asarray(x) for x in procs[p].eval_rows(np.asarray(cursor, np.int32)))
+        r, v = r[p * e_half : (p + 1) * e_half], v[p * e_half : (p + 1) * e_half]
+        seen.append(local[p]["dense"][r[v]])
+    lo, hi = rows.split_range(split)
+    got = np.concatenate(seen)
+    assert len(got) == hi - lo
+    assert sorted(map(tuple, got)) == sorted(map(tuple, full["dense"][lo:hi]))

@@ -59,37 +59,56 @@ def _config(cache_dir, steps):
   from tests.trainer_lib import smoke_config
 
   # No eval: the reference is compared by its state, and an eval step is one more compile.
-  return smoke_config(
+  c = smoke_config(
     cache_dir, steps=steps, mesh=(2, 4), plan=PLAN, tables=TABLES, final_eval_splits=()
   )
+  c.train.order_shards = 2  # (each process's slice of a batch from its own rows)
+  return c
+
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, ctr_cache):
+  """The two-process runs' reference: the same run in this process, on its 8 devices."""
+  return loop.train(_config(ctr_cache, STEPS), str(tmp_path_factory.mktemp("one")))
+
+
+# host: each process reads and prepares only its half of every batch (sharded, and dense with
+# row-wise Adagrad: its dedup on device); device: each holds only its own shard's rows on its
+# devices, which gather its half of every batch there.
+FEEDS = {
+  "host": (["--config.train.process_input=local", "--config.train.feed=host"],
+           "only its 1/2 of every batch (this one: slice 0"),
+  "device": (["--config.train.feed=device"], "device feed: the data on the devices"),
+}  # fmt: skip
 
 
 @many_processes
-def test_two_processes_match_one_process_with_8_devices(tmp_path, ctr_cache):
+@pytest.mark.parametrize("feed", sorted(FEEDS))
+def test_two_processes_match_one_process_with_8_devices(tmp_path, ctr_cache, one_process, feed):
   # The worker's CTR data cache (conftest): the smoke data the trainer tests converted,
   # not generated again by both processes and this one.
   cache = ctr_cache
-  steps = 12
   # One final eval (test): it shows metrics gathered over both processes; valid would be
   # the same code path once more.
-  extra = [f"--config.train.steps={steps}", "--config.train.checkpoint_every=0",
+  extra = [f"--config.train.steps={STEPS}", "--config.train.checkpoint_every=0",
            "--config.mesh.data=2", "--config.mesh.model=4", f"--config.embeddings.plan={PLAN}",
-           "--config.train.process_input=local",
+           "--config.train.order_shards=2", *FEEDS[feed][0],
            "--config.train.final_eval_splits=('test',)"]  # fmt: skip
   procs = _launch(str(tmp_path / "mp"), cache, _free_port(), extra)
   outs = [p.communicate(timeout=600)[0] for p in procs]
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
   assert "test/auc" in outs[0] and "process 0 of 2" in outs[0]
-  # Each process read and prepared only its half of every batch (sharded, and dense with
-  # row-wise Adagrad: its dedup ran on device), on a 2x4 mesh spanning both processes, and
-  # still equals one process reading everything. (Only process 0 logs.)
-  assert "only its 1/2 of every batch (this one: slice 0" in outs[0], outs[0][-3000:]
+  # On a 2x4 mesh spanning both processes, still equal to one process reading everything.
+  # (Only process 0 logs.)
+  assert FEEDS[feed][1] in outs[0], outs[0][-3000:]
   assert not os.path.exists(tmp_path / "mp" / "results.json.1")
-  # The same run in this process, on its 8 devices.
-  ref = loop.train(_config(cache, steps), str(tmp_path / "one"))
+  ref = one_process
   restored = checkpoint.Checkpointer(str(tmp_path / "mp")).restore(ref.state, ref.plan)
-  assert int(restored.step) == steps
+  assert int(restored.step) == STEPS
   a = jax.tree.leaves(jax.device_get(ref.state.params))
   b = jax.tree.leaves(jax.device_get(restored.params))
   for x, y in zip(a, b):

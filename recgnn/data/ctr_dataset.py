@@ -151,6 +151,29 @@ class CTRDataset:
       self._perm_cache[key] = rng.permutation(n).astype(dtype)
     return self._perm_cache[key]
 
+  def shard_permutations(self, split: str, seed: int | None, epoch: int, shards: int):
+    """Pass `epoch`'s order of `split`'s positions in `shards` contiguous shards of
+    m = n // shards positions: int[shards, m], row s shard s's positions (s * m + a
+    permutation of [0, m) drawn from (seed, epoch, s); seed None: in order). One shard is
+    `permutation`'s order (the last n - shards * m positions are never read)."""
+    n = self.split_size(split)
+    if shards == 1:
+      if seed is None:
+        return np.arange(n)[None]
+      return self.permutation(split, seed, epoch)[None]
+    m = n // shards
+    if seed is None:
+      return np.arange(shards * m).reshape(shards, m)
+    key = (split, seed, epoch, shards)
+    if key not in self._perm_cache:
+      dtype = np.int32 if n < 2**31 else np.int64
+      perms = [
+        np.random.default_rng([seed, epoch, s]).permutation(m) + s * m for s in range(shards)
+      ]
+      self._perm_cache.clear()  # one epoch at a time (4 bytes per row)
+      self._perm_cache[key] = np.stack(perms).astype(dtype)
+    return self._perm_cache[key]
+
   def batch_rows(
     self,
     split: str,
@@ -159,12 +182,17 @@ class CTRDataset:
     *,
     shuffle_seed: int | None = None,
     drop_remainder: bool = True,
+    shards: int = 1,
   ) -> np.ndarray:
     """Row indices (into the whole dataset) of batch `step`, int64[<= batch_size].
 
     Pass e = step // num_batches covers the split once; with `shuffle_seed` in the order of
     a permutation drawn from (shuffle_seed, e), else in file order. Depends on nothing but the
     arguments, so a run resumed at `step` sees the batches an uninterrupted one would.
+    shards > 1 (train.order_shards): the split in that many contiguous shards, each permuted
+    on its own (`shard_permutations`); batch k is shard 0's k-th batch_size / shards
+    positions, then shard 1's, ...: with P processes (shards a multiple of P) each process's
+    slice of every batch comes from its own shards' rows, which are all it needs to hold.
     """
     start, _ = self._range(split)
     per_pass = self.num_batches(split, batch_size, drop_remainder)
@@ -174,6 +202,12 @@ class CTRDataset:
         " with drop_remainder=True; use a smaller batch or drop_remainder=False"
       )
     epoch, k = divmod(step, per_pass)
+    if shards > 1:
+      per = batch_size // shards
+      perms = self.shard_permutations(split, shuffle_seed, epoch, shards)[
+        :, k * per : (k + 1) * per
+      ]
+      return start + np.sort(perms, axis=1).reshape(-1).astype(np.int64)
     lo, hi = k * batch_size, min((k + 1) * batch_size, self.split_size(split))
     if shuffle_seed is None:
       return np.arange(start + lo, start + hi, dtype=np.int64)
@@ -232,13 +266,15 @@ class CTRDataset:
     shuffle_seed: int | None = None,
     drop_remainder: bool = True,
     shard: tuple[int, int] = (0, 1),
+    shards: int = 1,
   ) -> Batch:
-    """Batch `step` of `split` (see `batch_rows` and `gather`); always `batch_size` rows.
-    With `shard=(index, count)`: only process `index`'s contiguous 1 / count of them
-    (batch_size / count rows; the other processes' rows are never read)."""
+    """Batch `step` of `split` (see `batch_rows`, its `shards`, and `gather`); always
+    `batch_size` rows. With `shard=(index, count)`: only process `index`'s contiguous
+    1 / count of them (batch_size / count rows; the other processes' rows are never read)."""
     rows = self.batch_rows(
-      split, step, batch_size, shuffle_seed=shuffle_seed, drop_remainder=drop_remainder
-    )
+      split, step, batch_size, shuffle_seed=shuffle_seed, drop_remainder=drop_remainder,
+      shards=shards,
+    )  # fmt: skip
     return self.read(split, *process_rows(rows, batch_size, shard))
 
   def read(self, split: str, rows: np.ndarray, batch_size: int | None = None) -> Batch:
@@ -257,8 +293,10 @@ class CTRDataset:
     drop_remainder: bool = True,
     num_epochs: int | None = 1,
     shard: tuple[int, int] = (0, 1),
+    shards: int = 1,
   ) -> Iterator[Batch]:
-    """Batches `start_step`, `start_step + 1`, ... of `split` (`shard`: see `batch`).
+    """Batches `start_step`, `start_step + 1`, ... of `split` (`shard`, `shards`: see
+    `batch`).
 
     Training: `shuffle_seed=seed, num_epochs=None` (endless, a fresh permutation per pass).
     Eval: `drop_remainder=False` (the last batch padded to `batch_size`, weight 0).
@@ -272,7 +310,7 @@ class CTRDataset:
     while total is None or step < total:
       yield self.batch(
         split, step, batch_size, shuffle_seed=shuffle_seed, drop_remainder=drop_remainder,
-        shard=shard,
+        shard=shard, shards=shards,
       )  # fmt: skip
       step += 1
 

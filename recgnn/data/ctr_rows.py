@@ -20,7 +20,8 @@ from recgnn.data.ctr_schema import MISSING_ID, PAD
 class CTRRows:
   """`dataset`'s arrays and a run's orders for the device feed: train batches of
   `batch_size` rows (shuffled per pass with `seed`, None: in file order), eval batches of
-  `eval_batch_size` (the last one padded).
+  `eval_batch_size` (the last one padded); `shards`: train.order_shards
+  (`CTRDataset.batch_rows`).
 
   arrays: {"label": int8[N], "dense": float32[N, F], "sparse": int32[N, S]}; table t's ids
   are columns [offset_t, offset_t + L_t) of `sparse` (L_t its bag length).
@@ -30,8 +31,10 @@ class CTRRows:
 
   window = None
 
-  def __init__(self, dataset: CTRDataset, batch_size: int, eval_batch_size: int, seed):
-    self.dataset = dataset
+  def __init__(
+    self, dataset: CTRDataset, batch_size: int, eval_batch_size: int, seed, shards: int = 1
+  ):
+    self.dataset, self.shards = dataset, shards
     self.batch_size, self.eval_batch_size, self.seed = batch_size, eval_batch_size, seed
     self.tables = tuple(dataset.table_names)
     self.bags = tuple(dataset.bag_lengths)
@@ -63,13 +66,13 @@ class CTRRows:
 
   def train_order(self, epoch: int) -> np.ndarray:
     """Pass `epoch`'s train rows, batch after batch: int32[train_batches, batch_size], row k
-    `CTRDataset.batch_rows` of batch k (its rows sorted, as the host feed reads them)."""
-    b, nb = self.batch_size, self.train_batches
+    `CTRDataset.batch_rows` of batch k (its rows sorted within each of the `shards`' parts,
+    as the host feed reads them)."""
+    b, nb, s = self.batch_size, self.train_batches, self.shards
     start, _ = self.split_range("train")
-    if self.seed is None:
-      return np.arange(start, start + nb * b, dtype=np.int32).reshape(nb, b)
-    perm = self.dataset.permutation("train", self.seed, epoch)[: nb * b]
-    return (np.sort(perm.reshape(nb, b), axis=1) + start).astype(np.int32)
+    perms = self.dataset.shard_permutations("train", self.seed, epoch, s)[:, : nb * (b // s)]
+    parts = np.sort(perms.reshape(s, nb, b // s), axis=2)  # [shard, batch, its part]
+    return (parts.transpose(1, 0, 2).reshape(nb, b) + start).astype(np.int32)
 
   def eval_cursors(self, split: str) -> list[tuple[int, int]]:
     """(first row, the split's stop) of each eval batch of `split`: batch i holds rows

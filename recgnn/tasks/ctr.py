@@ -19,6 +19,10 @@ eval_batch_size / shuffle, seed. Optional (defaults keep the DLRM Kaggle behavio
   train.order       "pass" (default: a permutation of the rows each pass) or "window": a
                     shuffle within windows of chunks (recgnn.data.window_order; the order the
                     device feed streams in; train.feed_chunk_rows, train.feed_window_chunks).
+  train.order_shards  1 (default) or S dividing the batch: "pass" in S contiguous shards of
+                    the rows, each permuted on its own, every batch 1/S from each
+                    (`CTRDataset.batch_rows`): with P processes (S a multiple of P) each
+                    holds only its shards' rows under the device feed.
 Batches carry ids[t] int32[B, L_t] per table (L_t = 1 one-hot; PAD after a shorter bag).
 """
 
@@ -329,6 +333,9 @@ class CTR(Task):
     order = self.window_order()
     if order is not None:
       return self._window_batches(order, start_step)
+    shards = self.order_shards()
+    if shards > 1:
+      extra["shards"] = shards
     return self.data.batches(
       "train",
       t.batch_size,
@@ -338,6 +345,26 @@ class CTR(Task):
       shard=self.process_shard,
       **extra,
     )
+
+  def order_shards(self) -> int:
+    """train.order_shards (default 1): the pass order's shards (`CTRDataset.batch_rows`)."""
+    from recgnn.data import ctr_dataset
+
+    t = self.config.train
+    shards = t.get("order_shards", 1)
+    if not isinstance(shards, int) or shards < 1 or t.batch_size % shards:
+      raise ValueError(
+        f"train.order_shards={shards!r}: use an integer >= 1 dividing train.batch_size "
+        f"({t.batch_size})"
+      )
+    if shards > 1 and (
+      t.get("order", "pass") != "pass" or not isinstance(self.data, ctr_dataset.CTRDataset)
+    ):
+      raise ValueError(
+        f"train.order_shards={shards} shards train.order=pass over data.source=memmap "
+        "without data.multi_hot; use train.order_shards=1"
+      )
+    return shards
 
   def window_order(self):
     """The train order under train.order=window (`window_order.WindowOrder`), else None."""
@@ -390,7 +417,7 @@ class CTR(Task):
       )
     t = self.config.train
     seed = self.config.seed if t.shuffle else None
-    rows = ctr_rows.CTRRows(self.data, t.batch_size, t.eval_batch_size, seed)
+    rows = ctr_rows.CTRRows(self.data, t.batch_size, t.eval_batch_size, seed, self.order_shards())
     rows.window = self.window_order()
     return rows
 

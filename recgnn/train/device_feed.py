@@ -36,7 +36,7 @@ import numpy as np
 
 from recgnn import planner, sharding
 from recgnn.embeddings import base
-from recgnn.train import feed_stream
+from recgnn.train import feed_rows, feed_stream, inputs
 from recgnn.train import feeder as feeder_lib
 from recgnn.train import step as step_lib
 from recgnn.train.input_thread import InputThread
@@ -67,10 +67,10 @@ def choose(task: Task, rules, specs, mesh, setting: str) -> tuple[bool, object, 
     return False, None, "host feed: CPU devices (train.feed=device puts the data on them)"
   rows = task.device_rows()
   why = [rows] if isinstance(rows, str) else []
-  if jax.process_count() > 1:
-    why.append(f"{jax.process_count()} processes (the device feed runs in one process)")
   texts = sorted(planner.assign_rules(rules, specs))
   on_host = [t for t in texts if not planner.capabilities_of(t).prepares_on_device]
+  if jax.process_count() > 1 and not why:
+    why += _processes_why(rows, mesh, on_host)
   if setting == "auto" and on_host:
     why.append(
       f"backends {on_host} prepare their ids on the host (train.feed=device reads "
@@ -86,17 +86,48 @@ def choose(task: Task, rules, specs, mesh, setting: str) -> tuple[bool, object, 
   return True, rows, how
 
 
+def _processes_why(rows, mesh, on_host) -> list[str]:
+  """Why P > 1 processes cannot each hold only their own rows (`feed_rows.PerProcess`)."""
+  count, why = jax.process_count(), []
+  if rows.shards % count:
+    why.append(
+      f"{count} processes read train.order_shards={rows.shards}'s batches from every row "
+      f"(train.order_shards={count} lets each hold only its own shards' rows)"
+    )
+  if rows.window is not None:
+    why.append(f"{count} processes: train.order=window streams in one process")
+  if on_host:
+    why.append(f"{count} processes: backends {on_host} prepare their ids on the host")
+  if _process_block(mesh) is None:
+    why.append("this process's devices are not one contiguous block of the batch")
+  return why
+
+
+def _process_block(mesh) -> int | None:
+  owners = [d.process_index for d in mesh.devices.flat]
+  return inputs.device_block(owners, jax.process_index(), jax.process_count())
+
+
+def placement_for(rows, mesh):
+  """Where the rows live (`feed_rows`): all on every device, or with several processes each
+  process's own on its devices."""
+  if jax.process_count() == 1:
+    return feed_rows.Replicated(rows, mesh)
+  return feed_rows.PerProcess(rows, mesh, _process_block(mesh), jax.process_count())
+
+
 def check_fits(rows, plan_bytes: int, budget: int | None, mesh) -> str | None:
   """None when a copy of `rows` fits beside the plan on every device, else why not (the
   figures). budget: bytes per device (None: the device's own memory where jax reports it;
   XLA:CPU's simulated devices share the host's RAM, so there a quarter of it over them)."""
-  need = rows.nbytes
+  one = jax.process_count() == 1
+  need = feed_rows.Replicated.nbytes(rows) if one else feed_rows.PerProcess.nbytes(rows)
   if budget is None:
     budget = _device_memory(mesh)
   if budget is None or plan_bytes + need <= budget:
     return None
   return (
-    f"the data ({need / 2**20:,.1f} MiB per device, replicated) and the plan "
+    f"the data ({need / 2**20:,.1f} MiB per device) and the plan "
     f"({plan_bytes / 2**20:,.1f} MiB) exceed {budget / 2**20:,.1f} MiB per device"
   )
 
@@ -156,9 +187,6 @@ class Orders:
     e, b = divmod(step, self.rows.train_batches)
     return self.host(e)[b]
 
-  def eval_cursor(self, lo: int, hi: int) -> tuple[int, int]:
-    return lo, hi
-
   def ensure_steps(self, first: int, last: int) -> None:
     """The passes of steps first..last (one call) resident."""
     nb = self.rows.train_batches
@@ -183,41 +211,40 @@ def _set_slot(orders, order, slot):
   return orders.at[slot].set(order)
 
 
-def gather(mesh, rows_source, data, rows, valid):
-  """The batch of `rows` (int32[B], replicated), each device gathering its own examples'
-  rows from its copy of `data`: batch-split leaves, no communication."""
-  spec = jax.tree.map(lambda _: sharding.REPLICATED, data)
+def gather(mesh, rows_source, placement, data, rows, valid):
+  """The batch of `rows` (int32[B] into each device's copy, `feed_rows`), each device
+  gathering its own examples' rows from its copy of `data`: batch-split leaves, no
+  communication."""
 
   @functools.partial(
     jax.shard_map,
     mesh=mesh,
-    in_specs=(spec, sharding.BATCH_SPEC, sharding.BATCH_SPEC),
+    in_specs=(placement.spec(data), sharding.BATCH_SPEC, sharding.BATCH_SPEC),
     out_specs=sharding.BATCH_SPEC,
     check_vma=False,
   )
   def local(data, rows, valid):
-    return rows_source.gather(data, rows, valid)
+    return rows_source.gather(placement.local(data), rows, valid)
 
   return local(data, rows, valid)
 
 
-def fed_step(step_fn, plan: planner.Plan, rows_source, train: bool):
+def fed_step(step_fn, plan: planner.Plan, rows_source, placement, train: bool):
   """step_fn(state, prepared, batch) -> f(state, prepared, batch, inputs) over the device
   feed's packed (host groups' prepared, {"cursor": int32[2]}) and inputs {"data", "orders"}:
-  the batch gathered on the devices, the other groups' ids prepared there."""
+  the batch gathered on the devices (where `placement` keeps its rows), the other groups'
+  ids prepared there."""
   on_device = [k for k in plan.groups if k not in host_groups(plan)]
 
   def fn(state, prepared, batch, inputs):
     cursor = batch["cursor"]
     data = inputs["data"]
     if train:
-      rows = inputs["orders"][cursor[0], cursor[1]]
+      rows = placement.train_rows(inputs["orders"][cursor[0], cursor[1]])
       valid = jnp.ones(rows.shape, bool)
     else:
-      first = cursor[0] + jnp.arange(rows_source.eval_batch_size, dtype=jnp.int32)
-      valid = first < cursor[1]
-      rows = jnp.minimum(first, cursor[1] - 1)
-    full = gather(plan.mesh, rows_source, data, rows, valid)
+      rows, valid = placement.eval_rows(cursor)
+    full = gather(plan.mesh, rows_source, placement, data, rows, valid)
     ids = full.pop("ids")
     prepared = dict(prepared)
     for key in on_device:
@@ -228,27 +255,28 @@ def fed_step(step_fn, plan: planner.Plan, rows_source, train: bool):
   return fn
 
 
-def stream(rows, orders: Orders, host_tables, start, total, k, eval_every, eval_split, final):
-  """The items `input_thread.stream` yields, for the device feed: (kind, split, batch) with
-  batch {"cursor": int32[2], "ids": the host-prepared groups' ids (`host_tables`)}."""
+def stream(feed, start, total, k, eval_every, eval_split, final):
+  """The items `input_thread.stream` yields, for `feed` (a DeviceFeed): (kind, split, batch)
+  with batch {"cursor": int32[2], "ids": the host-prepared groups' ids (`host_tables`)}."""
+  rows, orders, host_tables = feed.rows, feed.orders, feed.host_tables
   for s in range(start, total, k):
     for step in range(s, s + k):
       ids = rows.host_ids(orders.batch_rows(step), host_tables) if host_tables else {}
       yield "train", None, {"cursor": np.array(orders.cursor(step), np.int32), "ids": ids}
     if eval_every and (s + k) % eval_every == 0 and s + k < total:
-      yield from _eval_pass(rows, orders, eval_split, host_tables)
+      yield from _eval_pass(feed, eval_split)
   for split in final:
-    yield from _eval_pass(rows, orders, split, host_tables)
+    yield from _eval_pass(feed, split)
 
 
-def _eval_pass(rows, orders, split: str, host_tables):
-  size = rows.eval_batch_size
-  for lo, hi in rows.eval_cursors(split):
+def _eval_pass(feed, split: str):
+  """One eval pass's items: the cursors of `feed.eval_cursors` (lazily: a streamed feed
+  queues each batch's upload as its cursor is made), host-read ids beside them."""
+  for cursor, host_rows in feed.eval_cursors(split):
     ids = {}
-    if host_tables:
-      ids = rows.host_ids(np.arange(lo, min(lo + size, hi)), host_tables, size)
-    cursor = np.array(orders.eval_cursor(lo, hi), np.int32)
-    yield "eval", split, {"cursor": cursor, "ids": ids}
+    if feed.host_tables:
+      ids = feed.rows.host_ids(host_rows, feed.host_tables, feed.rows.eval_batch_size)
+    yield "eval", split, {"cursor": np.array(cursor, np.int32), "ids": ids}
   yield "eval_end", split, None
 
 
@@ -273,18 +301,19 @@ class DeviceFeed:
   def __init__(self, rows, plan: planner.Plan, k: int = 1):
     self.rows, self.mesh = rows, plan.mesh
     self.data = None
+    self.placement = placement_for(rows, plan.mesh)
     if getattr(rows, "window", None) is not None:
       self.orders = feed_stream.Stream(rows, plan.mesh, k)
     else:
-      repl = sharding.named(plan.mesh, sharding.REPLICATED)
-      self.data = sharding.put({k: np.asarray(v) for k, v in rows.arrays().items()}, repl)
+      self.data = self.placement.place()
       self.orders = Orders(rows, plan.mesh)
     keys = host_groups(plan)
     self.host_plan = planner.Plan(
       groups={k: plan.groups[k] for k in keys},
       table_group={t: k for t, k in plan.table_group.items() if k in keys},
       mesh=plan.mesh,
-      layout=plan.layout,
+      # (the cursors are the same in every process: packed whole, not as process slices)
+      layout=dataclasses.replace(plan.layout, process_local=False),
     )
     self.host_tables = tuple(self.host_plan.table_group)
     self.feeder = feeder_lib.Feeder(self.host_plan, _replicated_spec)
@@ -299,6 +328,12 @@ class DeviceFeed:
     """The eval step's inputs now: the rows (streamed: the current eval batch's)."""
     return self.orders.inputs(train=False) if self.data is None else {"data": self.data}
 
+  def eval_cursors(self, split: str):
+    """[(cursor, the batch's dataset rows or None)] of `split`'s eval batches."""
+    if self.data is None:
+      return self.orders.eval_cursors(split)
+    return self.placement.eval_cursors(split)
+
   def report(self) -> dict:
     """The feed's own uploads (streamed: `Stream.report`), else {}."""
     return self.orders.report() if self.data is None else {}
@@ -312,9 +347,7 @@ class DeviceFeed:
       )
     if self.data is None:
       self.orders.start(start, total)
-    items = stream(
-      self.rows, self.orders, self.host_tables, start, total, k, eval_every, eval_split, final
-    )
+    items = stream(self, start, total, k, eval_every, eval_split, final)
     return DeviceInput(self, items, start, k)
 
   def close(self) -> None:
@@ -355,12 +388,12 @@ class DeviceInput:
 
 def jit_steps(task, plan, tx, shardings, feed: DeviceFeed):
   """`jit_steps` under the device feed: the shared steps over cursor batches."""
-  train = fed_step(step_lib.make_train_step(task, plan, tx), plan, feed.rows, True)
+  train = fed_step(step_lib.make_train_step(task, plan, tx), plan, feed.rows, feed.placement, True)
   train_step = step_lib.jit_packed(
     train, plan, shardings, donate_state=True, out_state=True, name="train_step",
     step_inputs=feed.train_inputs(), stacked=task.batches_per_call, inputs_of=feed.train_inputs,
   )  # fmt: skip
-  evals = fed_step(step_lib.make_eval_step(task, plan), plan, feed.rows, False)
+  evals = fed_step(step_lib.make_eval_step(task, plan), plan, feed.rows, feed.placement, False)
   eval_step = step_lib.jit_packed(
     evals, plan, shardings, donate_state=False, out_state=False, name="eval_step",
     step_inputs=feed.eval_inputs(), inputs_of=feed.eval_inputs,
@@ -382,7 +415,7 @@ def fits(tcfg, rows, plan_bytes, budget, mesh) -> str | None:
   train.feed=device refused before allocating."""
   window = getattr(rows, "window", None)
   why = None if window is not None else check_fits(rows, plan_bytes, budget, mesh)
-  if why:
+  if why and jax.process_count() == 1:  # (streaming runs in one process)
     window = feed_stream.window_for(tcfg, rows)
   if window is not None:
     budget = _device_memory(mesh) if budget is None else budget

@@ -131,7 +131,7 @@ def _write_order(orders, keys, ranks, first, slot, *, n, nb, b, c):
 class Stream:
   """A run's streamed train rows (`rows.window`'s order) and eval batches on the devices, with
   the interface of `device_feed.Orders`: `cursor` / `batch_rows` of a step (input thread),
-  `ensure_steps` before a call (main thread), `eval_cursor` / `next_eval`, `inputs`."""
+  `ensure_steps` before a call (main thread), `eval_cursors` / `next_eval`, `inputs`."""
 
   def __init__(self, rows, mesh, k: int):
     self.rows, self.mesh, self.order = rows, mesh, rows.window
@@ -174,11 +174,13 @@ class Stream:
   def batch_rows(self, step: int) -> np.ndarray:
     return self.order.batch_rows(step)
 
-  def eval_cursor(self, lo: int, hi: int) -> tuple[int, int]:
-    """Eval batch [lo, min(lo + E, hi)): its upload queued; read at (0, its rows)."""
-    stop = min(lo + self.rows.eval_batch_size, hi)
-    self._evals.append(self._pool.submit(self._upload_eval, lo, stop))
-    return 0, stop - lo
+  def eval_cursors(self, split: str):
+    """`split`'s eval batches, lazily: (cursor (0, its rows), its dataset rows), batch
+    [lo, min(lo + E, hi))'s upload queued as its cursor is made."""
+    for lo, hi in self.rows.eval_cursors(split):
+      stop = min(lo + self.rows.eval_batch_size, hi)
+      self._evals.append(self._pool.submit(self._upload_eval, lo, stop))
+      yield (0, stop - lo), np.arange(lo, stop)
 
   # -- the main thread's side -------------------------------------------------------------
 
@@ -188,7 +190,7 @@ class Stream:
     return {"data": self.eval_data}
 
   def next_eval(self) -> None:
-    """The next eval batch's rows (uploaded in the order `eval_cursor` was called) current."""
+    """The next eval batch's rows (uploaded in the order `eval_cursors` made them) current."""
     self.eval_data = self._evals.popleft().result()
 
   def ensure_steps(self, first: int, last: int) -> None:
