@@ -85,7 +85,7 @@ FEEDS = {
 }  # fmt: skip
 
 
-@many_processes
+# (not `serial`: no deadline of its own here; the processes only run slower beside a worker)
 @pytest.mark.parametrize("feed", sorted(FEEDS))
 def test_two_processes_match_one_process_with_8_devices(tmp_path, ctr_cache, one_process, feed):
   # The worker's CTR data cache (conftest): the smoke data the trainer tests converted,

@@ -49,7 +49,11 @@ def test_the_trainers_run_ahead_is_at_least_two():
   assert base.PREFETCH >= 2 and hot_cold.RING_BATCHES == base.PREFETCH
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=_mesh_id)
+# 2x4 in the default run; 1x1 and 8x1 under `-m long` (the suite's 10 minutes).
+READ_AHEAD = [pytest.param(m, marks=() if m == (2, 4) else pytest.mark.long) for m in MESHES]
+
+
+@pytest.mark.parametrize("mesh_shape", READ_AHEAD, ids=_mesh_id)
 def test_read_ahead_matches_dense(mesh_shape):
   """14 batches (two tables, two row layouts), a pick and two re-picks, eval batches inside:
   bit-equal to single-device dense; loads came from the ring (rows an earlier step wrote
@@ -90,7 +94,11 @@ def test_prefetch_and_host_memory_are_unknown_options():
     HotColdOptions.parse({"host_memory": "pinned_host"})
 
 
-@pytest.mark.parametrize("save,resume", [((2, 4), (8, 1)), ((1, 1), (2, 4))], ids=str)
+@pytest.mark.parametrize(
+  "save,resume",
+  [pytest.param((2, 4), (8, 1), marks=pytest.mark.long), ((1, 1), (2, 4))],  # (10 minutes)
+  ids=str,
+)
 def test_resume_on_another_mesh(save, resume):
   """Stopped mid-stream (batches prepared ahead of the stopped step, their rows read and
   their ring slots handed out), the logical rows and the hot set checkpointed (`export`
