@@ -13,7 +13,7 @@ def get_config(arg=None):
     arg, {"table": "dense", "rank": 8}, {"table": ("dense", "tt")}, name="linkpred_featureless"
   )
   c = linkpred_planted.get_config()
-  c.data.synthetic = linkpred_planted.synthetic(10_000, 60_000, 0)
+  c.data.synthetic = linkpred_planted.synthetic(10_000, 40_000, 0)
   c.model.inputs = "embeddings"
   c.model.decoder = "mlp"  # OGB's ddi example: an MLP on the Hadamard product
   c.embeddings.dim = 64

@@ -17,7 +17,7 @@ def synthetic(num_nodes: int, num_edges: int, num_features: int) -> ml_collectio
     {
       "num_nodes": num_nodes,
       "num_edges": num_edges,
-      "num_classes": 100,  # planted communities: most random negative pairs cross them
+      "num_classes": 300,  # planted communities: few random negative pairs fall inside one
       "homophily": 0.9,
       "power_law_exponent": 2.5,
       "max_weight_ratio": 100.0,
@@ -33,7 +33,7 @@ def get_config(arg=None):
   _options.parse(arg, {}, name="linkpred_planted")  # no options: an ARG would be ignored
   c = linkpred_cora.get_config()
   c.data.source = "synthetic"
-  c.data.synthetic = synthetic(10_000, 60_000, 32)
+  c.data.synthetic = synthetic(10_000, 40_000, 32)  # mean degree 4: few triangles
   c.data.cache_dir = ""
   c.model.hidden = 64
   c.model.out = 64

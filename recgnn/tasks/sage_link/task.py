@@ -102,6 +102,11 @@ class SageLink(Task):
     return min(2 * positives + neg_sources + neg_targets, self.num_nodes)
 
   def _sampler(self, adj, fanouts, seeds: int, capacities, option: str):
+    if capacities in (None, "worst") and self.config.sampler.kind == "node":
+      # Past frontier 0's slots (seeds and their padding) a frontier adds distinct nodes: at
+      # most N. The sampler's worst case, n_l + min(n_l f_l, N), grows past that bound with
+      # depth (Cora's second frontier: 7,464 rows for at most 4,756).
+      capacities = ",".join([str(seeds + self.num_nodes)] * len(fanouts))
     trial = np.unique(self.split.train)
     return node_sampler_config.make_sampler(
       self.config.sampler, adj, self.mesh, self.seed, fanouts, seeds, capacities, trial, option
