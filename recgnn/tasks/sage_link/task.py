@@ -13,7 +13,7 @@ from absl import logging
 from recgnn import hostmem, sharding
 from recgnn.data.link_loading import load_link_split
 from recgnn.embeddings import OptimizerSpec, TableSpec
-from recgnn.graphs import ladies
+from recgnn.graphs import ladies, sampling
 from recgnn.models import dlrm, sage_link
 from recgnn.tasks import node_sampler_config
 from recgnn.tasks.node_batch import TABLE, model_inputs
@@ -102,15 +102,18 @@ class SageLink(Task):
     return min(2 * positives + neg_sources + neg_targets, self.num_nodes)
 
   def _sampler(self, adj, fanouts, seeds: int, capacities, option: str):
-    if capacities in (None, "worst") and self.config.sampler.kind == "node":
-      # Past frontier 0's slots (seeds and their padding) a frontier adds distinct nodes: at
-      # most N. The sampler's worst case, n_l + min(n_l f_l, N), grows past that bound with
-      # depth (Cora's second frontier: 7,464 rows for at most 4,756).
-      capacities = ",".join([str(seeds + self.num_nodes)] * len(fanouts))
-    trial = np.unique(self.split.train)
+    s = self.config.sampler
+    if capacities == "auto" and s.kind == "node":
+      # Estimated from four real train batches' seeds: their padding slots stay in every
+      # frontier, so a trial of `seeds` distinct nodes (node classification's) underestimates.
+      worst = self._sampler(adj, fanouts, seeds, "worst", option)
+      trial = np.stack([B.endpoints(np.concatenate(self.train_pairs(t)), seeds) for t in range(4)])
+      rng = np.random.default_rng([self.seed, 7])
+      capacities = ",".join(map(str, sampling.estimate_capacities(worst, trial, rng)))
     return node_sampler_config.make_sampler(
-      self.config.sampler, adj, self.mesh, self.seed, fanouts, seeds, capacities, trial, option
-    )
+      s, adj, self.mesh, self.seed, fanouts, seeds, capacities, np.unique(self.split.train),
+      option,
+    )  # fmt: skip
 
   def tables(self) -> list[TableSpec]:
     if self.inputs == "features":
