@@ -226,3 +226,20 @@ def test_eight_devices_train_to_the_same_hits_as_one(tmp_path, split_ids):
     res[devices] = loop.train(c, str(tmp_path / str(devices))).metrics
   assert abs(res[1]["test/roc_auc"] - res[8]["test/roc_auc"]) < 0.02, res
   assert abs(res[1]["test/hits@20"] - res[8]["test/hits@20"]) < 0.1, res
+
+
+@pytest.mark.long
+def test_node_table_backends_serve_it_as_dense(tmp_path):
+  """Learned node embeddings through offload (a device cache of half the rows) and hot_cold
+  (half the rows hot): the same test metrics as dense after 6 steps (both are exact); tt
+  (its own reconstruction) trains to finite metrics."""
+  res = {}
+  for plan in ("dense", "offload(cache_fraction=0.5, min_cache_rows=600)",
+               "hot_cold(budget=0.5)", "tt(rank=4)"):  # fmt: skip
+    c = small_config("embeddings", 6)
+    c.embeddings.plan = ((".*", plan),)
+    res[plan.split("(")[0]] = loop.train(c, str(tmp_path / plan.split("(")[0])).metrics
+  for name in ("offload", "hot_cold"):
+    for key in ("test/roc_auc", "test/hits@20"):
+      assert res[name][key] == res["dense"][key], (name, res)
+  assert 0.0 <= res["tt"]["test/roc_auc"] <= 1.0
