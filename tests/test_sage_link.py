@@ -118,6 +118,32 @@ def test_train_batches_resume_exactly(task):
       np.testing.assert_array_equal(resumed[key], stream[start][key])
 
 
+def test_eval_scores_are_the_full_graph_models():
+  """With eval_fanouts -1 every eval batch's scores are the full-graph model's (numpy: two
+  SAGE-mean layers over every node of the test split's message graph, train + valid edges,
+  then the dot product), pair for pair in the split's order: eval is not sampled."""
+  import jax
+
+  c = small_config()
+  c.sampler.eval_fanouts = (-1, -1)
+  t = make_task(sage_link.TASK, c)
+  batches = list(t.eval_batches("test"))
+  params = jax.jit(t.init_params)(jax.random.key(0), batches[0], {})
+  predict = jax.jit(t.predict)
+  out = [jax.device_get(predict(params, b, {})) for b in batches]
+  got = np.concatenate([o["score"][o["weight"] > 0] for o in out])
+  adj = t.split.message_adj("test")
+  mean = adj.multiply(1.0 / np.maximum(adj.sum(axis=1), 1)).tocsr()
+  h = t.split.features.astype(np.float64)
+  p = jax.tree.map(np.asarray, params["encoder"])
+  for i in range(2):
+    h = mean @ h @ p[f"lin_l{i}"]["kernel"] + h @ p[f"lin_r{i}"]["kernel"] + p[f"lin_r{i}"]["bias"]
+    h = np.maximum(h, 0) if i == 0 else h
+  pairs = t.eval_sets["test"][0]
+  want = np.sum(h[pairs[:, 0]] * h[pairs[:, 1]], axis=1)
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
 def test_negative_kinds():
   """uniform: any pairs; degree: the positive's source, targets favouring high degree;
   shared: num targets for the whole batch, paired with every source; padding stays -1."""
