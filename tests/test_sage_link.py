@@ -121,11 +121,13 @@ def test_train_batches_resume_exactly(task):
 def test_eval_scores_are_the_full_graph_models():
   """With eval_fanouts -1 every eval batch's scores are the full-graph model's (numpy: two
   SAGE-mean layers over every node of the test split's message graph, train + valid edges,
-  then the dot product), pair for pair in the split's order: eval is not sampled."""
+  then the dot product), pair for pair in the split's order: eval is not sampled. The
+  metrics (with 3 seeded MRR negatives per positive) are the references' on those scores."""
   import jax
 
   c = small_config()
   c.sampler.eval_fanouts = (-1, -1)
+  c.eval.mrr_negatives = 3
   t = make_task(sage_link.TASK, c)
   batches = list(t.eval_batches("test"))
   params = jax.jit(t.init_params)(jax.random.key(0), batches[0], {})
@@ -139,9 +141,15 @@ def test_eval_scores_are_the_full_graph_models():
   for i in range(2):
     h = mean @ h @ p[f"lin_l{i}"]["kernel"] + h @ p[f"lin_r{i}"]["kernel"] + p[f"lin_r{i}"]["bias"]
     h = np.maximum(h, 0) if i == 0 else h
-  pairs = t.eval_sets["test"][0]
+  pairs, kind, query = t.eval_sets["test"]
+  assert np.count_nonzero(kind == B.QUERY_NEGATIVE) == 3 * len(t.split.test)
   want = np.sum(h[pairs[:, 0]] * h[pairs[:, 1]], axis=1)
   np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+  metrics = t.metrics(out)
+  pos, neg, own = (want[kind == k] for k in (B.POSITIVE, B.FIXED_NEGATIVE, B.QUERY_NEGATIVE))
+  assert metrics["hits@20"] == pytest.approx(scores.hits_at(pos, neg, 20), abs=2 / pos.size)
+  ranks = 1 + np.sum(own.reshape(-1, 3) > pos[:, None], axis=1)
+  assert metrics["mrr"] == pytest.approx(np.mean(1 / ranks), abs=0.02)
 
 
 def test_negative_kinds():
