@@ -65,6 +65,10 @@ def get_config(arg=None):
   c.eval = ml_collections.ConfigDict()
   c.eval.hits = (20, 50, 100)
   c.eval.mrr_negatives = 0  # K > 0: MRR among K seeded negatives per positive
+  # sampled: each eval batch's endpoints' neighbourhoods (eval_fanouts); full: every node's
+  # representation layer by layer over the whole graph, eval.chunk edges at a time.
+  c.eval.inference = "sampled"
+  c.eval.chunk = 65536
 
   # Unused unless model.inputs includes embeddings.
   c.embeddings = ml_collections.ConfigDict()

@@ -118,19 +118,24 @@ def test_train_batches_resume_exactly(task):
       np.testing.assert_array_equal(resumed[key], stream[start][key])
 
 
-def test_eval_scores_are_the_full_graph_models():
-  """With eval_fanouts -1 every eval batch's scores are the full-graph model's (numpy: two
-  SAGE-mean layers over every node of the test split's message graph, train + valid edges,
-  then the dot product), pair for pair in the split's order: eval is not sampled. The
-  metrics (with 3 seeded MRR negatives per positive) are the references' on those scores."""
+@pytest.mark.parametrize("inference", ["sampled", "full"])
+def test_eval_scores_are_the_full_graph_models(inference):
+  """With eval_fanouts -1 (sampled: each batch's endpoints' whole neighbourhoods) or
+  eval.inference=full (layer by layer over every node, in chunks of 100 edges), the eval
+  scores are the full-graph model's (numpy: two SAGE-mean layers over every node of the test
+  split's message graph, train + valid edges, then the dot product), pair for pair in the
+  split's order. The metrics (with 3 seeded MRR negatives per positive) are the
+  references' on those scores."""
   import jax
 
   c = small_config()
   c.sampler.eval_fanouts = (-1, -1)
   c.eval.mrr_negatives = 3
+  c.eval.inference = inference
+  c.eval.chunk = 100
   t = make_task(sage_link.TASK, c)
   batches = list(t.eval_batches("test"))
-  params = jax.jit(t.init_params)(jax.random.key(0), batches[0], {})
+  params = jax.jit(t.init_params)(jax.random.key(0), t.example_batch(), {})
   predict = jax.jit(t.predict)
   out = [jax.device_get(predict(params, b, {})) for b in batches]
   got = np.concatenate([o["score"][o["weight"] > 0] for o in out])

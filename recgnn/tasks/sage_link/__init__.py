@@ -24,6 +24,9 @@ Config (see experiments/linkpred_*.py):
                       per batch)
   eval.hits           K of Hits@K (default 20, 50, 100) against the split's fixed negatives
   eval.mrr_negatives  K > 0: MRR of each positive among K seeded negative targets of its own
+  eval.inference      sampled (eval_fanouts around each eval batch's endpoints) | full (one
+                      batch per split: every node layer by layer over the whole message graph,
+                      eval.chunk edges at a time, then every pair scored)
   embeddings.*, optimizer, train.*: as node classification
 
 What a step sees: the split's train edges are its message graph (valid / test edges never;

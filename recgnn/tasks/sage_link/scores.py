@@ -11,6 +11,7 @@ import numpy as np
 from recgnn import metrics as metrics_lib
 from recgnn.data.link_split import LinkSplit
 from recgnn.tasks.link_prediction import rank_metrics
+from recgnn.tasks.node_batch import TABLE
 from recgnn.tasks.sage_link.batches import FIXED_NEGATIVE, POSITIVE, QUERY_NEGATIVE
 
 
@@ -46,6 +47,36 @@ def eval_sets(split: LinkSplit, config, seed: int) -> dict[str, tuple]:
 def artifacts(sets: dict[str, tuple]) -> dict[str, np.ndarray]:
   """The scored pairs of every eval split, for the run's artifacts.npz."""
   return {f"{name}_pairs": pairs for name, (pairs, _, _) in sets.items()}
+
+
+def full_graph_batch(split: LinkSplit, name: str, pairs_set, inputs: str, chunk_edges: int,
+                     id_multiple: int) -> dict:  # fmt: skip
+  """The one eval batch of eval.inference=full for split `name`: every node's inputs ("x"
+  float32[N, F] and / or "ids" {node: int32[N', 1]}, "frontier" = arange(N)), the message
+  graph ("msg_src" / "msg_dst" int32[E'], E' rounded up to a multiple of chunk_edges, padding
+  dst = N; "inv_deg" float32[N]) and every scored pair by node id (pair_src / pair_dst,
+  label, weight, kind, query)."""
+  n = split.num_nodes
+  adj = split.message_adj(name).tocoo()
+  e = adj.nnz
+  pad = -(-max(e, 1) // chunk_edges) * chunk_edges - e
+  batch: dict = {"ids": {}}
+  if inputs != "embeddings":
+    batch["x"] = split.features
+  if inputs != "features":
+    ids = np.arange(-(-n // id_multiple) * id_multiple, dtype=np.int32)
+    batch["ids"] = {TABLE: np.where(ids < n, ids, -1)[:, None]}
+  batch["frontier"] = np.arange(n, dtype=np.int32)
+  # Row v of the adjacency aggregates from column u (recgnn.graphs.store).
+  batch["msg_src"] = np.pad(adj.col.astype(np.int32), (0, pad))
+  batch["msg_dst"] = np.pad(adj.row.astype(np.int32), (0, pad), constant_values=n)
+  batch["inv_deg"] = (1.0 / np.maximum(np.bincount(adj.row, minlength=n), 1)).astype(np.float32)
+  pairs, kind, query = pairs_set
+  batch["pair_src"], batch["pair_dst"] = pairs[:, 0].astype(np.int32), pairs[:, 1].astype(np.int32)
+  batch["label"] = (kind == POSITIVE).astype(np.float32)
+  batch["weight"] = np.ones(len(pairs), np.float32)
+  batch["kind"], batch["query"] = kind, query
+  return batch
 
 
 def chunk(pairs, kind, query, start: int, size: int):

@@ -23,6 +23,10 @@ from recgnn.tasks.sage_link import scores
 from recgnn.train.task import Batch, Task
 
 INPUTS = ("features", "embeddings", "both")
+#: eval.inference: sampled (each eval batch's endpoints' neighbourhoods, eval_fanouts) | full
+#: (every node's representation layer by layer over the whole message graph, in chunks of
+#: eval.chunk edges, then the split's pairs scored: one eval batch per split).
+INFERENCE = ("sampled", "full")
 
 
 class SageLink(Task):
@@ -82,6 +86,12 @@ class SageLink(Task):
     }  # fmt: skip
     self.eval_sets = scores.eval_sets(self.split, config, self.seed)
     self.hits = tuple(int(k) for k in config.eval.get("hits", (20, 50, 100)))
+    self.inference = str(config.eval.get("inference", "sampled"))
+    if self.inference not in INFERENCE:
+      raise ValueError(
+        f"Unknown eval.inference {self.inference!r}; available: {', '.join(INFERENCE)}"
+      )
+    self.chunk = int(config.eval.get("chunk", 65536))
     self.model = sage_link.LinkSAGE(
       sizes=tuple(self.sampler.sizes),
       hidden=int(config.model.hidden),
@@ -150,6 +160,13 @@ class SageLink(Task):
   def num_examples(self, batch: Batch) -> int:
     return self.batch_size
 
+  def example_batch(self) -> Batch:
+    """A train batch under eval.inference=full (its eval batch has no sampled layers to
+    build the params from; the params do not depend on the frontier sizes)."""
+    if self.inference == "full":
+      return next(self.train_batches(0))
+    return super().example_batch()
+
   def final_report(self, results):
     return {"dropped_neighbours": float(self.dropped)}
 
@@ -208,6 +225,11 @@ class SageLink(Task):
                         id_multiple=self.id_multiple)  # fmt: skip
 
   def eval_batches(self, split: str) -> Iterator[Batch]:
+    if self.inference == "full":
+      yield scores.full_graph_batch(
+        self.split, split, self.eval_sets[split], self.inputs, self.chunk, self.id_multiple
+      )
+      return
     pairs, kind, query = self.eval_sets[split]
     p, sampler = self.eval_pairs, self.eval_samplers[split]
     n = -(-len(pairs) // p)
@@ -270,7 +292,13 @@ class SageLink(Task):
     return scores.pair_loss(s, batch["label"], batch["weight"])
 
   def predict(self, params, batch, embeddings):
-    s = self._scores(params, batch, embeddings, train=False)
+    if "msg_src" in batch:  # eval.inference=full
+      x = model_inputs(self.inputs, batch, embeddings, xp=jnp)
+      graph = {k: batch[k] for k in ("msg_src", "msg_dst", "inv_deg")}
+      s = sage_link.full_graph_scores(params, x, graph, batch["pair_src"], batch["pair_dst"],
+                                      decoder=self.model.decoder, chunk=self.chunk)  # fmt: skip
+    else:
+      s = self._scores(params, batch, embeddings, train=False)
     return {"score": s, **{k: batch[k] for k in ("label", "weight", "kind", "query")}}
 
   def metrics(self, outputs):
