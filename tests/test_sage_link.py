@@ -282,3 +282,19 @@ def test_node_table_backends_serve_it_as_dense(tmp_path):
     for key in ("test/roc_auc", "test/hits@20"):
       assert res[name][key] == res["dense"][key], (name, res)
   assert 0.0 <= res["tt"]["test/roc_auc"] <= 1.0
+
+
+@pytest.mark.long
+def test_k_steps_per_call_train_as_one(tmp_path):
+  """sampler.steps_per_call = 2: two host-sampled batches per call of the trainer's step,
+  one transfer, a scan over their two optimizer steps: the same final state and metrics as
+  one step per call."""
+  res = {}
+  for k in (1, 2):
+    c = small_config("both", 8)
+    c.sampler.steps_per_call = k
+    c.train.log_every = 4
+    res[k] = loop.train(c, str(tmp_path / str(k)))
+  for x, y in zip(state_leaves(res[1].state), state_leaves(res[2].state)):
+    np.testing.assert_array_equal(x, y)
+  assert res[2].metrics["test/roc_auc"] == res[1].metrics["test/roc_auc"]

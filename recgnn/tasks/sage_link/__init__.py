@@ -16,8 +16,10 @@ Config (see experiments/linkpred_*.py):
                       representations of the scored endpoints), eval_capacities;
                       batch_size = positive edges per step, eval_batch_size = pairs per eval
                       batch; exclude (default true): the batch's positive edges, both
-                      directions, out of the batch's message passing. data_parallel and
-                      steps_per_call > 1 are refused (host-sampled, one step per call)
+                      directions, out of the batch's message passing; steps_per_call = k:
+                      k host-sampled batches per call of the trainer's step, one transfer, a
+                      scan over their k optimizer steps (the same result as k = 1).
+                      data_parallel (every device sampling its own) is refused
   negatives.kind      uniform (both endpoints uniform) | shared (negatives.num targets per
                       batch, paired with every positive's source) | degree (the positive's
                       source, a target ~ degree^0.75); negatives.num per positive (shared:

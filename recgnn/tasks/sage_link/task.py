@@ -39,6 +39,7 @@ class SageLink(Task):
   # The loss is the positives' mean plus the negatives' mean, not one mean over examples.
   loss_is_per_example_mean = False
   example_unit = "edges"
+  steps_per_call_key = "sampler.steps_per_call"
 
   def __init__(self, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
     super().__init__(config, mesh)
@@ -55,12 +56,14 @@ class SageLink(Task):
     s = config.sampler
     if s.kind not in SAMPLERS:
       raise ValueError(f"Unknown sampler.kind {s.kind!r}; available: {', '.join(SAMPLERS)}")
-    if s.get("data_parallel", False) or node_sampler_config.steps_per_call(s) != 1:
+    if s.get("data_parallel", False):
       raise ValueError(
-        "sampler.data_parallel / steps_per_call > 1: the link task samples on the trainer's "
-        "input thread, one step per call (sampler.bulk sets how many per product); set "
-        "sampler.data_parallel=false and sampler.steps_per_call=1"
+        "sampler.data_parallel: the link task samples on the trainer's input thread (every "
+        "device gets the step's subgraph); set sampler.data_parallel=false"
       )
+    # k steps per call: the trainer stacks k host-sampled batches into one transfer and its
+    # step scans the k optimizer steps over them (Task.batches_per_call).
+    self.steps_per_call = self.batches_per_call = node_sampler_config.steps_per_call(s)
     self.seed = int(config.get("seed", 0))
     self.batch_size = int(s.batch_size)
     self.bulk = int(s.get("bulk", 1))
