@@ -98,6 +98,18 @@ def test_no_held_out_or_batch_edge_in_any_training_step(task):
     assert used and not used & held and not used & pos
     seen |= pos
   assert seen == _keys(s.train, n)
+  # Data-parallel on 8 devices: no part's message passing holds any of the step's positives.
+  c = small_config()
+  c.mesh.data, c.sampler.data_parallel = 8, True
+  it = make_task(sage_link.TASK, c).train_batches(0)
+  for _ in range(spe):
+    b = next(it)
+    parts = [{k: v[j] for k, v in b.items() if k not in ("ids", "part")} for j in range(8)]
+    found = [_training_edges(p, n) for p in parts]
+    positives = set().union(*(pos for _, pos in found))
+    # (A part of an epoch's last, padded step may hold no pairs, so no edges.)
+    assert any(used for used, _ in found)
+    assert not any(used & (held | positives) for used, _ in found)
   c = small_config()
   c.sampler.exclude = False
   leaky = make_task(sage_link.TASK, c)
@@ -225,13 +237,16 @@ def test_config_errors_name_the_fix():
   for key, value, words in (
     ("negatives.kind", "hard", "available: uniform, shared, degree"),
     ("model.inputs", "both", "no node features; set --config.model.inputs=embeddings"),
-    ("sampler.data_parallel", True, "set sampler.data_parallel=false"),
   ):
     c = small_config("embeddings" if key == "model.inputs" else "features")
     section, name = key.split(".")
     c[section][name] = value
     with pytest.raises(ValueError, match=words):
       make_task(sage_link.TASK, c)
+  c = small_config()
+  c.mesh.data, c.sampler.data_parallel, c.sampler.batch_size = 8, True, 100
+  with pytest.raises(ValueError, match="use a multiple of 8"):
+    make_task(sage_link.TASK, c)
 
 
 # ------------------------------------------------------------------ trainer runs (-m long)
@@ -282,6 +297,29 @@ def test_node_table_backends_serve_it_as_dense(tmp_path):
     for key in ("test/roc_auc", "test/hits@20"):
       assert res[name][key] == res["dense"][key], (name, res)
   assert 0.0 <= res["tt"]["test/roc_auc"] <= 1.0
+
+
+@pytest.mark.long
+def test_data_parallel_on_eight_devices_trains_as_one(tmp_path):
+  """sampler.data_parallel on 8 devices: each step's 128 positives in 8 parts of 16, each
+  part's subgraph sampled on its own and trained on its device (its leaves split over the
+  mesh), the loss over all parts: test ROC-AUC and Hits@20 within seed noise of one device
+  training the whole batch as one subgraph; its batches are split, not replicated."""
+  res = {}
+  for devices in (1, 8):
+    c = small_config("both", 40)
+    c.sampler.batch_size = 128
+    c.mesh.data = devices
+    c.sampler.data_parallel = devices > 1
+    if devices > 1:
+      t = make_task(sage_link.TASK, c)
+      b = next(t.train_batches(0))
+      assert b["part"].shape == (8,) and b["label"].shape[0] == 8 and t.shard_batch
+      assert b["ids"]["node"].shape[0] == 8 * b["frontier"].shape[1]
+    res[devices] = loop.train(c, str(tmp_path / str(devices))).metrics
+  print({d: (r["test/roc_auc"], r["test/hits@20"]) for d, r in res.items()})
+  assert abs(res[1]["test/roc_auc"] - res[8]["test/roc_auc"]) < 0.03, res
+  assert abs(res[1]["test/hits@20"] - res[8]["test/hits@20"]) < 0.1, res
 
 
 @pytest.mark.long

@@ -18,8 +18,11 @@ Config (see experiments/linkpred_*.py):
                       batch; exclude (default true): the batch's positive edges, both
                       directions, out of the batch's message passing; steps_per_call = k:
                       k host-sampled batches per call of the trainer's step, one transfer, a
-                      scan over their k optimizer steps (the same result as k = 1).
-                      data_parallel (every device sampling its own) is refused
+                      scan over their k optimizer steps (the same result as k = 1);
+                      data_parallel: each step's pairs in one part per device (batch_size a
+                      multiple of the mesh's devices), each part's subgraph sampled on its
+                      own (on the host) and trained on its device, every step's positives out
+                      of every part's message passing
   negatives.kind      uniform (both endpoints uniform) | shared (negatives.num targets per
                       batch, paired with every positive's source) | degree (the positive's
                       source, a target ~ degree^0.75); negatives.num per positive (shared:

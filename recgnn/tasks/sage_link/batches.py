@@ -150,6 +150,24 @@ def pair_batch(
   return batch
 
 
+def split_pairs(pos: np.ndarray, neg: np.ndarray, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+  """A step's (positives int64[B, 2], negatives int64[M, 2]) in n parts of B / n positives
+  and their M / n negatives (negatives are drawn positive-major: part j's are its own
+  positives')."""
+  b, m = len(pos) // n, len(neg) // n
+  return [(pos[j * b : (j + 1) * b], neg[j * m : (j + 1) * m]) for j in range(n)]
+
+
+def stack_parts(parts: list[dict]) -> dict:
+  """n part batches (same shapes) as one data-parallel batch: every leaf stacked on a
+  leading axis n, the node ids concatenated (int32[n * n_L, 1]: part j's rows j-th), and
+  "part" int32[n] marking it."""
+  batch = {k: np.stack([p[k] for p in parts]) for k in parts[0] if k != "ids"}
+  batch["ids"] = {t: np.concatenate([p["ids"][t] for p in parts]) for t in parts[0]["ids"]}
+  batch["part"] = np.arange(len(parts), dtype=np.int32)
+  return batch
+
+
 def banned_keys(pos: np.ndarray, num_nodes: int) -> np.ndarray:
   """int64[]: the keys of a batch's positive edges (a pair and its reverse share one)."""
   return np.unique(edge_keys(pos[pos[:, 0] >= 0], num_nodes))

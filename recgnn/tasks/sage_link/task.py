@@ -56,11 +56,12 @@ class SageLink(Task):
     s = config.sampler
     if s.kind not in SAMPLERS:
       raise ValueError(f"Unknown sampler.kind {s.kind!r}; available: {', '.join(SAMPLERS)}")
-    if s.get("data_parallel", False):
-      raise ValueError(
-        "sampler.data_parallel: the link task samples on the trainer's input thread (every "
-        "device gets the step's subgraph); set sampler.data_parallel=false"
-      )
+    data_parallel = s.get("data_parallel", False)
+    if not isinstance(data_parallel, bool):
+      raise ValueError(f"sampler.data_parallel={data_parallel!r}: use true or false")
+    # Data-parallel: each step's pairs in one part per device, each part its own sampled
+    # subgraph, trained on its device (the loss vmapped over the parts, split over the mesh).
+    self.parts = mesh.size if data_parallel else 1
     # k steps per call: the trainer stacks k host-sampled batches into one transfer and its
     # step scans the k optimizer steps over them (Task.batches_per_call).
     self.steps_per_call = self.batches_per_call = node_sampler_config.steps_per_call(s)
@@ -71,11 +72,18 @@ class SageLink(Task):
     neg = config.negatives
     self.neg_kind, self.neg_num = str(neg.kind), int(neg.num)
     B.negatives_per_batch(self.neg_kind, self.batch_size, self.neg_num)  # checks them
-    self.shard_batch = node_sampler_config.split_ids(config)
+    if self.batch_size % self.parts:
+      raise ValueError(
+        f"sampler.batch_size={self.batch_size} with sampler.data_parallel on {self.parts} "
+        f"devices: use a multiple of {self.parts}"
+      )
+    self.shard_batch = self.parts > 1 or node_sampler_config.split_ids(config)
     self.id_multiple = mesh.size if self.shard_batch else 1
+    # A part's node ids go to its own device whole: no padding to the mesh.
+    self.train_id_multiple = 1 if self.parts > 1 else self.id_multiple
     self.train_adj = self.split.message_adj("train")
     self.degree_cdf = B.degree_cdf(self.train_adj)
-    self.train_seeds = self._seed_slots(self.batch_size)
+    self.train_seeds = self._seed_slots(self.batch_size // self.parts)
     self.sampler = self._sampler(
       self.train_adj, s.get("fanouts", None), self.train_seeds, s.capacities, "capacities"
     )
@@ -200,7 +208,7 @@ class SageLink(Task):
     return pos, B.draw_negatives(self.neg_kind, pos, self.neg_num, self.degree_cdf, rng)
 
   def train_batches(self, start_step: int = 0) -> Iterator[Batch]:
-    spe, k = self.steps_per_epoch(), self.bulk
+    spe, k, n = self.steps_per_epoch(), self.bulk, self.parts
     step = start_step
     while True:
       epoch, within = divmod(step, spe)
@@ -208,24 +216,32 @@ class SageLink(Task):
       first = group * k
       steps = range(epoch * spe + first, epoch * spe + min(first + k, spe))
       pairs = [self.train_pairs(t) for t in steps]
-      seeds = np.stack([B.endpoints(np.concatenate(p), self.train_seeds) for p in pairs])
+      parts = [B.split_pairs(pos, neg, n) for pos, neg in pairs]
+      seeds = np.stack(
+        [B.endpoints(np.concatenate(p), self.train_seeds) for ps in parts for p in ps]
+      )
       # Seeded per (epoch, group): a resumed run draws exactly the same neighbours.
       rng = np.random.default_rng([self.seed, epoch, group, 1])
       blocks = self._count_drops(self.sampler.sample(seeds, rng))
       for i in range(within - first, len(steps)):
-        yield self.train_batch(blocks, i, seeds[i], *pairs[i])
+        banned = B.banned_keys(pairs[i][0], self.num_nodes)  # the whole step's positives
+        subs = [
+          self.train_batch(blocks, i * n + j, seeds[i * n + j], *parts[i][j], banned)
+          for j in range(n)
+        ]
+        yield subs[0] if n == 1 else B.stack_parts(subs)
         step += 1
 
-  def train_batch(self, blocks, i: int, seeds, pos, neg) -> Batch:
-    """Mini-batch i of `blocks` as a train batch, its positive edges (both directions) out
-    of its message passing unless sampler.exclude is false."""
+  def train_batch(self, blocks, i: int, seeds, pos, neg, banned) -> Batch:
+    """Mini-batch i of `blocks` as a train batch, the step's positive edges (`banned` keys,
+    both directions) out of its message passing unless sampler.exclude is false."""
     nodes, layers = blocks.batch(i)
     if self.exclude:
-      layers = B.exclude_edges(nodes, layers, B.banned_keys(pos, self.num_nodes), self.num_nodes)
+      layers = B.exclude_edges(nodes, layers, banned, self.num_nodes)
     pairs = np.concatenate([pos, neg])
     label = np.concatenate([np.ones(len(pos)), np.zeros(len(neg))])
     return B.pair_batch(self.inputs, nodes, layers, seeds, pairs, label, self.split.features,
-                        id_multiple=self.id_multiple)  # fmt: skip
+                        id_multiple=self.train_id_multiple)  # fmt: skip
 
   def eval_batches(self, split: str) -> Iterator[Batch]:
     if self.inference == "full":
@@ -253,8 +269,10 @@ class SageLink(Task):
   # --------------------------------------------------------------------------- model
 
   def batch_spec(self, batch: Batch):
-    """Every leaf is the subgraph's or its pairs': every device gets it whole."""
-    return jax.tree.map(lambda _: sharding.REPLICATED, batch)
+    """A data-parallel train batch's leaves are split over the devices (part d on device
+    d); every other batch is one subgraph (and its pairs) that every device gets whole."""
+    spec = sharding.BATCH_SPEC if "part" in batch else sharding.REPLICATED
+    return jax.tree.map(lambda _: spec, batch)
 
   def _layers(self, batch) -> list[dict[str, jax.Array]]:
     keys = ("nbr", "mask") if self.config.sampler.kind == "node" else ("src", "dst", "weight")
@@ -291,6 +309,17 @@ class SageLink(Task):
     )["params"]
 
   def loss(self, params, batch, embeddings, key):
+    if "part" in batch:  # data-parallel: every part's subgraph on its own device
+      n = batch["part"].shape[0]
+      parts = {k: v for k, v in batch.items() if k not in ("ids", "part")}
+      emb = {t: e.reshape(n, -1, e.shape[-1]) for t, e in embeddings.items()}
+
+      def one(b, e, k):
+        return self._scores(params, b, e, train=True, key=k)
+
+      s = jax.vmap(one)(parts, emb, jax.random.split(key, n))
+      return scores.pair_loss(s.reshape(-1), parts["label"].reshape(-1),
+                              parts["weight"].reshape(-1))  # fmt: skip
     s = self._scores(params, batch, embeddings, train=True, key=key)
     return scores.pair_loss(s, batch["label"], batch["weight"])
 
