@@ -34,7 +34,8 @@ class SageLink(Task):
   embeddings (table `node`, through any backend of the plan)."""
 
   # One sampled subgraph per step: every device gets it whole (`batch_spec`); the node ids
-  # split over the mesh only where embeddings.split_ids says so (as node classification).
+  # split over the mesh only where embeddings.split_ids says so (as node classification) or
+  # under sampler.data_parallel (a part per device; set in __init__).
   shard_batch = True
   # The loss is the positives' mean plus the negatives' mean, not one mean over examples.
   loss_is_per_example_mean = False
@@ -124,11 +125,13 @@ class SageLink(Task):
 
   def _sampler(self, adj, fanouts, seeds: int, capacities, option: str):
     s = self.config.sampler
-    if capacities == "auto" and s.kind == "node":
-      # Estimated from four real train batches' seeds: their padding slots stay in every
-      # frontier, so a trial of `seeds` distinct nodes (node classification's) underestimates.
+    if capacities == "auto" and s.kind == "node" and option == "capacities":
+      # Estimated from four real train batches' seeds (each step's first part): their
+      # padding slots stay in every frontier, so a trial of `seeds` distinct nodes (node
+      # classification's) underestimates.
       worst = self._sampler(adj, fanouts, seeds, "worst", option)
-      trial = np.stack([B.endpoints(np.concatenate(self.train_pairs(t)), seeds) for t in range(4)])
+      firsts = [B.split_pairs(*self.train_pairs(t), self.parts)[0] for t in range(4)]
+      trial = np.stack([B.endpoints(np.concatenate(p), seeds) for p in firsts])
       rng = np.random.default_rng([self.seed, 7])
       capacities = ",".join(map(str, sampling.estimate_capacities(worst, trial, rng)))
     return node_sampler_config.make_sampler(
