@@ -76,7 +76,8 @@ def test_random_link_split_is_pygs_defaults_and_seeded(task):
 def _training_edges(batch, n):
   """(keys of the edges the batch's message passing uses, keys of its positive pairs)."""
   frontier = batch["frontier"]
-  layers = [{k: batch[f"{k}{d}"] for k in ("nbr", "mask")} for d in range(2)]
+  keys = ("nbr", "mask") if "nbr0" in batch else ("src", "dst", "weight")
+  layers = [{k: batch[f"{k}{d}"] for k in keys} for d in range(2)]
   used = B.message_keys(frontier, layers, n)
   pos = (batch["label"] > 0) & (batch["weight"] > 0)
   pairs = np.stack([frontier[batch["pair_src"][pos]], frontier[batch["pair_dst"][pos]]], 1)
@@ -116,6 +117,25 @@ def test_no_held_out_or_batch_edge_in_any_training_step(task):
   it = leaky.train_batches(0)
   leaks = [len(u & p) for u, p in (_training_edges(next(it), n) for _ in range(spe))]
   assert sum(leaks) > 0
+
+
+@pytest.mark.parametrize("kind, where", [("node", "device"), ("ladies", "host")])
+def test_other_samplers_exclude_the_batch_edges(kind, where):
+  """The device node-wise sampler and LADIES (its weights zeroed on excluded edges): no
+  step's message passing holds one of its positives or a held-out edge; with the exclusion
+  off both do (the check can fail)."""
+  seen = {}
+  for exclude in (True, False):
+    c = small_config()
+    c.sampler.kind, c.sampler.where, c.sampler.exclude = kind, where, exclude
+    c.sampler.layer_sizes = (128, 128)
+    t = make_task(sage_link.TASK, c)
+    held = _keys(t.split.valid, t.num_nodes) | _keys(t.split.test, t.num_nodes)
+    it = t.train_batches(0)
+    found = [_training_edges(next(it), t.num_nodes) for _ in range(3)]
+    assert all(used and not used & held for used, _ in found)
+    seen[exclude] = sum(len(used & pos) for used, pos in found)
+  assert seen[True] == 0 and seen[False] > 0
 
 
 def test_train_batches_resume_exactly(task):
