@@ -256,6 +256,7 @@ def test_ogbl_npz_layout(tmp_path):
 def test_config_errors_name_the_fix():
   for key, value, words in (
     ("negatives.kind", "hard", "available: uniform, shared, degree"),
+    ("data.source", "ogbn", "available: ogbl, planetoid, synthetic, ogb, tfds"),
     ("model.inputs", "both", "no node features; set --config.model.inputs=embeddings"),
   ):
     c = small_config("embeddings" if key == "model.inputs" else "features")

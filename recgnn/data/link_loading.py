@@ -16,8 +16,12 @@ import ml_collections
 
 from recgnn.data import graph_loading, link_split
 
+SOURCES = ("ogbl", "planetoid", "synthetic", "ogb", "tfds")
+
 
 def load_link_split(data: ml_collections.ConfigDict) -> link_split.LinkSplit:
+  if data.source not in SOURCES:
+    raise ValueError(f"Unknown data.source {data.source!r}; available: {', '.join(SOURCES)}")
   if data.source == "ogbl":
     from recgnn.data import ogbl
 
