@@ -24,7 +24,7 @@ PIP=(python -m pip install -c "$CONSTRAINTS")
 # 3. TorchRec's pure-Python dependencies.
 "${PIP[@]}" tensordict torchmetrics==1.0.3 tqdm pyre-extensions
 # 4. PyG. NeighborLoader needs torch-sparse (or pyg-lib, which is not on the index).
-"${PIP[@]}" torch-geometric==2.8.1
+"${PIP[@]}" torch-geometric==2.8.1 scipy  # (torch-sparse imports scipy)
 # 5. torch-scatter 2.1.2 / torch-sparse 0.6.18 built for torch 2.13.0 / cp311 / x86_64
 #    (building them from source takes ~15 minutes, torch-sparse only with ninja off).
 if compgen -G "$WHEELS/*.whl" > /dev/null; then

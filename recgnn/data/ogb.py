@@ -70,7 +70,7 @@ def _refuse(path: str, data: bytes, lines: np.ndarray, what: str) -> None:
   raise MalformedDataError(f"{path}: {lines.size} malformed lines ({what}; first: {first})")
 
 
-def _read_table(path: str, kind: str, columns: int | None = None) -> np.ndarray:
+def read_table(path: str, kind: str, columns: int | None = None) -> np.ndarray:
   """A gzipped CSV of numbers -> int64 or float64 [lines, columns], strictly.
 
   kind: "int" (non-negative decimal integers, at most 18 digits) or "float".
@@ -175,16 +175,16 @@ def load(path: str, *, split: str | None = None, undirected: bool = True) -> sto
       )
     split = kinds[0]
 
-  edges = _read_table(edge_file, "int", columns=2)
+  edges = read_table(edge_file, "int", columns=2)
   label_file = os.path.join(raw, "node-label.csv.gz")
   labels = _read_labels(label_file)
   feat_file = os.path.join(raw, "node-feat.csv.gz")
   features = None
   if os.path.exists(feat_file):
-    features = _read_table(feat_file, "float").astype(np.float32)
+    features = read_table(feat_file, "float").astype(np.float32)
   count_file = os.path.join(raw, "num-node-list.csv.gz")
   if os.path.exists(count_file):
-    counts = _read_table(count_file, "int", columns=1)
+    counts = read_table(count_file, "int", columns=1)
     if counts.shape[0] != 1:
       raise MalformedDataError(f"{count_file}: {counts.shape[0]} lines; expected one node count")
     num_nodes = int(counts[0, 0])
@@ -203,7 +203,7 @@ def load(path: str, *, split: str | None = None, undirected: bool = True) -> sto
     f = os.path.join(split_root, split, f"{name}.csv.gz")
     if not os.path.exists(f):
       raise FileNotFoundError(f"split file {f} missing")
-    splits[name] = _read_table(f, "int", columns=1)[:, 0]
+    splits[name] = read_table(f, "int", columns=1)[:, 0]
     _check_ids(f, splits[name], num_nodes)
   return store.Graph(
     name=os.path.basename(os.path.normpath(path)),

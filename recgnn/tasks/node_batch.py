@@ -47,3 +47,15 @@ def make_batch(
   batch["node"] = seeds.astype(xp.int32)  # the seeds' ids (-1: padding), for predictions
   batch["weight"] = (lab >= 0).astype(xp.float32)
   return batch
+
+
+def model_inputs(inputs: str, batch: Batch, embeddings, xp=np):
+  """The model's input rows float32[n_L, F (+ D)]: the batch's features x, the node table's
+  pooled rows (those past the frontier are the mesh split's padding, dropped), or both
+  concatenated, as model.inputs says."""
+  parts = []
+  if inputs != "embeddings":
+    parts.append(batch["x"])
+  if inputs != "features":
+    parts.append(embeddings[TABLE][: batch["frontier"].shape[0]])
+  return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=-1)

@@ -93,7 +93,7 @@ from recgnn.embeddings import OptimizerSpec, TableSpec
 from recgnn.graphs import ladies, sampling
 from recgnn.models import dlrm, graphsage
 from recgnn.tasks import node_data_parallel, node_sampler_config
-from recgnn.tasks.node_batch import TABLE, make_batch
+from recgnn.tasks.node_batch import TABLE, make_batch, model_inputs
 from recgnn.tasks.node_sampler_config import SAMPLERS
 from recgnn.train.task import Batch, Task
 
@@ -366,13 +366,7 @@ class NodeClassification(Task):
     return jax.tree.map(lambda _: spec, batch)
 
   def _inputs(self, batch, embeddings) -> jax.Array:
-    parts = []
-    if self.inputs != "embeddings":
-      parts.append(batch["x"])
-    if self.inputs != "features":
-      # The id bags past the frontier are padding for the mesh split (zero rows).
-      parts.append(embeddings[TABLE][: batch["frontier"].shape[0]])
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+    return model_inputs(self.inputs, batch, embeddings, xp=jnp)
 
   def _layers(self, batch) -> list[dict[str, jax.Array]]:
     keys = ("nbr", "mask") if self.config.sampler.kind == "node" else ("src", "dst", "weight")
