@@ -98,3 +98,14 @@ def test_inner_that_cannot_reset_is_refused_with_evictions():
     planner.make_backend("dynamic(capacity=8, inner='offload(cache_rows=4)')", spec)
   with pytest.raises(ValueError, match="unknown inner backend 'nope'; available: dense"):
     planner.make_backend("dynamic(capacity=8, inner=nope)", spec)
+
+
+def test_memory_counts_the_map():
+  spec = base.TableSpec(name="t", num_rows=64, dim=4, optimizer=OPT)
+  group = planner.make_backend("dynamic(capacity=64, admit=bloom, k=2, bloom=4096)", spec)
+  inner = planner.make_backend("dense", spec).memory()["t"]
+  got = group.memory()["t"]
+  assert got.device_bytes == inner.device_bytes
+  assert got.host_bytes == inner.host_bytes + group.maps["t"].nbytes()
+  assert group.maps["t"].nbytes() > 4096  # (the Bloom filter's counters, the hash table)
+  assert "id map" in got.placement
