@@ -113,3 +113,34 @@ def test_memory_counts_the_map():
   assert got.host_bytes == inner.host_bytes + group.maps["t"].nbytes()
   assert group.maps["t"].nbytes() > 4096  # (the Bloom filter's counters, the hash table)
   assert "id map" in got.placement
+
+
+def test_fused_dense_resets_the_rows_unfused_dense_does():
+  """reset_rows on a fused dense group (two tables in one array) sets the same rows and
+  optimizer slots as on one array per table."""
+  import jax
+
+  specs = [base.TableSpec(name=n, num_rows=40, dim=4, optimizer=OPT) for n in ("a", "b")]
+  rng = np.random.default_rng(0)
+  resets = {
+    n: {"slots": np.array([3, 39, 0, 2**31 - 1], np.int32), "rows": rng.normal(size=(4, 4))}
+    for n in ("a", "b")
+  }
+  for r in resets.values():
+    r["rows"] = r["rows"].astype(np.float32)
+  out = []
+  for text in ("dense", "dense(fuse=False)"):
+    group = planner.make_group(text, specs)
+    # (an update first: the optimizer slots move off their initial value)
+    prepared = group.prepare({n: np.arange(8).reshape(8, 1) for n in ("a", "b")})
+    state = group.init(jax.random.key(0))
+    grads = {n: np.ones((8, 4), np.float32) for n in ("a", "b")}
+    state = jax.jit(group.update)(state, prepared, {"a": (), "b": ()}, grads)
+    state = jax.jit(group.reset_rows)(state, resets)
+    out.append((group.tables(state), jax.tree.leaves(group.export(state))))
+  (fused, fused_logical), (plain, plain_logical) = out
+  for n in ("a", "b"):
+    np.testing.assert_array_equal(fused[n], plain[n])
+    np.testing.assert_array_equal(fused[n][[3, 39, 0]], resets[n]["rows"][:3])
+  for x, y in zip(fused_logical, plain_logical, strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
