@@ -121,6 +121,8 @@ class Capabilities:
     resets_rows: `reset_rows` puts given rows back to given values with fresh optimizer
       state inside the step (dense): a dynamic table (`dynamic(inner=...)`) that reuses an
       evicted row needs it.
+    maps_ids: `prepare` maps raw ids to rows of its own (dynamic): the only kind of backend
+      a table of raw ids (`TableSpec.raw_ids`) may have.
   """
 
   needs_split_ids: bool = False
@@ -132,6 +134,7 @@ class Capabilities:
   stateless_prepare: bool = False
   prepares_on_device: bool = False
   resets_rows: bool = False
+  maps_ids: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

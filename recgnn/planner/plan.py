@@ -147,6 +147,18 @@ def check_layout(text: str, caps: Capabilities, layout: Layout) -> None:
     )
 
 
+def check_raw_ids(text: str, caps: Capabilities, specs: Sequence[TableSpec]) -> None:
+  """Refuse tables of raw ids (`TableSpec.raw_ids`) under a backend that reads ids as rows."""
+  raw = [s.name for s in specs if s.raw_ids]
+  if raw and not caps.maps_ids:
+    raise ValueError(
+      f"table{'s' * (len(raw) > 1)} {', '.join(raw)} hold{'s' * (len(raw) == 1)} raw ids (the "
+      f"schema's vocab='raw'), which backend {text!r} would read as rows: give "
+      f"{'them' if len(raw) > 1 else 'it'} a dynamic table, e.g. "
+      f'("{"|".join(raw)}", "dynamic(capacity=1_000_000)")'
+    )
+
+
 def make_group(
   text: str,
   specs: Sequence[TableSpec],
@@ -160,6 +172,7 @@ def make_group(
   mesh = default_mesh() if mesh is None else mesh
   layout = Layout() if layout is None else layout
   check_layout(text, cls.capabilities_for(options), layout)
+  check_raw_ids(text, cls.capabilities_for(options), specs)
   group = construct(cls, text, specs, mesh, layout, options)
   protocols.check(group, text)  # (a declared optional protocol is implemented)
   return group

@@ -76,6 +76,7 @@ class Dynamic(base.Backend):
       stateless_prepare=False,
       prepares_on_device=False,
       resets_rows=False,
+      maps_ids=True,
     )
 
   def __init__(self, specs, mesh, layout=None, text: str = "", **options):
@@ -83,7 +84,9 @@ class Dynamic(base.Backend):
     o = self.options
     self.capabilities = type(self).capabilities_for(options)
     cls, inner_options = _inner_class(o.inner)
-    self.inner_specs = {s.name: dataclasses.replace(s, num_rows=o.capacity) for s in specs}
+    self.inner_specs = {
+      s.name: dataclasses.replace(s, num_rows=o.capacity, raw_ids=False) for s in specs
+    }
     inner_list = list(self.inner_specs.values())
     self.inner = registry.construct(cls, o.inner, inner_list, mesh, self.layout, inner_options)
     protocols.check(self.inner, o.inner)
