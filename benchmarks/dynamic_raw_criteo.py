@@ -42,6 +42,7 @@ def _config(args, tsv: str, mode: str, cache: str, steps: int, capacity: int = 0
   c.train.eval_every = 0
   c.train.checkpoint_every = 0
   c.train.final_eval_splits = ("test",) if steps > 1 else ()
+  c.embeddings.initializer = args.initializer
   if mode == "raw":
     c.embeddings.plan = ((".*", f"dynamic(capacity={capacity}, evict=none)"),)
   return c
@@ -77,6 +78,12 @@ def main():
   p.add_argument("--steps", type=int, default=1000)
   p.add_argument("--dir", default="/tmp/recgnn_dynamic_raw")
   p.add_argument("--out", default="dynamic_raw_criteo")
+  p.add_argument(
+    "--initializer",
+    default="uniform",
+    help="uniform: U(+-1/sqrt(rows)), rows a dynamic table's capacity, a dictionary table's "
+    "cardinality; normal: N(0, 1/dim) in both modes",
+  )
   args = p.parse_args()
   payload = harness.record(args)
   os.makedirs(args.dir, exist_ok=True)
@@ -99,7 +106,8 @@ def main():
     "# Criteo-format data: raw-id mode (dynamic tables) against the dictionary", "",
     f"Command: `python benchmarks/dynamic_raw_criteo.py {' '.join(payload['argv'])}`; "
     f"{args.rows:,} synthetic rows (cardinality scale {args.scale}), smoke DLRM at batch 2048, "
-    f"{args.steps} steps; raw capacity {capacity:,} per table (dictionary's largest table "
+    f"{args.steps} steps, initializer {args.initializer}; raw capacity {capacity:,} per "
+    "table (dictionary's largest table "
     f"{dictionary['largest_table']:,} rows; evicted {raw.get('evicted')}); oracle test AUC "
     f"{info.get('oracle_auc')}; load {m.get('load_avg_at_start')} at start, "
     f"{m.get('load_avg_at_end')} at end; {m.get('cpu_model')}, {m.get('cpus')} CPUs.", "",
