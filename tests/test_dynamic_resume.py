@@ -36,7 +36,7 @@ def full(cache_dir, tmp_path_factory):
   return wd, loop.train(_config(cache_dir), wd)
 
 
-def test_resume_is_exact_and_a_changed_capacity_is_refused(cache_dir, full, tmp_path):
+def test_resume_is_exact_and_a_changed_capacity_or_policy_is_refused(cache_dir, full, tmp_path):
   # The uninterrupted run's checkpoint 4 (saved while the input thread had mapped batches
   # beyond step 4: the maps saved must be those after step 4), the later ones removed.
   wd = str(tmp_path / "wd")
@@ -54,6 +54,11 @@ def test_resume_is_exact_and_a_changed_capacity_is_refused(cache_dir, full, tmp_
     ValueError, match=r"C3 format: checkpoint 'dynamic\(capacity=64.*this run 'dynamic\(capacity=32"
   ):
     loop.train(_config(cache_dir, other), wd, resume=True)
+  lfu = (("C3", "dynamic(capacity=64, evict=lfu)"), (".*", "dense"))
+  with pytest.raises(
+    ValueError, match=r"evict=lru\)\+rows'.*this run 'dynamic\(capacity=64, admit=always, evict=lfu"
+  ):
+    loop.train(_config(cache_dir, lfu), wd, resume=True)
 
 
 def test_counters_are_logged_and_evictions_happened(full):
