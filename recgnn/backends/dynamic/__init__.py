@@ -11,9 +11,10 @@ is sequential by nature (admission and eviction decide in stream order, each id 
 before), which a compiled host loop does in tens of ns per id while the step runs; it sits
 where offload's cache planner sits (the input thread, in stream order) and gives the inner
 backend ordinary rows, so every backend (dense, offload, hot_cold, sharded, tt) takes it
-without a change to its step. The price: a host map needs the raw ids on the host (the device
-feed is refused: `prepares_on_device` is off), and it plans over the whole batch
-(`plans_globally`: every process maps the global batch, so all make the same decisions).
+without a change to its step. The price: a host map needs the raw ids on the host (under the
+device feed this group's ids are still read and prepared there: `prepares_on_device` is
+off), and it plans over the whole batch (`plans_globally`: every process maps the global
+batch, so all make the same decisions).
 
 Host side (prepare, input thread, in stream order): per table, `IdMap.map` turns ids
 int[B, L] into rows int32[B, L] (-1 for padding and for ids not admitted: they read a zero row
