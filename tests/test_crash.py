@@ -2,6 +2,7 @@
 and a fresh run refused over another run's checkpoints. Each resumed run is checked against an
 uninterrupted one, leaf for leaf."""
 
+import ast
 import errno
 import os
 import shutil
@@ -19,10 +20,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILL_STEP = 8  # the save that is interrupted; checkpoint 4 is the last complete one
 
 
-def _config(cache_dir):
+def _config(cache_dir, plan=None):
   """The smoke run on 4 of the synthetic data's tables (what a crash does to a checkpoint
   does not depend on their number; 26 cost ~3x the init, tracing and execution)."""
-  return smoke_config(cache_dir, checkpoint_every=4, tables=4)
+  return smoke_config(cache_dir, checkpoint_every=4, tables=4, plan=plan)
+
+
+# A dynamic table evicting every step: its id maps are one more item of the checkpoint.
+DYNAMIC_PLAN = (("C3", "dynamic(capacity=64, evict=lru)"), (".*", "dense"))
 
 
 _leaves = state_leaves
@@ -80,9 +85,21 @@ def test_fresh_run_over_checkpoints_is_refused(cache_dir, tmp_path):
 
 
 def test_sigkill_during_save_then_resume_is_identical(cache_dir, full_run, tmp_path):
+  _killed_then_resumed(cache_dir, full_run, tmp_path)
+
+
+@pytest.mark.long
+def test_sigkill_during_save_with_a_dynamic_table_loses_nothing(cache_dir, tmp_path):
+  full = loop.train(_config(cache_dir, DYNAMIC_PLAN), str(tmp_path / "full"))
+  _killed_then_resumed(cache_dir, full, tmp_path, DYNAMIC_PLAN)
+
+
+def _killed_then_resumed(cache_dir, full_run, tmp_path, plan=None):
+  """A run killed (SIGKILL) while checkpoint KILL_STEP is committed, resumed from the one
+  before: identical to `full_run`."""
   wd = str(tmp_path / "wd")
   proc = subprocess.run(
-    [sys.executable, os.path.abspath(__file__), "kill", wd, cache_dir],
+    [sys.executable, os.path.abspath(__file__), "kill", wd, cache_dir, repr(plan)],
     cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT},
     capture_output=True, text=True,
     timeout=600,
@@ -91,7 +108,7 @@ def test_sigkill_during_save_then_resume_is_identical(cache_dir, full_run, tmp_p
   names = os.listdir(os.path.join(wd, "checkpoints"))
   assert any(n.startswith(f"{KILL_STEP}.orbax-checkpoint-tmp") for n in names), names
   assert checkpoint.committed_steps(wd) == [4]
-  resumed = loop.train(_config(cache_dir), wd, resume=True)
+  resumed = loop.train(_config(cache_dir, plan), wd, resume=True)
   _assert_same(full_run, resumed)
   assert not any(checkpoint.TMP_MARK in n for n in os.listdir(os.path.join(wd, "checkpoints")))
 
@@ -178,9 +195,9 @@ def test_non_finite_loss_stops_with_step_and_tables(cache_dir, tmp_path, monkeyp
 
 
 if __name__ == "__main__":  # the killed run of test_sigkill_during_save_then_resume_is_identical
-  _, what, workdir, cache = sys.argv
+  _, what, workdir, cache, plan = sys.argv
   assert what == "kill"
   target, name, hook = _finalize_hook(lambda: os.kill(os.getpid(), signal.SIGKILL))
   setattr(target, name, hook)
-  loop.train(_config(cache), workdir)
+  loop.train(_config(cache, ast.literal_eval(plan)), workdir)
   sys.exit("not killed")

@@ -55,12 +55,12 @@ PLAN = (("C(1|2|3)$", "sharded"), (".*", "dense"))
 TABLES = ("C1", "C2", "C3", "C4")
 
 
-def _config(cache_dir, steps):
+def _config(cache_dir, steps, plan=PLAN):
   from tests.trainer_lib import smoke_config
 
   # No eval: the reference is compared by its state, and an eval step is one more compile.
   c = smoke_config(
-    cache_dir, steps=steps, mesh=(2, 4), plan=PLAN, tables=TABLES, final_eval_splits=()
+    cache_dir, steps=steps, mesh=(2, 4), plan=plan, tables=TABLES, final_eval_splits=()
   )
   c.train.order_shards = 2  # (each process's slice of a batch from its own rows)
   return c
@@ -115,6 +115,40 @@ def test_two_processes_match_one_process_with_8_devices(tmp_path, ctr_cache, one
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
   for key, group in ref.plan.groups.items():
     ta, tb = group.tables(ref.state.emb[key]), group.tables(restored.emb[key])
+    for n in ta:
+      np.testing.assert_allclose(ta[n], tb[n], rtol=1e-5, atol=1e-7, err_msg=n)
+
+
+# A dynamic table (capacity below a batch's distinct ids: admissions, evictions and
+# rejections every step) beside the sharded and dense ones.
+DYNAMIC_PLAN = (("C3", "dynamic(capacity=64, evict=lru)"), ("C(1|2)$", "sharded"), (".*", "dense"))
+
+
+@many_processes
+@pytest.mark.long
+def test_dynamic_tables_decide_the_same_in_every_process(tmp_path, ctr_cache):
+  """2 processes x 4 devices against 1 x 8: the same maps (each process maps the whole
+  batch in stream order) and the same tables."""
+  steps = 8
+  extra = [f"--config.train.steps={steps}", "--config.train.checkpoint_every=0",
+           "--config.mesh.data=2", "--config.mesh.model=4",
+           f"--config.embeddings.plan={DYNAMIC_PLAN}", "--config.train.order_shards=2",
+           "--config.train.final_eval_splits=()"]  # fmt: skip
+  procs = _launch(str(tmp_path / "mp"), ctr_cache, _free_port(), extra)
+  outs = [p.communicate(timeout=600)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  ref = loop.train(_config(ctr_cache, steps, DYNAMIC_PLAN), str(tmp_path / "one"))
+  (key,) = [k for k, g in ref.plan.groups.items() if g.name == "dynamic"]
+  group = ref.plan.groups[key]
+  mine = {n: m.arrays() for n, m in group.maps.items()}
+  assert group.maps["C3"].counters()["evicted"] > 0
+  restored = checkpoint.Checkpointer(str(tmp_path / "mp")).restore(ref.state, ref.plan)
+  for n, arrays in mine.items():  # (the restore put process 0's saved maps in the group)
+    for k, v in group.maps[n].arrays().items():
+      np.testing.assert_array_equal(v, arrays[k], err_msg=f"{n} map {k}")
+  for key, g in ref.plan.groups.items():
+    ta, tb = g.tables(ref.state.emb[key]), g.tables(restored.emb[key])
     for n in ta:
       np.testing.assert_allclose(ta[n], tb[n], rtol=1e-5, atol=1e-7, err_msg=n)
 

@@ -65,7 +65,11 @@ def test_who_implements_declares_and_implements_it(tmp_path):
 
 @pytest.mark.parametrize(
   "text, want",
-  [("tt(rank=4)", []), ("dense", ["DevicePrepare"]), ("sharded(kind=table)", ["DevicePrepare"])],
+  [
+    ("tt(rank=4)", []),
+    ("dense", ["DevicePrepare", "RowReset"]),
+    ("sharded(kind=table)", ["DevicePrepare"]),
+  ],
 )
 def test_what_a_backend_declares_is_all_it_opts_into(text, want):
   group = planner.make_group(text, [SPEC], sharding.make_mesh(2, 4))

@@ -77,6 +77,9 @@ PLANS = {
   # tables in the group, half their rows hot: examples popular enough to split on 8 devices
   # (32 examples each) too.
   "hot_cold": (("C(3|4)", "hot_cold(budget=0.5, profile_batches=4)"), (".*", "dense")),
+  # Raw ids into 64 rows (a batch's distinct ids are more): rows evicted and reset every step,
+  # two tables in one fused dense array, the reset lists of a call padded to one length.
+  "dynamic": (("C(3|4)", "dynamic(capacity=64, evict=lru)"), (".*", "dense")),
 }
 
 
@@ -126,6 +129,7 @@ CASES = [
   pytest.param("hot_cold", (1, 1), marks=pytest.mark.long),  # (~3 min: 4 programs)
   pytest.param("hot_cold", (8, 1), marks=pytest.mark.long),
   pytest.param("hot_cold", (2, 4), marks=pytest.mark.slow),
+  pytest.param("dynamic", (1, 1), marks=pytest.mark.long),
 ]
 
 

@@ -77,13 +77,15 @@ class Dense(base.TableBackend):
 
   Options = DenseOptions
   # (its prepare: padding mapped and a dedup, per batch; nothing kept)
-  capabilities = base.Capabilities(stateless_prepare=True, prepares_on_device=True)
+  capabilities = base.Capabilities(
+    stateless_prepare=True, prepares_on_device=True, resets_rows=True
+  )
 
   @classmethod
   def capabilities_for(cls, options):
     # dedup=host asks for the host's dedup: its ids must reach the host.
     on_device = cls.Options.parse(options).dedup != "host"
-    return base.Capabilities(stateless_prepare=True, prepares_on_device=on_device)
+    return base.Capabilities(stateless_prepare=True, prepares_on_device=on_device, resets_rows=True)
 
   def __init__(self, spec: base.TableSpec, mesh, layout: base.Layout | None = None, **options):
     super().__init__(spec, mesh, layout, **options)
@@ -196,6 +198,16 @@ class Dense(base.TableBackend):
     prepared = {**prepared, "ids": self.device_ids(prepared["ids"])}
     table, slots = base.sparse_sgd_or_adagrad(self.spec, state["table"], slots, prepared, grads)
     return {"table": table, **slots}
+
+  def reset_rows(self, state, resets):
+    """resets {"slots": int32[R] (out of range: none), "rows": f32[R, D]}: those rows set,
+    their optimizer slots back to the initial value (a dynamic table's reused rows)."""
+    at = resets["slots"]
+    init = self.spec.optimizer.initial_accumulator
+    out = {"table": state["table"].at[at].set(resets["rows"], mode="drop")}
+    for k in self.spec.optimizer.slot_names():
+      out[k] = state[k].at[at].set(init, mode="drop")
+    return out
 
   # ------------------------------------------------------------------------- row-sharded
 

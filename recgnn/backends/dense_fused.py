@@ -136,6 +136,18 @@ class FusedDense(TableGroup):
     out = {s: state[s].at[at].set(jnp.concatenate(new_slots[s]), mode="drop") for s in new_slots}
     return {"table": table, **out}
 
+  def reset_rows(self, state, resets):
+    """As `Dense.reset_rows`, each table's rows shifted into the fused array."""
+    names = [n for n in self.members if n in resets]
+    if not names:
+      return state
+    at = jnp.concatenate([self._shift(n, resets[n]["slots"]) for n in names])
+    rows = jnp.concatenate([resets[n]["rows"] for n in names])
+    init = self.spec0.optimizer.initial_accumulator
+    out = {"table": state["table"].at[at].set(rows, mode="drop")}
+    out.update({s: state[s].at[at].set(init, mode="drop") for s in self.slot_names})
+    return out
+
   def _group_dedup(self, prepared) -> dict:
     """dedup=device: every table's (unique, inverse) from ONE sort of the group's shifted ids
     (an accelerator sorts the group once, not once per table). The tables own disjoint,

@@ -86,7 +86,7 @@ KAGGLE_CARDINALITIES = (
   1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
   27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 )  # fmt: skip
-CATEGORICAL_MODES = ("frequency", "hash")
+CATEGORICAL_MODES = ("frequency", "hash", "raw")
 CACHE_VERSION = ctr_cache.CACHE_VERSION
 
 _PAD = 8  # bytes of slack before and after a block, so 8-byte loads never leave the buffer
@@ -104,7 +104,8 @@ class ReaderConfig:
   """How TSV files become ids and features.
 
   Attributes:
-    categorical: "frequency" (contiguous ids by count, a counting pass first) or "hash".
+    categorical: "frequency" (contiguous ids by count, a counting pass first), "hash", or
+      "raw" (the keys as ids, no counting pass: for dynamic tables; recgnn.data.ctr_schema).
     min_count: "frequency": values seen fewer times share UNKNOWN_ID.
     hash_sizes: "hash": rows per table, one int for all tables or 26 ints (>= 3 each).
     max_bad_lines: malformed lines tolerated regardless of file size.
@@ -153,6 +154,8 @@ class ReaderConfig:
     """The fields that change the cached arrays (the error budget does not)."""
     if self.categorical == "hash":
       return {"categorical": "hash", "hash_sizes": list(self.table_sizes())}
+    if self.categorical == "raw":
+      return {"categorical": "raw"}
     return {"categorical": "frequency", "min_count": self.min_count}
 
 

@@ -399,7 +399,8 @@ def _write_arrays(
     }
     _remap(tmp, columns, vocab, progress)
   cardinalities = [
-    c.hash_size if c.vocab == "hash" else FIRST_ID + vocab[t][0].size for t, c in enumerate(columns)
+    c.folded_rows if c.vocab != "frequency" else FIRST_ID + vocab[t][0].size
+    for t, c in enumerate(columns)
   ]
   return {"file_rows": file_rows, "positives": positives, "cardinalities": cardinalities}
 

@@ -38,15 +38,15 @@ def lookup(col: np.ndarray, vals: np.ndarray, ids: np.ndarray, sorted_threshold:
 
 
 def column_ids(raw, state, columns: Sequence[Categorical], vocab=None) -> np.ndarray:
-  """raw keys [n, S], state uint8[n, S] -> int32[n, S] ids: hash columns by their size,
-  frequency columns through `vocab` ({column index: (vals, ids)})."""
+  """raw keys [n, S], state uint8[n, S] -> int32[n, S] ids: hash and raw columns folded into
+  their id space, frequency columns through `vocab` ({column index: (vals, ids)})."""
   out = np.empty(raw.shape, np.int32)
   o = offsets(columns)
   for t, c in enumerate(columns):
     sl = slice(o[t], o[t + 1])
     r = raw[:, sl]
-    if c.vocab == "hash":
-      m = np.asarray(c.hash_size - FIRST_ID, r.dtype)
+    if c.vocab in ("hash", "raw"):
+      m = np.asarray(c.folded_rows - FIRST_ID, r.dtype)
       out[:, sl] = FIRST_ID + (r % m).astype(np.int64)
     else:
       vals, ids = vocab[t]

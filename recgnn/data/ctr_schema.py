@@ -17,6 +17,12 @@ integer, mod 2^64), then ids by `vocab`:
   "frequency": keys seen >= min_count times get ids FIRST_ID, FIRST_ID + 1, ... by decreasing
                count (ties by key), rarer keys UNKNOWN_ID; counted over every row.
   "hash":      FIRST_ID + key % (hash_size - FIRST_ID).
+  "raw":       the key itself as the id, for a dynamic table (`dynamic(...)`, which maps ids
+               to rows as they come): no counting pass, no table-sized modulo. The cache
+               holds int32 ids, so the 64-bit key is folded to 31 bits (FIRST_ID + key %
+               (RAW_ROWS - FIRST_ID)): two keys of n distinct share an id with probability
+               about n / 2^31 (0.05% of ids at 1M distinct). The table's spec says raw_ids, and
+               the plan refuses any backend but a dynamic one for it.
 
 Dense fields: decimal numbers, empty -> 0, transformed by `dense_transform` ("log":
 log(max(x, 0) + 1) as DLRM does for Criteo; "none"). The label is 0 or 1.
@@ -42,7 +48,9 @@ PAD = -1  # an empty slot of a multi-hot bag (recgnn.embeddings.base.PAD)
 
 FORMATS = ("tsv", "csv", "parquet")
 KINDS = ("string", "int", "hex")
-VOCABS = ("frequency", "hash")
+VOCABS = ("frequency", "hash", "raw")
+#: The id space of a vocab="raw" column (the cache's int32 ids).
+RAW_ROWS = 2**31 - 1
 OVERFLOWS = ("truncate", "error")
 DENSE_TRANSFORMS = ("log", "none")
 _DELIMITERS = {"tsv": "\t", "csv": ",", "parquet": ""}
@@ -86,7 +94,7 @@ class Categorical:
       must differ from the file's delimiter).
     overflow: a bag longer than `bag`: "truncate" (keep the first `bag`) or "error".
     kind: how a value becomes a key: "string", "int" or "hex" (see the module docstring).
-    vocab: "frequency" (min_count) or "hash" (hash_size).
+    vocab: "frequency" (min_count), "hash" (hash_size) or "raw" (for a dynamic table).
     min_count: "frequency": keys seen fewer times share UNKNOWN_ID.
     hash_size: "hash": rows of the table (>= FIRST_ID + 1).
     pooling: how the model reduces the bag, "sum" or "mean" ("" = the task's default).
@@ -122,6 +130,11 @@ class Categorical:
   def multi_hot(self) -> bool:
     return self.bag > 1
 
+  @property
+  def folded_rows(self) -> int:
+    """ "hash" / "raw": the id space keys are folded into (hash_size; RAW_ROWS)."""
+    return RAW_ROWS if self.vocab == "raw" else self.hash_size
+
   def id_key(self) -> dict[str, Any]:
     """What changes this column's ids (the cache key's part)."""
     key = {"name": self.name, "bag": self.bag, "kind": self.kind, "vocab": self.vocab}
@@ -129,7 +142,7 @@ class Categorical:
       key.update(separator=self.separator, overflow=self.overflow)
     if self.vocab == "hash":
       key["hash_size"] = self.hash_size
-    else:
+    elif self.vocab == "frequency":
       key["min_count"] = self.min_count
     return key
 

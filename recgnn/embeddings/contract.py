@@ -29,6 +29,7 @@ and refuses a backend that declares one without its methods):
   MicroBatching        Capabilities.splits_batch    micro_batches, lookup_micro (no default)
   StreamedCheckpoints  reads_streams() -> True      reads_streams
   AutoCandidates       overriding the classmethod   auto_candidates(spec, AutoContext)
+  RowReset             Capabilities.resets_rows     reset_rows (raises by default)
 
 Pooled in, pooled out: a model-parallel backend moves [B, D] blocks, never [B, L, D]. The
 lookup sits outside `value_and_grad`; `update` gets d loss / d pooled, so a backward
@@ -117,6 +118,11 @@ class Capabilities:
     prepares_on_device: `prepare_on_device` makes, inside the jitted step, from the batch's
       device ids, what `prepare` would (dense, sharded): the device feed then never reads
       this group's ids on the host (`Layout.ids_on_device`).
+    resets_rows: `reset_rows` puts given rows back to given values with fresh optimizer
+      state inside the step (dense): a dynamic table (`dynamic(inner=...)`) that reuses an
+      evicted row needs it.
+    maps_ids: `prepare` maps raw ids to rows of its own (dynamic): the only kind of backend
+      a table of raw ids (`TableSpec.raw_ids`) may have.
   """
 
   needs_split_ids: bool = False
@@ -127,6 +133,8 @@ class Capabilities:
   stacks_calls: bool = False
   stateless_prepare: bool = False
   prepares_on_device: bool = False
+  resets_rows: bool = False
+  maps_ids: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +400,16 @@ class Backend(abc.ABC):
     under `Layout.ids_on_device`, as jax arrays of the same structure, shapes and dtypes."""
     raise NotImplementedError(
       f"backend {self.text!r} prepares its ids on the host (no Capabilities.prepares_on_device)"
+    )
+
+  # ---- RowReset (Capabilities.resets_rows): rows put back to new values in the step
+
+  def reset_rows(self, state: PyTree, resets: dict[str, dict[str, jax.Array]]) -> PyTree:
+    """Jit-able (capability `resets_rows` only): resets {table: {"slots": int32[R] (rows;
+    out of range: none), "rows": f32[R, D]}} -> the state with each listed row's values set
+    to its `rows` entry and its optimizer slots to their initial value. O(R * D)."""
+    raise NotImplementedError(
+      f"backend {self.text!r} cannot reset rows in the step (no Capabilities.resets_rows)"
     )
 
   # ---- Replanning (Capabilities.replans_shapes): static shapes re-planned

@@ -129,6 +129,11 @@ class TableGroup(Backend):
       for n, m in self.members.items()
     }
 
+  def reset_rows(self, state, resets):
+    return {
+      n: self.members[n].reset_rows(s, resets[n]) if n in resets else s for n, s in state.items()
+    }
+
   def memory(self):
     return {n: m.memory() for n, m in self.members.items()}
 

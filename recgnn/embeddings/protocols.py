@@ -19,6 +19,7 @@ protocols a backend opts into, each declared (never found by `hasattr`).
   StreamedCheckpoints   reads_streams (export may give a          reads_streams() -> True
                         StreamedTable, import_ a TableReader)
   AutoCandidates        auto_candidates (a classmethod)           overriding it
+  RowReset              reset_rows                                Capabilities.resets_rows
 
 `Backend` (recgnn.embeddings.contract) keeps a no-op default of every optional method the
 trainer calls on every group (a backend that opts into nothing is called through them); the
@@ -118,6 +119,17 @@ class AutoCandidates(Protocol):
     """Plan strings worth trying for `spec` (default: none)."""
 
 
+class RowReset(Protocol):
+  """Rows put back to given values with fresh optimizer state inside the step
+  (`Capabilities.resets_rows`; dense): what a dynamic table needs of its inner backend to
+  reuse an evicted row (recgnn/backends/dynamic/)."""
+
+  REQUIRED: ClassVar[tuple[str, ...]] = ("reset_rows",)
+
+  def reset_rows(self, state: PyTree, resets: dict) -> PyTree:
+    """Inside jit: {table: {"slots": int32[R], "rows": f32[R, D]}} -> the state reset."""
+
+
 #: Each optional protocol and how a backend declares it: a `Capabilities` field, or a
 #: method it overrides (None: `reads_streams()` answering True, `auto_candidates` overridden
 #: on the class; the planner asks every registered class, so a group is not checked for it).
@@ -128,6 +140,7 @@ OPTIONAL: dict[type, str | None] = {
   MicroBatching: "splits_batch",
   StreamedCheckpoints: None,
   AutoCandidates: None,
+  RowReset: "resets_rows",
 }
 
 

@@ -120,6 +120,10 @@ class TableSpec:
     initializer: `uniform` U(-1/sqrt(num_rows), 1/sqrt(num_rows)) as in the DLRM reference,
       `normal` N(0, 1/dim), or `zeros`.
     pooling: how a multi-hot bag is reduced: `sum` or `mean` over its non-padded ids.
+    raw_ids: the table's ids are raw keys (a CTR schema's vocab="raw"), not rows: num_rows is
+      the id space, which only a backend that maps ids to rows of its own takes
+      (`Capabilities.maps_ids`: dynamic); the plan refuses any other. (Not in repr: the
+      auto planner's cost cache keys by it.)
   """
 
   name: str
@@ -128,6 +132,7 @@ class TableSpec:
   optimizer: OptimizerSpec = OptimizerSpec()
   initializer: str = "uniform"
   pooling: str = "sum"
+  raw_ids: bool = dataclasses.field(default=False, repr=False)
 
   def __post_init__(self):
     if self.num_rows <= 0 or self.dim <= 0:

@@ -15,7 +15,6 @@ anything.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
 import importlib.metadata
@@ -35,12 +34,14 @@ from recgnn.embeddings.contract import (
   Backend,
   Capabilities,
   Layout,
-  valid_options,
 )
-from recgnn.embeddings.group import TableGroup
-from recgnn.embeddings.registry import REGISTRY, register_backend
+from recgnn.embeddings.registry import (  # noqa: F401 (parse_backend: the planner's name too)
+  REGISTRY,
+  construct,
+  parse_backend,
+  register_backend,
+)
 from recgnn.embeddings.specs import TableSpec
-from recgnn.embeddings.table_backend import TableBackend
 
 # ----------------------------------------------------------------------------- registry
 
@@ -127,32 +128,6 @@ def capabilities_of(text: str) -> Capabilities:
 # ----------------------------------------------------------------------------- plan
 
 
-_BACKEND_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?\s*$", re.S)
-
-
-def parse_backend(text: str) -> tuple[str, dict[str, Any]]:
-  """'tt(rank=32, kernel=prefix)' -> ('tt', {'rank': 32, 'kernel': 'prefix'}).
-
-  Option values are Python literals; bare words are strings. `_` separators allowed in ints.
-  """
-  m = _BACKEND_RE.match(text)
-  if not m:
-    raise ValueError(f"Cannot parse backend {text!r}; expected NAME or NAME(key=value, ...)")
-  name, args = m.group(1), (m.group(2) or "").strip()
-  options: dict[str, Any] = {}
-  if args:
-    try:
-      call = ast.parse(f"f({args})", mode="eval").body
-    except SyntaxError as e:
-      raise ValueError(f"Cannot parse options of backend {text!r}: {e.msg}") from None
-    if call.args:
-      raise ValueError(f"Backend {text!r}: options must be key=value")
-    for kw in call.keywords:
-      v = kw.value
-      options[kw.arg] = v.id if isinstance(v, ast.Name) else ast.literal_eval(v)
-  return name, options
-
-
 def default_mesh() -> jax.sharding.Mesh:
   """The 1 x 1 mesh on the first device (tests, benchmarks and tools without a config)."""
   return sharding.make_mesh(1, 1)
@@ -172,6 +147,18 @@ def check_layout(text: str, caps: Capabilities, layout: Layout) -> None:
     )
 
 
+def check_raw_ids(text: str, caps: Capabilities, specs: Sequence[TableSpec]) -> None:
+  """Refuse tables of raw ids (`TableSpec.raw_ids`) under a backend that reads ids as rows."""
+  raw = [s.name for s in specs if s.raw_ids]
+  if raw and not caps.maps_ids:
+    raise ValueError(
+      f"table{'s' * (len(raw) > 1)} {', '.join(raw)} hold{'s' * (len(raw) == 1)} raw ids (the "
+      f"schema's vocab='raw'), which backend {text!r} would read as rows: give "
+      f"{'them' if len(raw) > 1 else 'it'} a dynamic table, e.g. "
+      f'("{"|".join(raw)}", "dynamic(capacity=1_000_000)")'
+    )
+
+
 def make_group(
   text: str,
   specs: Sequence[TableSpec],
@@ -185,18 +172,8 @@ def make_group(
   mesh = default_mesh() if mesh is None else mesh
   layout = Layout() if layout is None else layout
   check_layout(text, cls.capabilities_for(options), layout)
-  try:
-    if issubclass(cls, TableBackend):
-      group = (cls.group_class(specs, options) or TableGroup)(
-        cls, specs, mesh, layout, text, **options
-      )
-    else:
-      group = cls(specs, mesh, layout, text=text, **options)
-  except TypeError as e:
-    raise ValueError(
-      f"Bad options for backend {text!r}: {e}; valid options: "
-      f"{', '.join(valid_options(cls)) or 'none'}"
-    ) from None
+  check_raw_ids(text, cls.capabilities_for(options), specs)
+  group = construct(cls, text, specs, mesh, layout, options)
   protocols.check(group, text)  # (a declared optional protocol is implemented)
   return group
 

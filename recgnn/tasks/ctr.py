@@ -280,13 +280,29 @@ class CTR(Task):
     own = {c["name"]: c.get("pooling", "") for c in schema.get("categorical", ())}
     return [own.get(n) or default for n in self.names]
 
+  def raw_tables(self) -> set[str]:
+    """The tables whose ids are raw keys (a schema column's vocab="raw", or every table of
+    the Criteo reader's categorical="raw"): dynamic tables only."""
+    manifest = getattr(self.data, "manifest", {})
+    if (manifest.get("reader") or {}).get("categorical") == "raw":
+      return set(self.names)
+    schema = manifest.get("schema") or {}
+    return {c["name"] for c in schema.get("categorical", ()) if c.get("vocab") == "raw"}
+
   def tables(self) -> list[TableSpec]:
     e = self.config.embeddings
     opt = OptimizerSpec(**e.optimizer.to_dict())
+    raw = self.raw_tables()
     return [
       TableSpec(
-        name=n, num_rows=int(c), dim=e.dim, optimizer=opt, initializer=e.initializer, pooling=p
-      )
+        name=n,
+        num_rows=int(c),
+        dim=e.dim,
+        optimizer=opt,
+        initializer=e.initializer,
+        pooling=p,
+        raw_ids=n in raw,
+      )  # fmt: skip
       for n, c, p in zip(self.names, self.data.cardinalities, self.poolings())
     ]
 
