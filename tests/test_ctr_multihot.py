@@ -9,6 +9,7 @@ import pytest
 
 from recgnn.data import multihot
 from recgnn.train import loop
+from tests import contract_lib
 from tests.trainer_lib import skip_unless_devices, smoke_config
 
 
@@ -69,35 +70,6 @@ def test_task_batches_carry_the_bags(cache_dir):
   assert all(s.pooling == "sum" for s in task.tables())
 
 
-def _bag_lookups_match_numpy(result, bags: dict[str, int], batch: int = 16) -> int:
-  """Every group of a trained run: its lookup of fresh bags (`bags`: each table's size, up
-  to 100 ids; a random tail of each bag padded, empty bags among them) equals numpy's pooling
-  (the table's own: sum or mean) of the group's own tables (`group.tables`: rows; TT's
-  reconstruction from its cores). Returns how many tables were checked."""
-  import jax
-
-  from tests import contract_lib
-
-  rng = np.random.default_rng(7)
-  mesh = result.plan.mesh
-  checked = 0
-  for key, group in result.plan.groups.items():
-    state = result.state.emb[key]
-    ids = {}
-    for t, spec in group.specs.items():
-      x = rng.integers(0, spec.num_rows, (batch, bags[t]), dtype=np.int32)
-      kept = rng.integers(0, bags[t] + 1, (batch, 1))  # ids kept at the front of each bag
-      ids[t] = np.where(np.arange(bags[t]) < kept, x, -1).astype(np.int32)
-    prepared = contract_lib.put_prepared(group, group.prepare(ids, [], train=False), mesh)
-    pooled, _ = jax.jit(group.lookup)(state, prepared)
-    tables = group.tables(state)
-    for t, spec in group.specs.items():
-      want = contract_lib.pooled_reference(np.asarray(tables[t]), ids[t], spec.pooling)
-      np.testing.assert_allclose(np.asarray(pooled[t]), want, rtol=1e-5, atol=1e-5, err_msg=t)
-      checked += 1
-  return checked
-
-
 def _trained_tables(result) -> dict[str, np.ndarray]:
   """{table: its trained rows} over every group of a run (TT's: its reconstruction)."""
   out = {}
@@ -138,7 +110,7 @@ def test_multihot_trains_through_every_backend_on_2x4(cache_dir, tmp_path, backe
   for t in TABLES:
     if not backend.startswith("tt"):  # (tt trains another model: even C1 differs)
       np.testing.assert_allclose(got[t], dense_2x4[t], rtol=1e-5, atol=1e-6, err_msg=t)
-  assert _bag_lookups_match_numpy(result, dict(zip(TABLES, SIZES))) == len(TABLES)
+  assert contract_lib.lookups_match_own_tables(result, dict(zip(TABLES, SIZES))) == len(TABLES)
 
 
 def test_dot_and_mean_pooling_on_one_device(cache_dir, tmp_path):
@@ -150,7 +122,7 @@ def test_dot_and_mean_pooling_on_one_device(cache_dir, tmp_path):
   assert all(s.pooling == "mean" for s in task.tables())
   result = loop.train(c, str(tmp_path))
   assert np.isfinite(result.metrics["test/logloss"])
-  assert _bag_lookups_match_numpy(result, dict(zip(TABLES, SIZES))) == len(TABLES)
+  assert contract_lib.lookups_match_own_tables(result, dict(zip(TABLES, SIZES))) == len(TABLES)
 
 
 def test_own_multihot_tsv_by_schema(cache_dir, tmp_path):
@@ -179,7 +151,8 @@ def test_own_multihot_tsv_by_schema(cache_dir, tmp_path):
   assert [s.pooling for s in task.tables()] == ["sum", "mean"]
   result = loop.train(c, str(tmp_path / "wd"))
   assert np.isfinite(result.metrics["test/logloss"])
-  assert _bag_lookups_match_numpy(result, {"ad": 1, "tags": 3}) == 2  # tags: a mean of 0-3
+  bags = {"ad": 1, "tags": 3}  # tags: a mean of 0 to 3 ids
+  assert contract_lib.lookups_match_own_tables(result, bags) == 2
 
 
 def test_dlrmv2_experiment_config(tmp_path):
