@@ -59,9 +59,10 @@ from recgnn import comms, sharding
 from recgnn.tasks import link_prediction as lp
 from recgnn.train import loop, setup
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+RESULTS = str(harness.RESULTS)
 
 _SECTIONS = flags.DEFINE_string("sections", "kge,rgcn", "kge, rgcn, parallel, planted")
+_QUICK = flags.DEFINE_bool("quick", False, "smoke run, not figures: 0.02 epochs, evals every one")
 _DECODER = flags.DEFINE_string("decoder", "complex", "kge section: decoder")
 _EPOCHS = flags.DEFINE_float("epochs", 0, "kge section: epochs (0 = the experiment's)")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every_epochs", 5, "kge section: valid eval period")
@@ -759,6 +760,8 @@ def _load(name):
 
 def main(argv):
   del argv
+  if _QUICK.value:
+    flags.FLAGS.epochs, flags.FLAGS.rgcn_epochs, flags.FLAGS.eval_every_epochs = 0.02, 0.02, 1
   sections = [s.strip() for s in _SECTIONS.value.split(",") if s.strip()]
   for s in sections:
     if s not in ("kge", "rgcn", "kge_rescan", "parallel", "planted"):

@@ -444,7 +444,14 @@ def main(argv=None):
   ap.add_argument("--checkpoint", action="store_true", help="save + restore one checkpoint")
   ap.add_argument("--out", default="ssd_tier")
   ap.add_argument("--one", default="", help="(internal) run one configuration, print JSON")
+  ap.add_argument(
+    "--quick",
+    action="store_true",
+    help="smoke run, not figures: 50,000 rows, batch 256, 4 steps, one host cache",
+  )
   args = ap.parse_args(argv)
+  if args.quick:
+    args.rows, args.batch, args.warmup, args.steps, args.host_caches = 50_000, 256, 2, 4, "0.1"
   if args.one.startswith("restore:"):
     cfg = args.one.partition(":")[2]
     out = restore_one(args, None if cfg == "ram" else float(cfg))
