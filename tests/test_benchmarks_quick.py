@@ -34,6 +34,7 @@ def test_every_benchmark_has_a_quick_form():
 
 
 @pytest.mark.long
+@pytest.mark.timeout(LIMIT_S + 60)  # (over the suite's 900 s: the run's own bound ends it first)
 @pytest.mark.parametrize("name", BENCHMARKS)
 def test_quick_form_runs_to_completion(name, tmp_path):
   out = tmp_path / "results"
