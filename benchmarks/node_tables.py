@@ -118,11 +118,11 @@ def main(argv=None):
   p.add_argument(
     "--quick",
     action="store_true",
-    help="smoke run, not figures: 2,000 nodes, 10 steps, 1x1, three backends",
+    help="smoke run, not figures: 10 steps, 1x1, three backends",
   )
   args = p.parse_args(argv)
   if args.quick:
-    args.nodes, args.steps, args.meshes, args.tables = 2_000, 10, "1x1", "dense,offload,tt"
+    args.steps, args.meshes, args.tables = 10, "1x1", "dense,offload,tt"
   if args.render:
     path = pathlib.Path(args.render)
     path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
