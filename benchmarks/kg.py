@@ -177,11 +177,13 @@ def run_kge():
   decoder = _DECODER.value
   start = _machine()
   cfg = kge_fb15k237.get_config(decoder)
-  if _EPOCHS.value:
-    e = _EPOCHS.value
-    cfg.train.epochs = int(e) if float(e).is_integer() else e
   task = _task(cfg)
   spe = task.steps_per_epoch()
+  if _EPOCHS.value:  # (train.epochs is an int: a fraction of an epoch as steps)
+    e = _EPOCHS.value
+    whole = float(e).is_integer()
+    cfg.train.epochs, cfg.train.steps = (int(e), 0) if whole else (0, max(4, round(spe * e)))
+    cfg.train.log_every = cfg.train.log_every if whole else max(1, cfg.train.steps // 4)
   cfg.train.eval_every = int(spe * _EVAL_EVERY.value)
   workdir = os.path.join(_WORKDIR.value, f"kge_{decoder}_{int(time.time())}")
   earlier = 0.0

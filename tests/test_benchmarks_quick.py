@@ -19,6 +19,15 @@ BENCHMARKS = sorted(
 )
 # Those that print their table and write no results file unless asked (--out).
 PRINTS_ONLY = {"ssd_io"}
+# Known to refuse, saying why (strict: one that starts to pass must leave this list).
+REFUSES = {
+  "hot_cold": "prepares every batch before replaying the steps: not ported to the host tier's "
+  "write-backs (it says so and exits 1); tier_scaling.py and memory_tiers.py time hot_cold",
+}
+CASES = [
+  pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=REFUSES[n])) if n in REFUSES else n
+  for n in BENCHMARKS
+]
 LIMIT_S = 1200  # per benchmark: a quick form takes ~1-5 minutes on 2 loaded cores
 
 
@@ -35,7 +44,7 @@ def test_every_benchmark_has_a_quick_form():
 
 @pytest.mark.long
 @pytest.mark.timeout(LIMIT_S + 60)  # (over the suite's 900 s: the run's own bound ends it first)
-@pytest.mark.parametrize("name", BENCHMARKS)
+@pytest.mark.parametrize("name", CASES)
 def test_quick_form_runs_to_completion(name, tmp_path):
   out = tmp_path / "results"
   env = {**os.environ, "RECGNN_BENCH_RESULTS": str(out), "PYTHONPATH": str(ROOT)}
