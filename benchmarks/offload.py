@@ -317,7 +317,10 @@ def main(argv=None):
     "target_ratio": TARGET_RATIO,
   }
   harness.write_results(args.out, payload, markdown(payload))
-  plot(payload, RESULTS / f"{args.out}.png")
+  if harness.can_plot():
+    plot(payload, RESULTS / f"{args.out}.png")
+  else:
+    print("no plot (matplotlib not installed): pip install matplotlib")
 
 
 if __name__ == "__main__":

@@ -477,8 +477,10 @@ def main(argv=None):
   shutil.rmtree(args.dir, ignore_errors=True)
   payload["results"] = results
   harness.write_results(args.out, payload, markdown(payload))
-  if not args.skip_ram:
+  if not args.skip_ram and harness.can_plot():
     plot(payload, RESULTS / f"{args.out}.png")
+  elif not args.skip_ram:
+    print("no plot (matplotlib not installed): pip install matplotlib")
 
 
 if __name__ == "__main__":
