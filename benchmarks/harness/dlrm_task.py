@@ -52,8 +52,7 @@ class GivenTables(ctr.CTR):
   def train_batches(self, start_step=0):
     if not self.batches:
       raise NotImplementedError("GivenTables has no dataset: feed the step batches yourself")
-    for k in itertools.count(start_step):
-      yield self.batches[k % len(self.batches)]
+    return (self.batches[k % len(self.batches)] for k in itertools.count(start_step))
 
   def eval_batches(self, split):
     raise NotImplementedError("GivenTables has no dataset: feed the step batches yourself")
