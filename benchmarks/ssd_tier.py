@@ -452,6 +452,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.quick:
     args.rows, args.batch, args.warmup, args.steps, args.host_caches = 50_000, 256, 2, 4, "0.1"
+    args.cache_rows = args.batch * args.bag  # (a 1% cache of 50k rows is under a batch's)
   if args.one.startswith("restore:"):
     cfg = args.one.partition(":")[2]
     out = restore_one(args, None if cfg == "ram" else float(cfg))
