@@ -41,7 +41,6 @@ import tempfile
 import time
 
 import harness
-import numpy as np
 
 from recgnn.embeddings import base
 from recgnn.planner import auto
@@ -71,8 +70,8 @@ def hand_written(
   where an offload cache of that fraction could not hold one batch's distinct rows, the
   table goes to hot_cold at the fraction);
   then the largest tables alternately to offload and hot_cold; then a graded plan, the
-  largest tables at the smallest fraction and the next ones at the next larger. need: each
-  table's most distinct ids in a batch, with the planner's headroom (it tries no smaller cache);
+  largest tables at the smallest fraction and the next ones at the next larger. need: the
+  most distinct rows a train batch of each table can touch (offload's own bound on its cache);
   shapes: a train batch's ids shapes, for the buffers a plan's state holds per batch (the
   host tiers' rings of recent write-backs)."""
   by_size = sorted(specs, key=lambda s: -dense_bytes[s.name])
@@ -107,7 +106,7 @@ def hand_written(
     return f"{kind}({opt}={f})"
 
   def fits_batch(f, s, kind="offload"):
-    return kind != "offload" or f * s.num_rows >= need[s.name] * auto.OFFLOAD_HEADROOM
+    return kind != "offload" or f * s.num_rows >= need[s.name]
 
   def placed(kind, f, s):
     """`kind` at f, or hot_cold at f where an offload cache of f could not hold a batch."""
@@ -290,7 +289,7 @@ def main(argv=None):
   p.add_argument("--name", default="")
   args = p.parse_args(argv)
   if args.quick:
-    args.budgets, args.steps, args.log_every, args.rounds = "1,0.05", 60, 20, 1
+    args.budgets, args.steps, args.log_every, args.rounds = "1,0.05", 160, 20, 1
   args.mesh = tuple(int(x) for x in args.mesh.split("x"))
   budgets = [float(b) for b in args.budgets.split(",")]
 
@@ -306,10 +305,10 @@ def main(argv=None):
 
   batch = config.train.batch_size
   first = [x["ids"] for x, _ in zip(task.train_batches(0), range(6))]
-  need = {s.name: max(int(np.unique(x[s.name][x[s.name] >= 0]).size) for x in first)
-          for s in specs}  # fmt: skip
-  contestants = []  # (budget, name, rules)
   shapes = auto.ids_shapes(first)
+  # What a train batch can touch (B x L, at most the rows): the cache offload itself requires.
+  need = {s.name: s.distinct_rows(shapes[s.name]) for s in specs}
+  contestants = []  # (budget, name, rules)
   for b in budgets:
     limit = int(total * b)
     plans = hand_written(specs, dense, limit, mesh, need, args.max_hand, shapes)

@@ -58,7 +58,10 @@ def main():
   ap.add_argument("--seeds", default="0,1,2")
   ap.add_argument("--steps", type=int, default=0, help="0: the experiment's (one epoch)")
   ap.add_argument("--name", default="bf16_auc")
+  ap.add_argument("--quick", action="store_true", help="smoke run, not figures: one seed, 20 steps")
   args = ap.parse_args()
+  if args.quick:
+    args.seeds, args.steps = "0", 20
   seeds = [int(s) for s in args.seeds.split(",")]
   runs = {s: {d: run_one(args, s, d) for d in ("float32", "bfloat16")} for s in seeds}
   diffs = {s: r["bfloat16"]["test/auc"] - r["float32"]["test/auc"] for s, r in runs.items()}

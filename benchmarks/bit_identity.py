@@ -108,7 +108,12 @@ def main():
   ap.add_argument("--experiment", default="", help=argparse.SUPPRESS)
   ap.add_argument("--cache-dir", dest="cache_dir", default="", help=argparse.SUPPRESS)
   ap.add_argument("--child-out", dest="child_out", default="", help=argparse.SUPPRESS)
+  ap.add_argument(
+    "--quick", action="store_true", help="smoke run, not figures: smoke, 2 steps, against HEAD"
+  )
   args = ap.parse_args()
+  if args.quick:
+    args.against, args.experiments, args.steps = args.against or "HEAD", "smoke", 2
   if args.child_out:
     child(args)
     return

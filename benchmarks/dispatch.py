@@ -47,7 +47,12 @@ def main():
   ap.add_argument("--calls", type=int, default=2000)
   ap.add_argument("--warmup", type=int, default=100)
   ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument(
+    "--quick", action="store_true", help="smoke run, not figures: 1 round of 100 calls"
+  )
   args = ap.parse_args()
+  if args.quick:
+    args.calls, args.warmup, args.rounds = 100, 10, 1
   payload = harness.record(args)
   loads, runs = [], {n: [] for n in LEAVES}
   for r in range(args.rounds):

@@ -128,11 +128,13 @@ def main() -> None:
   ap.add_argument("--results", default="benchmarks/results/gpu_h100", help="a gpu_check folder")
   ap.add_argument("--name", default="gpu_vs_model")
   ap.add_argument("--experiments", default=None, help="comma list (default: the trace's)")
+  ap.add_argument("--quick", action="store_true", help="smoke run: the trace's first experiment")
   args = ap.parse_args()
   trace = json.loads((pathlib.Path(args.results) / "trace.json").read_text())
   s = trace["settings"]
   profile = tuple(int(x) for x in s["profile"].split(":"))
   names = args.experiments.split(",") if args.experiments else list(trace["experiments"])
+  names = names[:1] if args.quick else names
   device = trace.get("device", {}).get("kind", "a GPU")
   rows, sides = [], []
   payload = {"machine": harness.machine_info(), "gpu_results": args.results}

@@ -127,20 +127,13 @@ def measure_input(name: str, args) -> dict:
       yield "train", None, timed("read", next, batches)
 
   items = inputs.prepare_stream(run.plan, read())
-  # No step runs here, so a host tier's prepare that reads a row back from the host after its
-  # write-back (offload: a row evicted more than the ring's steps before) would wait for a
-  # write-back that never comes (cdlrm_kaggle at k = 1: 32 such waits in 60 batches, on main
-  # too: the child hung for WAIT_SECONDS, then failed). The host copy's value does not matter
-  # to this timing: no wait. (The loop below, with steps, waits as the trainer does.)
-  from recgnn.embeddings import host_tier
-
-  wait, host_tier.Writer.wait = host_tier.Writer.wait, lambda self, n, why="": None
-  try:
+  # No step runs here: a host tier's reads of rows written back would wait for steps that
+  # never come (harness.prepare_without_steps; cdlrm_kaggle at k = 1: 32 such waits in 60
+  # batches). The loop below, with steps, waits as the trainer does.
+  with harness.prepare_without_steps():
     for _ in range(args.input_batches - run.plan.lookahead):
       item = timed("read+prepare", next, items)
       timed("pack", run.feeder.pack, item.prepared, item.batch)
-  finally:
-    host_tier.Writer.wait = wait
   skip = 3  # the first batches: caches filling, numba's first call
   out = {k: statistics.median(v[skip:]) for k, v in acc.items()}
   # read is also inside read+prepare (the look-ahead pulls it): prepare = the difference.

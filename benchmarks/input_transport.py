@@ -104,7 +104,12 @@ def main():
   ap.add_argument("--batches", type=int, default=3000)
   ap.add_argument("--warmup", type=int, default=200)
   ap.add_argument("--processes", type=int, default=3)
+  ap.add_argument(
+    "--quick", action="store_true", help="smoke run, not figures: 1 round of 100 batches"
+  )
   args = ap.parse_args()
+  if args.quick:
+    args.batches, args.warmup, args.processes = 100, 10, 1
 
   runs: dict[str, list] = {"shm ring": [], "grain mp_prefetch": []}
   for r in range(args.processes):

@@ -59,9 +59,10 @@ from recgnn import comms, sharding
 from recgnn.tasks import link_prediction as lp
 from recgnn.train import loop, setup
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+RESULTS = str(harness.RESULTS)
 
 _SECTIONS = flags.DEFINE_string("sections", "kge,rgcn", "kge, rgcn, parallel, planted")
+_QUICK = flags.DEFINE_bool("quick", False, "smoke run, not figures: 0.02 epochs, evals every one")
 _DECODER = flags.DEFINE_string("decoder", "complex", "kge section: decoder")
 _EPOCHS = flags.DEFINE_float("epochs", 0, "kge section: epochs (0 = the experiment's)")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every_epochs", 5, "kge section: valid eval period")
@@ -176,11 +177,13 @@ def run_kge():
   decoder = _DECODER.value
   start = _machine()
   cfg = kge_fb15k237.get_config(decoder)
-  if _EPOCHS.value:
-    e = _EPOCHS.value
-    cfg.train.epochs = int(e) if float(e).is_integer() else e
   task = _task(cfg)
   spe = task.steps_per_epoch()
+  if _EPOCHS.value:  # (train.epochs is an int: a fraction of an epoch as steps)
+    e = _EPOCHS.value
+    whole = float(e).is_integer()
+    cfg.train.epochs, cfg.train.steps = (int(e), 0) if whole else (0, max(4, round(spe * e)))
+    cfg.train.log_every = cfg.train.log_every if whole else max(1, cfg.train.steps // 4)
   cfg.train.eval_every = int(spe * _EVAL_EVERY.value)
   workdir = os.path.join(_WORKDIR.value, f"kge_{decoder}_{int(time.time())}")
   earlier = 0.0
@@ -759,6 +762,8 @@ def _load(name):
 
 def main(argv):
   del argv
+  if _QUICK.value:
+    flags.FLAGS.epochs, flags.FLAGS.rgcn_epochs, flags.FLAGS.eval_every_epochs = 0.02, 0.02, 1
   sections = [s.strip() for s in _SECTIONS.value.split(",") if s.strip()]
   for s in sections:
     if s not in ("kge", "rgcn", "kge_rescan", "parallel", "planted"):

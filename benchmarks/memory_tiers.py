@@ -57,15 +57,18 @@ from recgnn.train import setup as train_setup
 from recgnn.train import traffic
 
 
-def plans(fractions: list[float], fixed: bool = False, profile: int = 4) -> list[tuple[str, str]]:
+def plans(
+  fractions: list[float], fixed: bool = False, profile: int = 4, batch: int = 0
+) -> list[tuple[str, str]]:
   """(label, plan string) of every configuration (fixed: offload's padded `fixed` exchange
-  beside each bucketed one; profile: hot_cold's profile_batches."""
+  beside each bucketed one; profile: hot_cold's profile_batches; batch: the train batch, a
+  floor under offload's cache rows: its cache must hold a batch's distinct rows)."""
   out = [("dense", "dense"), ("host only", "hot_cold(hot_rows=1, profile_batches=4, split=False)")]
   for f in fractions:
-    out.append((f"offload {f:g}", f"offload(cache_fraction={f}, lookahead=1, exchange=bucket)"))
+    cache = f"cache_fraction={f}, min_cache_rows={batch}, lookahead=1"
+    out.append((f"offload {f:g}", f"offload({cache}, exchange=bucket)"))
     if fixed:
-      text = f"offload(cache_fraction={f}, lookahead=1, exchange=fixed)"
-      out.append((f"offload {f:g} fixed", text))
+      out.append((f"offload {f:g} fixed", f"offload({cache}, exchange=fixed)"))
   for f in fractions:
     text = f"hot_cold(budget={f}, profile_batches={profile}, cold_list=bucket)"
     out.append((f"hot_cold {f:g}", text))
@@ -81,6 +84,7 @@ def measure(label: str, text: str, cfg, host: list[dict], args, cpu: step_model.
   config.embeddings.plan = [(".*", text)]
   mesh = sharding.make_mesh(1, 1)
   task = dlrm_task.task_of(config, cfg, mesh)
+  task.batches = host  # (a host tier's buffers sized by a train batch of these)
   run = train_setup.build(config, mesh=mesh, task=task, example=host[0])
   state = run.state
   stream = [("train", None, host[k % len(host)]) for k in range(args.warmup + args.steps)]
@@ -361,7 +365,7 @@ def main(argv=None):
     n = args.batches or args.warmup + args.steps
     batches = peers_dlrm.make_batches(cfg, args.batch, n, z, seed=0, same_hot_rows=True)
     host = [dlrm_task.to_batch(b, dlrm_task.table_names(cfg.num_tables)) for b in batches]
-    for label, text in plans(args.fractions, args.fixed, args.profile):
+    for label, text in plans(args.fractions, args.fixed, args.profile, args.batch):
       if args.only and not label.startswith(args.only):
         continue
       payload["rows"].append({**measure(label, text, cfg, host, args, cpu), "zipf": z})

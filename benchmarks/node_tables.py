@@ -115,7 +115,14 @@ def main(argv=None):
     "(no input thread; see `direct`)",
   )  # fmt: skip
   p.add_argument("--render", default="", help="rewrite the .md of this results .json only")
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help="smoke run, not figures: 10 steps, 1x1, three backends",
+  )
   args = p.parse_args(argv)
+  if args.quick:
+    args.steps, args.meshes, args.tables = 10, "1x1", "dense,offload,tt"
   if args.render:
     path = pathlib.Path(args.render)
     path.with_suffix(".md").write_text(render(json.loads(path.read_text())))

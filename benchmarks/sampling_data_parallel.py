@@ -475,7 +475,13 @@ def main(argv=None):
   p.add_argument("--synthetic_seeds", type=int, nargs="+", default=[0, 1])
   p.add_argument("--pyg_seeds", type=int, nargs="+", default=[0, 1, 2])
   p.add_argument("--pyg_devices", type=int, nargs="+", default=[1, 8])
+  p.add_argument(
+    "--quick", action="store_true", help="smoke run, not figures: small graphs, 1 round, 1 seed"
+  )
   args = p.parse_args(argv)
+  if args.quick:
+    args.parts, args.nodes, args.edges, args.rounds = "product,scaling,cora", 20_000, 200_000, 1
+    args.devices, args.dp_nodes, args.cora_seeds = [1, 2], 2_000, [0]
   parts = args.parts.split(",")
   unknown = set(parts) - {"product", "scaling", "cora", "synthetic", "pyg"}
   if unknown:

@@ -57,6 +57,7 @@ def measure(cfg, backend: str, mesh_shape, batches, args) -> dict:
   config.seed = 0
   task = dlrm_task.task_of(config, cfg, mesh)
   host = [dlrm_task.to_batch(b, task.names) for b in batches]
+  task.batches = host  # (a host tier's buffers sized by a train batch of these)
   t0 = time.perf_counter()
   # The trainer's run with an abstract state (shapes and shardings only).
   run = train_setup.build(

@@ -387,7 +387,14 @@ def main(argv=None):
     help="summarize the runs already finished in --workdir; train none",
   )
   p.add_argument("--out", default=str(RESULTS / "sharded"))
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help="smoke run, not figures: bytes and codec on 2x4, batch 256, 2 repeats",
+  )
   args = p.parse_args(argv)
+  if args.quick:
+    args.sections, args.meshes, args.repeats, args.batch = "bytes,codec", "2x4", 2, 256
   sections = set(args.sections.split(","))
   payload = {
     "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -112,7 +112,12 @@ def main():
   ap.add_argument("--rows", type=int, default=16384)
   ap.add_argument("--steps", type=int, default=8)
   ap.add_argument("--out", default="")
+  ap.add_argument(
+    "--quick", action="store_true", help="smoke run, not figures: 20,000 rows, 2 steps"
+  )
   args = ap.parse_args()
+  if args.quick:
+    args.table_rows, args.rows, args.steps = 20_000, 1024, 2
   os.makedirs(args.dir, exist_ok=True)
   logical = 4 * (args.dim + 1)
   results = {io: bench_file(args, io) for io in ("buffered", "direct")}

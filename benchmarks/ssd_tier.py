@@ -444,7 +444,15 @@ def main(argv=None):
   ap.add_argument("--checkpoint", action="store_true", help="save + restore one checkpoint")
   ap.add_argument("--out", default="ssd_tier")
   ap.add_argument("--one", default="", help="(internal) run one configuration, print JSON")
+  ap.add_argument(
+    "--quick",
+    action="store_true",
+    help="smoke run, not figures: 50,000 rows, batch 256, 4 steps, one host cache",
+  )
   args = ap.parse_args(argv)
+  if args.quick:
+    args.rows, args.batch, args.warmup, args.steps, args.host_caches = 50_000, 256, 2, 4, "0.1"
+    args.cache_rows = args.batch * args.bag  # (a 1% cache of 50k rows is under a batch's)
   if args.one.startswith("restore:"):
     cfg = args.one.partition(":")[2]
     out = restore_one(args, None if cfg == "ram" else float(cfg))
@@ -470,8 +478,10 @@ def main(argv=None):
   shutil.rmtree(args.dir, ignore_errors=True)
   payload["results"] = results
   harness.write_results(args.out, payload, markdown(payload))
-  if not args.skip_ram:
+  if not args.skip_ram and harness.can_plot():
     plot(payload, RESULTS / f"{args.out}.png")
+  elif not args.skip_ram:
+    print("no plot (matplotlib not installed): pip install matplotlib")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ class Config:
     self.host = batches(self.cfg, rows, args)
     t0 = time.perf_counter()
     task = dlrm_task.task_of(config, self.cfg, mesh)
+    task.batches = self.host  # (a host tier's buffers sized by a train batch of these)
     self.run = train_setup.build(config, mesh=mesh, task=task, example=self.host[0])
     self.state = self.run.state
     self.build_s = time.perf_counter() - t0

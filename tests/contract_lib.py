@@ -240,6 +240,31 @@ def pooled_reference(table: np.ndarray, ids: np.ndarray, pooling: str = "sum") -
   return out
 
 
+def lookups_match_own_tables(result, bags: dict[str, int], batch: int = 16) -> int:
+  """Every group of a trained run (`loop.train`'s result): its lookup of fresh bags (`bags`:
+  each table's size; a random tail of each bag padded, empty bags among them) equals numpy's
+  pooling (the table's own: sum or mean) of the group's own tables (`group.tables`: rows;
+  TT's reconstruction from its cores). Returns how many tables were checked."""
+  rng = np.random.default_rng(7)
+  mesh = result.plan.mesh
+  checked = 0
+  for key, group in result.plan.groups.items():
+    state = result.state.emb[key]
+    ids = {}
+    for t, spec in group.specs.items():
+      x = rng.integers(0, spec.num_rows, (batch, bags[t]), dtype=np.int32)
+      kept = rng.integers(0, bags[t] + 1, (batch, 1))  # ids kept at the front of each bag
+      ids[t] = np.where(np.arange(bags[t]) < kept, x, -1).astype(np.int32)
+    prepared = put_prepared(group, group.prepare(ids, [], train=False), mesh)
+    pooled, _ = jax.jit(group.lookup)(state, prepared)
+    tables = group.tables(state)
+    for t, spec in group.specs.items():
+      want = pooled_reference(np.asarray(tables[t]), ids[t], spec.pooling)
+      np.testing.assert_allclose(np.asarray(pooled[t]), want, rtol=1e-5, atol=1e-5, err_msg=t)
+      checked += 1
+  return checked
+
+
 def assert_lookups_equal_table(pooled: np.ndarray, table: np.ndarray, ids: np.ndarray, **tol):
   """pooled[b] == sum of table[ids[b, l]] over the bag's non-padded slots."""
   np.testing.assert_allclose(pooled, pooled_reference(table, ids), **tol)

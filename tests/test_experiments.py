@@ -14,6 +14,10 @@ its budget formula did not count hot_cold's prefetch buffer.)
 
 from __future__ import annotations
 
+import json
+
+import jax
+import numpy as np
 import pytest
 
 import run
@@ -97,8 +101,18 @@ def test_experiment_starts_from_its_defaults(name, cache_dir, bundled_kg_once, t
     assert "\n" not in message.strip(), message
     return
   assert result.metrics["step"] == 2
-  losses = [v for k, v in result.metrics.items() if k.endswith("loss") and isinstance(v, float)]
-  assert all(v == v for v in losses), result.metrics  # finite: no NaN from the defaults
+  assert_trained_finite(tmp_path / "workdir", result)
+
+
+def assert_trained_finite(workdir, result) -> None:
+  """Both steps logged a finite training loss (metrics.jsonl: `loop.train`'s result holds
+  no training loss) and the final dense params are finite: no NaN / inf from the defaults."""
+  with open(workdir / "metrics.jsonl") as f:
+    losses = {x["step"]: x["loss"] for x in map(json.loads, f) if "loss" in x}
+  assert sorted(losses) == [1, 2], losses
+  assert np.isfinite(list(losses.values())).all(), losses
+  leaves = jax.tree.leaves(jax.device_get(result.state.params))
+  assert leaves and all(np.isfinite(x).all() for x in leaves)
 
 
 def test_dlrm_kaggle_big_starts_at_its_own_batch(cache_dir, tmp_path):

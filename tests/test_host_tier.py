@@ -14,6 +14,7 @@ ahead for step k + 1, before step k ran) is checked by exactness with the forwar
 
 import re
 import threading
+import time
 
 import contract_lib as contract
 import jax
@@ -222,6 +223,61 @@ def test_the_writer_applies_in_order_and_reports_errors():
   threading.Timer(0.3, lambda: late.submit(lambda: None)).start()
   late.wait(1)
   assert late.applied == 1
+
+
+def test_a_wait_on_the_thread_that_runs_the_steps_is_refused_at_once(monkeypatch):
+  """A driver that prepares and steps on one thread and waits for a step it has not handed
+  over can never be answered (it is the thread that would hand it over): refused at once,
+  saying so, not after WAIT_SECONDS. Another thread's wait still waits (the trainer's input
+  thread, its main thread behind)."""
+  monkeypatch.setattr(host_tier, "WAIT_SECONDS", 5.0)
+  writer = host_tier.Writer("w")
+  writer.submit(lambda: None)
+  t0 = time.perf_counter()
+  with pytest.raises(RuntimeError, match=r"train step 2 .*1 handed over.*this thread runs"):
+    writer.wait(2)
+  assert time.perf_counter() - t0 < 2.0
+  waited = threading.Event()
+
+  def other():
+    writer.wait(2)
+    waited.set()
+
+  t = threading.Thread(target=other, daemon=True)
+  t.start()
+  t.join(0.2)
+  assert t.is_alive(), "another thread's wait was refused"
+  writer.submit(lambda: None)
+  assert waited.wait(10) and writer.applied == 2
+
+
+def test_a_prepare_no_step_will_answer_ends_with_the_message(monkeypatch):
+  """What benchmarks/end_to_end.py's planning section did (it hung: every thread on a
+  futex): an offload group's train batches prepared in stream order with no step run. A
+  read of a row evicted beyond the device ring waits for a step that never comes; the wait
+  ends (WAIT_SECONDS, 0.5 s here) in the refusal naming the step and why, not a hang."""
+  from recgnn.train import inputs
+
+  monkeypatch.setattr(host_tier, "WAIT_SECONDS", 0.5)
+  spec, batches = _stream()
+  group = planner.make_backend(TEXT, spec, planner.default_mesh())
+  group.init(jax.random.key(0))
+  plan = planner.Plan({group.name: group}, {spec.name: group.name}, group.mesh)
+  stream = [("train", None, {"ids": {spec.name: b}}) for b in batches]
+  errors = []
+
+  def prepare_all():
+    try:
+      for _ in inputs.prepare_stream(plan, stream):
+        pass
+    except RuntimeError as e:
+      errors.append(str(e))
+
+  t = threading.Thread(target=prepare_all, daemon=True)
+  t.start()
+  t.join(30)
+  assert not t.is_alive(), "prepare without steps still waiting after 30 s"
+  assert len(errors) == 1 and re.search(r"train step \d+ .*has not run.*waited 0.5 s", errors[0])
 
 
 def test_a_dropped_writer_ends_its_thread_and_lets_go_of_its_last_job():

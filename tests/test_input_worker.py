@@ -171,27 +171,38 @@ def test_plans_a_worker_cannot_serve_are_refused_or_left_on_the_thread(
 
 def test_a_worker_whose_parent_dies_leaves_no_file(tmp_path):
   """The training process killed while the worker's slots hold batches it never received:
-  the worker finds its parent gone and removes the ring's files."""
+  the worker finds its parent gone and removes the ring's files. The parent dies only once
+  the child's slot file exists (it prints how many), so the test cannot pass on a child that
+  never made one; each side waits on its condition with a generous bound, no fixed sleep."""
   import subprocess
   import sys
   import time
 
+  if input_worker.SHM_DIR is None:
+    pytest.skip("no /dev/shm")
   script = tmp_path / "parent.py"
   script.write_text(
-    "import os, time\n"
-    "from recgnn.train.input_worker import InputWorker\n"
+    "import glob, os, time\n"
+    "from recgnn.train.input_worker import InputWorker, SHM_DIR\n"
     "from tests.test_input_worker import _produce_then\n"
     "w = InputWorker(_produce_then(lambda: time.sleep(60)), slots=1)\n"
-    "time.sleep(2)\n"  # (the child fills its slot, a file the parent never opens, and waits)
+    "mine = os.path.join(SHM_DIR, f'recgnn-input-{os.getpid()}-*')\n"
+    "deadline = time.monotonic() + 60\n"  # (the child fills its slot, a file never opened)
+    "while not glob.glob(mine) and time.monotonic() < deadline:\n"
+    "  time.sleep(0.02)\n"
+    "print('slot files', len(glob.glob(mine)), flush=True)\n"
     "os._exit(0)\n"
   )
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   proc = subprocess.Popen(
-    [sys.executable, str(script)], cwd=root, env={**os.environ, "PYTHONPATH": root}
-  )
-  assert proc.wait(timeout=60) == 0
-  pattern = os.path.join(input_worker.SHM_DIR or "/nonexistent", f"recgnn-input-{proc.pid}-*")
-  deadline = time.monotonic() + 5
+    [sys.executable, str(script)], cwd=root, env={**os.environ, "PYTHONPATH": root},
+    stdout=subprocess.PIPE, text=True,
+  )  # fmt: skip
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0
+  assert int(out.split("slot files")[-1]) >= 1, "no slot file made before the parent died"
+  pattern = os.path.join(input_worker.SHM_DIR, f"recgnn-input-{proc.pid}-*")
+  deadline = time.monotonic() + 30
   while glob.glob(pattern) and time.monotonic() < deadline:
-    time.sleep(0.1)
+    time.sleep(0.05)
   assert not glob.glob(pattern)

@@ -14,6 +14,7 @@ from experiments import kge_fb15k237, rgcn_fb15k237_partitioned
 from recgnn.data import kg as kg_lib
 from recgnn.models import kge, rgcn
 from recgnn.tasks import link_prediction as lp
+from tests import contract_lib as contract
 from tests.trainer_lib import make_task
 
 
@@ -633,9 +634,7 @@ def test_group_queries_is_refused_where_it_cannot_group(tmp_path, over):
     make_task(lp.LinkPrediction, c)
 
 
-def _train_tables(path, plan, workdir, **over):
-  from recgnn.train import loop
-
+def _tables_config(path, plan, **over):
   cfg = _config(path, "complex", **over)
   cfg.embeddings.plan = [(".*", plan)]
   cfg.train.epochs = 0
@@ -643,20 +642,47 @@ def _train_tables(path, plan, workdir, **over):
   cfg.train.eval_every = 0
   cfg.train.final_eval_splits = ()
   cfg.train.log_every = 6
-  result = loop.train(cfg, workdir)
+  return cfg
+
+
+def _train_tables(path, plan, workdir, check=None, **over):
+  """The entity table after 6 steps of `plan`; check(result) first, where given."""
+  from recgnn.train import loop
+
+  result = loop.train(_tables_config(path, plan, **over), workdir)
+  if check is not None:
+    check(result)
   return _tables(result, result.state)
+
+
+def _init_tables(path, plan, **over):
+  """The entity table as the trainer's run of `plan` starts it (its seed, before any step)."""
+  from recgnn.train import setup
+
+  run = setup.build(_tables_config(path, plan, **over))
+  return _tables(run, run.state)
 
 
 def test_entity_table_through_offload_and_tt(tmp_path):
   """The entity table goes through the plan like any table: `offload` (a cache smaller than
-  the table, rows evicted and written back) trains bit-identically to `dense`; `tt` trains."""
+  the table, rows evicted and written back) trains bit-identically to `dense`; `tt`'s lookups
+  are its own reconstruction's rows, which the steps moved from its init."""
   path = _small_kg(tmp_path / "kg", n_ent=300) if os.makedirs(tmp_path / "kg") is None else None
   over = {"train.scoring": "sampled", "train.group_queries": False, "negatives.num": 5}
   dense = _train_tables(path, "dense", str(tmp_path / "d"), **over)
   offload = _train_tables(path, "offload(cache_rows=150)", str(tmp_path / "o"), **over)
   np.testing.assert_array_equal(offload[:300], dense[:300])
-  tt = _train_tables(path, "tt(rank=4)", str(tmp_path / "t"), **over)
+
+  # TT against its own reconstruction: its trained lookups are the reconstructed rows, and
+  # those rows moved from its init (the same seed's TT, untrained) where the steps touched.
+  def lookups_are_rows(result):
+    bags = {t: 1 for g in result.plan.groups.values() for t in g.specs}
+    assert contract.lookups_match_own_tables(result, bags, batch=32) == len(bags)
+
+  tt = _train_tables(path, "tt(rank=4)", str(tmp_path / "t"), check=lookups_are_rows, **over)
   assert np.isfinite(tt).all() and tt.shape[1] == 8
+  init = _init_tables(path, "tt(rank=4)", **over)
+  assert tt.shape == init.shape and not np.allclose(tt, init)
 
 
 def test_queries_split_over_the_mesh(tmp_path, monkeypatch):

@@ -73,13 +73,17 @@ def test_the_planning_runs_ahead_of_the_host_reads(monkeypatch):
     plan = planner.Plan({"g": group}, {s.name: "g" for s in specs}, group.mesh)
     log = []
     real_ahead, real_stage = group.prepare_ahead, group._stage
+    planned_three = threading.Event()  # batches 0, 1 and 2 planned
 
     def ahead(*a, **kw):
       log.append("plan")
+      if log.count("plan") >= 3:
+        planned_three.set()
       return real_ahead(*a, **kw)
 
     def stage(built, caps, train):
-      time.sleep(0.005)
+      if threaded and "finish" not in log:  # batch 0's second half waits for the planning
+        planned_three.wait(30)  # (event-driven: a thread that never runs ahead fails below)
       out = real_stage(built, caps, train)
       log.append("finish")
       return out

@@ -53,8 +53,8 @@ def test_disk_is_used_and_bytes_are_the_misses(io, policy, tmp_path):
   assert c["prefetched"] > 0, c  # the look-ahead window's rows were read ahead
   f = rows.tables[0].file
   assert c["bytes_read"] == (c["misses"] + c["prefetched"]) * f.record + f.num_rows * f.record
-  if io == "direct":
-    assert f.record == 512  # 4 + 1 floats padded to this disk's logical block
+  if io == "direct":  # 4 + 1 floats padded to the logical block the code probed (512 or 4096)
+    assert f.record == row_file.logical_block(str(tmp_path)) in (512, 4096)
   s = trace.backend.stats()
   assert 0 <= s["ssd_host_hit_rate"] < 1 and s["ssd_read_bytes_per_step"] > 0
 
@@ -341,10 +341,12 @@ def test_host_memory_budget_points_at_the_ssd_level(tmp_path):
   ram = plan_of("offload(cache_fraction=0.01)")
   with pytest.raises(planner.PlanDoesNotFit, match=r"host budget is 10.0M.*t .*storage='ssd:"):
     planner.check_host_memory(ram, 10 << 20)
-  ssd = plan_of(_text(tmp_path, host_cache=0.05).replace("cache_rows=60", "cache_rows=1000"))
+  # (host_cache=0.01: 1,000 records, 4 MB where the disk's block is 4096, 0.5 MB at 512)
+  ssd = plan_of(_text(tmp_path, host_cache=0.01).replace("cache_rows=60", "cache_rows=1000"))
   assert planner.check_host_memory(ssd, 10 << 20) < 10 << 20
   mem = ssd.backend_of("t").memory()["t"]
-  assert mem.disk_bytes == row_file.HEADER_BYTES + base.aligned_rows(100_000) * 512
+  block = row_file.logical_block(str(tmp_path))  # (64 + 1 floats: one block of 512 or 4096)
+  assert mem.disk_bytes == row_file.HEADER_BYTES + base.aligned_rows(100_000) * block
   assert "disk" in planner.format_plan(ssd).splitlines()[1]
 
 

@@ -128,3 +128,33 @@ def flip_byte(path: str, at: int) -> None:
     b = f.read(1)[0]
     f.seek(at)
     f.write(bytes([b ^ 1]))
+
+
+@contextlib.contextmanager
+def eval_predictions():
+  """Yields a dict that gets {split: the task's `predictions` of that split's last eval pass}
+  for the trainer runs in the block (node classification: the dataset's node ids and their
+  predicted classes), read where the trainer reduces the pass to its metrics."""
+  from recgnn.train import periodic
+
+  seen: dict[str, dict] = {}
+  real = periodic.Evals.end
+
+  def end(self, split, step):
+    seen[split] = self.task.predictions(jax.device_get(self.outputs))
+    real(self, split, step)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(periodic.Evals, "end", end)
+    yield seen
+
+
+def assert_accuracy_from_raw_labels(metrics: dict, seen: dict, labels, nodes) -> None:
+  """The run's test accuracy is the fraction of the split's labelled nodes (`nodes`, the
+  dataset's ids; `labels` float[n] read from the raw files, NaN unlabelled) whose predicted
+  class is their label: each such node predicted once, nothing else counted."""
+  pred = seen["test"]
+  want_nodes = np.sort([n for n in nodes if not np.isnan(labels[n])])
+  np.testing.assert_array_equal(pred["node"], want_nodes)
+  right = pred["pred"] == labels[pred["node"]].astype(np.int64)
+  assert metrics["test/accuracy"] == pytest.approx(float(np.mean(right)), abs=1e-6), metrics

@@ -39,7 +39,7 @@ from .processes import (
   trees,
 )
 from .results import RESULTS, can_plot, md_table, png, record, write_results
-from .timing import interleaved_timing, jitted_runner, time_calls
+from .timing import interleaved_timing, jitted_runner, prepare_without_steps, time_calls
 
 simulated_devices = env.simulated_devices
 ROOT = env.ROOT
@@ -58,6 +58,7 @@ __all__ = [
   "flags",
   "interleaved_timing",
   "jitted_runner",
+  "prepare_without_steps",
   "load",
   "machine_info",
   "matmul_gflops",

@@ -17,6 +17,7 @@ or inspect is the step `run.py` trains.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import ml_collections
@@ -30,11 +31,14 @@ from recgnn.train.task import Task
 class GivenTables(ctr.CTR):
   """The CTR task's model and loss over given tables, without opening a dataset: the caller
   feeds batches ({dense: f32[B, 13], label: f32[B], weight: f32[B], ids: {table: i32[B, L]}})
-  to the trainer's step itself."""
+  to the trainer's step itself. `batches`: those batches, where the caller has them: the
+  trainer's build reads one train batch from them to size a host tier's per-batch buffers
+  (`train_batches`); without them a plan with such buffers cannot be built."""
 
   def __init__(self, config: ml_collections.ConfigDict, mesh, specs: Sequence[base.TableSpec]):
     Task.__init__(self, config, mesh)
     self.data, self.oracle = None, None
+    self.batches: list[dict] = []
     self.specs = list(specs)
     self.names = [s.name for s in self.specs]
     self.model = ctr.make_model(config.model, self.names)
@@ -46,7 +50,9 @@ class GivenTables(ctr.CTR):
     return None  # no dataset, no epochs: the run's length is train.steps
 
   def train_batches(self, start_step=0):
-    raise NotImplementedError("GivenTables has no dataset: feed the step batches yourself")
+    if not self.batches:
+      raise NotImplementedError("GivenTables has no dataset: feed the step batches yourself")
+    return (self.batches[k % len(self.batches)] for k in itertools.count(start_step))
 
   def eval_batches(self, split):
     raise NotImplementedError("GivenTables has no dataset: feed the step batches yourself")

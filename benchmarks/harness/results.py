@@ -21,7 +21,12 @@ from typing import Any
 
 from .machine import machine_info
 
-RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
+#: Where results go: benchmarks/results/, or $RECGNN_BENCH_RESULTS (a test's run of a
+#: benchmark's --quick form writes there, leaving the checked-in results alone).
+RESULTS_VAR = "RECGNN_BENCH_RESULTS"
+RESULTS = pathlib.Path(
+  os.environ.get(RESULTS_VAR) or pathlib.Path(__file__).resolve().parents[1] / "results"
+)
 
 
 def record(args=None, argv: Sequence[str] | None = None) -> dict:

@@ -4,6 +4,8 @@
   jitted_runner(fn, state, inputs)        run(k): k donated steps, then block
   interleaved_timing(runners, ...)        contestants in round-robin (rep r of each before
                                           r + 1 of any), with CPU time and page faults
+  prepare_without_steps()                 a host tier's prepare timed with no step run (its
+                                          reads of written-back rows do not wait)
 
 The machine is shared: interleaving exposes every contestant to the same load, so their ratios
 are fair when the absolute numbers drift. Separate processes: harness/processes.py.
@@ -11,6 +13,7 @@ are fair when the absolute numbers drift. Separate processes: harness/processes.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
 import sys
@@ -111,3 +114,23 @@ def interleaved_timing(
       "cpu_system_ms_per_step": 1e3 * float(system),
     }
   return out
+
+
+@contextlib.contextmanager
+def prepare_without_steps():
+  """Within the block, a host tier's prepare does not wait for write-backs (`Writer.wait`
+  returns at once). For timing the input side alone, with no train step run: a row that a
+  step would have written back is re-read from the host later (offload: evicted more than the
+  device ring's steps before), and that read waits for the step's write-back, which never
+  comes without steps (the wait's bound, `host_tier.WAIT_SECONDS`, then refuses the read).
+  The host copy's values do not change the time a prepare takes, so the timing stays true;
+  the rows read are stale, never use them. Not thread-safe against a trainer in the same
+  process (it patches the class)."""
+  from recgnn.embeddings import host_tier
+
+  wait = host_tier.Writer.wait
+  host_tier.Writer.wait = lambda self, n, why="": None
+  try:
+    yield
+  finally:
+    host_tier.Writer.wait = wait

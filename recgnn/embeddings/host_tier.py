@@ -133,6 +133,7 @@ class Writer:
     self._error: BaseException | None = None
     self._thread: threading.Thread | None = None
     self._counts: collections.deque = collections.deque()  # steps each queued job applies
+    self._submitters: set[int] = set()  # the threads that handed steps over (idents)
 
   def _apply(self, job: Callable[[], None]) -> None:
     """One job, on the writer thread (`owned_thread`: it ends when this Writer is dropped)."""
@@ -161,32 +162,44 @@ class Writer:
     with self._cond:
       self.submitted += steps
       self._counts.append(steps)
+      self._submitters.add(threading.get_ident())
       self._cond.notify_all()
     self._jobs.put(job)
 
   def wait(self, n: int, why: str = "") -> None:
     """Block until `n` jobs are applied (no wait when they are). A job not handed over yet
     is waited for too: on the trainer's input thread the step it needs may not have been
-    launched yet (the main thread is behind by the run-ahead, or compiling). A driver that
-    runs steps on the same thread as prepare never hands it over: refused after
-    WAIT_SECONDS, saying so."""
+    launched yet (the main thread is behind by the run-ahead, or compiling). Never forever:
+    a wait on the only thread that has handed steps over, for a step not handed over, can
+    never end (that thread is the one waiting): refused at once; any other wait is refused
+    after WAIT_SECONDS. Both refusals name the step waited for and why it did not come."""
     if self.applied >= n:
       self._check()
       return
     with self._cond:
+      if n > self.submitted and self._submitters == {threading.get_ident()}:
+        raise RuntimeError(self._never_message(n, why, "this thread runs the steps: refused"))
       if not self._cond.wait_for(
         lambda: self.applied >= n or self._error is not None, timeout=WAIT_SECONDS
       ):
         if n > self.submitted:
-          raise RuntimeError(
-            f"{self.owner}: a read needs the write-back of train step {n} (counted from the "
-            f"last init / restore), whose step has not run ({self.submitted} handed over"
-            f"{why}; waited {WAIT_SECONDS:.0f} s). A prepared train batch was skipped, or its "
-            "update's output was not handed to `after_update`, or more batches were prepared "
-            "ahead, on the thread that runs the steps, than the device ring covers."
-          )
-        raise RuntimeError(f"{self.owner}: write-back {n} not applied in {WAIT_SECONDS} s")
+          raise RuntimeError(self._never_message(n, why, f"waited {WAIT_SECONDS:g} s"))
+        raise RuntimeError(
+          f"{self.owner}: write-back of train step {n} handed over but not applied in "
+          f"{WAIT_SECONDS:g} s (the writer thread is stuck copying a step's output to the host)"
+        )
     self._check()
+
+  def _never_message(self, n: int, why: str, waited: str) -> str:
+    """The refusal of a wait for a step that was never handed over: what and why."""
+    return (
+      f"{self.owner}: a read needs the write-back of train step {n} (counted from the "
+      f"last init / restore), whose step has not run ({self.submitted} handed over{why}; "
+      f"{waited}). A prepared train batch was skipped, or its update's output was not handed "
+      "to `after_update`, or more batches were prepared ahead, on the thread that runs the "
+      "steps, than the device ring covers, or no step runs at all (a benchmark timing "
+      "prepare alone: benchmarks/harness's prepare_without_steps)."
+    )
 
   def drain(self) -> None:
     self.wait(self.submitted)
