@@ -84,7 +84,10 @@ def main():
     help="uniform: U(+-1/sqrt(rows)), rows a dynamic table's capacity, a dictionary table's "
     "cardinality; normal: N(0, 1/dim) in both modes",
   )
+  p.add_argument("--quick", action="store_true", help="300,000 rows, 100 steps (a smoke run)")
   args = p.parse_args()
+  if args.quick:
+    args.rows, args.steps, args.out = 300_000, 100, "dynamic_raw_quick"
   payload = harness.record(args)
   os.makedirs(args.dir, exist_ok=True)
   cfg = criteo_synthetic.SyntheticConfig(num_rows=args.rows, scale=args.scale, seed=0)

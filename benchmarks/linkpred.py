@@ -151,7 +151,10 @@ def main() -> None:
   p.add_argument("--cora_steps", type=int, default=200)
   p.add_argument("--steps", type=int, default=300, help="planted / featureless runs' steps")
   p.add_argument("--skip", default="", help="comma-separated: cora, planted, featureless")
+  p.add_argument("--quick", action="store_true", help="one seed, 20 / 30 steps (a smoke run)")
   args = p.parse_args()
+  if args.quick:
+    args.seeds, args.cora_steps, args.steps = "0", 20, 30
   args.seeds = [int(s) for s in args.seeds.split(",")]
   skip = set(filter(None, args.skip.split(",")))
   payload = harness.record(args)
@@ -173,7 +176,7 @@ def main() -> None:
       md += ["## Feature-less graph, learned node embeddings, test split\n", harness.md_table(
         ["node table", "Hits@20", "ROC-AUC", "table bytes (params)"], rows), ""]  # fmt: skip
   md.append(f"load at end {harness.load():.1f} (1-minute average)")
-  harness.write_results("linkpred", payload, "\n".join(md))
+  harness.write_results("linkpred_quick" if args.quick else "linkpred", payload, "\n".join(md))
 
 
 if __name__ == "__main__":

@@ -185,7 +185,9 @@ def test_streamed_host_work_per_call_does_not_grow_with_the_batch(cache_dir):
   64 (windows of 8 batches either way, so as many slot writes a step): about 40 here,
   the resident feed's 10 plus `_pump`'s checks and the amortized slot writes. The bound below
   64 fails a loop over a batch's examples even at the smaller batch; the count itself depends
-  on jax's Python (device_put), so it is not pinned."""
+  on jax's Python (device_put), so it is not pinned, and on when uploads finish (an upload
+  done before a call is written into its slot then, else at a later call: a few calls either
+  way, where a per-example loop would add ~960 at batch 1024)."""
   import sys
   import time
 
@@ -208,4 +210,4 @@ def test_streamed_host_work_per_call_does_not_grow_with_the_batch(cache_dir):
     run.device_feed.close()
     assert [i.kind for i in items] == ["train"] * 24
     counts[batch] = calls.n / 23
-  assert abs(counts[64] - counts[1024]) <= 2 and max(counts.values()) < 60, counts
+  assert abs(counts[64] - counts[1024]) <= 8 and max(counts.values()) < 60, counts

@@ -379,3 +379,20 @@ def test_auto_takes_the_ssd_level_when_host_memory_is_exceeded(tmp_path):
   assert sorted(c.text for c in got.values()) == ["offload(ram)", "offload(ssd)"]
   with pytest.raises(planner.PlanDoesNotFit, match="and 30.0M of host memory"):
     milp.solve(by_table, None, "time", host_budget=30 << 20)
+
+
+def test_a_read_ahead_that_never_lands_ends_with_the_message(tmp_path, monkeypatch):
+  """A read of a row whose read-ahead never lands (its slot still pending: the disk stopped
+  answering) ends after the bound with a message naming the file, not a wait forever."""
+  from recgnn.backends.offload import disk_rows
+  from recgnn.embeddings import host_tier
+
+  f = row_file.RowFile(str(tmp_path), "t", num_rows=64, dim=4, slots=(), io="buffered")
+  f.create(lambda first, n: np.zeros((n, f.floats), np.float32))
+  rows = disk_rows.CachedRows(f, host_rows=8, policy="lru")
+  rows.read(np.arange(4), None)  # (resident: slots of rows 0-3)
+  rows.pending[rows.planner.row_slot[2]] = 99  # (a read-ahead of row 2 that never lands)
+  monkeypatch.setattr(host_tier, "WAIT_SECONDS", 0.2)
+  with pytest.raises(RuntimeError, match=r"still being read ahead from .*after 0.2 s"):
+    rows.read(np.array([2]), None)
+  f.close(remove=True)

@@ -126,4 +126,7 @@ def test_cpu_trace_of_an_offload_run(tmp_path):
   assert all(not d for sizes in ops.sizes.values() for d in sizes), ops.sizes
   for row in s["per_step"]:
     assert row["h2d_count"] == 0 and row["d2h_count"] == 0, row
-    assert row["busy_us"] > 0 and row["busy_us"] <= row["kernel_us"] + 1e-6
+    assert row["busy_us"] <= row["kernel_us"] + 1e-6, row
+  # (dispatch is asynchronous: on a loaded machine one step's kernels can all run in the next
+  # step's window, leaving a step with none; the profiled steps together always have some)
+  assert sum(row["busy_us"] for row in s["per_step"]) > 0, s["per_step"]

@@ -139,7 +139,13 @@ class CachedRows:
     wait releases the lock; the rows are admitted again, their loads counted as misses)."""
     slots = self._admit(rows, load=True)
     while self.pending[slots].any():
-      self.loaded.wait()
+      if not self.loaded.wait(timeout=host_tier.WAIT_SECONDS):
+        n = int(np.count_nonzero(self.pending[slots]))
+        raise RuntimeError(
+          f"offload SSD tier: {n} rows a read needs are still being read ahead from "
+          f"{self.file.path} after {host_tier.WAIT_SECONDS:g} s (the read-ahead thread is "
+          "stuck in the file's read, or the disk stopped answering)"
+        )
       slots = self._admit(rows, load=True, count="misses")
     return slots
 
