@@ -144,7 +144,7 @@ def test_hot_cold_on_a_mesh(sgd_task, batches, sgd_mesh_dense):
   assert_same(run(sgd_task, batches, HOT_COLD, (1, 8)), sgd_mesh_dense, "hot_cold 1x8")
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (the suite's 10 minutes: the meshes above keep offload, sharded, hot_cold)
 def test_every_backend_with_rowwise_adagrad(task, batches):
   """sage_synthetic's row-wise Adagrad, 1 x 1 and meshes: offload = dense bit for bit;
   hot_cold to 1 ulp (inside the fused train step XLA rounds its row update differently from

@@ -225,7 +225,11 @@ def _same_model(a, b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", sorted(HOST_RESUME))
+@pytest.mark.parametrize(
+  "plan",
+  # hot_cold's under -m long (the suite's 10 minutes; tests/test_hot_cold*.py resume it)
+  [pytest.param(p, marks=pytest.mark.long) if p == "hot_cold" else p for p in sorted(HOST_RESUME)],
+)
 def test_k_steps_per_call_host_tiers_resume_exactly(cache_dir, trained, tmp_path, plan):
   """offload / hot_cold: a one-step run's checkpoint resumed at 4 steps per call, stopped
   after one call and resumed again, ends as the uninterrupted 4-step-per-call run."""
