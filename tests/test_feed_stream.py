@@ -177,6 +177,11 @@ def test_auto_and_device_stream_or_refuse(cache_dir):
   auto.feed_chunk_rows, auto.feed_window_chunks = 512, 2
   assert device_feed.fits(auto, rows, plan_bytes, budget, whole.mesh) is None
   assert rows.window is not None and rows.window.chunk_rows == 512
+  # train.order_shards > 1 is an order of its own: never swapped for the window order
+  sharded = whole.task.device_rows()
+  sharded.shards = 2
+  why = device_feed.fits(auto, sharded, plan_bytes, budget, whole.mesh)
+  assert "order_shards=2 is not streamed" in why and sharded.window is None
 
 
 def test_streamed_host_work_per_call_does_not_grow_with_the_batch(cache_dir):

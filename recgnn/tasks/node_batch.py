@@ -49,6 +49,21 @@ def make_batch(
   return batch
 
 
+#: model.inputs: the node features, the learned node table's rows, or both.
+INPUTS = ("features", "embeddings", "both")
+
+
+def check_inputs(inputs: str, graph_name: str, features) -> str:
+  """model.inputs checked against INPUTS and the graph (`features` None: it has none)."""
+  if inputs not in INPUTS:
+    raise ValueError(f"Unknown model.inputs {inputs!r}; available: {', '.join(INPUTS)}")
+  if inputs != "embeddings" and features is None:
+    raise ValueError(
+      f"Graph {graph_name} has no node features; set --config.model.inputs=embeddings"
+    )
+  return inputs
+
+
 def model_inputs(inputs: str, batch: Batch, embeddings, xp=np):
   """The model's input rows float32[n_L, F (+ D)]: the batch's features x, the node table's
   pooled rows (those past the frontier are the mesh split's padding, dropped), or both

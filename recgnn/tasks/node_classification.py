@@ -93,11 +93,9 @@ from recgnn.embeddings import OptimizerSpec, TableSpec
 from recgnn.graphs import ladies, sampling
 from recgnn.models import dlrm, graphsage
 from recgnn.tasks import node_data_parallel, node_sampler_config
-from recgnn.tasks.node_batch import TABLE, make_batch, model_inputs
+from recgnn.tasks.node_batch import TABLE, check_inputs, make_batch, model_inputs
 from recgnn.tasks.node_sampler_config import SAMPLERS
 from recgnn.train.task import Batch, Task
-
-INPUTS = ("features", "embeddings", "both")
 
 
 class NodeClassification(Task):
@@ -124,13 +122,7 @@ class NodeClassification(Task):
       if not config.embeddings.get("node_init_path", ""):
         raise ValueError("embeddings.node_init=eigen needs embeddings.node_init_path=FILE.npy")
       write_eigen_init(self.graph, int(config.embeddings.dim), config.embeddings.node_init_path)
-    self.inputs = config.model.inputs
-    if self.inputs not in INPUTS:
-      raise ValueError(f"Unknown model.inputs {self.inputs!r}; available: {', '.join(INPUTS)}")
-    if self.inputs != "embeddings" and self.graph.features is None:
-      raise ValueError(
-        f"Graph {self.graph.name} has no node features; set --config.model.inputs=embeddings"
-      )
+    self.inputs = check_inputs(config.model.inputs, self.graph.name, self.graph.features)
     s = config.sampler
     if s.kind not in SAMPLERS:
       raise ValueError(f"Unknown sampler.kind {s.kind!r}; available: {', '.join(SAMPLERS)}")

@@ -415,7 +415,9 @@ def fits(tcfg, rows, plan_bytes, budget, mesh) -> str | None:
   train.feed=device refused before allocating."""
   window = getattr(rows, "window", None)
   why = None if window is not None else check_fits(rows, plan_bytes, budget, mesh)
-  if why and jax.process_count() == 1:  # (streaming runs in one process)
+  if why and rows.shards > 1:  # (a window order would not be the sharded order asked for)
+    why += f"; train.order_shards={rows.shards} is not streamed (train.order_shards=1 is)"
+  elif why and jax.process_count() == 1:  # (streaming runs in one process)
     window = feed_stream.window_for(tcfg, rows)
   if window is not None:
     budget = _device_memory(mesh) if budget is None else budget

@@ -85,11 +85,9 @@ class PerProcess:
 
   @staticmethod
   def nbytes(rows) -> int:
-    """Bytes of one process's copy (on each of its devices)."""
-    count = jax.process_count()
-    n = _train_range(rows, 0, count)[1]
-    n += sum(-(-_size(rows, s) // count) for s in _eval_splits(rows))
-    return n * rows.row_bytes
+    """Bytes of one process's copy (on each of its devices; every process's is as long)."""
+    layout = PerProcess(rows, None, 0, jax.process_count())  # (index math only, no arrays)
+    return (layout.train_len + sum(layout.blocks)) * rows.row_bytes
 
   def process_arrays(self, index: int) -> dict:
     """Process `index`'s copy: {name: [R, ...]} (its train range, then each eval split's

@@ -16,13 +16,12 @@ from recgnn.embeddings import OptimizerSpec, TableSpec
 from recgnn.graphs import ladies, sampling
 from recgnn.models import dlrm, sage_link
 from recgnn.tasks import node_sampler_config
-from recgnn.tasks.node_batch import TABLE, model_inputs
+from recgnn.tasks.node_batch import TABLE, check_inputs, model_inputs
 from recgnn.tasks.node_sampler_config import SAMPLERS
 from recgnn.tasks.sage_link import batches as B
 from recgnn.tasks.sage_link import scores
 from recgnn.train.task import Batch, Task
 
-INPUTS = ("features", "embeddings", "both")
 #: eval.inference: sampled (each eval batch's endpoints' neighbourhoods, eval_fanouts) | full
 #: (every node's representation layer by layer over the whole message graph, in chunks of
 #: eval.chunk edges, then the split's pairs scored: one eval batch per split).
@@ -47,13 +46,7 @@ class SageLink(Task):
     hostmem.keep_freed_memory()  # bulk samples: large short-lived buffers (recgnn.hostmem)
     self.split = load_link_split(config.data)
     self.num_nodes = self.split.num_nodes
-    self.inputs = config.model.inputs
-    if self.inputs not in INPUTS:
-      raise ValueError(f"Unknown model.inputs {self.inputs!r}; available: {', '.join(INPUTS)}")
-    if self.inputs != "embeddings" and self.split.features is None:
-      raise ValueError(
-        f"Graph {self.split.name} has no node features; set --config.model.inputs=embeddings"
-      )
+    self.inputs = check_inputs(config.model.inputs, self.split.name, self.split.features)
     s = config.sampler
     if s.kind not in SAMPLERS:
       raise ValueError(f"Unknown sampler.kind {s.kind!r}; available: {', '.join(SAMPLERS)}")
