@@ -9,6 +9,9 @@ eval_batch_size / shuffle, seed. Optional (defaults keep the DLRM Kaggle behavio
   data.num_workers  conversion processes for a schema's files.
   data.multi_hot    {sizes: () | "mlperf" | [ints], distribution: uniform | pareto, seed}:
                     MLPerf's one-hot -> multi-hot expansion (recgnn.data.multihot).
+  data.drifting     {seed, batches, batch, born, life, ..., capacity, ids}: the drifting
+                    click stream with raw ids (recgnn.data.drifting_ctr; experiments/
+                    dynamic_drift.py) in place of data.path / the synthetic default.
   model.name        the model (`recgnn.models.registry`): "dlrm" (the default), "dcn" (DCNv2:
                     model.cross_layers, model.low_rank; 0 = full rank), "deepfm", ...
   model.interaction older configs' key, an alias that wins when set: "dot" (dlrm), "dcn".
@@ -68,6 +71,10 @@ def open_dataset(data) -> tuple[criteo.CriteoDataset, dict | None]:
 def _open_one_hot(data):
   from recgnn.data import criteo_synthetic
 
+  if data.get("drifting") is not None:
+    from recgnn.data import drifting_ctr
+
+    return drifting_ctr.open_drifting(data)
   cache_dir = os.path.expanduser(data.cache_dir)
   schema = data.get("schema", "criteo")
   if schema != "criteo":
