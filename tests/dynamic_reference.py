@@ -70,7 +70,10 @@ class ReferenceMap:
           self.count[r] += 1
           self.last[r] = self.step
         continue
-      if not train or not self._admit(x):
+      if not train:  # (eval / look-ahead: reads only, counts nothing)
+        out.append(-1)
+        continue
+      if not self._admit(x):
         out.append(-1)
         self.rejected += 1
         continue

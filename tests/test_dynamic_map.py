@@ -104,6 +104,22 @@ def test_resume_from_arrays_is_exact():
       np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.parametrize("evict", ["lru", "none"])
+def test_eval_and_look_ahead_maps_change_nothing(evict):
+  """map(train=False) (eval batches, a backend's look-ahead) reads the map and leaves every
+  array, counters included, as it was: a look-ahead of k batches must not count their new ids
+  as rejected k times."""
+  m = id_map.IdMap(id_map.Policy(capacity=8, evict=evict))
+  for ids in drifting(2, batches=6):
+    m.map(ids)
+  before = {k: v.copy() for k, v in m.arrays().items()}
+  for ids in drifting(5, batches=3):
+    rows, resets = m.map(ids, train=False)
+    assert resets.size == 0 and np.all(rows[~np.isin(ids, m.key_of(np.arange(8)))] == -1)
+  for k, v in m.arrays().items():
+    np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
 def test_bad_policy_names_the_choices():
   with pytest.raises(ValueError, match="always, count, bloom"):
     id_map.Policy(capacity=4, admit="sometimes")

@@ -312,7 +312,10 @@ def _map_batch(ids, out, resets, a, mode, k, evict, ttl, train):
         if evict != 3:
           _sift_down(heap, pos, pos[slot], scalars[_HEAP], prim, sec)
       continue
-    if not train or not _admitted(key, mode, k, a[9], a[10], a[11], scalars):
+    if not train:  # (eval, look-ahead: reads only, counts nothing)
+      out[i] = -1
+      continue
+    if not _admitted(key, mode, k, a[9], a[10], a[11], scalars):
       out[i] = -1
       scalars[_REJ] += 1
       continue
