@@ -68,7 +68,7 @@ def test_who_implements_declares_and_implements_it(tmp_path):
   [
     ("tt(rank=4)", []),
     ("dense", ["DevicePrepare", "RowReset"]),
-    ("sharded(kind=table)", ["DevicePrepare"]),
+    ("sharded(kind=table)", ["DevicePrepare", "RowReset"]),
   ],
 )
 def test_what_a_backend_declares_is_all_it_opts_into(text, want):

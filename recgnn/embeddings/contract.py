@@ -119,7 +119,7 @@ class Capabilities:
       device ids, what `prepare` would (dense, sharded): the device feed then never reads
       this group's ids on the host (`Layout.ids_on_device`).
     resets_rows: `reset_rows` puts given rows back to given values with fresh optimizer
-      state inside the step (dense): a dynamic table (`dynamic(inner=...)`) that reuses an
+      state inside the step (dense, sharded): a dynamic table (`dynamic(inner=...)`) that reuses an
       evicted row needs it.
     maps_ids: `prepare` maps raw ids to rows of its own (dynamic): the only kind of backend
       a table of raw ids (`TableSpec.raw_ids`) may have.

@@ -121,7 +121,7 @@ class AutoCandidates(Protocol):
 
 class RowReset(Protocol):
   """Rows put back to given values with fresh optimizer state inside the step
-  (`Capabilities.resets_rows`; dense): what a dynamic table needs of its inner backend to
+  (`Capabilities.resets_rows`; dense, sharded): what a dynamic table needs of its inner backend to
   reuse an evicted row (recgnn/backends/dynamic/)."""
 
   REQUIRED: ClassVar[tuple[str, ...]] = ("reset_rows",)

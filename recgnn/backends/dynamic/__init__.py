@@ -25,8 +25,11 @@ int32[R], "rows": f32[R, D]}}}.
 Step: `lookup` and `update` first apply the resets to the state (`reset_rows`, the inner
 backend's `Capabilities.resets_rows`: the rows set to fresh initial values, their optimizer
 state to its initial value; O(R * D), the same pure function in both, so the update starts
-from the state the lookup read). Evictions need it; with evict=none no row is reused and any
-backend works.
+from the state the lookup read; dense and sharded have it). Evictions need it, unless
+reset=none: a reused row then keeps what the evicted id left in it (R = 0: nothing to apply),
+which any inner backend takes and is the only choice for tt, whose rows share their cores'
+slices (one row cannot be reset alone). With evict=none no row is reused and any backend
+works.
 
 State = {"inner": the inner backend's state, "steps": int32[] train updates applied}: the
 step count tells a checkpoint which maps to save (`history.History`: the input thread runs
@@ -61,6 +64,24 @@ def _inner_class(text: str) -> tuple[type, dict]:
   return registry.REGISTRY[name], options
 
 
+#: Why an inner backend cannot reset a row, where there is more to say than that it does not.
+_WHY_NOT = {
+  "tt": "a tt row is a product of core slices shared with other rows, so one row cannot be "
+  "put back to fresh values without changing others, and its optimizer state is per core "
+  "slice, not per row. "
+}
+
+
+def _cannot_reset(o: DynamicOptions, inner: str) -> str:
+  """The refusal of evictions with reset=rows over an inner backend that cannot reset rows."""
+  return (
+    f"dynamic(evict={o.evict}): evicted rows are reused, and inner backend {o.inner!r} "
+    f"cannot reset a row in the step (Capabilities.resets_rows: dense, sharded); "
+    f"{_WHY_NOT.get(inner, '')}Use another inner backend, evict=none (a full table rejects "
+    "new ids) or reset=none (a reused row starts from what the evicted id left in it)"
+  )
+
+
 @base.register_backend("dynamic")
 class Dynamic(base.Backend):
   """Raw ids mapped to rows of an inner backend (see the module docstring)."""
@@ -91,13 +112,9 @@ class Dynamic(base.Backend):
     inner_list = list(self.inner_specs.values())
     self.inner = registry.construct(cls, o.inner, inner_list, mesh, self.layout, inner_options)
     protocols.check(self.inner, o.inner)
-    self.reuses = o.evict != "none"
+    self.reuses = o.evict != "none" and o.reset == "rows"
     if self.reuses and not self.inner.capabilities.resets_rows:
-      raise ValueError(
-        f"dynamic(evict={o.evict}): evicted rows are reused, and inner backend {o.inner!r} "
-        "cannot reset a row in the step (Capabilities.resets_rows: dense). Use inner=dense, "
-        "or evict=none (a full table rejects new ids)"
-      )
+      raise ValueError(_cannot_reset(o, cls.name))
     self.lookahead = self.inner.lookahead
     self.maps = {n: id_map.IdMap(o.policy()) for n in self.specs}
     ahead = (base.PREFETCH + 2) * self.layout.steps_per_call + self.lookahead
@@ -128,6 +145,7 @@ class Dynamic(base.Backend):
     for n, m in self.maps.items():
       first = m.counters()["resets"]
       rows[n], slots = m.map(ids[n], train=train)
+      slots = slots if self.reuses else slots[:0]  # (reset=none: reused rows kept as they are)
       reset[n] = resets.make(self.inner_specs[n], slots, self.options.seed, first, self.reuses)
     ahead = [
       {n: m.map(u[n], train=False)[0] for n, m in self.maps.items()}

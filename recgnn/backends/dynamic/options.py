@@ -8,6 +8,9 @@ from typing import ClassVar
 from recgnn.backends.dynamic import id_map
 from recgnn.embeddings import base
 
+#: What a reused row starts from (`DynamicOptions.reset`).
+RESETS = ("rows", "none")
+
 
 @dataclasses.dataclass(frozen=True)
 class DynamicOptions(base.BackendOptions):
@@ -20,8 +23,11 @@ class DynamicOptions(base.BackendOptions):
     admit: `always`, `count` (the k-th occurrence) or `bloom` (a counting Bloom filter's).
     k: the occurrences `count` / `bloom` admit at.
     evict: `lru`, `lfu`, `ttl` (rows unseen for `ttl` train steps, then as lru) or `none` (a
-      full table rejects new ids). Every policy but `none` reuses rows, which the inner
-      backend must reset in the step (`Capabilities.resets_rows`: dense).
+      full table rejects new ids). Every policy but `none` reuses rows.
+    reset: what a reused row starts from: `rows` (fresh initial values and optimizer state,
+      set by the inner backend in the step: `Capabilities.resets_rows`) or `none` (the row as
+      the evicted id left it, any inner backend: the only choice for one whose rows are not
+      independent parameters, tt).
     ttl: steps a row may go unseen under evict=ttl.
     pending: admit=count's window of waiting ids (default 4 x capacity).
     bloom: admit=bloom's counters, one byte each (default 4 x capacity).
@@ -34,6 +40,7 @@ class DynamicOptions(base.BackendOptions):
   admit: str = "always"
   k: int = 1
   evict: str = "lru"
+  reset: str = "rows"
   ttl: int = 0
   pending: int = 0
   bloom: int = 0
@@ -46,6 +53,8 @@ class DynamicOptions(base.BackendOptions):
       )
     if self.admit == "always" and self.k != 1:
       raise ValueError(f"dynamic: k={self.k} needs admit=count or admit=bloom")
+    if self.reset not in RESETS:
+      raise ValueError(f"dynamic: reset must be one of {', '.join(RESETS)}; got {self.reset!r}")
     if self.inner.split("(")[0].strip() == "dynamic":
       raise ValueError("dynamic: inner cannot be dynamic")
     self.policy()  # (its own checks: admit, evict, ttl)
@@ -63,9 +72,12 @@ class DynamicOptions(base.BackendOptions):
     )
 
   def format(self) -> str:
-    """The checkpoint format's words for what makes a saved map mean something: capacity and
-    policy (a resume with others is refused naming both)."""
+    """The checkpoint format's words for what makes a saved map and table mean something:
+    capacity, policy and reset (a resume with others is refused naming both)."""
     p = self.policy()
     admit = self.admit if self.admit == "always" else f"{self.admit}({self.k})"
     evict = f"ttl({self.ttl})" if self.evict == "ttl" else self.evict
-    return f"dynamic(capacity={p.capacity}, admit={admit}, evict={evict})"
+    # reset=rows, the default, unwritten (the format checkpoints had before the option), and
+    # no reset under evict=none (no row is reused, so it changes nothing).
+    reset = ", reset=none" if self.reset == "none" and self.evict != "none" else ""
+    return f"dynamic(capacity={p.capacity}, admit={admit}, evict={evict}{reset})"

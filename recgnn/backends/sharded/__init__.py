@@ -32,8 +32,9 @@ their adaptive bounds and width re-plans), prepare.py (`Preparer`: ids -> prepar
 (`DeviceStep`: the lookup and the update, the sharding type's input distribution, lookup and
 output distribution read as the steps of one step; made of routing.py's `Routing`, ids to
 their owners and pooled segments back, and exchange.py's `Exchange`, the all-to-all through a
-codec and its f32 fallback), state.py (`StateKeeper`: init, tables, checkpoints); backend.py,
-the front `Sharded` class.
+codec and its f32 fallback), state.py (`StateKeeper`: init, tables, checkpoints), reset.py
+(`Reset`: rows put back to given values in the step, a dynamic table's reused rows, each where
+the storage holds it); backend.py, the front `Sharded` class.
 
 Placement (`kind`): `auto` (default) puts a table row-wise when it holds more than 1 / k of
 the group's bytes (it would unbalance the shards) and table-wise otherwise, assigning the

@@ -6,6 +6,7 @@ its phase (the package docstring says what flows where).
   Preparer      prepare.py    ids -> prepared (input thread)
   DeviceStep    step.py       lookup / update (Routing: routing.py; Exchange: exchange.py)
   StateKeeper   state.py      init, tables, logical_target / export / import_
+  Reset         reset.py      reset_rows: given rows put back in the step (a dynamic table's)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from absl import logging
 from recgnn.backends.sharded.geometry import Geometry
 from recgnn.backends.sharded.options import ShardedOptions
 from recgnn.backends.sharded.prepare import Preparer
+from recgnn.backends.sharded.reset import Reset
 from recgnn.backends.sharded.state import StateKeeper
 from recgnn.backends.sharded.step import DeviceStep
 from recgnn.backends.sharded.wire import Wire
@@ -26,8 +28,8 @@ class Sharded(base.Backend):
   """Model-parallel tables (see the package docstring). Options: `ShardedOptions`."""
 
   Options = ShardedOptions
-  # Routes each device's ids to their owners; prepare is per example.
-  capabilities = base.Capabilities(needs_split_ids=True, prepares_on_device=True)
+  # Routes each device's ids to their owners; prepare is per example; rows reset in place.
+  capabilities = base.Capabilities(needs_split_ids=True, prepares_on_device=True, resets_rows=True)
 
   @classmethod
   def capabilities_for(cls, options):
@@ -40,6 +42,7 @@ class Sharded(base.Backend):
       needs_split_ids=True,
       replans_shapes="auto" in o.code_widths.values(),
       prepares_on_device=True,
+      resets_rows=True,
     )
 
   def __init__(self, specs, mesh, layout: base.Layout | None = None, text: str = "", **options):
@@ -50,6 +53,7 @@ class Sharded(base.Backend):
     self._prep = Preparer(self.specs, self.process_local)
     self._device = DeviceStep(self.geometry, self.wire)
     self._state = StateKeeper(self.geometry, self.wire)
+    self._reset = Reset(self.geometry, self.wire)
     logging.info("sharded placements:\n%s", self.format_placements())
 
   def describe(self, table=None):
@@ -143,3 +147,6 @@ class Sharded(base.Backend):
 
   def update(self, state, prepared, residuals, grads):
     return self._device.update(state, prepared, residuals, grads)
+
+  def reset_rows(self, state, resets):
+    return self._reset.reset_rows(state, resets)
