@@ -68,7 +68,7 @@ def test_bloom_admits_no_later_than_exact_count():
   k = 3
   ids = np.random.default_rng(0).integers(0, 400, size=3000)
   for counters, exact in ((1 << 16, True), (64, False)):
-    m = id_map.IdMap(id_map.Policy(capacity=512, admit="bloom", k=k, bloom_counters=counters))
+    m = id_map.IdMap(id_map.Policy(capacity=512, admit="bloom", k=k, bloom=counters))
     seen: dict[int, int] = {}
     early = 0
     for x in ids.tolist():

@@ -49,35 +49,48 @@ _EMPTY = -1
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-  """A dynamic table's admission and eviction.
+  """A dynamic table's admission and eviction (the `dynamic(...)` options that shape its map).
 
   Attributes:
     capacity: rows of the table (C).
     admit: one of ADMISSIONS; k: the occurrences `count` / `bloom` admit at (>= 1).
     evict: one of EVICTIONS; ttl: `ttl`'s steps.
-    pending: `count`'s window: distinct waiting ids kept (the window is cleared at half).
-    bloom_counters: `bloom`'s counters (M; bytes).
+    pending: `count`'s window: distinct waiting ids kept (cleared when half full; 0: 4 x C).
+    bloom: `bloom`'s counters, one byte each (0: 4 x C).
   """
 
-  capacity: int
+  capacity: int = 0
   admit: str = "always"
   k: int = 1
   evict: str = "lru"
   ttl: int = 0
   pending: int = 0
-  bloom_counters: int = 0
+  bloom: int = 0
 
   def __post_init__(self):
     if self.capacity < 1:
-      raise ValueError(f"dynamic: capacity must be >= 1, got {self.capacity}")
+      raise ValueError(
+        f"dynamic: give capacity=ROWS (the rows of each table, >= 1), e.g. capacity=100_000; "
+        f"got {self.capacity}"
+      )
     if self.admit not in ADMISSIONS:
       raise ValueError(f"dynamic: admit must be one of {', '.join(ADMISSIONS)}; got {self.admit!r}")
     if self.evict not in EVICTIONS:
       raise ValueError(f"dynamic: evict must be one of {', '.join(EVICTIONS)}; got {self.evict!r}")
     if self.k < 1:
       raise ValueError(f"dynamic: k must be >= 1, got {self.k}")
+    if self.admit == "always" and self.k != 1:
+      raise ValueError(f"dynamic: k={self.k} needs admit=count or admit=bloom")
     if (self.evict == "ttl") != (self.ttl > 0):
       raise ValueError(f"dynamic: ttl={self.ttl} goes with evict=ttl (and only with it)")
+
+  @property
+  def pending_ids(self) -> int:
+    return self.pending or 4 * self.capacity
+
+  @property
+  def bloom_bytes(self) -> int:
+    return self.bloom or 4 * self.capacity
 
 
 def _pow2(n: int) -> int:
@@ -88,8 +101,8 @@ def new_arrays(p: Policy) -> dict[str, np.ndarray]:
   """The empty map's arrays (`IdMap`'s docstring): every row free, row 0 taken first."""
   c = p.capacity
   h = _pow2(2 * c)
-  pend = _pow2(2 * max(p.pending, 1)) if p.admit == "count" else 8
-  bloom = max(p.bloom_counters, 8) if p.admit == "bloom" else 8
+  pend = _pow2(2 * p.pending_ids) if p.admit == "count" else 8
+  bloom = max(p.bloom_bytes, 8) if p.admit == "bloom" else 8
   scalars = np.zeros(len(SCALARS), np.int64)
   scalars[_NFREE] = c
   return {

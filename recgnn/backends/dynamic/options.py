@@ -13,62 +13,37 @@ RESETS = ("rows", "none")
 
 
 @dataclasses.dataclass(frozen=True)
-class DynamicOptions(base.BackendOptions):
-  """`dynamic(...)`'s options.
+class DynamicOptions(base.BackendOptions, id_map.Policy):
+  """`dynamic(...)`'s options: the id map's `Policy` (capacity, admit, k, evict, ttl,
+  pending, bloom: its docstring and id_map's EVICTIONS / ADMISSIONS) and
 
   Attributes:
-    capacity: rows of each table (the inner backend's tables get this many rows).
     inner: the backend string the rows live in (`dense`, `offload(cache_fraction=0.5)`,
-      `hot_cold(budget=0.1)`, `sharded(kind=row)`, `tt(rank=8)`).
-    admit: `always`, `count` (the k-th occurrence) or `bloom` (a counting Bloom filter's).
-    k: the occurrences `count` / `bloom` admit at.
-    evict: `lru`, `lfu`, `ttl` (rows unseen for `ttl` train steps, then as lru) or `none` (a
-      full table rejects new ids). Every policy but `none` reuses rows.
-    reset: what a reused row starts from: `rows` (fresh initial values and optimizer state,
-      set by the inner backend in the step: `Capabilities.resets_rows`) or `none` (the row as
-      the evicted id left it, any inner backend: the only choice for one whose rows are not
-      independent parameters, tt).
-    ttl: steps a row may go unseen under evict=ttl.
-    pending: admit=count's window of waiting ids (default 4 x capacity).
-    bloom: admit=bloom's counters, one byte each (default 4 x capacity).
+      `hot_cold(budget=0.1)`, `sharded(kind=row)`, `tt(rank=8)`); its tables get `capacity`
+      rows.
+    reset: what a reused row starts from (every evict but `none` reuses rows): `rows` (fresh
+      initial values and optimizer state, set by the inner backend in the step:
+      `Capabilities.resets_rows`) or `none` (the row as the evicted id left it, any inner
+      backend: the only choice for one whose rows are not independent parameters, tt).
     seed: the reused rows' initial values are drawn from (seed, table, reset number).
   """
 
   backend: ClassVar[str] = "dynamic"
-  capacity: int = 0
   inner: str = "dense"
-  admit: str = "always"
-  k: int = 1
-  evict: str = "lru"
   reset: str = "rows"
-  ttl: int = 0
-  pending: int = 0
-  bloom: int = 0
   seed: int = 0
 
   def __post_init__(self):
-    if self.capacity < 1:
-      raise ValueError(
-        "dynamic: give capacity=ROWS (the rows of each table), e.g. capacity=100_000"
-      )
-    if self.admit == "always" and self.k != 1:
-      raise ValueError(f"dynamic: k={self.k} needs admit=count or admit=bloom")
+    super().__post_init__()  # (the policy's checks: capacity, admit, k, evict, ttl)
     if self.reset not in RESETS:
       raise ValueError(f"dynamic: reset must be one of {', '.join(RESETS)}; got {self.reset!r}")
     if self.inner.split("(")[0].strip() == "dynamic":
       raise ValueError("dynamic: inner cannot be dynamic")
-    self.policy()  # (its own checks: admit, evict, ttl)
 
   def policy(self) -> id_map.Policy:
-    """The id map's policy (every table of the group gets its own map with it)."""
+    """The id map's policy alone (every table of the group gets its own map with it)."""
     return id_map.Policy(
-      capacity=self.capacity,
-      admit=self.admit,
-      k=self.k,
-      evict=self.evict,
-      ttl=self.ttl,
-      pending=self.pending or 4 * self.capacity,
-      bloom_counters=self.bloom or 4 * self.capacity,
+      **{f.name: getattr(self, f.name) for f in dataclasses.fields(id_map.Policy)}
     )
 
   def format(self) -> str:
