@@ -98,8 +98,8 @@ def test_reused_rows_read_fresh_initial_values():
 
 def test_inner_that_cannot_reset_is_refused_with_evictions():
   spec = base.TableSpec(name="t", num_rows=8, dim=4, optimizer=OPT)
-  with pytest.raises(ValueError, match="resets_rows: dense.*evict=none"):
-    planner.make_backend("dynamic(capacity=8, inner='offload(cache_rows=4)')", spec)
+  with pytest.raises(ValueError, match="cannot reset a row in the step.*evict=none"):
+    planner.make_backend("dynamic(capacity=8, inner='tt(rank=2)')", spec)
   with pytest.raises(ValueError, match="unknown inner backend 'nope'; available: dense"):
     planner.make_backend("dynamic(capacity=8, inner=nope)", spec)
 

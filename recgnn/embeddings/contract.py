@@ -29,7 +29,8 @@ and refuses a backend that declares one without its methods):
   MicroBatching        Capabilities.splits_batch    micro_batches, lookup_micro (no default)
   StreamedCheckpoints  reads_streams() -> True      reads_streams
   AutoCandidates       overriding the classmethod   auto_candidates(spec, AutoContext)
-  RowReset             Capabilities.resets_rows     reset_rows (raises by default)
+  RowReset             Capabilities.resets_rows     reset_rows (raises by default),
+                                                    place_resets
 
 Pooled in, pooled out: a model-parallel backend moves [B, D] blocks, never [B, L, D]. The
 lookup sits outside `value_and_grad`; `update` gets d loss / d pooled, so a backward
@@ -119,8 +120,8 @@ class Capabilities:
       device ids, what `prepare` would (dense, sharded): the device feed then never reads
       this group's ids on the host (`Layout.ids_on_device`).
     resets_rows: `reset_rows` puts given rows back to given values with fresh optimizer
-      state inside the step (dense, sharded): a dynamic table (`dynamic(inner=...)`) that reuses an
-      evicted row needs it.
+      state inside the step, where `place_resets` placed them (dense, sharded, offload,
+      hot_cold): a dynamic table (`dynamic(inner=...)`) that reuses an evicted row needs it.
     maps_ids: `prepare` maps raw ids to rows of its own (dynamic): the only kind of backend
       a table of raw ids (`TableSpec.raw_ids`) may have.
   """
@@ -405,12 +406,23 @@ class Backend(abc.ABC):
   # ---- RowReset (Capabilities.resets_rows): rows put back to new values in the step
 
   def reset_rows(self, state: PyTree, resets: dict[str, dict[str, jax.Array]]) -> PyTree:
-    """Jit-able (capability `resets_rows` only): resets {table: {"slots": int32[R] (rows;
-    out of range: none), "rows": f32[R, D]}} -> the state with each listed row's values set
-    to its `rows` entry and its optimizer slots to their initial value. O(R * D)."""
+    """Jit-able (capability `resets_rows` only): resets {table: {"slots": int32[R] (rows, or
+    where `place_resets` put them; out of range: none), "rows": f32[R, D]}} -> the state
+    with each listed slot's values set to its `rows` entry and its optimizer slots to their
+    initial value. O(R * D)."""
     raise NotImplementedError(
       f"backend {self.text!r} cannot reset rows in the step (no Capabilities.resets_rows)"
     )
+
+  def place_resets(self, prepared: PyTree, resets: dict[str, dict[str, np.ndarray]]):
+    """Host side, input thread, right after `prepare` made `prepared` (numpy) for the batch
+    the resets belong to: resets {table: {"slots": int32[R] rows (out of range: none),
+    "rows": f32[R, D], "at": int32[R] where each row is first read in the table's ids,
+    flattened}} -> (prepared, {table: {"slots", "rows"}} for `reset_rows` in this batch's
+    step). A backend whose rows move between memories says here where the step holds each
+    row (a device slot) or, for a row the step itself brings from the host, puts the reset
+    into the rows `prepared` carries (in place). O(R). Default: the rows are the slots."""
+    return prepared, {n: {"slots": r["slots"], "rows": r["rows"]} for n, r in resets.items()}
 
   # ---- Replanning (Capabilities.replans_shapes): static shapes re-planned
 

@@ -425,6 +425,21 @@ def widen(x: np.ndarray, width: int, fill, axis: int = 0) -> np.ndarray:
   return out
 
 
+def reset_staged(
+  staged: dict, src: np.ndarray, pos: np.ndarray, rows: np.ndarray, initial: float
+) -> None:
+  """Rows a prepared batch carries from the host (staged {"table": f32[W, D], slot: f32[W,
+  ...]}, src int32[W] their ring sources) reset in place at positions pos int[R]: the table
+  to rows f32[R, D], every optimizer slot to `initial`, the ring source dropped (ABSENT), so
+  the step trains the row from its reset values whatever the host or the ring held for it
+  (a dynamic table's reused row, `Backend.place_resets`). O(R)."""
+  if pos.size == 0:
+    return
+  for k, v in staged.items():
+    v[pos] = rows if k == "table" else initial
+  src[pos] = ABSENT
+
+
 def to_host_values(values) -> dict:
   """The step's output copied to host memory (writer thread; waits for the step)."""
   return jax.device_get(values)

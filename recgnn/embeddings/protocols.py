@@ -19,7 +19,7 @@ protocols a backend opts into, each declared (never found by `hasattr`).
   StreamedCheckpoints   reads_streams (export may give a          reads_streams() -> True
                         StreamedTable, import_ a TableReader)
   AutoCandidates        auto_candidates (a classmethod)           overriding it
-  RowReset              reset_rows                                Capabilities.resets_rows
+  RowReset              reset_rows, place_resets                  Capabilities.resets_rows
 
 `Backend` (recgnn.embeddings.contract) keeps a no-op default of every optional method the
 trainer calls on every group (a backend that opts into nothing is called through them); the
@@ -121,13 +121,19 @@ class AutoCandidates(Protocol):
 
 class RowReset(Protocol):
   """Rows put back to given values with fresh optimizer state inside the step
-  (`Capabilities.resets_rows`; dense, sharded): what a dynamic table needs of its inner backend to
-  reuse an evicted row (recgnn/backends/dynamic/)."""
+  (`Capabilities.resets_rows`; dense, sharded, offload, hot_cold): what a dynamic table
+  needs of its inner backend to reuse an evicted row (recgnn/backends/dynamic/). A backend
+  whose rows move between the host and the devices also places the resets on the host
+  (`place_resets`: where the step holds each row, or the reset put into the rows the step
+  brings)."""
 
   REQUIRED: ClassVar[tuple[str, ...]] = ("reset_rows",)
 
   def reset_rows(self, state: PyTree, resets: dict) -> PyTree:
     """Inside jit: {table: {"slots": int32[R], "rows": f32[R, D]}} -> the state reset."""
+
+  def place_resets(self, prepared: PyTree, resets: dict) -> tuple[PyTree, dict]:
+    """Host, after `prepare`: (prepared, resets with "at") -> (prepared, `reset_rows`' resets)."""
 
 
 #: Each optional protocol and how a backend declares it: a `Capabilities` field, or a

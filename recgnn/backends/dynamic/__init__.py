@@ -16,14 +16,17 @@ device feed this group's ids are still read and prepared there: `prepares_on_dev
 off), and it plans over the whole batch (`plans_globally`: every process maps the global
 batch, so all make the same decisions).
 
-Host side (prepare, input thread, in stream order): per table, `IdMap.map` turns ids
+Host side (prepare, input thread, in stream order): per table, `IdMap.map_at` turns ids
 int[B, L] into rows int32[B, L] (-1 for padding and for ids not admitted: they read a zero row
-and are not trained) and the rows reused by this batch (`resets`); the inner backend prepares
-the rows. prepared = {"inner": the inner backend's prepared, "reset": {table: {"slots":
-int32[R], "rows": f32[R, D]}}}.
+and are not trained), the rows reused by this batch (`resets`) and where the batch first
+reads each; the inner backend prepares the rows, then places the resets in that prepared
+batch (`place_resets`: dense keeps rows as slots; a host tier names the device slot that
+holds the row in this step, or puts the reset into the row the step loads from the host).
+prepared = {"inner": the inner backend's prepared, "reset": {table: {"slots": int32[R],
+"rows": f32[R, D]}}}.
 
 Step: `lookup` and `update` first apply the resets to the state (`reset_rows`, the inner
-backend's `Capabilities.resets_rows`: the rows set to fresh initial values, their optimizer
+backend's `Capabilities.resets_rows`: the slots set to fresh initial values, their optimizer
 state to its initial value; O(R * D), the same pure function in both, so the update starts
 from the state the lookup read; dense and sharded have it). Evictions need it, unless
 reset=none: a reused row then keeps what the evicted id left in it (R = 0: nothing to apply),
@@ -76,8 +79,8 @@ def _cannot_reset(o: DynamicOptions, inner: str) -> str:
   """The refusal of evictions with reset=rows over an inner backend that cannot reset rows."""
   return (
     f"dynamic(evict={o.evict}): evicted rows are reused, and inner backend {o.inner!r} "
-    f"cannot reset a row in the step (Capabilities.resets_rows: dense, sharded); "
-    f"{_WHY_NOT.get(inner, '')}Use another inner backend, evict=none (a full table rejects "
+    "cannot reset a row in the step (Capabilities.resets_rows: dense, sharded, offload, "
+    f"hot_cold); {_WHY_NOT.get(inner, '')}Use another inner backend, evict=none (a full table rejects "
     "new ids) or reset=none (a reused row starts from what the evicted id left in it)"
   )
 
@@ -142,16 +145,19 @@ class Dynamic(base.Backend):
     rows, reset = {}, {}
     if train:
       self.history.before_train(self.maps[next(iter(self.maps))].counters()["step"], ids)
+    seed = self.options.seed
     for n, m in self.maps.items():
       first = m.counters()["resets"]
-      rows[n], slots = m.map(ids[n], train=train)
-      slots = slots if self.reuses else slots[:0]  # (reset=none: reused rows kept as they are)
-      reset[n] = resets.make(self.inner_specs[n], slots, self.options.seed, first, self.reuses)
+      rows[n], slots, at = m.map_at(ids[n], train=train)
+      if not self.reuses:  # (reset=none: reused rows kept as they are)
+        slots, at = slots[:0], at[:0]
+      reset[n] = resets.make(self.inner_specs[n], slots, seed, first, self.reuses, at=at)
     ahead = [
       {n: m.map(u[n], train=False)[0] for n, m in self.maps.items()}
       for u in upcoming[: self.lookahead]
     ]
-    return {"inner": self.inner.prepare(rows, ahead, train=train), "reset": reset}
+    inner, reset = self.inner.place_resets(self.inner.prepare(rows, ahead, train=train), reset)
+    return {"inner": inner, "reset": reset}
 
   def prepared_spec(self, prepared):
     reset = jax.tree.map(lambda _: sharding.REPLICATED, prepared["reset"])

@@ -299,9 +299,11 @@ def _expire(a, step, ttl, prim, sec):
 
 
 @numba.njit(cache=True)
-def _map_batch(ids, out, resets, a, mode, k, evict, ttl, train):
+def _map_batch(ids, out, resets, at, a, mode, k, evict, ttl, train):
   """Map ids int64[n] in order into out int32[n]; train: admit, evict, count. The rows
-  that must be reset before this batch's lookup go to resets[:return value]."""
+  that must be reset before this batch's lookup go to resets[:return value], the position
+  in ids that admitted each to at[:return value] (the row's first position in the batch: a
+  victim is never a row the batch has read before)."""
   hk, hv, keys, count, last, used = a[0], a[1], a[2], a[3], a[4], a[5]
   heap, pos, free, scalars = a[6], a[7], a[8], a[12]
   lfu = evict == 1
@@ -354,6 +356,7 @@ def _map_batch(ids, out, resets, a, mode, k, evict, ttl, train):
     last[slot] = step
     if used[slot]:
       resets[nres] = slot
+      at[nres] = i
       nres += 1
     used[slot] = 1
     if evict != 3:
@@ -398,12 +401,20 @@ class IdMap:
     """ids int[...] raw (< 0: padding) -> (rows int32[...] (-1: padding or not admitted),
     rows to reset int32[R]: rows this batch admits an id into that held another before).
     train=False (eval, look-ahead): reads only, changes nothing."""
+    return self.map_at(ids, train=train)[:2]
+
+  def map_at(self, ids: np.ndarray, *, train: bool = True) -> tuple[np.ndarray, ...]:
+    """As `map`, and third int32[R]: where in ids (flattened) each reset row is first read,
+    the id that was admitted into it (an inner backend finds the row's place in its
+    prepared batch there: `Backend.place_resets`)."""
     flat = np.ascontiguousarray(ids, np.int64).reshape(-1)
     out = np.empty(flat.shape[0], np.int32)
     resets = np.empty(flat.shape[0], np.int32)
+    at = np.empty(flat.shape[0], np.int32)
     p = self.policy
-    n = _map_batch(flat, out, resets, self._tuple, self._mode, p.k, self._evict, p.ttl, train)
-    return out.reshape(np.shape(ids)), resets[:n].copy()
+    args = (self._tuple, self._mode, p.k, self._evict, p.ttl, train)
+    n = _map_batch(flat, out, resets, at, *args)
+    return out.reshape(np.shape(ids)), resets[:n].copy(), at[:n].copy()
 
   def arrays(self) -> dict[str, np.ndarray]:
     """The map's whole state (a copy): what a checkpoint saves."""

@@ -2,7 +2,9 @@
 made on the input thread in stream order and carried with the prepared batch.
 
 resets = {"slots": int32[R], "rows": f32[R, D]}: R a power of two >= 8 (0 when the table
-can never reuse a row), the padding slots RESET_PAD (out of range: dropped by the scatter).
+can never reuse a row), the padding slots RESET_PAD (out of range: dropped by the scatter);
+as made, also "at" int32[R] (where the batch first reads each row), which the inner
+backend's `place_resets` reads and drops.
 A row's new values are the table's initializer's distribution at the inner table's size
 (`uniform`: U(-1/sqrt(capacity), 1/sqrt(capacity)); `normal`: N(0, 1) / sqrt(D); `zeros`),
 drawn from numpy's generator seeded with (seed, table, the table's count of resets so far):
@@ -38,17 +40,28 @@ def initial_rows(spec: base.TableSpec, seed: int, first: int, n: int) -> np.ndar
 
 
 def make(
-  spec: base.TableSpec, slots: np.ndarray, seed: int, first: int, reuses: bool, length: int = -1
+  spec: base.TableSpec,
+  slots: np.ndarray,
+  seed: int,
+  first: int,
+  reuses: bool,
+  length: int = -1,
+  at: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
   """The resets of one batch: `slots` (the map's resets), their rows, padded to `length`
-  (default `bucket(len(slots))`; 0 when the table never `reuses` rows)."""
+  (default `bucket(len(slots))`; 0 when the table never `reuses` rows); with `at` (where
+  the batch first reads each, `IdMap.map_at`) "at" too, for `Backend.place_resets`."""
   n = len(slots)
   size = (bucket(n) if reuses else 0) if length < 0 else length
   out_slots = np.full(size, RESET_PAD, np.int32)
   out_slots[:n] = slots
   rows = np.zeros((size, spec.dim), np.float32)
   rows[:n] = initial_rows(spec, seed, first, n)
-  return {"slots": out_slots, "rows": rows}
+  out = {"slots": out_slots, "rows": rows}
+  if at is not None:
+    out["at"] = np.full(size, RESET_PAD, np.int32)
+    out["at"][:n] = at
+  return out
 
 
 def pad(resets: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:

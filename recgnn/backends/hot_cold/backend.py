@@ -66,7 +66,11 @@ class HotCold(base.Backend):
     # The hot set and the popular / non-popular split are planned over the whole batch; the
     # step returns the cold rows it updated for the host writer (TO_HOST).
     return base.Capabilities(
-      splits_batch=o.split, plans_globally=True, writes_host=True, stacks_calls=True
+      splits_batch=o.split,
+      plans_globally=True,
+      writes_host=True,
+      stacks_calls=True,
+      resets_rows=True,
     )
 
   def describe(self, table=None):
@@ -135,6 +139,10 @@ class HotCold(base.Backend):
   def prepared_spec(self, prepared):
     return self._prep.prepared_spec(prepared)
 
+  def place_resets(self, prepared, resets):
+    """A dynamic table's reused rows placed in a prepared train batch (`Preparer.place_resets`)."""
+    return self._prep.place_resets(prepared, resets)
+
   @property
   def cold_shapes(self) -> set[tuple[int, ...]]:
     """The train steps' cold-list lengths seen so far."""
@@ -170,3 +178,7 @@ class HotCold(base.Backend):
 
   def update(self, state, prepared, residuals, grads):
     return self._device.update(state, prepared, residuals, grads)
+
+  def reset_rows(self, state, resets):
+    """The hot slots `place_resets` named reset (`DeviceStep.reset_rows`)."""
+    return self._device.reset_rows(state, resets)

@@ -189,6 +189,21 @@ class DeviceStep:
       base.TO_HOST: tuple(to_host),
     }
 
+  def reset_rows(self, state, resets):
+    """resets {table: {"slots": int32[R] hot slots (>= Ha: none), "rows": f32[R, D]}}
+    (`Preparer.place_resets`) -> the state with those hot slots set to the rows and their
+    optimizer slots to the initial value, each device writing the slots it owns. O(R * D)."""
+    tables = dict(state["tables"])
+    for name, r in resets.items():
+      t = tables[name]
+      init = self._g.specs[name].optimizer.initial_accumulator
+      hot = {}
+      for k, v in t["hot"].items():
+        vals = r["rows"] if k == "table" else jnp.full(r["slots"].shape + v.shape[1:], init)
+        hot[k] = self._hot_set(v, r["slots"], vals.astype(v.dtype))
+      tables[name] = {**t, "hot": hot}
+    return {**state, "tables": tables}
+
   def _update_hot(self, spec, hot, p, g, count):
     """dense(shard=rows)'s update on the hot slots: the batch's (ids, pooled grads) on
     every device, each device updates the slots it owns (cold positions: slot Ha, dropped)."""

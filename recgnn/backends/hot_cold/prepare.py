@@ -23,7 +23,7 @@ from recgnn.backends.hot_cold.host_side import HostTier
 from recgnn.backends.hot_cold.hot_set import HotSet, cold_cap
 from recgnn.backends.hot_cold.micro import split
 from recgnn.backends.hot_cold.options import HotColdOptions
-from recgnn.embeddings import base, host_cache
+from recgnn.embeddings import base, host_cache, host_tier
 
 
 class _Classified(NamedTuple):
@@ -214,6 +214,35 @@ class Preparer:
       p0 = micro[0]["idx"].shape[0] if micro else 0
       stats.update(micro_popular=p0, micro_cold=batch - p0)
     return stats
+
+  def place_resets(self, prepared, resets):
+    """Host, right after `prepare` of the train batch the resets belong to (RowReset: a
+    dynamic table in front): where its step holds each reset row. A hot row -> its hot slot,
+    reset by `reset_rows` before the lookup (the hot set changes only at the end of a step,
+    by the migration this batch planned, which reads the updated hot arrays). A cold row has
+    no device slot: its entry in the batch's cold list takes the reset
+    (`host_tier.reset_staged`, the ring's value dropped), is trained from there, written
+    into the ring and back to the host as any cold row (and a row joining the hot set at
+    this step's end takes it from the ring). -> (prepared, {table: {"slots": hot slots
+    (Ha: none), "rows"}})."""
+    out = {}
+    for n, r in resets.items():
+      t = prepared["tables"][n]
+      alloc = self._g.alloc[n]
+      slots = np.full(r["slots"].shape, alloc, np.int32)
+      out[n] = {"slots": slots, "rows": r["rows"]}
+      real = np.flatnonzero(r["at"] < t["hot_ids"].size)
+      if real.size == 0:
+        continue
+      b, pos = np.unravel_index(r["at"][real], t["hot_ids"].shape)
+      hot = t["hot_ids"][b, pos]
+      is_hot = hot < alloc
+      slots[real[is_hot]] = hot[is_hot]
+      lst = prepared["cold"][self._g.stack_of[n][0]]
+      init = self._g.specs[n].optimizer.initial_accumulator
+      cold_pos = t["cold_ids"][b, pos][~is_hot]
+      host_tier.reset_staged(lst["vals"], lst["src"], cold_pos, r["rows"][real[~is_hot]], init)
+    return prepared, out
 
   def prepared_spec(self, prepared):
     batch = sharding.BATCH_SPEC if self._g.split_batch else sharding.REPLICATED

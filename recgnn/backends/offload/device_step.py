@@ -84,6 +84,25 @@ class DeviceStep:
           pooled[n] = base.pool_rows(summed[:, j, None], count)
     return pooled, tuple(residuals)
 
+  def reset_rows(self, state, resets):
+    """resets {table: {"slots": int32[R] slots of its stack's cache (out of range: none),
+    "rows": f32[R, D]}} (`OffloadGroup.place_resets`) -> the state with those slots set to
+    the rows and their optimizer slots to the initial value: one scatter per array of each
+    stack holding a reset table. O(R * D)."""
+    caches = list(state["cache"])
+    for stack, names in enumerate(self._stacks):
+      mine = [n for n in names if n in resets]
+      if not mine:
+        continue
+      at = jnp.concatenate([resets[n]["slots"] for n in mine])
+      rows = jnp.concatenate([resets[n]["rows"] for n in mine])
+      init = self.specs[names[0]].optimizer.initial_accumulator
+      caches[stack] = {
+        k: _put(v, at, rows) if k == "table" else v.at[at].set(init, mode="drop")
+        for k, v in caches[stack].items()
+      }
+    return {**state, "cache": tuple(caches)}
+
   def _optimizer_inputs(self, prepared, stack: int, grads):
     """A stack's batch for ONE sparse update of its cache (`base.sparse_sgd_or_adagrad`):
     ({"ids": int32[n] and, for row-wise optimizers, "unique": int32[U], "inverse":

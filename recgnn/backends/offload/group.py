@@ -9,10 +9,10 @@ import jax
 import numpy as np
 
 from recgnn import sharding
-from recgnn.backends.offload import cache_plan, call_lists, stacked_batch
+from recgnn.backends.offload import cache_plan, call_lists, row_resets, stacked_batch
 from recgnn.backends.offload import planner as hostplan
 from recgnn.backends.offload.cache_plan import EVICT_SLOTS, LOAD_SLOTS, NEXT_FROM_NOW
-from recgnn.backends.offload.device_step import DeviceStep, bag_tables
+from recgnn.backends.offload.device_step import DeviceStep
 from recgnn.backends.offload.disk_rows import source_of
 from recgnn.backends.offload.fast_plan import SteadyPlanner
 from recgnn.backends.offload.host_side import HostSide
@@ -412,30 +412,30 @@ class OffloadGroup(base.TableGroup):
     """A prepared batch of one table as `Offload.prepare` planned it: {"ids": int32[B, L]
     (its own slots, C = padding), "now_pos": int32[B, L], "version": int32[]}
     (`stacked_batch.stack` undone). Host side (tests, inspection)."""
-    stack, i = next(
-      (s, names.index(table)) for s, names in enumerate(self._stacks) if table in names
-    )
+    stack, i, bag, j = stacked_batch.bag_of(self._stacks, prepared, table)
     first, c = int(self._slot_off[stack][i]), self.members[table].cache_rows
-    for key, bag in prepared["batch"][stack]["bags"].items():
-      tabs = bag_tables(key)
-      if i in tabs:
-        j = tabs.index(i)
-        ids = np.asarray(bag["ids"])[:, j]
-        return {
-          "ids": np.where(ids == ABSENT, c, ids - first),
-          "now_pos": np.asarray(bag["now_pos"])[:, j],
-          "version": np.asarray(prepared["version"])[self._index[table]],
-        }
-    raise KeyError(table)
+    ids = np.asarray(bag["ids"])[:, j]
+    return {
+      "ids": np.where(ids == ABSENT, c, ids - first),
+      "now_pos": np.asarray(bag["now_pos"])[:, j],
+      "version": np.asarray(prepared["version"])[self._index[table]],
+    }
+
+  def place_resets(self, prepared, resets):
+    """RowReset (a dynamic table in front): where each row the batch just prepared reuses
+    is in its step (`row_resets.place`)."""
+    return prepared, row_resets.place(self._stacks, self.specs, prepared, resets)
+
+  def reset_rows(self, state, resets):
+    """Inside the step: the cache slots `place_resets` named set (`DeviceStep.reset_rows`)."""
+    return self._step.reset_rows(state, resets)
 
   def table_exchanges(self, prepared: dict, table: str) -> dict[str, np.ndarray]:
     """A prepared batch's exchanges of one table, as `Offload.prepare` planned them: {"now":
     int32[4, n], "next": int32[5, m]} (its segments of its stack's lists, slots its own
     (C: padding), NEXT_FROM_NOW as positions in its "now" (n: absent); `stacked_batch.segments`
     undone). Host side (tests, inspection)."""
-    stack, i = next(
-      (s, names.index(table)) for s, names in enumerate(self._stacks) if table in names
-    )
+    stack, i, _, _ = stacked_batch.bag_of(self._stacks, prepared, table)
     lists = prepared["lists"][stack]
     first, c = int(self._slot_off[stack][i]), self.members[table].cache_rows
     out = {}

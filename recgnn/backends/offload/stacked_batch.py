@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from recgnn.backends.offload.cache_plan import EVICT_SLOTS, LOAD_SLOTS, NEXT_FROM_NOW
+from recgnn.backends.offload.device_step import bag_tables
 from recgnn.backends.offload.planned import Flat, Planned
 
 # An absent slot or position in a stack's lists and batch: past every cache and list
@@ -172,3 +173,14 @@ def stack(stacks, slot_off: list, specs: dict, planned: Planned, lists: list, ab
       entry[",".join(map(str, idx))] = bag
     out.append({"bags": entry, **({"unique": np.concatenate(uniques)} if uniques else {})})
   return tuple(out)
+
+
+def bag_of(stacks, prepared: dict, table: str) -> tuple[int, int, dict, int]:
+  """(its stack, its index in the stack, the stacked bag holding its batch, its index among
+  the bag's tables) of `table` in a prepared batch (stacks: the group's names per stack)."""
+  stack, i = next((s, names.index(table)) for s, names in enumerate(stacks) if table in names)
+  for key, bag in prepared["batch"][stack]["bags"].items():
+    tabs = bag_tables(key)
+    if i in tabs:
+      return stack, i, bag, tabs.index(i)
+  raise KeyError(table)

@@ -45,8 +45,11 @@ class Offload(base.TableBackend):
 
   name = "offload"  # the member class; `OffloadGroup` is what the registry names
   Options = OffloadOptions
-  # The cache plan is global; the step returns the rows it evicts (TO_HOST).
-  capabilities = base.Capabilities(plans_globally=True, writes_host=True, stacks_calls=True)
+  # The cache plan is global; the step returns the rows it evicts (TO_HOST); reused rows are
+  # reset by the group (`OffloadGroup.place_resets`, `reset_rows`).
+  capabilities = base.Capabilities(
+    plans_globally=True, writes_host=True, stacks_calls=True, resets_rows=True
+  )
   batch_major = ("ids", "inverse", "now_pos")
 
   def __init__(self, spec: base.TableSpec, mesh, layout: base.Layout | None = None, **options):
