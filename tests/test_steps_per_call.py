@@ -44,12 +44,15 @@ def _logged(workdir):
 
 def _without_rings(state):
   """A host tier's device ring of recent write-backs is sized by the steps per call (a call
-  of k must hold its own write-backs): a buffer of rows also on the host, not the model."""
-  emb = {
-    k: {n: v for n, v in e.items() if n != "ring"} if isinstance(e, dict) else e
-    for k, e in state.emb.items()
-  }
-  return state.replace(emb=emb)
+  of k must hold its own write-backs): a buffer of rows also on the host, not the model.
+  (Under a dynamic table, in its inner backend's state.)"""
+
+  def strip(e):
+    if not isinstance(e, dict):
+      return e
+    return {n: strip(v) if n == "inner" else v for n, v in e.items() if n != "ring"}
+
+  return state.replace(emb={k: strip(e) for k, e in state.emb.items()})
 
 
 def _same(a, b):
@@ -80,6 +83,12 @@ PLANS = {
   # Raw ids into 64 rows (a batch's distinct ids are more): rows evicted and reset every step,
   # two tables in one fused dense array, the reset lists of a call padded to one length.
   "dynamic": (("C(3|4)", "dynamic(capacity=64, evict=lru)"), (".*", "dense")),
+  # The same over offload with a cache smaller than the capacity: reused rows reset in their
+  # cache slot or in the rows a step loads (`OffloadGroup.place_resets`), within a call.
+  "dynamic_offload": (
+    ("C(3|4)", "dynamic(capacity=384, evict=lru, inner='offload(cache_rows=300, lookahead=2)')"),
+    (".*", "dense"),
+  ),
 }
 
 
@@ -130,6 +139,7 @@ CASES = [
   pytest.param("hot_cold", (8, 1), marks=pytest.mark.long),
   pytest.param("hot_cold", (2, 4), marks=pytest.mark.slow),
   pytest.param("dynamic", (1, 1), marks=pytest.mark.long),
+  pytest.param("dynamic_offload", (1, 1), marks=pytest.mark.long),
 ]
 
 
@@ -162,6 +172,9 @@ def test_k_steps_per_call_are_k_calls_of_one_step(trained, plan, mesh):
     assert sum(r.get("ring_rows_per_step", 0) for r in rows) > 0, "no row came from the ring"
   if plan == "hot_cold":
     assert sum(r.get("micro_popular_size", 0) for r in _rows(four_wd)) > 0
+  if plan.startswith("dynamic"):  # (rows evicted, so reused and reset, within the calls)
+    evicted = sum(v for r in _rows(four_wd) for k, v in r.items() if k.endswith("_evicted"))
+    assert evicted > 0
 
 
 def _rows(workdir):

@@ -80,8 +80,9 @@ def _cannot_reset(o: DynamicOptions, inner: str) -> str:
   return (
     f"dynamic(evict={o.evict}): evicted rows are reused, and inner backend {o.inner!r} "
     "cannot reset a row in the step (Capabilities.resets_rows: dense, sharded, offload, "
-    f"hot_cold); {_WHY_NOT.get(inner, '')}Use another inner backend, evict=none (a full table rejects "
-    "new ids) or reset=none (a reused row starts from what the evicted id left in it)"
+    f"hot_cold); {_WHY_NOT.get(inner, '')}Use another inner backend, evict=none (a full "
+    "table rejects new ids) or reset=none (a reused row starts from what the evicted id left "
+    "in it)"
   )
 
 
