@@ -28,11 +28,11 @@ prepared = {"inner": the inner backend's prepared, "reset": {table: {"slots": in
 Step: `lookup` and `update` first apply the resets to the state (`reset_rows`, the inner
 backend's `Capabilities.resets_rows`: the slots set to fresh initial values, their optimizer
 state to its initial value; O(R * D), the same pure function in both, so the update starts
-from the state the lookup read; dense and sharded have it). Evictions need it, unless
-reset=none: a reused row then keeps what the evicted id left in it (R = 0: nothing to apply),
-which any inner backend takes and is the only choice for tt, whose rows share their cores'
-slices (one row cannot be reset alone). With evict=none no row is reused and any backend
-works.
+from the state the lookup read; dense, sharded, offload, hot_cold have it). Evictions need
+it, unless reset=none: a reused row then keeps what the evicted id left in it (R = 0: nothing
+to apply), which any inner backend takes and is the only choice for tt, whose rows share
+their cores' slices (one row cannot be reset alone). With evict=none no row is reused and
+any backend works.
 
 State = {"inner": the inner backend's state, "steps": int32[] train updates applied}: the
 step count tells a checkpoint which maps to save (`history.History`: the input thread runs
