@@ -18,10 +18,12 @@ STREAM = drifting_ctr.Stream(seed=3, batches=2, batch=64, born=300)
 
 
 def _data(tmp_path, ids: str, capacity: int):
-  return ml_collections.ConfigDict({
-    "cache_dir": str(tmp_path),
-    "drifting": {**dataclasses.asdict(STREAM), "capacity": capacity, "ids": ids},
-  })
+  return ml_collections.ConfigDict(
+    {
+      "cache_dir": str(tmp_path),
+      "drifting": {**dataclasses.asdict(STREAM), "capacity": capacity, "ids": ids},
+    }
+  )
 
 
 def test_first_day_dictionary_is_the_first_days_most_frequent_ids():
