@@ -106,23 +106,10 @@ def _target(step: int, shape: tuple[int, ...]) -> np.ndarray:
 def planned_only(group: base.Backend, prepared) -> None:
   """For tests that only plan (prepare a stream, never run its steps): hand a host tier
   (`Capabilities.writes_host`: offload, hot_cold) what the step of this train batch would
-  return, zeros of its shapes (the rows each exchange loads, the rows it evicts have), so
-  later prepares find every write-back they wait for. The host tables' values are then
-  meaningless."""
-  if not group.capabilities.writes_host:
-    return
-  if hasattr(group, "planned_to_host"):  # (hot_cold: its cold lists, rows leaving the hot set)
+  return, zeros of its shapes (`planned_to_host`), so later prepares find every write-back
+  they wait for. The host tables' values are then meaningless."""
+  if group.capabilities.writes_host:
     group.after_update(None, group.planned_to_host(prepared))
-    return
-  out = tuple(
-    {
-      kind: {k: np.zeros_like(v) for k, v in lists[f"{kind}_rows"].items()}
-      for kind in ("now", "next")
-      if lists[kind].shape[1]
-    }
-    for lists in prepared["lists"]
-  )
-  group.after_update(None, out)
 
 
 def grads_for(step: int, pooled: jax.Array) -> jax.Array:

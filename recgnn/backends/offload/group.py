@@ -9,13 +9,12 @@ import jax
 import numpy as np
 
 from recgnn import sharding
-from recgnn.backends.offload import cache_plan, call_lists, row_resets, stacked_batch
+from recgnn.backends.offload import cache_plan, call_lists, host_side, row_resets, stacked_batch
 from recgnn.backends.offload import planner as hostplan
 from recgnn.backends.offload.cache_plan import EVICT_SLOTS, LOAD_SLOTS, NEXT_FROM_NOW
 from recgnn.backends.offload.device_step import DeviceStep
 from recgnn.backends.offload.disk_rows import source_of
 from recgnn.backends.offload.fast_plan import SteadyPlanner
-from recgnn.backends.offload.host_side import HostSide
 from recgnn.backends.offload.planned import Planned
 from recgnn.backends.offload.stacked_batch import ABSENT
 from recgnn.backends.offload.table import Offload
@@ -70,7 +69,7 @@ class OffloadGroup(base.TableGroup):
     self._list_counters = host_cache.Counters()
     self._ring_rows: list[int] = []  # per stack, the rings' rows (`expect_batches`)
     # The host tier: the tables' rows in host RAM, what each step loads and writes back.
-    self._tier = HostSide(
+    self._tier = host_side.HostSide(
       f"offload (tables {', '.join(self.members)})",
       self._stacks,
       self.specs,
@@ -251,19 +250,20 @@ class OffloadGroup(base.TableGroup):
     ]
 
   def host_write_seconds(self) -> float:
-    """Seconds the host writer spent copying rows to the host and writing them back (not its
-    waits for the steps), since this group was built; after every write-back handed over."""
+    """Seconds the host writer spent writing rows back (not waiting), after every hand-over."""
     self._tier.drain()
     return self._tier.rows.write_seconds
 
   def after_update(self, state, to_host=None, steps=1):
-    """The step's evicted rows (TO_HOST: per stack {"now" / "next": {k: f32[W, ...]}}, in
-    list order; a call of k steps: [k, W, ...]) to the host writer (`HostSide.hand_over`).
-    O(1) here: no wait for the step."""
+    """The step's evicted rows (TO_HOST: per stack {"now" / "next": {k: f32[W, ...]}}; k steps:
+    [k, W, ...]) to the host writer (`HostSide.hand_over`); O(1), no wait for the step."""
     if to_host is None:
       state, to_host = base.split_to_host(state)
     self._tier.hand_over(to_host, steps)
     return state
+
+  def planned_to_host(self, prepared):  # (prepare-only drivers: their steps never run)
+    return host_side.zero_write_backs(prepared)
 
   def stack_call(self, prepared):
     """A call's k train batches with each stack's lists of one width (`call_lists`)."""

@@ -243,3 +243,19 @@ class HostSide:
           host.scatter(w, got[kind])
 
     host.write_back(to_host, apply, steps)
+
+
+def zero_write_backs(prepared) -> tuple:
+  """For drivers that prepare a train batch whose step never runs (prepare-only tests and
+  measurements): zeros of the TO_HOST its step would return (each stack's rows every
+  exchange of the batch loads, the evicted rows' shapes), to hand to `after_update`, so later
+  prepares find every write-back they wait for. The host tables' values are then
+  meaningless."""
+  return tuple(
+    {
+      kind: {k: np.zeros_like(v) for k, v in lists[f"{kind}_rows"].items()}
+      for kind in ("now", "next")
+      if lists[kind].shape[1]
+    }
+    for lists in prepared["lists"]
+  )
