@@ -45,7 +45,8 @@ def test_raw_ids_convert_without_counting_and_train(ctr_cache, monkeypatch, tmp_
   config = _raw_config(ctr_cache)  # (the synthetic TSV under it: made and counted once)
   config.train.feed = feed  # (device: the raw tables' ids read on the host, `host_ids`)
   monkeypatch.setattr(cache_module, "Counter", no_counting)
-  result = loop.train(config, str(tmp_path / "wd"))
+  # (host: with the plan report too, which times the plan as written on raw ids)
+  result = loop.train(config, str(tmp_path / "wd"), plan_report=feed == "host")
   (group,) = result.plan.groups.values()
   assert group.name == "dynamic"
   assert all(s.raw_ids and s.num_rows == ctr_schema.RAW_ID_SPACE for s in group.specs.values())
