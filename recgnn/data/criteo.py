@@ -27,6 +27,7 @@ this module is its fast format: the files stream in blocks (`block_bytes`, defau
 parsed with numpy on their bytes (no per-line Python; optionally in `num_workers` processes)
 through the generic converter (`ctr_cache`), writing .npy files under a cache directory:
   labels.npy int8[N]   dense.npy float32[N, 13]   sparse.npy int32[N, 26]   manifest.json
+  (categorical="raw": sparse.npy int32[N, 0] and raw_ids.npy int64[N, 26], `ctr_cache`)
 The manifest records the sources' sizes and mtimes: a changed source rebuilds the cache, an
 unchanged one is opened as read-only memmaps (no copy). Malformed lines are skipped, counted
 by reason and reported with the line numbers of the first few; past the error budget

@@ -142,12 +142,14 @@ class CTRDataset:
     sizes = ", ".join(f"{s} {self.split_size(s):,}" for s in SPLIT_NAMES)
     ctr = self.manifest["positives"] / max(self.num_rows, 1)
     card = dict(zip(self.table_names, self.cardinalities))
-    rows = f"{sum(card[t] for t in self.id_tables):,} embedding rows in {len(self.id_tables)}"
+    rows = sum(card[t] for t in self.id_tables)
+    tables = f"{len(self.table_names)} tables"
     if self.raw_tables:
-      rows += f" + {len(self.raw_tables)} of raw 64-bit ids"
+      tables += f" ({len(self.raw_tables)} of raw 64-bit ids, sized by their dynamic tables)"
     return (
       f"{self.manifest.get('schema_name', 'Criteo-format')} data: {self.num_rows:,} rows "
-      f"({sizes}), CTR {ctr:.3f}, {rows} tables{_bags(self.bag_lengths, self.manifest)}, "
+      f"({sizes}), CTR {ctr:.3f}, {rows:,} embedding rows in "
+      f"{tables}{_bags(self.bag_lengths, self.manifest)}, "
       f"{self.manifest['num_bad_lines']} malformed lines skipped; cache {self.path}"
     )
 
