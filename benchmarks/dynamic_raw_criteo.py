@@ -165,7 +165,7 @@ def markdown(args, payload, info, up) -> str:
     f"{args.rows:,} synthetic rows (cardinality scale {args.scale}), smoke DLRM at batch 2048, "
     f"{args.steps} steps, seeds 0..{args.seeds - 1}; raw capacity "
     f"{args.capacity or 'per table: the dictionary table rows'} (largest "
-    f"{max(r['dictionary_rows'].values()):,}); evicted "
+    f"{max(r['dictionary_rows'].values()):,}; {len(r['rules'])} dynamic groups); evicted "
     f"{sum(x.get('evicted', 0) for x in r['runs'])}; oracle test AUC {info.get('oracle_auc')}; "
     f"{m.get('cpu_model')}, {m.get('cpus')} CPUs.", "",
     f"`uptime` before: `{up[0]}`; after: `{up[1]}`.", "",
