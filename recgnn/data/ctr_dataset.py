@@ -238,8 +238,9 @@ class CTRDataset:
 
     Returns:
       {"dense": float32[B, D], "label": float32[B], "weight": float32[B],
-       "ids": {table: int32[B, L_t]}}. Padding rows are zeros, with ids MISSING_ID (a valid
-      id, so no backend needs special handling; PAD after it in a bag) and weight 0.
+       "ids": {table: int32[B, L_t]}} (a raw table's int64[B, L_t], `raw_batch`). Padding
+      rows are zeros, with ids MISSING_ID (a valid id, so no backend needs special handling;
+      RAW_MISSING for a raw table; PAD after it in a bag) and weight 0.
     """
     n = rows.shape[0]
     b = n if batch_size is None else batch_size
@@ -257,7 +258,7 @@ class CTRDataset:
       batch = padded_batch(b, dense, label, sparse, self.id_tables, bags)
     if self.raw_tables:
       raw = raw_batch(self.raw_ids, rows, b, self.raw_tables, self.bags_of(self.raw_tables))
-      batch["ids"] = {t: batch["ids"].get(t, raw.get(t)) for t in self.table_names}
+      batch["ids"] = {t: raw[t] if t in raw else batch["ids"][t] for t in self.table_names}
     return batch
 
   def _gather_one_hot(self, rows: np.ndarray, batch_size: int) -> Batch:
