@@ -60,7 +60,7 @@ class ReferenceMap:
         self._drop(r)
         self.free.append(r)
     for x in ids.tolist():
-      if x < 0:
+      if x == -1:
         out.append(-1)
         continue
       if x in self.rows:

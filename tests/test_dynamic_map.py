@@ -13,7 +13,8 @@ from recgnn.backends.dynamic import id_map
 
 def drifting(seed, batches=40, batch=24, alive=30, born=4):
   """Batches of raw ids: a window of `alive` ids that slides by `born` per batch (ids are
-  born and die), Zipf-like popularity inside it, padding, and large 63-bit values."""
+  born and die), Zipf-like popularity inside it, padding, and full 64-bit values (every
+  other id with its top bit set: a negative int64, a key like any other)."""
   rng = np.random.default_rng(seed)
   base = np.int64(1) << 40
   out = []
@@ -21,6 +22,7 @@ def drifting(seed, batches=40, batch=24, alive=30, born=4):
     lo = b * born
     rank = np.minimum(rng.zipf(1.3, size=batch) - 1, alive - 1)
     ids = base + (lo + rank) * 7919
+    ids = np.where(rank % 2 == 1, ids ^ np.int64(-(2**63)), ids)
     ids[rng.random(batch) < 0.1] = -1
     out.append(ids.reshape(-1, 2))
   return out

@@ -18,13 +18,16 @@ Preprocessing follows the DLRM reference (facebookresearch/dlrm `data_utils.py`)
                  does. The text is parsed once: the raw values wait in a temporary file
                  (108 bytes/row) until the counts are complete, then are remapped.
     "hash":      id = FIRST_ID + raw % (size - FIRST_ID), size from `hash_sizes`.
-  In both modes an empty field gets MISSING_ID = 0.
+    "raw":       id = the 32-bit value itself, exact, as int64 in raw_ids.npy (no counting
+                 pass, no fold; for dynamic tables: `ctr_schema`'s vocab="raw").
+  An empty field gets MISSING_ID = 0 (raw: RAW_MISSING).
 
 Criteo is one schema among others (`schema()`; data.schema="criteo" in a config);
 this module is its fast format: the files stream in blocks (`block_bytes`, default 8 MiB)
 parsed with numpy on their bytes (no per-line Python; optionally in `num_workers` processes)
 through the generic converter (`ctr_cache`), writing .npy files under a cache directory:
   labels.npy int8[N]   dense.npy float32[N, 13]   sparse.npy int32[N, 26]   manifest.json
+  (categorical="raw": sparse.npy int32[N, 0] and raw_ids.npy int64[N, 26], `ctr_cache`)
 The manifest records the sources' sizes and mtimes: a changed source rebuilds the cache, an
 unchanged one is opened as read-only memmaps (no copy). Malformed lines are skipped, counted
 by reason and reported with the line numbers of the first few; past the error budget
@@ -154,8 +157,8 @@ class ReaderConfig:
     """The fields that change the cached arrays (the error budget does not)."""
     if self.categorical == "hash":
       return {"categorical": "hash", "hash_sizes": list(self.table_sizes())}
-    if self.categorical == "raw":
-      return {"categorical": "raw"}
+    if self.categorical == "raw":  # (int64 ids: a cache of 31-bit folded ids lacks "ids")
+      return {"categorical": "raw", "ids": "int64"}
     return {"categorical": "frequency", "min_count": self.min_count}
 
 

@@ -7,9 +7,14 @@ most 2 per worker in flight so memory stays bounded), counts malformed lines aga
 error budget, turns raw keys into ids per column and writes
 
   labels.npy int8[N]   dense.npy float32[N, D]   sparse.npy int32[N, S]   manifest.json
+  raw_ids.npy int64[N, S_r]   only when a column is vocab="raw" (manifest "raw_tables")
 
 S = the sum of the tables' bag lengths; table t's ids are columns [o_t, o_t + L_t) of
-sparse.npy (PAD after a multi-hot bag's last id). With frequency vocabularies the raw keys wait
+sparse.npy (PAD after a multi-hot bag's last id). Raw columns' ids are 64-bit keys, kept
+apart in raw_ids.npy (their slots, in column order) and left out of sparse.npy (S then the
+other tables' slots): every cache without a raw column is int32 ids byte for byte as before,
+and the device feed places sparse.npy alone (raw ids are mapped to rows on the host,
+`dynamic`: no int64 array goes to a device). With frequency vocabularies the raw keys wait
 in temporary files until every value is counted, then are remapped (the text is parsed once).
 The cache is built in a sibling temporary directory renamed into place at the end, so an
 interrupted conversion never leaves a cache that looks complete.
@@ -46,14 +51,30 @@ from recgnn.data.ctr_ids import (  # noqa: F401 (likewise)
   column_ids,
   lookup,
   offsets,
+  raw_column_ids,
+  slots,
 )
-from recgnn.data.ctr_schema import FIRST_ID, MISSING_ID, PAD, UNKNOWN_ID, Categorical
+from recgnn.data.ctr_schema import (
+  FIRST_ID,
+  MISSING_ID,
+  PAD,
+  RAW_ID_SPACE,
+  RAW_MISSING,
+  UNKNOWN_ID,
+  Categorical,
+)
 from recgnn.data.file_check import HEAD_BYTES  # noqa: F401
 
 # 2: the manifest lists each array's bytes and a checksum of its head (`file_records`), checked
 # before the arrays are trusted (a cache of version 1 is rebuilt from its sources).
 CACHE_VERSION = 2
 ARRAYS = ("labels.npy", "dense.npy", "sparse.npy")
+RAW_ARRAY = "raw_ids.npy"  # the raw columns' int64 ids (manifest "raw_tables")
+
+
+def arrays_of(manifest: dict[str, Any]) -> tuple[str, ...]:
+  """The array files of a cache whose manifest is `manifest`."""
+  return ARRAYS + (RAW_ARRAY,) * bool(manifest.get("raw_tables"))
 
 
 @dataclasses.dataclass
@@ -121,16 +142,19 @@ def source_stats(paths: Sequence[str]) -> list[dict[str, Any]]:
 head_sha256 = file_check.head_sha256  # (a file's size and this: what a manifest records)
 
 
-def file_records(path: str) -> dict[str, dict[str, Any]]:
-  """{array file: {"bytes", "head_sha256"}} of a cache directory's arrays: what the manifest
-  records at conversion and `check_files` compares before the arrays are read."""
-  return file_check.file_records(path, ARRAYS)
+def file_records(path: str, names: Sequence[str] = ARRAYS) -> dict[str, dict[str, Any]]:
+  """{array file: {"bytes", "head_sha256"}} of a cache directory's arrays (`names`): what the
+  manifest records at conversion and `check_files` compares before the arrays are read."""
+  return file_check.file_records(path, names)
 
 
-def check_files(path: str, manifest: dict[str, Any], names: Sequence[str] = ARRAYS) -> str | None:
-  """None if every array of the cache at `path` (or `names`) has the bytes and head checksum
-  its manifest recorded, else what differs (`file_check.check_files`)."""
-  return file_check.check_files(path, manifest, names)
+def check_files(
+  path: str, manifest: dict[str, Any], names: Sequence[str] | None = None
+) -> str | None:
+  """None if every array of the cache at `path` (or `names`; default `arrays_of(manifest)`)
+  has the bytes and head checksum its manifest recorded, else what differs
+  (`file_check.check_files`)."""
+  return file_check.check_files(path, manifest, arrays_of(manifest) if names is None else names)
 
 
 def cache_valid(path: str, paths: Sequence[str], key: dict[str, Any]) -> str | None:
@@ -206,6 +230,8 @@ def _work(task) -> dict[str, Any]:
     out.update(raw=block.raw, state=block.state)
   else:
     out["ids"] = column_ids(block.raw, block.state, columns)
+    if any(c.raw for c in columns):
+      out["raw_ids"] = raw_column_ids(block.raw, block.state, columns)
   return out
 
 
@@ -263,17 +289,22 @@ def stream(paths, fmt, columns, what: str, bad: BadLines, num_workers: int, prog
 
 
 def _remap(tmp: str, columns, vocab, progress, chunk: int = 1 << 16):
-  """raw.tmp + state.tmp -> sparse.npy through the vocabularies; removes the temporaries."""
+  """raw.tmp + state.tmp -> sparse.npy through the vocabularies (and raw_ids.npy); removes
+  the temporaries."""
   raw = np.load(os.path.join(tmp, "raw.tmp"), mmap_mode="r")
   state = np.load(os.path.join(tmp, "state.tmp"), mmap_mode="r")
-  out = NpyWriter(os.path.join(tmp, "sparse.npy"), np.int32, (raw.shape[1],))
+  out = _id_writers(tmp, columns)
   report = progress_printer(progress, "frequency ids", "rows")
   n = raw.shape[0]
   for lo in range(0, n, chunk):
     hi = min(lo + chunk, n)
-    out.append(column_ids(np.asarray(raw[lo:hi]), np.asarray(state[lo:hi]), columns, vocab))
+    r, st = np.asarray(raw[lo:hi]), np.asarray(state[lo:hi])
+    out["sparse"].append(column_ids(r, st, columns, vocab))
+    if "raw_ids" in out:
+      out["raw_ids"].append(raw_column_ids(r, st, columns))
     report(hi, hi, n)
-  out.close()
+  for w in out.values():
+    w.close()
   report(n, n, n, final=True)
   del raw, state
   os.remove(os.path.join(tmp, "raw.tmp"))
@@ -281,12 +312,18 @@ def _remap(tmp: str, columns, vocab, progress, chunk: int = 1 << 16):
 
 
 def _bag_fill(path: str, columns, chunk: int = 1 << 16) -> list[float]:
-  sparse = np.load(path, mmap_mode="r")
-  filled = np.zeros(sparse.shape[1], np.int64)
-  for lo in range(0, sparse.shape[0], chunk):
-    filled += (np.asarray(sparse[lo : lo + chunk]) != PAD).sum(axis=0)
+  """Each table's share of its id slots that hold an id (sparse.npy's and raw_ids.npy's)."""
+  filled = np.zeros(int(offsets(columns)[-1]), np.int64)
+  n = 1
+  for name, raw in (("sparse.npy", False), (RAW_ARRAY, True)):
+    cols = slots(columns, raw)
+    if not cols.size:
+      continue
+    ids = np.load(os.path.join(path, name), mmap_mode="r")
+    for lo in range(0, ids.shape[0], chunk):
+      filled[cols] += (np.asarray(ids[lo : lo + chunk]) != PAD).sum(axis=0)
+    n = max(ids.shape[0], 1)
   o = offsets(columns)
-  n = max(sparse.shape[0], 1)
   return [float(filled[o[t] : o[t + 1]].sum() / (n * c.bag)) for t, c in enumerate(columns)]
 
 
@@ -328,6 +365,7 @@ def convert(
     **written,
     "table_names": [c.name for c in columns],
     "ids": {"missing": MISSING_ID, "unknown": UNKNOWN_ID, "first": FIRST_ID},
+    **_raw_fields(columns),
     "bad_lines": bad.files,
     "num_bad_lines": bad.total(),
     "conversion_seconds": seconds,
@@ -338,9 +376,9 @@ def convert(
     manifest["bag_lengths"] = [c.bag for c in columns]
     manifest["pad"] = PAD
     # What padding costs: the share of each table's id slots that hold an id.
-    manifest["bag_fill"] = _bag_fill(os.path.join(tmp, "sparse.npy"), columns)
+    manifest["bag_fill"] = _bag_fill(tmp, columns)
   manifest.update(extra or {})
-  manifest["files"] = file_records(tmp)
+  manifest["files"] = file_records(tmp, arrays_of(manifest))
   with open(os.path.join(tmp, "manifest.json"), "w") as f:
     json.dump(manifest, f, indent=1)
   shutil.rmtree(out_dir, ignore_errors=True)
@@ -350,10 +388,29 @@ def convert(
   return manifest
 
 
+def _id_writers(tmp: str, columns) -> dict[str, NpyWriter]:
+  """sparse.npy's writer (int32, the slots of the columns that are not raw) and, when a
+  column is vocab="raw", raw_ids.npy's (int64, the raw columns' slots)."""
+  ids = slots(columns, False).size
+  out = {"sparse": NpyWriter(os.path.join(tmp, "sparse.npy"), np.int32, (ids,))}
+  raw = slots(columns, True).size
+  if raw:
+    out["raw_ids"] = NpyWriter(os.path.join(tmp, RAW_ARRAY), np.int64, (raw,))
+  return out
+
+
+def _raw_fields(columns) -> dict[str, Any]:
+  """The manifest's record of raw columns (absent without one): their tables, in the order
+  of raw_ids.npy's slots, and the id of an empty field."""
+  raw = [c.name for c in columns if c.raw]
+  return {"raw_tables": raw, "raw_missing": RAW_MISSING} if raw else {}
+
+
 def _writers(tmp: str, fmt, columns, num_dense: int, frequency: bool) -> dict[str, NpyWriter]:
-  """The arrays a conversion writes in `tmp`: labels, dense, and sparse ids (or, when a column
-  has a frequency vocabulary, the raw keys and their states, remapped once counted)."""
-  slots = int(offsets(columns)[-1])
+  """The arrays a conversion writes in `tmp`: labels, dense, and ids (`_id_writers`; or, when
+  a column has a frequency vocabulary, the raw keys and their states, remapped once
+  counted)."""
+  slots_all = int(offsets(columns)[-1])
   writers = {
     "labels": NpyWriter(os.path.join(tmp, "labels.npy"), np.int8, ()),
     "dense": NpyWriter(os.path.join(tmp, "dense.npy"), np.float32, (num_dense,)),
@@ -361,10 +418,10 @@ def _writers(tmp: str, fmt, columns, num_dense: int, frequency: bool) -> dict[st
   if frequency:
     # Ids need every key's count first: the keys wait on disk, which is cheaper than
     # parsing the text twice.
-    writers["raw"] = NpyWriter(os.path.join(tmp, "raw.tmp"), fmt.raw_dtype, (slots,))
-    writers["state"] = NpyWriter(os.path.join(tmp, "state.tmp"), np.uint8, (slots,))
+    writers["raw"] = NpyWriter(os.path.join(tmp, "raw.tmp"), fmt.raw_dtype, (slots_all,))
+    writers["state"] = NpyWriter(os.path.join(tmp, "state.tmp"), np.uint8, (slots_all,))
   else:
-    writers["sparse"] = NpyWriter(os.path.join(tmp, "sparse.npy"), np.int32, (slots,))
+    writers.update(_id_writers(tmp, columns))
   return writers
 
 
@@ -389,6 +446,8 @@ def _write_arrays(
       writers["state"].append(result["state"])
     else:
       writers["sparse"].append(result["ids"])
+      if "raw_ids" in writers:
+        writers["raw_ids"].append(result["raw_ids"])
     file_rows[fi] += result["rows"]
     positives += int(result["labels"].sum(dtype=np.int64))
   for w in writers.values():
@@ -399,7 +458,9 @@ def _write_arrays(
     }
     _remap(tmp, columns, vocab, progress)
   cardinalities = [
-    c.folded_rows if c.vocab != "frequency" else FIRST_ID + vocab[t][0].size
+    {"hash": c.hash_size, "raw": RAW_ID_SPACE}[c.vocab]
+    if c.vocab != "frequency"
+    else FIRST_ID + vocab[t][0].size
     for t, c in enumerate(columns)
   ]
   return {"file_rows": file_rows, "positives": positives, "cardinalities": cardinalities}

@@ -9,7 +9,9 @@ Splits (`split=`):
 
 Batches: {"dense": float32[B, D], "label": float32[B], "weight": float32[B],
 "ids": {table: int32[B, L_t]}}; a one-hot table has L_t = 1, a multi-hot one its bag length
-with PAD (-1) after the bag's ids.
+with PAD (-1) after the bag's ids. A raw table's (a vocab="raw" column, `raw_tables`) are
+int64[B, L_t]: 64-bit keys from raw_ids.npy, mapped to rows on the host by its dynamic
+backend (never put on a device: jax without x64 would cut them to 32 bits).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from recgnn.data import batch_gather, ctr_cache
-from recgnn.data.ctr_schema import MISSING_ID, PAD
+from recgnn.data.ctr_schema import MISSING_ID, PAD, RAW_MISSING
 from recgnn.data.file_check import read_manifest
 
 KAGGLE_DAYS = 7
@@ -68,8 +70,10 @@ class CTRDataset:
 
   Attributes:
     labels: int8[N]; dense: float32[N, D]; sparse: int32[N, S] (read-only memmaps), S the
-      sum of the bag lengths: table t's ids are columns [o_t, o_t + L_t).
+      sum of the bag lengths of `id_tables`: table t's ids are columns [o_t, o_t + L_t).
+    raw_ids: int64[N, S_r] (a read-only memmap) the ids of `raw_tables` likewise, or None.
     table_names, bag_lengths: the tables in order and their ids per example.
+    id_tables, raw_tables: the tables whose ids are in `sparse` / in `raw_ids`, in order.
     splits: {"train" | "valid" | "test": (start, stop)}, contiguous row ranges.
     cardinalities: rows of each table C1..C26 (ids are < this).
     manifest: the cache manifest (counts, sources, malformed lines).
@@ -104,6 +108,11 @@ class CTRDataset:
     self.cardinalities = tuple(self.manifest["cardinalities"])
     self.table_names = tuple(self.manifest.get("table_names", CRITEO_TABLES))
     self.bag_lengths = tuple(self.manifest.get("bag_lengths", (1,) * len(self.table_names)))
+    self.raw_tables = raw_tables(path, self.manifest)
+    self.id_tables = tuple(t for t in self.table_names if t not in self.raw_tables)
+    self.raw_ids = None
+    if self.raw_tables:
+      self.raw_ids = np.load(os.path.join(path, ctr_cache.RAW_ARRAY), mmap_mode="r")
     n = self.manifest["num_rows"]
     if split == "kaggle":
       self.splits = kaggle_split(n)
@@ -124,13 +133,23 @@ class CTRDataset:
       raise ValueError(f"Unknown split {split!r}; available: {', '.join(self.splits)}")
     return self.splits[split]
 
+  def bags_of(self, tables: Sequence[str]) -> tuple[int, ...]:
+    """The bag lengths of `tables`."""
+    bag = dict(zip(self.table_names, self.bag_lengths))
+    return tuple(bag[t] for t in tables)
+
   def describe(self) -> str:
     sizes = ", ".join(f"{s} {self.split_size(s):,}" for s in SPLIT_NAMES)
     ctr = self.manifest["positives"] / max(self.num_rows, 1)
+    card = dict(zip(self.table_names, self.cardinalities))
+    rows = sum(card[t] for t in self.id_tables)
+    tables = f"{len(self.table_names)} tables"
+    if self.raw_tables:
+      tables += f" ({len(self.raw_tables)} of raw 64-bit ids, sized by their dynamic tables)"
     return (
       f"{self.manifest.get('schema_name', 'Criteo-format')} data: {self.num_rows:,} rows "
-      f"({sizes}), CTR {ctr:.3f}, {sum(self.cardinalities):,} embedding rows in "
-      f"{len(self.table_names)} tables{_bags(self.bag_lengths, self.manifest)}, "
+      f"({sizes}), CTR {ctr:.3f}, {rows:,} embedding rows in "
+      f"{tables}{_bags(self.bag_lengths, self.manifest)}, "
       f"{self.manifest['num_bad_lines']} malformed lines skipped; cache {self.path}"
     )
 
@@ -219,28 +238,34 @@ class CTRDataset:
 
     Returns:
       {"dense": float32[B, D], "label": float32[B], "weight": float32[B],
-       "ids": {table: int32[B, L_t]}}. Padding rows are zeros, with ids MISSING_ID (a valid
-      id, so no backend needs special handling; PAD after it in a bag) and weight 0.
+       "ids": {table: int32[B, L_t]}} (a raw table's int64[B, L_t], `raw_batch`). Padding
+      rows are zeros, with ids MISSING_ID (a valid id, so no backend needs special handling;
+      RAW_MISSING for a raw table; PAD after it in a bag) and weight 0.
     """
     n = rows.shape[0]
     b = n if batch_size is None else batch_size
     if n > b:
       raise ValueError(f"{n} rows do not fit a batch of {b}")
-    one_hot = all(x == 1 for x in self.bag_lengths)
-    if one_hot and batch_gather.AVAILABLE:  # (every train and eval batch's read)
-      return self._gather_one_hot(np.asarray(rows, np.int64), b)
-    if n and np.all(np.diff(rows) == 1):  # contiguous: slices, no fancy-index gather
-      sl = slice(int(rows[0]), int(rows[0]) + n)
-      label, dense, sparse = self.labels[sl], self.dense[sl], self.sparse[sl]
+    bags = self.bags_of(self.id_tables)
+    if all(x == 1 for x in bags) and batch_gather.AVAILABLE:  # (every train and eval batch)
+      batch = self._gather_one_hot(np.asarray(rows, np.int64), b)
     else:
-      label, dense, sparse = self.labels[rows], self.dense[rows], self.sparse[rows]
-    return padded_batch(b, dense, label, sparse, self.table_names, self.bag_lengths)
+      if n and np.all(np.diff(rows) == 1):  # contiguous: slices, no fancy-index gather
+        sl = slice(int(rows[0]), int(rows[0]) + n)
+        label, dense, sparse = self.labels[sl], self.dense[sl], self.sparse[sl]
+      else:
+        label, dense, sparse = self.labels[rows], self.dense[rows], self.sparse[rows]
+      batch = padded_batch(b, dense, label, sparse, self.id_tables, bags)
+    if self.raw_tables:
+      raw = raw_batch(self.raw_ids, rows, b, self.raw_tables, self.bags_of(self.raw_tables))
+      batch["ids"] = {t: raw[t] if t in raw else batch["ids"][t] for t in self.table_names}
+    return batch
 
   def _gather_one_hot(self, rows: np.ndarray, batch_size: int) -> Batch:
-    """`gather` of one-hot rows in one compiled pass without the GIL (`batch_gather`):
-    the same arrays as `padded_batch` of numpy's reads. Also for rows in order (an eval
-    batch, train.shuffle=False): this kernel is faster than numpy's transpose of the slices'
-    ids (docs/running.md)."""
+    """`gather` of one-hot rows (the tables of `sparse`) in one compiled pass without the GIL
+    (`batch_gather`): the same arrays as `padded_batch` of numpy's reads. Also for rows in
+    order (an eval batch, train.shuffle=False): this kernel is faster than numpy's transpose
+    of the slices' ids (docs/running.md)."""
     out_dense = np.zeros((batch_size, self.dense.shape[1]), np.float32)
     label = np.zeros(batch_size, np.float32)
     weight = np.zeros(batch_size, np.float32)
@@ -248,13 +273,13 @@ class CTRDataset:
     # power-of-two batch the kernel's 26 write streams, batch x 4 bytes apart, all fall in the
     # same cache sets and evict one another (docs/running.md). Each table's [B, 1] stays
     # contiguous.
-    ids = np.full((len(self.table_names), batch_size + IDS_PAD), MISSING_ID, np.int32)
+    ids = np.full((len(self.id_tables), batch_size + IDS_PAD), MISSING_ID, np.int32)
     ids = ids[:, :batch_size]
     batch_gather.gather_one_hot(
       np.asarray(self.labels), np.asarray(self.dense), np.asarray(self.sparse), rows,
       label, out_dense, weight, ids,
     )  # fmt: skip
-    out_ids = {name: ids[t][:, None] for t, name in enumerate(self.table_names)}
+    out_ids = {name: ids[t][:, None] for t, name in enumerate(self.id_tables)}
     return {"dense": out_dense, "label": label, "weight": weight, "ids": out_ids}
 
   def batch(
@@ -349,6 +374,42 @@ def padded_batch(
       a[:n] = sparse[:, o[t] : o[t + 1]]
       out_ids[name] = a
   return {"dense": out_dense, "label": out_label, "weight": weight, "ids": out_ids}
+
+
+def raw_batch(raw_ids, rows, batch_size: int, tables: Sequence[str], bags: Sequence[int]) -> dict:
+  """The raw tables' ids of `rows` (raw_ids.npy's rows, any order): {table: int64[B, L_t]},
+  padded to `batch_size` rows as `padded_batch` pads (RAW_MISSING first, PAD after it)."""
+  rows = np.asarray(rows, np.int64)
+  n = len(rows)
+  if n and np.all(np.diff(rows) == 1):  # (contiguous: a slice)
+    keys = np.asarray(raw_ids[int(rows[0]) : int(rows[0]) + n])
+  else:
+    keys = np.asarray(raw_ids[rows])
+  out, o = {}, 0
+  for t, bag in zip(tables, bags):
+    a = np.full((batch_size, bag), PAD, np.int64)
+    a[:, 0] = RAW_MISSING
+    a[:n] = keys[:, o : o + bag]
+    out[t], o = a, o + bag
+  return out
+
+
+def raw_tables(path: str, manifest: dict) -> tuple[str, ...]:
+  """The tables of a cache whose ids are raw 64-bit keys (raw_ids.npy); a cache whose reader
+  settings say raw but that has no raw_ids.npy (raw keys folded to 31 bits into sparse.npy)
+  is refused, never read as rows."""
+  raw = tuple(manifest.get("raw_tables", ()))
+  reader = manifest.get("reader") or {}
+  said = reader.get("categorical") == "raw" or any(
+    c.get("vocab") == "raw" for c in reader.get("categorical", ()) if isinstance(c, dict)
+  )
+  if said and not raw:
+    raise ValueError(
+      f"CTR cache {path} holds raw ids folded to 31 bits (an older format; raw ids are now "
+      "64-bit, in raw_ids.npy). Delete the directory and open the dataset again: it is "
+      "rebuilt from its source files."
+    )
+  return raw
 
 
 def _bags(bags: Sequence[int], manifest: dict) -> str:

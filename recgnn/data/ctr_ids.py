@@ -1,6 +1,8 @@
 """Raw keys -> ids for the CTR cache: each column's id slots (`offsets`), hash columns by
 their size, frequency columns through a vocabulary built from every key's count (`Counter`,
-`lookup`); an empty field gets MISSING_ID, a bag's unused slots PAD."""
+`lookup`), all int32 (`column_ids`: sparse.npy, MISSING_ID for an empty field); raw columns
+their keys' 64 bits as int64 (`raw_column_ids`: raw_ids.npy, RAW_MISSING for an empty field).
+A bag's unused slots are PAD in both."""
 
 from __future__ import annotations
 
@@ -8,7 +10,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from recgnn.data.ctr_schema import FIRST_ID, MISSING_ID, PAD, UNKNOWN_ID, Categorical
+from recgnn.data.ctr_schema import (
+  FIRST_ID,
+  MISSING_ID,
+  PAD,
+  RAW_MISSING,
+  RAW_RESERVED,
+  UNKNOWN_ID,
+  Categorical,
+)
 
 SORTED_LOOKUP = 512  # vocabularies larger than this are searched with sorted queries
 
@@ -37,22 +47,47 @@ def lookup(col: np.ndarray, vals: np.ndarray, ids: np.ndarray, sorted_threshold:
   return np.where(vals[pos] == col, ids[pos], UNKNOWN_ID).astype(np.int32)
 
 
+def slots(columns: Sequence[Categorical], raw: bool) -> np.ndarray:
+  """int64[S']: the id slots (of `offsets`) of the raw columns (raw=True) or of the others,
+  in column order: the columns of raw_ids.npy or of sparse.npy."""
+  o = offsets(columns)
+  parts = [np.arange(o[t], o[t + 1]) for t, c in enumerate(columns) if c.raw == raw]
+  return np.concatenate([np.zeros(0, np.int64), *parts]).astype(np.int64)
+
+
 def column_ids(raw, state, columns: Sequence[Categorical], vocab=None) -> np.ndarray:
-  """raw keys [n, S], state uint8[n, S] -> int32[n, S] ids: hash and raw columns folded into
+  """raw keys [n, S], state uint8[n, S] -> int32[n, S_d] ids of the columns that are not
+  vocab="raw" (their slots, in order; every slot when none is): hash columns folded into
   their id space, frequency columns through `vocab` ({column index: (vals, ids)})."""
   out = np.empty(raw.shape, np.int32)
   o = offsets(columns)
   for t, c in enumerate(columns):
     sl = slice(o[t], o[t + 1])
     r = raw[:, sl]
-    if c.vocab in ("hash", "raw"):
-      m = np.asarray(c.folded_rows - FIRST_ID, r.dtype)
+    if c.vocab == "hash":
+      m = np.asarray(c.hash_size - FIRST_ID, r.dtype)
       out[:, sl] = FIRST_ID + (r % m).astype(np.int64)
-    else:
+    elif c.vocab == "frequency":
       vals, ids = vocab[t]
       out[:, sl] = lookup(r.ravel(), vals, ids, SORTED_LOOKUP).reshape(r.shape)
   out[state == EMPTY] = MISSING_ID
   out[state == PADDED] = PAD
+  if any(c.raw for c in columns):
+    return np.ascontiguousarray(out[:, slots(columns, raw=False)])
+  return out
+
+
+def raw_column_ids(raw, state, columns: Sequence[Categorical]) -> np.ndarray:
+  """raw keys [n, S] (uint32 or uint64), state uint8[n, S] -> int64[n, S_r]: the vocab="raw"
+  columns' slots, each key's bits as the id (no fold: a uint32 key keeps its value), an
+  empty field RAW_MISSING, a bag's unused slot PAD; a key whose bits are one of those two
+  RAW_RESERVED."""
+  cols = slots(columns, raw=True)
+  keys = np.ascontiguousarray(raw[:, cols]).astype(np.uint64).view(np.int64)
+  st = state[:, cols]
+  out = np.where((keys == PAD) | (keys == RAW_MISSING), RAW_RESERVED, keys)
+  out[st == EMPTY] = RAW_MISSING
+  out[st == PADDED] = PAD
   return out
 
 

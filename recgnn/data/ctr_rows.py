@@ -6,6 +6,10 @@ value, as `CTRDataset.gather` of those rows on the host (labels int8 -> float32,
 zeros with weight 0 and ids MISSING_ID, PAD after it in a bag). Orders are the dataset's own
 (`CTRDataset.batch_rows`): a pass's permutation drawn from (seed, epoch), each batch's rows
 sorted, so the two feeds give the same batches.
+
+Raw tables (`CTRDataset.raw_tables`: 64-bit ids in raw_ids.npy) are not among the arrays the
+devices hold: only a dynamic table takes them, and it maps them to rows on the host
+(`host_ids` reads them there), so no int64 id reaches a device.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from recgnn.data.ctr_dataset import CTRDataset
+from recgnn.data.ctr_dataset import CTRDataset, raw_batch
 from recgnn.data.ctr_schema import MISSING_ID, PAD
 
 
@@ -24,7 +28,8 @@ class CTRRows:
   (`CTRDataset.batch_rows`).
 
   arrays: {"label": int8[N], "dense": float32[N, F], "sparse": int32[N, S]}; table t's ids
-  are columns [offset_t, offset_t + L_t) of `sparse` (L_t its bag length).
+  are columns [offset_t, offset_t + L_t) of `sparse` (L_t its bag length), t one of
+  `tables` (the dataset's `id_tables`: every table but the raw ones).
   window: the train order when it is "window" (`window_order.WindowOrder`: train.order=window,
   or the device feed streaming data larger than the devices), else None (`train_order`'s).
   """
@@ -36,8 +41,8 @@ class CTRRows:
   ):
     self.dataset, self.shards = dataset, shards
     self.batch_size, self.eval_batch_size, self.seed = batch_size, eval_batch_size, seed
-    self.tables = tuple(dataset.table_names)
-    self.bags = tuple(dataset.bag_lengths)
+    self.tables = tuple(dataset.id_tables)
+    self.bags = dataset.bags_of(self.tables)
     self.offsets = tuple(int(x) for x in np.cumsum((0,) + self.bags[:-1]))
 
   def arrays(self) -> dict[str, np.ndarray]:
@@ -89,15 +94,19 @@ class CTRRows:
 
   def host_ids(self, rows: np.ndarray, tables, batch_size: int | None = None) -> dict:
     """The ids of `tables` of `rows` (sorted, all valid), read on the host: {table:
-    int32[B, L_t]}, padded to `batch_size` rows as `gather` pads (the memory tiers'
-    planning needs a batch's ids ahead of its step)."""
+    int32[B, L_t]} (a raw table's int64[B, L_t]), padded to `batch_size` rows as `gather`
+    pads (the memory tiers' planning and the dynamic maps need a batch's ids ahead of its
+    step)."""
     rows = np.asarray(rows, np.int64)
     b = len(rows) if batch_size is None else batch_size
+    d = self.dataset
+    raw = [t for t in d.raw_tables if t in tables]
+    out = raw_batch(d.raw_ids, rows, b, d.raw_tables, d.bags_of(d.raw_tables)) if raw else {}
+    out = {t: out[t] for t in raw}
     if len(rows) and rows[-1] - rows[0] == len(rows) - 1:  # (contiguous: a slice)
       sparse = self.dataset.sparse[int(rows[0]) : int(rows[0]) + len(rows)]
     else:
       sparse = self.dataset.sparse[rows]
-    out = {}
     for t, o, bag in zip(self.tables, self.offsets, self.bags):
       if t in tables:
         ids = np.full((b, bag), PAD, np.int32)

@@ -18,11 +18,15 @@ integer, mod 2^64), then ids by `vocab`:
                count (ties by key), rarer keys UNKNOWN_ID; counted over every row.
   "hash":      FIRST_ID + key % (hash_size - FIRST_ID).
   "raw":       the key itself as the id, for a dynamic table (`dynamic(...)`, which maps ids
-               to rows as they come): no counting pass, no table-sized modulo. The cache
-               holds int32 ids, so the 64-bit key is folded to 31 bits (FIRST_ID + key %
-               (RAW_ROWS - FIRST_ID)): two keys of n distinct share an id with probability
-               about n / 2^31 (0.05% of ids at 1M distinct). The table's spec says raw_ids, and
-               the plan refuses any backend but a dynamic one for it.
+               to rows as they come): no counting pass, no modulo, no fold. The cache keeps
+               raw columns' ids apart, as int64 (`raw_ids.npy`; `ctr_ids.raw_column_ids`):
+               the key's 64 bits (Criteo's 8-hex-digit values their exact 32-bit value, a
+               "string" key the whole 64-bit hash); an empty field RAW_MISSING, a bag's
+               unused slot PAD. The two keys whose bits are those sentinels (2^63 and
+               2^64 - 1, e.g. an "int" value -1) read as the key 2^63 + 1 (RAW_RESERVED):
+               three of 2^64 keys share an id. The table's spec says raw_ids (its rows: the
+               2^64 id space, RAW_ID_SPACE), and the plan refuses any backend but one that
+               maps ids (a dynamic one) for it.
 
 Dense fields: decimal numbers, empty -> 0, transformed by `dense_transform` ("log":
 log(max(x, 0) + 1) as DLRM does for Criteo; "none"). The label is 0 or 1.
@@ -49,8 +53,12 @@ PAD = -1  # an empty slot of a multi-hot bag (recgnn.embeddings.base.PAD)
 FORMATS = ("tsv", "csv", "parquet")
 KINDS = ("string", "int", "hex")
 VOCABS = ("frequency", "hash", "raw")
-#: The id space of a vocab="raw" column (the cache's int32 ids).
-RAW_ROWS = 2**31 - 1
+#: The id space of a vocab="raw" column: any 64-bit key (its table's `TableSpec.num_rows`).
+RAW_ID_SPACE = 2**64
+#: A vocab="raw" column's id of an empty field (int64; PAD marks a bag's unused slot).
+RAW_MISSING = -(2**63)
+#: The id of a key whose bits are RAW_MISSING's or PAD's (keys 2^63 and 2^64 - 1).
+RAW_RESERVED = RAW_MISSING + 1
 OVERFLOWS = ("truncate", "error")
 DENSE_TRANSFORMS = ("log", "none")
 _DELIMITERS = {"tsv": "\t", "csv": ",", "parquet": ""}
@@ -131,9 +139,9 @@ class Categorical:
     return self.bag > 1
 
   @property
-  def folded_rows(self) -> int:
-    """ "hash" / "raw": the id space keys are folded into (hash_size; RAW_ROWS)."""
-    return RAW_ROWS if self.vocab == "raw" else self.hash_size
+  def raw(self) -> bool:
+    """vocab="raw": the keys themselves are the ids (int64, `raw_ids.npy` in the cache)."""
+    return self.vocab == "raw"
 
   def id_key(self) -> dict[str, Any]:
     """What changes this column's ids (the cache key's part)."""
@@ -144,6 +152,8 @@ class Categorical:
       key["hash_size"] = self.hash_size
     elif self.vocab == "frequency":
       key["min_count"] = self.min_count
+    else:  # (the int64 ids: a cache whose raw ids were folded to 31 bits lacks it: rebuilt)
+      key["ids"] = "int64"
     return key
 
 

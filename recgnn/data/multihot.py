@@ -107,6 +107,12 @@ class MultiHotDataset:
       )
     if any(b != 1 for b in getattr(base, "bag_lengths", (1,) * len(names))):
       raise ValueError("the multi-hot recipe expands one-hot data; this data has bags already")
+    raw = list(getattr(base, "raw_tables", ()))
+    if raw:  # (its ids are rows of a table of known size; a raw id is a 64-bit key)
+      raise ValueError(
+        f"the multi-hot recipe draws ids below each table's rows; tables {raw} hold raw 64-bit "
+        "ids (vocab='raw'): read them with categorical='frequency' or 'hash'"
+      )
     self.base = base
     self.recipe = recipe
     self.bag_lengths = tuple(recipe.sizes)

@@ -21,9 +21,20 @@ _CHUNK = 1 << 16  # rows read from a memmap at a time while writing examples
 # ----------------------------------------------------------------------------- Criteo
 
 
+def _refuse_raw(schema: ctr_schema.Schema) -> None:
+  """The TFDS records hold int32 ids: raw 64-bit ids are read from the memmap cache only."""
+  raw = [c.name for c in schema.categorical if c.raw]
+  if raw:
+    raise ValueError(
+      f"TFDS builds hold int32 ids; columns {raw} are vocab='raw' (64-bit ids): read them "
+      "from the memmap cache (data.source=memmap) or use vocab='frequency' or 'hash'"
+    )
+
+
 def criteo_config(reader: criteo.ReaderConfig | None = None) -> tfds.core.BuilderConfig:
   """A BuilderConfig named after the reader settings that change the ids (its own folder)."""
   reader = reader or criteo.ReaderConfig()
+  _refuse_raw(criteo.schema(reader))
   key = reader.cache_key()
   if key["categorical"] == "frequency":
     name = f"frequency_min{key['min_count']}"
@@ -203,6 +214,7 @@ def ctr_config(
 ) -> tfds.core.BuilderConfig:
   """The `ctr` builder's config: the schema, files and split (its own folder per schema +
   files, named by their hash, as the memmap cache)."""
+  _refuse_raw(schema)
   paths = [paths] if isinstance(paths, str) else list(paths)
   folder = os.path.basename(ctr_reader.cache_dir_for("", paths, schema))
   config = tfds.core.BuilderConfig(

@@ -26,7 +26,9 @@ eval_batch_size / shuffle, seed. Optional (defaults keep the DLRM Kaggle behavio
                     the rows, each permuted on its own, every batch 1/S from each
                     (`CTRDataset.batch_rows`): with P processes (S a multiple of P) each
                     holds only its shards' rows under the device feed.
-Batches carry ids[t] int32[B, L_t] per table (L_t = 1 one-hot; PAD after a shorter bag).
+Batches carry ids[t] int32[B, L_t] per table (L_t = 1 one-hot; PAD after a shorter bag); a
+raw table's (vocab="raw") are int64[B, L_t] 64-bit keys, which only its dynamic backend reads
+(on the host: they never go to a device).
 """
 
 from __future__ import annotations
@@ -267,7 +269,7 @@ class CTR(Task):
     self.data, self.oracle = open_dataset(config.data)
     check_sizes(self.data, config)
     self.names = list(self.data.table_names)
-    # ids per example of each table (the batches' ids[t] are int32[B, L_t]).
+    # ids per example of each table (the batches' ids[t] are int32 or int64 [B, L_t]).
     self.bag_lengths = tuple(getattr(self.data, "bag_lengths", (1,) * len(self.names)))
     self.model = make_model(config.model, self.names)
     # train.steps_per_call = k: k batches per call of the train step, one transfer, one
@@ -288,13 +290,9 @@ class CTR(Task):
     return [own.get(n) or default for n in self.names]
 
   def raw_tables(self) -> set[str]:
-    """The tables whose ids are raw keys (a schema column's vocab="raw", or every table of
-    the Criteo reader's categorical="raw"): dynamic tables only."""
-    manifest = getattr(self.data, "manifest", {})
-    if (manifest.get("reader") or {}).get("categorical") == "raw":
-      return set(self.names)
-    schema = manifest.get("schema") or {}
-    return {c["name"] for c in schema.get("categorical", ()) if c.get("vocab") == "raw"}
+    """The tables whose ids are raw 64-bit keys (a schema column's vocab="raw", or every table
+    of the Criteo reader's categorical="raw": `CTRDataset.raw_tables`): dynamic tables only."""
+    return set(getattr(self.data, "raw_tables", ()))
 
   def tables(self) -> list[TableSpec]:
     e = self.config.embeddings

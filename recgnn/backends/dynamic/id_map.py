@@ -19,8 +19,10 @@ checkpoint saves it and `IdMap.from_arrays` resumes it exactly:
                                             conservative update, saturating at 255)
   scalars int64[8]                          see `SCALARS`
 
-Ids < 0 are padding (the batch's PAD) and map to PAD; an id that is not admitted maps to PAD
-too, so it reads a zero row (sum pooling; mean pooling leaves it out) and is not trained.
+An id of -1 is padding (the batch's PAD) and maps to PAD; every other int64 is a key (a 64-bit
+key with its top bit set reads negative: hashed strings, half the time). An id that is not
+admitted maps to PAD too, so it reads a zero row (sum pooling; mean pooling leaves it out) and
+is not trained.
 """
 
 from __future__ import annotations
@@ -314,7 +316,7 @@ def _map_batch(ids, out, resets, at, a, mode, k, evict, ttl, train):
     _expire(a, step, ttl, prim, sec)
   for i in range(ids.shape[0]):
     key = ids[i]
-    if key < 0:
+    if key == _EMPTY:  # (PAD; any other value, negative too, is a key)
       out[i] = -1
       continue
     cell = _find(hk, key)
@@ -398,7 +400,7 @@ class IdMap:
     self._evict = EVICTIONS.index(policy.evict)
 
   def map(self, ids: np.ndarray, *, train: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """ids int[...] raw (< 0: padding) -> (rows int32[...] (-1: padding or not admitted),
+    """ids int[...] raw (-1: padding) -> (rows int32[...] (-1: padding or not admitted),
     rows to reset int32[R]: rows this batch admits an id into that held another before).
     train=False (eval, look-ahead): reads only, changes nothing."""
     return self.map_at(ids, train=train)[:2]

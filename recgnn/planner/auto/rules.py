@@ -174,7 +174,8 @@ def predict_rules(
     runner_up={t: None for t in chosen},
     fixed_bytes=0,
     budget_bytes=None,
-    all_dense_bytes=sum(memory_of("dense", s, mesh, layout)[0] for s in specs),
+    # (a table of raw ids has no dense form: only a backend that maps ids takes it)
+    all_dense_bytes=sum(memory_of("dense", s, mesh, layout)[0] for s in specs if not s.raw_ids),
     objective="given",
     dispatch_s=dispatch,
     planning_s=time.perf_counter() - started,
