@@ -32,6 +32,8 @@ import dataclasses
 import numba
 import numpy as np
 
+from recgnn.embeddings.backend_options import BackendOptions
+
 #: Eviction policies: `lru` evicts the row seen longest ago; `lfu` the row with the fewest
 #: accesses since its admission (ties: seen longest ago); `ttl` expires rows unseen for more
 #: than `ttl` train steps at the start of each train batch and, when full, evicts as `lru`;
@@ -50,8 +52,9 @@ _EMPTY = -1
 
 
 @dataclasses.dataclass(frozen=True)
-class Policy:
-  """A dynamic table's admission and eviction (the `dynamic(...)` options that shape its map).
+class Policy(BackendOptions):
+  """A dynamic table's admission and eviction: the `dynamic(...)` options that shape its map
+  (`DynamicOptions` adds the others).
 
   Attributes:
     capacity: rows of the table (C).

@@ -6,14 +6,13 @@ import dataclasses
 from typing import ClassVar
 
 from recgnn.backends.dynamic import id_map
-from recgnn.embeddings import base
 
 #: What a reused row starts from (`DynamicOptions.reset`).
 RESETS = ("rows", "none")
 
 
 @dataclasses.dataclass(frozen=True)
-class DynamicOptions(base.BackendOptions, id_map.Policy):
+class DynamicOptions(id_map.Policy):
   """`dynamic(...)`'s options: the id map's `Policy` (capacity, admit, k, evict, ttl,
   pending, bloom: its docstring and id_map's EVICTIONS / ADMISSIONS) and
 
