@@ -10,8 +10,8 @@ decided somewhere (a sort of the batch and sequential decisions).
 What a dynamic table buys in AUC on a drifting stream, through the trainer:
 benchmarks/dynamic_drift.py.
 
-  python benchmarks/dynamic_tables.py --quick     # ~1 minute
-  python benchmarks/dynamic_tables.py             # ~5 minutes
+  python benchmarks/dynamic_tables.py --quick     # seconds
+  python benchmarks/dynamic_tables.py             # ~10 s on 2 quiet cores
 Writes benchmarks/results/dynamic_tables.{json,md}.
 """
 
