@@ -119,9 +119,15 @@ def test_two_processes_match_one_process_with_8_devices(tmp_path, ctr_cache, one
       np.testing.assert_allclose(ta[n], tb[n], rtol=1e-5, atol=1e-7, err_msg=n)
 
 
-# A dynamic table (capacity below a batch's distinct ids: admissions, evictions and
-# rejections every step) beside the sharded and dense ones.
-DYNAMIC_PLAN = (("C3", "dynamic(capacity=64, evict=lru)"), ("C(1|2)$", "sharded"), (".*", "dense"))
+# Dynamic tables (capacity below a batch's distinct ids: admissions, evictions and
+# rejections every step; the reused rows reset in a dense and in a row-sharded inner table)
+# beside the sharded and dense ones.
+DYNAMIC_PLAN = (
+  ("C3", "dynamic(capacity=64, evict=lru)"),
+  ("C4", "dynamic(capacity=64, evict=lru, inner='sharded(kind=row)')"),
+  ("C(1|2)$", "sharded"),
+  (".*", "dense"),
+)
 
 
 @many_processes
@@ -139,14 +145,15 @@ def test_dynamic_tables_decide_the_same_in_every_process(tmp_path, ctr_cache):
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
   ref = loop.train(_config(ctr_cache, steps, DYNAMIC_PLAN), str(tmp_path / "one"))
-  (key,) = [k for k, g in ref.plan.groups.items() if g.name == "dynamic"]
-  group = ref.plan.groups[key]
-  mine = {n: m.arrays() for n, m in group.maps.items()}
-  assert group.maps["C3"].counters()["evicted"] > 0
+  groups = [g for g in ref.plan.groups.values() if g.name == "dynamic"]
+  assert sorted(n for g in groups for n in g.maps) == ["C3", "C4"]
+  mine = {n: m.arrays() for g in groups for n, m in g.maps.items()}
+  assert all(m.counters()["evicted"] > 0 for g in groups for m in g.maps.values())
   restored = checkpoint.Checkpointer(str(tmp_path / "mp")).restore(ref.state, ref.plan)
-  for n, arrays in mine.items():  # (the restore put process 0's saved maps in the group)
-    for k, v in group.maps[n].arrays().items():
-      np.testing.assert_array_equal(v, arrays[k], err_msg=f"{n} map {k}")
+  for g in groups:  # (the restore put process 0's saved maps in the groups)
+    for n, m in g.maps.items():
+      for k, v in m.arrays().items():
+        np.testing.assert_array_equal(v, mine[n][k], err_msg=f"{n} map {k}")
   for key, g in ref.plan.groups.items():
     ta, tb = g.tables(ref.state.emb[key]), g.tables(restored.emb[key])
     for n in ta:
