@@ -152,3 +152,6 @@ def test_a_raw_table_under_another_backend_is_refused():
     planner.resolve_plan([(".*", "dense")], specs, log=False)
   plan = planner.resolve_plan([(".*", "dynamic(capacity=8)")], specs, log=False)
   assert plan.groups["dynamic"].memory()["C3"].device_bytes < 1 << 20
+  # The plan table names them raw (not their 2^64 rows) and counts no all-dense form of them.
+  text = planner.format_plan(plan)
+  assert "C3" in text and "raw ids" in text and "all-dense" not in text

@@ -316,15 +316,18 @@ def format_plan(plan: Plan) -> str:
     f"{'table':<12} {'rows':>12} {'dim':>4} {'backend':<40} {'per device':>10} {'host':>10}"
     + (f" {'disk':>10}" if disk_any else ""),
   ]
-  dev = host = disk = params = dense = 0
+  dev = host = disk = params = dense = total = 0
   for name in plan.table_group:
     g = plan.backend_of(name)
     spec, mem = g.specs[name], g.memory()[name]
     dev, host, disk = dev + mem.device_bytes, host + mem.host_bytes, disk + mem.disk_bytes
-    params += g.num_params()[name]
-    dense += spec.num_rows * spec.dim
+    total += g.num_params()[name]
+    # (a table of raw ids has no all-dense form: its rows are the 2^64 id space)
+    params += 0 if spec.raw_ids else g.num_params()[name]
+    dense += 0 if spec.raw_ids else spec.num_rows * spec.dim
+    rows = "raw ids" if spec.raw_ids else f"{spec.num_rows:,}"
     lines.append(
-      f"{name:<12} {spec.num_rows:>12,} {spec.dim:>4} {g.describe(name):<40} "
+      f"{name:<12} {rows:>12} {spec.dim:>4} {g.describe(name):<40} "
       f"{mib(mem.device_bytes):>10} {mib(mem.host_bytes):>10}"
       + (f" {mib(mem.disk_bytes):>10}" if disk_any else "")
     )
@@ -333,10 +336,13 @@ def format_plan(plan: Plan) -> str:
     f"{'total':<12} {'':>12} {'':>4} {'':<40} {mib(dev):>10} {mib(host):>10}"
     + (f" {mib(disk):>10}" if disk_any else "")
   )
+  out = []
   if params:
-    lines.append(
-      f"embedding parameters: {params:,} ({dense / params:,.1f}x fewer than all-dense {dense:,})"
-    )
+    out.append(f"{params:,} ({dense / params:,.1f}x fewer than all-dense {dense:,})")
+  if total > params:
+    out.append(f"{total - params:,} in tables of raw ids (their dynamic capacities)")
+  if out:
+    lines.append("embedding parameters: " + "; ".join(out))
   return "\n".join(lines)
 
 
