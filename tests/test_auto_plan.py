@@ -210,6 +210,7 @@ def test_a_budget_below_the_smallest_plan_is_refused_before_any_timing():
 # fraction of the 26 tables' build and timing), the two largest under the rule tested.
 
 
+@pytest.mark.long  # (~30 s on 2 busy workers; plan_report runs in test_dynamic_raw_ids too)
 def test_plan_report_of_a_written_plan_and_the_cost_cache(ctr_cache, tmp_path):
   """--plan_report on a plan without an auto rule: every table timed before training, the
   report written after it with the predicted step beside a measured one, and the bytes the

@@ -154,6 +154,7 @@ def test_trainer_tfds_equals_memmap_and_resumes_from_grain_state(manual, both, d
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (the trainer on TFDS: test_trainer_tfds_equals_memmap..., default run)
 def test_cli_dlrm_kaggle_trains_from_a_manual_train_txt(manual, tmp_path):
   cmd = [
     sys.executable, "run.py", "--experiment=dlrm_kaggle", f"--workdir={tmp_path / 'wd'}",

@@ -460,7 +460,11 @@ def restored(group, state, text, specs, mesh):
   return g, g.restore_extras(s, extras)
 
 
-@pytest.mark.parametrize("save,resume", [((8, 1), (1, 1)), ((1, 1), (2, 4))], ids=str)
+@pytest.mark.parametrize(
+  "save,resume",
+  [pytest.param((8, 1), (1, 1), marks=pytest.mark.long), ((1, 1), (2, 4))],
+  ids=str,
+)
 def test_hot_set_in_the_checkpoint(save, resume):
   """The hot set goes into the checkpoint's metadata (`extras`, JSON) and comes back on
   another mesh (`restore_extras` after `import_`): the resumed run starts from the same hot

@@ -262,6 +262,7 @@ def test_backward_exchange_within_bound(bits, block):
     assert fell.any()  # t(2) tails do not fit 2- / 4-bit codes: the fallback carried them
 
 
+@pytest.mark.long  # (test_resume_bit_identical checks the same at the group, in the default run)
 def test_trainer_resume_with_replanned_widths_is_bit_identical(ctr_cache, tmp_path):
   """Through the trainer: widths=auto re-planned every 2 steps, a run stopped after 5 steps
   (checkpoint 4) and resumed to 12 ends bit-identical to the run that never stopped (the
