@@ -1,7 +1,9 @@
-"""A drifting click stream with raw ids (ids born and dying every day, power-law popularity,
-labels from a planted per-id model with a known oracle): one table at C rows, its ids mapped
-three ways at equal memory (recgnn/data/drifting_ctr.py). Trained in stream order on days 0-5,
-tested on day 6 (benchmarks/dynamic_drift.py runs the three side by side over seeds).
+"""Raw ids on a drifting click stream: a dynamic table vs the hashing trick at equal memory.
+
+Ids are born and die every day, popularity is a power law, labels come from a planted per-id
+model with a known oracle. One table at C rows, its ids mapped three ways
+(recgnn/data/drifting_ctr.py); trained in stream order on days 0-5, tested on day 6
+(benchmarks/dynamic_drift.py runs the three side by side over seeds).
 
   python run.py --experiment=dynamic_drift                          # dynamic(capacity=C, lru)
   python run.py --experiment=dynamic_drift:ids=hash,capacity=0.125  # the hashing trick, C/8
