@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from recgnn.embeddings import OptimizerSpec, TableSpec
 from recgnn.train.task import Batch
 
 #: The node-id table's name (model.inputs embeddings | both): batch["ids"][TABLE].
@@ -62,6 +63,23 @@ def check_inputs(inputs: str, graph_name: str, features) -> str:
       f"Graph {graph_name} has no node features; set --config.model.inputs=embeddings"
     )
   return inputs
+
+
+def node_tables(inputs: str, num_nodes: int, embeddings) -> list[TableSpec]:
+  """The learned node table (TABLE: one row per node, config.embeddings' dim, optimizer and
+  initializer, default normal), or none when the model reads features only."""
+  if inputs == "features":
+    return []
+  return [
+    TableSpec(
+      name=TABLE,
+      num_rows=num_nodes,
+      dim=int(embeddings.dim),
+      optimizer=OptimizerSpec(**dict(embeddings.optimizer)),
+      initializer=embeddings.get("initializer", "normal"),
+      pooling="sum",
+    )
+  ]
 
 
 def model_inputs(inputs: str, batch: Batch, embeddings, xp=np):

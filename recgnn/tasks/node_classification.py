@@ -89,11 +89,11 @@ from absl import logging
 
 from recgnn import hostmem, sharding
 from recgnn.data.graph_loading import load_graph, write_eigen_init
-from recgnn.embeddings import OptimizerSpec, TableSpec
+from recgnn.embeddings import TableSpec
 from recgnn.graphs import ladies, sampling
 from recgnn.models import dlrm, graphsage
 from recgnn.tasks import node_data_parallel, node_sampler_config
-from recgnn.tasks.node_batch import TABLE, check_inputs, make_batch, model_inputs
+from recgnn.tasks.node_batch import TABLE, check_inputs, make_batch, model_inputs, node_tables
 from recgnn.tasks.node_sampler_config import SAMPLERS
 from recgnn.train.task import Batch, Task
 
@@ -195,19 +195,7 @@ class NodeClassification(Task):
     )  # fmt: skip
 
   def tables(self) -> list[TableSpec]:
-    if self.inputs == "features":
-      return []
-    emb = self.config.embeddings
-    return [
-      TableSpec(
-        name=TABLE,
-        num_rows=self.graph.num_nodes,
-        dim=int(emb.dim),
-        optimizer=OptimizerSpec(**dict(emb.optimizer)),
-        initializer=emb.get("initializer", "normal"),
-        pooling="sum",
-      )
-    ]
+    return node_tables(self.inputs, self.graph.num_nodes, self.config.embeddings)
 
   def artifacts(self):
     """The node permutation of a relabelled graph (node j is the dataset's node perm[j]),

@@ -12,11 +12,11 @@ from absl import logging
 
 from recgnn import hostmem, sharding
 from recgnn.data.link_loading import load_link_split
-from recgnn.embeddings import OptimizerSpec, TableSpec
+from recgnn.embeddings import TableSpec
 from recgnn.graphs import ladies, sampling
 from recgnn.models import dlrm, sage_link
 from recgnn.tasks import node_sampler_config
-from recgnn.tasks.node_batch import TABLE, check_inputs, model_inputs
+from recgnn.tasks.node_batch import check_inputs, model_inputs, node_tables
 from recgnn.tasks.node_sampler_config import SAMPLERS
 from recgnn.tasks.sage_link import batches as B
 from recgnn.tasks.sage_link import scores
@@ -133,19 +133,7 @@ class SageLink(Task):
     )  # fmt: skip
 
   def tables(self) -> list[TableSpec]:
-    if self.inputs == "features":
-      return []
-    emb = self.config.embeddings
-    return [
-      TableSpec(
-        name=TABLE,
-        num_rows=self.num_nodes,
-        dim=int(emb.dim),
-        optimizer=OptimizerSpec(**dict(emb.optimizer)),
-        initializer=emb.get("initializer", "normal"),
-        pooling="sum",
-      )
-    ]
+    return node_tables(self.inputs, self.num_nodes, self.config.embeddings)
 
   def artifacts(self):
     """The fixed negatives every evaluation scores (and the per-positive ones of MRR): saved
