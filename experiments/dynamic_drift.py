@@ -14,6 +14,8 @@ ids), seed (the stream's and the model's), evict and admit (dynamic's policy; ad
 admits at the k-th occurrence).
 """
 
+import dataclasses
+
 import ml_collections
 
 from experiments import _options, dlrm_kaggle
@@ -26,19 +28,25 @@ CHOICES = {"ids": drifting_ctr.IDS, "evict": id_map.EVICTIONS, "admit": id_map.A
 
 def get_config(arg=None):
   o = _options.parse(arg, DEFAULTS, CHOICES, name="dynamic_drift")
+  policy = {k: o[k] for k in ("evict", "admit", "k") if o[k] != DEFAULTS[k]}
+  if o["ids"] != "dynamic" and policy:
+    raise ValueError(
+      f"dynamic_drift:{arg}: {', '.join(policy)} set the dynamic table's policy, and "
+      f"ids={o['ids']} has no dynamic table; drop them or use ids=dynamic"
+    )
   c = dlrm_kaggle.get_config()
   c.seed = o["seed"]
   stream = drifting_ctr.Stream(seed=o["seed"])
   rows = drifting_ctr.capacity_rows(stream, o["capacity"])
   c.data.drifting = ml_collections.ConfigDict(
-    {**stream.__dict__, "capacity": rows, "ids": o["ids"]}
+    {**dataclasses.asdict(stream), "capacity": rows, "ids": o["ids"]}
   )
   c.model.bottom = (16,)
   c.model.top = (64, 1)
   c.embeddings.dim = 16
   c.embeddings.optimizer.learning_rate = 0.1
   if o["ids"] == "dynamic":
-    admit = "" if o["admit"] == "always" else f", admit={o['admit']}, k={o['k']}"
+    admit = "" if (o["admit"], o["k"]) == ("always", 1) else f", admit={o['admit']}, k={o['k']}"
     c.embeddings.plan = ((".*", f"dynamic(capacity={rows}, evict={o['evict']}{admit})"),)
   else:
     c.embeddings.plan = ((".*", "dense"),)

@@ -65,3 +65,18 @@ def test_each_way_gives_a_table_of_at_most_capacity_rows(ids, tmp_path):
   elif ids == "first_day":
     day0 = column[:per_day]
     assert rows <= capacity and np.all(column[per_day:][~np.isin(column[per_day:], day0)] == 0)
+
+
+def test_the_experiment_refuses_a_policy_without_a_dynamic_table():
+  """evict / admit / k shape only the dynamic table: with ids=hash or first_day they are
+  refused, not ignored; k without admit=count|bloom is refused by the plan's options."""
+  import run
+  from recgnn import planner
+  from recgnn.embeddings import base
+
+  with pytest.raises(ValueError, match="evict set the dynamic table's policy, and ids=hash"):
+    run.load_config("dynamic_drift:ids=hash,evict=lfu")
+  text = run.load_config("dynamic_drift:k=3").embeddings.plan[0][1]
+  opt = base.OptimizerSpec(name="sgd", learning_rate=0.1)
+  with pytest.raises(ValueError, match="k=3 needs admit=count"):
+    planner.make_backend(text, base.TableSpec(name="item", num_rows=8, dim=4, optimizer=opt))
